@@ -1,0 +1,144 @@
+"""The tokenizer: a thin wrapper over a sentencepiece BPE model, and the recipe that trains one.
+
+Owns the sentencepiece options, chosen so `decode(encode(text)) == text` exactly for source code:
+- `normalization_rule_name="identity"`: no NFKC folding of characters;
+- `remove_extra_whitespaces=False`, `add_dummy_prefix=False`: indentation, runs of spaces and
+  leading/trailing spaces survive, and no space is invented at the start of a document;
+- `allow_whitespace_only_pieces=True`: runs of spaces (indentation) become single pieces;
+- `"\\n"` is a user-defined piece: the trainer reads one line at a time and would never see a
+  newline, yet code is full of them, so each costs one token instead of a byte-fallback token;
+- `byte_fallback=True`: any character outside the vocabulary (tabs, rare Unicode) is spelled
+  as UTF-8 byte pieces, so no text ever maps to `<unk>`.
+
+End of document: sentencepiece's own EOS id, with its piece renamed to `<|endoftext|>`. It is a
+control symbol, so `encode` never produces it from text (even text that contains the literal
+string) and `decode` drops it; the preprocessor appends it between documents by id.
+A model trained elsewhere works too if it has an EOS id or an `<|endoftext|>` piece.
+"""
+
+import os
+from pathlib import Path
+
+import sentencepiece as spm
+
+from megazero.data.corpus import Progress, is_jsonl, iter_jsonl_texts
+from megazero.errors import UsageError
+
+EOD_PIECE = "<|endoftext|>"
+
+
+class Tokenizer:
+    """encode/decode with a sentencepiece model; `eod` is the id appended after each document."""
+
+    def __init__(self, processor, model_path):
+        self._sp = processor
+        self.model_path = str(model_path)
+        self.vocab_size = processor.get_piece_size()
+        self.eod = processor.eos_id()
+        if self.eod < 0:
+            self.eod = processor.piece_to_id(EOD_PIECE)
+            if processor.id_to_piece(self.eod) != EOD_PIECE:  # piece_to_id answers unk when absent
+                raise UsageError(f"tokenizer {model_path} has neither an EOS id nor a '{EOD_PIECE}' piece; "
+                                 "train one with tools/train_tokenizer.py")
+
+    def encode(self, text):
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts, num_threads=-1):
+        """Encodes a list of texts; sentencepiece spreads the list over its own threads."""
+        return self._sp.encode(list(texts), num_threads=num_threads)
+
+    def decode(self, ids):
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, token_id):
+        return self._sp.id_to_piece(int(token_id))
+
+
+def load_tokenizer(path):
+    """Loads a sentencepiece `.model`; a missing or foreign file raises UsageError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"tokenizer model {path} not found; pass a sentencepiece .model file "
+                         "(train one with tools/train_tokenizer.py)")
+    processor = spm.SentencePieceProcessor()
+    try:
+        processor.load(str(path))
+    except (RuntimeError, OSError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{path} is not a sentencepiece model ({first_line}); "
+                         "pass the .model file written by tools/train_tokenizer.py") from None
+    return Tokenizer(processor, path)
+
+
+def iter_training_lines(input_files, json_key="text"):
+    """Yields the lines sentencepiece trains on: each line of each document, newline removed."""
+    for path in input_files:
+        path = Path(path)
+        if is_jsonl(path):
+            for text in iter_jsonl_texts(path, json_key):
+                yield from text.split("\n")
+        else:
+            with open(path, encoding="utf-8") as handle:
+                for line in handle:
+                    yield line.rstrip("\n")
+
+
+class _ErrorKeepingIterator:
+    """Remembers a UsageError raised while reading input: sentencepiece would turn it into a
+    RuntimeError carrying a C++ stack line, losing our one-line message."""
+
+    def __init__(self, lines):
+        self._lines = lines
+        self.error = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._lines)
+        except UsageError as exc:
+            self.error = exc
+            raise
+
+
+def train_tokenizer(input_files, model_prefix, vocab_size, json_key="text",
+                    input_sentence_size=1_000_000, num_threads=2, seed=1234, progress=True):
+    """Trains a BPE sentencepiece model on text/JSONL files; returns the `.model` path.
+
+    `input_sentence_size` lines are sampled from the input (sentencepiece's reservoir sampling,
+    seeded with `seed` so reruns give the same model); more lines barely change a code
+    vocabulary and only slow training. Writes `{model_prefix}.model` and `.vocab`, each renamed
+    into place from a temporary prefix so an interrupted run leaves no partial model behind.
+    """
+    for path in input_files:
+        if not Path(path).is_file():
+            raise UsageError(f"tokenizer input {path} not found; check the --input paths")
+    model_prefix = Path(model_prefix)
+    model_prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = model_prefix.with_name(f"{model_prefix.name}.tmp-{os.getpid()}")
+    meter = Progress(f"training tokenizer (vocab {vocab_size})", enabled=progress)
+    meter.begin()
+    spm.set_random_generator_seed(seed)
+    lines = _ErrorKeepingIterator(iter_training_lines(input_files, json_key))
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines,
+            model_prefix=str(tmp_prefix), vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=False,
+            split_by_whitespace=True, allow_whitespace_only_pieces=True,
+            user_defined_symbols=["\n"], eos_piece=EOD_PIECE, bos_id=-1, pad_id=-1,
+            input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
+            num_threads=num_threads, minloglevel=2)
+    except RuntimeError as exc:
+        if lines.error is not None:
+            raise lines.error from None
+        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "training failed"
+        raise UsageError(f"sentencepiece could not train a {vocab_size}-piece vocabulary ({message}); "
+                         "use a smaller --vocab-size or more input text") from None
+    for suffix in (".vocab", ".model"):  # .model last: its presence marks a finished training
+        Path(f"{tmp_prefix}{suffix}").replace(f"{model_prefix}{suffix}")
+    meter.finish(vocab_size, "pieces")
+    return Path(f"{model_prefix}.model")
