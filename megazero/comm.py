@@ -1,0 +1,197 @@
+"""The comm layer: every collective of the project goes through the functions here.
+
+It owns two things: the `Group` handle (a torch process group plus the facts the accounting needs:
+its global ranks, this rank's index, whether it spans nodes) and the `CommLog`, which counts per step
+the bytes each op moves per rank, by op, group and intra/inter-node. It must not know what the bytes
+are (parameters, gradients, activations): callers decide that.
+
+Byte convention (per rank, as DeepSpeed's comms logger and the ring algorithms): reduce-scatter,
+all-gather and all-to-all move (n-1)/n of the full buffer; all-reduce moves 2(n-1)/n; point-to-point
+moves the tensor's bytes; broadcast counts (n-1)/n of the tensor.
+
+A group of one rank short-circuits every op (nothing moves, nothing is counted), so single-process
+runs need no torch.distributed at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+# torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommLog:
+    """Bytes moved per rank, keyed by (op, group name, 'intra'|'inter'), for the current step and in total."""
+
+    def __init__(self):
+        self.step_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
+        self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
+        self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
+        self.last_step: dict[tuple[str, str, str], float] = {}
+        self.enabled = True
+
+    def record(self, op: str, group: "Group", nbytes: float) -> None:
+        if not self.enabled:
+            return
+        key = (op, group.name, "intra" if group.intra_node else "inter")
+        self.step_bytes[key] += nbytes
+        self.step_calls[key] += 1
+        self.total_bytes[key] += nbytes
+
+    def end_step(self) -> dict[tuple[str, str, str], float]:
+        """Closes the step: returns its byte counts and starts a new one."""
+        self.last_step = dict(self.step_bytes)
+        self.step_bytes.clear()
+        self.step_calls.clear()
+        return self.last_step
+
+    def bytes_where(self, op: str | None = None, group: str | None = None,
+                    locality: str | None = None, counts: dict | None = None) -> float:
+        """Sum of bytes matching the filters in `counts` (default: the step in progress)."""
+        counts = self.step_bytes if counts is None else counts
+        return sum(b for (o, g, loc), b in counts.items()
+                   if (op is None or o == op) and (group is None or g == group)
+                   and (locality is None or loc == locality))
+
+    def summary(self, counts: dict | None = None) -> str:
+        counts = self.last_step if counts is None else counts
+        parts = [f"{op}[{g},{loc}]={b / 2**20:.2f}MiB" for (op, g, loc), b in sorted(counts.items())]
+        return "comm/rank: " + (" ".join(parts) if parts else "none")
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """A process group as the rest of the code sees it: global ranks, my index, where it lives."""
+    name: str
+    ranks: tuple[int, ...]
+    rank: int                 # this process's index inside `ranks`
+    pg: object | None         # torch ProcessGroup; None for a group of one
+    intra_node: bool
+    log: CommLog
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Group({self.name}, ranks={list(self.ranks)}, rank={self.rank})"
+
+
+class Handle:
+    """An async op's handle; waiting twice is harmless (the second wait returns at once)."""
+
+    def __init__(self, works: Sequence[object] = ()):
+        self._works = list(works)
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+    @property
+    def done(self) -> bool:
+        return not self._works
+
+
+def _ring_fraction(group: Group) -> float:
+    return (group.size - 1) / group.size
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _finish(work, async_op: bool) -> Handle | None:
+    if async_op:
+        return Handle([work] if work is not None else [])
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bool = False):
+    if group.size == 1:
+        return Handle() if async_op else None
+    group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor))
+    return _finish(dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
+                   op=ReduceOp.SUM, async_op: bool = False):
+    """`input` holds `group.size` equal chunks; chunk i, summed over ranks, lands in rank i's `output`."""
+    if input.numel() != output.numel() * group.size:
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
+                         f"{output.numel()} x {group.size}")
+    if group.size == 1:
+        output.copy_(input.view_as(output))
+        return Handle() if async_op else None
+    group.log.record("reduce_scatter", group, _ring_fraction(group) * _nbytes(input))
+    # Flat views: backends disagree on how they match multi-dimensional shapes.
+    work = _reduce_scatter_single(output.view(-1), input.view(-1), op=op, group=group.pg,
+                                  async_op=async_op)
+    return _finish(work, async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
+    """Rank i's `input` lands in chunk i of every rank's `output`."""
+    if output.numel() != input.numel() * group.size:
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"{input.numel()} x {group.size}")
+    if group.size == 1:
+        output.view_as(input).copy_(input)
+        return Handle() if async_op else None
+    group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output))
+    work = _all_gather_single(output.view(-1), input.view(-1), group=group.pg, async_op=async_op)
+    return _finish(work, async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
+    if group.size == 1:
+        output.copy_(input)
+        return Handle() if async_op else None
+    group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input))
+    work = dist.all_to_all_single(output, input, group=group.pg, async_op=async_op)
+    return _finish(work, async_op)
+
+
+def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
+    """Broadcasts from the rank at index `src_index` of the group."""
+    if group.size == 1:
+        return
+    group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor))
+    dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
+
+
+def all_reduce_object_max(value: float, group: Group) -> float:
+    """Max of a Python number over the group (used for flags such as 'any rank overflowed')."""
+    if group.size == 1:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    all_reduce(t, group, op=ReduceOp.MAX)
+    return t.item()
+
+
+def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+              group: Group) -> Handle:
+    """Batched point-to-point: `sends`/`recvs` are (tensor, index of the peer in `group`)."""
+    ops = []
+    for tensor, peer in sends:
+        group.log.record("send", group, _nbytes(tensor))
+        ops.append(dist.P2POp(dist.isend, tensor, group.ranks[peer], group.pg))
+    for tensor, peer in recvs:
+        group.log.record("recv", group, _nbytes(tensor))
+        ops.append(dist.P2POp(dist.irecv, tensor, group.ranks[peer], group.pg))
+    if not ops:
+        return Handle()
+    return Handle(dist.batch_isend_irecv(ops))
+
+
+def barrier(group: Group) -> None:
+    if group.size > 1:
+        dist.barrier(group=group.pg)

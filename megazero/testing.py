@@ -1,0 +1,114 @@
+"""A pool of gloo worker processes that runs functions on every rank: the multi-process test harness.
+
+Starting a process group costs seconds (spawn, import torch, rendezvous) and layout changes cost
+only a few `new_group` calls, so one pool serves many checks: `pool.run(fn, *args)` calls
+`fn(ctx, *args)` on every rank and returns the per-rank results. `ctx.groups(topology)` builds that
+layout's groups (reusing communicators across calls); ranks outside a smaller layout get None and
+simply return.
+
+`fn` must be importable by name (a module-level function), since it is pickled to the workers.
+A failure on any rank fails the call with every rank's traceback, and the pool is torn down (the
+surviving ranks may be stuck in a collective), so the next call starts a fresh one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import socket
+import sys
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    factory: object
+
+    def groups(self, topology):
+        from megazero.parallel.groups import ProcessGroups
+        return ProcessGroups.build(topology, self.rank, self.factory)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, sys_path, requests, results):
+    sys.path[:] = sys_path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from megazero.parallel.groups import GroupFactory
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ctx = WorkerContext(rank, world_size, GroupFactory(rank))
+    while True:
+        job = requests.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            results.put((rank, True, fn(ctx, *args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistributedPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs = []
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._requests = [ctx.Queue() for _ in range(self.world_size)]
+        port = free_port()
+        self._procs = [ctx.Process(target=_worker, daemon=True,
+                                   args=(r, self.world_size, port, list(sys.path), self._requests[r],
+                                         self._results))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 600, **kwargs) -> list:
+        if not self._procs:
+            self._start()
+        for q in self._requests:
+            q.put((fn, args, kwargs))
+        out, errors = [None] * self.world_size, []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=timeout)
+            except queue.Empty:
+                errors.append(f"timed out after {timeout}s waiting for a rank")
+                break
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                timeout = min(timeout, 30)   # the others are likely stuck; don't wait long
+        if errors:
+            self.close(force=True)
+            raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
+        return out
+
+    def close(self, force: bool = False):
+        for p, q in zip(self._procs, self._requests):
+            if force:
+                p.kill()
+            else:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self._procs = []

@@ -1,0 +1,190 @@
+"""Tensor-parallel layers (Megatron-LM's column/row split), each a drop-in for a pure-model module.
+
+Every split parameter carries a `TPShard` (attribute `tp_shard`) saying how its local tensor is cut
+from the full one, so initialisation and checkpoint tools can build or reassemble full tensors without
+knowing the layer. Parameters without it are replicated across the TP group; `tensor_parallel` marks
+the split ones (gradient-norm code counts replicated ones once).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megazero.comm import Group
+from .cross_entropy import vocab_parallel_cross_entropy
+from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
+                       reduce_from_tp_region, reduce_scatter_to_sequence_region,
+                       scatter_to_sequence_region)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShard:
+    """The local tensor is piece `rank` of `size` along `dim`; with chunks > 1 the full tensor is
+    `chunks` equal blocks along dim (SwiGLU's [gate; up]) and each block is split, so every rank holds
+    its share of every block, concatenated."""
+    dim: int
+    rank: int
+    size: int
+    chunks: int = 1
+
+    def local_from_full(self, full: torch.Tensor) -> torch.Tensor:
+        blocks = full.chunk(self.chunks, dim=self.dim)
+        return torch.cat([b.chunk(self.size, dim=self.dim)[self.rank] for b in blocks], dim=self.dim)
+
+    def full_from_locals(self, locals_: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of local_from_full given every rank's local tensor (in rank order)."""
+        per_rank = [t.chunk(self.chunks, dim=self.dim) for t in locals_]
+        blocks = [torch.cat([pr[c] for pr in per_rank], dim=self.dim) for c in range(self.chunks)]
+        return torch.cat(blocks, dim=self.dim)
+
+    def full_shape(self, local_shape) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] *= self.size
+        return tuple(shape)
+
+
+def mark_split(param: nn.Parameter, shard: TPShard) -> nn.Parameter:
+    param.tp_shard = shard
+    param.tensor_parallel = True
+    return param
+
+
+def _param(shape, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split by output rows; the output stays split unless gather_output."""
+
+    def __init__(self, in_features, out_features, bias, group: Group, sequence_parallel=False,
+                 chunks=1, gather_output=False, device=None, dtype=None):
+        super().__init__()
+        if out_features % (group.size * chunks):
+            raise ValueError(f"output size {out_features} does not split into {chunks} x {group.size}")
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        shard = TPShard(0, group.rank, group.size, chunks)
+        local_out = out_features // group.size
+        self.weight = mark_split(_param((local_out, in_features), device, dtype), shard)
+        self.bias = mark_split(_param((local_out,), device, dtype), shard) if bias else None
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group)
+        else:
+            x = copy_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split by input columns; x arrives split, partial outputs are summed."""
+
+    def __init__(self, in_features, out_features, bias, group: Group, sequence_parallel=False,
+                 device=None, dtype=None):
+        super().__init__()
+        if in_features % group.size:
+            raise ValueError(f"input size {in_features} does not split over {group.size} ranks")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = mark_split(_param((out_features, in_features // group.size), device, dtype),
+                                 TPShard(1, group.rank, group.size))
+        self.bias = _param((out_features,), device, dtype) if bias else None
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.group)
+        else:
+            y = reduce_from_tp_region(y, self.group)
+        if self.bias is not None:
+            # Under sequence parallelism each rank adds the bias to its own tokens only, so its
+            # gradient is partial: copy_to_tp_region all-reduces it in the backward pass.
+            bias = copy_to_tp_region(self.bias, self.group) if self.sequence_parallel else self.bias
+            y = y + bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (vocabulary) are split; returns this rank's partial sum (unreduced)."""
+
+    def __init__(self, num_embeddings, embedding_dim, group: Group, device=None, dtype=None):
+        super().__init__()
+        if num_embeddings % group.size:
+            raise ValueError(f"vocabulary {num_embeddings} does not split over {group.size} ranks")
+        self.group = group
+        self.local_rows = num_embeddings // group.size
+        self.vocab_start = group.rank * self.local_rows
+        self.weight = mark_split(_param((self.local_rows, embedding_dim), device, dtype),
+                                 TPShard(0, group.rank, group.size))
+
+    def forward(self, tokens):
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.local_rows)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class ParallelEmbedding(nn.Module):
+    """Word (vocab-parallel) + position embeddings and dropout; under sequence parallelism the
+    output is this rank's sequence shard, and its dropout draws a per-rank mask."""
+
+    def __init__(self, word: VocabParallelEmbedding, position: nn.Embedding | None, dropout: nn.Module,
+                 group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.word, self.position, self.dropout = word, position, dropout
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, tokens):
+        x = self.word(tokens)
+        if self.sequence_parallel:
+            x = reduce_scatter_to_sequence_region(x, self.group)
+        else:
+            x = reduce_from_tp_region(x, self.group)
+        if self.position is not None:
+            pos = self.position(torch.arange(tokens.shape[1], device=tokens.device))
+            if self.sequence_parallel:
+                pos = scatter_to_sequence_region(pos, self.group, dim=0)
+            x = x + pos
+        return self.dropout(x)
+
+
+class ParallelLMHead(nn.Module):
+    """Output projection onto this rank's vocabulary range; loss by vocab-parallel cross entropy."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group: Group, sequence_parallel: bool):
+        super().__init__()
+        self.weight = weight
+        self.vocab_size, self.group, self.sequence_parallel = vocab_size, group, sequence_parallel
+        self.vocab_start = group.rank * weight.shape[0]
+
+    def forward(self, x, labels=None):
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group)
+        else:
+            x = copy_to_tp_region(x, self.group)
+        logits = F.linear(x, self.weight)
+        if labels is None:
+            return gather_from_tp_region(logits, self.group)[..., :self.vocab_size]
+        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start, self.vocab_size)
+
+
+class SequenceParallelNorm(nn.Module):
+    """LayerNorm/RMSNorm on a sequence shard: its weight gradient is partial per rank, so the weight
+    passes through copy_to_tp_region (identity forward, all-reduce of the gradient backward)."""
+
+    def __init__(self, norm: nn.Module, group: Group):
+        super().__init__()
+        self.kind = "rmsnorm" if isinstance(norm, nn.RMSNorm) else "layernorm"
+        self.normalized_shape = tuple(norm.normalized_shape)
+        self.eps = norm.eps
+        self.weight = norm.weight
+        self.bias = getattr(norm, "bias", None)
+        self.group = group
+
+    def forward(self, x):
+        weight = copy_to_tp_region(self.weight, self.group)
+        if self.kind == "rmsnorm":
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        bias = copy_to_tp_region(self.bias, self.group) if self.bias is not None else None
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)

@@ -1,0 +1,144 @@
+"""The rank grid: pure arithmetic from (world, tp, pp, dp, mics, ranks_per_node) to coordinates and groups.
+
+Owns validation of the parallel degrees and the rank layout. Must not create process groups or import
+torch.distributed: `parallel.groups` turns the rank lists here into groups. Everything here is testable
+without processes.
+
+Layout (Megatron's default order "tp-dp-pp"): TP varies fastest, then DP, then PP:
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+MiCS: inside each DP group, shard groups are contiguous blocks of `mics_shard_size` DP ranks and replica
+groups are the ranks at the same position across blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from megazero.errors import UsageError
+
+
+class Coords(NamedTuple):
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = 0                   # 0: derived as world // (tp * pp)
+    mics_shard_size: int = 0      # 0 or -1: the whole DP group is one shard group
+    ranks_per_node: int = 0       # 0: the whole world is one node
+
+    def __post_init__(self):
+        for name in ("world_size", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size % (self.tp * self.pp):
+            raise UsageError(
+                f"world size {self.world_size} is not divisible by tensor-parallel size {self.tp} x "
+                f"pipeline-parallel size {self.pp} = {self.tp * self.pp}; launch a multiple of "
+                f"{self.tp * self.pp} processes or change the parallel sizes")
+        derived_dp = self.world_size // (self.tp * self.pp)
+        if self.dp == 0:
+            object.__setattr__(self, "dp", derived_dp)
+        elif self.dp != derived_dp:
+            raise UsageError(f"data-parallel size {self.dp} does not match world size {self.world_size} "
+                             f"/ (tp {self.tp} x pp {self.pp}) = {derived_dp}")
+        if self.mics_shard_size in (0, -1):
+            object.__setattr__(self, "mics_shard_size", self.dp)
+        if self.mics_shard_size < 1 or self.dp % self.mics_shard_size:
+            raise UsageError(f"mics_shard_size {self.mics_shard_size} must divide the data-parallel size "
+                             f"{self.dp}; choose a divisor of {self.dp} or -1 for no MiCS")
+        if self.ranks_per_node == 0:
+            object.__setattr__(self, "ranks_per_node", self.world_size)
+        if self.ranks_per_node < 1:
+            raise UsageError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+
+    # --- coordinates -------------------------------------------------------------------------
+    def rank_of(self, tp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        return Coords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def is_intra_node(self, ranks) -> bool:
+        return len({self.node_of(r) for r in ranks}) == 1
+
+    # --- groups (each a list of rank lists covering the world) --------------------------------
+    def tp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(t, d, p) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(t, d, p) for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        return [[self.rank_of(t, d, p) for p in range(self.pp)]
+                for d in range(self.dp) for t in range(self.tp)]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """TP x PP ranks holding one full model replica (for norms and losses over the whole model)."""
+        return [[self.rank_of(t, d, p) for p in range(self.pp) for t in range(self.tp)]
+                for d in range(self.dp)]
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each (tp, dp) column: they share tied embeddings."""
+        groups = []
+        for ranks in self.pp_groups():
+            groups.append(sorted({ranks[0], ranks[-1]}))
+        return groups
+
+    def mics_shard_groups(self) -> list[list[int]]:
+        m = self.mics_shard_size
+        return [dp_ranks[i:i + m] for dp_ranks in self.dp_groups() for i in range(0, self.dp, m)]
+
+    def mics_replica_groups(self) -> list[list[int]]:
+        m = self.mics_shard_size
+        return [dp_ranks[j::m] for dp_ranks in self.dp_groups() for j in range(m)]
+
+    def all_group_kinds(self) -> dict[str, list[list[int]]]:
+        return {
+            "tp": self.tp_groups(), "dp": self.dp_groups(), "pp": self.pp_groups(),
+            "mp": self.model_parallel_groups(), "embedding": self.embedding_groups(),
+            "mics_shard": self.mics_shard_groups(), "mics_replica": self.mics_replica_groups(),
+        }
+
+    def groups_of(self, rank: int) -> dict[str, list[int]]:
+        """For each kind, the one group containing `rank`."""
+        mine = {}
+        for kind, groups in self.all_group_kinds().items():
+            matches = [g for g in groups if rank in g]
+            # The embedding group only contains first/last stages; middle stages have none.
+            mine[kind] = matches[0] if matches else [rank]
+        return mine
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} "
+                f"mics_shard={self.mics_shard_size} ranks_per_node={self.ranks_per_node}")
+
+
+def validate_model_fits(topology: Topology, *, num_layers: int, num_attention_heads: int,
+                        num_query_groups: int, ffn_hidden_size: int, virtual_stages: int = 1) -> None:
+    """Checks that the model divides evenly over the grid; raises UsageError naming the numbers."""
+    tp, pp = topology.tp, topology.pp
+    if num_attention_heads % tp:
+        raise UsageError(f"--num-attention-heads {num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; pick a tp that divides the head count")
+    if num_query_groups % tp:
+        raise UsageError(f"--num-query-groups {num_query_groups} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}; pick a tp that divides the query groups")
+    if ffn_hidden_size % tp:
+        raise UsageError(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if num_layers % (pp * virtual_stages):
+        raise UsageError(f"--num-layers {num_layers} is not divisible by pipeline-parallel size {pp} x "
+                         f"virtual stages {virtual_stages} = {pp * virtual_stages}")
