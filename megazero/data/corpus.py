@@ -143,8 +143,8 @@ def collect_stdlib_corpus(output_path, stdlib_dir=None, progress=True):
     return output_path
 
 
-def iter_jsonl_texts(path, key="text"):
-    """Yields `obj[key]` for each line of a JSONL file; bad lines raise UsageError with the line number."""
+def iter_jsonl_records(path, keys=("text",)):
+    """Yields `{key: obj[key]}` for each line of a JSONL file; bad lines raise UsageError naming the line."""
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -154,27 +154,39 @@ def iter_jsonl_texts(path, key="text"):
             except json.JSONDecodeError as exc:
                 raise UsageError(f"{path}:{line_number}: not valid JSON ({exc.msg}); "
                                  "expected one JSON object per line") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-                raise UsageError(f"{path}:{line_number}: no string field '{key}'; "
-                                 "pick the field with --json-key/--json-keys")
-            yield obj[key]
+            for key in keys:
+                if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+                    raise UsageError(f"{path}:{line_number}: no string field '{key}'; "
+                                     "pick the field with --json-key/--json-keys")
+            yield {key: obj[key] for key in keys}
+
+
+def iter_jsonl_texts(path, key="text"):
+    """Yields `obj[key]` for each line of a JSONL file."""
+    for record in iter_jsonl_records(path, (key,)):
+        yield record[key]
 
 
 def is_jsonl(path):
     return str(path).endswith((".jsonl", ".json"))
 
 
-def iter_documents(paths, key="text"):
-    """Yields documents from several files: JSONL (`.jsonl`/`.json`, field `key`) or plain text.
+def iter_documents(paths, keys=("text",)):
+    """Yields `{key: text}` documents from several files: JSONL (`.jsonl`/`.json`) or plain text.
 
     A plain text file is ONE document, read whole: our corpora are source code, where blank
     lines are part of the text and cannot serve as document separators. Put many documents in
-    one file with JSONL instead.
+    one file with JSONL instead. Plain text has a single field, so it takes a single key.
     """
     for path in paths:
         if not Path(path).is_file():
             raise UsageError(f"input file {path} not found; check the --input path")
         if is_jsonl(path):
-            yield from iter_jsonl_texts(path, key)
+            yield from iter_jsonl_records(path, keys)
+        elif len(keys) == 1:
+            # newline="": keep "\r\n" as written; the tokens must reproduce the file exactly.
+            with open(path, encoding="utf-8", newline="") as handle:
+                yield {keys[0]: handle.read()}
         else:
-            yield Path(path).read_text(encoding="utf-8")
+            raise UsageError(f"{path} is plain text but {len(keys)} --json-keys were given; "
+                             "use JSONL input for several fields")

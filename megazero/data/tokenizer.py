@@ -84,6 +84,19 @@ def iter_training_lines(input_files, json_key="text"):
                     yield line.rstrip("\n")
 
 
+def _explain_training_failure(message, vocab_size):
+    """sentencepiece's check failures read `INTERNAL: file(line) [condition] text`; keep the text."""
+    text = message.strip().splitlines()[-1] if message.strip() else "training failed"
+    text = text.split("] ", 1)[-1]
+    if "too high" in text:
+        fix = "use a smaller --vocab-size or more input text"
+    elif "smaller than required_chars" in text:
+        fix = "use a larger --vocab-size (every character seen in the input needs a piece)"
+    else:
+        fix = "check the input files and options"
+    return f"sentencepiece could not train a {vocab_size}-piece vocabulary ({text.rstrip('.')}); {fix}"
+
+
 class _ErrorKeepingIterator:
     """Remembers a UsageError raised while reading input: sentencepiece would turn it into a
     RuntimeError carrying a C++ stack line, losing our one-line message."""
@@ -135,9 +148,7 @@ def train_tokenizer(input_files, model_prefix, vocab_size, json_key="text",
     except RuntimeError as exc:
         if lines.error is not None:
             raise lines.error from None
-        message = str(exc).strip().splitlines()[-1] if str(exc).strip() else "training failed"
-        raise UsageError(f"sentencepiece could not train a {vocab_size}-piece vocabulary ({message}); "
-                         "use a smaller --vocab-size or more input text") from None
+        raise UsageError(_explain_training_failure(str(exc), vocab_size)) from None
     for suffix in (".vocab", ".model"):  # .model last: its presence marks a finished training
         Path(f"{tmp_prefix}{suffix}").replace(f"{model_prefix}{suffix}")
     meter.finish(vocab_size, "pieces")
