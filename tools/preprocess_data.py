@@ -1,0 +1,131 @@
+"""Tokenize documents into Megatron-style `{output_prefix}_{key}_document.bin/.idx` files.
+
+    python tools/preprocess_data.py --input data.jsonl --json-keys text \\
+        --output-prefix out/mydata --tokenizer-model tok.model --append-eod --workers 4
+
+Input, by file extension:
+- `.jsonl` / `.json`: one JSON object per line; each `--json-keys` field is one document and
+  goes to its own output pair (`out/mydata_text_document.bin/.idx`);
+- anything else: plain UTF-8 text, the WHOLE file is one document (source code has blank
+  lines inside documents, so blank lines cannot separate them); give many files to --input.
+
+Each document is one sequence; `--append-eod` adds the tokenizer's end-of-document id after
+it. With `--workers N` a process pool tokenizes in parallel; results come back in input order,
+so the output files are byte-identical for any N.
+"""
+
+import argparse
+import contextlib
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megazero.data.corpus import Progress, iter_documents
+from megazero.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from megazero.data.tokenizer import load_tokenizer
+from megazero.errors import UsageError
+
+
+class DocumentEncoder:
+    """Tokenizes one `{key: text}` document; returns ({key: int32 ids}, bytes of text read)."""
+
+    def __init__(self, tokenizer_model, append_eod):
+        self.tokenizer = load_tokenizer(tokenizer_model)
+        self.append_eod = append_eod
+
+    def encode(self, document):
+        encoded = {}
+        for key, text in document.items():
+            ids = self.tokenizer.encode(text)
+            if self.append_eod:
+                ids.append(self.tokenizer.eod)
+            encoded[key] = np.asarray(ids, dtype=np.int32)
+        return encoded, sum(len(text.encode("utf-8")) for text in document.values())
+
+
+# The one per-process slot a Pool initializer can fill: each worker loads the tokenizer once
+# into it, instead of unpickling it with every task. Only ever set inside worker processes.
+_WORKER_ENCODER = []
+
+
+def _init_worker(tokenizer_model, append_eod):
+    _WORKER_ENCODER.append(DocumentEncoder(tokenizer_model, append_eod))
+
+
+def _encode_in_worker(document):
+    return _WORKER_ENCODER[0].encode(document)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help="JSONL files (.jsonl/.json, one object per line) or text files (one document each)")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize (default: text)")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
+    parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1, in-process)")
+    parser.add_argument("--chunksize", type=int, default=32, help="documents per task sent to a worker")
+    parser.add_argument("--log-interval", type=float, default=2.0, help="seconds between progress lines")
+    return parser.parse_args(argv)
+
+
+def _encoded_documents(args, documents):
+    """Encoded documents in input order, from a pool or, with one worker, from this process."""
+    if args.workers <= 1:
+        encoder = DocumentEncoder(args.tokenizer_model, args.append_eod)
+        yield from map(encoder.encode, documents)
+        return
+    with multiprocessing.Pool(args.workers, initializer=_init_worker,
+                              initargs=(args.tokenizer_model, args.append_eod)) as pool:
+        yield from pool.imap(_encode_in_worker, documents, chunksize=args.chunksize)
+
+
+def preprocess(args):
+    if args.workers < 1 or args.chunksize < 1:
+        raise UsageError(f"--workers ({args.workers}) and --chunksize ({args.chunksize}) must be at least 1")
+    tokenizer = load_tokenizer(args.tokenizer_model)  # fail here, not in every worker
+    for path in args.input:
+        if not Path(path).is_file():
+            raise UsageError(f"input file {path} not found; check the --input paths")
+    dtype = best_dtype(tokenizer.vocab_size)
+    meter = Progress("preprocessing", enabled=True, every_s=args.log_interval)
+    start = time.monotonic()
+    count = total_bytes = 0
+
+    def rates():
+        elapsed = max(time.monotonic() - start, 1e-9)
+        return f"documents ({count / elapsed:.1f} docs/s, {total_bytes / elapsed / 1e6:.2f} MB/s)"
+
+    # The builders' context exits delete their temporary files if anything below raises.
+    with contextlib.ExitStack() as stack:
+        builders = {key: stack.enter_context(IndexedDatasetBuilder(f"{args.output_prefix}_{key}_document", dtype))
+                    for key in args.json_keys}
+        for encoded, num_bytes in _encoded_documents(args, iter_documents(args.input, args.json_keys)):
+            for key, ids in encoded.items():
+                builders[key].add_document(ids)
+            count += 1
+            total_bytes += num_bytes
+            meter.update(count, rates())
+        for builder in builders.values():
+            builder.finalize()
+    meter.finish(count, rates())
+    return [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        prefixes = preprocess(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    for prefix in prefixes:
+        print(prefix)
+
+
+if __name__ == "__main__":
+    main()

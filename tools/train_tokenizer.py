@@ -1,0 +1,44 @@
+"""Train a BPE sentencepiece tokenizer for megazero on text or JSONL files.
+
+    python tools/train_tokenizer.py --input corpus.jsonl --model-prefix out/tok --vocab-size 8192
+
+Text files are read line by line; JSONL files (`.jsonl`/`.json`) give the field `--json-key`
+of each object. The options that keep code whitespace exact are fixed in
+megazero/data/tokenizer.py; this script only maps flags onto `train_tokenizer`.
+"""
+
+import argparse
+import sys
+
+from megazero.data.tokenizer import train_tokenizer
+from megazero.errors import UsageError
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help="text files (one training line per line) or JSONL files (.jsonl/.json)")
+    parser.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
+    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="number of pieces (default: 8192)")
+    parser.add_argument("--input-sentence-size", type=int, default=1_000_000,
+                        help="lines sampled from the input for training; 0 = all (default: 1000000)")
+    parser.add_argument("--num-threads", type=int, default=2, help="sentencepiece trainer threads")
+    parser.add_argument("--seed", type=int, default=1234, help="sampling seed, for reproducible models")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        model = train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
+                                input_sentence_size=args.input_sentence_size,
+                                num_threads=args.num_threads, seed=args.seed)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(model)
+
+
+if __name__ == "__main__":
+    main()
