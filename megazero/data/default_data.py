@@ -30,8 +30,9 @@ DEFAULT_VOCAB_SIZE = 8192
 # with no measurable change in tokens per byte.
 TOKENIZER_TRAINING_LINES = 200_000
 
-# Documents handed to sentencepiece per call; large enough for its threads to share the work.
-ENCODE_BATCH = 64
+# Documents handed to sentencepiece per call: its threads split a call's list between them, and
+# with 64 one long file kept a thread busy alone (1.8 s vs 1.3 s for the stdlib at 256).
+ENCODE_BATCH = 256
 
 
 def default_data_dir(cache_dir=None):

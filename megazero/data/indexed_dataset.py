@@ -200,6 +200,14 @@ class IndexedDataset:
             return np.empty(0, dtype=self.dtype)  # numpy cannot memory-map an empty file
         return np.memmap(bin_path, mode="r", dtype=self.dtype)
 
+    def __getstate__(self):
+        # Pickle (e.g. to spawned DataLoader workers) as the prefix; the receiver maps the files
+        # itself instead of receiving a copy of every token.
+        return self.prefix
+
+    def __setstate__(self, prefix):
+        self.__init__(prefix)
+
     def __len__(self):
         return len(self.sizes)
 

@@ -16,12 +16,13 @@ string) and `decode` drops it; the preprocessor appends it between documents by 
 A model trained elsewhere works too if it has an EOS id or an `<|endoftext|>` piece.
 """
 
-import os
+import io
+import random
 from pathlib import Path
 
 import sentencepiece as spm
 
-from megazero.data.corpus import Progress, is_jsonl, iter_jsonl_texts
+from megazero.data.corpus import Progress, is_jsonl, iter_jsonl_texts, write_atomically
 from megazero.errors import UsageError
 
 EOD_PIECE = "<|endoftext|>"
@@ -97,59 +98,63 @@ def _explain_training_failure(message, vocab_size):
     return f"sentencepiece could not train a {vocab_size}-piece vocabulary ({text.rstrip('.')}); {fix}"
 
 
-class _ErrorKeepingIterator:
-    """Remembers a UsageError raised while reading input: sentencepiece would turn it into a
-    RuntimeError carrying a C++ stack line, losing our one-line message."""
+def sample_lines(lines, limit, seed):
+    """Up to `limit` non-empty lines by reservoir sampling with Python's seeded RNG (all if limit <= 0).
 
-    def __init__(self, lines):
-        self._lines = lines
-        self.error = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self._lines)
-        except UsageError as exc:
-            self.error = exc
-            raise
+    We sample here rather than with sentencepiece's `input_sentence_size` because its sampler
+    gave a different model in every process despite `set_random_generator_seed`; ranks that
+    each prepare the default data must end up with the same tokenizer.
+    """
+    rng = random.Random(seed)
+    kept = []
+    seen = 0
+    for line in lines:
+        if not line:
+            continue  # sentencepiece skips empty lines; don't let them take sample slots
+        if limit <= 0 or seen < limit:
+            kept.append(line)
+        else:
+            slot = rng.randrange(seen + 1)
+            if slot < limit:
+                kept[slot] = line
+        seen += 1
+    return kept
 
 
 def train_tokenizer(input_files, model_prefix, vocab_size, json_key="text",
                     input_sentence_size=1_000_000, num_threads=2, seed=1234, progress=True):
     """Trains a BPE sentencepiece model on text/JSONL files; returns the `.model` path.
 
-    `input_sentence_size` lines are sampled from the input (sentencepiece's reservoir sampling,
-    seeded with `seed` so reruns give the same model); more lines barely change a code
-    vocabulary and only slow training. Writes `{model_prefix}.model` and `.vocab`, each renamed
-    into place from a temporary prefix so an interrupted run leaves no partial model behind.
+    Trains on `input_sentence_size` lines sampled from the input (0 = all): more lines barely
+    change a code vocabulary and only slow training. The same input and seed give a
+    byte-identical model. Writes `{model_prefix}.model` (and a human-readable `.vocab`,
+    "piece<TAB>score" per line), each renamed into place so an interrupted run leaves no
+    partial model behind.
     """
     for path in input_files:
         if not Path(path).is_file():
             raise UsageError(f"tokenizer input {path} not found; check the --input paths")
-    model_prefix = Path(model_prefix)
-    model_prefix.parent.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = model_prefix.with_name(f"{model_prefix.name}.tmp-{os.getpid()}")
     meter = Progress(f"training tokenizer (vocab {vocab_size})", enabled=progress)
     meter.begin()
-    spm.set_random_generator_seed(seed)
-    lines = _ErrorKeepingIterator(iter_training_lines(input_files, json_key))
+    lines = sample_lines(iter_training_lines(input_files, json_key), input_sentence_size, seed)
+    model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=lines,
-            model_prefix=str(tmp_prefix), vocab_size=vocab_size, model_type="bpe",
+            sentence_iterator=iter(lines), model_writer=model,
+            vocab_size=vocab_size, model_type="bpe",
             byte_fallback=True, normalization_rule_name="identity",
             remove_extra_whitespaces=False, add_dummy_prefix=False,
             split_by_whitespace=True, allow_whitespace_only_pieces=True,
             user_defined_symbols=["\n"], eos_piece=EOD_PIECE, bos_id=-1, pad_id=-1,
-            input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
             num_threads=num_threads, minloglevel=2)
     except RuntimeError as exc:
-        if lines.error is not None:
-            raise lines.error from None
         raise UsageError(_explain_training_failure(str(exc), vocab_size)) from None
-    for suffix in (".vocab", ".model"):  # .model last: its presence marks a finished training
-        Path(f"{tmp_prefix}{suffix}").replace(f"{model_prefix}{suffix}")
-    meter.finish(vocab_size, "pieces")
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    # Escape the newline piece so the listing stays one line per piece.
+    pieces = (processor.id_to_piece(i).replace("\n", "\\n") for i in range(vocab_size))
+    vocab = "".join(f"{piece}\t{processor.get_score(i)}\n" for i, piece in enumerate(pieces))
+    write_atomically(f"{model_prefix}.vocab", lambda handle: handle.write(vocab))
+    # .model last: its presence marks a finished training.
+    write_atomically(f"{model_prefix}.model", lambda handle: handle.write(model.getvalue()), mode="wb")
+    meter.finish(vocab_size, f"pieces from {len(lines)} lines,")
     return Path(f"{model_prefix}.model")
