@@ -5,6 +5,8 @@ Owns the sentencepiece options, chosen so `decode(encode(text)) == text` exactly
 - `remove_extra_whitespaces=False`, `add_dummy_prefix=False`: indentation, runs of spaces and
   leading/trailing spaces survive, and no space is invented at the start of a document;
 - `allow_whitespace_only_pieces=True`: runs of spaces (indentation) become single pieces;
+- `split_by_whitespace=True` (the default): no piece straddles a space, so an identifier is
+  cut the same way whatever indentation precedes it;
 - `"\\n"` is a user-defined piece: the trainer reads one line at a time and would never see a
   newline, yet code is full of them, so each costs one token instead of a byte-fallback token;
 - `byte_fallback=True`: any character outside the vocabulary (tabs, rare Unicode) is spelled
