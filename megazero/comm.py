@@ -86,15 +86,22 @@ class Group:
 
 
 class Handle:
-    """An async op's handle; waiting twice is harmless (the second wait returns at once)."""
+    """An async op's handle; waiting twice is harmless (the second wait returns at once).
 
-    def __init__(self, works: Sequence[object] = ()):
+    `then` runs once, after the op completes, on the first wait (e.g. copying a result out of a
+    temporary buffer)."""
+
+    def __init__(self, works: Sequence[object] = (), then=None):
         self._works = list(works)
+        self._then = then
 
     def wait(self) -> None:
         works, self._works = self._works, []
         for work in works:
             work.wait()
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
     @property
     def done(self) -> bool:
@@ -107,6 +114,10 @@ def _ring_fraction(group: Group) -> float:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _finish(work, async_op: bool) -> Handle | None:
@@ -132,10 +143,20 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         output.copy_(input.view_as(output))
         return Handle() if async_op else None
     group.log.record("reduce_scatter", group, _ring_fraction(group) * _nbytes(input))
+    then = None
+    if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
+        # In place (output is this rank's chunk of input) is defined for NCCL only; gloo can
+        # corrupt it, so go through a temporary and copy back once the op is done.
+        target, output = output, torch.empty_like(output)
+        then = lambda: target.copy_(output)  # noqa: E731
     # Flat views: backends disagree on how they match multi-dimensional shapes.
     work = _reduce_scatter_single(output.view(-1), input.view(-1), op=op, group=group.pg,
                                   async_op=async_op)
-    return _finish(work, async_op)
+    if async_op:
+        return Handle([work], then)
+    if then is not None:
+        then()
+    return None
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):

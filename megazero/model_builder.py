@@ -1,0 +1,46 @@
+"""Builds this rank's model chunks: the pure GPT on the meta device, then parallelism applied from
+outside in a fixed order (tensor parallel swap, then the pipeline split), plus the init function the
+ZeRO engine materialises parameters with. No parameter memory is allocated here.
+"""
+from __future__ import annotations
+
+import torch
+
+from megazero.models.config import GPTConfig
+from megazero.models.gpt import GPT, initial_value
+from megazero.parallel.parallelize import parallelize
+from megazero.parallel.pipeline.split import split_for_stage, stage_layer_ranges
+from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.random import RNGTracker
+
+
+def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,
+                       sequence_parallel: bool = False, virtual_stages: int = 1,
+                       layer_split: list[int] | None = None) -> list[GPT]:
+    """One GPT chunk per virtual pipeline stage owned by this rank, on the meta device."""
+    topo = groups.topology
+    ranges = stage_layer_ranges(config.num_layers, topo.pp, virtual_stages, layer_split)
+    chunks = []
+    for v in range(virtual_stages):
+        with torch.device("meta"):
+            model = GPT(config)
+        parallelize(model, groups.tp, tracker, sequence_parallel)
+        layers = ranges[v * topo.pp + groups.coords.pp]
+        first = v == 0 and groups.is_first_stage
+        last = v == virtual_stages - 1 and groups.is_last_stage
+        chunks.append(split_for_stage(model, layers, first, last))
+    return chunks
+
+
+def make_init_fn(config: GPTConfig, seed: int):
+    """init_fn(name, param) -> this rank's (TP-local) fp32 value, generated one full tensor at a time
+    from (seed, name) so every layout starts from the same weights."""
+
+    def init(name: str, param) -> torch.Tensor:
+        init_name = getattr(param, "init_name", name)
+        shard = getattr(param, "tp_shard", None)
+        full_shape = shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
+        full = initial_value(config, init_name, full_shape, seed)
+        return shard.local_from_full(full) if shard is not None else full
+
+    return init

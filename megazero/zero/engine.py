@@ -1,0 +1,246 @@
+"""The ZeRO engine: the data-parallel axis of every run, stage 0 (plain DP) to stage 3.
+
+Owns the model's parameters once built: it replaces every (meta) parameter of the given modules with
+one it allocated, and from then on drives backward hooks, gradient reduction, the global gradient
+norm and clipping, loss scaling and the Adam step. It knows nothing of tensor- or pipeline-parallel
+layers: it gets modules, an `init_fn(param) -> full fp32 tensor`, process groups and per-parameter
+flags.
+
+A training step, as the loop drives it:
+    engine.begin_step()
+    for each microbatch: forward, then engine.backward(loss | tensors+grads, last_microbatch=...)
+    stats = engine.step(lr)           # reduces what is left, clips, updates, regathers
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from megazero import comm
+from .adam import AdamConfig
+from .config import ZeroConfig
+from .flat_group import FlatParamGroup
+from .groups import Precision, ZeroGroups, counts_in_norm, uses_weight_decay
+from .loss_scaler import LossScaler
+from .stage3_gather import GatherCoordinator
+from .stage3_units import UnitStore
+
+
+@dataclasses.dataclass
+class StepStats:
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+class ZeroEngine:
+    def __init__(self, modules: list[nn.Module], init_fn, groups: ZeroGroups, zero: ZeroConfig,
+                 adam: AdamConfig, precision: Precision = Precision(), clip_grad: float = 0.0,
+                 loss_scaler: LossScaler | None = None, device="cpu"):
+        self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
+        self.precision, self.clip_grad, self.device = precision, clip_grad, torch.device(device)
+        self.loss_scaler = loss_scaler or LossScaler()
+        self.step_count = 0
+        self.grads_ready = False
+        self._inflight: list[comm.Handle] = []
+        named = _unique_named_parameters(modules)
+        self.names = {id(p): n for n, p in named}
+        user_init = init_fn
+        init_fn = lambda p: user_init(self.names[id(p)], p)  # noqa: E731  (old params, by name)
+        persistent = [(n, p) for n, p in named if zero.stage < 3 or p.numel() <= zero.param_persistence_threshold]
+        self.flat_groups = self._build_flat_groups(persistent, init_fn)
+        replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
+        self.store, self.gather = None, None
+        if zero.stage == 3:
+            replaced.update(self._build_units(modules, persistent, init_fn))
+        _swap_parameters(modules, replaced)
+        self.names = {id(replaced[k]): n for k, n in self.names.items()}
+        for group in self.flat_groups:
+            for p in group.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(group.on_grad_ready)
+        if self.store is not None:
+            for unit in self.store.units:
+                for p in unit.params:
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(self._on_unit_grad)
+
+    # --- construction -----------------------------------------------------------------------
+    def _build_flat_groups(self, named, init_fn) -> list[FlatParamGroup]:
+        buckets: dict[tuple[bool, bool], list] = {}
+        for name, p in named:
+            key = (uses_weight_decay(p.shape), bool(getattr(p, "shared_embedding", False)))
+            buckets.setdefault(key, []).append(p)
+        stage = 2 if self.zero.stage == 3 else self.zero.stage
+        groups, self._flat_olds = [], []
+        for (decay, shared), params in sorted(buckets.items()):
+            group = FlatParamGroup(
+                params, stage=stage, weight_decay=self.adam.weight_decay if decay else 0.0,
+                groups=self.groups, precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
+                overlap=self.zero.overlap, shared=shared,
+                counted=[counts_in_norm(p, self.groups) for p in params], device=self.device,
+                allgather_bucket_size=self.zero.allgather_bucket_size)
+            self._flat_olds.append((group, params))
+            group.materialize(init_fn)
+            groups.append(group)
+        return groups
+
+    def _build_units(self, modules, persistent, init_fn) -> dict[int, nn.Parameter]:
+        persistent_ids = {id(p) for _, p in persistent}
+        owner: dict[int, nn.Module] = {}
+        units_params: list[tuple[str, list]] = []
+        for root in modules:
+            for mod_name, module in root.named_modules():
+                params = [p for p in module.parameters(recurse=False)
+                          if id(p) not in persistent_ids and id(p) not in owner]
+                for p in params:
+                    owner[id(p)] = module
+                if params:
+                    units_params.append((mod_name or type(module).__name__, params))
+        self.store = UnitStore(units_params, self.groups, self.precision, self.device)
+        replaced = self.store.materialize(init_fn)
+        self.store.plan_segments(
+            lambda p: self.adam.weight_decay if uses_weight_decay(p.zero_full_shape) else 0.0,
+            lambda p: counts_in_norm(p, self.groups))
+        self.gather = GatherCoordinator(self.store, self.zero)
+        self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()})
+        return replaced
+
+    # --- microbatches -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self.gather is not None:
+            self.gather.begin_pass("train")
+
+    def backward(self, loss: torch.Tensor | None = None, *, tensors=None, grads=None,
+                 last_microbatch: bool = True) -> None:
+        """Backward of one microbatch; stage 0/1 reduce after the last, stage 2/3 after each."""
+        for group in self.flat_groups:
+            group.start_backward(reduce=last_microbatch)
+        if self.store is not None:
+            self.store.start_backward()
+        if loss is not None:
+            (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
+        else:
+            torch.autograd.backward(tensors, grads)
+        for group in self.flat_groups:
+            group.end_backward()
+        if self.store is not None:
+            for unit in self.store.units:
+                if unit.grad_pending != -1:       # unused this backward: reduce zeros, stay in step
+                    self.store.reduce_grads(unit, self._inflight)
+                    self.gather.grads_done(unit)
+
+    def _on_unit_grad(self, param: nn.Parameter) -> None:
+        if self.store.add_grad(param):
+            unit = param.zero_unit
+            self.store.reduce_grads(unit, self._inflight)
+            if not self.zero.overlap:
+                self._wait_inflight()
+            self.gather.grads_done(unit)
+
+    def _wait_inflight(self) -> None:
+        inflight, self._inflight = self._inflight, []
+        for handle in inflight:
+            handle.wait()
+
+    def finish_gradients(self) -> None:
+        """Completes every reduction of the step (MiCS replicas and tied stages included)."""
+        if self.grads_ready:
+            return
+        for group in self.flat_groups:
+            group.finish_gradients()
+        self._wait_inflight()
+        if self.store is not None:
+            comm.all_reduce(self.store.grad_part, self.groups.replica)
+            if self.groups.embedding.size > 1:
+                for unit in self.store.units:
+                    if any(getattr(p, "shared_embedding", False) for p in unit.params):
+                        comm.all_reduce(self.store.unit_slice(self.store.grad_part, unit),
+                                        self.groups.embedding)
+        self.grads_ready = True
+
+    # --- step -------------------------------------------------------------------------------
+    def _storages(self):
+        return list(self.flat_groups) + ([self.store] if self.store is not None else [])
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (unscaled) gradients over DP shards, TP and PP."""
+        sumsq = sum((s.grad_sumsq() for s in self._storages()), torch.zeros((), dtype=torch.float64))
+        if self.zero.stage > 0:
+            comm.all_reduce(sumsq, self.groups.shard)
+        comm.all_reduce(sumsq, self.groups.model_parallel)
+        return math.sqrt(sumsq.item()) / self.loss_scaler.scale
+
+    def _overflow(self) -> bool:
+        if not self.loss_scaler.dynamic:
+            return False
+        local = float(any(s.has_inf_or_nan() for s in self._storages()))
+        flag = comm.all_reduce_object_max(local, self.groups.shard if self.zero.stage > 0 else self.groups.dp)
+        return comm.all_reduce_object_max(flag, self.groups.model_parallel) > 0
+
+    def step(self, lr: float) -> StepStats:
+        self.finish_gradients()
+        scale = self.loss_scaler.scale
+        if self._overflow():
+            self.loss_scaler.update(True)
+            self._end_step()
+            return StepStats(float("nan"), True, scale)
+        norm = self.grad_norm()
+        coef = 1.0 / scale
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            coef *= self.clip_grad / (norm + 1e-6)
+        self.step_count += 1
+        for storage in self._storages():
+            storage.step(self.step_count, lr, self.adam, coef)
+        self.loss_scaler.update(False)
+        self._end_step()
+        return StepStats(norm, False, scale)
+
+    def _end_step(self) -> None:
+        if self.gather is not None:
+            self.gather.end_pass()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for storage in self._storages():
+            storage.zero_grad()
+        self.grads_ready = False
+
+    # --- introspection ----------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in _unique_named_parameters(self.modules)]
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state held by this rank, by category."""
+        report = {"params": 0, "grads": 0, "master": 0, "optimizer_states": 0, "live_params": 0}
+        for storage in self._storages():
+            for key, value in storage.memory_bytes().items():
+                report[key] = report.get(key, 0) + value
+        if self.store is not None:
+            report["peak_live_params"] = self.store.peak_live_numel * self.store.partition.element_size()
+        report["model_states"] = sum(report[k] for k in ("params", "grads", "master", "optimizer_states"))
+        return report
+
+
+def _unique_named_parameters(modules) -> list[tuple[str, nn.Parameter]]:
+    """Parameters of all modules by their model names (pipeline chunks of one model never repeat a
+    name: layers keep their global index)."""
+    seen, out = set(), []
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+    return out
+
+
+def _swap_parameters(modules, replaced: dict[int, nn.Parameter]) -> None:
+    """Points every module slot holding an old parameter at its replacement (shared slots included)."""
+    for root in modules:
+        for module in root.modules():
+            for key, p in list(module._parameters.items()):
+                if p is not None and id(p) in replaced:
+                    module._parameters[key] = replaced[id(p)]

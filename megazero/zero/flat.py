@@ -1,0 +1,88 @@
+"""Flat-buffer layout for ZeRO stages 0-2 (and stage 3's persistent parameters): pure arithmetic.
+
+Parameters are laid end to end in one flat buffer, grouped into buckets that end at parameter
+boundaries (a parameter larger than the bucket size gets a bucket of its own). Each bucket is padded
+to a multiple of the shard count n and split into n equal chunks; rank r owns chunk r of every bucket.
+A bucket is therefore exactly one reduce-scatter (or all-gather) over the shard group, with no copies,
+and a rank's partition is the concatenation of its chunks (Megatron's distributed optimizer uses the
+same per-bucket sharding). Gradients arrive roughly in reverse definition order, so parameters are
+laid out in reverse: the first bucket fills first.
+
+Nothing here touches tensors; `FlatLayout` is testable with plain numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives: flat offset, size, bucket."""
+    index: int            # position in the list of parameters given to the layout
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    index: int
+    start: int            # flat offset of the bucket
+    size: int             # padded size, a multiple of the shard count
+    chunk: int            # size // shards
+    local_offset: int     # where this rank's chunk of the bucket sits in its partition
+    slots: tuple[int, ...]  # indices of the parameters inside
+
+    def chunk_range(self, rank: int) -> tuple[int, int]:
+        lo = self.start + rank * self.chunk
+        return lo, lo + self.chunk
+
+
+class FlatLayout:
+    def __init__(self, numels: list[int], bucket_size: int, shards: int, rank: int):
+        if bucket_size <= 0:
+            raise ValueError(f"bucket size must be positive, got {bucket_size}")
+        self.shards, self.rank = shards, rank
+        order = list(reversed(range(len(numels))))
+        groups: list[list[int]] = []
+        filled = 0
+        for i in order:
+            if not groups or (filled + numels[i] > bucket_size and filled > 0):
+                groups.append([])
+                filled = 0
+            groups[-1].append(i)
+            filled += numels[i]
+
+        slots: dict[int, Slot] = {}
+        buckets: list[Bucket] = []
+        offset = local = 0
+        for b, members in enumerate(groups):
+            start = offset
+            for i in members:
+                slots[i] = Slot(i, offset, numels[i], b)
+                offset += numels[i]
+            used = offset - start
+            size = max(shards, -(-used // shards) * shards)
+            buckets.append(Bucket(b, start, size, size // shards, local, tuple(members)))
+            offset = start + size
+            local += size // shards
+        self.slots = [slots[i] for i in range(len(numels))]
+        self.buckets = buckets
+        self.total = offset                   # padded flat size
+        self.partition_size = local           # elements this rank owns (same on every rank)
+        self.numel = sum(numels)              # unpadded
+
+    def local_piece(self, index: int) -> tuple[int, int, int] | None:
+        """The part of parameter `index` in this rank's partition: (partition offset, offset inside
+        the parameter, length), or None if this rank owns none of it."""
+        slot = self.slots[index]
+        bucket = self.buckets[slot.bucket]
+        lo, hi = bucket.chunk_range(self.rank)
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start >= end:
+            return None
+        return bucket.local_offset + (start - lo), start - slot.offset, end - start
+
+    def partition_to_flat(self) -> list[tuple[int, int, int]]:
+        """(partition offset, flat offset, length) for each of this rank's chunks."""
+        return [(b.local_offset, b.chunk_range(self.rank)[0], b.chunk) for b in self.buckets]
