@@ -198,16 +198,14 @@ def all_reduce_object_max(value: float, group: Group) -> float:
     return t.item()
 
 
-def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
-              group: Group) -> Handle:
-    """Batched point-to-point: `sends`/`recvs` are (tensor, index of the peer in `group`)."""
+def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> Handle:
+    """Batched point-to-point: `sends`/`recvs` are (tensor, index of the peer in `group`[, tag])."""
     ops = []
-    for tensor, peer in sends:
-        group.log.record("send", group, _nbytes(tensor))
-        ops.append(dist.P2POp(dist.isend, tensor, group.ranks[peer], group.pg))
-    for tensor, peer in recvs:
-        group.log.record("recv", group, _nbytes(tensor))
-        ops.append(dist.P2POp(dist.irecv, tensor, group.ranks[peer], group.pg))
+    for kind, items in (("send", sends), ("recv", recvs)):
+        for tensor, peer, *tag in items:
+            group.log.record(kind, group, _nbytes(tensor))
+            fn = dist.isend if kind == "send" else dist.irecv
+            ops.append(dist.P2POp(fn, tensor, group.ranks[peer], group.pg, tag[0] if tag else 0))
     if not ops:
         return Handle()
     return Handle(dist.batch_isend_irecv(ops))

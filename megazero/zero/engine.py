@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -58,13 +59,17 @@ class ZeroEngine:
             replaced.update(self._build_units(modules, persistent, init_fn))
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
+        self.has_grads = False
+        me = weakref.ref(self)
         for group in self.flat_groups:
             for p in group.params:
+                p.zero_storage, p.zero_engine = group, me
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(group.on_grad_ready)
         if self.store is not None:
             for unit in self.store.units:
                 for p in unit.params:
+                    p.zero_storage, p.zero_engine = self.store, me
                     if p.requires_grad:
                         p.register_post_accumulate_grad_hook(self._on_unit_grad)
 
@@ -114,22 +119,25 @@ class ZeroEngine:
         if self.gather is not None:
             self.gather.begin_pass("train")
 
-    def backward(self, loss: torch.Tensor | None = None, *, tensors=None, grads=None,
-                 last_microbatch: bool = True) -> None:
-        """Backward of one microbatch; stage 0/1 reduce after the last, stage 2/3 after each."""
+    def backward(self, loss, *, last_microbatch: bool = True) -> None:
+        """Backward of one microbatch from `loss` (scaled for fp16 here), or by calling `loss` when it
+        is a function (a pipeline stage backpropagating a received gradient, already scaled).
+        Stage 0/1 reduce after the last microbatch, stage 2/3 after each."""
         for group in self.flat_groups:
             group.start_backward(reduce=last_microbatch)
         if self.store is not None:
             self.store.start_backward()
-        if loss is not None:
-            (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
+        self.has_grads = True
+        if callable(loss):
+            loss()
         else:
-            torch.autograd.backward(tensors, grads)
+            (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
         for group in self.flat_groups:
             group.end_backward()
         if self.store is not None:
             for unit in self.store.units:
-                if unit.grad_pending != -1:       # unused this backward: reduce zeros, stay in step
+                # Some but not all of its gradients arrived (unused parameters): reduce what came.
+                if unit.grad_staging is not None:
                     self.store.reduce_grads(unit, self._inflight)
                     self.gather.grads_done(unit)
 
@@ -207,7 +215,7 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         for storage in self._storages():
             storage.zero_grad()
-        self.grads_ready = False
+        self.grads_ready = self.has_grads = False
 
     # --- introspection ----------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:

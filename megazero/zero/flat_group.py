@@ -151,11 +151,13 @@ class FlatParamGroup:
         param.grad = None
 
     def end_backward(self) -> None:
-        """Reduces buckets still waiting (not overlapped, or holding unused parameters)."""
+        """Reduces buckets still waiting. Stage 0/1: every bucket (the buffer holds the whole step's
+        gradients). Stage 2: buckets that got some gradients this backward (unused parameters, or a
+        pipeline chunk that shares the buffer with chunks this backward did not run)."""
         if not self._reducing:
             return
         for b in range(len(self.layout.buckets)):
-            if not self._reduced[b]:
+            if not self._reduced[b] and (self.stage <= 1 or b in self._staging):
                 self._reduce_bucket(b)
         self._reducing = False
 
@@ -172,10 +174,7 @@ class FlatParamGroup:
                                          async_op=True)
             self._inflight.append((handle, None))
         else:
-            staging = self._staging.pop(b, None)
-            if staging is None:     # no parameter of the bucket got a gradient this backward
-                staging = torch.zeros(bucket.size, dtype=self.precision.grad_dtype,
-                                      device=self.param_flat.device)
+            staging = self._staging.pop(b)
             target = self.grad_chunk(b)
             out = target if self._bucket_fresh[b] else torch.empty_like(target)
             handle = comm.reduce_scatter(out, staging, self.shard_group, async_op=True)
@@ -253,6 +252,59 @@ class FlatParamGroup:
             self._bucket_fresh = [True] * len(self.layout.buckets)
             for p in self.params:
                 p.grad = None
+
+    # --- inspection (see megazero.zero.inspect) ---------------------------------------------
+    def _kind_chunk(self, kind: str, b: int) -> torch.Tensor:
+        if kind == "fp32":
+            return self.master_chunk(b)
+        if kind == "grad":
+            return self.grad_chunk(b)
+        return self.state_chunk(getattr(self, kind), b)
+
+    def local_view(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        """This rank's piece of `param` (1-D, possibly empty) in tensor `kind`."""
+        i = self.index_of[id(param)]
+        b = self.layout.slots[i].bucket
+        piece = self.layout.local_piece(i)
+        chunk = self._kind_chunk(kind, b)
+        if piece is None:
+            return chunk[:0]
+        rel = piece[0] - self.layout.buckets[b].local_offset
+        return chunk[rel:rel + piece[2]]
+
+    def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        """The whole of `param` in tensor `kind`, assembled from every shard (collective)."""
+        i = self.index_of[id(param)]
+        slot = self.layout.slots[i]
+        bucket = self.layout.buckets[slot.bucket]
+        chunk = self._kind_chunk(kind, slot.bucket).contiguous()
+        if self.shard_group is None:
+            whole = chunk
+        else:
+            whole = chunk.new_empty(bucket.size)
+            comm.all_gather(whole, chunk, self.shard_group)
+        start = slot.offset - bucket.start
+        return whole[start:start + slot.numel].view(param.shape).float()
+
+    def write_full(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
+        """Stores this rank's piece of a full value (every rank passes the same value)."""
+        i = self.index_of[id(param)]
+        flat = value.detach().reshape(-1)
+        piece = self.layout.local_piece(i)
+        if piece is not None:
+            self.local_view(param, kind).copy_(flat[piece[1]:piece[1] + piece[2]])
+        if kind == "fp32":
+            self.param_view(i).copy_(value.reshape(param.shape))
+
+    def refresh_low_precision(self, param: nn.Parameter) -> None:
+        """After a local fp32 write: copy this rank's piece into the computing copy (other ranks
+        see it after the next step's all-gather)."""
+        i = self.index_of[id(param)]
+        piece = self.layout.local_piece(i)
+        if piece is not None and self.master is not None:
+            slot = self.layout.slots[i]
+            at = slot.offset + piece[1]
+            self.param_flat[at:at + piece[2]].copy_(self.local_view(param, "fp32"))
 
     # --- accounting -------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

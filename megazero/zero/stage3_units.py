@@ -231,6 +231,47 @@ class UnitStore:
             for p in unit.params:
                 p.grad = None
 
+    # --- inspection (see megazero.zero.inspect) ---------------------------------------------
+    def _kind_tensor(self, kind: str) -> torch.Tensor:
+        return {"fp32": self.master, "grad": self.grad_part, "exp_avg": self.exp_avg,
+                "exp_avg_sq": self.exp_avg_sq}[kind]
+
+    def local_view(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        unit, i = param.zero_unit, param.zero_index
+        piece = unit.piece(i)
+        tensor = self._kind_tensor(kind)
+        if piece is None:
+            return tensor[:0]
+        at = unit.part_offset + piece[0]
+        return tensor[at:at + piece[2]]
+
+    def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        unit, i = param.zero_unit, param.zero_index
+        part = self.unit_slice(self._kind_tensor(kind), unit).contiguous()
+        whole = part.new_empty(unit.total)
+        comm.all_gather(whole, part, self.groups.shard)
+        return whole[unit.offsets[i]:unit.offsets[i] + unit.numels[i]].view(unit.shapes[i]).float()
+
+    def write_full(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
+        unit, i = param.zero_unit, param.zero_index
+        piece = unit.piece(i)
+        if piece is None:
+            return
+        flat = value.detach().reshape(-1)[piece[1]:piece[1] + piece[2]]
+        self.local_view(param, kind).copy_(flat)
+        if kind == "fp32" and self.master is not self.partition:
+            at = unit.part_offset + piece[0]
+            self.partition[at:at + piece[2]].copy_(flat)
+
+    def refresh_low_precision(self, param: nn.Parameter) -> None:
+        """After a local fp32 write: the 16-bit partition follows (used from the next gather)."""
+        if self.master is not self.partition:
+            self.local_view(param, "fp32")   # validates
+            unit, piece = param.zero_unit, param.zero_unit.piece(param.zero_index)
+            if piece is not None:
+                at = unit.part_offset + piece[0]
+                self.partition[at:at + piece[2]].copy_(self.master[at:at + piece[2]])
+
     def memory_bytes(self) -> dict[str, int]:
         def nbytes(t):
             return t.numel() * t.element_size()

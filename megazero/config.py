@@ -1,0 +1,74 @@
+"""The typed configuration tree of a training run. Flags map onto it once, at the edge
+(megazero.arguments); the runtime reads these records, never argv or globals."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from megazero.models.config import GPTConfig
+from megazero.zero.adam import AdamConfig
+from megazero.zero.config import ZeroConfig
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    sequence_parallel: bool = False
+    virtual_stages: int = 1                      # interleaved pipeline: model chunks per stage
+    layer_split: Optional[list[int]] = None      # uneven pipeline split: layers per chunk
+    schedule: Literal["auto", "1f1b", "gpipe", "interleaved"] = "auto"
+    ranks_per_node: int = 0                      # 0: LOCAL_WORLD_SIZE
+    distributed_backend: Literal["gloo", "nccl"] = "gloo"
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = 6e-4
+    min_lr: float = 0.0
+    warmup_iters: int = 0
+    decay_iters: Optional[int] = None            # None: train_iters
+    decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
+    adam: AdamConfig = dataclasses.field(default_factory=AdamConfig)
+    clip_grad: float = 1.0
+
+
+@dataclasses.dataclass
+class PrecisionConfig:
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float = 0.0                      # fp16: 0 means dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclasses.dataclass
+class DataConfig:
+    data_path: Optional[list[str]] = None        # None: the embedded default corpus
+    split: str = "949,50,1"
+    tokenizer_model: Optional[str] = None
+    cache_dir: Optional[str] = None
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: GPTConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    train_iters: int = 100
+    eval_interval: int = 100
+    eval_iters: int = 10
+    log_interval: int = 10
+    seed: int = 1234
+    run_dir: str = "runs/latest"
+    metrics_file: Optional[str] = None           # None: <run_dir>/metrics.jsonl
+
+    def num_microbatches(self, data_parallel: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * data_parallel)

@@ -1,0 +1,184 @@
+"""The training loop: model chunks + ZeRO engine + pipeline schedule, step after step.
+
+Owns the order of a step (begin, schedule of microbatch forwards/backwards, optimizer step), the
+loss bookkeeping (each microbatch's loss is its summed token losses over the tokens of the whole
+global batch, so DP ranks and microbatches add up to the global mean whatever the layout) and
+evaluation. Builds nothing from flags: it gets a TrainConfig, process groups and batch sources.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from megazero import comm
+from megazero.config import TrainConfig
+from megazero.model_builder import build_model_chunks, make_init_fn
+from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.pipeline.p2p import PipelineP2P
+from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
+from megazero.parallel.random import seed_everything
+from megazero.zero.engine import ZeroEngine
+from megazero.zero.groups import Precision, ZeroGroups
+from megazero.zero.loss_scaler import LossScaler
+
+
+class MicrobatchSource:
+    """This DP rank's microbatches of global batch `i` from an indexable dataset of token arrays.
+
+    Global batch i is samples [i*G, (i+1)*G); microbatch j of DP rank r takes mbs consecutive
+    samples starting at i*G + j*mbs*dp + r*mbs (Megatron's pretraining sampler order)."""
+
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+        self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.num_microbatches = global_batch // (micro_batch * dp_size)
+
+    def batch(self, i: int) -> list[torch.Tensor]:
+        base = i * self.global_batch
+        out = []
+        for j in range(self.num_microbatches):
+            start = base + j * self.micro_batch * self.dp_size + self.dp_rank * self.micro_batch
+            rows = [torch.as_tensor(self.dataset[start + k]["tokens"], dtype=torch.long)
+                    for k in range(self.micro_batch)]
+            out.append(torch.stack(rows))
+        return out
+
+
+@dataclasses.dataclass
+class TrainState:
+    cfg: TrainConfig
+    groups: ProcessGroups
+    chunks: list
+    engine: ZeroEngine
+    device: torch.device
+    iteration: int = 0
+
+
+def zero_groups(groups: ProcessGroups) -> ZeroGroups:
+    return ZeroGroups(dp=groups.dp, shard=groups.mics_shard, replica=groups.mics_replica,
+                      model_parallel=groups.mp, embedding=groups.embedding, tp_rank=groups.coords.tp,
+                      is_first_stage=groups.is_first_stage, is_last_stage=groups.is_last_stage)
+
+
+def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
+    device = torch.device(device)
+    par = cfg.parallel
+    tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
+    chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
+                                virtual_stages=par.virtual_stages, layer_split=par.layer_split)
+    prec = cfg.precision
+    precision = Precision.from_flags(prec.bf16, prec.fp16)
+    scaler = (LossScaler.for_fp16(prec.loss_scale, prec.initial_scale_power, prec.loss_scale_window,
+                                  prec.hysteresis, prec.min_loss_scale) if prec.fp16 else LossScaler())
+    engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), zero_groups(groups), cfg.zero,
+                        cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device)
+    for chunk in chunks:
+        chunk.train()
+    return TrainState(cfg, groups, chunks, engine, device)
+
+
+def _job(state: TrainState, microbatches: list[torch.Tensor]) -> PipelineJob:
+    cfg, groups = state.cfg, state.groups
+    normalizer = cfg.global_batch_size * cfg.model.seq_length
+
+    def forward(chunk_index: int, input_tensor, mb: int):
+        chunk = state.chunks[chunk_index]
+        tokens = microbatches[mb].to(state.device)
+        inputs = tokens[:, :-1] if chunk.embedding is not None else input_tensor
+        labels = tokens[:, 1:] if chunk.output_head is not None else None
+        out = chunk(inputs, labels)
+        return out.float().sum() / normalizer if labels is not None else out
+
+    p2p = None
+    if groups.topology.pp > 1:
+        seq = cfg.model.seq_length // (groups.topology.tp if cfg.parallel.sequence_parallel else 1)
+        dtype = Precision.from_flags(cfg.precision.bf16, cfg.precision.fp16).param_dtype
+        p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size), dtype, state.device)
+    return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
+                       stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
+                       backward=make_backward(state.engine.backward), p2p=p2p)
+
+
+def _global_loss(state: TrainState, losses: list[torch.Tensor]) -> float:
+    """Sum of the last stage's microbatch losses over DP, sent to every pipeline stage."""
+    groups = state.groups
+    total = torch.zeros(1, dtype=torch.float64)
+    if groups.is_last_stage:
+        total += sum(float(l) for l in losses)
+        comm.all_reduce(total, groups.dp)
+    comm.broadcast(total, groups.topology.pp - 1, groups.pp)
+    return total.item()
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+    max_in_flight: int
+
+
+def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float) -> StepResult:
+    par = state.cfg.parallel
+    schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
+    state.engine.begin_step()
+    result = schedule(_job(state, microbatches), forward_only=False)
+    stats = state.engine.step(lr)
+    state.iteration += 1
+    loss = _global_loss(state, result.losses)
+    state.groups.log.end_step()
+    return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight)
+
+
+@torch.no_grad()
+def evaluate(state: TrainState, batches: list[list[torch.Tensor]]) -> float:
+    """Mean token loss over the given global batches (forward only)."""
+    par = state.cfg.parallel
+    schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
+    for chunk in state.chunks:
+        chunk.eval()
+    total = 0.0
+    for microbatches in batches:
+        total += _global_loss(state, schedule(_job(state, microbatches), forward_only=True).losses)
+    for chunk in state.chunks:
+        chunk.train()
+    return total / max(1, len(batches))
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_at, metrics=None,
+          start_iteration: int = 0) -> list[dict]:
+    """Runs cfg.train_iters steps; returns one record per step (and per evaluation)."""
+    cfg = state.cfg
+    history, window = [], []
+    tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
+    for it in range(start_iteration, cfg.train_iters):
+        started = time.perf_counter()
+        lr = lr_at(it + 1)
+        step = train_step(state, train_source.batch(it), lr)
+        elapsed = time.perf_counter() - started
+        record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
+                  "skipped": step.skipped, "loss_scale": step.loss_scale,
+                  "tokens_per_s": tokens_per_step / elapsed, "ms_per_iter": 1000 * elapsed,
+                  "memory_mib": peak_memory_mib(state.device)}
+        history.append(record)
+        window.append(record)
+        if metrics is not None and ((it + 1) % cfg.log_interval == 0 or it == start_iteration):
+            metrics.log_train(window, state.groups.log)
+            window = []
+        last = it + 1 == cfg.train_iters
+        if valid_batches and ((it + 1) % cfg.eval_interval == 0 or last):
+            eval_record = {"iteration": it + 1, "split": "valid", "loss": evaluate(state, valid_batches)}
+            history.append(eval_record)
+            if metrics is not None:
+                metrics.log_eval(eval_record)
+    return history
