@@ -17,6 +17,7 @@ class GPTConfig:
     num_query_groups: int = 0              # 0: one group per head (multi-head attention)
     ffn_hidden_size: int = 0               # 0: 4 x hidden (GELU) or 8/3 x hidden rounded to 64 (SwiGLU)
     seq_length: int = 256
+    max_position_embeddings: int = 0      # 0: seq_length (rows of the learned position table)
     padded_vocab_size: int = 0             # 0: vocab_size; the embedding has this many rows
     position_embedding: Literal["learned", "rope"] = "learned"
     rotary_base: float = 10000.0
@@ -40,6 +41,8 @@ class GPTConfig:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.padded_vocab_size == 0:
             self.padded_vocab_size = self.vocab_size
+        if self.max_position_embeddings == 0:
+            self.max_position_embeddings = self.seq_length
         self.validate()
 
     def validate(self) -> None:

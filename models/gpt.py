@@ -130,7 +130,7 @@ class Embedding(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.word = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.position = (nn.Embedding(config.seq_length, config.hidden_size)
+        self.position = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
                          if config.position_embedding == "learned" else None)
         self.dropout = nn.Dropout(config.hidden_dropout)
 

@@ -24,12 +24,13 @@ RTOL = 1e-5
 def small_config(tp=1, pp=1, stage=0, *, steps=10, micro=2, global_batch=16, layers=4, tied=True,
                  sequence_parallel=False, virtual=1, schedule="auto", mics=-1, zero_extra=None,
                  model_extra=None, bf16=False, clip=0.05, lr=1e-3, layer_split=None) -> TrainConfig:
-    model = GPTConfig(vocab_size=61, padded_vocab_size=0, hidden_size=32, num_layers=layers,
-                      num_attention_heads=4, ffn_hidden_size=64, seq_length=16, hidden_dropout=0.0,
-                      attention_dropout=0.0, tie_embeddings=tied, **(model_extra or {}))
-    zero = ZeroConfig(stage=stage, reduce_bucket_size=1500, allgather_bucket_size=3000,
-                      param_persistence_threshold=40, prefetch_bucket_size=5000, mics_shard_size=mics,
-                      **(zero_extra or {}))
+    shape = dict(vocab_size=61, padded_vocab_size=0, hidden_size=32, num_layers=layers,
+                 num_attention_heads=4, ffn_hidden_size=64, seq_length=16, hidden_dropout=0.0,
+                 attention_dropout=0.0, tie_embeddings=tied)
+    model = GPTConfig(**{**shape, **(model_extra or {})})
+    zero_settings = dict(stage=stage, reduce_bucket_size=1500, allgather_bucket_size=3000,
+                         param_persistence_threshold=40, prefetch_bucket_size=5000, mics_shard_size=mics)
+    zero = ZeroConfig(**{**zero_settings, **(zero_extra or {})})
     opt = OptimizerConfig(lr=lr, min_lr=lr / 10, warmup_iters=2, decay_style="cosine",
                           adam=AdamConfig(lr=lr, weight_decay=0.1), clip_grad=clip)
     cfg = TrainConfig(model=model, zero=zero, optimizer=opt, micro_batch_size=micro,

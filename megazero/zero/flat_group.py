@@ -284,7 +284,7 @@ class FlatParamGroup:
             whole = chunk.new_empty(bucket.size)
             comm.all_gather(whole, chunk, self.shard_group)
         start = slot.offset - bucket.start
-        return whole[start:start + slot.numel].view(param.shape).float()
+        return whole[start:start + slot.numel].view(param.shape).to(torch.float32, copy=True)
 
     def write_full(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
         """Stores this rank's piece of a full value (every rank passes the same value)."""

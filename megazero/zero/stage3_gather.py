@@ -108,13 +108,14 @@ class GatherCoordinator:
         """Makes `units` available now (records the use, prefetches what the trace says comes next)."""
         for unit in units:
             self._record(unit)
-            if unit.status is ParamStatus.NOT_AVAILABLE:
-                self.store.start_gather(unit)
             self.in_use.add(unit.index)
+        missing = [u for u in units if u.status is ParamStatus.NOT_AVAILABLE]
+        self._make_room(sum(u.total for u in missing))
+        for unit in missing:
+            self.store.start_gather(unit)
         self._prefetch()
         for unit in units:
             self.store.wait_gather(unit)
-        self._enforce_live_bound()
 
     def _record(self, unit: Unit) -> None:
         trace = self.traces.get(self.pass_key)
@@ -163,14 +164,14 @@ class GatherCoordinator:
             distance += self.store.units[index].total
         return float("inf")
 
-    def _enforce_live_bound(self) -> None:
-        """Drops gathered units kept for reuse (not in use) while over max_live_parameters."""
-        if self.store.live_numel <= self.config.max_live_parameters or self.keep_all:
-            return
+    def _make_room(self, needed: int) -> None:
+        """Releases gathered units kept for reuse (not in use now) until `needed` more elements fit
+        under max_live_parameters; what is needed now is gathered even if nothing can go."""
+        limit = self.config.max_live_parameters
         for unit in self.store.units:
-            if self.store.live_numel <= self.config.max_live_parameters:
+            if self.store.live_numel + needed <= limit:
                 break
-            if unit.index not in self.in_use and unit.status is ParamStatus.AVAILABLE:
+            if unit.index not in self.in_use and unit.status is not ParamStatus.NOT_AVAILABLE:
                 self.store.release(unit)
 
     def grads_done(self, unit: Unit) -> None:

@@ -250,7 +250,8 @@ class UnitStore:
         part = self.unit_slice(self._kind_tensor(kind), unit).contiguous()
         whole = part.new_empty(unit.total)
         comm.all_gather(whole, part, self.groups.shard)
-        return whole[unit.offsets[i]:unit.offsets[i] + unit.numels[i]].view(unit.shapes[i]).float()
+        piece = whole[unit.offsets[i]:unit.offsets[i] + unit.numels[i]].view(unit.shapes[i])
+        return piece.to(torch.float32, copy=True)
 
     def write_full(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
         unit, i = param.zero_unit, param.zero_index

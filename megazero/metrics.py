@@ -1,0 +1,55 @@
+"""Training logs for people (one line per logged iteration) and for tools (JSON lines).
+
+Only the logging rank (last pipeline stage, TP rank 0, DP rank 0: the one that holds the loss) writes.
+Each logged iteration appends one object with at least iteration, loss, lr, grad_norm and
+tokens_per_s; evaluations append objects with "split": "valid".
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, path: str | None, enabled: bool = True, stream=sys.stdout, total_iters: int = 0):
+        self.enabled, self.stream, self.total_iters = enabled, stream, total_iters
+        self.path = Path(path) if path else None
+        if self.enabled and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _append(self, record: dict) -> None:
+        if self.enabled and self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(text, file=self.stream, flush=True)
+
+    def log_train(self, window: list[dict], comm_log=None) -> None:
+        """Averages loss, speed and time over the iterations since the last log line."""
+        if not window:
+            return
+        last = window[-1]
+        record = {
+            "iteration": last["iteration"], "split": "train",
+            "loss": sum(r["loss"] for r in window) / len(window),
+            "lr": last["lr"], "grad_norm": last["grad_norm"],
+            "tokens_per_s": sum(r["tokens_per_s"] for r in window) / len(window),
+            "ms_per_iter": sum(r["ms_per_iter"] for r in window) / len(window),
+            "memory_mib": last["memory_mib"], "skipped": sum(bool(r["skipped"]) for r in window),
+            "loss_scale": last["loss_scale"],
+        }
+        self._append(record)
+        self.say(f" iteration {record['iteration']:>6}/{self.total_iters} | loss {record['loss']:.4f} | "
+                 f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
+                 f"tokens/s {record['tokens_per_s']:,.0f} | ms/iter {record['ms_per_iter']:.1f} | "
+                 f"mem {record['memory_mib']:.0f} MiB"
+                 + (f" | skipped {record['skipped']}" if record["skipped"] else ""))
+        if comm_log is not None and comm_log.last_step:
+            self.say("   " + comm_log.summary())
+
+    def log_eval(self, record: dict) -> None:
+        self._append(record)
+        self.say(f" validation at iteration {record['iteration']} | loss {record['loss']:.4f}")
