@@ -1,0 +1,150 @@
+"""pretrain_gpt.py as users run it: bad flags fail with one line, the default run learns, and a
+torchrun launch with TP x PP x ZeRO-3 reproduces the single-process loss curve."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import pretrain_gpt  # noqa: E402
+
+SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"], "world size 1"),
+    (["--num-attention-heads", "6", "--hidden-size", "64"], "--hidden-size 64"),
+    (["--data-path", "/nonexistent/prefix", "--tokenizer-model", "x.model"], "/nonexistent/prefix"),
+    (["--data-path", "0.5"], "--data-path"),
+    (["--tokenizer-model", "missing.model"], "--tokenizer-model needs --data-path"),
+    (["--bf16", "--fp16"], "choose one"),
+    (["--zero-stage", "4"], "invalid choice"),
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"], "not divisible"),
+    (["--save", "ckpt"], "not supported yet"),
+    (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], "choose one"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"],
+     "needs --pipeline-model-parallel-size"),
+    (["--max-position-embeddings", "16", "--seq-length", "64"], "--max-position-embeddings 16"),
+    (["--train-iters", "0"], "--train-iters"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, argv, expected):
+    assert pretrain_gpt.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert expected in err, err
+
+
+def test_bad_flags_in_a_world_of_8(capsys, monkeypatch):
+    """Checked against the torchrun world before any process group exists."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+            "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "1"]
+    assert pretrain_gpt.main(argv) == 2
+    assert "--num-layers 6" in capsys.readouterr().err
+    argv = ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
+            "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "6"]
+    assert pretrain_gpt.main(argv) == 2
+    assert "multiple of the pipeline size 4" in capsys.readouterr().err
+
+
+def test_bad_zero_config_names_the_key(tmp_path, capsys):
+    cases = {
+        '{"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}}': "did you mean 'reduce_bucket_size'",
+        '{"zero_optimization": {"stage": 4}}': "stage",
+        '{"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}': "reduce_bucket_size",
+        '{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}': "not supported yet",
+        '{"stage": 3, "stage3_prefetch_bucket_size": 1e6, "prefetch_bucket_size": 2e6}': "keep one",
+        '{"train_micro_batch_size_per_gpu": 4}': "--micro-batch-size 2 contradicts",
+        '{"fp16": {"enabled": true}, "bf16": {"enabled": true}}': "both enabled",
+        '{"optimizer": {"type": "Lamb"}}': "Lamb",
+        '{"zero_optimization": {"stage": 1}, "scheduler": {}}': "unknown key 'scheduler'",
+        '{"zero_optimization": {"stage": 1}': "not valid JSON",
+    }
+    for text, expected in cases.items():
+        path = tmp_path / "ds.json"
+        path.write_text(text)
+        assert pretrain_gpt.main(["--zero-config", str(path), "--micro-batch-size", "2"]) == 2, text
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, (text, err)
+
+
+def test_deepspeed_config_fills_in_settings(tmp_path):
+    from megazero.arguments import config_from_args, parse_args
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
+        "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.9]}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4, "overlap_comm": True,
+                              "reduce_bucket_size": 2e6}}))
+    cfg = config_from_args(parse_args(["--zero-config", str(path)]), world_size=2)
+    assert (cfg.micro_batch_size, cfg.global_batch_size) == (2, 16)
+    assert cfg.zero.stage == 3 and cfg.zero.param_persistence_threshold == 10000
+    assert cfg.zero.reduce_bucket_size == 2_000_000 and cfg.zero.overlap
+    assert cfg.precision.bf16 and cfg.optimizer.clip_grad == 0.5
+    assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.adam.beta1 == 0.8
+
+
+def test_bad_flag_process_exits_2_without_traceback():
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--num-attention-heads", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _losses(metrics: Path, split="train"):
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if r.get("split", "train") == split]
+
+
+def test_default_run_learns(tmp_path):
+    """`python pretrain_gpt.py` with no flags: validation loss ends >= 40% below the first logged loss."""
+    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "metrics appended to" in proc.stdout
+    metrics = next(tmp_path.glob("runs/*/metrics.jsonl"))
+    first = _losses(metrics)[0]
+    assert first["iteration"] == 1 and {"loss", "lr", "grad_norm", "tokens_per_s"} <= first.keys()
+    final_valid = _losses(metrics, "valid")[-1]["loss"]
+    assert final_valid <= 0.6 * first["loss"], (first["loss"], final_valid)
+
+
+def _torchrun(nproc: int, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(_free_port()), str(REPO / "pretrain_gpt.py"), *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
+
+
+def _free_port():
+    from megazero.testing import free_port
+    return free_port()
+
+
+def test_torchrun_tp4_runs(tmp_path):
+    proc = _torchrun(4, SMALL + ["--tensor-model-parallel-size", "4", "--train-iters", "3",
+                                 "--eval-iters", "1", "--run-dir", "r"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(tmp_path / "r" / "metrics.jsonl")) >= 1
+
+
+def test_torchrun_tp2_pp2_zero3_matches_single_process(tmp_path):
+    common = SMALL + ["--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
+                      "--eval-iters", "0", "--lr", "1e-3"]
+    proc = _torchrun(8, common + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                  "2", "--zero-stage", "3", "--run-dir", "par"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *common, "--run-dir", "one"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    par = [r["loss"] for r in _losses(tmp_path / "par" / "metrics.jsonl")]
+    one = [r["loss"] for r in _losses(tmp_path / "one" / "metrics.jsonl")]
+    assert len(par) == len(one) == 10
+    for step, (a, b) in enumerate(zip(par, one)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: 8 ranks {a} vs 1 process {b}"
