@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from einops import rearrange
 from torch import nn
 
 from .config import GPTConfig
@@ -81,9 +82,10 @@ class Attention(nn.Module):
 
     def forward(self, x):
         qkv = self.qkv(x)
-        b, s, _ = qkv.shape        # s is the full sequence even when x is a sequence-parallel shard
-        qkv = qkv.view(b, s, -1, self.q_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.q_per_group].flatten(2, 3)
+        s = qkv.shape[1]           # the full sequence even when x is a sequence-parallel shard
+        # groups are inferred from the width, so a tensor-parallel slice of whole groups works too
+        qkv = rearrange(qkv, "b s (g r d) -> b s g r d", r=self.q_per_group + 2, d=self.head_dim)
+        q = rearrange(qkv[:, :, :, :self.q_per_group], "b s g r d -> b s (g r) d")
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if self.rotary_base is not None:
             cos, sin = rotary_cos_sin(s, self.head_dim, self.rotary_base, x.device, q.dtype)

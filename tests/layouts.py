@@ -67,7 +67,7 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups) -> dict:
         for name, p in chunk.named_parameters():
             params[name] = (safe_get_full_fp32_param(p), getattr(p, "tp_shard", None))
     return {"coords": tuple(groups.coords), "losses": losses, "norms": norms, "params": params,
-            "in_flight": max(in_flight), "memory": state.engine.memory_report(),
+            "in_flight": max(in_flight, default=0), "memory": state.engine.memory_report(),
             "comm": dict(groups.log.last_step)}
 
 
