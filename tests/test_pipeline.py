@@ -63,3 +63,37 @@ def test_stage_layer_ranges_interleave_chunks():
     # chunk c = v * pp + p: stage 0 runs layers 0-1 and 4-5, stage 1 runs 2-3 and 6-7
     assert stage_layer_ranges(8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert stage_layer_ranges(8, 2, 1, [3, 5]) == [range(0, 3), range(3, 8)]
+
+
+def freed_outputs(ctx, schedule):
+    import torch
+    from megazero.parallel.pipeline.p2p import PipelineP2P, backward_from_freed
+    from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule
+    from megazero.parallel.topology import Topology
+    groups = ctx.groups(Topology(world_size=2, pp=2))
+    stage = groups.coords.pp
+    w = torch.nn.Parameter(torch.full((3,), 1.0 + stage))
+    sent = []
+
+    def forward(chunk, x, mb):
+        out = (x if x is not None else torch.ones(2, 3)) * w
+        if stage == 1:
+            return out.sum()
+        sent.append(out)
+        return out
+
+    def backward(output, grad, last):
+        output.backward() if grad is None else backward_from_freed([output], [grad])
+
+    job = PipelineJob(num_microbatches=4, num_chunks=1, stage=stage, num_stages=2, forward=forward,
+                      backward=backward, p2p=PipelineP2P(groups.pp, (2, 3), torch.float32, "cpu"))
+    get_schedule(schedule, 2, 1)(job)
+    return [t.numel() for t in sent], w.grad.tolist()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_outputs_are_freed_once_sent(dist_pool, schedule):
+    (freed, grad0), (_, grad1) = dist_pool(2).run(freed_outputs, schedule)
+    assert freed == [1, 1, 1, 1], "every sent activation keeps only a 1-element placeholder"
+    # loss = sum over 4 microbatches of sum(ones(2,3) * w0 * w1), w0 = 1, w1 = 2
+    assert grad0 == [16.0] * 3 and grad1 == [8.0] * 3
