@@ -1,0 +1,178 @@
+"""Pipeline bubble of our schedules (GPipe, 1F1B, interleaved 1F1B) against the theoretical bubble.
+
+Definition (used for both columns): the bubble is the fraction of a step's wall time a stage is not
+computing,
+    bubble = 1 - busy / step_time
+and the theory (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", section 2.2) gives, with p stages, m microbatches and v model chunks per
+stage (v = 1 for GPipe and 1F1B),
+    step_time = (m + (p - 1) / v) * (t_f + t_b)      ->      bubble = (p - 1) / (v * m + p - 1)
+(the paper's "bubble time fraction" (p - 1) / (v m) is the same idle time relative to the ideal
+m (t_f + t_b) instead of relative to the whole step).
+
+Method: the real schedules (`megazero.parallel.pipeline.schedules`) drive a `PipelineJob` whose
+forward and backward steps sleep for known times (forward t_f, backward t_b = 2 t_f per microbatch
+and stage; with v chunks each chunk sleeps 1/v of that, so every stage computes m (t_f + t_b) per
+step whatever the schedule) and pass a small activation tensor through the real `PipelineP2P` over
+gloo. Sleeping rather than computing lets 4 ranks share 2 cores without stealing each other's time,
+so what is measured is the schedule's ordering and the p2p latency, not CPU contention.
+  step_time  wall time of `schedule(job)` after a barrier, slowest rank, median of the timed steps
+  busy       time inside the forward/backward steps on a rank (the sleeps as they really ran),
+             mean over ranks
+Ratio = measured / theoretical bubble (1.0: the schedule idles exactly as the theory says). The
+theory leaves out the exchanges' latency; "excess ms" is the step time beyond the theory's, and a
+ping-pong between two stages is printed first to size one exchange. (Rerun with a larger
+--t-forward-ms: an excess that stays the same in ms is latency, one that grows is the ordering.)
+
+    python bench/bench_pipeline_bubble.py                  # ~1 min on 2 cores (t_f = 20 ms)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megazero.comm import barrier
+from megazero.parallel.pipeline.p2p import PipelineP2P
+from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
+from megazero.parallel.topology import Topology
+from megazero.testing import DistributedPool
+
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}      # schedule -> model chunks per stage
+ACTIVATION_SHAPE = (1, 16, 32)                              # a small (micro, seq, hidden) activation
+
+
+def theoretical_bubble(pp: int, m: int, v: int) -> float:
+    return (pp - 1) / (v * m + pp - 1)
+
+
+class SleepJob:
+    """The model-specific steps of a PipelineJob, replaced by sleeps of known length. The forward
+    keeps a one-op autograd graph from its input so the schedules' backward path (gradient sent to
+    the previous stage) runs for real."""
+
+    def __init__(self, t_forward: float, t_backward: float, is_loss_chunk):
+        self.t_forward, self.t_backward, self.is_loss_chunk = t_forward, t_backward, is_loss_chunk
+        self.busy = 0.0
+        self.source = torch.ones(ACTIVATION_SHAPE, requires_grad=True)   # the first stage's input
+
+    def forward(self, chunk: int, input_tensor, microbatch: int) -> torch.Tensor:
+        started = time.perf_counter()
+        time.sleep(self.t_forward)
+        x = self.source if input_tensor is None else input_tensor
+        out = x * 1.0
+        self.busy += time.perf_counter() - started
+        return out.sum() if self.is_loss_chunk(chunk) else out
+
+    def backward(self, loss, last_microbatch: bool = True) -> None:
+        started = time.perf_counter()
+        time.sleep(self.t_backward)
+        loss() if callable(loss) else loss.backward()
+        self.busy += time.perf_counter() - started
+
+
+def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int) -> dict | None:
+    """One (schedule, pp, m) point on this rank; ranks beyond pp return None."""
+    groups = ctx.groups(Topology(world_size=pp, pp=pp))
+    if groups is None:
+        return None
+    v, stage = SCHEDULES[schedule], groups.coords.pp
+    sleeper = SleepJob(t_forward / v, 2 * t_forward / v, lambda chunk: stage == pp - 1 and chunk == v - 1)
+    p2p = PipelineP2P(groups.pp, ACTIVATION_SHAPE, torch.float32, torch.device("cpu"))
+    job = PipelineJob(num_microbatches=m, num_chunks=v, stage=stage, num_stages=pp,
+                      forward=sleeper.forward, backward=make_backward(sleeper.backward), p2p=p2p)
+    run = get_schedule(schedule, pp, v)
+    times, busy = [], []
+    for step in range(steps + 1):                 # the first step warms gloo's connections up
+        barrier(groups.pp)
+        sleeper.busy = 0.0
+        started = time.perf_counter()
+        run(job, forward_only=False)
+        if step:
+            times.append(time.perf_counter() - started)
+            busy.append(sleeper.busy)
+    return {"times": times, "busy": busy}
+
+
+def point(pool: DistributedPool, schedule: str, pp: int, m: int, t_forward: float, steps: int) -> dict:
+    ranks = [r for r in pool.run(measure, schedule, pp, m, t_forward, steps) if r is not None]
+    step_time = statistics.median(max(r["times"][i] for r in ranks) for i in range(steps))
+    busy = statistics.mean(statistics.median(r["busy"]) for r in ranks)
+    v = SCHEDULES[schedule]
+    theory = theoretical_bubble(pp, m, v)
+    return {"schedule": schedule, "pp": pp, "m": m, "v": v, "step_ms": 1000 * step_time,
+            "busy_ms": 1000 * busy, "theory_step_ms": 1000 * busy / (1.0 - theory),
+            "measured": 1.0 - busy / step_time, "theory": theory}
+
+
+def ping_pong(ctx, rounds: int) -> float | None:
+    """Median one-way time of an exchange between stages 0 and 1 (round trip / 2), in seconds."""
+    groups = ctx.groups(Topology(world_size=2, pp=2))
+    if groups is None:
+        return None
+    p2p = PipelineP2P(groups.pp, ACTIVATION_SHAPE, torch.float32, torch.device("cpu"))
+    x, times = torch.ones(ACTIVATION_SHAPE), []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        if groups.coords.pp == 0:
+            p2p.exchange(send_forward=x)
+            p2p.exchange(recv_backward=True)
+        else:
+            p2p.exchange(recv_forward=True)
+            p2p.exchange(send_backward=x)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) / 2
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'schedule':<12} {'pp':>2} {'m':>3} {'v':>2} {'busy ms':>8} {'step ms':>8} {'theory ms':>9} "
+            f"{'excess ms':>9} {'bubble':>7} {'theory':>7} {'ratio':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['schedule']:<12} {r['pp']:>2} {r['m']:>3} {r['v']:>2} {r['busy_ms']:>8.1f} "
+              f"{r['step_ms']:>8.1f} {r['theory_step_ms']:>9.1f} {r['step_ms'] - r['theory_step_ms']:>9.1f} "
+              f"{r['measured']:>7.3f} {r['theory']:>7.3f} {r['measured'] / r['theory']:>6.2f}")
+    print("bubble = 1 - busy/step; theory = (pp-1)/(v*m + pp-1); ratio = bubble/theory;\n"
+          "theory ms = busy/(1 - theory), the step time the theory predicts from the measured compute; "
+          "excess = step - theory ms")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--t-forward-ms", type=float, default=20.0,
+                   help="forward time per microbatch and stage; backward takes twice as long")
+    p.add_argument("--pp", default="2,4", help="pipeline sizes (at most 4 ranks are started)")
+    p.add_argument("--microbatches", default="4,8,16")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--steps", type=int, default=3, help="timed steps per point (after one warm-up)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    pps = [int(x) for x in args.pp.split(",")]
+    ms = [int(x) for x in args.microbatches.split(",")]
+    t_forward = args.t_forward_ms / 1000
+    print(f"t_f = {args.t_forward_ms:g} ms, t_b = {2 * args.t_forward_ms:g} ms per microbatch and stage "
+          f"(split over v chunks); gloo p2p on CPU; {args.steps} timed steps per point; "
+          f"torch {torch.__version__}")
+    pool = DistributedPool(max(pps))
+    rows = []
+    try:
+        latency = pool.run(ping_pong, 200)[0]
+        print(f"one p2p exchange between two idle stages (ping-pong / 2): {1000 * latency:.2f} ms")
+        for schedule in args.schedules.split(","):
+            for pp in pps:
+                for m in ms:
+                    rows.append(point(pool, schedule, pp, m, t_forward, args.steps))
+    finally:
+        pool.close()
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
