@@ -57,7 +57,7 @@ def test_mics_shard_groups_match_single_process(dist_pool, reference, stage):
     check_layout(dist_pool(8), reference, f"stage {stage} tp 2 dp 4 mics 2", 4, tp=2, stage=stage, mics=2)
 
 
-def test_sequence_parallel_and_overlap_match_single_process(dist_pool, reference):
+def test_sequence_parallel_overlap_and_allreduce_match_single_process(dist_pool, reference):
     pool = dist_pool(8)
     check_layout(pool, reference, "stage 3 tp 2 dp 2 sequence parallel", 2, tp=2, stage=3,
                  sequence_parallel=True)
@@ -65,6 +65,9 @@ def test_sequence_parallel_and_overlap_match_single_process(dist_pool, reference
                  zero_extra={"overlap_comm": True})
     check_layout(pool, reference, "stage 1 dp 4 overlap_comm", 4, stage=1,
                  zero_extra={"overlap_comm": True})
+    for stage in (1, 2):     # DeepSpeed's reduce_scatter=false: all-reduce buckets, keep own chunk
+        check_layout(pool, reference, f"stage {stage} dp 4 all-reduce", 4, stage=stage,
+                     zero_extra={"reduce_scatter": False, "overlap_comm": stage == 2})
 
 
 def test_untied_embeddings_match_single_process(dist_pool):

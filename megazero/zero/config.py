@@ -26,7 +26,7 @@ NOT_SUPPORTED_YET = {
 # DeepSpeed keys that only tune DeepSpeed's own implementation choices; accepted and ignored
 # because our implementation has a single behaviour for them (named so that nothing is silent).
 ACCEPTED_NO_EFFECT = {
-    "use_multi_rank_bucket_allreduce", "allgather_partitions", "reduce_scatter", "elastic_checkpoint",
+    "use_multi_rank_bucket_allreduce", "allgather_partitions", "elastic_checkpoint",
     "legacy_stage1", "round_robin_gradients", "sub_group_size", "memory_efficient_linear",
     "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
     "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
@@ -44,6 +44,9 @@ class ZeroConfig(BaseModel):
     """0: plain data parallel; 1: optimizer states; 2: + gradients; 3: + parameters partitioned."""
     contiguous_gradients: bool = True
     """Stage 2/3: gradients are copied into contiguous buckets as they are produced."""
+    reduce_scatter: bool = True
+    """Stages 1/2: reduce gradients with reduce-scatter; False all-reduces each bucket and keeps this
+    rank's chunk (twice the bytes, but faster where a backend's reduce-scatter is slow, e.g. gloo)."""
     reduce_bucket_size: int = Field(int(5e8), gt=0)
     """Elements per gradient reduce-scatter (all-reduce at stage 0)."""
     allgather_bucket_size: int = Field(int(5e8), gt=0)

@@ -46,7 +46,7 @@ class ZeroEngine:
         self.loss_scaler = loss_scaler or LossScaler()
         self.step_count = 0
         self.grads_ready = False
-        self._inflight: list[comm.Handle] = []
+        self._inflight: list[tuple[comm.Handle, int]] = []     # stage-3 reductions, staged elements
         named = _unique_named_parameters(modules)
         self.names = {id(p): n for n, p in named}
         user_init = init_fn
@@ -87,7 +87,8 @@ class ZeroEngine:
                 groups=self.groups, precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
                 overlap=self.zero.overlap, shared=shared,
                 counted=[counts_in_norm(p, self.groups) for p in params], device=self.device,
-                allgather_bucket_size=self.zero.allgather_bucket_size)
+                allgather_bucket_size=self.zero.allgather_bucket_size,
+                reduce_scatter=self.zero.reduce_scatter or self.zero.stage == 3)
             self._flat_olds.append((group, params))
             group.materialize(init_fn)
             groups.append(group)
@@ -147,11 +148,16 @@ class ZeroEngine:
             self.store.reduce_grads(unit, self._inflight)
             if not self.zero.overlap:
                 self._wait_inflight()
+            # Staging buffers live until their reduce-scatter ends: keep about one reduce bucket
+            # of them in flight (the newest always goes), so backward never holds all gradients.
+            while len(self._inflight) > 1 and \
+                    sum(n for _, n in self._inflight) > self.zero.reduce_bucket_size:
+                self._inflight.pop(0)[0].wait()
             self.gather.grads_done(unit)
 
     def _wait_inflight(self) -> None:
         inflight, self._inflight = self._inflight, []
-        for handle in inflight:
+        for handle, _ in inflight:
             handle.wait()
 
     def finish_gradients(self) -> None:

@@ -19,16 +19,18 @@ from torch import nn
 from megazero import comm
 from .adam import AdamConfig, adam_update
 from .flat import FlatLayout
-from .groups import Precision, ZeroGroups
+from .groups import Precision, ZeroGroups, sum_of_squares
 
 
 class FlatParamGroup:
     def __init__(self, params: list[nn.Parameter], *, stage: int, weight_decay: float,
                  groups: ZeroGroups, precision: Precision, bucket_size: int, overlap: bool,
-                 shared: bool, counted: list[bool], device, allgather_bucket_size: int = 2**62):
+                 shared: bool, counted: list[bool], device, allgather_bucket_size: int = 2**62,
+                 reduce_scatter: bool = True):
         self.stage, self.weight_decay, self.groups = stage, weight_decay, groups
         self.shared, self.overlap, self.precision = shared, overlap, precision
-        self.allgather_bucket_size = allgather_bucket_size
+        self.reduce_scatter = reduce_scatter
+        self.allgather_bucket_size, self.bucket_size = allgather_bucket_size, bucket_size
         self.params = params
         shard = groups.shard if stage > 0 else None
         self.shard_group = shard
@@ -170,26 +172,51 @@ class FlatParamGroup:
             self._inflight.append((handle, None))
         elif self.stage == 1:
             lo, hi = bucket.chunk_range(self.layout.rank)
-            handle = comm.reduce_scatter(self.grad_flat[lo:hi], self.grad_flat[span], self.shard_group,
-                                         async_op=True)
+            if self.reduce_scatter:
+                handle = comm.reduce_scatter(self.grad_flat[lo:hi], self.grad_flat[span],
+                                             self.shard_group, async_op=True)
+            else:          # the whole bucket is summed; this rank then reads its own chunk
+                handle = comm.all_reduce(self.grad_flat[span], self.shard_group, async_op=True)
             self._inflight.append((handle, None))
         else:
             staging = self._staging.pop(b)
             target = self.grad_chunk(b)
-            out = target if self._bucket_fresh[b] else torch.empty_like(target)
-            handle = comm.reduce_scatter(out, staging, self.shard_group, async_op=True)
-            done = None if self._bucket_fresh[b] else (lambda t=target, o=out: t.add_(o))
+            fresh = self._bucket_fresh[b]
+            if self.reduce_scatter:
+                out = target if fresh else torch.empty_like(target)
+                handle = comm.reduce_scatter(out, staging, self.shard_group, async_op=True)
+            else:
+                handle = comm.all_reduce(staging, self.shard_group, async_op=True)
+                out = staging[self.layout.rank * bucket.chunk:(self.layout.rank + 1) * bucket.chunk]
+                fresh = False      # the chunk still has to be copied (added) out of the staging buffer
+                if self._bucket_fresh[b]:
+                    target.zero_()
+            done = None if fresh else (lambda t=target, o=out: t.add_(o))
             self._bucket_fresh[b] = False
             self._inflight.append((handle, (done, staging)))
         if not self.overlap:
             self.wait_reductions()
+        else:
+            self._bound_inflight()
+
+    def _bound_inflight(self) -> None:
+        """Stage 2 staging buffers live until their reduction ends: keep at most about one bucket
+        size of them in flight (the newest always goes), waiting on the oldest first."""
+        def staged():
+            return sum(extra[1].numel() for _, extra in self._inflight if extra is not None)
+        while len(self._inflight) > 1 and staged() > self.bucket_size:
+            self._finish_one(*self._inflight.pop(0))
+
+    @staticmethod
+    def _finish_one(handle, extra) -> None:
+        handle.wait()
+        if extra is not None and extra[0] is not None:
+            extra[0]()
 
     def wait_reductions(self) -> None:
         inflight, self._inflight = self._inflight, []
         for handle, extra in inflight:
-            handle.wait()
-            if extra is not None and extra[0] is not None:
-                extra[0]()
+            self._finish_one(handle, extra)
 
     def finish_gradients(self) -> None:
         """After the last microbatch: all reductions done, MiCS replicas and tied stages summed."""
@@ -210,7 +237,7 @@ class FlatParamGroup:
         for b, runs in enumerate(self._norm_ranges):
             chunk = self.grad_chunk(b)
             for lo, hi in runs:
-                total += chunk[lo:hi].double().pow(2).sum()
+                total += sum_of_squares(chunk[lo:hi])
         return total
 
     def has_inf_or_nan(self) -> bool:

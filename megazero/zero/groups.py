@@ -54,6 +54,16 @@ def counts_in_norm(param, groups: ZeroGroups) -> bool:
     return True
 
 
+def sum_of_squares(t: torch.Tensor, slice_elems: int = 1 << 20) -> torch.Tensor:
+    """float64 sum of squares of a 1-D tensor, in slices: a whole-tensor `.double().pow(2)` would
+    hold two float64 copies of a gradient partition at the step's memory peak."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, t.numel(), slice_elems):
+        piece = t[start:start + slice_elems].float()
+        total += torch.dot(piece, piece).double()
+    return total
+
+
 def uses_weight_decay(shape) -> bool:
     """Biases and norm scales (1-D) are not decayed, as in Megatron-LM and GPT-2 practice."""
     return len(shape) >= 2

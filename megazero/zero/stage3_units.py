@@ -19,7 +19,7 @@ from torch import nn
 
 from megazero import comm
 from .adam import AdamConfig, adam_update
-from .groups import Precision, ZeroGroups
+from .groups import Precision, ZeroGroups, sum_of_squares
 
 
 class ParamStatus(enum.Enum):
@@ -159,7 +159,8 @@ class UnitStore:
         return unit.grad_pending == 0
 
     def reduce_grads(self, unit: Unit, inflight: list) -> None:
-        """Reduce-scatters the unit's gradients into (or onto) its gradient partition."""
+        """Reduce-scatters the unit's gradients into (or onto) its gradient partition; appends
+        (handle, staged elements) to `inflight` (the staging buffer lives until the handle is waited)."""
         staging, unit.grad_staging = unit.grad_staging, None
         if staging is None:
             staging = torch.zeros(unit.total, dtype=self.precision.grad_dtype, device=self.device)
@@ -167,11 +168,12 @@ class UnitStore:
         target = self.unit_slice(self.grad_part, unit)
         if unit.grad_fresh:
             handle = comm.reduce_scatter(target, staging, self.groups.shard, async_op=True)
-            inflight.append(comm.Handle([handle], then=lambda s=staging: None))
+            inflight.append((comm.Handle([handle], then=lambda s=staging: None), unit.total))
         else:
             out = torch.empty_like(target)
             handle = comm.reduce_scatter(out, staging, self.groups.shard, async_op=True)
-            inflight.append(comm.Handle([handle], then=lambda t=target, o=out, s=staging: t.add_(o)))
+            inflight.append((comm.Handle([handle], then=lambda t=target, o=out, s=staging: t.add_(o)),
+                             unit.total))
         unit.grad_fresh = False
 
     # --- optimizer ----------------------------------------------------------------------------
@@ -210,7 +212,7 @@ class UnitStore:
     def grad_sumsq(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for lo, hi in self.norm_ranges:
-            total += self.grad_part[lo:hi].double().pow(2).sum()
+            total += sum_of_squares(self.grad_part[lo:hi])
         return total
 
     def has_inf_or_nan(self) -> bool:
