@@ -312,7 +312,11 @@ def test_stdlib_file_selection(tmp_path):
     assert stdlib_source_files(tmp_path) == ["a.py", "latin.py", "pkg/b.py", "z/y.py"]
     out = collect_stdlib_corpus(tmp_path / "out" / "corpus.jsonl", stdlib_dir=tmp_path, progress=False)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["path"] for r in rows] == ["a.py", "pkg/b.py", "z/y.py"]  # latin.py is not UTF-8
+    paths = [r["path"] for r in rows]
+    assert sorted(paths) == ["a.py", "pkg/b.py", "z/y.py"]  # latin.py is not UTF-8
+    # the order is a fixed shuffle: the same on every collection, not alphabetical
+    again = collect_stdlib_corpus(tmp_path / "again" / "corpus.jsonl", stdlib_dir=tmp_path, progress=False)
+    assert [json.loads(line)["path"] for line in again.read_text().splitlines()] == paths
     assert rows[1]["text"] == "# pkg/b.py\n"
     assert not is_library_source("lib2to3/tests/data/x.py") and is_library_source("json/decoder.py")
     real = stdlib_source_files()

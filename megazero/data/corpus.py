@@ -13,6 +13,7 @@ It knows nothing about tokenizers or the `.bin/.idx` format.
 
 import json
 import os
+import random
 import sys
 import sysconfig
 import time
@@ -114,6 +115,9 @@ def write_atomically(path, write_fn, mode="w"):
             tmp.unlink()
 
 
+CORPUS_ORDER_SEED = 20261130
+
+
 def collect_stdlib_corpus(output_path, stdlib_dir=None, progress=True):
     """Writes the stdlib corpus JSONL to `output_path` (skipped if it exists); returns the path.
 
@@ -124,7 +128,11 @@ def collect_stdlib_corpus(output_path, stdlib_dir=None, progress=True):
     if output_path.exists():
         return output_path
     root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    # A fixed-seed shuffle of the sorted list: still deterministic, but the train/valid/test split
+    # (contiguous document ranges, as Megatron's) then samples modules from the whole library
+    # instead of giving validation only the alphabetically last packages.
     relative_paths = stdlib_source_files(root)
+    random.Random(CORPUS_ORDER_SEED).shuffle(relative_paths)
     meter = Progress("collecting corpus", total=len(relative_paths), enabled=progress)
     skipped = []
 

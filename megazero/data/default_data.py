@@ -3,9 +3,9 @@
 `prepare_default_data()` runs three cached steps, each skipped when its output exists and
 redone (with everything after it) when it does not:
 
-    collect corpus   -> <cache>/data/stdlib-<impl>-<version>/corpus.jsonl
-    train tokenizer  -> <cache>/data/stdlib-<impl>-<version>/v<vocab>/tokenizer.model
-    tokenize (+EOD)  -> <cache>/data/stdlib-<impl>-<version>/v<vocab>/stdlib_text_document.{bin,idx}
+    collect corpus   -> <cache>/data/stdlib-<impl>-<version>-shuffled/corpus.jsonl
+    train tokenizer  -> <cache>/data/stdlib-<impl>-<version>-shuffled/v<vocab>/tokenizer.model
+    tokenize (+EOD)  -> <cache>/data/stdlib-<impl>-<version>-shuffled/v<vocab>/stdlib_text_document.{bin,idx}
 
 The directory names carry the interpreter version and the vocabulary size, so different
 Pythons or vocabularies never read each other's files. Every step writes atomically.
@@ -38,7 +38,9 @@ ENCODE_BATCH = 256
 def default_data_dir(cache_dir=None):
     """The folder of the default corpus for this interpreter (the key includes its version)."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    return root / "data" / f"stdlib-{sys.implementation.name}-{platform.python_version()}"
+    # "-shuffled": the corpus order changed (documents are shuffled before the split); older caches
+    # hold the sorted order and must not be reused.
+    return root / "data" / f"stdlib-{sys.implementation.name}-{platform.python_version()}-shuffled"
 
 
 def tokenize_corpus(corpus_path, tokenizer, output_prefix, progress=True):
