@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
                    help="layers per pipeline chunk, for uneven splits")
     g.add_argument("--ranks-per-node", type=int, default=0, help="default: LOCAL_WORLD_SIZE")
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None)
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
     g.add_argument("--zero-config", default=None, help="DeepSpeed JSON (whole config or zero_optimization)")
     g = p.add_argument_group("training")
@@ -169,7 +170,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                       cache_dir=args.data_cache_path)
     optimizer = _optimizer_config(args, merged)
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")
-    backend = args.distributed_backend or "gloo"
+    backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
     return TrainConfig(
         model=model, zero=zero, optimizer=optimizer, data=data,
         parallel=ParallelConfig(tensor_parallel=topology.tp, pipeline_parallel=topology.pp,
@@ -185,6 +186,11 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=max(0, args.eval_iters),
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"))
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _positive(value: int, flag: str) -> int:

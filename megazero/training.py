@@ -145,6 +145,7 @@ def evaluate(state: TrainState, batches: list[list[torch.Tensor]]) -> float:
         total += _global_loss(state, schedule(_job(state, microbatches), forward_only=True).losses)
     for chunk in state.chunks:
         chunk.train()
+    state.groups.log.end_step()        # evaluation traffic is not the next training step's
     return total / max(1, len(batches))
 
 

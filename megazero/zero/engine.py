@@ -228,13 +228,20 @@ class ZeroEngine:
         return [p for _, p in _unique_named_parameters(self.modules)]
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of model state held by this rank, by category."""
+        """Bytes held by this rank, by category: low-precision params (stage 3: partitions plus
+        persistent ones), grads, fp32 master, optimizer states, live (gathered) params now and at
+        peak, buffers (module buffers and gradient staging); model_states sums the first four."""
         report = {"params": 0, "grads": 0, "master": 0, "optimizer_states": 0, "live_params": 0}
         for storage in self._storages():
             for key, value in storage.memory_bytes().items():
                 report[key] = report.get(key, 0) + value
         if self.store is not None:
             report["peak_live_params"] = self.store.peak_live_numel * self.store.partition.element_size()
+        # Module buffers, and gradient staging buckets alive right now (in flight or filling).
+        report["buffers"] = sum(b.numel() * b.element_size() for m in self.modules for b in m.buffers())
+        report["buffers"] += sum(s.staging_bytes() for s in self._storages())
+        grad_bytes = torch.empty((), dtype=self.precision.grad_dtype).element_size()
+        report["buffers"] += sum(n for _, n in self._inflight) * grad_bytes
         report["model_states"] = sum(report[k] for k in ("params", "grads", "master", "optimizer_states"))
         return report
 

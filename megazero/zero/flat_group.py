@@ -334,6 +334,10 @@ class FlatParamGroup:
             self.param_flat[at:at + piece[2]].copy_(self.local_view(param, "fp32"))
 
     # --- accounting -------------------------------------------------------------------------
+    def staging_bytes(self) -> int:
+        held = list(self._staging.values()) + [extra[1] for _, extra in self._inflight if extra is not None]
+        return sum(t.numel() * t.element_size() for t in held)
+
     def memory_bytes(self) -> dict[str, int]:
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()

@@ -275,6 +275,12 @@ class UnitStore:
                 at = unit.part_offset + piece[0]
                 self.partition[at:at + piece[2]].copy_(self.master[at:at + piece[2]])
 
+    def staging_bytes(self) -> int:
+        """Gradient staging buffers of units still collecting gradients (in-flight ones are the
+        engine's to count: it holds their handles)."""
+        return sum(u.grad_staging.numel() * u.grad_staging.element_size()
+                   for u in self.units if u.grad_staging is not None)
+
     def memory_bytes(self) -> dict[str, int]:
         def nbytes(t):
             return t.numel() * t.element_size()
