@@ -57,22 +57,10 @@ def run_kernel(param, grad, exp_avg, exp_avg_sq, **kwargs):
     adam_update(param, grad, exp_avg, exp_avg_sq, **kwargs)
 
 
-def reference_with_exact_sqrt(param, grad, exp_avg, exp_avg_sq, *, step, lr, config, weight_decay,
-                              grad_scale=1.0):
-    """adam_update_reference line for line, except sqrt comes from numpy (correctly rounded)."""
-    if grad.dtype != torch.float32 or grad_scale != 1.0:
-        grad = grad.float().mul_(grad_scale) if grad.dtype != torch.float32 else grad * grad_scale
-    if weight_decay != 0.0:
-        if config.decoupled_weight_decay:
-            param.mul_(1.0 - lr * weight_decay)
-        else:
-            grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1.0 - config.beta1)
-    exp_avg_sq.mul_(config.beta2).addcmul_(grad, grad, value=1.0 - config.beta2)
-    step_size = lr / (1.0 - config.beta1 ** step)
-    sqrt = torch.from_numpy(np.sqrt(exp_avg_sq.numpy()))
-    denom = sqrt.div_((1.0 - config.beta2 ** step) ** 0.5).add_(config.eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+def reference_with_exact_sqrt(param, grad, exp_avg, exp_avg_sq, **kwargs):
+    """adam_update_reference with sqrt from numpy (correctly rounded) instead of torch's."""
+    adam_update_reference(param, grad, exp_avg, exp_avg_sq,
+                          sqrt=lambda t: torch.from_numpy(np.sqrt(t.numpy())), **kwargs)
 
 
 def assert_within_ulps(actual, expected, before, ulps=PARAM_ULPS):

@@ -18,16 +18,10 @@ class SyntheticTokens:
         return {"tokens": rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)}
 
 
-class ArithmeticTokens:
+class ArithmeticTokens(SyntheticTokens):
     """Learnable samples: sample i is an arithmetic progression modulo the vocabulary with a random
     start and a step in 1..3 (both seeded by (seed, i)). A model learns it within a few steps, so
     gradients carry signal rather than noise: what exactness tests want."""
-
-    def __init__(self, vocab_size: int, seq_length: int, seed: int = 0, size: int = 1 << 30):
-        self.vocab_size, self.seq_length, self.seed, self.size = vocab_size, seq_length, seed, size
-
-    def __len__(self) -> int:
-        return self.size
 
     def __getitem__(self, index: int) -> dict:
         rng = np.random.default_rng([self.seed, index])

@@ -92,10 +92,11 @@ def _kernel_accepts(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 
 def adam_update_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                           exp_avg_sq: torch.Tensor, *, step: int, lr: float, config: AdamConfig,
-                          weight_decay: float, grad_scale: float = 1.0) -> None:
+                          weight_decay: float, grad_scale: float = 1.0, sqrt=torch.sqrt) -> None:
     """The torch reference for `adam_update`, op for op torch.optim.AdamW (or Adam with L2 when
     `config.decoupled_weight_decay` is False). It allocates temporaries the size of its input
-    (the fp32 grad, the denominator); the kernel allocates none."""
+    (the fp32 grad, the denominator); the kernel allocates none. `sqrt` is replaceable so a test
+    can swap in a correctly rounded one and show it is the only difference from the kernel."""
     if grad.dtype != torch.float32 or grad_scale != 1.0:
         grad = grad.float().mul_(grad_scale) if grad.dtype != torch.float32 else grad * grad_scale
     if weight_decay != 0.0:
@@ -108,5 +109,5 @@ def adam_update_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torc
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     step_size = lr / (1.0 - beta1 ** step)
     # `** 0.5` rather than math.sqrt: torch's AdamW calls pow, and the two may round differently.
-    denom = exp_avg_sq.sqrt().div_((1.0 - beta2 ** step) ** 0.5).add_(config.eps)
+    denom = sqrt(exp_avg_sq).div_((1.0 - beta2 ** step) ** 0.5).add_(config.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)

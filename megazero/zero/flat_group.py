@@ -58,13 +58,15 @@ class FlatParamGroup:
         self.index_of = {id(p): i for i, p in enumerate(params)}
 
     # --- views ------------------------------------------------------------------------------
-    def param_view(self, i: int) -> torch.Tensor:
+    def _slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         slot = self.layout.slots[i]
-        return self.param_flat[slot.offset:slot.offset + slot.numel].view(self.params[i].shape)
+        return flat[slot.offset:slot.offset + slot.numel].view(self.params[i].shape)
+
+    def param_view(self, i: int) -> torch.Tensor:
+        return self._slot_view(self.param_flat, i)
 
     def grad_view(self, i: int) -> torch.Tensor:
-        slot = self.layout.slots[i]
-        return self.grad_flat[slot.offset:slot.offset + slot.numel].view(self.params[i].shape)
+        return self._slot_view(self.grad_flat, i)
 
     def master_chunk(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
