@@ -30,6 +30,9 @@ from .stage3_gather import GatherCoordinator
 from .stage3_units import UnitStore
 
 
+MAX_REDUCTIONS_IN_FLIGHT = 2      # stage-3 gradient reduce-scatters overlapping backward
+
+
 @dataclasses.dataclass
 class StepStats:
     grad_norm: float
@@ -148,10 +151,11 @@ class ZeroEngine:
             self.store.reduce_grads(unit, self._inflight)
             if not self.zero.overlap:
                 self._wait_inflight()
-            # Staging buffers live until their reduce-scatter ends: keep about one reduce bucket
-            # of them in flight (the newest always goes), so backward never holds all gradients.
-            while len(self._inflight) > 1 and \
-                    sum(n for _, n in self._inflight) > self.zero.reduce_bucket_size:
+            # Staging buffers live until their reduce-scatter ends. A backend runs collectives one
+            # at a time anyway, so two in flight keep the overlap; more would only hold memory.
+            while len(self._inflight) > MAX_REDUCTIONS_IN_FLIGHT or (
+                    len(self._inflight) > 1 and
+                    sum(n for _, n in self._inflight) > self.zero.reduce_bucket_size):
                 self._inflight.pop(0)[0].wait()
             self.gather.grads_done(unit)
 
@@ -168,6 +172,7 @@ class ZeroEngine:
             group.finish_gradients()
         self._wait_inflight()
         if self.store is not None:
+            self.store.ensure_grads()
             comm.all_reduce(self.store.grad_part, self.groups.replica)
             if self.groups.embedding.size > 1:
                 for unit in self.store.units:

@@ -19,7 +19,7 @@ from torch import nn
 from megazero import comm
 from .adam import AdamConfig, adam_update
 from .flat import FlatLayout
-from .groups import Precision, ZeroGroups, sum_of_squares
+from .groups import Precision, ZeroGroups, drop_storage, ensure_storage, sum_of_squares
 
 
 class FlatParamGroup:
@@ -181,6 +181,7 @@ class FlatParamGroup:
                 handle = comm.all_reduce(self.grad_flat[span], self.shard_group, async_op=True)
             self._inflight.append((handle, None))
         else:
+            self.ensure_grads()
             staging = self._staging.pop(b)
             target = self.grad_chunk(b)
             fresh = self._bucket_fresh[b]
@@ -220,9 +221,14 @@ class FlatParamGroup:
         for handle, extra in inflight:
             self._finish_one(handle, extra)
 
+    def ensure_grads(self) -> None:
+        if self.grad_part is not None:
+            ensure_storage(self.grad_part)
+
     def finish_gradients(self) -> None:
         """After the last microbatch: all reductions done, MiCS replicas and tied stages summed."""
         self.wait_reductions()
+        self.ensure_grads()
         for group in (self.groups.replica if self.stage > 0 else None,
                       self.groups.embedding if self.shared else None):
             if group is None or group.size == 1:
@@ -277,7 +283,7 @@ class FlatParamGroup:
             for i, p in enumerate(self.params):
                 p.grad = self.grad_view(i)
         else:
-            self.grad_part.zero_()
+            drop_storage(self.grad_part)      # stage 2: no gradient memory between steps
             self._bucket_fresh = [True] * len(self.layout.buckets)
             for p in self.params:
                 p.grad = None

@@ -54,6 +54,18 @@ def counts_in_norm(param, groups: ZeroGroups) -> bool:
     return True
 
 
+def drop_storage(t: torch.Tensor) -> None:
+    """Frees a tensor's memory but keeps the tensor (and views of it) for `ensure_storage`."""
+    t.untyped_storage().resize_(0)
+
+
+def ensure_storage(t: torch.Tensor) -> None:
+    """Gives a tensor emptied by `drop_storage` its memory back, zero-filled."""
+    if t.untyped_storage().nbytes() == 0 and t.numel() > 0:
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+        t.zero_()
+
+
 def sum_of_squares(t: torch.Tensor, slice_elems: int = 1 << 20) -> torch.Tensor:
     """float64 sum of squares of a 1-D tensor, in slices: a whole-tensor `.double().pow(2)` would
     hold two float64 copies of a gradient partition at the step's memory peak."""

@@ -131,18 +131,25 @@ class GatherCoordinator:
         self.position += 1
 
     def _prefetch(self) -> None:
+        """Gathers ahead along the trace until `prefetch_bucket_size` elements lie ahead gathered or
+        in flight (units already there count against it), never beyond max_live_parameters."""
         trace = self.traces.get(self.pass_key)
         if trace is None or self.config.prefetch_bucket_size == 0:
             return
         budget = self.config.prefetch_bucket_size
+        seen = set(self.in_use)
         for index in trace[self.position:]:
-            unit = self.store.units[index]
-            if unit.status is not ParamStatus.NOT_AVAILABLE:
+            if index in seen:
                 continue
-            if unit.total > budget or self.store.live_numel + unit.total > self.config.max_live_parameters:
+            seen.add(index)
+            unit = self.store.units[index]
+            if unit.total > budget:
                 break
-            self.store.start_gather(unit)
             budget -= unit.total
+            if unit.status is ParamStatus.NOT_AVAILABLE:
+                if self.store.live_numel + unit.total > self.config.max_live_parameters:
+                    break
+                self.store.start_gather(unit)
 
     def maybe_release(self, unit: Unit) -> None:
         if unit.index in self.in_use or unit.status is ParamStatus.NOT_AVAILABLE:

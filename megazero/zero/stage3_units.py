@@ -19,7 +19,7 @@ from torch import nn
 
 from megazero import comm
 from .adam import AdamConfig, adam_update
-from .groups import Precision, ZeroGroups, sum_of_squares
+from .groups import Precision, ZeroGroups, drop_storage, ensure_storage, sum_of_squares
 
 
 class ParamStatus(enum.Enum):
@@ -76,6 +76,7 @@ class UnitStore:
         self.exp_avg = torch.zeros(offset, **f32)
         self.exp_avg_sq = torch.zeros(offset, **f32)
         self.grad_part = torch.zeros(offset, dtype=precision.grad_dtype, device=device)
+        drop_storage(self.grad_part)
         self.placeholder = torch.empty(0, dtype=precision.param_dtype, device=device)
         self.live_numel = 0           # elements of full parameters held (AVAILABLE or INFLIGHT)
         self.peak_live_numel = 0
@@ -161,6 +162,7 @@ class UnitStore:
     def reduce_grads(self, unit: Unit, inflight: list) -> None:
         """Reduce-scatters the unit's gradients into (or onto) its gradient partition; appends
         (handle, staged elements) to `inflight` (the staging buffer lives until the handle is waited)."""
+        self.ensure_grads()
         staging, unit.grad_staging = unit.grad_staging, None
         if staging is None:
             staging = torch.zeros(unit.total, dtype=self.precision.grad_dtype, device=self.device)
@@ -226,8 +228,14 @@ class UnitStore:
         if self.master is not self.partition:
             self.partition.copy_(self.master)
 
+    def ensure_grads(self) -> None:
+        """The gradient partition exists from the step's first reduction to the optimizer step."""
+        ensure_storage(self.grad_part)
+
     def zero_grad(self) -> None:
-        self.grad_part.zero_()
+        # Between steps the gradient partition holds no memory (as FSDP frees sharded grads), so
+        # the forward, where activations peak, runs without it.
+        drop_storage(self.grad_part)
         for unit in self.units:
             unit.grad_fresh = True
             for p in unit.params:
@@ -286,7 +294,7 @@ class UnitStore:
             return t.numel() * t.element_size()
         return {
             "params": nbytes(self.partition),
-            "grads": nbytes(self.grad_part),
+            "grads": nbytes(self.grad_part),      # its size in backward (it is freed between steps)
             "master": 0 if self.master is self.partition else nbytes(self.master),
             "optimizer_states": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq),
             "live_params": self.live_numel * self.partition.element_size(),
