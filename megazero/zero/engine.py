@@ -98,15 +98,14 @@ class ZeroEngine:
         return groups
 
     def _build_units(self, modules, persistent, init_fn) -> dict[int, nn.Parameter]:
-        persistent_ids = {id(p) for _, p in persistent}
-        owner: dict[int, nn.Module] = {}
+        # A module's unit is its own non-persistent parameters; a parameter registered in two
+        # modules (a tied head) belongs to the first and is external to the second.
+        taken = {id(p) for _, p in persistent}
         units_params: list[tuple[str, list]] = []
         for root in modules:
             for mod_name, module in root.named_modules():
-                params = [p for p in module.parameters(recurse=False)
-                          if id(p) not in persistent_ids and id(p) not in owner]
-                for p in params:
-                    owner[id(p)] = module
+                params = [p for p in module.parameters(recurse=False) if id(p) not in taken]
+                taken.update(id(p) for p in params)
                 if params:
                     units_params.append((mod_name or type(module).__name__, params))
         self.store = UnitStore(units_params, self.groups, self.precision, self.device)
