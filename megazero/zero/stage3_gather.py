@@ -13,6 +13,8 @@ that module: detected when the same Parameter is registered in two modules, or d
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import warnings
 
 import torch
@@ -36,11 +38,29 @@ class _BeforeBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+class Trace:
+    """A recorded order of unit uses, with what reuse decisions need in O(log n) per query."""
+
+    def __init__(self, order: list[int], totals: list[int]):
+        self.order = order
+        self.prefix = [0]                       # elements fetched before each position
+        self.positions: dict[int, list[int]] = {}
+        for position, index in enumerate(order):
+            self.prefix.append(self.prefix[-1] + totals[index])
+            self.positions.setdefault(index, []).append(position)
+
+    def distance_to_next_use(self, index: int, position: int) -> float:
+        """Elements fetched from `position` until unit `index` is used again (inf if never)."""
+        uses = self.positions.get(index, [])
+        k = bisect.bisect_left(uses, position)
+        return self.prefix[uses[k]] - self.prefix[position] if k < len(uses) else float("inf")
+
+
 class GatherCoordinator:
     def __init__(self, store: UnitStore, config: ZeroConfig):
         self.store, self.config = store, config
         self.module_units: dict[nn.Module, list[Unit]] = {}
-        self.traces: dict[object, list[int]] = {}     # by pass kind: recorded unit order
+        self.traces: dict[object, Trace] = {}         # by pass kind: recorded unit order
         self.recording: list[int] | None = None
         self.pass_key: object = None                 # "train", or ("eval", root) per evaluation forward
         self.position = 0
@@ -120,7 +140,7 @@ class GatherCoordinator:
     def _record(self, unit: Unit) -> None:
         trace = self.traces.get(self.pass_key)
         if trace is not None:
-            if self.position < len(trace) and trace[self.position] == unit.index:
+            if self.position < len(trace.order) and trace.order[self.position] == unit.index:
                 self.position += 1
                 return
             warnings.warn(f"ZeRO-3: module order changed at use {self.position} (unit {unit.name}); "
@@ -138,7 +158,7 @@ class GatherCoordinator:
             return
         budget = self.config.prefetch_bucket_size
         seen = set(self.in_use)
-        for index in trace[self.position:]:
+        for index in itertools.islice(trace.order, self.position, None):
             if index in seen:
                 continue
             seen.add(index)
@@ -164,12 +184,7 @@ class GatherCoordinator:
         trace = self.traces.get(self.pass_key)
         if trace is None:
             return float("inf")
-        distance = 0
-        for index in trace[self.position:]:
-            if index == unit.index:
-                return distance
-            distance += self.store.units[index].total
-        return float("inf")
+        return trace.distance_to_next_use(unit.index, self.position)
 
     def _make_room(self, needed: int) -> None:
         """Releases gathered units kept for reuse (not in use now) until `needed` more elements fit
@@ -196,11 +211,12 @@ class GatherCoordinator:
     def end_pass(self) -> None:
         """Ends the pass: keeps a freshly recorded trace and releases every unit."""
         if self.recording is not None and self.pass_key not in self.traces and self.recording:
-            self.traces[self.pass_key] = self.recording
+            self.traces[self.pass_key] = Trace(self.recording, [u.total for u in self.store.units])
         self.pass_key, self.recording, self.position = None, None, 0
         self.in_use.clear()
         for unit in self.store.units:
             self.store.release(unit)
 
     def trace_names(self, key="train") -> list[str]:
-        return [self.store.units[i].name for i in self.traces.get(key, [])]
+        trace = self.traces.get(key)
+        return [self.store.units[i].name for i in trace.order] if trace else []
