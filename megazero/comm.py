@@ -36,11 +36,8 @@ class CommLog:
         self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
         self.last_step: dict[tuple[str, str, str], float] = {}
-        self.enabled = True
 
     def record(self, op: str, group: "Group", nbytes: float) -> None:
-        if not self.enabled:
-            return
         key = (op, group.name, "intra" if group.intra_node else "inter")
         self.step_bytes[key] += nbytes
         self.step_calls[key] += 1
@@ -52,14 +49,6 @@ class CommLog:
         self.step_bytes.clear()
         self.step_calls.clear()
         return self.last_step
-
-    def bytes_where(self, op: str | None = None, group: str | None = None,
-                    locality: str | None = None, counts: dict | None = None) -> float:
-        """Sum of bytes matching the filters in `counts` (default: the step in progress)."""
-        counts = self.step_bytes if counts is None else counts
-        return sum(b for (o, g, loc), b in counts.items()
-                   if (op is None or o == op) and (group is None or g == group)
-                   and (locality is None or loc == locality))
 
     def summary(self, counts: dict | None = None) -> str:
         counts = self.last_step if counts is None else counts

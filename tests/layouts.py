@@ -3,8 +3,6 @@ tokens and return its loss curve and its full final parameters, for comparison w
 single-process run of the same code."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megazero.config import OptimizerConfig, ParallelConfig, TrainConfig
@@ -143,7 +141,3 @@ def assert_close(actual, expected, what: str):
     actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
     atol = RTOL * float(expected.abs().max())
     torch.testing.assert_close(actual, expected, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-def replace(cfg: TrainConfig, **changes) -> TrainConfig:
-    return dataclasses.replace(cfg, **changes)

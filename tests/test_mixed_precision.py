@@ -2,7 +2,7 @@
 optimizer states untouched) and lowers the scale; clean steps train and track the fp32 curve."""
 import torch
 
-from layouts import layout_worker, run_training, small_config
+from layouts import run_training, small_config
 from megazero.parallel.groups import ProcessGroups
 from megazero.zero.loss_scaler import LossScaler
 

@@ -91,6 +91,13 @@ def inspection_worker(ctx, stage):
         grad = zi.safe_get_full_grad(p)
         zi.safe_set_full_grad(p, grad * 2)
         assert torch.equal(zi.safe_get_full_grad(p), grad * 2), name
+        local_grad = zi.safe_get_local_grad(p)
+        zi.safe_set_local_grad(p, local_grad + 3)
+        assert torch.equal(zi.safe_get_local_grad(p), local_grad + 3), name
+        for key in zi.OPTIMIZER_KEYS:
+            local_state = zi.safe_get_local_optimizer_state(p, key)
+            zi.safe_set_local_optimizer_state(p, local_state * 2, key)
+            assert torch.equal(zi.safe_get_local_optimizer_state(p, key), local_state * 2), (name, key)
         local = zi.safe_get_local_fp32_param(p)
         zi.safe_set_local_fp32_param(p, local + 1)
         assert torch.equal(zi.safe_get_local_fp32_param(p), local + 1)

@@ -6,9 +6,8 @@ must match the 1-process loss curve elementwise (rtol 1e-5) and its final parame
 layouts.assert_params_match for why parameters are compared per tensor).
 """
 import pytest
-import torch
 
-from layouts import (RTOL, assemble_params, assert_close, assert_params_match, last_stage_result,
+from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
                      layout_worker, run_training, small_config, strip_padding)
 from megazero.parallel.groups import ProcessGroups
 

@@ -57,7 +57,7 @@ class ZeroEngine:
         persistent = [(n, p) for n, p in named if zero.stage < 3 or p.numel() <= zero.param_persistence_threshold]
         self.flat_groups = self._build_flat_groups(persistent, init_fn)
         replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
-        self.store, self.gather = None, None
+        self.store, self.gather, self._shared_units = None, None, []
         if zero.stage == 3:
             replaced.update(self._build_units(modules, persistent, init_fn))
         _swap_parameters(modules, replaced)
@@ -113,6 +113,9 @@ class ZeroEngine:
         self.store.plan_segments(
             lambda p: self.adam.weight_decay if uses_weight_decay(p.zero_full_shape) else 0.0,
             lambda p: counts_in_norm(p, self.groups))
+        # Units holding a tied embedding copy (first and last pipeline stage) sum their gradients.
+        self._shared_units = [u for u in self.store.units if self.groups.embedding.size > 1
+                              and any(getattr(p, "shared_embedding", False) for p in u.params)]
         self.gather = GatherCoordinator(self.store, self.zero)
         self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()})
         return replaced
@@ -173,11 +176,8 @@ class ZeroEngine:
         if self.store is not None:
             self.store.ensure_grads()
             comm.all_reduce(self.store.grad_part, self.groups.replica)
-            if self.groups.embedding.size > 1:
-                for unit in self.store.units:
-                    if any(getattr(p, "shared_embedding", False) for p in unit.params):
-                        comm.all_reduce(self.store.unit_slice(self.store.grad_part, unit),
-                                        self.groups.embedding)
+            for unit in self._shared_units:
+                comm.all_reduce(self.store.unit_slice(self.store.grad_part, unit), self.groups.embedding)
         self.grads_ready = True
 
     # --- step -------------------------------------------------------------------------------

@@ -87,7 +87,3 @@ class FlatLayout:
         if start >= end:
             return None
         return bucket.local_offset + (start - lo), start - slot.offset, end - start
-
-    def partition_to_flat(self) -> list[tuple[int, int, int]]:
-        """(partition offset, flat offset, length) for each of this rank's chunks."""
-        return [(b.local_offset, b.chunk_range(self.rank)[0], b.chunk) for b in self.buckets]
