@@ -15,6 +15,7 @@ import torch
 from megazero import comm
 from megazero.config import TrainConfig
 from megazero.model_builder import build_model_chunks, make_init_fn
+from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, summed_across_stages
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
@@ -58,8 +59,13 @@ class TrainState:
 
 def zero_groups(groups: ProcessGroups) -> ZeroGroups:
     return ZeroGroups(dp=groups.dp, shard=groups.mics_shard, replica=groups.mics_replica,
-                      model_parallel=groups.mp, embedding=groups.embedding, tp_rank=groups.coords.tp,
-                      is_first_stage=groups.is_first_stage, is_last_stage=groups.is_last_stage)
+                      model_parallel=groups.mp, gather=getattr(groups, "mics_shard_gather", None))
+
+
+def precision_of(cfg: TrainConfig) -> Precision:
+    prec = cfg.precision
+    return Precision.from_flags(prec.bf16, prec.fp16, getattr(prec, "grad_accum_dtype", "fp32"),
+                                getattr(prec, "reduce_dtype", "fp32"))
 
 
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
@@ -69,11 +75,12 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
                                 virtual_stages=par.virtual_stages, layer_split=par.layer_split)
     prec = cfg.precision
-    precision = Precision.from_flags(prec.bf16, prec.fp16)
+    precision = precision_of(cfg)
     scaler = (LossScaler.for_fp16(prec.loss_scale, prec.initial_scale_power, prec.loss_scale_window,
                                   prec.hysteresis, prec.min_loss_scale) if prec.fp16 else LossScaler())
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), zero_groups(groups), cfg.zero,
-                        cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device)
+                        cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device,
+                        counts_in_norm=lambda p: counts_in_norm(p, groups), isolated=summed_across_stages)
     for chunk in chunks:
         chunk.train()
     return TrainState(cfg, groups, chunks, engine, device)
@@ -94,7 +101,7 @@ def _job(state: TrainState, microbatches: list[torch.Tensor]) -> PipelineJob:
     p2p = None
     if groups.topology.pp > 1:
         seq = cfg.model.seq_length // (groups.topology.tp if cfg.parallel.sequence_parallel else 1)
-        dtype = Precision.from_flags(cfg.precision.bf16, cfg.precision.fp16).param_dtype
+        dtype = precision_of(cfg).param_dtype
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size), dtype, state.device)
     return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
                        stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
@@ -104,9 +111,9 @@ def _job(state: TrainState, microbatches: list[torch.Tensor]) -> PipelineJob:
 def _global_loss(state: TrainState, losses: list[torch.Tensor]) -> float:
     """Sum of the last stage's microbatch losses over DP, sent to every pipeline stage."""
     groups = state.groups
-    total = torch.zeros(1, dtype=torch.float64)
-    if groups.is_last_stage:
-        total += sum(float(l) for l in losses)
+    total = torch.zeros(1, dtype=torch.float64, device=state.device)
+    if groups.is_last_stage and losses:
+        total += torch.stack(losses).double().sum()
         comm.all_reduce(total, groups.dp)
     comm.broadcast(total, groups.topology.pp - 1, groups.pp)
     return total.item()
@@ -126,6 +133,8 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float) -
     schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
     state.engine.begin_step()
     result = schedule(_job(state, microbatches), forward_only=False)
+    state.engine.finish_gradients()
+    finalize_model_grads(state.engine.parameters(), state.engine.grad_pieces, state.groups)
     stats = state.engine.step(lr)
     state.iteration += 1
     loss = _global_loss(state, result.losses)

@@ -91,6 +91,10 @@ class RowParallelLinear(nn.Module):
         self.weight = mark_split(_param((out_features, in_features // group.size), device, dtype),
                                  TPShard(1, group.rank, group.size))
         self.bias = _param((out_features,), device, dtype) if bias else None
+        if self.bias is not None and sequence_parallel:
+            # Each rank adds the bias to its own tokens only, so its gradient is partial; it is
+            # summed over TP once per step (megazero.parallel.finalize).
+            self.bias.sequence_parallel = True
 
     def forward(self, x):
         y = F.linear(x, self.weight)
@@ -98,12 +102,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_region(y, self.group)
         else:
             y = reduce_from_tp_region(y, self.group)
-        if self.bias is not None:
-            # Under sequence parallelism each rank adds the bias to its own tokens only, so its
-            # gradient is partial: copy_to_tp_region all-reduces it in the backward pass.
-            bias = copy_to_tp_region(self.bias, self.group) if self.sequence_parallel else self.bias
-            y = y + bias
-        return y
+        return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -170,8 +169,8 @@ class ParallelLMHead(nn.Module):
 
 
 class SequenceParallelNorm(nn.Module):
-    """LayerNorm/RMSNorm on a sequence shard: its weight gradient is partial per rank, so the weight
-    passes through copy_to_tp_region (identity forward, all-reduce of the gradient backward)."""
+    """LayerNorm/RMSNorm on a sequence shard: its weight (and bias) gradients are partial per rank,
+    marked `sequence_parallel` and summed over TP once per step (megazero.parallel.finalize)."""
 
     def __init__(self, norm: nn.Module, group: Group):
         super().__init__()
@@ -181,10 +180,11 @@ class SequenceParallelNorm(nn.Module):
         self.weight = norm.weight
         self.bias = getattr(norm, "bias", None)
         self.group = group
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.sequence_parallel = True
 
     def forward(self, x):
-        weight = copy_to_tp_region(self.weight, self.group)
         if self.kind == "rmsnorm":
-            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
-        bias = copy_to_tp_region(self.bias, self.group) if self.bias is not None else None
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

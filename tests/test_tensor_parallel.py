@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.parallel.finalize import plain_grads, sum_sequence_parallel_grads
 from megazero.parallel.layers import (ColumnParallelLinear, ParallelEmbedding, ParallelLMHead,
                                       RowParallelLinear, SequenceParallelNorm,
                                       VocabParallelEmbedding)
@@ -68,6 +69,7 @@ def check_column_row(group, sp):
     grad_out = _inputs(8, *y_ref.shape)
     y_ref.backward(grad_out)
     y.backward(_shard_seq(grad_out, group, sp))
+    sum_sequence_parallel_grads(list(row.parameters()), plain_grads, group)
     close(x_local.grad, x.grad.chunk(group.size, dim=-1)[group.rank], "row input grad")
     close(row.weight.grad, row.weight.tp_shard.local_from_full(ref.weight.grad), "row weight grad")
     close(row.bias.grad, ref.bias.grad, "row bias grad (replicated)")
@@ -112,6 +114,7 @@ def check_embedding_and_loss(group, sp):
     weights = _inputs(15, B, S)
     (loss * weights).sum().backward()
     (loss_ref * weights).sum().backward()
+    sum_sequence_parallel_grads(list(norm.parameters()), plain_grads, group)
     close(word.weight.grad, word.weight.tp_shard.local_from_full(word_ref.weight.grad),
           "tied embedding grad")
     assert torch.all(word_ref.weight.grad[vocab:] == 0), "padding rows must get no gradient"

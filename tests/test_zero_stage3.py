@@ -100,8 +100,9 @@ def analytic_stage3(ctx):
 
 def test_stage3_exact_activations_and_gradient_partitions(dist_pool):
     results = dist_pool(2).run(analytic_stage3)
-    # fc1 has 9 elements: 5 per rank, the last one padding; fc2 has 4: 2 per rank, no padding
-    assert results[0] == results[1] == {"fc1": (5, 1), "fc2": (2, 0)}
+    # A unit is a bucket of the flat layout: padded so each rank's chunk is a multiple of
+    # CHUNK_ALIGN (8) elements. fc1 has 9 elements (16 in all, 7 padding), fc2 has 4 (12 padding).
+    assert results[0] == results[1] == {"fc1": (8, 7), "fc2": (8, 12)}
 
 
 class Stack(nn.Module):

@@ -24,13 +24,11 @@ from megazero import comm
 from .adam import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
-from .groups import Precision, ZeroGroups, counts_in_norm, uses_weight_decay
+from .groups import Precision, ZeroGroups, uses_weight_decay
 from .loss_scaler import LossScaler
 from .stage3_gather import GatherCoordinator
 from .stage3_units import UnitStore
-
-
-MAX_REDUCTIONS_IN_FLIGHT = 2      # stage-3 gradient reduce-scatters overlapping backward
+from .storage import PartitionedStorage, ReductionQueue
 
 
 @dataclasses.dataclass
@@ -40,28 +38,44 @@ class StepStats:
     loss_scale: float
 
 
+def _always(param) -> bool:
+    return True
+
+
+def _never(param) -> bool:
+    return False
+
+
 class ZeroEngine:
     def __init__(self, modules: list[nn.Module], init_fn, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: Precision = Precision(), clip_grad: float = 0.0,
-                 loss_scaler: LossScaler | None = None, device="cpu"):
+                 loss_scaler: LossScaler | None = None, device="cpu", *,
+                 counts_in_norm=_always, isolated=_never):
+        """`counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
+        norm (a replicated copy is counted once). `isolated(param)`: parameters whose reduced
+        gradients the caller sums across other ranks afterwards (a tied embedding on two pipeline
+        stages); each gets buffers of its own, so its partition is laid out identically there."""
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = precision, clip_grad, torch.device(device)
         self.loss_scaler = loss_scaler or LossScaler()
         self.step_count = 0
+        self.skipped_steps = 0
         self.grads_ready = False
-        self._inflight: list[tuple[comm.Handle, int]] = []     # stage-3 reductions, staged elements
+        self.queue = ReductionQueue(zero.reduce_bucket_size, zero.overlap)
         named = _unique_named_parameters(modules)
         self.names = {id(p): n for n, p in named}
         user_init = init_fn
         init_fn = lambda p: user_init(self.names[id(p)], p)  # noqa: E731  (old params, by name)
         persistent = [(n, p) for n, p in named if zero.stage < 3 or p.numel() <= zero.param_persistence_threshold]
-        self.flat_groups = self._build_flat_groups(persistent, init_fn)
+        self.flat_groups = self._build_flat_groups(persistent, init_fn, isolated)
         replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
-        self.store, self.gather, self._shared_units = None, None, []
+        self.store, self.gather = None, None
         if zero.stage == 3:
             replaced.update(self._build_units(modules, persistent, init_fn))
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
+        for storage in self._storages():
+            storage.plan(self._weight_decay_of, counts_in_norm)
         self.has_grads = False
         me = weakref.ref(self)
         for group in self.flat_groups:
@@ -70,28 +84,29 @@ class ZeroEngine:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(group.on_grad_ready)
         if self.store is not None:
-            for unit in self.store.units:
-                for p in unit.params:
-                    p.zero_storage, p.zero_engine = self.store, me
-                    if p.requires_grad:
-                        p.register_post_accumulate_grad_hook(self._on_unit_grad)
+            for p in self.store.params:
+                p.zero_storage, p.zero_engine = self.store, me
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_unit_grad)
 
     # --- construction -----------------------------------------------------------------------
-    def _build_flat_groups(self, named, init_fn) -> list[FlatParamGroup]:
+    def _weight_decay_of(self, param, full_shape) -> float:
+        return self.adam.weight_decay if uses_weight_decay(full_shape) else 0.0
+
+    def _build_flat_groups(self, named, init_fn, isolated) -> list[FlatParamGroup]:
         buckets: dict[tuple[bool, bool], list] = {}
         for name, p in named:
-            key = (uses_weight_decay(p.shape), bool(getattr(p, "shared_embedding", False)))
+            key = (uses_weight_decay(p.shape), bool(isolated(p)))
             buckets.setdefault(key, []).append(p)
         stage = 2 if self.zero.stage == 3 else self.zero.stage
+        g = self.groups
         groups, self._flat_olds = [], []
-        for (decay, shared), params in sorted(buckets.items()):
+        for _, params in sorted(buckets.items()):
             group = FlatParamGroup(
-                params, stage=stage, weight_decay=self.adam.weight_decay if decay else 0.0,
-                groups=self.groups, precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
-                overlap=self.zero.overlap, shared=shared,
-                counted=[counts_in_norm(p, self.groups) for p in params], device=self.device,
-                allgather_bucket_size=self.zero.allgather_bucket_size,
-                reduce_scatter=self.zero.reduce_scatter or self.zero.stage == 3)
+                params, stage=stage, dp=g.dp, shard=g.shard if stage > 0 else None, replica=g.replica,
+                precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
+                device=self.device, queue=self.queue, allgather_bucket_size=self.zero.allgather_bucket_size,
+                reduce_scatter=self.zero.reduce_scatter)
             self._flat_olds.append((group, params))
             group.materialize(init_fn)
             groups.append(group)
@@ -108,14 +123,9 @@ class ZeroEngine:
                 taken.update(id(p) for p in params)
                 if params:
                     units_params.append((mod_name or type(module).__name__, params))
-        self.store = UnitStore(units_params, self.groups, self.precision, self.device)
+        self.store = UnitStore(units_params, self.groups, self.precision, self.device, self.queue,
+                               reduce_scatter=self.zero.reduce_scatter)
         replaced = self.store.materialize(init_fn)
-        self.store.plan_segments(
-            lambda p: self.adam.weight_decay if uses_weight_decay(p.zero_full_shape) else 0.0,
-            lambda p: counts_in_norm(p, self.groups))
-        # Units holding a tied embedding copy (first and last pipeline stage) sum their gradients.
-        self._shared_units = [u for u in self.store.units if self.groups.embedding.size > 1
-                              and any(getattr(p, "shared_embedding", False) for p in u.params)]
         self.gather = GatherCoordinator(self.store, self.zero)
         self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()})
         return replaced
@@ -144,69 +154,59 @@ class ZeroEngine:
             for unit in self.store.units:
                 # Some but not all of its gradients arrived (unused parameters): reduce what came.
                 if unit.grad_staging is not None:
-                    self.store.reduce_grads(unit, self._inflight)
+                    self.store.reduce_grads(unit)
                     self.gather.grads_done(unit)
 
     def _on_unit_grad(self, param: nn.Parameter) -> None:
         if self.store.add_grad(param):
             unit = param.zero_unit
-            self.store.reduce_grads(unit, self._inflight)
-            if not self.zero.overlap:
-                self._wait_inflight()
-            # Staging buffers live until their reduce-scatter ends. A backend runs collectives one
-            # at a time anyway, so two in flight keep the overlap; more would only hold memory.
-            while len(self._inflight) > MAX_REDUCTIONS_IN_FLIGHT or (
-                    len(self._inflight) > 1 and
-                    sum(n for _, n in self._inflight) > self.zero.reduce_bucket_size):
-                self._inflight.pop(0)[0].wait()
+            self.store.reduce_grads(unit)
             self.gather.grads_done(unit)
 
-    def _wait_inflight(self) -> None:
-        inflight, self._inflight = self._inflight, []
-        for handle, _ in inflight:
-            handle.wait()
-
     def finish_gradients(self) -> None:
-        """Completes every reduction of the step (MiCS replicas and tied stages included)."""
+        """Completes every reduction of the step (MiCS replicas included). Afterwards, and until
+        the step, `grad_pieces` are this rank's reduced gradients (for finalize_model_grads)."""
         if self.grads_ready:
             return
-        for group in self.flat_groups:
-            group.finish_gradients()
-        self._wait_inflight()
-        if self.store is not None:
-            self.store.ensure_grads()
-            comm.all_reduce(self.store.grad_part, self.groups.replica)
-            for unit in self._shared_units:
-                comm.all_reduce(self.store.unit_slice(self.store.grad_part, unit), self.groups.embedding)
+        self.queue.wait_all()
+        for storage in self._storages():
+            storage.finish_gradients()
         self.grads_ready = True
 
+    def grad_pieces(self, params) -> list[torch.Tensor]:
+        """This rank's pieces (1-D views, possibly empty) of the reduced gradients of `params`."""
+        self.finish_gradients()
+        return [p.zero_storage.local_view(p, "grad") for p in params]
+
     # --- step -------------------------------------------------------------------------------
-    def _storages(self):
+    def _storages(self) -> list[PartitionedStorage]:
         return list(self.flat_groups) + ([self.store] if self.store is not None else [])
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the (unscaled) gradients over DP shards, TP and PP."""
-        sumsq = sum((s.grad_sumsq() for s in self._storages()), torch.zeros((), dtype=torch.float64))
+        """Global L2 norm of the (unscaled) gradients over DP shards, TP and PP; inf or nan when
+        any rank holds a non-finite gradient (one all-reduce per group serves both)."""
+        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for storage in self._storages():
+            sumsq += storage.grad_sumsq()
+        # Stage 0 ranks hold identical all-reduced gradients (a NaN anywhere reached every rank);
+        # partitions are summed over the shard group (MiCS replicas already hold the same sums).
         if self.zero.stage > 0:
             comm.all_reduce(sumsq, self.groups.shard)
         comm.all_reduce(sumsq, self.groups.model_parallel)
-        return math.sqrt(sumsq.item()) / self.loss_scaler.scale
-
-    def _overflow(self) -> bool:
-        if not self.loss_scaler.dynamic:
-            return False
-        local = float(any(s.has_inf_or_nan() for s in self._storages()))
-        flag = comm.all_reduce_object_max(local, self.groups.shard if self.zero.stage > 0 else self.groups.dp)
-        return comm.all_reduce_object_max(flag, self.groups.model_parallel) > 0
+        value = sumsq.item()
+        return math.sqrt(value) / self.loss_scaler.scale if value >= 0 else float("nan")
 
     def step(self, lr: float) -> StepStats:
+        """Clips and applies the step's gradients; a non-finite gradient norm (any precision, any
+        rank) skips the step on every rank instead, and fp16's dynamic loss scale backs off."""
         self.finish_gradients()
         scale = self.loss_scaler.scale
-        if self._overflow():
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
             self.loss_scaler.update(True)
             self._end_step()
-            return StepStats(float("nan"), True, scale)
-        norm = self.grad_norm()
+            return StepStats(norm, True, scale)
         coef = 1.0 / scale
         if self.clip_grad > 0 and norm > self.clip_grad:
             coef *= self.clip_grad / (norm + 1e-6)
@@ -243,9 +243,7 @@ class ZeroEngine:
             report["peak_live_params"] = self.store.peak_live_numel * self.store.partition.element_size()
         # Module buffers, and gradient staging buckets alive right now (in flight or filling).
         report["buffers"] = sum(b.numel() * b.element_size() for m in self.modules for b in m.buffers())
-        report["buffers"] += sum(s.staging_bytes() for s in self._storages())
-        grad_bytes = torch.empty((), dtype=self.precision.grad_dtype).element_size()
-        report["buffers"] += sum(n for _, n in self._inflight) * grad_bytes
+        report["buffers"] += sum(s.staging_bytes() for s in self._storages()) + self.queue.staged_bytes()
         report["model_states"] = sum(report[k] for k in ("params", "grads", "master", "optimizer_states"))
         return report
 

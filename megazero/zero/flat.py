@@ -1,7 +1,9 @@
-"""Flat-buffer layout for ZeRO stages 0-2 (and stage 3's persistent parameters): pure arithmetic.
+"""Flat-buffer layout of every ZeRO stage: pure arithmetic.
 
-Parameters are laid end to end in one flat buffer, grouped into buckets that end at parameter
-boundaries (a parameter larger than the bucket size gets a bucket of its own). Each bucket is padded
+Parameters are laid end to end in one flat buffer, grouped into buckets. Stages 0-2 (and stage 3's
+persistent parameters) cut buckets by size, ending at parameter boundaries (a parameter larger than
+the bucket size gets a bucket of its own); stage 3 makes one bucket per unit (a module's own
+parameters, `FlatLayout.of_groups`). Each bucket is padded
 to a multiple of the shard count n (times an alignment) and split into n equal chunks; rank r owns
 chunk r of every bucket. A bucket is therefore exactly one reduce-scatter (or all-gather) over the
 shard group, with no copies, and a rank's partition is the concatenation of its chunks (Megatron's distributed optimizer uses the
@@ -43,19 +45,22 @@ class Bucket:
 
 
 class FlatLayout:
-    def __init__(self, numels: list[int], bucket_size: int, shards: int, rank: int):
+    def __init__(self, numels: list[int], bucket_size: int, shards: int, rank: int,
+                 groups: list[list[int]] | None = None):
+        """Buckets of at most `bucket_size` elements in reverse parameter order, or exactly the
+        given `groups` of parameter indices (in that order) when they are given."""
         if bucket_size <= 0:
             raise ValueError(f"bucket size must be positive, got {bucket_size}")
         self.shards, self.rank = shards, rank
-        order = list(reversed(range(len(numels))))
-        groups: list[list[int]] = []
-        filled = 0
-        for i in order:
-            if not groups or (filled + numels[i] > bucket_size and filled > 0):
-                groups.append([])
-                filled = 0
-            groups[-1].append(i)
-            filled += numels[i]
+        if groups is None:
+            groups = []
+            filled = 0
+            for i in reversed(range(len(numels))):
+                if not groups or (filled + numels[i] > bucket_size and filled > 0):
+                    groups.append([])
+                    filled = 0
+                groups[-1].append(i)
+                filled += numels[i]
 
         slots: dict[int, Slot] = {}
         buckets: list[Bucket] = []
@@ -76,6 +81,16 @@ class FlatLayout:
         self.total = offset                   # padded flat size
         self.partition_size = local           # elements this rank owns (same on every rank)
         self.numel = sum(numels)              # unpadded
+
+    @classmethod
+    def of_groups(cls, group_numels: list[list[int]], shards: int, rank: int) -> "FlatLayout":
+        """One bucket per group, parameters numbered consecutively across groups in order."""
+        numels = [n for group in group_numels for n in group]
+        groups, first = [], 0
+        for group in group_numels:
+            groups.append(list(range(first, first + len(group))))
+            first += len(group)
+        return cls(numels, 1, shards, rank, groups)
 
     def local_piece(self, index: int) -> tuple[int, int, int] | None:
         """The part of parameter `index` in this rank's partition: (partition offset, offset inside

@@ -1,7 +1,7 @@
 """The process groups and precision settings a ZeRO optimizer needs, handed in from outside.
 
-ZeRO knows nothing of tensor or pipeline layers: it gets parameters, these groups and a few flags
-per parameter (`tensor_parallel`, `shared_embedding`) that say how to count them in norms.
+ZeRO knows nothing of tensor or pipeline layers: it gets parameters, these groups and, as data,
+which parameters count in the gradient norm (megazero.parallel.finalize decides that).
 """
 from __future__ import annotations
 
@@ -14,20 +14,29 @@ from megazero.comm import Group
 
 @dataclasses.dataclass
 class ZeroGroups:
-    dp: Group            # the whole data-parallel group
-    shard: Group         # where states are partitioned (the DP group, or a MiCS shard group)
-    replica: Group       # ranks holding the same partition (MiCS replicas; a group of one otherwise)
-    model_parallel: Group  # TP x PP: norms and overflow flags are summed/maxed over it
-    embedding: Group     # first + last pipeline stage: tied embedding gradients are summed over it
-    tp_rank: int = 0
-    is_last_stage: bool = True
-    is_first_stage: bool = True
+    dp: Group              # the whole data-parallel group
+    shard: Group           # where states are partitioned (the DP group, or a MiCS shard group)
+    replica: Group         # ranks holding the same partition (MiCS replicas; a group of one otherwise)
+    model_parallel: Group  # TP x PP: gradient norms are summed over it
+    gather: Group | None = None  # same ranks as `shard`, its own communicator, so stage-3 parameter
+    #                               gathers never queue behind gradient reductions (None: `shard`)
+
+    @property
+    def shard_gather(self) -> Group:
+        return self.gather if self.gather is not None else self.shard
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """Low-precision model weights/grads with fp32 master weights, or everything in fp32."""
+    """The dtypes of a run: model weights (bf16/fp16 with fp32 master weights, or fp32), gradient
+    accumulation across microbatches, and gradient reduction. As DeepSpeed's bf16 optimizer and
+    Megatron's main_grad do, 16-bit runs accumulate and reduce gradients in fp32 by default."""
     param_dtype: torch.dtype = torch.float32
+    grad_accum_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
 
     @property
     def mixed(self) -> bool:
@@ -35,23 +44,18 @@ class Precision:
 
     @property
     def grad_dtype(self) -> torch.dtype:
-        return self.param_dtype
+        return self.grad_accum_dtype
 
     @classmethod
-    def from_flags(cls, bf16: bool = False, fp16: bool = False) -> "Precision":
+    def from_flags(cls, bf16: bool = False, fp16: bool = False, grad_accum: str = "fp32",
+                   reduce: str = "fp32") -> "Precision":
         if bf16 and fp16:
             raise ValueError("choose one of bf16 and fp16")
-        return cls(torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32)
-
-
-def counts_in_norm(param, groups: ZeroGroups) -> bool:
-    """Whether this rank counts `param` in the global gradient norm: TP-replicated parameters are
-    counted on TP rank 0 only, and a tied embedding living on two pipeline stages on the first only."""
-    if not getattr(param, "tensor_parallel", False) and groups.tp_rank != 0:
-        return False
-    if getattr(param, "shared_embedding", False) and not groups.is_first_stage:
-        return False
-    return True
+        param = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+        for name, value in (("gradient accumulation", grad_accum), ("gradient reduction", reduce)):
+            if _DTYPES[value] not in (torch.float32, param):
+                raise ValueError(f"{name} in {value} needs {value} parameters (or fp32)")
+        return cls(param, _DTYPES[grad_accum], _DTYPES[reduce])
 
 
 def drop_storage(t: torch.Tensor) -> None:

@@ -1,0 +1,274 @@
+"""ZeRO's storage: this rank's partition of a flat layout, one interface under every stage.
+
+A `FlatLayout` places parameters end to end in buckets (stages 0-2: gradient buckets cut by size;
+stage 3: one bucket per module unit). Each bucket is padded to a multiple of the shard count and
+rank r owns chunk r of every bucket, so a bucket is exactly one reduce-scatter or all-gather.
+
+`PartitionedStorage` owns the per-rank optimizer state over that layout (fp32 master, Adam moments,
+the gradient partition) and implements, once for every stage, what is done with it: materialize
+from an init function, views of one parameter's piece by kind, a parameter's whole value, writes,
+the gradient reduction of a filled bucket, the gradient norm (with the non-finite check folded
+in), the Adam step and memory accounting. Subclasses say where a bucket's low-precision weights
+and gradients live (`param_chunk`, `grad_chunk`) and when full weights exist (the gather policy):
+FlatParamGroup keeps them full, UnitStore gathers units on demand.
+
+Kinds: "param" (the low-precision weights the model computes with), "fp32" (master), "grad",
+"exp_avg", "exp_avg_sq". In fp32 runs without a separate master the "fp32" kind *is* "param".
+
+`ReductionQueue` is the single in-flight policy for gradient reductions.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megazero import comm
+from .adam import AdamConfig, adam_update
+from .flat import FlatLayout
+from .groups import Precision, drop_storage, ensure_storage, sum_of_squares
+
+KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
+
+
+class ReductionQueue:
+    """Gradient reductions in flight, oldest first. Each holds its staging buffer until waited.
+
+    A communicator runs its collectives one at a time, so two staged reductions in flight keep
+    backward and communication overlapped; more would only hold staging memory. The staged
+    elements are also kept under `max_staged` (DeepSpeed's reduce_bucket_size), the newest always
+    going out. Reductions without staging (stage 0/1 reduce in place) are not bounded."""
+
+    MAX_STAGED_IN_FLIGHT = 2
+
+    def __init__(self, max_staged: int, overlap: bool = True):
+        self.max_staged, self.overlap = max_staged, overlap
+        self._items: list[tuple[comm.Handle, torch.Tensor | None]] = []
+
+    def push(self, handle: comm.Handle, staging: torch.Tensor | None = None) -> None:
+        self._items.append((handle, staging))
+        if not self.overlap:
+            self.wait_all()
+            return
+        while self._staged_count() > self.MAX_STAGED_IN_FLIGHT or (
+                self._staged_count() > 1 and self.staged_numel() > self.max_staged):
+            self._wait_oldest_staged()
+
+    def _staged_count(self) -> int:
+        return sum(staging is not None for _, staging in self._items)
+
+    def staged_numel(self) -> int:
+        return sum(s.numel() for _, s in self._items if s is not None)
+
+    def staged_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for _, s in self._items if s is not None)
+
+    def _wait_oldest_staged(self) -> None:
+        # Collectives on one communicator complete in order: waiting an older in-place reduction
+        # first costs nothing extra.
+        while self._items:
+            handle, staging = self._items.pop(0)
+            handle.wait()
+            if staging is not None:
+                return
+
+    def wait_all(self) -> None:
+        items, self._items = self._items, []
+        for handle, _ in items:
+            handle.wait()
+
+
+class PartitionedStorage:
+    """Per-rank state of a flat layout; see the module docstring for the split with subclasses."""
+
+    def __init__(self, layout: FlatLayout, shard: comm.Group | None, precision: Precision, device,
+                 queue: ReductionQueue, reduce_scatter: bool = True, separate_master: bool | None = None):
+        self.layout, self.shard, self.precision = layout, shard, precision
+        self.device, self.queue, self.reduce_scatter = torch.device(device), queue, reduce_scatter
+        n = layout.partition_size
+        f32 = dict(dtype=torch.float32, device=self.device)
+        separate = precision.mixed if separate_master is None else separate_master
+        self.master = torch.zeros(n, **f32) if separate else None   # None: the weights are the master
+        self.exp_avg = torch.zeros(n, **f32)
+        self.exp_avg_sq = torch.zeros(n, **f32)
+        self.params: list[nn.Parameter] = []
+        self.index_of: dict[int, int] = {}
+        self._fresh = [True] * len(layout.buckets)       # gradient chunk holds nothing this step
+        self.runs: list[tuple[int, int, int, float]] = []
+        self.norm_runs: list[tuple[int, int, int, bool]] = []
+
+    # --- where a bucket's chunk of each kind lives ------------------------------------------
+    def param_chunk(self, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_chunk(self, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _part(self, tensor: torch.Tensor, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        return tensor[bucket.local_offset:bucket.local_offset + bucket.chunk]
+
+    def chunk(self, kind: str, b: int) -> torch.Tensor:
+        """This rank's chunk of bucket `b` in tensor `kind`."""
+        if kind == "param" or (kind == "fp32" and self.master is None):
+            return self.param_chunk(b)
+        if kind == "grad":
+            return self.grad_chunk(b)
+        if kind == "fp32":
+            return self._part(self.master, b)
+        if kind in ("exp_avg", "exp_avg_sq"):
+            return self._part(getattr(self, kind), b)
+        raise ValueError(f"unknown storage kind {kind!r}; use one of {KINDS}")
+
+    # --- one parameter ------------------------------------------------------------------------
+    def local_view(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        """This rank's piece of `param` (1-D, possibly empty) in tensor `kind`."""
+        i = self.index_of[id(param)]
+        b = self.layout.slots[i].bucket
+        chunk = self.chunk(kind, b)
+        piece = self.layout.local_piece(i)
+        if piece is None:
+            return chunk[:0]
+        rel = piece[0] - self.layout.buckets[b].local_offset
+        return chunk[rel:rel + piece[2]]
+
+    def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        """The whole of `param` in tensor `kind` as fp32, assembled from every shard (collective
+        over the shard group)."""
+        i = self.index_of[id(param)]
+        slot = self.layout.slots[i]
+        bucket = self.layout.buckets[slot.bucket]
+        chunk = self.chunk(kind, slot.bucket).contiguous()
+        if self.shard is None:
+            whole = chunk
+        else:
+            whole = chunk.new_empty(bucket.size)
+            comm.all_gather(whole, chunk, self.shard)
+        start = slot.offset - bucket.start
+        return whole[start:start + slot.numel].view(self.full_shape(i)).to(torch.float32, copy=True)
+
+    def full_shape(self, i: int) -> torch.Size:
+        return self.params[i].shape
+
+    def write_full(self, param: nn.Parameter, kind: str, value: torch.Tensor) -> None:
+        """Stores this rank's piece of a full value (every rank passes the same value); an fp32
+        write also updates the low-precision weights."""
+        i = self.index_of[id(param)]
+        flat = value.detach().reshape(-1)
+        piece = self.layout.local_piece(i)
+        if piece is not None:
+            self.local_view(param, kind).copy_(flat[piece[1]:piece[1] + piece[2]])
+        if kind == "fp32":
+            self.write_full_weights(i, flat)
+
+    def write_full_weights(self, i: int, flat: torch.Tensor) -> None:
+        """After an fp32 write of parameter i's full value: the low-precision copy follows."""
+        if self.master is not None:
+            self.refresh_low_precision(self.params[i])
+
+    def refresh_low_precision(self, param: nn.Parameter) -> None:
+        """After a local fp32 write: this rank's piece of the low-precision weights follows (the
+        other ranks see it after the next gather)."""
+        if self.master is not None:
+            self.local_view(param, "param").copy_(self.local_view(param, "fp32"))
+
+    def _write_initial_piece(self, i: int, value: torch.Tensor) -> None:
+        """Initial fp32 value of parameter i: this rank's piece goes to the master (if separate)."""
+        piece = self.layout.local_piece(i)
+        if piece is not None and self.master is not None:
+            part_off, param_off, length = piece
+            self.master[part_off:part_off + length].copy_(value[param_off:param_off + length])
+
+    # --- gradients ----------------------------------------------------------------------------
+    def reduce_bucket(self, b: int, staging: torch.Tensor) -> None:
+        """Reduces `staging` (bucket b's gradients of this backward, in the reduce dtype) over the
+        shard group and adds this rank's chunk of the sum to its gradient chunk."""
+        target = self.grad_chunk(b)
+        fresh, self._fresh[b] = self._fresh[b], False
+        rank, chunk = self.layout.rank, self.layout.buckets[b].chunk
+        if self.shard is None or self.shard.size == 1 or not self.reduce_scatter:
+            if self.shard is not None:
+                handle = comm.all_reduce(staging, self.shard, async_op=True)
+            else:
+                handle = comm.Handle()
+            out = staging[rank * chunk:(rank + 1) * chunk]
+            then = (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
+        elif fresh and staging.dtype == target.dtype:
+            handle = comm.reduce_scatter(target, staging, self.shard, async_op=True)
+            then = None
+        else:
+            out = torch.empty(chunk, dtype=staging.dtype, device=staging.device)
+            handle = comm.reduce_scatter(out, staging, self.shard, async_op=True)
+            then = (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
+        self.queue.push(comm.Handle([handle], then), staging)
+
+    def new_staging(self, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        return torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device)
+
+    def ensure_grads(self) -> None:
+        """Stage 2/3 gradient partitions hold memory only from the step's first reduction to the
+        optimizer step; subclasses with such a partition give it its memory back here."""
+
+    def zero_grad(self) -> None:
+        self._fresh = [True] * len(self.layout.buckets)
+
+    # --- optimizer ----------------------------------------------------------------------------
+    def plan(self, weight_decay_of, counts_in_norm) -> None:
+        """Cuts each bucket's chunk into runs of equal weight decay (padding joins a neighbour)
+        for the step, and into counted / not-counted runs for the gradient norm."""
+        self.runs, self.norm_runs = [], []
+        for b, bucket in enumerate(self.layout.buckets):
+            cursor, runs = 0, []
+            for i in bucket.slots:
+                piece = self.layout.local_piece(i)
+                if piece is None:
+                    continue
+                lo = piece[0] - bucket.local_offset
+                hi = lo + piece[2]
+                wd = weight_decay_of(self.params[i], self.full_shape(i))
+                if runs and runs[-1][2] == wd:
+                    runs[-1][1] = hi
+                else:
+                    runs.append([cursor, hi, wd])
+                cursor = hi
+                counted = bool(counts_in_norm(self.params[i]))
+                if self.norm_runs and self.norm_runs[-1][0] == b and self.norm_runs[-1][2] == lo \
+                        and self.norm_runs[-1][3] == counted:
+                    self.norm_runs[-1] = (b, self.norm_runs[-1][1], hi, counted)
+                else:
+                    self.norm_runs.append((b, lo, hi, counted))
+            if cursor < bucket.chunk:          # padding: zero gradients, updates stay zero
+                if runs:
+                    runs[-1][1] = bucket.chunk
+                else:
+                    runs.append([0, bucket.chunk, 0.0])
+            self.runs.extend((b, lo, hi, wd) for lo, hi, wd in runs)
+
+    def grad_sumsq(self) -> torch.Tensor:
+        """float64 sum of squares of the counted gradients; a non-finite value anywhere in this
+        rank's gradient chunks makes it non-finite (uncounted runs add 0 * their sum), so the
+        norm's all-reduce doubles as the overflow check."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for b, lo, hi, counted in self.norm_runs:
+            part = sum_of_squares(self.grad_chunk(b)[lo:hi])
+            total += part if counted else part * 0.0
+        return total
+
+    def step(self, step: int, lr: float, config: AdamConfig, grad_scale: float) -> None:
+        for b, lo, hi, wd in self.runs:
+            adam_update(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
+                        self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi],
+                        step=step, lr=lr, config=config, weight_decay=wd, grad_scale=grad_scale)
+        self.after_step()
+
+    def after_step(self) -> None:
+        """The low-precision weights follow the updated master (subclasses gather too)."""
+
+    # --- accounting ---------------------------------------------------------------------------
+    @staticmethod
+    def nbytes(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {"master": self.nbytes(self.master),
+                "optimizer_states": self.nbytes(self.exp_avg) + self.nbytes(self.exp_avg_sq)}

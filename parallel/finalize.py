@@ -1,0 +1,77 @@
+"""Model-parallel gradient duties once data parallelism has reduced the gradients (the step Megatron
+calls finalize_model_grads). ZeRO reduces over data parallelism only; what tensor and pipeline
+parallelism add to a gradient lives here, once per step rather than once per microbatch:
+
+- a tied embedding held by the first and the last pipeline stage: the two stages' gradients are
+  summed over the embedding group;
+- sequence-parallel parameters (norm weights and biases, row-parallel biases) see only this rank's
+  sequence shard: their gradients are summed over the tensor-parallel group;
+- which copy of a replicated parameter counts in the global gradient norm: a TP-replicated
+  parameter on TP rank 0 only, a tied embedding on the first stage only. ZeRO gets this as data.
+
+Parameters carry the facts as attributes set where they are made: `tensor_parallel` (split over
+TP), `sequence_parallel` (gradient partial per sequence shard), `shared_embedding` (tied copy).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from megazero import comm
+from .groups import ProcessGroups
+
+
+def counts_in_norm(param: nn.Parameter, groups: ProcessGroups) -> bool:
+    """Whether this rank counts `param` in the global gradient norm."""
+    if not getattr(param, "tensor_parallel", False) and groups.coords.tp != 0:
+        return False
+    if getattr(param, "shared_embedding", False) and not groups.is_first_stage:
+        return False
+    return True
+
+
+def summed_across_stages(param: nn.Parameter) -> bool:
+    """Parameters whose reduced gradients are summed with another stage's copy: ZeRO must lay
+    their partitions out identically on both stages (see ZeroEngine's `isolated`)."""
+    return bool(getattr(param, "shared_embedding", False))
+
+
+def finalize_model_grads(params: list[nn.Parameter], grad_pieces: Callable[[list], list[torch.Tensor]],
+                         groups: ProcessGroups) -> None:
+    """Sums tied-embedding gradients over the embedding group and sequence-parallel gradients over
+    the TP group. `grad_pieces(params)` returns the tensors holding this rank's (reduced) gradient
+    of each parameter: ZeroEngine.grad_pieces, or `.grad` of plain modules."""
+    sum_tied_embedding_grads(params, grad_pieces, groups.embedding)
+    sum_sequence_parallel_grads(params, grad_pieces, groups.tp)
+
+
+def sum_tied_embedding_grads(params, grad_pieces, embedding_group: comm.Group) -> None:
+    tied = [p for p in params if getattr(p, "shared_embedding", False)]
+    if tied and embedding_group.size > 1:
+        _all_reduce_coalesced(grad_pieces(tied), embedding_group)
+
+
+def sum_sequence_parallel_grads(params, grad_pieces, tp_group: comm.Group) -> None:
+    partial = [p for p in params if getattr(p, "sequence_parallel", False)]
+    if partial and tp_group.size > 1:
+        _all_reduce_coalesced(grad_pieces(partial), tp_group)
+
+
+def plain_grads(params) -> list[torch.Tensor]:
+    """`grad_pieces` for modules outside ZeRO: their `.grad` tensors."""
+    return [p.grad for p in params]
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group: comm.Group) -> None:
+    """One all-reduce for many small tensors (norm weights are a few hundred elements each)."""
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    comm.all_reduce(flat, group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
