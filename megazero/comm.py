@@ -74,7 +74,11 @@ class Group:
     device: torch.device = torch.device("cpu")   # where every tensor of its collectives lives
 
     def __post_init__(self):
-        self.device = torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            # Tensors always report an index, so a bare "cuda" would never match one.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
 
     @property
     def size(self) -> int:

@@ -42,14 +42,12 @@ class GroupFactory:
 
 
 def collective_device(device=None) -> torch.device:
-    """The device this process's collectives use: `device` if given (a bare "cuda" means the current
-    one), else the current CUDA device under an NCCL default group, else the CPU."""
+    """The device this process's collectives use: `device` if given, else the current CUDA device
+    under an NCCL default group, else the CPU."""
     backend = str(dist.get_backend()) if dist.is_initialized() else ""
     if device is None:
-        device = torch.device("cuda") if "nccl" in backend else torch.device("cpu")
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     if backend == "nccl" and device.type != "cuda":
         raise ValueError(f"process groups on {device} cannot use the nccl backend, which moves CUDA "
                          f"tensors only; pass a cuda device or initialise torch.distributed with gloo")
