@@ -61,11 +61,15 @@ def _datasets(cfg: TrainConfig, groups: ProcessGroups, say):
 def run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> None:
     device = _device(cfg, local_rank)
     if world > 1:
-        dist.init_process_group(cfg.parallel.distributed_backend, rank=rank, world_size=world)
+        # Binding NCCL to this rank's GPU makes it create its communicators now (not at the first
+        # collective) and lets barriers and new groups know the device without guessing.
+        backend = cfg.parallel.distributed_backend
+        bind = dict(device_id=device) if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, **bind)
     par = cfg.parallel
     topology = Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
                         mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node)
-    groups = ProcessGroups.build(topology, rank)
+    groups = ProcessGroups.build(topology, rank, device=device)
     logging_rank = rank == topology.rank_of(0, 0, topology.pp - 1)
     metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters)
     metrics.say(f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "

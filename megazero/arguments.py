@@ -18,7 +18,7 @@ from megazero.errors import UsageError
 from megazero.models.config import GPTConfig, padded_vocab_size
 from megazero.parallel.topology import Topology, validate_model_fits
 from megazero.zero.adam import AdamConfig
-from megazero.zero.config import ZeroConfig
+from megazero.zero.config import ZeroConfig, as_json, stage_notes
 
 NOT_SUPPORTED_YET = ("save", "load", "wandb_project")
 
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-loss-scale", type=float, default=None)
     g.add_argument("--loss-scale-window", type=int, default=None)
     g.add_argument("--hysteresis", type=int, default=None)
+    g.add_argument("--grad-reduce-in-bf16", dest="reduce_dtype", action="store_const", const="bf16",
+                   default=None, help="reduce gradients in bf16 (needs --bf16; default fp32)")
     g = p.add_argument_group("data and logging")
     g.add_argument("--data-path", nargs="+", default=None)
     g.add_argument("--split", default="949,50,1")
@@ -115,7 +117,12 @@ MERGED = {
     "loss_scale": ("--loss-scale", 0.0), "min_loss_scale": ("--min-loss-scale", 1.0),
     "loss_scale_window": ("--loss-scale-window", 1000), "hysteresis": ("--hysteresis", 2),
     "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
+    "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
 }
+SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
+# Settings only a DeepSpeed config gives: name -> default.
+JSON_ONLY = {"grad_accum_dtype": "fp32", "consecutive_hysteresis": False, "wall_clock_breakdown": False,
+             "decoupled_weight_decay": True}
 
 
 def _merge(args, ds: DeepSpeedSettings | None, config_path: str | None) -> dict:
@@ -124,15 +131,29 @@ def _merge(args, ds: DeepSpeedSettings | None, config_path: str | None) -> dict:
         from_flag = getattr(args, name, None)
         from_json = ds.get(name) if ds else None
         if from_flag is not None and from_json is not None and from_flag != from_json:
-            raise UsageError(f"{flag} {from_flag} contradicts {ds.source(name)} = {from_json} in "
+            shown = flag if name in SWITCHES else f"{flag} {from_flag}"
+            raise UsageError(f"{shown} contradicts {ds.source(name)} = {as_json(from_json)} in "
                              f"{config_path}; remove one")
         merged[name] = from_flag if from_flag is not None else from_json if from_json is not None else default
-    if args.initial_loss_scale is not None:
-        merged["initial_scale_power"] = max(0, int(args.initial_loss_scale).bit_length() - 1)
-    else:
-        merged["initial_scale_power"] = ds.get("initial_scale_power", 16) if ds else 16
-    merged["decoupled_weight_decay"] = ds.get("decoupled_weight_decay", True) if ds else True
+    for name, default in JSON_ONLY.items():
+        merged[name] = ds.get(name, default) if ds else default
+    merged["initial_scale_power"] = _initial_scale_power(args, ds, config_path)
     return merged
+
+
+def _initial_scale_power(args, ds: DeepSpeedSettings | None, config_path: str | None) -> int:
+    from_json = ds.get("initial_scale_power") if ds else None
+    if args.initial_loss_scale is None:
+        return 16 if from_json is None else from_json
+    scale = args.initial_loss_scale
+    power = max(0, int(scale).bit_length() - 1)
+    if scale != 2.0 ** power:
+        raise UsageError(f"--initial-loss-scale {scale:g} must be a power of two (the dynamic scale "
+                         f"moves in factors of 2); use {2 ** power} or {2 ** (power + 1)}")
+    if from_json is not None and from_json != power:
+        raise UsageError(f"--initial-loss-scale {scale:g} contradicts fp16.initial_scale_power = "
+                         f"{from_json} in {config_path}; remove one")
+    return power
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -147,8 +168,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     ds = load_deepspeed_config(args.zero_config) if args.zero_config else None
     merged = _merge(args, ds, args.zero_config)
     zero = _zero_config(args, ds)
-    if merged["bf16"] and merged["fp16"]:
-        raise UsageError("--bf16 and --fp16 are both set; choose one")
+    precision, notes = _precision_config(args, ds, merged)
+    if ds:
+        notes = ds.notes + stage_notes(zero, f"{args.zero_config}: zero_optimization") + notes
 
     topology = Topology(world_size=world_size, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
@@ -178,14 +200,12 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 virtual_stages=virtual, layer_split=args.pipeline_layer_split,
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
                                 distributed_backend=backend),
-        precision=PrecisionConfig(bf16=merged["bf16"], fp16=merged["fp16"], loss_scale=merged["loss_scale"],
-                                  initial_scale_power=merged["initial_scale_power"],
-                                  loss_scale_window=merged["loss_scale_window"],
-                                  hysteresis=merged["hysteresis"], min_loss_scale=merged["min_loss_scale"]),
+        precision=precision,
         micro_batch_size=micro, global_batch_size=glob, train_iters=_positive(args.train_iters, "--train-iters"),
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=max(0, args.eval_iters),
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
-        run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"))
+        run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
+        wall_clock_breakdown=merged["wall_clock_breakdown"], notes=notes)
 
 
 def _cuda_available() -> bool:
@@ -197,6 +217,57 @@ def _positive(value: int, flag: str) -> int:
     if value is None or value < 1:
         raise UsageError(f"{flag} must be >= 1, got {value}")
     return value
+
+
+def _origin(args, ds: DeepSpeedSettings | None, name: str, flag: str | None, attr: str = "",
+            with_file: bool = True) -> str | None:
+    """Where a setting came from: its flag, else its DeepSpeed key (and file); None when neither set it."""
+    if flag and getattr(args, attr or name, None) is not None:
+        return flag
+    if ds and name in ds.values:
+        return f"{ds.source(name)} in {args.zero_config}" if with_file else ds.source(name)
+    return None
+
+
+# fp16 loss-scaling settings: name -> (flag, args attribute).
+LOSS_SCALING = {"loss_scale": ("--loss-scale", ""), "initial_scale_power": ("--initial-loss-scale",
+                "initial_loss_scale"), "loss_scale_window": ("--loss-scale-window", ""),
+                "hysteresis": ("--hysteresis", ""), "min_loss_scale": ("--min-loss-scale", ""),
+                "consecutive_hysteresis": (None, "")}
+
+
+def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple[PrecisionConfig, list[str]]:
+    """The precision settings and notes on the loss-scaling ones that cannot act in this run."""
+    if merged["bf16"] and merged["fp16"]:
+        raise UsageError(f"{_origin(args, ds, 'bf16', '--bf16')} and {_origin(args, ds, 'fp16', '--fp16')} "
+                         f"are both set; choose one")
+    run = "bf16" if merged["bf16"] else "fp16" if merged["fp16"] else "fp32"
+    for name in ("grad_accum_dtype", "reduce_dtype"):
+        value = merged[name]
+        if value != "fp32" and value != run:
+            origin = _origin(args, ds, name, "--grad-reduce-in-bf16" if name == "reduce_dtype" else None)
+            undo = "drop it" if origin.startswith("--") else f"set it to \"fp32\""
+            raise UsageError(f"{origin} asks for {value} but the parameters are {run}; {undo}, or train "
+                             f"in {value} (--{value})")
+    for name in ("loss_scale_window", "hysteresis"):
+        if merged[name] < 1:
+            raise UsageError(f"{_origin(args, ds, name, LOSS_SCALING[name][0])} must be >= 1, got {merged[name]}")
+    given = [origin for name, (flag, attr) in LOSS_SCALING.items()
+             if (origin := _origin(args, ds, name, flag, attr, with_file=False))
+             and (run != "fp16" or name != "loss_scale")]
+    why = "the run is not fp16" if run != "fp16" else \
+        f"the loss scale is static ({merged['loss_scale']:g})" if merged["loss_scale"] > 0 else None
+    notes = []
+    if given and why:
+        where = f" ({args.zero_config})" if any(not g.startswith("--") for g in given) else ""
+        notes.append(f"{', '.join(given)}{where} {'has' if len(given) == 1 else 'have'} no effect: {why}")
+    precision = PrecisionConfig(
+        bf16=merged["bf16"], fp16=merged["fp16"], loss_scale=merged["loss_scale"],
+        initial_scale_power=merged["initial_scale_power"], loss_scale_window=merged["loss_scale_window"],
+        hysteresis=merged["hysteresis"], min_loss_scale=merged["min_loss_scale"],
+        consecutive_hysteresis=merged["consecutive_hysteresis"], grad_accum_dtype=merged["grad_accum_dtype"],
+        reduce_dtype=merged["reduce_dtype"])
+    return precision, notes
 
 
 def _zero_config(args, ds: DeepSpeedSettings | None) -> ZeroConfig:

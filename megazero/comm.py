@@ -11,6 +11,12 @@ moves the tensor's bytes; broadcast counts (n-1)/n of the tensor.
 
 A group of one rank short-circuits every op (nothing moves, nothing is counted), so single-process
 runs need no torch.distributed at all.
+
+Devices: a `Group` knows the device its collectives run on (the rank's CUDA device under NCCL, the
+CPU under gloo). Every op checks every tensor it is given against it before anything else, groups of
+one included, so a tensor on the wrong device fails with a message naming the op, the group and both
+devices instead of an opaque backend error (or, on one GPU, not at all until the cluster run).
+Tensors this module creates itself are created on the group's device.
 """
 from __future__ import annotations
 
@@ -65,13 +71,21 @@ class Group:
     pg: object | None         # torch ProcessGroup; None for a group of one
     intra_node: bool
     log: CommLog
+    device: torch.device = torch.device("cpu")   # where every tensor of its collectives lives
+
+    def __post_init__(self):
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            # Tensors always report an index, so a bare "cuda" would never match one.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     def __repr__(self) -> str:
-        return f"Group({self.name}, ranks={list(self.ranks)}, rank={self.rank})"
+        return f"Group({self.name}, ranks={list(self.ranks)}, rank={self.rank}, device={self.device})"
 
 
 class Handle:
@@ -97,6 +111,14 @@ class Handle:
         return not self._works
 
 
+def _check_device(op: str, group: Group, what: str, tensor: torch.Tensor) -> None:
+    """Raises unless `tensor` is on the group's device (one device comparison: cheap, always on)."""
+    if tensor.device != group.device:
+        raise ValueError(
+            f"{op}: {what} is on {tensor.device} but group {group.name} (ranks {list(group.ranks)}) "
+            f"communicates on {group.device}; create the tensor on {group.device}")
+
+
 def _ring_fraction(group: Group) -> float:
     return (group.size - 1) / group.size
 
@@ -116,6 +138,7 @@ def _finish(work, async_op: bool) -> Handle | None:
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bool = False):
+    _check_device("all_reduce", group, "tensor", tensor)
     if group.size == 1:
         return Handle() if async_op else None
     group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor))
@@ -125,6 +148,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bo
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
                    op=ReduceOp.SUM, async_op: bool = False):
     """`input` holds `group.size` equal chunks; chunk i, summed over ranks, lands in rank i's `output`."""
+    _check_device("reduce_scatter", group, "output", output)
+    _check_device("reduce_scatter", group, "input", input)
     if input.numel() != output.numel() * group.size:
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
                          f"{output.numel()} x {group.size}")
@@ -136,7 +161,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
         # In place (output is this rank's chunk of input) is defined for NCCL only; gloo can
         # corrupt it, so go through a temporary and copy back once the op is done.
-        target, output = output, torch.empty_like(output)
+        target, output = output, torch.empty_like(output, device=group.device)
         then = lambda: target.copy_(output)  # noqa: E731
     # Flat views: backends disagree on how they match multi-dimensional shapes.
     work = _reduce_scatter_single(output.view(-1), input.view(-1), op=op, group=group.pg,
@@ -150,6 +175,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
     """Rank i's `input` lands in chunk i of every rank's `output`."""
+    _check_device("all_gather", group, "output", output)
+    _check_device("all_gather", group, "input", input)
     if output.numel() != input.numel() * group.size:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{input.numel()} x {group.size}")
@@ -162,6 +189,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
+    _check_device("all_to_all", group, "output", output)
+    _check_device("all_to_all", group, "input", input)
     if group.size == 1:
         output.copy_(input)
         return Handle() if async_op else None
@@ -172,6 +201,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
     """Broadcasts from the rank at index `src_index` of the group."""
+    _check_device("broadcast", group, "tensor", tensor)
     if group.size == 1:
         return
     group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor))
@@ -182,7 +212,7 @@ def all_reduce_object_max(value: float, group: Group) -> float:
     """Max of a Python number over the group (used for flags such as 'any rank overflowed')."""
     if group.size == 1:
         return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=group.device)
     all_reduce(t, group, op=ReduceOp.MAX)
     return t.item()
 
@@ -191,13 +221,15 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
     """Batched point-to-point: `sends`/`recvs` are (tensor, index of the peer in `group`[, tag])."""
     ops = []
     for kind, items in (("send", sends), ("recv", recvs)):
+        fn = dist.isend if kind == "send" else dist.irecv
         for tensor, peer, *tag in items:
-            group.log.record(kind, group, _nbytes(tensor))
-            fn = dist.isend if kind == "send" else dist.irecv
-            ops.append(dist.P2POp(fn, tensor, group.ranks[peer], group.pg, tag[0] if tag else 0))
+            _check_device("send_recv", group, f"{kind} tensor (peer index {peer})", tensor)
+            ops.append((kind, dist.P2POp(fn, tensor, group.ranks[peer], group.pg, tag[0] if tag else 0)))
     if not ops:
         return Handle()
-    return Handle(dist.batch_isend_irecv(ops))
+    for kind, op in ops:      # counted only once every tensor has passed the check
+        group.log.record(kind, group, _nbytes(op.tensor))
+    return Handle(dist.batch_isend_irecv([op for _, op in ops]))
 
 
 def barrier(group: Group) -> None:

@@ -33,6 +33,9 @@ class OptimizerConfig:
     clip_grad: float = 1.0
 
 
+DType = Literal["fp32", "bf16", "fp16"]
+
+
 @dataclasses.dataclass
 class PrecisionConfig:
     bf16: bool = False
@@ -42,6 +45,16 @@ class PrecisionConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    """fp16 dynamic scaling: refill the hysteresis on every step without overflow, not only when the
+    scale grows (DeepSpeed's fp16.consecutive_hysteresis)."""
+    grad_accum_dtype: DType = "fp32"
+    """dtype the gradients accumulate in across microbatches (DeepSpeed's data_types.grad_accum_dtype).
+    A 16-bit value equals the parameter dtype (checked at the edge); fp32 with 16-bit parameters means
+    separate fp32 gradient buffers."""
+    reduce_dtype: DType = "fp32"
+    """dtype gradients are reduced in across data-parallel ranks (DeepSpeed's communication_data_type,
+    Megatron's --grad-reduce-in-bf16). A 16-bit value equals the parameter dtype."""
 
 
 @dataclasses.dataclass
@@ -69,6 +82,11 @@ class TrainConfig:
     seed: int = 1234
     run_dir: str = "runs/latest"
     metrics_file: Optional[str] = None           # None: <run_dir>/metrics.jsonl
+    wall_clock_breakdown: bool = False
+    """Time the phases of each step (forward, backward, reduction, optimizer) and log them with the
+    iteration (DeepSpeed's wall_clock_breakdown)."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """Settings accepted without effect, one line each, for the driver to log once at start-up."""
 
     def num_microbatches(self, data_parallel: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel)

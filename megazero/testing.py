@@ -31,7 +31,7 @@ class WorkerContext:
 
     def groups(self, topology):
         from megazero.parallel.groups import ProcessGroups
-        return ProcessGroups.build(topology, self.rank, self.factory)
+        return ProcessGroups.build(topology, self.rank, self.factory, device=torch.device("cpu"))
 
 
 def free_port() -> int:

@@ -2,13 +2,19 @@
 
 Owns group creation only. torch requires every process of the default group to enter `new_group` for
 every group, members or not, in the same order; `GroupFactory` does that and caches groups by their
-rank tuple, so several topologies over one world (tests run many layouts in one process group) reuse
-the same communicators. No module-level state: the factory and the groups are passed around.
+rank tuple (and purpose), so several topologies over one world (tests run many layouts in one process
+group) reuse the same communicators. No module-level state: the factory and the groups are passed around.
+
+Every `Group` carries the device its collectives use (`collective_device`): the rank's current CUDA
+device under NCCL, the CPU otherwise. Stage-3 parameter gathers get their own communicator
+(`mics_shard_gather`, same ranks as `mics_shard`): one NCCL communicator runs its ops in issue order,
+so prefetch all-gathers sharing one with gradient reduce-scatters would wait behind them.
 """
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 
 from megazero.comm import CommLog, Group
@@ -21,16 +27,31 @@ class GroupFactory:
     def __init__(self, rank: int, initialized: bool | None = None):
         self.rank = rank
         self.initialized = dist.is_initialized() if initialized is None else initialized
-        self._cache: dict[tuple[int, ...], object] = {}
+        self._cache: dict[tuple[tuple[int, ...], str], object] = {}
 
-    def torch_group(self, ranks: tuple[int, ...]):
+    def torch_group(self, ranks: tuple[int, ...], purpose: str = "shared"):
+        """The communicator for `ranks`; a different `purpose` gets a separate one over the same ranks."""
         if len(ranks) == 1:
             return None          # groups of one never communicate
         if not self.initialized:
             raise RuntimeError(f"group {ranks} needs torch.distributed, which is not initialized")
-        if ranks not in self._cache:
-            self._cache[ranks] = dist.new_group(list(ranks))
-        return self._cache[ranks]
+        key = (tuple(ranks), purpose)
+        if key not in self._cache:
+            self._cache[key] = dist.new_group(list(ranks))
+        return self._cache[key]
+
+
+def collective_device(device=None) -> torch.device:
+    """The device this process's collectives use: `device` if given, else the current CUDA device
+    under an NCCL default group, else the CPU."""
+    backend = str(dist.get_backend()) if dist.is_initialized() else ""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
+    device = torch.device(device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"process groups on {device} cannot use the nccl backend, which moves CUDA "
+                         f"tensors only; pass a cuda device or initialise torch.distributed with gloo")
+    return device
 
 
 @dataclasses.dataclass
@@ -46,6 +67,7 @@ class ProcessGroups:
     embedding: Group          # first+last pipeline stage (this rank alone on middle stages)
     mics_shard: Group
     mics_replica: Group
+    mics_shard_gather: Group  # mics_shard's ranks on a separate communicator, for stage-3 gathers
     log: CommLog
 
     @property
@@ -58,29 +80,34 @@ class ProcessGroups:
 
     @classmethod
     def build(cls, topology: Topology, rank: int, factory: GroupFactory | None = None,
-              log: CommLog | None = None) -> "ProcessGroups | None":
+              log: CommLog | None = None, device=None) -> "ProcessGroups | None":
         """Creates every group of the topology (collectively) and keeps the ones holding `rank`.
 
-        A process outside the topology's world (a test running a smaller layout inside a larger
-        world) still takes part in creating the groups, and gets None back.
+        `device` is where the groups' tensors live (see `collective_device` for the default). A
+        process outside the topology's world (a test running a smaller layout inside a larger world)
+        still takes part in creating the groups, and gets None back.
         """
         factory = factory or GroupFactory(rank)
         log = log or CommLog()
+        device = collective_device(device)
+        # (name, rank lists, communicator purpose), walked in the same order by every process.
+        kinds = [(kind, rank_lists, "shared") for kind, rank_lists in topology.all_group_kinds().items()]
+        kinds.append(("mics_shard_gather", topology.mics_shard_groups(), "stage3_gather"))
         mine: dict[str, Group] = {}
-        for kind, rank_lists in topology.all_group_kinds().items():
+        for kind, rank_lists, purpose in kinds:
             for ranks in rank_lists:
                 ranks = tuple(ranks)
-                pg = factory.torch_group(ranks)
+                pg = factory.torch_group(ranks, purpose)
                 if rank in ranks:
                     mine[kind] = Group(kind, ranks, ranks.index(rank), pg,
-                                       topology.is_intra_node(ranks), log)
+                                       topology.is_intra_node(ranks), log, device)
             if kind not in mine:   # middle pipeline stages belong to no embedding group
-                mine[kind] = Group(kind, (rank,), 0, None, True, log)
+                mine[kind] = Group(kind, (rank,), 0, None, True, log, device)
         if rank >= topology.world_size:
             return None
         return cls(topology=topology, rank=rank, coords=topology.coords(rank), log=log, **mine)
 
     @classmethod
-    def single(cls) -> "ProcessGroups":
+    def single(cls, device=None) -> "ProcessGroups":
         """The trivial grid of one process; needs no torch.distributed."""
-        return cls.build(Topology(world_size=1), 0, GroupFactory(0, initialized=False))
+        return cls.build(Topology(world_size=1), 0, GroupFactory(0, initialized=False), device=device)

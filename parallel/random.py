@@ -44,7 +44,12 @@ class RNGTracker:
         if name in self.states:
             raise ValueError(f"RNG stream {name!r} already exists")
         saved = self._get()
-        torch.manual_seed(seed) if self.device.type != "cuda" else torch.cuda.manual_seed(seed)
+        if self.device.type == "cuda":
+            # torch.cuda.manual_seed seeds the *current* device; make that the tracker's device.
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)   # the CPU stream only, not every GPU's
         self.states[name] = self._get()
         self._set(saved)
 

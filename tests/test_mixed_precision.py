@@ -65,3 +65,22 @@ def test_loss_scaler_hysteresis_and_growth():
         scaler.update(False)
     assert scaler.scale == 16.0          # three clean steps double it
     assert LossScaler.for_fp16(loss_scale=128.0).dynamic is False
+
+
+def _scales(scaler: LossScaler, overflows: str) -> list[float]:
+    """Scale after each step of a pattern like "oco" (o: overflow, c: clean step)."""
+    out = []
+    for step in overflows:
+        scaler.update(step == "o")
+        out.append(scaler.scale)
+    return out
+
+
+def test_loss_scaler_hysteresis_refill_as_deepspeed():
+    """Without consecutive_hysteresis only a scale increase refills the hysteresis, so once it is used
+    up every overflow halves; with it every clean step refills, so only overflows in a row count."""
+    plain = LossScaler.for_fp16(initial_scale_power=4, window=3, hysteresis=2)
+    assert _scales(plain, "ocoo" + "ccc" + "oo") == [16, 16, 8, 4] + [4, 4, 8] + [8, 4]
+    consecutive = LossScaler.for_fp16(initial_scale_power=4, window=3, hysteresis=2, consecutive_hysteresis=True)
+    assert _scales(consecutive, "ocococ" + "oo") == [16] * 6 + [16, 8]
+    assert LossScaler.for_fp16(loss_scale=128.0, consecutive_hysteresis=True).dynamic is False

@@ -1,12 +1,15 @@
 """ZeRO configuration: DeepSpeed's `zero_optimization` block, with its key names, aliases and defaults.
 
 Owns parsing and validation of the ZeRO keys only (the whole-DeepSpeed-config reader lives in
-megazero.ds_config). Unknown keys fail with the nearest valid key; keys of features that have not
-landed yet fail as "not supported yet" unless they hold their do-nothing default.
+megazero.ds_config). No key is silently ignored: each one either sets a ZeroConfig field, or is
+accepted with a note where megazero's design fixes its behaviour, or fails (unknown keys with the
+nearest valid key; keys of features that have not landed as "not supported yet" unless they hold
+their do-nothing value). Notes are returned as data; the driver logs them once.
 """
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 from typing import Any, Optional
 
@@ -23,16 +26,52 @@ NOT_SUPPORTED_YET = {
     "zeropp_loco_param": None, "mics_hierarchical_params_gather": False, "zenflow": None,
 }
 
-# DeepSpeed keys that only tune DeepSpeed's own implementation choices; accepted and ignored
-# because our implementation has a single behaviour for them (named so that nothing is silent).
-ACCEPTED_NO_EFFECT = {
-    "use_multi_rank_bucket_allreduce", "allgather_partitions", "elastic_checkpoint",
-    "legacy_stage1", "round_robin_gradients", "sub_group_size", "memory_efficient_linear",
-    "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
-    "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
-    "module_granularity_threshold", "stage3_module_granularity_threshold", "load_from_fp32_weights",
-    "ignore_unused_parameters", "pipeline_loading_checkpoint", "model_persistence_threshold",
-    "stage3_model_persistence_threshold", "allgather_sequential", "stage3_allgather_sequential",
+# Keys about saving or loading models and checkpoints, which megazero cannot do yet (--save and
+# --load are rejected too); each maps to the value that asks for nothing.
+SAVING_NOT_SUPPORTED_YET = {
+    "gather_16bit_weights_on_model_save": False, "stage3_gather_16bit_weights_on_model_save": False,
+    "stage3_gather_fp16_weights_on_model_save": False, "elastic_checkpoint": False,
+    "pipeline_loading_checkpoint": False, "load_from_fp32_weights": True,
+}
+
+# DeepSpeed keys that choose between implementations where megazero has a single one. Each maps to
+# (the value megazero always behaves as, why); any other value is accepted with a note saying so.
+FIXED_BY_DESIGN = {
+    "contiguous_gradients": (True, "gradients always go into contiguous buckets here"),
+    "allgather_partitions": (True, "updated partitions are always all-gathered, never broadcast one "
+                                   "by one (same result)"),
+    "use_multi_rank_bucket_allreduce": (True, "with reduce_scatter false each bucket is all-reduced "
+                                              "whole (same result)"),
+    "legacy_stage1": (False, "there is one stage-1 implementation (same partitioned optimizer states)"),
+    "round_robin_gradients": (False, "gradients are laid out in parameter order; round robin only "
+                                     "speeds up CPU offload, which has not landed"),
+    "sub_group_size": (int(1e9), "the optimizer steps each rank's whole partition at once, as "
+                                 "DeepSpeed does with its default 1e9"),
+    "ignore_unused_parameters": (True, "unused parameters are always accepted; their gradient is zero"),
+    "memory_efficient_linear": (False, "torch's linear is never patched; stage 3 releases gathered "
+                                       "weights through its own hooks"),
+    "override_module_apply": (False, "Module.apply is never patched"),
+    "log_trace_cache_warnings": (False, "there are no trace-cache warnings to log"),
+    "enable_sanity_checks": (False, "there are no optional sanity checks"),
+    "use_all_reduce_for_fetch_params": (False, "parameters are always fetched with all-gather"),
+    "stage3_use_all_reduce_for_fetch_params": (False, "parameters are always fetched with all-gather"),
+    "module_granularity_threshold": (0, "stage 3 gathers per module, never coalescing leaf modules"),
+    "stage3_module_granularity_threshold": (0, "stage 3 gathers per module, never coalescing leaf "
+                                               "modules"),
+    "model_persistence_threshold": (sys.maxsize, "every parameter under param_persistence_threshold "
+                                                 "persists; there is no bound on their total"),
+    "stage3_model_persistence_threshold": (sys.maxsize, "every parameter under "
+                                                        "param_persistence_threshold persists; there "
+                                                        "is no bound on their total"),
+    "allgather_sequential": (False, "parameter all-gathers are never serialised"),
+    "stage3_allgather_sequential": (False, "parameter all-gathers are never serialised"),
+}
+
+# ZeroConfig fields that act only at some stages: field -> those stages.
+STAGE_SCOPED = {
+    "reduce_scatter": (1, 2, 3), "allgather_bucket_size": (1, 2, 3), "prefetch_bucket_size": (3,),
+    "param_persistence_threshold": (3,), "max_live_parameters": (3,), "max_reuse_distance": (3,),
+    "keep_params_gathered_across_microbatches": (3,),
 }
 
 
@@ -42,15 +81,15 @@ class ZeroConfig(BaseModel):
 
     stage: int = Field(0, ge=0, le=3)
     """0: plain data parallel; 1: optimizer states; 2: + gradients; 3: + parameters partitioned."""
-    contiguous_gradients: bool = True
-    """Stage 2/3: gradients are copied into contiguous buckets as they are produced."""
     reduce_scatter: bool = True
-    """Stages 1/2: reduce gradients with reduce-scatter; False all-reduces each bucket and keeps this
-    rank's chunk (twice the bytes, but faster where a backend's reduce-scatter is slow, e.g. gloo)."""
+    """Stages 1-3: reduce gradients with reduce-scatter; False all-reduces each bucket and keeps this
+    rank's chunk (twice the bytes, but faster where a backend's reduce-scatter is slow, e.g. gloo).
+    Stage 0 always all-reduces."""
     reduce_bucket_size: int = Field(int(5e8), gt=0)
     """Elements per gradient reduce-scatter (all-reduce at stage 0)."""
     allgather_bucket_size: int = Field(int(5e8), gt=0)
-    """Stages 1/2: elements per all-gather of updated parameters after the step."""
+    """Stages 1-3: elements per all-gather of updated parameters after the step (at stage 3, of the
+    persistent parameters)."""
     overlap_comm: Optional[bool] = None
     """Overlap gradient reduction with backward; None means True at stage 3, else False."""
     prefetch_bucket_size: int = Field(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
@@ -61,8 +100,6 @@ class ZeroConfig(BaseModel):
     """Stage 3: bound on gathered parameter elements held at once (prefetch stops there)."""
     max_reuse_distance: int = Field(int(1e9), ge=0, alias="stage3_max_reuse_distance")
     """Stage 3: keep a gathered parameter if it is used again within this many elements of fetches."""
-    gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
-    """Stage 3: consolidate 16-bit weights when saving a model."""
     mics_shard_size: int = -1
     """MiCS: partition within blocks of this many DP ranks and replicate across blocks (-1: off)."""
     keep_params_gathered_across_microbatches: bool = False
@@ -81,7 +118,7 @@ def _key_names() -> set[str]:
         names.add(name)
         if field.alias:
             names.add(field.alias)
-    return names | set(NOT_SUPPORTED_YET) | ACCEPTED_NO_EFFECT | {"stage3_gather_fp16_weights_on_model_save"}
+    return names | set(NOT_SUPPORTED_YET) | set(SAVING_NOT_SUPPORTED_YET) | set(FIXED_BY_DESIGN)
 
 
 def unknown_key_error(key: str, valid: set[str], where: str) -> UsageError:
@@ -90,8 +127,14 @@ def unknown_key_error(key: str, valid: set[str], where: str) -> UsageError:
     return UsageError(f"unknown key {key!r} in {where}{hint}")
 
 
+def as_json(value) -> str:
+    """A value spelled as JSON spells it (false, null), for messages about JSON keys."""
+    return json.dumps(value)
+
+
 def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -> ZeroConfig:
-    """Builds a ZeroConfig from a DeepSpeed `zero_optimization` dict (JSON numbers like 5e8 allowed)."""
+    """Builds a ZeroConfig from a DeepSpeed `zero_optimization` dict (JSON numbers like 5e8 allowed).
+    `where` names the block in errors, e.g. "ds.json: zero_optimization"."""
     if not isinstance(block, dict):
         raise UsageError(f"{where} must be a JSON object, got {type(block).__name__}")
     valid = _key_names()
@@ -101,14 +144,17 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
             raise unknown_key_error(key, valid, where)
         if key in NOT_SUPPORTED_YET:
             if value != NOT_SUPPORTED_YET[key] and value not in ({}, None):
-                raise UsageError(f"{where}.{key} = {value!r} is not supported yet; remove it or set it "
-                                 f"to {NOT_SUPPORTED_YET[key]!r}")
-            continue
-        if key in ACCEPTED_NO_EFFECT:
-            continue
-        if key == "stage3_gather_fp16_weights_on_model_save":   # DeepSpeed's deprecated spelling
-            key = "gather_16bit_weights_on_model_save"
-        values[key] = value
+                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet; remove it or "
+                                 f"set it to {as_json(NOT_SUPPORTED_YET[key])}")
+        elif key in SAVING_NOT_SUPPORTED_YET:
+            if value != SAVING_NOT_SUPPORTED_YET[key]:
+                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet: megazero saves "
+                                 f"no models or checkpoints (they come later); remove it or set it to "
+                                 f"{as_json(SAVING_NOT_SUPPORTED_YET[key])}")
+        elif key in FIXED_BY_DESIGN:
+            _check_type(value, FIXED_BY_DESIGN[key][0], f"{where}.{key}")
+        else:
+            values[key] = value
     _check_alias_conflicts(values, where)
     try:
         config = ZeroConfig(**{k: _integral(v) for k, v in values.items()})
@@ -121,6 +167,28 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
     return config
 
 
+def design_notes(block: dict[str, Any], where: str = "zero_optimization") -> list[str]:
+    """Notes for the keys of `block` (already parsed) whose value megazero's design overrides."""
+    notes = []
+    for key, value in block.items():
+        if key in FIXED_BY_DESIGN:
+            fixed, why = FIXED_BY_DESIGN[key]
+            if _integral(value) != fixed:
+                notes.append(f"{where}.{key} = {as_json(value)} has no effect: {why}")
+    return notes
+
+
+def stage_notes(config: ZeroConfig, where: str = "zero_optimization") -> list[str]:
+    """Notes for settings the user gave that do nothing at the configured stage."""
+    notes = []
+    for name, stages in STAGE_SCOPED.items():
+        if name in config.model_fields_set and config.stage not in stages:
+            acts = "stage 3" if stages == (3,) else "stages 1-3"
+            key = ZeroConfig.model_fields[name].alias or name     # DeepSpeed's usual spelling
+            notes.append(f"{where}.{key} has no effect at ZeRO stage {config.stage}: it acts at {acts} only")
+    return notes
+
+
 def _check_alias_conflicts(values: dict, where: str) -> None:
     for name, field in ZeroConfig.model_fields.items():
         if field.alias and name in values and field.alias in values and values[name] != values[field.alias]:
@@ -128,6 +196,13 @@ def _check_alias_conflicts(values: dict, where: str) -> None:
                              f"{field.alias!r}={values[field.alias]!r}; keep one")
         if field.alias and name in values and field.alias in values:
             values.pop(field.alias)
+
+
+def _check_type(value, like, name: str) -> None:
+    if isinstance(like, bool) and not isinstance(value, bool):
+        raise UsageError(f"{name} must be true or false, got {as_json(value)}")
+    if not isinstance(like, bool) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise UsageError(f"{name} must be a number, got {as_json(value)}")
 
 
 def _integral(value):

@@ -1,5 +1,6 @@
 """Loss scaling for fp16 (DeepSpeed's `fp16` keys: loss_scale, initial_scale_power,
-loss_scale_window, hysteresis, min_loss_scale). bf16 and fp32 use a constant scale of 1."""
+loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale). bf16 and fp32 use a constant
+scale of 1."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,13 +8,17 @@ import dataclasses
 
 @dataclasses.dataclass
 class LossScaler:
-    """Dynamic when `dynamic`: an overflow skips the step and, once `hysteresis` overflows have been
-    tolerated, halves the scale (not below min_scale); `window` clean steps in a row double it."""
+    """Dynamic when `dynamic`, with DeepSpeed's rules: an overflow skips the step and uses up one unit
+    of hysteresis; the overflow that finds one unit left halves the scale (not below min_scale), and so
+    does every further overflow until the hysteresis is refilled. `window` clean steps in a row double
+    the scale and refill the hysteresis; with `consecutive_hysteresis` every clean step refills it, so
+    only `hysteresis` overflows in a row lower the scale."""
     scale: float = 1.0
     dynamic: bool = False
     window: int = 1000
     hysteresis: int = 2
     min_scale: float = 1.0
+    consecutive_hysteresis: bool = False
 
     def __post_init__(self):
         self._tolerance = self.hysteresis
@@ -21,23 +26,26 @@ class LossScaler:
 
     @classmethod
     def for_fp16(cls, loss_scale: float = 0.0, initial_scale_power: int = 16, window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0) -> "LossScaler":
+                 hysteresis: int = 2, min_loss_scale: float = 1.0,
+                 consecutive_hysteresis: bool = False) -> "LossScaler":
         if loss_scale > 0:
             return cls(scale=loss_scale)
-        return cls(scale=2.0 ** initial_scale_power, dynamic=True, window=window,
-                   hysteresis=hysteresis, min_scale=min_loss_scale)
+        return cls(scale=2.0 ** initial_scale_power, dynamic=True, window=window, hysteresis=hysteresis,
+                   min_scale=min_loss_scale, consecutive_hysteresis=consecutive_hysteresis)
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
         if overflow:
             self._clean_steps = 0
-            self._tolerance -= 1
-            if self._tolerance <= 0:
+            if self._tolerance <= 1:
                 self.scale = max(self.scale / 2.0, self.min_scale)
-                self._tolerance = self.hysteresis
+            else:
+                self._tolerance -= 1
             return
         self._clean_steps += 1
+        if self.consecutive_hysteresis:
+            self._tolerance = self.hysteresis
         if self._clean_steps % self.window == 0:
             self.scale *= 2.0
             self._tolerance = self.hysteresis

@@ -1,0 +1,384 @@
+"""CUDA streams and events for the whole runtime, and the same API as a no-op on CPU.
+
+Owns: the side streams (`Streams`: host<->device copies, stage-3 parameter prefetch, gradient
+reduction), the events that order them against the compute stream, timers for a step's phases, and
+the pinned, non-blocking host->device copy of token batches. It knows nothing of ZeRO, TP or PP: the
+engine and the training loop create one `Streams(device)` and say which work goes where.
+
+On a CUDA device the streams are made by cuda-python (`pip install megazero[cuda]`) with
+cudaStreamCreateWithPriority and handed to torch as `torch.cuda.ExternalStream`, so torch kernels and
+NCCL calls made inside `with streams.reduce:` run on them. Without cuda-python the same streams and
+events come from torch.cuda (one logged line says so). On CPU there is no backend: every call below
+returns at once, so the CPU tests run the identical code path.
+
+All driver calls sit behind a small backend object (`CudartBackend`, `TorchCudaBackend`); tests inject
+a fake one to check priorities and the order of event records and waits without a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call returned a non-zero status."""
+
+
+class TorchCudaBackend:
+    """Streams and events from torch.cuda: the fallback, and where torch's own notion of the current
+    stream is read or changed (that is torch state, whichever backend created the stream)."""
+    name = "torch.cuda"
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def current_stream(self, index: int):
+        return torch.cuda.current_stream(index)
+
+    def set_current_stream(self, stream) -> None:
+        torch.cuda.set_stream(stream)
+
+    def priority_range(self, index: int) -> tuple[int, int]:
+        """(least, greatest) priority, CUDA's convention: lower numbers run first. torch clamps an
+        out-of-range request to the highest priority it supports, and reports what it chose."""
+        return 0, torch.cuda.Stream(index, priority=-(1 << 16)).priority
+
+    def create_stream(self, index: int, priority: int):
+        return torch.cuda.Stream(index, priority=priority)
+
+    def create_event(self, index: int, timing: bool):
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record_event(self, event, stream) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def synchronize_event(self, event) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end)
+
+    def destroy_event(self, event) -> None:
+        pass                                   # torch.cuda.Event frees itself
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+
+class CudartBackend(TorchCudaBackend):
+    """Streams and events through cuda-python's runtime bindings (`runtime` is the module, injected
+    so tests can pass a fake). Every call's status is checked: a failure raises CudaError naming the
+    function. Stream and event handles are plain ints (cudaStream_t / cudaEvent_t values)."""
+    name = "cuda-python"
+
+    def __init__(self, runtime):
+        self.rt = runtime
+
+    def _call(self, function: str, *args):
+        status, *values = getattr(self.rt, function)(*args)
+        if int(status) != 0:
+            raise CudaError(f"{function} failed: {self._error_name(status)} ({int(status)})")
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def _error_name(self, status) -> str:
+        lookup = getattr(self.rt, "cudaGetErrorName", None)
+        if lookup is not None:
+            ok, name = lookup(status)
+            if int(ok) == 0:
+                return name.decode() if isinstance(name, bytes) else str(name)
+        return str(status)
+
+    @contextlib.contextmanager
+    def _on_device(self, index: int):
+        """Streams and events belong to the current device: make it `index`, then put the caller's
+        back (torch's runtime shares this per-thread state)."""
+        previous = int(self._call("cudaGetDevice"))
+        if previous != index:
+            self._call("cudaSetDevice", index)
+        try:
+            yield
+        finally:
+            if previous != index:
+                self._call("cudaSetDevice", previous)
+
+    def priority_range(self, index: int) -> tuple[int, int]:
+        with self._on_device(index):
+            least, greatest = self._call("cudaDeviceGetStreamPriorityRange")
+        return int(least), int(greatest)
+
+    def create_stream(self, index: int, priority: int):
+        # Non-blocking: no implicit synchronisation with the legacy default stream, as torch's streams.
+        # The stream lives as long as the process (torch's own streams are never destroyed either).
+        with self._on_device(index):
+            handle = self._call("cudaStreamCreateWithPriority", int(self.rt.cudaStreamNonBlocking), priority)
+        return torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", index))
+
+    def create_event(self, index: int, timing: bool):
+        flags = self.rt.cudaEventDefault if timing else self.rt.cudaEventDisableTiming
+        with self._on_device(index):
+            return int(self._call("cudaEventCreateWithFlags", int(flags)))
+
+    def record_event(self, event, stream) -> None:
+        self._call("cudaEventRecord", event, stream.cuda_stream)
+
+    def wait_event(self, stream, event) -> None:
+        self._call("cudaStreamWaitEvent", stream.cuda_stream, event, 0)
+
+    def synchronize_event(self, event) -> None:
+        self._call("cudaEventSynchronize", event)
+
+    def elapsed_ms(self, start, end) -> float:
+        return float(self._call("cudaEventElapsedTime", start, end))
+
+    def destroy_event(self, event) -> None:
+        self._call("cudaEventDestroy", event)
+
+
+def import_cudart():
+    """cuda-python's runtime module: `cuda.bindings.runtime` (12.6.1 and later), else the older
+    `cuda.cudart`; None when cuda-python is not installed."""
+    try:
+        from cuda.bindings import runtime
+        return runtime
+    except ImportError:
+        pass
+    try:
+        from cuda import cudart
+        return cudart
+    except ImportError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def default_cuda_backend():
+    """The backend for CUDA devices in this process (chosen once, so the fallback is logged once)."""
+    runtime = import_cudart()
+    if runtime is None:
+        log.warning("megazero.streams: cuda-python is not installed, streams and events use torch.cuda "
+                    "(pip install 'megazero[cuda]' for cuda-python)")
+        return TorchCudaBackend()
+    return CudartBackend(runtime)
+
+
+def backend_for(device: torch.device):
+    """None on CPU (every stream and event call is a no-op there), else the CUDA backend."""
+    return default_cuda_backend() if torch.device(device).type == "cuda" else None
+
+
+def _device_index(device: torch.device, backend) -> int:
+    return device.index if device.index is not None else backend.current_device()
+
+
+class Event:
+    """A CUDA event on `device`; on CPU, a perf_counter stamp when `timing`, else nothing.
+
+    `stream` arguments take a SideStream, a torch stream, or None for the current stream."""
+
+    def __init__(self, device, timing: bool = False, backend=None):
+        self._handle = None
+        self.device = torch.device(device)
+        self.timing = timing
+        self._backend = backend if backend is not None else backend_for(self.device)
+        self._stamp = None                          # CPU: perf_counter at record()
+        if self._backend is not None:
+            self._index = _device_index(self.device, self._backend)
+            self._handle = self._backend.create_event(self._index, timing)
+
+    def _raw(self, stream):
+        if stream is None:
+            return self._backend.current_stream(self._index)
+        return stream.stream if isinstance(stream, SideStream) else stream
+
+    def record(self, stream=None) -> "Event":
+        """Marks the work queued so far on `stream`."""
+        if self._backend is None:
+            self._stamp = time.perf_counter() if self.timing else None
+        else:
+            self._backend.record_event(self._handle, self._raw(stream))
+        return self
+
+    def wait(self, stream=None) -> None:
+        """Work queued on `stream` after this call starts only once the recorded work is done."""
+        if self._backend is not None:
+            self._backend.wait_event(self._raw(stream), self._handle)
+
+    def synchronize(self) -> None:
+        """Blocks the host until the recorded work is done."""
+        if self._backend is not None:
+            self._backend.synchronize_event(self._handle)
+
+    def elapsed_ms(self, end: "Event") -> float:
+        """Milliseconds from this event to `end` (waits for `end`); both need timing=True."""
+        if not (self.timing and end.timing):
+            raise RuntimeError("Event.elapsed_ms needs both events created with timing=True")
+        if self._backend is None:
+            if self._stamp is None or end._stamp is None:
+                raise RuntimeError("Event.elapsed_ms: record() both events first")
+            return 1000.0 * (end._stamp - self._stamp)
+        end.synchronize()
+        return self._backend.elapsed_ms(self._handle, end._handle)
+
+    def __del__(self):
+        if self._handle is not None:
+            try:
+                self._backend.destroy_event(self._handle)
+            except Exception:                   # interpreter shutdown: the bindings may be gone
+                pass
+
+
+class SideStream:
+    """One side stream; `with side:` makes it torch's current stream on its device.
+
+    "The main stream" below is the stream that is current outside this context (the compute stream):
+    inside `with side:` it is the one that was current on entry. On CPU every method is a no-op."""
+
+    def __init__(self, name: str, device, backend, priority: int = 0):
+        self.name, self.device, self.priority = name, torch.device(device), priority
+        self._backend = backend
+        self._outer: list = []                       # the main stream at each (nested) entry
+        self.stream = None                           # the torch stream (ExternalStream on cuda-python)
+        if backend is not None:
+            self._index = _device_index(self.device, backend)
+            self.stream = backend.create_stream(self._index, priority)
+            # Reused for every wait: a stream wait captures the event's state when it is issued.
+            self._main_done = Event(self.device, backend=backend)
+            self._side_done = Event(self.device, backend=backend)
+
+    @property
+    def enabled(self) -> bool:
+        return self._backend is not None
+
+    def _main(self):
+        if self._outer:
+            return self._outer[-1]
+        return self._backend.current_stream(self._index)
+
+    def __enter__(self) -> "SideStream":
+        if self.enabled:
+            self._outer.append(self._backend.current_stream(self._index))
+            self._backend.set_current_stream(self.stream)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._backend.set_current_stream(self._outer.pop())
+
+    def wait_current(self) -> None:
+        """This stream waits for the work queued so far on the main stream (e.g. before reducing
+        gradients the backward just produced)."""
+        if self.enabled:
+            self._main_done.record(self._main())
+            self._main_done.wait(self.stream)
+
+    def current_waits(self) -> None:
+        """The main stream waits for the work queued so far on this stream (e.g. before a forward
+        reads parameters a prefetch gathered)."""
+        if self.enabled:
+            self._side_done.record(self.stream)
+            self._side_done.wait(self._main())
+
+    def keep_alive(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Call for a tensor that both this stream and the main stream use, after queuing the uses.
+
+        The caching allocator ties a block to the stream that allocated it and hands it out again on
+        that stream as soon as the tensor is freed, without waiting for other streams. So the stream
+        to record is the *other* one: a gathered parameter allocated here and read by the main
+        stream's forward needs the main stream recorded; a gradient allocated by the main stream's
+        backward and reduced here needs this stream recorded. Both are recorded, because the
+        allocator ignores a record on the allocating stream, so this is right whichever side
+        allocated it. On free, the block then waits for the work queued by that time on both."""
+        if self.enabled:
+            self._backend.record_stream(tensor, self.stream)
+            self._backend.record_stream(tensor, self._main())
+        return tensor
+
+
+class Streams:
+    """The side streams of one device: `copy` (host<->device), `prefetch` (stage-3 parameter
+    gathers) and `reduce` (gradient reductions). prefetch and reduce get the highest priority the
+    device reports, so a gather the next layer waits for is not stuck behind bulk work; copy gets the
+    default priority. `enabled` is False on CPU, where all three are no-ops."""
+
+    def __init__(self, device, backend=None):
+        self.device = torch.device(device)
+        self.backend = backend if backend is not None else backend_for(self.device)
+        self.enabled = self.backend is not None
+        least, greatest = 0, 0
+        if self.enabled:
+            least, greatest = self.backend.priority_range(_device_index(self.device, self.backend))
+        self.priority_range = (least, greatest)
+        self.copy = SideStream("copy", self.device, self.backend, priority=0)
+        self.prefetch = SideStream("prefetch", self.device, self.backend, priority=greatest)
+        self.reduce = SideStream("reduce", self.device, self.backend, priority=greatest)
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return f"streams: none on {self.device} (no-op)"
+        return (f"streams on {self.device} via {self.backend.name}: copy={self.copy.priority} "
+                f"prefetch={self.prefetch.priority} reduce={self.reduce.priority} "
+                f"(priority range least={self.priority_range[0]} greatest={self.priority_range[1]})")
+
+
+class Timers:
+    """Named wall-clock timers for a step's phases (DeepSpeed's `wall_clock_breakdown`: forward,
+    backward, reduce, step). On CUDA, start/stop record events on the current stream and nothing
+    waits for the GPU until `elapsed_ms` reads them; on CPU they are perf_counter stamps."""
+
+    def __init__(self, device, backend=None):
+        self.device = torch.device(device)
+        self._backend = backend if backend is not None else backend_for(self.device)
+        self._running: dict[str, Event] = {}
+        self._done: dict[str, list[tuple[Event, Event]]] = {}
+
+    def _event(self) -> Event:
+        return Event(self.device, timing=True, backend=self._backend).record()
+
+    def start(self, name: str) -> None:
+        if name in self._running:
+            raise RuntimeError(f"timer {name!r} is already running; stop it first")
+        self._running[name] = self._event()
+
+    def stop(self, name: str) -> None:
+        if name not in self._running:
+            raise RuntimeError(f"timer {name!r} was not started")
+        self._done.setdefault(name, []).append((self._running.pop(name), self._event()))
+
+    def elapsed_ms(self, reset: bool = True) -> dict[str, float]:
+        """Total milliseconds per timer over its finished start/stop intervals since the last reset
+        (running timers are left running and not counted)."""
+        totals = {name: sum(start.elapsed_ms(end) for start, end in pairs)
+                  for name, pairs in self._done.items()}
+        if reset:
+            self._done.clear()
+        return totals
+
+
+def copy_to_device(tensor: torch.Tensor, device, streams: Streams | None = None) -> torch.Tensor:
+    """`tensor` on `device`. A CPU target returns it unchanged. A CUDA target copies from pinned host
+    memory with non_blocking=True: on `streams.copy` when given (the main stream then waits for the
+    copy), else on the current stream. Issue it ahead of use (e.g. the next microbatch) to overlap.
+
+    The pinned staging buffer comes from torch's caching host allocator, which records the copy's
+    stream and does not reuse the buffer before the copy has run; the result, allocated on the copy
+    stream and used on the main one, is recorded with keep_alive."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device == device:
+        return tensor
+    if tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    if streams is None or not streams.enabled:
+        return tensor.to(device, non_blocking=True)
+    # No wait_current first: the source is host memory that no queued GPU work writes.
+    with streams.copy:
+        out = tensor.to(device, non_blocking=True)
+    streams.copy.current_waits()
+    return streams.copy.keep_alive(out)
