@@ -20,6 +20,7 @@ from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
 from megazero.parallel.random import seed_everything
+from megazero.streams import Streams, Timers, copy_to_device
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.groups import Precision, ZeroGroups
 from megazero.zero.loss_scaler import LossScaler
@@ -54,18 +55,20 @@ class TrainState:
     chunks: list
     engine: ZeroEngine
     device: torch.device
+    streams: Streams
+    p2p: PipelineP2P | None = None
+    timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
 
 
 def zero_groups(groups: ProcessGroups) -> ZeroGroups:
     return ZeroGroups(dp=groups.dp, shard=groups.mics_shard, replica=groups.mics_replica,
-                      model_parallel=groups.mp, gather=getattr(groups, "mics_shard_gather", None))
+                      model_parallel=groups.mp, gather=groups.mics_shard_gather)
 
 
 def precision_of(cfg: TrainConfig) -> Precision:
     prec = cfg.precision
-    return Precision.from_flags(prec.bf16, prec.fp16, getattr(prec, "grad_accum_dtype", "fp32"),
-                                getattr(prec, "reduce_dtype", "fp32"))
+    return Precision.from_flags(prec.bf16, prec.fp16, prec.grad_accum_dtype, prec.reduce_dtype)
 
 
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
@@ -77,43 +80,71 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     prec = cfg.precision
     precision = precision_of(cfg)
     scaler = (LossScaler.for_fp16(prec.loss_scale, prec.initial_scale_power, prec.loss_scale_window,
-                                  prec.hysteresis, prec.min_loss_scale) if prec.fp16 else LossScaler())
+                                  prec.hysteresis, prec.min_loss_scale, prec.consecutive_hysteresis)
+              if prec.fp16 else LossScaler())
+    streams = Streams(device)
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), zero_groups(groups), cfg.zero,
                         cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device,
-                        counts_in_norm=lambda p: counts_in_norm(p, groups), isolated=summed_across_stages)
+                        counts_in_norm=lambda p: counts_in_norm(p, groups), isolated=summed_across_stages,
+                        streams=streams)
     for chunk in chunks:
         chunk.train()
-    return TrainState(cfg, groups, chunks, engine, device)
+    p2p = None
+    if groups.topology.pp > 1:       # built once: its constructor joins a warm-up collective
+        seq = cfg.model.seq_length // (groups.topology.tp if par.sequence_parallel else 1)
+        p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
+                          precision.param_dtype, device)
+    timers = Timers(device) if cfg.wall_clock_breakdown else None
+    return TrainState(cfg, groups, chunks, engine, device, streams, p2p, timers)
 
 
-def _job(state: TrainState, microbatches: list[torch.Tensor]) -> PipelineJob:
+class _Timed:
+    """`with _Timed(timers, name):` times a phase when wall_clock_breakdown is on."""
+
+    def __init__(self, timers: Timers | None, name: str):
+        self.timers, self.name = timers, name
+
+    def __enter__(self):
+        if self.timers is not None:
+            self.timers.start(self.name)
+
+    def __exit__(self, *exc):
+        if self.timers is not None:
+            self.timers.stop(self.name)
+
+
+def _job(state: TrainState, microbatches: list[torch.Tensor], timers: Timers | None = None) -> PipelineJob:
     cfg, groups = state.cfg, state.groups
     normalizer = cfg.global_batch_size * cfg.model.seq_length
+    # Pinned, non-blocking copies on the copy stream, issued for the whole batch up front.
+    tokens_on_device = [copy_to_device(mb, state.device, state.streams) for mb in microbatches]
+    engine_backward = make_backward(state.engine.backward)
 
     def forward(chunk_index: int, input_tensor, mb: int):
-        chunk = state.chunks[chunk_index]
-        tokens = microbatches[mb].to(state.device)
-        inputs = tokens[:, :-1] if chunk.embedding is not None else input_tensor
-        labels = tokens[:, 1:] if chunk.output_head is not None else None
-        out = chunk(inputs, labels)
-        return out.float().sum() / normalizer if labels is not None else out
+        with _Timed(timers, "forward"):
+            chunk = state.chunks[chunk_index]
+            tokens = tokens_on_device[mb]
+            inputs = tokens[:, :-1] if chunk.embedding is not None else input_tensor
+            labels = tokens[:, 1:] if chunk.output_head is not None else None
+            out = chunk(inputs, labels)
+            return out.float().sum() / normalizer if labels is not None else out
 
-    p2p = None
-    if groups.topology.pp > 1:
-        seq = cfg.model.seq_length // (groups.topology.tp if cfg.parallel.sequence_parallel else 1)
-        dtype = precision_of(cfg).param_dtype
-        p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size), dtype, state.device)
+    def backward(output, output_grad, last: bool) -> None:
+        with _Timed(timers, "backward"):
+            engine_backward(output, output_grad, last)
+
     return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
                        stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
-                       backward=make_backward(state.engine.backward), p2p=p2p)
+                       backward=backward, p2p=state.p2p)
 
 
 def _global_loss(state: TrainState, losses: list[torch.Tensor]) -> float:
     """Sum of the last stage's microbatch losses over DP, sent to every pipeline stage."""
     groups = state.groups
     total = torch.zeros(1, dtype=torch.float64, device=state.device)
-    if groups.is_last_stage and losses:
-        total += torch.stack(losses).double().sum()
+    if groups.is_last_stage:
+        if losses:
+            total += torch.stack(losses).double().sum()
         comm.all_reduce(total, groups.dp)
     comm.broadcast(total, groups.topology.pp - 1, groups.pp)
     return total.item()
@@ -132,10 +163,12 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float) -
     par = state.cfg.parallel
     schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
     state.engine.begin_step()
-    result = schedule(_job(state, microbatches), forward_only=False)
-    state.engine.finish_gradients()
-    finalize_model_grads(state.engine.parameters(), state.engine.grad_pieces, state.groups)
-    stats = state.engine.step(lr)
+    result = schedule(_job(state, microbatches, state.timers), forward_only=False)
+    with _Timed(state.timers, "reduce"):
+        state.engine.finish_gradients()
+        finalize_model_grads(state.engine.parameters(), state.engine.grad_pieces, state.groups)
+    with _Timed(state.timers, "step"):
+        stats = state.engine.step(lr)
     state.iteration += 1
     loss = _global_loss(state, result.losses)
     state.groups.log.end_step()
@@ -179,7 +212,13 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
         record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
                   "skipped": step.skipped, "loss_scale": step.loss_scale,
                   "tokens_per_s": tokens_per_step / elapsed, "ms_per_iter": 1000 * elapsed,
-                  "memory_mib": peak_memory_mib(state.device)}
+                  "memory_mib": peak_memory_mib(state.device),
+                  "skipped_total": state.engine.skipped_steps}
+        if state.timers is not None:
+            record["time_ms"] = state.timers.elapsed_ms()
+        if step.skipped and metrics is not None:
+            metrics.say(f" iteration {it + 1}: non-finite gradient norm ({step.grad_norm}), step skipped "
+                        f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")
         history.append(record)
         window.append(record)
         if metrics is not None and ((it + 1) % cfg.log_interval == 0 or it == start_iteration):

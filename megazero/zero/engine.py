@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megazero import comm
+from megazero.streams import Streams
 from .adam import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
@@ -50,11 +51,13 @@ class ZeroEngine:
     def __init__(self, modules: list[nn.Module], init_fn, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: Precision = Precision(), clip_grad: float = 0.0,
                  loss_scaler: LossScaler | None = None, device="cpu", *,
-                 counts_in_norm=_always, isolated=_never):
+                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None):
         """`counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
         norm (a replicated copy is counted once). `isolated(param)`: parameters whose reduced
         gradients the caller sums across other ranks afterwards (a tied embedding on two pipeline
-        stages); each gets buffers of its own, so its partition is laid out identically there."""
+        stages); each gets buffers of its own, so its partition is laid out identically there.
+        `streams`: the device's side streams (gradient reductions, stage-3 prefetch); made here
+        when not given, no-ops on CPU."""
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = precision, clip_grad, torch.device(device)
         self.loss_scaler = loss_scaler or LossScaler()
@@ -62,6 +65,7 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.grads_ready = False
         self.queue = ReductionQueue(zero.reduce_bucket_size, zero.overlap)
+        self.streams = streams if streams is not None else Streams(self.device)
         named = _unique_named_parameters(modules)
         self.names = {id(p): n for n, p in named}
         user_init = init_fn
@@ -106,7 +110,7 @@ class ZeroEngine:
                 params, stage=stage, dp=g.dp, shard=g.shard if stage > 0 else None, replica=g.replica,
                 precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
                 device=self.device, queue=self.queue, allgather_bucket_size=self.zero.allgather_bucket_size,
-                reduce_scatter=self.zero.reduce_scatter)
+                reduce_scatter=self.zero.reduce_scatter, streams=self.streams)
             self._flat_olds.append((group, params))
             group.materialize(init_fn)
             groups.append(group)
@@ -124,7 +128,7 @@ class ZeroEngine:
                 if params:
                     units_params.append((mod_name or type(module).__name__, params))
         self.store = UnitStore(units_params, self.groups, self.precision, self.device, self.queue,
-                               reduce_scatter=self.zero.reduce_scatter)
+                               reduce_scatter=self.zero.reduce_scatter, streams=self.streams)
         replaced = self.store.materialize(init_fn)
         self.gather = GatherCoordinator(self.store, self.zero)
         self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()})

@@ -28,10 +28,10 @@ class FlatParamGroup(PartitionedStorage):
     def __init__(self, params: list[nn.Parameter], *, stage: int,
                  dp: comm.Group, shard: comm.Group | None, replica: comm.Group | None,
                  precision: Precision, bucket_size: int, device, queue: ReductionQueue,
-                 allgather_bucket_size: int = 2**62, reduce_scatter: bool = True):
+                 allgather_bucket_size: int = 2**62, reduce_scatter: bool = True, streams=None):
         layout = FlatLayout([p.numel() for p in params], bucket_size,
                             shard.size if shard else 1, shard.rank if shard else 0)
-        super().__init__(layout, shard, precision, device, queue, reduce_scatter)
+        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams)
         self.stage, self.dp, self.replica = stage, dp, replica
         self.allgather_bucket_size = allgather_bucket_size
         self.params = params
@@ -149,21 +149,25 @@ class FlatParamGroup(PartitionedStorage):
             self.reduce_bucket(b, self._staging.pop(b))
             return
         # Stage 0/1: the full buffer holds the step's gradients; reduce the bucket where it lies
-        # (in the reduce dtype: through a temporary when that differs from the buffer's).
+        # (in the reduce dtype: through a temporary when that differs from the buffer's, made on
+        # the compute stream, which reads the result when the handle is waited).
         span = self._bucket_span(self.grad_flat, b)
         chunk = self.grad_chunk(b)
         wire = span if span.dtype == self.precision.reduce_dtype else span.to(self.precision.reduce_dtype)
+        lo = self.layout.rank * self.layout.buckets[b].chunk
         if self.stage == 0:
-            handle = comm.all_reduce(wire, self.dp, async_op=True)
             result, target = wire, span
         elif self.reduce_scatter:
-            out = chunk if wire is span else torch.empty_like(chunk, dtype=wire.dtype)
-            handle = comm.reduce_scatter(out, wire, self.shard, async_op=True)
-            result, target = out, chunk
+            result, target = (chunk if wire is span else torch.empty_like(chunk, dtype=wire.dtype)), chunk
         else:              # the whole bucket is summed; this rank then reads its own chunk
-            handle = comm.all_reduce(wire, self.shard, async_op=True)
-            lo = self.layout.rank * self.layout.buckets[b].chunk
             result, target = wire[lo:lo + chunk.numel()], chunk
+        with self.reduce_stream():
+            if self.stage == 0:
+                handle = comm.all_reduce(wire, self.dp, async_op=True)
+            elif self.reduce_scatter:
+                handle = comm.reduce_scatter(result, wire, self.shard, async_op=True)
+            else:
+                handle = comm.all_reduce(wire, self.shard, async_op=True)
         same = result.data_ptr() == target.data_ptr() and result.dtype == target.dtype
         then = None if same else (lambda: target.copy_(result))
         self.queue.push(comm.Handle([handle], then), None if wire is span else wire)

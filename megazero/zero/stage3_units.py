@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megazero import comm
+from megazero.streams import Event
 from .flat import Bucket, FlatLayout
 from .groups import Precision, ZeroGroups, drop_storage, ensure_storage
 from .storage import PartitionedStorage, ReductionQueue
@@ -52,12 +53,16 @@ class Unit:
 
 class UnitStore(PartitionedStorage):
     def __init__(self, units_params: list[tuple[str, list[nn.Parameter]]], groups: ZeroGroups,
-                 precision: Precision, device, queue: ReductionQueue, reduce_scatter: bool = True):
+                 precision: Precision, device, queue: ReductionQueue, reduce_scatter: bool = True,
+                 streams=None):
         shard = groups.shard
         layout = FlatLayout.of_groups([[p.numel() for p in params] for _, params in units_params],
                                       shard.size, shard.rank)
-        super().__init__(layout, shard, precision, device, queue, reduce_scatter)
+        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams)
         self.groups = groups
+        # Marks the last write of the partition on the compute stream (the optimizer step): a
+        # prefetch on its own stream waits for that, not for all the compute queued since.
+        self.partition_ready = Event(self.device)
         self.units: list[Unit] = []
         first = 0
         for name, params in units_params:
@@ -109,6 +114,7 @@ class UnitStore(PartitionedStorage):
                 replaced[id(p)] = new
                 new_params.append(new)
             unit.params = new_params
+        self.partition_ready.record()
         self.params = [p for unit in self.units for p in unit.params]
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         return replaced
@@ -117,12 +123,14 @@ class UnitStore(PartitionedStorage):
     def start_gather(self, unit: Unit) -> None:
         if unit.status is not ParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"unit {unit.name} is {unit.status.name}; a second gather was requested")
-        unit.full.untyped_storage().resize_(unit.total * unit.full.element_size())
-        # The backend's writes bump the buffer's version counter; autograd saved views of it during
-        # forward and must not see that as an in-place change, so the counter is restored after.
-        keep_version = torch.autograd._unsafe_preserve_version_counter(unit.full)
-        handle = comm.all_gather(unit.full, self.param_chunk(unit.index), self.groups.shard_gather,
-                                 async_op=True)
+        with self.streams.prefetch:
+            self.partition_ready.wait()
+            unit.full.untyped_storage().resize_(unit.total * unit.full.element_size())
+            # The backend's writes bump the buffer's version counter; autograd saved views of it
+            # during forward must not see that as an in-place change, so it is restored after.
+            keep_version = torch.autograd._unsafe_preserve_version_counter(unit.full)
+            handle = comm.all_gather(unit.full, self.param_chunk(unit.index), self.groups.shard_gather,
+                                     async_op=True)
         unit.handle = comm.Handle([handle], then=lambda: self._gathered(unit, keep_version))
         unit.status = ParamStatus.INFLIGHT
         self.live_numel += unit.total
@@ -130,6 +138,8 @@ class UnitStore(PartitionedStorage):
 
     def _gathered(self, unit: Unit, keep_version) -> None:
         keep_version.__exit__(None, None, None)
+        # Allocated on the prefetch stream, read by the compute stream until released.
+        self.streams.prefetch.keep_alive(unit.full)
         for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels, unit.shapes):
             p.data = unit.full[off:off + n].view(shape)
         unit.status = ParamStatus.AVAILABLE
@@ -186,6 +196,15 @@ class UnitStore(PartitionedStorage):
     def after_step(self) -> None:
         if self.master is not None:
             self.partition.copy_(self.master)
+        self.partition_ready.record()
+
+    def write_full_weights(self, i: int, flat: torch.Tensor) -> None:
+        super().write_full_weights(i, flat)
+        self.partition_ready.record()
+
+    def refresh_low_precision(self, param: nn.Parameter) -> None:
+        super().refresh_low_precision(param)
+        self.partition_ready.record()
 
     def zero_grad(self) -> None:
         # Between steps the gradient partition holds no memory (as FSDP frees sharded grads), so

@@ -19,10 +19,13 @@ Kinds: "param" (the low-precision weights the model computes with), "fp32" (mast
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from megazero import comm
+from megazero.streams import Streams
 from .adam import AdamConfig, adam_update
 from .flat import FlatLayout
 from .groups import Precision, drop_storage, ensure_storage, sum_of_squares
@@ -81,9 +84,11 @@ class PartitionedStorage:
     """Per-rank state of a flat layout; see the module docstring for the split with subclasses."""
 
     def __init__(self, layout: FlatLayout, shard: comm.Group | None, precision: Precision, device,
-                 queue: ReductionQueue, reduce_scatter: bool = True, separate_master: bool | None = None):
+                 queue: ReductionQueue, reduce_scatter: bool = True, separate_master: bool | None = None,
+                 streams: Streams | None = None):
         self.layout, self.shard, self.precision = layout, shard, precision
         self.device, self.queue, self.reduce_scatter = torch.device(device), queue, reduce_scatter
+        self.streams = streams if streams is not None else Streams(self.device)
         n = layout.partition_size
         f32 = dict(dtype=torch.float32, device=self.device)
         separate = precision.mixed if separate_master is None else separate_master
@@ -181,25 +186,38 @@ class PartitionedStorage:
     # --- gradients ----------------------------------------------------------------------------
     def reduce_bucket(self, b: int, staging: torch.Tensor) -> None:
         """Reduces `staging` (bucket b's gradients of this backward, in the reduce dtype) over the
-        shard group and adds this rank's chunk of the sum to its gradient chunk."""
+        shard group and adds this rank's chunk of the sum to its gradient chunk (copies it on the
+        step's first reduction). Buffers are allocated on the compute stream, which also reads
+        them when the handle is waited; only the collective is issued on the reduce stream."""
         target = self.grad_chunk(b)
         fresh, self._fresh[b] = self._fresh[b], False
         rank, chunk = self.layout.rank, self.layout.buckets[b].chunk
-        if self.shard is None or self.shard.size == 1 or not self.reduce_scatter:
-            if self.shard is not None:
+        scatter = self.shard is not None and self.shard.size > 1 and self.reduce_scatter
+        direct = scatter and fresh and staging.dtype == target.dtype
+        if direct:
+            out = target
+        elif scatter:
+            out = torch.empty(chunk, dtype=staging.dtype, device=staging.device)
+        else:              # all-reduce the whole bucket, then read this rank's chunk of it
+            out = staging[rank * chunk:(rank + 1) * chunk]
+        with self.reduce_stream():
+            if scatter:
+                handle = comm.reduce_scatter(out, staging, self.shard, async_op=True)
+            elif self.shard is not None:
                 handle = comm.all_reduce(staging, self.shard, async_op=True)
             else:
                 handle = comm.Handle()
-            out = staging[rank * chunk:(rank + 1) * chunk]
-            then = (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
-        elif fresh and staging.dtype == target.dtype:
-            handle = comm.reduce_scatter(target, staging, self.shard, async_op=True)
-            then = None
-        else:
-            out = torch.empty(chunk, dtype=staging.dtype, device=staging.device)
-            handle = comm.reduce_scatter(out, staging, self.shard, async_op=True)
-            then = (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
+        then = None if direct else (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
         self.queue.push(comm.Handle([handle], then), staging)
+
+    @contextlib.contextmanager
+    def reduce_stream(self):
+        """Context for issuing a gradient reduction: the reduce stream, after the work queued on
+        the compute stream so far (the backward that produced the gradients). Completion is
+        waited on the compute stream through the handle. A no-op on CPU."""
+        with self.streams.reduce as side:
+            side.wait_current()
+            yield side
 
     def new_staging(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
