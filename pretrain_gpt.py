@@ -74,8 +74,11 @@ def run(cfg: TrainConfig, rank: int, world: int, local_rank: int) -> None:
     metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters)
     metrics.say(f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "
                 f"precision={'bf16' if cfg.precision.bf16 else 'fp16' if cfg.precision.fp16 else 'fp32'}")
+    for note in cfg.notes:          # config keys accepted without an effect of their own
+        metrics.say(f" note: {note}")
     train_set, valid_set = _datasets(cfg, groups, metrics.say)
     state = setup(cfg, groups, device)
+    metrics.say(f" {state.streams.describe()}")
     report = state.engine.memory_report()
     metrics.say(" model states per rank (MiB): " + ", ".join(
         f"{k}={v / 2**20:.1f}" for k, v in report.items()))

@@ -9,32 +9,41 @@ from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero import inspect as zi
 
-# DESIGN.md, bf16 weights and gradients, fp32 master + Adam moments (K = 12):
-FORMULA = {0: lambda psi, n: (2 + 2 + 12) * psi,
-           1: lambda psi, n: (2 + 2) * psi + 12 * psi / n,
-           2: lambda psi, n: 2 * psi + (2 + 12) * psi / n,
-           3: lambda psi, n: (2 + 2 + 12) * psi / n}
+# ZeRO's table, bf16 weights, g-byte gradients, fp32 master + Adam moments (K = 12). With
+# grad_accum_dtype bf16 (g = 2) it is the ZeRO paper's; the default accumulates in fp32 (g = 4).
+def formula(g):
+    return {0: lambda psi, n: (2 + g + 12) * psi,
+            1: lambda psi, n: (2 + g) * psi + 12 * psi / n,
+            2: lambda psi, n: 2 * psi + (g + 12) * psi / n,
+            3: lambda psi, n: (2 + g + 12) * psi / n}
+
+
+FORMULA = formula(4)
+FORMULA_BF16_GRADS = formula(2)
 # With fp32 weights the master copy is this rank's chunk of the weights themselves (no second
 # copy), so K drops to 8 for the separate states and the 2-byte terms become 4.
 FORMULA_FP32 = {0: lambda psi, n: (4 + 4 + 8) * psi,
                 1: lambda psi, n: (4 + 4) * psi + 8 * psi / n,
                 2: lambda psi, n: 4 * psi + (4 + 8) * psi / n,
                 3: lambda psi, n: (4 + 4 + 8) * psi / n}
-COMM_PSI = {0: 2, 1: 2, 2: 2, 3: 3}
+# Elements moved per step, as (parameter gathers, gradient reductions) in units of Psi.
+COMM_PSI = {0: (0, 2), 1: (1, 1), 2: (1, 1), 3: (2, 1)}
+ZERO_GROUPS = ("dp", "mics_shard", "mics_shard_gather")
 
 
-def _config(stage, dp, bf16):
+def _config(stage, dp, bf16, grads="fp32"):
     cfg = small_config(stage=stage, bf16=bf16, tied=False, micro=2, global_batch=2 * dp,
                        model_extra={"hidden_size": 64, "ffn_hidden_size": 256},
                        zero_extra={"param_persistence_threshold": 0, "max_reuse_distance": 0})
     cfg.zero.reduce_bucket_size = 20000
+    cfg.precision.grad_accum_dtype = cfg.precision.reduce_dtype = grads
     return with_padded_vocab(cfg)
 
 
-def accounting_worker(ctx, stage, bf16):
+def accounting_worker(ctx, stage, bf16, grads="fp32"):
     dp = 4
     groups = ctx.groups(Topology(world_size=dp))
-    cfg = _config(stage, dp, bf16)
+    cfg = _config(stage, dp, bf16, grads)
     state = setup(cfg, groups)
     psi = sum(p.zero_full_shape.numel() if hasattr(p, "zero_full_shape") else p.numel()
               for p in state.engine.parameters())
@@ -42,29 +51,32 @@ def accounting_worker(ctx, stage, bf16):
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.global_batch_size,
                               cfg.micro_batch_size, groups.coords.dp, dp)
     train_step(state, source.batch(0), 1e-3)
-    zero_bytes = sum(b for (op, group, _), b in groups.log.last_step.items() if group in ("dp", "mics_shard"))
+    zero_bytes = sum(b for (op, group, _), b in groups.log.last_step.items() if group in ZERO_GROUPS)
     return psi, report, zero_bytes
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_memory_report_matches_formula(dist_pool, bf16):
-    formula = FORMULA if bf16 else FORMULA_FP32
+@pytest.mark.parametrize("bf16,grads", [(True, "fp32"), (True, "bf16"), (False, "fp32")])
+def test_memory_report_matches_formula(dist_pool, bf16, grads):
+    table = FORMULA_FP32 if not bf16 else FORMULA if grads == "fp32" else FORMULA_BF16_GRADS
     for stage in range(4):
-        psi, report, _ = dist_pool(4).run(accounting_worker, stage, bf16)[0]
-        expected = formula[stage](psi, 4)
+        psi, report, _ = dist_pool(4).run(accounting_worker, stage, bf16, grads)[0]
+        expected = table[stage](psi, 4)
         got = report["model_states"]
         assert abs(got - expected) <= 0.05 * expected, \
             f"stage {stage}: reported {got} bytes, formula {expected:.0f} (psi={psi})"
 
 
-def test_comm_bytes_per_step(dist_pool):
-    """Ring convention: every collective moves (n-1)/n of its buffer per rank."""
+@pytest.mark.parametrize("grads,grad_bytes", [("fp32", 4), ("bf16", 2)])
+def test_comm_bytes_per_step(dist_pool, grads, grad_bytes):
+    """Ring convention: every collective moves (n-1)/n of its buffer per rank. bf16 weights are
+    gathered in bf16; gradients travel in the reduce dtype (fp32 by default)."""
     n = 4
     for stage in range(4):
-        psi, _, moved = dist_pool(4).run(accounting_worker, stage, True)[0]
-        expected = COMM_PSI[stage] * (n - 1) / n * psi * 2          # bf16: 2 bytes per element
+        psi, _, moved = dist_pool(4).run(accounting_worker, stage, True, grads)[0]
+        gathers, reductions = COMM_PSI[stage]
+        expected = (n - 1) / n * psi * (2 * gathers + grad_bytes * reductions)
         assert abs(moved - expected) <= 0.02 * expected, \
-            f"stage {stage}: moved {moved} bytes per rank, expected {COMM_PSI[stage]} Psi = {expected:.0f}"
+            f"stage {stage}: moved {moved} bytes per rank, expected {expected:.0f} ({COMM_PSI[stage]} Psi)"
 
 
 def inspection_worker(ctx, stage):
