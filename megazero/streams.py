@@ -166,7 +166,15 @@ def default_cuda_backend():
         log.warning("megazero.streams: cuda-python is not installed, streams and events use torch.cuda "
                     "(pip install 'megazero[cuda]' for cuda-python)")
         return TorchCudaBackend()
-    return CudartBackend(runtime)
+    backend = CudartBackend(runtime)
+    try:
+        backend._call("cudaGetDeviceCount")
+    except CudaError as err:
+        # e.g. cuda-python 13 under a CUDA 12 driver (cudaErrorInsufficientDriver)
+        log.warning(f"megazero.streams: cuda-python cannot use this driver ({err}), streams and events use "
+                    f"torch.cuda (install the cuda-python major matching nvidia-smi's CUDA Version)")
+        return TorchCudaBackend()
+    return backend
 
 
 def backend_for(device: torch.device):

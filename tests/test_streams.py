@@ -149,6 +149,7 @@ def _fake_runtime(fail=None, **values):
     rt = types.SimpleNamespace(
         cudaStreamNonBlocking=1, cudaEventDefault=0, cudaEventDisableTiming=2,
         cudaGetDevice=fn("cudaGetDevice", values.get("device", 0)),
+        cudaGetDeviceCount=fn("cudaGetDeviceCount", 1),
         cudaSetDevice=fn("cudaSetDevice"),
         cudaDeviceGetStreamPriorityRange=fn("cudaDeviceGetStreamPriorityRange", 0, -5),
         cudaEventCreateWithFlags=fn("cudaEventCreateWithFlags", 77),
@@ -253,5 +254,19 @@ def test_without_cuda_python_cuda_falls_back_to_torch_with_one_log_line(monkeypa
         assert isinstance(first, st.TorchCudaBackend) and first is second
         assert len(caplog.records) == 1 and "cuda-python is not installed" in caplog.text
         assert st.backend_for(torch.device("cpu")) is None
+    finally:
+        st.default_cuda_backend.cache_clear()
+
+
+def test_cuda_python_that_cannot_use_the_driver_falls_back_to_torch(monkeypatch, caplog):
+    monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime(fail="cudaGetDeviceCount")[0])
+    st.default_cuda_backend.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="megazero.streams"):
+            backend = st.backend_for(CUDA0)
+        assert type(backend) is st.TorchCudaBackend and "cannot use this driver" in caplog.text
+        monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime()[0])
+        st.default_cuda_backend.cache_clear()
+        assert isinstance(st.backend_for(CUDA0), st.CudartBackend)
     finally:
         st.default_cuda_backend.cache_clear()
