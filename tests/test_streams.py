@@ -270,3 +270,21 @@ def test_cuda_python_that_cannot_use_the_driver_falls_back_to_torch(monkeypatch,
         assert isinstance(st.backend_for(CUDA0), st.CudartBackend)
     finally:
         st.default_cuda_backend.cache_clear()
+
+
+def test_gpu_step_bench_runs_on_cpu_with_a_tiny_model(capsys):
+    """bench/bench_gpu_step.py (events, copy_to_device, megazero.training vs plain torch) end to end
+    on CPU: both sides run and train the same way (bf16: losses agree to ~1e-3)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu_step.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    losses = {side: [float(x) for x in line.split(":", 1)[1].split()]
+              for line in out.splitlines() for side in ("ours", "peer") if line.startswith(f"{side} losses:")}
+    assert set(losses) == {"ours", "peer"} and len(losses["ours"]) == 3, out
+    for a, b in zip(losses["ours"], losses["peer"]):
+        assert abs(a - b) <= 1e-2 * abs(b), out
