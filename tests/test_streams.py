@@ -241,7 +241,13 @@ def test_timers_on_a_cuda_backend_read_events_only_when_asked():
     timers.start("backward")
     timers.stop("backward")
     assert [c[0] for c in backend.calls] == ["record", "record"]     # no host sync yet
-    assert timers.elapsed_ms() == {"backward": 2.5}
+    reduce = st.SideStream("reduce", CUDA0, backend)
+    reduce.stream.name = "reduce"
+    backend.calls.clear()
+    timers.start("reduce", reduce)
+    timers.stop("reduce", reduce)
+    assert [c[2] for c in backend.calls] == ["reduce", "reduce"]
+    assert timers.elapsed_ms() == {"backward": 2.5, "reduce": 2.5}
     assert backend.calls[-1][0] == "sync"
 
 

@@ -25,7 +25,7 @@ def _devices() -> int:
 def pytest_collection_modifyitems(config, items):
     found = _devices()
     for item in items:
-        if HERE not in Path(item.fspath).resolve().parents:
+        if HERE not in item.path.resolve().parents:
             continue
         marker = item.get_closest_marker("gpu")
         if marker is None:
