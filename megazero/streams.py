@@ -166,7 +166,15 @@ def default_cuda_backend():
         log.warning("megazero.streams: cuda-python is not installed, streams and events use torch.cuda "
                     "(pip install 'megazero[cuda]' for cuda-python)")
         return TorchCudaBackend()
-    return CudartBackend(runtime)
+    backend = CudartBackend(runtime)
+    try:
+        backend._call("cudaGetDeviceCount")
+    except CudaError as err:
+        # e.g. cuda-python 13 under a CUDA 12 driver (cudaErrorInsufficientDriver)
+        log.warning(f"megazero.streams: cuda-python cannot use this driver ({err}), streams and events use "
+                    f"torch.cuda (install the cuda-python major matching nvidia-smi's CUDA Version)")
+        return TorchCudaBackend()
+    return backend
 
 
 def backend_for(device: torch.device):
@@ -330,8 +338,9 @@ class Streams:
 
 class Timers:
     """Named wall-clock timers for a step's phases (DeepSpeed's `wall_clock_breakdown`: forward,
-    backward, reduce, step). On CUDA, start/stop record events on the current stream and nothing
-    waits for the GPU until `elapsed_ms` reads them; on CPU they are perf_counter stamps."""
+    backward, reduce, step). On CUDA, start/stop record events on the given (default: current)
+    stream and nothing waits for the GPU until `elapsed_ms` reads them; on CPU they are perf_counter
+    stamps (host time, which on CPU is the work's time)."""
 
     def __init__(self, device, backend=None):
         self.device = torch.device(device)
@@ -339,18 +348,20 @@ class Timers:
         self._running: dict[str, Event] = {}
         self._done: dict[str, list[tuple[Event, Event]]] = {}
 
-    def _event(self) -> Event:
-        return Event(self.device, timing=True, backend=self._backend).record()
+    def _event(self, stream) -> Event:
+        return Event(self.device, timing=True, backend=self._backend).record(stream)
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, stream=None) -> None:
+        """Starts `name` on `stream` (a SideStream, a torch stream, None: the current one): time a
+        side stream's work (e.g. reductions) on that stream."""
         if name in self._running:
             raise RuntimeError(f"timer {name!r} is already running; stop it first")
-        self._running[name] = self._event()
+        self._running[name] = self._event(stream)
 
-    def stop(self, name: str) -> None:
+    def stop(self, name: str, stream=None) -> None:
         if name not in self._running:
             raise RuntimeError(f"timer {name!r} was not started")
-        self._done.setdefault(name, []).append((self._running.pop(name), self._event()))
+        self._done.setdefault(name, []).append((self._running.pop(name), self._event(stream)))
 
     def elapsed_ms(self, reset: bool = True) -> dict[str, float]:
         """Total milliseconds per timer over its finished start/stop intervals since the last reset

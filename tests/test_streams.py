@@ -149,6 +149,7 @@ def _fake_runtime(fail=None, **values):
     rt = types.SimpleNamespace(
         cudaStreamNonBlocking=1, cudaEventDefault=0, cudaEventDisableTiming=2,
         cudaGetDevice=fn("cudaGetDevice", values.get("device", 0)),
+        cudaGetDeviceCount=fn("cudaGetDeviceCount", 1),
         cudaSetDevice=fn("cudaSetDevice"),
         cudaDeviceGetStreamPriorityRange=fn("cudaDeviceGetStreamPriorityRange", 0, -5),
         cudaEventCreateWithFlags=fn("cudaEventCreateWithFlags", 77),
@@ -240,7 +241,13 @@ def test_timers_on_a_cuda_backend_read_events_only_when_asked():
     timers.start("backward")
     timers.stop("backward")
     assert [c[0] for c in backend.calls] == ["record", "record"]     # no host sync yet
-    assert timers.elapsed_ms() == {"backward": 2.5}
+    reduce = st.SideStream("reduce", CUDA0, backend)
+    reduce.stream.name = "reduce"
+    backend.calls.clear()
+    timers.start("reduce", reduce)
+    timers.stop("reduce", reduce)
+    assert [c[2] for c in backend.calls] == ["reduce", "reduce"]
+    assert timers.elapsed_ms() == {"backward": 2.5, "reduce": 2.5}
     assert backend.calls[-1][0] == "sync"
 
 
@@ -255,3 +262,35 @@ def test_without_cuda_python_cuda_falls_back_to_torch_with_one_log_line(monkeypa
         assert st.backend_for(torch.device("cpu")) is None
     finally:
         st.default_cuda_backend.cache_clear()
+
+
+def test_cuda_python_that_cannot_use_the_driver_falls_back_to_torch(monkeypatch, caplog):
+    monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime(fail="cudaGetDeviceCount")[0])
+    st.default_cuda_backend.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="megazero.streams"):
+            backend = st.backend_for(CUDA0)
+        assert type(backend) is st.TorchCudaBackend and "cannot use this driver" in caplog.text
+        monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime()[0])
+        st.default_cuda_backend.cache_clear()
+        assert isinstance(st.backend_for(CUDA0), st.CudartBackend)
+    finally:
+        st.default_cuda_backend.cache_clear()
+
+
+def test_gpu_step_bench_runs_on_cpu_with_a_tiny_model(capsys):
+    """bench/bench_gpu_step.py (events, copy_to_device, megazero.training vs plain torch) end to end
+    on CPU: both sides run and train the same way (bf16: losses agree to ~1e-3)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu_step.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    losses = {side: [float(x) for x in line.split(":", 1)[1].split()]
+              for line in out.splitlines() for side in ("ours", "peer") if line.startswith(f"{side} losses:")}
+    assert set(losses) == {"ours", "peer"} and len(losses["ours"]) == 3, out
+    for a, b in zip(losses["ours"], losses["peer"]):
+        assert abs(a - b) <= 1e-2 * abs(b), out

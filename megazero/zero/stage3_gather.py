@@ -3,9 +3,25 @@
 Owns the module hooks and the schedule: before a module's forward (and, through a hook on its
 outputs, before its backward) its units are gathered; after its forward, and once its gradients are
 all in, they are released. The order of unit uses is recorded on the first step ("trace") and then
-drives prefetching (`prefetch_bucket_size` elements ahead, never beyond `max_live_parameters`) and
-reuse (a released unit whose next use is within `max_reuse_distance` elements stays gathered). If a
-step uses units in a different order the trace is dropped with a warning and recorded again.
+drives prefetching (`prefetch_bucket_size` elements ahead, never beyond `max_live_parameters`, at
+most MAX_GATHERS_IN_FLIGHT gathers outstanding) and reuse (a released unit whose next use is within
+`max_reuse_distance` elements stays gathered). If a step uses units in a different order the trace is
+dropped with a warning and recorded again.
+
+Hardening, after DeepSpeed's stage-3 bugs:
+- While a trace is being recorded, each use is agreed on across the shard group (one tiny all-gather
+  per use, then one for the end of the pass) *before* its unit is gathered, so ranks running different
+  modules fail with a RuntimeError naming both, instead of hanging in mismatched all-gathers. Once a
+  trace exists nothing extra is communicated: a rank that later leaves the trace on its own is not
+  caught (that would cost a collective per use on every step).
+- Units are reference-counted: every running forward of a module that uses a unit holds one reference,
+  and the backward holds one from the first module backward that needs it until its gradients are all
+  in, so a unit shared by nested or interleaved users is released only when the last is done.
+- A module's outputs may be any nesting of tuples, lists, dicts and namedtuples with non-tensors
+  inside: every tensor that requires grad gets the backward re-gather. A leaf that is neither a tensor
+  nor a plain value (a custom class) is refused at the module's first forward that builds a graph.
+- Hooks run outside torch.compile tracing (torch.compiler.disable), so compiled models see plain
+  tensors and our Python bookkeeping never becomes part of a graph.
 
 A parameter used by a module that does not own it (a tied output head) is an external parameter of
 that module: detected when the same Parameter is registered in two modules, or declared with
@@ -14,14 +30,29 @@ that module: detected when the same Parameter is registered in two modules, or d
 from __future__ import annotations
 
 import bisect
+import collections
+import enum
 import itertools
 import warnings
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from megazero import comm
+from megazero.errors import UsageError
 from .config import ZeroConfig
 from .stage3_units import ParamStatus, Unit, UnitStore
+
+# Gathers issued and not yet waited for. A backend runs one communicator's collectives one after
+# another (NCCL on its stream, gloo on its group's queue), so a third gather queued behind two
+# others finishes no sooner than if it were issued when the first completes: two keep the link busy
+# (one moving, the next queued with no idle gap), more only hold full-size buffers earlier and let a
+# long prefetch queue stand in front of a gather that is needed now.
+MAX_GATHERS_IN_FLIGHT = 2
+
+_END_OF_PASS = -1             # a rank's "use" at the end of a recording pass, in the trace check
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -34,7 +65,7 @@ class _BeforeBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.coordinator.use(ctx.coordinator.units_of(ctx.module))
+        ctx.coordinator.before_backward(ctx.module)
         return (None, None, *grads)
 
 
@@ -64,9 +95,15 @@ class GatherCoordinator:
         self.recording: list[int] | None = None
         self.pass_key: object = None                 # "train", or ("eval", root) per evaluation forward
         self.position = 0
-        self.in_use: set[int] = set()
+        self.refs: dict[int, int] = {}               # unit index -> running users (see docstring)
+        self.backward_holds: set[int] = set()        # units the current backward holds a reference on
         self.keep_all = config.keep_params_gathered_across_microbatches
-        self._hooked: set[nn.Module] = set()
+        self.max_gathers_in_flight = MAX_GATHERS_IN_FLIGHT
+        self.peak_gathers_in_flight = 0
+        self._gathers: collections.deque[Unit] = collections.deque()   # issued by us, oldest first
+        self._names: dict[nn.Module, str] = {}
+        self._hooked: list[nn.Module] = []           # in hooking order (the same on every rank) ...
+        self._module_id: dict[nn.Module, int] = {}   # ... so a position names a module in the trace check
 
     # --- registration -------------------------------------------------------------------------
     def attach(self, modules: list[nn.Module], owner_of: dict[int, Unit]) -> None:
@@ -74,7 +111,8 @@ class GatherCoordinator:
         for root in modules:
             root.register_forward_pre_hook(self._root_pre_forward)
             root.register_forward_hook(self._root_post_forward)
-            for module in root.modules():
+            for name, module in root.named_modules():
+                self._names.setdefault(module, name or type(module).__name__)
                 units = []
                 for p in module.parameters(recurse=False):
                     unit = owner_of.get(id(p))
@@ -93,51 +131,100 @@ class GatherCoordinator:
     def units_of(self, module: nn.Module) -> list[Unit]:
         return self.module_units.get(module, [])
 
+    def module_name(self, module: nn.Module) -> str:
+        return self._names.get(module) or type(module).__name__
+
     def _hook(self, module: nn.Module) -> None:
-        if module in self._hooked:
+        if module in self._module_id:
             return
-        self._hooked.add(module)
-        module.register_forward_pre_hook(lambda m, args: self.use(self.units_of(m)))
+        self._module_id[module] = len(self._hooked)
+        self._hooked.append(module)
+        module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
 
+    # --- hooks (kept out of torch.compile graphs: they gather, communicate and keep Python state) --
+    @torch.compiler.disable
     def _root_pre_forward(self, module, args):
         if self.pass_key is None:     # outside a training step: an evaluation forward is one pass
             self.begin_pass(("eval", id(module)))
 
+    @torch.compiler.disable
     def _root_post_forward(self, module, args, output):
         if self.pass_key == ("eval", id(module)):
             self.end_pass()
 
-    def _post_forward(self, module, args, output):
+    @torch.compiler.disable
+    def _pre_forward(self, module, args):
         units = self.units_of(module)
         for unit in units:
-            self.in_use.discard(unit.index)
-        if not self.keep_all:
-            for unit in units:
-                self.maybe_release(unit)
+            self.refs[unit.index] = self.refs.get(unit.index, 0) + 1
+        self._use(module, units)
+
+    @torch.compiler.disable
+    def _post_forward(self, module, args, output):
+        for unit in self.units_of(module):
+            self._drop(unit)
         if not torch.is_grad_enabled():
             return output
-        tensors = output if isinstance(output, tuple) else (output,)
-        if not all(isinstance(t, torch.Tensor) for t in tensors) or not any(t.requires_grad for t in tensors):
+        if isinstance(output, torch.Tensor):
+            return _BeforeBackward.apply(self, module, output)[0] if output.requires_grad else output
+        leaves, spec = pytree.tree_flatten(output)
+        for leaf in leaves:
+            if not isinstance(leaf, (torch.Tensor, *_PLAIN_LEAVES)):
+                raise UsageError(
+                    f"ZeRO-3: module {self.module_name(module)!r} returned a {type(leaf).__name__} inside "
+                    f"its output, which stage 3 cannot look into to re-gather the module's parameters "
+                    f"for backward; return tensors in tuples/lists/dicts/namedtuples, or register "
+                    f"{type(leaf).__name__} with torch.utils._pytree.register_pytree_node")
+        grad_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+        if not grad_at:
             return output
-        wrapped = _BeforeBackward.apply(self, module, *tensors)
-        return wrapped if isinstance(output, tuple) else wrapped[0]
+        wrapped = _BeforeBackward.apply(self, module, *(leaves[i] for i in grad_at))
+        for i, tensor in zip(grad_at, wrapped):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
+
+    @torch.compiler.disable
+    def before_backward(self, module: nn.Module) -> None:
+        """A module's backward is about to run: its units are held until their gradients are in."""
+        units = self.units_of(module)
+        for unit in units:
+            if unit.index not in self.backward_holds:
+                self.backward_holds.add(unit.index)
+                self.refs[unit.index] = self.refs.get(unit.index, 0) + 1
+        self._use(module, units)
+
+    def grads_done(self, unit: Unit) -> None:
+        """The unit's gradients are all in: its last use in this backward is over."""
+        if unit.index in self.backward_holds:
+            self.backward_holds.discard(unit.index)
+            self._drop(unit)
+        elif not self.keep_all and unit.index not in self.refs:
+            self.maybe_release(unit)
+
+    def _drop(self, unit: Unit) -> None:
+        count = self.refs.get(unit.index, 0) - 1
+        if count > 0:
+            self.refs[unit.index] = count
+            return
+        self.refs.pop(unit.index, None)
+        if not self.keep_all:
+            self.maybe_release(unit)
 
     # --- use, prefetch, release ---------------------------------------------------------------
-    def use(self, units: list[Unit]) -> None:
+    def _use(self, module: nn.Module, units: list[Unit]) -> None:
         """Makes `units` available now (records the use, prefetches what the trace says comes next)."""
         for unit in units:
-            self._record(unit)
-            self.in_use.add(unit.index)
+            self._record(unit, module)
         missing = [u for u in units if u.status is ParamStatus.NOT_AVAILABLE]
         self._make_room(sum(u.total for u in missing))
         for unit in missing:
-            self.store.start_gather(unit)
+            self._start_gather(unit, needed_now=True)
         self._prefetch()
         for unit in units:
             self.store.wait_gather(unit)
 
-    def _record(self, unit: Unit) -> None:
+    def _record(self, unit: Unit, module: nn.Module) -> None:
         trace = self.traces.get(self.pass_key)
         if trace is not None:
             if self.position < len(trace.order) and trace.order[self.position] == unit.index:
@@ -147,8 +234,47 @@ class GatherCoordinator:
                           f"re-recording the prefetch trace on the next step", stacklevel=3)
             del self.traces[self.pass_key]
         if self.recording is not None:
+            self._agree_on_use(unit.index, self._module_id[module])
             self.recording.append(unit.index)
         self.position += 1
+
+    def _agree_on_use(self, unit_index: int, module_id: int) -> None:
+        """Recording pass: every shard rank must be at the same unit now; else all raise, naming it."""
+        shard = self.store.groups.shard
+        if shard.size == 1:
+            return
+        mine = torch.tensor([unit_index, module_id], dtype=torch.int64, device=self.store.device)
+        everyone = torch.empty(2 * shard.size, dtype=torch.int64, device=self.store.device)
+        comm.all_gather(everyone, mine, shard)
+        uses = everyone.view(shard.size, 2).tolist()
+        other = next((r for r, (u, _) in enumerate(uses) if u != unit_index), None)
+        if other is not None:
+            raise RuntimeError(
+                f"ZeRO-3: ranks of the shard group diverge at use {self.position} of "
+                f"{_pass_name(self.pass_key)}: this rank (shard rank {shard.rank}) "
+                f"{self._describe(unit_index, module_id)}, shard rank {other} {self._describe(*uses[other])}; "
+                f"every rank must run the same modules in the same order (rank-dependent control flow?)")
+
+    def _describe(self, unit_index: int, module_id: int) -> str:
+        if unit_index == _END_OF_PASS:
+            return "has ended the pass"
+        if not (0 <= unit_index < len(self.store.units) and 0 <= module_id < len(self._hooked)):
+            return f"uses unit #{unit_index} in module #{module_id} (its model differs from this rank's)"
+        return (f"uses unit {self.store.units[unit_index].name!r} in module "
+                f"{self.module_name(self._hooked[module_id])!r}")
+
+    def _start_gather(self, unit: Unit, needed_now: bool) -> bool:
+        """Issues the unit's all-gather within MAX_GATHERS_IN_FLIGHT: a gather needed now first
+        waits for the oldest ones (they would finish before it anyway); a prefetch is not issued."""
+        self._gathers = collections.deque(u for u in self._gathers if u.status is ParamStatus.INFLIGHT)
+        while len(self._gathers) >= self.max_gathers_in_flight:
+            if not needed_now:
+                return False
+            self.store.wait_gather(self._gathers.popleft())
+        self.store.start_gather(unit)
+        self._gathers.append(unit)
+        self.peak_gathers_in_flight = max(self.peak_gathers_in_flight, len(self._gathers))
+        return True
 
     def _prefetch(self) -> None:
         """Gathers ahead along the trace until `prefetch_bucket_size` elements lie ahead gathered or
@@ -157,7 +283,7 @@ class GatherCoordinator:
         if trace is None or self.config.prefetch_bucket_size == 0:
             return
         budget = self.config.prefetch_bucket_size
-        seen = set(self.in_use)
+        seen = set(self.refs)
         for index in itertools.islice(trace.order, self.position, None):
             if index in seen:
                 continue
@@ -169,10 +295,11 @@ class GatherCoordinator:
             if unit.status is ParamStatus.NOT_AVAILABLE:
                 if self.store.live_numel + unit.total > self.config.max_live_parameters:
                     break
-                self.store.start_gather(unit)
+                if not self._start_gather(unit, needed_now=False):
+                    break
 
     def maybe_release(self, unit: Unit) -> None:
-        if unit.index in self.in_use or unit.status is ParamStatus.NOT_AVAILABLE:
+        if unit.index in self.refs or unit.status is ParamStatus.NOT_AVAILABLE:
             return
         if self._next_use_distance(unit) <= self.config.max_reuse_distance and \
                 self.store.live_numel <= self.config.max_live_parameters:
@@ -193,14 +320,8 @@ class GatherCoordinator:
         for unit in self.store.units:
             if self.store.live_numel + needed <= limit:
                 break
-            if unit.index not in self.in_use and unit.status is not ParamStatus.NOT_AVAILABLE:
+            if unit.index not in self.refs and unit.status is not ParamStatus.NOT_AVAILABLE:
                 self.store.release(unit)
-
-    def grads_done(self, unit: Unit) -> None:
-        """The unit's gradients are all in: its last use in this backward is over."""
-        self.in_use.discard(unit.index)
-        if not self.keep_all:
-            self.maybe_release(unit)
 
     # --- pass boundaries ----------------------------------------------------------------------
     def begin_pass(self, key) -> None:
@@ -209,14 +330,25 @@ class GatherCoordinator:
         self.recording = [] if key not in self.traces else None
 
     def end_pass(self) -> None:
-        """Ends the pass: keeps a freshly recorded trace and releases every unit."""
-        if self.recording is not None and self.pass_key not in self.traces and self.recording:
-            self.traces[self.pass_key] = Trace(self.recording, [u.total for u in self.store.units])
-        self.pass_key, self.recording, self.position = None, None, 0
-        self.in_use.clear()
-        for unit in self.store.units:
-            self.store.release(unit)
+        """Ends the pass: keeps a freshly recorded trace once every shard rank is seen to end it here
+        too (a rank with more uses fails the check, not a gather), and releases every unit."""
+        try:
+            if self.recording is not None:
+                self._agree_on_use(_END_OF_PASS, _END_OF_PASS)
+                if self.recording:
+                    self.traces[self.pass_key] = Trace(self.recording, [u.total for u in self.store.units])
+        finally:
+            self.pass_key, self.recording, self.position = None, None, 0
+            self.refs.clear()
+            self.backward_holds.clear()
+            for unit in self.store.units:
+                self.store.release(unit)
+            self._gathers.clear()
 
     def trace_names(self, key="train") -> list[str]:
         trace = self.traces.get(key)
         return [self.store.units[i].name for i in trace.order] if trace else []
+
+
+def _pass_name(key) -> str:
+    return "the training step" if key == "train" else "an evaluation forward"

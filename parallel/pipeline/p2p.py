@@ -1,10 +1,29 @@
 """Point-to-point exchange of activations and gradients between neighbouring pipeline stages.
 
 Stages form a ring (the interleaved schedule sends the last stage's output back to the first stage's
-next chunk). Every exchange is one batch of isend/irecv ops that is waited in full, so each pair of
-stages meets in lockstep (the pattern NCCL needs; gloo is happy with it too). Activations travel with
-tag 0 and gradients with tag 1, so two stages that are each other's previous and next (pp=2) never
-confuse them. Shapes are fixed per run, so receivers allocate before the data arrives.
+next chunk). Shapes are fixed per run, so receivers allocate before the data arrives.
+
+Matching by order, never by tag. NCCL ignores point-to-point tags: between two ranks, the n-th
+message one of them sends in a direction is the n-th the other receives from it. Every message here
+goes with tag 0, and correctness rests on this rule:
+
+1. Every `exchange` is one batch of isend/irecv ops, waited in full before the next one, so each
+   pair of stages meets in lockstep.
+2. Inside a batch, sends are listed activation (to the next stage) before gradient (to the previous
+   one), and receives activation (from the previous stage) before gradient (from the next one). For
+   a pair (A, B), A sends B [its activation if B is A's next, its gradient if B is A's previous] and
+   B receives from A [an activation if A is B's previous, a gradient if A is B's next]. B is A's next
+   exactly when A is B's previous, so both lists name the same messages in the same order; this
+   holds at pp=2 too, where the previous and next stage are one rank and an activation and a
+   gradient can cross the same way in one batch.
+3. Across batches, every schedule posts each stage's receives from a neighbour in the order that
+   neighbour sends. tests/test_p2p_order.py runs every schedule for pp 2-4 over a transport with no
+   tags that delivers strictly first-in first-out per direction, and checks each message's kind,
+   microbatch and model chunk on arrival.
+
+NCCL also requires every rank of a communicator to take part when its first operation is a batched
+isend/irecv, so the constructor runs one small all-reduce over the group: build `PipelineP2P` once
+per run, on every rank of the pipeline group.
 """
 from __future__ import annotations
 
@@ -13,14 +32,22 @@ import torch
 from megazero import comm
 from megazero.comm import Group
 
-ACTIVATION, GRADIENT = 0, 1
-
 
 class PipelineP2P:
     def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype, device):
-        self.group, self.shape, self.dtype, self.device = group, tuple(shape), dtype, device
+        self.group, self.shape, self.dtype = group, tuple(shape), dtype
+        self.device = torch.device(device)
         self.next = (group.rank + 1) % group.size
         self.prev = (group.rank - 1) % group.size
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A collective every rank of the group joins, before any batched point-to-point."""
+        comm.all_reduce(torch.zeros(1, dtype=torch.float32, device=self.device), self.group)
+
+    def _send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """One batch of (tensor, peer index) sends and receives, waited in full."""
+        comm.send_recv(sends, recvs, self.group).wait()
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -30,22 +57,14 @@ class PipelineP2P:
         """Sends an output to the next stage and/or a gradient to the previous one, and receives an
         input from the previous and/or an output gradient from the next, all in one batch.
         Returns (input or None, output gradient or None)."""
-        sends, recvs = [], []
         got_input = self._empty() if recv_forward else None
         got_grad = self._empty() if recv_backward else None
-        ops = []
-        if send_forward is not None:
-            ops.append(("send", send_forward.detach().contiguous(), self.next, ACTIVATION))
-        if got_input is not None:
-            ops.append(("recv", got_input, self.prev, ACTIVATION))
-        if send_backward is not None:
-            ops.append(("send", send_backward.detach().contiguous(), self.prev, GRADIENT))
-        if got_grad is not None:
-            ops.append(("recv", got_grad, self.next, GRADIENT))
-        for kind, tensor, peer, tag in ops:
-            (sends if kind == "send" else recvs).append((tensor, peer, tag))
-        if ops:
-            comm.send_recv(sends, recvs, self.group).wait()
+        # Activations first, then gradients, on both lists: the order is the matching (see above).
+        sends = [(t.detach().contiguous(), peer)
+                 for t, peer in ((send_forward, self.next), (send_backward, self.prev)) if t is not None]
+        recvs = [(t, peer) for t, peer in ((got_input, self.prev), (got_grad, self.next)) if t is not None]
+        if sends or recvs:
+            self._send_recv(sends, recvs)
         if got_input is not None:
             got_input.requires_grad_()
         return got_input, got_grad

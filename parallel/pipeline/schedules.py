@@ -10,7 +10,10 @@
   interleaved     1F1B over v model chunks per stage (Narayanan et al. 2021, SC'21), shrinking the
                   bubble by v at the cost of v times the point-to-point traffic
 
-The job carries the model-specific steps; the schedules only order them and move tensors.
+The job carries the model-specific steps; the schedules only order them and move tensors. Each
+`p2p.exchange` call is one batch, and messages carry no tags: the order of the calls on neighbouring
+stages is what matches a send with its receive (the rule is in p2p.py; tests/test_p2p_order.py
+checks every schedule against it).
 """
 from __future__ import annotations
 
