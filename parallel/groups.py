@@ -37,8 +37,18 @@ class GroupFactory:
             raise RuntimeError(f"group {ranks} needs torch.distributed, which is not initialized")
         key = (tuple(ranks), purpose)
         if key not in self._cache:
-            self._cache[key] = dist.new_group(list(ranks))
+            self._cache[key] = dist.new_group(list(ranks), pg_options=_options(purpose))
         return self._cache[key]
+
+
+def _options(purpose: str):
+    """Stage-3 gathers are what the next layer waits for: under NCCL their communicator's internal
+    stream gets high priority (torch's side streams cannot reach NCCL's own kernels)."""
+    if purpose != "stage3_gather" or str(dist.get_backend()) != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
 
 
 def collective_device(device=None) -> torch.device:

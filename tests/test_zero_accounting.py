@@ -1,4 +1,4 @@
-"""ZeRO's books: model-state memory per rank against DESIGN.md's formula, bytes moved per step
+"""ZeRO's books: model-state memory per rank against the ZeRO paper's formula, bytes moved per step
 against 2Psi / 3Psi, and the inspection APIs (set, then get) for every stage."""
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """The Megatron-compatible `.bin/.idx` token store: writing it, memory-mapping it, validating it.
 
-`.idx` layout (little-endian), as in /work/shared/DESIGN.md "Data facts":
+`.idx` layout (little-endian), as Megatron-LM writes it:
 
     offset 0   9 bytes  magic b"MMIDIDX\\x00\\x00"
     offset 9   u64      version = 1
