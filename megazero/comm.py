@@ -218,13 +218,16 @@ def all_reduce_object_max(value: float, group: Group) -> float:
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> Handle:
-    """Batched point-to-point: `sends`/`recvs` are (tensor, index of the peer in `group`[, tag])."""
+    """Batched point-to-point: `sends`/`recvs` are (tensor, index of the peer in `group`).
+
+    No tags (NCCL ignores them): messages between two ranks match in the order each side lists
+    them, so callers must list a pair's sends and the peer's receives in the same order."""
     ops = []
     for kind, items in (("send", sends), ("recv", recvs)):
         fn = dist.isend if kind == "send" else dist.irecv
-        for tensor, peer, *tag in items:
+        for tensor, peer in items:
             _check_device("send_recv", group, f"{kind} tensor (peer index {peer})", tensor)
-            ops.append((kind, dist.P2POp(fn, tensor, group.ranks[peer], group.pg, tag[0] if tag else 0)))
+            ops.append((kind, dist.P2POp(fn, tensor, group.ranks[peer], group.pg)))
     if not ops:
         return Handle()
     for kind, op in ops:      # counted only once every tensor has passed the check

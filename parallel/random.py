@@ -128,6 +128,10 @@ def make_checkpoint_fn(tracker: RNGTracker):
             finally:
                 tracker.set_states(current)
 
-        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+        # Recompute the whole function (torch stops early once it has the saved tensors it needs):
+        # otherwise modules' post-forward hooks never run in the recomputation, and ZeRO-3's
+        # reference counts of units in use would stay raised until the step ends.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
     return checkpoint

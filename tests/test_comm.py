@@ -1,5 +1,5 @@
 """The comm layer: byte counts by op, group and locality in the ring convention; handles that can be
-waited twice; in-place reduce-scatter that is safe on gloo; batched point-to-point with tags."""
+waited twice; in-place reduce-scatter that is safe on gloo; batched point-to-point matched in order."""
 import torch
 
 from megazero import comm
@@ -25,13 +25,13 @@ def comm_checks(ctx):
     h = comm.reduce_scatter(mine, buf, groups.dp, async_op=True)
     h.wait()
     step = log.end_step()
-    # tags keep two messages between the same pair apart even if posted in the other order
+    # no tags: two messages between the same pair match in the order both sides list them
     peer = 1 - groups.tp.rank
     a, b = torch.empty(3), torch.empty(3)
     if groups.tp.rank == 0:
-        comm.send_recv([(torch.ones(3), peer, 1), (torch.zeros(3), peer, 0)], [], groups.tp).wait()
+        comm.send_recv([(torch.zeros(3), peer), (torch.ones(3), peer)], [], groups.tp).wait()
     else:
-        comm.send_recv([], [(a, peer, 0), (b, peer, 1)], groups.tp).wait()
+        comm.send_recv([], [(a, peer), (b, peer)], groups.tp).wait()
     return {
         "all_reduce": x.tolist(), "reduce_scatter": out.tolist(), "all_gather": gathered.tolist(),
         "inplace": bool((mine == 3).all()), "step": step, "tags": (a.tolist(), b.tolist()),

@@ -84,15 +84,14 @@ class PartitionedStorage:
     """Per-rank state of a flat layout; see the module docstring for the split with subclasses."""
 
     def __init__(self, layout: FlatLayout, shard: comm.Group | None, precision: Precision, device,
-                 queue: ReductionQueue, reduce_scatter: bool = True, separate_master: bool | None = None,
-                 streams: Streams | None = None):
+                 queue: ReductionQueue, reduce_scatter: bool = True, streams: Streams | None = None):
         self.layout, self.shard, self.precision = layout, shard, precision
         self.device, self.queue, self.reduce_scatter = torch.device(device), queue, reduce_scatter
         self.streams = streams if streams is not None else Streams(self.device)
         n = layout.partition_size
         f32 = dict(dtype=torch.float32, device=self.device)
-        separate = precision.mixed if separate_master is None else separate_master
-        self.master = torch.zeros(n, **f32) if separate else None   # None: the weights are the master
+        # fp32 runs: the weights are the master (None), 16-bit runs keep a separate fp32 copy.
+        self.master = torch.zeros(n, **f32) if precision.mixed else None
         self.exp_avg = torch.zeros(n, **f32)
         self.exp_avg_sq = torch.zeros(n, **f32)
         self.params: list[nn.Parameter] = []
