@@ -19,7 +19,7 @@ from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, sum
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
-from megazero.parallel.random import seed_everything
+from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.streams import Streams, Timers, copy_to_device
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.groups import Precision, ZeroGroups
@@ -56,6 +56,7 @@ class TrainState:
     engine: ZeroEngine
     device: torch.device
     streams: Streams
+    tracker: RNGTracker
     p2p: PipelineP2P | None = None
     timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
@@ -95,7 +96,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
                           precision.param_dtype, device)
     timers = Timers(device) if cfg.wall_clock_breakdown else None
-    return TrainState(cfg, groups, chunks, engine, device, streams, p2p, timers)
+    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers)
 
 
 class _Timed:
@@ -199,8 +200,9 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_at, metrics=None,
-          start_iteration: int = 0) -> list[dict]:
-    """Runs cfg.train_iters steps; returns one record per step (and per evaluation)."""
+          start_iteration: int = 0, policy=None) -> list[dict]:
+    """Runs steps start_iteration+1 .. cfg.train_iters; returns one record per step (and per
+    evaluation). `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
     cfg = state.cfg
     history, window = [], []
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
@@ -230,4 +232,11 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
             history.append(eval_record)
             if metrics is not None:
                 metrics.log_eval(eval_record)
+        stop = policy.after_step(state, state.iteration * cfg.global_batch_size) if policy else None
+        if stop:
+            if metrics is not None:
+                metrics.say(f" stopping after iteration {it + 1} ({stop})")
+            break
+    if policy is not None:
+        policy.finish(state, state.iteration * cfg.global_batch_size)
     return history

@@ -63,6 +63,7 @@ class ZeroEngine:
         self.loss_scaler = loss_scaler or LossScaler()
         self.step_count = 0
         self.skipped_steps = 0
+        self.counts_in_norm = counts_in_norm
         self.grads_ready = False
         self.queue = ReductionQueue(zero.reduce_bucket_size, zero.overlap)
         self.streams = streams if streams is not None else Streams(self.device)
@@ -78,7 +79,7 @@ class ZeroEngine:
             replaced.update(self._build_units(modules, persistent, init_fn))
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
-        for storage in self._storages():
+        for storage in self.storages():
             storage.plan(self._weight_decay_of, counts_in_norm)
         self.has_grads = False
         me = weakref.ref(self)
@@ -173,7 +174,7 @@ class ZeroEngine:
         if self.grads_ready:
             return
         self.queue.wait_all()
-        for storage in self._storages():
+        for storage in self.storages():
             storage.finish_gradients()
         self.grads_ready = True
 
@@ -183,14 +184,14 @@ class ZeroEngine:
         return [p.zero_storage.local_view(p, "grad") for p in params]
 
     # --- step -------------------------------------------------------------------------------
-    def _storages(self) -> list[PartitionedStorage]:
+    def storages(self) -> list[PartitionedStorage]:
         return list(self.flat_groups) + ([self.store] if self.store is not None else [])
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradients over DP shards, TP and PP; inf or nan when
         any rank holds a non-finite gradient (one all-reduce per group serves both)."""
         sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for storage in self._storages():
+        for storage in self.storages():
             sumsq += storage.grad_sumsq()
         # Stage 0 ranks hold identical all-reduced gradients (a NaN anywhere reached every rank);
         # partitions are summed over the shard group (MiCS replicas already hold the same sums).
@@ -215,7 +216,7 @@ class ZeroEngine:
         if self.clip_grad > 0 and norm > self.clip_grad:
             coef *= self.clip_grad / (norm + 1e-6)
         self.step_count += 1
-        for storage in self._storages():
+        for storage in self.storages():
             storage.step(self.step_count, lr, self.adam, coef)
         self.loss_scaler.update(False)
         self._end_step()
@@ -227,7 +228,7 @@ class ZeroEngine:
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        for storage in self._storages():
+        for storage in self.storages():
             storage.zero_grad()
         self.grads_ready = self.has_grads = False
 
@@ -240,14 +241,14 @@ class ZeroEngine:
         persistent ones), grads, fp32 master, optimizer states, live (gathered) params now and at
         peak, buffers (module buffers and gradient staging); model_states sums the first four."""
         report = {"params": 0, "grads": 0, "master": 0, "optimizer_states": 0, "live_params": 0}
-        for storage in self._storages():
+        for storage in self.storages():
             for key, value in storage.memory_bytes().items():
                 report[key] = report.get(key, 0) + value
         if self.store is not None:
             report["peak_live_params"] = self.store.peak_live_numel * self.store.partition.element_size()
         # Module buffers, and gradient staging buckets alive right now (in flight or filling).
         report["buffers"] = sum(b.numel() * b.element_size() for m in self.modules for b in m.buffers())
-        report["buffers"] += sum(s.staging_bytes() for s in self._storages()) + self.queue.staged_bytes()
+        report["buffers"] += sum(s.staging_bytes() for s in self.storages()) + self.queue.staged_bytes()
         report["model_states"] = sum(report[k] for k in ("params", "grads", "master", "optimizer_states"))
         return report
 

@@ -25,6 +25,7 @@ from .storage import PartitionedStorage, ReductionQueue
 
 
 class FlatParamGroup(PartitionedStorage):
+    weights_always_full = True
     def __init__(self, params: list[nn.Parameter], *, stage: int,
                  dp: comm.Group, shard: comm.Group | None, replica: comm.Group | None,
                  precision: Precision, bucket_size: int, device, queue: ReductionQueue,

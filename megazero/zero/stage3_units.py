@@ -52,6 +52,7 @@ class Unit:
 
 
 class UnitStore(PartitionedStorage):
+    weights_always_full = False
     def __init__(self, units_params: list[tuple[str, list[nn.Parameter]]], groups: ZeroGroups,
                  precision: Precision, device, queue: ReductionQueue, reduce_scatter: bool = True,
                  streams=None):

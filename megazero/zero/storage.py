@@ -82,6 +82,7 @@ class ReductionQueue:
 
 class PartitionedStorage:
     """Per-rank state of a flat layout; see the module docstring for the split with subclasses."""
+    weights_always_full: bool       # every rank holds every weight whole (stages 0-2)
 
     def __init__(self, layout: FlatLayout, shard: comm.Group | None, precision: Precision, device,
                  queue: ReductionQueue, reduce_scatter: bool = True, streams: Streams | None = None):
@@ -134,6 +135,14 @@ class PartitionedStorage:
             return chunk[:0]
         rel = piece[0] - self.layout.buckets[b].local_offset
         return chunk[rel:rel + piece[2]]
+
+    def local_pieces(self):
+        """(parameter, offset inside its flat value, length) of every piece this rank holds: what a
+        checkpoint shard of this storage contains (`local_view` gives each piece by kind)."""
+        for i, param in enumerate(self.params):
+            piece = self.layout.local_piece(i)
+            if piece is not None:
+                yield param, piece[1], piece[2]
 
     def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
         """The whole of `param` in tensor `kind` as fp32, assembled from every shard (collective

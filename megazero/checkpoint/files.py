@@ -1,0 +1,125 @@
+"""The checkpoint directory on disk: names, atomic writes, checksums, `latest`.
+
+    SAVE_DIR/
+      latest                       the newest complete iteration directory's name, one line
+      iter_0000100/
+        metadata.json              run, model, layout, iteration, consumed samples, rank files
+        rank_00003.safetensors     rank 3's tensors (no pickle anywhere)
+        rank_00003.json            what they are: each tensor's parameter, piece, checksum
+
+A save writes into a hidden temporary directory beside the final one, fsyncs every file and the
+directory, then renames it into place and replaces `latest` the same way: a process killed at any
+moment leaves the previous checkpoint loadable and `latest` pointing at it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from megazero.errors import UsageError
+
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be used as asked: the message names the file and what is wrong."""
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def rank_file_names(rank: int) -> tuple[str, str]:
+    return f"rank_{rank:05d}.safetensors", f"rank_{rank:05d}.json"
+
+
+def fsync_path(path: Path) -> None:
+    """Flushes a file or directory entry to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Writes `path` whole or not at all (temporary file, fsync, rename, fsync of the directory)."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def write_json_atomic(path: Path, value) -> None:
+    write_file_atomic(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
+
+
+def sha256_of(path: Path, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err}); the file is corrupted") from None
+
+
+def latest_iteration_dir(save_dir: Path) -> Path | None:
+    """The directory `latest` names, or None when there is no `latest` (no checkpoint yet)."""
+    latest = save_dir / LATEST
+    if not latest.is_file():
+        return None
+    name = latest.read_text().strip()
+    target = save_dir / name
+    if not name.startswith("iter_") or not target.is_dir():
+        raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory in "
+                              f"{save_dir}; point it at an existing iter_* directory")
+    return target
+
+
+def complete_iteration_dirs(save_dir: Path) -> list[Path]:
+    """Complete checkpoints (with metadata) in iteration order."""
+    dirs = [p for p in save_dir.glob("iter_*") if (p / METADATA).is_file()]
+    return sorted(dirs, key=lambda p: p.name)
+
+
+def commit_directory(tmp: Path, final: Path) -> None:
+    """Renames a fully written temporary directory into place (replacing an older one of the same
+    iteration only after the new one is complete), then points `latest` at it."""
+    fsync_path(tmp)
+    trash = None
+    if final.exists():
+        trash = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    write_file_atomic(final.parent / LATEST, (final.name + "\n").encode())
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_old(save_dir: Path, keep_last: int) -> list[Path]:
+    """Deletes complete checkpoints beyond the newest `keep_last` (0 keeps all); returns them."""
+    if keep_last <= 0:
+        return []
+    old = complete_iteration_dirs(save_dir)[:-keep_last]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return old

@@ -1,0 +1,90 @@
+"""Loading a checkpoint into a freshly set-up run of any layout.
+
+For every parameter this rank's ZeRO storage holds, the reader assembles the saved full value of
+each kind (fp32 master, and unless told otherwise exp_avg and exp_avg_sq), this rank's TP slice is
+taken and the storage writes its own piece (`write_full`, which also refreshes the low-precision
+weights). One parameter at a time, no communication: every layout reads every other. Vocabulary
+padding (it depends on the TP degree) is cut or zero-filled. The loss scaler, Adam's step count and,
+for the same rank of the same layout, the RNG states follow.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .files import CheckpointError
+from .reader import CheckpointReader
+from .saver import KINDS, canonical_name, layout_key
+
+
+@dataclasses.dataclass
+class LoadResult:
+    iteration: int
+    consumed_samples: int
+    run_id: str
+    rng_restored: bool
+
+
+def _fit(full: torch.Tensor, shape: tuple[int, ...], name: str, where) -> torch.Tensor:
+    """The saved value in the target's full shape: equal, or differing only in vocabulary padding
+    rows (dimension 0 of the embedding and output head), which are zero."""
+    if tuple(full.shape) == tuple(shape):
+        return full
+    if full.dim() == len(shape) and tuple(full.shape[1:]) == tuple(shape[1:]):
+        out = torch.zeros(shape, dtype=full.dtype)
+        rows = min(shape[0], full.shape[0])
+        if full[rows:].abs().sum() != 0:
+            raise CheckpointError(f"{where}: {name} has {full.shape[0]} rows with values beyond the "
+                                  f"{shape[0]} this model has")
+        out[:rows] = full[:rows]
+        return out
+    raise CheckpointError(f"{where}: {name} has shape {tuple(full.shape)}, this model's is "
+                          f"{tuple(shape)}; load a checkpoint of the same model")
+
+
+def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = True,
+                    finetune: bool = False) -> LoadResult:
+    """Fills `state` (from megazero.training.setup) from the checkpoint at `path` (an iter_*
+    directory, or a save directory whose `latest` names one). `finetune`: weights only, iteration 0."""
+    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
+    reader.check_model(state.cfg.model)
+    engine = state.engine
+    kinds = KINDS if load_optim and not finetune else ("fp32",)
+    for storage in engine.storages():
+        for i, param in enumerate(storage.params):
+            if not storage.weights_always_full and storage.layout.local_piece(i) is None:
+                continue              # stage 3: this rank holds none of it
+            name = canonical_name(param, engine)
+            shard = getattr(param, "tp_shard", None)
+            local_shape = tuple(storage.full_shape(i))
+            full_shape = shard.full_shape(local_shape) if shard is not None else local_shape
+            for kind in kinds:
+                full = _fit(reader.full_tensor(name, kind), full_shape, name, reader.path)
+                value = shard.local_from_full(full) if shard is not None else full
+                storage.write_full(param, kind, value.to(storage.device))
+    meta = reader.metadata
+    if finetune:
+        return LoadResult(0, 0, reader.run_id, False)
+    if load_optim:
+        engine.step_count = meta["engine"]["step_count"]
+        engine.skipped_steps = meta["engine"]["skipped_steps"]
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    state.iteration = meta["iteration"]
+    rng = load_rng and _restore_rng(state, reader)
+    return LoadResult(meta["iteration"], meta["consumed_samples"], reader.run_id, rng)
+
+
+def _restore_rng(state, reader: CheckpointReader) -> bool:
+    """Restores this rank's RNG states if the checkpoint holds this very rank of this layout."""
+    rank = state.groups.rank
+    if rank >= len(reader.indexes) or reader.indexes[rank].get("layout_key") != layout_key(state):
+        return False
+    torch.set_rng_state(reader.rng_state(rank, "cpu"))
+    if state.device.type == "cuda" and "cuda" in reader.indexes[rank]["rng"]:
+        torch.cuda.set_rng_state(reader.rng_state(rank, "cuda"), state.device)
+    prefix = "tracker/"
+    states = {key[len(prefix):]: reader.rng_state(rank, key)
+              for key in reader.indexes[rank]["rng"] if key.startswith(prefix)}
+    state.tracker.set_states({k: v.to(state.tracker.states[k].device) for k, v in states.items()})
+    return True

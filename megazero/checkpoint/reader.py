@@ -1,0 +1,133 @@
+"""Reading a checkpoint written by any layout, one whole parameter at a time.
+
+`CheckpointReader(dir)` checks what can be checked without reading tensors (metadata present and of
+this format, every rank file present with the size its index records, indexes of the same run) and
+then assembles any parameter's full fp32 value of a kind ("fp32", "exp_avg", "exp_avg_sq") from the
+pieces the saving ranks wrote: each TP rank's flat (TP-local) value from its ZeRO pieces, then the
+full tensor from the TP ranks (`TPShard.full_from_locals`). Only the files holding pieces of that
+parameter are opened, and only those tensors read; each piece's CRC is checked as it is read. No
+rank ever holds more than one parameter of the checkpoint. Nothing here runs pickle.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from megazero.parallel.layers import TPShard
+from .files import FORMAT_VERSION, METADATA, CheckpointError, latest_iteration_dir, read_json
+from .saver import crc32
+
+# GPTConfig fields that decide parameter names and shapes (dropout, recompute, seq_length for rope
+# models and the like may change between a save and a load).
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                       "num_query_groups", "ffn_hidden_size", "position_embedding", "activation",
+                       "normalization", "tie_embeddings", "add_bias_linear")
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory: an iter_* directory itself, or a save directory's `latest`."""
+    path = Path(path)
+    if (path / METADATA).is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory")
+    target = latest_iteration_dir(path)
+    if target is None:
+        raise CheckpointError(f"{path}: no `latest` file and no {METADATA}; not a checkpoint directory")
+    return target
+
+
+class CheckpointReader:
+    def __init__(self, path: str | Path):
+        self.path = resolve(path)
+        self.metadata = read_json(self.path / METADATA)
+        version = self.metadata.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{self.path / METADATA}: format version {version!r}, this megazero "
+                                  f"reads {FORMAT_VERSION}")
+        self.run_id = self.metadata["run_id"]
+        self.indexes = []
+        for data_name, index_name in self.metadata["rank_files"]:
+            index = read_json(self.path / index_name)
+            self._check_rank_file(index, data_name, index_name)
+            self.indexes.append(index)
+        self.where: dict[str, list[tuple[int, dict]]] = {}
+        for index in self.indexes:
+            for name, entry in index["pieces"].items():
+                self.where.setdefault(name, []).append((index["rank"], entry))
+
+    def _check_rank_file(self, index: dict, data_name: str, index_name: str) -> None:
+        if index.get("run_id") != self.run_id:
+            raise CheckpointError(f"{self.path / index_name}: belongs to run {index.get('run_id')}, "
+                                  f"not to this checkpoint's run {self.run_id}; the directory mixes runs")
+        data = self.path / data_name
+        if not data.is_file():
+            raise CheckpointError(f"{data}: missing; the checkpoint is incomplete")
+        expected = index["file"]["bytes"]
+        if data.stat().st_size != expected:
+            raise CheckpointError(f"{data}: {data.stat().st_size} bytes, its index records {expected}; "
+                                  f"the file is truncated or was replaced")
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.where)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        entry = self.where[name][0][1]
+        tp = entry["tp"]
+        shape = list(entry["shape"])
+        if tp is not None:
+            shape[tp[0]] *= tp[2]
+        return tuple(shape)
+
+    def full_tensor(self, name: str, kind: str = "fp32") -> torch.Tensor:
+        """The whole parameter `name` of tensor `kind`, fp32, assembled from every saving rank."""
+        if name not in self.where:
+            raise CheckpointError(f"{self.path}: has no parameter {name!r}; it was saved from another model")
+        entries = self.where[name]
+        tp = entries[0][1]["tp"]
+        tp_size = 1 if tp is None else tp[2]
+        local_shape = entries[0][1]["shape"]
+        numel = math.prod(local_shape)
+        locals_ = [torch.zeros(numel) for _ in range(tp_size)]
+        filled = [0] * tp_size
+        for rank, entry in entries:
+            t = 0 if entry["tp"] is None else entry["tp"][1]
+            piece = self._read(rank, f"{name}/{kind}", entry["crc"][kind])
+            locals_[t][entry["offset"]:entry["offset"] + entry["length"]] = piece
+            filled[t] += entry["length"]
+        if filled != [numel] * tp_size:
+            raise CheckpointError(f"{self.path}: parameter {name!r} is incomplete ({filled} of {numel} "
+                                  f"elements per TP rank); a rank file is missing pieces")
+        locals_ = [t.view(local_shape) for t in locals_]
+        if tp is None:
+            return locals_[0]
+        return TPShard(tp[0], 0, tp_size, tp[3]).full_from_locals(locals_)
+
+    def _read(self, rank: int, key: str, crc: int) -> torch.Tensor:
+        data_name = self.metadata["rank_files"][rank][0]
+        path = self.path / data_name
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                tensor = f.get_tensor(key)
+        except Exception as err:      # safetensors raises its own error types for bad files
+            raise CheckpointError(f"{path}: cannot read {key!r} ({err}); the file is corrupted") from None
+        if crc32(tensor) != crc:
+            raise CheckpointError(f"{path}: tensor {key!r} fails its checksum; the file is corrupted")
+        return tensor
+
+    def rng_state(self, rank: int, key: str) -> torch.Tensor:
+        """RNG state `key` ("cpu", "cuda", "tracker/<stream>") of the saving rank `rank`."""
+        return self._read(rank, f"rng/{key}", self.indexes[rank]["rng"][key])
+
+    def check_model(self, model_config, where: str = "--load") -> None:
+        """Refuses a checkpoint of another model shape, naming the first differing field."""
+        saved = self.metadata["model"]
+        for field in ARCHITECTURE_FIELDS:
+            mine = getattr(model_config, field)
+            if saved.get(field) != mine:
+                raise CheckpointError(f"{where} {self.path}: saved model has {field}={saved.get(field)!r}, "
+                                      f"this run has {mine!r}; load a checkpoint of the same model")
