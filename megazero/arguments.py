@@ -1,13 +1,17 @@
 """Command-line flags (Megatron-LM's names) -> a validated TrainConfig. The only place argv is read.
 
-Every check that can fail on user input runs here, before any process group exists or any file is
-written, and fails with a UsageError whose one line names the flag and the fix. Settings that a
-DeepSpeed config (--zero-config) may also carry default to None here, so that a flag and a JSON key
-that disagree are reported instead of one silently winning.
+Every check that can fail on the flags alone runs here, before any process group exists or any file
+is written, and fails with a UsageError whose one line names what the user wrote (the flag, or the
+config file and key) and the fix. Settings that a DeepSpeed config (--zero-config) may also carry
+default to None in the parser, so that a flag and a JSON key that disagree are reported instead of
+one silently winning. Launcher and Megatron-LM spellings (--deepspeed_config, --train-samples,
+--use-distributed-optimizer, ...) are mapped here onto megazero's own settings. Checks against the
+machine and the files (paths, data, memory) are megazero.preflight's.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -15,114 +19,17 @@ from megazero.config import (DataConfig, OptimizerConfig, ParallelConfig, Precis
                              TrainConfig)
 from megazero.ds_config import DeepSpeedSettings, load_deepspeed_config
 from megazero.errors import UsageError
+from megazero.flags import MERGED, NOT_SUPPORTED_YET, build_parser, parse_args  # noqa: F401
 from megazero.models.config import GPTConfig, padded_vocab_size
 from megazero.parallel.topology import Topology, validate_model_fits
 from megazero.zero.adam import AdamConfig
 from megazero.zero.config import ZeroConfig, as_json, stage_notes
 
-NOT_SUPPORTED_YET = ("save", "load", "wandb_project")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):          # one line, no usage block
-        raise UsageError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="Train a GPT with TP x PP x ZeRO data parallelism.")
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--num-query-groups", type=int, default=0, help="grouped-query attention (0: MHA)")
-    g.add_argument("--ffn-hidden-size", type=int, default=0)
-    g.add_argument("--seq-length", type=int, default=256)
-    g.add_argument("--max-position-embeddings", type=int, default=0)
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--rotary-base", type=float, default=10000.0)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--recompute-activations", action="store_true")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=0)
-    g.add_argument("--pipeline-schedule", choices=["auto", "1f1b", "gpipe", "interleaved"], default="auto")
-    g.add_argument("--pipeline-layer-split", type=int, nargs="+", default=None,
-                   help="layers per pipeline chunk, for uneven splits")
-    g.add_argument("--ranks-per-node", type=int, default=0, help="default: LOCAL_WORLD_SIZE")
-    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
-                   help="default: nccl when CUDA is available, else gloo")
-    g.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3])
-    g.add_argument("--zero-config", default=None, help="DeepSpeed JSON (whole config or zero_optimization)")
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, default=200)
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=None)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
-                   default="cosine")
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--weight-decay", type=float, default=None)
-    g.add_argument("--adam-beta1", type=float, default=None)
-    g.add_argument("--adam-beta2", type=float, default=None)
-    g.add_argument("--adam-eps", type=float, default=None)
-    g.add_argument("--clip-grad", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--bf16", action="store_true", default=None)
-    g.add_argument("--fp16", action="store_true", default=None)
-    g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=None)
-    g.add_argument("--min-loss-scale", type=float, default=None)
-    g.add_argument("--loss-scale-window", type=int, default=None)
-    g.add_argument("--hysteresis", type=int, default=None)
-    g.add_argument("--grad-reduce-in-bf16", dest="reduce_dtype", action="store_const", const="bf16",
-                   default=None, help="reduce gradients in bf16 (needs --bf16; default fp32)")
-    g = p.add_argument_group("data and logging")
-    g.add_argument("--data-path", nargs="+", default=None)
-    g.add_argument("--split", default="949,50,1")
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer"],
-                   default="SentencePieceTokenizer")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--log-interval", type=int, default=None)
-    g.add_argument("--run-dir", default=None, help="default: runs/gpt-<date>-<time>")
-    g.add_argument("--metrics-file", default=None, help="default: <run-dir>/metrics.jsonl")
-    g = p.add_argument_group("not supported yet (rejected)")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--wandb-project", default=None)
-    return p
-
-
-# Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does).
-MERGED = {
-    "micro_batch_size": ("--micro-batch-size", 8), "global_batch_size": ("--global-batch-size", None),
-    "clip_grad": ("--clip-grad", 1.0), "lr": ("--lr", 1e-3), "weight_decay": ("--weight-decay", 0.01),
-    "adam_beta1": ("--adam-beta1", 0.9), "adam_beta2": ("--adam-beta2", 0.95),
-    "adam_eps": ("--adam-eps", 1e-8), "bf16": ("--bf16", False), "fp16": ("--fp16", False),
-    "loss_scale": ("--loss-scale", 0.0), "min_loss_scale": ("--min-loss-scale", 1.0),
-    "loss_scale_window": ("--loss-scale-window", 1000), "hysteresis": ("--hysteresis", 2),
-    "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
-    "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
-}
 SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
 # Settings only a DeepSpeed config gives: name -> default.
 JSON_ONLY = {"grad_accum_dtype": "fp32", "consecutive_hysteresis": False, "wall_clock_breakdown": False,
              "decoupled_weight_decay": True}
+DEFAULT_TRAIN_ITERS = 200
 
 
 def _merge(args, ds: DeepSpeedSettings | None, config_path: str | None) -> dict:
@@ -146,6 +53,8 @@ def _initial_scale_power(args, ds: DeepSpeedSettings | None, config_path: str | 
     if args.initial_loss_scale is None:
         return 16 if from_json is None else from_json
     scale = args.initial_loss_scale
+    if not scale >= 1:
+        raise UsageError(f"--initial-loss-scale must be a power of two >= 1, got {scale:g}")
     power = max(0, int(scale).bit_length() - 1)
     if scale != 2.0 ** power:
         raise UsageError(f"--initial-loss-scale {scale:g} must be a power of two (the dynamic scale "
@@ -156,8 +65,16 @@ def _initial_scale_power(args, ds: DeepSpeedSettings | None, config_path: str | 
     return power
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+def _config_path(args) -> str | None:
+    """--zero-config, or the same file under Megatron-DeepSpeed's --deepspeed_config."""
+    if args.zero_config and args.deepspeed_config and args.zero_config != args.deepspeed_config:
+        raise UsageError(f"--zero-config {args.zero_config} contradicts --deepspeed_config "
+                         f"{args.deepspeed_config}; give the DeepSpeed config once")
+    flag = "--zero-config" if args.zero_config else "--deepspeed_config"
+    args.zero_config = args.zero_config or args.deepspeed_config
+    if args.zero_config and not Path(args.zero_config).is_file():
+        raise UsageError(f"{flag} {args.zero_config}: no such file; give a DeepSpeed JSON config")
+    return args.zero_config
 
 
 def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_size: int = 0) -> TrainConfig:
@@ -165,12 +82,15 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     for name in NOT_SUPPORTED_YET:
         if getattr(args, name) is not None:
             raise UsageError(f"--{name.replace('_', '-')} is not supported yet; remove it")
-    ds = load_deepspeed_config(args.zero_config) if args.zero_config else None
-    merged = _merge(args, ds, args.zero_config)
-    zero = _zero_config(args, ds)
+    config_path = _config_path(args)
+    ds = load_deepspeed_config(config_path) if config_path else None
+    merged = _merge(args, ds, config_path)
+    _check_ranges(args, ds, merged)
+    zero, zero_notes = _zero_config(args, ds)
     precision, notes = _precision_config(args, ds, merged)
     if ds:
-        notes = ds.notes + stage_notes(zero, f"{args.zero_config}: zero_optimization") + notes
+        notes = ds.notes + stage_notes(zero, f"{config_path}: zero_optimization") + notes
+    notes += zero_notes
 
     topology = Topology(world_size=world_size, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
@@ -188,11 +108,17 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         raise UsageError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
                          f"--tensor-model-parallel-size {topology.tp}")
 
+    from megazero.data.gpt_dataset import parse_split
+    parse_split(args.split)
     data = DataConfig(data_path=args.data_path, split=args.split, tokenizer_model=args.tokenizer_model,
                       cache_dir=args.data_cache_path)
-    optimizer = _optimizer_config(args, merged)
+    train_iters = _train_iters(args, glob)
+    optimizer = _optimizer_config(args, ds, merged, train_iters, glob)
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")
     backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
+    if args.deepspeed:
+        notes.append("--deepspeed has no effect: megazero's own ZeRO engine always runs (its settings "
+                     "come from --deepspeed_config / --zero-config)")
     return TrainConfig(
         model=model, zero=zero, optimizer=optimizer, data=data,
         parallel=ParallelConfig(tensor_parallel=topology.tp, pipeline_parallel=topology.pp,
@@ -201,8 +127,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
                                 distributed_backend=backend),
         precision=precision,
-        micro_batch_size=micro, global_batch_size=glob, train_iters=_positive(args.train_iters, "--train-iters"),
-        eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=max(0, args.eval_iters),
+        micro_batch_size=micro, global_batch_size=glob, train_iters=train_iters,
+        eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
         wall_clock_breakdown=merged["wall_clock_breakdown"], notes=notes)
@@ -227,6 +153,67 @@ def _origin(args, ds: DeepSpeedSettings | None, name: str, flag: str | None, att
     if ds and name in ds.values:
         return f"{ds.source(name)} in {args.zero_config}" if with_file else ds.source(name)
     return None
+
+
+# Ranges of settings that a flag or a DeepSpeed key may give: name -> (lowest, lowest allowed,
+# highest or None, highest allowed).
+MERGED_RANGES = {"lr": (0, True, None, False), "weight_decay": (0, True, None, False),
+                 "adam_beta1": (0, True, 1, False), "adam_beta2": (0, True, 1, False),
+                 "adam_eps": (0, False, None, False), "clip_grad": (0, True, None, False),
+                 "loss_scale": (0, True, None, False), "min_loss_scale": (0, False, None, False)}
+# Ranges of flags only the command line gives: args attribute -> (lowest, lowest allowed, highest, ...).
+FLAG_RANGES = {"min_lr": (0, True, None, False), "rotary_base": (0, False, None, False),
+               "norm_epsilon": (0, False, None, False), "init_method_std": (0, False, None, False),
+               "lr_warmup_fraction": (0, True, 1, True), "lr_warmup_iters": (0, True, None, False),
+               "lr_decay_iters": (1, True, None, False), "train_samples": (1, True, None, False),
+               "lr_warmup_samples": (0, True, None, False), "lr_decay_samples": (1, True, None, False),
+               "eval_iters": (0, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
+               "tensor_model_parallel_size": (1, True, None, False),
+               "pipeline_model_parallel_size": (1, True, None, False),
+               "num_query_groups": (0, True, None, False), "ffn_hidden_size": (0, True, None, False),
+               "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
+               "num_layers_per_virtual_pipeline_stage": (0, True, None, False)}
+
+
+def _range_text(low, low_in, high, high_in) -> str:
+    if high is None:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def _in_range(value, low, low_in, high, high_in) -> bool:
+    if not math.isfinite(value):
+        return False
+    above = value >= low if low_in else value > low
+    below = high is None or (value <= high if high_in else value < high)
+    return above and below
+
+
+def _check_ranges(args, ds: DeepSpeedSettings | None, merged: dict) -> None:
+    """Numbers out of their range, named as the user wrote them (flag, or key and file)."""
+    for name, bounds in MERGED_RANGES.items():
+        if not _in_range(merged[name], *bounds):
+            origin = _origin(args, ds, name, MERGED[name][0])
+            raise UsageError(f"{origin} must be {_range_text(*bounds)}, got {merged[name]}")
+    for name, bounds in FLAG_RANGES.items():
+        value = getattr(args, name)
+        if value is not None and not _in_range(value, *bounds):
+            raise UsageError(f"--{name.replace('_', '-')} must be {_range_text(*bounds)}, got {value}")
+    for split in args.pipeline_layer_split or ():
+        if split < 1:
+            raise UsageError(f"--pipeline-layer-split takes layer counts >= 1, got {split}")
+
+
+def _train_iters(args, glob: int) -> int:
+    """--train-iters, or Megatron's --train-samples counted in global batches."""
+    if args.train_samples is None:
+        return _positive(DEFAULT_TRAIN_ITERS if args.train_iters is None else args.train_iters, "--train-iters")
+    if args.train_iters is not None:
+        raise UsageError("--train-iters and --train-samples are both set; choose one")
+    if args.train_samples < glob:
+        raise UsageError(f"--train-samples {args.train_samples} is less than one global batch ({glob} "
+                         f"samples); raise it or lower --global-batch-size")
+    return args.train_samples // glob
 
 
 # fp16 loss-scaling settings: name -> (flag, args attribute).
@@ -270,14 +257,35 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
     return precision, notes
 
 
-def _zero_config(args, ds: DeepSpeedSettings | None) -> ZeroConfig:
+def _zero_config(args, ds: DeepSpeedSettings | None) -> tuple[ZeroConfig, list[str]]:
+    """ZeRO settings from the config and --zero-stage, with Megatron's spellings mapped onto them."""
     zero = ds.zero if ds else ZeroConfig()
+    stage_in_json = ds is not None and "stage" in zero.model_fields_set
     if args.zero_stage is not None:
-        if ds and "stage" in zero.model_fields_set and zero.stage != args.zero_stage:
+        if stage_in_json and zero.stage != args.zero_stage:
             raise UsageError(f"--zero-stage {args.zero_stage} contradicts zero_optimization.stage = "
                              f"{zero.stage} in {args.zero_config}; remove one")
         zero = zero.model_copy(update={"stage": args.zero_stage})
-    return zero
+    if args.use_distributed_optimizer:       # Megatron's distributed optimizer is ZeRO-1
+        if args.zero_stage is None and not stage_in_json:
+            zero = zero.model_copy(update={"stage": 1})
+        elif zero.stage == 0:
+            origin = "--zero-stage 0" if args.zero_stage is not None else \
+                f"zero_optimization.stage = 0 in {args.zero_config}"
+            raise UsageError(f"--use-distributed-optimizer (ZeRO-1) contradicts {origin}; remove one")
+    if args.overlap_grad_reduce:
+        if zero.overlap_comm is False:
+            raise UsageError(f"--overlap-grad-reduce contradicts zero_optimization.overlap_comm = false "
+                             f"in {args.zero_config}; remove one")
+        zero = zero.model_copy(update={"overlap_comm": True})
+    notes = []
+    if args.overlap_param_gather and zero.stage < 3:
+        notes.append(f"--overlap-param-gather has no effect at ZeRO stage {zero.stage}: updated parameters "
+                     f"are all-gathered right after the optimizer step (stage 3 prefetches them)")
+    elif args.overlap_param_gather and zero.prefetch_bucket_size == 0:
+        raise UsageError(f"--overlap-param-gather contradicts stage3_prefetch_bucket_size = 0 in "
+                         f"{args.zero_config}; remove one")
+    return zero, notes
 
 
 def _model_config(args, topology: Topology) -> GPTConfig:
@@ -330,6 +338,8 @@ def _virtual_stages(args, topology: Topology) -> int:
 def _global_batch(micro: int, glob: int | None, dp: int, ds: DeepSpeedSettings | None) -> int:
     if micro < 1:
         raise UsageError(f"--micro-batch-size must be >= 1, got {micro}")
+    if glob is not None and glob < 1:
+        raise UsageError(f"--global-batch-size must be >= 1, got {glob}")
     accumulation = ds.get("gradient_accumulation_steps") if ds else None
     if glob is None:
         glob = micro * dp * (accumulation or 1)
@@ -356,18 +366,37 @@ def _check_pipeline(args, topology: Topology, virtual: int, microbatches: int) -
                              f"size {topology.pp}; raise --global-batch-size")
 
 
-def _optimizer_config(args, merged: dict) -> OptimizerConfig:
-    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
-        raise UsageError("--lr-warmup-iters and --lr-warmup-fraction are both set; choose one")
-    decay_iters = args.lr_decay_iters or args.train_iters
+def _in_iterations(samples: int | None, flag: str, glob: int) -> int | None:
+    """Megatron's sample counts (--lr-decay-samples, ...) in optimizer steps of `glob` samples."""
+    if samples is None:
+        return None
+    if samples and samples < glob:
+        raise UsageError(f"{flag} {samples} is less than one global batch ({glob} samples); raise it or "
+                         f"count in iterations")
+    return samples // glob
+
+
+def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_iters: int,
+                      glob: int) -> OptimizerConfig:
+    warmups = [flag for flag in ("--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples")
+               if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if len(warmups) > 1:
+        raise UsageError(f"{' and '.join(warmups)} are all warmup lengths; choose one")
+    if args.lr_decay_iters is not None and args.lr_decay_samples is not None:
+        raise UsageError("--lr-decay-iters and --lr-decay-samples are both set; choose one")
+    decay_iters = (args.lr_decay_iters or _in_iterations(args.lr_decay_samples, "--lr-decay-samples", glob)
+                   or train_iters)
     if args.lr_warmup_fraction is not None:
         warmup = int(args.lr_warmup_fraction * decay_iters)
+    elif args.lr_warmup_samples is not None:
+        warmup = _in_iterations(args.lr_warmup_samples, "--lr-warmup-samples", glob)
     else:
-        warmup = args.lr_warmup_iters if args.lr_warmup_iters is not None else min(20, args.train_iters // 10)
+        warmup = args.lr_warmup_iters if args.lr_warmup_iters is not None else min(20, train_iters // 10)
     lr = merged["lr"]
     min_lr = args.min_lr if args.min_lr is not None else lr / 10
     if min_lr > lr:
-        raise UsageError(f"--min-lr {min_lr} is larger than --lr {lr}")
+        origin = _origin(args, ds, "lr", "--lr") or "--lr (default)"
+        raise UsageError(f"--min-lr {min_lr} is larger than {origin} {lr}; the rate decays from lr to min-lr")
     adam = AdamConfig(lr=lr, beta1=merged["adam_beta1"], beta2=merged["adam_beta2"], eps=merged["adam_eps"],
                       weight_decay=merged["weight_decay"],
                       decoupled_weight_decay=merged["decoupled_weight_decay"])

@@ -24,7 +24,7 @@ SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
     (["--tokenizer-model", "missing.model"], "--tokenizer-model needs --data-path"),
     (["--bf16", "--fp16"], "choose one"),
     (["--zero-stage", "4"], "invalid choice"),
-    (["--no-such-flag"], "unrecognized arguments"),
+    (["--no-such-flag"], "unrecognized flag --no-such-flag"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], "not divisible"),
     (["--save", "ckpt"], "not supported yet"),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], "choose one"),

@@ -1,0 +1,211 @@
+"""The command line's shape: every flag of pretrain_gpt.py with a one-line help that ends in its
+default, the launcher flags other tools add (`--local_rank`, `--deepspeed_config`), and the parse.
+
+The parse turns every argparse complaint into one UsageError line: a misspelled flag gets the
+nearest real one, a Megatron-LM flag megazero lacks is named as such. What the flags mean together
+is megazero.arguments'.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+
+from megazero.errors import UsageError
+
+# Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does). The
+# parser's own default is None, so that a flag and a JSON key that disagree can be told apart.
+MERGED = {
+    "micro_batch_size": ("--micro-batch-size", 8), "global_batch_size": ("--global-batch-size", None),
+    "clip_grad": ("--clip-grad", 1.0), "lr": ("--lr", 1e-3), "weight_decay": ("--weight-decay", 0.01),
+    "adam_beta1": ("--adam-beta1", 0.9), "adam_beta2": ("--adam-beta2", 0.95),
+    "adam_eps": ("--adam-eps", 1e-8), "bf16": ("--bf16", False), "fp16": ("--fp16", False),
+    "loss_scale": ("--loss-scale", 0.0), "min_loss_scale": ("--min-loss-scale", 1.0),
+    "loss_scale_window": ("--loss-scale-window", 1000), "hysteresis": ("--hysteresis", 2),
+    "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
+    "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
+}
+NOT_SUPPORTED_YET = ("save", "load", "wandb_project")
+# Megatron-LM flags megazero does not have; named as such instead of "did you mean".
+MEGATRON_ONLY = frozenset("""
+--use-flash-attn --use-mcore-models --transformer-impl --context-parallel-size --expert-model-parallel-size
+--num-experts --moe-router-topk --vocab-file --merge-file --tokenizer-model-type --num-workers
+--save-interval --exit-interval --exit-duration-in-mins --tensorboard-dir --log-throughput
+--log-timers-to-tensorboard --use-checkpoint-args --no-load-optim --no-load-rng --finetune
+--distributed-timeout-minutes --use-cpu-initialization --attention-softmax-in-fp32
+--accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion --no-bias-gelu-fusion
+--no-bias-dropout-fusion --no-gradient-accumulation-fusion --apply-query-key-layer-scaling
+--group-query-attention --use-rotary-position-embeddings --no-position-embedding --rampup-batch-size
+--data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
+--recompute-granularity --recompute-method --recompute-num-layers --checkpoint-activations
+--deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
+--cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt --ckpt-format
+""".split())
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line, no usage block
+        raise UsageError(message)
+
+
+def _add(group, *names, help: str, shown=None, **kwargs) -> None:
+    """A flag whose help ends in its default: `shown` when the parser's default (None) stands for
+    "a DeepSpeed config or this value"."""
+    default = kwargs.get("default")
+    if shown is None:
+        shown = "off" if kwargs.get("action") == "store_true" else default
+    group.add_argument(*names, help=f"{help} (default: {shown})".replace("%", "%%"), **kwargs)
+
+
+def _merged(group, name: str, help: str, **kwargs) -> None:
+    flag, default = MERGED[name]
+    shown = "off" if default is False else "micro batch x data-parallel size" if default is None else default
+    if kwargs.get("action") is None:
+        kwargs.setdefault("default", None)
+    _add(group, flag, help=f"{help}; a DeepSpeed config may set it instead", shown=shown, **kwargs)
+
+
+def _model_flags(p) -> None:
+    g = p.add_argument_group("model")
+    _add(g, "--num-layers", type=int, default=4, help="transformer layers")
+    _add(g, "--hidden-size", type=int, default=256, help="model width")
+    _add(g, "--num-attention-heads", type=int, default=4, help="attention heads")
+    _add(g, "--num-query-groups", type=int, default=0, help="grouped-query attention groups; 0: one per head")
+    _add(g, "--ffn-hidden-size", type=int, default=0, help="MLP width; 0: 4 x hidden (8/3 x for SwiGLU)")
+    _add(g, "--seq-length", type=int, default=256, help="tokens per sample")
+    _add(g, "--max-position-embeddings", type=int, default=0, help="rows of the position table; 0: seq length")
+    _add(g, "--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+         help="position encoding")
+    _add(g, "--rotary-base", type=float, default=10000.0, help="RoPE frequency base")
+    _add(g, "--swiglu", action="store_true", help="SwiGLU MLP instead of GELU")
+    _add(g, "--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="norm layers")
+    _add(g, "--norm-epsilon", type=float, default=1e-5, help="epsilon of the norm layers")
+    _add(g, "--untie-embeddings-and-output-weights", action="store_true",
+         help="separate output layer instead of the input embedding")
+    _add(g, "--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    _add(g, "--hidden-dropout", type=float, default=0.1, help="dropout on hidden states, in [0, 1)")
+    _add(g, "--attention-dropout", type=float, default=0.1, help="dropout on attention weights, in [0, 1)")
+    _add(g, "--recompute-activations", action="store_true", help="recompute each layer in backward")
+    _add(g, "--init-method-std", type=float, default=0.02, help="std of the normal weight init")
+    _add(g, "--make-vocab-size-divisible-by", type=int, default=128,
+         help="pad the vocabulary to a multiple of this x tensor-parallel size")
+
+
+def _parallel_flags(p) -> None:
+    g = p.add_argument_group("parallelism")
+    _add(g, "--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks")
+    _add(g, "--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
+    _add(g, "--sequence-parallel", action="store_true", help="split norms and dropout along the sequence (tp > 1)")
+    _add(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=0,
+         help="layers per model chunk of the interleaved schedule; 0: one chunk per stage")
+    _add(g, "--pipeline-schedule", choices=["auto", "1f1b", "gpipe", "interleaved"], default="auto",
+         help="pipeline schedule")
+    _add(g, "--pipeline-layer-split", type=int, nargs="+", default=None,
+         help="layers per pipeline chunk, for uneven splits", shown="even")
+    _add(g, "--ranks-per-node", type=int, default=0, help="ranks per node; 0: LOCAL_WORLD_SIZE")
+    _add(g, "--distributed-backend", choices=["gloo", "nccl"], default=None, help="process-group backend",
+         shown="nccl when CUDA is available, else gloo")
+    _add(g, "--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+         help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters partitioned",
+         shown="0, or the config's zero_optimization.stage")
+    _add(g, "--zero-config", default=None, metavar="JSON",
+         help="DeepSpeed JSON (whole config or zero_optimization)", shown="none")
+    _add(g, "--deepspeed_config", "--deepspeed-config", default=None, metavar="JSON",
+         help="Megatron-DeepSpeed's name for --zero-config", shown="none")
+    _add(g, "--use-distributed-optimizer", action="store_true",
+         help="Megatron-LM's name for ZeRO-1; stage 1 unless a stage is given")
+    _add(g, "--overlap-grad-reduce", action="store_true",
+         help="overlap gradient reduction with backward (zero_optimization.overlap_comm)",
+         shown="on at stage 3, else off")
+    _add(g, "--overlap-param-gather", action="store_true",
+         help="overlap parameter gathers with compute (stage 3 prefetch)")
+    _add(g, "--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed launch lines; no effect")
+    _add(g, "--local-rank", "--local_rank", type=int, default=None,
+         help="set by the deepspeed and torch.distributed.launch launchers", shown="LOCAL_RANK")
+
+
+def _training_flags(p) -> None:
+    g = p.add_argument_group("training")
+    _merged(g, "micro_batch_size", "samples per microbatch per data-parallel rank", type=int)
+    _merged(g, "global_batch_size", "samples per optimizer step", type=int)
+    _add(g, "--train-iters", type=int, default=None, help="optimizer steps", shown=200)
+    _add(g, "--train-samples", type=int, default=None, help="samples to train on (instead of --train-iters)",
+         shown="none")
+    _merged(g, "lr", "peak learning rate", type=float)
+    _add(g, "--min-lr", type=float, default=None, help="learning rate at the end of decay", shown="lr / 10")
+    _add(g, "--lr-warmup-iters", type=int, default=None, help="linear warmup steps",
+         shown="min(20, train iters / 10)")
+    _add(g, "--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay steps",
+         shown="none")
+    _add(g, "--lr-warmup-samples", type=int, default=None, help="warmup in samples", shown="none")
+    _add(g, "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+         default="cosine", help="learning-rate decay after warmup")
+    _add(g, "--lr-decay-iters", type=int, default=None, help="steps to decay over", shown="train iters")
+    _add(g, "--lr-decay-samples", type=int, default=None, help="samples to decay over", shown="none")
+    _merged(g, "weight_decay", "AdamW weight decay", type=float)
+    _merged(g, "adam_beta1", "Adam beta1, in [0, 1)", type=float)
+    _merged(g, "adam_beta2", "Adam beta2, in [0, 1)", type=float)
+    _merged(g, "adam_eps", "Adam epsilon, > 0", type=float)
+    _merged(g, "clip_grad", "clip the global gradient norm to this; 0: no clipping", type=float)
+    _merged(g, "seed", "random seed", type=int)
+    _merged(g, "bf16", "compute in bf16 with fp32 master weights", action="store_true", default=None)
+    _merged(g, "fp16", "compute in fp16 with fp32 master weights and loss scaling", action="store_true",
+            default=None)
+    _merged(g, "loss_scale", "fp16 static loss scale; 0: dynamic", type=float)
+    _add(g, "--initial-loss-scale", type=float, default=None, help="fp16 dynamic scale to start from, a power of 2",
+         shown="2^16")
+    _merged(g, "min_loss_scale", "fp16 dynamic scale floor", type=float)
+    _merged(g, "loss_scale_window", "fp16 steps without overflow before the scale doubles", type=int)
+    _merged(g, "hysteresis", "fp16 overflows tolerated before the scale halves", type=int)
+    _merged(g, "reduce_dtype", "reduce gradients in bf16 (needs --bf16)", dest="reduce_dtype",
+            action="store_const", const="bf16", default=None)
+
+
+def _data_flags(p) -> None:
+    g = p.add_argument_group("data and logging")
+    _add(g, "--data-path", nargs="+", default=None, help="prefix of a .bin/.idx pair, or 'weight prefix ...'",
+         shown="the embedded standard-library corpus")
+    _add(g, "--split", default="949,50,1", help="train,valid,test weights")
+    _add(g, "--tokenizer-model", default=None, help="sentencepiece .model the data was tokenized with",
+         shown="the embedded corpus's")
+    _add(g, "--tokenizer-type", choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer"],
+         default="SentencePieceTokenizer", help="tokenizer kind")
+    _add(g, "--data-cache-path", default=None, help="folder for sample indices and the embedded corpus",
+         shown="beside the data; $MEGAZERO_CACHE or ~/.cache/megazero")
+    _add(g, "--eval-interval", type=int, default=100, help="steps between evaluations")
+    _add(g, "--eval-iters", type=int, default=10, help="batches per evaluation; 0: none")
+    _merged(g, "log_interval", "steps between log lines", type=int)
+    _add(g, "--run-dir", default=None, help="folder for this run's outputs", shown="runs/gpt-<date>-<time>")
+    _add(g, "--metrics-file", default=None, help="JSON lines of the logged metrics", shown="<run-dir>/metrics.jsonl")
+    g = p.add_argument_group("not supported yet (rejected)")
+    _add(g, "--save", default=None, help="checkpoint folder", shown="none")
+    _add(g, "--load", default=None, help="checkpoint to resume", shown="none")
+    _add(g, "--wandb-project", default=None, help="Weights & Biases project", shown="none")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt.py", description="Train a GPT with TP x PP x ZeRO data parallelism.",
+                allow_abbrev=False)
+    for add_flags in (_model_flags, _parallel_flags, _training_flags, _data_flags):
+        add_flags(p)
+    return p
+
+
+def _unknown_flag_error(parser: argparse.ArgumentParser, extras: list[str]) -> UsageError:
+    flags = [token.split("=", 1)[0] for token in extras if token.startswith("-")]
+    if not flags:
+        return UsageError(f"unexpected argument {extras[0]!r}; every value follows its --flag")
+    flag = flags[0]
+    if flag in MEGATRON_ONLY:
+        return UsageError(f"{flag} is a Megatron-LM flag megazero does not have; remove it "
+                          f"(python pretrain_gpt.py --help lists what megazero takes)")
+    near = difflib.get_close_matches(flag, parser._option_string_actions, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}?" if near else "python pretrain_gpt.py --help lists every flag"
+    return UsageError(f"unrecognized flag {flag}; {hint}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        raise _unknown_flag_error(parser, extras)
+    return args
