@@ -6,6 +6,7 @@ the per-prefix datasets of a split are blended by weight.
 """
 
 import math
+from pathlib import Path
 
 from megazero.data.blended_dataset import BlendedDataset, normalize_weights
 from megazero.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_document_ranges
@@ -17,13 +18,27 @@ from megazero.errors import UsageError
 BLEND_OVERSAMPLE = 1.005
 
 
+def _prefix_hint(prefix):
+    """What the user probably meant, for a prefix whose files are missing."""
+    path = Path(prefix)
+    if prefix.endswith((".bin", ".idx")):
+        return f"; give the prefix without extension: {prefix[:-4]}"
+    if all(p.is_file() for p in data_file_paths(f"{prefix}_text_document")):
+        return f"; did you mean {prefix}_text_document (tools/preprocess_data.py appends _<key>_document)?"
+    if path.is_dir():
+        found = sorted(p.name[:-4] for p in path.glob("*.idx") if p.with_suffix(".bin").is_file())
+        shown = f"; it holds {', '.join(str(path / name) for name in found[:3])}" if found else \
+            "; it holds no .bin/.idx pair"
+        return f" ({prefix} is a directory: give the prefix of a pair inside it{shown})"
+    return ""
+
+
 def _check_prefix_files(prefix):
     bin_path, idx_path = data_file_paths(prefix)
     for path in (bin_path, idx_path):
         if not path.is_file():
-            hint = " (give the prefix without extension)" if prefix.endswith((".bin", ".idx")) else ""
             raise UsageError(f"--data-path prefix '{prefix}': {path} not found; expected {bin_path} "
-                             f"and {idx_path}{hint}")
+                             f"and {idx_path}{_prefix_hint(prefix)}")
 
 
 def parse_data_path(data_path):
@@ -55,7 +70,8 @@ def parse_data_path(data_path):
     return pairs
 
 
-def _split_datasets_for_prefix(prefix, fractions, seq_length, seed, samples_per_split, cache_dir, progress):
+def _split_datasets_for_prefix(prefix, fractions, seq_length, seed, samples_per_split, cache_dir, progress,
+                               build=True):
     """[train, valid, test] GPTDatasets of one prefix (None where the split gets no samples)."""
     indexed = IndexedDataset(prefix)
     ranges = split_document_ranges(fractions, indexed.num_documents)
@@ -68,17 +84,18 @@ def _split_datasets_for_prefix(prefix, fractions, seq_length, seed, samples_per_
             raise UsageError(f"--split gives the {name} set 0 of the {indexed.num_documents} documents "
                              f"in {prefix}; use more data or a larger {name} share")
         datasets.append(GPTDataset(indexed, name, (start, end), count, seq_length, seed,
-                                   cache_dir=cache_dir, progress=progress))
+                                   cache_dir=cache_dir, progress=progress, build=build))
     return datasets
 
 
 def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samples,
-                                    cache_dir=None, progress=True):
+                                    cache_dir=None, progress=True, build=True):
     """(train, valid, test): each a GPTDataset or BlendedDataset, or None when its split fraction
     or requested sample count is 0.
 
     `num_samples` is (train, valid, test). Index caches go beside the data unless `cache_dir`
-    is given (useful when the data directory is read-only).
+    is given (useful when the data directory is read-only). With `build=False` nothing is written
+    and the GPTDatasets hold no indices (see GPTDataset); blends are not assembled.
     """
     pairs = parse_data_path(data_path)
     fractions = parse_split(split)
@@ -87,13 +104,15 @@ def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samp
         raise UsageError(f"num_samples {num_samples} must be three non-negative counts (train, valid, test)")
     if len(pairs) == 1:
         return tuple(_split_datasets_for_prefix(pairs[0][1], fractions, seq_length, seed,
-                                                num_samples, cache_dir, progress))
+                                                num_samples, cache_dir, progress, build))
     weights = normalize_weights([w for w, _ in pairs])
     per_prefix = []
     for weight, (_, prefix) in zip(weights, pairs):
         counts = [math.ceil(weight * n * BLEND_OVERSAMPLE) + 1 if n else 0 for n in num_samples]
         per_prefix.append(_split_datasets_for_prefix(prefix, fractions, seq_length, seed,
-                                                     counts, cache_dir, progress))
+                                                     counts, cache_dir, progress, build))
+    if not build:
+        return tuple([d for d in datasets if d is not None] for datasets in zip(*per_prefix))
     blends = []
     for split_number, size in enumerate(num_samples):
         members = [datasets[split_number] for datasets in per_prefix]
@@ -103,3 +122,25 @@ def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samp
         blends.append(BlendedDataset(members, weights, size))
     return tuple(blends)
 
+
+
+def check_datasets(data_path, split, seq_length, seed, num_samples, cache_dir, vocab_size, vocab_source):
+    """What building the datasets needs, found without writing anything: every prefix opens (its
+    files validated), its largest token id is below `vocab_size` (`vocab_source` names where the
+    vocabulary came from), and the splits fit. Returns the folders sample indices must be written to."""
+    splits = build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samples, cache_dir,
+                                             progress=False, build=False)
+    members = []
+    for found in splits:
+        members += found if isinstance(found, list) else [found] if found is not None else []
+    checked = set()
+    for dataset in members:
+        indexed = dataset.indexed
+        if indexed.prefix not in checked:
+            checked.add(indexed.prefix)
+            largest = indexed.max_token_id
+            if largest >= vocab_size:
+                raise UsageError(f"{indexed.prefix} holds token id {largest} but {vocab_source} has "
+                                 f"{vocab_size} pieces; give the tokenizer the data was made with, or "
+                                 f"re-run tools/preprocess_data.py with this one")
+    return sorted({d.cache_folder for d in members if d.needs_indices})

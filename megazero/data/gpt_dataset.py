@@ -13,7 +13,9 @@ document). Three arrays turn a sample number into tokens:
 - shuffle index: a permutation of the samples.
 
 They are built once, saved as .npy beside the data (or in `cache_dir`) under a name that hashes
-every parameter they depend on, and memory-mapped on later runs.
+every parameter they depend on, and memory-mapped on later runs. With `build=False` a dataset only
+says whether its indices are cached (`needs_indices`) and where they would go (`cache_folder`):
+what the checks before a run need, without writing anything.
 
 Owns sampling only; the file format is indexed_dataset.py's, blending is blended_dataset.py's.
 """
@@ -37,12 +39,12 @@ def parse_split(split):
     try:
         values = [float(p) for p in parts]
     except ValueError:
-        raise UsageError(f"split '{split}' is not numbers; write it like '949,50,1' "
+        raise UsageError(f"--split '{split}' is not numbers; write it like '949,50,1' "
                          "(train,valid,test weights)") from None
     if len(values) > 3:
-        raise UsageError(f"split '{split}' has {len(values)} parts; give at most 3 (train,valid,test)")
+        raise UsageError(f"--split '{split}' has {len(values)} parts; give at most 3 (train,valid,test)")
     if any(v < 0 or not np.isfinite(v) for v in values) or sum(values) <= 0:
-        raise UsageError(f"split '{split}' needs non-negative weights with a positive sum, "
+        raise UsageError(f"--split '{split}' needs non-negative weights with a positive sum, "
                          "e.g. '949,50,1'")
     values += [0.0] * (3 - len(values))
     total = sum(values)
@@ -91,7 +93,7 @@ class GPTDataset:
     """`num_samples` samples of `seq_length + 1` tokens from documents [start, end) of `indexed`."""
 
     def __init__(self, indexed, split_name, document_range, num_samples, seq_length, seed,
-                 cache_dir=None, progress=True):
+                 cache_dir=None, progress=True, build=True):
         start, end = document_range
         if not 0 <= start < end <= indexed.num_documents:
             raise UsageError(f"{split_name} split: document range [{start}, {end}) is empty or outside "
@@ -114,9 +116,16 @@ class GPTDataset:
         folder = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent
         stem = folder / f"{Path(indexed.prefix).name}_{split_name}_{digest}"
         self.cache_paths = {name: Path(f"{stem}_{name}.npy") for name in ("doc_idx", "sample_idx", "shuffle_idx")}
-        self.built_indices = not all(p.is_file() for p in self.cache_paths.values())
+        self.cache_folder = folder
+        self.needs_indices = self.built_indices = not all(p.is_file() for p in self.cache_paths.values())
+        if not build:
+            return
         if self.built_indices:
-            self._build_and_save(seed, split_name, folder, progress)
+            try:
+                self._build_and_save(seed, split_name, folder, progress)
+            except OSError as err:
+                raise UsageError(f"cannot write the {split_name} sample indices to {folder} ({err.strerror}); "
+                                 "pass --data-cache-path DIR in a writable place") from None
         self.doc_idx, self.sample_idx, self.shuffle_idx = (
             np.load(self.cache_paths[name], mmap_mode="r") for name in ("doc_idx", "sample_idx", "shuffle_idx"))
 

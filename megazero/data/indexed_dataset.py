@@ -14,9 +14,15 @@
 
 `.bin` is the tokens of every sequence back to back, nothing else.
 
+Beside them, `{prefix}.stats.json` caches what costs a pass over the tokens (the largest token id,
+checked against the model's vocabulary before a run starts), keyed by the pair's sizes and
+modification times; it is written when the pair is built, or on first use, and never changes the
+Megatron-compatible files themselves.
+
 Owns only the file format. Splits, samples and shuffling live in gpt_dataset.py.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -52,6 +58,44 @@ def data_file_paths(prefix):
     return Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
 
 
+def stats_path(prefix):
+    return Path(f"{prefix}.stats.json")
+
+
+def _file_keys(prefix):
+    """What identifies the pair's current contents: sizes and modification times."""
+    keys = {}
+    for path in data_file_paths(prefix):
+        info = path.stat()
+        keys[f"{path.suffix[1:]}_bytes"], keys[f"{path.suffix[1:]}_mtime_ns"] = info.st_size, info.st_mtime_ns
+    return keys
+
+
+def write_stats(prefix, max_token_id, num_tokens):
+    """Records the pair's token statistics beside it; a folder that cannot be written only loses the cache."""
+    record = {**_file_keys(prefix), "max_token_id": int(max_token_id), "num_tokens": int(num_tokens)}
+    path = stats_path(prefix)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_stats(prefix):
+    """The cached statistics if they describe the pair as it is now, else None."""
+    try:
+        record = json.loads(stats_path(prefix).read_text())
+        current = _file_keys(prefix)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in current.items()):
+        return None
+    return record
+
+
 class IndexedDatasetBuilder:
     """Streams sequences into `{prefix}.bin` and writes `{prefix}.idx` on `finalize()`.
 
@@ -72,6 +116,7 @@ class IndexedDatasetBuilder:
         self._sizes = []
         self._document_indices = [0]
         self.num_tokens = 0
+        self.max_token_id = -1
 
     def add_item(self, tokens):
         """Appends one sequence; ids outside the dtype's range raise instead of wrapping silently."""
@@ -84,6 +129,8 @@ class IndexedDatasetBuilder:
                 raise UsageError(f"token ids {array.min()}..{array.max()} do not fit {self.dtype.name}; "
                                  "build with best_dtype(vocab_size)")
         self._bin.write(array.astype(self.dtype, copy=False).tobytes())
+        if array.size:
+            self.max_token_id = max(self.max_token_id, int(array.max()))
         self._sizes.append(array.size)
         self.num_tokens += array.size
 
@@ -114,6 +161,7 @@ class IndexedDatasetBuilder:
             handle.write(np.asarray(self._document_indices, dtype=np.int64).tobytes())
         os.replace(self._tmp_bin, self._bin_path)
         os.replace(self._tmp_idx, self._idx_path)
+        write_stats(self.prefix, self.max_token_id, self.num_tokens)
 
     def __enter__(self):
         return self
@@ -172,6 +220,9 @@ class IndexedDataset:
             if not path.is_file():
                 raise UsageError(f"data file {path} not found; expected {bin_path} and {idx_path} "
                                  "(pass the path prefix without extension)")
+            if not os.access(path, os.R_OK):
+                raise UsageError(f"data file {path} cannot be read (permission denied); "
+                                 "fix its permissions or copy it somewhere readable")
         self.dtype, count, doc_entries = read_index_header(idx_path)
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(index, np.int32, count, HEADER_BYTES)
@@ -199,6 +250,19 @@ class IndexedDataset:
         if expected == 0:
             return np.empty(0, dtype=self.dtype)  # numpy cannot memory-map an empty file
         return np.memmap(bin_path, mode="r", dtype=self.dtype)
+
+    @property
+    def max_token_id(self):
+        """The largest token id in the `.bin` (-1 when empty), from the stats cache or one pass."""
+        if not np.issubdtype(self.dtype, np.integer):
+            raise UsageError(f"{self.prefix}.idx says its tokens are {self.dtype.name}, not integer ids; "
+                             "regenerate the pair with tools/preprocess_data.py")
+        stats = read_stats(self.prefix)
+        if stats is None:
+            largest = int(self._tokens.max()) if len(self._tokens) else -1
+            write_stats(self.prefix, largest, len(self._tokens))
+            return largest
+        return int(stats["max_token_id"])
 
     def __getstate__(self):
         # Pickle (e.g. to spawned DataLoader workers) as the prefix; the receiver maps the files
