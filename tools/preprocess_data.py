@@ -26,7 +26,7 @@ import numpy as np
 from megazero.data.corpus import Progress, iter_documents
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megazero.data.tokenizer import load_tokenizer
-from megazero.errors import UsageError
+from megazero.errors import UsageError, check_writable_dir
 
 
 class DocumentEncoder:
@@ -91,6 +91,9 @@ def preprocess(args):
     for path in args.input:
         if not Path(path).is_file():
             raise UsageError(f"input file {path} not found; check the --input paths")
+    folder = Path(args.output_prefix).parent
+    check_writable_dir(folder, f"--output-prefix {args.output_prefix}: its folder {folder}",
+                       "give an --output-prefix in a writable place")
     dtype = best_dtype(tokenizer.vocab_size)
     meter = Progress("preprocessing", enabled=True, every_s=args.log_interval)
     start = time.monotonic()

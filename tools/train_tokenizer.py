@@ -9,9 +9,10 @@ megazero/data/tokenizer.py; this script only maps flags onto `train_tokenizer`.
 
 import argparse
 import sys
+from pathlib import Path
 
 from megazero.data.tokenizer import train_tokenizer
-from megazero.errors import UsageError
+from megazero.errors import UsageError, check_writable_dir
 
 
 def parse_args(argv=None):
@@ -31,6 +32,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
+        folder = Path(args.model_prefix).parent
+        check_writable_dir(folder, f"--model-prefix {args.model_prefix}: its folder {folder}",
+                           "give a --model-prefix in a writable place")
         model = train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
                                 input_sentence_size=args.input_sentence_size,
                                 num_threads=args.num_threads, seed=args.seed)

@@ -1,0 +1,131 @@
+"""A first estimate of one rank's memory for a training run, and the machine's memory to hold it.
+
+Used before any work starts to refuse runs that clearly cannot fit (the estimate, which leaves out
+buffers, fragmentation and the framework's own use, exceeds what is available); kept apart so the
+memory planner can reuse the formulas.
+
+Model states, per parameter of this rank's model shard (Psi), with N the ZeRO shard count
+(data-parallel size, or the MiCS shard size), as megazero's ZeRO storage allocates them:
+p = weight bytes (2 in bf16/fp16, 4 in fp32); g = gradient accumulation bytes (4 unless
+data_types.grad_accum_dtype is 16-bit); m = the separate fp32 master (4 with 16-bit weights, 0 in
+fp32, where this rank's fp32 partition *is* its chunk of the weights); 8 = Adam's two fp32 moments.
+
+    stage 0: p + g + m + 8    stage 1: p + g + (m + 8)/N    stage 2: p + (g + m + 8)/N
+    stage 3: (p + g + m + 8)/N
+
+(tests/test_zero_accounting.py checks the engine's own report against the same table.)
+
+Activations, roughly: Korthikanti et al. (2022) count 34 s·b·h bytes per layer in 16 bits plus
+5 a·s²·b for attention scores; attention here runs through scaled_dot_product_attention, which need
+not keep the scores, so only the first term is counted (twice that in fp32), split over the tensor
+parallel ranks, for the microbatches a pipeline stage holds at once (the pipeline size under 1F1B,
+all of them under GPipe). With recomputation a layer keeps only its input. The logits add s·b·V/t
+elements in fp32 (and their gradient).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+from megazero.config import TrainConfig
+
+GIB = 2 ** 30
+
+
+def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
+                                 separate_master: bool) -> float:
+    """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks."""
+    p, g, m, moments = weight_bytes, grad_bytes, 4 if separate_master else 0, 8
+    return {0: p + g + m + moments, 1: p + g + (m + moments) / shards,
+            2: p + (g + m + moments) / shards, 3: (p + g + m + moments) / shards}[stage]
+
+
+def activation_bytes(seq: int, micro: int, hidden: int, layers: int, padded_vocab: int, tp: int,
+                     in_flight: int, weight_bytes: int, recompute: bool) -> float:
+    """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches."""
+    tokens = seq * micro
+    full_layer = 34 * tokens * hidden * weight_bytes / 2 / tp
+    if recompute:       # inputs kept for every layer, one layer's full set while it is recomputed
+        per_micro = layers * tokens * hidden * weight_bytes + full_layer
+    else:
+        per_micro = layers * full_layer
+    logits = tokens * padded_vocab / tp * (4 + 4 + weight_bytes)
+    return per_micro * in_flight + logits
+
+
+def parameter_counts(model_cfg) -> tuple[int, int, int]:
+    """(embedding, one transformer layer, final norm + untied output layer) parameter counts."""
+    from megazero.models.gpt import GPT
+    one_layer = dataclasses.replace(model_cfg, num_layers=1)
+    with torch.device("meta"):      # shapes only: nothing is allocated
+        model = GPT(one_layer)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    head = count(model.final_norm) + (0 if model_cfg.tie_embeddings else model.output_head.weight.numel())
+    return count(model.embedding), count(model.layers["0"]), head
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    parameters: int            # the whole model
+    rank_parameters: int       # this rank's shard of the largest pipeline stage
+    bytes_per_param: float
+    model_states: float        # bytes
+    activations: float         # bytes
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+
+def estimate(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
+    model, par, prec = cfg.model, cfg.parallel, cfg.precision
+    tp, pp = par.tensor_parallel, par.pipeline_parallel
+    dp = world_size // (tp * pp)
+    embedding, layer, head = parameter_counts(model)
+    layers_per_stage = math.ceil(model.num_layers / pp)
+    # A tied output layer on its own last stage keeps a copy of the word embedding.
+    tied_copy = model.padded_vocab_size * model.hidden_size if model.tie_embeddings and pp > 1 else 0
+    first = embedding + layers_per_stage * layer + (head if pp == 1 else 0)
+    last = layers_per_stage * layer + head + tied_copy
+    rank_params = math.ceil(max(first, last) / tp)
+    weight_bytes = 2 if prec.bf16 or prec.fp16 else 4
+    grad_bytes = 2 if prec.grad_accum_dtype != "fp32" else 4
+    shards = cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp
+    per_param = model_state_bytes_per_param(cfg.zero.stage, shards, weight_bytes, grad_bytes,
+                                            separate_master=weight_bytes == 2)
+    microbatches = cfg.num_microbatches(dp)
+    in_flight = microbatches if par.schedule == "gpipe" else min(pp, microbatches)
+    acts = activation_bytes(model.seq_length, cfg.micro_batch_size, model.hidden_size, layers_per_stage,
+                            model.padded_vocab_size, tp, in_flight, weight_bytes, model.recompute_activations)
+    total_params = embedding + model.num_layers * layer + head
+    return MemoryEstimate(total_params, rank_params, per_param, rank_params * per_param, acts)
+
+
+def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, str] | None:
+    """Memory this rank may use and how it was found; None where it cannot be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free on {device}"
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            total = float(line.split()[1]) * 1024
+            ranks = max(1, ranks_on_node)
+            return total / ranks, f"MemAvailable {total / GIB:.1f} GiB / {ranks} rank(s) on this node"
+    return None
+
+
+def describe_refusal(cfg: TrainConfig, found: MemoryEstimate, available: float, how: str) -> str:
+    return (f"this run needs about {found.total / GIB:.1f} GiB per rank but {available / GIB:.1f} GiB is "
+            f"available ({how}): model states {found.model_states / GIB:.1f} GiB ({found.parameters / 1e6:.1f}M "
+            f"parameters, {found.rank_parameters / 1e6:.1f}M on the largest rank at {found.bytes_per_param:g} "
+            f"bytes each, ZeRO stage {cfg.zero.stage}), activations {found.activations / GIB:.1f} GiB "
+            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}); lower "
+            f"--seq-length, --micro-batch-size or the model size, or spread it (--zero-stage, "
+            f"--tensor-model-parallel-size, --pipeline-model-parallel-size, --recompute-activations)")

@@ -1,0 +1,70 @@
+"""Checks of a validated TrainConfig against this machine and its files, before any process group
+starts: every path the run will write can be written, the model fits in memory, and the data opens
+and matches the model's vocabulary. Each failure is one UsageError line naming the flag or variable
+and the fix.
+
+Writes nothing (probes are removed at once; the one exception is a data file's token statistics,
+cached beside it, see megazero.data.indexed_dataset). The flags were already checked against each
+other by megazero.arguments; here they meet the world. Under torchrun the driver runs this on every
+rank and lets rank 0 speak for all.
+"""
+from __future__ import annotations
+
+import torch
+
+from megazero.config import TrainConfig
+from megazero.errors import UsageError, check_writable_dir, check_writable_file
+from megazero.memory_estimate import available_bytes, describe_refusal, estimate
+
+
+def check_output_paths(cfg: TrainConfig) -> None:
+    """The run folder and the metrics file can be created and written."""
+    where = "pass --run-dir PATH in a writable place"
+    check_writable_dir(cfg.run_dir, f"run folder {cfg.run_dir} (--run-dir)", where)
+    check_writable_file(cfg.metrics_file, f"metrics file {cfg.metrics_file} (--metrics-file)",
+                        "pass --metrics-file PATH in a writable place")
+
+
+def check_memory(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:
+    """Refuses a run whose estimated memory per rank exceeds what this machine has for it."""
+    found = estimate(cfg, world_size)
+    available = available_bytes(device, ranks_on_node)
+    if available is not None and found.total > available[0]:
+        raise UsageError(describe_refusal(cfg, found, *available))
+
+
+def _sample_counts(cfg: TrainConfig) -> tuple[int, int, int]:
+    return (cfg.train_iters * cfg.global_batch_size, cfg.eval_iters * cfg.global_batch_size, 0)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """The data opens, its token ids fit the vocabulary, and the caches it needs can be written."""
+    from megazero.data.builders import check_datasets
+    from megazero.data.default_data import (cache_origin, default_data_dir, default_data_files,
+                                            default_data_ready)
+    data = cfg.data
+    fix_cache = "pass --data-cache-path DIR in a writable place"
+    if data.data_path is None:
+        if not default_data_ready(data.cache_dir):
+            # The embedded corpus will be built (or repaired) into the cache by rank 0.
+            check_writable_dir(default_data_dir(data.cache_dir), cache_origin(data.cache_dir),
+                               "point MEGAZERO_CACHE (or --data-cache-path) at a writable directory")
+            return
+        prefix, model = default_data_files(data.cache_dir)
+        data_path, vocab_source = [prefix], f"the embedded corpus's tokenizer {model}"
+    else:
+        data_path, vocab_source = data.data_path, f"--tokenizer-model {data.tokenizer_model}"
+    folders = check_datasets(data_path, data.split, cfg.model.seq_length, cfg.seed, _sample_counts(cfg),
+                             data.cache_dir, cfg.model.vocab_size, vocab_source)
+    for folder in folders:
+        what = f"--data-cache-path {folder}" if data.cache_dir else \
+            f"{cache_origin()} (its folder {folder} holds the sample indices)" if data.data_path is None else \
+            f"the data folder {folder} (sample indices are cached beside --data-path)"
+        check_writable_dir(folder, what, fix_cache)
+
+
+def preflight(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:
+    """Every check of this module, cheapest first."""
+    check_output_paths(cfg)
+    check_memory(cfg, world_size, ranks_on_node, device)
+    check_data(cfg)
