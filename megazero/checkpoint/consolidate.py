@@ -64,6 +64,11 @@ def consolidate(load: str | Path, output: str | Path, with_optimizer: bool = Fal
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
 
+    def produce(name: str, kind: str) -> torch.Tensor:
+        tensor = reader.full_tensor(source(name), kind)
+        reader.close()                 # files are memory-mapped: keep one parameter resident
+        return tensor
+
     def source(name: str) -> str:
         if name not in reader.where and name == TIED_HEAD and config.tie_embeddings:
             return "embedding.word.weight"
@@ -74,14 +79,14 @@ def consolidate(load: str | Path, output: str | Path, with_optimizer: bool = Fal
         raise ValueError(f"{reader.path}: no saved values for {missing[:3]}; not a checkpoint of this model")
     entries = list(keys.items())
     write_safetensors_streaming(out / "model.safetensors", entries,
-                                lambda name: reader.full_tensor(source(name), "fp32"))
+                                lambda name: produce(name, "fp32"))
     write_json_atomic(out / "config.json", reader.metadata["model"])
     written = {"model.safetensors": len(entries), "config.json": 1}
     if with_optimizer:
         names = sorted({source(k) for k in keys})
         opt_entries = [(f"{n}.{kind}", reader.full_shape(n)) for n in names for kind in ("exp_avg", "exp_avg_sq")]
         write_safetensors_streaming(out / "optimizer.safetensors", opt_entries,
-                                    lambda key: reader.full_tensor(*key.rsplit(".", 1)))
+                                    lambda key: produce(*key.rsplit(".", 1)))
         write_json_atomic(out / "optimizer.json", {"step": reader.metadata["engine"]["step_count"],
                                                    "iteration": reader.metadata["iteration"]})
         written["optimizer.safetensors"] = len(opt_entries)

@@ -13,7 +13,6 @@ moment leaves the previous checkpoint loadable and `latest` pointing at it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -61,14 +60,6 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 def write_json_atomic(path: Path, value) -> None:
     write_file_atomic(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
-
-
-def sha256_of(path: Path, block: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_json(path: Path) -> dict:

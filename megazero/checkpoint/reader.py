@@ -54,6 +54,7 @@ class CheckpointReader:
             index = read_json(self.path / index_name)
             self._check_rank_file(index, data_name, index_name)
             self.indexes.append(index)
+        self._open: dict[int, object] = {}          # rank -> open safetensors file
         self.where: dict[str, list[tuple[int, dict]]] = {}
         for index in self.indexes:
             for name, entry in index["pieces"].items():
@@ -111,13 +112,18 @@ class CheckpointReader:
         data_name = self.metadata["rank_files"][rank][0]
         path = self.path / data_name
         try:
-            with safe_open(str(path), framework="pt") as f:
-                tensor = f.get_tensor(key)
+            if rank not in self._open:
+                self._open[rank] = safe_open(str(path), framework="pt")
+            tensor = self._open[rank].get_tensor(key)
         except Exception as err:      # safetensors raises its own error types for bad files
             raise CheckpointError(f"{path}: cannot read {key!r} ({err}); the file is corrupted") from None
         if crc32(tensor) != crc:
             raise CheckpointError(f"{path}: tensor {key!r} fails its checksum; the file is corrupted")
         return tensor
+
+    def close(self) -> None:
+        """Drops the open (memory-mapped) files: what was read stops counting in this process."""
+        self._open.clear()
 
     def rng_state(self, rank: int, key: str) -> torch.Tensor:
         """RNG state `key` ("cpu", "cuda", "tracker/<stream>") of the saving rank `rank`."""

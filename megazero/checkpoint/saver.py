@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from megazero import comm
 from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, CheckpointError, commit_directory,
-                    iteration_dir_name, rank_file_names, remove_old, sha256_of, write_json_atomic)
+                    iteration_dir_name, rank_file_names, remove_old, write_json_atomic)
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -151,7 +151,8 @@ class CheckpointSaver:
             save_file(tensors, str(path))
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
-            index["file"] = {"name": data_name, "bytes": path.stat().st_size, "sha256": sha256_of(path)}
+            # Every tensor carries its own CRC in the index; the size catches truncation up front.
+            index["file"] = {"name": data_name, "bytes": path.stat().st_size}
             write_json_atomic(pending["tmp"] / index_name, index)
         except OSError as err:
             pending["error"] = f"{path}: could not write ({err.strerror or err}); check free space and permissions"
