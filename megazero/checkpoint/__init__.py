@@ -3,6 +3,7 @@ any other layout of the same model. See files.py for the layout on disk, saver.p
 from .files import CheckpointError
 from .loader import LoadResult, load_checkpoint
 from .reader import CheckpointReader
-from .saver import CheckpointSaver
+from .saver import CheckpointSaver, write_full_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointReader", "CheckpointSaver", "LoadResult", "load_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointReader", "CheckpointSaver", "LoadResult", "load_checkpoint",
+           "write_full_checkpoint"]

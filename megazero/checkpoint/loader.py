@@ -69,7 +69,8 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     if load_optim:
         engine.step_count = meta["engine"]["step_count"]
         engine.skipped_steps = meta["engine"]["skipped_steps"]
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+        if meta["loss_scaler"] is not None:          # None: written from full tensors, no run
+            engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     state.iteration = meta["iteration"]
     rng = load_rng and _restore_rng(state, reader)
     return LoadResult(meta["iteration"], meta["consumed_samples"], reader.run_id, rng)

@@ -176,3 +176,39 @@ class CheckpointSaver:
             commit_directory(pending["tmp"], final)
             remove_old(self.save_dir, self.keep_last)
         agree_on_failure(False, groups)                  # committed before anyone goes on
+
+
+def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str, torch.Tensor],
+                          run_id: str, iteration: int = 0) -> Path:
+    """A one-rank checkpoint from full fp32 tensors under the model's parameter names (e.g. a model
+    imported from another format): zero Adam states, no RNG states, iteration `iteration`. Like any
+    checkpoint it loads at every layout (`--load`, `--finetune`). Returns the iteration directory."""
+    save_dir = Path(save_dir)
+    tmp = save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    data, pieces = {}, {}
+    for name, value in tensors.items():
+        value = value.detach().to("cpu", torch.float32).contiguous()
+        flat = value.reshape(-1)
+        entry = {"shape": list(value.shape), "offset": 0, "length": flat.numel(), "tp": None, "crc": {}}
+        for kind in KINDS:
+            data[f"{name}/{kind}"] = flat.clone() if kind == "fp32" else torch.zeros_like(flat)
+            entry["crc"][kind] = crc32(data[f"{name}/{kind}"])
+        pieces[name] = entry
+    data_name, index_name = rank_file_names(0)
+    save_file(data, str(tmp / data_name))
+    write_json_atomic(tmp / index_name, {"rank": 0, "coords": [0, 0, 0], "pieces": pieces, "rng": {},
+                                         "layout_key": None, "run_id": run_id,
+                                         "file": {"name": data_name, "bytes": (tmp / data_name).stat().st_size}})
+    metadata = {
+        "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
+        "run_id": run_id, "iteration": iteration, "consumed_samples": 0,
+        "model": dataclasses.asdict(model_config), "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1},
+        "precision": {}, "global_batch_size": None, "engine": {"step_count": 0, "skipped_steps": 0},
+        "loss_scaler": None, "rank_files": [rank_file_names(0)],
+    }
+    write_json_atomic(tmp / METADATA, metadata)
+    final = save_dir / iteration_dir_name(iteration)
+    commit_directory(tmp, final)
+    return final
