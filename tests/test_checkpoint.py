@@ -262,3 +262,26 @@ def test_save_killed_midway_keeps_the_previous_checkpoint(tmp_path, point):
     assert reader.metadata["iteration"] == 1, "latest must still name the previous checkpoint"
     result = load_checkpoint(_single_state(stage=1, steps=4), tmp_path / "ckpt")
     assert result.iteration == 1
+
+
+def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import megazero.checkpoint.saver as saver_module
+    from megazero.data.synthetic import ArithmeticTokens
+    from megazero.training import MicrobatchSource, train_step
+    state = _single_state(stage=2, steps=3)
+    cfg = state.cfg
+    source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    saver = CheckpointSaver(tmp_path, "disk-run")
+    train_step(state, source.batch(0), 1e-3)
+    saver.save(state, cfg.global_batch_size)
+
+    def no_space(tensors, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(saver_module, "save_file", no_space)
+    train_step(state, source.batch(1), 1e-3)
+    with pytest.raises(CheckpointError, match=r"rank_00000.safetensors: could not write \(No space left"):
+        saver.save(state, 2 * cfg.global_batch_size)
+    assert CheckpointReader(tmp_path).metadata["iteration"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest"], "no leftovers"
