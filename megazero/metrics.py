@@ -38,9 +38,12 @@ class MetricsLogger:
             "lr": last["lr"], "grad_norm": last["grad_norm"],
             "tokens_per_s": sum(r["tokens_per_s"] for r in window) / len(window),
             "ms_per_iter": sum(r["ms_per_iter"] for r in window) / len(window),
+            "tflops_per_device": sum(r.get("tflops_per_device", 0.0) for r in window) / len(window),
             "memory_mib": last["memory_mib"], "skipped": sum(bool(r["skipped"]) for r in window),
             "loss_scale": last["loss_scale"], "skipped_total": last.get("skipped_total", 0),
         }
+        if "mfu" in last:
+            record["mfu"] = sum(r["mfu"] for r in window) / len(window)
         if "time_ms" in last:          # wall_clock_breakdown: mean ms per phase per iteration
             phases = {k for r in window for k in r.get("time_ms", {})}
             record["time_ms"] = {k: sum(r.get("time_ms", {}).get(k, 0.0) for r in window) / len(window)
@@ -49,6 +52,8 @@ class MetricsLogger:
         self.say(f" iteration {record['iteration']:>6}/{self.total_iters} | loss {record['loss']:.4f} | "
                  f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
                  f"tokens/s {record['tokens_per_s']:,.0f} | ms/iter {record['ms_per_iter']:.1f} | "
+                 f"TFLOP/s/device {record['tflops_per_device']:.3g} | "
+                 + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "") +
                  f"mem {record['memory_mib']:.0f} MiB"
                  + (f" | skipped {record['skipped']}" if record["skipped"] else ""))
         if "time_ms" in record:

@@ -14,6 +14,7 @@ import torch
 
 from megazero import comm
 from megazero.config import TrainConfig
+from megazero.flops import peak_tflops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
 from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, summed_across_stages
 from megazero.parallel.groups import ProcessGroups
@@ -206,6 +207,9 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     cfg = state.cfg
     history, window = [], []
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
+    flops_per_step = step_flops(cfg.model, tokens_per_step)
+    peak = peak_tflops(state.device)
+    world = state.groups.topology.world_size
     for it in range(start_iteration, cfg.train_iters):
         started = time.perf_counter()
         lr = lr_at(it + 1)
@@ -214,8 +218,11 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
         record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
                   "skipped": step.skipped, "loss_scale": step.loss_scale,
                   "tokens_per_s": tokens_per_step / elapsed, "ms_per_iter": 1000 * elapsed,
+                  "tflops_per_device": flops_per_step / elapsed / world / 1e12,
                   "memory_mib": peak_memory_mib(state.device),
                   "skipped_total": state.engine.skipped_steps}
+        if peak is not None:
+            record["mfu"] = record["tflops_per_device"] / peak
         if state.timers is not None:
             record["time_ms"] = state.timers.elapsed_ms()
         if step.skipped and metrics is not None:
