@@ -11,7 +11,7 @@ machine and the files (paths, data, memory) are megazero.preflight's.
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +19,8 @@ from megazero.config import (DataConfig, OptimizerConfig, ParallelConfig, Precis
                              TrainConfig)
 from megazero.ds_config import DeepSpeedSettings, load_deepspeed_config
 from megazero.errors import UsageError
-from megazero.flags import MERGED, NOT_SUPPORTED_YET, build_parser, parse_args  # noqa: F401
+from megazero.flags import (FLAG_RANGES, MERGED, MERGED_RANGES, NOT_SUPPORTED_YET, build_parser,  # noqa: F401
+                            in_range, parse_args, range_text)
 from megazero.models.config import GPTConfig, padded_vocab_size
 from megazero.parallel.topology import Topology, validate_model_fits
 from megazero.zero.adam import AdamConfig
@@ -73,7 +74,10 @@ def _config_path(args) -> str | None:
     flag = "--zero-config" if args.zero_config else "--deepspeed_config"
     args.zero_config = args.zero_config or args.deepspeed_config
     if args.zero_config and not Path(args.zero_config).is_file():
-        raise UsageError(f"{flag} {args.zero_config}: no such file; give a DeepSpeed JSON config")
+        what = "is a directory" if Path(args.zero_config).is_dir() else "no such file"
+        raise UsageError(f"{flag} {args.zero_config}: {what}; give a DeepSpeed JSON config file")
+    if args.zero_config and not os.access(args.zero_config, os.R_OK):
+        raise UsageError(f"{flag} {args.zero_config} cannot be read (permission denied); fix its permissions")
     return args.zero_config
 
 
@@ -155,50 +159,16 @@ def _origin(args, ds: DeepSpeedSettings | None, name: str, flag: str | None, att
     return None
 
 
-# Ranges of settings that a flag or a DeepSpeed key may give: name -> (lowest, lowest allowed,
-# highest or None, highest allowed).
-MERGED_RANGES = {"lr": (0, True, None, False), "weight_decay": (0, True, None, False),
-                 "adam_beta1": (0, True, 1, False), "adam_beta2": (0, True, 1, False),
-                 "adam_eps": (0, False, None, False), "clip_grad": (0, True, None, False),
-                 "loss_scale": (0, True, None, False), "min_loss_scale": (0, False, None, False)}
-# Ranges of flags only the command line gives: args attribute -> (lowest, lowest allowed, highest, ...).
-FLAG_RANGES = {"min_lr": (0, True, None, False), "rotary_base": (0, False, None, False),
-               "norm_epsilon": (0, False, None, False), "init_method_std": (0, False, None, False),
-               "lr_warmup_fraction": (0, True, 1, True), "lr_warmup_iters": (0, True, None, False),
-               "lr_decay_iters": (1, True, None, False), "train_samples": (1, True, None, False),
-               "lr_warmup_samples": (0, True, None, False), "lr_decay_samples": (1, True, None, False),
-               "eval_iters": (0, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
-               "tensor_model_parallel_size": (1, True, None, False),
-               "pipeline_model_parallel_size": (1, True, None, False),
-               "num_query_groups": (0, True, None, False), "ffn_hidden_size": (0, True, None, False),
-               "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
-               "num_layers_per_virtual_pipeline_stage": (0, True, None, False)}
-
-
-def _range_text(low, low_in, high, high_in) -> str:
-    if high is None:
-        return f"{'>=' if low_in else '>'} {low}"
-    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
-
-
-def _in_range(value, low, low_in, high, high_in) -> bool:
-    if not math.isfinite(value):
-        return False
-    above = value >= low if low_in else value > low
-    below = high is None or (value <= high if high_in else value < high)
-    return above and below
-
-
 def _check_ranges(args, ds: DeepSpeedSettings | None, merged: dict) -> None:
     """Numbers out of their range, named as the user wrote them (flag, or key and file)."""
     for name, bounds in MERGED_RANGES.items():
-        if not _in_range(merged[name], *bounds):
+        if not in_range(merged[name], bounds):
             origin = _origin(args, ds, name, MERGED[name][0])
-            raise UsageError(f"{origin} must be {_range_text(*bounds)}, got {merged[name]}")
+            raise UsageError(f"{origin} must be {range_text(bounds)}, got {merged[name]}")
     for name, bounds in FLAG_RANGES.items():
         value = getattr(args, name)
-        if value is not None and not _in_range(value, *bounds):
-            raise UsageError(f"--{name.replace('_', '-')} must be {_range_text(*bounds)}, got {value}")
+        if value is not None and not in_range(value, bounds):
+            raise UsageError(f"--{name.replace('_', '-')} must be {range_text(bounds)}, got {value}")
     for split in args.pipeline_layer_split or ():
         if split < 1:
             raise UsageError(f"--pipeline-layer-split takes layer counts >= 1, got {split}")
@@ -381,7 +351,7 @@ def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_it
     warmups = [flag for flag in ("--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples")
                if getattr(args, flag[2:].replace("-", "_")) is not None]
     if len(warmups) > 1:
-        raise UsageError(f"{' and '.join(warmups)} are all warmup lengths; choose one")
+        raise UsageError(f"{' and '.join(warmups)} are {'both' if len(warmups) == 2 else 'all'} set; choose one")
     if args.lr_decay_iters is not None and args.lr_decay_samples is not None:
         raise UsageError("--lr-decay-iters and --lr-decay-samples are both set; choose one")
     decay_iters = (args.lr_decay_iters or _in_iterations(args.lr_decay_samples, "--lr-decay-samples", glob)

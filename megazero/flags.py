@@ -3,12 +3,13 @@ default, the launcher flags other tools add (`--local_rank`, `--deepspeed_config
 
 The parse turns every argparse complaint into one UsageError line: a misspelled flag gets the
 nearest real one, a Megatron-LM flag megazero lacks is named as such. What the flags mean together
-is megazero.arguments'.
+is megazero.arguments', which also checks the values against the ranges listed here.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import math
 
 from megazero.errors import UsageError
 
@@ -40,6 +41,42 @@ MEGATRON_ONLY = frozenset("""
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
 --cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt --ckpt-format
 """.split())
+
+
+# Ranges of settings that a flag or a DeepSpeed key may give: name -> (lowest, lowest allowed,
+# highest or None, highest allowed).
+MERGED_RANGES = {"lr": (0, True, None, False), "weight_decay": (0, True, None, False),
+                 "adam_beta1": (0, True, 1, False), "adam_beta2": (0, True, 1, False),
+                 "adam_eps": (0, False, None, False), "clip_grad": (0, True, None, False),
+                 "loss_scale": (0, True, None, False), "min_loss_scale": (0, False, None, False)}
+# Ranges of flags only the command line gives: args attribute -> (lowest, lowest allowed, highest, ...).
+FLAG_RANGES = {"min_lr": (0, True, None, False), "rotary_base": (0, False, None, False),
+               "norm_epsilon": (0, False, None, False), "init_method_std": (0, False, None, False),
+               "lr_warmup_fraction": (0, True, 1, True), "lr_warmup_iters": (0, True, None, False),
+               "lr_decay_iters": (1, True, None, False), "train_samples": (1, True, None, False),
+               "lr_warmup_samples": (0, True, None, False), "lr_decay_samples": (1, True, None, False),
+               "eval_iters": (0, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
+               "tensor_model_parallel_size": (1, True, None, False),
+               "pipeline_model_parallel_size": (1, True, None, False),
+               "num_query_groups": (0, True, None, False), "ffn_hidden_size": (0, True, None, False),
+               "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
+               "num_layers_per_virtual_pipeline_stage": (0, True, None, False)}
+
+
+def range_text(bounds) -> str:
+    low, low_in, high, high_in = bounds
+    if high is None:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def in_range(value, bounds) -> bool:
+    low, low_in, high, high_in = bounds
+    if not math.isfinite(value):
+        return False
+    above = value >= low if low_in else value > low
+    below = high is None or (value <= high if high_in else value < high)
+    return above and below
 
 
 class _Parser(argparse.ArgumentParser):

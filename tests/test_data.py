@@ -15,7 +15,7 @@ import pytest
 from megazero.data.blended_dataset import BlendedDataset, build_blend_indices
 from megazero.data.builders import build_train_valid_test_datasets, parse_data_path
 from megazero.data.corpus import collect_stdlib_corpus, is_library_source, stdlib_source_files
-from megazero.data.default_data import default_data_dir, prepare_default_data
+from megazero.data.default_data import default_data_dir, default_data_ready, prepare_default_data
 from megazero.data.gpt_dataset import GPTDataset, parse_split, split_document_ranges
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from megazero.data.tokenizer import load_tokenizer, train_tokenizer
@@ -102,6 +102,22 @@ def _corrupt(tmp_path, edit):
     prefix = write_dataset(tmp_path / "c", [[1, 2, 3], [4, 5]])
     edit(Path(prefix + ".idx"), Path(prefix + ".bin"))
     return prefix
+
+
+def test_largest_token_id_cached_beside_the_index(tmp_path):
+    prefix = write_dataset(tmp_path / "s", [[1, 2, 3], [700, 5]])
+    stats_file = Path(prefix + ".stats.json")
+    assert json.loads(stats_file.read_text())["max_token_id"] == 700      # written with the pair
+    assert IndexedDataset(prefix).max_token_id == 700
+    stats_file.unlink()                          # a pair made elsewhere: one pass, then cached
+    assert IndexedDataset(prefix).max_token_id == 700 and stats_file.is_file()
+    bin_path = Path(prefix + ".bin")
+    tokens = np.fromfile(bin_path, np.uint16)
+    tokens[0] = 900
+    tokens.tofile(bin_path)                      # same size, new contents: the cache must not answer
+    info = bin_path.stat()
+    os.utime(bin_path, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000))
+    assert IndexedDataset(prefix).max_token_id == 900
 
 
 @pytest.mark.parametrize("edit, needle, which", [
@@ -233,14 +249,22 @@ def test_parse_data_path(tmp_path):
         parse_data_path(["0.7", a, "0.3"])
     with pytest.raises(UsageError, match="'x' .* not a number"):
         parse_data_path(["x", a, "0.3", b])
-    with pytest.raises(UsageError, match="positive sum"):
+    with pytest.raises(UsageError, match="weight -1 .* non-negative"):
         parse_data_path(["-1", a, "0.3", b])
+    with pytest.raises(UsageError, match="all 0"):
+        parse_data_path(["0", a, "0", b])
     missing = str(tmp_path / "nope")
     with pytest.raises(UsageError) as info:
         parse_data_path([missing])
     assert f"'{missing}'" in str(info.value) and f"{missing}.bin" in str(info.value) and f"{missing}.idx" in str(info.value)
     with pytest.raises(UsageError, match="without extension"):
         parse_data_path([a + ".bin"])
+    # What the user probably meant: preprocess_data's suffix, or a pair inside a folder.
+    write_dataset(tmp_path / "c_text_document", [[4]])
+    with pytest.raises(UsageError, match=f"did you mean {tmp_path / 'c_text_document'}"):
+        parse_data_path([str(tmp_path / "c")])
+    with pytest.raises(UsageError, match=f"is a directory.*holds {tmp_path / 'a'}"):
+        parse_data_path([str(tmp_path)])
 
 
 def test_build_train_valid_test_single_and_blended(tmp_path):
@@ -341,6 +365,33 @@ def test_prepare_default_data_steps_are_cached(tmp_path, tiny_tokenizer):
     os.unlink(model)  # a redone tokenizer must invalidate the tokens built with the old one
     prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
     assert os.stat(prefix + ".bin").st_mtime_ns != mtimes[1]
+
+
+def test_default_data_cache_repairs_itself(tmp_path, tiny_tokenizer, capsys):
+    """A damaged cached file (the user did not make it) is rebuilt with one line saying so."""
+    corpus = default_data_dir(tmp_path) / "corpus.jsonl"
+    corpus.parent.mkdir(parents=True)
+    corpus.write_text(Path(tiny_tokenizer[1]).read_text())
+    prefix, model = prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
+    files = [Path(model), Path(prefix + ".bin"), Path(prefix + ".idx")]
+    good = [f.read_bytes() for f in files]
+    assert default_data_ready(tmp_path, vocab_size=400)
+    capsys.readouterr()
+    files[1].write_bytes(good[1][:-10])                        # truncated: found by its size
+    assert not default_data_ready(tmp_path, vocab_size=400)
+    prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "damaged" in err and "stdlib_text_document.bin has" in err, err
+    assert "rebuilding the tokenized corpus" in err and [f.read_bytes() for f in files] == good
+    middle = len(good[0]) // 2                                 # same size, other bytes: the checksum
+    files[0].write_bytes(good[0][:middle] + bytes([good[0][middle] ^ 1]) + good[0][middle + 1:])
+    prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
+    err = capsys.readouterr().err.strip()
+    assert "tokenizer.model differs" in err and "rebuilding the tokenizer" in err, err
+    assert [f.read_bytes() for f in files] == good              # tokenizer and tokens rebuilt alike
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
+    assert not capsys.readouterr().err and [f.stat().st_mtime_ns for f in files] == mtimes
 
 
 # ---------------------------------------------------------------- tools

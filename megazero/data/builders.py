@@ -63,8 +63,12 @@ def parse_data_path(data_path):
             except ValueError:
                 raise UsageError(f"--data-path weight '{weight_text}' (before '{prefix}') is not a number; "
                                  "give 'weight prefix' pairs, e.g. '0.7 a 0.3 b'") from None
+            if weight < 0 or not math.isfinite(weight):
+                raise UsageError(f"--data-path weight {weight_text} (before '{prefix}') must be a "
+                                 "non-negative number; give 'weight prefix' pairs, e.g. '0.7 a 0.3 b'")
             pairs.append((weight, prefix))
-        normalize_weights([w for w, _ in pairs])  # raises on negative or all-zero weights
+        if sum(w for w, _ in pairs) <= 0:
+            raise UsageError("--data-path weights are all 0; give at least one dataset a positive weight")
     for _, prefix in pairs:
         _check_prefix_files(prefix)
     return pairs
@@ -74,6 +78,9 @@ def _split_datasets_for_prefix(prefix, fractions, seq_length, seed, samples_per_
                                build=True):
     """[train, valid, test] GPTDatasets of one prefix (None where the split gets no samples)."""
     indexed = IndexedDataset(prefix)
+    if indexed.num_documents == 0:
+        raise UsageError(f"--data-path {prefix} holds no documents; preprocess a non-empty corpus "
+                         "with tools/preprocess_data.py")
     ranges = split_document_ranges(fractions, indexed.num_documents)
     datasets = []
     for name, fraction, (start, end), count in zip(SPLIT_NAMES, fractions, ranges, samples_per_split):

@@ -19,6 +19,7 @@ A model trained elsewhere works too if it has an EOS id or an `<|endoftext|>` pi
 """
 
 import io
+import os
 import random
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def load_tokenizer(path):
     if not path.is_file():
         raise UsageError(f"tokenizer model {path} not found; pass a sentencepiece .model file "
                          "(train one with tools/train_tokenizer.py)")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"tokenizer model {path} cannot be read (permission denied); fix its permissions")
     processor = spm.SentencePieceProcessor()
     try:
         processor.load(str(path))
