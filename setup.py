@@ -1,4 +1,4 @@
-"""Builds megazero's optional C++ extension, `megazero._C` (csrc/cpu_adam.cpp: the fused CPU Adam).
+"""Builds megazero's optional C++ extension, `megazero._C` (csrc/cpu_adam*.cpp: the fused CPU Adam).
 
 Package metadata lives in pyproject.toml; this file only adds the extension. The extension is
 optional: without a C++ compiler, pybind11 or OpenMP, `pip install .` still succeeds and
@@ -6,12 +6,11 @@ megazero.zero.adam falls back to the torch reference. Build choices:
 
 - `-ffp-contract=off` is required, not a tuning knob: the kernel is bitwise equal to torch only if
   the compiler fuses no multiply-add that torch does not (see the comment atop cpu_adam.cpp).
-- No `-march=native` by default: the cluster image is built once and runs on many CPU models, so
-  the default build targets baseline x86-64 and the kernel picks its AVX2+FMA copy at run time.
-  `MEGAZERO_NATIVE=1` adds `-march=native` for a build that only runs where it was compiled.
+- No `-march` flag: the cluster image is built once and runs on many CPU models, so the build
+  targets baseline x86-64; the AVX2 and AVX-512 copies of the loop carry their own per-function
+  target attributes and the kernel picks one at run time from what the CPU reports.
 - OpenMP is tried first; if the compiler lacks it the extension is built single-threaded.
 """
-import os
 import sys
 
 from setuptools import setup
@@ -40,7 +39,8 @@ def _extensions() -> list:
         _warn("pybind11 is not importable; building without the C++ extension megazero._C")
         return []
     from setuptools import Extension
-    return [Extension("megazero._C", sources=["csrc/cpu_adam.cpp"],
+    sources = ["csrc/cpu_adam.cpp", "csrc/cpu_adam_avx2.cpp", "csrc/cpu_adam_avx512.cpp"]
+    return [Extension("megazero._C", sources=sources, depends=["csrc/cpu_adam.h"],
                       include_dirs=[pybind11.get_include()], language="c++")]
 
 
@@ -57,8 +57,7 @@ class OptionalBuildExt(build_ext):
         if self.compiler.compiler_type == "msvc":
             attempts = [(["/O2", "/std:c++17", "/fp:precise", "/openmp"], []), (["/O2", "/std:c++17"], [])]
         else:
-            native = ["-march=native"] if os.environ.get("MEGAZERO_NATIVE") == "1" else []
-            attempts = [(BASE_FLAGS + native + OPENMP_FLAGS, OPENMP_FLAGS), (BASE_FLAGS + native, [])]
+            attempts = [(BASE_FLAGS + OPENMP_FLAGS, OPENMP_FLAGS), (BASE_FLAGS, [])]
         for compile_args, link_args in attempts:
             ext.extra_compile_args, ext.extra_link_args = compile_args, link_args
             try:
