@@ -4,15 +4,19 @@ Two implementations of one update, both in place:
 
 - `adam_update_reference`: torch ops in torch.optim.AdamW's exact order, so a single-process run
   matches torch's AdamW elementwise. It is the oracle for the fused kernel and the fallback.
-- the fused C++ kernel in the optional extension `megazero._C` (csrc/cpu_adam.cpp): one pass over
-  memory, OpenMP threads. Against the reference on torch's AVX2/AVX-512 CPU kernels, exp_avg and
-  exp_avg_sq are bitwise equal and param is within a few ulps, because torch's MKL sqrt is not
-  correctly rounded and the kernel's is (tests/test_cpu_adam.py states the bound).
+- the fused C++ kernel in the optional extension `megazero._C` (csrc/cpu_adam*.cpp): one pass over
+  memory, OpenMP threads, AVX-512 / AVX2+FMA / scalar copies of the loop chosen at run time. Against
+  the reference on torch's AVX2/AVX-512 CPU kernels, exp_avg and exp_avg_sq are bitwise equal and
+  param is within a few ulps, because torch's MKL sqrt is not correctly rounded and the kernel's is
+  (tests/test_cpu_adam.py states the bound). Every copy of the loop gives the same bits.
 
 `adam_update` (what flat_group.py and stage3_units.py call) picks the kernel when it is built,
 not disabled by `MEGAZERO_DISABLE_CPP_ADAM=1`, and every tensor is a contiguous CPU tensor of a
-supported dtype; otherwise the reference. This module does not decide which segments get weight
-decay or how the grad scale is formed; the callers do.
+supported dtype; otherwise the reference. `MEGAZERO_CPU_ADAM_ISA=avx512|avx2|scalar` forces one
+copy of the loop (read at every call; an unsupported name is a UsageError). With `param_copy` it
+also writes the updated parameter rounded to a 16-bit dtype, in the same pass when it can. This
+module does not decide which segments get weight decay or how the grad scale is formed; the
+callers do.
 """
 from __future__ import annotations
 
@@ -21,15 +25,22 @@ import os
 
 import torch
 
+from megazero.errors import UsageError
+
 try:
     # Import after torch: the extension's OpenMP runtime then resolves to the libgomp torch already
     # loaded, so the process keeps one thread pool instead of two competing ones.
     from megazero import _C as _cpp
-except ImportError:  # not built (no compiler at install time): the torch reference serves alone
+    CPP_IMPORT_ERROR = ""
+except ImportError as error:  # not built (no compiler at install time): the torch reference serves
     _cpp = None
+    CPP_IMPORT_ERROR = str(error)
 
-# Must match the GradDtype enum in csrc/cpu_adam.cpp.
+# Must match the Dtype enum in csrc/cpu_adam.h; the fused parameter copy takes the 16-bit ones.
 _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_COPY_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+_NO_COPY = -1
+ISA_ENV = "MEGAZERO_CPU_ADAM_ISA"
 
 
 @dataclasses.dataclass
@@ -48,31 +59,94 @@ def kernel_available() -> bool:
 
 
 def kernel_info() -> dict:
-    """What the installed kernel is, for logs and benchmarks: built / enabled / ISA / OpenMP."""
+    """What the installed kernel is, for logs and benchmarks: built / enabled / the loop copy a
+    call takes now (`isa`), those this CPU can run (`isas`) / OpenMP."""
     if _cpp is None:
-        return {"built": False, "enabled": False}
-    return {"built": True, "enabled": kernel_available(), "isa": _cpp.kernel_isa(),
-            "openmp": _cpp.built_with_openmp()}
+        return {"built": False, "enabled": False, "error": CPP_IMPORT_ERROR}
+    return {"built": True, "enabled": kernel_available(), "isa": selected_isa() or _cpp.kernel_isa(),
+            "isas": list(_cpp.supported_isas()), "openmp": _cpp.built_with_openmp()}
+
+
+def selected_isa() -> str:
+    """The loop copy forced by MEGAZERO_CPU_ADAM_ISA, or "" (the best this CPU supports)."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if name in ("", "auto") or _cpp is None:
+        return ""
+    supported = list(_cpp.supported_isas())
+    if name not in supported:
+        raise UsageError(f"{ISA_ENV}={name} is not available on this CPU/build; "
+                         f"use one of {', '.join(supported)} or unset it")
+    return name
 
 
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, *, step: int, lr: float, config: AdamConfig,
-                weight_decay: float, grad_scale: float = 1.0) -> None:
+                weight_decay: float, grad_scale: float = 1.0,
+                param_copy: torch.Tensor | None = None) -> None:
     """One Adam(W) step on fp32 `param` in place; `grad` (fp32, bf16 or fp16) is multiplied by
     `grad_scale` first (loss-scale removal and clipping folded into one multiply). Uses the C++
-    kernel when it can (see module docstring); results agree to a few ulps either way."""
-    if kernel_available() and _kernel_accepts(param, grad, exp_avg, exp_avg_sq):
-        _cpp.adam_update(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                         param.numel(), _GRAD_DTYPE_CODES[grad.dtype], int(step), float(lr),
-                         float(config.beta1), float(config.beta2), float(config.eps),
-                         float(weight_decay), bool(config.decoupled_weight_decay),
-                         float(grad_scale), torch.get_num_threads())
-        # The kernel writes through raw pointers, which autograd cannot see; bump the version
-        # counters as torch's in-place ops would, so a stale saved tensor is still caught.
-        torch.autograd.graph.increment_version((param, exp_avg, exp_avg_sq))
+    kernel when it can (see module docstring); results agree to a few ulps either way.
+
+    `param_copy`, if given, receives the updated `param` converted to its dtype with round to
+    nearest even, i.e. exactly `param_copy.copy_(param)` after the step, whatever its dtype or
+    device. It must have param's number of elements and must not overlap param or the states.
+    When it is a contiguous CPU bf16/fp16 tensor and the kernel runs, the kernel writes it in the
+    same pass as the update (no second read of param); otherwise it is copied afterwards."""
+    if param_copy is not None:
+        _check_param_copy(param_copy, (param, grad, exp_avg, exp_avg_sq))
+    if not (kernel_available() and _kernel_accepts(param, grad, exp_avg, exp_avg_sq)):
+        adam_update_reference(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, config=config,
+                              weight_decay=weight_decay, grad_scale=grad_scale)
+        if param_copy is not None:
+            param_copy.copy_(param)
         return
-    adam_update_reference(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, config=config,
-                          weight_decay=weight_decay, grad_scale=grad_scale)
+    fused_copy = param_copy if param_copy is not None and _fusable_copy(param_copy) else None
+    _cpp.adam_update(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                     param.numel(), _GRAD_DTYPE_CODES[grad.dtype], int(step), float(lr),
+                     float(config.beta1), float(config.beta2), float(config.eps),
+                     float(weight_decay), bool(config.decoupled_weight_decay), float(grad_scale),
+                     torch.get_num_threads(),
+                     0 if fused_copy is None else fused_copy.data_ptr(),
+                     _NO_COPY if fused_copy is None else _COPY_DTYPE_CODES[fused_copy.dtype],
+                     selected_isa())
+    # The kernel writes through raw pointers, which autograd cannot see; bump the version
+    # counters as torch's in-place ops would, so a stale saved tensor is still caught.
+    written = (param, exp_avg, exp_avg_sq)
+    torch.autograd.graph.increment_version(written if fused_copy is None else written + (fused_copy,))
+    if param_copy is not None and fused_copy is None:
+        param_copy.copy_(param)
+
+
+def _check_param_copy(param_copy: torch.Tensor, others: tuple) -> None:
+    """param_copy must match param's size and share memory with none of the step's buffers."""
+    param = others[0]
+    if param_copy.numel() != param.numel():
+        raise UsageError(f"adam_update: param_copy has {param_copy.numel()} elements and param "
+                         f"{param.numel()}; pass a copy of the same size")
+    if any(t.device == param_copy.device and _overlaps(t, param_copy) for t in others):
+        raise UsageError("adam_update: param_copy overlaps param, grad or an Adam state; "
+                         "give it its own buffer")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte address a tensor can touch (its strided extent, a superset for views)."""
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a_begin, a_end), (b_begin, b_end) = _byte_span(a), _byte_span(b)
+    return a_begin < b_end and b_begin < a_end
+
+
+def _fusable_copy(param_copy: torch.Tensor) -> bool:
+    """The kernel writes bf16/fp16 contiguous CPU copies itself, unless autograd would record
+    the write (then copy_ runs, and raises where torch's in-place ops raise)."""
+    return (param_copy.device.type == "cpu" and param_copy.dtype in _COPY_DTYPE_CODES
+            and param_copy.is_contiguous()
+            and not (torch.is_grad_enabled() and param_copy.requires_grad))
 
 
 def _kernel_accepts(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
