@@ -1,4 +1,4 @@
-"""The fused C++ Adam kernel (csrc/cpu_adam.cpp) against its oracle, and the oracle against torch.
+"""The fused C++ Adam kernel (csrc/cpu_adam*.cpp) against its oracle, and the oracle against torch.
 
 What "equal" means here:
 - `adam_update_reference` equals torch.optim.AdamW / Adam bitwise (same ops, same order).
@@ -10,27 +10,58 @@ What "equal" means here:
   differed by at most 4 ulps of |p_old| + |p_new|. We assert PARAM_ULPS = 8 per step.
 - So that nothing else hides under that bound, the kernel is also checked bitwise against the
   reference with only its sqrt swapped for a correctly rounded one (numpy's).
+- Every copy of the loop this CPU can run (avx512, avx2, scalar; forced in turn through
+  MEGAZERO_CPU_ADAM_ISA) gives the same bits, and the fused bf16/fp16 parameter copy equals the
+  updated fp32 parameter rounded by torch's `.to()`.
 All of this needs torch's elementwise kernels to fuse multiply-adds as the kernel does (torch's
 AVX2/AVX-512 CPU kernels do; its DEFAULT ones, e.g. ATEN_CPU_CAPABILITY=default, do not). Where they
 do not, every rounding of lerp/addcmul/add(alpha) differs, Adam amplifies that where exp_avg nearly
 cancels, and the comparison falls back to rtol 1e-5, atol UNFUSED_ATOL * max(|old| + |new|).
+
+The kernel tests never skip silently: where megazero._C did not build they FAIL, unless
+MEGAZERO_ALLOW_NO_CPP=1 opts out, and then they skip saying why.
 """
+from copy import deepcopy
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
+from megazero.errors import UsageError
 from megazero.zero import adam as adam_module
 from megazero.zero.adam import AdamConfig, adam_update, adam_update_reference, kernel_available
 
 PARAM_ULPS = 8
 UNFUSED_ATOL = 1e-6
+ALL_ISAS = ("avx512", "avx2", "scalar")
+# The CPU flags each copy of the loop needs (Linux /proc/cpuinfo spelling).
+ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
+                 "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
 
-needs_kernel = pytest.mark.skipif(
-    adam_module._cpp is None,
-    reason="C++ extension megazero._C is not built (no compiler at install time?); "
-           "adam_update uses the torch reference")
+
+def require_kernel() -> None:
+    """Fail (or, with MEGAZERO_ALLOW_NO_CPP=1, skip saying why) when megazero._C is not built."""
+    if adam_module._cpp is not None:
+        return
+    why = f"megazero._C is not built ({adam_module.CPP_IMPORT_ERROR})"
+    if os.environ.get("MEGAZERO_ALLOW_NO_CPP") == "1":
+        pytest.skip(f"{why}; kernel tests skipped because MEGAZERO_ALLOW_NO_CPP=1")
+    pytest.fail(f"{why}: rebuild with `pip install --no-deps -e .` (needs a C++ compiler), or set "
+                f"MEGAZERO_ALLOW_NO_CPP=1 to skip the kernel tests", pytrace=False)
+
+
+@pytest.fixture
+def kernel_on(monkeypatch):
+    require_kernel()
+    monkeypatch.delenv("MEGAZERO_DISABLE_CPP_ADAM", raising=False)
+    monkeypatch.delenv(adam_module.ISA_ENV, raising=False)
+    assert kernel_available()
+
+
+def supported_isas() -> list:
+    return list(adam_module._cpp.supported_isas())
 
 
 def _torch_fuses_multiply_add() -> bool:
@@ -45,15 +76,10 @@ def _torch_fuses_multiply_add() -> bool:
 FUSED = _torch_fuses_multiply_add()
 
 
-@pytest.fixture
-def kernel_on(monkeypatch):
-    monkeypatch.delenv("MEGAZERO_DISABLE_CPP_ADAM", raising=False)
-    assert kernel_available()
-
-
-def run_kernel(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """adam_update, asserting it really takes the kernel path for these tensors."""
+def run_kernel(monkeypatch, isa, param, grad, exp_avg, exp_avg_sq, **kwargs):
+    """adam_update on the kernel path, with the loop copy `isa` forced."""
     assert adam_module._kernel_accepts(param, grad, exp_avg, exp_avg_sq)
+    monkeypatch.setenv(adam_module.ISA_ENV, isa)
     adam_update(param, grad, exp_avg, exp_avg_sq, **kwargs)
 
 
@@ -67,18 +93,25 @@ def assert_within_ulps(actual, expected, before, ulps=PARAM_ULPS):
     """|actual - expected| <= ulps * ulp(|before| + |expected|); NaN and inf must match exactly.
     The scale includes |before| because when the old value and the update nearly cancel, the new
     value is tiny and the update's own rounding, not the new value's, sets the error."""
-    finite = torch.isfinite(expected)
-    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
-    assert torch.equal(actual[torch.isinf(expected)], expected[torch.isinf(expected)])
-    scale = (before.abs() + expected.abs())[finite]
+    nan, inf = torch.isnan(expected), torch.isinf(expected)
+    assert torch.equal(torch.isnan(actual), nan)
+    assert torch.equal(actual[inf], expected[inf])
+    scale = before.abs() + expected.abs()
     ulp = torch.nextafter(scale, torch.tensor(math.inf)) - scale
-    err = (actual[finite] - expected[finite]).abs()
-    worst = (err / ulp).max().item() if err.numel() else 0.0
+    err = (actual - expected).abs()
+    worst = torch.where(nan | inf, 0.0, err / ulp).max().item() if err.numel() else 0.0
     assert worst <= ulps, f"param differs by {worst} ulps of |p_old| + |p_new| (bound {ulps})"
 
 
 def assert_bitwise(actual, expected):
-    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+    """Same bits, except that any NaN equals any NaN (payloads are not part of the contract)."""
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(actual), nan)
+    bits = {4: torch.int32, 2: torch.int16}[actual.element_size()]
+    actual, expected = actual.view(bits), expected.view(bits)
+    if nan.any():
+        actual, expected = actual.masked_fill(nan, 0), expected.masked_fill(nan, 0)
+    assert torch.equal(actual, expected)
 
 
 def assert_state_matches(kernel, reference, before):
@@ -100,23 +133,37 @@ def make_grad(n, dtype, gen):
     return (torch.randn(n, generator=gen) * magnitude).to(dtype)
 
 
-def check_steps(n, grad_dtype, config, weight_decay, grad_scale, steps, seed=0):
-    """Each step starts kernel and references from the same state, so errors cannot compound."""
+COPY_DTYPES = (None, torch.bfloat16, torch.float16)
+
+
+def check_steps(monkeypatch, n, grad_dtype, config, weight_decay, grad_scale, steps, seed=0):
+    """Every supported loop copy against the references, one step at a time (each step starts
+    all sides from the same state, so errors cannot compound). Step k writes the parameter copy
+    in COPY_DTYPES[k % 3], so three steps cover no copy, bf16 and fp16."""
     gen = torch.Generator().manual_seed(seed)
     param = torch.randn(n, generator=gen)
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
     for step in range(1, steps + 1):
         grad = make_grad(n, grad_dtype, gen)
-        kw = dict(step=step, lr=config.lr, config=config, weight_decay=weight_decay, grad_scale=grad_scale)
+        copy_dtype = COPY_DTYPES[step % 3]
+        kw = dict(step=step, lr=config.lr, config=config, weight_decay=weight_decay,
+                  grad_scale=grad_scale)
         before = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
-        kernel = [t.clone() for t in before]
         exact = [t.clone() for t in before]
-        run_kernel(kernel[0], grad, kernel[1], kernel[2], **kw)
         adam_update_reference(param, grad, exp_avg, exp_avg_sq, **kw)
-        assert_state_matches(kernel, (param, exp_avg, exp_avg_sq), before)
         if FUSED:
             reference_with_exact_sqrt(exact[0], grad, exact[1], exact[2], **kw)
-            assert_bitwise(kernel[0], exact[0])
+        first_isa = None
+        for isa in supported_isas():
+            kernel = [t.clone() for t in before]
+            copy = None if copy_dtype is None else torch.full((n,), 7, dtype=copy_dtype)
+            run_kernel(monkeypatch, isa, kernel[0], grad, kernel[1], kernel[2], param_copy=copy, **kw)
+            assert_state_matches(kernel, (param, exp_avg, exp_avg_sq), before)
+            for k, e in zip(kernel, exact if FUSED else first_isa or kernel):
+                assert_bitwise(k, e)
+            if copy is not None:
+                assert_bitwise(copy, kernel[0].to(copy_dtype))
+            first_isa = first_isa or kernel
 
 
 # --- the oracle against torch ---------------------------------------------------------------
@@ -147,64 +194,89 @@ def test_reference_matches_torch_optim_bitwise(decoupled):
 
 
 # --- the kernel against the oracle ----------------------------------------------------------
-@needs_kernel
-@pytest.mark.parametrize("n", [1, 7, 33, 4097, 1_000_003])
+@pytest.mark.parametrize("n", [1, 7, 15, 16, 17, 1023, 1_000_003])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["wd0", "wd"])
-def test_kernel_matches_reference(kernel_on, n, grad_dtype, decoupled, weight_decay):
+def test_kernel_matches_reference(kernel_on, monkeypatch, n, grad_dtype, decoupled, weight_decay):
+    """Sizes cover every SIMD tail: below, at and just past 8 and 16 lanes, and long buffers."""
     config = AdamConfig(lr=1e-3, decoupled_weight_decay=decoupled)
-    steps = 3 if n > 10_000 else 5
-    grad_scale = 1.0 if n == 33 else 0.37     # 33: the no-scaling path; elsewhere unscale/clip
-    check_steps(n, grad_dtype, config, weight_decay, grad_scale, steps)
+    steps = 3 if n > 10_000 else 6
+    grad_scale = 1.0 if n == 17 else 0.37     # 17: the no-scaling path; elsewhere unscale/clip
+    check_steps(monkeypatch, n, grad_dtype, config, weight_decay, grad_scale, steps)
 
 
-@needs_kernel
 @pytest.mark.parametrize("beta1", [0.3, 0.5, 0.0], ids=["b1=0.3", "b1=0.5", "b1=0"])
-def test_kernel_takes_torchs_other_lerp_branch(kernel_on, beta1):
+def test_kernel_takes_torchs_other_lerp_branch(kernel_on, monkeypatch, beta1):
     """1 - beta1 >= 0.5 makes torch's lerp start from the grad instead of exp_avg."""
     config = AdamConfig(lr=1e-2, beta1=beta1, beta2=0.95, eps=1e-6)
-    check_steps(4099, torch.float32, config, 0.05, 2.0, steps=4)
+    check_steps(monkeypatch, 4099, torch.float32, config, 0.05, 2.0, steps=3)
 
 
-@needs_kernel
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_every_16_bit_grad_pattern(kernel_on, grad_dtype):
+def test_every_16_bit_grad_pattern(kernel_on, monkeypatch, grad_dtype):
     """All 65,536 encodings (subnormals, inf, NaN included) widen exactly as torch widens them."""
     grad = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(grad_dtype)
     n = grad.numel()
     config = AdamConfig(lr=1e-3)
     param = torch.linspace(-1, 1, n)
-    kernel = [param.clone(), torch.zeros(n), torch.zeros(n)]
     reference = [param.clone(), torch.zeros(n), torch.zeros(n)]
     kw = dict(step=1, lr=config.lr, config=config, weight_decay=0.0, grad_scale=1.0)
-    run_kernel(kernel[0], grad, kernel[1], kernel[2], **kw)
     adam_update_reference(reference[0], grad, reference[1], reference[2], **kw)
-    # exp_avg = 0.1 * grad here, so it shows every widened value
-    assert_state_matches(kernel, reference, (param, torch.zeros(n), torch.zeros(n)))
+    for isa in supported_isas():
+        kernel = [param.clone(), torch.zeros(n), torch.zeros(n)]
+        run_kernel(monkeypatch, isa, kernel[0], grad, kernel[1], kernel[2], **kw)
+        # exp_avg = 0.1 * grad here, so it shows every widened value
+        assert_state_matches(kernel, reference, (param, torch.zeros(n), torch.zeros(n)))
 
 
-@needs_kernel
-@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
-def test_kernel_tracks_reference_over_many_steps(kernel_on, decoupled):
+def special_floats(gen) -> torch.Tensor:
+    """Random fp32 bit patterns (every exponent, NaNs and subnormals included) and the values
+    where rounding to bf16/fp16 is decided: ties to even, fp16's overflow and subnormal edges."""
+    random_bits = torch.randint(-2 ** 31, 2 ** 31, (300_001,), generator=gen, dtype=torch.int64)
+    ties = torch.tensor([0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001], dtype=torch.int64)  # bf16
+    edges = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 2.0 ** -14, 2.0 ** -24, 2.0 ** -25,
+                          1.5 * 2.0 ** -25, 2.0 ** -26, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11,
+                          math.inf, -math.inf, 0.0, -0.0, 3.4e38, -3.4e38])
+    bits = torch.cat([random_bits, ties]).to(torch.int32).view(torch.float32)
+    return torch.cat([bits, edges, -edges])
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_param_copy_rounds_like_torch(kernel_on, monkeypatch, copy_dtype):
+    """lr 0 and a zero gradient leave param as it was, so the copy shows the conversion alone
+    on every kind of fp32 value, through every loop copy (and its masked or scalar tail)."""
+    param = special_floats(torch.Generator().manual_seed(5))
+    n = param.numel()
+    expected = param.to(copy_dtype)
+    for isa in supported_isas():
+        state = [param.clone(), torch.zeros(n), torch.zeros(n)]
+        copy = torch.empty(n, dtype=copy_dtype)
+        run_kernel(monkeypatch, isa, state[0], torch.zeros(n), state[1], state[2], param_copy=copy,
+                   step=1, lr=0.0, config=AdamConfig(), weight_decay=0.0)
+        assert_bitwise(state[0], param)
+        assert_bitwise(copy, expected)
+
+
+def test_kernel_tracks_reference_over_many_steps(kernel_on, monkeypatch):
     """Without re-syncing, the few-ulp differences stay at the level DESIGN.md allows between
     parallel layouts (rtol 1e-5), and far below it in practice."""
     gen = torch.Generator().manual_seed(1)
     n = 100_003
-    config = AdamConfig(lr=1e-2, decoupled_weight_decay=decoupled)
-    kernel = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
-    reference = [t.clone() for t in kernel]
-    for step in range(1, 31):
-        grad = make_grad(n, torch.bfloat16, gen)
-        kw = dict(step=step, lr=config.lr, config=config, weight_decay=0.1, grad_scale=0.25)
-        run_kernel(kernel[0], grad, kernel[1], kernel[2], **kw)
-        adam_update_reference(reference[0], grad, reference[1], reference[2], **kw)
-    for k, r in zip(kernel, reference):
-        torch.testing.assert_close(k, r, rtol=1e-5, atol=1e-7 * r.abs().max().item())
+    for decoupled in (True, False):
+        config = AdamConfig(lr=1e-2, decoupled_weight_decay=decoupled)
+        kernel = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
+        reference = [t.clone() for t in kernel]
+        for step in range(1, 31):
+            grad = make_grad(n, torch.bfloat16, gen)
+            kw = dict(step=step, lr=config.lr, config=config, weight_decay=0.1, grad_scale=0.25)
+            adam_update(kernel[0], grad, kernel[1], kernel[2], **kw)
+            adam_update_reference(reference[0], grad, reference[1], reference[2], **kw)
+        for k, r in zip(kernel, reference):
+            torch.testing.assert_close(k, r, rtol=1e-5, atol=1e-7 * r.abs().max().item())
 
 
-@needs_kernel
 def test_threads_do_not_change_results(kernel_on):
     """OpenMP splits the buffer into blocks; an elementwise update must not notice."""
     gen = torch.Generator().manual_seed(3)
@@ -217,9 +289,10 @@ def test_threads_do_not_change_results(kernel_on):
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             state = [t.clone() for t in start]
-            run_kernel(state[0], grad, state[1], state[2], step=7, lr=1e-3, config=AdamConfig(),
-                       weight_decay=0.1, grad_scale=0.5)
-            results.append(state)
+            copy = torch.empty(n, dtype=torch.bfloat16)
+            adam_update(state[0], grad, state[1], state[2], step=7, lr=1e-3, config=AdamConfig(),
+                        weight_decay=0.1, grad_scale=0.5, param_copy=copy)
+            results.append(state + [copy])
     finally:
         torch.set_num_threads(threads_before)
     for other in results[1:]:
@@ -227,39 +300,210 @@ def test_threads_do_not_change_results(kernel_on):
             assert torch.equal(a, b)
 
 
-# --- routing: which implementation adam_update picks ----------------------------------------
+# --- which paths exist, and how they are chosen ---------------------------------------------
+def _cpu_flags() -> set:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_loop_copy_runs_where_the_cpu_has_it(isa):
+    """Each loop copy is compiled into the build and offered exactly where the CPU has its
+    instructions, so a build that lost the AVX-512 path fails here rather than running slower.
+    A copy this CPU lacks is skipped with that reason (the parity tests run all the others)."""
+    require_kernel()
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("no /proc/cpuinfo to read this CPU's flags from")
+    if not any(machine in os.uname().machine for machine in ("x86_64", "i686", "i386")):
+        assert adam_module._cpp.supported_isas() == ["scalar"]
+        pytest.skip(f"{isa}: not an x86 CPU; only the scalar loop exists here")
+    assert isa in adam_module._cpp.compiled_isas()
+    missing = ISA_CPU_FLAGS[isa] - _cpu_flags()
+    if missing:
+        assert isa not in supported_isas()
+        pytest.skip(f"this CPU lacks {isa} ({', '.join(sorted(missing))}); its loop is not run here")
+    assert isa in supported_isas()
+    assert adam_module._cpp.kernel_isa() == supported_isas()[0]
+
+
+def test_forcing_a_loop_copy(kernel_on, monkeypatch):
+    """MEGAZERO_CPU_ADAM_ISA reaches the kernel, which reports the copy it ran; a name this CPU
+    cannot run is a one-line UsageError listing those it can."""
+    n = 33
+    tensors = [torch.ones(n) for _ in range(4)]
+    ptrs = [t.data_ptr() for t in tensors]
+    for isa in supported_isas():
+        assert adam_module._cpp.adam_update(*ptrs, n, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0,
+                                            1, isa=isa) == isa
+        monkeypatch.setenv(adam_module.ISA_ENV, isa)
+        assert adam_module.kernel_info()["isa"] == isa
+    monkeypatch.setenv(adam_module.ISA_ENV, "avx9000")
+    with pytest.raises(UsageError, match="MEGAZERO_CPU_ADAM_ISA=avx9000 .* use one of .*scalar"):
+        adam_update(*tensors, step=1, lr=1e-3, config=AdamConfig(), weight_decay=0.0)
+
+
+def test_missing_extension_fails_unless_opted_out(monkeypatch):
+    """The rule the kernel tests follow when megazero._C is absent: fail, or skip if asked to."""
+    monkeypatch.setattr(adam_module, "_cpp", None)
+    monkeypatch.delenv("MEGAZERO_ALLOW_NO_CPP", raising=False)
+    with pytest.raises(pytest.fail.Exception, match="not built.*MEGAZERO_ALLOW_NO_CPP=1"):
+        require_kernel()
+    monkeypatch.setenv("MEGAZERO_ALLOW_NO_CPP", "1")
+    with pytest.raises(pytest.skip.Exception, match="skipped because MEGAZERO_ALLOW_NO_CPP=1"):
+        require_kernel()
+
+
 class _RecordingKernel:
     def __init__(self):
-        self.calls = 0
+        self.calls = []
 
     def adam_update(self, *args):
-        self.calls += 1
+        self.calls.append(args)
+
+    def supported_isas(self):
+        return ["scalar"]
 
 
-def _routed_to_kernel(monkeypatch, param, grad, exp_avg, exp_avg_sq) -> bool:
+def _routed_to_kernel(monkeypatch, param, grad, exp_avg, exp_avg_sq, param_copy=None):
+    """Whether adam_update called the kernel; if it did, the copy pointer it passed (0: none)."""
     fake = _RecordingKernel()
     monkeypatch.setattr(adam_module, "_cpp", fake)
     adam_update(param, grad, exp_avg, exp_avg_sq, step=1, lr=1e-3, config=AdamConfig(),
-                weight_decay=0.0)
-    return fake.calls == 1
+                weight_decay=0.0, param_copy=param_copy)
+    return (len(fake.calls) == 1), (fake.calls[0][15] if fake.calls else None)
 
 
 def test_adam_update_routing(monkeypatch):
     monkeypatch.delenv("MEGAZERO_DISABLE_CPP_ADAM", raising=False)
+    monkeypatch.delenv(adam_module.ISA_ENV, raising=False)
     n = 64
     fresh = lambda: (torch.zeros(n), torch.zeros(n), torch.zeros(n))   # noqa: E731
     p, m, v = fresh()
-    assert _routed_to_kernel(monkeypatch, p, torch.ones(n, dtype=torch.bfloat16), m, v)
+    assert _routed_to_kernel(monkeypatch, p, torch.ones(n, dtype=torch.bfloat16), m, v)[0]
     p, m, v = fresh()
-    assert not _routed_to_kernel(monkeypatch, p, torch.ones(2 * n)[::2], m, v)   # strided grad
+    assert not _routed_to_kernel(monkeypatch, p, torch.ones(2 * n)[::2], m, v)[0]   # strided grad
     p, m, v = fresh()
-    assert not _routed_to_kernel(monkeypatch, p, torch.ones(n, dtype=torch.float64), m, v)
+    assert not _routed_to_kernel(monkeypatch, p, torch.ones(n, dtype=torch.float64), m, v)[0]
     p, m, v = fresh()
     with torch.no_grad():                                   # how optimizers step leaf params
-        assert _routed_to_kernel(monkeypatch, p.requires_grad_(), torch.ones(n), m, v)
+        assert _routed_to_kernel(monkeypatch, p.requires_grad_(), torch.ones(n), m, v)[0]
     with pytest.raises(RuntimeError, match="leaf Variable"):    # autograd still guards the rest
         _routed_to_kernel(monkeypatch, p, torch.ones(n), m, v)
+    # A 16-bit contiguous copy is written by the kernel; any other is copied afterwards.
+    p, m, v = fresh()
+    copy = torch.full((n,), 5.0, dtype=torch.bfloat16)
+    assert _routed_to_kernel(monkeypatch, p, torch.ones(n), m, v, copy) == (True, copy.data_ptr())
+    for copy in (torch.full((n,), 5.0), torch.full((2 * n,), 5.0, dtype=torch.float16)[::2]):
+        p, m, v = fresh()
+        assert _routed_to_kernel(monkeypatch, p.fill_(0.25), torch.ones(n), m, v, copy) == (True, 0)
+        assert torch.equal(copy, p.to(copy.dtype))          # the fake kernel left p as it was
     monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
     p, m, v = fresh()
-    assert not _routed_to_kernel(monkeypatch, p, torch.ones(n), m, v)
+    assert not _routed_to_kernel(monkeypatch, p, torch.ones(n), m, v)[0]
     assert not kernel_available()
+
+
+def test_param_copy_on_the_reference_path_and_bad_copies(monkeypatch):
+    monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
+    gen = torch.Generator().manual_seed(4)
+    n = 101
+    param, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    kw = dict(step=1, lr=1e-2, config=AdamConfig(), weight_decay=0.1)
+    copy = torch.empty(n, dtype=torch.float16)
+    adam_update(param, grad, torch.zeros(n), torch.zeros(n), param_copy=copy, **kw)
+    assert torch.equal(copy, param.to(torch.float16))
+    with pytest.raises(UsageError, match="param_copy has 100 elements and param 101"):
+        adam_update(param, grad, torch.zeros(n), torch.zeros(n), param_copy=copy[:100], **kw)
+    flat = torch.zeros(3 * n)
+    with pytest.raises(UsageError, match="param_copy overlaps"):
+        adam_update(flat[:n], grad, flat[n:2 * n], flat[2 * n:], param_copy=flat[n // 2:][:n], **kw)
+
+
+# --- megazero.ops.CPUAdam, the kernel as a torch.optim.Optimizer ----------------------------
+def _params_and_grads(seed, steps):
+    """Parameters of several shapes (two groups) and the gradients of every step."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(1,), (7,), (17,), (31, 33), (1023,)]
+    params = [torch.randn(shape, generator=gen) for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(steps)]
+    return params, grads
+
+
+def _run(optim_cls, params, grads, adamw, **extra):
+    """`len(grads)` steps of optim_cls on copies of params; returns (params, optimizer)."""
+    params = [torch.nn.Parameter(p.clone()) for p in params]
+    groups = [{"params": params[:2], "weight_decay": 0.0},
+              {"params": params[2:], "weight_decay": 0.1, "lr": 3e-3}]
+    optim = optim_cls(groups, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, **extra)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        optim.step()
+    return params, optim
+
+
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam_l2"])
+def test_cpu_adam_matches_torch(monkeypatch, adamw):
+    """CPUAdam against torch.optim.AdamW / Adam (L2 decay): bitwise on the reference path, and
+    within the kernel's few ulps per step (rtol 1e-6 after 5 steps) on the kernel path."""
+    from megazero.ops import CPUAdam
+    params, grads = _params_and_grads(6, steps=5)
+    torch_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    expected, torch_optim = _run(torch_cls, params, grads, adamw, foreach=False)
+    monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
+    ours, ours_optim = _run(CPUAdam, params, grads, adamw, adamw_mode=adamw)
+    for e, o in zip(expected, ours):
+        assert torch.equal(e, o)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch_optim.state[e][key], ours_optim.state[o][key])
+    require_kernel()
+    monkeypatch.delenv("MEGAZERO_DISABLE_CPP_ADAM")
+    ours, ours_optim = _run(CPUAdam, params, grads, adamw, adamw_mode=adamw)
+    for e, o in zip(expected, ours):
+        torch.testing.assert_close(o, e, rtol=1e-6, atol=1e-7)
+        if adamw and FUSED:   # AdamW's moments depend on the gradients alone
+            assert_bitwise(ours_optim.state[o]["exp_avg_sq"], torch_optim.state[e]["exp_avg_sq"])
+
+
+def test_cpu_adam_state_dict_round_trip():
+    """Saved mid-run and loaded into a fresh CPUAdam (or torch's AdamW), the run continues with
+    exactly the states of an uninterrupted one."""
+    from megazero.ops import CPUAdam
+    params, grads = _params_and_grads(7, steps=5)
+    straight, _ = _run(CPUAdam, params, grads, True, adamw_mode=True)
+    first, optim = _run(CPUAdam, params, grads[:3], True, adamw_mode=True)
+    saved = optim.state_dict()
+    assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert saved["state"][0]["step"].dtype == torch.float32 and saved["state"][0]["step"] == 3
+    for optim_cls, extra in ((CPUAdam, {}), (torch.optim.AdamW, {"foreach": False})):
+        resumed, optim = _run(optim_cls, [p.detach() for p in first], [], True, **extra)
+        optim.load_state_dict(deepcopy(saved))   # loading shares tensors with `saved`
+        assert all(g["decoupled_weight_decay"] for g in optim.param_groups)
+        for step_grads in grads[3:]:
+            for p, g in zip(resumed, step_grads):
+                p.grad = g.clone()
+            optim.step()
+        for s, r in zip(straight, resumed):
+            if optim_cls is CPUAdam:
+                assert torch.equal(s, r)
+            else:   # torch's sqrt against the kernel's: the few-ulp difference of the contract
+                torch.testing.assert_close(r, s, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_adam_rejects_what_it_cannot_do():
+    from megazero.ops import CPUAdam
+    with pytest.raises(UsageError, match="betas"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(3))], betas=(0.9, 1.0))
+    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    half.grad = torch.zeros(3, dtype=torch.bfloat16)
+    with pytest.raises(UsageError, match="fp32 CPU parameters, got torch.bfloat16"):
+        CPUAdam([half]).step()
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.zeros(3)
+    optim = CPUAdam([param])
+    optim.param_groups[0]["amsgrad"] = True
+    with pytest.raises(UsageError, match="amsgrad"):
+        optim.step()
