@@ -22,6 +22,9 @@ class GPTConfig:
     position_embedding: Literal["learned", "rope"] = "learned"
     rotary_base: float = 10000.0
     activation: Literal["gelu", "swiglu"] = "gelu"
+    # GELU's form, as torch's F.gelu(approximate=...): "tanh" is GPT-2's (and Megatron's fused bias-GELU),
+    # "none" the exact erf form; only used when activation is "gelu".
+    gelu_approximate: Literal["tanh", "none"] = "tanh"
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_epsilon: float = 1e-5
     tie_embeddings: bool = True
@@ -59,6 +62,8 @@ class GPTConfig:
         head_dim = self.hidden_size // self.num_attention_heads
         if self.position_embedding == "rope" and head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
+        if self.gelu_approximate not in ("tanh", "none"):
+            raise ValueError(f"gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
         if self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded vocab {self.padded_vocab_size} < vocab {self.vocab_size}")
         for name in ("hidden_dropout", "attention_dropout"):

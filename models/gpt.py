@@ -99,6 +99,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
+        self.gelu_approximate = config.gelu_approximate
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
         self.fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
         self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
@@ -109,7 +110,7 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y, approximate="tanh")
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.fc2(y)
 
 
