@@ -1,20 +1,108 @@
 """Convert megazero checkpoints.
 
     python tools/convert_checkpoint.py consolidate --load runs/ckpt --output out/model [--with-optimizer]
+    python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama]
+    python tools/convert_checkpoint.py import-hf --input path/to/hf_model --save runs/imported
 
 `consolidate` writes the full fp32 model of a sharded checkpoint (any layout) as
 OUT/model.safetensors + OUT/config.json, loadable by megazero.models.GPT with strict=True, reading
 one parameter at a time (see megazero/checkpoint/consolidate.py). It prints the peak memory it used.
+
+`export-hf` writes a checkpoint of any layout as OUT/config.json + OUT/model.safetensors (fp32) in
+GPT2LMHeadModel's format (learned positions, GELU, LayerNorm) or LlamaForCausalLM's (rotary, SwiGLU,
+RMSNorm); `auto` picks by the position embedding. A model the format cannot express exactly is
+refused, naming the option. `import-hf` reads such a directory (local files only; safetensors, one
+file or sharded with its index) into a one-rank megazero checkpoint that `--load`/`--finetune`
+accept at any layout. Names, shapes and configs are mapped in models/hf_adapter.py
+(megazero.models.hf_adapter); this file only reads and writes.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import sys
 import time
+import uuid
+from pathlib import Path
 
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megazero.checkpoint import CheckpointReader, write_full_checkpoint
 from megazero.checkpoint.consolidate import consolidate
-from megazero.errors import UsageError
+from megazero.checkpoint.files import LATEST
+from megazero.errors import UsageError, check_writable_dir
+from megazero.models import hf_adapter
+from megazero.models.config import GPTConfig
+
+
+def export_hf(load, output, fmt: str = "auto") -> dict:
+    """Writes the checkpoint at `load` in a Hugging Face format; returns the format and tensor count."""
+    reader = CheckpointReader(load)
+    config = GPTConfig(**reader.metadata["model"])
+
+    def read(name):
+        tensor = reader.full_tensor(name, "fp32")
+        reader.close()                 # files are memory-mapped: keep only what was read
+        return tensor
+
+    out = Path(output)
+    try:
+        fmt = hf_adapter.choose_format(config, fmt)
+        check_writable_dir(out, f"--output {out}", "choose a writable directory")
+        state = hf_adapter.to_hf(config, fmt, read)
+    except hf_adapter.ConversionError as err:
+        raise UsageError(f"export-hf {reader.path}: {err}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    # transformers checks this metadata key before it reads a safetensors file
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config_json = json.dumps(hf_adapter.hf_config(config, fmt), indent=2, sort_keys=True)
+    (out / "config.json").write_text(config_json + "\n")
+    return {"format": fmt, "tensors": len(state)}
+
+
+def read_hf_directory(path) -> tuple[dict, dict]:
+    """config.json and every tensor of a local Hugging Face model directory (safetensors only)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--input {path}: no config.json; give a local directory written by "
+                         f"save_pretrained (import-hf does not download)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path / 'config.json'}: not valid JSON ({err})") from None
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif index.is_file():
+        files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        raise UsageError(f"--input {path}: no model.safetensors (nor its index); import-hf reads "
+                         f"safetensors only: re-save the model with save_pretrained(safe_serialization=True)")
+    state = {}
+    for file in files:
+        if not file.is_file():
+            raise UsageError(f"{index}: names {file.name}, which is missing; the download is incomplete")
+        with safe_open(str(file), framework="pt") as f:
+            state.update({key: f.get_tensor(key) for key in f.keys()})
+    return config, state
+
+
+def import_hf(input_dir, save, run_id: str | None = None) -> Path:
+    """Writes the Hugging Face model at `input_dir` as a megazero checkpoint in `save`; returns its
+    iteration directory."""
+    save = Path(save)
+    check_writable_dir(save, f"--save {save}", "choose a writable directory")
+    if (save / LATEST).exists():
+        raise UsageError(f"--save {save} already holds a checkpoint ({LATEST}); import into a new directory")
+    hf_config, state = read_hf_directory(input_dir)
+    try:
+        config = hf_adapter.gpt_config(hf_config)
+        params = hf_adapter.from_hf(config, hf_adapter.hf_format(hf_config), state)
+    except ValueError as err:          # ConversionError, or GPTConfig refusing the shape
+        raise UsageError(f"import-hf {input_dir}: {err}") from None
+    return write_full_checkpoint(save, config, params, run_id or f"import-hf-{uuid.uuid4().hex[:12]}")
 
 
 def parse_args(argv=None):
@@ -24,7 +112,28 @@ def parse_args(argv=None):
     c.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     c.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
     c.add_argument("--with-optimizer", action="store_true", help="also write the full Adam states")
+    e = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 or Llama model directory")
+    e.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
+    e.add_argument("--output", required=True, help="directory for config.json and model.safetensors")
+    e.add_argument("--format", default="auto", choices=["auto", *hf_adapter.FORMATS],
+                   help="target format; auto: gpt2 for learned positions, llama for rope")
+    i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2 or Llama model as a megazero checkpoint")
+    i.add_argument("--input", required=True, help="directory with config.json and model.safetensors")
+    i.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
     return parser.parse_args(argv)
+
+
+def run(args) -> str:
+    """Runs one subcommand; returns what it wrote, in words."""
+    if args.command == "export-hf":
+        written = export_hf(args.load, args.output, args.format)
+        return (f"wrote {written['format']} config.json and model.safetensors "
+                f"({written['tensors']} tensors) to {args.output}")
+    if args.command == "import-hf":
+        return f"wrote checkpoint {import_hf(args.input, args.save)}"
+    written = consolidate(args.load, args.output, args.with_optimizer)
+    files = ", ".join(f"{name} ({count} tensors)" for name, count in written.items())
+    return f"wrote {files} to {args.output}"
 
 
 def main(argv=None) -> int:
@@ -32,13 +141,12 @@ def main(argv=None) -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     try:
-        written = consolidate(args.load, args.output, args.with_optimizer)
+        done = run(args)
     except (UsageError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    files = ", ".join(f"{name} ({count} tensors)" for name, count in written.items())
-    print(f"wrote {files} to {args.output} in {time.perf_counter() - started:.1f}s; "
+    print(f"{done} in {time.perf_counter() - started:.1f}s; "
           f"peak RSS {peak / 1024:.0f} MiB ({(peak - before) / 1024:.0f} MiB above start-up)")
     return 0
 
