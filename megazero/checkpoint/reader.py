@@ -20,11 +20,12 @@ from megazero.parallel.layers import TPShard
 from .files import FORMAT_VERSION, METADATA, CheckpointError, latest_iteration_dir, read_json
 from .saver import crc32
 
-# GPTConfig fields that decide parameter names and shapes (dropout, recompute, seq_length for rope
-# models and the like may change between a save and a load).
+# GPTConfig fields that decide parameter names and shapes or the function the weights compute
+# (dropout, recompute, seq_length for rope models and the like may change between save and load).
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                        "num_query_groups", "ffn_hidden_size", "position_embedding", "activation",
-                       "normalization", "tie_embeddings", "add_bias_linear")
+                       "gelu_approximate", "normalization", "norm_epsilon", "rotary_base",
+                       "tie_embeddings", "add_bias_linear")
 
 
 def resolve(path: str | Path) -> Path:
@@ -134,6 +135,6 @@ class CheckpointReader:
         saved = self.metadata["model"]
         for field in ARCHITECTURE_FIELDS:
             mine = getattr(model_config, field)
-            if saved.get(field) != mine:
+            if field in saved and saved[field] != mine:
                 raise CheckpointError(f"{where} {self.path}: saved model has {field}={saved.get(field)!r}, "
                                       f"this run has {mine!r}; load a checkpoint of the same model")
