@@ -48,7 +48,7 @@ class Launch:
         self.local_world = int(env.get("LOCAL_WORLD_SIZE", str(self.world)))
         self._local_rank_from_env = "LOCAL_RANK" in env
         self._prefix = f"megazero/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.store = None
+        self.rendezvous_store = self.store = None     # the launch's store; our keys under a prefix
 
     def adopt_local_rank(self, flag_value: int | None) -> None:
         """Older launchers pass --local_rank instead of setting LOCAL_RANK."""
@@ -58,9 +58,9 @@ class Launch:
     def connect(self) -> None:
         """Joins the rendezvous store (no process group yet) when there is a launch to coordinate."""
         if self.world > 1 and self.store is None and "MASTER_ADDR" in os.environ:
-            store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
-                                               timeout=datetime.timedelta(minutes=30)))
-            self.store = dist.PrefixStore(self._prefix, store)
+            self.rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
+                                                               timeout=datetime.timedelta(minutes=30)))
+            self.store = dist.PrefixStore(self._prefix, self.rendezvous_store)
 
     @property
     def speaks(self) -> bool:
@@ -143,7 +143,7 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device) -> None:
         # collective) and lets barriers and new groups know the device without guessing.
         backend = cfg.parallel.distributed_backend
         bind = dict(device_id=device) if backend == "nccl" else {}
-        store = dict(store=launch.store) if launch.store is not None else {}
+        store = dict(store=launch.rendezvous_store) if launch.store is not None else {}
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world, **store, **bind)
     par = cfg.parallel
     topology = Topology(world_size=launch.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
@@ -183,6 +183,9 @@ def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device]:
     device = _device(cfg, launch.local_rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
     preflight(cfg, launch.world, launch.local_world, device)
+    if launch.world > 1 and "MASTER_ADDR" not in os.environ:
+        raise UsageError(f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the ranks with "
+                         f"torchrun (or set MASTER_ADDR and MASTER_PORT)")
     return cfg, device
 
 

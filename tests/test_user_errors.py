@@ -152,6 +152,7 @@ ROWS = [
     ("local-rank-not-a-number", lambda f: ["--local_rank=abc"], {}, ["--local-rank", "invalid int"], []),
     ("loss-scale-not-power-of-2", lambda f: ["--initial-loss-scale", "3"], {}, ["power of two"], []),
     ("eval-iters-negative", lambda f: ["--eval-iters", "-1"], {}, ["--eval-iters must be >= 0"], []),
+    ("world-size-without-launcher", lambda f: [], {"WORLD_SIZE": "2"}, ["WORLD_SIZE=2", "torchrun"], []),
     ("vocab-divisor-zero", lambda f: ["--make-vocab-size-divisible-by", "0"], {},
      ["--make-vocab-size-divisible-by must be >= 1"], []),
 ]
