@@ -28,7 +28,7 @@ from megazero.lr_schedule import learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
-from megazero.preflight import preflight
+from megazero.preflight import preflight, sample_counts
 from megazero.training import MicrobatchSource, setup, train
 
 
@@ -75,14 +75,15 @@ class Launch:
             return error
         self.store.set(f"{step}/{self.rank}", error or "")
         if self.rank == 0:
-            verdict = error or ""
-            for other in range(1, self.world if not verdict else 1):
-                report = self.store.get(f"{step}/{other}").decode()
-                if report:
-                    verdict = f"rank {other}: {report}"
-                    break
-            self.store.set(f"{step}/verdict", verdict)
+            self.store.set(f"{step}/verdict", error or self._first_other_report(step))
         return self.store.get(f"{step}/verdict").decode() or None
+
+    def _first_other_report(self, step: str) -> str:
+        for other in range(1, self.world):
+            report = self.store.get(f"{step}/{other}").decode()    # waits for that rank's report
+            if report:
+                return f"rank {other}: {report}"
+        return ""
 
     def another_rank_failed(self) -> bool:
         try:
@@ -113,7 +114,6 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
     others wait for its verdict."""
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.data.default_data import prepare_default_data
-    counts = (cfg.train_iters * cfg.global_batch_size, cfg.eval_iters * cfg.global_batch_size, 0)
 
     def build(progress):
         data_path = cfg.data.data_path
@@ -122,7 +122,7 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
             say(f" data: embedded corpus (Python standard library sources) at {prefix}")
             data_path = [prefix]
         return build_train_valid_test_datasets(data_path, cfg.data.split, cfg.model.seq_length, cfg.seed,
-                                               counts, cfg.data.cache_dir, progress)
+                                               sample_counts(cfg), cfg.data.cache_dir, progress)
 
     error = None
     if launch.rank == 0:

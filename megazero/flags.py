@@ -188,7 +188,8 @@ def _training_flags(p) -> None:
     _merged(g, "fp16", "compute in fp16 with fp32 master weights and loss scaling", action="store_true",
             default=None)
     _merged(g, "loss_scale", "fp16 static loss scale; 0: dynamic", type=float)
-    _add(g, "--initial-loss-scale", type=float, default=None, help="fp16 dynamic scale to start from, a power of 2",
+    _add(g, "--initial-loss-scale", type=float, default=None,
+         help="fp16 dynamic scale to start from, a power of 2",
          shown="2^16")
     _merged(g, "min_loss_scale", "fp16 dynamic scale floor", type=float)
     _merged(g, "loss_scale_window", "fp16 steps without overflow before the scale doubles", type=int)
@@ -212,7 +213,8 @@ def _data_flags(p) -> None:
     _add(g, "--eval-iters", type=int, default=10, help="batches per evaluation; 0: none")
     _merged(g, "log_interval", "steps between log lines", type=int)
     _add(g, "--run-dir", default=None, help="folder for this run's outputs", shown="runs/gpt-<date>-<time>")
-    _add(g, "--metrics-file", default=None, help="JSON lines of the logged metrics", shown="<run-dir>/metrics.jsonl")
+    _add(g, "--metrics-file", default=None, help="JSON lines of the logged metrics",
+         shown="<run-dir>/metrics.jsonl")
     g = p.add_argument_group("not supported yet (rejected)")
     _add(g, "--save", default=None, help="checkpoint folder", shown="none")
     _add(g, "--load", default=None, help="checkpoint to resume", shown="none")

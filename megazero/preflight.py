@@ -19,8 +19,8 @@ from megazero.memory_estimate import available_bytes, describe_refusal, estimate
 
 def check_output_paths(cfg: TrainConfig) -> None:
     """The run folder and the metrics file can be created and written."""
-    where = "pass --run-dir PATH in a writable place"
-    check_writable_dir(cfg.run_dir, f"run folder {cfg.run_dir} (--run-dir)", where)
+    check_writable_dir(cfg.run_dir, f"run folder {cfg.run_dir} (--run-dir)",
+                       "pass --run-dir PATH in a writable place")
     check_writable_file(cfg.metrics_file, f"metrics file {cfg.metrics_file} (--metrics-file)",
                         "pass --metrics-file PATH in a writable place")
 
@@ -33,7 +33,8 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: 
         raise UsageError(describe_refusal(cfg, found, *available))
 
 
-def _sample_counts(cfg: TrainConfig) -> tuple[int, int, int]:
+def sample_counts(cfg: TrainConfig) -> tuple[int, int, int]:
+    """Samples the run draws from the train, valid and test splits."""
     return (cfg.train_iters * cfg.global_batch_size, cfg.eval_iters * cfg.global_batch_size, 0)
 
 
@@ -43,7 +44,6 @@ def check_data(cfg: TrainConfig) -> None:
     from megazero.data.default_data import (cache_origin, default_data_dir, default_data_files,
                                             default_data_ready)
     data = cfg.data
-    fix_cache = "pass --data-cache-path DIR in a writable place"
     if data.data_path is None:
         if not default_data_ready(data.cache_dir):
             # The embedded corpus will be built (or repaired) into the cache by rank 0.
@@ -54,13 +54,16 @@ def check_data(cfg: TrainConfig) -> None:
         data_path, vocab_source = [prefix], f"the embedded corpus's tokenizer {model}"
     else:
         data_path, vocab_source = data.data_path, f"--tokenizer-model {data.tokenizer_model}"
-    folders = check_datasets(data_path, data.split, cfg.model.seq_length, cfg.seed, _sample_counts(cfg),
+    folders = check_datasets(data_path, data.split, cfg.model.seq_length, cfg.seed, sample_counts(cfg),
                              data.cache_dir, cfg.model.vocab_size, vocab_source)
     for folder in folders:
-        what = f"--data-cache-path {folder}" if data.cache_dir else \
-            f"{cache_origin()} (its folder {folder} holds the sample indices)" if data.data_path is None else \
-            f"the data folder {folder} (sample indices are cached beside --data-path)"
-        check_writable_dir(folder, what, fix_cache)
+        if data.cache_dir:
+            what = f"--data-cache-path {folder}"
+        elif data.data_path is None:
+            what = f"{cache_origin()} (its folder {folder} holds the sample indices)"
+        else:
+            what = f"the data folder {folder} (sample indices are cached beside --data-path)"
+        check_writable_dir(folder, what, "pass --data-cache-path DIR in a writable place")
 
 
 def preflight(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:

@@ -106,10 +106,10 @@ def _read_manifest(folder):
 
 
 def _record(folder, manifest, paths):
-    for path in paths:
-        manifest[Path(path).relative_to(folder).as_posix()] = {"bytes": Path(path).stat().st_size,
-                                                               "sha256": _digest(path)}
-    write_atomically(folder / "manifest.json", lambda h: h.write(json.dumps(manifest, indent=1, sort_keys=True)))
+    for path in map(Path, paths):
+        manifest[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": _digest(path)}
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    write_atomically(folder / "manifest.json", lambda handle: handle.write(text))
 
 
 def _damage(folder, manifest, paths, reads_back):
@@ -164,6 +164,16 @@ def prepare_default_data(cache_dir=None, vocab_size=DEFAULT_VOCAB_SIZE, progress
         ("tokenized corpus", data_file_paths(data_prefix), lambda: IndexedDataset(data_prefix),
          lambda: tokenize_corpus(corpus_path, load_tokenizer(model_path), data_prefix, progress=progress)),
     ]
+    try:
+        _run_steps(folder, manifest, steps)
+    except OSError as err:       # a full disk, or a cache that changed under us
+        raise UsageError(f"cannot write the embedded corpus cache in {folder} ({err.strerror or err}); "
+                         "free space there or point MEGAZERO_CACHE elsewhere") from None
+    return str(data_prefix), str(model_path)
+
+
+def _run_steps(folder, manifest, steps):
+    """Each (name, outputs, reads_back, build) step: kept if intact, else rebuilt with those after it."""
     # A redone step invalidates what was built from its old output.
     stale = False
     for name, paths, reads_back, build in steps:
@@ -178,4 +188,3 @@ def prepare_default_data(cache_dir=None, vocab_size=DEFAULT_VOCAB_SIZE, progress
             stale = True
         if stale or any(Path(p).relative_to(folder).as_posix() not in manifest for p in paths):
             _record(folder, manifest, paths)
-    return str(data_prefix), str(model_path)
