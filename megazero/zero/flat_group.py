@@ -193,11 +193,9 @@ class FlatParamGroup(PartitionedStorage):
         self.gather_params()
 
     def gather_params(self) -> None:
-        """Copies updated master chunks into the parameter buffer and all-gathers every bucket."""
+        """All-gathers every bucket's updated chunks (the step wrote them) into the full buffer."""
         inflight, in_flight_elems = [], 0
         for b, bucket in enumerate(self.layout.buckets):
-            if self.master is not None:
-                self.param_chunk(b).copy_(self.chunk("fp32", b))
             if self.shard is None:
                 continue
             span = self._bucket_span(self.param_flat, b)

@@ -195,8 +195,6 @@ class UnitStore(PartitionedStorage):
 
     # --- optimizer ----------------------------------------------------------------------------
     def after_step(self) -> None:
-        if self.master is not None:
-            self.partition.copy_(self.master)
         self.partition_ready.record()
 
     def write_full_weights(self, i: int, flat: torch.Tensor) -> None:

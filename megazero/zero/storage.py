@@ -281,14 +281,19 @@ class PartitionedStorage:
         return total
 
     def step(self, step: int, lr: float, config: AdamConfig, grad_scale: float) -> None:
+        """Adam on every run of this rank's chunks. With a separate fp32 master the updated values
+        are also written to the low-precision weights, in the same pass where the CPU kernel runs
+        (the runs cover every chunk whole, padding included)."""
         for b, lo, hi, wd in self.runs:
+            copy = self.param_chunk(b)[lo:hi] if self.master is not None else None
             adam_update(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
                         self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi],
-                        step=step, lr=lr, config=config, weight_decay=wd, grad_scale=grad_scale)
+                        step=step, lr=lr, config=config, weight_decay=wd, grad_scale=grad_scale,
+                        param_copy=copy)
         self.after_step()
 
     def after_step(self) -> None:
-        """The low-precision weights follow the updated master (subclasses gather too)."""
+        """After the step (the low-precision weights are already updated): subclasses gather."""
 
     # --- accounting ---------------------------------------------------------------------------
     @staticmethod
