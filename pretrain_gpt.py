@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
 from megazero.arguments import config_from_args, parse_args
 from megazero.config import TrainConfig
 from megazero.errors import UsageError
@@ -137,7 +138,7 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
     return train_set, valid_set
 
 
-def run(cfg: TrainConfig, launch: Launch, device: torch.device) -> None:
+def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None, None)) -> None:
     if launch.world > 1:
         # Binding NCCL to this rank's GPU makes it create its communicators now (not at the first
         # collective) and lets barriers and new groups know the device without guessing.
@@ -158,6 +159,10 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device) -> None:
     train_set, valid_set = _datasets(cfg, launch, metrics.say)
     state = setup(cfg, groups, device)
     metrics.say(f" {state.streams.describe()}")
+    reader, notice = checkpoint
+    if notice:
+        metrics.say(f" {notice}")
+    start_iteration, policy = checkpoint_start(state, cfg.checkpoint, reader, metrics.say)
     report = state.engine.memory_report()
     metrics.say(" model states per rank (MiB): " + ", ".join(
         f"{k}={v / 2**20:.1f}" for k, v in report.items()))
@@ -168,14 +173,14 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device) -> None:
         valid_source = MicrobatchSource(valid_set, cfg.global_batch_size, cfg.micro_batch_size,
                                         groups.coords.dp, topology.dp)
         valid_batches = [valid_source.batch(i) for i in range(cfg.eval_iters)]
-    train(state, source, valid_batches,
-          lambda it: learning_rate(cfg.optimizer, it, cfg.train_iters), metrics)
+    train(state, source, valid_batches, lambda it: learning_rate(cfg.optimizer, it, cfg.train_iters),
+          metrics, start_iteration=start_iteration, policy=policy)
     metrics.say(f" done: metrics appended to {cfg.metrics_file}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device]:
+def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, tuple]:
     """Flags -> config -> checks against this machine; every error a UsageError."""
     args = parse_args(argv)
     launch.adopt_local_rank(args.local_rank)
@@ -183,17 +188,18 @@ def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device]:
     device = _device(cfg, launch.local_rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
     preflight(cfg, launch.world, launch.local_world, device)
+    checkpoint = checkpoint_preflight(cfg.checkpoint, cfg.model, cfg.global_batch_size)
     if launch.world > 1 and "MASTER_ADDR" not in os.environ:
         raise UsageError(f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the ranks with "
                          f"torchrun (or set MASTER_ADDR and MASTER_PORT)")
-    return cfg, device
+    return cfg, device, checkpoint
 
 
 def main(argv=None) -> int:
     launch = Launch()
     error = None
     try:
-        cfg, device = _checked_config(argv, launch)
+        cfg, device, checkpoint = _checked_config(argv, launch)
     except UsageError as err:
         error = str(err)
     try:
@@ -207,7 +213,7 @@ def main(argv=None) -> int:
             print(f"error: {verdict}", file=sys.stderr)
         return 2
     try:
-        run(cfg, launch, device)
+        run(cfg, launch, device, checkpoint)
     except AgreedStop as stop:
         if launch.speaks:
             print(f"error: {stop}", file=sys.stderr)

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from megazero.config import (DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
+from megazero.config import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainConfig)
 from megazero.ds_config import DeepSpeedSettings, load_deepspeed_config
 from megazero.errors import UsageError
@@ -135,7 +135,27 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
-        wall_clock_breakdown=merged["wall_clock_breakdown"], notes=notes)
+        wall_clock_breakdown=merged["wall_clock_breakdown"], notes=notes,
+        checkpoint=_checkpoint_config(args))
+
+
+def _checkpoint_config(args) -> CheckpointConfig:
+    for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval),
+                        ("--ckpt-keep-last", args.ckpt_keep_last), ("--exit-duration-in-mins",
+                                                                    args.exit_duration_in_mins)):
+        if value < 0:
+            raise UsageError(f"{flag} {value} must be >= 0 (0 turns it off)")
+    wants_save = args.save_interval or args.ckpt_keep_last or args.async_save
+    if wants_save and args.save is None:
+        raise UsageError("--save-interval, --ckpt-keep-last and --async-save need --save FOLDER")
+    if (args.no_load_optim or args.no_load_rng or args.finetune) and args.load is None:
+        raise UsageError("--no-load-optim, --no-load-rng and --finetune need --load FOLDER")
+    return CheckpointConfig(
+        save=args.save, load=args.load, save_interval=args.save_interval,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+        exit_interval=args.exit_interval, exit_duration_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler, keep_last=args.ckpt_keep_last,
+        async_save=args.async_save)
 
 
 def _cuda_available() -> bool:
@@ -284,6 +304,9 @@ def _model_config(args, topology: Topology) -> GPTConfig:
             padded_vocab_size=padded_vocab_size(vocab, args.make_vocab_size_divisible_by, topology.tp),
             position_embedding="rope" if args.position_embedding_type == "rope" else "learned",
             rotary_base=args.rotary_base, activation="swiglu" if args.swiglu else "gelu",
+            # Megatron: --openai-gelu is the tanh form; its unfused GELU (--no-bias-gelu-fusion) is
+            # exact erf; its default fused bias-GELU is tanh, which is megazero's default too.
+            gelu_approximate="none" if args.no_bias_gelu_fusion and not args.openai_gelu else "tanh",
             normalization="rmsnorm" if args.normalization == "RMSNorm" else "layernorm",
             norm_epsilon=args.norm_epsilon, tie_embeddings=not args.untie_embeddings_and_output_weights,
             add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,

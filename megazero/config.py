@@ -66,6 +66,22 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    """Megatron's checkpoint flags (see megazero.checkpoint.run)."""
+    save: Optional[str] = None                   # folder to save into
+    load: Optional[str] = None                   # folder (its `latest`) or iter_* directory to load
+    save_interval: int = 0                       # save every N iterations (0: only at the end)
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False                       # weights only; iteration 0, fresh optimizer
+    exit_interval: int = 0                       # stop after an iteration that is a multiple of N
+    exit_duration_mins: float = 0.0
+    exit_signal_handler: bool = False            # SIGTERM: finish the step, save, exit 0
+    keep_last: int = 0                           # keep the newest K checkpoints (0: all)
+    async_save: bool = False
+
+
+@dataclasses.dataclass
 class TrainConfig:
     model: GPTConfig
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -73,6 +89,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     micro_batch_size: int = 4
     global_batch_size: int = 8
     train_iters: int = 100

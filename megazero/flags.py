@@ -25,15 +25,14 @@ MERGED = {
     "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
     "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
 }
-NOT_SUPPORTED_YET = ("save", "load", "wandb_project")
+NOT_SUPPORTED_YET = ("wandb_project",)
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
 --use-flash-attn --use-mcore-models --transformer-impl --context-parallel-size --expert-model-parallel-size
 --num-experts --moe-router-topk --vocab-file --merge-file --tokenizer-model-type --num-workers
---save-interval --exit-interval --exit-duration-in-mins --tensorboard-dir --log-throughput
---log-timers-to-tensorboard --use-checkpoint-args --no-load-optim --no-load-rng --finetune
+--tensorboard-dir --log-throughput --log-timers-to-tensorboard --use-checkpoint-args
 --distributed-timeout-minutes --use-cpu-initialization --attention-softmax-in-fp32
---accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion --no-bias-gelu-fusion
+--accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
 --no-bias-dropout-fusion --no-gradient-accumulation-fusion --apply-query-key-layer-scaling
 --group-query-attention --use-rotary-position-embeddings --no-position-embedding --rampup-batch-size
 --data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
@@ -114,6 +113,9 @@ def _model_flags(p) -> None:
          help="position encoding")
     _add(g, "--rotary-base", type=float, default=10000.0, help="RoPE frequency base")
     _add(g, "--swiglu", action="store_true", help="SwiGLU MLP instead of GELU")
+    _add(g, "--openai-gelu", action="store_true", help="tanh-approximated GELU (GPT-2's; the default)")
+    _add(g, "--no-bias-gelu-fusion", action="store_true",
+         help="exact (erf) GELU, as Megatron's unfused GELU, unless --openai-gelu")
     _add(g, "--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="norm layers")
     _add(g, "--norm-epsilon", type=float, default=1e-5, help="epsilon of the norm layers")
     _add(g, "--untie-embeddings-and-output-weights", action="store_true",
@@ -215,9 +217,24 @@ def _data_flags(p) -> None:
     _add(g, "--run-dir", default=None, help="folder for this run's outputs", shown="runs/gpt-<date>-<time>")
     _add(g, "--metrics-file", default=None, help="JSON lines of the logged metrics",
          shown="<run-dir>/metrics.jsonl")
+    g = p.add_argument_group("checkpoints")
+    _add(g, "--save", default=None, help="folder to save checkpoints into", shown="none")
+    _add(g, "--load", default=None, help="checkpoint folder (its latest) or iter_* directory to load",
+         shown="none")
+    _add(g, "--save-interval", type=int, default=0, help="save every N iterations (and at the end)",
+         shown="0: only at the end")
+    _add(g, "--no-load-optim", action="store_true", help="load weights only; fresh Adam states")
+    _add(g, "--no-load-rng", action="store_true", help="do not restore RNG states")
+    _add(g, "--finetune", action="store_true", help="load weights only and start at iteration 0")
+    _add(g, "--exit-interval", type=int, default=0, help="stop after an iteration that is a multiple of N",
+         shown="0: never")
+    _add(g, "--exit-duration-in-mins", type=float, default=0.0, help="stop (and save) after this many minutes",
+         shown="0: never")
+    _add(g, "--exit-signal-handler", action="store_true",
+         help="on SIGTERM finish the step, save and exit 0 (Slurm preemption)")
+    _add(g, "--ckpt-keep-last", type=int, default=0, help="keep only the newest K checkpoints", shown="0: all")
+    _add(g, "--async-save", action="store_true", help="write checkpoints in the background")
     g = p.add_argument_group("not supported yet (rejected)")
-    _add(g, "--save", default=None, help="checkpoint folder", shown="none")
-    _add(g, "--load", default=None, help="checkpoint to resume", shown="none")
     _add(g, "--wandb-project", default=None, help="Weights & Biases project", shown="none")
 
 

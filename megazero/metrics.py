@@ -12,8 +12,8 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, path: str | None, enabled: bool = True, stream=sys.stdout, total_iters: int = 0):
-        self.enabled, self.stream, self.total_iters = enabled, stream, total_iters
+    def __init__(self, path: str | None, enabled: bool = True, stream=None, total_iters: int = 0):
+        self.enabled, self._stream, self.total_iters = enabled, stream, total_iters
         self.path = Path(path) if path else None
         if self.enabled and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -25,7 +25,8 @@ class MetricsLogger:
 
     def say(self, text: str) -> None:
         if self.enabled:
-            print(text, file=self.stream, flush=True)
+            # sys.stdout as it is now (a caller may have redirected it since this logger was made)
+            print(text, file=self._stream or sys.stdout, flush=True)
 
     def log_train(self, window: list[dict], comm_log=None) -> None:
         """Averages loss, speed and time over the iterations since the last log line."""

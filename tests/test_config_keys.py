@@ -137,10 +137,11 @@ def test_settings_that_cannot_act_in_this_run_are_noted(tmp_path):
 
 @pytest.mark.parametrize("ds,flags,expected", [
     ({"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True}}, [],
-     "gather_16bit_weights_on_model_save = true is not supported yet: megazero saves no models"),
+     "gather_16bit_weights_on_model_save = true is not supported yet: megazero's checkpoints are sharded"),
     ({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}, [],
      "stage3_gather_16bit_weights_on_model_save = true is not supported yet"),
-    ({"zero_optimization": {"stage": 1, "elastic_checkpoint": True}}, [], "checkpoints (they come later)"),
+    ({"zero_optimization": {"stage": 1, "pipeline_loading_checkpoint": True}}, [],
+     "checkpoints are sharded (--save)"),
     ({"zero_optimization": {"stage": 2, "contiguous_gradients": "no"}}, [],
      "contiguous_gradients must be true or false"),
     ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, [],

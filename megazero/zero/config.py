@@ -30,14 +30,15 @@ NOT_SUPPORTED_YET = {
 # --load are rejected too); each maps to the value that asks for nothing.
 SAVING_NOT_SUPPORTED_YET = {
     "gather_16bit_weights_on_model_save": False, "stage3_gather_16bit_weights_on_model_save": False,
-    "stage3_gather_fp16_weights_on_model_save": False, "elastic_checkpoint": False,
-    "pipeline_loading_checkpoint": False, "load_from_fp32_weights": True,
+    "stage3_gather_fp16_weights_on_model_save": False, "pipeline_loading_checkpoint": False,
 }
 
 # DeepSpeed keys that choose between implementations where megazero has a single one. Each maps to
 # (the value megazero always behaves as, why); any other value is accepted with a note saying so.
 FIXED_BY_DESIGN = {
     "contiguous_gradients": (True, "gradients always go into contiguous buckets here"),
+    "elastic_checkpoint": (True, "megazero checkpoints always load at any other layout"),
+    "load_from_fp32_weights": (True, "checkpoints always restore the fp32 master weights"),
     "allgather_partitions": (True, "updated partitions are always all-gathered, never broadcast one "
                                    "by one (same result)"),
     "use_multi_rank_bucket_allreduce": (True, "with reduce_scatter false each bucket is all-reduced "
@@ -148,8 +149,9 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
                                  f"set it to {as_json(NOT_SUPPORTED_YET[key])}")
         elif key in SAVING_NOT_SUPPORTED_YET:
             if value != SAVING_NOT_SUPPORTED_YET[key]:
-                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet: megazero saves "
-                                 f"no models or checkpoints (they come later); remove it or set it to "
+                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet: megazero's "
+                                 f"checkpoints are sharded (--save), and tools/convert_checkpoint.py "
+                                 f"consolidate writes the full model; remove it or set it to "
                                  f"{as_json(SAVING_NOT_SUPPORTED_YET[key])}")
         elif key in FIXED_BY_DESIGN:
             _check_type(value, FIXED_BY_DESIGN[key][0], f"{where}.{key}")

@@ -1,0 +1,80 @@
+"""Checkpointing of one `pretrain_gpt.py` run: the checks on --save/--load before any process group
+exists, then loading and the save policy once the model is set up.
+
+    --save D --load D     the resume idiom: with no checkpoint in D yet the run starts from scratch
+                          (one line says so); a --load directory that does not exist otherwise fails
+    --save D              refuses a D holding another run's checkpoints (never mixes runs)
+    --finetune            weights only: iteration 0, fresh optimizer, a new run
+"""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from megazero.config import CheckpointConfig
+from megazero.errors import UsageError, check_writable_dir
+from .files import METADATA, latest_iteration_dir, read_json
+from .loader import load_checkpoint
+from .policy import SavePolicy
+from .reader import CheckpointReader
+from .saver import CheckpointSaver
+
+
+def _has_checkpoint(path: Path) -> bool:
+    return (path / METADATA).is_file() or (path / "latest").is_file()
+
+
+def preflight(ck: CheckpointConfig, model_config, global_batch_size: int) -> tuple[CheckpointReader | None, str | None]:
+    """Validates --load and --save (no file is written); returns the reader of the checkpoint to
+    load (or None) and a notice to print (or None)."""
+    reader, notice = None, None
+    same = ck.save is not None and ck.load is not None and Path(ck.save).resolve() == Path(ck.load).resolve()
+    if ck.load is not None:
+        path = Path(ck.load)
+        if not path.exists() or (path.is_dir() and not _has_checkpoint(path)):
+            if not same:
+                raise UsageError(f"--load {ck.load}: {'no such directory' if not path.exists() else 'holds no checkpoint'}"
+                                 f"; give a --save directory of an earlier run (or drop --load)")
+            notice = f"--load {ck.load}: no checkpoint there yet; training starts from scratch"
+        else:
+            reader = CheckpointReader(path)
+            reader.check_model(model_config, f"--load {ck.load}:")
+            saved_batch = reader.metadata.get("global_batch_size")
+            if not ck.finetune and saved_batch not in (None, global_batch_size):
+                raise UsageError(f"--global-batch-size {global_batch_size} differs from the checkpoint's "
+                                 f"{saved_batch}; resuming reads samples where it stopped only with the "
+                                 f"same global batch (or use --finetune)")
+    if ck.save is not None:
+        check_writable_dir(ck.save, f"--save {ck.save}", "choose a folder you can write to")
+        save = Path(ck.save)
+        mine = reader.run_id if reader is not None and not ck.finetune else None
+        latest = latest_iteration_dir(save) if save.is_dir() else None
+        if latest is not None:
+            theirs = read_json(latest / METADATA)
+            if theirs.get("run_id") != mine:
+                raise UsageError(f"--save {ck.save} holds checkpoints of another run (iteration "
+                                 f"{theirs.get('iteration')}); resume it with --load {ck.save}, or "
+                                 f"save into an empty folder")
+    return reader, notice
+
+
+def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say) -> tuple[int, SavePolicy]:
+    """Loads the checkpoint (if any) into the set-up state; returns the iteration to start from and
+    the save policy of the run."""
+    run_id = uuid.uuid4().hex
+    start_iteration = 0
+    if reader is not None:
+        result = load_checkpoint(state, reader, load_optim=ck.load_optim, load_rng=ck.load_rng,
+                                 finetune=ck.finetune)
+        start_iteration = result.iteration
+        if not ck.finetune:
+            run_id = result.run_id
+        what = "weights (finetune)" if ck.finetune else "weights and optimizer" if ck.load_optim else "weights"
+        rng = "" if ck.finetune else ", RNG states restored" if result.rng_restored else \
+            ", RNG states not restored (another layout or --no-load-rng)"
+        say(f" loaded {what} from {reader.path} (iteration {reader.metadata['iteration']}{rng})")
+    saver = (CheckpointSaver(ck.save, run_id, keep_last=ck.keep_last, async_save=ck.async_save)
+             if ck.save is not None else None)
+    policy = SavePolicy(saver, ck.save_interval, ck.exit_interval, ck.exit_duration_mins,
+                        ck.exit_signal_handler)
+    return start_iteration, policy
