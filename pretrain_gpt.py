@@ -27,6 +27,7 @@ from megazero.config import TrainConfig
 from megazero.errors import UsageError
 from megazero.lr_schedule import learning_rate
 from megazero.metrics import MetricsLogger
+from megazero.monitor import open_monitors
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.preflight import preflight, sample_counts
@@ -156,6 +157,8 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
                 f"precision={'bf16' if cfg.precision.bf16 else 'fp16' if cfg.precision.fp16 else 'fp32'}")
     for note in cfg.notes:          # config keys accepted without an effect of their own
         metrics.say(f" note: {note}")
+    if logging_rank:     # wandb/TensorBoard; a run that raises is ended by their own exit hooks
+        metrics.add_monitors(open_monitors(cfg, metrics.say))
     train_set, valid_set = _datasets(cfg, launch, metrics.say)
     state = setup(cfg, groups, device)
     metrics.say(f" {state.streams.describe()}")
@@ -175,6 +178,7 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
         valid_batches = [valid_source.batch(i) for i in range(cfg.eval_iters)]
     train(state, source, valid_batches, lambda it: learning_rate(cfg.optimizer, it, cfg.train_iters),
           metrics, start_iteration=start_iteration, policy=policy)
+    metrics.close()
     metrics.say(f" done: metrics appended to {cfg.metrics_file}")
     if dist.is_initialized():
         dist.destroy_process_group()

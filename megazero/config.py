@@ -82,6 +82,16 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class MonitorConfig:
+    """Where the logging rank also sends its metrics records (see megazero.monitor)."""
+    wandb_project: Optional[str] = None          # None: no wandb run
+    wandb_exp_name: Optional[str] = None         # None: wandb picks a name
+    wandb_save_dir: Optional[str] = None         # wandb writes <this>/wandb/<run>; the edge sets run_dir
+    wandb_entity: Optional[str] = None           # None: the account's default entity
+    tensorboard_dir: Optional[str] = None        # None: no event files
+
+
+@dataclasses.dataclass
 class TrainConfig:
     model: GPTConfig
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -90,6 +100,7 @@ class TrainConfig:
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
     micro_batch_size: int = 4
     global_batch_size: int = 8
     train_iters: int = 100

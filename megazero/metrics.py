@@ -2,7 +2,8 @@
 
 Only the logging rank (last pipeline stage, TP rank 0, DP rank 0: the one that holds the loss) writes.
 Each logged iteration appends one object with at least iteration, loss, lr, grad_norm and
-tokens_per_s; evaluations append objects with "split": "valid".
+tokens_per_s; evaluations append objects with "split": "valid". The same records go to the monitors
+(megazero.monitor: wandb, TensorBoard) the driver attaches with `add_monitors`; `close` ends them.
 """
 from __future__ import annotations
 
@@ -17,11 +18,25 @@ class MetricsLogger:
         self.path = Path(path) if path else None
         if self.enabled and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.monitors: list = []
+
+    def add_monitors(self, monitors: list) -> None:
+        """Writers with log(record) and close(), fed every record written here."""
+        if self.enabled:
+            self.monitors.extend(monitors)
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close()
+        self.monitors = []
 
     def _append(self, record: dict) -> None:
         if self.enabled and self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.enabled:
+            for monitor in self.monitors:
+                monitor.log(record)
 
     def say(self, text: str) -> None:
         if self.enabled:
