@@ -21,6 +21,7 @@ from megazero.ds_config import DeepSpeedSettings, load_deepspeed_config
 from megazero.errors import UsageError
 from megazero.flags import (FLAG_RANGES, MERGED, MERGED_RANGES, NOT_SUPPORTED_YET, build_parser,  # noqa: F401
                             in_range, parse_args, range_text)
+from megazero.monitor import monitor_config
 from megazero.models.config import GPTConfig, padded_vocab_size
 from megazero.parallel.topology import Topology, validate_model_fits
 from megazero.zero.adam import AdamConfig
@@ -136,7 +137,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
         wall_clock_breakdown=merged["wall_clock_breakdown"], notes=notes,
-        checkpoint=_checkpoint_config(args))
+        checkpoint=_checkpoint_config(args), monitor=monitor_config(args, run_dir))
 
 
 def _checkpoint_config(args) -> CheckpointConfig:

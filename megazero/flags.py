@@ -25,12 +25,12 @@ MERGED = {
     "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
     "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
 }
-NOT_SUPPORTED_YET = ("wandb_project",)
+NOT_SUPPORTED_YET: tuple[str, ...] = ()
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
 --use-flash-attn --use-mcore-models --transformer-impl --context-parallel-size --expert-model-parallel-size
 --num-experts --moe-router-topk --vocab-file --merge-file --tokenizer-model-type --num-workers
---tensorboard-dir --log-throughput --log-timers-to-tensorboard --use-checkpoint-args
+--log-throughput --log-timers-to-tensorboard --use-checkpoint-args
 --distributed-timeout-minutes --use-cpu-initialization --attention-softmax-in-fp32
 --accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
 --no-bias-dropout-fusion --no-gradient-accumulation-fusion --apply-query-key-layer-scaling
@@ -234,8 +234,13 @@ def _data_flags(p) -> None:
          help="on SIGTERM finish the step, save and exit 0 (Slurm preemption)")
     _add(g, "--ckpt-keep-last", type=int, default=0, help="keep only the newest K checkpoints", shown="0: all")
     _add(g, "--async-save", action="store_true", help="write checkpoints in the background")
-    g = p.add_argument_group("not supported yet (rejected)")
-    _add(g, "--wandb-project", default=None, help="Weights & Biases project", shown="none")
+    g = p.add_argument_group("monitoring (optional extras: .[wandb], .[tensorboard])")
+    _add(g, "--wandb-project", default=None, help="Weights & Biases project to log to", shown="none: no wandb")
+    _add(g, "--wandb-exp-name", default=None, help="wandb run name", shown="chosen by wandb")
+    _add(g, "--wandb-save-dir", default=None, help="folder wandb writes its wandb/ run folders into", shown="--run-dir")
+    _add(g, "--wandb-entity", default=None, help="wandb team or user", shown="the account's default")
+    _add(g, "--tensorboard-dir", default=None, help="folder for TensorBoard event files",
+         shown="none: no TensorBoard")
 
 
 def build_parser() -> argparse.ArgumentParser:
