@@ -37,6 +37,9 @@ def make_init_fn(config: GPTConfig, seed: int):
     from (seed, name) so every layout starts from the same weights."""
 
     def init(name: str, param) -> torch.Tensor:
+        tile = getattr(param, "tile_shard", None)       # a tile of parallel.tiling: cut from its source
+        if tile is not None:
+            return tile.local_from_full(initial_value(config, tile.source, tile.full, seed))
         init_name = getattr(param, "init_name", name)
         shard = getattr(param, "tp_shard", None)
         full_shape = shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
