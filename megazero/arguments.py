@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megazero.config import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainConfig)
-from megazero.ds_config import DeepSpeedSettings, load_deepspeed_config
+from megazero.ds_config import DeepSpeedSettings, flags_from_config, load_deepspeed_config
 from megazero.errors import UsageError
 from megazero.flags import (FLAG_RANGES, MERGED, MERGED_RANGES, NOT_SUPPORTED_YET, build_parser,  # noqa: F401
                             in_range, parse_args, range_text)
@@ -90,6 +90,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     config_path = _config_path(args)
     ds = load_deepspeed_config(config_path) if config_path else None
     merged = _merge(args, ds, config_path)
+    if ds:      # keys standing for flags outside MERGED (schedule, recomputation, monitors) act as those flags
+        for attr, value in flags_from_config(ds, vars(args), merged["lr"], config_path).items():
+            setattr(args, attr, value)
     _check_ranges(args, ds, merged)
     zero, zero_notes = _zero_config(args, ds)
     precision, notes = _precision_config(args, ds, merged)

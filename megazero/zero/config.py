@@ -144,7 +144,9 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
         if key not in valid:
             raise unknown_key_error(key, valid, where)
         if key in NOT_SUPPORTED_YET:
-            if value != NOT_SUPPORTED_YET[key] and value not in ({}, None):
+            # An offload block with device "none" (as Trainer configs write it) offloads nothing.
+            off = isinstance(value, dict) and value.get("device") == "none"
+            if value != NOT_SUPPORTED_YET[key] and value not in ({}, None) and not off:
                 raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet; remove it or "
                                  f"set it to {as_json(NOT_SUPPORTED_YET[key])}")
         elif key in SAVING_NOT_SUPPORTED_YET:
