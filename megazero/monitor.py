@@ -68,8 +68,11 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 def config_dict(cfg: TrainConfig) -> dict:
-    """The run's config as plain JSON values (dtypes and other objects as their str)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    """The run's config as plain JSON values: pydantic records (ZeroConfig) as their fields, other
+    objects (dtypes) as their str."""
+    def plain(value):
+        return value.model_dump(mode="json") if hasattr(value, "model_dump") else str(value)
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=plain))
 
 
 class WandbMonitor:
