@@ -162,3 +162,28 @@ def test_wandb_options_without_a_project_are_refused(tmp_path, capsys, monkeypat
     monkeypatch.chdir(tmp_path)
     code, out = _main(TINY + ["--train-iters", "1", "--wandb-exp-name", "x"], capsys)
     assert code == 2 and "--wandb-exp-name needs --wandb-project" in out.err and len(out.err.splitlines()) == 1
+
+
+def test_wandb_without_network_falls_back_to_an_offline_run(tmp_path, monkeypatch):
+    import wandb
+    from megazero.config import MonitorConfig
+    from megazero.monitor import WandbMonitor
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-home"))
+    real_init = wandb.init
+
+    def init_without_network(**kwargs):
+        if kwargs.get("mode") != "offline":
+            raise wandb.errors.CommError("Network error (ConnectionError), entering retry loop")
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", init_without_network)
+    said = []
+    monitor = WandbMonitor(MonitorConfig(wandb_project="p", wandb_save_dir=str(tmp_path)), {"seed": 7}, said.append)
+    monitor.log({"iteration": 5, "split": "train", "loss": 2.5, "time_ms": {"forward": 1.5}})
+    monitor.close()
+    assert len(said) == 2 and "cannot go online (Network error" in said[0], said
+    assert f"offline run at {monitor.run_dir}" in said[1] and monitor.run_dir.parent == tmp_path / "wandb"
+    history, config = _wandb_history_and_config(monitor.run_dir)
+    assert history[5]["train/loss"] == 2.5 and history[5]["train/time_ms/forward"] == 1.5
+    assert config["seed"] == 7
