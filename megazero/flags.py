@@ -237,7 +237,8 @@ def _data_flags(p) -> None:
     g = p.add_argument_group("monitoring (optional extras: .[wandb], .[tensorboard])")
     _add(g, "--wandb-project", default=None, help="Weights & Biases project to log to", shown="none: no wandb")
     _add(g, "--wandb-exp-name", default=None, help="wandb run name", shown="chosen by wandb")
-    _add(g, "--wandb-save-dir", default=None, help="folder wandb writes its wandb/ run folders into", shown="--run-dir")
+    _add(g, "--wandb-save-dir", default=None, help="folder wandb writes its wandb/ run folders into",
+         shown="--run-dir")
     _add(g, "--wandb-entity", default=None, help="wandb team or user", shown="the account's default")
     _add(g, "--tensorboard-dir", default=None, help="folder for TensorBoard event files",
          shown="none: no TensorBoard")
