@@ -179,7 +179,8 @@ def test_wandb_without_network_falls_back_to_an_offline_run(tmp_path, monkeypatc
 
     monkeypatch.setattr(wandb, "init", init_without_network)
     said = []
-    monitor = WandbMonitor(MonitorConfig(wandb_project="p", wandb_save_dir=str(tmp_path)), {"seed": 7}, said.append)
+    config = MonitorConfig(wandb_project="p", wandb_save_dir=str(tmp_path))
+    monitor = WandbMonitor(config, {"seed": 7}, said.append)
     monitor.log({"iteration": 5, "split": "train", "loss": 2.5, "time_ms": {"forward": 1.5}})
     monitor.close()
     assert len(said) == 2 and "cannot go online (Network error" in said[0], said

@@ -3,8 +3,9 @@
     python tools/plot_metrics.py runs/a runs/b --output plots.png
 
 Panels: loss (train solid, valid dashed), learning rate, gradient norm, throughput (tokens/s) and memory
-(MiB), each against the iteration; one colour per run, named as given on the command line. A RUN_DIR may also be the
-metrics file itself (--metrics-file runs). Needs matplotlib: pip install -e '.[plots]'.
+(MiB), each against the iteration; one colour per run, named as given on the command line. A RUN_DIR
+may also be the metrics file itself (for runs with --metrics-file). Needs matplotlib:
+pip install -e '.[plots]'.
 """
 from __future__ import annotations
 
