@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from megazero.config import MonitorConfig, TrainConfig
-from megazero.errors import UsageError
+from megazero.errors import UsageError, check_writable_dir
 
 _EXTRAS = {"wandb": ("wandb", "--wandb-project"), "tensorboard": ("tensorboard", "--tensorboard-dir")}
 
@@ -46,6 +46,10 @@ def monitor_config(args, run_dir: str) -> MonitorConfig:
         wandb_save_dir=(args.wandb_save_dir or run_dir) if args.wandb_project else None,
         tensorboard_dir=args.tensorboard_dir)
     check_monitors_installed(monitor)
+    for flag, folder in (("--wandb-save-dir", monitor.wandb_save_dir),
+                         ("--tensorboard-dir", monitor.tensorboard_dir)):
+        if folder is not None:
+            check_writable_dir(folder, f"{flag} {folder}", f"pass {flag} DIR in a writable place")
     return monitor
 
 

@@ -158,10 +158,16 @@ def test_monitor_without_its_package_is_one_line_naming_the_extra(tmp_path, caps
     assert not (tmp_path / "tb").exists() and not out.out
 
 
-def test_wandb_options_without_a_project_are_refused(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("argv,message", [
+    (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
+    (["--tensorboard-dir", "afile"], "--tensorboard-dir afile is a file, not a directory"),
+    (["--wandb-project", "p", "--wandb-save-dir", "afile/sub"], "--wandb-save-dir afile/sub cannot be created"),
+])
+def test_bad_monitor_flags_are_one_line(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
-    code, out = _main(TINY + ["--train-iters", "1", "--wandb-exp-name", "x"], capsys)
-    assert code == 2 and "--wandb-exp-name needs --wandb-project" in out.err and len(out.err.splitlines()) == 1
+    (tmp_path / "afile").write_text("x")
+    code, out = _main(TINY + ["--train-iters", "1"] + argv, capsys)
+    assert code == 2 and message in out.err and len(out.err.splitlines()) == 1, out.err
 
 
 def test_wandb_without_network_falls_back_to_an_offline_run(tmp_path, monkeypatch):
