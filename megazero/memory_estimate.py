@@ -13,7 +13,15 @@ fp32, where this rank's fp32 partition *is* its chunk of the weights); 8 = Adam'
     stage 0: p + g + m + 8    stage 1: p + g + (m + 8)/N    stage 2: p + (g + m + 8)/N
     stage 3: (p + g + m + 8)/N
 
-(tests/test_zero_accounting.py checks the engine's own report against the same table.)
+(tests/test_zero_accounting.py checks the engine's own report against the same table, and
+tests/test_plan_memory.py each of its categories, params/grads/master/optimizer_states, against the
+split `model_state_bytes_by_kind` makes of it.)
+
+Communication buffers, roughly: gradient reduction stages at most two buckets of reduce_bucket_size
+elements at a time (one filling, one in flight) in the reduction dtype; stage 3 adds its gathered
+(live) weights: this stage's whole unpartitioned shard while max_reuse_distance and
+max_live_parameters allow keeping them (DeepSpeed's defaults, for models of this size), otherwise
+about the largest module plus one prefetch bucket.
 
 Activations, roughly: Korthikanti et al. (2022) count 34 s·b·h bytes per layer in 16 bits plus
 5 a·s²·b for attention scores; attention here runs through scaled_dot_product_attention, which need
@@ -35,12 +43,25 @@ from megazero.config import TrainConfig
 GIB = 2 ** 30
 
 
+MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")   # the engine's memory_report keys
+CATEGORIES = MODEL_STATE_KINDS + ("activations", "comm_buffers")
+
+
+def model_state_bytes_by_kind(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
+                              separate_master: bool) -> dict[str, float]:
+    """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks, by
+    kind: stage 1 partitions the master and moments, stage 2 also gradients, stage 3 also weights."""
+    master = 4 if separate_master else 0
+    return {"params": weight_bytes / shards if stage >= 3 else weight_bytes,
+            "grads": grad_bytes / shards if stage >= 2 else grad_bytes,
+            "master": master / shards if stage >= 1 else master,
+            "optimizer_states": 8 / shards if stage >= 1 else 8}
+
+
 def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
-                                 separate_master: bool) -> float:
+                                separate_master: bool) -> float:
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks."""
-    p, g, m, moments = weight_bytes, grad_bytes, 4 if separate_master else 0, 8
-    return {0: p + g + m + moments, 1: p + g + (m + moments) / shards,
-            2: p + (g + m + moments) / shards, 3: (p + g + m + moments) / shards}[stage]
+    return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master).values())
 
 
 def activation_bytes(seq: int, micro: int, hidden: int, layers: int, padded_vocab: int, tp: int,
@@ -56,15 +77,90 @@ def activation_bytes(seq: int, micro: int, hidden: int, layers: int, padded_voca
     return per_micro * in_flight + logits
 
 
+def _one_layer_model(model_cfg):
+    from megazero.models.gpt import GPT
+    with torch.device("meta"):      # shapes only: nothing is allocated
+        return GPT(dataclasses.replace(model_cfg, num_layers=1))
+
+
 def parameter_counts(model_cfg) -> tuple[int, int, int]:
     """(embedding, one transformer layer, final norm + untied output layer) parameter counts."""
-    from megazero.models.gpt import GPT
-    one_layer = dataclasses.replace(model_cfg, num_layers=1)
-    with torch.device("meta"):      # shapes only: nothing is allocated
-        model = GPT(one_layer)
+    model = _one_layer_model(model_cfg)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     head = count(model.final_norm) + (0 if model_cfg.tie_embeddings else model.output_head.weight.numel())
     return count(model.embedding), count(model.layers["0"]), head
+
+
+def largest_module_params(model_cfg) -> int:
+    """Parameters of the largest single module (stage 3's largest unit, before the TP split)."""
+    model = _one_layer_model(model_cfg)
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+@dataclasses.dataclass
+class RankLayout:
+    """What one rank of the largest pipeline stage holds, as counts and byte widths."""
+    parameters: int            # the whole model
+    rank_parameters: int       # this rank's shard of the largest pipeline stage (before ZeRO)
+    weight_bytes: int
+    grad_bytes: int
+    shards: int                # ZeRO partitions (data-parallel size, or the MiCS shard size)
+    layers_per_stage: int
+    in_flight: int             # microbatches a stage holds activations for at once
+
+
+def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
+    model, par, prec = cfg.model, cfg.parallel, cfg.precision
+    tp, pp = par.tensor_parallel, par.pipeline_parallel
+    dp = world_size // (tp * pp)
+    embedding, layer, head = parameter_counts(model)
+    layers_per_stage = math.ceil(model.num_layers / pp)
+    # A tied output layer on its own last stage keeps a copy of the word embedding.
+    tied_copy = model.padded_vocab_size * model.hidden_size if model.tie_embeddings and pp > 1 else 0
+    first = embedding + layers_per_stage * layer + (head if pp == 1 else 0)
+    last = layers_per_stage * layer + head + tied_copy
+    microbatches = cfg.num_microbatches(dp)
+    return RankLayout(
+        parameters=embedding + model.num_layers * layer + head,
+        rank_parameters=math.ceil(max(first, last) / tp),
+        weight_bytes=2 if prec.bf16 or prec.fp16 else 4,
+        grad_bytes=2 if prec.grad_accum_dtype != "fp32" else 4,
+        shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp,
+        layers_per_stage=layers_per_stage,
+        in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches))
+
+
+def _activations(cfg: TrainConfig, r: RankLayout) -> float:
+    m = cfg.model
+    return activation_bytes(m.seq_length, cfg.micro_batch_size, m.hidden_size, r.layers_per_stage,
+                            m.padded_vocab_size, cfg.parallel.tensor_parallel, r.in_flight, r.weight_bytes,
+                            m.recompute_activations)
+
+
+def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout) -> float:
+    """Gradient reduction staging plus, at stage 3, the gathered weights (see the module notes)."""
+    z = cfg.zero
+    reduce_bytes = 2 if cfg.precision.reduce_dtype != "fp32" else 4
+    staging = 2 * min(z.reduce_bucket_size, r.rank_parameters) * reduce_bytes
+    if z.stage < 3:
+        return float(staging)
+    if z.max_reuse_distance >= r.rank_parameters and z.max_live_parameters >= r.rank_parameters:
+        live = r.rank_parameters
+    else:
+        largest = math.ceil(largest_module_params(cfg.model) / cfg.parallel.tensor_parallel)
+        live = min(r.rank_parameters, largest + z.prefetch_bucket_size)
+    return float(staging + live * r.weight_bytes)
+
+
+def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
+    """One rank's bytes by category (CATEGORIES), for the largest pipeline stage."""
+    r = rank_layout(cfg, world_size)
+    per_param = model_state_bytes_by_kind(cfg.zero.stage, r.shards, r.weight_bytes, r.grad_bytes,
+                                          separate_master=r.weight_bytes == 2)
+    out = {kind: r.rank_parameters * per_param[kind] for kind in MODEL_STATE_KINDS}
+    out["activations"] = _activations(cfg, r)
+    out["comm_buffers"] = comm_buffer_bytes(cfg, r)
+    return out
 
 
 @dataclasses.dataclass
@@ -81,27 +177,11 @@ class MemoryEstimate:
 
 
 def estimate(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
-    model, par, prec = cfg.model, cfg.parallel, cfg.precision
-    tp, pp = par.tensor_parallel, par.pipeline_parallel
-    dp = world_size // (tp * pp)
-    embedding, layer, head = parameter_counts(model)
-    layers_per_stage = math.ceil(model.num_layers / pp)
-    # A tied output layer on its own last stage keeps a copy of the word embedding.
-    tied_copy = model.padded_vocab_size * model.hidden_size if model.tie_embeddings and pp > 1 else 0
-    first = embedding + layers_per_stage * layer + (head if pp == 1 else 0)
-    last = layers_per_stage * layer + head + tied_copy
-    rank_params = math.ceil(max(first, last) / tp)
-    weight_bytes = 2 if prec.bf16 or prec.fp16 else 4
-    grad_bytes = 2 if prec.grad_accum_dtype != "fp32" else 4
-    shards = cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp
-    per_param = model_state_bytes_per_param(cfg.zero.stage, shards, weight_bytes, grad_bytes,
-                                            separate_master=weight_bytes == 2)
-    microbatches = cfg.num_microbatches(dp)
-    in_flight = microbatches if par.schedule == "gpipe" else min(pp, microbatches)
-    acts = activation_bytes(model.seq_length, cfg.micro_batch_size, model.hidden_size, layers_per_stage,
-                            model.padded_vocab_size, tp, in_flight, weight_bytes, model.recompute_activations)
-    total_params = embedding + model.num_layers * layer + head
-    return MemoryEstimate(total_params, rank_params, per_param, rank_params * per_param, acts)
+    r = rank_layout(cfg, world_size)
+    per_param = model_state_bytes_per_param(cfg.zero.stage, r.shards, r.weight_bytes, r.grad_bytes,
+                                            separate_master=r.weight_bytes == 2)
+    return MemoryEstimate(r.parameters, r.rank_parameters, per_param, r.rank_parameters * per_param,
+                          _activations(cfg, r))
 
 
 def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, str] | None:
