@@ -26,7 +26,7 @@ SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
     (["--zero-stage", "4"], "invalid choice"),
     (["--no-such-flag"], "unrecognized flag --no-such-flag"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], "not divisible"),
-    (["--wandb-project", "p"], "not supported yet"),
+    (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], "choose one"),
     (["--num-layers", "4", "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"],
      "needs --pipeline-model-parallel-size"),
