@@ -1,0 +1,76 @@
+"""The memory planner: each model-state category within 10% of the ZeRO engine's own memory_report
+over a grid of 10 layouts (tp, pp, dp, stage, bf16, MiCS), and tools/plan_memory.py's output and
+layout search."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.memory_estimate import CATEGORIES, GIB, plan_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+# The grid and its pool worker live with the bench table that prints them; the pool's workers import
+# the worker by module name, so bench/ joins sys.path here, at collection, before any pool starts.
+sys.path.insert(0, str(ROOT / "bench"))
+from plan_memory_table import GRID, compare, format_rows  # noqa: E402
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "tools" / "plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2"]
+
+
+def test_prediction_within_10_percent_of_engine_report(dist_pool):
+    assert len(GRID) >= 8
+    rows = compare(dist_pool(4))
+    bad = [row for row in rows if abs(row[2] - row[3]) > 0.10 * row[3]]
+    assert not bad, "planner off by more than 10%:\n" + format_rows(bad)
+
+
+def test_plan_prints_every_category(capsys):
+    tool = _tool()
+    argv = SMALL + ["--world-size", "4", "--zero-stage", "2", "--bf16"]
+    assert tool.main(argv) == 0
+    out = capsys.readouterr().out
+    cfg = tool.config_from_args(tool.parse(argv), 4)
+    predicted = plan_bytes(cfg, 4)
+    for key in CATEGORIES:
+        assert f"{tool.LABELS[key]}" in out and f"{predicted[key] / GIB:10.3f} GiB" in out, key
+    assert "ZeRO stage 2" in out and "dp 4" in out
+
+
+def test_fit_picks_the_first_candidate_that_fits(capsys):
+    tool = _tool()
+    args = tool.parse(SMALL + ["--world-size", "4"])
+    candidates = tool.candidate_configs(args)
+    totals = [sum(plan_bytes(cfg, 4).values()) for cfg in candidates]
+    assert candidates[0].zero.stage == 0 and candidates[0].parallel.tensor_parallel == 1
+    # A limit between the cheapest layout's total and the smallest total: the cheapest no longer fits.
+    limit = (totals[0] + min(totals)) / 2 / GIB
+    args.fit_gib = limit
+    best, _ = tool.fit(args)
+    index = next(i for i, cfg in enumerate(candidates) if tool.describe_layout(cfg, 4) == tool.describe_layout(best, 4))
+    assert totals[index] <= limit * GIB and all(t > limit * GIB for t in totals[:index])
+    assert tool.main(SMALL + ["--world-size", "4", "--fit-gib", f"{limit}"]) == 0
+    assert tool.describe_layout(best, 4) in capsys.readouterr().out
+    assert tool.main(SMALL + ["--world-size", "4", "--fit-gib", f"{min(totals) / GIB / 2}"]) == 1
+    assert "no layout of 4 rank(s) fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--fit-gib", "-1"], "--fit-gib must be > 0"),
+    (["--tensor-model-parallel-size", "3", "--world-size", "3"], ""),
+    (["--no-such-flag"], "unrecognized argument --no-such-flag"),
+])
+def test_bad_input_is_one_line(capsys, argv, message):
+    assert _tool().main(SMALL + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err
