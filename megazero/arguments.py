@@ -282,20 +282,30 @@ def _zero_config(args, ds: DeepSpeedSettings | None) -> tuple[ZeroConfig, list[s
     return zero, notes
 
 
-def _model_config(args, topology: Topology) -> GPTConfig:
+def _tokenizer_vocab_size(args) -> int:
+    """The vocabulary of the tokenizer the flags name (the embedded corpus's without --data-path)."""
     from megazero.data.default_data import DEFAULT_VOCAB_SIZE
     if args.data_path is None:
-        if args.tokenizer_model:
-            raise UsageError("--tokenizer-model needs --data-path (the default corpus brings its own tokenizer)")
-        vocab = DEFAULT_VOCAB_SIZE
-    else:
-        from megazero.data.builders import parse_data_path
-        from megazero.data.tokenizer import load_tokenizer
-        parse_data_path(args.data_path)
-        if not args.tokenizer_model:
-            raise UsageError("--data-path needs --tokenizer-model (the sentencepiece model the data was "
-                             "tokenized with)")
-        vocab = load_tokenizer(args.tokenizer_model).vocab_size
+        given = [flag for flag, value in (("--tokenizer-model", args.tokenizer_model),
+                                          ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
+                                          ("--vocab-size", args.vocab_size)) if value is not None]
+        if args.tokenizer_type != "SentencePieceTokenizer":
+            given.insert(0, f"--tokenizer-type {args.tokenizer_type}")
+        if given:
+            raise UsageError(f"{given[0]} needs --data-path (the default corpus brings its own tokenizer)")
+        return DEFAULT_VOCAB_SIZE
+    from megazero.data.builders import parse_data_path
+    from megazero.data.tokenizer import build_tokenizer
+    parse_data_path(args.data_path)
+    if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
+        raise UsageError("--data-path needs --tokenizer-model (the sentencepiece model the data was "
+                         "tokenized with), or another --tokenizer-type")
+    return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, vocab_size=args.vocab_size).vocab_size
+
+
+def _model_config(args, topology: Topology) -> GPTConfig:
+    vocab = _tokenizer_vocab_size(args)
     if args.max_position_embeddings and args.max_position_embeddings < args.seq_length:
         raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
                          f"--seq-length {args.seq_length}")

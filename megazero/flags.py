@@ -29,7 +29,7 @@ NOT_SUPPORTED_YET: tuple[str, ...] = ()
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
 --use-flash-attn --use-mcore-models --transformer-impl --context-parallel-size --expert-model-parallel-size
---num-experts --moe-router-topk --vocab-file --merge-file --tokenizer-model-type --num-workers
+--num-experts --moe-router-topk --tokenizer-model-type --num-workers
 --log-throughput --log-timers-to-tensorboard --use-checkpoint-args
 --distributed-timeout-minutes --use-cpu-initialization --attention-softmax-in-fp32
 --accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
@@ -205,10 +205,16 @@ def _data_flags(p) -> None:
     _add(g, "--data-path", nargs="+", default=None, help="prefix of a .bin/.idx pair, or 'weight prefix ...'",
          shown="the embedded standard-library corpus")
     _add(g, "--split", default="949,50,1", help="train,valid,test weights")
-    _add(g, "--tokenizer-model", default=None, help="sentencepiece .model the data was tokenized with",
+    _add(g, "--tokenizer-model", default=None,
+         help="sentencepiece .model, or Hugging Face tokenizer folder/tokenizer.json, the data was tokenized with",
          shown="the embedded corpus's")
-    _add(g, "--tokenizer-type", choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer"],
+    _add(g, "--tokenizer-type", choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                         "NullTokenizer"],
          default="SentencePieceTokenizer", help="tokenizer kind")
+    _add(g, "--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json", shown="none")
+    _add(g, "--merge-file", default=None, help="GPT2BPETokenizer's merges.txt", shown="none")
+    _add(g, "--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary, eod = vocab-size - 1",
+         shown="none")
     _add(g, "--data-cache-path", default=None, help="folder for sample indices and the embedded corpus",
          shown="beside the data; $MEGAZERO_CACHE or ~/.cache/megazero")
     _add(g, "--eval-interval", type=int, default=100, help="steps between evaluations")

@@ -2,12 +2,19 @@
 
     python tools/preprocess_data.py --input data.jsonl --json-keys text \\
         --output-prefix out/mydata --tokenizer-model tok.model --append-eod --workers 4
+    python tools/preprocess_data.py --input data.jsonl --output-prefix out/gpt2 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --append-eod
 
 Input, by file extension:
 - `.jsonl` / `.json`: one JSON object per line; each `--json-keys` field is one document and
   goes to its own output pair (`out/mydata_text_document.bin/.idx`);
 - anything else: plain UTF-8 text, the WHOLE file is one document (source code has blank
   lines inside documents, so blank lines cannot separate them); give many files to --input.
+
+`--tokenizer-type` takes Megatron's names (SentencePieceTokenizer, the default; GPT2BPETokenizer
+with --vocab-file/--merge-file; HuggingFaceTokenizer with --tokenizer-model a directory or
+tokenizer.json; NullTokenizer with --vocab-size for text that already is token ids), so the
+files match Megatron's preprocess_data.py for the same tokenizer.
 
 Each document is one sequence; `--append-eod` adds the tokenizer's end-of-document id after
 it. With `--workers N` a process pool tokenizes in parallel; results come back in input order,
@@ -25,15 +32,15 @@ import numpy as np
 
 from megazero.data.corpus import Progress, iter_documents
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
-from megazero.data.tokenizer import load_tokenizer
+from megazero.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megazero.errors import UsageError, check_writable_dir
 
 
 class DocumentEncoder:
     """Tokenizes one `{key: text}` document; returns ({key: int32 ids}, bytes of text read)."""
 
-    def __init__(self, tokenizer_model, append_eod):
-        self.tokenizer = load_tokenizer(tokenizer_model)
+    def __init__(self, tokenizer_spec, append_eod):
+        self.tokenizer = build_tokenizer(**tokenizer_spec)
         self.append_eod = append_eod
 
     def encode(self, document):
@@ -51,8 +58,8 @@ class DocumentEncoder:
 _WORKER_ENCODER = []
 
 
-def _init_worker(tokenizer_model, append_eod):
-    _WORKER_ENCODER.append(DocumentEncoder(tokenizer_model, append_eod))
+def _init_worker(tokenizer_spec, append_eod):
+    _WORKER_ENCODER.append(DocumentEncoder(tokenizer_spec, append_eod))
 
 
 def _encode_in_worker(document):
@@ -65,7 +72,13 @@ def parse_args(argv=None):
                         help="JSONL files (.jsonl/.json, one object per line) or text files (one document each)")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize (default: text)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
-    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer",
+                        help="tokenizer kind, Megatron's names (default: SentencePieceTokenizer)")
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="sentencepiece .model, or a Hugging Face tokenizer directory / tokenizer.json")
+    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids below it, eod = it - 1")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1, in-process)")
     parser.add_argument("--chunksize", type=int, default=32, help="documents per task sent to a worker")
@@ -73,21 +86,27 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def tokenizer_spec(args):
+    """build_tokenizer's keyword arguments: plain values a worker process receives once."""
+    return dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+
+
 def _encoded_documents(args, documents):
     """Encoded documents in input order, from a pool or, with one worker, from this process."""
     if args.workers <= 1:
-        encoder = DocumentEncoder(args.tokenizer_model, args.append_eod)
+        encoder = DocumentEncoder(tokenizer_spec(args), args.append_eod)
         yield from map(encoder.encode, documents)
         return
     with multiprocessing.Pool(args.workers, initializer=_init_worker,
-                              initargs=(args.tokenizer_model, args.append_eod)) as pool:
+                              initargs=(tokenizer_spec(args), args.append_eod)) as pool:
         yield from pool.imap(_encode_in_worker, documents, chunksize=args.chunksize)
 
 
 def preprocess(args):
     if args.workers < 1 or args.chunksize < 1:
         raise UsageError(f"--workers ({args.workers}) and --chunksize ({args.chunksize}) must be at least 1")
-    tokenizer = load_tokenizer(args.tokenizer_model)  # fail here, not in every worker
+    tokenizer = build_tokenizer(**tokenizer_spec(args))  # fail here, not in every worker
     for path in args.input:
         if not Path(path).is_file():
             raise UsageError(f"input file {path} not found; check the --input paths")

@@ -16,6 +16,11 @@ End of document: sentencepiece's own EOS id, with its piece renamed to `<|endoft
 control symbol, so `encode` never produces it from text (even text that contains the literal
 string) and `decode` drops it; the preprocessor appends it between documents by id.
 A model trained elsewhere works too if it has an EOS id or an `<|endoftext|>` piece.
+
+`build_tokenizer` is the one door for preprocessing and training alike: Megatron's
+`--tokenizer-type` names (SentencePieceTokenizer here; GPT2BPETokenizer, HuggingFaceTokenizer and
+NullTokenizer in megazero.data.tokenizers_hf), each with `encode`, `encode_batch`, `decode`,
+`vocab_size` and `eod`.
 """
 
 import io
@@ -33,6 +38,8 @@ EOD_PIECE = "<|endoftext|>"
 
 class Tokenizer:
     """encode/decode with a sentencepiece model; `eod` is the id appended after each document."""
+
+    tokenizer_type = "SentencePieceTokenizer"
 
     def __init__(self, processor, model_path):
         self._sp = processor
@@ -75,6 +82,33 @@ def load_tokenizer(path):
         raise UsageError(f"{path} is not a sentencepiece model ({first_line}); "
                          "pass the .model file written by tools/train_tokenizer.py") from None
     return Tokenizer(processor, path)
+
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=None, vocab_file=None,
+                    merge_file=None, vocab_size=None):
+    """The tokenizer Megatron's flags of the same names describe; a missing input raises UsageError."""
+    from megazero.data import tokenizers_hf
+    if tokenizer_type == "SentencePieceTokenizer":
+        if not tokenizer_model:
+            raise UsageError("SentencePieceTokenizer needs --tokenizer-model (a sentencepiece .model file)")
+        return load_tokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if not vocab_file or not merge_file:
+            raise UsageError("GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)")
+        return tokenizers_hf.GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise UsageError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer directory or its "
+                             "tokenizer.json)")
+        return tokenizers_hf.HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
+            raise UsageError("NullTokenizer needs --vocab-size (the largest token id + 2: ids and the eod id)")
+        return tokenizers_hf.NullTokenizer(vocab_size)
+    raise UsageError(f"unknown tokenizer type {tokenizer_type!r}; pick one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def iter_training_lines(input_files, json_key="text"):
