@@ -58,7 +58,8 @@ def hf_folder(tmp_path_factory):
                                                              special_tokens=["<unk>", "<s>", "</s>"]))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -122,7 +123,8 @@ def test_null_tokenizer_reads_ids(tmp_path):
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json"), "needs --vocab-file (vocab.json) and --merge-file"),
-    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/none/v.json", merge_file="m.txt"), "--vocab-file /none/v.json not found"),
+    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/none/v.json", merge_file="m.txt"),
+     "--vocab-file /none/v.json not found"),
     (dict(tokenizer_type="HuggingFaceTokenizer"), "HuggingFaceTokenizer needs --tokenizer-model"),
     (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/none"), "--tokenizer-model /none not found"),
     (dict(tokenizer_type="NullTokenizer"), "NullTokenizer needs --vocab-size"),
@@ -183,3 +185,28 @@ def test_training_flags_name_what_is_missing(argv, words, tmp_path):
     _write_megatron_pair(tmp_path / "pair", [np.array([1, 2, 3])])
     with pytest.raises(UsageError, match=words):
         config_from_args(parse_args([str(tmp_path / "pair") if a == "PAIR" else a for a in argv]))
+
+
+def test_trained_byte_level_bpe_loads_everywhere(tmp_path):
+    """train_tokenizer.py's byte-level BPE: its vocab/merges pair and its tokenizer.json folder agree
+    with each other and with transformers reading the same files."""
+    import shutil
+
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    from megazero.data.tokenizers_hf import train_byte_level_bpe
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TRAIN_LINES), encoding="utf-8")
+    vocab, merges, tokenizer_json, _ = train_byte_level_bpe([corpus], tmp_path / "bpe", 300)
+    gpt2 = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    hf = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tokenizer_json.parent)
+    (tmp_path / "pair").mkdir()
+    shutil.copy(vocab, tmp_path / "pair" / "vocab.json")
+    shutil.copy(merges, tmp_path / "pair" / "merges.txt")
+    references = [GPT2TokenizerFast.from_pretrained(str(tmp_path / "pair")),
+                  AutoTokenizer.from_pretrained(str(tokenizer_json.parent))]
+    assert gpt2.vocab_size == hf.vocab_size == 300 and gpt2.eod == hf.eod == references[1].eos_token_id
+    for text in TEXTS:
+        assert gpt2.encode(text) == hf.encode(text) == references[0](text)["input_ids"] \
+            == references[1](text)["input_ids"], text
+        assert gpt2.decode(gpt2.encode(text)) == text

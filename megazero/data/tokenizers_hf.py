@@ -3,16 +3,18 @@ and the null tokenizer for pre-tokenized text. Each offers what megazero.data.to
 sentencepiece `Tokenizer` does: `encode`, `encode_batch`, `decode`, `vocab_size`, `eod`.
 
 The BPE work is the Hugging Face `tokenizers` library's (Rust), never hand-written here; this
-module only assembles its pieces the way each format expects and finds the end-of-document id.
-It must not know about flags or training: `megazero.data.tokenizer.build_tokenizer` picks one.
+module only assembles its pieces the way each format expects and finds the end-of-document id,
+and trains a GPT-2-style byte-level BPE (`train_byte_level_bpe`) for tools/train_tokenizer.py.
+It must not know about flags: `megazero.data.tokenizer.build_tokenizer` picks a tokenizer.
 """
 
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from megazero.data.corpus import iter_documents, write_atomically
 from megazero.errors import UsageError
 
 GPT2_EOD = "<|endoftext|>"
@@ -159,3 +161,36 @@ class NullTokenizer:
 
     def decode(self, ids):
         return " ".join(str(int(i)) for i in ids)
+
+
+def train_byte_level_bpe(input_files, model_prefix, vocab_size, json_key="text"):
+    """Trains GPT-2's kind of BPE on whole documents; returns the paths written.
+
+    Writes `{prefix}-vocab.json` and `{prefix}-merges.txt` (GPT2BPETokenizer's --vocab-file and
+    --merge-file) and `{prefix}/tokenizer.json` with a `tokenizer_config.json` naming
+    `<|endoftext|>` as eos (HuggingFaceTokenizer's folder). Whole documents, not lines, so that
+    newlines and indentation runs take part in the merges as they do in the text.
+    """
+    if vocab_size < 257:
+        raise UsageError(f"--vocab-size {vocab_size} is below 257 (256 byte tokens and <|endoftext|>); "
+                         "use a larger --vocab-size")
+    tok = _RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT2_EOD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = (doc[json_key] for doc in iter_documents([str(p) for p in input_files], (json_key,)))
+    tok.train_from_iterator(texts, trainer)
+    folder = Path(f"{model_prefix}")
+    model = json.loads(tok.to_str())["model"]
+    vocab_json = json.dumps(model["vocab"], ensure_ascii=False)
+    # merges.txt as GPT-2 ships it: a version line, then one "left right" pair per line.
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    merges_txt = "#version: 0.2\n" + "".join(f"{m}\n" for m in merges)
+    config = json.dumps({"eos_token": GPT2_EOD, "bos_token": GPT2_EOD, "unk_token": GPT2_EOD,
+                         "tokenizer_class": "GPT2TokenizerFast"})
+    paths = [Path(f"{model_prefix}-vocab.json"), Path(f"{model_prefix}-merges.txt"), folder / "tokenizer.json",
+             folder / "tokenizer_config.json"]
+    for path, text in zip(paths, (vocab_json, merges_txt, tok.to_str(), config)):
+        write_atomically(path, lambda handle, text=text: handle.write(text))
+    return paths
