@@ -136,8 +136,13 @@ def test_missing_tokenizer_inputs_name_the_flag(kwargs, words):
         build_tokenizer(**kwargs)
 
 
-def test_foreign_files_are_one_line_errors(tmp_path, gpt2_files):
+def test_foreign_files_are_one_line_errors(tmp_path, gpt2_files, hf_folder):
     vocab, _ = gpt2_files
+    (tmp_path / "eos").mkdir()
+    (tmp_path / "eos" / "tokenizer.json").write_bytes((hf_folder / "tokenizer.json").read_bytes())
+    (tmp_path / "eos" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<end>"}}))
+    with pytest.raises(UsageError, match="names eos_token '<end>', which is not in the vocabulary"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path / "eos")
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(UsageError, match="is not a Hugging Face tokenizer.json"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=tmp_path)

@@ -108,9 +108,11 @@ class HuggingFaceTokenizer:
         eos, source = _configured_eos(file.parent)
         if eos is None:
             eos = next((c for c in EOS_CANDIDATES if c in vocab), None)
-            source = f"none of {', '.join(EOS_CANDIDATES)} in {file}"
+            reason = f"no eos_token configured and none of {', '.join(EOS_CANDIDATES)} in the vocabulary"
+        else:
+            reason = f"{source} names eos_token {eos!r}, which is not in the vocabulary"
         if eos not in vocab:
-            raise UsageError(f"--tokenizer-model {file}: no end-of-document token ({source} names {eos!r}); "
+            raise UsageError(f"--tokenizer-model {file}: no end-of-document token ({reason}); "
                              "set eos_token in tokenizer_config.json beside it")
         self.eod = vocab[eos]
         self.vocab_size = max(vocab.values()) + 1
