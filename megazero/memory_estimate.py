@@ -15,7 +15,8 @@ fp32, where this rank's fp32 partition *is* its chunk of the weights); 8 = Adam'
 
 (tests/test_zero_accounting.py checks the engine's own report against the same table, and
 tests/test_plan_memory.py each of its categories, params/grads/master/optimizer_states, against the
-split `model_state_bytes_by_kind` makes of it.)
+split `model_state_bytes_by_kind` makes of it; the planner also counts stage 3's persistent
+parameters, under param_persistence_threshold, which stay whole in a stage-2 group.)
 
 Communication buffers, roughly: gradient reduction stages at most two buckets of reduce_bucket_size
 elements at a time (one filling, one in flight) in the reduction dtype; stage 3 adds its gathered
@@ -91,6 +92,23 @@ def parameter_counts(model_cfg) -> tuple[int, int, int]:
     return count(model.embedding), count(model.layers["0"]), head
 
 
+def persistent_counts(model_cfg, tp: int, threshold: int) -> tuple[int, int, int]:
+    """parameter_counts' three parts, counting only the parameters stage 3 keeps whole (at most
+    `threshold` elements on a rank). 2-D weights split over TP (the position table excepted)."""
+    model = _one_layer_model(model_cfg)
+
+    def count(module) -> int:
+        total = 0
+        for name, p in module.named_parameters():
+            local = p.numel() // tp if p.dim() == 2 and "position" not in name else p.numel()
+            total += p.numel() if local <= threshold else 0
+        return total
+
+    head = model.output_head.weight.numel() if not model_cfg.tie_embeddings else 0
+    head = head if head // tp <= threshold else 0
+    return count(model.embedding), count(model.layers["0"]), count(model.final_norm) + head
+
+
 def largest_module_params(model_cfg) -> int:
     """Parameters of the largest single module (stage 3's largest unit, before the TP split)."""
     model = _one_layer_model(model_cfg)
@@ -102,6 +120,7 @@ class RankLayout:
     """What one rank of the largest pipeline stage holds, as counts and byte widths."""
     parameters: int            # the whole model
     rank_parameters: int       # this rank's shard of the largest pipeline stage (before ZeRO)
+    persistent_parameters: int  # of which stage 3 keeps whole (under param_persistence_threshold)
     weight_bytes: int
     grad_bytes: int
     shards: int                # ZeRO partitions (data-parallel size, or the MiCS shard size)
@@ -119,10 +138,17 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     tied_copy = model.padded_vocab_size * model.hidden_size if model.tie_embeddings and pp > 1 else 0
     first = embedding + layers_per_stage * layer + (head if pp == 1 else 0)
     last = layers_per_stage * layer + head + tied_copy
+    persistent = 0
+    if cfg.zero.stage == 3:
+        p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
+        p_tied = tied_copy if tied_copy // tp <= cfg.zero.param_persistence_threshold else 0
+        persistent = (p_embedding + layers_per_stage * p_layer + (p_head if pp == 1 else 0) if first >= last
+                      else layers_per_stage * p_layer + p_head + p_tied)
     microbatches = cfg.num_microbatches(dp)
     return RankLayout(
         parameters=embedding + model.num_layers * layer + head,
         rank_parameters=math.ceil(max(first, last) / tp),
+        persistent_parameters=math.ceil(persistent / tp),
         weight_bytes=2 if prec.bf16 or prec.fp16 else 4,
         grad_bytes=2 if prec.grad_accum_dtype != "fp32" else 4,
         shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp,
@@ -155,9 +181,12 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout) -> float:
 def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     """One rank's bytes by category (CATEGORIES), for the largest pipeline stage."""
     r = rank_layout(cfg, world_size)
-    per_param = model_state_bytes_by_kind(cfg.zero.stage, r.shards, r.weight_bytes, r.grad_bytes,
-                                          separate_master=r.weight_bytes == 2)
-    out = {kind: r.rank_parameters * per_param[kind] for kind in MODEL_STATE_KINDS}
+    by_kind = lambda stage: model_state_bytes_by_kind(  # noqa: E731
+        stage, r.shards, r.weight_bytes, r.grad_bytes, separate_master=r.weight_bytes == 2)
+    # Stage 3 keeps its persistent parameters in a stage-2 group: weights whole, the rest partitioned.
+    partitioned, persistent = by_kind(cfg.zero.stage), by_kind(2)
+    out = {kind: (r.rank_parameters - r.persistent_parameters) * partitioned[kind]
+           + r.persistent_parameters * persistent[kind] for kind in MODEL_STATE_KINDS}
     out["activations"] = _activations(cfg, r)
     out["comm_buffers"] = comm_buffer_bytes(cfg, r)
     return out
@@ -177,7 +206,7 @@ class MemoryEstimate:
 
 
 def estimate(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
-    r = rank_layout(cfg, world_size)
+    r = rank_layout(cfg, world_size)     # the first check: persistent stage-3 parameters ignored
     per_param = model_state_bytes_per_param(cfg.zero.stage, r.shards, r.weight_bytes, r.grad_bytes,
                                             separate_master=r.weight_bytes == 2)
     return MemoryEstimate(r.parameters, r.rank_parameters, per_param, r.rank_parameters * per_param,

@@ -1,5 +1,5 @@
 """The memory planner: each model-state category within 10% of the ZeRO engine's own memory_report
-over a grid of 10 layouts (tp, pp, dp, stage, bf16, MiCS), and tools/plan_memory.py's output and
+over a grid of 8 layouts (tp, pp, dp, stage, bf16, MiCS, persistence), and tools/plan_memory.py's output and
 layout search."""
 import importlib.util
 import sys
@@ -27,9 +27,14 @@ SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "2"]
 
 
+# 8 of the bench table's 12 layouts (setting up each costs seconds): every stage, fp32 and bf16, TP,
+# PP, TP x PP, MiCS, stage-3 persistent parameters.
+TESTED = [GRID[i] for i in (2, 3, 4, 5, 6, 7, 9, 11)]
+
+
 def test_prediction_within_10_percent_of_engine_report(dist_pool):
-    assert len(GRID) >= 8
-    rows = compare(dist_pool(4))
+    assert len(set(TESTED)) >= 8 and {layout[3] for layout in TESTED} == {0, 1, 2, 3}
+    rows = compare(dist_pool(4), TESTED)
     bad = [row for row in rows if abs(row[2] - row[3]) > 0.10 * row[3]]
     assert not bad, "planner off by more than 10%:\n" + format_rows(bad)
 
