@@ -1,6 +1,6 @@
 """TiledLinear against the untiled layer: forward and gradients within the fp32 summation bound, the
-layout-independent init, and ZeRO stage 3 with tiled layers (same training run, smaller peak of
-gathered parameters)."""
+layout-independent init, and ZeRO stage 3 with tiled MLP layers and output head (same training run,
+smaller peak of gathered parameters)."""
 import pytest
 import torch
 from torch import nn
@@ -94,14 +94,14 @@ def test_bad_tiling_requests_are_one_line_errors():
 
 # --- ZeRO stage 3 on 2 ranks ---------------------------------------------------------------------
 
-TILED = ["layers.*.mlp.fc1", "layers.*.mlp.fc2"]
+TILED = ["layers.*.mlp.fc1", "layers.*.mlp.fc2", "output_head"]
 SPLITS = 2          # 2 x 2 tiles: each tile a quarter of its layer
 
 
 def _stage3_config(steps: int):
     # The MLP weights dominate (hidden 32 x ffn 512), so they set the peak of gathered parameters;
     # no prefetch and release right after use (FSDP's profile) make the peak one unit's worth.
-    return small_config(stage=3, steps=steps, micro=2, global_batch=8, layers=2,
+    return small_config(stage=3, steps=steps, micro=2, global_batch=8, layers=2, tied=False,
                         model_extra={"ffn_hidden_size": 512},
                         zero_extra={"max_reuse_distance": 0, "prefetch_bucket_size": 0})
 
@@ -131,6 +131,7 @@ def _untile(params: dict) -> dict:
     """Reassembles `<layer>.tiles.<k>.weight|bias` into the untiled `<layer>.weight|bias`."""
     out, tiles = {}, {}
     for name, (value, shard) in params.items():
+        name = name.replace("output_head.linear.", "output_head.")     # TiledLMHead's projection
         if ".tiles." not in name:
             out[name] = value
             continue
