@@ -363,8 +363,9 @@ def _read_scheduler(block, where: str, settings: DeepSpeedSettings) -> None:
         raise UsageError(f"{where}: scheduler type {kind} is not supported yet; use WarmupLR, WarmupDecayLR "
                          f"or WarmupCosineLR (or the --lr-* flags)")
     if kind not in SCHEDULERS:
-        raise UsageError(f"{where}: scheduler type {as_json(kind)} is not a DeepSpeed scheduler; use "
-                         f"WarmupLR, WarmupDecayLR or WarmupCosineLR")
+        what = "needs a type" if kind is None else f"type {as_json(kind)} is not a DeepSpeed scheduler"
+        raise UsageError(f"{where}: scheduler {what}; use WarmupLR, WarmupDecayLR or WarmupCosineLR (or "
+                         f"remove the block: the --lr-* flags give the schedule)")
     params = _block(block.get("params", {}), "scheduler.params", where, SCHEDULER_PARAMS[kind])
     put, auto = settings.values, settings.auto
 
