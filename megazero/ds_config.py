@@ -385,6 +385,8 @@ def _read_scheduler(block, where: str, settings: DeepSpeedSettings) -> None:
         put["lr_warmup_iters"] = (int(steps), source)
     total, source = number("total_num_steps")
     if total is not None:
+        if total < 1:
+            raise UsageError(f"{where}: scheduler.params.total_num_steps must be >= 1, got {total}")
         put["lr_decay_iters"] = (int(total), source)
     if _number(params.get("last_batch_iteration", -1), "scheduler.params.last_batch_iteration", where) != -1:
         raise UsageError(f"{where}: scheduler.params.last_batch_iteration is not supported yet; remove it "

@@ -121,6 +121,8 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1}}, "optimizer": {
         "type": "Adam", "params": {"lr": 0.2}}}, [],
      "scheduler.params.warmup_max_lr = 0.1 contradicts optimizer.params.lr = 0.2; remove one"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 0}}}, [],
+     "scheduler.params.total_num_steps must be >= 1, got 0"),
     ({"scheduler": {"type": "OneCycle"}}, [], "scheduler type OneCycle is not supported yet"),
     ({"scheduler": {"type": "WarmupCosine"}}, [], "\"WarmupCosine\" is not a DeepSpeed scheduler"),
     ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 3}}}, [],
