@@ -119,6 +119,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     from megazero.data.gpt_dataset import parse_split
     parse_split(args.split)
     data = DataConfig(data_path=args.data_path, split=args.split, tokenizer_model=args.tokenizer_model,
+                      tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                      merge_file=args.merge_file, vocab_size=args.vocab_size,
                       cache_dir=args.data_cache_path)
     train_iters = _train_iters(args, glob)
     optimizer = _optimizer_config(args, ds, merged, train_iters, glob)

@@ -62,6 +62,10 @@ class DataConfig:
     data_path: Optional[list[str]] = None        # None: the embedded default corpus
     split: str = "949,50,1"
     tokenizer_model: Optional[str] = None
+    tokenizer_type: str = "SentencePieceTokenizer"  # or GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer
+    vocab_file: Optional[str] = None             # GPT2BPETokenizer: vocab.json
+    merge_file: Optional[str] = None             # GPT2BPETokenizer: merges.txt
+    vocab_size: Optional[int] = None             # NullTokenizer
     cache_dir: Optional[str] = None
 
 

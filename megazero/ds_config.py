@@ -232,7 +232,7 @@ def flags_from_config(settings: DeepSpeedSettings, flags: dict[str, Any], lr: fl
         if others:
             raise UsageError(f"--{others[0].replace('_', '-')} contradicts {source} in {path}; remove one")
         out[name] = value
-    if out.get("min_lr", 0) > lr:
+    if "min_lr" in out and out["min_lr"] > lr:
         raise UsageError(f"{values['min_lr'][1]} in {path} gives a final learning rate {out['min_lr']:g} above "
                          f"the peak {lr:g}; lower it or raise the peak")
     return out

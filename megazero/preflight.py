@@ -53,7 +53,7 @@ def check_data(cfg: TrainConfig) -> None:
         prefix, model = default_data_files(data.cache_dir)
         data_path, vocab_source = [prefix], f"the embedded corpus's tokenizer {model}"
     else:
-        data_path, vocab_source = data.data_path, f"--tokenizer-model {data.tokenizer_model}"
+        data_path, vocab_source = data.data_path, _tokenizer_named(data)
     folders = check_datasets(data_path, data.split, cfg.model.seq_length, cfg.seed, sample_counts(cfg),
                              data.cache_dir, cfg.model.vocab_size, vocab_source)
     for folder in folders:
@@ -64,6 +64,15 @@ def check_data(cfg: TrainConfig) -> None:
         else:
             what = f"the data folder {folder} (sample indices are cached beside --data-path)"
         check_writable_dir(folder, what, "pass --data-cache-path DIR in a writable place")
+
+
+def _tokenizer_named(data) -> str:
+    """The tokenizer as the user gave it, for messages."""
+    if data.tokenizer_type == "GPT2BPETokenizer":
+        return f"--vocab-file {data.vocab_file} (GPT2BPETokenizer)"
+    if data.tokenizer_type == "NullTokenizer":
+        return f"--vocab-size {data.vocab_size} (NullTokenizer)"
+    return f"--tokenizer-model {data.tokenizer_model} ({data.tokenizer_type})"
 
 
 def preflight(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:

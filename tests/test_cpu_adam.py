@@ -260,7 +260,7 @@ def test_param_copy_rounds_like_torch(kernel_on, monkeypatch, copy_dtype):
 
 
 def test_kernel_tracks_reference_over_many_steps(kernel_on, monkeypatch):
-    """Without re-syncing, the few-ulp differences stay at the level DESIGN.md allows between
+    """Without re-syncing, the few-ulp differences stay at the level the exactness tests allow between
     parallel layouts (rtol 1e-5), and far below it in practice."""
     gen = torch.Generator().manual_seed(1)
     n = 100_003

@@ -28,16 +28,18 @@ NOT_SUPPORTED_YET = {
 
 # Keys about saving or loading models and checkpoints, which megazero cannot do yet (--save and
 # --load are rejected too); each maps to the value that asks for nothing.
-SAVING_NOT_SUPPORTED_YET = {
-    "gather_16bit_weights_on_model_save": False, "stage3_gather_16bit_weights_on_model_save": False,
-    "stage3_gather_fp16_weights_on_model_save": False, "pipeline_loading_checkpoint": False,
-}
+SAVING_NOT_SUPPORTED_YET = {"pipeline_loading_checkpoint": False}
+_SIXTEEN_BIT_SAVE = (False, "megazero saves sharded checkpoints (--save); tools/convert_checkpoint.py "
+                            "consolidate writes the full model as one file")
 
 # DeepSpeed keys that choose between implementations where megazero has a single one. Each maps to
 # (the value megazero always behaves as, why); any other value is accepted with a note saying so.
 FIXED_BY_DESIGN = {
     "contiguous_gradients": (True, "gradients always go into contiguous buckets here"),
     "elastic_checkpoint": (True, "megazero checkpoints always load at any other layout"),
+    "gather_16bit_weights_on_model_save": _SIXTEEN_BIT_SAVE,
+    "stage3_gather_16bit_weights_on_model_save": _SIXTEEN_BIT_SAVE,
+    "stage3_gather_fp16_weights_on_model_save": _SIXTEEN_BIT_SAVE,
     "load_from_fp32_weights": (True, "checkpoints always restore the fp32 master weights"),
     "allgather_partitions": (True, "updated partitions are always all-gathered, never broadcast one "
                                    "by one (same result)"),
