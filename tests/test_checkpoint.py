@@ -192,10 +192,11 @@ def test_bad_checkpoints_name_the_file(saved, tmp_path):
     (work / "latest").unlink()
     with pytest.raises(CheckpointError, match="no `latest`"):
         CheckpointReader(work)
-    index = it / "rank_00000.json"
-    index.write_text(index.read_text().replace("test-run", "other-run"))
-    with pytest.raises(CheckpointError, match="belongs to run other-run"):
+    from safetensors.torch import load_file, save_file
+    save_file(load_file(str(data)), str(data), metadata={"megazero_run_id": "other-run", "rank": "0"})
+    with pytest.raises(CheckpointError, match="a shard of run other-run rank 0, not of this checkpoint"):
         CheckpointReader(it)
+    assert sorted(p.name for p in it.iterdir()) == ["metadata.json", "rank_00000.safetensors"]
 
 
 KILL_CHILD = r'''
@@ -221,8 +222,8 @@ saver.save(state, cfg.global_batch_size)                    # iteration 1: compl
 point = sys.argv[2]
 if point == "rank-file":                                    # half a shard on disk
     real = saver_module.save_file
-    def partial(tensors, path):
-        real(tensors, path)
+    def partial(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
         die()
@@ -277,7 +278,7 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
     train_step(state, source.batch(0), 1e-3)
     saver.save(state, cfg.global_batch_size)
 
-    def no_space(tensors, path):
+    def no_space(tensors, path, metadata=None):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(saver_module, "save_file", no_space)
     train_step(state, source.batch(1), 1e-3)

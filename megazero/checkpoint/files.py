@@ -3,9 +3,9 @@
     SAVE_DIR/
       latest                       the newest complete iteration directory's name, one line
       iter_0000100/
-        metadata.json              run, model, layout, iteration, consumed samples, rank files
-        rank_00003.safetensors     rank 3's tensors (no pickle anywhere)
-        rank_00003.json            what they are: each tensor's parameter, piece, checksum
+        metadata.json              run, model, layout, iteration, consumed samples, lr schedule, and
+                                   every tensor of every rank: parameter, piece, TP split, CRC
+        rank_00003.safetensors     rank 3's tensors (no pickle anywhere); its header names run and rank
 
 A save writes into a hidden temporary directory beside the final one, fsyncs every file and the
 directory, then renames it into place and replaces `latest` the same way: a process killed at any

@@ -50,28 +50,39 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path / METADATA}: format version {version!r}, this megazero "
                                   f"reads {FORMAT_VERSION}")
         self.run_id = self.metadata["run_id"]
-        self.indexes = []
-        for data_name, index_name in self.metadata["rank_files"]:
-            index = read_json(self.path / index_name)
-            self._check_rank_file(index, data_name, index_name)
-            self.indexes.append(index)
+        self.indexes = self.metadata["ranks"]
         self._open: dict[int, object] = {}          # rank -> open safetensors file
+        for rank, data_name in enumerate(self.metadata["rank_files"]):
+            self._check_rank_file(rank, data_name)
         self.where: dict[str, list[tuple[int, dict]]] = {}
         for index in self.indexes:
             for name, entry in index["pieces"].items():
                 self.where.setdefault(name, []).append((index["rank"], entry))
 
-    def _check_rank_file(self, index: dict, data_name: str, index_name: str) -> None:
-        if index.get("run_id") != self.run_id:
-            raise CheckpointError(f"{self.path / index_name}: belongs to run {index.get('run_id')}, "
-                                  f"not to this checkpoint's run {self.run_id}; the directory mixes runs")
+    def _check_rank_file(self, rank: int, data_name: str) -> None:
+        """Present, of the recorded size, and (its own header says) of this run and rank."""
         data = self.path / data_name
         if not data.is_file():
             raise CheckpointError(f"{data}: missing; the checkpoint is incomplete")
-        expected = index["file"]["bytes"]
+        header = self._file(rank).metadata() or {}
+        run, owner = header.get("megazero_run_id"), header.get("rank")
+        if run != self.run_id or owner != str(rank):
+            raise CheckpointError(f"{data}: a shard of run {run} rank {owner}, not of this checkpoint "
+                                  f"(run {self.run_id} rank {rank}); the directory mixes runs")
+        expected = self.indexes[rank]["file"]["bytes"]
         if data.stat().st_size != expected:
-            raise CheckpointError(f"{data}: {data.stat().st_size} bytes, its index records {expected}; "
+            raise CheckpointError(f"{data}: {data.stat().st_size} bytes, {METADATA} records {expected}; "
                                   f"the file is truncated or was replaced")
+
+    def _file(self, rank: int):
+        if rank not in self._open:
+            path = self.path / self.metadata["rank_files"][rank]
+            try:
+                self._open[rank] = safe_open(str(path), framework="pt")
+            except Exception as err:       # safetensors raises its own error types for bad files
+                raise CheckpointError(f"{path}: cannot be read ({err}); the file is corrupted or "
+                                      f"truncated") from None
+        return self._open[rank]
 
     @property
     def names(self) -> list[str]:
@@ -110,12 +121,9 @@ class CheckpointReader:
         return TPShard(tp[0], 0, tp_size, tp[3]).full_from_locals(locals_)
 
     def _read(self, rank: int, key: str, crc: int) -> torch.Tensor:
-        data_name = self.metadata["rank_files"][rank][0]
-        path = self.path / data_name
+        path = self.path / self.metadata["rank_files"][rank]
         try:
-            if rank not in self._open:
-                self._open[rank] = safe_open(str(path), framework="pt")
-            tensor = self._open[rank].get_tensor(key)
+            tensor = self._file(rank).get_tensor(key)
         except Exception as err:      # safetensors raises its own error types for bad files
             raise CheckpointError(f"{path}: cannot read {key!r} ({err}); the file is corrupted") from None
         if crc32(tensor) != crc:

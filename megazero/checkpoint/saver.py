@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import shutil
 import threading
@@ -92,8 +93,20 @@ def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
         "global_batch_size": cfg.global_batch_size,
         "engine": {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps},
         "loss_scaler": engine.loss_scaler.state_dict(),
-        "rank_files": [rank_file_names(r) for r in range(topo.world_size)],
+        "optimizer": dataclasses.asdict(cfg.optimizer),   # with the iteration: the lr schedule
+        "rank_files": [rank_file_names(r)[0] for r in range(topo.world_size)],
     }
+
+
+def merge_rank_indexes(tmp: Path, metadata: dict) -> dict:
+    """metadata.json describes every tensor: each rank's index (written beside its shard, as ranks
+    cannot share one file) moves into it under "ranks"."""
+    ranks = []
+    for r in range(len(metadata["rank_files"])):
+        index_path = tmp / rank_file_names(r)[1]
+        ranks.append(json.loads(index_path.read_text()))
+        index_path.unlink()
+    return {**metadata, "ranks": ranks}
 
 
 def agree_on_failure(failed: bool, groups) -> bool:
@@ -148,7 +161,8 @@ class CheckpointSaver:
         data_name, index_name = rank_file_names(index["rank"])
         path = pending["tmp"] / data_name
         try:
-            save_file(tensors, str(path))
+            save_file(tensors, str(path), metadata={"megazero_run_id": index["run_id"],
+                                                    "rank": str(index["rank"])})
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
             # Every tensor carries its own CRC in the index; the size catches truncation up front.
@@ -172,7 +186,7 @@ class CheckpointSaver:
                                   "shard; the previous checkpoint is kept")
         if groups.rank == 0:
             final = self.save_dir / iteration_dir_name(pending["iteration"])
-            write_json_atomic(pending["tmp"] / METADATA, pending["metadata"])
+            write_json_atomic(pending["tmp"] / METADATA, merge_rank_indexes(pending["tmp"], pending["metadata"]))
             commit_directory(pending["tmp"], final)
             remove_old(self.save_dir, self.keep_last)
         agree_on_failure(False, groups)                  # committed before anyone goes on
@@ -196,17 +210,16 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
             data[f"{name}/{kind}"] = flat.clone() if kind == "fp32" else torch.zeros_like(flat)
             entry["crc"][kind] = crc32(data[f"{name}/{kind}"])
         pieces[name] = entry
-    data_name, index_name = rank_file_names(0)
-    save_file(data, str(tmp / data_name))
-    write_json_atomic(tmp / index_name, {"rank": 0, "coords": [0, 0, 0], "pieces": pieces, "rng": {},
-                                         "layout_key": None, "run_id": run_id,
-                                         "file": {"name": data_name, "bytes": (tmp / data_name).stat().st_size}})
+    data_name = rank_file_names(0)[0]
+    save_file(data, str(tmp / data_name), metadata={"megazero_run_id": run_id, "rank": "0"})
+    index = {"rank": 0, "coords": [0, 0, 0], "pieces": pieces, "rng": {}, "layout_key": None,
+             "run_id": run_id, "file": {"name": data_name, "bytes": (tmp / data_name).stat().st_size}}
     metadata = {
         "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
         "run_id": run_id, "iteration": iteration, "consumed_samples": 0,
         "model": dataclasses.asdict(model_config), "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1},
         "precision": {}, "global_batch_size": None, "engine": {"step_count": 0, "skipped_steps": 0},
-        "loss_scaler": None, "rank_files": [rank_file_names(0)],
+        "loss_scaler": None, "rank_files": [data_name], "ranks": [index],
     }
     write_json_atomic(tmp / METADATA, metadata)
     final = save_dir / iteration_dir_name(iteration)
