@@ -9,19 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--eval-iters", "0",
-        "--log-interval", "1"]
-
-
-def _main(argv, capsys):
-    sys.path.insert(0, str(REPO))
-    try:
-        import pretrain_gpt
-    finally:
-        sys.path.remove(str(REPO))
-    code = pretrain_gpt.main(argv)
-    return code, capsys.readouterr()
+from driver import REPO, TINY
+from driver import run_main as _main
 
 
 def _iterations(metrics: Path) -> list[int]:

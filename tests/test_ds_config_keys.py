@@ -3,7 +3,6 @@ onto a megazero setting, or refused as "not supported yet"), "auto" values come 
 schedulers become the lr schedule and activation_checkpointing turns recomputation on. Pure parses,
 plus two tiny in-process runs (a Trainer-style config, an activation-checkpointing config)."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,10 @@ from megazero.ds_config import (KNOWN_TOP_LEVEL, NOT_SUPPORTED_YET_TOP, flags_fr
                                 parse_deepspeed_config)
 from megazero.errors import UsageError
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--eval-iters", "0",
-        "--log-interval", "1", "--micro-batch-size", "2"]
+from driver import TINY as DRIVER_TINY
+from driver import run_main as _main
+
+TINY = DRIVER_TINY + ["--micro-batch-size", "2"]
 
 # The top-level keys of DeepSpeed's configuration documentation (config-json), written out here so
 # that a key dropped from megazero's tables is caught.
@@ -171,16 +171,6 @@ def test_monitors_map_onto_the_monitor_flags():
     assert message == "--wandb-project q contradicts wandb.project = \"p\" in ds.json; remove one"
     off = parse_deepspeed_config({"wandb": {"enabled": False, "project": "p"}}, "ds.json")
     assert off.values == {} and off.notes == []
-
-
-def _main(argv, capsys):
-    sys.path.insert(0, str(REPO))
-    try:
-        import pretrain_gpt
-    finally:
-        sys.path.remove(str(REPO))
-    code = pretrain_gpt.main(argv)
-    return code, capsys.readouterr()
 
 
 def _records(path: Path) -> list[dict]:
