@@ -229,7 +229,7 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
         value = merged[name]
         if value != "fp32" and value != run:
             origin = _origin(args, ds, name, "--grad-reduce-in-bf16" if name == "reduce_dtype" else None)
-            undo = "drop it" if origin.startswith("--") else f"set it to \"fp32\""
+            undo = "drop it" if origin.startswith("--") else "set it to \"fp32\""
             raise UsageError(f"{origin} asks for {value} but the parameters are {run}; {undo}, or train "
                              f"in {value} (--{value})")
     for name in ("loss_scale_window", "hysteresis"):

@@ -28,7 +28,7 @@ from megazero import comm
 from megazero.streams import Streams
 from .adam import AdamConfig, adam_update
 from .flat import FlatLayout
-from .groups import Precision, drop_storage, ensure_storage, sum_of_squares
+from .groups import Precision, sum_of_squares
 
 KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
 
