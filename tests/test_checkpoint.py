@@ -286,3 +286,21 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
         saver.save(state, 2 * cfg.global_batch_size)
     assert CheckpointReader(tmp_path).metadata["iteration"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest"], "no leftovers"
+
+
+def run_id_worker(ctx, directory):
+    from megazero.checkpoint.run import start
+    from megazero.config import CheckpointConfig
+    from megazero.parallel.topology import Topology
+    from megazero.training import setup
+    groups = ctx.groups(Topology(world_size=4, tp=2))
+    state = setup(with_padded_vocab(small_config(stage=3, tp=2, steps=1)), groups)
+    _, policy = start(state, CheckpointConfig(save=directory), None, lambda line: None)
+    policy.save(state, 0)
+    return policy.saver.run_id
+
+
+def test_a_new_run_has_one_run_id_on_every_rank(dist_pool, tmp_path):
+    ids = dist_pool(4).run(run_id_worker, str(tmp_path))
+    assert len(set(ids)) == 1, ids
+    assert CheckpointReader(tmp_path).run_id == ids[0]

@@ -11,6 +11,9 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import torch
+
+from megazero import comm
 from megazero.config import CheckpointConfig
 from megazero.errors import UsageError, check_writable_dir
 from .files import METADATA, latest_iteration_dir, read_json
@@ -58,10 +61,19 @@ def preflight(ck: CheckpointConfig, model_config, global_batch_size: int) -> tup
     return reader, notice
 
 
+def agreed_run_id(groups) -> str:
+    """A new run id, the same on every rank: global rank 0's, broadcast over DP and then over
+    TP x PP (together they reach the whole layout)."""
+    value = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=groups.dp.device)
+    comm.broadcast(value, 0, groups.dp)
+    comm.broadcast(value, 0, groups.mp)
+    return bytes(value.cpu().tolist()).hex()
+
+
 def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say) -> tuple[int, SavePolicy]:
     """Loads the checkpoint (if any) into the set-up state; returns the iteration to start from and
     the save policy of the run."""
-    run_id = uuid.uuid4().hex
+    run_id = agreed_run_id(state.groups)
     start_iteration = 0
     if reader is not None:
         result = load_checkpoint(state, reader, load_optim=ck.load_optim, load_rng=ck.load_rng,
@@ -70,9 +82,9 @@ def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say) -> 
         if not ck.finetune:
             run_id = result.run_id
         what = "weights (finetune)" if ck.finetune else "weights and optimizer" if ck.load_optim else "weights"
-        rng = "" if ck.finetune else ", RNG states restored" if result.rng_restored else \
-            ", RNG states not restored (another layout or --no-load-rng)"
-        say(f" loaded {what} from {reader.path} (iteration {reader.metadata['iteration']}{rng})")
+        rng = "" if ck.finetune else "; RNG states restored" if result.rng_restored else \
+            "; RNG states not restored: another layout, or --no-load-rng"
+        say(f" loaded {what} from {reader.path} at iteration {reader.metadata['iteration']}{rng}")
     saver = (CheckpointSaver(ck.save, run_id, keep_last=ck.keep_last, async_save=ck.async_save)
              if ck.save is not None else None)
     policy = SavePolicy(saver, ck.save_interval, ck.exit_interval, ck.exit_duration_mins,
