@@ -74,3 +74,21 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
     assert "(SIGTERM)" in out
     last = _iterations(metrics)[-1]
     assert (tmp_path / "ck" / "latest").read_text().strip() == f"iter_{last:07d}"
+
+
+def test_torchrun_save_then_load_at_another_layout(tmp_path):
+    """2 ranks (tp 2, ZeRO-3) save through the driver; one process (ZeRO-1) loads and goes on."""
+    import os
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    port = __import__("megazero.testing", fromlist=["free_port"]).free_port()
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(port), str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "2",
+                          "--tensor-model-parallel-size", "2", "--zero-stage", "3", "--save", "ck"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "4",
+                          "--zero-stage", "1", "--load", "ck", "--save", "ck", "--metrics-file", "m.jsonl"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "loaded weights and optimizer from ck/iter_0000002" in one.stdout
+    assert _iterations(tmp_path / "m.jsonl") == [3, 4]
