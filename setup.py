@@ -1,4 +1,5 @@
-"""Builds megazero's optional C++ extension, `megazero._C` (csrc/cpu_adam*.cpp: the fused CPU Adam).
+"""Builds megazero's optional C++ extensions: `megazero._C` (csrc/cpu_adam*.cpp: the fused CPU Adam)
+and `megazero._quant` (csrc/quantize*.cpp: block int8/int4 quantization for ZeRO++).
 
 Package metadata lives in pyproject.toml; this file only adds the extension. The extension is
 optional: without a C++ compiler, pybind11 or OpenMP, `pip install .` still succeeds and
@@ -40,7 +41,12 @@ def _extensions() -> list:
         return []
     from setuptools import Extension
     sources = ["csrc/cpu_adam.cpp", "csrc/cpu_adam_avx2.cpp", "csrc/cpu_adam_avx512.cpp"]
+    quant_sources = ["csrc/quantize.cpp", "csrc/quantize_scalar.cpp", "csrc/quantize_avx2.cpp",
+                     "csrc/quantize_avx512.cpp"]
     return [Extension("megazero._C", sources=sources, depends=["csrc/cpu_adam.h"],
+                      include_dirs=[pybind11.get_include()], language="c++"),
+            Extension("megazero._quant", sources=quant_sources,
+                      depends=["csrc/quantize.h", "csrc/quantize_kernels.h", "csrc/cpu_adam.h"],
                       include_dirs=[pybind11.get_include()], language="c++")]
 
 
