@@ -13,8 +13,8 @@
 //               q = clamp(round((x - mn) / scale), 0, qmax);  x' = q * scale + mn
 // with lo/hi the block's min/max, qmax 127/7 (symmetric int8/int4) or 255/15 (asymmetric), round
 // half to even. The rounding adds and subtracts 1.5 * 2^23, exact round-half-even for |v| < 2^22,
-// and v is at most ~qmax here. Inputs must be finite (a NaN or inf makes its block's codes
-// meaningless, as in the reference).
+// and v is at most ~qmax here. Inputs, and each block's max - min, must be finite: otherwise that
+// block's codes are meaningless, as in the reference.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -18,7 +18,8 @@ for a block whose range is 0. Codes are bytes (`torch.uint8`): int8 one per byte
 when symmetric), int4 two per byte, element 2j in the low nibble and 2j+1 in the high one. A block
 always takes block_size (int8) or block_size / 2 (int4) bytes, so int4 needs an even block size;
 codes past numel are 0. Inputs are fp32 or bf16 and outputs fp32 or bf16, converted directly
-(bf16 widens exactly; results round to nearest even). Inputs must be finite.
+(bf16 widens exactly; results round to nearest even). Inputs must be finite, and so must each
+block's max - min (below ~3.4e38); otherwise that block's codes and values are meaningless.
 
 Error: |x - x'| <= scale / 2 from the rounding of the code, plus fp32 rounding of the ops above
 (a few ulps of the block's largest magnitude) and, for a bf16 output, the bf16 rounding of x'.
@@ -33,6 +34,7 @@ exist. `MEGAZERO_QUANT_ISA=avx512|avx2|scalar` (or the `isa` argument) forces on
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
 import torch
@@ -213,11 +215,11 @@ def dequantize_reduce_reference(q: QuantizedTensor) -> torch.Tensor:
 
 def _extension():
     try:
-        from megazero import _quant
+        quant = importlib.import_module("megazero._quant")  # cached by Python after the first call
     except ImportError as err:
         raise UsageError(f"quantization needs the C++ extension megazero._quant, which is not built "
                          f"({err}); {BUILD_HINT}") from None
-    return _quant
+    return quant
 
 
 def _isa(isa: str | None) -> str:
