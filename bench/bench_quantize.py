@@ -47,23 +47,24 @@ def quantized_bytes(q: Q.QuantizedTensor) -> int:
 
 
 def cases(x: torch.Tensor, block_size: int, chunks: int, isas: list):
-    """(name, bytes moved, {side: fn}) for every kernel and format."""
+    """(name, bytes moved, {side: fn}) for every kernel and format; each fn binds its arguments."""
     for bits, symmetric in FORMATS:
         fmt = f"int{bits} {'sym' if symmetric else 'asym'}"
+        spec = (bits, block_size, symmetric)
         for dtype in (torch.float32, torch.bfloat16):
             source = x.to(dtype)
-            q = Q.quantize_reference(source, bits, block_size, symmetric)
+            q = Q.quantize_reference(source, *spec)
             name = "fp32" if dtype == torch.float32 else "bf16"
-            sides = {isa: (lambda s=source, i=isa: Q.quantize(s, bits, block_size, symmetric, isa=i))
-                     for isa in isas}
-            sides["torch"] = lambda s=source: Q.quantize_reference(s, bits, block_size, symmetric)
-            yield f"quantize {name} -> {fmt}", source.numel() * source.element_size() + quantized_bytes(q), sides
+            plain_bytes = source.numel() * source.element_size()
+            sides = {isa: (lambda s=source, p=spec, i=isa: Q.quantize(s, *p, isa=i)) for isa in isas}
+            sides["torch"] = lambda s=source, p=spec: Q.quantize_reference(s, *p)
+            yield f"quantize {name} -> {fmt}", plain_bytes + quantized_bytes(q), sides
             sides = {isa: (lambda q=q, d=dtype, i=isa: Q.dequantize(q, d, isa=i)) for isa in isas}
             sides["torch"] = lambda q=q, d=dtype: Q.dequantize_reference(q, d)
-            yield f"dequantize {fmt} -> {name}", quantized_bytes(q) + source.numel() * source.element_size(), sides
-        stacked = Q.stack([Q.quantize_reference(x * (c + 1), bits, block_size, symmetric) for c in range(chunks)])
-        sides = {isa: (lambda i=isa: Q.dequantize_reduce(stacked, isa=i)) for isa in isas}
-        sides["torch"] = lambda: Q.dequantize_reduce_reference(stacked)
+            yield f"dequantize {fmt} -> {name}", quantized_bytes(q) + plain_bytes, sides
+        stacked = Q.stack([Q.quantize_reference(x * (c + 1), *spec) for c in range(chunks)])
+        sides = {isa: (lambda q=stacked, i=isa: Q.dequantize_reduce(q, isa=i)) for isa in isas}
+        sides["torch"] = lambda q=stacked: Q.dequantize_reduce_reference(q)
         yield f"reduce {chunks}x {fmt} -> fp32", quantized_bytes(stacked) + x.numel() * 4, sides
 
 

@@ -1,4 +1,5 @@
-// The avx2 copy of the block-quantization loops: AVX2 + FMA (quantize.cpp calls it only where the CPU reports both).
+// The AVX2 copy of the block-quantization loops (AVX2 + FMA + F16C; quantize.cpp calls it only
+// where the CPU reports them).
 // The loops themselves are quantize_kernels.h, compiled here for this instruction set.
 #include <cstdint>
 #include <cstring>

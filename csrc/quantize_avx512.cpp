@@ -1,4 +1,5 @@
-// The avx512 copy of the block-quantization loops: AVX-512 F/BW/VL, 512-bit vectors (quantize.cpp calls it only where the CPU reports them).
+// The AVX-512 copy of the block-quantization loops (F/BW/VL, 512-bit vectors; quantize.cpp calls
+// it only where the CPU reports them).
 // The loops themselves are quantize_kernels.h, compiled here for this instruction set.
 #include <cstdint>
 #include <cstring>

@@ -7,7 +7,8 @@
 //
 // Numerics (what the torch reference in megazero/ops/quantize.py computes, op for op, each rounded
 // to fp32 once; -ffp-contract=off keeps the compiler from fusing any of them):
-//   symmetric:  scale = max(|lo|, |hi|) / qmax (1 if that is 0); q = clamp(round(x / scale), -qmax, qmax)
+//   symmetric:  scale = max(|lo|, |hi|) / qmax (1 if that is 0);
+//               q = clamp(round(x / scale), -qmax, qmax)
 //               x' = q * scale
 //   asymmetric: mn = lo + 0 (turns -0 into +0); scale = (hi - mn) / qmax (1 if 0);
 //               q = clamp(round((x - mn) / scale), 0, qmax);  x' = q * scale + mn
@@ -76,7 +77,9 @@ MEGAZERO_INLINE int code_of(float x, float mn, float scale) {
   // Clamped as an int (vectorizes without -ffast-math); a finite input keeps |v| <= ~qmax, far
   // inside int range.
   const int q = static_cast<int>(round_half_even(v));
-  return std::min(std::max(q, static_cast<int>(Levels<Bits, Sym>::qmin)), static_cast<int>(Levels<Bits, Sym>::qmax));
+  constexpr int lo = static_cast<int>(Levels<Bits, Sym>::qmin);
+  constexpr int hi = static_cast<int>(Levels<Bits, Sym>::qmax);
+  return std::min(std::max(q, lo), hi);
 }
 
 // Code -> value. `nibble` 0 is the whole byte (int8), 1 its low and 2 its high four bits (int4).
@@ -96,7 +99,8 @@ MEGAZERO_INLINE float value_of(uint8_t byte, float mn, float scale) {
 // Calls emit(i, value) for the `count` values of one block, int4 a byte (two values) at a time so
 // the loop has no per-element shifts to compute.
 template <int Bits, bool Sym, class Emit>
-MEGAZERO_INLINE void for_each_value(const uint8_t* codes, int64_t count, float mn, float scale, Emit emit) {
+MEGAZERO_INLINE void for_each_value(const uint8_t* codes, int64_t count, float mn, float scale,
+                                    Emit emit) {
   if constexpr (Bits == 8) {
 #pragma omp simd
     for (int64_t i = 0; i < count; ++i) emit(i, value_of<Bits, Sym, 0>(codes[i], mn, scale));
@@ -154,7 +158,8 @@ void quantize_blocks(const Args& a, int64_t block_begin, int64_t block_end) {
       }
       int64_t j = pairs;
       if (count & 1) {  // the odd last element of a partial block; its partner is padding
-        codes[j++] = static_cast<uint8_t>(code_of<Bits, Sym>(load<D>(x, start + count - 1), mn, scale) & 0xf);
+        const int q = code_of<Bits, Sym>(load<D>(x, start + count - 1), mn, scale);
+        codes[j++] = static_cast<uint8_t>(q & 0xf);
       }
       for (; j < bytes_per_block; ++j) codes[j] = 0;
     }
@@ -192,7 +197,8 @@ void dequantize_reduce_blocks(const Args& a, int64_t block_begin, int64_t block_
       const uint8_t* codes = a.codes + c * chunk_bytes + b * bytes_per_block;
       const float scale = a.scales[c * a.num_blocks + b];
       const float mn = Sym ? 0.0f : a.mins[c * a.num_blocks + b];
-      for_each_value<Bits, Sym>(codes, count, mn, scale, [dst](int64_t i, float v) { dst[i] = dst[i] + v; });
+      for_each_value<Bits, Sym>(codes, count, mn, scale,
+                                [dst](int64_t i, float v) { dst[i] = dst[i] + v; });
     }
   }
 }

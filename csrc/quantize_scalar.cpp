@@ -1,4 +1,5 @@
-// The scalar copy of the block-quantization loops: baseline x86-64 (SSE2) or whatever the build targets; always available.
+// The scalar copy of the block-quantization loops: baseline x86-64 (SSE2), or whatever the build
+// targets; always available.
 // The loops themselves are quantize_kernels.h, compiled here for this instruction set.
 #include <cstdint>
 #include <cstring>

@@ -130,8 +130,9 @@ def test_round_trip_within_half_a_step(bits, symmetric):
         q = Q.quantize(source, bits, block_size, symmetric)
         exact = source.float()
         blocks = torch.nn.functional.pad(exact.abs(), (0, q.num_blocks * block_size - exact.numel()))
-        block_max = blocks.view(q.num_blocks, block_size).amax(dim=1).repeat_interleave(block_size)[:exact.numel()]
-        scale = q.scales.repeat_interleave(block_size)[:exact.numel()]
+        per_element = lambda per_block: per_block.repeat_interleave(block_size)[:exact.numel()]  # noqa: E731
+        block_max = per_element(blocks.view(q.num_blocks, block_size).amax(dim=1))
+        scale = per_element(q.scales)
         bound = scale / 2 + SLACK_ULPS * 2.0 ** -24 * block_max
         for out_dtype in DTYPES:
             values = Q.dequantize(q, out_dtype).float()

@@ -74,6 +74,8 @@ class QuantizedTensor:
 
 def stack(quantized: list[QuantizedTensor]) -> QuantizedTensor:
     """k quantized tensors of one shape and format as one with a leading k dimension."""
+    if not quantized:
+        raise UsageError("stack: got no quantized tensors; pass at least one")
     first = quantized[0]
     if any((q.numel, q.bits, q.block_size, q.symmetric) != (first.numel, first.bits, first.block_size,
                                                             first.symmetric) for q in quantized):
