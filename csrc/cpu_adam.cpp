@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "cpu_adam.h"
+#include "cpu_dispatch.h"
 
 namespace py = pybind11;
 
@@ -79,24 +80,15 @@ StepScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
   return s;
 }
 
-struct Isa {
-  const char* name;
-  RangeFn fn;
-  bool supported;  // this CPU can run it
-};
+using Isa = megazero_cpu::Isa<RangeFn>;
 
-// The paths compiled into this build, best first. libgcc's __builtin_cpu_supports reads cpuid and
-// also checks that the OS saves the wider registers.
+// The copies compiled into this build, best first.
 std::vector<Isa> detect_isas() {
   std::vector<Isa> isas;
 #if MEGAZERO_X86_SIMD
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  isas.push_back({"avx512", range_avx512, avx512});
-  isas.push_back({"avx2", range_avx2, avx2});
+  const megazero_cpu::CpuFeatures cpu = megazero_cpu::detect_features();
+  isas.push_back({"avx512", range_avx512, cpu.avx512});
+  isas.push_back({"avx2", range_avx2, cpu.avx2});
 #endif
   isas.push_back({"scalar", range_scalar, true});
   return isas;
@@ -107,23 +99,11 @@ const std::vector<Isa>& isas() {
   return detected;
 }
 
-// "" picks the best supported path; a name forces that path, which must be supported here.
 const Isa& choose_isa(const std::string& name) {
-  for (const Isa& isa : isas())
-    if (isa.supported && (name.empty() || name == isa.name)) return isa;
-  std::string known;
-  for (const Isa& isa : isas())
-    if (isa.supported) known += std::string(known.empty() ? "" : ", ") + isa.name;
-  throw std::invalid_argument("megazero._C.adam_update: instruction set '" + name +
-                              "' is not available on this CPU/build; available: " + known);
+  return megazero_cpu::choose_isa(isas(), name, "megazero._C.adam_update");
 }
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> names;
-  for (const Isa& isa : isas())
-    if (isa.supported) names.push_back(isa.name);
-  return names;
-}
+std::vector<std::string> supported_isas() { return megazero_cpu::supported_names(isas()); }
 
 std::string adam_update(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_avg_ptr,
                         uintptr_t exp_avg_sq_ptr, int64_t numel, int grad_dtype, int64_t step,
@@ -153,7 +133,7 @@ std::string adam_update(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_a
   // any result. Blocks are whole multiples of 32 elements, so on 64-byte-aligned buffers no two
   // threads write the same cache line, of the fp32 states or of the 16-bit copy.
   const int64_t block = ((numel + threads - 1) / threads + 31) / 32 * 32;
-  const RangeFn range = isa.fn;
+  const RangeFn range = isa.impl;
 #ifdef _OPENMP  // without OpenMP the loop below simply runs its blocks one after another
 #pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static, 1)
 #endif
@@ -163,14 +143,6 @@ std::string adam_update(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_a
     if (begin < end) range(b, begin, end, s);
   }
   return isa.name;
-}
-
-bool built_with_openmp() {
-#ifdef _OPENMP
-  return true;
-#else
-  return false;
-#endif
 }
 
 }  // namespace
@@ -200,5 +172,5 @@ PYBIND11_MODULE(_C, m) {
         "The loop copies compiled into this build, whatever this CPU supports.");
   m.def("kernel_isa", [] { return std::string(choose_isa("").name); },
         "The path adam_update takes when none is forced: the first of supported_isas().");
-  m.def("built_with_openmp", &built_with_openmp, "Whether the extension was compiled with OpenMP.");
+  m.def("built_with_openmp", &megazero_cpu::built_with_openmp, "Whether the extension was compiled with OpenMP.");
 }

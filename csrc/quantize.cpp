@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_dispatch.h"
 #include "quantize.h"
 
 namespace py = pybind11;
@@ -30,22 +31,15 @@ namespace {
 // Below this many elements per thread, waking threads costs more than the loop itself.
 constexpr int64_t kMinElementsPerThread = 1 << 15;
 
-struct Isa {
-  const char* name;
-  Kernels kernels;
-  bool supported;
-};
+using Isa = megazero_cpu::Isa<Kernels>;
 
+// The copies compiled into this build, best first.
 std::vector<Isa> detect_isas() {
   std::vector<Isa> isas;
 #if MEGAZERO_QUANT_X86
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  isas.push_back({"avx512", kernels_avx512(), avx512});
-  isas.push_back({"avx2", kernels_avx2(), avx2});
+  const megazero_cpu::CpuFeatures cpu = megazero_cpu::detect_features();
+  isas.push_back({"avx512", kernels_avx512(), cpu.avx512});
+  isas.push_back({"avx2", kernels_avx2(), cpu.avx2});
 #endif
   isas.push_back({"scalar", kernels_scalar(), true});
   return isas;
@@ -57,21 +51,10 @@ const std::vector<Isa>& isas() {
 }
 
 const Isa& choose_isa(const std::string& name) {
-  for (const Isa& isa : isas())
-    if (isa.supported && (name.empty() || name == isa.name)) return isa;
-  std::string known;
-  for (const Isa& isa : isas())
-    if (isa.supported) known += std::string(known.empty() ? "" : ", ") + isa.name;
-  throw std::invalid_argument("megazero._quant: instruction set '" + name +
-                              "' is not available on this CPU/build; available: " + known);
+  return megazero_cpu::choose_isa(isas(), name, "megazero._quant");
 }
 
-std::vector<std::string> supported_isas() {
-  std::vector<std::string> names;
-  for (const Isa& isa : isas())
-    if (isa.supported) names.push_back(isa.name);
-  return names;
-}
+std::vector<std::string> supported_isas() { return megazero_cpu::supported_names(isas()); }
 
 Args make_args(uintptr_t codes, uintptr_t scales, uintptr_t mins, int64_t numel, int bits,
                int64_t block_size, bool symmetric, int dtype) {
@@ -124,7 +107,7 @@ std::string quantize(uintptr_t x, int dtype, int64_t numel, uintptr_t codes, uin
   Args a = make_args(codes, scales, mins, numel, bits, block_size, symmetric, dtype);
   a.x = reinterpret_cast<const void*>(x);
   const Isa& isa = choose_isa(isa_name);
-  return run_blocks(isa.kernels.quantize, a, numel, num_threads, isa.name);
+  return run_blocks(isa.impl.quantize, a, numel, num_threads, isa.name);
 }
 
 std::string dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, int64_t numel, int bits,
@@ -133,7 +116,7 @@ std::string dequantize(uintptr_t codes, uintptr_t scales, uintptr_t mins, int64_
   Args a = make_args(codes, scales, mins, numel, bits, block_size, symmetric, dtype);
   a.out = reinterpret_cast<void*>(out);
   const Isa& isa = choose_isa(isa_name);
-  return run_blocks(isa.kernels.dequantize, a, numel, num_threads, isa.name);
+  return run_blocks(isa.impl.dequantize, a, numel, num_threads, isa.name);
 }
 
 std::string dequantize_reduce(uintptr_t codes, uintptr_t scales, uintptr_t mins, int64_t chunks,
@@ -144,15 +127,7 @@ std::string dequantize_reduce(uintptr_t codes, uintptr_t scales, uintptr_t mins,
   a.out = reinterpret_cast<void*>(out);
   a.chunks = chunks;
   const Isa& isa = choose_isa(isa_name);
-  return run_blocks(isa.kernels.dequantize_reduce, a, numel * chunks, num_threads, isa.name);
-}
-
-bool built_with_openmp() {
-#ifdef _OPENMP
-  return true;
-#else
-  return false;
-#endif
+  return run_blocks(isa.impl.dequantize_reduce, a, numel * chunks, num_threads, isa.name);
 }
 
 }  // namespace
@@ -180,5 +155,5 @@ PYBIND11_MODULE(_quant, m) {
         py::arg("out_ptr"), py::arg("num_threads"), py::arg("isa") = "");
   m.def("supported_isas", &supported_isas,
         "The loop copies this CPU and build can run, best first: 'avx512', 'avx2', 'scalar'.");
-  m.def("built_with_openmp", &built_with_openmp, "Whether the extension was compiled with OpenMP.");
+  m.def("built_with_openmp", &megazero_cpu::built_with_openmp, "Whether the extension was compiled with OpenMP.");
 }
