@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megazero.data.indexed_dataset import IndexedDatasetBuilder
 from megazero.data.tokenizer import train_tokenizer
+from test_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -28,14 +28,6 @@ import pretrain_gpt  # noqa: E402
 
 VOCAB = 400
 TEXT = "".join(f"def f{i}(x, y={i}):\n    return x * {i} + y  # line {i}\n\n" for i in range(300))
-
-
-def _write_pair(prefix, documents, dtype=np.uint16):
-    with IndexedDatasetBuilder(prefix, dtype) as builder:
-        for tokens in documents:
-            builder.add_document(tokens)
-        builder.finalize()
-    return str(prefix)
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +38,10 @@ def shared(tmp_path_factory):
     corpus.write_text("".join(json.dumps({"text": TEXT[i::7]}) + "\n" for i in range(7)))
     model = train_tokenizer([corpus], root / "tok", VOCAB, progress=False)
     docs = [list(range(i, i + 50)) for i in range(0, 300, 10)]
-    _write_pair(root / "corpus_text_document", docs)
-    _write_pair(root / "big_text_document", docs + [[999, 3, 4]])
-    _write_pair(root / "empty_text_document", [])
-    _write_pair(root / "float_text_document", docs, np.float32)
+    write_dataset(root / "corpus_text_document", docs)
+    write_dataset(root / "big_text_document", docs + [[999, 3, 4]])
+    write_dataset(root / "empty_text_document", [])
+    write_dataset(root / "float_text_document", docs, np.float32)
     return dataclasses.make_dataclass("Shared", ["root", "model", "corpus"])(root, str(model), corpus)
 
 
@@ -83,7 +75,7 @@ class Files:
         return str(self.root / folder / "c")
 
     def truncated(self):
-        prefix = _write_pair(self.root / "cut", [[1, 2, 3], [4, 5]])
+        prefix = write_dataset(self.root / "cut", [[1, 2, 3], [4, 5]])
         with open(prefix + ".bin", "r+b") as handle:
             handle.truncate(6)
         return prefix
