@@ -41,7 +41,11 @@ ZERO_VALUES = {"stage": 2, "reduce_scatter": False, "reduce_bucket_size": 1e6, "
                "param_persistence_threshold": 7, "stage3_param_persistence_threshold": 7,
                "max_live_parameters": 7, "stage3_max_live_parameters": 7, "max_reuse_distance": 7,
                "stage3_max_reuse_distance": 7, "mics_shard_size": 1,
-               "keep_params_gathered_across_microbatches": True}
+               "keep_params_gathered_across_microbatches": True, "offload_optimizer": {"device": "cpu"},
+               "offload_param": {"device": "cpu"}, "cpu_offload": True, "cpu_offload_param": True,
+               "sub_group_size": 1000, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
+               "zero_quantized_gradients": True, "mics_hierarchical_params_gather": True,
+               "stage3_granularity": "layer"}
 TOP_VALUES = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
               "gradient_clipping": 0.5, "steps_per_print": 3, "wall_clock_breakdown": True,
               "zero_allow_untested_optimizer": True, "prescale_gradients": False,

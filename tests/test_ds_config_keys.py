@@ -132,8 +132,12 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, [],
      "activation_checkpointing.cpu_checkpointing = true is not supported yet"),
     ({"activation_checkpointing": {"partition_activation": True}}, [], "did you mean 'partition_activations'"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, [],
-     "offload_optimizer = {{\"device\": \"cpu\"}} is not supported yet"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, [],
+     "offload_optimizer needs ZeRO stage 1-3"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [],
+     "offload_param.device \"nvme\" needs nvme_path"),
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 4}}, [],
+     "zero_hpz_partition_size acts on partitioned parameters, which only ZeRO stage 3 has"),
 ])
 def test_errors_name_the_key(tmp_path, ds, flags, expected):
     message = _error(lambda: _config(tmp_path, ds, *flags))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import sys
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,10 +20,13 @@ from megazero.errors import UsageError
 
 # Keys DeepSpeed accepts whose features have not landed here; each maps to its do-nothing value.
 NOT_SUPPORTED_YET = {
-    "offload_param": None, "offload_optimizer": None, "cpu_offload": None, "cpu_offload_param": None,
-    "cpu_offload_use_pin_memory": None, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
-    "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
-    "zeropp_loco_param": None, "mics_hierarchical_params_gather": False, "zenflow": None,
+    "zero_quantized_nontrainable_weights": False, "zeropp_loco_param": None, "zenflow": None,
+}
+
+# DeepSpeed's older spellings of the offload blocks: key -> (what it maps to, its value when on).
+LEGACY_OFFLOAD_KEYS = {
+    "cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+    "cpu_offload_use_pin_memory": "pin_memory",
 }
 
 # Keys about saving or loading models and checkpoints, which megazero cannot do yet (--save and
@@ -46,10 +49,8 @@ FIXED_BY_DESIGN = {
     "use_multi_rank_bucket_allreduce": (True, "with reduce_scatter false each bucket is all-reduced "
                                               "whole (same result)"),
     "legacy_stage1": (False, "there is one stage-1 implementation (same partitioned optimizer states)"),
-    "round_robin_gradients": (False, "gradients are laid out in parameter order; round robin only "
-                                     "speeds up CPU offload, which has not landed"),
-    "sub_group_size": (int(1e9), "the optimizer steps each rank's whole partition at once, as "
-                                 "DeepSpeed does with its default 1e9"),
+    "round_robin_gradients": (False, "gradients are laid out in parameter order (round robin only "
+                                     "changes which rank copies which gradients to the host)"),
     "ignore_unused_parameters": (True, "unused parameters are always accepted; their gradient is zero"),
     "memory_efficient_linear": (False, "torch's linear is never patched; stage 3 releases gathered "
                                        "weights through its own hooks"),
@@ -76,6 +77,39 @@ STAGE_SCOPED = {
     "param_persistence_threshold": (3,), "max_live_parameters": (3,), "max_reuse_distance": (3,),
     "keep_params_gathered_across_microbatches": (3,),
 }
+
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class OffloadOptimizerConfig(BaseModel):
+    """`offload_optimizer`: where the fp32 master weights and Adam moments live and the step runs."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    device: OffloadDevice = "none"
+    """cpu: host memory, stepped by the CPU Adam; nvme: files under nvme_path, swapped per sub-group."""
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+    """Host buffers in page-locked memory (faster device copies; ignored without CUDA)."""
+    buffer_count: int = Field(4, ge=1)
+    """nvme: sub-group buffers in host memory for reads ahead and writes behind."""
+    pipeline_read: bool = False
+    """nvme: read the next sub-group while the current one steps."""
+    pipeline_write: bool = False
+    """nvme: write a stepped sub-group while the next one steps."""
+    ratio: float = Field(1.0, gt=0.0, le=1.0)
+    """Fraction of each partition whose states are offloaded (the rest stays on the device)."""
+    fast_init: bool = False
+
+
+class OffloadParamConfig(BaseModel):
+    """`offload_param` (stage 3): where each rank's low-precision parameter partition lives."""
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    device: OffloadDevice = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+    buffer_count: int = Field(5, ge=1)
+    buffer_size: int = Field(int(1e8), gt=0)
+    max_in_cpu: int = Field(int(1e9), ge=0)
 
 
 class ZeroConfig(BaseModel):
@@ -110,9 +144,35 @@ class ZeroConfig(BaseModel):
     it until the step ends (memory: the whole stage's parameters, unpartitioned) instead of gathering
     per microbatch (memory: bounded by max_live_parameters; comm: 2 gathers per microbatch)."""
 
+    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    """Stages 1-3: optimizer states in host memory or on disk, stepped on the CPU (ZeRO-Offload)."""
+    offload_param: Optional[OffloadParamConfig] = None
+    """Stage 3: parameter partitions in host memory or on disk (ZeRO-Infinity)."""
+    sub_group_size: int = Field(int(1e9), gt=0)
+    """Elements of optimizer state stepped (and, offloaded to nvme, swapped) at a time."""
+    zero_hpz_partition_size: int = Field(1, ge=1)
+    """Stage 3 (hpZ): >1 keeps a secondary copy of each gathered unit partitioned over this many ranks
+    of a node, so the backward gather stays inside the node."""
+    zero_quantized_weights: bool = False
+    """Stage 3 (qwZ): the forward all-gather moves int8 block-quantized weights."""
+    zero_quantized_gradients: bool = False
+    """Stage 3 (qgZ): gradients are reduced by all-to-all of quantized chunks, node first."""
+    mics_hierarchical_params_gather: bool = False
+    """Stage 3: an all-gather in a shard group spanning nodes goes inter-node first, then intra-node."""
+    stage3_granularity: Literal["module", "layer"] = "module"
+    """Stage 3 units: each module's own parameters, or one unit per transformer layer (FSDP-style)."""
+
     @property
     def overlap(self) -> bool:
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.device != "none"
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.device != "none"
 
 
 def _key_names() -> set[str]:
@@ -121,7 +181,8 @@ def _key_names() -> set[str]:
         names.add(name)
         if field.alias:
             names.add(field.alias)
-    return names | set(NOT_SUPPORTED_YET) | set(SAVING_NOT_SUPPORTED_YET) | set(FIXED_BY_DESIGN)
+    return (names | set(NOT_SUPPORTED_YET) | set(SAVING_NOT_SUPPORTED_YET) | set(FIXED_BY_DESIGN)
+            | set(LEGACY_OFFLOAD_KEYS))
 
 
 def unknown_key_error(key: str, valid: set[str], where: str) -> UsageError:
@@ -161,6 +222,7 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
             _check_type(value, FIXED_BY_DESIGN[key][0], f"{where}.{key}")
         else:
             values[key] = value
+    _apply_legacy_offload_keys(values, where)
     _check_alias_conflicts(values, where)
     try:
         config = ZeroConfig(**{k: _integral(v) for k, v in values.items()})
@@ -170,7 +232,46 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
         raise UsageError(f"{where}.{key}: {first['msg']} (got {first.get('input')!r})") from None
     if config.stage == 0 and config.mics_shard_size not in (-1, 0):
         raise UsageError(f"{where}.mics_shard_size needs ZeRO stage 1-3, got stage 0")
+    check_stage_features(config, where)
     return config
+
+
+def check_stage_features(config: ZeroConfig, where: str = "zero_optimization") -> None:
+    """Features that act only at some stages are errors elsewhere: asking for offload or ZeRO++ and
+    silently getting none would be worse."""
+    if config.offloads_optimizer and config.stage == 0:
+        raise UsageError(f"{where}.offload_optimizer needs ZeRO stage 1-3 (there is no partitioned "
+                         f"optimizer state at stage 0); set stage >= 1 or remove it")
+    stage3_only = {"offload_param": config.offloads_params,
+                   "zero_hpz_partition_size": config.zero_hpz_partition_size > 1,
+                   "zero_quantized_weights": config.zero_quantized_weights,
+                   "zero_quantized_gradients": config.zero_quantized_gradients,
+                   "mics_hierarchical_params_gather": config.mics_hierarchical_params_gather,
+                   "stage3_granularity": config.stage3_granularity != "module"}
+    for key, asked in stage3_only.items():
+        if asked and config.stage != 3:
+            raise UsageError(f"{where}.{key} acts on partitioned parameters, which only ZeRO stage 3 "
+                             f"has; set stage 3 or remove it (got stage {config.stage})")
+    for key in ("offload_optimizer", "offload_param"):
+        block = getattr(config, key)
+        if block is not None and block.device == "nvme" and not block.nvme_path:
+            raise UsageError(f"{where}.{key}.device \"nvme\" needs nvme_path, the directory for the "
+                             f"swap files; add \"nvme_path\": \"/local/disk/dir\"")
+
+
+def _apply_legacy_offload_keys(values: dict, where: str) -> None:
+    """DeepSpeed's old booleans become the offload blocks they stand for (cpu, host memory)."""
+    pin = values.pop("cpu_offload_use_pin_memory", None)
+    for key in ("cpu_offload", "cpu_offload_param"):
+        if key not in values:
+            continue
+        on = values.pop(key)
+        _check_type(on, False, f"{where}.{key}")
+        target = LEGACY_OFFLOAD_KEYS[key]
+        if on and target in values and values[target] not in (None, {}):
+            raise UsageError(f"{where} sets both {key} and {target}; keep {target}")
+        if on:
+            values[target] = {"device": "cpu", **({"pin_memory": bool(pin)} if pin is not None else {})}
 
 
 def design_notes(block: dict[str, Any], where: str = "zero_optimization") -> list[str]:

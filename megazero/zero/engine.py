@@ -129,7 +129,8 @@ class ZeroEngine:
                 if params:
                     units_params.append((mod_name or type(module).__name__, params))
         self.store = UnitStore(units_params, self.groups, self.precision, self.device, self.queue,
-                               reduce_scatter=self.zero.reduce_scatter, streams=self.streams)
+                               reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
+                               zero=self.zero)
         replaced = self.store.materialize(init_fn)
         self.gather = GatherCoordinator(self.store, self.zero)
         self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()})

@@ -20,6 +20,10 @@ class ZeroGroups:
     model_parallel: Group  # TP x PP: gradient norms are summed over it
     gather: Group | None = None  # same ranks as `shard`, its own communicator, so stage-3 parameter
     #                               gathers never queue behind gradient reductions (None: `shard`)
+    # Stage 3 across nodes (ZeRO++, hierarchical MiCS gather): the ranks of `shard` on this rank's
+    # node, and the ranks of `shard` at this rank's position on the other nodes (None: not built).
+    node_local: Group | None = None
+    cross_node: Group | None = None
 
     @property
     def shard_gather(self) -> Group:

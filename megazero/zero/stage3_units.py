@@ -21,6 +21,7 @@ from torch import nn
 
 from megazero import comm
 from megazero.streams import Event
+from .config import ZeroConfig
 from .flat import Bucket, FlatLayout
 from .groups import Precision, ZeroGroups, drop_storage, ensure_storage
 from .storage import PartitionedStorage, ReductionQueue
@@ -55,12 +56,13 @@ class UnitStore(PartitionedStorage):
     weights_always_full = False
     def __init__(self, units_params: list[tuple[str, list[nn.Parameter]]], groups: ZeroGroups,
                  precision: Precision, device, queue: ReductionQueue, reduce_scatter: bool = True,
-                 streams=None):
+                 streams=None, zero: ZeroConfig | None = None):
         shard = groups.shard
         layout = FlatLayout.of_groups([[p.numel() for p in params] for _, params in units_params],
                                       shard.size, shard.rank)
         super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams)
         self.groups = groups
+        self.zero = zero if zero is not None else ZeroConfig(stage=3)
         # Marks the last write of the partition on the compute stream (the optimizer step): a
         # prefetch on its own stream waits for that, not for all the compute queued since.
         self.partition_ready = Event(self.device)
