@@ -25,7 +25,8 @@ from megazero.monitor import monitor_config
 from megazero.models.config import GPTConfig, padded_vocab_size
 from megazero.parallel.topology import Topology, validate_model_fits
 from megazero.zero.adam import AdamConfig
-from megazero.zero.config import ZeroConfig, as_json, stage_notes
+from megazero.zero.config import as_json, stage_notes
+from megazero.zero_arguments import check_zero_layout, zero_config
 
 SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
 # Settings only a DeepSpeed config gives: name -> default.
@@ -94,7 +95,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         for attr, value in flags_from_config(ds, vars(args), merged["lr"], config_path).items():
             setattr(args, attr, value)
     _check_ranges(args, ds, merged)
-    zero, zero_notes = _zero_config(args, ds)
+    zero, zero_notes = zero_config(args, ds)
     precision, notes = _precision_config(args, ds, merged)
     if ds:
         notes = ds.notes + stage_notes(zero, f"{config_path}: zero_optimization") + notes
@@ -103,6 +104,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     topology = Topology(world_size=world_size, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
                         ranks_per_node=args.ranks_per_node or local_world_size or world_size)
+    check_zero_layout(zero, topology)
     model = _model_config(args, topology)
     virtual = _virtual_stages(args, topology)
     validate_model_fits(topology, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
@@ -251,37 +253,6 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
         consecutive_hysteresis=merged["consecutive_hysteresis"], grad_accum_dtype=merged["grad_accum_dtype"],
         reduce_dtype=merged["reduce_dtype"])
     return precision, notes
-
-
-def _zero_config(args, ds: DeepSpeedSettings | None) -> tuple[ZeroConfig, list[str]]:
-    """ZeRO settings from the config and --zero-stage, with Megatron's spellings mapped onto them."""
-    zero = ds.zero if ds else ZeroConfig()
-    stage_in_json = ds is not None and "stage" in zero.model_fields_set
-    if args.zero_stage is not None:
-        if stage_in_json and zero.stage != args.zero_stage:
-            raise UsageError(f"--zero-stage {args.zero_stage} contradicts zero_optimization.stage = "
-                             f"{zero.stage} in {args.zero_config}; remove one")
-        zero = zero.model_copy(update={"stage": args.zero_stage})
-    if args.use_distributed_optimizer:       # Megatron's distributed optimizer is ZeRO-1
-        if args.zero_stage is None and not stage_in_json:
-            zero = zero.model_copy(update={"stage": 1})
-        elif zero.stage == 0:
-            origin = "--zero-stage 0" if args.zero_stage is not None else \
-                f"zero_optimization.stage = 0 in {args.zero_config}"
-            raise UsageError(f"--use-distributed-optimizer (ZeRO-1) contradicts {origin}; remove one")
-    if args.overlap_grad_reduce:
-        if zero.overlap_comm is False:
-            raise UsageError(f"--overlap-grad-reduce contradicts zero_optimization.overlap_comm = false "
-                             f"in {args.zero_config}; remove one")
-        zero = zero.model_copy(update={"overlap_comm": True})
-    notes = []
-    if args.overlap_param_gather and zero.stage < 3:
-        notes.append(f"--overlap-param-gather has no effect at ZeRO stage {zero.stage}: updated parameters "
-                     f"are all-gathered right after the optimizer step (stage 3 prefetches them)")
-    elif args.overlap_param_gather and zero.prefetch_bucket_size == 0:
-        raise UsageError(f"--overlap-param-gather contradicts stage3_prefetch_bucket_size = 0 in "
-                         f"{args.zero_config}; remove one")
-    return zero, notes
 
 
 def _tokenizer_vocab_size(args) -> int:

@@ -12,6 +12,7 @@ import difflib
 import math
 
 from megazero.errors import UsageError
+from megazero.zero_arguments import add_zero_flags
 
 # Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does). The
 # parser's own default is None, so that a flag and a JSON key that disagree can be told apart.
@@ -59,7 +60,8 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "rotary_base": (0, False, None,
                "pipeline_model_parallel_size": (1, True, None, False),
                "num_query_groups": (0, True, None, False), "ffn_hidden_size": (0, True, None, False),
                "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
-               "num_layers_per_virtual_pipeline_stage": (0, True, None, False)}
+               "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
+               "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False)}
 
 
 def range_text(bounds) -> str:
@@ -158,6 +160,7 @@ def _parallel_flags(p) -> None:
     _add(g, "--overlap-param-gather", action="store_true",
          help="overlap parameter gathers with compute (stage 3 prefetch)")
     _add(g, "--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed launch lines; no effect")
+    add_zero_flags(g, _add)
     _add(g, "--local-rank", "--local_rank", type=int, default=None,
          help="set by the deepspeed and torch.distributed.launch launchers", shown="LOCAL_RANK")
 

@@ -18,11 +18,16 @@ from megazero.memory_estimate import available_bytes, describe_refusal, estimate
 
 
 def check_output_paths(cfg: TrainConfig) -> None:
-    """The run folder and the metrics file can be created and written."""
+    """The run folder, the metrics file and nvme offload's swap folder can be created and written."""
     check_writable_dir(cfg.run_dir, f"run folder {cfg.run_dir} (--run-dir)",
                        "pass --run-dir PATH in a writable place")
     check_writable_file(cfg.metrics_file, f"metrics file {cfg.metrics_file} (--metrics-file)",
                         "pass --metrics-file PATH in a writable place")
+    for key in ("offload_optimizer", "offload_param"):
+        block = getattr(cfg.zero, key)
+        if block is not None and block.device == "nvme":
+            check_writable_dir(block.nvme_path, f"swap folder {block.nvme_path} ({key}.nvme_path, "
+                               f"--zero-nvme-path)", "point it at a writable directory on a local disk")
 
 
 def check_memory(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:

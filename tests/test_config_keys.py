@@ -1,6 +1,7 @@
 """No DeepSpeed key is silently ignored: every key megazero accepts either changes the TrainConfig or
 yields a start-up note, and the errors name what the user wrote. Pure: no processes, no data."""
 import json
+import re
 
 import pytest
 
@@ -178,3 +179,20 @@ def test_not_supported_yet_keys_accept_only_their_do_nothing_value():
             assert parse_zero_config({"stage": 3, key: nothing}) == ZeroConfig(stage=3)
             with pytest.raises(UsageError, match=f"{key} = .* is not supported yet"):
                 parse_zero_config({"stage": 3, key: 7})
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--zero-hierarchical-gather", "--ranks-per-node", "3"], "has [2, 3, 3] ranks on its 3 nodes"),
+    (["--zero-hpz-partition-size", "3", "--ranks-per-node", "4"], "must divide the 4 ranks"),
+    (["--zero-quantized-gradients", "--ranks-per-node", "4", "--zero-config", "{ds}"], None),
+])
+def test_zero_plus_plus_layouts_are_checked_against_the_nodes(tmp_path, flags, expected):
+    """hpZ, the hierarchical gather and qgZ split shard groups by node: uneven splits are refused."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}))
+    argv = ["--zero-stage", "3"] + [f.format(ds=path) for f in flags]
+    if expected is None:        # mics 4 on nodes of 4: every shard group lies inside one node
+        assert config_from_args(parse_args(argv), world_size=8).zero.zero_quantized_gradients
+        return
+    with pytest.raises(UsageError, match=re.escape(expected)):
+        config_from_args(parse_args(argv), world_size=8)

@@ -83,6 +83,21 @@ class Files:
 
 # (id, launch line from Files, environment, what the line must contain, what it must not).
 ROWS = [
+    # offload and ZeRO++ settings
+    ("nvme-swap-folder-is-a-file", lambda f: ["--zero-stage", "2", "--zero-offload-optimizer", "nvme",
+                                              "--zero-nvme-path", f.file("taken")], {},
+     ["swap folder", "--zero-nvme-path", "is a file"], []),
+    ("nvme-without-a-path", lambda f: ["--zero-stage", "3", "--zero-offload-param", "nvme"], {},
+     ["--zero-offload-param nvme needs --zero-nvme-path"], []),
+    ("param-offload-below-stage-3", lambda f: ["--zero-stage", "2", "--zero-offload-param", "cpu"], {},
+     ["--zero-offload-param cpu", "only ZeRO stage 3"], []),
+    ("cpu-offload-at-stage-0", lambda f: ["--optimizer-cpu-offload"], {}, ["--optimizer-cpu-offload needs ZeRO stage 1-3"], []),
+    ("quantized-weights-below-stage-3", lambda f: ["--zero-stage", "1", "--zero-quantized-weights"], {},
+     ["--zero-quantized-weights", "stage 3"], []),
+    ("nvme-path-without-nvme", lambda f: ["--zero-stage", "1", "--zero-nvme-path", f.folder("swap")], {},
+     ["--zero-nvme-path is only used with nvme offload"], []),
+    ("hpz-larger-than-the-node", lambda f: ["--zero-stage", "3", "--zero-hpz-partition-size", "2"], {},
+     ["zero_hpz_partition_size 2 must divide the 1 ranks"], []),
     # the table
     ("run-dir-uncreatable", lambda f: ["--run-dir", "/proc/megazero-test/run"], {}, ["--run-dir", "/proc"], []),
     ("run-dir-is-a-file", lambda f: ["--run-dir", f.file("taken")], {}, ["--run-dir", "is a file"], []),

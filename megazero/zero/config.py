@@ -236,12 +236,14 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
     return config
 
 
-def check_stage_features(config: ZeroConfig, where: str = "zero_optimization") -> None:
+def check_stage_features(config: ZeroConfig, where: str = "zero_optimization", spelled=None) -> None:
     """Features that act only at some stages are errors elsewhere: asking for offload or ZeRO++ and
-    silently getting none would be worse."""
+    silently getting none would be worse. `spelled` maps a key to how the user wrote it (a flag)."""
+    spelled = spelled or {}
+    name = lambda key: spelled.get(key, f"{where}.{key}")  # noqa: E731
     if config.offloads_optimizer and config.stage == 0:
-        raise UsageError(f"{where}.offload_optimizer needs ZeRO stage 1-3 (there is no partitioned "
-                         f"optimizer state at stage 0); set stage >= 1 or remove it")
+        raise UsageError(f"{name('offload_optimizer')} needs ZeRO stage 1-3 (there is no partitioned "
+                         f"optimizer state at stage 0); set the stage to 1-3 or remove it")
     stage3_only = {"offload_param": config.offloads_params,
                    "zero_hpz_partition_size": config.zero_hpz_partition_size > 1,
                    "zero_quantized_weights": config.zero_quantized_weights,
@@ -250,12 +252,14 @@ def check_stage_features(config: ZeroConfig, where: str = "zero_optimization") -
                    "stage3_granularity": config.stage3_granularity != "module"}
     for key, asked in stage3_only.items():
         if asked and config.stage != 3:
-            raise UsageError(f"{where}.{key} acts on partitioned parameters, which only ZeRO stage 3 "
+            raise UsageError(f"{name(key)} acts on partitioned parameters, which only ZeRO stage 3 "
                              f"has; set stage 3 or remove it (got stage {config.stage})")
     for key in ("offload_optimizer", "offload_param"):
         block = getattr(config, key)
+        if block is not None and block.device == "nvme" and not block.nvme_path and key in spelled:
+            raise UsageError(f"{spelled[key]} needs --zero-nvme-path DIR, the directory for the swap files")
         if block is not None and block.device == "nvme" and not block.nvme_path:
-            raise UsageError(f"{where}.{key}.device \"nvme\" needs nvme_path, the directory for the "
+            raise UsageError(f"{name(key)}.device \"nvme\" needs nvme_path, the directory for the "
                              f"swap files; add \"nvme_path\": \"/local/disk/dir\"")
 
 
