@@ -1,0 +1,218 @@
+"""Where the stage-3 low-precision parameter partition lives when `offload_param` moves it off the
+device (ZeRO-Infinity): host memory (`HostParams`) or one file per unit under
+`nvme_path/megazero_swap/rank{r}/params` (`NvmeParams`).
+
+A home hands out this rank's chunk of a unit two ways: `host_chunk(b)`, a host tensor the optimizer
+step, checkpoint loads and inspection read and write in place (the home's value of record), and
+`to_device(b)`, the chunk on the compute device for the unit's all-gather (an asynchronous copy on
+the copy stream; the caller's stream waits for it). `GatherOrder` remembers the order units were
+fetched in during the last step, so the nvme home can start reading files ahead of the gathers.
+
+Owns only the bytes and files; when a unit is gathered is stage3_gather's business, and the
+partition's layout is the FlatLayout's.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+import weakref
+import zlib
+from pathlib import Path
+
+import torch
+
+from megazero.errors import UsageError
+from megazero.streams import Streams, copy_to_device
+from .config import OffloadParamConfig
+
+
+class SwapFileError(RuntimeError):
+    """A swap file is not what was written to it (missing, truncated or altered)."""
+
+
+def _bytes_of(t: torch.Tensor):
+    """A writable numpy view of a contiguous CPU tensor's bytes (bf16 included)."""
+    return t.view(torch.uint8).numpy()
+
+
+class HostParams:
+    """The whole partition in host memory, pinned when the device is a GPU so that the copies to
+    it run asynchronously on the copy stream."""
+    location = "host_params"
+
+    def __init__(self, chunks: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                 streams: Streams):
+        self.chunks, self.device, self.streams = chunks, torch.device(device), streams
+        size = sum(n for _, n in chunks)
+        self.partition = torch.zeros(size, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def host_chunk(self, b: int) -> torch.Tensor:
+        offset, n = self.chunks[b]
+        return self.partition[offset:offset + n]
+
+    def prefetch(self, b: int) -> None:
+        """Nothing to read ahead: the copy is issued when the gather is."""
+
+    def to_device(self, b: int) -> torch.Tensor:
+        return copy_to_device(self.host_chunk(b), self.device, self.streams)
+
+    def flush(self) -> None:
+        """Host memory is the home itself: nothing to write back."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {"host_params": self.partition.numel() * self.partition.element_size()}
+
+
+class NvmeParams:
+    """One file per unit chunk; at most `buffer_count` chunks in host buffers at a time.
+
+    The buffers are the value of record while they are held: a buffer handed out by `host_chunk`
+    counts as written and goes back to its file when evicted (oldest first) or at `flush`. Reads
+    and writes run on a thread pool; a read waits for a pending write of the same unit. Each file's
+    size and CRC-32 are checked on every read against what was last written."""
+    location = "nvme_params"
+
+    def __init__(self, chunks: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
+                 streams: Streams, config: OffloadParamConfig, rank: int):
+        if not config.nvme_path:
+            raise UsageError("offload_param.device is nvme but offload_param.nvme_path is not set; "
+                             "set it to a directory on a fast local disk")
+        self.chunks, self.dtype, self.device, self.streams = chunks, dtype, torch.device(device), streams
+        self.pin = self.device.type == "cuda"
+        self.capacity = max(2, config.buffer_count)   # the unit in use and one read ahead, at least
+        largest = max((n for _, n in chunks), default=0)
+        if largest > config.buffer_size:
+            raise UsageError(f"offload_param.buffer_size {config.buffer_size} is below this rank's largest "
+                             f"stage-3 unit chunk ({largest} elements); raise it to at least {largest}")
+        self.folder = Path(config.nvme_path) / "megazero_swap" / f"rank{rank}" / "params"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.checksums: dict[int, int] = {}          # unit -> CRC-32 of its file's last write
+        self.held: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+        self.dirty: set[int] = set()
+        self.reads: dict[int, concurrent.futures.Future] = {}
+        self.writes: dict[int, concurrent.futures.Future] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="param-swap")
+        weakref.finalize(self, self.pool.shutdown, wait=False)
+
+    def path(self, b: int) -> Path:
+        return self.folder / f"unit{b:05d}.swp"
+
+    # --- file I/O (on the pool's threads) ---------------------------------------------------------
+    def _new_buffer(self, b: int) -> torch.Tensor:
+        return torch.zeros(self.chunks[b][1], dtype=self.dtype, pin_memory=self.pin)
+
+    def _read_file(self, b: int, pending_write) -> torch.Tensor:
+        if pending_write is not None:
+            pending_write.result()
+        buffer = self._new_buffer(b)
+        if b not in self.checksums:                  # never written: a fresh, zero chunk
+            return buffer
+        path, view = self.path(b), _bytes_of(buffer)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != view.nbytes:
+                    raise SwapFileError(f"parameter swap file {path} holds {size} bytes, {view.nbytes} were "
+                                        f"written: it was truncated or replaced; restart from a checkpoint")
+                got = f.readinto(memoryview(view))
+        except FileNotFoundError:
+            raise SwapFileError(f"parameter swap file {path} is missing; keep nvme_path intact while "
+                                f"the run lasts, restart from a checkpoint") from None
+        if got != view.nbytes or zlib.crc32(view) != self.checksums[b]:
+            raise SwapFileError(f"parameter swap file {path} does not match what was written (checksum); "
+                                f"it was altered on disk; restart from a checkpoint")
+        return buffer
+
+    def _write_file(self, b: int, buffer: torch.Tensor) -> None:
+        view = _bytes_of(buffer)
+        with open(self.path(b), "wb") as f:
+            f.write(memoryview(view))
+
+    # --- the cache ----------------------------------------------------------------------------
+    def prefetch(self, b: int) -> None:
+        """Starts reading unit b's file unless it is held or already being read."""
+        if b not in self.held and b not in self.reads:
+            self.reads[b] = self.pool.submit(self._read_file, b, self.writes.get(b))
+
+    def _hold(self, b: int) -> torch.Tensor:
+        if b in self.held:
+            self.held.move_to_end(b)
+            return self.held[b]
+        self.prefetch(b)
+        buffer = self.reads.pop(b).result()
+        self.held[b] = buffer
+        self._evict()
+        return buffer
+
+    def _evict(self) -> None:
+        while len(self.held) > self.capacity:
+            b, buffer = self.held.popitem(last=False)
+            if b in self.dirty:
+                self._start_write(b, buffer)
+
+    def _start_write(self, b: int, buffer: torch.Tensor) -> None:
+        self.dirty.discard(b)
+        # The checksum is taken now, on this thread: the buffer is not written again once queued.
+        self.checksums[b] = zlib.crc32(_bytes_of(buffer))
+        self.writes[b] = self.pool.submit(self._write_file, b, buffer)
+
+    def host_chunk(self, b: int) -> torch.Tensor:
+        """Unit b's chunk in a host buffer the caller may write (it goes back to the file)."""
+        buffer = self._hold(b)
+        self.dirty.add(b)
+        return buffer
+
+    def to_device(self, b: int) -> torch.Tensor:
+        return copy_to_device(self._hold(b), self.device, self.streams)
+
+    def flush(self) -> None:
+        """Writes every written buffer back and waits for all writes (their errors raise here);
+        the buffers stay held, clean, for the next reads."""
+        for b in [b for b in self.held if b in self.dirty]:
+            self._start_write(b, self.held[b])
+        writes, self.writes = self.writes, {}
+        for future in writes.values():
+            future.result()
+
+    def memory_bytes(self) -> dict[str, int]:
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        buffers = sum(t.numel() for t in self.held.values()) + sum(self.chunks[b][1] for b in self.reads)
+        return {"nvme_params": sum(n for _, n in self.chunks) * element,
+                "param_swap_buffers": buffers * element}
+
+
+def make_param_home(config: OffloadParamConfig, chunks: list[tuple[int, int]], dtype: torch.dtype,
+                    device, streams: Streams, rank: int):
+    """The home `config.device` names, for this rank's chunks ((offset, length) per unit)."""
+    if config.device == "cpu":
+        return HostParams(chunks, dtype, device, streams)
+    return NvmeParams(chunks, dtype, device, streams, config, rank)
+
+
+class GatherOrder:
+    """The units fetched during the last step, in order, and where this step is in it: the nvme
+    home reads the next ones' files while the current gather runs. A step that departs from the
+    last one resynchronises at the unit's next occurrence (it is only a read-ahead hint)."""
+
+    def __init__(self):
+        self.previous: list[int] = []
+        self.current: list[int] = []
+        self.cursor = 0
+
+    def next_after(self, b: int, depth: int) -> list[int]:
+        """Records a fetch of unit b; returns up to `depth` units that followed it last step."""
+        self.current.append(b)
+        previous = self.previous
+        if self.cursor >= len(previous) or previous[self.cursor] != b:
+            if b not in previous:
+                return []
+            later = b in previous[self.cursor:]
+            self.cursor = previous.index(b, self.cursor) if later else previous.index(b)
+        self.cursor += 1
+        return previous[self.cursor:self.cursor + depth]
+
+    def end_step(self) -> None:
+        if self.current:
+            self.previous = self.current
+        self.current, self.cursor = [], 0
