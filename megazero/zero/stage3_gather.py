@@ -106,18 +106,27 @@ class GatherCoordinator:
         self._module_id: dict[nn.Module, int] = {}   # ... so a position names a module in the trace check
 
     # --- registration -------------------------------------------------------------------------
-    def attach(self, modules: list[nn.Module], owner_of: dict[int, Unit]) -> None:
-        """Hooks every module that owns a unit or uses another module's unit parameter."""
+    def attach(self, modules: list[nn.Module], owner_of: dict[int, Unit], blocks=()) -> None:
+        """Hooks every module that owns a unit or uses another module's unit parameter. A module in
+        `blocks` (stage3_granularity "layer") is hooked for the units of all its parameters, its
+        submodules only for units from outside the block: the block's unit is gathered once before
+        its first submodule runs and released after the block."""
+        blocks = set(blocks)
         for root in modules:
             root.register_forward_pre_hook(self._root_pre_forward)
             root.register_forward_hook(self._root_post_forward)
+            held_by_block: dict[nn.Module, list[Unit]] = {}    # submodule -> its block's units
             for name, module in root.named_modules():
                 self._names.setdefault(module, name or type(module).__name__)
+                in_block = module in blocks
+                held = held_by_block.get(module, [])
                 units = []
-                for p in module.parameters(recurse=False):
+                for p in module.parameters(recurse=in_block):
                     unit = owner_of.get(id(p))
-                    if unit is not None and unit not in units:
+                    if unit is not None and unit not in units and unit not in held:
                         units.append(unit)
+                if in_block:
+                    held_by_block.update((m, held + units) for m in module.modules() if m is not module)
                 if units:
                     self.module_units[module] = units
                     self._hook(module)
