@@ -119,6 +119,9 @@ def _check_device(op: str, group: Group, what: str, tensor: torch.Tensor) -> Non
             f"communicates on {group.device}; create the tensor on {group.device}")
 
 
+check_device = _check_device   # for collectives built on these ones (megazero.zero.quantized_comm)
+
+
 def _ring_fraction(group: Group) -> float:
     return (group.size - 1) / group.size
 

@@ -1,0 +1,183 @@
+"""ZeRO++'s quantized collectives: qwZ's int8 weight all-gather and qgZ's hierarchical int4
+gradient reduce-scatter (all-to-all inside the node, then across nodes).
+
+Owns the data movement of these two collectives and their format choices. The block format and its
+kernels belong to megazero.ops.quantize; the byte accounting to megazero.comm: codes and scales
+travel through comm's own collectives, so the comm log counts the bytes that actually move (codes,
+plus 4 bytes of fp32 scale per block). This module decides nothing about *when* the collectives are
+used: the stage-3 parameter gather calls `quantized_all_gather` for the forward gather under
+`zero_quantized_weights`, and `PartitionedStorage.reduce_bucket` calls the reducer that
+`quantized_gradient_reducer` builds under `zero_quantized_gradients`.
+
+Formats (the ZeRO++ paper's choices):
+
+- qwZ: int8, symmetric, blocks of 256. Every rank, the sender included, computes with the
+  dequantized values, so all ranks of the group hold identical weights.
+- qgZ: int4, symmetric, blocks of 128, on *both* hops: the intra-node all-to-all and the
+  inter-node one. Between the hops the received chunks are dequantized and summed in fp32
+  (`dequantize_reduce`), then quantized again. int4 on the inter-node hop is what brings the
+  gradient traffic across nodes to a quarter of bf16's; int4 inside the node as well is the paper's
+  and DeepSpeed's choice (the node links are fast, but the kernel then runs one format). Smaller
+  blocks than qwZ's because int4 has 16x fewer levels: the error per element is half a step of
+  max|block| / 7.
+
+Error (per block, from megazero.ops.quantize): |x - x'| <= scale / 2 plus a few fp32 ulps of the
+block's largest magnitude, scale = max|block| / 127 (int8) or / 7 (int4); a bf16 output adds its own
+rounding. qgZ's result carries one such error per hop: the intra-node hop's on each rank's
+contribution, the inter-node hop's on each node's partial sum.
+
+qgZ's chunk order. The shard group's N = L x P ranks are P nodes of L ranks, node-major (shard index
+s = p * L + l; `node_local` holds the L ranks of this node, `cross_node` the P ranks at this rank's
+position l on every node; both are checked against `shard`). Rank s must end with chunk s of the
+summed bucket. Hop 1 sends to local peer j the chunks (p, j) of every node p; after summing what
+it received, local rank l holds its node's partial sums of chunks (p, l). Hop 2 sends to node p's
+rank the partial of chunk (p, l); summing gives chunk s = p * L + l over all N ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megazero import comm
+from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, quantize
+from .groups import ZeroGroups
+
+QWZ_BITS, QWZ_BLOCK = 8, 256
+QGZ_BITS, QGZ_BLOCK = 4, 128
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Group, *, bits: int = QWZ_BITS,
+                         block_size: int = QWZ_BLOCK, async_op: bool = False) -> comm.Handle | None:
+    """comm.all_gather's contract (rank i's `chunk` lands in chunk i of every rank's `out`), moving
+    block-quantized codes and scales instead of the values: `out` receives the dequantized values
+    of every rank's chunk, its own included, in its dtype (fp32 or bf16)."""
+    comm.check_device("quantized_all_gather", group, "out", out)
+    comm.check_device("quantized_all_gather", group, "chunk", chunk)
+    if out.numel() != chunk.numel() * group.size:
+        raise ValueError(f"quantized_all_gather: out has {out.numel()} elements, expected "
+                         f"{chunk.numel()} x {group.size}")
+    if out.dtype not in _FLOATS or chunk.dtype not in _FLOATS or not out.is_contiguous():
+        raise ValueError(f"quantized_all_gather: out ({out.dtype}) must be contiguous and out and chunk "
+                         f"({chunk.dtype}) fp32 or bf16")
+    if group.size == 1 or chunk.numel() == 0:
+        out.view(-1).copy_(chunk.reshape(-1))      # nothing moves, so nothing is quantized
+        return comm.Handle() if async_op else None
+    q = quantize(chunk, bits, block_size, symmetric=True)
+    codes = torch.empty((group.size, q.codes.numel()), dtype=torch.uint8, device=group.device)
+    scales = torch.empty((group.size, q.num_blocks), dtype=torch.float32, device=group.device)
+    works = [comm.all_gather(codes, q.codes, group, async_op=True),
+             comm.all_gather(scales, q.scales, group, async_op=True)]
+    rows = out.view(group.size, chunk.numel())
+
+    def dequantize_rows():
+        for i in range(group.size):
+            dequantize(dataclasses.replace(q, codes=codes[i], scales=scales[i]), out.dtype, out=rows[i])
+
+    handle = comm.Handle(works, then=dequantize_rows)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, shard: comm.Group,
+                             node_local: comm.Group | None = None, cross_node: comm.Group | None = None, *,
+                             bits: int = QGZ_BITS, block_size: int = QGZ_BLOCK,
+                             async_op: bool = False) -> comm.Handle | None:
+    """comm.reduce_scatter's contract (`input` holds shard.size equal chunks; chunk i, summed over
+    the ranks, lands in rank i's `output`), reduced by two quantized all-to-all hops: inside the node,
+    then across nodes (see the module docstring). Without node groups, or with one node, it is a
+    single hop over `shard`. The sum is taken in fp32 and written in output's dtype.
+
+    With async_op, the intra-node hop is issued now; the inter-node hop and the sums run when the
+    handle is waited (each hop needs the previous one's sum)."""
+    node_local, cross_node = _check_node_groups(shard, node_local, cross_node)
+    for what, tensor in (("output", output), ("input", input)):
+        comm.check_device("quantized_reduce_scatter", shard, what, tensor)
+        if tensor.dtype not in _FLOATS:
+            raise ValueError(f"quantized_reduce_scatter: {what} is {tensor.dtype}; use fp32 or bf16")
+    if input.numel() != output.numel() * shard.size:
+        raise ValueError(f"quantized_reduce_scatter: input has {input.numel()} elements, expected "
+                         f"{output.numel()} x {shard.size}")
+    if shard.size == 1:
+        output.copy_(input.view_as(output))
+        return comm.Handle() if async_op else None
+    locals_, nodes, chunk = node_local.size, cross_node.size, output.numel()
+    # Row j (for local peer j): chunks (p, j) of every node p, node after node.
+    rows = input.reshape(nodes, locals_, chunk).transpose(0, 1).reshape(locals_, nodes * chunk)
+    intra = _QuantizedAllToAll(rows, node_local, bits, block_size)
+
+    def reduce_across_nodes():
+        node_sums = intra.reduced()                      # fp32 [nodes * chunk]: chunks (p, l)
+        inter = _QuantizedAllToAll(node_sums.view(nodes, chunk), cross_node, bits, block_size)
+        output.copy_(inter.reduced().view_as(output))
+
+    handle = comm.Handle([intra.handle], then=reduce_across_nodes)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_size: int = QGZ_BLOCK):
+    """The qgZ reduction for a storage over `groups.shard`: a function (output, input) -> Handle,
+    called as reduce_bucket calls comm.reduce_scatter (async). The node groups are checked now."""
+    _check_node_groups(groups.shard, groups.node_local, groups.cross_node)
+
+    def reduce(output: torch.Tensor, input: torch.Tensor) -> comm.Handle:
+        return quantized_reduce_scatter(output, input, groups.shard, groups.node_local, groups.cross_node,
+                                        bits=bits, block_size=block_size, async_op=True)
+    return reduce
+
+
+class _QuantizedAllToAll:
+    """Row j of `rows` ([group.size, m]) quantized and sent to the group's rank j; `reduced()` is
+    the fp32 sum of the m-element rows received from every rank, in rank order. A group of one
+    sends nothing and quantizes nothing."""
+
+    def __init__(self, rows: torch.Tensor, group: comm.Group, bits: int, block_size: int):
+        self.group, self.m = group, rows.shape[1]
+        if group.size == 1:
+            self.local, self.handle = rows[0], comm.Handle()
+            return
+        # Rows padded to whole blocks (zeros leave a symmetric block's scale unchanged), so row j's
+        # codes and scales are contiguous rows of the quantized buffer.
+        padded = -(-self.m // block_size) * block_size
+        if padded != self.m or not rows.is_contiguous():
+            staged = torch.zeros((group.size, padded), dtype=rows.dtype, device=rows.device)
+            staged[:, :self.m] = rows
+            rows = staged
+        q = quantize(rows, bits, block_size, symmetric=True)
+        send_codes, send_scales = q.codes.view(group.size, -1), q.scales.view(group.size, -1)
+        self.received = QuantizedTensor(torch.empty_like(send_codes), torch.empty_like(send_scales), None,
+                                        padded, bits, block_size)
+        self.handle = comm.Handle([comm.all_to_all(self.received.codes, send_codes, group, async_op=True),
+                                   comm.all_to_all(self.received.scales, send_scales, group, async_op=True)])
+
+    def reduced(self) -> torch.Tensor:
+        self.handle.wait()
+        if self.group.size == 1:
+            return self.local.float()
+        return dequantize_reduce(self.received)[:self.m]
+
+
+def _check_node_groups(shard: comm.Group, node_local: comm.Group | None,
+                       cross_node: comm.Group | None) -> tuple[comm.Group, comm.Group]:
+    """(node_local, cross_node) for qgZ over `shard`, checked to be its node-major split; without
+    node groups the whole shard group acts as one node."""
+    if node_local is None and cross_node is None:
+        alone = comm.Group("cross_node", (shard.ranks[shard.rank],), 0, None, True, shard.log, shard.device)
+        return shard, alone
+    if node_local is None or cross_node is None:
+        raise ValueError("qgZ needs both node groups (node_local and cross_node) or neither")
+    locals_, s = node_local.size, shard.rank
+    p, l = divmod(s, locals_)
+    want_local, want_cross = shard.ranks[p * locals_:(p + 1) * locals_], shard.ranks[l::locals_]
+    if (locals_ * cross_node.size != shard.size or tuple(node_local.ranks) != tuple(want_local)
+            or tuple(cross_node.ranks) != tuple(want_cross) or node_local.rank != l or cross_node.rank != p):
+        raise ValueError(f"qgZ: node groups {node_local} and {cross_node} are not the node-major split of "
+                         f"{shard} (expected node_local ranks {list(want_local)}, cross_node ranks "
+                         f"{list(want_cross)})")
+    return node_local, cross_node
