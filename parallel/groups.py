@@ -8,7 +8,9 @@ group) reuse the same communicators. No module-level state: the factory and the 
 Every `Group` carries the device its collectives use (`collective_device`): the rank's current CUDA
 device under NCCL, the CPU otherwise. Stage-3 parameter gathers get their own communicator
 (`mics_shard_gather`, same ranks as `mics_shard`): one NCCL communicator runs its ops in issue order,
-so prefetch all-gathers sharing one with gradient reduce-scatters would wait behind them.
+so prefetch all-gathers sharing one with gradient reduce-scatters would wait behind them. The groups a
+gather uses across nodes (the shard group's node-local and cross-node parts, hpZ's blocks) are on that
+purpose's communicators too.
 """
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ class ProcessGroups:
     mics_shard: Group
     mics_replica: Group
     mics_shard_gather: Group  # mics_shard's ranks on a separate communicator, for stage-3 gathers
+    shard_node_local: Group   # the ranks of mics_shard on this rank's node (gather communicator)
+    shard_cross_node: Group   # the ranks of mics_shard at this rank's node position on each node
+    hpz: Group                # hpZ: this rank's block of shard_node_local (topology.hpz_partition_size)
     log: CommLog
 
     @property
@@ -102,7 +107,8 @@ class ProcessGroups:
         device = collective_device(device)
         # (name, rank lists, communicator purpose), walked in the same order by every process.
         kinds = [(kind, rank_lists, "shared") for kind, rank_lists in topology.all_group_kinds().items()]
-        kinds.append(("mics_shard_gather", topology.mics_shard_groups(), "stage3_gather"))
+        kinds += [(kind, rank_lists, "stage3_gather")
+                  for kind, rank_lists in topology.stage3_gather_group_kinds().items()]
         mine: dict[str, Group] = {}
         for kind, rank_lists, purpose in kinds:
             for ranks in rank_lists:

@@ -1,4 +1,4 @@
-"""The rank grid: pure arithmetic from (world, tp, pp, dp, mics, ranks_per_node) to coordinates and groups.
+"""The rank grid: pure arithmetic from (world, tp, pp, dp, mics, ranks_per_node, hpz) to coordinates and groups.
 
 Owns validation of the parallel degrees and the rank layout. Must not create process groups or import
 torch.distributed: `parallel.groups` turns the rank lists here into groups. Everything here is testable
@@ -8,6 +8,11 @@ Layout (Megatron's default order "tp-dp-pp"): TP varies fastest, then DP, then P
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 MiCS: inside each DP group, shard groups are contiguous blocks of `mics_shard_size` DP ranks and replica
 groups are the ranks at the same position across blocks.
+Nodes: a node is `ranks_per_node` consecutive global ranks. Each shard group splits into its ranks on
+each node (node-local groups) and, when every node holds the same number of them, into the ranks at
+the same position on each node (cross-node groups): a stage-3 gather can then cross nodes in one hop
+of (nodes) ranks and finish inside the node. hpZ groups are blocks of `hpz_partition_size` ranks of a
+node-local group, over which stage 3 keeps its secondary partition.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class Topology:
     dp: int = 0                   # 0: derived as world // (tp * pp)
     mics_shard_size: int = 0      # 0 or -1: the whole DP group is one shard group
     ranks_per_node: int = 0       # 0: the whole world is one node
+    hpz_partition_size: int = 1   # stage-3 hpZ: ranks of a node-local shard group per secondary partition
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp"):
@@ -56,6 +62,19 @@ class Topology:
             object.__setattr__(self, "ranks_per_node", self.world_size)
         if self.ranks_per_node < 1:
             raise UsageError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if self.hpz_partition_size > 1:
+            self._check_hpz()
+
+    def _check_hpz(self) -> None:
+        hpz = self.hpz_partition_size
+        if self.ranks_per_node % hpz:
+            raise UsageError(f"zero_hpz_partition_size {hpz} must divide ranks_per_node "
+                             f"{self.ranks_per_node}; choose a divisor of {self.ranks_per_node}")
+        for parts in self.shard_groups_by_node():
+            if len({len(part) for part in parts}) != 1 or len(parts[0]) % hpz:
+                raise UsageError(f"zero_hpz_partition_size {hpz} must divide the ranks each node holds of "
+                                 f"stage-3 shard group {sum(parts, [])} ({[len(p) for p in parts]}); "
+                                 f"change it, ranks_per_node or mics_shard_size")
 
     # --- coordinates -------------------------------------------------------------------------
     def rank_of(self, tp: int, dp: int, pp: int) -> int:
@@ -105,6 +124,43 @@ class Topology:
         m = self.mics_shard_size
         return [dp_ranks[j::m] for dp_ranks in self.dp_groups() for j in range(m)]
 
+    # --- the shard groups across nodes (stage-3 gathers) ---------------------------------------
+    def shard_groups_by_node(self) -> list[list[list[int]]]:
+        """Each shard group as its ranks on each node it spans, nodes in order."""
+        out = []
+        for ranks in self.mics_shard_groups():
+            by_node: dict[int, list[int]] = {}
+            for r in ranks:
+                by_node.setdefault(self.node_of(r), []).append(r)
+            out.append(list(by_node.values()))
+        return out
+
+    def shard_node_local_groups(self) -> list[list[int]]:
+        """The ranks of each shard group on one node."""
+        return [part for parts in self.shard_groups_by_node() for part in parts]
+
+    def shard_cross_node_groups(self) -> list[list[int]]:
+        """The ranks of a shard group at the same position on each node it spans (one rank per node).
+        A shard group with unequal counts on its nodes has none: each of its ranks is a group of one."""
+        groups = []
+        for parts in self.shard_groups_by_node():
+            if len({len(part) for part in parts}) != 1:
+                groups.extend([r] for part in parts for r in part)
+                continue
+            groups.extend([part[j] for part in parts] for j in range(len(parts[0])))
+        return groups
+
+    def hpz_groups(self) -> list[list[int]]:
+        """Blocks of hpz_partition_size consecutive ranks of each node-local shard group."""
+        h = self.hpz_partition_size
+        return [part[i:i + h] for part in self.shard_node_local_groups() for i in range(0, len(part), h)]
+
+    def stage3_gather_group_kinds(self) -> dict[str, list[list[int]]]:
+        """The groups stage-3 parameter gathers run on (each kind covers the world once)."""
+        return {"mics_shard_gather": self.mics_shard_groups(),
+                "shard_node_local": self.shard_node_local_groups(),
+                "shard_cross_node": self.shard_cross_node_groups(), "hpz": self.hpz_groups()}
+
     def all_group_kinds(self) -> dict[str, list[list[int]]]:
         return {
             "tp": self.tp_groups(), "dp": self.dp_groups(), "pp": self.pp_groups(),
@@ -123,7 +179,8 @@ class Topology:
 
     def describe(self) -> str:
         return (f"world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} "
-                f"mics_shard={self.mics_shard_size} ranks_per_node={self.ranks_per_node}")
+                f"mics_shard={self.mics_shard_size} ranks_per_node={self.ranks_per_node}"
+                + (f" hpz={self.hpz_partition_size}" if self.hpz_partition_size > 1 else ""))
 
 
 def validate_model_fits(topology: Topology, *, num_layers: int, num_attention_heads: int,

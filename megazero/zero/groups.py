@@ -24,6 +24,7 @@ class ZeroGroups:
     # node, and the ranks of `shard` at this rank's position on the other nodes (None: not built).
     node_local: Group | None = None
     cross_node: Group | None = None
+    hpz: Group | None = None   # hpZ: the node-local ranks sharing a secondary partition (None: off)
 
     @property
     def shard_gather(self) -> Group:
