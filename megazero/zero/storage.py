@@ -14,6 +14,9 @@ FlatParamGroup keeps them full, UnitStore gathers units on demand.
 
 Kinds: "param" (the low-precision weights the model computes with), "fp32" (master), "grad",
 "exp_avg", "exp_avg_sq". In fp32 runs without a separate master the "fp32" kind *is* "param".
+With `offload_optimizer` the "fp32", "exp_avg" and "exp_avg_sq" kinds live off the device, in an
+`OptimizerOffload` (offload.py: host memory or swap files), which also runs the step; the master is
+then a separate host copy in fp32 runs too.
 
 `ReductionQueue` is the single in-flight policy for gradient reductions.
 """
@@ -29,6 +32,7 @@ from megazero.streams import Streams
 from .adam import AdamConfig, adam_update
 from .flat import FlatLayout
 from .groups import Precision, sum_of_squares
+from .offload import OFFLOADED_KINDS, OptimizerOffload
 
 KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
 
@@ -83,6 +87,7 @@ class ReductionQueue:
 class PartitionedStorage:
     """Per-rank state of a flat layout; see the module docstring for the split with subclasses."""
     weights_always_full: bool       # every rank holds every weight whole (stages 0-2)
+    quantized_reduce = None         # qgZ: (output, input) -> Handle, in place of the reduce-scatter
 
     def __init__(self, layout: FlatLayout, shard: comm.Group | None, precision: Precision, device,
                  queue: ReductionQueue, reduce_scatter: bool = True, streams: Streams | None = None):
@@ -95,6 +100,7 @@ class PartitionedStorage:
         self.master = torch.zeros(n, **f32) if precision.mixed else None
         self.exp_avg = torch.zeros(n, **f32)
         self.exp_avg_sq = torch.zeros(n, **f32)
+        self.offload: OptimizerOffload | None = None     # offload_optimizer: states off the device
         self.params: list[nn.Parameter] = []
         self.index_of: dict[int, int] = {}
         self._fresh = [True] * len(layout.buckets)       # gradient chunk holds nothing this step
@@ -112,8 +118,22 @@ class PartitionedStorage:
         bucket = self.layout.buckets[b]
         return tensor[bucket.local_offset:bucket.local_offset + bucket.chunk]
 
+    @property
+    def separate_master(self) -> bool:
+        """Whether the fp32 master is a tensor of its own (16-bit runs, or offloaded states)."""
+        return self.master is not None or self.offload is not None
+
+    def offload_optimizer_states(self, config, sub_group_size: int, folder, name: str) -> None:
+        """Moves the fp32 master and Adam moments off the device (`offload_optimizer`, after
+        materialize): `folder` holds the swap files (named after `name`) for device "nvme"."""
+        self.offload = OptimizerOffload(self, config, sub_group_size, folder, name)
+        self.master = self.exp_avg = self.exp_avg_sq = None
+
     def chunk(self, kind: str, b: int) -> torch.Tensor:
-        """This rank's chunk of bucket `b` in tensor `kind`."""
+        """This rank's chunk of bucket `b` in tensor `kind` (a host tensor for offloaded kinds)."""
+        if self.offload is not None and kind in OFFLOADED_KINDS:
+            bucket = self.layout.buckets[b]
+            return self.offload.view(kind, bucket.local_offset, bucket.chunk)
         if kind == "param" or (kind == "fp32" and self.master is None):
             return self.param_chunk(b)
         if kind == "grad":
@@ -150,7 +170,8 @@ class PartitionedStorage:
         i = self.index_of[id(param)]
         slot = self.layout.slots[i]
         bucket = self.layout.buckets[slot.bucket]
-        chunk = self.chunk(kind, slot.bucket).contiguous()
+        # Offloaded kinds are host tensors: collectives take the device's copy.
+        chunk = self.chunk(kind, slot.bucket).to(self.device).contiguous()
         if self.shard is None:
             whole = chunk
         else:
@@ -175,13 +196,13 @@ class PartitionedStorage:
 
     def write_full_weights(self, i: int, flat: torch.Tensor) -> None:
         """After an fp32 write of parameter i's full value: the low-precision copy follows."""
-        if self.master is not None:
+        if self.separate_master:
             self.refresh_low_precision(self.params[i])
 
     def refresh_low_precision(self, param: nn.Parameter) -> None:
         """After a local fp32 write: this rank's piece of the low-precision weights follows (the
         other ranks see it after the next gather)."""
-        if self.master is not None:
+        if self.separate_master:
             self.local_view(param, "param").copy_(self.local_view(param, "fp32"))
 
     def _write_initial_piece(self, i: int, value: torch.Tensor) -> None:
@@ -196,11 +217,15 @@ class PartitionedStorage:
         """Reduces `staging` (bucket b's gradients of this backward, in the reduce dtype) over the
         shard group and adds this rank's chunk of the sum to its gradient chunk (copies it on the
         step's first reduction). Buffers are allocated on the compute stream, which also reads
-        them when the handle is waited; only the collective is issued on the reduce stream."""
+        them when the handle is waited; only the collective is issued on the reduce stream.
+        With qgZ (`quantized_reduce`) the whole reduction runs on the compute stream: it quantizes,
+        and sums between its hops, in buffers allocated and read there (its all-to-alls still run
+        on the communicator's own stream)."""
         target = self.grad_chunk(b)
         fresh, self._fresh[b] = self._fresh[b], False
         rank, chunk = self.layout.rank, self.layout.buckets[b].chunk
-        scatter = self.shard is not None and self.shard.size > 1 and self.reduce_scatter
+        quantized = self.quantized_reduce is not None and self.shard is not None and self.shard.size > 1
+        scatter = quantized or (self.shard is not None and self.shard.size > 1 and self.reduce_scatter)
         direct = scatter and fresh and staging.dtype == target.dtype
         if direct:
             out = target
@@ -208,6 +233,14 @@ class PartitionedStorage:
             out = torch.empty(chunk, dtype=staging.dtype, device=staging.device)
         else:              # all-reduce the whole bucket, then read this rank's chunk of it
             out = staging[rank * chunk:(rank + 1) * chunk]
+        if quantized:
+            handle = self.quantized_reduce(out, staging)
+        else:
+            handle = self._issue_reduction(out, staging, scatter)
+        then = None if direct else (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
+        self.queue.push(comm.Handle([handle], then), staging)
+
+    def _issue_reduction(self, out: torch.Tensor, staging: torch.Tensor, scatter: bool) -> comm.Handle:
         with self.reduce_stream():
             if scatter:
                 handle = comm.reduce_scatter(out, staging, self.shard, async_op=True)
@@ -215,8 +248,7 @@ class PartitionedStorage:
                 handle = comm.all_reduce(staging, self.shard, async_op=True)
             else:
                 handle = comm.Handle()
-        then = None if direct else (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
-        self.queue.push(comm.Handle([handle], then), staging)
+        return handle
 
     @contextlib.contextmanager
     def reduce_stream(self):
@@ -283,7 +315,12 @@ class PartitionedStorage:
     def step(self, step: int, lr: float, config: AdamConfig, grad_scale: float) -> None:
         """Adam on every run of this rank's chunks. With a separate fp32 master the updated values
         are also written to the low-precision weights, in the same pass where the CPU kernel runs
-        (the runs cover every chunk whole, padding included)."""
+        (the runs cover every chunk whole, padding included). Offloaded states step on the CPU
+        (offload.py), then the device weights follow."""
+        if self.offload is not None:
+            self.offload.step(self, step, lr, config, grad_scale)
+            self.after_step()
+            return
         for b, lo, hi, wd in self.runs:
             copy = self.param_chunk(b)[lo:hi] if self.master is not None else None
             adam_update(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
@@ -301,5 +338,9 @@ class PartitionedStorage:
         return 0 if t is None else t.numel() * t.element_size()
 
     def memory_bytes(self) -> dict[str, int]:
-        return {"master": self.nbytes(self.master),
-                "optimizer_states": self.nbytes(self.exp_avg) + self.nbytes(self.exp_avg_sq)}
+        """Device bytes by category; offloaded states add their host_* / nvme_* bytes."""
+        out = {"master": self.nbytes(self.master),
+               "optimizer_states": self.nbytes(self.exp_avg) + self.nbytes(self.exp_avg_sq)}
+        if self.offload is not None:
+            out.update(self.offload.memory_bytes())
+        return out
