@@ -16,17 +16,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from megazero import comm
+from megazero.errors import UsageError
 from megazero.streams import Streams
 from .adam import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
 from .groups import Precision, ZeroGroups, uses_weight_decay
 from .loss_scaler import LossScaler
+from .offload import REPORT_CATEGORY, HostCopies, check_state_names
 from .stage3_gather import GatherCoordinator
 from .stage3_units import UnitStore
 from .storage import PartitionedStorage, ReductionQueue
@@ -51,14 +54,17 @@ class ZeroEngine:
     def __init__(self, modules: list[nn.Module], init_fn, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: Precision = Precision(), clip_grad: float = 0.0,
                  loss_scaler: LossScaler | None = None, device="cpu", *,
-                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None):
+                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
+                 unit_block=_never):
         """`counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
         norm (a replicated copy is counted once). `isolated(param)`: parameters whose reduced
         gradients the caller sums across other ranks afterwards (a tied embedding on two pipeline
         stages); each gets buffers of its own, so its partition is laid out identically there.
         `streams`: the device's side streams (gradient reductions, stage-3 prefetch); made here
-        when not given, no-ops on CPU."""
+        when not given, no-ops on CPU. `unit_block(module)`: with stage3_granularity "layer", the
+        modules (transformer layers, the embedding) whose parameters form one stage-3 unit each."""
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
+        self.unit_block = unit_block
         self.precision, self.clip_grad, self.device = precision, clip_grad, torch.device(device)
         self.loss_scaler = loss_scaler or LossScaler()
         self.step_count = 0
@@ -76,11 +82,14 @@ class ZeroEngine:
         replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
         self.store, self.gather = None, None
         if zero.stage == 3:
-            replaced.update(self._build_units(modules, persistent, init_fn))
+            replaced.update(self._build_units(modules, persistent, init_fn, isolated))
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
         for storage in self.storages():
             storage.plan(self._weight_decay_of, counts_in_norm)
+        if zero.offloads_optimizer:
+            self._offload_optimizer()
+        self.host_copies = HostCopies()           # states moved by offload_states
         self.has_grads = False
         me = weakref.ref(self)
         for group in self.flat_groups:
@@ -117,27 +126,59 @@ class ZeroEngine:
             groups.append(group)
         return groups
 
-    def _build_units(self, modules, persistent, init_fn) -> dict[int, nn.Parameter]:
+    def _build_units(self, modules, persistent, init_fn, isolated) -> dict[int, nn.Parameter]:
         # A module's unit is its own non-persistent parameters; a parameter registered in two
-        # modules (a tied head) belongs to the first and is external to the second.
+        # modules (a tied head) belongs to the first and is external to the second. With "layer"
+        # granularity a block's unit takes the parameters of all its submodules too, so one
+        # gather serves the whole block (outside the blocks, units stay per module). An isolated
+        # parameter stays a unit of its own, so its partition matches its copy on other ranks.
         taken = {id(p) for _, p in persistent}
+        by_layer = self.zero.stage3_granularity == "layer"
         units_params: list[tuple[str, list]] = []
+        blocks, inside = [], set()
         for root in modules:
             for mod_name, module in root.named_modules():
-                params = [p for p in module.parameters(recurse=False) if id(p) not in taken]
+                if module in inside:
+                    continue
+                is_block = by_layer and module is not root and self.unit_block(module)
+                if is_block:
+                    blocks.append(module)
+                    inside.update(m for m in module.modules() if m is not module)
+                params = [p for p in module.parameters(recurse=is_block) if id(p) not in taken]
                 taken.update(id(p) for p in params)
+                alone = [p for p in params if is_block and isolated(p)]
+                name = mod_name or type(module).__name__
+                units_params.extend((name, [p]) for p in alone)
+                params = [p for p in params if not any(p is q for q in alone)]
                 if params:
-                    units_params.append((mod_name or type(module).__name__, params))
+                    units_params.append((name, params))
+        if by_layer and not blocks:
+            raise UsageError("stage3_granularity \"layer\" found no transformer layer among the "
+                             "model's modules; use \"module\" granularity for this model")
         self.store = UnitStore(units_params, self.groups, self.precision, self.device, self.queue,
                                reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
                                zero=self.zero)
         replaced = self.store.materialize(init_fn)
         self.gather = GatherCoordinator(self.store, self.zero)
-        self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()})
+        self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()},
+                           blocks=blocks)
         return replaced
+
+    def _offload_optimizer(self) -> None:
+        """offload_optimizer: every storage's master and Adam moments move to host memory or to
+        swap files under nvme_path/megazero_swap/rank{r}/optimizer (one file per storage and kind)."""
+        config = self.zero.offload_optimizer
+        folder = None
+        if config.device == "nvme":
+            rank = self.groups.dp.ranks[self.groups.dp.rank]
+            folder = Path(config.nvme_path) / "megazero_swap" / f"rank{rank}" / "optimizer"
+        for i, storage in enumerate(self.storages()):
+            name = "units" if storage is self.store else f"group{i}"
+            storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name)
 
     # --- microbatches -----------------------------------------------------------------------
     def begin_step(self) -> None:
+        self._check_states_home()
         if self.gather is not None:
             self.gather.begin_pass("train")
 
@@ -205,6 +246,7 @@ class ZeroEngine:
     def step(self, lr: float) -> StepStats:
         """Clips and applies the step's gradients; a non-finite gradient norm (any precision, any
         rank) skips the step on every rank instead, and fp16's dynamic loss scale backs off."""
+        self._check_states_home()
         self.finish_gradients()
         scale = self.loss_scaler.scale
         norm = self.grad_norm()
@@ -233,6 +275,58 @@ class ZeroEngine:
             storage.zero_grad()
         self.grads_ready = self.has_grads = False
 
+    # --- states off the device (DeepSpeed's offload_states API) ------------------------------
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Between steps, moves the named states (default all of "optim_states", "hp_params",
+        "lp_params", "lp_grads", "contiguous_grad_buffer") to host memory, freeing their device
+        memory; `reload_states()` brings them back bitwise before training goes on. States that
+        offload_optimizer already keeps off the device stay where they are."""
+        if str(device) != "cpu":
+            raise UsageError(f"offload_states(device={device!r}): states can be offloaded to host "
+                             f"memory only; pass device=\"cpu\"")
+        check_state_names(include)
+        if self.grads_ready or self.has_grads:
+            raise UsageError("offload_states() was called inside a training step (after backward); "
+                             "call it after engine.step()")
+        self.empty_partition_cache()
+        self.host_copies.offload(self.storages(), include, pin_memory=pin_memory,
+                                 non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Brings every state moved by offload_states back to the device, bitwise."""
+        self.host_copies.reload(non_blocking)
+
+    def empty_partition_cache(self) -> None:
+        """Releases every gathered stage-3 unit (each keeps only its partition), writes back and
+        drops the host cache of swapped optimizer states, and frees the device's cached blocks."""
+        if self.gather is not None:
+            if self.gather.pass_key is not None:
+                raise UsageError("empty_partition_cache() was called during a forward/backward pass; "
+                                 "call it between training steps")
+            for unit in self.store.units:
+                self.store.release(unit)
+        for storage in self.storages():
+            if storage.offload is not None:
+                storage.offload.flush_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_states_home(self) -> None:
+        if self.host_copies:
+            raise UsageError(f"engine.offload_states() moved {', '.join(self.host_copies.moved)} off "
+                             f"the device; call engine.reload_states() before the next training step")
+
+    def memory_locations(self) -> dict[str, str]:
+        """Where each memory_report category lives now: the device (e.g. "cuda:0"), "cpu" (host
+        memory) or "nvme" (swap files)."""
+        where = {k: str(self.device) for k in ("params", "grads", "master", "optimizer_states", "buffers")}
+        if self.zero.offloads_optimizer:
+            where["master"] = where["optimizer_states"] = self.zero.offload_optimizer.device
+        for name in self.host_copies.moved:
+            where[REPORT_CATEGORY[name]] = "cpu"
+        return where
+
     # --- introspection ----------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in _unique_named_parameters(self.modules)]
@@ -250,6 +344,10 @@ class ZeroEngine:
         # Module buffers, and gradient staging buckets alive right now (in flight or filling).
         report["buffers"] = sum(b.numel() * b.element_size() for m in self.modules for b in m.buffers())
         report["buffers"] += sum(s.staging_bytes() for s in self.storages()) + self.queue.staged_bytes()
+        # States moved by offload_states count as host bytes (host_<category>), not device bytes.
+        for category, moved in self.host_copies.bytes_by_category().items():
+            report[category] -= moved
+            report[f"host_{category}"] = report.get(f"host_{category}", 0) + moved
         report["model_states"] = sum(report[k] for k in ("params", "grads", "master", "optimizer_states"))
         return report
 
