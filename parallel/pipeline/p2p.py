@@ -7,8 +7,11 @@ Matching by order, never by tag. NCCL ignores point-to-point tags: between two r
 message one of them sends in a direction is the n-th the other receives from it. Every message here
 goes with tag 0, and correctness rests on this rule:
 
-1. Every `exchange` is one batch of isend/irecv ops, waited in full before the next one, so each
-   pair of stages meets in lockstep.
+1. Every `exchange` is one batch of isend/irecv ops. Without overlap each is waited in full before
+   the next one, so each pair of stages meets in lockstep. With overlap (`start_exchange`, Megatron's
+   overlap_p2p_comm) batches stay in flight while the stage computes and are waited only when their
+   tensors are needed; the schedules then issue the same ops in the same order per stage as without,
+   only split into a forward batch and a backward batch, so the matching is unchanged.
 2. Inside a batch, sends are listed activation (to the next stage) before gradient (to the previous
    one), and receives activation (from the previous stage) before gradient (from the next one). For
    a pair (A, B), A sends B [its activation if B is A's next, its gradient if B is A's previous] and
@@ -17,9 +20,10 @@ goes with tag 0, and correctness rests on this rule:
    holds at pp=2 too, where the previous and next stage are one rank and an activation and a
    gradient can cross the same way in one batch.
 3. Across batches, every schedule posts each stage's receives from a neighbour in the order that
-   neighbour sends. tests/test_p2p_order.py runs every schedule for pp 2-4 over a transport with no
-   tags that delivers strictly first-in first-out per direction, and checks each message's kind,
-   microbatch and model chunk on arrival.
+   neighbour sends. tests/test_p2p_order.py runs every schedule for pp 2-4, with and without
+   overlap, over a transport with no tags that delivers strictly first-in first-out per direction
+   and runs each stage's batches one after another (as one NCCL communicator's stream does), and
+   checks each message's kind, microbatch and model chunk on arrival.
 
 NCCL also requires every rank of a communicator to take part when its first operation is a batched
 isend/irecv, so the constructor runs one small all-reduce over the group: build `PipelineP2P` once
@@ -45,29 +49,48 @@ class PipelineP2P:
         """A collective every rank of the group joins, before any batched point-to-point."""
         comm.all_reduce(torch.zeros(1, dtype=torch.float32, device=self.device), self.group)
 
-    def _send_recv(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """One batch of (tensor, peer index) sends and receives, waited in full."""
-        comm.send_recv(sends, recvs, self.group).wait()
+    def _start(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
+        """Issues one batch of (tensor, peer index) sends and receives; returns its handle."""
+        return comm.send_recv(sends, recvs, self.group)
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
-                 recv_forward: bool = False, recv_backward: bool = False):
-        """Sends an output to the next stage and/or a gradient to the previous one, and receives an
-        input from the previous and/or an output gradient from the next, all in one batch.
-        Returns (input or None, output gradient or None)."""
+    def start_exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
+                       recv_forward: bool = False, recv_backward: bool = False) -> "PendingExchange":
+        """Issues one batch: an output to the next stage and/or a gradient to the previous one, an
+        input from the previous and/or an output gradient from the next. Returns at once; the
+        tensors are the pending exchange's `wait()`."""
         got_input = self._empty() if recv_forward else None
         got_grad = self._empty() if recv_backward else None
         # Activations first, then gradients, on both lists: the order is the matching (see above).
         sends = [(t.detach().contiguous(), peer)
                  for t, peer in ((send_forward, self.next), (send_backward, self.prev)) if t is not None]
         recvs = [(t, peer) for t, peer in ((got_input, self.prev), (got_grad, self.next)) if t is not None]
-        if sends or recvs:
-            self._send_recv(sends, recvs)
-        if got_input is not None:
-            got_input.requires_grad_()
-        return got_input, got_grad
+        handle = self._start(sends, recvs) if sends or recvs else None
+        return PendingExchange(handle, got_input, got_grad, sends)
+
+    def exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
+                 recv_forward: bool = False, recv_backward: bool = False):
+        """`start_exchange`, waited in full. Returns (input or None, output gradient or None)."""
+        return self.start_exchange(send_forward, send_backward, recv_forward, recv_backward).wait()
+
+
+class PendingExchange:
+    """One batch in flight. Keeps the sent tensors alive (their memory must not be reused before the
+    backend has read them, though the schedule frees the outputs they came from) until `wait()`,
+    which returns (input or None, output gradient or None); waiting again returns the same."""
+
+    def __init__(self, handle, got_input: torch.Tensor | None, got_grad: torch.Tensor | None, sends):
+        self.handle, self.got_input, self.got_grad, self.sends = handle, got_input, got_grad, sends
+
+    def wait(self):
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = self.sends = None
+            if self.got_input is not None:
+                self.got_input.requires_grad_()
+        return self.got_input, self.got_grad
 
 
 def free_output(tensor: torch.Tensor) -> None:

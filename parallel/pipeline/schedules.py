@@ -36,6 +36,9 @@ class PipelineJob:
     # backward(output or loss, output grad or None, last backward of the step) -> None
     backward: Callable[[torch.Tensor, torch.Tensor | None, bool], None]
     p2p: PipelineP2P | None = None
+    # 1F1B and interleaved: point-to-point batches stay in flight while the stage computes, waited
+    # only when their tensors are needed (Megatron's overlap_p2p_comm); same ops, same order.
+    overlap_p2p: bool = False
 
     def is_loss_chunk(self, chunk: int) -> bool:
         return self.stage == self.num_stages - 1 and chunk == self.num_chunks - 1
@@ -106,6 +109,8 @@ def run_gpipe(job: PipelineJob, forward_only: bool = False) -> ScheduleResult:
 
 
 def run_1f1b(job: PipelineJob, forward_only: bool = False) -> ScheduleResult:
+    if job.overlap_p2p:
+        return _run_1f1b_overlapped(job, forward_only)
     run, p2p = _Runner(job, forward_only), job.p2p
     first, last = job.stage == 0, job.stage == job.num_stages - 1
     m = job.num_microbatches
@@ -134,71 +139,171 @@ def run_1f1b(job: PipelineJob, forward_only: bool = False) -> ScheduleResult:
     return ScheduleResult(run.losses, run.max_in_flight)
 
 
-def run_interleaved(job: PipelineJob, forward_only: bool = False) -> ScheduleResult:
-    """Interleaved 1F1B: virtual microbatch k runs chunk (k // pp) % v (backwards in reverse chunk
-    order) on microbatch (k // (pp*v)) * pp + k % pp."""
+def _run_1f1b_overlapped(job: PipelineJob, forward_only: bool) -> ScheduleResult:
+    """1F1B whose transfers move while the stage computes: the next forward's input is asked for
+    before the backward runs (it arrives during it), and the input gradient leaves without waiting
+    (it travels during the next forward). Each batch is waited just before its tensors are used.
+    The output gradient is still asked for with the output (one batch, as without overlap): asked
+    for ahead of that send, a stage's stream would wait for it before sending what the next stage
+    needs to produce it."""
     run, p2p = _Runner(job, forward_only), job.p2p
-    pp, v, m = job.num_stages, job.num_chunks, job.num_microbatches
-    total = m * v
-
-    def chunk_of(k: int, forward: bool) -> int:
-        c = (k % (pp * v)) // pp
-        return c if forward else v - 1 - c
-
-    def microbatch_of(k: int) -> int:
-        return (k // (pp * v)) * pp + k % pp
-
-    if forward_only or m == pp:
-        warmup = total
-    else:
-        warmup = min((pp - job.stage - 1) * 2 + (v - 1) * pp, total)
-    steady = total - warmup
-
-    def wants_input(k: int) -> bool:          # does forward k receive from the previous stage?
-        return k < total and not job.is_input_chunk(chunk_of(k, True))
-
-    def wants_grad(k: int) -> bool:           # does backward k receive from the next stage?
-        return k < total and not job.is_loss_chunk(chunk_of(k, False))
-
-    def forward_k(k: int):
-        c = chunk_of(k, True)
-        x = run.inputs_pending[c].pop(0) if run.inputs_pending[c] else None
-        return run.forward(c, microbatch_of(k), x)
-
-    run.inputs_pending = [[] for _ in range(v)]
-    first_input, _ = p2p.exchange(recv_forward=wants_input(0))
-    run.inputs_pending[0].append(first_input)
-    for k in range(warmup):
-        out = forward_k(k)
-        # The last warmup exchange also fetches the output gradient of the first backward.
-        get_grad = k == warmup - 1 and not forward_only and wants_grad(0)
-        x, grad = p2p.exchange(send_forward=out, recv_forward=wants_input(k + 1), recv_backward=get_grad)
+    first, last = job.stage == 0, job.stage == job.num_stages - 1
+    m = job.num_microbatches
+    warmup = m if forward_only else min(job.num_stages - job.stage - 1, m)
+    steady = m - warmup
+    inputs = p2p.start_exchange(recv_forward=not first)       # brings the next forward's input
+    grads = None                                              # brings the next backward's gradient
+    for mb in range(warmup):
+        x, _ = inputs.wait()
+        out = run.forward(0, mb, x)
+        inputs = p2p.start_exchange(send_forward=out, recv_forward=mb + 1 < m and not first)
         free_output(out)
-        if x is not None:
-            run.inputs_pending[chunk_of(k + 1, True)].append(x)
-        if grad is not None:
-            run.grads[chunk_of(0, False)].append(grad)
-
+    if not forward_only and steady == 0:
+        grads = p2p.start_exchange(recv_backward=not last)
+    sent = None                                               # the last input gradient, on its way
     for i in range(steady):
-        fk, bk = warmup + i, i
-        out = forward_k(fk)
-        c = chunk_of(bk, False)
-        input_grad = run.backward(c, run.grads[c].pop(0) if run.grads[c] else None)
-        x, grad = p2p.exchange(send_forward=out, send_backward=input_grad,
-                               recv_forward=wants_input(fk + 1), recv_backward=wants_grad(bk + 1))
+        x, _ = inputs.wait()
+        out = run.forward(0, warmup + i, x)
+        grads = p2p.start_exchange(send_forward=out, recv_backward=not last)
+        inputs = p2p.start_exchange(recv_forward=warmup + i + 1 < m and not first)
         free_output(out)
+        _, grad = grads.wait()
+        input_grad = run.backward(0, grad)
+        if sent is not None:
+            sent.wait()
+        cooldown_next = i == steady - 1 and steady < m and not last
+        sent = grads = p2p.start_exchange(send_backward=input_grad, recv_backward=cooldown_next)
+    for b in range(steady, 0 if forward_only else m):
+        _, grad = grads.wait()
+        grads = p2p.start_exchange(send_backward=run.backward(0, grad), recv_backward=b + 1 < m and not last)
+    for pending in (inputs, grads):
+        if pending is not None:
+            pending.wait()
+    return ScheduleResult(run.losses, run.max_in_flight)
+
+
+class _Interleaving:
+    """The interleaved schedule's order: virtual microbatch k runs chunk (k // pp) % v (backwards in
+    reverse chunk order) on microbatch (k // (pp*v)) * pp + k % pp; `warmup` forwards run before
+    the first backward."""
+
+    def __init__(self, job: PipelineJob, forward_only: bool):
+        self.job, self.pp, self.v = job, job.num_stages, job.num_chunks
+        self.total = job.num_microbatches * self.v
+        if forward_only or job.num_microbatches == self.pp:
+            self.warmup = self.total
+        else:
+            self.warmup = min((self.pp - job.stage - 1) * 2 + (self.v - 1) * self.pp, self.total)
+
+    def chunk_of(self, k: int, forward: bool) -> int:
+        c = (k % (self.pp * self.v)) // self.pp
+        return c if forward else self.v - 1 - c
+
+    def microbatch_of(self, k: int) -> int:
+        return (k // (self.pp * self.v)) * self.pp + k % self.pp
+
+    def wants_input(self, k: int) -> bool:        # does forward k receive from the previous stage?
+        return k < self.total and not self.job.is_input_chunk(self.chunk_of(k, True))
+
+    def wants_grad(self, k: int) -> bool:         # does backward k receive from the next stage?
+        return k < self.total and not self.job.is_loss_chunk(self.chunk_of(k, False))
+
+
+class _InterleavedRunner(_Runner):
+    """_Runner plus the interleaved schedule's queues of received inputs and gradients per chunk."""
+
+    def __init__(self, job: PipelineJob, forward_only: bool):
+        super().__init__(job, forward_only)
+        self.order = _Interleaving(job, forward_only)
+        self.inputs_pending = [[] for _ in range(job.num_chunks)]
+
+    def forward_k(self, k: int) -> torch.Tensor | None:
+        c = self.order.chunk_of(k, True)
+        x = self.inputs_pending[c].pop(0) if self.inputs_pending[c] else None
+        return self.forward(c, self.order.microbatch_of(k), x)
+
+    def backward_k(self, k: int) -> torch.Tensor | None:
+        c = self.order.chunk_of(k, False)
+        return self.backward(c, self.grads[c].pop(0) if self.grads[c] else None)
+
+    def received(self, x, grad, forward_k: int, backward_k: int) -> None:
+        """Queues an input that arrived for forward `forward_k` and a gradient for `backward_k`."""
         if x is not None:
-            run.inputs_pending[chunk_of(fk + 1, True)].append(x)
+            self.inputs_pending[self.order.chunk_of(forward_k, True)].append(x)
         if grad is not None:
-            run.grads[chunk_of(bk + 1, False)].append(grad)
+            self.grads[self.order.chunk_of(backward_k, False)].append(grad)
+
+
+def run_interleaved(job: PipelineJob, forward_only: bool = False) -> ScheduleResult:
+    """Interleaved 1F1B over the job's model chunks (see _Interleaving for the order)."""
+    if job.overlap_p2p:
+        return _run_interleaved_overlapped(job, forward_only)
+    run, p2p = _InterleavedRunner(job, forward_only), job.p2p
+    order = run.order
+    total, warmup = order.total, order.warmup
+    first_input, _ = p2p.exchange(recv_forward=order.wants_input(0))
+    run.received(first_input, None, 0, 0)
+    for k in range(warmup):
+        out = run.forward_k(k)
+        # The last warmup exchange also fetches the output gradient of the first backward.
+        get_grad = k == warmup - 1 and not forward_only and order.wants_grad(0)
+        x, grad = p2p.exchange(send_forward=out, recv_forward=order.wants_input(k + 1), recv_backward=get_grad)
+        free_output(out)
+        run.received(x, grad, k + 1, 0)
+
+    for i in range(total - warmup):
+        fk, bk = warmup + i, i
+        out = run.forward_k(fk)
+        input_grad = run.backward_k(bk)
+        x, grad = p2p.exchange(send_forward=out, send_backward=input_grad,
+                               recv_forward=order.wants_input(fk + 1), recv_backward=order.wants_grad(bk + 1))
+        free_output(out)
+        run.received(x, grad, fk + 1, bk + 1)
 
     if not forward_only:
-        for bk in range(steady, total):
-            c = chunk_of(bk, False)
-            input_grad = run.backward(c, run.grads[c].pop(0) if run.grads[c] else None)
-            _, grad = p2p.exchange(send_backward=input_grad, recv_backward=wants_grad(bk + 1))
-            if grad is not None:
-                run.grads[chunk_of(bk + 1, False)].append(grad)
+        for bk in range(total - warmup, total):
+            input_grad = run.backward_k(bk)
+            _, grad = p2p.exchange(send_backward=input_grad, recv_backward=order.wants_grad(bk + 1))
+            run.received(None, grad, 0, bk + 1)
+    return ScheduleResult(run.losses, run.max_in_flight)
+
+
+def _run_interleaved_overlapped(job: PipelineJob, forward_only: bool) -> ScheduleResult:
+    """Interleaved 1F1B whose sends and receives move during compute: the combined exchange of each
+    steady step is split into a forward batch, issued after the forward and in flight during the
+    backward, and a backward batch, issued after the backward and in flight during the next
+    forward (activations before gradients still, so each stage's op order is the same)."""
+    run, p2p = _InterleavedRunner(job, forward_only), job.p2p
+    order = run.order
+    total, warmup = order.total, order.warmup
+    forwards = p2p.start_exchange(recv_forward=order.wants_input(0))
+    backwards = None
+
+    def forward(k: int) -> None:
+        nonlocal forwards
+        x, _ = forwards.wait()
+        run.received(x, None, k, 0)
+        out = run.forward_k(k)
+        forwards = p2p.start_exchange(send_forward=out, recv_forward=order.wants_input(k + 1))
+        free_output(out)
+
+    def backward(k: int) -> None:
+        nonlocal backwards
+        _, grad = backwards.wait()
+        run.received(None, grad, 0, k)
+        backwards = p2p.start_exchange(send_backward=run.backward_k(k), recv_backward=order.wants_grad(k + 1))
+
+    for k in range(warmup):
+        forward(k)
+    if not forward_only:
+        backwards = p2p.start_exchange(recv_backward=order.wants_grad(0))
+        for i in range(total - warmup):
+            forward(warmup + i)
+            backward(i)
+        for k in range(total - warmup, total):
+            backward(k)
+        backwards.wait()
+    forwards.wait()
     return ScheduleResult(run.losses, run.max_in_flight)
 
 
