@@ -18,6 +18,7 @@ class ParallelConfig:
     virtual_stages: int = 1                      # interleaved pipeline: model chunks per stage
     layer_split: Optional[list[int]] = None      # uneven pipeline split: layers per chunk
     schedule: Literal["auto", "1f1b", "gpipe", "interleaved"] = "auto"
+    overlap_p2p_comm: bool = False               # 1F1B/interleaved: p2p transfers move during compute
     ranks_per_node: int = 0                      # 0: LOCAL_WORLD_SIZE
     distributed_backend: Literal["gloo", "nccl"] = "gloo"
 

@@ -64,13 +64,28 @@ class TrainState:
 
 
 def zero_groups(groups: ProcessGroups) -> ZeroGroups:
+    """ZeRO's groups from the grid's; the stage-3 gathers' node-local, cross-node and hpZ groups are
+    on the gather communicators (hpZ only where the topology was built with a partition size)."""
+    hpz = groups.hpz if groups.topology.hpz_partition_size > 1 else None
     return ZeroGroups(dp=groups.dp, shard=groups.mics_shard, replica=groups.mics_replica,
-                      model_parallel=groups.mp, gather=groups.mics_shard_gather)
+                      model_parallel=groups.mp, gather=groups.mics_shard_gather,
+                      node_local=groups.shard_node_local, cross_node=groups.shard_cross_node, hpz=hpz)
 
 
 def precision_of(cfg: TrainConfig) -> Precision:
     prec = cfg.precision
     return Precision.from_flags(prec.bf16, prec.fp16, prec.grad_accum_dtype, prec.reduce_dtype)
+
+
+def stage3_blocks(chunks) -> set:
+    """The modules that are one stage-3 unit each under stage3_granularity "layer": every
+    transformer layer and the embedding (the final norm and the head stay units of their own)."""
+    blocks = set()
+    for chunk in chunks:
+        blocks.update(chunk.layers.values())
+        if chunk.embedding is not None:
+            blocks.add(chunk.embedding)
+    return blocks
 
 
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
@@ -88,7 +103,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), zero_groups(groups), cfg.zero,
                         cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device,
                         counts_in_norm=lambda p: counts_in_norm(p, groups), isolated=summed_across_stages,
-                        streams=streams)
+                        streams=streams, unit_block=stage3_blocks(chunks).__contains__)
     for chunk in chunks:
         chunk.train()
     p2p = None
@@ -137,7 +152,7 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: Timers | N
 
     return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
                        stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
-                       backward=backward, p2p=state.p2p)
+                       backward=backward, p2p=state.p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm)
 
 
 def _global_loss(state: TrainState, losses: list[torch.Tensor]) -> float:

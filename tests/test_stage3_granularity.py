@@ -1,0 +1,81 @@
+"""Stage-3 units per transformer layer (`stage3_granularity: "layer"`), in fp32 against the
+single-process run, and the gathers they cost against per-module units.
+
+A layer unit holds every non-persistent parameter of one transformer block (the embedding is one
+block too; the final norm and the head stay units of their own), gathered once before the block
+runs and released after it: the same bytes as per-module units, in fewer, larger all-gathers.
+"""
+import pytest
+
+from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
+                     run_training, small_config, strip_padding)
+from megazero.parallel.groups import ProcessGroups
+
+VOCAB, STEPS = 61, 4
+LAYER = {"stage3_granularity": "layer", "prefetch_bucket_size": 20000}
+
+
+class CountingContext:
+    """A pool context whose groups' comm log also keeps each step's call counts (its end_step
+    clears them), so a test can read the stage-3 gathers of the last step."""
+
+    def __init__(self, ctx):
+        self.ctx, self.calls = ctx, []
+
+    def groups(self, topology):
+        groups = self.ctx.groups(topology)
+        if groups is not None:
+            log, end_step = groups.log, groups.log.end_step
+
+            def end_step_keeping_calls():
+                self.calls.append(dict(log.step_calls))
+                return end_step()
+            log.end_step = end_step_keeping_calls
+        return groups
+
+
+def counting_worker(ctx, layouts):
+    """Pool entry: trains each (config, dp); each result also carries the last step's stage-3
+    parameter all-gathers (on the shard-gather communicator): calls and bytes per rank."""
+    out = []
+    for cfg, dp in layouts:
+        counting = CountingContext(ctx)
+        result = layout_worker(counting, cfg, dp)
+        if result is not None:
+            gathers = {k: v for k, v in result["comm"].items() if k[0] == "all_gather" and "gather" in k[1]}
+            result["gather_bytes"] = sum(gathers.values())
+            result["gather_calls"] = sum(counting.calls[-1][k] for k in gathers)
+        out.append(result)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    result = run_training(small_config(steps=STEPS), ProcessGroups.single())
+    return result, strip_padding(assemble_params([result]), VOCAB)
+
+
+def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist_pool, reference):
+    ref, ref_params = reference
+    layouts = {
+        "layer units dp 2": (small_config(stage=3, steps=STEPS, zero_extra=LAYER), 2),
+        "module units dp 2": (small_config(stage=3, steps=STEPS), 2),
+        "layer units dp 4, MiCS 2": (small_config(stage=3, steps=STEPS, mics=2, zero_extra=LAYER), 4),
+        "layer units tp 2 x dp 2": (small_config(tp=2, stage=3, steps=STEPS, zero_extra=LAYER), 2),
+        "layer units pp 2 x dp 2": (small_config(pp=2, stage=3, steps=STEPS, zero_extra=LAYER), 2),
+    }
+    per_rank = dist_pool(4).run(counting_worker, list(layouts.values()))
+    results = dict(zip(layouts, (list(r) for r in zip(*per_rank))))
+    for what, got in results.items():
+        best = last_stage_result(got)
+        assert_close(best["losses"], ref["losses"], f"{what}: loss curve")
+        assert_close(best["norms"], ref["norms"], f"{what}: grad norms")
+        assert_params_match(strip_padding(assemble_params(got), VOCAB), ref_params, what)
+
+    layer, module = results["layer units dp 2"][0], results["module units dp 2"][0]
+    # Per layer, per-module units gather attention qkv/proj and mlp fc1/fc2 apart (4 gathers), a
+    # layer unit all at once; the bytes differ only by each unit's padding to the shard count.
+    assert layer["gather_calls"] * 2 < module["gather_calls"], (layer["gather_calls"], module["gather_calls"])
+    assert layer["gather_bytes"] == pytest.approx(module["gather_bytes"], rel=0.01)
+    per_call = [r["gather_bytes"] / r["gather_calls"] for r in (layer, module)]
+    assert per_call[0] > 2 * per_call[1], per_call
