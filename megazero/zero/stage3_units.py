@@ -11,9 +11,15 @@ behind the gradient reductions queued on the shard group.
 A released parameter's `.data` is an empty tensor, so any use before gathering fails with a shape
 error instead of reading stale memory; the unit's full buffer keeps its tensor object but its storage
 is resized to zero, so views that autograd saved during forward stay valid once it is re-gathered.
+
+With `offload_param` the low-precision partition lives in a home off the device (param_offload.py:
+host memory or per-unit files): `param_chunk` is then the home's host chunk, which the optimizer
+step, checkpoints and inspection write in place, and `device_chunk` brings a unit's chunk to the
+device for its gather (issued at prefetch time, nvme files read ahead along the last step's order).
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import torch
@@ -24,6 +30,9 @@ from megazero.streams import Event
 from .config import ZeroConfig
 from .flat import Bucket, FlatLayout
 from .groups import Precision, ZeroGroups, drop_storage, ensure_storage
+from .param_gather import ParamGather
+from .param_offload import GatherOrder, make_param_home
+from .quantized_comm import quantized_gradient_reducer
 from .storage import PartitionedStorage, ReductionQueue
 
 
@@ -63,6 +72,7 @@ class UnitStore(PartitionedStorage):
         super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams)
         self.groups = groups
         self.zero = zero if zero is not None else ZeroConfig(stage=3)
+        self.quantized_reduce = quantized_gradient_reducer(groups) if self.zero.zero_quantized_gradients else None
         # Marks the last write of the partition on the compute stream (the optimizer step): a
         # prefetch on its own stream waits for that, not for all the compute queued since.
         self.partition_ready = Event(self.device)
@@ -75,16 +85,67 @@ class UnitStore(PartitionedStorage):
             first += len(params)
         self.shapes = [shape for unit in self.units for shape in unit.shapes]
         self.partition_size = layout.partition_size
-        self.partition = torch.zeros(layout.partition_size, dtype=precision.param_dtype, device=self.device)
+        # Offloaded: the device keeps an empty partition (for its dtype); the home holds the values.
+        self.home, self.fetch_order, self._on_device = None, GatherOrder(), None
+        if self.zero.offloads_params:
+            chunks = [(b.local_offset, b.chunk) for b in layout.buckets]
+            self.home = make_param_home(self.zero.offload_param, chunks, precision.param_dtype, self.device,
+                                        self.streams, shard.ranks[shard.rank])
+        size = 0 if self.home is not None else layout.partition_size
+        self.partition = torch.zeros(size, dtype=precision.param_dtype, device=self.device)
         self.grad_part = torch.zeros(layout.partition_size, dtype=precision.grad_accum_dtype,
                                      device=self.device)
         drop_storage(self.grad_part)
         self.placeholder = torch.empty(0, dtype=precision.param_dtype, device=self.device)
         self.live_numel = 0           # elements of full parameters held (AVAILABLE or INFLIGHT)
         self.peak_live_numel = 0
+        self.param_gather = ParamGather(groups, self.zero, [u.total for u in self.units],
+                                        precision.param_dtype, self.device, self.streams)
 
     def param_chunk(self, b: int) -> torch.Tensor:
-        return self._part(self.partition, b)
+        if self.home is None:
+            return self._part(self.partition, b)
+        if self._on_device is not None:
+            return self._device_copy(b)
+        return self.home.host_chunk(b)
+
+    def device_chunk(self, unit: Unit) -> torch.Tensor:
+        """This rank's chunk of `unit` on the device, the source of its gather. Offloaded, the copy
+        runs on the copy stream (the current stream waits for it); an nvme home also starts reading
+        the files of the units that followed this one last step."""
+        if self.home is None:
+            return self.param_chunk(unit.index)
+        for b in self.fetch_order.next_after(unit.index, getattr(self.home, "capacity", 1) - 1):
+            self.home.prefetch(b)
+        return self.home.to_device(unit.index)
+
+    @contextlib.contextmanager
+    def _chunks_on_device(self, write_back: bool):
+        """Inside, `param_chunk(b)` is a device copy of the home's chunk, one bucket at a time (the
+        previous one is written back, when `write_back`, as the next is asked for, and at exit): for
+        the fp32 step of a device optimizer, and for collectives over the weights."""
+        if self.home is None or self.device.type == "cpu":
+            yield
+            return
+        self._on_device = [None, None, write_back]
+        try:
+            yield
+        finally:
+            self._release_device_copy()
+            self._on_device = None
+
+    def _device_copy(self, b: int) -> torch.Tensor:
+        held = self._on_device
+        if held[0] != b:
+            self._release_device_copy()
+            held[0], held[1] = b, self.home.to_device(b)
+        return held[1]
+
+    def _release_device_copy(self) -> None:
+        b, chunk, write_back = self._on_device
+        if chunk is not None and write_back:
+            self.home.host_chunk(b).copy_(chunk)
+        self._on_device[:2] = [None, None]
 
     def grad_chunk(self, b: int) -> torch.Tensor:
         return self._part(self.grad_part, b)
@@ -109,7 +170,8 @@ class UnitStore(PartitionedStorage):
                 if piece is not None:
                     value = init_fn(p).reshape(-1)
                     part_off, param_off, length = piece
-                    self.partition[part_off:part_off + length].copy_(value[param_off:param_off + length])
+                    rel = part_off - unit.part_offset
+                    self.param_chunk(unit.index)[rel:rel + length].copy_(value[param_off:param_off + length])
                     self._write_initial_piece(i, value)
                 new = nn.Parameter(self.placeholder, requires_grad=p.requires_grad)
                 new.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
@@ -117,6 +179,8 @@ class UnitStore(PartitionedStorage):
                 replaced[id(p)] = new
                 new_params.append(new)
             unit.params = new_params
+        if self.home is not None:
+            self.home.flush()
         self.partition_ready.record()
         self.params = [p for unit in self.units for p in unit.params]
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
@@ -132,8 +196,7 @@ class UnitStore(PartitionedStorage):
             # The backend's writes bump the buffer's version counter; autograd saved views of it
             # during forward must not see that as an in-place change, so it is restored after.
             keep_version = torch.autograd._unsafe_preserve_version_counter(unit.full)
-            handle = comm.all_gather(unit.full, self.param_chunk(unit.index), self.groups.shard_gather,
-                                     async_op=True)
+            handle = self.param_gather.start(unit, self.device_chunk(unit))
         unit.handle = comm.Handle([handle], then=lambda: self._gathered(unit, keep_version))
         unit.status = ParamStatus.INFLIGHT
         self.live_numel += unit.total
@@ -196,16 +259,34 @@ class UnitStore(PartitionedStorage):
         comm.all_reduce(self.grad_part, self.groups.replica)
 
     # --- optimizer ----------------------------------------------------------------------------
+    def step(self, step: int, lr: float, config, grad_scale: float) -> None:
+        # fp32 without a separate master: the offloaded weights are what Adam updates; a device
+        # optimizer steps device copies of them, bucket by bucket.
+        steps_copies = self.master is None and not self.zero.offloads_optimizer
+        with self._chunks_on_device(write_back=True) if steps_copies else contextlib.nullcontext():
+            super().step(step, lr, config, grad_scale)
+        if self.home is not None:
+            self.home.flush()                 # the updated chunks are in their home
+            self.fetch_order.end_step()
+        self.after_step()
+
+    def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
+        with self._chunks_on_device(write_back=False):
+            return super().gathered(param, kind)
+
     def after_step(self) -> None:
         self.partition_ready.record()
+        self.param_gather.partition_changed()
 
     def write_full_weights(self, i: int, flat: torch.Tensor) -> None:
         super().write_full_weights(i, flat)
         self.partition_ready.record()
+        self.param_gather.partition_changed()
 
     def refresh_low_precision(self, param: nn.Parameter) -> None:
         super().refresh_low_precision(param)
         self.partition_ready.record()
+        self.param_gather.partition_changed()
 
     def zero_grad(self) -> None:
         # Between steps the gradient partition holds no memory (as FSDP frees sharded grads), so
@@ -223,7 +304,8 @@ class UnitStore(PartitionedStorage):
         return sum(self.nbytes(u.grad_staging) for u in self.units)
 
     def memory_bytes(self) -> dict[str, int]:
-        return {"params": self.nbytes(self.partition),
+        offloaded = self.home.memory_bytes() if self.home is not None else {}
+        return {"params": self.nbytes(self.partition), **offloaded,
                 "grads": self.nbytes(self.grad_part),   # its size in backward (freed between steps)
                 "live_params": self.live_numel * self.partition.element_size(),
-                **super().memory_bytes()}
+                **self.param_gather.memory_bytes(), **super().memory_bytes()}
