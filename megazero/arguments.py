@@ -137,7 +137,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 sequence_parallel=args.sequence_parallel and topology.tp > 1,
                                 virtual_stages=virtual, layer_split=args.pipeline_layer_split,
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
-                                distributed_backend=backend),
+                                distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication),
         precision=precision,
         micro_batch_size=micro, global_batch_size=glob, train_iters=train_iters,
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
@@ -336,6 +336,12 @@ def _check_pipeline(args, topology: Topology, virtual: int, microbatches: int) -
     schedule = args.pipeline_schedule
     if topology.pp == 1 and schedule in ("gpipe", "1f1b", "interleaved"):
         raise UsageError(f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size > 1")
+    if args.overlap_p2p_communication and topology.pp == 1:
+        raise UsageError("--overlap-p2p-communication overlaps pipeline transfers, and "
+                         "--pipeline-model-parallel-size 1 has none; remove it")
+    if args.overlap_p2p_communication and schedule == "gpipe":
+        raise UsageError("--overlap-p2p-communication works with the 1f1b and interleaved schedules, not "
+                         "gpipe; remove it or choose another --pipeline-schedule")
     if virtual > 1 and schedule in ("gpipe", "1f1b"):
         raise UsageError(f"--pipeline-schedule {schedule} runs one model chunk per stage; drop "
                          f"--num-layers-per-virtual-pipeline-stage or use 'interleaved'")

@@ -142,6 +142,8 @@ def _parallel_flags(p) -> None:
          help="pipeline schedule")
     _add(g, "--pipeline-layer-split", type=int, nargs="+", default=None,
          help="layers per pipeline chunk, for uneven splits", shown="even")
+    _add(g, "--overlap-p2p-communication", action="store_true",
+         help="1f1b/interleaved: pipeline sends and receives move while the stage computes")
     _add(g, "--ranks-per-node", type=int, default=0, help="ranks per node; 0: LOCAL_WORLD_SIZE")
     _add(g, "--distributed-backend", choices=["gloo", "nccl"], default=None, help="process-group backend",
          shown="nccl when CUDA is available, else gloo")

@@ -3,6 +3,7 @@ train bit for bit as without overlap (same ops in the same order, only waited la
 data-parallel axis included. The op order itself, against a transport that runs each stage's
 batches in turn, is tests/test_p2p_order.py's.
 """
+import pytest
 import torch
 
 from layouts import layout_worker, small_config
@@ -43,3 +44,17 @@ def test_overlapped_p2p_trains_bitwise_like_plain_p2p(dist_pool):
             sent = {k: v for k, v in a["comm"].items() if k[0] in ("send", "recv")}
             assert sent and sent == {k: v for k, v in b["comm"].items() if k[0] in ("send", "recv")}, \
                 f"{what}: point-to-point bytes differ with overlap"
+
+
+def test_overlap_flag_reaches_the_schedule_and_refuses_what_it_cannot_overlap():
+    from megazero.arguments import config_from_args
+    from megazero.errors import UsageError
+    from megazero.flags import parse_args
+
+    pipeline = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--overlap-p2p-communication"]
+    assert config_from_args(parse_args(pipeline), world_size=2).parallel.overlap_p2p_comm
+    assert not config_from_args(parse_args(pipeline[:-1]), world_size=2).parallel.overlap_p2p_comm
+    with pytest.raises(UsageError, match="not gpipe"):
+        config_from_args(parse_args(pipeline + ["--pipeline-schedule", "gpipe"]), world_size=2)
+    with pytest.raises(UsageError, match="--pipeline-model-parallel-size 1 has none"):
+        config_from_args(parse_args(["--overlap-p2p-communication"]))
