@@ -24,7 +24,12 @@ theory leaves out the exchanges' latency; "excess ms" is the step time beyond th
 ping-pong between two stages is printed first to size one exchange. (Rerun with a larger
 --t-forward-ms: an excess that stays the same in ms is latency, one that grows is the ordering.)
 
-    python bench/bench_pipeline_bubble.py                  # ~1 min on 2 cores (t_f = 20 ms)
+1F1B and interleaved also run with overlapped p2p (`PipelineJob.overlap_p2p`, the
+--overlap-p2p-communication flag): the same schedule whose transfers move during the sleeps. A second
+table gives, per point, the overlapped step time over the plain one (below 1: latency hidden) and
+both bubbles against the theory.
+
+    python bench/bench_pipeline_bubble.py                  # ~2 min on 2 cores (t_f = 20 ms)
 """
 from __future__ import annotations
 
@@ -73,7 +78,7 @@ class SleepJob:
         self.busy += time.perf_counter() - started
 
 
-def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int) -> dict | None:
+def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int, overlap: bool) -> dict | None:
     """One (schedule, pp, m) point on this rank; ranks beyond pp return None."""
     groups = ctx.groups(Topology(world_size=pp, pp=pp))
     if groups is None:
@@ -82,7 +87,8 @@ def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int) -
     sleeper = SleepJob(t_forward / v, 2 * t_forward / v, lambda chunk: stage == pp - 1 and chunk == v - 1)
     p2p = PipelineP2P(groups.pp, ACTIVATION_SHAPE, torch.float32, torch.device("cpu"))
     job = PipelineJob(num_microbatches=m, num_chunks=v, stage=stage, num_stages=pp,
-                      forward=sleeper.forward, backward=make_backward(sleeper.backward), p2p=p2p)
+                      forward=sleeper.forward, backward=make_backward(sleeper.backward), p2p=p2p,
+                      overlap_p2p=overlap)
     run = get_schedule(schedule, pp, v)
     times, busy = [], []
     for step in range(steps + 1):                 # the first step warms gloo's connections up
@@ -96,13 +102,15 @@ def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int) -
     return {"times": times, "busy": busy}
 
 
-def point(pool: DistributedPool, schedule: str, pp: int, m: int, t_forward: float, steps: int) -> dict:
-    ranks = [r for r in pool.run(measure, schedule, pp, m, t_forward, steps) if r is not None]
+def point(pool: DistributedPool, schedule: str, pp: int, m: int, t_forward: float, steps: int,
+          overlap: bool = False) -> dict:
+    ranks = [r for r in pool.run(measure, schedule, pp, m, t_forward, steps, overlap) if r is not None]
     step_time = statistics.median(max(r["times"][i] for r in ranks) for i in range(steps))
     busy = statistics.mean(statistics.median(r["busy"]) for r in ranks)
     v = SCHEDULES[schedule]
     theory = theoretical_bubble(pp, m, v)
-    return {"schedule": schedule, "pp": pp, "m": m, "v": v, "step_ms": 1000 * step_time,
+    return {"schedule": schedule + (" +ovl" if overlap else ""), "pp": pp, "m": m, "v": v,
+            "plain": schedule, "overlap": overlap, "step_ms": 1000 * step_time,
             "busy_ms": 1000 * busy, "theory_step_ms": 1000 * busy / (1.0 - theory),
             "measured": 1.0 - busy / step_time, "theory": theory}
 
@@ -127,17 +135,36 @@ def ping_pong(ctx, rounds: int) -> float | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'schedule':<12} {'pp':>2} {'m':>3} {'v':>2} {'busy ms':>8} {'step ms':>8} {'theory ms':>9} "
+    head = (f"{'schedule':<17} {'pp':>2} {'m':>3} {'v':>2} {'busy ms':>8} {'step ms':>8} {'theory ms':>9} "
             f"{'excess ms':>9} {'bubble':>7} {'theory':>7} {'ratio':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['schedule']:<12} {r['pp']:>2} {r['m']:>3} {r['v']:>2} {r['busy_ms']:>8.1f} "
+        print(f"{r['schedule']:<17} {r['pp']:>2} {r['m']:>3} {r['v']:>2} {r['busy_ms']:>8.1f} "
               f"{r['step_ms']:>8.1f} {r['theory_step_ms']:>9.1f} {r['step_ms'] - r['theory_step_ms']:>9.1f} "
               f"{r['measured']:>7.3f} {r['theory']:>7.3f} {r['measured'] / r['theory']:>6.2f}")
     print("bubble = 1 - busy/step; theory = (pp-1)/(v*m + pp-1); ratio = bubble/theory;\n"
           "theory ms = busy/(1 - theory), the step time the theory predicts from the measured compute; "
-          "excess = step - theory ms")
+          "excess = step - theory ms; +ovl: overlapped p2p")
+
+
+def print_overlap_table(rows: list[dict]) -> None:
+    plain = {(r["plain"], r["pp"], r["m"]): r for r in rows if not r["overlap"]}
+    pairs = [(plain[(r["plain"], r["pp"], r["m"])], r) for r in rows
+             if r["overlap"] and (r["plain"], r["pp"], r["m"]) in plain]
+    if not pairs:
+        return
+    head = (f"{'schedule':<12} {'pp':>2} {'m':>3} {'v':>2} {'plain ms':>8} {'ovl ms':>8} {'ovl/plain':>9} "
+            f"{'excess':>7} {'ovl exc':>7} {'bubble/th':>9} {'ovl b/th':>8}")
+    print("\noverlapped p2p against plain, same points")
+    print(head)
+    print("-" * len(head))
+    for a, b in pairs:
+        print(f"{a['plain']:<12} {a['pp']:>2} {a['m']:>3} {a['v']:>2} {a['step_ms']:>8.1f} {b['step_ms']:>8.1f} "
+              f"{b['step_ms'] / a['step_ms']:>9.3f} {a['step_ms'] - a['theory_step_ms']:>7.1f} "
+              f"{b['step_ms'] - b['theory_step_ms']:>7.1f} {a['measured'] / a['theory']:>9.2f} "
+              f"{b['measured'] / b['theory']:>8.2f}")
+    print("ovl/plain = overlapped step / plain step; excess = step - theory ms; b/th = bubble / theory")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -149,6 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--steps", type=int, default=3, help="timed steps per point (after one warm-up)")
+    p.add_argument("--overlap", choices=["both", "off", "on"], default="both",
+                   help="1f1b/interleaved with plain p2p, overlapped p2p, or both (gpipe: plain only)")
     return p.parse_args(argv)
 
 
@@ -165,13 +194,16 @@ def main(argv=None) -> None:
     try:
         latency = pool.run(ping_pong, 200)[0]
         print(f"one p2p exchange between two idle stages (ping-pong / 2): {1000 * latency:.2f} ms")
+        modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.overlap]
         for schedule in args.schedules.split(","):
-            for pp in pps:
-                for m in ms:
-                    rows.append(point(pool, schedule, pp, m, t_forward, args.steps))
+            for overlap in (False,) if schedule == "gpipe" else modes:
+                for pp in pps:
+                    for m in ms:
+                        rows.append(point(pool, schedule, pp, m, t_forward, args.steps, overlap))
     finally:
         pool.close()
     print_table(rows)
+    print_overlap_table(rows)
 
 
 if __name__ == "__main__":
