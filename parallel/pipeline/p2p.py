@@ -10,8 +10,10 @@ goes with tag 0, and correctness rests on this rule:
 1. Every `exchange` is one batch of isend/irecv ops. Without overlap each is waited in full before
    the next one, so each pair of stages meets in lockstep. With overlap (`start_exchange`, Megatron's
    overlap_p2p_comm) batches stay in flight while the stage computes and are waited only when their
-   tensors are needed; the schedules then issue the same ops in the same order per stage as without,
-   only split into a forward batch and a backward batch, so the matching is unchanged.
+   tensors are needed; the schedules then issue the same ops as without, in the same order per
+   peer and direction, only batched differently, so the matching is unchanged. A stage's batches
+   still run one after another on its communicator (NCCL: one stream), so a receive issued early
+   delays the sends issued after it: the overlapped schedules are checked for that too.
 2. Inside a batch, sends are listed activation (to the next stage) before gradient (to the previous
    one), and receives activation (from the previous stage) before gradient (from the next one). For
    a pair (A, B), A sends B [its activation if B is A's next, its gradient if B is A's previous] and

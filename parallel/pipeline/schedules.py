@@ -17,8 +17,8 @@ checks every schedule against it).
 
 With `job.overlap_p2p` (1F1B and interleaved; Megatron's overlap_p2p_comm) the batches are issued
 with `p2p.start_exchange` and waited only when their tensors are needed, so transfers move while the
-stage computes; each stage issues the same ops in the same order as without, so the results are
-bitwise the same.
+stage computes; each stage issues the same ops as without, in the same order per peer and
+direction (which is all the matching sees), so the results are bitwise the same.
 """
 from __future__ import annotations
 
