@@ -1,0 +1,110 @@
+"""offload_param (stage 3): the low-precision partition in host memory or in per-unit swap files
+reproduces the non-offloaded single-process curve in fp32 (rtol 1e-5), with TP 2 and with PP 2; the
+memory report moves the partition's bytes off the device; a truncated swap file is an error naming
+it; the nvme read-ahead follows the last step's fetch order."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
+                     run_training, small_config, strip_padding, with_padded_vocab)
+from megazero.data.synthetic import ArithmeticTokens
+from megazero.lr_schedule import learning_rate
+from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.topology import Topology
+from megazero.training import MicrobatchSource, setup, train_step
+from megazero.zero.param_offload import GatherOrder, SwapFileError
+
+VOCAB = 61
+STEPS = 3
+
+
+def offloaded(device: str, root: str, tp=1, pp=1, **extra):
+    block = {"device": device}
+    if device == "nvme":
+        block.update(nvme_path=os.path.join(root, f"{device}-tp{tp}-pp{pp}"), buffer_count=2)
+    return small_config(tp=tp, pp=pp, stage=3, steps=STEPS,
+                        zero_extra={"offload_param": block, **extra})
+
+
+@pytest.fixture(scope="module")
+def reference():
+    result = run_training(small_config(steps=STEPS), ProcessGroups.single())
+    return result, strip_padding(assemble_params([result]), VOCAB)
+
+
+def run_layouts(ctx, layouts):
+    """Pool entry: trains each (config, dp) in turn (None on ranks outside a layout)."""
+    return [layout_worker(ctx, cfg, dp) for cfg, dp in layouts]
+
+
+def test_offloaded_params_reproduce_the_single_process_curve(dist_pool, reference, tmp_path):
+    ref, ref_params = reference
+    layouts = {
+        "cpu dp 4": (offloaded("cpu", str(tmp_path)), 4),
+        "nvme dp 4": (offloaded("nvme", str(tmp_path)), 4),
+        "cpu tp 2 dp 2": (offloaded("cpu", str(tmp_path), tp=2), 2),
+        "nvme tp 2 dp 2": (offloaded("nvme", str(tmp_path), tp=2), 2),
+        "nvme pp 2 dp 2": (offloaded("nvme", str(tmp_path), pp=2), 2),
+    }
+    results = dist_pool(4).run(run_layouts, [layout for layout in layouts.values()])
+    for k, (what, (cfg, dp)) in enumerate(layouts.items()):
+        got = [per_rank[k] for per_rank in results]
+        last = last_stage_result(got)
+        assert_close(last["losses"], ref["losses"], f"{what}: loss curve")
+        assert_close(last["norms"], ref["norms"], f"{what}: grad norms")
+        assert_params_match(strip_padding(assemble_params(got), VOCAB), ref_params, what)
+        device = cfg.zero.offload_param.device
+        for r in (r for r in got if r is not None):
+            memory = r["memory"]
+            # The only device-side low-precision weights left are the persistent (small) ones.
+            assert memory[f"{device}_params" if device == "nvme" else "host_params"] > 0, what
+            assert memory["params"] < memory[f"{device}_params" if device == "nvme" else "host_params"], what
+        if device == "nvme":
+            files = list(Path(cfg.zero.offload_param.nvme_path).glob("megazero_swap/rank*/params/unit*.swp"))
+            assert len({f.parent.parent for f in files}) == 4, f"{what}: one swap folder per rank"
+
+
+def truncated_swap_file(ctx, cfg):
+    """Pool entry: one step, then a swap file of rank 1 loses its last bytes; the next step's read of
+    it must fail naming the file (rank 1 answers the error it raised, the others whatever they got)."""
+    groups = ctx.groups(Topology(world_size=2))
+    if groups is None:
+        return None
+    cfg = with_padded_vocab(cfg)
+    state = setup(cfg, groups)
+    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
+                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)
+    train_step(state, source.batch(0), learning_rate(cfg.optimizer, 1, cfg.train_iters))
+    store = state.engine.store
+    victim = store.home.path(len(store.units) - 1)
+    if ctx.rank == 1:
+        store.home.held.clear()             # nothing cached: the next use reads the file
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) - 2)
+        try:
+            store.device_chunk(store.units[-1])
+        except SwapFileError as err:
+            return str(err), str(victim)
+        return "no error", str(victim)
+    return None
+
+
+def test_truncated_swap_file_is_an_error_naming_it(dist_pool, tmp_path):
+    cfg = offloaded("nvme", str(tmp_path))
+    message, victim = dist_pool(4).run(truncated_swap_file, cfg)[1]
+    assert victim in message and "truncated" in message, message
+
+
+def test_read_ahead_follows_the_last_steps_order():
+    order = GatherOrder()
+    assert order.next_after(0, 2) == []                  # nothing recorded yet
+    for b in (1, 2, 2, 1, 0):                            # this step: 0 1 2 2 1 0
+        assert order.next_after(b, 2) == []
+    order.end_step()
+    assert order.next_after(0, 2) == [1, 2]
+    assert order.next_after(1, 2) == [2, 2]
+    assert order.next_after(0, 3) == []                 # out of step: 0's next use, the last
+    assert order.next_after(2, 2) == [2, 1]             # none after that: 2's first use
