@@ -40,6 +40,7 @@ import dataclasses
 import torch
 
 from megazero import comm
+from megazero.errors import UsageError
 from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, quantize
 from .groups import ZeroGroups
 
@@ -175,8 +176,12 @@ def _check_node_groups(shard: comm.Group, node_local: comm.Group | None,
     locals_, s = node_local.size, shard.rank
     p, l = divmod(s, locals_)
     want_local, want_cross = shard.ranks[p * locals_:(p + 1) * locals_], shard.ranks[l::locals_]
-    if (locals_ * cross_node.size != shard.size or tuple(node_local.ranks) != tuple(want_local)
-            or tuple(cross_node.ranks) != tuple(want_cross) or node_local.rank != l or cross_node.rank != p):
+    if locals_ * cross_node.size != shard.size:
+        raise UsageError(f"zero_quantized_gradients needs the shard group {list(shard.ranks)} to have the "
+                         f"same number of ranks on every node it spans (this node has {locals_}); change "
+                         f"ranks_per_node or mics_shard_size")
+    if (tuple(node_local.ranks) != tuple(want_local) or tuple(cross_node.ranks) != tuple(want_cross)
+            or node_local.rank != l or cross_node.rank != p):
         raise ValueError(f"qgZ: node groups {node_local} and {cross_node} are not the node-major split of "
                          f"{shard} (expected node_local ranks {list(want_local)}, cross_node ranks "
                          f"{list(want_cross)})")
