@@ -1,7 +1,7 @@
 """offload_param (stage 3): the low-precision partition in host memory or in per-unit swap files
 reproduces the non-offloaded single-process curve in fp32 (rtol 1e-5), with TP 2 and with PP 2; the
 memory report moves the partition's bytes off the device; a truncated swap file is an error naming
-it; the nvme read-ahead follows the last step's fetch order."""
+it; the nvme read-ahead follows the last step's fetch order. Composes with offload_optimizer."""
 import os
 from pathlib import Path
 
@@ -48,6 +48,9 @@ def test_offloaded_params_reproduce_the_single_process_curve(dist_pool, referenc
         "cpu tp 2 dp 2": (offloaded("cpu", str(tmp_path), tp=2), 2),
         "nvme tp 2 dp 2": (offloaded("nvme", str(tmp_path), tp=2), 2),
         "nvme pp 2 dp 2": (offloaded("nvme", str(tmp_path), pp=2), 2),
+        # With the optimizer offloaded too, its host step writes the updated weights to their home.
+        "nvme + offload_optimizer nvme tp 2 dp 2": (offloaded("nvme", str(tmp_path / "both"), tp=2, offload_optimizer={
+            "device": "nvme", "nvme_path": str(tmp_path / "both"), "pipeline_read": True}), 2),
     }
     results = dist_pool(4).run(run_layouts, [layout for layout in layouts.values()])
     for k, (what, (cfg, dp)) in enumerate(layouts.items()):
@@ -62,6 +65,8 @@ def test_offloaded_params_reproduce_the_single_process_curve(dist_pool, referenc
             # The only device-side low-precision weights left are the persistent (small) ones.
             assert memory[f"{device}_params" if device == "nvme" else "host_params"] > 0, what
             assert memory["params"] < memory[f"{device}_params" if device == "nvme" else "host_params"], what
+            if cfg.zero.offloads_optimizer:
+                assert memory["nvme_optimizer_states"] > 0 and memory["optimizer_states"] == 0, what
         if device == "nvme":
             files = list(Path(cfg.zero.offload_param.nvme_path).glob("megazero_swap/rank*/params/unit*.swp"))
             assert len({f.parent.parent for f in files}) == 4, f"{what}: one swap folder per rank"
