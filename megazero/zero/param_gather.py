@@ -51,6 +51,7 @@ class ParamGather:
             self.secondary_offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             self.secondary = torch.empty(sum(sizes), dtype=dtype, device=device)
         self.fresh = [False] * len(unit_totals)          # secondary slice holds the current weights
+        self.generation = 0                              # partition writes so far
         self.secondary_ready = Event(device)             # the last secondary write, on its stream
         self.gathered_numel: collections.Counter = collections.Counter()  # elements, by "primary"/"secondary"
 
@@ -67,11 +68,13 @@ class ParamGather:
             self._all_gather(unit.full, chunk, self.shard, quantized=self.zero.zero_quantized_weights)
         if self.hpz is None:
             return handle
-        return comm.Handle([handle], then=lambda: self._keep_secondary(unit))
+        generation = self.generation
+        return comm.Handle([handle], then=lambda: self._keep_secondary(unit, generation))
 
     def partition_changed(self) -> None:
         """The primary partition was written (optimizer step, loaded weights): secondaries are stale."""
         self.fresh = [False] * len(self.fresh)
+        self.generation += 1
 
     # --- the ways ----------------------------------------------------------------------------
     def _all_gather(self, out: torch.Tensor, chunk: torch.Tensor, group: comm.Group, quantized: bool):
@@ -102,7 +105,9 @@ class ParamGather:
         start = self.secondary_offsets[unit.index]
         return self.secondary[start:start + size]
 
-    def _keep_secondary(self, unit) -> None:
+    def _keep_secondary(self, unit, generation: int) -> None:
+        if generation != self.generation:
+            return          # issued before the partition changed (waited for after it): stale
         size = unit.total // self.hpz.size
         mine = self.hpz.rank * size
         self._secondary(unit).copy_(unit.full[mine:mine + size])
