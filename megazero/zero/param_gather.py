@@ -25,6 +25,7 @@ secondary slice) runs when it is waited for, on the waiting (compute) stream.
 from __future__ import annotations
 
 import collections
+import itertools
 
 import torch
 
@@ -42,13 +43,13 @@ class ParamGather:
                  streams):
         self.groups, self.zero, self.streams = groups, zero, streams
         self.shard = groups.shard_gather
-        self.two_hop = zero.mics_hierarchical_params_gather and _two_hops_help(groups)
+        self.two_hop = zero.mics_hierarchical_params_gather and _worth_two_hops(groups)
         self.hpz = _hpz_group(groups, zero.zero_hpz_partition_size)
         self.secondary: torch.Tensor | None = None
         self.secondary_offsets: list[int] = []
         if self.hpz is not None:
             sizes = [total // self.hpz.size for total in unit_totals]
-            self.secondary_offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            self.secondary_offsets = [0, *itertools.accumulate(sizes)][:-1]
             self.secondary = torch.empty(sum(sizes), dtype=dtype, device=device)
         self.fresh = [False] * len(unit_totals)          # secondary slice holds the current weights
         self.generation = 0                              # partition writes so far
@@ -121,7 +122,7 @@ class ParamGather:
         return {"secondary_params": self.secondary.numel() * self.secondary.element_size()}
 
 
-def _two_hops_help(groups: ZeroGroups) -> bool:
+def _worth_two_hops(groups: ZeroGroups) -> bool:
     """Whether the shard group spans nodes with several of its ranks on each (with one rank per node,
     or all on one node, the flat gather moves the same bytes over the same links)."""
     cross, local, shard = groups.cross_node, groups.node_local, groups.shard_gather
@@ -138,7 +139,7 @@ def _two_hops_help(groups: ZeroGroups) -> bool:
 def _hpz_group(groups: ZeroGroups, size: int) -> comm.Group | None:
     if size == 1:
         return None
-    if groups.hpz is None or groups.hpz.size != size:
+    if groups.hpz is None or groups.hpz.size != size or groups.shard_gather.size % size:
         have = "no hpZ group" if groups.hpz is None else f"an hpZ group of {groups.hpz.size}"
         raise UsageError(f"zero_hpz_partition_size {size} needs process groups built with "
                          f"Topology(hpz_partition_size={size}), but the ZeRO groups have {have}; "
