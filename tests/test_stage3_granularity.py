@@ -8,8 +8,11 @@ runs and released after it: the same bytes as per-module units, in fewer, larger
 import pytest
 
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
-                     run_training, small_config, strip_padding)
+                     run_training, small_config, strip_padding, with_padded_vocab)
+from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.groups import ProcessGroups
+from megazero.training import MicrobatchSource, setup, train_step
+from megazero.zero.stage3_units import ParamStatus
 
 VOCAB, STEPS = 61, 4
 LAYER = {"stage3_granularity": "layer", "prefetch_bucket_size": 20000}
@@ -61,7 +64,8 @@ def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist
         "layer units dp 2": (small_config(stage=3, steps=STEPS, zero_extra=LAYER), 2),
         "module units dp 2": (small_config(stage=3, steps=STEPS), 2),
         "layer units dp 4, MiCS 2": (small_config(stage=3, steps=STEPS, mics=2, zero_extra=LAYER), 4),
-        "layer units tp 2 x dp 2": (small_config(tp=2, stage=3, steps=STEPS, zero_extra=LAYER), 2),
+        "layer units tp 2 x dp 2, recompute": (small_config(tp=2, stage=3, steps=STEPS, zero_extra=LAYER,
+                                                            model_extra={"recompute_activations": True}), 2),
         "layer units pp 2 x dp 2": (small_config(pp=2, stage=3, steps=STEPS, zero_extra=LAYER), 2),
     }
     per_rank = dist_pool(4).run(counting_worker, list(layouts.values()))
@@ -79,3 +83,27 @@ def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist
     assert layer["gather_bytes"] == pytest.approx(module["gather_bytes"], rel=0.01)
     per_call = [r["gather_bytes"] / r["gather_calls"] for r in (layer, module)]
     assert per_call[0] > 2 * per_call[1], per_call
+
+
+def test_a_layer_unit_is_gathered_before_the_layer_and_released_after_it():
+    """One process: the hooks sit on the blocks, a layer's submodules all run on its one gathered
+    unit, and with no reuse the unit is gone as soon as the layer's forward returns."""
+    cfg = with_padded_vocab(small_config(stage=3, steps=1, global_batch=4,
+                                         zero_extra={**LAYER, "max_reuse_distance": 0}))
+    groups = ProcessGroups.single()
+    state = setup(cfg, groups)
+    gather = state.engine.gather
+    hooked = {gather.module_name(m) for m in gather.module_units}
+    assert hooked == {"embedding", "output_head", *(f"layers.{i}" for i in range(4))}, hooked
+    layer = state.chunks[0].layers["1"]
+    unit = layer.attention.qkv.weight.zero_unit
+    assert {p.zero_unit for p in layer.parameters() if hasattr(p, "zero_unit")} == {unit}
+    statuses = []
+    for sub in (layer.input_norm, layer.attention.qkv, layer.mlp.fc2):
+        sub.register_forward_pre_hook(lambda m, args: statuses.append(unit.status))
+    layer.register_forward_hook(lambda m, args, out: statuses.append(unit.status))
+    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
+                              cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    train_step(state, source.batch(0), 1e-3)
+    during, after = ParamStatus.AVAILABLE, ParamStatus.NOT_AVAILABLE
+    assert statuses == [during, during, during, after] * source.num_microbatches, statuses
