@@ -6,7 +6,7 @@ batches in turn, is tests/test_p2p_order.py's.
 import pytest
 import torch
 
-from layouts import layout_worker, small_config
+from layouts import layout_worker, small_config, with_padded_vocab
 
 STEPS = 2
 
@@ -50,9 +50,13 @@ def test_overlap_flag_reaches_the_schedule_and_refuses_what_it_cannot_overlap():
     from megazero.arguments import config_from_args
     from megazero.errors import UsageError
     from megazero.flags import parse_args
+    from megazero.parallel.groups import ProcessGroups
+    from megazero.training import _job, setup
 
     pipeline = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--overlap-p2p-communication"]
     assert config_from_args(parse_args(pipeline), world_size=2).parallel.overlap_p2p_comm
+    state = setup(with_padded_vocab(overlapped(small_config(steps=1))), ProcessGroups.single())
+    assert _job(state, []).overlap_p2p, "the training loop's pipeline job ignores overlap_p2p_comm"
     assert not config_from_args(parse_args(pipeline[:-1]), world_size=2).parallel.overlap_p2p_comm
     with pytest.raises(UsageError, match="not gpipe"):
         config_from_args(parse_args(pipeline + ["--pipeline-schedule", "gpipe"]), world_size=2)
