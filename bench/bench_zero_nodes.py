@@ -20,7 +20,7 @@ a real cluster's slow links would carry. The first losses of every row are print
 
 Add a row with one line in ROWS: (name, zero_optimization keys, inter-node formula or None).
 
-    python bench/bench_zero_nodes.py                   # ~2 min on 2 cores
+    python bench/bench_zero_nodes.py                   # a few minutes on 2 cores (8 processes)
     python bench/bench_zero_nodes.py --rounds 1 --rows plain,hpz
 """
 from __future__ import annotations
