@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import queue
+import weakref
 import zlib
 from pathlib import Path
 
@@ -117,6 +118,8 @@ class SubGroupSwapper:
         self._writes: list[concurrent.futures.Future] = []
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(kinds),
                                                           thread_name_prefix="optimizer-swap")
+        # An engine dropped without close() still lets its idle I/O threads go.
+        weakref.finalize(self, self.pool.shutdown, False)
 
     def buffer_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for buffers in self.sets for t in buffers.values())
