@@ -2,9 +2,9 @@
 gradient reduce-scatter (all-to-all inside the node, then across nodes).
 
 Owns the data movement of these two collectives and their format choices. The block format and its
-kernels belong to megazero.ops.quantize; the byte accounting to megazero.comm: codes and scales
-travel through comm's own collectives, so the comm log counts the bytes that actually move (codes,
-plus 4 bytes of fp32 scale per block). This module decides nothing about *when* the collectives are
+kernels belong to megazero.ops.quantize; the byte accounting to megazero.comm: codes and scales,
+packed into one byte buffer (one collective moves both), travel through comm's own collectives, so
+the comm log counts the bytes that actually move (codes, plus 4 bytes of fp32 scale per block). This module decides nothing about *when* the collectives are
 used: the stage-3 parameter gather calls `quantized_all_gather` for the forward gather under
 `zero_quantized_weights`, and `PartitionedStorage.reduce_bucket` calls the reducer that
 `quantized_gradient_reducer` builds under `zero_quantized_gradients`.
@@ -66,17 +66,18 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
         out.view(-1).copy_(chunk.reshape(-1))      # nothing moves, so nothing is quantized
         return comm.Handle() if async_op else None
     q = quantize(chunk, bits, block_size, symmetric=True)
-    codes = torch.empty((group.size, q.codes.numel()), dtype=torch.uint8, device=group.device)
-    scales = torch.empty((group.size, q.num_blocks), dtype=torch.float32, device=group.device)
-    works = [comm.all_gather(codes, q.codes, group, async_op=True),
-             comm.all_gather(scales, q.scales, group, async_op=True)]
+    send = _pack(q, 1)
+    received = torch.empty((group.size, send.shape[1]), dtype=torch.uint8, device=group.device)
+    work = comm.all_gather(received, send, group, async_op=True)
     rows = out.view(group.size, chunk.numel())
 
     def dequantize_rows():
+        gathered = _unpack(received, q)
         for i in range(group.size):
-            dequantize(dataclasses.replace(q, codes=codes[i], scales=scales[i]), out.dtype, out=rows[i])
+            row = dataclasses.replace(q, codes=gathered.codes[i], scales=gathered.scales[i])
+            dequantize(row, out.dtype, out=rows[i])
 
-    handle = comm.Handle(works, then=dequantize_rows)
+    handle = comm.Handle([work], then=dequantize_rows)
     if async_op:
         return handle
     handle.wait()
@@ -150,18 +151,30 @@ class _QuantizedAllToAll:
             staged = torch.zeros((group.size, padded), dtype=rows.dtype, device=rows.device)
             staged[:, :self.m] = rows
             rows = staged
-        q = quantize(rows, bits, block_size, symmetric=True)
-        send_codes, send_scales = q.codes.view(group.size, -1), q.scales.view(group.size, -1)
-        self.received = QuantizedTensor(torch.empty_like(send_codes), torch.empty_like(send_scales), None,
-                                        padded, bits, block_size)
-        self.handle = comm.Handle([comm.all_to_all(self.received.codes, send_codes, group, async_op=True),
-                                   comm.all_to_all(self.received.scales, send_scales, group, async_op=True)])
+        self.row_format = QuantizedTensor(None, None, None, padded, bits, block_size)
+        send = _pack(quantize(rows, bits, block_size, symmetric=True), group.size)
+        self.received = torch.empty_like(send)
+        self.handle = comm.all_to_all(self.received, send, group, async_op=True)
 
     def reduced(self) -> torch.Tensor:
         self.handle.wait()
         if self.group.size == 1:
             return self.local.float()
-        return dequantize_reduce(self.received)[:self.m]
+        return dequantize_reduce(_unpack(self.received, self.row_format))[:self.m]
+
+
+def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:
+    """q (`rows` equal rows of whole blocks) as one byte buffer [rows, codes + scales]: one
+    collective moves both."""
+    scales = q.scales.view(rows, -1).view(torch.uint8)
+    return torch.cat([q.codes.view(rows, -1), scales], dim=1)
+
+
+def _unpack(packed: torch.Tensor, row: QuantizedTensor) -> QuantizedTensor:
+    """Received [k, codes + scales] rows of the format `row` as one stacked QuantizedTensor."""
+    nbytes = row.num_blocks * row.bytes_per_block
+    return dataclasses.replace(row, codes=packed[:, :nbytes].contiguous(), mins=None,
+                               scales=packed[:, nbytes:].contiguous().view(torch.float32))
 
 
 def _check_node_groups(shard: comm.Group, node_local: comm.Group | None,
