@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megazero.errors import UsageError
+from megazero.streams import Event
 from .adam import adam_update
 from .groups import drop_storage
 from .swap import SubGroupSwapper
@@ -64,6 +65,8 @@ class OptimizerOffload:
         self.grad_buffer = torch.empty(longest, dtype=storage.precision.grad_accum_dtype, pin_memory=pin)
         self.lp_buffer = (torch.empty(longest, dtype=storage.precision.param_dtype, pin_memory=pin)
                           if storage.precision.mixed else None)
+        # Device<->host copies are issued without blocking and waited once per batch of them.
+        self.copied = Event(storage.device)
         self.host: dict[str, torch.Tensor] | None = None
         self.swapper: SubGroupSwapper | None = None
         self._cache: tuple[int, int, dict[str, torch.Tensor]] | None = None
@@ -156,7 +159,12 @@ class OptimizerOffload:
                     swapper.prefetch(k + 1)
                 self._step_sub_group(storage, pieces[k], states, e - s, step, lr, config, grad_scale)
                 if swapper is not None:
+                    # The buffer set is refilled once written: its copies to the device must be done.
+                    self.copied.record()
+                    self.copied.synchronize()
                     swapper.store(k, states)
+            self.copied.record()
+            self.copied.synchronize()
         finally:
             if swapper is not None:
                 swapper.drain()
@@ -164,7 +172,11 @@ class OptimizerOffload:
     def _step_sub_group(self, storage, pieces, states, n, step, lr, config, grad_scale) -> None:
         grad = self.grad_buffer[:n]
         for b, lo, hi, _, at in pieces:
-            grad[at:at + hi - lo].copy_(storage.grad_chunk(b)[lo:hi])
+            grad[at:at + hi - lo].copy_(storage.grad_chunk(b)[lo:hi], non_blocking=True)
+        # The host buffers are written below: the gradients must have arrived, and the previous
+        # sub-group's weights (queued before on the same stream) must have left.
+        self.copied.record()
+        self.copied.synchronize()
         lp = self.lp_buffer[:n] if self.lp_buffer is not None else None
         master, m, v = states["fp32"], states["exp_avg"], states["exp_avg_sq"]
         for b, lo, hi, wd, at in pieces:
@@ -174,7 +186,7 @@ class OptimizerOffload:
                         param_copy=None if lp is None else lp[r])
         updated = master if lp is None else lp
         for b, lo, hi, _, at in pieces:
-            storage.param_chunk(b)[lo:hi].copy_(updated[at:at + hi - lo])
+            storage.param_chunk(b)[lo:hi].copy_(updated[at:at + hi - lo], non_blocking=True)
 
     # --- accounting -------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
