@@ -46,7 +46,11 @@ from megazero.parallel.topology import Topology
 from megazero.testing import DistributedPool
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}      # schedule -> model chunks per stage
-ACTIVATION_SHAPE = (1, 16, 32)                              # a small (micro, seq, hidden) activation
+SEQ = 16                                                    # activation (1, SEQ, hidden), fp32
+
+
+def activation_shape(kib: int) -> tuple[int, int, int]:
+    return (1, SEQ, max(1, kib * 1024 // (4 * SEQ)))
 
 
 def theoretical_bubble(pp: int, m: int, v: int) -> float:
@@ -58,10 +62,10 @@ class SleepJob:
     keeps a one-op autograd graph from its input so the schedules' backward path (gradient sent to
     the previous stage) runs for real."""
 
-    def __init__(self, t_forward: float, t_backward: float, is_loss_chunk):
+    def __init__(self, t_forward: float, t_backward: float, is_loss_chunk, shape):
         self.t_forward, self.t_backward, self.is_loss_chunk = t_forward, t_backward, is_loss_chunk
         self.busy = 0.0
-        self.source = torch.ones(ACTIVATION_SHAPE, requires_grad=True)   # the first stage's input
+        self.source = torch.ones(shape, requires_grad=True)   # the first stage's input
 
     def forward(self, chunk: int, input_tensor, microbatch: int) -> torch.Tensor:
         started = time.perf_counter()
@@ -78,14 +82,16 @@ class SleepJob:
         self.busy += time.perf_counter() - started
 
 
-def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int, overlap: bool) -> dict | None:
+def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int, overlap: bool,
+            kib: int) -> dict | None:
     """One (schedule, pp, m) point on this rank; ranks beyond pp return None."""
     groups = ctx.groups(Topology(world_size=pp, pp=pp))
     if groups is None:
         return None
     v, stage = SCHEDULES[schedule], groups.coords.pp
-    sleeper = SleepJob(t_forward / v, 2 * t_forward / v, lambda chunk: stage == pp - 1 and chunk == v - 1)
-    p2p = PipelineP2P(groups.pp, ACTIVATION_SHAPE, torch.float32, torch.device("cpu"))
+    shape = activation_shape(kib)
+    sleeper = SleepJob(t_forward / v, 2 * t_forward / v, lambda chunk: stage == pp - 1 and chunk == v - 1, shape)
+    p2p = PipelineP2P(groups.pp, shape, torch.float32, torch.device("cpu"))
     job = PipelineJob(num_microbatches=m, num_chunks=v, stage=stage, num_stages=pp,
                       forward=sleeper.forward, backward=make_backward(sleeper.backward), p2p=p2p,
                       overlap_p2p=overlap)
@@ -103,8 +109,8 @@ def measure(ctx, schedule: str, pp: int, m: int, t_forward: float, steps: int, o
 
 
 def point(pool: DistributedPool, schedule: str, pp: int, m: int, t_forward: float, steps: int,
-          overlap: bool = False) -> dict:
-    ranks = [r for r in pool.run(measure, schedule, pp, m, t_forward, steps, overlap) if r is not None]
+          overlap: bool = False, kib: int = 2) -> dict:
+    ranks = [r for r in pool.run(measure, schedule, pp, m, t_forward, steps, overlap, kib) if r is not None]
     step_time = statistics.median(max(r["times"][i] for r in ranks) for i in range(steps))
     busy = statistics.mean(statistics.median(r["busy"]) for r in ranks)
     v = SCHEDULES[schedule]
@@ -115,13 +121,13 @@ def point(pool: DistributedPool, schedule: str, pp: int, m: int, t_forward: floa
             "measured": 1.0 - busy / step_time, "theory": theory}
 
 
-def ping_pong(ctx, rounds: int) -> float | None:
+def ping_pong(ctx, rounds: int, kib: int) -> float | None:
     """Median one-way time of an exchange between stages 0 and 1 (round trip / 2), in seconds."""
     groups = ctx.groups(Topology(world_size=2, pp=2))
     if groups is None:
         return None
-    p2p = PipelineP2P(groups.pp, ACTIVATION_SHAPE, torch.float32, torch.device("cpu"))
-    x, times = torch.ones(ACTIVATION_SHAPE), []
+    p2p = PipelineP2P(groups.pp, activation_shape(kib), torch.float32, torch.device("cpu"))
+    x, times = torch.ones(activation_shape(kib)), []
     for _ in range(rounds):
         started = time.perf_counter()
         if groups.coords.pp == 0:
@@ -176,6 +182,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--steps", type=int, default=3, help="timed steps per point (after one warm-up)")
+    p.add_argument("--activation-kib", type=int, default=2,
+                   help="size of each activation (and gradient) sent between stages")
     p.add_argument("--overlap", choices=["both", "off", "on"], default="both",
                    help="1f1b/interleaved with plain p2p, overlapped p2p, or both (gpipe: plain only)")
     return p.parse_args(argv)
@@ -187,19 +195,20 @@ def main(argv=None) -> None:
     ms = [int(x) for x in args.microbatches.split(",")]
     t_forward = args.t_forward_ms / 1000
     print(f"t_f = {args.t_forward_ms:g} ms, t_b = {2 * args.t_forward_ms:g} ms per microbatch and stage "
-          f"(split over v chunks); gloo p2p on CPU; {args.steps} timed steps per point; "
-          f"torch {torch.__version__}")
+          f"(split over v chunks); gloo p2p on CPU, {args.activation_kib} KiB activations; "
+          f"{args.steps} timed steps per point; torch {torch.__version__}")
     pool = DistributedPool(max(pps))
     rows = []
     try:
-        latency = pool.run(ping_pong, 200)[0]
+        latency = pool.run(ping_pong, 200, args.activation_kib)[0]
         print(f"one p2p exchange between two idle stages (ping-pong / 2): {1000 * latency:.2f} ms")
         modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.overlap]
         for schedule in args.schedules.split(","):
             for overlap in (False,) if schedule == "gpipe" else modes:
                 for pp in pps:
                     for m in ms:
-                        rows.append(point(pool, schedule, pp, m, t_forward, args.steps, overlap))
+                        rows.append(point(pool, schedule, pp, m, t_forward, args.steps, overlap,
+                                          args.activation_kib))
     finally:
         pool.close()
     print_table(rows)
