@@ -1,6 +1,7 @@
 """pretrain_gpt.py as users run it: bad flags fail with one line, the default run learns, and a
 torchrun launch with TP x PP x ZeRO-3 reproduces the single-process loss curve."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -132,6 +133,22 @@ def test_torchrun_tp4_runs(tmp_path):
                                  "--eval-iters", "1", "--run-dir", "r"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_losses(tmp_path / "r" / "metrics.jsonl")) >= 1
+
+
+def test_torchrun_zero3_with_every_offload_and_zeropp_flag(tmp_path):
+    """The flags reach the engine: 4 ranks as 2 nodes of 2, optimizer states swapped to files,
+    partitions in host memory, two-hop gathers, hpZ, qwZ and qgZ, layer units."""
+    flags = ["--zero-stage", "3", "--ranks-per-node", "2", "--zero-offload-optimizer", "nvme",
+             "--zero-nvme-path", "swap", "--zero-offload-param", "cpu", "--zero-hierarchical-gather",
+             "--zero-hpz-partition-size", "2", "--zero-quantized-weights", "--zero-quantized-gradients",
+             "--zero-stage3-granularity", "layer"]
+    proc = _torchrun(4, SMALL + flags + ["--train-iters", "4", "--eval-iters", "0", "--log-interval", "1",
+                                 "--run-dir", "r"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [r["loss"] for r in _losses(tmp_path / "r" / "metrics.jsonl")]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    swapped = list((tmp_path / "swap").rglob("*"))
+    assert any(p.is_file() and p.stat().st_size > 0 for p in swapped), swapped
 
 
 def test_torchrun_tp2_pp2_zero3_matches_single_process(tmp_path):
