@@ -296,6 +296,9 @@ class ZeroEngine:
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every state moved by offload_states back to the device, bitwise."""
         self.host_copies.reload(non_blocking)
+        if self.store is not None:
+            # Stage-3 gathers run on the prefetch stream after this event: after the copies back.
+            self.store.partition_ready.record()
 
     def empty_partition_cache(self) -> None:
         """Releases every gathered stage-3 unit (each keeps only its partition), writes back and
