@@ -12,11 +12,14 @@ does). The rows differ only in their `zero_optimization` keys. Per row, worst ra
   formula   the inter-node bytes the scheme should move: with P this rank's partition bytes (every
             unit's chunk once), N = 8 shard ranks and n = 2 nodes, the reduce-scatter moves (N-1)P
             and each gather (N-1)P flat, (n-1)P in two hops, nothing across nodes from hpZ's
-            secondary (the backward gather)
+            secondary (the backward gather); quantized rows move Q8 bytes per weight (qwZ: int8
+            codes + an fp32 scale per 256) and Q4 per gradient (qgZ: int4 + a scale per 128) of
+            the P / 4 elements, qgZ's gradients crossing nodes once, (n-1) chunks, after the node's sum
 The rows run in rounds (each row once per round) and keep their fastest round: other load only
 adds time. Ratios are against the plain row. On one machine the "inter-node" links are as fast as
 the others, so the time column shows what the extra hop and copies cost, and the byte columns what
-a real cluster's slow links would carry. The first losses of every row are printed: same work.
+a real cluster's slow links would carry. The first losses of every row are printed: same work
+(the quantized rows' differ from the third digit or so: their weights and gradients are rounded).
 
 Add a row with one line in ROWS: (name, zero_optimization keys, inter-node formula or None).
 
@@ -40,9 +43,13 @@ from megazero.testing import DistributedPool
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
+from megazero.zero.quantized_comm import QGZ_BLOCK, QWZ_BLOCK
 
 WORLD, RANKS_PER_NODE = 8, 4
 NODES = WORLD // RANKS_PER_NODE
+# Bytes per element of the quantized collectives (codes + fp32 scales); P / 4 elements (fp32 weights).
+Q8, Q4 = 1 + 4 / QWZ_BLOCK, 0.5 + 4 / QGZ_BLOCK
+QUANTIZED = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
 # name, zero_optimization keys on top of the base, inter-node bytes per step from (P, N, n) or None.
 ROWS = [
     ("plain", {}, lambda P, N, n: 3 * (N - 1) * P),
@@ -50,6 +57,12 @@ ROWS = [
     ("hpz", {"zero_hpz_partition_size": RANKS_PER_NODE}, lambda P, N, n: 2 * (N - 1) * P),
     ("hierarchical+hpz", {"mics_hierarchical_params_gather": True, "zero_hpz_partition_size": RANKS_PER_NODE},
      lambda P, N, n: (N - 1) * P + (n - 1) * P),
+    ("qwz", {"zero_quantized_weights": True}, lambda P, N, n: 2 * (N - 1) * P / 4 * Q8 + (N - 1) * P),
+    ("qgz", {"zero_quantized_gradients": True}, lambda P, N, n: 2 * (N - 1) * P + (n - 1) * P / 4 * Q4),
+    ("zero++", {**QUANTIZED, "zero_hpz_partition_size": RANKS_PER_NODE},
+     lambda P, N, n: (N - 1) * P / 4 * Q8 + (n - 1) * P / 4 * Q4),
+    ("all", {**QUANTIZED, "zero_hpz_partition_size": RANKS_PER_NODE, "mics_hierarchical_params_gather": True},
+     lambda P, N, n: (n - 1) * P / 4 * Q8 + (n - 1) * P / 4 * Q4),
 ]
 BASE = {"stage": 3, "param_persistence_threshold": 0, "max_reuse_distance": 0}
 

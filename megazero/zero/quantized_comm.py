@@ -72,6 +72,7 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
     rows = out.view(group.size, chunk.numel())
 
     def dequantize_rows():
+        _read_on_waiting_stream(received)
         gathered = _unpack(received, q)
         for i in range(group.size):
             row = dataclasses.replace(q, codes=gathered.codes[i], scales=gathered.scales[i])
@@ -160,7 +161,16 @@ class _QuantizedAllToAll:
         self.handle.wait()
         if self.group.size == 1:
             return self.local.float()
+        _read_on_waiting_stream(self.received)
         return dequantize_reduce(_unpack(self.received, self.row_format))[:self.m]
+
+
+def _read_on_waiting_stream(buffer: torch.Tensor) -> None:
+    """A receive buffer allocated on the issuing stream (a prefetch side stream, say) and read by
+    the stream that waits: the caching allocator must not hand its memory back to the issuing
+    stream before those reads are done. Nothing to do off CUDA."""
+    if buffer.is_cuda:
+        buffer.record_stream(torch.cuda.current_stream(buffer.device))
 
 
 def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:
