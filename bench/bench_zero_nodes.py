@@ -1,5 +1,6 @@
-"""ZeRO-3 across simulated nodes: plain, hierarchical (two-hop) gather, hpZ, and both, on 8 gloo ranks
-acting as 2 nodes of 4 (`ranks_per_node` 4), in one run.
+"""ZeRO-3 across simulated nodes: plain, hierarchical (two-hop) gather, hpZ, both, and ZeRO++'s
+quantized qwZ / qgZ (alone, with hpZ, and with everything), on 8 gloo ranks acting as 2 nodes of 4
+(`ranks_per_node` 4), in one run.
 
 Every row trains the same GPT (fp32, dp 8, one shard group of 8 spanning both nodes) from the same
 weights on the same batches, with `param_persistence_threshold` 0 (every parameter in a unit) and
