@@ -167,6 +167,7 @@ def test_offload_errors_are_one_line(tmp_path):
         OptimizerOffload(None, OffloadOptimizerConfig(device="cpu", ratio=0.5), 100, None, "x")
     with pytest.raises(UsageError, match="unknown state 'optimizer'"):
         check_state_names(["optimizer"])
+    assert check_state_names("lp_grads") == ("lp_grads",)
 
 
 def test_swap_file_round_trip_and_checks(tmp_path):

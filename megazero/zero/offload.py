@@ -236,9 +236,13 @@ def state_tensors(storage, name: str) -> list[torch.Tensor]:
 
 
 def check_state_names(include) -> tuple[str, ...]:
+    """The state names `include` asks for (None: all); one name alone, or enum members with the
+    names as values (DeepSpeed's OffloadStateTypeEnum), are accepted too."""
     if include is None:
         return OFFLOAD_STATES
-    names = tuple(include)
+    if isinstance(include, str) or hasattr(include, "value"):
+        include = [include]
+    names = tuple(getattr(name, "value", name) for name in include)
     for name in names:
         if name not in OFFLOAD_STATES:
             raise UsageError(f"offload_states: unknown state {name!r}; use some of {', '.join(OFFLOAD_STATES)}")
