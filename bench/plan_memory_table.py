@@ -1,12 +1,24 @@
 """The memory planner (tools/plan_memory.py, megazero.memory_estimate.plan_bytes) against the ZeRO
-engine's own memory_report, per category, over a grid of layouts on 4 gloo ranks.
+engine's own memory_report, per category, and against the measured peak of each rank's process,
+over a grid of layouts on 4 gloo ranks.
 
-    python bench/plan_memory_table.py
+    python bench/plan_memory_table.py              # both tables
+    python bench/plan_memory_table.py --report     # the per-category table only
 
-Each layout's config is built from pretrain_gpt.py's flags exactly as the planner builds it; the
-engine is set up (parameters, gradients, master and Adam states allocated) and its report read on
-every rank; the table prints predicted / reported for the largest rank of each category (the planner
-predicts the rank that runs out first). tests/test_plan_memory.py asserts the same grid within 10%.
+Each layout's config is built from pretrain_gpt.py's flags exactly as the planner builds it.
+
+Report table: the engine is set up (parameters, gradients, master and Adam states allocated, offloaded
+ones in host memory or swap files) and its report read on every rank; the table prints predicted /
+reported for the largest rank of each category (the planner predicts the rank that runs out first).
+tests/test_plan_memory.py asserts 8 of the layouts within 10%.
+
+Peak table: a larger model (model states well above the interpreter's own noise) trains two steps in
+each layout; each rank measures its peak resident memory growth from just before setup (the kernel's
+high-water mark, VmHWM, reset through /proc/self/clear_refs; glibc's allocator is set to return
+every block of 64 KiB or more to the kernel when freed, so freed tensors do not stay resident and
+the peak is the peak of live memory). On the CPU the device and host memory are one, so the planned
+figure is the plan's device total plus its host-memory offload. Stage 3's peak is reached in the
+second step, when gathers run ahead of use along the recorded trace.
 
 Stage 3 keeps parameters of at most `param_persistence_threshold` elements whole (DeepSpeed's
 default 1e5 would keep every parameter of this small model whole); the grid sets thresholds that
@@ -14,27 +26,40 @@ split the model both ways, and 0.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
+import os
 import sys
+import tempfile
 
 from megazero.arguments import config_from_args
 from megazero.flags import build_parser
-from megazero.memory_estimate import MODEL_STATE_KINDS, plan_bytes
+from megazero.memory_estimate import MODEL_STATE_KINDS, OFFLOAD_CATEGORIES, device_bytes, plan_bytes
 from megazero.parallel.topology import Topology
 
 WORLD = 4
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
          "--seq-length", "32", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2"]
-# (tp, pp, dp, ZeRO stage, bf16, MiCS shard size, stage-3 param_persistence_threshold)
-GRID = [(1, 1, 4, 0, False, -1, 0), (1, 1, 4, 1, True, -1, 0), (1, 1, 4, 2, True, -1, 0),
-        (1, 1, 4, 3, False, -1, 0), (1, 1, 4, 3, True, 2, 0), (2, 1, 2, 1, False, -1, 0),
-        (2, 1, 2, 3, True, -1, 0), (1, 2, 2, 2, False, -1, 0), (1, 2, 2, 3, True, -1, 0),
-        (2, 2, 1, 0, True, -1, 0), (1, 1, 4, 3, True, -1, 2000), (1, 2, 2, 3, False, -1, 16384)]
+PEAK_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size",
+              "2048", "--seq-length", "32", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2"]
+# (tp, pp, dp, ZeRO stage, bf16, MiCS shard size, stage-3 param_persistence_threshold, offload)
+# offload: "" or "+"-joined "optimizer:<device>" / "param:<device>"
+GRID = [(1, 1, 4, 0, False, -1, 0, ""), (1, 1, 4, 1, True, -1, 0, ""), (1, 1, 4, 2, True, -1, 0, ""),
+        (1, 1, 4, 3, False, -1, 0, ""), (1, 1, 4, 3, True, 2, 0, ""), (2, 1, 2, 1, False, -1, 0, ""),
+        (2, 1, 2, 3, True, -1, 0, ""), (1, 2, 2, 2, False, -1, 0, ""), (1, 2, 2, 3, True, -1, 0, ""),
+        (2, 2, 1, 0, True, -1, 0, ""), (1, 1, 4, 3, True, -1, 2000, ""), (1, 2, 2, 3, False, -1, 16384, ""),
+        (1, 1, 4, 2, True, -1, 0, "optimizer:cpu"), (1, 1, 4, 3, False, -1, 0, "param:cpu"),
+        (1, 1, 4, 3, True, -1, 0, "optimizer:nvme+param:nvme")]
+SWAP_DIR = os.path.join(tempfile.gettempdir(), "megazero-plan-memory")
 
 
-def layout_config(layout):
-    tp, pp, dp, stage, bf16, mics, persistence = layout
-    argv = MODEL + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+def layout_config(layout, model=MODEL):
+    tp, pp, dp, stage, bf16, mics, persistence, offload = layout
+    argv = model + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                     "--zero-stage", str(stage), "--global-batch-size", str(2 * dp * pp)]
+    for part in filter(None, offload.split("+")):
+        what, device = part.split(":")
+        argv += [f"--zero-offload-{what}", device] + (["--zero-nvme-path", SWAP_DIR] if device == "nvme" else [])
     args = build_parser().parse_args(argv + (["--bf16"] if bf16 else []))
     cfg = config_from_args(args, tp * pp * dp)
     cfg.zero.param_persistence_threshold = persistence
@@ -42,44 +67,128 @@ def layout_config(layout):
     return cfg
 
 
+def _groups(ctx, layout):
+    tp, pp, dp, _, _, mics, _, _ = layout
+    return ctx.groups(Topology(world_size=tp * pp * dp, tp=tp, pp=pp, mics_shard_size=mics))
+
+
 def engine_report_worker(ctx, layout):
     """Pool entry: the engine's memory_report on this rank for `layout` (None outside it)."""
     from megazero.training import setup
-    tp, pp, dp, _, _, mics, _ = layout
-    groups = ctx.groups(Topology(world_size=tp * pp * dp, tp=tp, pp=pp, mics_shard_size=mics))
+    groups = _groups(ctx, layout)
     if groups is None:
         return None
     return setup(layout_config(layout), groups).engine.memory_report()
 
 
 def compare(pool, layouts=GRID) -> list[tuple]:
-    """[(layout, category, predicted bytes, largest reported bytes)] for every layout and category."""
+    """[(layout, category, predicted bytes, largest reported bytes)] for every layout and category
+    (offloaded ones where either side has bytes)."""
     rows = []
     for layout in layouts:
         reports = [r for r in pool.run(engine_report_worker, layout) if r is not None]
         tp, pp, dp = layout[:3]
         predicted = plan_bytes(layout_config(layout), tp * pp * dp)
-        for kind in MODEL_STATE_KINDS:
-            rows.append((layout, kind, predicted[kind], max(r[kind] for r in reports)))
+        for kind in MODEL_STATE_KINDS + OFFLOAD_CATEGORIES:
+            reported = max(r.get(kind, 0) for r in reports)
+            if kind in MODEL_STATE_KINDS or predicted[kind] or reported:
+                rows.append((layout, kind, predicted[kind], reported))
     return rows
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'tp pp dp stage bf16 mics persist':<34}{'category':<18}{'predicted':>12}{'reported':>12}{'ratio':>8}"]
-    for (tp, pp, dp, stage, bf16, mics, persist), kind, predicted, reported in rows:
+    lines = [f"{'tp pp dp stage bf16 mics persist offload':<60}{'category':<22}{'predicted':>12}{'reported':>12}"
+             f"{'ratio':>8}"]
+    for layout, kind, predicted, reported in rows:
         ratio = f"{predicted / reported:8.3f}" if reported else ("       -" if not predicted else "     inf")
-        lines.append(f"{tp:>2} {pp:>2} {dp:>2} {stage:>5} {str(bf16):>5} {mics:>4} {persist:>7}   {kind:<18}"
-                     f"{predicted:12.0f}{reported:12d}{ratio}")
+        lines.append(f"{_describe(layout):<60}{kind:<22}{predicted:12.0f}{reported:12d}{ratio}")
     return "\n".join(lines)
 
 
-def main() -> int:
+def _describe(layout) -> str:
+    tp, pp, dp, stage, bf16, mics, persist, offload = layout
+    return f"{tp:>2} {pp:>2} {dp:>2} {stage:>5} {str(bf16):>5} {mics:>4} {persist:>7}  {offload or '-'}"
+
+
+# --- measured peak ------------------------------------------------------------------------------
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}; the measured peak needs Linux")
+
+
+def _fresh_high_water_mark() -> int:
+    """Makes freed memory leave the process and restarts the kernel's peak count; returns the
+    resident bytes now (the baseline)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)        # M_MMAP_THRESHOLD: blocks >= 64 KiB are mapped, unmapped on free
+    libc.mallopt(-1, 0)                # M_TRIM_THRESHOLD: give back the heap's free top at once
+    gc.collect()
+    libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                   # resets VmHWM to the current resident size
+    return _status_bytes("VmRSS")
+
+
+def measured_peak_worker(ctx, layout, model, steps: int = 2):
+    """Pool entry: this rank's peak resident growth over setup and `steps` training steps."""
+    from megazero.data.synthetic import ArithmeticTokens
+    from megazero.training import MicrobatchSource, setup, train_step
+    groups = _groups(ctx, layout)
+    if groups is None:
+        return None
+    cfg = layout_config(layout, model)
+    base = _fresh_high_water_mark()
+    state = setup(cfg, groups)
+    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
+                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)
+    for it in range(steps):
+        train_step(state, source.batch(it), 1e-4)
+    peak = _status_bytes("VmHWM") - base
+    del state
+    gc.collect()
+    return peak
+
+
+def planned_process_bytes(plan: dict[str, float]) -> float:
+    """What the plan puts in a CPU run's process memory: the device and the host tiers."""
+    return device_bytes(plan) + sum(v for k, v in plan.items() if k.startswith("host_"))
+
+
+def compare_peaks(pool, layouts=GRID, model=PEAK_MODEL, steps: int = 2) -> list[tuple]:
+    """[(layout, planned process bytes, largest measured peak)] for every layout."""
+    rows = []
+    for layout in layouts:
+        peaks = [p for p in pool.run(measured_peak_worker, layout, model, steps) if p is not None]
+        tp, pp, dp = layout[:3]
+        planned = planned_process_bytes(plan_bytes(layout_config(layout, model), tp * pp * dp))
+        rows.append((layout, planned, max(peaks)))
+    return rows
+
+
+def format_peaks(rows) -> str:
+    lines = [f"{'tp pp dp stage bf16 mics persist offload':<60}{'planned MB':>12}{'measured MB':>13}{'ratio':>8}"]
+    for layout, planned, measured in rows:
+        lines.append(f"{_describe(layout):<60}{planned / 1e6:12.1f}{measured / 1e6:13.1f}{planned / measured:8.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import shutil
+
     from megazero.testing import DistributedPool
+    argv = sys.argv[1:] if argv is None else argv
     pool = DistributedPool(WORLD)
     try:
         print(format_rows(compare(pool)))
+        if "--report" not in argv:
+            print()
+            print(format_peaks(compare_peaks(pool)))
     finally:
         pool.close()
+        shutil.rmtree(SWAP_DIR, ignore_errors=True)
     return 0
 
 

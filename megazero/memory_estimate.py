@@ -18,11 +18,18 @@ tests/test_plan_memory.py each of its categories, params/grads/master/optimizer_
 split `model_state_bytes_by_kind` makes of it; the planner also counts stage 3's persistent
 parameters, under param_persistence_threshold, which stay whole in a stage-2 group.)
 
-Communication buffers, roughly: gradient reduction stages at most two buckets of reduce_bucket_size
-elements at a time (one filling, one in flight) in the reduction dtype; stage 3 adds its gathered
-(live) weights: this stage's whole unpartitioned shard while max_reuse_distance and
-max_live_parameters allow keeping them (DeepSpeed's defaults, for models of this size), otherwise
-about the largest module plus one prefetch bucket.
+Communication and transient buffers ("comm_buffers": what the peak holds beside model states and
+activations), from the buffers the engine makes: stage 3's gathered (live) weights, this stage's
+whole unpartitioned shard while max_reuse_distance and max_live_parameters allow keeping them
+(DeepSpeed's defaults, for models of this size), otherwise about the largest module plus one
+prefetch bucket; plus the largest of the step's phases. Backward: stages 2/3 stage two gradient
+buckets (reduce_bucket_size elements, a unit at stage 3) in the reduction dtype, and autograd hands
+each parameter's gradient over as a tensor of its own (the largest one counts), beside the
+activations. Reduction: the staged buckets plus, on gloo, a copy of the reduce-scatter's input (and
+stage 1's chunk temporary), beside the activations of the other microbatches a pipeline holds; stage
+0/1 reduce the full gradient buffer in place. Weight gather after a stage 1/2 step: gloo's copy of
+an allgather_bucket_size bucket. Set-up: one parameter's full fp32 initial value and its slice.
+(bench/plan_memory_table.py compares the planned total with the processes' measured peak.)
 
 Activations, roughly: Korthikanti et al. (2022) count 34 s·b·h bytes per layer in 16 bits plus
 5 a·s²·b for attention scores; attention here runs through scaled_dot_product_attention, which need
@@ -45,7 +52,13 @@ GIB = 2 ** 30
 
 
 MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")   # the engine's memory_report keys
-CATEGORIES = MODEL_STATE_KINDS + ("activations", "comm_buffers")
+# Off the device (the engine's memory_report keys too): offload_param moves stage 3's partitioned
+# weights, offload_optimizer the fp32 master and Adam moments (a master of their own even in fp32
+# runs) plus host staging for one sub-group's gradients and updated 16-bit weights.
+OFFLOAD_CATEGORIES = ("host_params", "nvme_params", "host_master", "host_optimizer_states", "nvme_master",
+                      "nvme_optimizer_states", "host_offload_buffers")
+DEVICE_CATEGORIES = MODEL_STATE_KINDS + ("activations", "comm_buffers")
+CATEGORIES = DEVICE_CATEGORIES + OFFLOAD_CATEGORIES
 
 
 def model_state_bytes_by_kind(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
@@ -163,23 +176,76 @@ def _activations(cfg: TrainConfig, r: RankLayout) -> float:
                             m.recompute_activations)
 
 
-def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout) -> float:
-    """Gradient reduction staging plus, at stage 3, the gathered weights (see the module notes)."""
-    z = cfg.zero
+def largest_param(model_cfg, tp: int) -> int:
+    """Elements of the largest single parameter on a rank (2-D weights split over TP, as in
+    persistent_counts): autograd hands each gradient over as a tensor of its own before it is
+    added to (or staged in) ZeRO's buffers."""
+    model = _one_layer_model(model_cfg)
+    return max(p.numel() // tp if p.dim() == 2 and "position" not in name else p.numel()
+               for name, p in model.named_parameters())
+
+
+def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> float:
+    """What the rank's peak holds beside its model states and activations (see the module notes):
+    stage 3's gathered weights, plus the largest of: the backward's buffers (gradient staging and
+    one parameter's fresh gradient, beside the activations), the reduction's (after a microbatch's
+    backward: only the other microbatches' activations are left) or the weight gather's (after the
+    step), and set-up's (one parameter's full fp32 initial value and its tensor-parallel slice)."""
+    z, par = cfg.zero, cfg.parallel
     reduce_bytes = 2 if cfg.precision.reduce_dtype != "fp32" else 4
-    staging = 2 * min(z.reduce_bucket_size, r.rank_parameters) * reduce_bytes
-    if z.stage < 3:
-        return float(staging)
-    if z.max_reuse_distance >= r.rank_parameters and z.max_live_parameters >= r.rank_parameters:
-        live = r.rank_parameters
-    else:
-        largest = math.ceil(largest_module_params(cfg.model) / cfg.parallel.tensor_parallel)
-        live = min(r.rank_parameters, largest + z.prefetch_bucket_size)
-    return float(staging + live * r.weight_bytes)
+    bucket = min(z.reduce_bucket_size, r.rank_parameters)
+    if z.stage == 3:        # a unit's gradients are one bucket
+        bucket = min(bucket, math.ceil(largest_module_params(cfg.model) / par.tensor_parallel))
+    # Stage 0/1 reduce the full gradient buffer where it lies (a temporary only to change dtype);
+    # stage 2/3 stage a bucket while the previous one is reduced.
+    in_place = z.stage <= 1 and reduce_bytes == r.grad_bytes
+    staging = 0 if in_place else min(2 * bucket, r.rank_parameters) * reduce_bytes
+    fresh_grad = largest_param(cfg.model, par.tensor_parallel) * r.weight_bytes
+    live = 0
+    if z.stage == 3:
+        if z.max_reuse_distance >= r.rank_parameters and z.max_live_parameters >= r.rank_parameters:
+            live = r.rank_parameters - r.persistent_parameters
+        else:
+            largest = math.ceil(largest_module_params(cfg.model) / par.tensor_parallel)
+            live = min(r.rank_parameters, largest + z.prefetch_bucket_size)
+    # gloo runs a reduce-scatter on a copy of its input and an all-gather into a copy of its output
+    # (NCCL works in place); stage 1's in-place reduce-scatter also goes through a chunk temporary.
+    reduction, gather = staging, 0
+    if par.distributed_backend == "gloo" and z.stage > 0 and r.shards > 1:
+        reduction += bucket * reduce_bytes * (1 + (1 / r.shards if z.stage == 1 else 0))
+        if z.stage in (1, 2):
+            gather = min(z.allgather_bucket_size, r.rank_parameters) * r.weight_bytes
+    if z.stage >= 2:        # reduced after every microbatch, while a pipeline holds the others'
+        reduction += activations * (r.in_flight - 1) / r.in_flight
+    initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
+    peak = max(activations + staging + fresh_grad, reduction, gather, initial)
+    return float(live * r.weight_bytes + peak - activations)
+
+
+def offloaded_bytes(cfg: TrainConfig, r: RankLayout) -> dict[str, float]:
+    """OFFLOAD_CATEGORIES (zero where nothing is offloaded). The optimizer's host staging holds one
+    sub-group (at most `sub_group_size` elements) of gradients and, in 16-bit runs, weights; nvme
+    adds `buffer_count` sub-groups of the three fp32 states in host buffers."""
+    z = cfg.zero
+    out = dict.fromkeys(OFFLOAD_CATEGORIES, 0.0)
+    partition = r.rank_parameters / r.shards          # optimizer-state elements on this rank
+    if z.offloads_optimizer:
+        where = "host" if z.offload_optimizer.device == "cpu" else "nvme"
+        out[f"{where}_master"], out[f"{where}_optimizer_states"] = 4 * partition, 8 * partition
+        group = min(z.sub_group_size, partition)
+        out["host_offload_buffers"] = group * (r.grad_bytes + (r.weight_bytes if r.weight_bytes == 2 else 0))
+        if where == "nvme":
+            sub_groups = math.ceil(partition / z.sub_group_size)
+            out["host_offload_buffers"] += min(z.offload_optimizer.buffer_count, sub_groups) * 3 * 4 * group
+    if z.stage == 3 and z.offloads_params:
+        moved = (r.rank_parameters - r.persistent_parameters) / r.shards * r.weight_bytes
+        out["host_params" if z.offload_param.device == "cpu" else "nvme_params"] = moved
+    return out
 
 
 def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
-    """One rank's bytes by category (CATEGORIES), for the largest pipeline stage."""
+    """One rank's bytes by category (CATEGORIES: DEVICE_CATEGORIES on the device, then host memory
+    and disk), for the largest pipeline stage."""
     r = rank_layout(cfg, world_size)
     by_kind = lambda stage: model_state_bytes_by_kind(  # noqa: E731
         stage, r.shards, r.weight_bytes, r.grad_bytes, separate_master=r.weight_bytes == 2)
@@ -188,8 +254,17 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     out = {kind: (r.rank_parameters - r.persistent_parameters) * partitioned[kind]
            + r.persistent_parameters * persistent[kind] for kind in MODEL_STATE_KINDS}
     out["activations"] = _activations(cfg, r)
-    out["comm_buffers"] = comm_buffer_bytes(cfg, r)
-    return out
+    out["comm_buffers"] = comm_buffer_bytes(cfg, r, out["activations"])
+    offloaded = offloaded_bytes(cfg, r)
+    if cfg.zero.offloads_optimizer:
+        out["master"] = out["optimizer_states"] = 0.0
+    out["params"] -= offloaded["host_params"] + offloaded["nvme_params"]
+    return {**out, **offloaded}
+
+
+def device_bytes(plan: dict[str, float]) -> float:
+    """What a plan puts on the device (the sum that must fit in its memory)."""
+    return sum(plan[key] for key in DEVICE_CATEGORIES)
 
 
 @dataclasses.dataclass

@@ -11,9 +11,13 @@ megazero.memory_estimate: the same formulas as the ZeRO engine's memory report f
 (parameters, gradients, fp32 master, optimizer states), plus the activation and communication-buffer
 estimates. For the largest pipeline stage, the rank that runs out first.
 
+With offload flags (--zero-offload-optimizer, --zero-offload-param) the offloaded master, optimizer
+states and parameters are printed apart, as host memory or disk bytes, with the optimizer's host
+staging; the device total leaves them out.
+
 --fit-gib X searches every layout of --world-size ranks (tensor and pipeline sizes the model divides
 into, ZeRO stages 0-3, recomputation off/on; the given micro and global batch) and prints the
-cheapest whose total fits in X GiB. "Cheapest" orders by what each choice costs in time, largest first:
+cheapest whose device total fits in X GiB. "Cheapest" orders by what each choice costs in time, largest first:
 recomputation (a third more compute), then model-parallel degree tp x pp (per-layer all-reduces,
 the pipeline bubble), then pipeline over tensor size, then ZeRO stage (stage 3 moves 1.5x the bytes of
 0-2; 1 and 2 cost no more than 0).
@@ -27,11 +31,14 @@ import sys
 from megazero.arguments import config_from_args
 from megazero.errors import UsageError
 from megazero.flags import build_parser
-from megazero.memory_estimate import CATEGORIES, GIB, plan_bytes, rank_layout
+from megazero.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes, plan_bytes,
+                                      rank_layout)
 
 LABELS = {"params": "parameters", "grads": "gradients", "master": "fp32 master",
           "optimizer_states": "optimizer states", "activations": "activations",
-          "comm_buffers": "communication buffers"}
+          "comm_buffers": "buffers (comm, transient)", "host_params": "parameters", "nvme_params": "parameters",
+          "host_master": "fp32 master", "host_optimizer_states": "optimizer states", "nvme_master": "fp32 master",
+          "nvme_optimizer_states": "optimizer states", "host_offload_buffers": "offload staging"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,9 +77,15 @@ def format_plan(cfg, world_size: int) -> str:
     lines = [f"layout: {describe_layout(cfg, world_size)}",
              f"model: {r.parameters / 1e6:.2f}M parameters, {r.rank_parameters / 1e6:.2f}M on the largest "
              f"rank before ZeRO, {r.shards} ZeRO shard(s)"]
-    for key in CATEGORIES:
+    for key in DEVICE_CATEGORIES:
         lines.append(f"  {LABELS[key]:<22} {found[key] / GIB:10.3f} GiB")
-    lines.append(f"  {'total':<22} {sum(found.values()) / GIB:10.3f} GiB per rank")
+    lines.append(f"  {'total':<22} {device_bytes(found) / GIB:10.3f} GiB per rank on the device")
+    for where, prefix in (("host memory", "host_"), ("disk (nvme_path)", "nvme_")):
+        keys = [key for key in OFFLOAD_CATEGORIES if key.startswith(prefix) and found[key]]
+        if keys:
+            lines.append(f"offloaded to {where}:")
+            lines += [f"  {LABELS[key]:<22} {found[key] / GIB:10.3f} GiB" for key in keys]
+            lines.append(f"  {'total':<22} {sum(found[k] for k in keys) / GIB:10.3f} GiB per rank")
     return "\n".join(lines)
 
 
@@ -101,7 +114,7 @@ def candidate_configs(args: argparse.Namespace) -> list:
 def fit(args: argparse.Namespace) -> tuple[object | None, list]:
     """(the cheapest config within args.fit_gib, every candidate with its total), or None first."""
     limit = args.fit_gib * GIB
-    totals = [(cfg, sum(plan_bytes(cfg, args.world_size).values())) for cfg in candidate_configs(args)]
+    totals = [(cfg, device_bytes(plan_bytes(cfg, args.world_size))) for cfg in candidate_configs(args)]
     if not totals:
         raise UsageError(f"no layout of --world-size {args.world_size} divides this model and batch; "
                          f"change --world-size or --global-batch-size")
