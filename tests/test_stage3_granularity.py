@@ -14,7 +14,7 @@ from megazero.parallel.groups import ProcessGroups
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.stage3_units import ParamStatus
 
-VOCAB, STEPS = 61, 4
+VOCAB, STEPS = 61, 3
 LAYER = {"stage3_granularity": "layer", "prefetch_bucket_size": 20000}
 
 
