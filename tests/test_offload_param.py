@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
                      run_training, small_config, strip_padding, with_padded_vocab)
