@@ -47,6 +47,12 @@ ZERO_VALUES = {"stage": 2, "reduce_scatter": False, "reduce_bucket_size": 1e6, "
                "sub_group_size": 1000, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
                "zero_quantized_gradients": True, "mics_hierarchical_params_gather": True,
                "stage3_granularity": "layer"}
+# Keys inside the offload blocks, each with a value that changes the config or yields a note.
+OFFLOAD_VALUES = {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": True,
+                                        "buffer_count": 2, "pipeline_read": True, "pipeline_write": True,
+                                        "fast_init": True},
+                  "offload_param": {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": True,
+                                    "buffer_count": 2, "buffer_size": 1000, "max_in_cpu": 1000}}
 TOP_VALUES = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
               "gradient_clipping": 0.5, "steps_per_print": 3, "wall_clock_breakdown": True,
               "zero_allow_untested_optimizer": True, "prescale_gradients": False,
@@ -67,6 +73,12 @@ def _cases():
     for key, (fixed, _) in FIXED_BY_DESIGN.items():
         other = (not fixed) if isinstance(fixed, bool) else fixed // 2 + 1
         yield f"zero:{key}", {"zero_optimization": stage3}, {"zero_optimization": {**stage3, key: other}}
+    for block, values in OFFLOAD_VALUES.items():
+        for key, value in values.items():
+            if key not in ("device", "nvme_path"):
+                nvme = {"device": "nvme", "nvme_path": "/tmp/swap"}
+                yield (f"{block}:{key}", {"zero_optimization": {**stage3, block: nvme}},
+                       {"zero_optimization": {**stage3, block: {**nvme, key: value}}})
     base = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
     for key, value in TOP_VALUES.items():
         yield f"top:{key}", base, {**base, key: value}

@@ -286,6 +286,10 @@ def design_notes(block: dict[str, Any], where: str = "zero_optimization") -> lis
             fixed, why = FIXED_BY_DESIGN[key]
             if _integral(value) != fixed:
                 notes.append(f"{where}.{key} = {as_json(value)} has no effect: {why}")
+    offload = block.get("offload_optimizer")
+    if isinstance(offload, dict) and offload.get("fast_init"):
+        notes.append(f"{where}.offload_optimizer.fast_init = true has no effect: the states are written "
+                     f"to their swap files once, when the engine starts")
     return notes
 
 
