@@ -4,8 +4,9 @@ gradient reduce-scatter (all-to-all inside the node, then across nodes).
 Owns the data movement of these two collectives and their format choices. The block format and its
 kernels belong to megazero.ops.quantize; the byte accounting to megazero.comm: codes and scales,
 packed into one byte buffer (one collective moves both), travel through comm's own collectives, so
-the comm log counts the bytes that actually move (codes, plus 4 bytes of fp32 scale per block). This module decides nothing about *when* the collectives are
-used: the stage-3 parameter gather calls `quantized_all_gather` for the forward gather under
+the comm log counts the bytes that actually move (codes, plus 4 bytes of fp32 scale per block).
+This module decides nothing about *when* the collectives are used: the stage-3 parameter gather
+(param_gather.py) calls `quantized_all_gather` for gathers from the primary partition under
 `zero_quantized_weights`, and `PartitionedStorage.reduce_bucket` calls the reducer that
 `quantized_gradient_reducer` builds under `zero_quantized_gradients`.
 
@@ -41,7 +42,7 @@ import torch
 
 from megazero import comm
 from megazero.errors import UsageError
-from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, quantize
+from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
 from .groups import ZeroGroups
 
 QWZ_BITS, QWZ_BLOCK = 8, 256
@@ -126,8 +127,11 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, shard: c
 
 def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_size: int = QGZ_BLOCK):
     """The qgZ reduction for a storage over `groups.shard`: a function (output, input) -> Handle,
-    called as reduce_bucket calls comm.reduce_scatter (async). The node groups are checked now."""
+    called as reduce_bucket calls comm.reduce_scatter (async). The node groups, and on the CPU the
+    C++ kernels' build, are checked now rather than at the first reduction."""
     _check_node_groups(groups.shard, groups.node_local, groups.cross_node)
+    if groups.shard.device.type == "cpu":
+        kernel_info()        # a UsageError naming the build command when megazero._quant is missing
 
     def reduce(output: torch.Tensor, input: torch.Tensor) -> comm.Handle:
         return quantized_reduce_scatter(output, input, groups.shard, groups.node_local, groups.cross_node,
