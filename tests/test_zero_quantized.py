@@ -1,12 +1,18 @@
-"""ZeRO++'s quantized collectives (megazero/zero/quantized_comm.py) on gloo ranks.
+"""ZeRO++'s quantized collectives (megazero/zero/quantized_comm.py) on gloo ranks, and what they do
+to a training run and to the bytes crossing nodes.
 
-qwZ (int8 all-gather): every rank's chunk lands in its slot, each value within the per-block bound
-of megazero.ops.quantize (|x - x'| <= scale / 2 + a few ulps of max|block|, scale = max|block| / 127,
-plus bf16's rounding for a bf16 output), and the comm log counts the codes and scales moved.
+qwZ (int8 all-gather), against comm.all_gather of the same chunks: every rank's chunk lands in its
+slot, each value within the per-block bound of megazero.ops.quantize (|x - x'| <= scale / 2 + a few
+ulps of max|block|, scale = max|block| / 127, plus bf16's rounding for a bf16 output), and the comm
+log counts the codes and scales moved.
 
-qgZ (int4 all-to-all, node then across nodes): chunk ownership is checked exactly with inputs that
-int4 represents exactly at both hops, and the error on random inputs is checked against the bound of
-the two hops: one rounding per contribution at the first, one per node partial at the second.
+qgZ (int4 all-to-all, node then across nodes), against comm.reduce_scatter: chunk ownership exactly,
+with inputs that int4 represents exactly at both hops, and the error on random inputs within the
+bound of the two hops (one rounding per contribution at the first, one per node partial at the
+second).
+
+Then: qwZ + qgZ training on the embedded corpus against the unquantized run, and the inter-node
+bytes per step of ZeRO-3 with each of the cross-node features against their formulas.
 """
 import torch
 
@@ -54,14 +60,17 @@ def block_bound(x: torch.Tensor, bits: int, block: int, out_dtype) -> torch.Tens
 
 
 def check_all_gather(groups: dict, numel: int, dtype) -> None:
+    """Against comm.all_gather of the same chunks: within the per-block bound, slot for slot."""
     shard = groups["shard"]
     n = shard.size
-    out = torch.empty(n * numel, dtype=dtype)
+    out, unquantized = torch.empty(n * numel, dtype=dtype), torch.empty(n * numel, dtype=dtype)
+    comm.all_gather(unquantized, rank_input(shard.rank, numel, dtype), shard)
     before = gathered_bytes(shard.log)
     handle = quantized_all_gather(out, rank_input(shard.rank, numel, dtype), shard, async_op=True)
     handle.wait()
     for i in range(n):
-        want = rank_input(i, numel, dtype)
+        want = unquantized[i * numel:(i + 1) * numel]
+        assert torch.equal(want, rank_input(i, numel, dtype))
         got = out[i * numel:(i + 1) * numel]
         excess = ((got.double() - want.double()).abs() - block_bound(want, 8, QWZ_BLOCK, dtype)).max().item()
         assert excess <= 0, f"all-gather {dtype} n={n}: rank {i}'s chunk exceeds the bound by {excess}"
@@ -91,12 +100,14 @@ def check_ownership(groups: dict, chunk: int, dtype) -> None:
 
 
 def check_reduce_error(groups: dict, chunk: int, dtype) -> None:
-    """|output - exact sum| within the two hops' bound; rank s owns chunk s."""
+    """Against comm.reduce_scatter of the same inputs (in fp32): within the two hops' bound."""
     shard, local = groups["shard"], groups["node_local"]
     n, s = shard.size, shard.rank
     per_node = n if local is None else local.size
     inputs = [rank_input(r, n * chunk, dtype).double() for r in range(n)]
-    exact = sum(inputs)[s * chunk:(s + 1) * chunk]
+    exact = torch.empty(chunk)
+    comm.reduce_scatter(exact, inputs[s].float(), shard)
+    exact = exact.double()
     # Hop 1: what rank r sends to position l (chunks (p, l) of every node p), max|.| / 7 per rank.
     position = s % per_node
     row_max = [x.view(-1, per_node, chunk)[:, position].abs().max() for x in inputs]
@@ -105,7 +116,7 @@ def check_reduce_error(groups: dict, chunk: int, dtype) -> None:
     # Hop 2 (several nodes): each node's partial, max|.| at most its ranks' sum plus hop 1's error.
     hop2 = sum(sum(row_max[r] for r in node) * (1 + 1 / 14) / 7 / 2 for node in nodes)
     hop2 = hop2 if len(nodes) > 1 else 0
-    bound = hop1 + hop2 + 1e-5 * float(exact.abs().max())
+    bound = hop1 + hop2 + 1e-5 * float(exact.abs().max())      # + fp32 summation order
     if dtype == torch.bfloat16:          # the sum is written in bf16
         bound += 2.0 ** -8 * (float(exact.abs().max()) + bound)
     out = torch.empty(chunk, dtype=dtype)
