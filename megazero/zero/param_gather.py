@@ -55,6 +55,9 @@ class ParamGather:
         self.generation = 0                              # partition writes so far
         self.secondary_ready = Event(device)             # the last secondary write, on its stream
         self.gathered_numel: collections.Counter = collections.Counter()  # elements, by "primary"/"secondary"
+        if zero.zero_quantized_weights and torch.device(device).type == "cpu":
+            from megazero.ops.quantize import kernel_info
+            kernel_info()      # a missing megazero._quant build fails here, naming the build command
 
     # --- the one entry point ------------------------------------------------------------------
     def start(self, unit, chunk: torch.Tensor) -> comm.Handle:
