@@ -34,6 +34,7 @@ import tempfile
 
 from megazero.arguments import config_from_args
 from megazero.flags import build_parser
+from megazero.models.config import padded_vocab_size
 from megazero.memory_estimate import MODEL_STATE_KINDS, OFFLOAD_CATEGORIES, device_bytes, plan_bytes
 from megazero.parallel.topology import Topology
 
@@ -42,6 +43,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--seq-length", "32", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2"]
 PEAK_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size",
               "2048", "--seq-length", "32", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2"]
+# A small vocabulary (synthetic tokens) keeps every parameter small beside the model states: a
+# tensor held a little longer on one rank (freed at the next garbage collection) moves its peak by
+# at most that much.
+PEAK_VOCAB = 1024
 # (tp, pp, dp, ZeRO stage, bf16, MiCS shard size, stage-3 param_persistence_threshold, offload)
 # offload: "" or "+"-joined "optimizer:<device>" / "param:<device>"
 GRID = [(1, 1, 4, 0, False, -1, 0, ""), (1, 1, 4, 1, True, -1, 0, ""), (1, 1, 4, 2, True, -1, 0, ""),
@@ -53,7 +58,7 @@ GRID = [(1, 1, 4, 0, False, -1, 0, ""), (1, 1, 4, 1, True, -1, 0, ""), (1, 1, 4,
 SWAP_DIR = os.path.join(tempfile.gettempdir(), "megazero-plan-memory")
 
 
-def layout_config(layout, model=MODEL):
+def layout_config(layout, model=MODEL, vocab: int | None = None):
     tp, pp, dp, stage, bf16, mics, persistence, offload = layout
     argv = model + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                     "--zero-stage", str(stage), "--global-batch-size", str(2 * dp * pp)]
@@ -64,6 +69,9 @@ def layout_config(layout, model=MODEL):
     cfg = config_from_args(args, tp * pp * dp)
     cfg.zero.param_persistence_threshold = persistence
     cfg.zero.mics_shard_size = mics
+    if vocab is not None:
+        cfg.model.vocab_size = vocab
+        cfg.model.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, tp)
     return cfg
 
 
@@ -132,22 +140,27 @@ def _fresh_high_water_mark() -> int:
     return _status_bytes("VmRSS")
 
 
-def measured_peak_worker(ctx, layout, model, steps: int = 2):
-    """Pool entry: this rank's peak resident growth over setup and `steps` training steps."""
+def _train(cfg, groups, steps: int) -> None:
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.training import MicrobatchSource, setup, train_step
-    groups = _groups(ctx, layout)
-    if groups is None:
-        return None
-    cfg = layout_config(layout, model)
-    base = _fresh_high_water_mark()
     state = setup(cfg, groups)
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)
     for it in range(steps):
         train_step(state, source.batch(it), 1e-4)
+
+
+def measured_peak_worker(ctx, layout, model, vocab: int, steps: int = 2):
+    """Pool entry: this rank's peak resident growth over setup and `steps` training steps. The
+    layout first trains a step of the small model, so that what a process sets up once (imports,
+    the math libraries' workspaces, the communicators' buffers) is not counted."""
+    groups = _groups(ctx, layout)
+    if groups is None:
+        return None
+    _train(layout_config(layout), groups, 1)
+    base = _fresh_high_water_mark()
+    _train(layout_config(layout, model, vocab), groups, steps)
     peak = _status_bytes("VmHWM") - base
-    del state
     gc.collect()
     return peak
 
@@ -157,13 +170,13 @@ def planned_process_bytes(plan: dict[str, float]) -> float:
     return device_bytes(plan) + sum(v for k, v in plan.items() if k.startswith("host_"))
 
 
-def compare_peaks(pool, layouts=GRID, model=PEAK_MODEL, steps: int = 2) -> list[tuple]:
+def compare_peaks(pool, layouts=GRID, model=PEAK_MODEL, vocab: int = PEAK_VOCAB, steps: int = 2) -> list[tuple]:
     """[(layout, planned process bytes, largest measured peak)] for every layout."""
     rows = []
     for layout in layouts:
-        peaks = [p for p in pool.run(measured_peak_worker, layout, model, steps) if p is not None]
+        peaks = [p for p in pool.run(measured_peak_worker, layout, model, vocab, steps) if p is not None]
         tp, pp, dp = layout[:3]
-        planned = planned_process_bytes(plan_bytes(layout_config(layout, model), tp * pp * dp))
+        planned = planned_process_bytes(plan_bytes(layout_config(layout, model, vocab), tp * pp * dp))
         rows.append((layout, planned, max(peaks)))
     return rows
 

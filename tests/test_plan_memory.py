@@ -1,19 +1,20 @@
-"""The memory planner: each model-state category within 10% of the ZeRO engine's own memory_report
-over a grid of 8 layouts (tp, pp, dp, stage, bf16, MiCS, persistence), and tools/plan_memory.py's output and
-layout search."""
+"""The memory planner: each model-state category (and offloaded host/disk bytes) within 10% of the ZeRO
+engine's own memory_report over a grid of layouts (tp, pp, dp, stage, bf16, MiCS, persistence, offload),
+the planned total within 10% of the measured peak of the processes for a few of them, and
+tools/plan_memory.py's output and layout search."""
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from megazero.memory_estimate import CATEGORIES, GIB, plan_bytes
+from megazero.memory_estimate import DEVICE_CATEGORIES, GIB, device_bytes, plan_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 # The grid and its pool worker live with the bench table that prints them; the pool's workers import
 # the worker by module name, so bench/ joins sys.path here, at collection, before any pool starts.
 sys.path.insert(0, str(ROOT / "bench"))
-from plan_memory_table import GRID, compare, format_rows  # noqa: E402
+from plan_memory_table import GRID, compare, compare_peaks, format_peaks, format_rows  # noqa: E402
 
 
 def _tool():
@@ -27,16 +28,27 @@ SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--micro-batch-size", "2"]
 
 
-# 8 of the bench table's 12 layouts (setting up each costs seconds): every stage, fp32 and bf16, TP,
-# PP, TP x PP, MiCS, stage-3 persistent parameters.
-TESTED = [GRID[i] for i in (2, 3, 4, 5, 6, 7, 9, 11)]
+# 9 of the bench table's 15 layouts (setting up each costs seconds): every stage, fp32 and bf16, TP,
+# PP, TP x PP, MiCS, stage-3 persistent parameters, optimizer and parameter offload to host memory.
+TESTED = [GRID[i] for i in (3, 4, 5, 6, 7, 9, 11, 12, 13)]
+# The measured peak needs a model whose states stand well above the interpreter's own memory (the
+# bench's); three of the bench's layouts: stages 1, 2, 3, fp32 and bf16, TP, optimizer states and
+# parameters in host memory (the bench prints all 15).
+PEAK_TESTED = [GRID[i] for i in (5, 12, 13)]
 
 
 def test_prediction_within_10_percent_of_engine_report(dist_pool):
     assert len(set(TESTED)) >= 8 and {layout[3] for layout in TESTED} == {0, 1, 2, 3}
     rows = compare(dist_pool(4), TESTED)
+    assert {row[1] for row in rows} >= {"host_params", "host_master", "host_optimizer_states"}
     bad = [row for row in rows if abs(row[2] - row[3]) > 0.10 * row[3]]
     assert not bad, "planner off by more than 10%:\n" + format_rows(bad)
+
+
+def test_prediction_within_10_percent_of_measured_peak(dist_pool):
+    rows = compare_peaks(dist_pool(4), PEAK_TESTED)
+    bad = [row for row in rows if abs(row[1] - row[2]) > 0.10 * row[2]]
+    assert not bad, "planned total off the measured peak by more than 10%:\n" + format_peaks(rows)
 
 
 def test_plan_prints_every_category(capsys):
@@ -46,16 +58,30 @@ def test_plan_prints_every_category(capsys):
     out = capsys.readouterr().out
     cfg = tool.config_from_args(tool.parse(argv), 4)
     predicted = plan_bytes(cfg, 4)
-    for key in CATEGORIES:
+    for key in DEVICE_CATEGORIES:
         assert f"{tool.LABELS[key]}" in out and f"{predicted[key] / GIB:10.3f} GiB" in out, key
     assert "ZeRO stage 2" in out and "dp 4" in out
+
+
+def test_plan_prints_offloaded_bytes_apart_from_the_device(capsys, tmp_path):
+    tool = _tool()
+    argv = SMALL + ["--world-size", "4", "--zero-stage", "3", "--zero-offload-param", "cpu",
+                    "--zero-offload-optimizer", "nvme", "--zero-nvme-path", str(tmp_path)]
+    assert tool.main(argv) == 0
+    out = capsys.readouterr().out
+    predicted = plan_bytes(tool.config_from_args(tool.parse(argv), 4), 4)
+    assert predicted["master"] == predicted["optimizer_states"] == 0 and predicted["nvme_optimizer_states"] > 0
+    host, disk = out.split("offloaded to host memory:")[1].split("offloaded to disk (nvme_path):")
+    assert f"{predicted['host_params'] / GIB:10.3f} GiB" in host and "offload staging" in host
+    assert f"{predicted['nvme_optimizer_states'] / GIB:10.3f} GiB" in disk
+    assert f"{device_bytes(predicted) / GIB:10.3f} GiB per rank on the device" in out
 
 
 def test_fit_picks_the_first_candidate_that_fits(capsys):
     tool = _tool()
     args = tool.parse(SMALL + ["--world-size", "4"])
     candidates = tool.candidate_configs(args)
-    totals = [sum(plan_bytes(cfg, 4).values()) for cfg in candidates]
+    totals = [device_bytes(plan_bytes(cfg, 4)) for cfg in candidates]
     assert candidates[0].zero.stage == 0 and candidates[0].parallel.tensor_parallel == 1
     # A limit between the cheapest layout's total and the smallest total: the cheapest no longer fits.
     limit = (totals[0] + min(totals)) / 2 / GIB
