@@ -25,10 +25,7 @@ import torch
 from megazero.errors import UsageError
 from megazero.streams import Streams, copy_to_device
 from .config import OffloadParamConfig
-
-
-class SwapFileError(RuntimeError):
-    """A swap file is not what was written to it (missing, truncated or altered)."""
+from .swap import SwapFileError        # one error for every swap file (the optimizer's too)
 
 
 def _bytes_of(t: torch.Tensor):
@@ -86,7 +83,11 @@ class NvmeParams:
             raise UsageError(f"offload_param.buffer_size {config.buffer_size} is below this rank's largest "
                              f"stage-3 unit chunk ({largest} elements); raise it to at least {largest}")
         self.folder = Path(config.nvme_path) / "megazero_swap" / f"rank{rank}" / "params"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"offload_param.nvme_path: cannot create {self.folder} ({err.strerror or err}); "
+                             f"point nvme_path at a writable directory") from None
         self.checksums: dict[int, int] = {}          # unit -> CRC-32 of its file's last write
         self.held: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self.dirty: set[int] = set()
