@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
                      run_training, small_config, strip_padding, with_padded_vocab)
@@ -13,8 +14,10 @@ from megazero.data.synthetic import ArithmeticTokens
 from megazero.lr_schedule import learning_rate
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
+from megazero.streams import Streams
 from megazero.training import MicrobatchSource, setup, train_step
-from megazero.zero.param_offload import GatherOrder, SwapFileError
+from megazero.zero.config import OffloadParamConfig
+from megazero.zero.param_offload import GatherOrder, NvmeParams, SwapFileError
 
 VOCAB = 61
 STEPS = 3
@@ -112,3 +115,20 @@ def test_read_ahead_follows_the_last_steps_order():
     assert order.next_after(1, 2) == [2, 2]
     assert order.next_after(0, 3) == []                 # out of step: 0's next use, the last
     assert order.next_after(2, 2) == [2, 1]             # none after that: 2's first use
+
+
+def test_nvme_home_writes_back_evicted_chunks_and_refuses_an_altered_file(tmp_path):
+    """Three unit chunks through two host buffers: evicted chunks come back from their files with what
+    was written; a file altered in place (same size) fails its checksum, naming the file."""
+    config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=2)
+    home = NvmeParams([(0, 5), (5, 3), (8, 4)], torch.bfloat16, "cpu", Streams("cpu"), config, rank=0)
+    for b in range(3):
+        home.host_chunk(b).fill_(b + 1)
+    assert len(home.held) == 2                          # the first chunk went to its file
+    home.drop_cache()
+    assert [home.to_device(b).tolist() for b in range(3)] == [[1.0] * 5, [2.0] * 3, [3.0] * 4]
+    home.drop_cache()
+    with open(home.path(1), "r+b") as f:
+        f.write(b"\x00\x00")
+    with pytest.raises(SwapFileError, match=str(home.path(1))):
+        home.to_device(1)

@@ -57,6 +57,9 @@ class HostParams:
     def flush(self) -> None:
         """Host memory is the home itself: nothing to write back."""
 
+    def drop_cache(self) -> None:
+        """Nothing is cached: the whole partition is the home."""
+
     def memory_bytes(self) -> dict[str, int]:
         return {"host_params": self.partition.numel() * self.partition.element_size()}
 
@@ -175,6 +178,15 @@ class NvmeParams:
         writes, self.writes = self.writes, {}
         for future in writes.values():
             future.result()
+
+    def drop_cache(self) -> None:
+        """Writes back and frees every host buffer (engine.empty_partition_cache); reads ahead are
+        waited and dropped."""
+        reads, self.reads = self.reads, {}
+        for future in reads.values():
+            future.result()
+        self.flush()
+        self.held.clear()
 
     def memory_bytes(self) -> dict[str, int]:
         element = torch.empty(0, dtype=self.dtype).element_size()
