@@ -120,7 +120,8 @@ class ZeroEngine:
                 params, stage=stage, dp=g.dp, shard=g.shard if stage > 0 else None, replica=g.replica,
                 precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
                 device=self.device, queue=self.queue, allgather_bucket_size=self.zero.allgather_bucket_size,
-                reduce_scatter=self.zero.reduce_scatter, streams=self.streams)
+                reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
+                state_device="cpu" if self.zero.offloads_optimizer else None)
             self._flat_olds.append((group, params))
             group.materialize(init_fn)
             groups.append(group)

@@ -29,10 +29,12 @@ class FlatParamGroup(PartitionedStorage):
     def __init__(self, params: list[nn.Parameter], *, stage: int,
                  dp: comm.Group, shard: comm.Group | None, replica: comm.Group | None,
                  precision: Precision, bucket_size: int, device, queue: ReductionQueue,
-                 allgather_bucket_size: int = 2**62, reduce_scatter: bool = True, streams=None):
+                 allgather_bucket_size: int = 2**62, reduce_scatter: bool = True, streams=None,
+                 state_device=None):
         layout = FlatLayout([p.numel() for p in params], bucket_size,
                             shard.size if shard else 1, shard.rank if shard else 0)
-        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams)
+        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams,
+                         state_device=state_device)
         self.stage, self.dp, self.replica = stage, dp, replica
         self.allgather_bucket_size = allgather_bucket_size
         self.params = params

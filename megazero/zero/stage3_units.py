@@ -69,9 +69,11 @@ class UnitStore(PartitionedStorage):
         shard = groups.shard
         layout = FlatLayout.of_groups([[p.numel() for p in params] for _, params in units_params],
                                       shard.size, shard.rank)
-        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams)
+        zero = zero if zero is not None else ZeroConfig(stage=3)
+        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams,
+                         state_device="cpu" if zero.offloads_optimizer else None)
         self.groups = groups
-        self.zero = zero if zero is not None else ZeroConfig(stage=3)
+        self.zero = zero
         self.quantized_reduce = quantized_gradient_reducer(groups) if self.zero.zero_quantized_gradients else None
         # Marks the last write of the partition on the compute stream (the optimizer step): a
         # prefetch on its own stream waits for that, not for all the compute queued since.

@@ -90,12 +90,15 @@ class PartitionedStorage:
     quantized_reduce = None         # qgZ: (output, input) -> Handle, in place of the reduce-scatter
 
     def __init__(self, layout: FlatLayout, shard: comm.Group | None, precision: Precision, device,
-                 queue: ReductionQueue, reduce_scatter: bool = True, streams: Streams | None = None):
+                 queue: ReductionQueue, reduce_scatter: bool = True, streams: Streams | None = None,
+                 state_device=None):
         self.layout, self.shard, self.precision = layout, shard, precision
         self.device, self.queue, self.reduce_scatter = torch.device(device), queue, reduce_scatter
         self.streams = streams if streams is not None else Streams(self.device)
         n = layout.partition_size
-        f32 = dict(dtype=torch.float32, device=self.device)
+        # Offloaded optimizer states are made on the host from the start: a model that needs
+        # offload may not have room on the device for them even for a moment.
+        f32 = dict(dtype=torch.float32, device=torch.device(state_device or self.device))
         # fp32 runs: the weights are the master (None), 16-bit runs keep a separate fp32 copy.
         self.master = torch.zeros(n, **f32) if precision.mixed else None
         self.exp_avg = torch.zeros(n, **f32)
