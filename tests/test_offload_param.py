@@ -23,11 +23,11 @@ VOCAB = 61
 STEPS = 3
 
 
-def offloaded(device: str, root: str, tp=1, pp=1, **extra):
+def offloaded(device: str, root: str, tp=1, pp=1, bf16=False, **extra):
     block = {"device": device}
     if device == "nvme":
         block.update(nvme_path=os.path.join(root, f"{device}-tp{tp}-pp{pp}"), buffer_count=2)
-    return small_config(tp=tp, pp=pp, stage=3, steps=STEPS,
+    return small_config(tp=tp, pp=pp, stage=3, steps=STEPS, bf16=bf16,
                         zero_extra={"offload_param": block, **extra})
 
 
@@ -72,6 +72,17 @@ def test_offloaded_params_reproduce_the_single_process_curve(dist_pool, referenc
         if device == "nvme":
             files = list(Path(cfg.zero.offload_param.nvme_path).glob("megazero_swap/rank*/params/unit*.swp"))
             assert len({f.parent.parent for f in files}) == 4, f"{what}: one swap folder per rank"
+
+
+def test_bf16_offloaded_params_train_bit_for_bit_like_device_ones(dist_pool, tmp_path):
+    """Offload changes where the bf16 partition lives, not one operation on it: the run equals the
+    non-offloaded bf16 run exactly (the step writes the bf16 copy into the home)."""
+    layouts = [(small_config(stage=3, steps=STEPS, bf16=True), 2), (offloaded("nvme", str(tmp_path), bf16=True), 2)]
+    device, offload = (last_stage_result([per_rank[k] for per_rank in dist_pool(4).run(run_layouts, layouts)])
+                       for k in range(2))
+    assert offload["losses"] == device["losses"] and offload["norms"] == device["norms"]
+    for name, (value, _) in device["params"].items():
+        assert torch.equal(offload["params"][name][0], value), name
 
 
 def truncated_swap_file(ctx, cfg):
