@@ -314,12 +314,7 @@ def test_wire_reports_crossed_messages_and_deadlocks():
             failures.append(str(e))
         wire.finish(rank)
 
-    threads = [threading.Thread(target=send_then_receive, args=(r,), daemon=True) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=2 * HANG_GUARD_S)
-    assert len(failures) == 2 and all("deadlock" in f for f in failures), failures
+    _both_deadlock(send_then_receive, failures)
 
 
 def test_wire_runs_a_stages_batches_in_order():
@@ -339,7 +334,12 @@ def test_wire_runs_a_stages_batches_in_order():
             failures.append(str(e))
         wire.finish(rank)
 
-    threads = [threading.Thread(target=receive_then_send, args=(r,), daemon=True) for r in (0, 1)]
+    _both_deadlock(receive_then_send, failures)
+
+
+def _both_deadlock(stage, failures: list[str]) -> None:
+    """Runs `stage(rank)` for ranks 0 and 1 in threads; both must have reported a deadlock."""
+    threads = [threading.Thread(target=stage, args=(r,), daemon=True) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
