@@ -280,10 +280,19 @@ class MemoryEstimate:
         return self.model_states + self.activations
 
 
-def estimate(cfg: TrainConfig, world_size: int) -> MemoryEstimate:
+def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> MemoryEstimate:
+    """Model states and activations one rank needs in the memory of `device_type`: offloaded states
+    leave a GPU's count; on the CPU only what is swapped to files leaves it (host memory is the
+    same memory there)."""
     r = rank_layout(cfg, world_size)     # the first check: persistent stage-3 parameters ignored
-    per_param = model_state_bytes_per_param(cfg.zero.stage, r.shards, r.weight_bytes, r.grad_bytes,
-                                            separate_master=r.weight_bytes == 2)
+    kinds = model_state_bytes_by_kind(cfg.zero.stage, r.shards, r.weight_bytes, r.grad_bytes,
+                                      separate_master=r.weight_bytes == 2)
+    away = ("nvme",) if device_type == "cpu" else ("cpu", "nvme")
+    if cfg.zero.offloads_optimizer and cfg.zero.offload_optimizer.device in away:
+        kinds["master"] = kinds["optimizer_states"] = 0.0
+    if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
+        kinds["params"] = 0.0
+    per_param = sum(kinds.values())
     return MemoryEstimate(r.parameters, r.rank_parameters, per_param, r.rank_parameters * per_param,
                           _activations(cfg, r))
 

@@ -32,7 +32,7 @@ def check_output_paths(cfg: TrainConfig) -> None:
 
 def check_memory(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:
     """Refuses a run whose estimated memory per rank exceeds what this machine has for it."""
-    found = estimate(cfg, world_size)
+    found = estimate(cfg, world_size, device.type)
     available = available_bytes(device, ranks_on_node)
     if available is not None and found.total > available[0]:
         raise UsageError(describe_refusal(cfg, found, *available))

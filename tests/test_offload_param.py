@@ -143,3 +143,16 @@ def test_nvme_home_writes_back_evicted_chunks_and_refuses_an_altered_file(tmp_pa
         f.write(b"\x00\x00")
     with pytest.raises(SwapFileError, match=str(home.path(1))):
         home.to_device(1)
+
+
+def test_nvme_home_holds_at_most_max_in_cpu_elements_in_host_buffers(tmp_path):
+    """max_in_cpu bounds the host cache below buffer_count, never below two chunks."""
+    chunks = [(0, 4), (4, 4), (8, 4), (12, 4)]
+    for max_in_cpu, held in ((1000, 4), (12, 3), (1, 2)):
+        config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path / str(max_in_cpu)),
+                                    buffer_count=4, max_in_cpu=max_in_cpu)
+        home = NvmeParams(chunks, torch.float32, "cpu", Streams("cpu"), config, rank=0)
+        for b in range(4):
+            home.host_chunk(b).fill_(b)
+        assert len(home.held) == held, max_in_cpu
+        home.drop_cache()

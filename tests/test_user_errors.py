@@ -396,3 +396,19 @@ def test_memory_formulas_are_the_engines():
         cfg = GPTConfig(vocab_size=500, hidden_size=64, num_layers=3, num_attention_heads=4, tie_embeddings=tied)
         embedding, layer, head = parameter_counts(cfg)
         assert embedding + 3 * layer + head == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_memory_check_leaves_offloaded_states_out_where_they_leave():
+    """The refusal estimate of an offloaded run: host-offloaded states leave a GPU's count but stay in
+    the CPU's (the same memory), swapped ones leave both."""
+    from megazero.arguments import config_from_args, parse_args
+    from megazero.memory_estimate import estimate
+    base = ["--zero-stage", "3", "--bf16"]
+    plain = config_from_args(parse_args(base), 2)
+    cpu = config_from_args(parse_args(base + ["--zero-offload-optimizer", "cpu", "--zero-offload-param", "cpu"]), 2)
+    nvme = config_from_args(parse_args(base + ["--zero-offload-optimizer", "nvme", "--zero-nvme-path", "/tmp/s"]), 2)
+    params = estimate(plain, 2).rank_parameters
+    assert estimate(cpu, 2, "cpu").model_states == estimate(plain, 2).model_states
+    # bf16 at stage 3 over 2 ranks: (2 + 4 + 12) / 2 per parameter; 12 / 2 and 2 / 2 leave the GPU
+    assert estimate(cpu, 2, "cuda").model_states == pytest.approx(estimate(plain, 2).model_states - params * 7)
+    assert estimate(nvme, 2, "cpu").model_states == pytest.approx(estimate(plain, 2).model_states - params * 6)

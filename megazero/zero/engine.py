@@ -313,6 +313,8 @@ class ZeroEngine:
         for storage in self.storages():
             if storage.offload is not None:
                 storage.offload.flush_cache()
+        if self.store is not None and self.store.home is not None:
+            self.store.home.drop_cache()          # offload_param nvme: host buffers written back
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -327,6 +329,9 @@ class ZeroEngine:
         where = {k: str(self.device) for k in ("params", "grads", "master", "optimizer_states", "buffers")}
         if self.zero.offloads_optimizer:
             where["master"] = where["optimizer_states"] = self.zero.offload_optimizer.device
+        if self.zero.offloads_params:          # "params" keeps the persistent ones, on the device
+            device = self.zero.offload_param.device
+            where["host_params" if device == "cpu" else "nvme_params"] = device
         for name in self.host_copies.moved:
             where[REPORT_CATEGORY[name]] = "cpu"
         return where

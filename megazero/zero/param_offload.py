@@ -34,15 +34,15 @@ def _bytes_of(t: torch.Tensor):
 
 
 class HostParams:
-    """The whole partition in host memory, pinned when the device is a GPU so that the copies to
-    it run asynchronously on the copy stream."""
+    """The whole partition in host memory, pinned (`pin_memory`, on a GPU) so that the copies to the
+    device run asynchronously on the copy stream."""
     location = "host_params"
 
     def __init__(self, chunks: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                 streams: Streams):
+                 streams: Streams, pin_memory: bool = True):
         self.chunks, self.device, self.streams = chunks, torch.device(device), streams
         size = sum(n for _, n in chunks)
-        self.partition = torch.zeros(size, dtype=dtype, pin_memory=self.device.type == "cuda")
+        self.partition = torch.zeros(size, dtype=dtype, pin_memory=pin_memory and self.device.type == "cuda")
 
     def host_chunk(self, b: int) -> torch.Tensor:
         offset, n = self.chunks[b]
@@ -65,7 +65,8 @@ class HostParams:
 
 
 class NvmeParams:
-    """One file per unit chunk; at most `buffer_count` chunks in host buffers at a time.
+    """One file per unit chunk; at most `buffer_count` chunks (and `max_in_cpu` elements, but two
+    chunks at least) in host buffers at a time.
 
     The buffers are the value of record while they are held: a buffer handed out by `host_chunk`
     counts as written and goes back to its file when evicted (oldest first) or at `flush`. Reads
@@ -79,9 +80,11 @@ class NvmeParams:
             raise UsageError("offload_param.device is nvme but offload_param.nvme_path is not set; "
                              "set it to a directory on a fast local disk")
         self.chunks, self.dtype, self.device, self.streams = chunks, dtype, torch.device(device), streams
-        self.pin = self.device.type == "cuda"
-        self.capacity = max(2, config.buffer_count)   # the unit in use and one read ahead, at least
+        self.pin = config.pin_memory and self.device.type == "cuda"
         largest = max((n for _, n in chunks), default=0)
+        # Chunks held in host memory: buffer_count of them, fewer where max_in_cpu elements bound
+        # the cache, but the unit in use and one read ahead at least.
+        self.capacity = max(2, min(config.buffer_count, config.max_in_cpu // max(largest, 1)))
         if largest > config.buffer_size:
             raise UsageError(f"offload_param.buffer_size {config.buffer_size} is below this rank's largest "
                              f"stage-3 unit chunk ({largest} elements); raise it to at least {largest}")
@@ -199,7 +202,7 @@ def make_param_home(config: OffloadParamConfig, chunks: list[tuple[int, int]], d
                     device, streams: Streams, rank: int):
     """The home `config.device` names, for this rank's chunks ((offset, length) per unit)."""
     if config.device == "cpu":
-        return HostParams(chunks, dtype, device, streams)
+        return HostParams(chunks, dtype, device, streams, config.pin_memory)
     return NvmeParams(chunks, dtype, device, streams, config, rank)
 
 
