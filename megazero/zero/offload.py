@@ -41,7 +41,7 @@ def sub_group_bounds(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
 def partition_range(storage, kind: str, start: int, end: int) -> torch.Tensor:
     """A host copy of partition elements [start, end) of `kind`, assembled from the bucket chunks
     (stage 0/1 chunks are not contiguous in the flat buffer)."""
-    out = torch.empty(end - start, dtype=torch.float32)
+    out = torch.empty(end - start, dtype=torch.float32, device="cpu")
     for b, bucket in enumerate(storage.layout.buckets):
         lo, hi = max(start, bucket.local_offset), min(end, bucket.local_offset + bucket.chunk)
         if lo < hi:
@@ -62,8 +62,9 @@ class OptimizerOffload:
         pin = config.pin_memory and storage.device.type == "cuda"
         longest = max(e - s for s, e in self.bounds)
         # Host staging of one sub-group: the reduced gradients in, the updated 16-bit weights out.
-        self.grad_buffer = torch.empty(longest, dtype=storage.precision.grad_accum_dtype, pin_memory=pin)
-        self.lp_buffer = (torch.empty(longest, dtype=storage.precision.param_dtype, pin_memory=pin)
+        host = dict(device="cpu", pin_memory=pin)
+        self.grad_buffer = torch.empty(longest, dtype=storage.precision.grad_accum_dtype, **host)
+        self.lp_buffer = (torch.empty(longest, dtype=storage.precision.param_dtype, **host)
                           if storage.precision.mixed else None)
         # Device<->host copies are issued without blocking and waited once per batch of them.
         self.copied = Event(storage.device)
@@ -72,7 +73,7 @@ class OptimizerOffload:
         self._cache: tuple[int, int, dict[str, torch.Tensor]] | None = None
         if self.device_kind == "cpu":
             size = storage.layout.partition_size
-            self.host = {kind: torch.empty(size, dtype=torch.float32, pin_memory=pin)
+            self.host = {kind: torch.empty(size, dtype=torch.float32, pin_memory=pin, device="cpu")
                          for kind in OFFLOADED_KINDS}
             for s, e in self.bounds:
                 for kind in OFFLOADED_KINDS:
@@ -93,7 +94,7 @@ class OptimizerOffload:
         if self.host is not None:
             return self.host[kind][start:start + length]
         if length == 0:
-            return torch.empty(0, dtype=torch.float32)
+            return torch.empty(0, dtype=torch.float32, device="cpu")
         end = start + length
         if self._cache is None or not (self._cache[0] <= start and end <= self._cache[1]):
             self.flush_cache()
@@ -106,7 +107,7 @@ class OptimizerOffload:
         lo, hi = self.bounds[ks[0]][0], self.bounds[ks[-1]][1]
         cache = {}
         for kind, file in self.swapper.files.items():
-            cache[kind] = torch.empty(hi - lo, dtype=torch.float32)
+            cache[kind] = torch.empty(hi - lo, dtype=torch.float32, device="cpu")
             for k in ks:
                 s, _ = self.bounds[k]
                 file.read(k, cache[kind][s - lo:])

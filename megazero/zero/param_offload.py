@@ -42,7 +42,8 @@ class HostParams:
                  streams: Streams, pin_memory: bool = True):
         self.chunks, self.device, self.streams = chunks, torch.device(device), streams
         size = sum(n for _, n in chunks)
-        self.partition = torch.zeros(size, dtype=dtype, pin_memory=pin_memory and self.device.type == "cuda")
+        self.partition = torch.zeros(size, dtype=dtype, device="cpu",
+                                     pin_memory=pin_memory and self.device.type == "cuda")
 
     def host_chunk(self, b: int) -> torch.Tensor:
         offset, n = self.chunks[b]
@@ -107,7 +108,7 @@ class NvmeParams:
 
     # --- file I/O (on the pool's threads) ---------------------------------------------------------
     def _new_buffer(self, b: int) -> torch.Tensor:
-        return torch.zeros(self.chunks[b][1], dtype=self.dtype, pin_memory=self.pin)
+        return torch.zeros(self.chunks[b][1], dtype=self.dtype, pin_memory=self.pin, device="cpu")
 
     def _read_file(self, b: int, pending_write) -> torch.Tensor:
         if pending_write is not None:
@@ -192,7 +193,7 @@ class NvmeParams:
         self.held.clear()
 
     def memory_bytes(self) -> dict[str, int]:
-        element = torch.empty(0, dtype=self.dtype).element_size()
+        element = torch.empty(0, dtype=self.dtype, device="cpu").element_size()
         buffers = sum(t.numel() for t in self.held.values()) + sum(self.chunks[b][1] for b in self.reads)
         return {"nvme_params": sum(n for _, n in self.chunks) * element,
                 "param_swap_buffers": buffers * element}

@@ -109,7 +109,7 @@ class SubGroupSwapper:
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         longest = max((e - s for s, e in bounds), default=0)
         sets = max(1, min(buffer_count, len(bounds)))
-        self.sets = [{kind: torch.empty(longest, dtype=torch.float32, pin_memory=pin_memory)
+        self.sets = [{kind: torch.empty(longest, dtype=torch.float32, pin_memory=pin_memory, device="cpu")
                       for kind in kinds} for _ in range(sets)]
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for buffers in self.sets:
