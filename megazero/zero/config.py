@@ -82,14 +82,19 @@ STAGE_SCOPED = {
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
-class OffloadOptimizerConfig(BaseModel):
-    """`offload_optimizer`: where the fp32 master weights and Adam moments live and the step runs."""
+class OffloadConfig(BaseModel):
+    """What both offload blocks say: where the states go, and how host buffers are made."""
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     device: OffloadDevice = "none"
-    """cpu: host memory, stepped by the CPU Adam; nvme: files under nvme_path, swapped per sub-group."""
+    """cpu: host memory; nvme: files under nvme_path."""
     nvme_path: Optional[str] = None
     pin_memory: bool = False
     """Host buffers in page-locked memory (faster device copies; ignored without CUDA)."""
+
+
+class OffloadOptimizerConfig(OffloadConfig):
+    """`offload_optimizer`: where the fp32 master weights and Adam moments live and the step runs
+    (on the CPU, by the CPU Adam; with nvme, swapped per sub-group)."""
     buffer_count: int = Field(4, ge=1)
     """nvme: sub-group buffers in host memory for reads ahead and writes behind."""
     pipeline_read: bool = False
@@ -97,19 +102,18 @@ class OffloadOptimizerConfig(BaseModel):
     pipeline_write: bool = False
     """nvme: write a stepped sub-group while the next one steps."""
     ratio: float = Field(1.0, gt=0.0, le=1.0)
-    """Fraction of each partition whose states are offloaded (the rest stays on the device)."""
+    """Fraction of each partition whose states are offloaded (only 1.0 is supported)."""
     fast_init: bool = False
 
 
-class OffloadParamConfig(BaseModel):
+class OffloadParamConfig(OffloadConfig):
     """`offload_param` (stage 3): where each rank's low-precision parameter partition lives."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-    device: OffloadDevice = "none"
-    nvme_path: Optional[str] = None
-    pin_memory: bool = False
     buffer_count: int = Field(5, ge=1)
+    """nvme: unit chunks held in host memory at a time (at least two)."""
     buffer_size: int = Field(int(1e8), gt=0)
+    """nvme: elements of the largest unit chunk a buffer must hold."""
     max_in_cpu: int = Field(int(1e9), ge=0)
+    """nvme: elements of parameters held in host memory at most (two chunks at least)."""
 
 
 class ZeroConfig(BaseModel):
