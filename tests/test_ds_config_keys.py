@@ -134,6 +134,8 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
     ({"activation_checkpointing": {"partition_activation": True}}, [], "did you mean 'partition_activations'"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, [],
      "offload_optimizer needs ZeRO stage 1-3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, [],
+     "offload_optimizer.ratio = 0.5: partial offload is not supported"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [],
      "offload_param.device \"nvme\" needs nvme_path"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 4}}, [],

@@ -258,6 +258,10 @@ def check_stage_features(config: ZeroConfig, where: str = "zero_optimization", s
         if asked and config.stage != 3:
             raise UsageError(f"{name(key)} acts on partitioned parameters, which only ZeRO stage 3 "
                              f"has; set stage 3 or remove it (got stage {config.stage})")
+    if config.offload_optimizer is not None and config.offload_optimizer.ratio != 1.0:
+        raise UsageError(f"{where}.offload_optimizer.ratio = {config.offload_optimizer.ratio}: partial "
+                         f"offload is not supported; set ratio 1.0 (all optimizer states offloaded) or "
+                         f"remove it")
     for key in ("offload_optimizer", "offload_param"):
         block = getattr(config, key)
         if block is not None and block.device == "nvme" and not block.nvme_path and key in spelled:
