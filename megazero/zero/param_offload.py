@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
 import weakref
-import zlib
 from pathlib import Path
 
 import torch
@@ -25,12 +23,7 @@ import torch
 from megazero.errors import UsageError
 from megazero.streams import Streams, copy_to_device
 from .config import OffloadParamConfig
-from .swap import SwapFileError        # one error for every swap file (the optimizer's too)
-
-
-def _bytes_of(t: torch.Tensor):
-    """A writable numpy view of a contiguous CPU tensor's bytes (bf16 included)."""
-    return t.view(torch.uint8).numpy()
+from .swap import SwapFile, SwapFileError     # noqa: F401 (SwapFileError: the error callers catch)
 
 
 class HostParams:
@@ -95,7 +88,8 @@ class NvmeParams:
         except OSError as err:
             raise UsageError(f"offload_param.nvme_path: cannot create {self.folder} ({err.strerror or err}); "
                              f"point nvme_path at a writable directory") from None
-        self.checksums: dict[int, int] = {}          # unit -> CRC-32 of its file's last write
+        # One verified file per unit chunk (size and CRC-32 checked on every read).
+        self.files = [SwapFile(self.path(b), n, [(0, n)], dtype) for b, (_, n) in enumerate(chunks)]
         self.held: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
         self.dirty: set[int] = set()
         self.reads: dict[int, concurrent.futures.Future] = {}
@@ -114,28 +108,9 @@ class NvmeParams:
         if pending_write is not None:
             pending_write.result()
         buffer = self._new_buffer(b)
-        if b not in self.checksums:                  # never written: a fresh, zero chunk
-            return buffer
-        path, view = self.path(b), _bytes_of(buffer)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size != view.nbytes:
-                    raise SwapFileError(f"parameter swap file {path} holds {size} bytes, {view.nbytes} were "
-                                        f"written: it was truncated or replaced; restart from a checkpoint")
-                got = f.readinto(memoryview(view))
-        except FileNotFoundError:
-            raise SwapFileError(f"parameter swap file {path} is missing; keep nvme_path intact while "
-                                f"the run lasts, restart from a checkpoint") from None
-        if got != view.nbytes or zlib.crc32(view) != self.checksums[b]:
-            raise SwapFileError(f"parameter swap file {path} does not match what was written (checksum); "
-                                f"it was altered on disk; restart from a checkpoint")
+        if self.files[b].crc[0] is not None:          # never written: a fresh, zero chunk
+            self.files[b].read(0, buffer)
         return buffer
-
-    def _write_file(self, b: int, buffer: torch.Tensor) -> None:
-        view = _bytes_of(buffer)
-        with open(self.path(b), "wb") as f:
-            f.write(memoryview(view))
 
     # --- the cache ----------------------------------------------------------------------------
     def prefetch(self, b: int) -> None:
@@ -161,9 +136,8 @@ class NvmeParams:
 
     def _start_write(self, b: int, buffer: torch.Tensor) -> None:
         self.dirty.discard(b)
-        # The checksum is taken now, on this thread: the buffer is not written again once queued.
-        self.checksums[b] = zlib.crc32(_bytes_of(buffer))
-        self.writes[b] = self.pool.submit(self._write_file, b, buffer)
+        # The buffer is not written again once queued (evicted, or flush waits for the write).
+        self.writes[b] = self.pool.submit(self.files[b].write, 0, buffer)
 
     def host_chunk(self, b: int) -> torch.Tensor:
         """Unit b's chunk in a host buffer the caller may write (it goes back to the file)."""

@@ -1,7 +1,7 @@
-"""Swap files for offloaded optimizer states (ZeRO-Infinity's nvme tier): bytes on disk, verified.
+"""Swap files for offloaded states (ZeRO-Infinity's nvme tier): bytes on disk, verified.
 
-A `SwapFile` holds one fp32 tensor (one kind of state of one storage's partition) cut into
-sub-groups. Reads and writes are positioned (`os.preadv` / `os.pwrite`) straight into and out of
+A `SwapFile` holds one tensor (one kind of optimizer state of one storage's partition, or one
+stage-3 unit's parameter chunk) cut into sub-groups. Reads and writes are positioned (`os.preadv` / `os.pwrite`) straight into and out of
 host tensors, one sub-group at a time, so they run in worker threads without the GIL. Every write
 records the sub-group's CRC-32; every read checks the file's size and the CRC first, so a file
 truncated or altered behind our back is a `SwapFileError` naming it, never a wrong step.
@@ -35,51 +35,61 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 class SwapFile:
-    """One fp32 tensor of `numel` elements in a file of exactly numel * 4 bytes; `bounds` are the
-    sub-groups' [start, end) element ranges, each with the CRC of what was last written there."""
+    """One tensor of `numel` elements of `dtype` in a file of exactly that many bytes; `bounds` are
+    the sub-groups' [start, end) element ranges, each with the CRC of what was last written there
+    (None: never written). The file is opened per read or write, so a run with one file per stage-3
+    unit holds no descriptors between them."""
 
-    ELEMENT = 4
-
-    def __init__(self, path: Path, numel: int, bounds: list[tuple[int, int]]):
+    def __init__(self, path: Path, numel: int, bounds: list[tuple[int, int]], dtype=torch.float32):
         self.path, self.numel, self.bounds = Path(path), numel, bounds
-        self.crc = [None] * len(bounds)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.element = torch.empty(0, dtype=dtype, device="cpu").element_size()
+        self.crc: list[int | None] = [None] * len(bounds)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
 
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element
 
-    def __del__(self):
-        self.close()
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            raise SwapFileError(f"swap file {self.path} is missing; keep nvme_path intact while the run "
+                                f"lasts and restart from a checkpoint") from None
 
     def write(self, k: int, values: torch.Tensor) -> None:
-        """Writes sub-group k from a contiguous fp32 CPU tensor of its length."""
+        """Writes sub-group k from a contiguous CPU tensor of its length."""
         start, end = self.bounds[k]
         data = _as_bytes(values[:end - start])
-        offset, done = start * self.ELEMENT, 0
-        while done < len(data):
-            done += os.pwrite(self.fd, data[done:], offset + done)
+        offset, done, fd = start * self.element, 0, self._open()
+        try:
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], offset + done)
+        finally:
+            os.close(fd)
         self.crc[k] = zlib.crc32(data)
 
     def read(self, k: int, out: torch.Tensor) -> torch.Tensor:
-        """Reads sub-group k into the front of `out` (contiguous fp32 CPU) after checking the file's
-        size, and its CRC after; returns the filled view."""
+        """Reads sub-group k into the front of `out` (contiguous CPU) after checking the file's size,
+        and its CRC after; returns the filled view."""
         start, end = self.bounds[k]
-        size = os.fstat(self.fd).st_size
-        if size != self.numel * self.ELEMENT:
-            raise SwapFileError(f"swap file {self.path} holds {size} bytes, {self.numel * self.ELEMENT} "
-                                f"were written: it was truncated or replaced while training; keep "
-                                f"nvme_path private to this run and restart from a checkpoint")
         view = out[:end - start]
         data = _as_bytes(view)
-        offset, done = start * self.ELEMENT, 0
-        while done < len(data):
-            got = os.preadv(self.fd, [data[done:]], offset + done)
-            if got == 0:
-                raise SwapFileError(f"swap file {self.path} ended early while reading elements "
-                                    f"{start}-{end}; restart from a checkpoint")
-            done += got
+        offset, done, fd = start * self.element, 0, self._open()
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.nbytes:
+                raise SwapFileError(f"swap file {self.path} holds {size} bytes, {self.nbytes} were "
+                                    f"written: it was truncated or replaced while training; keep "
+                                    f"nvme_path private to this run and restart from a checkpoint")
+            while done < len(data):
+                got = os.preadv(fd, [data[done:]], offset + done)
+                if got == 0:
+                    raise SwapFileError(f"swap file {self.path} ended early while reading elements "
+                                        f"{start}-{end}; restart from a checkpoint")
+                done += got
+        finally:
+            os.close(fd)
         if zlib.crc32(data) != self.crc[k]:
             raise SwapFileError(f"swap file {self.path} was altered: elements {start}-{end} fail their "
                                 f"checksum; keep nvme_path private to this run and restart from a "
@@ -125,7 +135,7 @@ class SubGroupSwapper:
         return sum(t.numel() * t.element_size() for buffers in self.sets for t in buffers.values())
 
     def file_bytes(self) -> int:
-        return sum(f.numel * SwapFile.ELEMENT for f in self.files.values())
+        return sum(f.nbytes for f in self.files.values())
 
     def paths(self) -> list[Path]:
         return [f.path for f in self.files.values()]
@@ -212,5 +222,3 @@ class SubGroupSwapper:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        for file in self.files.values():
-            file.close()
