@@ -266,11 +266,10 @@ class UnitStore(PartitionedStorage):
         # optimizer steps device copies of them, bucket by bucket.
         steps_copies = self.master is None and not self.zero.offloads_optimizer
         with self._chunks_on_device(write_back=True) if steps_copies else contextlib.nullcontext():
-            super().step(step, lr, config, grad_scale)
+            super().step(step, lr, config, grad_scale)      # ends with after_step()
         if self.home is not None:
             self.home.flush()                 # the updated chunks are in their home
             self.fetch_order.end_step()
-        self.after_step()
 
     def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
         with self._chunks_on_device(write_back=False):
