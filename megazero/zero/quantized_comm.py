@@ -98,6 +98,11 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, shard: c
     With async_op, the intra-node hop is issued now; the inter-node hop and the sums run when the
     handle is waited (each hop needs the previous one's sum)."""
     node_local, cross_node = _check_node_groups(shard, node_local, cross_node)
+    return _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_size, async_op)
+
+
+def _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_size, async_op):
+    """quantized_reduce_scatter over node groups already checked to be shard's node-major split."""
     for what, tensor in (("output", output), ("input", input)):
         comm.check_device("quantized_reduce_scatter", shard, what, tensor)
         if tensor.dtype not in _FLOATS:
@@ -129,13 +134,14 @@ def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_s
     """The qgZ reduction for a storage over `groups.shard`: a function (output, input) -> Handle,
     called as reduce_bucket calls comm.reduce_scatter (async). The node groups, and on the CPU the
     C++ kernels' build, are checked now rather than at the first reduction."""
-    _check_node_groups(groups.shard, groups.node_local, groups.cross_node)
-    if groups.shard.device.type == "cpu":
+    shard = groups.shard
+    node_local, cross_node = _check_node_groups(shard, groups.node_local, groups.cross_node)
+    if shard.device.type == "cpu":
         kernel_info()        # a UsageError naming the build command when megazero._quant is missing
 
     def reduce(output: torch.Tensor, input: torch.Tensor) -> comm.Handle:
-        return quantized_reduce_scatter(output, input, groups.shard, groups.node_local, groups.cross_node,
-                                        bits=bits, block_size=block_size, async_op=True)
+        # Once per bucket and microbatch: the groups were checked above, not again here.
+        return _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_size, True)
     return reduce
 
 
