@@ -10,19 +10,20 @@ does). The rows differ only in their `zero_optimization` keys. Per row, worst ra
   cpu ms    median process CPU time per step (all threads, gloo's included)
   inter MiB comm-layer bytes per rank per step over groups that span nodes, all ops
   intra MiB the same for groups inside one node
-  formula   the inter-node bytes the scheme should move: with P this rank's partition bytes (every
-            unit's chunk once), N = 8 shard ranks and n = 2 nodes, the reduce-scatter moves (N-1)P
-            and each gather (N-1)P flat, (n-1)P in two hops, nothing across nodes from hpZ's
-            secondary (the backward gather); quantized rows move Q8 bytes per weight (qwZ: int8
-            codes + an fp32 scale per 256) and Q4 per gradient (qgZ: int4 + a scale per 128) of
-            the P / 4 elements, qgZ's gradients crossing nodes once, (n-1) chunks, after the node's sum
+  formula   the inter-node bytes the scheme should move (megazero.zero.quantized_comm.
+            stage3_inter_node_bytes): with P this rank's partition bytes (every unit's chunk once),
+            N = 8 shard ranks and n = 2 nodes, the reduce-scatter moves (N-1)P and each gather
+            (N-1)P flat, (n-1)P in two hops, nothing across nodes from hpZ's secondary (the backward
+            gather); quantized rows move int8 codes + an fp32 scale per 256 per weight (qwZ) and int4
+            + a scale per 128 per gradient (qgZ) of the P / 4 elements, qgZ's gradients crossing
+            nodes once, (n-1) chunks, after the node's sum
 The rows run in rounds (each row once per round) and keep their fastest round: other load only
 adds time. Ratios are against the plain row. On one machine the "inter-node" links are as fast as
 the others, so the time column shows what the extra hop and copies cost, and the byte columns what
 a real cluster's slow links would carry. The first losses of every row are printed: same work
 (the quantized rows' differ from the third digit or so: their weights and gradients are rounded).
 
-Add a row with one line in ROWS: (name, zero_optimization keys, inter-node formula or None).
+Add a row with one line in ROWS: (name, zero_optimization keys).
 
     python bench/bench_zero_nodes.py                   # a few minutes on 2 cores (8 processes)
     python bench/bench_zero_nodes.py --rounds 1 --rows plain,hpz
@@ -34,7 +35,6 @@ import dataclasses
 import statistics
 import time
 
-import torch
 
 from megazero.config import OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
@@ -44,26 +44,24 @@ from megazero.testing import DistributedPool
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
-from megazero.zero.quantized_comm import QGZ_BLOCK, QWZ_BLOCK
+from megazero.zero.quantized_comm import stage3_inter_node_bytes
 
 WORLD, RANKS_PER_NODE = 8, 4
 NODES = WORLD // RANKS_PER_NODE
-# Bytes per element of the quantized collectives (codes + fp32 scales); P / 4 elements (fp32 weights).
-Q8, Q4 = 1 + 4 / QWZ_BLOCK, 0.5 + 4 / QGZ_BLOCK
 QUANTIZED = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
-# name, zero_optimization keys on top of the base, inter-node bytes per step from (P, N, n) or None.
+HPZ = {"zero_hpz_partition_size": RANKS_PER_NODE}
+TWO_HOPS = {"mics_hierarchical_params_gather": True}
+# name, zero_optimization keys on top of the base; each row's inter-node bytes per step are checked
+# against megazero.zero.quantized_comm.stage3_inter_node_bytes.
 ROWS = [
-    ("plain", {}, lambda P, N, n: 3 * (N - 1) * P),
-    ("hierarchical", {"mics_hierarchical_params_gather": True}, lambda P, N, n: (N - 1) * P + 2 * (n - 1) * P),
-    ("hpz", {"zero_hpz_partition_size": RANKS_PER_NODE}, lambda P, N, n: 2 * (N - 1) * P),
-    ("hierarchical+hpz", {"mics_hierarchical_params_gather": True, "zero_hpz_partition_size": RANKS_PER_NODE},
-     lambda P, N, n: (N - 1) * P + (n - 1) * P),
-    ("qwz", {"zero_quantized_weights": True}, lambda P, N, n: 2 * (N - 1) * P / 4 * Q8 + (N - 1) * P),
-    ("qgz", {"zero_quantized_gradients": True}, lambda P, N, n: 2 * (N - 1) * P + (n - 1) * P / 4 * Q4),
-    ("zero++", {**QUANTIZED, "zero_hpz_partition_size": RANKS_PER_NODE},
-     lambda P, N, n: (N - 1) * P / 4 * Q8 + (n - 1) * P / 4 * Q4),
-    ("all", {**QUANTIZED, "zero_hpz_partition_size": RANKS_PER_NODE, "mics_hierarchical_params_gather": True},
-     lambda P, N, n: (n - 1) * P / 4 * Q8 + (n - 1) * P / 4 * Q4),
+    ("plain", {}),
+    ("hierarchical", TWO_HOPS),
+    ("hpz", HPZ),
+    ("hierarchical+hpz", {**TWO_HOPS, **HPZ}),
+    ("qwz", {"zero_quantized_weights": True}),
+    ("qgz", {"zero_quantized_gradients": True}),
+    ("zero++", {**QUANTIZED, **HPZ}),
+    ("all", {**QUANTIZED, **HPZ, **TWO_HOPS}),
 ]
 BASE = {"stage": 3, "param_persistence_threshold": 0, "max_reuse_distance": 0}
 
@@ -113,7 +111,7 @@ def run_row(ctx, bench: Bench, keys: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=",".join(name for name, _, _ in ROWS))
+    parser.add_argument("--rows", default=",".join(name for name, _ in ROWS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
@@ -129,7 +127,7 @@ def main() -> None:
     best: dict[str, dict] = {}
     try:
         for _ in range(args.rounds):
-            for name, keys, _ in rows:
+            for name, keys in rows:
                 ranks = pool.run(run_row, bench, keys)
                 worst = {k: max(r[k] for r in ranks) for k in ("ms", "cpu", "inter", "intra", "partition")}
                 worst["losses"] = ranks[0]["losses"]
@@ -147,15 +145,16 @@ def print_table(rows, best: dict, bench: Bench) -> None:
           f"x {bench.model.num_layers} layers, {bench.warmup} warm-up + {bench.steps} timed steps")
     print("| row | ms/step | cpu ms | inter MiB | intra MiB | formula MiB | inter/formula | time x | inter x |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, _, formula in rows:
+    for name, keys in rows:
         r = best[name]
-        expected = formula(r["partition"], WORLD, NODES) if formula else None
+        # fp32 weights and gradients: partition bytes / 4 elements, 4 bytes each
+        expected = stage3_inter_node_bytes(ZeroConfig(**BASE, **keys), r["partition"] // 4, WORLD, NODES, 4, 4)
         cells = [name, f"{r['ms']:.1f}", f"{r['cpu']:.1f}", f"{r['inter'] / mib:.3f}", f"{r['intra'] / mib:.3f}",
-                 f"{expected / mib:.3f}" if expected else "", f"{r['inter'] / expected:.4f}" if expected else "",
+                 f"{expected / mib:.3f}", f"{r['inter'] / expected:.4f}",
                  f"{r['ms'] / plain['ms']:.3f}" if plain else "", f"{r['inter'] / plain['inter']:.3f}" if plain else ""]
         print("| " + " | ".join(cells) + " |")
     print("first losses per row (same work):")
-    for name, _, _ in rows:
+    for name, _ in rows:
         print(f"  {name:18s} " + " ".join(f"{x:.7f}" for x in best[name]["losses"][:3]))
 
 

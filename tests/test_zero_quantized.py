@@ -17,8 +17,9 @@ bytes per step of ZeRO-3 with each of the cross-node features against their form
 import torch
 
 from megazero import comm
-from megazero.zero.quantized_comm import (QGZ_BLOCK, QWZ_BLOCK, quantized_all_gather,
-                                          quantized_reduce_scatter)
+from megazero.zero.config import ZeroConfig
+from megazero.zero.quantized_comm import (QGZ_BLOCK, QWZ_BLOCK, quantized_all_gather, quantized_reduce_scatter,
+                                          stage3_inter_node_bytes)
 
 SLACK_ULPS = 8
 
@@ -228,25 +229,21 @@ def test_quantized_training_follows_the_unquantized_curve(dist_pool, tmp_path):
 # reduce-scatter over the shard group spans both nodes, so the comm log counts its (N-1)E elements
 # as inter-node; a two-hop gather crosses nodes with (n-1)E only; hpZ's backward gather and qgZ's
 # first hop stay inside the node. Quantized bytes per element: int8 codes plus an fp32 scale per
-# 256 (Q8), int4 codes plus one per 128 (Q4). In units of Psi = N E x 2 bytes (the model in bf16):
+# 256 (Q8), int4 codes plus one per 128 (Q4); `stage3_inter_node_bytes` writes this down once, for
+# this test and bench/bench_zero_nodes.py. In units of Psi = N E x 2 bytes (the model in bf16):
 # 2.625, 1.125, 1.75, 1.764, 1.783, 0.477 and 0.097 Psi (the test's model pads each unit's chunks to
 # whole blocks: about 1% more).
-W = R = 2
-Q8, Q4 = 1 + 4 / QWZ_BLOCK, 0.5 + 4 / QGZ_BLOCK
 INTER_NODE_ROWS = [
-    ("ZeRO-3", {}, lambda E, N, n: 2 * (N - 1) * E * W + (N - 1) * E * R),
-    ("+ hierarchical gather", {"mics_hierarchical_params_gather": True},
-     lambda E, N, n: 2 * (n - 1) * E * W + (N - 1) * E * R),
-    ("+ hpZ", {"zero_hpz_partition_size": 4}, lambda E, N, n: (N - 1) * E * W + (N - 1) * E * R),
-    ("+ qwZ", {"zero_quantized_weights": True}, lambda E, N, n: 2 * (N - 1) * E * Q8 + (N - 1) * E * R),
-    ("+ qgZ", {"zero_quantized_gradients": True}, lambda E, N, n: 2 * (N - 1) * E * W + (n - 1) * E * Q4),
+    ("ZeRO-3", {}),
+    ("+ hierarchical gather", {"mics_hierarchical_params_gather": True}),
+    ("+ hpZ", {"zero_hpz_partition_size": 4}),
+    ("+ qwZ", {"zero_quantized_weights": True}),
+    ("+ qgZ", {"zero_quantized_gradients": True}),
     ("ZeRO++ (qwZ + hpZ + qgZ)", {"zero_quantized_weights": True, "zero_hpz_partition_size": 4,
-                                  "zero_quantized_gradients": True},
-     lambda E, N, n: (N - 1) * E * Q8 + (n - 1) * E * Q4),
+                                  "zero_quantized_gradients": True}),
     ("all together (+ hierarchical gather)", {"zero_quantized_weights": True, "zero_hpz_partition_size": 4,
                                               "zero_quantized_gradients": True,
-                                              "mics_hierarchical_params_gather": True},
-     lambda E, N, n: (n - 1) * E * Q8 + (n - 1) * E * Q4),
+                                              "mics_hierarchical_params_gather": True}),
 ]
 
 
@@ -280,10 +277,11 @@ def nodes_worker(ctx, rows: list):
 
 
 def test_inter_node_bytes_match_the_formulas(dist_pool):
-    results = dist_pool(8).run(nodes_worker, [keys for _, keys, _ in INTER_NODE_ROWS])
+    results = dist_pool(8).run(nodes_worker, [keys for _, keys in INTER_NODE_ROWS])
     print("\n| row | inter-node bytes/step | formula | Psi |")
-    for i, (name, _, formula) in enumerate(INTER_NODE_ROWS):
+    for i, (name, keys) in enumerate(INTER_NODE_ROWS):
         inter, elements, losses = max(rank[i] for rank in results)
-        expected = formula(elements, 8, 2)
+        # bf16 weights and gradient reduction: 2 bytes each
+        expected = stage3_inter_node_bytes(ZeroConfig(stage=3, **keys), elements, 8, 2, 2, 2)
         print(f"| {name} | {inter:.0f} | {expected:.0f} | {inter / (8 * elements * 2):.3f} |")
         assert abs(inter - expected) <= 0.05 * expected, f"{name}: {inter:.0f} bytes, formula {expected:.0f}"

@@ -43,6 +43,7 @@ import torch
 from megazero import comm
 from megazero.errors import UsageError
 from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
+from .config import ZeroConfig
 from .groups import ZeroGroups
 
 QWZ_BITS, QWZ_BLOCK = 8, 256
@@ -219,3 +220,23 @@ def _check_node_groups(shard: comm.Group, node_local: comm.Group | None,
                          f"{shard} (expected node_local ranks {list(want_local)}, cross_node ranks "
                          f"{list(want_cross)})")
     return node_local, cross_node
+
+
+def stage3_inter_node_bytes(zero: ZeroConfig, elements: int, shard: int, nodes: int,
+                            weight_bytes: float, reduce_bytes: float) -> float:
+    """Bytes one rank moves across nodes per step at stage 3, by the comm log's convention (a
+    collective over a group spanning nodes counts (size-1) chunks of `elements`, this rank's
+    partition), for one microbatch with every unit gathered before its forward and again before its
+    backward, over a shard group of `shard` ranks spread evenly over `nodes` nodes:
+      gathers    (shard-1) chunks each flat, (nodes-1) in two hops; int8 codes + scales with qwZ
+                 (only the cross-node hop, in two hops); the backward's gather stays in the node
+                 under hpZ
+      reduction  (shard-1) chunks by reduce-scatter; qgZ crosses nodes once, (nodes-1) chunks of
+                 int4 codes + scales, already summed over the node"""
+    q8, q4 = 1 + 4 / QWZ_BLOCK, 0.5 + 4 / QGZ_BLOCK
+    hops = nodes - 1 if zero.mics_hierarchical_params_gather else shard - 1
+    gather = hops * elements * (q8 if zero.zero_quantized_weights else weight_bytes)
+    gathers = gather if zero.zero_hpz_partition_size > 1 else 2 * gather
+    reduction = ((nodes - 1) * elements * q4 if zero.zero_quantized_gradients
+                 else (shard - 1) * elements * reduce_bytes)
+    return gathers + reduction
