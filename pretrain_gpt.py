@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
 from megazero.arguments import config_from_args, parse_args
 from megazero.config import TrainConfig
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.lr_schedule import learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors

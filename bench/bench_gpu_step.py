@@ -40,7 +40,7 @@ from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 from megazero.parallel.groups import ProcessGroups
-from megazero.streams import Event, copy_to_device
+from megazero.core.streams import Event, copy_to_device
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.adam import AdamConfig
 from megazero.zero.config import ZeroConfig

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from megazero.comm import barrier
+from megazero.core.comm import barrier
 from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
 from megazero.parallel.topology import Topology

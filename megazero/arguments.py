@@ -18,7 +18,7 @@ from pathlib import Path
 from megazero.config import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
                              TrainConfig)
 from megazero.ds_config import DeepSpeedSettings, flags_from_config, load_deepspeed_config
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.flags import (FLAG_RANGES, MERGED, MERGED_RANGES, NOT_SUPPORTED_YET, build_parser,  # noqa: F401
                             in_range, parse_args, range_text)
 from megazero.monitor import monitor_config

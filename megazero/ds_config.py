@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.zero.config import (ZeroConfig, as_json, design_notes, parse_zero_config,
                                   unknown_key_error)
 

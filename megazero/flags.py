@@ -11,7 +11,7 @@ import argparse
 import difflib
 import math
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.zero_arguments import add_zero_flags
 
 # Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does). The

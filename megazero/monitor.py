@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from megazero.config import MonitorConfig, TrainConfig
-from megazero.errors import UsageError, check_writable_dir
+from megazero.core.errors import UsageError, check_writable_dir
 
 _EXTRAS = {"wandb": ("wandb", "--wandb-project"), "tensorboard": ("tensorboard", "--tensorboard-dir")}
 

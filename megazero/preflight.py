@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from megazero.config import TrainConfig
-from megazero.errors import UsageError, check_writable_dir, check_writable_file
+from megazero.core.errors import UsageError, check_writable_dir, check_writable_file
 from megazero.memory_estimate import available_bytes, describe_refusal, estimate
 
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from megazero import comm
+from megazero.core import comm
 from megazero.config import TrainConfig
 from megazero.flops import peak_tflops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
@@ -21,7 +21,7 @@ from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
 from megazero.parallel.random import RNGTracker, seed_everything
-from megazero.streams import Streams, Timers, copy_to_device
+from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.groups import Precision, ZeroGroups
 from megazero.zero.loss_scaler import LossScaler

@@ -7,7 +7,7 @@ nodes). A flag and a config key that both say something must agree; the error na
 """
 from __future__ import annotations
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology
 from megazero.zero.config import ZeroConfig, as_json, check_stage_features
 

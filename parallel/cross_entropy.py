@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.comm import Group, ReduceOp
+from megazero.core import comm
+from megazero.core.comm import Group, ReduceOp
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from megazero import comm
+from megazero.core import comm
 from .groups import ProcessGroups
 
 

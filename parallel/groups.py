@@ -19,7 +19,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megazero.comm import CommLog, Group
+from megazero.core.comm import CommLog, Group
 from .topology import Coords, Topology
 
 

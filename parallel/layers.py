@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.comm import Group
+from megazero.core.comm import Group
 from .cross_entropy import vocab_parallel_cross_entropy
 from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_region,

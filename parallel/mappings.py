@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from megazero import comm
-from megazero.comm import Group
+from megazero.core import comm
+from megazero.core.comm import Group
 
 SEQ_DIM = 1
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from megazero.comm import Group
+from megazero.core.comm import Group
 from megazero.models.gpt import GPT, Attention, Embedding, LMHead, MLP, TransformerLayer
 from .layers import (ColumnParallelLinear, ParallelEmbedding, ParallelLMHead, RowParallelLinear,
                      SequenceParallelNorm, TPShard, VocabParallelEmbedding, mark_split)

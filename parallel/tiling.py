@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.models.gpt import LMHead
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 
 class Coords(NamedTuple):

@@ -2,7 +2,7 @@
 waited twice; in-place reduce-scatter that is safe on gloo; batched point-to-point matched in order."""
 import torch
 
-from megazero import comm
+from megazero.core import comm
 from megazero.parallel.topology import Topology
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from megazero import comm
-from megazero.comm import CommLog, Group
+from megazero.core import comm
+from megazero.core.comm import CommLog, Group
 from megazero.parallel.groups import ProcessGroups, collective_device
 
 # op -> (its tensor arguments, a call taking the group and those tensors; sizes fit a group of `n`)

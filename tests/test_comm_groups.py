@@ -4,7 +4,7 @@ reduce-scatter), both work with an op in flight on each, building a layout again
 device check fires on a real multi-rank group before the backend is touched."""
 import torch
 
-from megazero import comm
+from megazero.core import comm
 from megazero.parallel.topology import Topology
 
 LAYOUTS = [dict(world_size=4, tp=1, mics_shard_size=2),    # shard groups (0,1), (2,3); dp (0..3)

@@ -9,7 +9,7 @@ from megazero.arguments import config_from_args, parse_args
 from megazero.config import TrainConfig
 from megazero.ds_config import (FP16_KEYS, OPTIMIZER_PARAMS, TOP_LEVEL, TOP_LEVEL_BY_DESIGN,
                                 parse_deepspeed_config)
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.zero.config import (FIXED_BY_DESIGN, NOT_SUPPORTED_YET, SAVING_NOT_SUPPORTED_YET,
                                   ZeroConfig, parse_zero_config)
 

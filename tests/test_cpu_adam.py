@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.zero import adam as adam_module
 from megazero.zero.adam import AdamConfig, adam_update, adam_update_reference, kernel_available
 

@@ -19,7 +19,7 @@ from megazero.data.default_data import default_data_dir, default_data_ready, pre
 from megazero.data.gpt_dataset import GPTDataset, parse_split, split_document_ranges
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from megazero.data.tokenizer import load_tokenizer, train_tokenizer
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ["data", "value", "index", "result", "count", "total", "item", "name", "path", "size"]

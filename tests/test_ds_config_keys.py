@@ -10,7 +10,7 @@ import pytest
 from megazero.arguments import config_from_args, parse_args
 from megazero.ds_config import (KNOWN_TOP_LEVEL, NOT_SUPPORTED_YET_TOP, flags_from_config,
                                 parse_deepspeed_config)
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 from driver import TINY as DRIVER_TINY
 from driver import run_main as _main

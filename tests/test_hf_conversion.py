@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from megazero.checkpoint import CheckpointReader, write_full_checkpoint
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 

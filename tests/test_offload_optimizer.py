@@ -160,7 +160,7 @@ def test_nvme_checkpoint_continues_the_curve_and_damaged_swap_files_fail(dist_po
 
 
 def test_offload_errors_are_one_line(tmp_path):
-    from megazero.errors import UsageError
+    from megazero.core.errors import UsageError
     from megazero.zero.config import OffloadOptimizerConfig
     from megazero.zero.offload import OptimizerOffload, check_state_names
     with pytest.raises(UsageError, match="ratio"):

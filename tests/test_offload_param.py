@@ -14,7 +14,7 @@ from megazero.data.synthetic import ArithmeticTokens
 from megazero.lr_schedule import learning_rate
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
-from megazero.streams import Streams
+from megazero.core.streams import Streams
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.config import OffloadParamConfig
 from megazero.zero.param_offload import GatherOrder, NvmeParams, SwapFileError

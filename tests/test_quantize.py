@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.ops import quantize as Q
 
 SLACK_ULPS = 8

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from megazero import streams as st
+from megazero.core import streams as st
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -255,7 +255,7 @@ def test_without_cuda_python_cuda_falls_back_to_torch_with_one_log_line(monkeypa
     monkeypatch.setattr(st, "import_cudart", lambda: None)
     st.default_cuda_backend.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="megazero.streams"):
+        with caplog.at_level("WARNING", logger="megazero.core.streams"):
             first, second = st.backend_for(CUDA0), st.backend_for(CUDA0)
         assert isinstance(first, st.TorchCudaBackend) and first is second
         assert len(caplog.records) == 1 and "cuda-python is not installed" in caplog.text
@@ -268,7 +268,7 @@ def test_cuda_python_that_cannot_use_the_driver_falls_back_to_torch(monkeypatch,
     monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime(fail="cudaGetDeviceCount")[0])
     st.default_cuda_backend.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="megazero.streams"):
+        with caplog.at_level("WARNING", logger="megazero.core.streams"):
             backend = st.backend_for(CUDA0)
         assert type(backend) is st.TorchCudaBackend and "cannot use this driver" in caplog.text
         monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime()[0])

@@ -7,7 +7,7 @@ from torch import nn
 
 from layouts import RTOL, assert_close, run_training, small_config
 from megazero import training
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT

@@ -14,7 +14,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from megazero.arguments import config_from_args, parse_args
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.tokenizer import build_tokenizer
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology, validate_model_fits
 
 GRIDS = [  # world, tp, pp, mics

@@ -15,11 +15,11 @@ import torch
 
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
                      run_training, small_config, strip_padding)
-from megazero import comm
-from megazero.errors import UsageError
+from megazero.core import comm
+from megazero.core.errors import UsageError
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
-from megazero.streams import Streams
+from megazero.core.streams import Streams
 from megazero.training import zero_groups
 from megazero.zero.config import ZeroConfig
 from megazero.zero.param_gather import ParamGather

@@ -16,7 +16,7 @@ bytes per step of ZeRO-3 with each of the cross-node features against their form
 """
 import torch
 
-from megazero import comm
+from megazero.core import comm
 from megazero.zero.config import ZeroConfig
 from megazero.zero.quantized_comm import (QGZ_BLOCK, QWZ_BLOCK, quantized_all_gather, quantized_reduce_scatter,
                                           stage3_inter_node_bytes)

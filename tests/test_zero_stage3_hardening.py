@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology
 from megazero.training import zero_groups
 from megazero.zero import stage3_gather

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from megazero.checkpoint import CheckpointReader, write_full_checkpoint
 from megazero.checkpoint.consolidate import consolidate
 from megazero.checkpoint.files import LATEST
-from megazero.errors import UsageError, check_writable_dir
+from megazero.core.errors import UsageError, check_writable_dir
 from megazero.models import hf_adapter
 from megazero.models.config import GPTConfig
 

@@ -29,7 +29,7 @@ import copy
 import sys
 
 from megazero.arguments import config_from_args
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.flags import build_parser
 from megazero.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes, plan_bytes,
                                       rank_layout)

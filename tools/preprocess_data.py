@@ -33,7 +33,7 @@ import numpy as np
 from megazero.data.corpus import Progress, iter_documents
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megazero.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from megazero.errors import UsageError, check_writable_dir
+from megazero.core.errors import UsageError, check_writable_dir
 
 
 class DocumentEncoder:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from megazero.data.tokenizer import train_tokenizer
 from megazero.data.tokenizers_hf import train_byte_level_bpe
-from megazero.errors import UsageError, check_writable_dir
+from megazero.core.errors import UsageError, check_writable_dir
 
 
 def parse_args(argv=None):

@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from megazero import comm
+from megazero.core import comm
 from megazero.config import CheckpointConfig
-from megazero.errors import UsageError, check_writable_dir
+from megazero.core.errors import UsageError, check_writable_dir
 from .files import METADATA, latest_iteration_dir, read_json
 from .loader import load_checkpoint
 from .policy import SavePolicy

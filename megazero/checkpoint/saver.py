@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megazero import comm
+from megazero.core import comm
 from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, CheckpointError, commit_directory,
                     iteration_dir_name, rank_file_names, remove_old, write_json_atomic)
 

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 
 def normalize_weights(weights, expected_count=None):

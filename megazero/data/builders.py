@@ -11,7 +11,7 @@ from pathlib import Path
 from megazero.data.blended_dataset import BlendedDataset, normalize_weights
 from megazero.data.gpt_dataset import SPLIT_NAMES, GPTDataset, parse_split, split_document_ranges
 from megazero.data.indexed_dataset import IndexedDataset, data_file_paths
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 # Each member of a blend gets this many more samples than its share, plus one, so rounding in
 # the blend's greedy assignment can never ask a member for a sample it lacks.

@@ -19,7 +19,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 # Directory names that hold the standard library's own test suites, not library code.
 EXCLUDED_DIR_NAMES = frozenset({"test", "tests", "idle_test", "site-packages"})

@@ -29,7 +29,7 @@ from megazero.data.corpus import (Progress, collect_stdlib_corpus, default_cache
                                   write_atomically)
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype, data_file_paths
 from megazero.data.tokenizer import load_tokenizer, train_tokenizer
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 # 8192 pieces: measured on CPython 3.11's stdlib (12 MB of source) on 2 cores, training takes
 # ~1.5 s and gives ~3.5 bytes per token (4096: 3.2); the whole first run stays a few seconds,

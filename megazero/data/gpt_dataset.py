@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from megazero.data.corpus import Progress
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 SPLIT_NAMES = ("train", "valid", "test")
 

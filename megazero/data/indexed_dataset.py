@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -31,7 +31,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from megazero.data.corpus import Progress, is_jsonl, iter_jsonl_texts, write_atomically
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 EOD_PIECE = "<|endoftext|>"
 

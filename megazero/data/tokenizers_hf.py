@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from megazero.data.corpus import iter_documents, write_atomically
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 GPT2_EOD = "<|endoftext|>"
 # Tried in order when a tokenizer.json comes without a tokenizer_config.json naming its eos_token.

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 from megazero.zero.adam import AdamConfig, adam_update
 
 # torch.optim.Adam options CPUAdam cannot honour; a state_dict that turns one on is refused.

@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 ISA_ENV = "MEGAZERO_QUANT_ISA"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 try:
     # Import after torch: the extension's OpenMP runtime then resolves to the libgomp torch already

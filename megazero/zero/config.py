@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 # Keys DeepSpeed accepts whose features have not landed here; each maps to its do-nothing value.
 NOT_SUPPORTED_YET = {

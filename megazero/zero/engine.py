@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from megazero import comm
-from megazero.errors import UsageError
-from megazero.streams import Streams
+from megazero.core import comm
+from megazero.core.errors import UsageError
+from megazero.core.streams import Streams
 from .adam import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup

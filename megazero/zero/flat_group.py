@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero import comm
+from megazero.core import comm
 from .flat import FlatLayout
 from .groups import Precision, drop_storage, ensure_storage
 from .storage import PartitionedStorage, ReductionQueue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from megazero import comm
+from megazero.core import comm
 from .stage3_units import ParamStatus
 
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from megazero.comm import Group
+from megazero.core.comm import Group
 
 
 @dataclasses.dataclass

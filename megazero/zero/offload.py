@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from megazero.errors import UsageError
-from megazero.streams import Event
+from megazero.core.errors import UsageError
+from megazero.core.streams import Event
 from .adam import adam_update
 from .groups import drop_storage
 from .swap import SubGroupSwapper

@@ -29,9 +29,9 @@ import itertools
 
 import torch
 
-from megazero import comm
-from megazero.errors import UsageError
-from megazero.streams import Event
+from megazero.core import comm
+from megazero.core.errors import UsageError
+from megazero.core.streams import Event
 from .config import ZeroConfig
 from .groups import ZeroGroups
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from megazero.errors import UsageError
-from megazero.streams import Streams, copy_to_device
+from megazero.core.errors import UsageError
+from megazero.core.streams import Streams, copy_to_device
 from .config import OffloadParamConfig
 from .swap import SwapFile, SwapFileError     # noqa: F401 (SwapFileError: the error callers catch)
 

@@ -40,8 +40,8 @@ import dataclasses
 
 import torch
 
-from megazero import comm
-from megazero.errors import UsageError
+from megazero.core import comm
+from megazero.core.errors import UsageError
 from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
 from .config import ZeroConfig
 from .groups import ZeroGroups

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from megazero import comm
-from megazero.errors import UsageError
+from megazero.core import comm
+from megazero.core.errors import UsageError
 from .config import ZeroConfig
 from .stage3_units import ParamStatus, Unit, UnitStore
 

@@ -25,8 +25,8 @@ import enum
 import torch
 from torch import nn
 
-from megazero import comm
-from megazero.streams import Event
+from megazero.core import comm
+from megazero.core.streams import Event
 from .config import ZeroConfig
 from .flat import Bucket, FlatLayout
 from .groups import Precision, ZeroGroups, drop_storage, ensure_storage

@@ -27,8 +27,8 @@ import contextlib
 import torch
 from torch import nn
 
-from megazero import comm
-from megazero.streams import Streams
+from megazero.core import comm
+from megazero.core.streams import Streams
 from .adam import AdamConfig, adam_update
 from .flat import FlatLayout
 from .groups import Precision, sum_of_squares

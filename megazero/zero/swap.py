@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 
 class SwapFileError(UsageError):

@@ -9,7 +9,7 @@ start identical.
 """
 from __future__ import annotations
 
-from megazero.errors import UsageError
+from megazero.core.errors import UsageError
 
 EMBEDDING_WEIGHT = "embedding.word.weight"
 

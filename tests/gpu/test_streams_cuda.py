@@ -4,7 +4,7 @@ on the copy stream, timers."""
 import pytest
 import torch
 
-from megazero import streams as st
+from megazero.core import streams as st
 
 BACKENDS = {"default": None, "torch": st.TorchCudaBackend()}
 
