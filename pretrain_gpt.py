@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 
 from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
-from megazero.arguments import config_from_args, parse_args
-from megazero.config import TrainConfig
+from megazero.config.arguments import config_from_args, parse_args
+from megazero.config.train_config import TrainConfig
 from megazero.core.errors import UsageError
 from megazero.lr_schedule import learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
-from megazero.preflight import preflight, sample_counts
+from megazero.config.preflight import preflight, sample_counts
 from megazero.training import MicrobatchSource, setup, train
 
 

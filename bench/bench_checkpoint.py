@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from megazero.config import OptimizerConfig, TrainConfig
+from megazero.config.train_config import OptimizerConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
 from megazero.models.config import GPTConfig
 from megazero.parallel.topology import Topology

@@ -34,7 +34,7 @@ import traceback
 
 import torch
 
-from megazero.config import OptimizerConfig, PrecisionConfig, TrainConfig
+from megazero.config.train_config import OptimizerConfig, PrecisionConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
 from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig

@@ -40,7 +40,7 @@ def bench_worker(ctx, args, block):
     """Trains args.steps steps with `block` as offload_optimizer; returns (step ms list, losses)."""
     import torch
 
-    from megazero.config import OptimizerConfig, ParallelConfig, TrainConfig
+    from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.models.config import GPTConfig
     from megazero.parallel.topology import Topology

@@ -36,7 +36,7 @@ import statistics
 import time
 
 
-from megazero.config import OptimizerConfig, ParallelConfig, TrainConfig
+from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
 from megazero.models.config import GPTConfig
 from megazero.parallel.topology import Topology

@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from megazero.config import OptimizerConfig, TrainConfig
+from megazero.config.train_config import OptimizerConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
 from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig

@@ -42,10 +42,10 @@ import os
 import sys
 import tempfile
 
-from megazero.arguments import config_from_args
-from megazero.flags import build_parser
+from megazero.config.arguments import config_from_args
+from megazero.config.flags import build_parser
 from megazero.models.config import padded_vocab_size
-from megazero.memory_estimate import MODEL_STATE_KINDS, OFFLOAD_CATEGORIES, device_bytes, plan_bytes
+from megazero.config.memory_estimate import MODEL_STATE_KINDS, OFFLOAD_CATEGORIES, device_bytes, plan_bytes
 from megazero.parallel.topology import Topology
 
 WORLD = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from megazero.config import OptimizerConfig
+from megazero.config.train_config import OptimizerConfig
 
 
 def learning_rate(config: OptimizerConfig, iteration: int, train_iters: int) -> float:

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from megazero.config import MonitorConfig, TrainConfig
+from megazero.config.train_config import MonitorConfig, TrainConfig
 from megazero.core.errors import UsageError, check_writable_dir
 
 _EXTRAS = {"wandb": ("wandb", "--wandb-project"), "tensorboard": ("tensorboard", "--tensorboard-dir")}

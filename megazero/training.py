@@ -13,7 +13,7 @@ import time
 import torch
 
 from megazero.core import comm
-from megazero.config import TrainConfig
+from megazero.config.train_config import TrainConfig
 from megazero.flops import peak_tflops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
 from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, summed_across_stages

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.config import OptimizerConfig, ParallelConfig, TrainConfig
+from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.lr_schedule import learning_rate
 from megazero.models.config import GPTConfig

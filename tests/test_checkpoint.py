@@ -290,7 +290,7 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
 
 def run_id_worker(ctx, directory):
     from megazero.checkpoint.run import start
-    from megazero.config import CheckpointConfig
+    from megazero.config.train_config import CheckpointConfig
     from megazero.parallel.topology import Topology
     from megazero.training import setup
     groups = ctx.groups(Topology(world_size=4, tp=2))

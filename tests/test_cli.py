@@ -77,7 +77,7 @@ def test_bad_zero_config_names_the_key(tmp_path, capsys):
 
 
 def test_deepspeed_config_fills_in_settings(tmp_path):
-    from megazero.arguments import config_from_args, parse_args
+    from megazero.config.arguments import config_from_args, parse_args
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,

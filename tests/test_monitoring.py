@@ -172,7 +172,7 @@ def test_bad_monitor_flags_are_one_line(tmp_path, capsys, monkeypatch, argv, mes
 
 def test_wandb_without_network_falls_back_to_an_offline_run(tmp_path, monkeypatch):
     import wandb
-    from megazero.config import MonitorConfig
+    from megazero.config.train_config import MonitorConfig
     from megazero.monitor import WandbMonitor
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-home"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero.memory_estimate import DEVICE_CATEGORIES, GIB, device_bytes, plan_bytes
+from megazero.config.memory_estimate import DEVICE_CATEGORIES, GIB, device_bytes, plan_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 # The grid and its pool worker live with the bench table that prints them; the pool's workers import

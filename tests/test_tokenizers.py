@@ -11,7 +11,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from megazero.arguments import config_from_args, parse_args
+from megazero.config.arguments import config_from_args, parse_args
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.tokenizer import build_tokenizer
 from megazero.core.errors import UsageError

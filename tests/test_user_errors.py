@@ -346,12 +346,12 @@ def test_a_rank_cut_off_by_another_ones_failure_stays_quiet():
 
 
 def _config(*argv, world=1):
-    from megazero.arguments import config_from_args, parse_args
+    from megazero.config.arguments import config_from_args, parse_args
     return config_from_args(parse_args(list(argv)), world_size=world)
 
 
 def test_launch_lines_users_already_have_are_accepted(tmp_path):
-    from megazero.arguments import parse_args
+    from megazero.config.arguments import parse_args
     assert parse_args(["--local_rank=3"]).local_rank == 3 and parse_args(["--local-rank", "1"]).local_rank == 1
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}))
@@ -367,7 +367,7 @@ def test_launch_lines_users_already_have_are_accepted(tmp_path):
 
 
 def test_help_gives_every_flag_one_line_with_its_default(capsys):
-    from megazero.flags import build_parser
+    from megazero.config.flags import build_parser
     parser = build_parser()
     flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert len(flags) > 60
@@ -385,7 +385,7 @@ def test_memory_formulas_are_the_engines():
     """Per-parameter bytes equal the table tests/test_zero_accounting.py checks the engine against,
     and the parameter count equals the model's."""
     from test_zero_accounting import FORMULA, FORMULA_BF16_GRADS, FORMULA_FP32
-    from megazero.memory_estimate import model_state_bytes_per_param, parameter_counts
+    from megazero.config.memory_estimate import model_state_bytes_per_param, parameter_counts
     from megazero.models.config import GPTConfig
     from megazero.models.gpt import GPT
     for table, weight, grad in ((FORMULA, 2, 4), (FORMULA_BF16_GRADS, 2, 2), (FORMULA_FP32, 4, 4)):
@@ -401,8 +401,8 @@ def test_memory_formulas_are_the_engines():
 def test_memory_check_leaves_offloaded_states_out_where_they_leave():
     """The refusal estimate of an offloaded run: host-offloaded states leave a GPU's count but stay in
     the CPU's (the same memory), swapped ones leave both."""
-    from megazero.arguments import config_from_args, parse_args
-    from megazero.memory_estimate import estimate
+    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.memory_estimate import estimate
     base = ["--zero-stage", "3", "--bf16"]
     plain = config_from_args(parse_args(base), 2)
     cpu = config_from_args(parse_args(base + ["--zero-offload-optimizer", "cpu", "--zero-offload-param", "cpu"]), 2)

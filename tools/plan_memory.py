@@ -28,10 +28,10 @@ import argparse
 import copy
 import sys
 
-from megazero.arguments import config_from_args
+from megazero.config.arguments import config_from_args
 from megazero.core.errors import UsageError
-from megazero.flags import build_parser
-from megazero.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes, plan_bytes,
+from megazero.config.flags import build_parser
+from megazero.config.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes, plan_bytes,
                                       rank_layout)
 
 LABELS = {"params": "parameters", "grads": "gradients", "master": "fp32 master",

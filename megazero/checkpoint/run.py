@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megazero.core import comm
-from megazero.config import CheckpointConfig
+from megazero.config.train_config import CheckpointConfig
 from megazero.core.errors import UsageError, check_writable_dir
 from .files import METADATA, latest_iteration_dir, read_json
 from .loader import load_checkpoint

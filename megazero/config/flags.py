@@ -12,7 +12,7 @@ import difflib
 import math
 
 from megazero.core.errors import UsageError
-from megazero.zero_arguments import add_zero_flags
+from megazero.config.zero_arguments import add_zero_flags
 
 # Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does). The
 # parser's own default is None, so that a flag and a JSON key that disagree can be told apart.

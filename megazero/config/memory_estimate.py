@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from megazero.config import TrainConfig
+from megazero.config.train_config import TrainConfig
 
 GIB = 2 ** 30
 

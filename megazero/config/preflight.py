@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from megazero.config import TrainConfig
+from megazero.config.train_config import TrainConfig
 from megazero.core.errors import UsageError, check_writable_dir, check_writable_file
-from megazero.memory_estimate import available_bytes, describe_refusal, estimate
+from megazero.config.memory_estimate import available_bytes, describe_refusal, estimate
 
 
 def check_output_paths(cfg: TrainConfig) -> None:
