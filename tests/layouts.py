@@ -14,7 +14,7 @@ from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
-from megazero.zero.inspect import safe_get_full_fp32_param
+from megazero.zero.state_access import safe_get_full_fp32_param
 
 RTOL = 1e-5
 

@@ -43,7 +43,7 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
             saver.save(state, (it + 1) * cfg.global_batch_size)
     out = {"curve": curve, "rng": rng, "coords": tuple(groups.coords)}
     if params:                    # the live model, gathered as the exactness tests do
-        from megazero.zero.inspect import safe_get_full_fp32_param
+        from megazero.zero.state_access import safe_get_full_fp32_param
         out["params"] = {n: (safe_get_full_fp32_param(p), getattr(p, "tp_shard", None))
                          for chunk in state.chunks for n, p in chunk.named_parameters()}
     return out

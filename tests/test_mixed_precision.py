@@ -36,7 +36,7 @@ def fp16_worker(ctx, cfg):
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.training import MicrobatchSource, setup, train_step
-    from megazero.zero.inspect import safe_get_full_fp32_param
+    from megazero.zero.state_access import safe_get_full_fp32_param
     groups = ctx.groups(Topology(world_size=2))
     cfg = with_padded_vocab(cfg)
     state = setup(cfg, groups)

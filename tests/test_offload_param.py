@@ -17,7 +17,7 @@ from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.config import OffloadParamConfig
-from megazero.zero.param_offload import GatherOrder, NvmeParams, SwapFileError
+from megazero.zero.stage3.param_offload import GatherOrder, NvmeParams, SwapFileError
 
 VOCAB = 61
 STEPS = 3

@@ -68,7 +68,7 @@ def test_gradients_accumulate_in_fp32(monkeypatch):
                                     list(chunk.parameters()))
         for n, g in zip(names, grads):
             exact[n] = exact[n] + g.double()
-    from megazero.zero.inspect import safe_get_full_grad
+    from megazero.zero.state_access import safe_get_full_grad
     errors = {}
     for stage, accum in ((1, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")):
         state = _bf16_state(stage, accum)
@@ -96,7 +96,7 @@ def nonfinite_worker(ctx, cfg, tp, pp, inject_rank, inject_step, value):
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.training import MicrobatchSource, setup, train_step
-    from megazero.zero.inspect import safe_get_full_fp32_param
+    from megazero.zero.state_access import safe_get_full_fp32_param
     dp = ctx.world_size // (tp * pp)
     groups = ctx.groups(Topology(world_size=ctx.world_size, tp=tp, pp=pp))
     cfg = with_padded_vocab(cfg)

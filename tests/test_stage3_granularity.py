@@ -12,7 +12,7 @@ from layouts import (assemble_params, assert_close, assert_params_match, last_st
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.groups import ProcessGroups
 from megazero.training import MicrobatchSource, setup, train_step
-from megazero.zero.stage3_units import ParamStatus
+from megazero.zero.stage3.units import ParamStatus
 
 VOCAB, STEPS = 61, 3
 LAYER = {"stage3_granularity": "layer", "prefetch_bucket_size": 20000}

@@ -7,7 +7,7 @@ from layouts import small_config, with_padded_vocab
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train_step
-from megazero.zero import inspect as zi
+from megazero.zero import state_access as zi
 
 # ZeRO's table, bf16 weights, g-byte gradients, fp32 master + Adam moments (K = 12). With
 # grad_accum_dtype bf16 (g = 2) it is the ZeRO paper's; the default accumulates in fp32 (g = 4).

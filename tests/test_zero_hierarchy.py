@@ -22,7 +22,7 @@ from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
 from megazero.training import zero_groups
 from megazero.zero.config import ZeroConfig
-from megazero.zero.param_gather import ParamGather
+from megazero.zero.stage3.param_gather import ParamGather
 
 VOCAB = 61
 STEPS = 3

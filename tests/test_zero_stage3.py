@@ -14,8 +14,8 @@ from megazero.training import zero_groups
 from megazero.zero.config import ZeroConfig
 from megazero.zero.adam import AdamConfig
 from megazero.zero.engine import ZeroEngine
-from megazero.zero.gathered import GatheredParameters, register_external_parameter
-from megazero.zero.stage3_units import ParamStatus
+from megazero.zero.stage3.gathered import GatheredParameters, register_external_parameter
+from megazero.zero.stage3.units import ParamStatus
 
 W1 = np.array([[1, 2], [3, -4], [5, 6]], dtype=np.float64)     # fc1: 2 -> 3 (6 + 3 = 9 elements:
 B1 = np.array([1, 0, -2], dtype=np.float64)                    #  over 2 ranks, 5 each, 1 padding)

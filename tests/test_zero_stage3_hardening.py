@@ -14,13 +14,13 @@ from torch import nn
 from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology
 from megazero.training import zero_groups
-from megazero.zero import stage3_gather
+from megazero.zero.stage3 import coordinator as stage3_gather
 from megazero.zero.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.engine import ZeroEngine
-from megazero.zero.gathered import register_external_parameter
-from megazero.zero.inspect import safe_get_full_fp32_param
-from megazero.zero.stage3_units import ParamStatus
+from megazero.zero.stage3.gathered import register_external_parameter
+from megazero.zero.state_access import safe_get_full_fp32_param
+from megazero.zero.stage3.units import ParamStatus
 
 from test_zero_stage3 import Stack
 

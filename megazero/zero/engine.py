@@ -30,8 +30,8 @@ from .flat_group import FlatParamGroup
 from .groups import Precision, ZeroGroups, uses_weight_decay
 from .loss_scaler import LossScaler
 from .offload import REPORT_CATEGORY, HostCopies, check_state_names
-from .stage3_gather import GatherCoordinator
-from .stage3_units import UnitStore
+from .stage3.coordinator import GatherCoordinator
+from .stage3.units import UnitStore
 from .storage import PartitionedStorage, ReductionQueue
 
 

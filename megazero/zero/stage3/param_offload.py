@@ -22,8 +22,8 @@ import torch
 
 from megazero.core.errors import UsageError
 from megazero.core.streams import Streams, copy_to_device
-from .config import OffloadParamConfig
-from .swap import SwapFile, SwapFileError     # noqa: F401 (SwapFileError: the error callers catch)
+from ..config import OffloadParamConfig
+from ..swap import SwapFile, SwapFileError     # noqa: F401 (SwapFileError: the error callers catch)
 
 
 class HostParams:

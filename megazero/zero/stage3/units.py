@@ -27,13 +27,13 @@ from torch import nn
 
 from megazero.core import comm
 from megazero.core.streams import Event
-from .config import ZeroConfig
-from .flat import Bucket, FlatLayout
-from .groups import Precision, ZeroGroups, drop_storage, ensure_storage
+from ..config import ZeroConfig
+from ..flat import Bucket, FlatLayout
+from ..groups import Precision, ZeroGroups, drop_storage, ensure_storage
 from .param_gather import ParamGather
 from .param_offload import GatherOrder, make_param_home
-from .quantized_comm import quantized_gradient_reducer
-from .storage import PartitionedStorage, ReductionQueue
+from ..quantized_comm import quantized_gradient_reducer
+from ..storage import PartitionedStorage, ReductionQueue
 
 
 class ParamStatus(enum.Enum):

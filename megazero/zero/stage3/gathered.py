@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from megazero.core import comm
-from .stage3_units import ParamStatus
+from .units import ParamStatus
 
 
 class GatheredParameters:

@@ -41,8 +41,8 @@ from torch.utils import _pytree as pytree
 
 from megazero.core import comm
 from megazero.core.errors import UsageError
-from .config import ZeroConfig
-from .stage3_units import ParamStatus, Unit, UnitStore
+from ..config import ZeroConfig
+from .units import ParamStatus, Unit, UnitStore
 
 # Gathers issued and not yet waited for. A backend runs one communicator's collectives one after
 # another (NCCL on its stream, gloo on its group's queue), so a third gather queued behind two

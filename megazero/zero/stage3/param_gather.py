@@ -32,8 +32,8 @@ import torch
 from megazero.core import comm
 from megazero.core.errors import UsageError
 from megazero.core.streams import Event
-from .config import ZeroConfig
-from .groups import ZeroGroups
+from ..config import ZeroConfig
+from ..groups import ZeroGroups
 
 
 class ParamGather:
