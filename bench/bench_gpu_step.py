@@ -42,7 +42,7 @@ from megazero.models.gpt import GPT
 from megazero.parallel.groups import ProcessGroups
 from megazero.core.streams import Event, copy_to_device
 from megazero.training import MicrobatchSource, setup, train_step
-from megazero.zero.adam import AdamConfig
+from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 
 LR = 1e-4

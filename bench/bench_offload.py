@@ -45,7 +45,7 @@ def bench_worker(ctx, args, block):
     from megazero.models.config import GPTConfig
     from megazero.parallel.topology import Topology
     from megazero.training import MicrobatchSource, setup, train_step
-    from megazero.zero.adam import AdamConfig
+    from megazero.ops.adam import AdamConfig
     from megazero.zero.config import ZeroConfig
     torch.set_num_threads(args.threads)
     zero = {"stage": 1, "sub_group_size": args.sub_group_size}

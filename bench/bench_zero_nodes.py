@@ -42,7 +42,7 @@ from megazero.models.config import GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.testing import DistributedPool
 from megazero.training import MicrobatchSource, setup, train_step
-from megazero.zero.adam import AdamConfig
+from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.quantized_comm import stage3_inter_node_bytes
 

@@ -58,7 +58,7 @@ from megazero.models.gpt import GPT
 from megazero.parallel.topology import Topology
 from megazero.testing import DistributedPool
 from megazero.training import MicrobatchSource, setup, train_step
-from megazero.zero.adam import AdamConfig
+from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.groups import uses_weight_decay
 

@@ -12,7 +12,7 @@ from megazero.models.config import GPTConfig
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train_step
-from megazero.zero.adam import AdamConfig
+from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.state_access import safe_get_full_fp32_param
 

@@ -30,8 +30,8 @@ import pytest
 import torch
 
 from megazero.core.errors import UsageError
-from megazero.zero import adam as adam_module
-from megazero.zero.adam import AdamConfig, adam_update, adam_update_reference, kernel_available
+from megazero.ops import adam as adam_module
+from megazero.ops.adam import AdamConfig, adam_update, adam_update_reference, kernel_available
 
 PARAM_ULPS = 8
 UNFUSED_ATOL = 1e-6

@@ -24,7 +24,7 @@ from megazero.config.flags import (FLAG_RANGES, MERGED, MERGED_RANGES, NOT_SUPPO
 from megazero.monitor import monitor_config
 from megazero.models.config import GPTConfig, padded_vocab_size
 from megazero.parallel.topology import Topology, validate_model_fits
-from megazero.zero.adam import AdamConfig
+from megazero.ops.adam import AdamConfig
 from megazero.zero.config import as_json, stage_notes
 from megazero.config.zero_arguments import check_zero_layout, zero_config
 

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Literal, Optional
 
 from megazero.models.config import GPTConfig
-from megazero.zero.adam import AdamConfig
+from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 
 from megazero.core.errors import UsageError
-from megazero.zero.adam import AdamConfig, adam_update
+from megazero.ops.adam import AdamConfig, adam_update
 
 # torch.optim.Adam options CPUAdam cannot honour; a state_dict that turns one on is refused.
 _UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")

@@ -24,7 +24,7 @@ from torch import nn
 from megazero.core import comm
 from megazero.core.errors import UsageError
 from megazero.core.streams import Streams
-from .adam import AdamConfig
+from megazero.ops.adam import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
 from .groups import Precision, ZeroGroups, uses_weight_decay

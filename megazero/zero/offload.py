@@ -26,7 +26,7 @@ import torch
 
 from megazero.core.errors import UsageError
 from megazero.core.streams import Event
-from .adam import adam_update
+from megazero.ops.adam import adam_update
 from .groups import drop_storage
 from .swap import SubGroupSwapper
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from megazero.core import comm
 from megazero.core.streams import Streams
-from .adam import AdamConfig, adam_update
+from megazero.ops.adam import AdamConfig, adam_update
 from .flat import FlatLayout
 from .groups import Precision, sum_of_squares
 from .offload import OFFLOADED_KINDS, OptimizerOffload
