@@ -1,7 +1,8 @@
 """Running pretrain_gpt.py in-process, as the tests of its flags do: cheaper than a subprocess (no
 interpreter and torch start-up), the same code path as `python pretrain_gpt.py`."""
-import sys
 from pathlib import Path
+
+from megazero import launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -11,11 +12,6 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--eva
 
 
 def run_main(argv, capsys):
-    """pretrain_gpt.main(argv) -> (exit code, captured stdout/stderr)."""
-    sys.path.insert(0, str(REPO))
-    try:
-        import pretrain_gpt
-    finally:
-        sys.path.remove(str(REPO))
-    code = pretrain_gpt.main(argv)
+    """megazero.launch.main(argv) -> (exit code, captured stdout/stderr)."""
+    code = launch.main(argv)
     return code, capsys.readouterr()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from megazero import launch
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-import pretrain_gpt  # noqa: E402
 
 SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -35,7 +35,7 @@ SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
     (["--train-iters", "0"], "--train-iters"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, argv, expected):
-    assert pretrain_gpt.main(argv) == 2
+    assert launch.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert expected in err, err
@@ -46,11 +46,11 @@ def test_bad_flags_in_a_world_of_8(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
             "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "1"]
-    assert pretrain_gpt.main(argv) == 2
+    assert launch.main(argv) == 2
     assert "--num-layers 6" in capsys.readouterr().err
     argv = ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
             "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "6"]
-    assert pretrain_gpt.main(argv) == 2
+    assert launch.main(argv) == 2
     assert "multiple of the pipeline size 4" in capsys.readouterr().err
 
 
@@ -71,7 +71,7 @@ def test_bad_zero_config_names_the_key(tmp_path, capsys):
     for text, expected in cases.items():
         path = tmp_path / "ds.json"
         path.write_text(text)
-        assert pretrain_gpt.main(["--zero-config", str(path), "--micro-batch-size", "2"]) == 2, text
+        assert launch.main(["--zero-config", str(path), "--micro-batch-size", "2"]) == 2, text
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, (text, err)
 

@@ -10,22 +10,22 @@ from pathlib import Path
 
 import pytest
 
+from megazero import launch
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--log-interval", "1"]
 
 
 def _import_repo_module(name: str):
-    sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "tools"))
     try:
         return __import__(name)
     finally:
-        sys.path.remove(str(REPO))
         sys.path.remove(str(REPO / "tools"))
 
 
 def _main(argv, capsys):
-    code = _import_repo_module("pretrain_gpt").main(argv)
+    code = launch.main(argv)
     return code, capsys.readouterr()
 
 
@@ -41,7 +41,7 @@ def monitored_run(tmp_path_factory):
         for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):   # nothing under ~
             mp.setenv(var, str(root / "wandb-home"))
         with contextlib.redirect_stdout(out):
-            code = _import_repo_module("pretrain_gpt").main(
+            code = launch.main(
                 TINY + ["--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1", "--run-dir", "run",
                         "--wandb-project", "mz-test", "--wandb-exp-name", "tiny", "--tensorboard-dir", "tb"])
     assert code == 0, out.getvalue()

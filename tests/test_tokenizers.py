@@ -163,7 +163,7 @@ def _write_megatron_pair(prefix, documents):
 
 
 def test_megatron_gpt2_data_trains_as_it_is(gpt2_files, tmp_path, capsys):
-    import pretrain_gpt
+    from megazero import launch
     vocab, merges = gpt2_files
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     documents = [np.array(tok.encode(t) + [tok.eod]) for t in (TRAIN_LINES + TEXTS[:4]) * 2]
@@ -174,7 +174,7 @@ def test_megatron_gpt2_data_trains_as_it_is(gpt2_files, tmp_path, capsys):
             "--merge-file", str(merges), "--split", "1,0,0", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
             "--eval-iters", "0", "--log-interval", "1", "--run-dir", str(run_dir)]
-    assert pretrain_gpt.main(argv) == 0, capsys.readouterr().err
+    assert launch.main(argv) == 0, capsys.readouterr().err
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in records if "loss" in r]) == 2
     assert config_from_args(parse_args(argv)).model.vocab_size == tok.vocab_size

@@ -3,7 +3,7 @@
 One table: each row is a launch line (and the files or environment it meets) that must end with
 exit code 2, a single `error: ...` line on stderr naming what the user wrote and the fix, no
 traceback, and every file written before it left as it was. Rows run in-process through
-pretrain_gpt.main; a process boundary is crossed only where it is the point (one plain process,
+megazero.launch.main; a process boundary is crossed only where it is the point (one plain process,
 two torchrun launches of 2 ranks). Beside the table: the spellings that must be accepted, --help,
 the agreement between ranks and the memory formulas.
 """
@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from megazero import launch
 from megazero.data.tokenizer import train_tokenizer
 from test_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-import pretrain_gpt  # noqa: E402
 
 VOCAB = 400
 TEXT = "".join(f"def f{i}(x, y={i}):\n    return x * {i} + y  # line {i}\n\n" for i in range(300))
@@ -198,7 +197,7 @@ def _launch(files, capsys, monkeypatch, row):
         monkeypatch.setenv(name, files.file(value[1:]) if value.startswith("@") else value)
     argv = argv_of(files)
     before = {**_snapshot(files.root), **_snapshot(files.shared.root)}
-    assert pretrain_gpt.main(argv) == 2, argv
+    assert launch.main(argv) == 2, argv
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
@@ -310,7 +309,7 @@ def test_torchrun_error_after_the_group_is_printed_once(tmp_path, shared):
     assert "Traceback" not in first + second and "error" not in second.lower(), second
 
 
-class _Rank(pretrain_gpt.Launch):
+class _Rank(launch.Launch):
     def __init__(self, rank, store):
         super().__init__()
         self.world, self.rank, self.store = 2, rank, store
@@ -375,7 +374,7 @@ def test_help_gives_every_flag_one_line_with_its_default(capsys):
         assert action.help and "\n" not in action.help and "(default: " in action.help, action.option_strings
     assert "(default: 0.001)" in next(a.help for a in flags if "--lr" in a.option_strings)
     with pytest.raises(SystemExit) as done:
-        pretrain_gpt.main(["--help"])
+        launch.main(["--help"])
     out = capsys.readouterr().out
     assert done.value.code == 0 and all(f"\n{group}:" in out for group in
                                         ("model", "parallelism", "training", "data and logging"))
