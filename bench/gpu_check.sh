@@ -35,10 +35,10 @@ fi
 
 # cuda-python's major version must not exceed the driver's CUDA major, so pick it from the driver.
 driver_cuda=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -n 1)
-if ! "$PY" -c "import megazero.streams as s, sys; sys.exit(0 if s.import_cudart() else 1)" 2>/dev/null; then
+if ! "$PY" -c "import megazero.core.streams as s, sys; sys.exit(0 if s.import_cudart() else 1)" 2>/dev/null; then
     echo "installing cuda-python ${driver_cuda}.x for the driver's CUDA ${driver_cuda}"
     "$PY" -m pip install "cuda-python==${driver_cuda}.*" \
-        || echo "cuda-python could not be installed: megazero.streams falls back to torch.cuda"
+        || echo "cuda-python could not be installed: megazero.core.streams falls back to torch.cuda"
 fi
 if ! "$PY" -c "import megazero.training, pytest" 2>/dev/null; then
     "$PY" -m pip install -e ".[dev,cuda]" \
@@ -57,15 +57,15 @@ try:
     print(f"cuda-python (cuda.bindings) {cuda.bindings.__version__}")
 except ImportError:
     print("cuda-python: not installed")
-import megazero.streams
-print(f"megazero.streams backend on CUDA: {megazero.streams.default_cuda_backend().name}")
+import megazero.core.streams
+print(f"megazero.core.streams backend on CUDA: {megazero.core.streams.default_cuda_backend().name}")
 EOF
 
 step "pytest tests/gpu" 240 "$PY" -m pytest -q tests/gpu -ra
 
 step "streams" 60 "$PY" - <<'EOF'
 import torch
-from megazero.streams import Event, Streams, Timers, copy_to_device
+from megazero.core.streams import Event, Streams, Timers, copy_to_device
 streams = Streams("cuda")
 print(streams.describe())
 for side in (streams.copy, streams.prefetch, streams.reduce):
