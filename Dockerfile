@@ -1,7 +1,7 @@
 # Cluster image: torch 2.13 from PyPI (its Linux wheel is a CUDA 13.0 build that brings the CUDA
 # libraries as wheels and cuda-bindings, so the host needs only an NVIDIA driver of the R580 series
 # or later and the NVIDIA container toolkit), megazero with its C++ kernels built here, and the
-# `cuda` extra (cuda-python) for megazero.streams. The torch pin sits inside the package's range
+# `cuda` extra (cuda-python) for megazero.core.streams. The torch pin sits inside the package's range
 # (pyproject.toml: torch>=2.13,<3), the version the tests run against.
 # Build:  docker build -t megazero .
 # Run:    docker run --gpus all --ipc=host megazero \

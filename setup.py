@@ -3,7 +3,7 @@ and `megazero._quant` (csrc/quantize*.cpp: block int8/int4 quantization for ZeRO
 
 Package metadata lives in pyproject.toml; this file only adds the extension. The extension is
 optional: without a C++ compiler, pybind11 or OpenMP, `pip install .` still succeeds and
-megazero.zero.adam falls back to the torch reference. Build choices:
+megazero.ops.adam falls back to the torch reference. Build choices:
 
 - `-ffp-contract=off` is required, not a tuning knob: the kernel is bitwise equal to torch only if
   the compiler fuses no multiply-add that torch does not (see the comment atop cpu_adam.cpp).

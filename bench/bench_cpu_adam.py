@@ -3,7 +3,7 @@
 Two steps, each timed for every side on the same data:
 
 - fp32 step: fp32 param, grad, exp_avg, exp_avg_sq, updated in place.
-    ours      megazero.zero.adam.adam_update (the kernel: one pass over memory)
+    ours      megazero.ops.adam.adam_update (the kernel: one pass over memory)
     fused     torch.optim.AdamW(fused=True)
     foreach   torch.optim.AdamW(foreach=True)
 - mixed step, as a ZeRO rank with bf16 parameters runs it: fp32 master + bf16 gradient in, the

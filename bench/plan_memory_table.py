@@ -1,4 +1,4 @@
-"""The memory planner (tools/plan_memory.py, megazero.memory_estimate.plan_bytes) against the ZeRO
+"""The memory planner (tools/plan_memory.py, megazero.config.memory_estimate.plan_bytes) against the ZeRO
 engine's own memory_report, per category, and against the measured peak of each rank's process,
 over a grid of layouts on 4 gloo ranks.
 

@@ -5,10 +5,10 @@
 // threads), the scalar copy of the loop, and the pybind11 module. The SIMD copies of the loop live
 // in cpu_adam_avx2.cpp and cpu_adam_avx512.cpp, the shared per-element numerics in cpu_adam.h. It
 // does not own the optimizer's policy (when to step, which segments get weight decay, loss
-// scaling): megazero/zero/adam.py decides that, checks every tensor, and passes raw pointers
+// scaling): megazero/ops/adam.py decides that, checks every tensor, and passes raw pointers
 // (`tensor.data_ptr()`), so this extension needs no libtorch headers and builds in seconds.
 //
-// Numerics. The oracle is `adam_update_reference` in megazero/zero/adam.py, i.e. the sequence of
+// Numerics. The oracle is `adam_update_reference` in megazero/ops/adam.py, i.e. the sequence of
 // torch ops torch.optim.AdamW runs. Each of those ops rounds to fp32 once per element, and torch's
 // AVX2/AVX-512 CPU kernels fuse three of them into a single fma:
 //   lerp_(g, w)             -> fma(w, g - m, m)        when |w| < 0.5
@@ -156,7 +156,7 @@ PYBIND11_MODULE(_C, m) {
         "exp_avg_sq are fp32; grad_dtype is 0 fp32, 1 bf16, 2 fp16. If param_copy_ptr is not 0 the "
         "updated param, rounded to nearest even, is also written there as copy_dtype (1 bf16, 2 fp16; "
         "-1 with no copy). isa '' picks the best path, else one of supported_isas(). Returns the "
-        "path that ran. Matches megazero.zero.adam.adam_update_reference; callers validate buffers.",
+        "path that ran. Matches megazero.ops.adam.adam_update_reference; callers validate buffers.",
         py::arg("param_ptr"), py::arg("grad_ptr"), py::arg("exp_avg_ptr"), py::arg("exp_avg_sq_ptr"),
         py::arg("numel"), py::arg("grad_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"),

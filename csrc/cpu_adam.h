@@ -15,7 +15,7 @@
 
 namespace megazero_adam {
 
-// Dtype codes shared with megazero/zero/adam.py. Gradients may be any of the three; the fused
+// Dtype codes shared with megazero/ops/adam.py. Gradients may be any of the three; the fused
 // low-precision copy of the parameter is bf16 or fp16, and kNone means no copy is written.
 enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 constexpr int kNone = -1;

@@ -1,4 +1,4 @@
-"""Turns a `Topology` into this rank's torch.distributed groups, wrapped as `megazero.comm.Group`.
+"""Turns a `Topology` into this rank's torch.distributed groups, wrapped as `megazero.core.comm.Group`.
 
 Owns group creation only. torch requires every process of the default group to enter `new_group` for
 every group, members or not, in the same order; `GroupFactory` does that and caches groups by their

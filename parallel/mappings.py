@@ -12,7 +12,7 @@ Each name says which way data moves in the forward pass; the backward pass does 
     gather_from_sequence_region  fwd all-gather seq    bwd reduce-scatter seq
     reduce_scatter_to_sequence_region  fwd reduce-scatter seq   bwd all-gather seq
 
-Tensors are batch-first, so the sequence dimension is 1. All communication goes through megazero.comm.
+Tensors are batch-first, so the sequence dimension is 1. All communication goes through megazero.core.comm.
 """
 from __future__ import annotations
 

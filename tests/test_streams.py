@@ -1,4 +1,4 @@
-"""megazero.streams without a GPU: a fake backend checks stream priorities and the order of event
+"""megazero.core.streams without a GPU: a fake backend checks stream priorities and the order of event
 records and waits; a fake cuda-python runtime checks status handling; the CPU path is a no-op with
 working timers. The same module on real CUDA is checked by tests/gpu/test_streams_cuda.py."""
 import time

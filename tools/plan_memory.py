@@ -5,9 +5,9 @@
     python tools/plan_memory.py --num-layers 24 --hidden-size 2048 --num-attention-heads 16 \\
         --world-size 8 --bf16 --fit-gib 20
 
-Takes pretrain_gpt.py's own flags (megazero.flags.build_parser) plus --world-size and --fit-gib, builds
+Takes pretrain_gpt.py's own flags (megazero.config.flags.build_parser) plus --world-size and --fit-gib, builds
 the run's config the way the driver does, and prints one rank's bytes by category from
-megazero.memory_estimate: the same formulas as the ZeRO engine's memory report for the model states
+megazero.config.memory_estimate: the same formulas as the ZeRO engine's memory report for the model states
 (parameters, gradients, fp32 master, optimizer states), plus the activation and communication-buffer
 estimates. For the largest pipeline stage, the rank that runs out first.
 

@@ -6,7 +6,7 @@ config file and key) and the fix. Settings that a DeepSpeed config (--zero-confi
 default to None in the parser, so that a flag and a JSON key that disagree are reported instead of
 one silently winning. Launcher and Megatron-LM spellings (--deepspeed_config, --train-samples,
 --use-distributed-optimizer, ...) are mapped here onto megazero's own settings. Checks against the
-machine and the files (paths, data, memory) are megazero.preflight's.
+machine and the files (paths, data, memory) are megazero.config.preflight's.
 """
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ MONITOR_KEYS = {"wandb": {"enabled", "project", "team", "group"},
                 "tensorboard": {"enabled", "output_path", "job_name"},
                 "csv_monitor": {"enabled", "output_path", "job_name"}}
 
-# Settings a config may give for flags outside megazero.flags.MERGED: args attribute -> flag.
+# Settings a config may give for flags outside megazero.config.flags.MERGED: args attribute -> flag.
 FLAG_SETTINGS = {"recompute_activations": "--recompute-activations", "lr_warmup_iters": "--lr-warmup-iters",
                  "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
                  "min_lr": "--min-lr", "wandb_project": "--wandb-project", "wandb_entity": "--wandb-entity",
@@ -204,7 +204,7 @@ def _check_asks_for_nothing(key: str, value, where: str) -> None:
 
 
 def flags_from_config(settings: DeepSpeedSettings, flags: dict[str, Any], lr: float, path: str) -> dict[str, Any]:
-    """The values the config gives for flags outside megazero.flags.MERGED (recomputation, the lr
+    """The values the config gives for flags outside megazero.config.flags.MERGED (recomputation, the lr
     schedule, monitors), as args attributes, for the driver to set before it reads those flags.
 
     `flags` maps args attributes to the values parsed from the command line (None, or a parser default

@@ -3,7 +3,7 @@ default, the launcher flags other tools add (`--local_rank`, `--deepspeed_config
 
 The parse turns every argparse complaint into one UsageError line: a misspelled flag gets the
 nearest real one, a Megatron-LM flag megazero lacks is named as such. What the flags mean together
-is megazero.arguments', which also checks the values against the ranges listed here.
+is megazero.config.arguments', which also checks the values against the ranges listed here.
 """
 from __future__ import annotations
 

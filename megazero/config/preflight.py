@@ -5,7 +5,7 @@ and the fix.
 
 Writes nothing (probes are removed at once; the one exception is a data file's token statistics,
 cached beside it, see megazero.data.indexed_dataset). The flags were already checked against each
-other by megazero.arguments; here they meet the world. Under torchrun the driver runs this on every
+other by megazero.config.arguments; here they meet the world. Under torchrun the driver runs this on every
 rank and lets rank 0 speak for all.
 """
 from __future__ import annotations

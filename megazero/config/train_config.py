@@ -1,5 +1,5 @@
 """The typed configuration tree of a training run. Flags map onto it once, at the edge
-(megazero.arguments); the runtime reads these records, never argv or globals."""
+(megazero.config.arguments); the runtime reads these records, never argv or globals."""
 from __future__ import annotations
 
 import dataclasses

@@ -163,7 +163,7 @@ def default_cuda_backend():
     """The backend for CUDA devices in this process (chosen once, so the fallback is logged once)."""
     runtime = import_cudart()
     if runtime is None:
-        log.warning("megazero.streams: cuda-python is not installed, streams and events use torch.cuda "
+        log.warning("megazero.core.streams: cuda-python is not installed, streams and events use torch.cuda "
                     "(pip install 'megazero[cuda]' for cuda-python)")
         return TorchCudaBackend()
     backend = CudartBackend(runtime)
@@ -171,7 +171,7 @@ def default_cuda_backend():
         backend._call("cudaGetDeviceCount")
     except CudaError as err:
         # e.g. cuda-python 13 under a CUDA 12 driver (cudaErrorInsufficientDriver)
-        log.warning(f"megazero.streams: cuda-python cannot use this driver ({err}), streams and events use "
+        log.warning(f"megazero.core.streams: cuda-python cannot use this driver ({err}), streams and events use "
                     f"torch.cuda (install the cuda-python major matching nvidia-smi's CUDA Version)")
         return TorchCudaBackend()
     return backend

@@ -10,7 +10,7 @@ Two implementations of one update, both in place:
   param is within a few ulps, because torch's MKL sqrt is not correctly rounded and the kernel's is
   (tests/test_cpu_adam.py states the bound). Every copy of the loop gives the same bits.
 
-`adam_update` (what flat_group.py and stage3_units.py call) picks the kernel when it is built,
+`adam_update` (what zero/storage.py and zero/offload.py call) picks the kernel when it is built,
 not disabled by `MEGAZERO_DISABLE_CPP_ADAM=1`, and every tensor is a contiguous CPU tensor of a
 supported dtype; otherwise the reference. `MEGAZERO_CPU_ADAM_ISA=avx512|avx2|scalar` forces one
 copy of the loop (read at every call; an unsupported name is a UsageError). With `param_copy` it

@@ -1,7 +1,7 @@
 """`CPUAdam`: Adam / AdamW as a torch.optim.Optimizer over CPU tensors, stepped by the fused kernel.
 
 This module owns the optimizer wrapper only: hyperparameter checks, per-parameter state in torch's
-layout, and the loop over parameter groups. The math is `megazero.zero.adam.adam_update` (the C++
+layout, and the loop over parameter groups. The math is `megazero.ops.adam.adam_update` (the C++
 kernel when built and the tensors suit it, else the torch reference), so CPUAdam agrees with
 torch.optim.AdamW (`adamw_mode=True`) or torch.optim.Adam with L2 weight decay
 (`adamw_mode=False`) elementwise, to the few ulps adam.py's docstring states.

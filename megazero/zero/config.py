@@ -1,7 +1,7 @@
 """ZeRO configuration: DeepSpeed's `zero_optimization` block, with its key names, aliases and defaults.
 
 Owns parsing and validation of the ZeRO keys only (the whole-DeepSpeed-config reader lives in
-megazero.ds_config). No key is silently ignored: each one either sets a ZeroConfig field, or is
+megazero.config.ds_config). No key is silently ignored: each one either sets a ZeroConfig field, or is
 accepted with a note where megazero's design fixes its behaviour, or fails (unknown keys with the
 nearest valid key; keys of features that have not landed as "not supported yet" unless they hold
 their do-nothing value). Notes are returned as data; the driver logs them once.

@@ -2,7 +2,7 @@
 gradient reduce-scatter (all-to-all inside the node, then across nodes).
 
 Owns the data movement of these two collectives and their format choices. The block format and its
-kernels belong to megazero.ops.quantize; the byte accounting to megazero.comm: codes and scales,
+kernels belong to megazero.ops.quantize; the byte accounting to megazero.core.comm: codes and scales,
 packed into one byte buffer (one collective moves both), travel through comm's own collectives, so
 the comm log counts the bytes that actually move (codes, plus 4 bytes of fp32 scale per block).
 This module decides nothing about *when* the collectives are used: the stage-3 parameter gather

@@ -1,7 +1,7 @@
 """ZeRO stage 3: how a unit's full buffer is assembled from the partitions, across nodes.
 
-Owns the collectives of a parameter gather; `stage3_units.UnitStore` says which unit and where its
-partition chunk is, `stage3_gather` says when. Three ways, chosen by the ZeroConfig:
+Owns the collectives of a parameter gather; `units.UnitStore` says which unit and where its
+partition chunk is, `coordinator` says when. Three ways, chosen by the ZeroConfig:
 
 - flat: one all-gather over the shard group (`ZeroGroups.shard_gather`).
 - two hops (`mics_hierarchical_params_gather`, a shard group spanning nodes): an all-gather among

@@ -8,7 +8,7 @@ step, checkpoint loads and inspection read and write in place (the home's value 
 the copy stream; the caller's stream waits for it). `GatherOrder` remembers the order units were
 fetched in during the last step, so the nvme home can start reading files ahead of the gathers.
 
-Owns only the bytes and files; when a unit is gathered is stage3_gather's business, and the
+Owns only the bytes and files; when a unit is gathered is coordinator.py's business, and the
 partition's layout is the FlatLayout's.
 """
 from __future__ import annotations

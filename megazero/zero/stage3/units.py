@@ -4,7 +4,7 @@ flat layout partitioned over the shard group (rank r holds chunk r of every unit
 A `PartitionedStorage` whose weights exist in full only while gathered: the resident per-rank state
 is this rank's chunk of every unit, packed into one low-precision partition (and the fp32 master,
 Adam moments and gradient partition of the base class). Owns gathering and releasing a unit's full
-parameters and collecting its gradients for reduction. Deciding *when* to gather is stage3_gather's
+parameters and collecting its gradients for reduction. Deciding *when* to gather is coordinator.py's
 job. Gathers use their own communicator (`ZeroGroups.shard_gather`), so a prefetch does not wait
 behind the gradient reductions queued on the shard group.
 
