@@ -2,8 +2,8 @@
 
 MetricsLogger hands every record it appends to metrics.jsonl to each monitor (`log(record)`), so the
 monitors see exactly the JSON lines, on the one logging rank, and nothing else. This module owns the
-optional imports (checked at the edge, before any process group: `monitor_config` maps the flags and
-`check_monitors_installed` asks for the packages) and the writers; it must not touch process groups.
+writers and their optional imports; the flags and the check that the packages are installed belong
+to the edge (megazero.config.monitor_flags). It must not touch process groups.
 
 Keys are `<split>/<field>` (`train/loss`, `valid/loss`, `train/time_ms/forward`), stepped by the
 record's iteration, so a valid loss and the train loss of the same iteration share a step.
@@ -16,42 +16,6 @@ import os
 from pathlib import Path
 
 from megazero.config.train_config import MonitorConfig, TrainConfig
-from megazero.core.errors import UsageError, check_writable_dir
-
-_EXTRAS = {"wandb": ("wandb", "--wandb-project"), "tensorboard": ("tensorboard", "--tensorboard-dir")}
-
-
-def check_monitors_installed(cfg: MonitorConfig) -> None:
-    """A monitor asked for without its package is one line naming the extra that installs it."""
-    wanted = [name for name, on in (("wandb", cfg.wandb_project), ("tensorboard", cfg.tensorboard_dir)) if on]
-    for name in wanted:
-        try:
-            __import__(name)
-        except ImportError:
-            extra, flag = _EXTRAS[name]
-            raise UsageError(f"{flag} needs the {name} package; install it with "
-                             f"pip install -e '.[{extra}]' (or pip install {name})") from None
-
-
-def monitor_config(args, run_dir: str) -> MonitorConfig:
-    """The wandb/TensorBoard flags as a MonitorConfig; a monitor whose package is missing fails here,
-    at the edge, before any process group exists."""
-    if args.wandb_project is None:
-        for flag, value in (("--wandb-exp-name", args.wandb_exp_name), ("--wandb-save-dir", args.wandb_save_dir),
-                            ("--wandb-entity", args.wandb_entity)):
-            if value is not None:
-                raise UsageError(f"{flag} needs --wandb-project NAME (the project the run logs to)")
-    monitor = MonitorConfig(
-        wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name, wandb_entity=args.wandb_entity,
-        wandb_save_dir=(args.wandb_save_dir or run_dir) if args.wandb_project else None,
-        tensorboard_dir=args.tensorboard_dir)
-    check_monitors_installed(monitor)
-    for flag, folder in (("--wandb-save-dir", monitor.wandb_save_dir),
-                         ("--tensorboard-dir", monitor.tensorboard_dir)):
-        if folder is not None:
-            check_writable_dir(folder, f"{flag} {folder}", f"pass {flag} DIR in a writable place")
-    return monitor
-
 
 def scalars(record: dict) -> dict[str, float]:
     """The numeric fields of a metrics record as `<split>/<field>` keys (nested dicts flattened)."""

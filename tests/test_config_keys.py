@@ -8,7 +8,7 @@ import pytest
 from megazero.config.arguments import config_from_args, parse_args
 from megazero.config.train_config import TrainConfig
 from megazero.config.ds_config import (FP16_KEYS, OPTIMIZER_PARAMS, TOP_LEVEL, TOP_LEVEL_BY_DESIGN,
-                                parse_deepspeed_config)
+                                       parse_deepspeed_config)
 from megazero.core.errors import UsageError
 from megazero.zero.config import (FIXED_BY_DESIGN, NOT_SUPPORTED_YET, SAVING_NOT_SUPPORTED_YET,
                                   ZeroConfig, parse_zero_config)

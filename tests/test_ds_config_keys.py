@@ -9,7 +9,7 @@ import pytest
 
 from megazero.config.arguments import config_from_args, parse_args
 from megazero.config.ds_config import (KNOWN_TOP_LEVEL, NOT_SUPPORTED_YET_TOP, flags_from_config,
-                                parse_deepspeed_config)
+                                       parse_deepspeed_config)
 from megazero.core.errors import UsageError
 
 from driver import TINY as DRIVER_TINY

@@ -31,8 +31,8 @@ import sys
 from megazero.config.arguments import config_from_args
 from megazero.core.errors import UsageError
 from megazero.config.flags import build_parser
-from megazero.config.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes, plan_bytes,
-                                      rank_layout)
+from megazero.config.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes,
+                                             plan_bytes, rank_layout)
 
 LABELS = {"params": "parameters", "grads": "gradients", "master": "fp32 master",
           "optimizer_states": "optimizer states", "activations": "activations",

@@ -15,18 +15,18 @@ import os
 import time
 from pathlib import Path
 
-from megazero.config.train_config import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig,
-                             TrainConfig)
 from megazero.config.ds_config import DeepSpeedSettings, flags_from_config, load_deepspeed_config
-from megazero.core.errors import UsageError
 from megazero.config.flags import (FLAG_RANGES, MERGED, MERGED_RANGES, NOT_SUPPORTED_YET, build_parser,  # noqa: F401
-                            in_range, parse_args, range_text)
-from megazero.monitor import monitor_config
-from megazero.models.config import GPTConfig, padded_vocab_size
-from megazero.parallel.topology import Topology, validate_model_fits
-from megazero.ops.adam import AdamConfig
-from megazero.zero.config import as_json, stage_notes
+                                   in_range, parse_args, range_text)
+from megazero.config.monitor_flags import monitor_config
+from megazero.config.train_config import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig,
+                                          PrecisionConfig, TrainConfig)
 from megazero.config.zero_arguments import check_zero_layout, zero_config
+from megazero.core.errors import UsageError
+from megazero.models.config import GPTConfig, padded_vocab_size
+from megazero.ops.adam import AdamConfig
+from megazero.parallel.topology import Topology, validate_model_fits
+from megazero.zero.config import as_json, stage_notes
 
 SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
 # Settings only a DeepSpeed config gives: name -> default.
