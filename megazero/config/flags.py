@@ -26,7 +26,6 @@ MERGED = {
     "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
     "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
 }
-NOT_SUPPORTED_YET: tuple[str, ...] = ()
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
 --use-flash-attn --use-mcore-models --transformer-impl --context-parallel-size --expert-model-parallel-size

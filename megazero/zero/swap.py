@@ -134,9 +134,6 @@ class SubGroupSwapper:
     def buffer_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for buffers in self.sets for t in buffers.values())
 
-    def file_bytes(self) -> int:
-        return sum(f.nbytes for f in self.files.values())
-
     def paths(self) -> list[Path]:
         return [f.path for f in self.files.values()]
 
