@@ -60,7 +60,7 @@ from megazero.testing import DistributedPool
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
-from megazero.zero.groups import uses_weight_decay
+from megazero.zero.precision import uses_weight_decay
 
 WORLD = 2
 # (name, side, ZeRO stage or None, name of the peer it is compared with)

@@ -23,8 +23,9 @@ from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.zero.engine import ZeroEngine
-from megazero.zero.groups import Precision, ZeroGroups
+from megazero.zero.groups import ZeroGroups
 from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.precision import Precision
 
 
 class MicrobatchSource:

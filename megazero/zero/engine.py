@@ -27,9 +27,10 @@ from megazero.core.streams import Streams
 from megazero.ops.adam import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
-from .groups import Precision, ZeroGroups, uses_weight_decay
+from .groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .offload import REPORT_CATEGORY, HostCopies, check_state_names
+from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
 from .stage3.units import UnitStore
 from .storage import PartitionedStorage, ReductionQueue

@@ -20,8 +20,9 @@ from torch import nn
 
 from megazero.core import comm
 from .flat import FlatLayout
-from .groups import Precision, drop_storage, ensure_storage
+from .precision import Precision
 from .storage import PartitionedStorage, ReductionQueue
+from .tensor_memory import drop_storage, ensure_storage
 
 
 class FlatParamGroup(PartitionedStorage):

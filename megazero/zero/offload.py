@@ -27,7 +27,7 @@ import torch
 from megazero.core.errors import UsageError
 from megazero.core.streams import Event
 from megazero.ops.adam import adam_update
-from .groups import drop_storage
+from .tensor_memory import drop_storage
 from .swap import SubGroupSwapper
 
 OFFLOADED_KINDS = ("fp32", "exp_avg", "exp_avg_sq")

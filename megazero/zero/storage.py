@@ -31,7 +31,7 @@ from megazero.core import comm
 from megazero.core.streams import Streams
 from megazero.ops.adam import AdamConfig, adam_update
 from .flat import FlatLayout
-from .groups import Precision, sum_of_squares
+from .precision import Precision, sum_of_squares
 from .offload import OFFLOADED_KINDS, OptimizerOffload
 
 KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")

@@ -29,11 +29,13 @@ from megazero.core import comm
 from megazero.core.streams import Event
 from ..config import ZeroConfig
 from ..flat import Bucket, FlatLayout
-from ..groups import Precision, ZeroGroups, drop_storage, ensure_storage
+from ..groups import ZeroGroups
 from .param_gather import ParamGather
 from .param_offload import GatherOrder, make_param_home
+from ..precision import Precision
 from ..quantized_comm import quantized_gradient_reducer
 from ..storage import PartitionedStorage, ReductionQueue
+from ..tensor_memory import drop_storage, ensure_storage
 
 
 class ParamStatus(enum.Enum):
