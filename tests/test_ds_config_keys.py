@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megazero.config.arguments import config_from_args, parse_args
-from megazero.config.ds_config import (KNOWN_TOP_LEVEL, NOT_SUPPORTED_YET_TOP, flags_from_config,
-                                       parse_deepspeed_config)
+from megazero.config.ds_config import KNOWN_TOP_LEVEL, NOT_SUPPORTED_YET_TOP, parse_deepspeed_config
+from megazero.config.ds_settings import flags_from_config
 from megazero.core.errors import UsageError
 
 from driver import TINY as DRIVER_TINY

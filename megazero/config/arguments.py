@@ -15,7 +15,8 @@ import os
 import time
 from pathlib import Path
 
-from megazero.config.ds_config import DeepSpeedSettings, flags_from_config, load_deepspeed_config
+from megazero.config.ds_config import load_deepspeed_config
+from megazero.config.ds_settings import DeepSpeedSettings, flags_from_config
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, in_range, range_text
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
 from megazero.config.monitor_flags import monitor_config
