@@ -15,10 +15,18 @@ Nothing here touches tensors; `FlatLayout` is testable with plain numbers.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 # Every rank's chunk of a bucket is a multiple of this many elements, so each chunk starts 32-byte
 # aligned for fp32 (16 for bf16): what collectives and vectorised optimizer loops like.
 CHUNK_ALIGN = 8
+
+
+class Piece(NamedTuple):
+    """The part of one parameter in this rank's partition."""
+    partition_offset: int      # where it starts in the partition
+    param_offset: int          # where it starts inside the parameter's flat value
+    length: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +100,12 @@ class FlatLayout:
             first += len(group)
         return cls(numels, 1, shards, rank, groups)
 
-    def local_piece(self, index: int) -> tuple[int, int, int] | None:
-        """The part of parameter `index` in this rank's partition: (partition offset, offset inside
-        the parameter, length), or None if this rank owns none of it."""
+    def local_piece(self, index: int) -> Piece | None:
+        """The part of parameter `index` in this rank's partition, or None if this rank owns none of it."""
         slot = self.slots[index]
         bucket = self.buckets[slot.bucket]
         lo, hi = bucket.chunk_range(self.rank)
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if start >= end:
             return None
-        return bucket.local_offset + (start - lo), start - slot.offset, end - start
+        return Piece(bucket.local_offset + (start - lo), start - slot.offset, end - start)

@@ -23,6 +23,7 @@ then a separate host copy in fp32 runs too.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,10 +32,26 @@ from megazero.core import comm
 from megazero.core.streams import Streams
 from megazero.ops.adam import AdamConfig, adam_update
 from .flat import FlatLayout
-from .precision import Precision, sum_of_squares
 from .offload import OFFLOADED_KINDS, OptimizerOffload
+from .precision import Precision, sum_of_squares
 
 KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
+
+
+class Run(NamedTuple):
+    """Elements [lo, hi) of bucket `bucket`'s chunk, stepped with one weight decay."""
+    bucket: int
+    lo: int
+    hi: int
+    weight_decay: float
+
+
+class NormRun(NamedTuple):
+    """Elements [lo, hi) of bucket `bucket`'s gradient chunk, counted in the norm or not."""
+    bucket: int
+    lo: int
+    hi: int
+    counted: bool
 
 
 class ReductionQueue:
@@ -107,8 +124,8 @@ class PartitionedStorage:
         self.params: list[nn.Parameter] = []
         self.index_of: dict[int, int] = {}
         self._fresh = [True] * len(layout.buckets)       # gradient chunk holds nothing this step
-        self.runs: list[tuple[int, int, int, float]] = []
-        self.norm_runs: list[tuple[int, int, int, bool]] = []
+        self.runs: list[Run] = []
+        self.norm_runs: list[NormRun] = []
 
     # --- where a bucket's chunk of each kind lives ------------------------------------------
     def param_chunk(self, b: int) -> torch.Tensor:
@@ -156,8 +173,8 @@ class PartitionedStorage:
         piece = self.layout.local_piece(i)
         if piece is None:
             return chunk[:0]
-        rel = piece[0] - self.layout.buckets[b].local_offset
-        return chunk[rel:rel + piece[2]]
+        rel = piece.partition_offset - self.layout.buckets[b].local_offset
+        return chunk[rel:rel + piece.length]
 
     def local_pieces(self):
         """(parameter, offset inside its flat value, length) of every piece this rank holds: what a
@@ -165,7 +182,7 @@ class PartitionedStorage:
         for i, param in enumerate(self.params):
             piece = self.layout.local_piece(i)
             if piece is not None:
-                yield param, piece[1], piece[2]
+                yield param, piece.param_offset, piece.length
 
     def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
         """The whole of `param` in tensor `kind` as fp32, assembled from every shard (collective
@@ -193,7 +210,7 @@ class PartitionedStorage:
         flat = value.detach().reshape(-1)
         piece = self.layout.local_piece(i)
         if piece is not None:
-            self.local_view(param, kind).copy_(flat[piece[1]:piece[1] + piece[2]])
+            self.local_view(param, kind).copy_(flat[piece.param_offset:piece.param_offset + piece.length])
         if kind == "fp32":
             self.write_full_weights(i, flat)
 
@@ -212,8 +229,8 @@ class PartitionedStorage:
         """Initial fp32 value of parameter i: this rank's piece goes to the master (if separate)."""
         piece = self.layout.local_piece(i)
         if piece is not None and self.master is not None:
-            part_off, param_off, length = piece
-            self.master[part_off:part_off + length].copy_(value[param_off:param_off + length])
+            start, end = piece.partition_offset, piece.partition_offset + piece.length
+            self.master[start:end].copy_(value[piece.param_offset:piece.param_offset + piece.length])
 
     # --- gradients ----------------------------------------------------------------------------
     def reduce_bucket(self, b: int, staging: torch.Tensor) -> None:
@@ -284,26 +301,26 @@ class PartitionedStorage:
                 piece = self.layout.local_piece(i)
                 if piece is None:
                     continue
-                lo = piece[0] - bucket.local_offset
-                hi = lo + piece[2]
+                lo = piece.partition_offset - bucket.local_offset
+                hi = lo + piece.length
                 wd = weight_decay_of(self.params[i], self.full_shape(i))
-                if runs and runs[-1][2] == wd:
-                    runs[-1][1] = hi
+                if runs and runs[-1].weight_decay == wd:
+                    runs[-1] = runs[-1]._replace(hi=hi)
                 else:
-                    runs.append([cursor, hi, wd])
+                    runs.append(Run(b, cursor, hi, wd))
                 cursor = hi
                 counted = bool(counts_in_norm(self.params[i]))
-                if self.norm_runs and self.norm_runs[-1][0] == b and self.norm_runs[-1][2] == lo \
-                        and self.norm_runs[-1][3] == counted:
-                    self.norm_runs[-1] = (b, self.norm_runs[-1][1], hi, counted)
+                last = self.norm_runs[-1] if self.norm_runs else None
+                if last is not None and last.bucket == b and last.hi == lo and last.counted == counted:
+                    self.norm_runs[-1] = last._replace(hi=hi)
                 else:
-                    self.norm_runs.append((b, lo, hi, counted))
+                    self.norm_runs.append(NormRun(b, lo, hi, counted))
             if cursor < bucket.chunk:          # padding: zero gradients, updates stay zero
                 if runs:
-                    runs[-1][1] = bucket.chunk
+                    runs[-1] = runs[-1]._replace(hi=bucket.chunk)
                 else:
-                    runs.append([0, bucket.chunk, 0.0])
-            self.runs.extend((b, lo, hi, wd) for lo, hi, wd in runs)
+                    runs.append(Run(b, 0, bucket.chunk, 0.0))
+            self.runs.extend(runs)
 
     def grad_sumsq(self) -> torch.Tensor:
         """float64 sum of squares of the counted gradients; a non-finite value anywhere in this
