@@ -43,10 +43,12 @@ def _extensions() -> list:
     sources = ["csrc/cpu_adam.cpp", "csrc/cpu_adam_avx2.cpp", "csrc/cpu_adam_avx512.cpp"]
     quant_sources = ["csrc/quantize.cpp", "csrc/quantize_scalar.cpp", "csrc/quantize_avx2.cpp",
                      "csrc/quantize_avx512.cpp"]
-    return [Extension("megazero._C", sources=sources, depends=["csrc/cpu_adam.h", "csrc/cpu_dispatch.h"],
+    return [Extension("megazero._C", sources=sources,
+                      depends=["csrc/cpu_adam.h", "csrc/cpu_dispatch.h", "csrc/dtype_helpers.h"],
                       include_dirs=[pybind11.get_include()], language="c++"),
             Extension("megazero._quant", sources=quant_sources,
-                      depends=["csrc/quantize.h", "csrc/quantize_kernels.h", "csrc/cpu_dispatch.h"],
+                      depends=["csrc/quantize.h", "csrc/quantize_kernels.h", "csrc/cpu_dispatch.h",
+                               "csrc/dtype_helpers.h"],
                       include_dirs=[pybind11.get_include()], language="c++")]
 
 

@@ -11,9 +11,15 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
+
+#include "dtype_helpers.h"
 
 namespace megazero_adam {
+
+using megazero_dtype::bf16_to_float;
+using megazero_dtype::bits_from_float;
+using megazero_dtype::float_from_bits;
+using megazero_dtype::float_to_bf16;
 
 // Dtype codes shared with megazero/ops/adam.py. Gradients may be any of the three; the fused
 // low-precision copy of the parameter is bf16 or fp16, and kNone means no copy is written.
@@ -59,25 +65,6 @@ void range_avx512(const Buffers& b, int64_t begin, int64_t end, const StepScalar
 #define MEGAZERO_X86_SIMD 0
 #endif
 
-#define MEGAZERO_INLINE static inline __attribute__((always_inline))
-
-MEGAZERO_INLINE float float_from_bits(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-MEGAZERO_INLINE uint32_t bits_from_float(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return bits;
-}
-
-// bf16 is the top half of an fp32, so widening is exact: shift the bits back up.
-MEGAZERO_INLINE float bf16_to_float(uint16_t bits) {
-  return float_from_bits(static_cast<uint32_t>(bits) << 16);
-}
-
 // IEEE half -> float, exact for every input, with integer selects rather than branches and no
 // fp32 subnormal intermediates (so flush-to-zero / denormals-are-zero modes cannot change it).
 MEGAZERO_INLINE float fp16_to_float(uint16_t bits) {
@@ -94,16 +81,6 @@ MEGAZERO_INLINE float fp16_to_float(uint16_t bits) {
   const uint32_t special = 0x7f800000u | quiet | (mantissa << 13);
   const uint32_t magnitude = exponent == 0x1fu ? special : (exponent == 0 ? tiny : normal);
   return float_from_bits(sign | magnitude);
-}
-
-// float -> bf16, round to nearest even (what torch's .to(torch.bfloat16) gives). NaN stays NaN:
-// keep sign and top payload bits and set the quiet bit, as the hardware conversion does, since a
-// plain truncation of a NaN with a low payload would turn it into infinity.
-MEGAZERO_INLINE uint16_t float_to_bf16(float value) {
-  const uint32_t bits = bits_from_float(value);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
 // float -> IEEE half, round to nearest even, overflow to infinity, subnormals rounded exactly

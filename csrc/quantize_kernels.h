@@ -18,35 +18,16 @@
 // block's codes are meaningless, as in the reference.
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
+#include "dtype_helpers.h"
 #include "quantize.h"
 
 namespace megazero_quant {
 namespace MEGAZERO_QUANT_ISA {
 namespace {
 
-#ifndef MEGAZERO_INLINE
-#define MEGAZERO_INLINE static inline __attribute__((always_inline))
-#endif
-
-// bf16 is the top half of an fp32, so widening is exact.
-MEGAZERO_INLINE float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-// Round to nearest even, as torch's .to(torch.bfloat16); a NaN stays a (quiet) NaN. Written with
-// selects rather than branches so the loops that store bf16 vectorize.
-MEGAZERO_INLINE uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
-  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
+using megazero_dtype::bf16_to_float;
+using megazero_dtype::float_to_bf16;
 
 template <int D>
 MEGAZERO_INLINE float load(const void* p, int64_t i) {
