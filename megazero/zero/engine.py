@@ -3,8 +3,8 @@
 Owns the model's parameters once built: it replaces every (meta) parameter of the given modules with
 one it allocated, and from then on drives backward hooks, gradient reduction, the global gradient
 norm and clipping, loss scaling and the Adam step. It knows nothing of tensor- or pipeline-parallel
-layers: it gets modules, an `init_fn(param) -> full fp32 tensor`, process groups and per-parameter
-flags.
+layers: it gets modules, an `init_fn(name, param) -> full fp32 tensor`, process groups and
+per-parameter flags.
 
 A training step, as the loop drives it:
     engine.begin_step()
