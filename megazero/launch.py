@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
 from megazero.config.arguments import config_from_args, parse_args
+from megazero.config.preflight import preflight, sample_counts
 from megazero.config.train_config import TrainConfig
 from megazero.core.errors import UsageError
 from megazero.lr_schedule import learning_rate
@@ -29,7 +30,6 @@ from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
-from megazero.config.preflight import preflight, sample_counts
 from megazero.training import MicrobatchSource, setup, train
 
 
