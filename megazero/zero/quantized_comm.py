@@ -40,7 +40,7 @@ import dataclasses
 
 import torch
 
-from megazero import comm
+from megazero import comm, streams
 from megazero.errors import UsageError
 from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
 from .config import ZeroConfig
@@ -179,9 +179,8 @@ class _QuantizedAllToAll:
 def _read_on_waiting_stream(buffer: torch.Tensor) -> None:
     """A receive buffer allocated on the issuing stream (a prefetch side stream, say) and read by
     the stream that waits: the caching allocator must not hand its memory back to the issuing
-    stream before those reads are done. Nothing to do off CUDA."""
-    if buffer.is_cuda:
-        buffer.record_stream(torch.cuda.current_stream(buffer.device))
+    stream before those reads are done."""
+    streams.record_on_current_stream(buffer)
 
 
 def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:

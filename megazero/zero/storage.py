@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from megazero import comm
-from megazero.streams import Streams
+from megazero.streams import Streams, label
 from .adam import AdamConfig, adam_update
 from .flat import FlatLayout
 from .groups import Precision, sum_of_squares
@@ -233,7 +233,8 @@ class PartitionedStorage:
         if direct:
             out = target
         elif scatter:
-            out = torch.empty(chunk, dtype=staging.dtype, device=staging.device)
+            out = label(torch.empty(chunk, dtype=staging.dtype, device=staging.device),
+                        f"bucket {b}: this rank's reduced chunk")
         else:              # all-reduce the whole bucket, then read this rank's chunk of it
             out = staging[rank * chunk:(rank + 1) * chunk]
         if quantized:
@@ -264,7 +265,8 @@ class PartitionedStorage:
 
     def new_staging(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        return torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device)
+        return label(torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device),
+                     f"bucket {b}: gradient staging")
 
     def ensure_grads(self) -> None:
         """Stage 2/3 gradient partitions hold memory only from the step's first reduction to the
