@@ -167,15 +167,18 @@ def _finish(work, done, async_op: bool, then=None) -> Handle | None:
     return None
 
 
-def _local(async_op: bool, group: Group) -> Handle | None:
-    """A group of one's op: a copy on the current stream (or nothing), done when issued."""
-    return Handle() if async_op else None
+def local_handle(group: Group, async_op: bool = True) -> Handle | None:
+    """What a group of one's op returns: it was a copy on the current stream, or nothing, and is
+    still an op with an event. The stream that waits for the handle may be another one (a gather
+    copied on the prefetch stream, read by the forward on the compute stream), so the handle
+    carries an event recorded after the op on the current stream."""
+    return Handle(done=streams.Event(group.device).record()) if async_op else None
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bool = False):
     _check_device("all_reduce", group, "tensor", tensor)
     if group.size == 1:
-        return _local(async_op, group)
+        return local_handle(group, async_op)
     group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor))
     work, done = _issue(group, [tensor], [tensor],
                         lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
@@ -192,7 +195,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
                          f"{output.numel()} x {group.size}")
     if group.size == 1:
         output.copy_(input.view_as(output))
-        return _local(async_op, group)
+        return local_handle(group, async_op)
     group.log.record("reduce_scatter", group, _ring_fraction(group) * _nbytes(input))
     then = None
     if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
@@ -215,7 +218,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
                          f"{input.numel()} x {group.size}")
     if group.size == 1:
         output.view_as(input).copy_(input)
-        return _local(async_op, group)
+        return local_handle(group, async_op)
     group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output))
     work, done = _issue(group, [input], [output], lambda: _all_gather_single(
         output.view(-1), input.view(-1), group=group.pg, async_op=async_op))
@@ -227,7 +230,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     _check_device("all_to_all", group, "input", input)
     if group.size == 1:
         output.copy_(input)
-        return _local(async_op, group)
+        return local_handle(group, async_op)
     group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input))
     work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
         output, input, group=group.pg, async_op=async_op))
@@ -266,7 +269,7 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
             _check_device("send_recv", group, f"{kind} tensor (peer index {peer})", tensor)
             ops.append((kind, dist.P2POp(fn, tensor, group.ranks[peer], group.pg)))
     if not ops:
-        return Handle()
+        return local_handle(group)
     for kind, op in ops:      # counted only once every tensor has passed the check
         group.log.record(kind, group, _nbytes(op.tensor))
     sent = [op.tensor for kind, op in ops if kind == "send"]

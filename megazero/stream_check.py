@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -109,11 +110,11 @@ def _skipped(filename: str) -> bool:
 
 def _call_site() -> str:
     """file:line (function) of the first frame outside torch and the stream/comm modules."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None and _skipped(frame.f_code.co_filename):
         frame = frame.f_back
-    if frame is None:
-        return "(unknown)"
+    if frame is None:             # e.g. a backend's thread dropped a tensor's last reference
+        return f"(thread {threading.current_thread().name})"
     path = Path(frame.f_code.co_filename)
     with contextlib.suppress(ValueError):
         path = path.resolve().relative_to(_ROOT)
@@ -419,3 +420,39 @@ def checking():
     """Models and checks the streams of CPU devices inside the block (see the module docstring)."""
     with StreamChecker() as checker:
         yield checker
+
+
+def summed(checker: StreamChecker, store=None, rank: int = 0, world: int = 1) -> str | None:
+    """The run's line: the checker's counts, summed over the launch's ranks through its rendezvous
+    `store` (a torch.distributed Store). Rank 0 returns it, the other ranks None."""
+    if store is None or world == 1:
+        return checker.summary()
+    store.set(f"stream_check/{rank}", f"{checker.side_ops} {checker.violations}")
+    if rank != 0:
+        return None
+    counts = [[int(x) for x in store.get(f"stream_check/{r}").decode().split()] for r in range(world)]
+    return (f"stream check: {sum(c[0] for c in counts)} side-stream ops checked on {world} ranks, "
+            f"{sum(c[1] for c in counts)} violations")
+
+
+@contextlib.contextmanager
+def for_launch(enabled: bool, device, store=None, rank: int = 0, world: int = 1, say=print):
+    """A pretrain_gpt.py run under MEGAZERO_STREAM_CHECK=1: the whole run is checked and one line
+    says at its end how many side-stream ops were checked and how many violations were found; a
+    violation fails the run with its message (after this rank's line)."""
+    if not enabled:
+        yield
+        return
+    if torch.device(device).type != "cpu":
+        from megazero.errors import UsageError
+        raise UsageError(f"MEGAZERO_STREAM_CHECK=1 models the streams of CPU runs, not {device}; on GPUs "
+                         f"run torch's own sanitizer (TORCH_CUDA_SANITIZER=1 with --distributed-backend nccl)")
+    with checking() as checker:
+        try:
+            yield
+        except StreamOrderError:
+            say(f"{checker.summary()} (rank {rank})", flush=True)
+            raise
+    line = summed(checker, store, rank, world)
+    if line is not None:
+        say(line, flush=True)

@@ -167,7 +167,7 @@ def _checked_steps(cfg, steps=1):
 
 def _without_local_events(monkeypatch):
     """The code before the fix: a group of one's op handed back a handle without an event."""
-    monkeypatch.setattr(comm, "_local", lambda async_op, group: comm.Handle() if async_op else None)
+    monkeypatch.setattr(comm, "local_handle", lambda group, async_op=True: comm.Handle() if async_op else None)
 
 
 def test_stage3_gather_on_a_group_of_one_needs_its_event(monkeypatch):
@@ -211,8 +211,10 @@ def test_a_reduction_that_does_not_wait_for_the_backward_is_caught(monkeypatch):
     monkeypatch.setattr(PartitionedStorage, "reduce_stream", reduce_stream_without_wait)
     cfg = small_config(stage=1, layers=2, global_batch=2, bf16=True)
     cfg.precision.reduce_dtype = "bf16"
-    with pytest.raises(StreamOrderError, match=r"read-after-write race .* \(bucket \d+: gradients in the "
-                                               r"reduce dtype\): written on stream 'main' .* read on stream "
+    # The first casualty: the reduction's output, allocated on main (its memory may be a block main's
+    # queued work still uses) and written on reduce.
+    with pytest.raises(StreamOrderError, match=r"write-after-write race .* \(bucket \d+: reduce-scatter "
+                                               r"output\): written on stream 'main' .* written on stream "
                                                r"'reduce'"):
         _checked_steps(cfg)
 
@@ -323,6 +325,18 @@ def test_the_layout_grid_runs_clean_under_the_checker(dist_pool, tmp_path):
         assert side_ops > 0, f"{name}: nothing ran on a side stream"
         assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), (name, losses)
     assert (tmp_path / "ckpt" / "latest").is_file(), "the async save was not committed"
+
+
+def test_pretrain_gpt_under_megazero_stream_check_says_one_line(tmp_path, monkeypatch, capsys):
+    from driver import TINY, run_main
+    monkeypatch.setenv("MEGAZERO_STREAM_CHECK", "1")
+    monkeypatch.chdir(tmp_path)
+    code, out = run_main(TINY + ["--zero-stage", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                 "--train-iters", "2"], capsys)
+    assert code == 0, out.err[-2000:]
+    checked = [line for line in out.out.splitlines() if line.startswith("stream check:")]
+    assert len(checked) == 1 and checked[0].endswith(" side-stream ops checked, 0 violations"), out.out
+    assert int(checked[0].split()[2]) > 0 and streams.checker_for("cpu") is None
 
 
 def test_a_checked_run_computes_what_an_unchecked_one_does():
