@@ -115,7 +115,8 @@ def parity(work: Path) -> None:
     cuda, cpu = torch.device("cuda", torch.cuda.current_device()), torch.device("cpu")
     swap = tempfile.mkdtemp(prefix="gpu_check_swap")
     offload_cpu = {"offload_optimizer": {"device": "cpu"}}
-    offload_nvme = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme", "nvme_path": swap}}
+    offload_nvme = {"offload_param": {"device": "cpu"},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": swap}}
     runs = {"cpu zero0": (0, {}, cpu), "gpu zero0": (0, {}, cuda), "gpu zero3": (3, {}, cuda),
             "gpu zero1": (1, {}, cuda), "gpu zero1 offload": (1, offload_cpu, cuda),
             "gpu zero3 offload": (3, offload_nvme, cuda)}
@@ -123,7 +124,8 @@ def parity(work: Path) -> None:
     with warnings.catch_warnings(record=True) as caught, sdpa_kernel([SDPBackend.MATH]):
         warnings.simplefilter("always")
         for name, (stage, extra, device) in runs.items():
-            curves[name] = train(train_config(stage, zero_extra=extra), ProcessGroups.single(device=device), device)
+            groups = ProcessGroups.single(device=device)
+            curves[name] = train(train_config(stage, zero_extra=extra), groups, device)
             print(f"{name}: " + " ".join(f"{x:.7f}" for x in curves[name]), flush=True)
     notes = sorted({str(w.message).split("\n")[0] for w in caught if "deterministic" in str(w.message)})
     why = "; ".join(notes) or "every op deterministic"

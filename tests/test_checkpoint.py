@@ -234,8 +234,8 @@ def test_rng_states_stay_on_their_device_type(dist_pool, tmp_path):
     """CPU <-> GPU at tp 2: the layout key holds the device type, so a GPU checkpoint loads on the
     CPU with its weights and optimizer and without its RNG states (the note of another layout), and
     the run goes on with dropout. With the key blind to the device, the CUDA tracker states went
-    into the CPU tracker and the first dropout failed (the CPU generator refuses a 16-byte state); the reverse move
-    is the same comparison."""
+    into the CPU tracker and the first dropout failed (the CPU generator refuses a 16-byte state);
+    the reverse move is the same comparison."""
     cfg = _resume_config(tp=2, stage=1)
     saved = tmp_path / "saved"
     dist_pool(2).run(ckpt_worker, cfg, 1, str(saved), save_at=2, stop_after=2)

@@ -105,15 +105,16 @@ def _side(losses, ms=100.0, peak=None):
 
 
 def test_the_step_bench_checks_gaps_learning_nan_and_memory():
-    good = bench_gpu_step.compare({"ours": _side([10.0, 9.0, 8.0], 110, peak=40.0), "peer": _side([10.0, 9.1, 8.1])},
-                                  1e12, 989.0, planned_gib=38.0)
+    good = bench_gpu_step.compare({"ours": _side([10.0, 9.0, 8.0], 110, peak=40.0),
+                                   "peer": _side([10.0, 9.1, 8.1])}, 1e12, 989.0, planned_gib=38.0)
     assert all(f["ok"] for f in good.values()), good
     assert good["time_ratio_ours_over_peer"]["value"] == pytest.approx(1.1)
     assert good["ours_mfu"]["value"] == pytest.approx(1e12 / 0.11 / 1e12 / 989.0)
-    bad = bench_gpu_step.compare({"ours": _side([10.0, 9.0, float("nan")], peak=50.0), "peer": _side([10.0, 9.5, 9.6])},
-                                 1e12, 989.0, planned_gib=38.0)
+    bad = bench_gpu_step.compare({"ours": _side([10.0, 9.0, float("nan")], peak=50.0),
+                                  "peer": _side([10.0, 9.5, 9.6])}, 1e12, 989.0, planned_gib=38.0)
     failed = {name for name, f in bad.items() if not f["ok"]}
-    assert failed == {"ours_losses_finite", "ours_loss_falls", "loss_gap_ours_vs_peer", "memory_measured_over_plan"}
+    assert failed == {"ours_losses_finite", "ours_loss_falls", "loss_gap_ours_vs_peer",
+                      "memory_measured_over_plan"}
     assert math.isnan(bad["loss_gap_ours_vs_peer"]["value"])
     missing = bench_gpu_step.compare({"ours": _side([3.0, 2.0]), "peer": None}, 1e12, 989.0, None)
     assert not missing["peer_ran"]["ok"] and "loss_gap_ours_vs_peer" not in missing

@@ -10,9 +10,10 @@ the layout grid running clean under it.
   wait. Both failed this file's grid on the code before the fix. Also: a gathered unit freed
   without keep_alive, a reduction that skips its wait for the backward, a prefetch that skips its
   wait for the optimizer step.
-- The grid: stages 0-3 on groups of one and of several ranks, MiCS, the two-hop gather, hpZ,
-  qwZ/qgZ, both offload tiers, PP with overlapped p2p, an async checkpoint save, bf16 with the
-  reduction in bf16: every layout trains two steps under the checker with no violation.
+- The grid: stages 0-3 on groups of one and of several ranks, MiCS (shards of 2, and of 1: groups of
+  one beside a replica all-reduce), the two-hop gather, hpZ, qwZ/qgZ, both offload tiers, PP with
+  overlapped p2p, an async checkpoint save, bf16 with the reduction in bf16: every layout trains
+  two steps under the checker with no violation.
 """
 import contextlib
 import os
@@ -180,12 +181,10 @@ def test_stage3_gather_on_a_group_of_one_needs_its_event(monkeypatch):
 
 def test_bf16_reduce_scatter_on_a_group_of_one_needs_its_event(monkeypatch):
     _without_local_events(monkeypatch)
-    cfg = small_config(stage=1, layers=2, global_batch=2, bf16=True)
-    cfg.precision.reduce_dtype = "bf16"
     with pytest.raises(StreamOrderError, match=r"read-after-write race on a bfloat16 tensor .* \(bucket \d+: "
                                                r"reduce-scatter output\): written on stream 'reduce' .* read "
                                                r"on stream 'main' at megazero/zero/flat_group.py"):
-        _checked_steps(cfg)
+        _checked_steps(_bf16(small_config(stage=1, layers=2, global_batch=2)))
 
 
 def test_a_gathered_unit_freed_without_keep_alive_is_caught(monkeypatch):
@@ -209,14 +208,12 @@ def test_a_reduction_that_does_not_wait_for_the_backward_is_caught(monkeypatch):
         with storage.streams.reduce as side:
             yield side
     monkeypatch.setattr(PartitionedStorage, "reduce_stream", reduce_stream_without_wait)
-    cfg = small_config(stage=1, layers=2, global_batch=2, bf16=True)
-    cfg.precision.reduce_dtype = "bf16"
     # The first casualty: the reduction's output, allocated on main (its memory may be a block main's
     # queued work still uses) and written on reduce.
     with pytest.raises(StreamOrderError, match=r"write-after-write race .* \(bucket \d+: reduce-scatter "
                                                r"output\): written on stream 'main' .* written on stream "
                                                r"'reduce'"):
-        _checked_steps(cfg)
+        _checked_steps(_bf16(small_config(stage=1, layers=2, global_batch=2)))
 
 
 def test_a_prefetch_that_does_not_wait_for_the_optimizer_step_is_caught(monkeypatch):
@@ -270,6 +267,8 @@ def grid(tmp: str) -> list:
          _grid_config(3, dp=4, zero_extra={"mics_hierarchical_params_gather": True, "zero_hpz_partition_size": 2,
                                            "zero_quantized_weights": True, "zero_quantized_gradients": True}),
          None),
+        ("stage 3 dp 4 MiCS shards of 1, layer units", 4, {}, _grid_config(3, dp=4, mics=1, zero_extra={
+            "stage3_granularity": "layer"}), None),
         ("stage 3 tp 2 dp 2, params on nvme", 4, {}, _grid_config(3, tp=2, dp=2, zero_extra={
             "offload_param": nvme}), None),
         ("stage 3 pp 2 dp 2 1f1b, overlapped p2p", 4, {}, _overlapped(_grid_config(3, pp=2, dp=2,
