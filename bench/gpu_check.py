@@ -78,7 +78,7 @@ def train_config(stage: int = 0, bf16: bool = False, zero_extra: dict | None = N
                  hidden_dropout=0.0, attention_dropout=0.0)
     shape.update(model)
     shape["padded_vocab_size"] = padded_vocab_size(shape["vocab_size"], 8, tp)
-    zero = ZeroConfig(stage=stage, param_persistence_threshold=100, **(zero_extra or {}))
+    zero = ZeroConfig(**{"stage": stage, "param_persistence_threshold": 100, **(zero_extra or {})})
     lr = 1e-3
     opt = OptimizerConfig(lr=lr, min_lr=lr / 10, warmup_iters=2, decay_style="cosine",
                           adam=AdamConfig(lr=lr, weight_decay=0.1), clip_grad=1.0)
