@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megazero.core import stream_check
 from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
 from megazero.config.arguments import config_from_args, parse_args
 from megazero.config.preflight import preflight, sample_counts
@@ -217,7 +218,9 @@ def main(argv=None) -> int:
             print(f"error: {verdict}", file=sys.stderr)
         return 2
     try:
-        run(cfg, launch, device, checkpoint)
+        with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,
+                                     launch.store, launch.rank, launch.world):
+            run(cfg, launch, device, checkpoint)
     except AgreedStop as stop:
         if launch.speaks:
             print(f"error: {stop}", file=sys.stderr)

@@ -117,10 +117,10 @@ def test_default_run_learns(tmp_path):
     assert final_valid <= 0.6 * first["loss"], (first["loss"], final_valid)
 
 
-def _torchrun(nproc: int, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, argv: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(_free_port()), str(REPO / "pretrain_gpt.py"), *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -138,14 +138,18 @@ def test_torchrun_tp4_runs(tmp_path):
 
 def test_torchrun_zero3_with_every_offload_and_zeropp_flag(tmp_path):
     """The flags reach the engine: 4 ranks as 2 nodes of 2, optimizer states swapped to files,
-    partitions in host memory, two-hop gathers, hpZ, qwZ and qgZ, layer units."""
+    partitions in host memory, two-hop gathers, hpZ, qwZ and qgZ, layer units; under the stream
+    checker (MEGAZERO_STREAM_CHECK=1), which finds no violation."""
     flags = ["--zero-stage", "3", "--ranks-per-node", "2", "--zero-offload-optimizer", "nvme",
              "--zero-nvme-path", "swap", "--zero-offload-param", "cpu", "--zero-hierarchical-gather",
              "--zero-hpz-partition-size", "2", "--zero-quantized-weights", "--zero-quantized-gradients",
              "--zero-stage3-granularity", "layer"]
     proc = _torchrun(4, SMALL + flags + ["--train-iters", "4", "--eval-iters", "0", "--log-interval", "1",
-                                 "--run-dir", "r"], tmp_path)
+                                 "--run-dir", "r"], tmp_path, MEGAZERO_STREAM_CHECK="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    checked = [line for line in proc.stdout.splitlines() if line.startswith("stream check:")]
+    assert len(checked) == 1 and checked[0].endswith("on 4 ranks, 0 violations"), proc.stdout[-2000:]
+    assert int(checked[0].split()[2]) > 0, checked
     losses = [r["loss"] for r in _losses(tmp_path / "r" / "metrics.jsonl")]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     swapped = list((tmp_path / "swap").rglob("*"))

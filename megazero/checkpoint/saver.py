@@ -75,9 +75,12 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def layout_key(state) -> list:
-    """What must match for RNG states to carry over: the same rank in the same layout."""
+    """What must match for RNG states to carry over: the same rank in the same layout, on the same
+    device type (a CPU generator's state and a CUDA one's differ in size and meaning, and the
+    tensor-parallel tracker holds the device's)."""
     cfg, topo = state.cfg, state.groups.topology
-    return [topo.world_size, topo.tp, topo.pp, cfg.parallel.virtual_stages, state.groups.rank]
+    return [topo.world_size, topo.tp, topo.pp, cfg.parallel.virtual_stages, state.groups.rank,
+            state.device.type]
 
 
 def run_metadata(state, run_id: str, consumed_samples: int) -> dict:

@@ -40,7 +40,7 @@ import dataclasses
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, streams
 from megazero.core.errors import UsageError
 from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
 from .config import ZeroConfig
@@ -66,7 +66,7 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
                          f"({chunk.dtype}) fp32 or bf16")
     if group.size == 1 or chunk.numel() == 0:
         out.view(-1).copy_(chunk.reshape(-1))      # nothing moves, so nothing is quantized
-        return comm.Handle() if async_op else None
+        return comm.local_handle(group, async_op)
     q = quantize(chunk, bits, block_size, symmetric=True)
     send = _pack(q, 1)
     received = torch.empty((group.size, send.shape[1]), dtype=torch.uint8, device=group.device)
@@ -113,7 +113,7 @@ def _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_si
                          f"{output.numel()} x {shard.size}")
     if shard.size == 1:
         output.copy_(input.view_as(output))
-        return comm.Handle() if async_op else None
+        return comm.local_handle(shard, async_op)
     locals_, nodes, chunk = node_local.size, cross_node.size, output.numel()
     # Row j (for local peer j): chunks (p, j) of every node p, node after node.
     rows = input.reshape(nodes, locals_, chunk).transpose(0, 1).reshape(locals_, nodes * chunk)
@@ -154,7 +154,7 @@ class _QuantizedAllToAll:
     def __init__(self, rows: torch.Tensor, group: comm.Group, bits: int, block_size: int):
         self.group, self.m = group, rows.shape[1]
         if group.size == 1:
-            self.local, self.handle = rows[0], comm.Handle()
+            self.local, self.handle = rows[0], comm.local_handle(group)
             return
         # Rows padded to whole blocks (zeros leave a symmetric block's scale unchanged), so row j's
         # codes and scales are contiguous rows of the quantized buffer.
@@ -179,9 +179,8 @@ class _QuantizedAllToAll:
 def _read_on_waiting_stream(buffer: torch.Tensor) -> None:
     """A receive buffer allocated on the issuing stream (a prefetch side stream, say) and read by
     the stream that waits: the caching allocator must not hand its memory back to the issuing
-    stream before those reads are done. Nothing to do off CUDA."""
-    if buffer.is_cuda:
-        buffer.record_stream(torch.cuda.current_stream(buffer.device))
+    stream before those reads are done."""
+    streams.record_on_current_stream(buffer)
 
 
 def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from megazero.core import comm
-from megazero.core.streams import Streams
+from megazero.core.streams import Streams, label
 from megazero.ops.adam import AdamConfig, adam_update
 from .flat import FlatLayout
 from .offload import OFFLOADED_KINDS, OptimizerOffload
@@ -250,7 +250,8 @@ class PartitionedStorage:
         if direct:
             out = target
         elif scatter:
-            out = torch.empty(chunk, dtype=staging.dtype, device=staging.device)
+            out = label(torch.empty(chunk, dtype=staging.dtype, device=staging.device),
+                        f"bucket {b}: this rank's reduced chunk")
         else:              # all-reduce the whole bucket, then read this rank's chunk of it
             out = staging[rank * chunk:(rank + 1) * chunk]
         if quantized:
@@ -281,7 +282,8 @@ class PartitionedStorage:
 
     def new_staging(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        return torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device)
+        return label(torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device),
+                     f"bucket {b}: gradient staging")
 
     def ensure_grads(self) -> None:
         """Stage 2/3 gradient partitions hold memory only from the step's first reduction to the
