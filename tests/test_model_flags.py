@@ -155,3 +155,12 @@ def test_accepted_flags_say_what_they_mean():
     assert any(n.startswith("--cross-entropy-loss-fusion has no effect: the output layer and the cross entropy "
                             "always run fused") for n in notes)
     assert any(n.startswith("--attention-backend fused: cuDNN and memory-efficient attention are CUDA") for n in notes)
+
+
+def test_flash_attention_in_fp32_on_cuda_is_refused_before_the_run():
+    from megazero.config.model_arguments import check_attention_precision
+    model = GPTConfig(vocab_size=VOCAB, attention_backend="flash")
+    with pytest.raises(UsageError, match="--attention-backend flash runs in bf16 or fp16 on CUDA"):
+        check_attention_precision(model, half_precision=False, cuda=True)
+    check_attention_precision(model, half_precision=True, cuda=True)
+    check_attention_precision(model, half_precision=False, cuda=False)      # the CPU flash kernel takes fp32

@@ -19,7 +19,7 @@ from megazero.config.ds_config import load_deepspeed_config
 from megazero.config.ds_settings import DeepSpeedSettings, flags_from_config
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, in_range, range_text
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
-from megazero.config.model_arguments import compile_backend, model_config
+from megazero.config.model_arguments import check_attention_precision, compile_backend, model_config
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.train_config import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig,
                                           PrecisionConfig, TrainConfig)
@@ -105,6 +105,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                         ranks_per_node=args.ranks_per_node or local_world_size or world_size)
     check_zero_layout(zero, topology)
     model = _model_config(args, topology, notes)
+    check_attention_precision(model, precision.bf16 or precision.fp16, _uses_cuda(args))
     virtual = _virtual_stages(args, topology)
     validate_model_fits(topology, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
                         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,

@@ -53,6 +53,14 @@ def model_config(args, vocab: int, tp: int, pp: int, cuda: bool) -> tuple[GPTCon
     return config, notes
 
 
+def check_attention_precision(model: GPTConfig, half_precision: bool, cuda: bool) -> None:
+    """CUDA's flash kernel takes only 16-bit inputs: an fp32 run asking for it would fail at the first
+    forward with torch's "no available kernel"; say so before anything starts."""
+    if model.attention_backend == "flash" and cuda and not half_precision:
+        raise UsageError("--attention-backend flash runs in bf16 or fp16 on CUDA (the flash kernel has no "
+                         "fp32 form); add --bf16, or choose --attention-backend auto or fused")
+
+
 def _query_groups(args, notes: list[str]) -> int:
     if args.group_query_attention:
         return args.num_query_groups if args.num_query_groups is not None else 1
