@@ -14,11 +14,12 @@ import torch
 
 from megazero.core import comm
 from megazero.config.train_config import TrainConfig
-from megazero.flops import peak_tflops, step_flops
+from megazero.flops import peak_tflops, recompute_flops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
 from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, summed_across_stages
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
+from megazero.parallel.pipeline.split import stage_layer_ranges
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
@@ -94,7 +95,8 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     par = cfg.parallel
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
-                                virtual_stages=par.virtual_stages, layer_split=par.layer_split)
+                                virtual_stages=par.virtual_stages, layer_split=par.layer_split,
+                                compile_backend=cfg.compile_backend)
     prec = cfg.precision
     precision = precision_of(cfg)
     scaler = (LossScaler.for_fp16(prec.loss_scale, prec.initial_scale_power, prec.loss_scale_window,
@@ -224,6 +226,10 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     history, window = [], []
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
     flops_per_step = step_flops(cfg.model, tokens_per_step)
+    par = cfg.parallel
+    chunk_layers = [len(r) for r in stage_layer_ranges(cfg.model.num_layers, par.pipeline_parallel,
+                                                       par.virtual_stages, par.layer_split)]
+    hardware_flops = flops_per_step + recompute_flops(cfg.model, tokens_per_step, chunk_layers)
     peak = peak_tflops(state.device)
     world = state.groups.topology.world_size
     for it in range(start_iteration, cfg.train_iters):
@@ -237,8 +243,9 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                   "tflops_per_device": flops_per_step / elapsed / world / 1e12,
                   "memory_mib": peak_memory_mib(state.device),
                   "skipped_total": state.engine.skipped_steps}
-        if peak is not None:
+        if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
             record["mfu"] = record["tflops_per_device"] / peak
+            record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak
         if state.timers is not None:
             record["time_ms"] = state.timers.elapsed_ms()
         if step.skipped and metrics is not None:
