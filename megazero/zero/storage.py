@@ -30,10 +30,10 @@ from torch import nn
 
 from megazero.core import comm
 from megazero.core.streams import Streams, label
-from megazero.ops.adam import AdamConfig, adam_update
+from megazero.ops.adam import AdamConfig, AdamSegment, adam_step
 from .flat import FlatLayout
 from .offload import OFFLOADED_KINDS, OptimizerOffload
-from .precision import Precision, sum_of_squares
+from .precision import Precision, sum_of_squares_many
 
 KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
 
@@ -327,28 +327,26 @@ class PartitionedStorage:
     def grad_sumsq(self) -> torch.Tensor:
         """float64 sum of squares of the counted gradients; a non-finite value anywhere in this
         rank's gradient chunks makes it non-finite (uncounted runs add 0 * their sum), so the
-        norm's all-reduce doubles as the overflow check."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b, lo, hi, counted in self.norm_runs:
-            part = sum_of_squares(self.grad_chunk(b)[lo:hi])
-            total += part if counted else part * 0.0
-        return total
+        norm's all-reduce doubles as the overflow check. One foreach norm over all the runs."""
+        runs = [(self.grad_chunk(b)[lo:hi], counted) for b, lo, hi, counted in self.norm_runs]
+        return sum_of_squares_many([g for g, c in runs if c], [g for g, c in runs if not c],
+                                   device=self.device)
 
     def step(self, step: int, lr: float, config: AdamConfig, grad_scale: float) -> None:
-        """Adam on every run of this rank's chunks. With a separate fp32 master the updated values
-        are also written to the low-precision weights, in the same pass where the CPU kernel runs
-        (the runs cover every chunk whole, padding included). Offloaded states step on the CPU
+        """Adam on every run of this rank's chunks, in one `adam_step` (on a GPU: torch's fused
+        kernel, one launch per weight decay). With a separate fp32 master the updated values are
+        also written to the low-precision weights, in the same pass where the CPU kernel runs (the
+        runs cover every chunk whole, padding included). Offloaded states step on the CPU
         (offload.py), then the device weights follow."""
         if self.offload is not None:
             self.offload.step(self, step, lr, config, grad_scale)
             self.after_step()
             return
-        for b, lo, hi, wd in self.runs:
-            copy = self.param_chunk(b)[lo:hi] if self.master is not None else None
-            adam_update(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
-                        self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi],
-                        step=step, lr=lr, config=config, weight_decay=wd, grad_scale=grad_scale,
-                        param_copy=copy)
+        segments = [AdamSegment(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
+                                self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi], wd,
+                                self.param_chunk(b)[lo:hi] if self.master is not None else None)
+                    for b, lo, hi, wd in self.runs]
+        adam_step(segments, step=step, lr=lr, config=config, grad_scale=grad_scale)
         self.after_step()
 
     def after_step(self) -> None:
