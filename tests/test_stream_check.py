@@ -195,7 +195,7 @@ def test_a_gathered_unit_freed_without_keep_alive_is_caught(monkeypatch):
         return tensor if what.startswith("stage-3 unit") else keep_alive(side, tensor)
     monkeypatch.setattr(streams.SideStream, "keep_alive", keep_all_but_units)
     with pytest.raises(StreamOrderError, match=r"use-after-free of a float32 tensor .* \(stage-3 unit .*\): "
-                                               r"freed at megazero/zero/stage3_units.py:\d+ \(release\).* back "
+                                               r"freed at megazero/zero/stage3/units.py:\d+ \(release\).* back "
                                                r"with stream 'prefetch'"):
         _checked_steps(small_config(stage=3, layers=2, global_batch=2))
 
