@@ -57,10 +57,13 @@ class NormRun(NamedTuple):
 class ReductionQueue:
     """Gradient reductions in flight, oldest first. Each holds its staging buffer until waited.
 
-    A communicator runs its collectives one at a time, so two staged reductions in flight keep
-    backward and communication overlapped; more would only hold staging memory. The staged
-    elements are also kept under `max_staged` (DeepSpeed's reduce_bucket_size), the newest always
-    going out. Reductions without staging (stage 0/1 reduce in place) are not bounded."""
+    With `overlap` (the default) the compute stream waits for a reduction only where its result
+    or its staging memory is needed: `wait_all` before the step reads the gradients, and the
+    oldest staged one when too many are staged. A communicator runs its collectives one at a time,
+    so two staged reductions in flight keep backward and communication overlapped; more would only
+    hold staging memory. The staged elements are also kept under `max_staged` (DeepSpeed's
+    reduce_bucket_size), the newest always going out. Reductions without staging (stage 0/1 reduce
+    in place) are not bounded. Without `overlap` every push is waited at once."""
 
     MAX_STAGED_IN_FLIGHT = 2
 
@@ -238,9 +241,9 @@ class PartitionedStorage:
         shard group and adds this rank's chunk of the sum to its gradient chunk (copies it on the
         step's first reduction). Buffers are allocated on the compute stream, which also reads
         them when the handle is waited; only the collective is issued on the reduce stream.
-        With qgZ (`quantized_reduce`) the whole reduction runs on the compute stream: it quantizes,
-        and sums between its hops, in buffers allocated and read there (its all-to-alls still run
-        on the communicator's own stream)."""
+        With qgZ (`quantized_reduce`) the whole reduction is queued on the reduce stream: its
+        quantizations, both hops and the sums between them, chained by stream waits, in buffers
+        allocated and freed there; the compute stream waits once, for the event after the last sum."""
         target = self.grad_chunk(b)
         fresh, self._fresh[b] = self._fresh[b], False
         rank, chunk = self.layout.rank, self.layout.buckets[b].chunk
@@ -254,16 +257,16 @@ class PartitionedStorage:
                         f"bucket {b}: this rank's reduced chunk")
         else:              # all-reduce the whole bucket, then read this rank's chunk of it
             out = staging[rank * chunk:(rank + 1) * chunk]
-        if quantized:
-            handle = self.quantized_reduce(out, staging)
-        else:
-            handle = self._issue_reduction(out, staging, scatter)
+        handle = self._issue_reduction(out, staging, scatter, quantized)
         then = None if direct else (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
         self.queue.push(comm.Handle([handle], then), staging)
 
-    def _issue_reduction(self, out: torch.Tensor, staging: torch.Tensor, scatter: bool) -> comm.Handle:
+    def _issue_reduction(self, out: torch.Tensor, staging: torch.Tensor, scatter: bool,
+                         quantized: bool) -> comm.Handle:
         with self.reduce_stream():
-            if scatter:
+            if quantized:
+                handle = self.quantized_reduce(out, staging)
+            elif scatter:
                 handle = comm.reduce_scatter(out, staging, self.shard, async_op=True)
             elif self.shard is not None:
                 handle = comm.all_reduce(staging, self.shard, async_op=True)
