@@ -18,7 +18,8 @@ model's weights):
                what the engine runs on CPU, before and after; shown for scale
 Gradient norm (the float64 sum of squares of the partition's gradients):
     reference  before: precision.sum_of_squares on every run (an fp32 dot per 1M-element slice)
-    foreach    now: precision.sum_of_squares_many over all runs (one torch._foreach_norm, float64)
+    foreach    now: precision.sum_of_squares_many over all runs (fp32 norms of 64K-element slices on
+               CPU, 1M on a GPU, in one torch._foreach_norm; their squares summed in float64)
 
 Sides take turns over rounds, each round from fresh, identical state (same seed), so load from
 elsewhere lands on all of them; per side and round the median step time is kept, and the table
@@ -31,9 +32,10 @@ only) is the step's peak allocation above what was allocated before it: the temp
 
 Agreement, after the same steps from the same state: the new path's parameter and moments against
 the reference's, max |new - old| / max |old|; the norms' relative gap, and each norm's gap to the
-exact sum (float64 squares of every element). On CPU the fused kernel's moments equal the
-reference's, its parameter is a few ulps off (tests/test_fused_adam.py); the old norm's fp32 dots
-are ~1e-6 off the exact sum, the new one ~1e-13 (tests/test_grad_norm.py).
+exact sum (float64 squares of every element); the bf16 copy is checked against the fused side's
+own parameter rounded (the reference's parameter differs by ulps, so its rounding may too). On CPU
+the fused kernel's moments equal the reference's, its parameter is a few ulps off
+(tests/test_fused_adam.py); both norms are a few 1e-6 off the exact sum (tests/test_grad_norm.py).
 
 `--json PATH` (bench/gpu_check.sh, on the GPU) writes the figures in bench/gpu_check.py's step
 format: the gaps bounded by GAP_BOUND and EXACT_BOUND, the times and op counts reported.
@@ -62,7 +64,7 @@ from megazero.zero.precision import sum_of_squares, sum_of_squares_many, uses_we
 
 CONFIG = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 GAP_BOUND = 1e-6          # fused vs reference Adam after the timed steps (fp32: a few ulps a step)
-EXACT_BOUND = 1e-10       # the foreach norm against the exact sum (float64 accumulation)
+EXACT_BOUND = 2e-6        # the foreach norm against the exact sum (fp32 norms of slices)
 SHAPES = {"cpu": dict(hidden_size=384, num_layers=4, num_attention_heads=6, vocab_size=8192),
           "cuda": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, vocab_size=50304)}
 
@@ -194,8 +196,10 @@ def measure(args, device, sizes, decays) -> dict:
                 parts[side] = part if last and side in ("reference", "fused") else None
             if last:
                 new, old = parts["fused"], parts["reference"]
-                for kind in ("param", "exp_avg", "exp_avg_sq") + (("copy",) if mode != "fp32" else ()):
+                for kind in ("param", "exp_avg", "exp_avg_sq"):
                     agreement[f"adam {mode}: {kind}"] = gap(getattr(new, kind), getattr(old, kind))
+                if new.copy is not None:
+                    agreement[f"adam {mode}: copy vs param rounded"] = gap(new.copy, new.param.to(new.copy.dtype))
             del parts
         gen = torch.Generator(device=device).manual_seed(1)
         grads = torch.randn(sum(sizes), generator=gen, device=device) * 1e-3
