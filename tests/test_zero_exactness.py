@@ -7,17 +7,12 @@ layouts.assert_params_match for why parameters are compared per tensor).
 """
 import pytest
 
-from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
-                     layout_worker, run_training, small_config, strip_padding)
+from layouts import (VOCAB, assemble_params, assert_close, assert_matches_reference, assert_params_match,
+                     last_stage_result, layout_worker, reference_fixture, run_training, single_process_reference,
+                     small_config, strip_padding)
 from megazero.parallel.groups import ProcessGroups
 
-VOCAB = 61
-
-
-@pytest.fixture(scope="module")
-def reference():
-    result = run_training(small_config(), ProcessGroups.single())
-    return result, strip_padding(assemble_params([result]), VOCAB)
+reference = reference_fixture()
 
 
 def test_reference_noise_floor(reference):
@@ -32,12 +27,8 @@ def test_reference_noise_floor(reference):
 
 
 def check_layout(pool, reference, what, dp, **config):
-    ref, ref_params = reference
     results = pool.run(layout_worker, small_config(**config), dp)
-    got = last_stage_result(results)
-    assert_close(got["losses"], ref["losses"], f"{what}: loss curve")
-    assert_close(got["norms"], ref["norms"], f"{what}: grad norms")
-    assert_params_match(strip_padding(assemble_params(results), VOCAB), ref_params, what)
+    assert_matches_reference(results, reference, what)
     return results
 
 
@@ -70,9 +61,7 @@ def test_sequence_parallel_overlap_and_allreduce_match_single_process(dist_pool,
 
 
 def test_untied_embeddings_match_single_process(dist_pool):
-    ref = run_training(small_config(tied=False), ProcessGroups.single())
-    reference = (ref, strip_padding(assemble_params([ref]), VOCAB))
-    check_layout(dist_pool(8), reference, "untied stage 3 tp 2 dp 2", 2, tp=2, stage=3, tied=False)
+    check_layout(dist_pool(8), single_process_reference(tied=False), "untied stage 3 tp 2 dp 2", 2, tp=2, stage=3, tied=False)
 
 
 def test_bf16_tracks_fp32(dist_pool, reference):
