@@ -165,20 +165,20 @@ def torch_training(model, optimizer, batches, *, tokens_per_step: int, clip: flo
     return losses, norms
 
 
-@pytest.mark.parametrize("style,adam", [("cosine", "C++ kernel"), ("linear", "torch reference"),
-                                        ("inverse-square-root", "C++ kernel")])
+@pytest.mark.parametrize("style,adam", [("cosine", "kernel"), ("linear", "torch-adam"),
+                                        ("inverse-square-root", "kernel")])
 def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monkeypatch, style, adam):
     """`pretrain_gpt.py` (flags -> config -> engine -> training loop, in-process) trains 20 steps as
     torch.optim.AdamW + clip_grad_norm_ + Megatron's decay groups and lr schedule do: every loss and
     every final parameter (read back from its checkpoint) within 1e-6 relative.
 
-    Kills: weight decay on biases and norm weights; clipping by the squared or the unsquared
-    (not square-rooted) norm; the warmup one step late or early; cosine or linear decay over the
-    wrong period; no Adam bias correction in the C++ kernel (cosine) or in the torch reference
-    Adam (linear, MEGAZERO_DISABLE_CPP_ADAM=1); the schedule advanced by iterations instead of
-    applied steps is test_fp16_* 's."""
+    Kills: weight decay on biases and norm weights; clipping by the squared or the unsquared (L1)
+    norm; the warmup one step late or early; cosine or linear decay over the wrong period;
+    inverse-square-root not ending at min-lr; no Adam bias correction in the C++ kernel (cosine,
+    inverse-square-root) or in megazero's torch reference Adam (linear, run with
+    MEGAZERO_DISABLE_CPP_ADAM=1). The schedule counting skipped steps is test_fp16_*'s."""
     import megazero.training as training
-    if adam == "torch reference":
+    if adam == "torch-adam":           # megazero's torch reference Adam instead of the C++ kernel
         monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
     write_corpus(tmp_path / "corpus")
     seen: list[list[torch.Tensor]] = []
@@ -210,6 +210,22 @@ def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monk
     reader = CheckpointReader(tmp_path / "ck")
     saved = {name: reader.full_tensor(name).view(params[name].shape) for name in reader.names}
     assert_same_params(without_key_bias(saved, cfg), without_key_bias(params, cfg), f"{style}: final parameters")
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
+def test_lr_schedule_is_megatrons_at_every_step(style):
+    """megazero.lr_schedule.learning_rate(cfg, n, train_iters), the rate of the n-th applied step,
+    equals Megatron's rule after n - 1 steps for every step of several warmup / decay / length
+    settings (decay_iters unset means train_iters, as Megatron's --lr-decay-iters), constant
+    included, which no training test here runs."""
+    from megazero.config import OptimizerConfig
+    from megazero.lr_schedule import learning_rate
+    for warmup, decay, train in [(0, None, 10), (3, None, 12), (4, 8, 12), (1, 2, 5), (5, 20, 30)]:
+        cfg = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_iters=warmup, decay_iters=decay, decay_style=style)
+        for step in range(1, train + 1):
+            expected = megatron_lr(step - 1, lr=3e-3, min_lr=3e-4, warmup=warmup, decay=decay or train, style=style)
+            assert learning_rate(cfg, step, train) == pytest.approx(expected, rel=1e-12, abs=0.0), \
+                (warmup, decay, train, step)
 
 
 # --- 2. several ranks: ZeRO against DDP and FSDP2, TP against the single-device model ------------
@@ -311,9 +327,8 @@ def test_zero_stages_match_torch_ddp_and_fsdp2(dist_pool):
     groups, clip_grad_norm_ and lr: 5 steps, losses, gradient norms and final parameters within
     1e-6. Clipping bites on some of the steps.
 
-    Kills: weight decay on biases and norm weights; clipping by the squared or unsquared norm; no
-    Adam bias correction (C++ kernel); a ZeRO stage that averages instead of summing, or drops a
-    rank's gradient partition."""
+    Kills: weight decay on biases and norm weights; clipping by the squared or the unsquared (L1)
+    norm; no Adam bias correction in the C++ kernel."""
     results = dist_pool(2).run(zero_and_torch_peers, (0, 1, 2, 3))
     peers = {"ZeRO-0": "ddp", "ZeRO-1": "ddp", "ZeRO-2": "ddp", "ZeRO-3": "fsdp2"}
     cfg = peer_config()
@@ -335,8 +350,9 @@ def test_tensor_parallel_matches_the_single_device_model(dist_pool):
     single-device GPT of models/ driven by torch alone (AdamW, clip_grad_norm_, Megatron's decay
     groups): losses, norms and the assembled parameters within 1e-6.
 
-    Kills: weight decay on biases and norm weights; a replicated parameter (a norm, a row-parallel
-    bias) counted twice in the gradient norm."""
+    Kills: weight decay on biases and norm weights; clipping by the squared or unsquared norm; no
+    Adam bias correction in the C++ kernel; a replicated parameter (a norm, a row-parallel bias)
+    counted on both TP ranks in the gradient norm."""
     results = dist_pool(2).run(tp_worker)
     cfg = peer_config(tp=2)
     adam = cfg.optimizer.adam
@@ -442,9 +458,9 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     (checked against torch.amp.GradScaler itself with hysteresis 1) with DeepSpeed's hysteresis; the
     lr schedule advances only on applied steps (Megatron's scheduler is stepped on success only).
 
-    Kills: the loss scale never growing; growth after window + 1 clean steps; backing off without
-    the hysteresis (or never refilling it); a step applied despite an overflow; the lr schedule
-    counting skipped steps."""
+    Kills: the loss scale never growing; every overflow halving (hysteresis ignored); a step
+    applied despite an overflow; the lr schedule counting skipped steps; the warmup off by one;
+    the decay over the wrong period."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.groups import ProcessGroups
     from megazero.lr_schedule import learning_rate
@@ -493,7 +509,8 @@ def test_loss_scaler_on_overflow_patterns(hysteresis, consecutive):
     what one training run cannot choose: an overflow, a clean step, an overflow (consecutive
     hysteresis refills in between, the default does not).
 
-    Kills: the loss scale never growing; consecutive_hysteresis ignored; the floor ignored."""
+    Kills: the loss scale never growing; growth after window + 1 clean steps; every overflow
+    halving (hysteresis ignored); consecutive_hysteresis ignored."""
     from megazero.zero.loss_scaler import LossScaler
     rng = np.random.default_rng(hysteresis * 2 + consecutive)
     for _ in range(200):
@@ -609,8 +626,8 @@ def test_comm_log_counts_what_torch_distributed_was_handed(dist_pool):
     with qwZ and qgZ (all-gather, reduce-scatter, all-to-all, all-reduce), tp 2 (all-reduce), pp 2
     1F1B with a tied embedding (send/recv, broadcast, all-reduce).
 
-    Kills: any collective counted twice (or not at all) by megazero.comm; a collective that
-    bypasses megazero.comm."""
+    Kills: an all-gather counted twice; a broadcast counted twice. (A collective that bypassed
+    megazero.comm would show up as bytes CommLog lacks.)"""
     from megazero.parallel.topology import Topology
     zeropp = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
     layouts = {
@@ -638,8 +655,7 @@ def test_step_flops_match_torch_flop_counter_on_the_math_attention_kernel(activa
     math SDPA backend attention runs as matmuls the counter sees (the CPU flash kernel it does not
     see). Causal attention is counted in full on both sides (the math kernel masks after the matmul).
 
-    Kills: attention FLOPs halved for causality or counted once per layer pair; a missing
-    projection or the logit layer left out; backward not 2x the forward."""
+    Kills: attention FLOPs halved for causality."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from megazero.flops import forward_flops_per_token, step_flops
@@ -719,9 +735,10 @@ def test_memory_report_matches_the_tensors_alive(dist_pool, bf16):
     of the tensors the engine keeps alive, found by walking everything reachable from it, at the
     peak of each step (gradients reduced, optimizer not yet run), ZeRO 0-3 at dp 2.
 
-    Kills: an Adam moment left out of optimizer_states; gradients counted in the parameter dtype
-    (bf16 accumulates in fp32); the stage-3 partition counted as full; a buffer the engine
-    allocates and the report does not know."""
+    At that moment and not between steps: ZeRO 2/3 free their gradient partitions' storage after
+    the step, while the report still counts them (it gives the step's peak).
+
+    Kills: an Adam moment left out of optimizer_states."""
     for stage in range(4):
         for rank, measured in enumerate(dist_pool(2).run(memory_worker, stage, bf16)):
             for i, (alive, report) in enumerate(measured):
