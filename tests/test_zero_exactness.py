@@ -64,11 +64,15 @@ def test_untied_embeddings_match_single_process(dist_pool):
     check_layout(dist_pool(8), single_process_reference(tied=False), "untied stage 3 tp 2 dp 2", 2, tp=2, stage=3, tied=False)
 
 
+BF16_GAP = 1.1e-4     # 3x the largest gap measured over the 10 steps (3.7e-5, every stage)
+
+
 def test_bf16_tracks_fp32(dist_pool, reference):
-    """bf16 weights and gradients with fp32 master weights stay within 1% of the fp32 loss curve."""
+    """bf16 weights and gradients with fp32 master weights track the fp32 loss curve to BF16_GAP
+    relative per step."""
     ref, _ = reference
     for stage in (0, 2, 3):
         results = dist_pool(8).run(layout_worker, small_config(stage=stage, bf16=True), 2)
         got = last_stage_result(results)["losses"]
         for step, (a, b) in enumerate(zip(got, ref["losses"])):
-            assert abs(a - b) <= 1e-2 * abs(b), f"bf16 stage {stage} step {step}: {a} vs fp32 {b}"
+            assert abs(a - b) <= BF16_GAP * abs(b), f"bf16 stage {stage} step {step}: {a} vs fp32 {b}"
