@@ -45,8 +45,10 @@ from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 
-LR = 1e-4
-ADAM = AdamConfig(lr=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)   # both sides
+
+def adam_config(lr: float) -> AdamConfig:
+    """Both sides' optimizer hyperparameters (constant lr)."""
+    return AdamConfig(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,11 +66,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,peer")
+    p.add_argument("--lr", type=float, default=None, help="constant learning rate (default 1e-4; --tiny 1e-2)")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, seq 64, vocab 512: a path check")
     args = p.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.heads, args.seq, args.vocab, args.micro_batch = 2, 64, 4, 64, 512, 2
         args.warmup, args.steps = 1, 2
+    if args.lr is None:
+        # The tiny run's steps must move the loss far more than bf16 noise moves the two sides apart.
+        args.lr = 1e-2 if args.tiny else 1e-4
     return args
 
 
@@ -101,13 +107,14 @@ def timed(args, device, step) -> dict:
 
 def run_ours(args, cfg: GPTConfig, device: torch.device) -> dict:
     train = TrainConfig(model=cfg, zero=ZeroConfig(stage=args.zero_stage),
-                        optimizer=OptimizerConfig(lr=LR, adam=ADAM, clip_grad=1.0), precision=PrecisionConfig(bf16=True),
+                        optimizer=OptimizerConfig(lr=args.lr, adam=adam_config(args.lr), clip_grad=1.0),
+                        precision=PrecisionConfig(bf16=True),
                         micro_batch_size=args.micro_batch,
                         global_batch_size=args.micro_batch * args.microbatches, seed=1234)
     state = setup(train, ProcessGroups.single(device=device), device)
     params = sum(p.numel() for chunk in state.chunks for p in chunk.parameters())
     batches = step_batches(args, cfg)
-    result = timed(args, device, lambda i: train_step(state, batches[i], LR).loss)
+    result = timed(args, device, lambda i: train_step(state, batches[i], args.lr).loss)
     return {**result, "params": params}
 
 
@@ -125,9 +132,10 @@ def run_peer(args, cfg: GPTConfig, device: torch.device) -> dict:
     params = list(model.parameters())
     decay = [p for p in params if p.ndim >= 2]           # as ours: no decay on biases and norms
     rest = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": ADAM.weight_decay},
+    adam = adam_config(args.lr)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": adam.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}],
-                                  lr=LR, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, fused=True)
+                                  lr=args.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, fused=True)
     batches = step_batches(args, cfg)
     normalizer = args.micro_batch * args.microbatches * cfg.seq_length
 
