@@ -20,8 +20,8 @@ training loop's MFU uses); MFU = TFLOP/s / --peak-tflops (default: the device's 
 megazero.flops, 989 for the H100/H200); HFU beside it also counts the FLOPs recomputation adds
 (megazero.flops.recompute_flops; `--recompute selective|full` turns Megatron's recomputation on for
 both sides; without it HFU = MFU). Issue 17's goals, MFU >= 0.50 and ours' step time <= the peer's
-/ 0.95, are noted beside those figures, not checked. Step time is the median over the timed steps (CUDA events
-between steps, after warm-up); peak memory is torch.cuda.max_memory_allocated of each side, measured
+/ 0.95, are noted beside those figures, not checked. Step time is the median over the timed steps
+(CUDA events between steps, after warm-up); peak memory is torch.cuda.max_memory_allocated of each side, measured
 one after the other; ours' is compared with tools/plan_memory.py's device total for the same run
 (megazero.config.memory_estimate.plan_bytes).
 

@@ -49,7 +49,8 @@ def test_model_sized_tensors_agree_with_the_old_sum_within_1e6():
 
 def test_uncounted_tensors_add_nothing_unless_non_finite():
     counted, uncounted = [torch.full((5,), 2.0)], [torch.full((3,), 7.0)]
-    assert float(sum_of_squares_many(counted, uncounted, device="cpu")) == pytest.approx(20.0, rel=1e-6)  # fp32 norm
+    total = sum_of_squares_many(counted, uncounted, device="cpu")
+    assert float(total) == pytest.approx(20.0, rel=1e-6)           # the fp32 norm, squared
     for bad in (float("inf"), float("nan")):
         assert not torch.isfinite(sum_of_squares_many(counted, [torch.tensor([1.0, bad])], device="cpu"))
         assert not torch.isfinite(sum_of_squares_many([torch.tensor([bad])], uncounted, device="cpu"))
