@@ -427,7 +427,10 @@ class StepSnapshots:
                 "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in params.items()},
                 "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in params.items()}}
 
-    def after_step(self, state, consumed_samples):
+    def stop_flags(self) -> tuple:
+        return ()                         # no stop condition to agree on
+
+    def after_step(self, state, consumed_samples, agreed=None):
         self.snapshots.append(self.take(state))
 
     def finish(self, state, consumed_samples):
