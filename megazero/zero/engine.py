@@ -328,8 +328,12 @@ class ZeroEngine:
         """Where each memory_report category lives now: the device (e.g. "cuda:0"), "cpu" (host
         memory) or "nvme" (swap files)."""
         where = {k: str(self.device) for k in ("params", "grads", "master", "optimizer_states", "buffers")}
-        if self.zero.offloads_optimizer:
-            where["master"] = where["optimizer_states"] = self.zero.offload_optimizer.device
+        offload = self.zero.offload_optimizer
+        if self.zero.offloads_optimizer and offload.ratio < 1.0:     # partial: both places
+            tier = "host" if offload.device == "cpu" else "nvme"
+            where[f"{tier}_master"] = where[f"{tier}_optimizer_states"] = offload.device
+        elif self.zero.offloads_optimizer:
+            where["master"] = where["optimizer_states"] = offload.device
         if self.zero.offloads_params:          # "params" keeps the persistent ones, on the device
             device = self.zero.offload_param.device
             where["host_params" if device == "cpu" else "nvme_params"] = device
