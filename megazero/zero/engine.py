@@ -113,6 +113,9 @@ class ZeroEngine:
             key = (uses_weight_decay(p.shape), bool(isolated(p)))
             buckets.setdefault(key, []).append(p)
         stage = 2 if self.zero.stage == 3 else self.zero.stage
+        # parameter_alignment (stages 1-2): each parameter's view starts 16-byte aligned.
+        align = 16 // self.precision.param_dtype.itemsize if self.zero.parameter_alignment and \
+            self.zero.stage in (1, 2) else 1
         g = self.groups
         groups, self._flat_olds = [], []
         for _, params in sorted(buckets.items()):
@@ -121,7 +124,7 @@ class ZeroEngine:
                 precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
                 device=self.device, queue=self.queue, allgather_bucket_size=self.zero.allgather_bucket_size,
                 reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
-                state_device="cpu" if self.zero.offloads_optimizer else None)
+                state_device="cpu" if self.zero.offloads_optimizer else None, param_align=align)
             self._flat_olds.append((group, params))
             group.materialize(init_fn)
             groups.append(group)
