@@ -47,10 +47,13 @@ def with_padded_vocab(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def run_training(cfg: TrainConfig, groups: ProcessGroups) -> dict:
-    """Trains cfg.train_iters steps; returns losses, grad norms and this rank's full parameters."""
+def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict:
+    """Trains cfg.train_iters steps; returns losses, grad norms and this rank's full parameters.
+    `on_setup(state)` may look at the built model (register hooks) before the first step."""
     cfg = with_padded_vocab(cfg)
     state = setup(cfg, groups)
+    if on_setup is not None:
+        on_setup(state)
     dataset = ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3)
     source = MicrobatchSource(dataset, cfg.global_batch_size, cfg.micro_batch_size,
                               groups.coords.dp, groups.topology.dp)
@@ -69,7 +72,7 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups) -> dict:
             "comm": dict(groups.log.last_step)}
 
 
-def layout_worker(ctx, cfg: TrainConfig, dp: int):
+def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None):
     """Pool entry: runs `cfg` on the first tp*pp*dp ranks of the pool's world."""
     par = cfg.parallel
     world = par.tensor_parallel * par.pipeline_parallel * dp
@@ -77,7 +80,7 @@ def layout_worker(ctx, cfg: TrainConfig, dp: int):
                                  mics_shard_size=cfg.zero.mics_shard_size))
     if groups is None:
         return None
-    return run_training(cfg, groups)
+    return run_training(cfg, groups, on_setup)
 
 
 def assemble_params(results: list[dict]) -> dict[str, torch.Tensor]:

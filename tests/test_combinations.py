@@ -17,7 +17,7 @@ from megazero.models.gpt import GPT, TransformerLayer
 from megazero.parallel.groups import ProcessGroups
 
 VOCAB, STEPS = 61, 5
-RECOMPUTE = {"recompute_activations": True}
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def run_layouts(ctx, layouts):
@@ -47,7 +47,7 @@ def assert_recompute(results, cfg, dp, what):
     """Every layer's forward ran once per microbatch, twice with recompute."""
     par = cfg.parallel
     microbatches = cfg.global_batch_size // (cfg.micro_batch_size * dp)
-    runs = 2 if cfg.model.recompute_activations else 1
+    runs = 2 if cfg.model.recompute_granularity == "full" else 1
     expected = runs * cfg.train_iters * microbatches * cfg.model.num_layers // par.pipeline_parallel
     for r in filter(None, results):
         assert r["layer_forwards"] == expected, \

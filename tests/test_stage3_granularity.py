@@ -59,6 +59,9 @@ def reference():
     return result, strip_padding(assemble_params([result]), VOCAB)
 
 
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist_pool, reference):
     ref, ref_params = reference
     layouts = {
@@ -66,7 +69,7 @@ def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist
         "module units dp 2": (small_config(stage=3, steps=STEPS), 2),
         "layer units dp 4, MiCS 2": (small_config(stage=3, steps=STEPS, mics=2, zero_extra=LAYER), 4),
         "layer units tp 2 x dp 2, recompute": (small_config(tp=2, stage=3, steps=STEPS, zero_extra=LAYER,
-                                                            model_extra={"recompute_activations": True}), 2),
+                                                            model_extra=FULL_RECOMPUTE), 2),
         "layer units pp 2 x dp 2": (small_config(pp=2, stage=3, steps=STEPS, zero_extra=LAYER), 2),
     }
     per_rank = dist_pool(4).run(counting_worker, list(layouts.values()))

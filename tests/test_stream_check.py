@@ -11,9 +11,11 @@ the layout grid running clean under it.
   without keep_alive, a reduction that skips its wait for the backward, a prefetch that skips its
   wait for the optimizer step.
 - The grid: stages 0-3 on groups of one and of several ranks, MiCS (shards of 2, and of 1: groups of
-  one beside a replica all-reduce), the two-hop gather, hpZ, qwZ/qgZ, both offload tiers, PP with
-  overlapped p2p, an async checkpoint save, bf16 with the reduction in bf16: every layout trains
-  two steps under the checker with no violation.
+  one beside a replica all-reduce), the two-hop gather, hpZ, qwZ/qgZ (qgZ's hops chained on the
+  reduce stream), both offload tiers, PP with overlapped p2p, an async checkpoint save, bf16 with
+  the reduction in bf16, stage 1/2 reductions overlapped with backward (the default) and waited
+  bucket by bucket (overlap_comm false): every layout trains two steps under the checker with no
+  violation.
 """
 import contextlib
 import os
@@ -195,7 +197,7 @@ def test_a_gathered_unit_freed_without_keep_alive_is_caught(monkeypatch):
         return tensor if what.startswith("stage-3 unit") else keep_alive(side, tensor)
     monkeypatch.setattr(streams.SideStream, "keep_alive", keep_all_but_units)
     with pytest.raises(StreamOrderError, match=r"use-after-free of a float32 tensor .* \(stage-3 unit .*\): "
-                                               r"freed at megazero/zero/stage3_units.py:\d+ \(release\).* back "
+                                               r"freed at megazero/zero/stage3/units.py:\d+ \(release\).* back "
                                                r"with stream 'prefetch'"):
         _checked_steps(small_config(stage=3, layers=2, global_batch=2))
 
@@ -261,6 +263,12 @@ def grid(tmp: str) -> list:
         ("stage 1 dp 4 bf16 reduce in bf16", 4, {}, _bf16(_grid_config(1, dp=4)), None),
         ("stage 2 dp 4, optimizer on nvme", 4, {}, _grid_config(2, dp=4, zero_extra={
             "offload_optimizer": nvme}), None),
+        ("stage 1 dp 4 fp32, reductions overlapped in place", 4, {}, _grid_config(1, dp=4), None),
+        ("stage 2 dp 4 bf16, reductions overlapped", 4, {}, _grid_config(2, dp=4, bf16=True), None),
+        ("stage 2 dp 2 MiCS 1 bf16 reduce in bf16, overlapped", 2, {}, _bf16(_grid_config(2, dp=2, mics=1)),
+         None),
+        ("stage 1 dp 4, reductions waited (overlap_comm false)", 4, {}, _grid_config(1, dp=4, zero_extra={
+            "overlap_comm": False}), None),
         ("stage 3 dp 4 MiCS 2 bf16, async checkpoint save", 4, {}, _bf16(_grid_config(3, dp=4, mics=2)),
          os.path.join(tmp, "ckpt")),
         ("stage 3 dp 4 nodes of 2: two hops, hpZ 2, qwZ, qgZ", 4, dict(nodes, hpz_partition_size=2),

@@ -200,9 +200,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     then = None
     if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
         # In place (output is this rank's chunk of input) is defined for NCCL only; gloo can
-        # corrupt it, so go through a temporary and copy back once the op is done.
+        # corrupt it, so go through a temporary and copy back once the op is done. The copy runs
+        # on the waiting stream, which may not be the one the temporary was made on: recorded
+        # there, its memory is not reused before the copy has read it.
         target, output = output, torch.empty_like(output, device=group.device)
-        then = lambda: target.copy_(output)  # noqa: E731
+
+        def then():
+            streams.record_on_current_stream(output)
+            target.copy_(output)
     # Flat views: backends disagree on how they match multi-dimensional shapes.
     work, done = _issue(group, [input], [output], lambda: _reduce_scatter_single(
         output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op))

@@ -49,7 +49,7 @@ MAIN = 0
 _SKIPPED_FILES = tuple(str(Path(p).resolve()) for p in (
     Path(torch.__file__).parent, Path(__file__), Path(_streams.__file__),
     Path(_streams.__file__).with_name("comm.py"), Path(contextlib.__file__)))
-_ROOT = Path(__file__).resolve().parents[1]
+_ROOT = Path(__file__).resolve().parents[2]   # the repository root (megazero/core/ is two below)
 
 
 class StreamOrderError(RuntimeError):
