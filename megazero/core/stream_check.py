@@ -13,7 +13,8 @@ current stream: its inputs are read, the arguments its schema marks mutated and 
 are written (views touch no data). Collectives are declared by megazero.core.comm (`collective`): each
 runs on a modelled stream of its communicator, as NCCL runs on its own stream after the work queued
 on the issuing stream, and the event recorded there after it is the one its Handle makes the
-waiting stream wait on.
+waiting stream wait on. A host thread (ZenFlow's CPU Adam) is declared the same way
+(`host_thread`), on a stream of its own that is ordered only after what the host synchronized on.
 
 Violations (StreamOrderError, naming the tensor's shape, dtype and label, both streams and both call
 sites, the first frames outside torch and the stream and comm modules):
@@ -298,6 +299,25 @@ class StreamChecker:
             self.current = issuing
         done = _streams.Event("cpu", backend=self).record(stream)
         return result, done
+
+    def host_thread(self, name: str, reads, writes, issue):
+        """Runs `issue()` (which starts a host thread on host tensors) as work on a modelled stream
+        for that thread: ordered after only what the host has synchronized on (a host thread never
+        waits for queued device work), declared as reading `reads` and writing `writes`. Returns the
+        event after it; the host synchronizes on it when it joins the thread."""
+        self.raise_pending()
+        issuing, key = self.current, ("host thread", name)
+        stream = self._communicators.get(key)
+        if stream is None:
+            stream = self._communicators[key] = self._new_stream(f"{name} thread")
+        _merge(stream.known, self.done)
+        self.current = stream
+        try:
+            self.op(list(reads), list(writes), [], host_sync=False)
+            issue()
+        finally:
+            self.current = issuing
+        return _streams.Event("cpu", backend=self).record(stream)
 
     # --- accesses ---------------------------------------------------------------------------------
     def op(self, reads, writes, fresh, host_sync: bool) -> None:
