@@ -107,6 +107,9 @@ class FlatParamGroup(PartitionedStorage):
     def write_full_weights(self, i: int, flat: torch.Tensor) -> None:
         self.param_view(i).view(-1).copy_(flat)
 
+    def wrote_weights(self, i: int, flat: torch.Tensor) -> None:
+        self.param_view(i).view(-1).copy_(flat)
+
     # --- backward -----------------------------------------------------------------------------
     def start_backward(self, reduce: bool) -> None:
         """Arms the per-bucket countdown; stage 0/1 reduce only on the last microbatch (until then
