@@ -53,7 +53,7 @@ ZERO_VALUES = {"stage": 2, "reduce_scatter": False, "reduce_bucket_size": 1e6, "
                "parameter_alignment": True}
 # Keys that need another base than stage 3 alone: key -> (base block, value).
 ZERO_VALUES_ON = {"compute_grad_norm": ({"stage": 2}, False),
-                  "zenflow": ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {"topk_ratio": 0.5})}
+                  "zenflow": ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {"topk_ratio": 0.5, "update_interval": 4})}
 # Keys inside the offload blocks, each with a value that changes the config or yields a note.
 OFFLOAD_VALUES = {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": True,
                                         "buffer_count": 2, "pipeline_read": True, "pipeline_write": True,

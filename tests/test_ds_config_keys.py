@@ -202,6 +202,8 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                             "zenflow": {"select_strategy": "step", "select_interval": 2, "update_interval": 4}}},
      [], "select_interval must be at least update_interval"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}},
+     [], "zenflow.update_interval \"auto\" is not supported yet"),
     ({"zero_optimization": {"stage": 2, "leaf_module": {"classes": ["MLP"]}}}, [],
      "leaf_module acts on stage 3's units"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [],

@@ -297,7 +297,10 @@ def _check_offload(config: ZeroConfig, where: str, name) -> None:
     if zenflow.offload:
         raise UsageError(f"{where}.zenflow.offload = true is not supported yet (the important columns' "
                          f"states stay on the device); remove it or set it to false")
-    fixed = zenflow.update_interval if isinstance(zenflow.update_interval, int) else None
+    if zenflow.update_interval == "auto":
+        raise UsageError(f"{where}.zenflow.update_interval \"auto\" is not supported yet (windows of "
+                         f"data-dependent length); set a number of steps, e.g. \"update_interval\": 4")
+    fixed = zenflow.update_interval
     every = zenflow.select_every()
     if fixed is not None and 0 < every < fixed:
         raise UsageError(f"{where}.zenflow: columns are selected every {every} steps but updated every "

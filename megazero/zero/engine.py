@@ -14,6 +14,7 @@ A training step, as the loop drives it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from pathlib import Path
@@ -34,6 +35,7 @@ from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
 from .stage3.leaves import find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStore
+from .zenflow import ZenFlowOffload
 from .storage import PartitionedStorage, ReductionQueue
 
 
@@ -178,9 +180,14 @@ class ZeroEngine:
         if config.device == "nvme":
             rank = self.groups.dp.ranks[self.groups.dp.rank]
             folder = Path(config.nvme_path) / "megazero_swap" / f"rank{rank}" / "optimizer"
+        make = None
+        if self.zero.zenflow is not None:   # the CPU Adam's threads: those the training leaves
+            threads = max(1, round(torch.get_num_threads() * (1 - self.zero.zenflow.pt_reserved_cores_perc)))
+            make = functools.partial(ZenFlowOffload, zenflow=self.zero.zenflow, cpu_threads=threads)
         for i, storage in enumerate(self.storages()):
             name = "units" if storage is self.store else f"group{i}"
-            storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name)
+            storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name,
+                                             **({"make": make} if make else {}))
 
     # --- microbatches -----------------------------------------------------------------------
     def begin_step(self) -> None:

@@ -1,0 +1,54 @@
+"""ZenFlow (zero/zenflow.py), its two exact limits and its exact resume.
+
+- `topk_ratio` 1.0 (every column selected, stepped on the device every step) follows the run with
+  the device optimizer, and `topk_ratio` 0 with `update_interval` 1 and no overlap follows plain
+  optimizer offload, both to rtol 1e-5, at stages 2 and 3 on 2 ranks (the CPU Adam with overlap
+  still runs beside the first one, its result overwritten by the device's).
+- A run in the real shape (top 25%, windows of 2, overlap, re-selection, warm-up) saved
+  mid-window with a pending CPU result resumes exactly: the same losses and parameters.
+
+Planted: the device part stepped with step count t - 1 fails the first limit; the accumulator
+left out of the checkpoint kinds fails the resume (its parameters); under the stream checker
+(test_stream_check's grid has a ZenFlow layout) starting the CPU Adam thread without the host
+synchronizing on the accumulation first is a read-after-write race naming the accumulator.
+"""
+from layouts import assemble_params, assert_close, assert_params_match, small_config
+from test_offload_optimizer import many
+
+STEPS = 4
+
+
+def zenflow(**flow):
+    return {"offload_optimizer": {"device": "cpu"}, "zenflow": flow} if flow else {}
+
+
+def cfg(stage, extra, steps=STEPS):
+    return small_config(stage=stage, steps=steps, layers=2, zero_extra=extra)
+
+
+def test_zenflow_limits_and_resume(dist_pool, tmp_path):
+    top1 = {"topk_ratio": 1.0, "update_interval": 2, "overlap_step": True}
+    top0 = {"topk_ratio": 0.0, "update_interval": 1}
+    real = {"topk_ratio": 0.25, "update_interval": 2, "overlap_step": True, "full_warm_up_rounds": 1,
+            "select_strategy": "step", "select_interval": 4}
+    ckpt = str(tmp_path / "ckpt")
+    jobs = []
+    for stage in (2, 3):
+        jobs += [(cfg(stage, {}), 2, {}), (cfg(stage, zenflow(**top1)), 2, {}),
+                 (cfg(stage, {"offload_optimizer": {"device": "cpu"}}), 2, {}),
+                 (cfg(stage, zenflow(**top0)), 2, {})]
+    resumed = cfg(3, zenflow(**real), steps=8)
+    jobs += [(resumed, 2, {"save": (ckpt, 6)}), (resumed, 2, {"load": ckpt})]
+    ranks = [r for r in dist_pool(4).run(many, jobs) if r[0] is not None]
+    by_job = list(zip(*ranks))         # per job: the working ranks' results
+    for s, stage in enumerate((2, 3)):
+        device, top1_run, offload, top0_run = by_job[4 * s:4 * s + 4]
+        for name, got, want in ((f"stage {stage} topk 1.0 vs device", top1_run, device),
+                                (f"stage {stage} topk 0 vs offload", top0_run, offload)):
+            assert_close(list(got[0]["curve"].values()), list(want[0]["curve"].values()), name)
+            assert_params_match(assemble_params(got), assemble_params(want), name)
+    straight, again = by_job[8], by_job[9]
+    assert again[0]["curve"] == {k: v for k, v in straight[0]["curve"].items() if k > 6}
+    want = assemble_params(straight)
+    for name, value in assemble_params(again).items():
+        assert (value == want[name]).all(), name
