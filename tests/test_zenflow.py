@@ -52,3 +52,24 @@ def test_zenflow_limits_and_resume(dist_pool, tmp_path):
     want = assemble_params(straight)
     for name, value in assemble_params(again).items():
         assert (value == want[name]).all(), name
+
+
+def test_column_sums_of_a_piece_match_the_matrix_reference():
+    """A partition piece starts and ends mid-row: its column sums of squares equal those of the
+    whole matrix with the elements outside the piece zeroed (planted: the head run placed at
+    column 0 fails)."""
+    import torch
+
+    from megazero.zero.zenflow import column_sumsq, top_columns
+    torch.manual_seed(0)
+    rows, columns = 7, 5
+    matrix = torch.randn(rows * columns)
+    for start, end in [(0, 35), (3, 35), (0, 12), (3, 4), (6, 29), (10, 15), (0, 0)]:
+        masked = torch.zeros_like(matrix)
+        masked[start:end] = matrix[start:end]
+        want = masked.view(rows, columns).square().sum(0)
+        torch.testing.assert_close(column_sumsq(matrix[start:end], start, columns), want)
+    sums = torch.tensor([3.0, 9.0, 1.0, 7.0])
+    assert sorted(top_columns(sums, 0.5).tolist()) == [1, 3]
+    assert top_columns(sums, 0.01).tolist() == [1] and len(top_columns(sums, 0.0)) == 0
+    assert len(top_columns(sums, 1.0)) == 4
