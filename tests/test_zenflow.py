@@ -47,6 +47,13 @@ def test_zenflow_limits_and_resume(dist_pool, tmp_path):
                                 (f"stage {stage} topk 0 vs offload", top0_run, offload)):
             assert_close(list(got[0]["curve"].values()), list(want[0]["curve"].values()), name)
             assert_params_match(assemble_params(got), assemble_params(want), name)
+        # The memory report: every element's master on the device at topk 1 (and its moments with
+        # two int64 indices), none at topk 0.
+        for r in top1_run:
+            memory = r["memory"]
+            assert 0.95 * memory["host_master"] <= memory["master"] <= memory["host_master"]   # padding
+            assert memory["optimizer_states"] == 6 * memory["master"]
+        assert all(r["memory"]["master"] == 0 for r in top0_run)
     straight, again = by_job[8], by_job[9]
     assert again[0]["curve"] == {k: v for k, v in straight[0]["curve"].items() if k > 6}
     want = assemble_params(straight)
@@ -73,3 +80,15 @@ def test_column_sums_of_a_piece_match_the_matrix_reference():
     assert sorted(top_columns(sums, 0.5).tolist()) == [1, 3]
     assert top_columns(sums, 0.01).tolist() == [1] and len(top_columns(sums, 0.0)) == 0
     assert len(top_columns(sums, 1.0)) == 4
+
+
+def test_the_planner_counts_zenflow_as_the_engine_does():
+    from layouts import with_padded_vocab
+
+    from megazero.config.memory_estimate import plan_bytes
+    plain = plan_bytes(with_padded_vocab(cfg(2, {"offload_optimizer": {"device": "cpu"}})), 2)
+    flow = plan_bytes(with_padded_vocab(cfg(2, zenflow(topk_ratio=0.5, update_interval=2, overlap_step=True))), 2)
+    assert plain["master"] == 0 and flow["host_master"] == plain["host_master"]
+    assert flow["master"] == 0.5 * flow["host_master"] and flow["optimizer_states"] == 6 * flow["master"]
+    # two fp32 accumulators and the fp32 gradients' copy: 12 bytes per element beside plain's staging
+    assert flow["host_offload_buffers"] > plain["host_offload_buffers"] + 2 * flow["host_master"]

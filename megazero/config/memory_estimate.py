@@ -274,6 +274,10 @@ def offloaded_bytes(cfg: TrainConfig, r: RankLayout) -> dict[str, float]:
         if where == "nvme":
             sub_groups = math.ceil(partition / z.sub_group_size)
             out["host_offload_buffers"] += min(z.offload_optimizer.buffer_count, sub_groups) * 3 * 4 * group
+        if z.zenflow is not None:     # the accumulator(s), the gradients' copy, the CPU Adam's output
+            accumulators = 2 if z.zenflow.overlap_step else 1
+            out["host_offload_buffers"] += partition * (4 * accumulators + r.grad_bytes + (
+                r.weight_bytes if r.weight_bytes == 2 else 0))
     if z.stage == 3 and z.offloads_params:
         moved = (r.rank_parameters - r.persistent_parameters) / r.shards * r.weight_bytes
         out["host_params" if z.offload_param.device == "cpu" else "nvme_params"] = moved
@@ -297,6 +301,9 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
         partition = r.rank_parameters / r.shards
         resident = partition * resident_fraction(cfg.zero, partition)
         out["master"], out["optimizer_states"] = 4 * resident, 8 * resident
+        if cfg.zero.zenflow is not None:  # the selected columns' states and indices (two int64 each)
+            selected = partition * cfg.zero.zenflow.topk_ratio
+            out["master"], out["optimizer_states"] = 4 * selected, 24 * selected
     out["params"] -= offloaded["host_params"] + offloaded["nvme_params"]
     return {**out, **offloaded}
 
