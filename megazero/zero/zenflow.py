@@ -220,7 +220,7 @@ class ZenFlowOffload(OptimizerOffload):
     def _end_window(self, storage, cpu_step: int, lr: float, config, k: int, pending: bool) -> None:
         """The window's CPU Adam: at once, or (overlap) on a thread after applying the last one's."""
         if not self.flow.overlap_step:
-            self._cpu_adam(self.acc, cpu_step, lr, config, 1.0 / k)
+            self._cpu_adam(self.acc, cpu_step, lr, config, 1.0 / k, None)   # every thread: nothing beside it
             self._apply(storage)
             self.acc.zero_()
             return
@@ -233,21 +233,22 @@ class ZenFlowOffload(OptimizerOffload):
         done = Event(storage.device).record()
         done.synchronize()
         grad = self.window_grad
-        self.thread = threading.Thread(target=self._cpu_adam, args=(grad, cpu_step, lr, config, 1.0 / k),
-                                       name="zenflow-cpu-adam", daemon=True)
+        self.thread = threading.Thread(target=self._cpu_adam, name="zenflow-cpu-adam", daemon=True,
+                                       args=(grad, cpu_step, lr, config, 1.0 / k, self.cpu_threads))
         self.thread_done = host_thread_work(
             storage.device, "zenflow cpu adam", reads=[grad],
             writes=[t for t in (self.host["fp32"], self.host["exp_avg"], self.host["exp_avg_sq"], self.lp)
                     if t is not None], start=self.thread.start)
 
-    def _cpu_adam(self, grad: torch.Tensor, cpu_step: int, lr: float, config, scale: float) -> None:
+    def _cpu_adam(self, grad: torch.Tensor, cpu_step: int, lr: float, config, scale: float,
+                  threads: int | None) -> None:
         began = time.perf_counter()
         master, m, v = self.host["fp32"], self.host["exp_avg"], self.host["exp_avg_sq"]
         for start, end, wd in self.partition_runs:
             r = slice(start, end)
             adam_update(master[r], grad[r], m[r], v[r], step=cpu_step, lr=lr, config=config,
                         weight_decay=wd, grad_scale=scale, param_copy=None if self.lp is None else self.lp[r],
-                        num_threads=self.cpu_threads)
+                        num_threads=threads)
         self.stats["cpu_adam_ms"] += (time.perf_counter() - began) * 1e3
         self.stats["cpu_updates"] += 1
 
