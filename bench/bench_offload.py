@@ -29,7 +29,7 @@ final loss (mean of the last 10) and ZenFlow's gap to the device Adam's; the wal
 thread) against the ms per step the training thread waited for it, and the step-phase ratio
 offload / ZenFlow (above 1: the CPU Adam is off the critical path).
 
-    python bench/bench_offload.py --zenflow --steps 200   # a few minutes on 2 cores
+    python bench/bench_offload.py --zenflow --steps 200 --hidden 64 --layers 2 --threads 1   # ~45 min, 2 loaded cores
 """
 from __future__ import annotations
 
