@@ -58,7 +58,7 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
             entry = {"shape": list(getattr(param, "zero_full_shape", param.shape)), "offset": offset,
                      "length": length, "crc": {},
                      "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
-            for kind in KINDS:
+            for kind in storage.checkpoint_kinds():
                 host = storage.local_view(param, kind).detach().to("cpu", torch.float32, copy=True)
                 tensors[f"{name}/{kind}"] = host
                 entry["crc"][kind] = crc32(host)
