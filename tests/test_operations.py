@@ -135,9 +135,10 @@ def test_a_run_killed_once_restarts_to_the_straight_curve(tmp_path):
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     """SIGSTOP of rank 1 with --distributed-timeout-minutes 0.2 (12 s): rank 0's collective gives up
     after the timeout and prints one line naming rank 1 (stopped) and the collective waited on; the
-    same line is torchrun's root cause. torchrun then stops the stopped process itself (SIGKILL after
-    its 30 s grace). (Planted: without the timeout on the groups made by new_group, gloo's default
-    30 minutes applies and the wait below fails as a hang.)"""
+    same line is torchrun's root cause. (torchrun would stop the stopped process itself, with SIGKILL
+    after its 30 s grace; the test kills it at once to spare that wait.) (Planted: without the timeout
+    on the groups made by new_group, gloo's default 30 minutes applies and the wait below fails as a
+    hang.)"""
     run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "3000", "--distributed-timeout-minutes", "0.2",
                                                "--metrics-file", "m.jsonl", "--run-dir", "r"])
     try:
@@ -146,6 +147,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
         stopped = time.monotonic()
         run.wait_for(lambda: "error:" in run.log(0, 0), timeout=12 + 120)
         waited = time.monotonic() - stopped
+        os.kill(run.rank_pid(1), signal.SIGKILL)
         code, err = run.finish(timeout=300)
     finally:
         if run.proc.poll() is None:
