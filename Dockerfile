@@ -2,7 +2,7 @@
 # libraries as wheels and cuda-bindings, so the host needs only an NVIDIA driver of the R580 series
 # or later and the NVIDIA container toolkit), megazero with its C++ kernels built here, and the
 # `cuda` extra (cuda-python) for megazero.core.streams. The torch pin sits inside the package's range
-# (pyproject.toml: torch>=2.13,<3), the version the tests run against.
+# (pyproject.toml: torch>=2.11,<3) and is the version the CPU tests run against.
 # Build:  docker build -t megazero .
 # Run:    docker run --gpus all --ipc=host megazero \
 #           torchrun --nproc-per-node 8 pretrain_gpt.py --distributed-backend nccl --bf16 \

@@ -1,5 +1,5 @@
 """Training-step time and MFU of a ~1.3B-parameter GPT on one GPU in bf16: megazero against plain
-torch, measured in the same run.
+torch, measured in the same run, with the figures checked.
 
     ours  megazero.training.setup / train_step (ZeRO stage 1 by default, one process, tp = pp = dp = 1):
           bf16 parameters and activations, fp32 master weights and Adam states, fp32 gradient norm
@@ -9,18 +9,24 @@ torch, measured in the same run.
           weights as ours), `torch.optim.AdamW(fused=True)`, `clip_grad_norm_(1.0)`
 
 Both sides start from the same weights (`make_init_fn`: by seed and parameter name), train on the
-same `SyntheticTokens` microbatches with the same optimizer hyperparameters and the same summed
-token loss over the global batch, and take one `loss.item()` per step. Their losses are printed
-side by side: they agree to bf16 noise, so both sides do the same work. Dropout is off on both.
+same learnable `ArithmeticTokens` microbatches (progressions modulo the vocabulary: the loss falls
+within a few steps) with the same optimizer hyperparameters and the same summed token loss over the
+global batch, and take one `loss.item()` per step. Attention is SDPA's flash kernel on both sides
+(forced on CUDA: a device where it cannot run fails the bench). Dropout is off.
 
 Default shape: 24 layers, hidden 2048, 16 heads, seq 2048, vocab 50304 (tied), micro batch 8, one
-microbatch per step. FLOPs per step (PaLM, Chowdhery et al. 2022, appendix B):
-    6 N T  +  12 L h s T      (T tokens per step, N all parameters, the tied head counted once:
-                               its matmul is the 6 V h of the embedding's share of N; attention
-                               scores and weighted sum counted in full, not halved for causality)
-TFLOP/s = FLOPs per step / step time; MFU = TFLOP/s / --peak-tflops (H100/H200 SXM dense bf16: 989).
-Step time is the median over the timed steps (CUDA events between steps, after warm-up); peak
-memory is torch.cuda.max_memory_allocated of each side, measured one after the other.
+microbatch per step. FLOPs per step are megazero.flops.step_flops (Megatron's count, what the
+training loop's MFU uses); MFU = TFLOP/s / --peak-tflops (default: the device's dense bf16 peak from
+megazero.flops, 989 for the H100/H200). Step time is the median over the timed steps (CUDA events
+between steps, after warm-up); peak memory is torch.cuda.max_memory_allocated of each side, measured
+one after the other; ours' is compared with tools/plan_memory.py's device total for the same run
+(megazero.config.memory_estimate.plan_bytes).
+
+Checks (`compare`, exit 1 if one fails): every loss finite; each side's last loss below its first;
+ours and peer within LOSS_RTOL relative at every step (bf16 computes the residual stream and norms
+in bf16 on our side, in fp32 under the peer's autocast: they agree to bf16 noise, not bitwise);
+ours' measured peak within MEMORY_RTOL of the plan (on CUDA). `--json PATH` writes the figures in
+bench/gpu_check.py's step format.
 
     python bench/bench_gpu_step.py                         # on a GPU: ~1.3B, both sides, ~2 min
     python bench/bench_gpu_step.py --tiny --device cpu     # the same code path on CPU, seconds
@@ -28,14 +34,19 @@ memory is torch.cuda.max_memory_allocated of each side, measured one after the o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
+import math
 import statistics
 import traceback
 
 import torch
 
-from megazero.config.train_config import OptimizerConfig, PrecisionConfig, TrainConfig
-from megazero.data.synthetic import SyntheticTokens
+from megazero.config.train_config import OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
+from megazero.data.synthetic import ArithmeticTokens
+from megazero.flops import peak_tflops, step_flops
+from megazero.config.memory_estimate import device_bytes, plan_bytes
 from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
@@ -45,8 +56,13 @@ from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 
-LR = 1e-4
-ADAM = AdamConfig(lr=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)   # both sides
+LOSS_RTOL = 0.03          # ours vs peer, every step
+MEMORY_RTOL = 0.10        # ours' measured peak vs the plan
+
+
+def adam_config(lr: float) -> AdamConfig:
+    """Both sides' optimizer hyperparameters (constant lr)."""
+    return AdamConfig(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,15 +76,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1])
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak of the device (default: megazero.flops' table, else 989)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,peer")
+    p.add_argument("--json", default=None, help="write the figures here (bench/gpu_check.py's step format)")
+    p.add_argument("--lr", type=float, default=None, help="constant learning rate (default 1e-4; --tiny 1e-2)")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, seq 64, vocab 512: a path check")
     args = p.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.heads, args.seq, args.vocab, args.micro_batch = 2, 64, 4, 64, 512, 2
         args.warmup, args.steps = 1, 2
+    if args.lr is None:
+        # The tiny run's steps must move the loss far more than bf16 noise moves the two sides apart.
+        args.lr = 1e-2 if args.tiny else 1e-4
     return args
 
 
@@ -78,14 +100,27 @@ def model_config(args) -> GPTConfig:
                      attention_dropout=0.0)
 
 
-def flops_per_token(cfg: GPTConfig, params: int) -> float:
-    return 6.0 * params + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+def train_config(args, cfg: GPTConfig) -> TrainConfig:
+    """Ours' run, as pretrain_gpt.py would configure it (and tools/plan_memory.py plans it)."""
+    return TrainConfig(model=cfg, zero=ZeroConfig(stage=args.zero_stage),
+                       optimizer=OptimizerConfig(lr=args.lr, adam=adam_config(args.lr), clip_grad=1.0),
+                       precision=PrecisionConfig(bf16=True), micro_batch_size=args.micro_batch,
+                       global_batch_size=args.micro_batch * args.microbatches, seed=1234,
+                       parallel=ParallelConfig(distributed_backend="nccl" if args.device != "cpu" else "gloo"))
 
 
 def step_batches(args, cfg: GPTConfig) -> list[list[torch.Tensor]]:
-    data = SyntheticTokens(cfg.vocab_size, cfg.seq_length, seed=1)
+    data = ArithmeticTokens(cfg.vocab_size, cfg.seq_length, seed=1)
     source = MicrobatchSource(data, args.micro_batch * args.microbatches, args.micro_batch, 0, 1)
     return [source.batch(i) for i in range(args.warmup + args.steps)]
+
+
+def flash_attention(device: torch.device):
+    """SDPA limited to the flash kernel on CUDA (an error where it cannot run); CPU: its default."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
 def timed(args, device, step) -> dict:
@@ -100,14 +135,10 @@ def timed(args, device, step) -> dict:
 
 
 def run_ours(args, cfg: GPTConfig, device: torch.device) -> dict:
-    train = TrainConfig(model=cfg, zero=ZeroConfig(stage=args.zero_stage),
-                        optimizer=OptimizerConfig(lr=LR, adam=ADAM, clip_grad=1.0), precision=PrecisionConfig(bf16=True),
-                        micro_batch_size=args.micro_batch,
-                        global_batch_size=args.micro_batch * args.microbatches, seed=1234)
-    state = setup(train, ProcessGroups.single(device=device), device)
+    state = setup(train_config(args, cfg), ProcessGroups.single(device=device), device)
     params = sum(p.numel() for chunk in state.chunks for p in chunk.parameters())
     batches = step_batches(args, cfg)
-    result = timed(args, device, lambda i: train_step(state, batches[i], LR).loss)
+    result = timed(args, device, lambda i: train_step(state, batches[i], args.lr).loss)
     return {**result, "params": params}
 
 
@@ -125,9 +156,10 @@ def run_peer(args, cfg: GPTConfig, device: torch.device) -> dict:
     params = list(model.parameters())
     decay = [p for p in params if p.ndim >= 2]           # as ours: no decay on biases and norms
     rest = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": ADAM.weight_decay},
+    adam = adam_config(args.lr)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": adam.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}],
-                                  lr=LR, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, fused=True)
+                                  lr=args.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, fused=True)
     batches = step_batches(args, cfg)
     normalizer = args.micro_batch * args.microbatches * cfg.seq_length
 
@@ -153,7 +185,8 @@ def measure(side: str, args, cfg: GPTConfig, device: torch.device) -> dict | Non
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        result = (run_ours if side == "ours" else run_peer)(args, cfg, device)
+        with flash_attention(device):
+            result = (run_ours if side == "ours" else run_peer)(args, cfg, device)
     except Exception:
         print(f"--- {side} failed ---\n{traceback.format_exc()}", flush=True)
         return None
@@ -165,20 +198,55 @@ def measure(side: str, args, cfg: GPTConfig, device: torch.device) -> dict | Non
     return result
 
 
-def report(args, cfg: GPTConfig, results: dict) -> None:
-    tokens = args.micro_batch * args.microbatches * cfg.seq_length
-    print(f"| side | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | x peer time |")
+def figure(value, ok: bool, bound: str, note: str = "") -> dict:
+    return {"value": value, "ok": bool(ok), "bound": bound, "note": note}
+
+
+def compare(results: dict, tflops_per_step: float, peak: float, planned_gib: float | None) -> dict:
+    """The bench's figures (name -> value, ok, bound) from each side's losses, step time and peak
+    memory; a side missing (it failed) fails its figures."""
+    out = {}
+    for side, r in results.items():
+        if r is None:
+            out[f"{side}_ran"] = figure(False, False, "both sides run")
+            continue
+        losses, ms = r["losses"], r["ms"]
+        finite = all(math.isfinite(x) for x in losses)
+        timed = math.isfinite(ms) and ms > 0
+        out[f"{side}_losses_finite"] = figure(finite, finite, "every loss finite")
+        out[f"{side}_loss_falls"] = figure([losses[0], losses[-1]], finite and losses[-1] < losses[0],
+                                           "last loss < first (learnable data)")
+        tflops = tflops_per_step / (ms / 1000) / 1e12
+        out[f"{side}_tokens_per_s"] = figure(r["tokens"] / (ms / 1000), timed, "> 0, reported")
+        out[f"{side}_mfu"] = figure(tflops / peak, timed, f"> 0, reported (peak {peak:g} TFLOP/s)")
+    ours, peer = results.get("ours"), results.get("peer")
+    if ours is not None and peer is not None:
+        gaps = [abs(a - b) / abs(b) for a, b in zip(ours["losses"], peer["losses"])]
+        worst = max(gaps) if gaps and all(map(math.isfinite, gaps)) else float("nan")
+        out["loss_gap_ours_vs_peer"] = figure(worst, worst <= LOSS_RTOL, f"<= {LOSS_RTOL} relative, every step")
+        ratio = ours["ms"] / peer["ms"]
+        out["time_ratio_ours_over_peer"] = figure(ratio, math.isfinite(ratio), "reported")
+    if ours is not None and ours.get("peak_gib") is not None and planned_gib:
+        ratio = ours["peak_gib"] / planned_gib
+        out["memory_measured_over_plan"] = figure(
+            ratio, abs(ratio - 1) <= MEMORY_RTOL, f"within {MEMORY_RTOL:.0%} of tools/plan_memory.py",
+            f"measured {ours['peak_gib']:.2f} GiB, planned {planned_gib:.2f} GiB")
+    return out
+
+
+def report(args, results: dict, tflops_per_step: float, peak: float) -> None:
+    print("| side | ms/step | tokens/s | TFLOP/s | MFU | peak GiB | x peer time |")
     print("|---|---|---|---|---|---|---|")
     peer = results.get("peer")
     for side, r in results.items():
         if r is None:
             print(f"| {side} | failed | | | | | |")
             continue
-        tflops = flops_per_token(cfg, r["params"]) * tokens / (r["ms"] / 1000) / 1e12
+        tflops = tflops_per_step / (r["ms"] / 1000) / 1e12
         ratio = f"{r['ms'] / peer['ms']:.3f}" if peer and side != "peer" else ""
-        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        print(f"| {side} | {r['ms']:.1f} | {tokens / (r['ms'] / 1000):,.0f} | {tflops:.1f} | "
-              f"{tflops / args.peak_tflops:.3f} | {peak} | {ratio} |")
+        memory = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
+        print(f"| {side} | {r['ms']:.1f} | {r['tokens'] / (r['ms'] / 1000):,.0f} | {tflops:.1f} | "
+              f"{tflops / peak:.3f} | {memory} | {ratio} |")
     for side, r in results.items():
         if r is not None:
             print(f"{side} losses: " + " ".join(f"{x:.4f}" for x in r["losses"]))
@@ -191,16 +259,31 @@ def main(argv=None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     cfg = model_config(args)
     tokens = args.micro_batch * args.microbatches * cfg.seq_length
+    peak = args.peak_tflops or peak_tflops(device) or 989.0
+    tflops_per_step = step_flops(cfg, tokens)
+    plan = train_config(args, cfg)
+    planned_gib = device_bytes(plan_bytes(plan, 1)) / 2**30
     print(f"GPT layers={cfg.num_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads} "
           f"seq={cfg.seq_length} vocab={cfg.vocab_size}; {tokens} tokens/step; device={device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}); "
-          f"ours ZeRO stage {args.zero_stage}; peak {args.peak_tflops} TFLOP/s", flush=True)
+          f"ours ZeRO stage {args.zero_stage}; peak {peak:g} TFLOP/s; "
+          f"{tflops_per_step / 1e12:.1f} TFLOP/step; planned device memory (ours) {planned_gib:.2f} GiB",
+          flush=True)
     results = {side: measure(side, args, cfg, device) for side in args.sides.split(",")}
+    for r in results.values():
+        if r is not None:
+            r["tokens"] = tokens
     first = next((r for r in results.values() if r is not None), None)
     if first is not None:
-        print(f"parameters: {first['params'] / 1e6:,.1f}M; FLOPs/token {flops_per_token(cfg, first['params']):.3e}")
-    report(args, cfg, results)
-    return 0 if all(r is not None for r in results.values()) else 1
+        print(f"parameters: {first['params'] / 1e6:,.1f}M")
+    report(args, results, tflops_per_step, peak)
+    figures = compare(results, tflops_per_step, peak, planned_gib if device.type == "cuda" else None)
+    for name, f in figures.items():
+        print(f"{'ok  ' if f['ok'] else 'FAIL'} {name} = {f['value']} ({f['bound']}) {f['note']}".rstrip())
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"step": "bench_gpu_step", "figures": figures}, out, indent=1)
+    return 0 if all(f["ok"] for f in figures.values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Model FLOPs of a GPT training step, counted as Megatron-LM counts them, and the device peaks MFU
-is measured against.
+"""Model FLOPs of a GPT training step, counted as Megatron-LM counts them, the FLOPs activation
+recomputation adds on top (for hardware-FLOP utilisation), and the device peaks MFU is measured against.
 
 Per token and layer the forward pass does one multiply-add (2 FLOPs) per weight of the q, k, v and
 output projections and the MLP, plus the two attention matmuls (QK^T and attention x V, each
 seq x head_dim per head); the logit layer adds one per vocabulary row. Backward costs twice the
-forward, so a step is 3x the forward; with full activation recomputation the forward runs twice
-(4x, as Megatron's older throughput counter reports it). Embedding lookups, norms, softmax and
-the optimizer are not counted (they are not matmuls).
+forward, so a step is 3x the forward: the model FLOPs MFU divides by. Recomputation runs parts of the
+forward again: selective, each layer's two attention matmuls; full, the forward of every layer it
+checkpoints (all of them with the uniform method, the first recompute_num_layers of each model chunk
+with block). Model plus recomputed FLOPs are what the hardware executes (HFU). Embedding lookups,
+norms, softmax and the optimizer are not counted (they are not matmuls). tests/test_references.py checks
+the 3x count against torch's FlopCounterMode over a real forward and backward.
 """
 from __future__ import annotations
 
@@ -17,21 +20,41 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
                     "V100": 125.0, "MI300X": 1307.0}
 
 
-def forward_flops_per_token(cfg: GPTConfig) -> float:
-    h, layers = cfg.hidden_size, cfg.num_layers
-    head_dim = h // cfg.num_attention_heads
-    kv = head_dim * cfg.num_query_groups
-    projections = h * h + 2 * h * kv + h * h                       # q, k and v, output
+def attention_flops_per_token(cfg: GPTConfig) -> float:
+    """One layer's QK^T and attention x V in the forward, per token (all heads)."""
+    return 2.0 * 2 * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
+
+
+def layer_flops_per_token(cfg: GPTConfig) -> float:
+    """One transformer layer's forward, per token."""
+    h, width = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.head_dim * cfg.num_query_groups
+    projections = h * width + 2 * h * kv + width * h                 # q, k and v, output
     mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden_size
-    attention = 2 * cfg.seq_length * h                              # QK^T and AV, all heads
-    logits = cfg.padded_vocab_size * h
-    return 2.0 * (layers * (projections + mlp + attention) + logits)
+    return 2.0 * (projections + mlp) + attention_flops_per_token(cfg)
+
+
+def forward_flops_per_token(cfg: GPTConfig) -> float:
+    return cfg.num_layers * layer_flops_per_token(cfg) + 2.0 * cfg.padded_vocab_size * cfg.hidden_size
 
 
 def step_flops(cfg: GPTConfig, tokens: int) -> float:
-    """FLOPs of one training step over `tokens` tokens (the whole global batch)."""
-    passes = 4 if cfg.recompute_activations else 3
-    return passes * forward_flops_per_token(cfg) * tokens
+    """Model FLOPs of one training step over `tokens` tokens (the whole global batch): what MFU counts."""
+    return 3 * forward_flops_per_token(cfg) * tokens
+
+
+def recompute_flops(cfg: GPTConfig, tokens: int, chunk_layers: list[int]) -> float:
+    """FLOPs recomputation adds to a step; `chunk_layers` are the layer counts of the model chunks
+    (pipeline stages x virtual stages), which "block" counts its layers in."""
+    if cfg.recompute_granularity == "selective":
+        return cfg.num_layers * attention_flops_per_token(cfg) * tokens
+    if cfg.recompute_granularity != "full":
+        return 0.0
+    if cfg.recompute_method == "block":
+        layers = sum(min(cfg.recompute_num_layers, n) for n in chunk_layers)
+    else:
+        layers = cfg.num_layers
+    return layers * layer_flops_per_token(cfg) * tokens
 
 
 def peak_tflops(device) -> float | None:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megazero import failures
 from megazero.checkpoint import SaveError
 from megazero.checkpoint.files import latest_iteration_name
+from megazero.core import stream_check
 from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
 from megazero.config.arguments import config_from_args, parse_args
 from megazero.config.preflight import preflight, sample_counts
@@ -343,7 +344,9 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             return failures.EXIT_USAGE
         if verdict:
             return _end_agreed(launch, verdict, failures.EXIT_USAGE)
-        run(progress.cfg, launch, device, resume, progress)
+        with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,
+                                     launch.store, launch.rank, launch.world):
+            run(progress.cfg, launch, device, resume, progress)
         return 0
     except (AgreedStop, SaveError) as stop:     # every rank is here: nothing is left in flight
         if dist.is_initialized():

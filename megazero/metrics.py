@@ -2,7 +2,8 @@
 
 Only the logging rank (last pipeline stage, TP rank 0, DP rank 0: the one that holds the loss) writes.
 Each logged iteration appends one object with at least iteration, loss, lr, grad_norm and
-tokens_per_s; evaluations append objects with "split": "valid". The same records go to the monitors
+tokens_per_s (on a GPU with a known peak also mfu, from model FLOPs, and hfu, counting recomputation);
+evaluations append objects with "split": "valid". The same records go to the monitors
 (megazero.monitor: wandb, TensorBoard) the driver attaches with `add_monitors`; `close` ends them.
 """
 from __future__ import annotations
@@ -58,8 +59,9 @@ class MetricsLogger:
             "memory_mib": last["memory_mib"], "skipped": sum(bool(r["skipped"]) for r in window),
             "loss_scale": last["loss_scale"], "skipped_total": last.get("skipped_total", 0),
         }
-        if "mfu" in last:
-            record["mfu"] = sum(r["mfu"] for r in window) / len(window)
+        for key in ("mfu", "hfu"):     # model-FLOP and hardware-FLOP (with recomputation) utilisation
+            if key in last:
+                record[key] = sum(r[key] for r in window) / len(window)
         if "time_ms" in last:          # wall_clock_breakdown: mean ms per phase per iteration
             phases = {k for r in window for k in r.get("time_ms", {})}
             record["time_ms"] = {k: sum(r.get("time_ms", {}).get(k, 0.0) for r in window) / len(window)
@@ -69,7 +71,8 @@ class MetricsLogger:
                  f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
                  f"tokens/s {record['tokens_per_s']:,.0f} | ms/iter {record['ms_per_iter']:.1f} | "
                  f"TFLOP/s/device {record['tflops_per_device']:.3g} | "
-                 + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "") +
+                 + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
+                 + (f"HFU {record['hfu']:.1%} | " if "hfu" in record else "") +
                  f"mem {record['memory_mib']:.0f} MiB"
                  + (f" | skipped {record['skipped']}" if record["skipped"] else ""))
         if "time_ms" in record:

@@ -1,6 +1,7 @@
 """Builds this rank's model chunks: the pure GPT on the meta device, then parallelism applied from
-outside in a fixed order (tensor parallel swap, then the pipeline split), plus the init function the
-ZeRO engine materialises parameters with. No parameter memory is allocated here.
+outside in a fixed order (tensor parallel swap, then the pipeline split, then torch.compile of each
+layer when asked), plus the init function the ZeRO engine materialises parameters with. No parameter
+memory is allocated here.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from megazero.parallel.random import RNGTracker
 
 def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,
                        sequence_parallel: bool = False, virtual_stages: int = 1,
-                       layer_split: list[int] | None = None) -> list[GPT]:
-    """One GPT chunk per virtual pipeline stage owned by this rank, on the meta device."""
+                       layer_split: list[int] | None = None, compile_backend: str | None = None) -> list[GPT]:
+    """One GPT chunk per virtual pipeline stage owned by this rank, on the meta device; with
+    `compile_backend`, each transformer layer compiled (compile_layers)."""
     topo = groups.topology
     ranges = stage_layer_ranges(config.num_layers, topo.pp, virtual_stages, layer_split)
     chunks = []
@@ -29,7 +31,19 @@ def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTra
         first = v == 0 and groups.is_first_stage
         last = v == virtual_stages - 1 and groups.is_last_stage
         chunks.append(split_for_stage(model, layers, first, last))
+        if compile_backend is not None:
+            compile_layers(chunks[-1], compile_backend)
     return chunks
+
+
+def compile_layers(model: GPT, backend: str = "inductor") -> GPT:
+    """torch.compile each transformer layer in place (nn.Module.compile): the layer keeps its name,
+    parameters and hooks, so ZeRO-3's gather hooks (torch.compiler.disable'd, graph breaks at the
+    layer's edges) and recomputation (the checkpoint wraps the compiled layer) work unchanged. Layers
+    of one shape share their compiled code: parameters are graph inputs, not constants."""
+    for layer in model.layers.values():
+        layer.compile(backend=backend)
+    return model
 
 
 def make_init_fn(config: GPTConfig, seed: int):

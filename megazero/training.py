@@ -14,11 +14,12 @@ import torch
 
 from megazero.core import comm
 from megazero.config.train_config import TrainConfig
-from megazero.flops import peak_tflops, step_flops
+from megazero.flops import peak_tflops, recompute_flops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
 from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, summed_across_stages
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
+from megazero.parallel.pipeline.split import stage_layer_ranges
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
@@ -94,7 +95,8 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     par = cfg.parallel
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
-                                virtual_stages=par.virtual_stages, layer_split=par.layer_split)
+                                virtual_stages=par.virtual_stages, layer_split=par.layer_split,
+                                compile_backend=cfg.compile_backend)
     prec = cfg.precision
     precision = precision_of(cfg)
     scaler = (LossScaler.for_fp16(prec.loss_scale, prec.initial_scale_power, prec.loss_scale_window,
@@ -156,16 +158,31 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: Timers | N
                        backward=backward, p2p=state.p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm)
 
 
-def _global_loss(state: TrainState, losses: list[torch.Tensor]) -> float:
-    """Sum of the last stage's microbatch losses over DP, sent to every pipeline stage."""
+def _global_loss(state: TrainState, losses: list[torch.Tensor],
+                 flags: tuple[bool, ...] = ()) -> tuple[float, tuple[bool, ...]]:
+    """Sum of the last stage's microbatch losses over DP, sent to every pipeline stage, and each of
+    this rank's `flags` (stop conditions) made true on every rank when it is true on any rank of
+    the layout: the flags ride in the loss's own reduction, so agreeing on them costs no extra
+    collective and no extra host sync. With flags the reduction is over DP, then over TP x PP
+    instead of a broadcast over PP: the loss enters once (last stage, TP rank 0; the other ranks
+    add zeros, which leaves its float64 sum bitwise as it was) and the flags add up as counts."""
     groups = state.groups
-    total = torch.zeros(1, dtype=torch.float64, device=state.device)
-    if groups.is_last_stage:
-        if losses:
-            total += torch.stack(losses).double().sum()
+    total = torch.zeros(1 + len(flags), dtype=torch.float64, device=state.device)
+    counts_loss = groups.is_last_stage and (not flags or groups.coords.tp == 0)
+    if counts_loss and losses:
+        total[:1] += torch.stack(losses).double().sum()
+    if flags:
+        for i, flag in enumerate(flags, start=1):
+            if flag:                              # a fill on the device: no host-to-device copy
+                total[i].fill_(1.0)
         comm.all_reduce(total, groups.dp)
-    comm.broadcast(total, groups.topology.pp - 1, groups.pp)
-    return total.item()
+        comm.all_reduce(total, groups.mp)
+    else:
+        if groups.is_last_stage:
+            comm.all_reduce(total, groups.dp)
+        comm.broadcast(total, groups.topology.pp - 1, groups.pp)
+    values = total.tolist()
+    return values[0], tuple(v > 0 for v in values[1:])
 
 
 @dataclasses.dataclass
@@ -175,9 +192,14 @@ class StepResult:
     skipped: bool
     loss_scale: float
     max_in_flight: int
+    stop_flags: tuple[bool, ...] = ()     # stop_flags()'s values, each agreed over the layout
 
 
-def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float) -> StepResult:
+def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float,
+               stop_flags=None) -> StepResult:
+    """One training step. `stop_flags()` (called after the optimizer step) gives this rank's stop
+    conditions (e.g. the wall clock is past --exit-duration-in-mins, a signal came), agreed over
+    the whole layout in the loss's reduction (`_global_loss`)."""
     par = state.cfg.parallel
     schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
     state.engine.begin_step()
@@ -188,9 +210,9 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float) -
     with _Timed(state.timers, "step"):
         stats = state.engine.step(lr)
     state.iteration += 1
-    loss = _global_loss(state, result.losses)
+    loss, agreed = _global_loss(state, result.losses, stop_flags() if stop_flags is not None else ())
     state.groups.log.end_step()
-    return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight)
+    return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight, agreed)
 
 
 @torch.no_grad()
@@ -202,7 +224,7 @@ def evaluate(state: TrainState, batches: list[list[torch.Tensor]]) -> float:
         chunk.eval()
     total = 0.0
     for microbatches in batches:
-        total += _global_loss(state, schedule(_job(state, microbatches), forward_only=True).losses)
+        total += _global_loss(state, schedule(_job(state, microbatches), forward_only=True).losses)[0]
     for chunk in state.chunks:
         chunk.train()
     state.groups.log.end_step()        # evaluation traffic is not the next training step's
@@ -219,17 +241,24 @@ def peak_memory_mib(device: torch.device) -> float:
 def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_at, metrics=None,
           start_iteration: int = 0, policy=None) -> list[dict]:
     """Runs steps start_iteration+1 .. cfg.train_iters; returns one record per step (and per
-    evaluation). `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
+    evaluation). `lr_at(n)` is the rate of the n-th applied optimizer step (megazero.lr_schedule).
+    `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
     cfg = state.cfg
     history, window = [], []
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
     flops_per_step = step_flops(cfg.model, tokens_per_step)
+    par = cfg.parallel
+    chunk_layers = [len(r) for r in stage_layer_ranges(cfg.model.num_layers, par.pipeline_parallel,
+                                                       par.virtual_stages, par.layer_split)]
+    hardware_flops = flops_per_step + recompute_flops(cfg.model, tokens_per_step, chunk_layers)
     peak = peak_tflops(state.device)
     world = state.groups.topology.world_size
     for it in range(start_iteration, cfg.train_iters):
         started = time.perf_counter()
-        lr = lr_at(it + 1)
-        step = train_step(state, train_source.batch(it), lr)
+        # The schedule counts applied optimizer steps (Megatron's scheduler does not advance on a
+        # skipped step; a checkpoint loaded without its optimizer restarts it).
+        lr = lr_at(state.engine.step_count + 1)
+        step = train_step(state, train_source.batch(it), lr, policy.stop_flags if policy else None)
         elapsed = time.perf_counter() - started
         record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
                   "skipped": step.skipped, "loss_scale": step.loss_scale,
@@ -237,8 +266,9 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                   "tflops_per_device": flops_per_step / elapsed / world / 1e12,
                   "memory_mib": peak_memory_mib(state.device),
                   "skipped_total": state.engine.skipped_steps}
-        if peak is not None:
+        if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
             record["mfu"] = record["tflops_per_device"] / peak
+            record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak
         if state.timers is not None:
             record["time_ms"] = state.timers.elapsed_ms()
         if step.skipped and metrics is not None:
@@ -255,7 +285,8 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
             history.append(eval_record)
             if metrics is not None:
                 metrics.log_eval(eval_record)
-        stop = policy.after_step(state, state.iteration * cfg.global_batch_size) if policy else None
+        consumed = state.iteration * cfg.global_batch_size
+        stop = policy.after_step(state, consumed, step.stop_flags) if policy else None
         if stop:
             if metrics is not None:
                 metrics.say(f" stopping after iteration {it + 1} ({stop})")

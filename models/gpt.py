@@ -21,45 +21,47 @@ import torch.utils.checkpoint
 from einops import rearrange
 from torch import nn
 
+from .attention import RotaryTables, core_attention, rotate
 from .config import GPTConfig
+from .loss import linear_cross_entropy
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, base: float, device, dtype):
-    """cos/sin tables (s, head_dim/2) for rotary position embeddings (Su et al., RoFormer)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+class ZeroCenteredLayerNorm(nn.LayerNorm):
+    """LayerNorm scaling by weight + 1, weight initialised at 0 (Megatron's --apply-layernorm-1p):
+    weight decay then pulls the scale towards 1 rather than 0."""
+    zero_centered_gamma = True
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates pairs (x[2i], x[2i+1]) of x (b, s, heads, d) by the position's angle."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.flatten(-2)
+class ZeroCenteredRMSNorm(nn.RMSNorm):
+    """RMSNorm scaling by weight + 1 (Transformer Engine's zero_centered_gamma, as Megatron uses it)."""
+    zero_centered_gamma = True
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
-    if config.normalization == "rmsnorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+    rms = config.normalization == "rmsnorm"
+    if config.apply_layernorm_1p:
+        kind = ZeroCenteredRMSNorm if rms else ZeroCenteredLayerNorm
+    else:
+        kind = nn.RMSNorm if rms else nn.LayerNorm
+    return kind(config.hidden_size, eps=config.norm_epsilon)
 
 
 class CoreAttention(nn.Module):
-    """Causal scaled-dot-product attention over already-projected q (b,s,nq,d), k/v (b,s,ng,d)."""
+    """Causal attention over already-projected q (b,s,nq,d), k/v (b,s,ng,d): models.attention's
+    core_attention with this layer's dropout and backend."""
 
-    def __init__(self, dropout: float):
+    def __init__(self, dropout: float, backend: str = "auto"):
         super().__init__()
-        self.dropout = dropout
+        self.dropout, self.backend = dropout, backend
 
     def forward(self, q, k, v):
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))       # (b, heads, s, d)
-        if k.shape[1] != q.shape[1]:                            # grouped-query attention
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             dropout_p=self.dropout if self.training else 0.0)
-        return out.transpose(1, 2).flatten(2)                   # (b, s, nq*d)
+        return core_attention(q, k, v, self.dropout if self.training else 0.0, self.backend)
 
 
 class Attention(nn.Module):
@@ -67,30 +69,35 @@ class Attention(nn.Module):
 
     The QKV output is laid out group by group, [q heads of group g, k_g, v_g] for each of the
     query groups, so any contiguous slice of whole groups is itself a valid, smaller attention.
+    Heads are `config.head_dim` wide (Megatron's --kv-channels), which need not be hidden / heads.
     """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.head_dim = config.hidden_size // config.num_attention_heads
-        self.rotary_base = config.rotary_base if config.position_embedding == "rope" else None
+        self.head_dim = config.head_dim
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
         self.qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear)
-        self.core = CoreAttention(config.attention_dropout)
+        self.core = CoreAttention(config.attention_dropout, config.attention_backend)
         self.proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                               bias=config.add_bias_linear)
+        # checkpoint(function, *args) for selective recomputation of the core; set by GPT.set_checkpoint_fn
+        self.recompute_core = None
 
-    def forward(self, x):
+    def forward(self, x, rotary=None):
         qkv = self.qkv(x)
-        s = qkv.shape[1]           # the full sequence even when x is a sequence-parallel shard
         # groups are inferred from the width, so a tensor-parallel slice of whole groups works too
         qkv = rearrange(qkv, "b s (g r d) -> b s g r d", r=self.q_per_group + 2, d=self.head_dim)
-        q = rearrange(qkv[:, :, :, :self.q_per_group], "b s g r d -> b s (g r) d")
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-        if self.rotary_base is not None:
-            cos, sin = rotary_cos_sin(s, self.head_dim, self.rotary_base, x.device, q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.proj(self.core(q, k, v))
+        qk = qkv[:, :, :, :-1]                     # each group's q heads and its k head
+        if rotary is not None:                     # q and k rotate together, in one expression
+            qk = rotate(qk, *rotary)
+        q = rearrange(qk[:, :, :, :-1], "b s g r d -> b s (g r) d")
+        k, v = qk[:, :, :, -1], qkv[:, :, :, -1]
+        if self.recompute_core is not None and self.training:
+            out = self.recompute_core(self.core, q, k, v)
+        else:
+            out = self.core(q, k, v)
+        return self.proj(out)
 
 
 class MLP(nn.Module):
@@ -124,8 +131,8 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x):
-        x = x + self.attention_dropout(self.attention(self.input_norm(x)))
+    def forward(self, x, rotary=None):
+        x = x + self.attention_dropout(self.attention(self.input_norm(x), rotary))
         return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -145,7 +152,9 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Output projection to the (padded) vocabulary, and the per-token loss over the real vocabulary.
+    """Output projection to the (padded) vocabulary, and the per-token loss over the real vocabulary
+    (models.loss: the projection and the cross entropy fused, chunk by chunk, so the full logits
+    never exist when there are labels).
 
     Padding rows exist so the vocabulary splits evenly under tensor parallelism; they are cut off
     here (and masked in the parallel version) so padding never changes the loss.
@@ -158,11 +167,9 @@ class LMHead(nn.Module):
             torch.empty(config.padded_vocab_size, config.hidden_size))
 
     def forward(self, x, labels=None):
-        logits = F.linear(x, self.weight)[..., :self.vocab_size]
         if labels is None:
-            return logits
-        losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
-        return losses.view_as(labels)
+            return F.linear(x, self.weight)[..., :self.vocab_size]
+        return linear_cross_entropy(x, self.weight, labels, self.vocab_size)
 
 
 class GPT(nn.Module):
@@ -179,34 +186,77 @@ class GPT(nn.Module):
         self.final_norm = make_norm(config)
         tied = self.embedding.word.weight if config.tie_embeddings else None
         self.output_head = LMHead(config, weight=tied)
-        # Replaced by parallel.parallelize with a version that also restores TP RNG states.
-        self.checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        # Tables built once per (length, device, dtype) and handed to every layer.
+        self.rotary = (RotaryTables(config.head_dim, config.rotary_dim, config.rotary_base)
+                       if config.position_embedding == "rope" else None)
+        self.set_checkpoint_fn(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+
+    def set_checkpoint_fn(self, checkpoint_fn) -> None:
+        """The activation checkpoint function recomputation runs through (parallel.parallelize
+        installs one that also replays the tensor-parallel RNG streams)."""
+        self.checkpoint_fn = checkpoint_fn
+        selective = self.config.recompute_granularity == "selective"
+        for layer in self.layers.values():
+            layer.attention.recompute_core = checkpoint_fn if selective else None
 
     def forward(self, inputs, labels=None):
         x = self.embedding(inputs) if self.embedding is not None else inputs
-        for layer in self.layers.values():
-            if self.config.recompute_activations and self.training:
-                x = self.checkpoint_fn(layer, x)
-            else:
-                x = layer(x)
+        rotary = None
+        if self.rotary is not None:     # inputs are at least as long as a sequence-parallel shard
+            length = max(self.config.max_position_embeddings, inputs.shape[1])
+            rotary = self.rotary.get(length, x.device, x.dtype)
+        x = self._run_layers(x, rotary)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.output_head is None:
             return x
         return self.output_head(x, labels)
 
+    def _run_layers(self, x, rotary):
+        """This chunk's layers, with full recomputation as Megatron-LM counts it: per model chunk
+        (pipeline stage), "uniform" checkpoints groups of recompute_num_layers consecutive layers,
+        "block" the first recompute_num_layers layers one by one."""
+        layers = list(self.layers.values())
+        cfg = self.config
+        if cfg.recompute_granularity != "full" or not self.training:
+            for layer in layers:
+                x = layer(x, rotary)
+            return x
+        n = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":
+            for lo in range(0, len(layers), n):
+                x = self.checkpoint_fn(_Sequence(layers[lo:lo + n]), x, rotary)
+            return x
+        for i, layer in enumerate(layers):
+            x = self.checkpoint_fn(layer, x, rotary) if i < n else layer(x, rotary)
+        return x
+
+
+class _Sequence:
+    """Layers run one after another, as one function for a checkpoint (not a module: the layers
+    keep their names and hooks where they are)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x, rotary):
+        for layer in self.layers:
+            x = layer(x, rotary)
+        return x
+
 
 # --- layout-independent initialisation ----------------------------------------------------------
 
 def init_std(config: GPTConfig, name: str) -> float | None:
-    """Std of a weight's normal init, None for ones (norm scales), 0 for zeros (biases).
+    """Std of a weight's normal init, None for ones (norm scales), 0 for zeros (biases, and the
+    norm scales of a zero-centred norm, which multiplies by weight + 1).
 
     Output projections of residual branches are scaled by 1/sqrt(2L) (GPT-2's residual scaling).
     """
     if name.endswith(".bias"):
         return 0.0
     if "norm" in name.rsplit(".", 2)[-2]:
-        return None
+        return 0.0 if config.apply_layernorm_1p else None
     if name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
         return config.init_method_std / math.sqrt(2.0 * config.num_layers)
     return config.init_method_std

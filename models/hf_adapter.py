@@ -15,6 +15,10 @@ Facts the mapping honours:
 - Rotary layout: megazero rotates interleaved pairs (x[2i], x[2i+1]) by angle i; Llama's rotate_half
   rotates (x[i], x[i + d/2]) by the same angle i. Permuting every q and k head's rows (ours 2i -> theirs
   i, ours 2i+1 -> theirs i + d/2) turns one into the other; q.k is unchanged since both move alike.
+- Heads may be narrower or wider than hidden / heads (--kv-channels): Llama's `head_dim` says so;
+  GPT-2 cannot. Llama rotates whole heads, so a model with --rotary-percent < 1 is refused.
+- A zero-centred norm (--apply-layernorm-1p) scales by weight + 1: its weight is exported as weight + 1
+  (the value the forward multiplies by, computed in fp32 as the forward does); imports are plain norms.
 - Hugging Face embeddings have exactly vocab_size rows: megazero's padding rows (zero by
   construction and never trained) are dropped on export, and a non-zero one is refused.
 - Dropout is no part of a model's function: GPT-2's resid/embd_pdrop carry megazero's hidden dropout;
@@ -57,6 +61,8 @@ def _problems(config: GPTConfig, fmt: str) -> list[str]:
             (config.num_query_groups == config.num_attention_heads,
              f"--num-query-groups {config.num_query_groups}: {target} has one key/value head per query head"),
             (config.add_bias_linear, f"--disable-bias-linear: {target}'s linear layers all have biases"),
+            (config.head_dim * config.num_attention_heads == config.hidden_size,
+             f"--kv-channels {config.head_dim}: {target}'s heads are hidden size / heads wide"),
         ]
     else:
         checks = [
@@ -64,6 +70,8 @@ def _problems(config: GPTConfig, fmt: str) -> list[str]:
              f"--position-embedding-type learned_absolute: {target} has rotary positions only"),
             (config.activation == "swiglu", f"a GELU MLP (no --swiglu): {target}'s MLP is SwiGLU"),
             (config.normalization == "rmsnorm", f"--normalization LayerNorm: {target} uses RMSNorm"),
+            (config.rotary_percent == 1.0,
+             f"--rotary-percent {config.rotary_percent}: {target} rotates every dim of a head"),
         ]
     return [message for ok, message in checks if not ok]
 
@@ -105,7 +113,7 @@ def hf_config(config: GPTConfig, fmt: str, special_ids: dict | None = None) -> d
     return {**common, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_query_groups,
-            "head_dim": config.hidden_size // config.num_attention_heads, "hidden_act": "silu",
+            "head_dim": config.head_dim, "hidden_act": "silu",
             "max_position_embeddings": config.max_position_embeddings, "rms_norm_eps": config.norm_epsilon,
             "rope_theta": config.rotary_base, "rope_scaling": None,
             "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
@@ -149,7 +157,6 @@ def gpt_config(hf: dict) -> GPTConfig:
             init_method_std=hf.get("initializer_range", 0.02))
     _require(hf, "hidden_act", ("silu", "swish"), "silu", "SwiGLU MLPs")
     hidden, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    _require(hf, "head_dim", (None, hidden // heads), None, "head size = hidden size / heads")
     rope = _rope_theta(hf)
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
         raise ConversionError(f"config.json: attention_bias={hf.get('attention_bias')} with "
@@ -160,6 +167,7 @@ def gpt_config(hf: dict) -> GPTConfig:
         vocab_size=hf.get("vocab_size", 32000), hidden_size=hidden,
         num_layers=hf.get("num_hidden_layers", 32), num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hidden // heads,
         ffn_hidden_size=hf.get("intermediate_size", 11008), seq_length=positions,
         max_position_embeddings=positions, position_embedding="rope", rotary_base=rope,
         activation="swiglu", normalization="rmsnorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6),
@@ -202,7 +210,7 @@ def _transposed(name: str, hf_name: str) -> Entry:
 
 def _qkv_split(config: GPTConfig, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Our group-by-group fused QKV rows -> (q of all heads, k of all groups, v of all groups)."""
-    groups, head_dim = config.num_query_groups, config.hidden_size // config.num_attention_heads
+    groups, head_dim = config.num_query_groups, config.head_dim
     per_group = config.num_attention_heads // groups
     rows = t.unflatten(0, (groups, per_group + 2, head_dim))
     return (rows[:, :per_group].flatten(0, 2), rows[:, per_group].flatten(0, 1),
@@ -210,7 +218,7 @@ def _qkv_split(config: GPTConfig, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _qkv_join(config: GPTConfig, q, k, v) -> torch.Tensor:
-    groups, head_dim = config.num_query_groups, config.hidden_size // config.num_attention_heads
+    groups, head_dim = config.num_query_groups, config.head_dim
     per_group = config.num_attention_heads // groups
     rows = [q.unflatten(0, (groups, per_group, head_dim)), k.unflatten(0, (groups, 1, head_dim)),
             v.unflatten(0, (groups, 1, head_dim))]
@@ -226,6 +234,13 @@ def _rotary_rows(t: torch.Tensor, head_dim: int, to_hf: bool) -> torch.Tensor:
     return t.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1).contiguous()
 
 
+def _norm_scale(config: GPTConfig, name: str, hf_name: str) -> Entry:
+    """A norm's scale; a zero-centred one (weight + 1 in the forward) is exported as weight + 1."""
+    if not config.apply_layernorm_1p:
+        return _same(name, hf_name)
+    return name, (hf_name,), lambda t: (t + 1,), lambda ts: ts[0] - 1
+
+
 def _gpt2_layer(config: GPTConfig, i: int) -> list[Entry]:
     ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
 
@@ -235,12 +250,12 @@ def _gpt2_layer(config: GPTConfig, i: int) -> list[Entry]:
                 lambda t: (flip(torch.cat(_qkv_split(config, t))),),
                 lambda ts: _qkv_join(config, *flip(ts[0]).chunk(3, dim=0)))
 
-    return [_same(f"{ours}input_norm.weight", f"{theirs}ln_1.weight"),
+    return [_norm_scale(config, f"{ours}input_norm.weight", f"{theirs}ln_1.weight"),
             _same(f"{ours}input_norm.bias", f"{theirs}ln_1.bias"),
             c_attn("weight"), c_attn("bias"),
             _transposed(f"{ours}attention.proj.weight", f"{theirs}attn.c_proj.weight"),
             _same(f"{ours}attention.proj.bias", f"{theirs}attn.c_proj.bias"),
-            _same(f"{ours}mlp_norm.weight", f"{theirs}ln_2.weight"),
+            _norm_scale(config, f"{ours}mlp_norm.weight", f"{theirs}ln_2.weight"),
             _same(f"{ours}mlp_norm.bias", f"{theirs}ln_2.bias"),
             _transposed(f"{ours}mlp.fc1.weight", f"{theirs}mlp.c_fc.weight"),
             _same(f"{ours}mlp.fc1.bias", f"{theirs}mlp.c_fc.bias"),
@@ -250,7 +265,7 @@ def _gpt2_layer(config: GPTConfig, i: int) -> list[Entry]:
 
 def _llama_layer(config: GPTConfig, i: int) -> list[Entry]:
     ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = config.head_dim
 
     def qkv(kind):
         names = tuple(f"{theirs}self_attn.{p}_proj.{kind}" for p in "qkv")
@@ -269,8 +284,8 @@ def _llama_layer(config: GPTConfig, i: int) -> list[Entry]:
                 lambda t: tuple(c.contiguous() for c in t.chunk(2, dim=0)), lambda ts: torch.cat(ts))
 
     kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
-    entries = [_same(f"{ours}input_norm.weight", f"{theirs}input_layernorm.weight"),
-               _same(f"{ours}mlp_norm.weight", f"{theirs}post_attention_layernorm.weight")]
+    entries = [_norm_scale(config, f"{ours}input_norm.weight", f"{theirs}input_layernorm.weight"),
+               _norm_scale(config, f"{ours}mlp_norm.weight", f"{theirs}post_attention_layernorm.weight")]
     for kind in kinds:
         entries += [qkv(kind), _same(f"{ours}attention.proj.{kind}", f"{theirs}self_attn.o_proj.{kind}"),
                     gate_up(kind), _same(f"{ours}mlp.fc2.{kind}", f"{theirs}mlp.down_proj.{kind}")]
@@ -282,12 +297,12 @@ def parameter_map(config: GPTConfig, fmt: str) -> list[Entry]:
     if fmt == "gpt2":
         entries = [_same("embedding.word.weight", "transformer.wte.weight"),
                    _same("embedding.position.weight", "transformer.wpe.weight"),
-                   _same("final_norm.weight", "transformer.ln_f.weight"),
+                   _norm_scale(config, "final_norm.weight", "transformer.ln_f.weight"),
                    _same("final_norm.bias", "transformer.ln_f.bias")]
         layer = _gpt2_layer
     else:
         entries = [_same("embedding.word.weight", "model.embed_tokens.weight"),
-                   _same("final_norm.weight", "model.norm.weight")]
+                   _norm_scale(config, "final_norm.weight", "model.norm.weight")]
         layer = _llama_layer
     if not config.tie_embeddings:
         entries.append(_same("output_head.weight", "lm_head.weight"))

@@ -1,8 +1,10 @@
-"""Cross entropy over logits whose vocabulary dimension is split across tensor-parallel ranks.
+"""Cross entropy over an output layer whose vocabulary rows are split across tensor-parallel ranks.
 
-Never gathers the full logits: each rank holds a contiguous vocabulary range; the max, the target logit
-and the softmax denominator are combined with all-reduces of (b, s)-sized tensors. Vocabulary rows at
-or beyond `vocab_size` are padding and are masked out, so padding never changes the loss.
+Never gathers the full logits, and never holds this rank's full fp32 logits either: the projection and
+the loss run fused, a chunk of tokens at a time (megazero.models.loss, which owns the math and keeps the
+single-device path). Each rank holds a contiguous vocabulary range; the per-token max, target logit and
+softmax denominator are combined with all-reduces of chunk-sized tensors (every TP rank sees the same
+tokens, so all run the same chunks). Rows at or beyond `vocab_size` are padding and never count.
 """
 from __future__ import annotations
 
@@ -10,46 +12,20 @@ import torch
 
 from megazero.core import comm
 from megazero.core.comm import Group, ReduceOp
+from megazero.models.loss import VocabShard, linear_cross_entropy
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, labels, group: Group, vocab_start: int, vocab_size: int):
-        ctx.input_dtype = logits.dtype
-        logits = logits.float()
-        local = logits.shape[-1]
-        real_local = max(0, min(local, vocab_size - vocab_start))
-        if real_local < local:
-            logits = logits.clone()
-            logits[..., real_local:] = float("-inf")
-
-        logits_max = logits.max(dim=-1).values
-        comm.all_reduce(logits_max, group, op=ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        in_range = (labels >= vocab_start) & (labels < vocab_start + real_local)
-        local_labels = torch.where(in_range, labels - vocab_start, torch.zeros_like(labels))
-        target = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1) * in_range
-        exp = shifted.exp()
-        # One all-reduce carries both the target logit and the softmax denominator.
-        combined = torch.stack([target, exp.sum(dim=-1)])
-        comm.all_reduce(combined, group)
-        target, sum_exp = combined[0], combined[1]
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, in_range)
-        return sum_exp.log() - target
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_labels, in_range = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -in_range.unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+def vocab_shard(group: Group, vocab_start: int) -> VocabShard:
+    """This rank's vocabulary rows from `vocab_start`, combined over `group` by all-reduces."""
+    return VocabShard(start=vocab_start,
+                      reduce_max=lambda t: comm.all_reduce(t, group, op=ReduceOp.MAX),
+                      reduce_sum=lambda t: comm.all_reduce(t, group))
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Group,
-                                 vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """Per-token loss (same shape as labels) from this rank's logits over [vocab_start, +local)."""
-    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
+def vocab_parallel_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                        group: Group, vocab_start: int, vocab_size: int,
+                                        chunk_tokens: int | None = None) -> torch.Tensor:
+    """Per-token loss (labels' shape) of x's logits against this rank's weight rows
+    [vocab_start, +rows); x is the full (gathered) input every TP rank holds. The gradient it
+    returns for x is this rank's partial sum (the caller's copy-to-TP mapping all-reduces it)."""
+    return linear_cross_entropy(x, weight, labels, vocab_size, vocab_shard(group, vocab_start), chunk_tokens)

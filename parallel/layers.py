@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.core.comm import Group
-from .cross_entropy import vocab_parallel_cross_entropy
+from .cross_entropy import vocab_parallel_linear_cross_entropy
 from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_region,
                        scatter_to_sequence_region)
@@ -149,7 +149,8 @@ class ParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Output projection onto this rank's vocabulary range; loss by vocab-parallel cross entropy."""
+    """Output projection onto this rank's vocabulary range; with labels, the projection and the
+    vocab-parallel cross entropy run fused (parallel.cross_entropy), never holding the full logits."""
 
     def __init__(self, weight: nn.Parameter, vocab_size: int, group: Group, sequence_parallel: bool):
         super().__init__()
@@ -162,21 +163,23 @@ class ParallelLMHead(nn.Module):
             x = gather_from_sequence_region(x, self.group)
         else:
             x = copy_to_tp_region(x, self.group)
-        logits = F.linear(x, self.weight)
         if labels is None:
-            return gather_from_tp_region(logits, self.group)[..., :self.vocab_size]
-        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start, self.vocab_size)
+            return gather_from_tp_region(F.linear(x, self.weight), self.group)[..., :self.vocab_size]
+        return vocab_parallel_linear_cross_entropy(x, self.weight, labels, self.group, self.vocab_start,
+                                                   self.vocab_size)
 
 
 class SequenceParallelNorm(nn.Module):
     """LayerNorm/RMSNorm on a sequence shard: its weight (and bias) gradients are partial per rank,
-    marked `sequence_parallel` and summed over TP once per step (megazero.parallel.finalize)."""
+    marked `sequence_parallel` and summed over TP once per step (megazero.parallel.finalize). A
+    zero-centred norm (--apply-layernorm-1p) scales by weight + 1, as the module it replaces."""
 
     def __init__(self, norm: nn.Module, group: Group):
         super().__init__()
         self.kind = "rmsnorm" if isinstance(norm, nn.RMSNorm) else "layernorm"
         self.normalized_shape = tuple(norm.normalized_shape)
         self.eps = norm.eps
+        self.zero_centered_gamma = getattr(norm, "zero_centered_gamma", False)
         self.weight = norm.weight
         self.bias = getattr(norm, "bias", None)
         self.group = group
@@ -185,6 +188,7 @@ class SequenceParallelNorm(nn.Module):
                 p.sequence_parallel = True
 
     def forward(self, x):
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if self.kind == "rmsnorm":
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)

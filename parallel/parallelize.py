@@ -69,7 +69,7 @@ def _parallel_head(head: LMHead, tied_weight, group: Group, sp: bool) -> Paralle
 
 def parallelize(model: GPT, tp_group: Group, tracker: RNGTracker, sequence_parallel: bool = False) -> GPT:
     """Swaps `model`'s layers for tensor-parallel ones over `tp_group` (in place; returns it)."""
-    model.checkpoint_fn = make_checkpoint_fn(tracker)
+    model.set_checkpoint_fn(make_checkpoint_fn(tracker))
     if tp_group.size == 1:
         return model          # a TP group of one is the pure model; sequence parallel is a no-op
     sp = sequence_parallel

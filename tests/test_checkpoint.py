@@ -2,6 +2,8 @@
 dropout on) for ZeRO stages 0-3 with TP, PP (every schedule) and MiCS; a checkpoint of one layout
 loads at another and continues on that layout's own curve (rtol 1e-5); bad checkpoints fail with one
 line naming the file."""
+import math
+
 import pytest
 import torch
 
@@ -197,6 +199,53 @@ def test_bad_checkpoints_name_the_file(saved, tmp_path):
     with pytest.raises(CheckpointError, match="a shard of run other-run rank 0, not of this checkpoint"):
         CheckpointReader(it)
     assert sorted(p.name for p in it.iterdir()) == ["metadata.json", "rank_00000.safetensors"]
+
+
+def _as_if_saved_on_a_gpu(it, cfg):
+    """Rewrites a CPU checkpoint of `cfg`'s layout (dp 1) as a GPU run of it would have written it:
+    each rank's layout key as the saver makes it on cuda, CUDA generator states (16 bytes; the
+    CPU's are 5056)."""
+    import json
+    import types
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from megazero.checkpoint.saver import crc32, layout_key
+    meta = json.loads((it / "metadata.json").read_text())
+    par = cfg.parallel
+    for index in meta["ranks"]:
+        data = it / index["file"]["name"]
+        with safe_open(str(data), framework="pt") as f:
+            header = f.metadata()
+        tensors = load_file(str(data))
+        for key in [k for k in tensors if k.startswith("rng/tracker/")] + ["rng/cuda"]:
+            tensors[key] = torch.arange(16, dtype=torch.uint8)
+            index["rng"][key[len("rng/"):]] = crc32(tensors[key])
+        save_file(tensors, str(data), metadata=header)
+        topology = types.SimpleNamespace(world_size=len(meta["ranks"]), tp=par.tensor_parallel,
+                                         pp=par.pipeline_parallel)
+        index["layout_key"] = layout_key(types.SimpleNamespace(
+            cfg=cfg, groups=types.SimpleNamespace(topology=topology, rank=index["rank"]),
+            device=torch.device("cuda", 0)))
+        index["file"]["bytes"] = data.stat().st_size
+    (it / "metadata.json").write_text(json.dumps(meta))
+
+
+def test_rng_states_stay_on_their_device_type(dist_pool, tmp_path):
+    """CPU <-> GPU at tp 2: the layout key holds the device type, so a GPU checkpoint loads on the
+    CPU with its weights and optimizer and without its RNG states (the note of another layout), and
+    the run goes on with dropout. With the key blind to the device, the CUDA tracker states went
+    into the CPU tracker and the first dropout failed (the CPU generator refuses a 16-byte state);
+    the reverse move is the same comparison."""
+    cfg = _resume_config(tp=2, stage=1)
+    saved = tmp_path / "saved"
+    dist_pool(2).run(ckpt_worker, cfg, 1, str(saved), save_at=2, stop_after=2)
+    same = dist_pool(2).run(ckpt_worker, cfg, 1, str(tmp_path / "unused"), load=str(saved), stop_after=3)
+    assert all(r["rng"] for r in same), "a CPU checkpoint on the CPU restores its RNG states"
+    _as_if_saved_on_a_gpu(saved / "iter_0000002", cfg)
+    moved = dist_pool(2).run(ckpt_worker, cfg, 1, str(tmp_path / "unused"), load=str(saved))
+    assert not any(r["rng"] for r in moved)
+    assert sorted(_curve(moved)) == list(range(3, STEPS + 1))
+    assert all(math.isfinite(loss) for loss, _ in _curve(moved).values())
 
 
 KILL_CHILD = r'''

@@ -156,12 +156,16 @@ def test_deepspeed_defaults_yield_to_flags(tmp_path):
 
 def test_activation_checkpointing_turns_recomputation_on(tmp_path):
     cfg = _config(tmp_path, ACTIVATION)
-    assert cfg.model.recompute_activations
+    m = cfg.model       # DeepSpeed's recomputation: every layer whole
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
     assert [n for n in cfg.notes if "activation_checkpointing" in n] == [
         f"{tmp_path / 'ds.json'}: activation_checkpointing.partition_activations = true has no effect: each "
         f"layer's saved input is not split across tensor-parallel ranks (--sequence-parallel splits it along "
         f"the sequence)"]
-    assert not _config(tmp_path, {"zero_optimization": {"stage": 1}}).model.recompute_activations
+    assert _config(tmp_path, {"zero_optimization": {"stage": 1}}).model.recompute_granularity == "none"
+    message = _error(lambda: _config(tmp_path, ACTIVATION, "--recompute-granularity", "selective"))
+    assert message == (f"--recompute-granularity selective contradicts activation_checkpointing = \"full\" in "
+                       f"{tmp_path / 'ds.json'}; remove one")
 
 
 def test_monitors_map_onto_the_monitor_flags():
@@ -188,17 +192,19 @@ def _records(path: Path) -> list[dict]:
 def test_a_trainer_style_config_runs_on_the_flags_schedule(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = _write(tmp_path, TRAINER_STYLE)
-    code, out = _main(TINY + ["--train-iters", "2", "--zero-config", path, "--lr", "1e-3", "--min-lr", "1e-4",
+    code, out = _main(TINY + ["--train-iters", "3", "--zero-config", path, "--lr", "1e-3", "--min-lr", "1e-4",
                               "--lr-warmup-iters", "1", "--metrics-file", "m.jsonl"], capsys)
     assert code == 0, out.err
     lrs = [r["lr"] for r in _records(tmp_path / "m.jsonl")]
-    assert lrs == pytest.approx([1e-3, 1e-4]), "warmup to --lr, then WarmupDecayLR's linear decay to --min-lr"
+    # Megatron's schedule after 0, 1, 2 steps: warmup from 0 to --lr, then WarmupDecayLR's linear
+    # decay, halfway to --min-lr after 2 of its 3 steps
+    assert lrs == pytest.approx([0.0, 1e-3, 5.5e-4])
 
 
 def test_an_activation_checkpointing_config_runs_with_recomputation(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = _write(tmp_path, ACTIVATION)
-    assert config_from_args(parse_args(["--zero-config", path])).model.recompute_activations
+    assert config_from_args(parse_args(["--zero-config", path])).model.recompute_granularity == "full"
     code, out = _main(TINY + ["--train-iters", "1", "--zero-config", path, "--metrics-file", "m.jsonl"], capsys)
     assert code == 0, out.err
     assert "partition_activations = true has no effect" in out.out + out.err

@@ -1,6 +1,7 @@
 """The GPT under tensor parallelism: tp=2 and tp=4 start from the tp=1 weights and reproduce its
 10-step loss curve in fp32, for the default model and for one with every option switched
-(rotary, SwiGLU, RMSNorm, grouped-query attention, untied embeddings, activation recomputation);
+(rotary on half of each head, SwiGLU, zero-centred RMSNorm, grouped-query attention, heads wider than
+hidden / heads, no biases, untied embeddings, selective recomputation);
 dropout streams differ across TP ranks exactly where they must."""
 import pytest
 import torch
@@ -16,7 +17,8 @@ from megazero.training import setup
 
 VOCAB = 61
 VARIANT = {"position_embedding": "rope", "activation": "swiglu", "normalization": "rmsnorm",
-           "num_attention_heads": 8, "num_query_groups": 4, "recompute_activations": True}
+           "num_attention_heads": 8, "num_query_groups": 4, "kv_channels": 12, "rotary_percent": 0.5,
+           "apply_layernorm_1p": True, "recompute_granularity": "selective", "add_bias_linear": False}
 MODELS = {"default": ({}, True), "every option": (VARIANT, False)}     # name -> (model fields, tied)
 
 

@@ -1,7 +1,8 @@
 """Hugging Face conversion (tools/convert_checkpoint.py export-hf / import-hf, models/hf_adapter.py):
 megazero models of the GPT-2 and Llama families exported and loaded by transformers give megazero's
-logits (fp32, atol 1e-5); models made by transformers (random weights, non-default sizes, GQA) give
-their logits once imported, also at tensor-parallel degree 2; export -> import -> export is bitwise
+logits (fp32, atol 1e-5), zero-centred norms (--apply-layernorm-1p) exported as weight + 1; models made
+by transformers (random weights, non-default sizes, GQA, heads wider than hidden / heads) give their
+logits once imported, also at tensor-parallel degree 2; export -> import -> export is bitwise
 stable; models a format cannot express are refused naming the option. Tiny models, no downloads."""
 import json
 
@@ -79,6 +80,9 @@ EXPORTS = {
                                                   add_bias_linear=False, rotary_base=500.0,
                                                   padded_vocab_size=64)),
     "llama tied with biases": ("llama", dict(LLAMA_LIKE, norm_epsilon=1e-6, rotary_base=50.0)),
+    "llama --kv-channels 12, --apply-layernorm-1p": ("llama", dict(LLAMA_LIKE, kv_channels=12, num_query_groups=2,
+                                                                   apply_layernorm_1p=True)),
+    "gpt2 --apply-layernorm-1p": ("gpt2", dict(GPT2_LIKE, apply_layernorm_1p=True)),
 }
 
 
@@ -116,7 +120,7 @@ def _transformers_model(kind: str):
                                          eos_token_id=None)
         return _perturbed(transformers.GPT2LMHeadModel(config))
     config = transformers.LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5,
                                       max_position_embeddings=24, rope_theta=300.0, bos_token_id=None,
                                       eos_token_id=None)
     return _perturbed(transformers.LlamaForCausalLM(config))
@@ -129,7 +133,8 @@ def test_transformers_model_imported_gives_its_logits(tmp_path, kind):
     model.save_pretrained(str(tmp_path / "hf"), max_shard_size="40KB" if kind == "llama" else "1GB")
     assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
     config, params = _checkpoint_params(tmp_path / "ckpt")
-    assert (config.num_query_groups, config.hidden_size) == ((2, 48) if kind == "llama" else (6, 48))
+    assert (config.num_query_groups, config.hidden_size, config.kv_channels) == (
+        (2, 48, 12) if kind == "llama" else (6, 48, 8))
     with torch.no_grad():
         expected = model(TOKENS).logits
     torch.testing.assert_close(_megazero_logits(config, params), expected, rtol=0, atol=ATOL)
@@ -169,6 +174,8 @@ REFUSED = {
     "rope with LayerNorm": ("auto", dict(LLAMA_LIKE, normalization="layernorm"), "--normalization LayerNorm"),
     "GQA as gpt2": ("gpt2", dict(GPT2_LIKE, num_query_groups=2), "--num-query-groups 2"),
     "no biases as gpt2": ("gpt2", dict(GPT2_LIKE, add_bias_linear=False), "--disable-bias-linear"),
+    "wider heads as gpt2": ("gpt2", dict(GPT2_LIKE, kv_channels=16), "--kv-channels 16"),
+    "half rotary as llama": ("llama", dict(LLAMA_LIKE, rotary_percent=0.5), "--rotary-percent 0.5"),
 }
 
 
@@ -195,7 +202,6 @@ CONFIG_EDITS = {
     "relu GPT-2": ("gpt2", {"activation_function": "relu"}, "activation_function='relu'"),
     "scaled rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
     "other model type": ("llama", {"model_type": "mistral"}, "model_type 'mistral'"),
-    "head_dim": ("llama", {"head_dim": 16}, "head_dim=16"),
 }
 
 

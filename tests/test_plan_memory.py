@@ -105,3 +105,36 @@ def test_bad_input_is_one_line(capsys, argv, message):
     assert _tool().main(SMALL + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_activations_follow_head_width_and_recomputation():
+    """Korthikanti's 34 s b h per layer at heads of hidden / heads, the attention terms at their real
+    widths with --kv-channels and GQA; full recomputation keeps a group's input only (uniform) or
+    recomputes the first N layers of a stage (block); the model-state count takes the wider heads."""
+    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.memory_estimate import activation_bytes, layer_activation_units, rank_layout
+
+    def cfg(*flags):
+        return config_from_args(parse_args(SMALL + list(flags)), world_size=1)
+
+    plain = cfg()
+    assert layer_activation_units(plain.model) == 34
+    wide = cfg("--kv-channels", "32", "--group-query-attention", "--num-query-groups", "2")
+    # h 64: q and projection input 4 x 32 = 128 wide, k and v 2 x 32 = 64 wide: 26 + 4 x 2 + 4 x 1
+    assert layer_activation_units(wide.model) == 26 + 8 + 4
+    extra_weights = 64 * (128 + 64 + 64) + 128 * 64 - 4 * 64 * 64    # qkv + proj against the plain layer
+    extra_biases = (128 + 64 + 64) - 3 * 64                            # the qkv bias
+    assert rank_layout(wide, 1).parameters - rank_layout(plain, 1).parameters == 4 * (extra_weights + extra_biases)
+
+    def acts(model, layers=4, chunks=(4,)):
+        return activation_bytes(32, 2, model, layers, 1, 1, 4, list(chunks))
+
+    logits = 32 * 2 * plain.model.padded_vocab_size * (4 + 4 + 4)
+    full_layer = 34 * 32 * 2 * 64 * 4 / 2
+    kept = 32 * 2 * 64 * 4
+    assert acts(plain.model) == 4 * full_layer + logits
+    assert acts(cfg("--recompute-activations").model) == 4 * full_layer + logits     # SDPA keeps no scores
+    uniform = cfg("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2")
+    assert acts(uniform.model) == 2 * kept + 2 * full_layer + logits
+    block = cfg("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")
+    assert acts(block.model, chunks=(2, 2)) == 2 * kept + 2 * full_layer + full_layer + logits

@@ -16,7 +16,7 @@ states and parameters are printed apart, as host memory or disk bytes, with the 
 staging; the device total leaves them out.
 
 --fit-gib X searches every layout of --world-size ranks (tensor and pipeline sizes the model divides
-into, ZeRO stages 0-3, recomputation off/on; the given micro and global batch) and prints the
+into, ZeRO stages 0-3, full recomputation off/on; the given micro and global batch) and prints the
 cheapest whose device total fits in X GiB. "Cheapest" orders by what each choice costs in time, largest first:
 recomputation (a third more compute), then model-parallel degree tp x pp (per-layer all-reduces,
 the pipeline bubble), then pipeline over tensor size, then ZeRO stage (stage 3 moves 1.5x the bytes of
@@ -68,7 +68,13 @@ def describe_layout(cfg, world_size: int) -> str:
     par = cfg.parallel
     dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
     return (f"tp {par.tensor_parallel} x pp {par.pipeline_parallel} x dp {dp}, ZeRO stage {cfg.zero.stage}, "
-            f"micro batch {cfg.micro_batch_size}, recompute {'on' if cfg.model.recompute_activations else 'off'}")
+            f"micro batch {cfg.micro_batch_size}, recompute {_recompute_text(cfg.model)}")
+
+
+def _recompute_text(model) -> str:
+    if model.recompute_granularity == "full":
+        return f"full ({model.recompute_method}, {model.recompute_num_layers} layers)"
+    return "selective" if model.recompute_granularity == "selective" else "off"
 
 
 def format_plan(cfg, world_size: int) -> str:
@@ -102,7 +108,10 @@ def candidate_configs(args: argparse.Namespace) -> list:
                 for recompute in (False, True):
                     trial = copy.copy(args)
                     trial.tensor_model_parallel_size, trial.pipeline_model_parallel_size = tp, pp
-                    trial.zero_stage, trial.recompute_activations = stage, recompute
+                    trial.zero_stage, trial.recompute_activations = stage, False
+                    # on: every layer recomputed whole, the most memory recomputation saves
+                    trial.recompute_granularity, trial.recompute_method, trial.recompute_num_layers = (
+                        ("full", "uniform", 1) if recompute else (None, None, None))
                     try:
                         cfg = config_from_args(trial, args.world_size)
                     except UsageError:

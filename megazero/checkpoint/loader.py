@@ -5,7 +5,7 @@ each kind (fp32 master, and unless told otherwise exp_avg and exp_avg_sq), this 
 taken and the storage writes its own piece (`write_full`, which also refreshes the low-precision
 weights). One parameter at a time, no communication: every layout reads every other. Vocabulary
 padding (it depends on the TP degree) is cut or zero-filled. The loss scaler, Adam's step count and,
-for the same rank of the same layout, the RNG states follow.
+for the same rank of the same layout on the same device type, the RNG states follow.
 """
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
 
 
 def _restore_rng(state, reader: CheckpointReader) -> bool:
-    """Restores this rank's RNG states if the checkpoint holds this very rank of this layout."""
+    """Restores this rank's RNG states if the checkpoint holds this very rank of this layout, saved
+    on this device type (CPU <-> GPU moves keep the weights and optimizer, not the RNG streams)."""
     rank = state.groups.rank
     if rank >= len(reader.indexes) or reader.indexes[rank].get("layout_key") != layout_key(state):
         return False

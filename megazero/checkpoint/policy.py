@@ -4,9 +4,10 @@ and what a failed save does.
 
 Conditions that one rank can see before another (the wall clock, a signal from Slurm before
 preemption, Ctrl-C) are agreed over the whole layout after every step, so all ranks save and stop at
-the same iteration; that costs two one-element all-reduces per step, only when those options are on.
-With --exit-signal-handler, SIGINT (Ctrl-C) is handled as the chosen signal is: finish the step, save,
-exit 0.
+the same iteration. The training loop folds them into the step's loss reduction (`stop_flags`, then
+`after_step(..., agreed)`): no collective of their own. Called without the agreed values,
+`after_step` agrees on both in one reduction (`agree_on_any`). With --exit-signal-handler, SIGINT
+(Ctrl-C) is handled as the chosen signal is: finish the step, save, exit 0.
 
 A save that fails (no room, a failed write: a SaveError, the same on every rank) is logged in one line
 and training goes on, the previous checkpoint intact, unless --exit-on-save-failure asks to stop or the
@@ -20,7 +21,7 @@ import time
 from typing import Callable
 
 from .agreement import SaveError
-from .saver import CheckpointSaver, agree_on_failure
+from .saver import CheckpointSaver, agree_on_any
 
 
 @dataclasses.dataclass
@@ -45,17 +46,26 @@ class SavePolicy:
     def _on_signal(self, signum, frame) -> None:
         self.signalled = signal.Signals(signum).name    # finish the current step, save, exit 0
 
-    def after_step(self, state, consumed_samples: int) -> str | None:
-        """Saves when due; returns why the run stops now (or None to go on)."""
+    def stop_flags(self) -> tuple[bool, ...]:
+        """This rank's (wall clock past --exit-duration-in-mins, signal received), to be agreed
+        over the layout; () when neither option is on (nothing to agree on)."""
+        if not (self.exit_duration_mins or self.exit_signal_handler):
+            return ()
+        late = self.exit_duration_mins and time.monotonic() - self.started >= 60 * self.exit_duration_mins
+        return bool(late), self.signalled is not None
+
+    def after_step(self, state, consumed_samples: int, agreed: tuple[bool, ...] | None = None) -> str | None:
+        """Saves when due; returns why the run stops now (or None to go on). `agreed`: the values of
+        `stop_flags()` already agreed over the layout (the training loop's step does that)."""
         it = state.iteration
         reason = None
         if self.exit_interval and it % self.exit_interval == 0:
             reason = f"--exit-interval {self.exit_interval}"
         if self.exit_duration_mins or self.exit_signal_handler:
-            late = self.exit_duration_mins and time.monotonic() - self.started >= 60 * self.exit_duration_mins
-            if agree_on_failure(bool(late), state.groups):
+            late, signalled = agreed if agreed is not None else agree_on_any(self.stop_flags(), state.groups)
+            if late:
                 reason = reason or f"--exit-duration-in-mins {self.exit_duration_mins:g}"
-            if agree_on_failure(self.signalled is not None, state.groups):
+            if signalled:
                 reason = reason or self.signalled or "a signal another rank received"
         if self.saver is not None and ((self.save_interval and it % self.save_interval == 0) or reason):
             self.save(state, consumed_samples, last=reason is not None or it == state.cfg.train_iters)

@@ -23,9 +23,10 @@ from .saver import crc32
 # GPTConfig fields that decide parameter names and shapes or the function the weights compute
 # (dropout, recompute, seq_length for rope models and the like may change between save and load).
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                       "num_query_groups", "ffn_hidden_size", "position_embedding", "activation",
-                       "gelu_approximate", "normalization", "norm_epsilon", "rotary_base",
-                       "tie_embeddings", "add_bias_linear")
+                       "num_query_groups", "kv_channels", "ffn_hidden_size", "position_embedding",
+                       "activation", "gelu_approximate", "normalization", "norm_epsilon",
+                       "apply_layernorm_1p", "rotary_base", "rotary_percent", "tie_embeddings",
+                       "add_bias_linear")
 
 
 def resolve(path: str | Path) -> Path:

@@ -137,7 +137,7 @@ def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say,
             run_id = result.run_id
         what = "weights (finetune)" if ck.finetune else "weights and optimizer" if ck.load_optim else "weights"
         rng = "" if ck.finetune else "; RNG states restored" if result.rng_restored else \
-            "; RNG states not restored: another layout, or --no-load-rng"
+            "; RNG states not restored: another layout or device type, or --no-load-rng"
         say(f" loaded {what} from {reader.path} at iteration {reader.metadata['iteration']}{rng}")
     saver = (CheckpointSaver(ck.save, run_id, keep_last=ck.keep_last, async_save=ck.async_save,
                              tokenizer=tokenizer) if ck.save is not None else None)

@@ -83,9 +83,12 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def layout_key(state) -> list:
-    """What must match for RNG states to carry over: the same rank in the same layout."""
+    """What must match for RNG states to carry over: the same rank in the same layout, on the same
+    device type (a CPU generator's state and a CUDA one's differ in size and meaning, and the
+    tensor-parallel tracker holds the device's)."""
     cfg, topo = state.cfg, state.groups.topology
-    return [topo.world_size, topo.tp, topo.pp, cfg.parallel.virtual_stages, state.groups.rank]
+    return [topo.world_size, topo.tp, topo.pp, cfg.parallel.virtual_stages, state.groups.rank,
+            state.device.type]
 
 
 def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
@@ -120,10 +123,15 @@ def merge_rank_indexes(tmp: Path, metadata: dict) -> dict:
 def agree_on_failure(failed: bool, groups) -> bool:
     """True on every rank if any rank failed (max over DP, then over TP x PP: the whole layout).
     Doubles as the barrier between the phases of a save."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=groups.dp.device)
-    comm.all_reduce(flag, groups.dp, op=comm.ReduceOp.MAX)
-    comm.all_reduce(flag, groups.mp, op=comm.ReduceOp.MAX)
-    return bool(flag.item())
+    return agree_on_any((failed,), groups)[0]
+
+
+def agree_on_any(flags: tuple[bool, ...], groups) -> tuple[bool, ...]:
+    """Each flag true on every rank if it is true on any rank of the layout, all in one reduction."""
+    values = torch.tensor([1.0 if f else 0.0 for f in flags], device=groups.dp.device)
+    comm.all_reduce(values, groups.dp, op=comm.ReduceOp.MAX)
+    comm.all_reduce(values, groups.mp, op=comm.ReduceOp.MAX)
+    return tuple(v > 0 for v in values.tolist())
 
 
 class CheckpointSaver:

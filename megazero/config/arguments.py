@@ -20,11 +20,12 @@ from megazero.config.ds_settings import DeepSpeedSettings, flags_from_config
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_problem
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
 from megazero.config.checkpoint_flags import checkpoint_config
+from megazero.config.model_arguments import check_attention_precision, compile_backend, model_config
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
 from megazero.config.zero_arguments import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
-from megazero.models.config import GPTConfig, padded_vocab_size
+from megazero.models.config import GPTConfig
 from megazero.ops.adam import AdamConfig
 from megazero.parallel.topology import Topology, validate_model_fits
 from megazero.zero.config import as_json, stage_notes
@@ -111,7 +112,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                         pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
                         ranks_per_node=args.ranks_per_node or local_world_size or world_size)
     check_zero_layout(zero, topology)
-    model = _model_config(args, topology)
+    model = _model_config(args, topology, notes)
+    check_attention_precision(model, precision.bf16 or precision.fp16, _uses_cuda(args))
     virtual = _virtual_stages(args, topology)
     validate_model_fits(topology, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
                         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
@@ -134,6 +136,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     optimizer = _optimizer_config(args, ds, merged, train_iters, glob)
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")
     backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
+    compile_layers = compile_backend(args, _uses_cuda(args))
     if args.deepspeed:
         notes.append("--deepspeed has no effect: megazero's own ZeRO engine always runs (its settings "
                      "come from --deepspeed_config / --zero-config)")
@@ -150,13 +153,18 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
-        wall_clock_breakdown=merged["wall_clock_breakdown"], notes=notes,
+        wall_clock_breakdown=merged["wall_clock_breakdown"], compile_backend=compile_layers, notes=notes,
         checkpoint=checkpoint_config(args), monitor=monitor_config(args, run_dir))
 
 
 def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()
+
+
+def _uses_cuda(args) -> bool:
+    """Whether the run's device will be a GPU (the launch's rule: gloo runs on CPU)."""
+    return (args.distributed_backend or ("nccl" if _cuda_available() else "gloo")) == "nccl"
 
 
 def _positive(value: int, flag: str) -> int:
@@ -268,30 +276,14 @@ def _tokenizer_vocab_size(args) -> int:
                            merge_file=args.merge_file, vocab_size=args.vocab_size).vocab_size
 
 
-def _model_config(args, topology: Topology) -> GPTConfig:
+def _model_config(args, topology: Topology, notes: list[str]) -> GPTConfig:
     vocab = _tokenizer_vocab_size(args)
     if args.max_position_embeddings and args.max_position_embeddings < args.seq_length:
         raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
                          f"--seq-length {args.seq_length}")
-    try:
-        return GPTConfig(
-            vocab_size=vocab, hidden_size=args.hidden_size, num_layers=args.num_layers,
-            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-            ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
-            max_position_embeddings=args.max_position_embeddings,
-            padded_vocab_size=padded_vocab_size(vocab, args.make_vocab_size_divisible_by, topology.tp),
-            position_embedding="rope" if args.position_embedding_type == "rope" else "learned",
-            rotary_base=args.rotary_base, activation="swiglu" if args.swiglu else "gelu",
-            # Megatron: --openai-gelu is the tanh form; its unfused GELU (--no-bias-gelu-fusion) is
-            # exact erf; its default fused bias-GELU is tanh, which is megazero's default too.
-            gelu_approximate="none" if args.no_bias_gelu_fusion and not args.openai_gelu else "tanh",
-            normalization="rmsnorm" if args.normalization == "RMSNorm" else "layernorm",
-            norm_epsilon=args.norm_epsilon, tie_embeddings=not args.untie_embeddings_and_output_weights,
-            add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
-            attention_dropout=args.attention_dropout, recompute_activations=args.recompute_activations,
-            init_method_std=args.init_method_std)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    config, model_notes = model_config(args, vocab, topology.tp, topology.pp, _uses_cuda(args))
+    notes += model_notes
+    return config
 
 
 def _virtual_stages(args, topology: Topology) -> int:

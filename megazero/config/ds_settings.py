@@ -25,7 +25,9 @@ NOT_SUPPORTED_SCHEDULERS = ("OneCycle", "LRRangeTest")
 DS_DEFAULT = " (DeepSpeed's default)"    # marks a setting a flag may override without contradiction
 
 # activation_checkpointing keys -> (the value that asks for nothing, why another value has no effect).
-# Recomputation here keeps each transformer layer's input and recomputes the layer in backward.
+# The block asks for DeepSpeed's (and Megatron-DeepSpeed's) recomputation: each transformer layer keeps
+# its input and is recomputed whole in backward, i.e. --recompute-granularity full --recompute-method
+# uniform --recompute-num-layers 1.
 ACTIVATION_KEYS = {
     "partition_activations": (False, "each layer's saved input is not split across tensor-parallel "
                                      "ranks (--sequence-parallel splits it along the sequence)"),
@@ -40,7 +42,8 @@ MONITOR_KEYS = {"wandb": {"enabled", "project", "team", "group"},
                 "csv_monitor": {"enabled", "output_path", "job_name"}}
 
 # Settings a config may give for flags outside megazero.config.flags.MERGED: args attribute -> flag.
-FLAG_SETTINGS = {"recompute_activations": "--recompute-activations", "lr_warmup_iters": "--lr-warmup-iters",
+FLAG_SETTINGS = {"recompute_granularity": "--recompute-granularity", "recompute_method": "--recompute-method",
+                 "recompute_num_layers": "--recompute-num-layers", "lr_warmup_iters": "--lr-warmup-iters",
                  "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
                  "min_lr": "--min-lr", "wandb_project": "--wandb-project", "wandb_entity": "--wandb-entity",
                  "tensorboard_dir": "--tensorboard-dir"}
@@ -51,7 +54,7 @@ COSMETIC_SETTINGS = {"wandb_project", "wandb_entity", "tensorboard_dir"}
 SAME_SETTING = {"lr_warmup_iters": ("lr_warmup_fraction", "lr_warmup_samples"),
                 "lr_decay_iters": ("lr_decay_samples",)}
 # Parser defaults that are not None: a flag at this value counts as not given.
-FLAG_DEFAULTS = {"lr_decay_style": "cosine", "recompute_activations": False}
+FLAG_DEFAULTS = {"lr_decay_style": "cosine"}
 
 
 @dataclasses.dataclass
@@ -217,12 +220,15 @@ def _read_cosine_floor(params: dict, where: str, settings: DeepSpeedSettings, nu
 
 
 def read_activation_checkpointing(block, where: str, settings: DeepSpeedSettings) -> None:
-    """The block turns recomputation on: each transformer layer keeps its input and recomputes in
-    backward (megazero's one way); settings for DeepSpeed's own implementation are noted."""
+    """The block turns full recomputation on: each transformer layer keeps its input and is recomputed
+    in backward (full, uniform, one layer per group); settings for DeepSpeed's own implementation are
+    noted."""
     if block is None:
         return
     block = as_block(block, "activation_checkpointing", where, set(ACTIVATION_KEYS))
-    settings.values["recompute_activations"] = (True, "activation_checkpointing")
+    for name, value in (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                        ("recompute_num_layers", 1)):
+        settings.values[name] = (value, "activation_checkpointing")
     for key, value in block.items():
         nothing, why = ACTIVATION_KEYS[key]
         if value is None or value == nothing:

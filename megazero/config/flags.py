@@ -34,9 +34,9 @@ MEGATRON_ONLY = frozenset("""
 --use-cpu-initialization --attention-softmax-in-fp32
 --accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
 --no-bias-dropout-fusion --no-gradient-accumulation-fusion --apply-query-key-layer-scaling
---group-query-attention --use-rotary-position-embeddings --no-position-embedding --rampup-batch-size
+--use-rotary-position-embeddings --no-position-embedding --rampup-batch-size
 --data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
---recompute-granularity --recompute-method --recompute-num-layers --checkpoint-activations
+--checkpoint-activations
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
 --cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt --ckpt-format
 """.split())
@@ -57,7 +57,9 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "rotary_base": (0, False, None,
                "eval_iters": (0, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
                "tensor_model_parallel_size": (1, True, None, False),
                "pipeline_model_parallel_size": (1, True, None, False),
-               "num_query_groups": (0, True, None, False), "ffn_hidden_size": (0, True, None, False),
+               "num_query_groups": (1, True, None, False), "ffn_hidden_size": (0, True, None, False),
+               "kv_channels": (1, True, None, False), "rotary_percent": (0, False, 1, True),
+               "recompute_num_layers": (1, True, None, False),
                "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
                "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
                "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
@@ -142,25 +144,51 @@ def _model_flags(p) -> None:
     _add(g, "--num-layers", type=int, default=4, help="transformer layers")
     _add(g, "--hidden-size", type=int, default=256, help="model width")
     _add(g, "--num-attention-heads", type=int, default=4, help="attention heads")
-    _add(g, "--num-query-groups", type=int, default=0, help="grouped-query attention groups; 0: one per head")
+    _add(g, "--group-query-attention", action="store_true",
+         help="grouped-query attention with --num-query-groups key/value heads")
+    _add(g, "--num-query-groups", type=int, default=None,
+         help="key/value head groups of --group-query-attention (ignored without it, as in Megatron-LM)",
+         shown="1 with --group-query-attention")
+    _add(g, "--kv-channels", type=int, default=None, help="width of each attention head",
+         shown="hidden size / attention heads")
     _add(g, "--ffn-hidden-size", type=int, default=0, help="MLP width; 0: 4 x hidden (8/3 x for SwiGLU)")
     _add(g, "--seq-length", type=int, default=256, help="tokens per sample")
     _add(g, "--max-position-embeddings", type=int, default=0, help="rows of the position table; 0: seq length")
     _add(g, "--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
          help="position encoding")
     _add(g, "--rotary-base", type=float, default=10000.0, help="RoPE frequency base")
+    _add(g, "--rotary-percent", type=float, default=1.0,
+         help="fraction of each head's dims RoPE rotates (the leading ones), in (0, 1]")
+    _add(g, "--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+         help="attention kernels: SDPA's choice, its flash or fused (cuDNN/memory-efficient) kernels, or the "
+              "math written out (unfused, local)")
     _add(g, "--swiglu", action="store_true", help="SwiGLU MLP instead of GELU")
     _add(g, "--openai-gelu", action="store_true", help="tanh-approximated GELU (GPT-2's; the default)")
     _add(g, "--no-bias-gelu-fusion", action="store_true",
          help="exact (erf) GELU, as Megatron's unfused GELU, unless --openai-gelu")
     _add(g, "--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="norm layers")
     _add(g, "--norm-epsilon", type=float, default=1e-5, help="epsilon of the norm layers")
+    _add(g, "--apply-layernorm-1p", action="store_true",
+         help="zero-centred norm scale: the norms multiply by weight + 1, weight starts at 0")
     _add(g, "--untie-embeddings-and-output-weights", action="store_true",
          help="separate output layer instead of the input embedding")
     _add(g, "--disable-bias-linear", action="store_true", help="no biases in linear layers")
     _add(g, "--hidden-dropout", type=float, default=0.1, help="dropout on hidden states, in [0, 1)")
     _add(g, "--attention-dropout", type=float, default=0.1, help="dropout on attention weights, in [0, 1)")
-    _add(g, "--recompute-activations", action="store_true", help="recompute each layer in backward")
+    _add(g, "--recompute-activations", action="store_true",
+         help="selective recomputation: each layer's core attention is recomputed in backward "
+              "(= --recompute-granularity selective, as in Megatron-LM)")
+    _add(g, "--recompute-granularity", choices=["full", "selective"], default=None,
+         help="recompute whole layers (full) or the core attention (selective) in backward", shown="none")
+    _add(g, "--recompute-method", choices=["uniform", "block"], default=None,
+         help="full: checkpoint groups of --recompute-num-layers layers (uniform), or only the first "
+              "--recompute-num-layers layers of each pipeline stage (block)", shown="none")
+    _add(g, "--recompute-num-layers", type=int, default=None,
+         help="full: layers per group (uniform) or layers recomputed per pipeline stage (block)", shown="none")
+    _add(g, "--cross-entropy-loss-fusion", action="store_true",
+         help="accepted: the output layer and cross entropy always run fused, chunk by chunk")
+    _add(g, "--compile", action="store_true", help="torch.compile each transformer layer")
+    _add(g, "--compile-backend", default="inductor", help="torch.compile backend for --compile")
     _add(g, "--init-method-std", type=float, default=0.02, help="std of the normal weight init")
     _add(g, "--make-vocab-size-divisible-by", type=int, default=128,
          help="pad the vocabulary to a multiple of this x tensor-parallel size")

@@ -32,11 +32,14 @@ an allgather_bucket_size bucket. Set-up: one parameter's full fp32 initial value
 (bench/plan_memory_table.py compares the planned total with the processes' measured peak.)
 
 Activations, roughly: Korthikanti et al. (2022) count 34 s·b·h bytes per layer in 16 bits plus
-5 a·s²·b for attention scores; attention here runs through scaled_dot_product_attention, which need
-not keep the scores, so only the first term is counted (twice that in fp32), split over the tensor
-parallel ranks, for the microbatches a pipeline stage holds at once (the pipeline size under 1F1B,
-all of them under GPipe). With recomputation a layer keeps only its input. The logits add s·b·V/t
-elements in fp32 (and their gradient).
+5 a·s²·b for attention scores (the attention terms scaled here to the heads' real widths, with
+--kv-channels and grouped-query attention); attention here runs through scaled_dot_product_attention,
+which need not keep the scores, so only the first term is counted (twice that in fp32) unless the
+attention is the written-out math (--attention-backend local/unfused) without selective
+recomputation; split over the tensor parallel ranks, for the microbatches a pipeline stage holds at
+once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation keeps only the input
+of each checkpointed layer group. The logits add s·b·V/t elements in fp32 (and their gradient): an
+upper bound, since the fused output layer and loss (models/loss.py) hold one chunk of them at a time.
 """
 from __future__ import annotations
 
@@ -78,16 +81,39 @@ def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad
     return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master).values())
 
 
-def activation_bytes(seq: int, micro: int, hidden: int, layers: int, padded_vocab: int, tp: int,
-                     in_flight: int, weight_bytes: int, recompute: bool) -> float:
-    """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches."""
-    tokens = seq * micro
-    full_layer = 34 * tokens * hidden * weight_bytes / 2 / tp
-    if recompute:       # inputs kept for every layer, one layer's full set while it is recomputed
-        per_micro = layers * tokens * hidden * weight_bytes + full_layer
+def layer_activation_units(model_cfg) -> float:
+    """Korthikanti et al.'s bytes per token of one layer in 16 bits, in units of the hidden size: 34
+    = 19 (MLP) + 4 (norms) + 11 (attention: its input 2, dropout mask 1, q 2, k 2, v 2, projection
+    input 2). The attention terms are counted here at their real widths, heads x head size for q and
+    the projection input, query groups x head size for k and v."""
+    h = model_cfg.hidden_size
+    width = model_cfg.num_attention_heads * model_cfg.head_dim
+    kv = model_cfg.num_query_groups * model_cfg.head_dim
+    return (26 * h + 4 * width + 4 * kv) / h
+
+
+def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
+                     weight_bytes: int, chunk_layers: list[int]) -> float:
+    """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
+
+    Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
+    full set while it is recomputed; selective recomputation saves the attention scores, which only
+    the written-out attention (--attention-backend local/unfused) keeps."""
+    m = model_cfg
+    tokens, hidden = seq * micro, m.hidden_size
+    full_layer = layer_activation_units(m) * tokens * hidden * weight_bytes / 2 / tp
+    if m.attention_backend in ("local", "unfused") and m.recompute_granularity != "selective":
+        full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp
+    kept_input = tokens * hidden * weight_bytes
+    if m.recompute_granularity == "full" and m.recompute_method == "uniform":
+        group = min(m.recompute_num_layers, layers)
+        per_micro = math.ceil(layers / group) * kept_input + group * full_layer
+    elif m.recompute_granularity == "full":        # block: the first N layers of each chunk
+        recomputed = min(layers, sum(min(m.recompute_num_layers, n) for n in chunk_layers))
+        per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
     else:
         per_micro = layers * full_layer
-    logits = tokens * padded_vocab / tp * (4 + 4 + weight_bytes)
+    logits = tokens * m.padded_vocab_size / tp * (4 + 4 + weight_bytes)
     return per_micro * in_flight + logits
 
 
@@ -170,10 +196,10 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
 
 
 def _activations(cfg: TrainConfig, r: RankLayout) -> float:
-    m = cfg.model
-    return activation_bytes(m.seq_length, cfg.micro_batch_size, m.hidden_size, r.layers_per_stage,
-                            m.padded_vocab_size, cfg.parallel.tensor_parallel, r.in_flight, r.weight_bytes,
-                            m.recompute_activations)
+    m, par = cfg.model, cfg.parallel
+    chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
+    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, r.layers_per_stage,
+                            par.tensor_parallel, r.in_flight, r.weight_bytes, chunks)
 
 
 def largest_param(model_cfg, tp: int) -> int:

@@ -127,6 +127,8 @@ class TrainConfig:
     wall_clock_breakdown: bool = False
     """Time the phases of each step (forward, backward, reduction, optimizer) and log them with the
     iteration (DeepSpeed's wall_clock_breakdown)."""
+    compile_backend: Optional[str] = None
+    """torch.compile backend each transformer layer is compiled with (--compile); None: eager."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """Settings accepted without effect, one line each, for the driver to log once at start-up."""
 

@@ -12,6 +12,11 @@ moves the tensor's bytes; broadcast counts (n-1)/n of the tensor.
 A group of one rank short-circuits every op (nothing moves, nothing is counted), so single-process
 runs need no torch.distributed at all.
 
+Streams: an op runs after the work queued on the current stream; an async op's `Handle.wait()` makes
+the stream current at the wait wait for it (NCCL's work.wait() does that; under the CPU stream
+checker the Handle holds the event that ends the op on its communicator's modelled stream). Under
+the checker every collective declares the tensors it reads and writes (`_issue`).
+
 Devices: a `Group` knows the device its collectives run on (the rank's CUDA device under NCCL, the
 CPU under gloo). Every op checks every tensor it is given against it before anything else, groups of
 one included, so a tensor on the wrong device fails with a message naming the op, the group and both
@@ -26,6 +31,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from megazero.core import streams
 
 ReduceOp = dist.ReduceOp
 
@@ -91,14 +98,20 @@ class Group:
 class Handle:
     """An async op's handle; waiting twice is harmless (the second wait returns at once).
 
-    `then` runs once, after the op completes, on the first wait (e.g. copying a result out of a
-    temporary buffer)."""
+    `wait()` makes the current stream wait for the op: `done` (an Event recorded after the op on the
+    stream that did it, where the works cannot say so themselves), then each work's wait (gloo's may
+    finish the op with copies on the waiting thread). `then` runs once, after that, on the first
+    wait, on the waiting stream (e.g. copying a result out of a temporary buffer)."""
 
-    def __init__(self, works: Sequence[object] = (), then=None):
+    def __init__(self, works: Sequence[object] = (), then=None, done: streams.Event | None = None):
         self._works = list(works)
         self._then = then
+        self._done = done
 
     def wait(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done.wait()
         works, self._works = self._works, []
         for work in works:
             work.wait()
@@ -108,7 +121,7 @@ class Handle:
 
     @property
     def done(self) -> bool:
-        return not self._works
+        return not self._works and self._done is None
 
 
 def _check_device(op: str, group: Group, what: str, tensor: torch.Tensor) -> None:
@@ -134,18 +147,42 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _finish(work, async_op: bool) -> Handle | None:
+def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], call):
+    """Runs `call()` (the torch.distributed op); returns (its work, the event that ends it or None).
+    Under the CPU stream checker the op is work on the group's communicator stream, reading `reads`
+    and writing `writes`; elsewhere the backend's work orders the streams (NCCL) or the host (gloo)."""
+    checker = streams.checker_for(group.device)
+    if checker is None:
+        return call(), None
+    return checker.collective(group.pg, group.name, reads, writes, call)
+
+
+def _finish(work, done, async_op: bool, then=None) -> Handle | None:
+    """An async op's Handle; a synchronous op is waited here (on the current stream)."""
+    works = work if isinstance(work, list) else [work] if work is not None else []
+    handle = Handle(works, then, done)
     if async_op:
-        return Handle([work] if work is not None else [])
+        return handle
+    handle.wait()
     return None
+
+
+def local_handle(group: Group, async_op: bool = True) -> Handle | None:
+    """What a group of one's op returns: it was a copy on the current stream, or nothing, and is
+    still an op with an event. The stream that waits for the handle may be another one (a gather
+    copied on the prefetch stream, read by the forward on the compute stream), so the handle
+    carries an event recorded after the op on the current stream."""
+    return Handle(done=streams.Event(group.device).record()) if async_op else None
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bool = False):
     _check_device("all_reduce", group, "tensor", tensor)
     if group.size == 1:
-        return Handle() if async_op else None
+        return local_handle(group, async_op)
     group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor))
-    return _finish(dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), async_op)
+    work, done = _issue(group, [tensor], [tensor],
+                        lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
+    return _finish(work, done, async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -158,22 +195,23 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
                          f"{output.numel()} x {group.size}")
     if group.size == 1:
         output.copy_(input.view_as(output))
-        return Handle() if async_op else None
+        return local_handle(group, async_op)
     group.log.record("reduce_scatter", group, _ring_fraction(group) * _nbytes(input))
     then = None
     if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
         # In place (output is this rank's chunk of input) is defined for NCCL only; gloo can
-        # corrupt it, so go through a temporary and copy back once the op is done.
+        # corrupt it, so go through a temporary and copy back once the op is done. The copy runs
+        # on the waiting stream, which may not be the one the temporary was made on: recorded
+        # there, its memory is not reused before the copy has read it.
         target, output = output, torch.empty_like(output, device=group.device)
-        then = lambda: target.copy_(output)  # noqa: E731
+
+        def then():
+            streams.record_on_current_stream(output)
+            target.copy_(output)
     # Flat views: backends disagree on how they match multi-dimensional shapes.
-    work = _reduce_scatter_single(output.view(-1), input.view(-1), op=op, group=group.pg,
-                                  async_op=async_op)
-    if async_op:
-        return Handle([work], then)
-    if then is not None:
-        then()
-    return None
+    work, done = _issue(group, [input], [output], lambda: _reduce_scatter_single(
+        output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op))
+    return _finish(work, done, async_op, then)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -185,10 +223,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
                          f"{input.numel()} x {group.size}")
     if group.size == 1:
         output.view_as(input).copy_(input)
-        return Handle() if async_op else None
+        return local_handle(group, async_op)
     group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output))
-    work = _all_gather_single(output.view(-1), input.view(-1), group=group.pg, async_op=async_op)
-    return _finish(work, async_op)
+    work, done = _issue(group, [input], [output], lambda: _all_gather_single(
+        output.view(-1), input.view(-1), group=group.pg, async_op=async_op))
+    return _finish(work, done, async_op)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -196,10 +235,11 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     _check_device("all_to_all", group, "input", input)
     if group.size == 1:
         output.copy_(input)
-        return Handle() if async_op else None
+        return local_handle(group, async_op)
     group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input))
-    work = dist.all_to_all_single(output, input, group=group.pg, async_op=async_op)
-    return _finish(work, async_op)
+    work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
+        output, input, group=group.pg, async_op=async_op))
+    return _finish(work, done, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
@@ -208,7 +248,9 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
     if group.size == 1:
         return
     group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor))
-    dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg)
+    work, done = _issue(group, [tensor], [tensor],
+                        lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg))
+    _finish(work, done, async_op=False)
 
 
 def all_reduce_object_max(value: float, group: Group) -> float:
@@ -232,10 +274,13 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
             _check_device("send_recv", group, f"{kind} tensor (peer index {peer})", tensor)
             ops.append((kind, dist.P2POp(fn, tensor, group.ranks[peer], group.pg)))
     if not ops:
-        return Handle()
+        return local_handle(group)
     for kind, op in ops:      # counted only once every tensor has passed the check
         group.log.record(kind, group, _nbytes(op.tensor))
-    return Handle(dist.batch_isend_irecv([op for _, op in ops]))
+    sent = [op.tensor for kind, op in ops if kind == "send"]
+    received = [op.tensor for kind, op in ops if kind == "recv"]
+    works, done = _issue(group, sent, received, lambda: dist.batch_isend_irecv([op for _, op in ops]))
+    return Handle(works, done=done)
 
 
 def barrier(group: Group) -> None:

@@ -9,7 +9,9 @@ On a CUDA device the streams are made by cuda-python (`pip install megazero[cuda
 cudaStreamCreateWithPriority and handed to torch as `torch.cuda.ExternalStream`, so torch kernels and
 NCCL calls made inside `with streams.reduce:` run on them. Without cuda-python the same streams and
 events come from torch.cuda (one logged line says so). On CPU there is no backend: every call below
-returns at once, so the CPU tests run the identical code path.
+returns at once, so the CPU tests run the identical code path; or, while megazero.core.stream_check is
+on, the checker is the CPU backend: it models the streams and events and checks every tensor access
+against them, so the CPU runs the GPU's stream path and fails where a GPU would race.
 
 All driver calls sit behind a small backend object (`CudartBackend`, `TorchCudaBackend`); tests inject
 a fake one to check priorities and the order of event records and waits without a GPU.
@@ -177,9 +179,45 @@ def default_cuda_backend():
     return backend
 
 
+_cpu_backend = None          # the stream checker while one is on (megazero.core.stream_check), else None
+
+
+def use_cpu_backend(backend):
+    """Makes `backend` (the stream checker, or None) the backend of CPU devices for streams and events
+    made from now on; returns the previous one."""
+    global _cpu_backend
+    previous, _cpu_backend = _cpu_backend, backend
+    return previous
+
+
+def checker_for(device):
+    """The stream checker modelling `device` (a CPU device while one is on), else None."""
+    return _cpu_backend if torch.device(device).type == "cpu" else None
+
+
 def backend_for(device: torch.device):
-    """None on CPU (every stream and event call is a no-op there), else the CUDA backend."""
-    return default_cuda_backend() if torch.device(device).type == "cuda" else None
+    """The CUDA backend on CUDA; on CPU None (every stream and event call is a no-op there), or the
+    stream checker while one is on."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return default_cuda_backend()
+    return _cpu_backend if device.type == "cpu" else None
+
+
+def label(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """Names a buffer (e.g. "stage-3 unit 'layers.0' (gathered)") in the stream checker's messages;
+    a no-op unless a checker is on."""
+    if _cpu_backend is not None:
+        _cpu_backend.label(tensor, what)
+    return tensor
+
+
+def record_on_current_stream(tensor: torch.Tensor) -> None:
+    """The caching allocator must not reuse `tensor`'s memory before the work queued so far on the
+    current stream is done (a buffer allocated on another stream and read here)."""
+    backend = backend_for(tensor.device)
+    if backend is not None:
+        backend.record_stream(tensor, backend.current_stream(_device_index(tensor.device, backend)))
 
 
 def _device_index(device: torch.device, backend) -> int:
@@ -257,6 +295,8 @@ class SideStream:
         if backend is not None:
             self._index = _device_index(self.device, backend)
             self.stream = backend.create_stream(self._index, priority)
+            if hasattr(backend, "name_stream"):         # the stream checker's messages name it
+                backend.name_stream(self.stream, name)
             # Reused for every wait: a stream wait captures the event's state when it is issued.
             self._main_done = Event(self.device, backend=backend)
             self._side_done = Event(self.device, backend=backend)
@@ -314,7 +354,8 @@ class Streams:
     """The side streams of one device: `copy` (host<->device), `prefetch` (stage-3 parameter
     gathers) and `reduce` (gradient reductions). prefetch and reduce get the highest priority the
     device reports, so a gather the next layer waits for is not stuck behind bulk work; copy gets the
-    default priority. `enabled` is False on CPU, where all three are no-ops."""
+    default priority. `enabled` is False on CPU, where all three are no-ops (unless the stream
+    checker is on: then they are its modelled streams)."""
 
     def __init__(self, device, backend=None):
         self.device = torch.device(device)
@@ -374,22 +415,27 @@ class Timers:
 
 
 def copy_to_device(tensor: torch.Tensor, device, streams: Streams | None = None) -> torch.Tensor:
-    """`tensor` on `device`. A CPU target returns it unchanged. A CUDA target copies from pinned host
-    memory with non_blocking=True: on `streams.copy` when given (the main stream then waits for the
-    copy), else on the current stream. Issue it ahead of use (e.g. the next microbatch) to overlap.
+    """`tensor` on `device`. A CPU target returns it unchanged (under the stream checker: a copy made
+    on `streams.copy`, as a GPU's would be). A CUDA target copies from pinned host memory with
+    non_blocking=True: on `streams.copy` when given (the main stream then waits for the copy), else
+    on the current stream. Issue it ahead of use (e.g. the next microbatch) to overlap.
 
     The pinned staging buffer comes from torch's caching host allocator, which records the copy's
     stream and does not reuse the buffer before the copy has run; the result, allocated on the copy
     stream and used on the main one, is recorded with keep_alive."""
     device = torch.device(device)
-    if device.type != "cuda" or tensor.device == device:
+    modelled = device.type == "cpu" and streams is not None and streams.enabled
+    if not modelled and (device.type != "cuda" or tensor.device == device):
         return tensor
-    if tensor.device.type == "cpu" and not tensor.is_pinned():
+    if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = tensor.pin_memory()
     if streams is None or not streams.enabled:
         return tensor.to(device, non_blocking=True)
-    # No wait_current first: the source is host memory that no queued GPU work writes.
+    # No wait_current first on a GPU: the source is host memory that no queued GPU work writes. On
+    # the CPU the main stream's ops are what write it.
+    if modelled:
+        streams.copy.wait_current()
     with streams.copy:
-        out = tensor.to(device, non_blocking=True)
+        out = tensor.to(device, non_blocking=True) if not modelled else tensor.clone()
     streams.copy.current_waits()
     return streams.copy.keep_alive(out)

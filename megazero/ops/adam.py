@@ -1,27 +1,38 @@
 """Adam / AdamW on flat fp32 partitions: the optimizer math every ZeRO stage shares.
 
-Two implementations of one update, both in place:
+Three implementations of one update, all in place:
 
 - `adam_update_reference`: torch ops in torch.optim.AdamW's exact order, so a single-process run
-  matches torch's AdamW elementwise. It is the oracle for the fused kernel and the fallback.
+  matches torch's AdamW elementwise. It is the oracle for the two kernels and the last fallback.
 - the fused C++ kernel in the optional extension `megazero._C` (csrc/cpu_adam*.cpp): one pass over
   memory, OpenMP threads, AVX-512 / AVX2+FMA / scalar copies of the loop chosen at run time. Against
   the reference on torch's AVX2/AVX-512 CPU kernels, exp_avg and exp_avg_sq are bitwise equal and
   param is within a few ulps, because torch's MKL sqrt is not correctly rounded and the kernel's is
   (tests/test_cpu_adam.py states the bound). Every copy of the loop gives the same bits.
+- torch's fused Adam(W) kernel (`torch._fused_adamw_` / `torch._fused_adam_`, what
+  torch.optim.AdamW(fused=True) runs; CUDA since torch 2.0, CPU since 2.4): one multi-tensor launch
+  per list of segments, no temporaries. Its moments equal the reference's bitwise; its parameter
+  update computes the bias corrections and the step size in its own order, so param agrees to a
+  few ulps (~2e-7 relative; tests/test_fused_adam.py). It writes the scaled gradient back into
+  `grad` (as torch's unscale does): the step consumes the gradients.
 
-`adam_update` (what zero/storage.py and zero/offload.py call) picks the kernel when it is built,
-not disabled by `MEGAZERO_DISABLE_CPP_ADAM=1`, and every tensor is a contiguous CPU tensor of a
-supported dtype; otherwise the reference. `MEGAZERO_CPU_ADAM_ISA=avx512|avx2|scalar` forces one
-copy of the loop (read at every call; an unsupported name is a UsageError). With `param_copy` it
-also writes the updated parameter rounded to a 16-bit dtype, in the same pass when it can. This
-module does not decide which segments get weight decay or how the grad scale is formed; the
-callers do.
+`adam_update` (one segment; what zero/offload.py calls on host states) picks the C++ kernel when
+it is built, not disabled by `MEGAZERO_DISABLE_CPP_ADAM=1`, and every tensor is a contiguous CPU
+tensor of a supported dtype; otherwise the reference. `adam_step` (many segments; what
+zero/storage.py calls) sends CPU segments through `adam_update` and the segments of any other device
+(a GPU) to torch's fused kernel, grouped by weight decay, when torch has one for that device; else
+the reference. `MEGAZERO_CPU_ADAM_ISA=avx512|avx2|scalar` forces one copy of the C++ loop (read at
+every call; an unsupported name is a UsageError). With `param_copy` the updated parameter is also
+written rounded to a 16-bit dtype: by the C++ kernel in the same pass when it can; torch's fused
+kernel has no such output, so there it is one multi-tensor copy after the update. This module does
+not decide which segments get weight decay or how the grad scale is formed; the callers do.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -185,3 +196,126 @@ def adam_update_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torc
     # `** 0.5` rather than math.sqrt: torch's AdamW calls pow, and the two may round differently.
     denom = sqrt(exp_avg_sq).div_((1.0 - beta2 ** step) ** 0.5).add_(config.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+# --- many segments at once: the engine's step ------------------------------------------------------
+class AdamSegment(NamedTuple):
+    """One contiguous piece of a partition: fp32 `param` (the master), its gradient and moments, the
+    weight decay it takes, and optionally the 16-bit copy of `param` to refresh (see adam_update)."""
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    weight_decay: float
+    param_copy: torch.Tensor | None = None
+
+
+# Gradients in another dtype than fp32 are widened for torch's fused kernel in slices of this many
+# elements (its lists take one dtype), so the step never holds an fp32 copy of a whole partition.
+WIDEN_SLICE = 1 << 24
+
+
+def fused_available(device) -> bool:
+    """Whether torch has a fused Adam kernel for `device`'s type (torch.optim.AdamW(fused=True)'s)."""
+    kind = torch.device(device).type
+    if getattr(torch, "_fused_adamw_", None) is None:
+        return False
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        return kind in _get_fused_kernels_supported_devices()
+    except ImportError:                  # torch < 2.2 names no list: its fused kernel is CUDA's
+        return kind == "cuda"
+
+
+def _route(device: torch.device) -> str:
+    """Which implementation `adam_step` uses for segments on `device`: "cpu" (adam_update: the C++
+    kernel or the reference), "fused" (torch's kernel) or "reference"."""
+    if device.type == "cpu":
+        return "cpu"
+    return "fused" if fused_available(device) else "reference"
+
+
+def adam_step(segments: list[AdamSegment], *, step: int, lr: float, config: AdamConfig,
+              grad_scale: float = 1.0) -> None:
+    """One Adam(W) step on every segment (see the module docstring for who computes it)."""
+    by_route: dict[str, list[AdamSegment]] = {}
+    for seg in segments:
+        by_route.setdefault(_route(seg.param.device), []).append(seg)
+    for route, group in by_route.items():
+        if route == "fused":
+            adam_update_fused(group, step=step, lr=lr, config=config, grad_scale=grad_scale)
+            continue
+        for seg in group:
+            kw = dict(step=step, lr=lr, config=config, weight_decay=seg.weight_decay, grad_scale=grad_scale)
+            if route == "cpu":
+                adam_update(*seg[:4], param_copy=seg.param_copy, **kw)
+            else:
+                adam_update_reference(*seg[:4], **kw)
+                if seg.param_copy is not None:
+                    seg.param_copy.copy_(seg.param)
+
+
+def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, config: AdamConfig,
+                      grad_scale: float = 1.0) -> None:
+    """`adam_update` on every segment with torch's fused kernel: one call per (device, weight decay),
+    the bias corrections from a step tensor, then the 16-bit copies in one multi-tensor copy. Runs
+    on any device torch has the kernel for (CPU included, where it is tested).
+
+    The kernel unscales by dividing by a grad-scale tensor (and writes the quotient into `grad`).
+    For a power of two (the fp16 loss scale alone) that is the reference's multiply, bit for bit;
+    any other scale (clipping) is multiplied into the fp32 gradients first, in place, as the
+    reference does, so the moments stay bitwise the reference's either way."""
+    fused = torch._fused_adamw_ if config.decoupled_weight_decay else torch._fused_adam_
+    groups: dict[tuple, list[AdamSegment]] = {}
+    for seg in segments:
+        if seg.param.numel() == 0:
+            continue
+        if seg.param_copy is not None:
+            _check_param_copy(seg.param_copy, seg[:4])
+        groups.setdefault((seg.param.device, seg.weight_decay), []).append(seg)
+    for (device, weight_decay), group in groups.items():
+        # Scalars made on the device by a fill (no host-to-device copy, no sync).
+        steps = torch.full((), float(step), dtype=torch.float32, device=device)
+        divide = grad_scale != 1.0 and math.frexp(grad_scale)[0] == 0.5
+        divisor = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device) if divide else None
+        multiply = grad_scale != 1.0 and not divide
+        kw = dict(lr=float(lr), beta1=float(config.beta1), beta2=float(config.beta2),
+                  weight_decay=float(weight_decay), eps=float(config.eps), amsgrad=False,
+                  maximize=False, grad_scale=divisor, found_inf=None)
+        lists = ([], [], [], [])                 # params, grads, exp_avgs, exp_avg_sqs
+        for seg in group:
+            for start, end in _slices(seg):
+                piece = [t[start:end] for t in seg[:4]]
+                if piece[1].dtype != torch.float32:
+                    piece[1] = piece[1].float()  # a WIDEN_SLICE temporary, stepped at once
+                    if multiply:
+                        piece[1].mul_(grad_scale)
+                    fused(*([t] for t in piece), [], [steps], **kw)
+                    continue
+                for items, t in zip(lists, piece):
+                    items.append(t)
+        if lists[0]:
+            if multiply:
+                torch._foreach_mul_(lists[1], grad_scale)
+            fused(*lists, [], [steps] * len(lists[0]), **kw)
+        _copy_all([s.param_copy for s in group if s.param_copy is not None],
+                  [s.param for s in group if s.param_copy is not None])
+
+
+def _slices(seg: AdamSegment) -> list[tuple[int, int]]:
+    n = seg.param.numel()
+    if seg.grad.dtype == torch.float32:
+        return [(0, n)]
+    return [(s, min(s + WIDEN_SLICE, n)) for s in range(0, n, WIDEN_SLICE)]
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i].copy_(sources[i]) for all i, as one multi-tensor copy where torch has it."""
+    if not targets:
+        return
+    foreach_copy = getattr(torch, "_foreach_copy_", None)       # torch >= 2.1
+    if foreach_copy is not None:
+        foreach_copy(targets, sources)
+        return
+    for target, source in zip(targets, sources):
+        target.copy_(source)

@@ -132,7 +132,11 @@ class ZeroConfig(BaseModel):
     """Stages 1-3: elements per all-gather of updated parameters after the step (at stage 3, of the
     persistent parameters)."""
     overlap_comm: Optional[bool] = None
-    """Overlap gradient reduction with backward; None means True at stage 3, else False."""
+    """Overlap gradient reduction with backward; None means True at every stage. (DeepSpeed's
+    None means stage 3 only: its stage 1/2 overlap holds extra bucket buffers. Ours reduces stage
+    0/1 buckets in place and keeps at most two staged stage-2 buckets in flight, so overlapping
+    costs at most one bucket of memory.) False issues stage 0/1 reductions when backward is done
+    and waits for every bucket on the compute stream as it is issued."""
     prefetch_bucket_size: int = Field(int(5e7), ge=0, alias="stage3_prefetch_bucket_size")
     """Stage 3: parameter elements fetched ahead of use."""
     param_persistence_threshold: int = Field(int(1e5), ge=0, alias="stage3_param_persistence_threshold")
@@ -168,7 +172,7 @@ class ZeroConfig(BaseModel):
 
     @property
     def overlap(self) -> bool:
-        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+        return True if self.overlap_comm is None else self.overlap_comm
 
     @property
     def offloads_optimizer(self) -> bool:

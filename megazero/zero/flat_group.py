@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from megazero.core import comm
+from megazero.core.streams import label
 from .flat import FlatLayout
 from .precision import Precision
 from .storage import PartitionedStorage, ReductionQueue
@@ -41,14 +42,17 @@ class FlatParamGroup(PartitionedStorage):
         self.params = params
         self.index_of = {id(p): i for i, p in enumerate(params)}
         L = layout
-        self.param_flat = torch.zeros(L.total, dtype=precision.param_dtype, device=self.device)
+        self.param_flat = label(torch.zeros(L.total, dtype=precision.param_dtype, device=self.device),
+                                f"stage-{stage} flat parameters")
         accum = precision.grad_accum_dtype
         if stage <= 1:
-            self.grad_flat = torch.zeros(L.total, dtype=accum, device=self.device)
+            self.grad_flat = label(torch.zeros(L.total, dtype=accum, device=self.device),
+                                   f"stage-{stage} flat gradients")
             self.grad_part = None
         else:
             self.grad_flat = None
-            self.grad_part = torch.zeros(L.partition_size, dtype=accum, device=self.device)
+            self.grad_part = label(torch.zeros(L.partition_size, dtype=accum, device=self.device),
+                                   f"stage-{stage} gradient partition")
         # Autograd can accumulate into the buffer directly only when the dtypes agree.
         self.grads_are_views = stage <= 1 and accum == precision.param_dtype
         self._staging: dict[int, torch.Tensor] = {}
@@ -157,12 +161,15 @@ class FlatParamGroup(PartitionedStorage):
         # the compute stream, which reads the result when the handle is waited).
         span = self._bucket_span(self.grad_flat, b)
         chunk = self.grad_chunk(b)
-        wire = span if span.dtype == self.precision.reduce_dtype else span.to(self.precision.reduce_dtype)
+        wire = span if span.dtype == self.precision.reduce_dtype else \
+            label(span.to(self.precision.reduce_dtype), f"bucket {b}: gradients in the reduce dtype")
         lo = self.layout.rank * self.layout.buckets[b].chunk
         if self.stage == 0:
             result, target = wire, span
         elif self.reduce_scatter:
-            result, target = (chunk if wire is span else torch.empty_like(chunk, dtype=wire.dtype)), chunk
+            result = chunk if wire is span else label(torch.empty_like(chunk, dtype=wire.dtype),
+                                                      f"bucket {b}: reduce-scatter output")
+            target = chunk
         else:              # the whole bucket is summed; this rank then reads its own chunk
             result, target = wire[lo:lo + chunk.numel()], chunk
         with self.reduce_stream():

@@ -40,7 +40,7 @@ import dataclasses
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, streams
 from megazero.core.errors import UsageError
 from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
 from .config import ZeroConfig
@@ -66,7 +66,7 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
                          f"({chunk.dtype}) fp32 or bf16")
     if group.size == 1 or chunk.numel() == 0:
         out.view(-1).copy_(chunk.reshape(-1))      # nothing moves, so nothing is quantized
-        return comm.Handle() if async_op else None
+        return comm.local_handle(group, async_op)
     q = quantize(chunk, bits, block_size, symmetric=True)
     send = _pack(q, 1)
     received = torch.empty((group.size, send.shape[1]), dtype=torch.uint8, device=group.device)
@@ -75,16 +75,28 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
 
     def dequantize_rows():
         _read_on_waiting_stream(received)
-        gathered = _unpack(received, q)
-        for i in range(group.size):
-            row = dataclasses.replace(q, codes=gathered.codes[i], scales=gathered.scales[i])
-            dequantize(row, out.dtype, out=rows[i])
+        _dequantize_rows(_unpack(received, q), rows)
 
     handle = comm.Handle([work], then=dequantize_rows)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _dequantize_rows(gathered: QuantizedTensor, rows: torch.Tensor) -> None:
+    """rows[i] = the values of received row i, for every row in one dequantize. A row's codes and
+    scales fill whole blocks, and the codes past its values are 0 (what zeros quantize to, and a
+    block's scale ignores zeros), so the rows back to back are one valid quantized tensor of
+    k x (whole blocks) values: one kernel (or one torch op on a GPU), bitwise the row-by-row result."""
+    k, numel = rows.shape
+    padded = gathered.num_blocks * gathered.block_size
+    flat = dataclasses.replace(gathered, codes=gathered.codes.view(-1), scales=gathered.scales.view(-1),
+                               numel=k * padded)
+    if padded == numel:
+        dequantize(flat, rows.dtype, out=rows.view(-1))
+    else:
+        rows.copy_(dequantize(flat, rows.dtype).view(k, padded)[:, :numel])
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, shard: comm.Group,
@@ -96,8 +108,12 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, shard: c
     then across nodes (see the module docstring). Without node groups, or with one node, it is a
     single hop over `shard`. The sum is taken in fp32 and written in output's dtype.
 
-    With async_op, the intra-node hop is issued now; the inter-node hop and the sums run when the
-    handle is waited (each hop needs the previous one's sum)."""
+    Everything is queued now on the current stream (the reduce stream when ZeRO calls it): the
+    first hop, a stream wait for it, its sum, the second hop, a wait, the final sum into `output`.
+    The handle (async_op) carries an event after the last sum, so the stream that waits for it
+    waits for nothing else, and no hop is issued or waited on that stream. (Under NCCL the waits
+    are stream waits; gloo's waits block the host, so on CPU the first hop completes before this
+    returns.)"""
     node_local, cross_node = _check_node_groups(shard, node_local, cross_node)
     return _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_size, async_op)
 
@@ -113,22 +129,14 @@ def _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_si
                          f"{output.numel()} x {shard.size}")
     if shard.size == 1:
         output.copy_(input.view_as(output))
-        return comm.Handle() if async_op else None
+        return comm.local_handle(shard, async_op)
     locals_, nodes, chunk = node_local.size, cross_node.size, output.numel()
     # Row j (for local peer j): chunks (p, j) of every node p, node after node.
     rows = input.reshape(nodes, locals_, chunk).transpose(0, 1).reshape(locals_, nodes * chunk)
-    intra = _QuantizedAllToAll(rows, node_local, bits, block_size)
-
-    def reduce_across_nodes():
-        node_sums = intra.reduced()                      # fp32 [nodes * chunk]: chunks (p, l)
-        inter = _QuantizedAllToAll(node_sums.view(nodes, chunk), cross_node, bits, block_size)
-        output.copy_(inter.reduced().view_as(output))
-
-    handle = comm.Handle([intra.handle], then=reduce_across_nodes)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    node_sums = _QuantizedAllToAll(rows, node_local, bits, block_size).reduced()   # chunks (p, l)
+    inter = _QuantizedAllToAll(node_sums.view(nodes, chunk), cross_node, bits, block_size)
+    output.copy_(inter.reduced().view_as(output))
+    return comm.local_handle(shard, async_op)
 
 
 def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_size: int = QGZ_BLOCK):
@@ -141,7 +149,7 @@ def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_s
         kernel_info()        # a UsageError naming the build command when megazero._quant is missing
 
     def reduce(output: torch.Tensor, input: torch.Tensor) -> comm.Handle:
-        # Once per bucket and microbatch: the groups were checked above, not again here.
+        # Once per bucket and microbatch, on the reduce stream: the groups were checked above.
         return _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_size, True)
     return reduce
 
@@ -154,7 +162,7 @@ class _QuantizedAllToAll:
     def __init__(self, rows: torch.Tensor, group: comm.Group, bits: int, block_size: int):
         self.group, self.m = group, rows.shape[1]
         if group.size == 1:
-            self.local, self.handle = rows[0], comm.Handle()
+            self.local, self.handle = rows[0], comm.local_handle(group)
             return
         # Rows padded to whole blocks (zeros leave a symmetric block's scale unchanged), so row j's
         # codes and scales are contiguous rows of the quantized buffer.
@@ -179,9 +187,8 @@ class _QuantizedAllToAll:
 def _read_on_waiting_stream(buffer: torch.Tensor) -> None:
     """A receive buffer allocated on the issuing stream (a prefetch side stream, say) and read by
     the stream that waits: the caching allocator must not hand its memory back to the issuing
-    stream before those reads are done. Nothing to do off CUDA."""
-    if buffer.is_cuda:
-        buffer.record_stream(torch.cuda.current_stream(buffer.device))
+    stream before those reads are done."""
+    streams.record_on_current_stream(buffer)
 
 
 def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:

@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from megazero.core import comm
-from megazero.core.streams import Streams
-from megazero.ops.adam import AdamConfig, adam_update
+from megazero.core.streams import Streams, label
+from megazero.ops.adam import AdamConfig, AdamSegment, adam_step
 from .flat import FlatLayout
 from .offload import OFFLOADED_KINDS, OptimizerOffload
-from .precision import Precision, sum_of_squares
+from .precision import Precision, sum_of_squares_many
 
 KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
 
@@ -57,10 +57,13 @@ class NormRun(NamedTuple):
 class ReductionQueue:
     """Gradient reductions in flight, oldest first. Each holds its staging buffer until waited.
 
-    A communicator runs its collectives one at a time, so two staged reductions in flight keep
-    backward and communication overlapped; more would only hold staging memory. The staged
-    elements are also kept under `max_staged` (DeepSpeed's reduce_bucket_size), the newest always
-    going out. Reductions without staging (stage 0/1 reduce in place) are not bounded."""
+    With `overlap` (the default) the compute stream waits for a reduction only where its result
+    or its staging memory is needed: `wait_all` before the step reads the gradients, and the
+    oldest staged one when too many are staged. A communicator runs its collectives one at a time,
+    so two staged reductions in flight keep backward and communication overlapped; more would only
+    hold staging memory. The staged elements are also kept under `max_staged` (DeepSpeed's
+    reduce_bucket_size), the newest always going out. Reductions without staging (stage 0/1 reduce
+    in place) are not bounded. Without `overlap` every push is waited at once."""
 
     MAX_STAGED_IN_FLIGHT = 2
 
@@ -238,9 +241,9 @@ class PartitionedStorage:
         shard group and adds this rank's chunk of the sum to its gradient chunk (copies it on the
         step's first reduction). Buffers are allocated on the compute stream, which also reads
         them when the handle is waited; only the collective is issued on the reduce stream.
-        With qgZ (`quantized_reduce`) the whole reduction runs on the compute stream: it quantizes,
-        and sums between its hops, in buffers allocated and read there (its all-to-alls still run
-        on the communicator's own stream)."""
+        With qgZ (`quantized_reduce`) the whole reduction is queued on the reduce stream: its
+        quantizations, both hops and the sums between them, chained by stream waits, in buffers
+        allocated and freed there; the compute stream waits once, for the event after the last sum."""
         target = self.grad_chunk(b)
         fresh, self._fresh[b] = self._fresh[b], False
         rank, chunk = self.layout.rank, self.layout.buckets[b].chunk
@@ -250,19 +253,20 @@ class PartitionedStorage:
         if direct:
             out = target
         elif scatter:
-            out = torch.empty(chunk, dtype=staging.dtype, device=staging.device)
+            out = label(torch.empty(chunk, dtype=staging.dtype, device=staging.device),
+                        f"bucket {b}: this rank's reduced chunk")
         else:              # all-reduce the whole bucket, then read this rank's chunk of it
             out = staging[rank * chunk:(rank + 1) * chunk]
-        if quantized:
-            handle = self.quantized_reduce(out, staging)
-        else:
-            handle = self._issue_reduction(out, staging, scatter)
+        handle = self._issue_reduction(out, staging, scatter, quantized)
         then = None if direct else (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
         self.queue.push(comm.Handle([handle], then), staging)
 
-    def _issue_reduction(self, out: torch.Tensor, staging: torch.Tensor, scatter: bool) -> comm.Handle:
+    def _issue_reduction(self, out: torch.Tensor, staging: torch.Tensor, scatter: bool,
+                         quantized: bool) -> comm.Handle:
         with self.reduce_stream():
-            if scatter:
+            if quantized:
+                handle = self.quantized_reduce(out, staging)
+            elif scatter:
                 handle = comm.reduce_scatter(out, staging, self.shard, async_op=True)
             elif self.shard is not None:
                 handle = comm.all_reduce(staging, self.shard, async_op=True)
@@ -281,7 +285,8 @@ class PartitionedStorage:
 
     def new_staging(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        return torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device)
+        return label(torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device),
+                     f"bucket {b}: gradient staging")
 
     def ensure_grads(self) -> None:
         """Stage 2/3 gradient partitions hold memory only from the step's first reduction to the
@@ -325,28 +330,26 @@ class PartitionedStorage:
     def grad_sumsq(self) -> torch.Tensor:
         """float64 sum of squares of the counted gradients; a non-finite value anywhere in this
         rank's gradient chunks makes it non-finite (uncounted runs add 0 * their sum), so the
-        norm's all-reduce doubles as the overflow check."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b, lo, hi, counted in self.norm_runs:
-            part = sum_of_squares(self.grad_chunk(b)[lo:hi])
-            total += part if counted else part * 0.0
-        return total
+        norm's all-reduce doubles as the overflow check. One foreach norm over all the runs."""
+        runs = [(self.grad_chunk(b)[lo:hi], counted) for b, lo, hi, counted in self.norm_runs]
+        return sum_of_squares_many([g for g, c in runs if c], [g for g, c in runs if not c],
+                                   device=self.device)
 
     def step(self, step: int, lr: float, config: AdamConfig, grad_scale: float) -> None:
-        """Adam on every run of this rank's chunks. With a separate fp32 master the updated values
-        are also written to the low-precision weights, in the same pass where the CPU kernel runs
-        (the runs cover every chunk whole, padding included). Offloaded states step on the CPU
+        """Adam on every run of this rank's chunks, in one `adam_step` (on a GPU: torch's fused
+        kernel, one launch per weight decay). With a separate fp32 master the updated values are
+        also written to the low-precision weights, in the same pass where the CPU kernel runs (the
+        runs cover every chunk whole, padding included). Offloaded states step on the CPU
         (offload.py), then the device weights follow."""
         if self.offload is not None:
             self.offload.step(self, step, lr, config, grad_scale)
             self.after_step()
             return
-        for b, lo, hi, wd in self.runs:
-            copy = self.param_chunk(b)[lo:hi] if self.master is not None else None
-            adam_update(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
-                        self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi],
-                        step=step, lr=lr, config=config, weight_decay=wd, grad_scale=grad_scale,
-                        param_copy=copy)
+        segments = [AdamSegment(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
+                                self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi], wd,
+                                self.param_chunk(b)[lo:hi] if self.master is not None else None)
+                    for b, lo, hi, wd in self.runs]
+        adam_step(segments, step=step, lr=lr, config=config, grad_scale=grad_scale)
         self.after_step()
 
     def after_step(self) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from megazero.core import comm
 from megazero.core.comm import Group
+from megazero.core.streams import label
 
 
 class PipelineP2P:
@@ -55,16 +56,16 @@ class PipelineP2P:
         """Issues one batch of (tensor, peer index) sends and receives; returns its handle."""
         return comm.send_recv(sends, recvs, self.group)
 
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def _empty(self, what: str) -> torch.Tensor:
+        return label(torch.empty(self.shape, dtype=self.dtype, device=self.device), what)
 
     def start_exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
                        recv_forward: bool = False, recv_backward: bool = False) -> "PendingExchange":
         """Issues one batch: an output to the next stage and/or a gradient to the previous one, an
         input from the previous and/or an output gradient from the next. Returns at once; the
         tensors are the pending exchange's `wait()`."""
-        got_input = self._empty() if recv_forward else None
-        got_grad = self._empty() if recv_backward else None
+        got_input = self._empty("pipeline input received") if recv_forward else None
+        got_grad = self._empty("pipeline output gradient received") if recv_backward else None
         # Activations first, then gradients, on both lists: the order is the matching (see above).
         sends = [(t.detach().contiguous(), peer)
                  for t, peer in ((send_forward, self.next), (send_backward, self.prev)) if t is not None]

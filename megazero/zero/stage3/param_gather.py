@@ -31,7 +31,7 @@ import torch
 
 from megazero.core import comm
 from megazero.core.errors import UsageError
-from megazero.core.streams import Event
+from megazero.core.streams import Event, label
 from ..config import ZeroConfig
 from ..groups import ZeroGroups
 
@@ -50,7 +50,8 @@ class ParamGather:
         if self.hpz is not None:
             sizes = [total // self.hpz.size for total in unit_totals]
             self.secondary_offsets = [0, *itertools.accumulate(sizes)][:-1]
-            self.secondary = torch.empty(sum(sizes), dtype=dtype, device=device)
+            self.secondary = label(torch.empty(sum(sizes), dtype=dtype, device=device),
+                                   "hpZ secondary partition")
         self.fresh = [False] * len(unit_totals)          # secondary slice holds the current weights
         self.generation = 0                              # partition writes so far
         self.secondary_ready = Event(device)             # the last secondary write, on its stream
@@ -92,9 +93,10 @@ class ParamGather:
         nodes, per_node, n = cross.size, local.size, chunk.numel()
         # Hop 1 (across nodes) must land before hop 2 sends it on; under NCCL this wait only orders
         # the streams, under gloo it blocks until the inter-node hop is done.
-        inter = torch.empty(nodes * n, dtype=full.dtype, device=full.device)
+        inter = label(torch.empty(nodes * n, dtype=full.dtype, device=full.device),
+                      "two-hop gather: the cross-node hop's result")
         self._all_gather(inter, chunk, cross, quantized=self.zero.zero_quantized_weights).wait()
-        staging = torch.empty_like(full)
+        staging = label(torch.empty_like(full), "two-hop gather: the node hop's result")
         handle = comm.all_gather(staging, inter, local, async_op=True)
 
         def to_shard_order():

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megazero.core import comm
-from megazero.core.streams import Event
+from megazero.core.streams import Event, label
 from ..config import ZeroConfig
 from ..flat import Bucket, FlatLayout
 from ..groups import ZeroGroups
@@ -55,7 +55,8 @@ class Unit:
         self.total = bucket.size                 # padded: a multiple of the shard count
         self.part_size = bucket.chunk
         self.part_offset = bucket.local_offset
-        self.full = torch.empty(self.total, dtype=dtype, device=device)
+        self.full = label(torch.empty(self.total, dtype=dtype, device=device),
+                          f"stage-3 unit {name!r}, gathered parameters")
         self.full.untyped_storage().resize_(0)
         self.status = ParamStatus.NOT_AVAILABLE
         self.handle: comm.Handle | None = None
@@ -96,9 +97,10 @@ class UnitStore(PartitionedStorage):
             self.home = make_param_home(self.zero.offload_param, chunks, precision.param_dtype, self.device,
                                         self.streams, shard.ranks[shard.rank])
         size = 0 if self.home is not None else layout.partition_size
-        self.partition = torch.zeros(size, dtype=precision.param_dtype, device=self.device)
-        self.grad_part = torch.zeros(layout.partition_size, dtype=precision.grad_accum_dtype,
-                                     device=self.device)
+        self.partition = label(torch.zeros(size, dtype=precision.param_dtype, device=self.device),
+                               "stage-3 parameter partition")
+        self.grad_part = label(torch.zeros(layout.partition_size, dtype=precision.grad_accum_dtype,
+                                           device=self.device), "stage-3 gradient partition")
         drop_storage(self.grad_part)
         self.placeholder = torch.empty(0, dtype=precision.param_dtype, device=self.device)
         self.live_numel = 0           # elements of full parameters held (AVAILABLE or INFLIGHT)

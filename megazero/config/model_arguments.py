@@ -1,0 +1,109 @@
+"""The model flags -> GPTConfig, with Megatron-LM's meaning where its flags interact, and the
+`--compile` check. Part of the edge (megazero.config): raises UsageError before any group exists.
+
+Megatron-LM's rules kept here: --num-query-groups counts only with --group-query-attention (which
+defaults it to 1); --recompute-activations is --recompute-granularity selective; full recomputation
+needs --recompute-method and --recompute-num-layers between 1 and the layers of a pipeline stage.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+from megazero.core.errors import UsageError
+from megazero.models.config import GPTConfig, padded_vocab_size
+
+
+def model_config(args, vocab: int, tp: int, pp: int, cuda: bool) -> tuple[GPTConfig, list[str]]:
+    """The GPTConfig the flags describe, and the notes on flags accepted without effect."""
+    notes = []
+    groups = _query_groups(args, notes)
+    granularity, method, layers = _recompute(args, pp)
+    if args.cross_entropy_loss_fusion:
+        notes.append("--cross-entropy-loss-fusion has no effect: the output layer and the cross entropy "
+                     "always run fused, a chunk of tokens at a time (megazero/models/loss.py)")
+    if args.attention_backend == "fused" and not cuda:
+        notes.append("--attention-backend fused: cuDNN and memory-efficient attention are CUDA kernels; "
+                     "on CPU the fused kernel is torch's flash attention")
+    try:
+        config = GPTConfig(
+            vocab_size=vocab, hidden_size=args.hidden_size, num_layers=args.num_layers,
+            num_attention_heads=args.num_attention_heads, num_query_groups=groups,
+            kv_channels=args.kv_channels or 0,
+            ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
+            max_position_embeddings=args.max_position_embeddings,
+            padded_vocab_size=padded_vocab_size(vocab, args.make_vocab_size_divisible_by, tp),
+            position_embedding="rope" if args.position_embedding_type == "rope" else "learned",
+            rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+            activation="swiglu" if args.swiglu else "gelu",
+            # Megatron: --openai-gelu is the tanh form; its unfused GELU (--no-bias-gelu-fusion) is
+            # exact erf; its default fused bias-GELU is tanh, which is megazero's default too.
+            gelu_approximate="none" if args.no_bias_gelu_fusion and not args.openai_gelu else "tanh",
+            normalization="rmsnorm" if args.normalization == "RMSNorm" else "layernorm",
+            norm_epsilon=args.norm_epsilon, apply_layernorm_1p=args.apply_layernorm_1p,
+            tie_embeddings=not args.untie_embeddings_and_output_weights,
+            add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
+            attention_dropout=args.attention_dropout, attention_backend=args.attention_backend,
+            recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers,
+            init_method_std=args.init_method_std)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.rotary_percent != 1.0 and config.position_embedding != "rope":
+        raise UsageError(f"--rotary-percent {args.rotary_percent} needs --position-embedding-type rope")
+    return config, notes
+
+
+def check_attention_precision(model: GPTConfig, half_precision: bool, cuda: bool) -> None:
+    """CUDA's flash kernel takes only 16-bit inputs: an fp32 run asking for it would fail at the first
+    forward with torch's "no available kernel"; say so before anything starts."""
+    if model.attention_backend == "flash" and cuda and not half_precision:
+        raise UsageError("--attention-backend flash runs in bf16 or fp16 on CUDA (the flash kernel has no "
+                         "fp32 form); add --bf16, or choose --attention-backend auto or fused")
+
+
+def _query_groups(args, notes: list[str]) -> int:
+    if args.group_query_attention:
+        return args.num_query_groups if args.num_query_groups is not None else 1
+    if args.num_query_groups is not None and args.num_query_groups != args.num_attention_heads:
+        notes.append(f"--num-query-groups {args.num_query_groups} has no effect without "
+                     f"--group-query-attention (Megatron-LM's meaning): every head has its own key and "
+                     f"value; add --group-query-attention for grouped-query attention")
+    return args.num_attention_heads
+
+
+def _recompute(args, pp: int) -> tuple[str, str | None, int]:
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity == "full":
+            raise UsageError("--recompute-activations is selective recomputation (Megatron-LM's "
+                             "meaning) and contradicts --recompute-granularity full; remove one")
+        granularity = "selective"
+    layers = args.recompute_num_layers or 0
+    per_stage = args.num_layers // pp
+    if granularity == "full" and layers > per_stage:
+        raise UsageError(f"--recompute-num-layers {layers} is more than the {per_stage} layers of a "
+                         f"pipeline stage; give 1..{per_stage}")
+    return granularity or "none", args.recompute_method, layers
+
+
+def compile_backend(args, cuda: bool) -> str | None:
+    """The torch.compile backend --compile asks for (None without it), checked to be usable here."""
+    if not args.compile:
+        if args.compile_backend != "inductor":
+            raise UsageError(f"--compile-backend {args.compile_backend} needs --compile; add it or remove both")
+        return None
+    import torch
+    if not hasattr(torch, "compile"):
+        raise UsageError(f"--compile needs torch >= 2.0 (installed: {torch.__version__}); remove --compile")
+    import torch._dynamo
+    backend = args.compile_backend
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UsageError(f"--compile-backend {backend!r} is not a torch.compile backend; choose one of "
+                         f"{', '.join(torch._dynamo.list_backends())}")
+    if backend == "inductor" and cuda and importlib.util.find_spec("triton") is None:
+        raise UsageError("--compile (inductor) on CUDA needs the triton package, which is not installed; "
+                         "install triton or pass --compile-backend aot_eager")
+    if backend == "inductor" and not cuda and not (shutil.which("g++") or shutil.which("c++")):
+        raise UsageError("--compile (inductor) on CPU needs a C++ compiler (g++), which is not on PATH; "
+                         "install one or pass --compile-backend aot_eager")
+    return backend

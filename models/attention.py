@@ -1,0 +1,125 @@
+"""Attention's two kernels as plain functions: the rotary position embedding and the core attention
+(q, k, v -> out). Pure torch on any device; no parameters, no parallelism.
+
+`core_attention` is the one place the attention math happens, so that context parallelism (ring
+attention) can swap it for a function of the same signature. `rotate` applies RoPE to the leading
+`rotary_dim` dims of each head with tables that `RotaryTables` builds once per (length, device,
+dtype) and keeps for the run.
+
+Conventions (kept from the first implementation; tests/test_model_kernels.py holds it as the oracle):
+- RoPE rotates the interleaved pairs (x[2i], x[2i+1]) by angle pos * base^(-2i / rotary_dim)
+  (RoFormer's form; models/hf_adapter.py permutes rows to Llama's halves on export and import).
+  With rotary_percent < 1 only the first rotary_dim dims of a head rotate (Megatron-LM's choice); the
+  tables hold cos 1 and sin 0 beyond them, so one expression covers every head dim.
+- Grouped-query attention pairs query head h with key/value head h // (heads / groups).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:        # torch < 2.3: no backend choice, SDPA picks
+    SDPBackend = sdpa_kernel = None
+
+# SDPA's enable_gqa (key/value heads broadcast inside the kernel) arrived in torch 2.5.
+SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+# --attention-backend -> the SDPA kernels it allows, by device type (None: SDPA chooses freely).
+# "fused" is Megatron's Transformer Engine cuDNN kernel: torch's cuDNN and memory-efficient kernels on
+# CUDA; on CPU the only fused kernel torch has is its flash one. "unfused" and "local" are the math
+# written out (`attention_reference`), with no SDPA call at all.
+_SDPA_KERNELS = {
+    "flash": {"cuda": ("FLASH_ATTENTION",), "cpu": ("FLASH_ATTENTION",)},
+    "fused": {"cuda": ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"), "cpu": ("FLASH_ATTENTION",)},
+}
+WRITTEN_OUT = ("unfused", "local")
+
+
+class RotaryTables:
+    """cos / sin tables (length, head_dim) for RoPE, built once per (length, device, dtype).
+
+    Row p, columns 2i and 2i+1 hold cos / sin of p * base^(-2i / rotary_dim) for 2i < rotary_dim; the
+    sin table carries the sign of the rotation (-sin on even columns), and the columns past
+    rotary_dim hold cos 1, sin 0. Angles are computed in fp32 and rounded to the compute dtype once.
+    Plain Python, not a module: no state dict entry, nothing for ZeRO to partition.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, base: float):
+        self.head_dim, self.rotary_dim, self.base = head_dim, rotary_dim, base
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (length, torch.device(device), dtype)
+        if key not in self._cache:
+            self._cache[key] = self._build(length, torch.device(device), dtype)
+        return self._cache[key]
+
+    def _build(self, length: int, device, dtype):
+        rot = self.rotary_dim
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, rot, 2, device=device, dtype=torch.float32) / rot))
+        angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        pad = self.head_dim - rot
+        cos = torch.cat([cos.repeat_interleave(2, dim=-1), cos.new_ones(length, pad)], dim=-1)
+        signed = torch.stack([-sin, sin], dim=-1).flatten(-2)
+        return cos, torch.cat([signed, sin.new_zeros(length, pad)], dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x (b, s, ..., head_dim) with RotaryTables' (>= s, head_dim) tables: one expression,
+    x * cos + pair_swap(x) * sin, where pair_swap exchanges x[2i] and x[2i+1]. In eager mode the
+    products and the sum round exactly as the pairwise formula does (a negated sin is exact)."""
+    s = x.shape[1]
+    shape = (1, s) + (1,) * (x.dim() - 3) + (x.shape[-1],)
+    cos, sin = cos[:s].view(shape), sin[:s].view(shape)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x * cos + swapped * sin
+
+
+def _kernels(backend: str, device_type: str):
+    names = _SDPA_KERNELS.get(backend, {}).get(device_type)
+    if names is None or sdpa_kernel is None:
+        return None
+    return [getattr(SDPBackend, n) for n in names]
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                   backend: str = "auto") -> torch.Tensor:
+    """Causal attention of q (b, s, heads, d) over k, v (b, s, groups, d) -> (b, s, heads * d)."""
+    if backend in WRITTEN_OUT:
+        return attention_reference(q, k, v, dropout_p)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))          # (b, heads, s, d)
+    # The cuDNN / memory-efficient kernels take no enable_gqa: they get the key/value heads expanded.
+    gqa = k.shape[1] != q.shape[1]
+    native_gqa = gqa and SDPA_HAS_GQA and backend != "fused"
+    if gqa and not native_gqa:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    extra = {"enable_gqa": True} if native_gqa else {}
+    kernels = _kernels(backend, q.device.type)
+    if kernels is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, **extra)
+    else:
+        with sdpa_kernel(kernels):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, **extra)
+    return out.transpose(1, 2).flatten(2)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
+    """The math written out (Megatron's local DotProductAttention): scores, causal mask, softmax in
+    (at least) fp32, dropout on the probabilities, weighted sum. Holds the (b, heads, s, s) scores."""
+    heads, groups, d = q.shape[2], k.shape[2], q.shape[-1]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if groups != heads:
+        k, v = k.repeat_interleave(heads // groups, dim=1), v.repeat_interleave(heads // groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    s = q.shape[2]
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)        # at least fp32
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v).transpose(1, 2).flatten(2)
