@@ -3,8 +3,8 @@ position's work instead of the whole prefix's, and the choice of the next token 
 with temperature, top-k and top-p).
 
 `forward_cached` runs the model's own modules (embedding, norms, projections, MLP, head) and repeats
-only the attention's bookkeeping: the fused QKV's group layout, the rotary angles at each token's
-absolute position, and attention over the cached keys and values. Its oracle is GPT.forward: the
+only the attention's bookkeeping: the fused QKV's group layout, the rotary tables' rows at each
+token's absolute position, and attention over the cached keys and values. Its oracle is GPT.forward: the
 logits at every position equal the full forward's (tests/test_generate.py). Inference only (no
 dropout, no gradients). Like the rest of `models`, imports neither `parallel` nor `megazero`.
 """
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .gpt import GPT, Attention, apply_rotary, rotary_cos_sin
+from .attention import rotate
+from .gpt import GPT, Attention
 
 
 class KVCache:
@@ -36,18 +37,18 @@ class KVCache:
         return keys, values
 
 
-def _attention(attention: Attention, x: torch.Tensor, cache: KVCache, layer: int, start: int) -> torch.Tensor:
-    """Attention.forward for tokens at positions start.. given the cache of the positions before."""
+def _attention(attention: Attention, x: torch.Tensor, cache: KVCache, layer: int, start: int,
+               rotary) -> torch.Tensor:
+    """Attention.forward for tokens at positions start.. given the cache of the positions before;
+    `rotary` is the model's (cos, sin) tables (None without RoPE)."""
     qkv = rearrange(attention.qkv(x), "b s (g r d) -> b s g r d", r=attention.q_per_group + 2,
                     d=attention.head_dim)
-    q = rearrange(qkv[:, :, :, :attention.q_per_group], "b s g r d -> b s (g r) d")
-    k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+    qk = qkv[:, :, :, :-1]
+    if rotary is not None:        # the rows of these positions: the angles the full forward uses
+        qk = rotate(qk, rotary[0][start:], rotary[1][start:])
+    q = rearrange(qk[:, :, :, :-1], "b s g r d -> b s (g r) d")
+    k, v = cache.extend(layer, qk[:, :, :, -1], qkv[:, :, :, -1])
     new = x.shape[1]
-    if attention.rotary_base is not None:
-        # the table up to the last position, sliced: the same angles the full forward computes
-        cos, sin = rotary_cos_sin(start + new, attention.head_dim, attention.rotary_base, x.device, q.dtype)
-        q, k = apply_rotary(q, cos[start:], sin[start:]), apply_rotary(k, cos[start:], sin[start:])
-    k, v = cache.extend(layer, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))           # (b, heads, s, d)
     if k.shape[1] != q.shape[1]:                                # grouped-query attention
         repeat = q.shape[1] // k.shape[1]
@@ -66,8 +67,12 @@ def forward_cached(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Te
     x = model.embedding.word(tokens)
     if model.embedding.position is not None:
         x = x + model.embedding.position(torch.arange(start, start + tokens.shape[1], device=tokens.device))
+    rotary = None
+    if model.rotary is not None:
+        length = max(model.config.max_position_embeddings, start + tokens.shape[1])
+        rotary = model.rotary.get(length, x.device, x.dtype)
     for index, layer in enumerate(model.layers.values()):
-        x = x + _attention(layer.attention, layer.input_norm(x), cache, index, start)
+        x = x + _attention(layer.attention, layer.input_norm(x), cache, index, start, rotary)
         x = x + layer.mlp(layer.mlp_norm(x))
     return model.output_head(model.final_norm(x))
 

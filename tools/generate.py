@@ -35,7 +35,7 @@ from megazero.models.gpt import GPT
 def load_model(reader: CheckpointReader, device: torch.device) -> GPT:
     """The checkpoint's model, read one full parameter at a time (a tied head is the embedding's)."""
     config = dataclasses.replace(GPTConfig(**reader.metadata["model"]), hidden_dropout=0.0,
-                                 attention_dropout=0.0, recompute_activations=False)
+                                 attention_dropout=0.0, recompute_granularity="none")
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
