@@ -64,7 +64,7 @@ TOP_VALUES = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "grad
               "gradient_clipping": 0.5, "steps_per_print": 3, "wall_clock_breakdown": True,
               "zero_allow_untested_optimizer": True, "prescale_gradients": False,
               "gradient_predivide_factor": 2.0, "communication_data_type": "bf16",
-              "data_types": {"grad_accum_dtype": "bf16"}, "seed": 5, "bf16": {"enabled": False},
+              "data_types": {"grad_accum_dtype": "bf16"}, "seed": 5, "bf16": {"enabled": False}, "dump_state": True,
               "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
 FP16_VALUES = {"enabled": False, "loss_scale": 64, "initial_scale_power": 8, "loss_scale_window": 10,
                "hysteresis": 3, "min_loss_scale": 0.5, "auto_cast": True, "consecutive_hysteresis": True}

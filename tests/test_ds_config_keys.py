@@ -247,8 +247,10 @@ def test_monitors_map_onto_the_monitor_flags():
         "wandb_project": "p", "wandb_entity": "t", "tensorboard_dir": str(Path("tb") / "j")}
     assert settings.notes == ["ds.json: csv_monitor has no effect: every logged record goes to metrics.jsonl "
                               "in the run directory (--metrics-file)"]
-    message = _error(lambda: flags_from_config(settings, {**flags, "wandb_project": "q"}, 1e-3, "ds.json"))
-    assert message == "--wandb-project q contradicts wandb.project = \"p\" in ds.json; remove one"
+    # where the monitors write is no training setting: the flag wins, with a note
+    given = flags_from_config(settings, {**flags, "wandb_project": "q"}, 1e-3, "ds.json")
+    assert "wandb_project" not in given and given["wandb_entity"] == "t"
+    assert settings.notes[-1] == "--wandb-project q wins over wandb.project = \"p\" in ds.json"
     off = parse_deepspeed_config({"wandb": {"enabled": False, "project": "p"}}, "ds.json")
     assert off.values == {} and off.notes == []
 
