@@ -26,7 +26,8 @@ from megazero.config.arguments import config_from_args, parse_args
 from megazero.config.preflight import preflight, sample_counts
 from megazero.config.train_config import TrainConfig
 from megazero.core.errors import UsageError
-from megazero.lr_schedule import learning_rate
+from megazero.data.read_ahead import ReadAhead
+from megazero.lr_schedule import step_learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors
 from megazero.parallel.groups import ProcessGroups
@@ -117,6 +118,9 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.data.default_data import prepare_default_data
 
+    if cfg.data.mock_data:
+        return _mock_datasets(cfg, say)
+
     def build(progress):
         data_path = cfg.data.data_path
         if data_path is None:
@@ -137,6 +141,14 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
         raise AgreedStop(verdict)
     train_set, valid_set, _ = built if launch.rank == 0 else build(False)
     return train_set, valid_set
+
+
+def _mock_datasets(cfg: TrainConfig, say):
+    """--mock-data: random tokens of the vocabulary, reproducible by (seed, split, index), no files."""
+    from megazero.data.synthetic import SyntheticTokens
+    say(f" data: mock (random tokens of a {cfg.model.vocab_size}-token vocabulary)")
+    vocab, seq = cfg.model.vocab_size, cfg.model.seq_length
+    return SyntheticTokens(vocab, seq, seed=cfg.seed), SyntheticTokens(vocab, seq, seed=cfg.seed + 1)
 
 
 def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None, None)) -> None:
@@ -171,14 +183,21 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
     metrics.say(" model states per rank (MiB): " + ", ".join(
         f"{k}={v / 2**20:.1f}" for k, v in report.items()))
     source = MicrobatchSource(train_set, cfg.global_batch_size, cfg.micro_batch_size,
-                              groups.coords.dp, topology.dp)
+                              groups.coords.dp, topology.dp, ramp=cfg.rampup)
+    if cfg.run.num_workers > 0:
+        source = ReadAhead(source, cfg.run.num_workers)
     valid_batches = []
     if valid_set is not None and cfg.eval_iters > 0:
         valid_source = MicrobatchSource(valid_set, cfg.global_batch_size, cfg.micro_batch_size,
                                         groups.coords.dp, topology.dp)
         valid_batches = [valid_source.batch(i) for i in range(cfg.eval_iters)]
-    train(state, source, valid_batches, lambda it: learning_rate(cfg.optimizer, it, cfg.train_iters),
-          metrics, start_iteration=start_iteration, policy=policy)
+    try:
+        train(state, source, valid_batches,
+              lambda it, consumed: step_learning_rate(cfg.optimizer, it, cfg.train_iters, consumed),
+              metrics, start_iteration=start_iteration, policy=policy)
+    finally:
+        if isinstance(source, ReadAhead):
+            source.close()
     metrics.close()
     metrics.say(f" done: metrics appended to {cfg.metrics_file}")
     if dist.is_initialized():
