@@ -31,7 +31,7 @@ class Housekeeping:
             gc.disable()
             gc.collect()
         self.profiles = options.profile and rank in options.profile_ranks
-        self.profiler = None
+        self.profiler = self.span = None
 
     def before_step(self, iteration: int) -> None:
         """Before the step numbered `iteration` (from 1)."""
@@ -41,11 +41,17 @@ class Housekeeping:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self.profiler.start()
+        if self.profiler is not None:        # names the step in the trace
+            self.span = torch.profiler.record_function(f"megazero iteration {iteration}")
+            self.span.__enter__()
 
     def after_step(self, iteration: int) -> None:
         options = self.options
         if options.manual_gc and options.manual_gc_interval and iteration % options.manual_gc_interval == 0:
             gc.collect()
+        if self.span is not None:
+            self.span.__exit__(None, None, None)
+            self.span = None
         if self.profiler is not None:
             self.profiler.step()
             if iteration == options.profile_step_end:
@@ -65,6 +71,9 @@ class Housekeeping:
 
     def close(self) -> None:
         """The run ended (or stopped early): a trace in progress is written, the collector restored."""
+        if self.span is not None:
+            self.span.__exit__(None, None, None)
+            self.span = None
         if self.profiler is not None:
             self._finish_trace()
         if self.options.manual_gc and self.gc_was_enabled:

@@ -164,6 +164,15 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
                         mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
                         hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
     groups = ProcessGroups.build(topology, launch.rank, device=device)
+    train_on(cfg, launch, groups, device, checkpoint)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train_on(cfg: TrainConfig, launch: Launch, groups: ProcessGroups, device: torch.device,
+             checkpoint=(None, None)) -> None:
+    """The run on built process groups: monitors, data, model and engine, checkpoint, the loop."""
+    topology = groups.topology
     logging_rank = launch.rank == topology.rank_of(0, 0, topology.pp - 1)
     metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters)
     metrics.say(f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "
@@ -200,8 +209,6 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
             source.close()
     metrics.close()
     metrics.say(f" done: metrics appended to {cfg.metrics_file}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, tuple]:

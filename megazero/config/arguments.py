@@ -133,6 +133,10 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     if ramp is not None and (virtual > 1 or args.pipeline_schedule == "interleaved"):
         _check_pipeline(args, topology, virtual, ramp.start // (micro * topology.dp))
     train_iters = _train_iters(args, glob, ramp)
+    if ramp is not None and args.train_samples is None:
+        notes.append("--rampup-batch-size with --train-iters: Megatron-LM asks for --train-samples; megazero "
+                     "runs the iterations with the ramp's batches and counts the lr schedule in samples "
+                     "(iteration flags x --global-batch-size)")
     optimizer = _optimizer_config(args, ds, merged, train_iters, glob, ramp is not None)
     run_opts = run_options(args, world_size, notes)
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")

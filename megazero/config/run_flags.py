@@ -79,8 +79,8 @@ def batch_ramp(args, global_batch: int, micro: int, dp: int) -> BatchRamp | None
         return None
     start, increment, samples = args.rampup_batch_size
     flag = f"--rampup-batch-size {start} {increment} {samples}"
-    if start < 1 or increment < 1 or samples < 0:
-        raise UsageError(f"{flag}: START and INCREMENT must be >= 1 and SAMPLES >= 0")
+    if start < 1 or increment < 1 or samples < 1:
+        raise UsageError(f"{flag}: START, INCREMENT and SAMPLES must be >= 1")
     if start >= global_batch:
         raise UsageError(f"{flag}: START must be below --global-batch-size {global_batch} (the batch it "
                          f"ramps up to); remove the flag for a constant batch")
