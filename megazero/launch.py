@@ -128,7 +128,8 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
             say(f" data: embedded corpus (Python standard library sources) at {prefix}")
             data_path = [prefix]
         return build_train_valid_test_datasets(data_path, cfg.data.split, cfg.model.seq_length, cfg.seed,
-                                               sample_counts(cfg), cfg.data.cache_dir, progress)
+                                               sample_counts(cfg), cfg.data.cache_dir, progress,
+                                               mmap=cfg.data.mmap_bin_files)
 
     error = None
     if launch.rank == 0:

@@ -131,7 +131,7 @@ def test_recipes_train_unedited_on_one_rank(tmp_path, gpt2_data, capsys):
     assert "--rampup-batch-size with --train-iters" in capsys.readouterr().out
     train = records(tmp_path / "gpt3")
     assert train[0]["iteration"] == 1 and math.isfinite(train[0]["loss"]) and train[0]["global_batch_size"] == 2
-    assert (tmp_path / "gpt3" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (tmp_path / "gpt3" / "ckpt" / "latest").read_text().strip() == "iter_0000004"
 
 
 def _train_recipe(ctx, argv: list[str], store_prefix: str):
@@ -167,7 +167,7 @@ def test_recipes_train_unedited_on_two_ranks(dist_pool, tmp_path, gpt2_data):
     gpt3 = recipe_argv(GPT3, pp=2, dir=tmp_path / "gpt3", **gpt2_data) + ["--run-dir", str(tmp_path / "gpt3")]
     pool.run(_train_recipe, gpt3, f"gpt3-{uuid.uuid4().hex}")
     assert math.isfinite(records(tmp_path / "gpt3")[0]["loss"])
-    assert (tmp_path / "gpt3" / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (tmp_path / "gpt3" / "ckpt" / "latest").read_text().strip() == "iter_0000004"
 
 
 # --- exactness ---------------------------------------------------------------------------------------
@@ -368,3 +368,54 @@ def test_logged_norms_and_zeros_are_the_models():
     model.load_state_dict(initial, strict=False)
     sum(model(mb[:, :-1], mb[:, 1:]).sum() for mb in batch).backward()
     assert zeros == sum(int((p.grad == 0).sum()) for p in model.parameters()) >= 3 * 32
+
+
+# --- TikTokenizer ------------------------------------------------------------------------------------
+def _tiktoken_vocab(path, merges):
+    import base64
+    tokens = [bytes([i]) for i in range(256)] + merges
+    path.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": ""}
+                                for i, t in enumerate(tokens)]))
+    return path
+
+
+def test_tiktokenizer_ids_are_megatrons(tmp_path):
+    """Byte-level BPE by rank over the pattern's pieces, ids shifted past the 1000 special tokens
+    ("hello" -> he + ll -> hell, o); v1 keeps "HelloWorld" one piece (so "oW" merges), v2 splits it
+    at the capital."""
+    pytest.importorskip("tiktoken")
+    from megazero.data.tokenizer import build_tokenizer
+    vocab = _tiktoken_vocab(tmp_path / "vocab.json", [b"he", b"ll", b"hell", b"oW"])
+    tok = build_tokenizer("TikTokenizer", tokenizer_model=vocab, tiktoken_pattern="v2", vocab_size=2000)
+    assert (tok.vocab_size, tok.eod) == (1260, 2)
+    assert tok.encode("hello world") == [1258, 1000 + ord("o")] + [1000 + b for b in b" world"]
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    v1 = build_tokenizer("TikTokenizer", tokenizer_model=vocab, tiktoken_pattern="v1", vocab_size=2000)
+    assert 1259 in v1.encode("HelloWorld") and 1259 not in tok.encode("HelloWorld")
+    cfg = config_from_args(parse_args(["--mock-data", "--tokenizer-type", "TikTokenizer", "--tokenizer-model",
+                                       str(vocab), "--tiktoken-pattern", "v1", "--vocab-size", "1258"]))
+    assert cfg.model.vocab_size == 1258 and not any("--tiktoken-pattern" in n for n in cfg.notes)
+
+
+def test_tiktokenizer_without_the_package_is_one_line(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    vocab = _tiktoken_vocab(tmp_path / "vocab.json", [])
+    with pytest.raises(UsageError, match=r"TikTokenizer needs the tiktoken package; install it with pip install"):
+        config_from_args(parse_args(["--mock-data", "--tokenizer-type", "TikTokenizer", "--tokenizer-model",
+                                     str(vocab)]))
+
+
+def test_no_mmap_bin_files_reads_the_same_samples(gpt2_data, tmp_path):
+    """--no-mmap-bin-files: plain file reads, not a memory map, and the same tokens in every sample."""
+    import pickle
+
+    from megazero.data.builders import build_train_valid_test_datasets
+    from megazero.data.indexed_dataset import IndexedDataset
+    mapped, read = IndexedDataset(gpt2_data["data"]), IndexedDataset(gpt2_data["data"], mmap=False)
+    assert isinstance(mapped._tokens, np.memmap) and not isinstance(read._tokens, np.memmap)
+    assert all(np.array_equal(mapped[i], read[i]) for i in range(len(mapped)))
+    assert read.max_token_id == mapped.max_token_id and pickle.loads(pickle.dumps(read)).mmap is False
+    sets = [build_train_valid_test_datasets([str(gpt2_data["data"])], "1,0,0", 16, 5, (40, 0, 0),
+                                            cache_dir=tmp_path, progress=False, mmap=m)[0] for m in (True, False)]
+    assert all(np.array_equal(sets[0][i]["tokens"], sets[1][i]["tokens"]) for i in range(40))

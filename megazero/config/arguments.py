@@ -287,7 +287,8 @@ def _tokenizer_vocab_size(args) -> int:
         if not named and args.tokenizer_type == "SentencePieceTokenizer":
             return DEFAULT_VOCAB_SIZE
         return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                               merge_file=args.merge_file, vocab_size=args.vocab_size).vocab_size
+                               merge_file=args.merge_file, vocab_size=args.vocab_size,
+                               tiktoken_pattern=args.tiktoken_pattern).vocab_size
     if args.data_path is None:
         given = [flag for flag, value in (("--tokenizer-model", args.tokenizer_model),
                                           ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
@@ -304,7 +305,8 @@ def _tokenizer_vocab_size(args) -> int:
         raise UsageError("--data-path needs --tokenizer-model (the sentencepiece model the data was "
                          "tokenized with), or another --tokenizer-type")
     return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, vocab_size=args.vocab_size).vocab_size
+                           merge_file=args.merge_file, vocab_size=args.vocab_size,
+                           tiktoken_pattern=args.tiktoken_pattern).vocab_size
 
 
 def _model_config(args, topology: Topology, notes: list[str]) -> GPTConfig:
