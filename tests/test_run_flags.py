@@ -419,3 +419,29 @@ def test_no_mmap_bin_files_reads_the_same_samples(gpt2_data, tmp_path):
     sets = [build_train_valid_test_datasets([str(gpt2_data["data"])], "1,0,0", 16, 5, (40, 0, 0),
                                             cache_dir=tmp_path, progress=False, mmap=m)[0] for m in (True, False)]
     assert all(np.array_equal(sets[0][i]["tokens"], sets[1][i]["tokens"]) for i in range(40))
+
+
+def test_segment_rates_in_every_adam_path():
+    """A segment's own lr (a decoupled run's embedding) in adam_step's CPU path and in torch's fused
+    kernel (grouped by lr), each equal to the reference Adam at that rate."""
+    from megazero.ops.adam import AdamConfig, AdamSegment, adam_step, adam_update_fused, adam_update_reference
+    config = AdamConfig(weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    tensors = [[torch.randn(33, generator=g).abs() if k == 3 else torch.randn(33, generator=g) for k in range(4)]
+               for _ in range(3)]
+    rates = [None, 3e-2, 5e-3]
+
+    def fresh():
+        return [[t.clone() for t in ts] for ts in tensors]
+
+    expected = fresh()
+    for (p, grad, m, v), lr in zip(expected, rates):
+        adam_update_reference(p, grad, m, v, step=3, lr=lr or 1e-3, config=config, weight_decay=0.1)
+    runs = [lambda segs: adam_step(segs, step=3, lr=1e-3, config=config)]
+    if hasattr(torch, "_fused_adamw_"):
+        runs.append(lambda segs: adam_update_fused(segs, step=3, lr=1e-3, config=config))
+    for run in runs:
+        got = fresh()
+        run([AdamSegment(p, grad, m, v, 0.1, None, lr) for (p, grad, m, v), lr in zip(got, rates)])
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-7)
