@@ -203,7 +203,7 @@ def train_on(cfg: TrainConfig, launch: Launch, groups: ProcessGroups, device: to
         valid_batches = [valid_source.batch(i) for i in range(cfg.eval_iters)]
     try:
         train(state, source, valid_batches,
-              lambda it, consumed: step_learning_rate(cfg.optimizer, it, cfg.train_iters, consumed),
+              lambda step, done: step_learning_rate(cfg.optimizer, step, cfg.train_iters, done),
               metrics, start_iteration=start_iteration, policy=policy)
     finally:
         if isinstance(source, ReadAhead):

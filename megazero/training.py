@@ -275,9 +275,9 @@ def peak_memory_mib(device: torch.device) -> float:
 def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_at, metrics=None,
           start_iteration: int = 0, policy=None) -> list[dict]:
     """Runs steps start_iteration+1 .. cfg.train_iters; returns one record per step (and per
-    evaluation). `lr_at(iteration, consumed_samples)` gives the step's rate(s), read after the step's
-    samples (see lr_schedule.step_learning_rate). `policy` (megazero.checkpoint.SavePolicy) saves
-    when due and may stop early."""
+    evaluation). `lr_at(n, done_samples)` is the rate(s) of the n-th applied optimizer step, after
+    applied steps that consumed `done_samples` samples (megazero.lr_schedule.step_learning_rate).
+    `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
     cfg = state.cfg
     history, window = [], []
     par = cfg.parallel
@@ -287,6 +287,9 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     world = state.groups.topology.world_size
     housekeeping = Housekeeping(cfg.run, state.groups.rank, state.device, cfg.run_dir)
     consumed = cfg.consumed_before(start_iteration)
+    # The schedule counts applied optimizer steps (Megatron's scheduler does not advance on a skipped
+    # step; a checkpoint loaded without its optimizer restarts it), and in samples their samples.
+    applied = cfg.consumed_before(state.engine.step_count)
     try:
         for it in range(start_iteration, cfg.train_iters):
             housekeeping.before_step(it + 1)
@@ -295,11 +298,12 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
             flops_per_step = step_flops(cfg.model, tokens_per_step)
             hardware_flops = flops_per_step + recompute_flops(cfg.model, tokens_per_step, chunk_layers)
             started = time.perf_counter()
-            rates = lr_at(it + 1, consumed + batch)
+            rates = lr_at(state.engine.step_count + 1, applied)
             lr = rates if isinstance(rates, float) else rates[0]
             step = train_step(state, train_source.batch(it), rates, policy.stop_flags if policy else None)
             elapsed = time.perf_counter() - started
             consumed += batch
+            applied += 0 if step.skipped else batch
             record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
                       "skipped": step.skipped, "loss_scale": step.loss_scale,
                       "tokens_per_s": tokens_per_step / elapsed, "ms_per_iter": 1000 * elapsed,

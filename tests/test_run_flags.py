@@ -247,7 +247,7 @@ def test_decoupled_lr_and_per_token_loss_are_their_meaning():
         adamw.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
-        at = start + size
+        at = start + 1                    # Megatron's rate after the samples of the steps before
         for group in adamw.param_groups:
             group["lr"] = (learning_rate(opt, at, 0, opt.decoupled_lr, opt.decoupled_min_lr) if group["decoupled"]
                            else learning_rate(opt, at, 0))
