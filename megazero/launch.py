@@ -39,7 +39,8 @@ from megazero.config.arguments import config_from_args, parse_args
 from megazero.config.preflight import preflight, sample_counts
 from megazero.config.train_config import TrainConfig
 from megazero.core.errors import UsageError
-from megazero.lr_schedule import learning_rate
+from megazero.data.read_ahead import ReadAhead
+from megazero.lr_schedule import step_learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors
 from megazero.parallel.groups import GroupFactory, ProcessGroups
@@ -154,6 +155,9 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.data.default_data import prepare_default_data
 
+    if cfg.data.mock_data:
+        return _mock_datasets(cfg, say)
+
     def build(progress):
         data_path = cfg.data.data_path
         if data_path is None:
@@ -161,7 +165,8 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
             say(f" data: embedded corpus (Python standard library sources) at {prefix}")
             data_path = [prefix]
         return build_train_valid_test_datasets(data_path, cfg.data.split, cfg.model.seq_length, cfg.seed,
-                                               sample_counts(cfg), cfg.data.cache_dir, progress)
+                                               sample_counts(cfg), cfg.data.cache_dir, progress,
+                                               mmap=cfg.data.mmap_bin_files)
 
     error = None
     if launch.rank == 0:
@@ -174,6 +179,14 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
         raise AgreedStop(verdict)
     train_set, valid_set, _ = built if launch.rank == 0 else build(False)
     return train_set, valid_set
+
+
+def _mock_datasets(cfg: TrainConfig, say):
+    """--mock-data: random tokens of the vocabulary, reproducible by (seed, split, index), no files."""
+    from megazero.data.synthetic import SyntheticTokens
+    say(f" data: mock (random tokens of a {cfg.model.vocab_size}-token vocabulary)")
+    vocab, seq = cfg.model.vocab_size, cfg.model.seq_length
+    return SyntheticTokens(vocab, seq, seed=cfg.seed), SyntheticTokens(vocab, seq, seed=cfg.seed + 1)
 
 
 @dataclasses.dataclass
@@ -225,6 +238,14 @@ def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device) -> P
 
 def run(cfg: TrainConfig, launch: Launch, device: torch.device, resume=None, progress=None) -> None:
     groups = _process_groups(cfg, launch, device)
+    train_on(cfg, launch, groups, device, resume, progress)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def train_on(cfg: TrainConfig, launch: Launch, groups: ProcessGroups, device: torch.device,
+             resume=None, progress=None) -> None:
+    """The run on built process groups: monitors, data, model and engine, checkpoint, the loop."""
     topology = groups.topology
     logging_rank = launch.rank == topology.rank_of(0, 0, topology.pp - 1)
     metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters)
@@ -248,18 +269,23 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, resume=None, pro
     metrics.say(" model states per rank (MiB): " + ", ".join(
         f"{k}={v / 2**20:.1f}" for k, v in report.items()))
     source = MicrobatchSource(train_set, cfg.global_batch_size, cfg.micro_batch_size,
-                              groups.coords.dp, topology.dp)
+                              groups.coords.dp, topology.dp, ramp=cfg.rampup)
+    if cfg.run.num_workers > 0:
+        source = ReadAhead(source, cfg.run.num_workers)
     valid_batches = []
     if valid_set is not None and cfg.eval_iters > 0:
         valid_source = MicrobatchSource(valid_set, cfg.global_batch_size, cfg.micro_batch_size,
                                         groups.coords.dp, topology.dp)
         valid_batches = [valid_source.batch(i) for i in range(cfg.eval_iters)]
-    train(state, source, valid_batches, lambda it: learning_rate(cfg.optimizer, it, cfg.train_iters),
-          metrics, start_iteration=start_iteration, policy=policy)
+    try:
+        train(state, source, valid_batches,
+              lambda step, done: step_learning_rate(cfg.optimizer, step, cfg.train_iters, done),
+              metrics, start_iteration=start_iteration, policy=policy)
+    finally:
+        if isinstance(source, ReadAhead):
+            source.close()
     metrics.close()
     metrics.say(f" done: metrics appended to {cfg.metrics_file}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, object]:

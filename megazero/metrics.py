@@ -13,6 +13,11 @@ import sys
 from pathlib import Path
 
 
+# Fields a record carries when a flag asks for them (--decoupled-lr, --rampup-batch-size,
+# --log-params-norm, --log-num-zeros-in-grad).
+OPTIONAL_FIELDS = ("decoupled_lr", "global_batch_size", "consumed_samples", "params_norm", "num_zeros_in_grad")
+
+
 class MetricsLogger:
     def __init__(self, path: str | None, enabled: bool = True, stream=None, total_iters: int = 0):
         self.enabled, self._stream, self.total_iters = enabled, stream, total_iters
@@ -62,6 +67,9 @@ class MetricsLogger:
         for key in ("mfu", "hfu"):     # model-FLOP and hardware-FLOP (with recomputation) utilisation
             if key in last:
                 record[key] = sum(r[key] for r in window) / len(window)
+        for key in OPTIONAL_FIELDS:    # flags' fields: the last iteration's
+            if key in last:
+                record[key] = last[key]
         if "time_ms" in last:          # wall_clock_breakdown: mean ms per phase per iteration
             phases = {k for r in window for k in r.get("time_ms", {})}
             record["time_ms"] = {k: sum(r.get("time_ms", {}).get(k, 0.0) for r in window) / len(window)
@@ -75,6 +83,9 @@ class MetricsLogger:
                  + (f"HFU {record['hfu']:.1%} | " if "hfu" in record else "") +
                  f"mem {record['memory_mib']:.0f} MiB"
                  + (f" | skipped {record['skipped']}" if record["skipped"] else ""))
+        extra = [f"{key.replace('_', ' ')} {record[key]:.4g}" for key in OPTIONAL_FIELDS if key in record]
+        if extra:
+            self.say("   " + " | ".join(extra))
         if "time_ms" in record:
             self.say("   time/iter (ms): " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
         if comm_log is not None and comm_log.last_step:

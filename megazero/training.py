@@ -23,6 +23,7 @@ from megazero.parallel.pipeline.split import stage_layer_ranges
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
+from megazero.housekeeping import Housekeeping
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.groups import ZeroGroups
 from megazero.zero.loss_scaler import LossScaler
@@ -33,17 +34,23 @@ class MicrobatchSource:
     """This DP rank's microbatches of global batch `i` from an indexable dataset of token arrays.
 
     Global batch i is samples [i*G, (i+1)*G); microbatch j of DP rank r takes mbs consecutive
-    samples starting at i*G + j*mbs*dp + r*mbs (Megatron's pretraining sampler order)."""
+    samples starting at i*G + j*mbs*dp + r*mbs (Megatron's pretraining sampler order). With a
+    `ramp` (--rampup-batch-size) batch i starts after the samples the steps before it consumed and
+    is as large as the ramp says."""
 
-    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+                 ramp=None):
         self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.ramp = dp_rank, dp_size, ramp
         self.num_microbatches = global_batch // (micro_batch * dp_size)
 
     def batch(self, i: int) -> list[torch.Tensor]:
-        base = i * self.global_batch
+        base, size = i * self.global_batch, self.global_batch
+        if self.ramp is not None:
+            base = self.ramp.consumed_before(i)
+            size = self.ramp.batch_at_consumed(base)
         out = []
-        for j in range(self.num_microbatches):
+        for j in range(size // (self.micro_batch * self.dp_size)):
             start = base + j * self.micro_batch * self.dp_size + self.dp_rank * self.micro_batch
             rows = [torch.as_tensor(self.dataset[start + k]["tokens"], dtype=torch.long)
                     for k in range(self.micro_batch)]
@@ -63,6 +70,15 @@ class TrainState:
     p2p: PipelineP2P | None = None
     timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
+
+
+# Megatron's is_embedding_or_output_parameter: the parameters --decoupled-lr gives their own rate.
+EMBEDDING_OR_OUTPUT = ("embedding.word.weight", "output_head.weight")
+
+
+def lr_group(name: str) -> int:
+    """1 for the input embedding and the output layer (lr group 1 of a decoupled step), else 0."""
+    return int(name in EMBEDDING_OR_OUTPUT)
 
 
 def zero_groups(groups: ProcessGroups) -> ZeroGroups:
@@ -95,7 +111,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), zero_groups(groups), cfg.zero,
                         cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device,
                         counts_in_norm=lambda p: counts_in_norm(p, groups), isolated=summed_across_stages,
-                        streams=streams)
+                        streams=streams, lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None)
     for chunk in chunks:
         chunk.train()
     p2p = None
@@ -124,7 +140,9 @@ class _Timed:
 
 def _job(state: TrainState, microbatches: list[torch.Tensor], timers: Timers | None = None) -> PipelineJob:
     cfg, groups = state.cfg, state.groups
-    normalizer = cfg.global_batch_size * cfg.model.seq_length
+    # Every microbatch's summed token losses over the tokens of the whole global batch (Megatron's
+    # --calculate-per-token-loss; every token counts, so it is also the mean of the per-sample means).
+    normalizer = len(microbatches) * cfg.micro_batch_size * groups.topology.dp * cfg.model.seq_length
     # Pinned, non-blocking copies on the copy stream, issued for the whole batch up front.
     tokens_on_device = [copy_to_device(mb, state.device, state.streams) for mb in microbatches]
     engine_backward = make_backward(state.engine.backward)
@@ -182,13 +200,15 @@ class StepResult:
     loss_scale: float
     max_in_flight: int
     stop_flags: tuple[bool, ...] = ()     # stop_flags()'s values, each agreed over the layout
+    num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad
 
 
-def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float,
+def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
                stop_flags=None) -> StepResult:
-    """One training step. `stop_flags()` (called after the optimizer step) gives this rank's stop
-    conditions (e.g. the wall clock is past --exit-duration-in-mins, a signal came), agreed over
-    the whole layout in the loss's reduction (`_global_loss`)."""
+    """One training step at learning rate `lr` (a float, or (lr, decoupled lr)). `stop_flags()`
+    (called after the optimizer step) gives this rank's stop conditions (e.g. the wall clock is past
+    --exit-duration-in-mins, a signal came), agreed over the whole layout in the loss's reduction
+    (`_global_loss`)."""
     par = state.cfg.parallel
     schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
     state.engine.begin_step()
@@ -196,12 +216,25 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr: float,
     with _Timed(state.timers, "reduce"):
         state.engine.finish_gradients()
         finalize_model_grads(state.engine.parameters(), state.engine.grad_pieces, state.groups)
+    run = state.cfg.run
+    if run.empty_unused_memory_level >= 1:
+        empty_cache(state.device)
+    zeros = state.engine.counted_stats("grad")[1] if run.log_num_zeros_in_grad else None
     with _Timed(state.timers, "step"):
         stats = state.engine.step(lr)
     state.iteration += 1
     loss, agreed = _global_loss(state, result.losses, stop_flags() if stop_flags is not None else ())
     state.groups.log.end_step()
-    return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight, agreed)
+    if run.empty_unused_memory_level >= 2:
+        empty_cache(state.device)
+    return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight, agreed,
+                      zeros)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Gives the caching allocator's unused blocks back to the device (--empty-unused-memory-level)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()
@@ -230,56 +263,86 @@ def peak_memory_mib(device: torch.device) -> float:
 def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_at, metrics=None,
           start_iteration: int = 0, policy=None) -> list[dict]:
     """Runs steps start_iteration+1 .. cfg.train_iters; returns one record per step (and per
-    evaluation). `lr_at(n)` is the rate of the n-th applied optimizer step (megazero.lr_schedule).
+    evaluation). `lr_at(n, done_samples)` is the rate(s) of the n-th applied optimizer step, after
+    applied steps that consumed `done_samples` samples (megazero.lr_schedule.step_learning_rate).
     `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
     cfg = state.cfg
     history, window = [], []
-    tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
-    flops_per_step = step_flops(cfg.model, tokens_per_step)
     par = cfg.parallel
     chunk_layers = [len(r) for r in stage_layer_ranges(cfg.model.num_layers, par.pipeline_parallel,
                                                        par.virtual_stages, par.layer_split)]
-    hardware_flops = flops_per_step + recompute_flops(cfg.model, tokens_per_step, chunk_layers)
     peak = peak_tflops(state.device)
     world = state.groups.topology.world_size
-    for it in range(start_iteration, cfg.train_iters):
-        started = time.perf_counter()
-        # The schedule counts applied optimizer steps (Megatron's scheduler does not advance on a
-        # skipped step; a checkpoint loaded without its optimizer restarts it).
-        lr = lr_at(state.engine.step_count + 1)
-        step = train_step(state, train_source.batch(it), lr, policy.stop_flags if policy else None)
-        elapsed = time.perf_counter() - started
-        record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
-                  "skipped": step.skipped, "loss_scale": step.loss_scale,
-                  "tokens_per_s": tokens_per_step / elapsed, "ms_per_iter": 1000 * elapsed,
-                  "tflops_per_device": flops_per_step / elapsed / world / 1e12,
-                  "memory_mib": peak_memory_mib(state.device),
-                  "skipped_total": state.engine.skipped_steps}
-        if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
-            record["mfu"] = record["tflops_per_device"] / peak
-            record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak
-        if state.timers is not None:
-            record["time_ms"] = state.timers.elapsed_ms()
-        if step.skipped and metrics is not None:
-            metrics.say(f" iteration {it + 1}: non-finite gradient norm ({step.grad_norm}), step skipped "
-                        f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")
-        history.append(record)
-        window.append(record)
-        if metrics is not None and ((it + 1) % cfg.log_interval == 0 or it == start_iteration):
-            metrics.log_train(window, state.groups.log)
-            window = []
-        last = it + 1 == cfg.train_iters
-        if valid_batches and ((it + 1) % cfg.eval_interval == 0 or last):
-            eval_record = {"iteration": it + 1, "split": "valid", "loss": evaluate(state, valid_batches)}
-            history.append(eval_record)
-            if metrics is not None:
-                metrics.log_eval(eval_record)
-        consumed = state.iteration * cfg.global_batch_size
-        stop = policy.after_step(state, consumed, step.stop_flags) if policy else None
-        if stop:
-            if metrics is not None:
-                metrics.say(f" stopping after iteration {it + 1} ({stop})")
-            break
+    housekeeping = Housekeeping(cfg.run, state.groups.rank, state.device, cfg.run_dir)
+    consumed = cfg.consumed_before(start_iteration)
+    # The schedule counts applied optimizer steps (Megatron's scheduler does not advance on a skipped
+    # step; a checkpoint loaded without its optimizer restarts it), and in samples their samples.
+    applied = cfg.consumed_before(state.engine.step_count)
+    try:
+        for it in range(start_iteration, cfg.train_iters):
+            housekeeping.before_step(it + 1)
+            batch = cfg.batch_at(it)
+            tokens_per_step = batch * cfg.model.seq_length
+            flops_per_step = step_flops(cfg.model, tokens_per_step)
+            hardware_flops = flops_per_step + recompute_flops(cfg.model, tokens_per_step, chunk_layers)
+            started = time.perf_counter()
+            rates = lr_at(state.engine.step_count + 1, applied)
+            lr = rates if isinstance(rates, float) else rates[0]
+            step = train_step(state, train_source.batch(it), rates, policy.stop_flags if policy else None)
+            elapsed = time.perf_counter() - started
+            consumed += batch
+            applied += 0 if step.skipped else batch
+            record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
+                      "skipped": step.skipped, "loss_scale": step.loss_scale,
+                      "tokens_per_s": tokens_per_step / elapsed, "ms_per_iter": 1000 * elapsed,
+                      "tflops_per_device": flops_per_step / elapsed / world / 1e12,
+                      "memory_mib": peak_memory_mib(state.device),
+                      "skipped_total": state.engine.skipped_steps}
+            record.update(_optional_fields(state, rates, batch, consumed, step))
+            if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
+                record["mfu"] = record["tflops_per_device"] / peak
+                record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak
+            if state.timers is not None:
+                record["time_ms"] = state.timers.elapsed_ms()
+            if step.skipped and metrics is not None:
+                metrics.say(f" iteration {it + 1}: non-finite gradient norm ({step.grad_norm}), step skipped "
+                            f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")
+            history.append(record)
+            window.append(record)
+            if metrics is not None and ((it + 1) % cfg.log_interval == 0 or it == start_iteration):
+                metrics.log_train(window, state.groups.log)
+                window = []
+            last = it + 1 == cfg.train_iters
+            if valid_batches and ((it + 1) % cfg.eval_interval == 0 or last):
+                housekeeping.around_evaluation()
+                eval_record = {"iteration": it + 1, "split": "valid", "loss": evaluate(state, valid_batches)}
+                housekeeping.around_evaluation()
+                history.append(eval_record)
+                if metrics is not None:
+                    metrics.log_eval(eval_record)
+            housekeeping.after_step(it + 1)
+            stop = policy.after_step(state, consumed, step.stop_flags) if policy else None
+            if stop:
+                if metrics is not None:
+                    metrics.say(f" stopping after iteration {it + 1} ({stop})")
+                break
+    finally:
+        housekeeping.close()
     if policy is not None:
-        policy.finish(state, state.iteration * cfg.global_batch_size)
+        policy.finish(state, consumed)
     return history
+
+
+def _optional_fields(state: TrainState, rates, batch: int, consumed: int, step: StepResult) -> dict:
+    """The record's fields that flags ask for: the decoupled rate, the ramp's batch, the parameter
+    norm (after the step) and the gradient's zeros."""
+    cfg, out = state.cfg, {}
+    if not isinstance(rates, float):
+        out["decoupled_lr"] = rates[1]
+    if cfg.rampup is not None:
+        out.update(global_batch_size=batch, consumed_samples=consumed)
+    if cfg.run.log_params_norm:
+        out["params_norm"] = state.engine.counted_stats("fp32")[0]
+    if step.num_zeros_in_grad is not None:
+        out["num_zeros_in_grad"] = step.num_zeros_in_grad
+    return out

@@ -8,7 +8,7 @@ import torch
 
 from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.data.synthetic import ArithmeticTokens
-from megazero.lr_schedule import learning_rate
+from megazero.lr_schedule import step_learning_rate
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import TransformerLayer
 from megazero.parallel.groups import ProcessGroups
@@ -59,10 +59,11 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict
         on_setup(state)
     dataset = ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3)
     source = MicrobatchSource(dataset, cfg.global_batch_size, cfg.micro_batch_size,
-                              groups.coords.dp, groups.topology.dp)
+                              groups.coords.dp, groups.topology.dp, ramp=cfg.rampup)
     losses, norms, in_flight = [], [], []
     for it in range(cfg.train_iters):
-        step = train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, cfg.train_iters))
+        lr = step_learning_rate(cfg.optimizer, it + 1, cfg.train_iters, cfg.consumed_before(it))
+        step = train_step(state, source.batch(it), lr)
         losses.append(step.loss)
         norms.append(step.grad_norm)
         in_flight.append(step.max_in_flight)

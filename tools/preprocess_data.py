@@ -79,6 +79,8 @@ def parse_args(argv=None):
     parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids below it, eod = it - 1")
+    parser.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
+                        help="TikTokenizer's split pattern (default v2)")
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1, in-process)")
     parser.add_argument("--chunksize", type=int, default=32, help="documents per task sent to a worker")
@@ -89,7 +91,8 @@ def parse_args(argv=None):
 def tokenizer_spec(args):
     """build_tokenizer's keyword arguments: plain values a worker process receives once."""
     return dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size)
+                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+                tiktoken_pattern=args.tiktoken_pattern)
 
 
 def _encoded_documents(args, documents):

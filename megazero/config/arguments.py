@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 from megazero.config.ds_config import load_deepspeed_config
+from megazero.config.data_arguments import data_notes, infer_tokenizer_type
 from megazero.config.ds_settings import DeepSpeedSettings, flags_from_config
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_problem
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
 from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_arguments import check_attention_precision, compile_backend, model_config
 from megazero.config.monitor_flags import monitor_config
+from megazero.config.run_flags import batch_ramp, run_options
 from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
 from megazero.config.zero_arguments import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
@@ -96,6 +98,7 @@ def _config_path(args) -> str | None:
 def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_size: int = 0) -> TrainConfig:
     """Validates the flags against each other and the world; raises UsageError on the first problem."""
     config_path = _config_path(args)
+    infer_tokenizer_type(args)
     ds = load_deepspeed_config(config_path) if config_path else None
     merged = _merge(args, ds, config_path)
     if ds:      # keys standing for flags outside MERGED (schedule, recomputation, monitors) act as those flags
@@ -131,9 +134,22 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     data = DataConfig(data_path=args.data_path, split=args.split, tokenizer_model=args.tokenizer_model,
                       tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size,
-                      cache_dir=args.data_cache_path)
-    train_iters = _train_iters(args, glob)
-    optimizer = _optimizer_config(args, ds, merged, train_iters, glob)
+                      cache_dir=args.data_cache_path, mock_data=args.mock_data,
+                      mmap_bin_files=not args.no_mmap_bin_files, tiktoken_pattern=args.tiktoken_pattern)
+    notes += data_notes(args)
+    ramp = batch_ramp(args, glob, micro, topology.dp)
+    if ramp is not None and (virtual > 1 or args.pipeline_schedule == "interleaved"):
+        _check_pipeline(args, topology, virtual, ramp.start // (micro * topology.dp))
+    train_iters = _train_iters(args, glob, ramp)
+    if ramp is not None and args.train_samples is None:
+        notes.append("--rampup-batch-size with --train-iters: Megatron-LM asks for --train-samples; megazero "
+                     "runs the iterations with the ramp's batches and counts the lr schedule in samples "
+                     "(iteration flags x --global-batch-size)")
+    optimizer = _optimizer_config(args, ds, merged, train_iters, glob, ramp is not None)
+    if optimizer.decoupled_lr is not None and zero.zenflow is not None:
+        raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
+                         "CPU Adam steps one learning rate): drop one of them")
+    run_opts = run_options(args, world_size, notes)
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")
     backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
     compile_layers = compile_backend(args, _uses_cuda(args))
@@ -153,8 +169,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
-        wall_clock_breakdown=merged["wall_clock_breakdown"], compile_backend=compile_layers, notes=notes,
-        checkpoint=checkpoint_config(args), monitor=monitor_config(args, run_dir))
+        wall_clock_breakdown=merged["wall_clock_breakdown"] or args.log_timers_to_tensorboard,
+        compile_backend=compile_layers, notes=notes, checkpoint=checkpoint_config(args),
+        monitor=monitor_config(args, run_dir), rampup=ramp, run=run_opts)
 
 
 def _cuda_available() -> bool:
@@ -201,12 +218,15 @@ def _check_ranges(args, ds: DeepSpeedSettings | None, merged: dict) -> None:
             raise UsageError(f"--pipeline-layer-split takes layer counts >= 1, got {split}")
 
 
-def _train_iters(args, glob: int) -> int:
-    """--train-iters, or Megatron's --train-samples counted in global batches."""
+def _train_iters(args, glob: int, ramp=None) -> int:
+    """--train-iters, or Megatron's --train-samples counted in global batches (with a batch ramp, in
+    Megatron's way: the ramp's steps, then whole global batches)."""
     if args.train_samples is None:
         return _positive(DEFAULT_TRAIN_ITERS if args.train_iters is None else args.train_iters, "--train-iters")
     if args.train_iters is not None:
         raise UsageError("--train-iters and --train-samples are both set; choose one")
+    if ramp is not None:
+        return _positive(ramp.train_iters(args.train_samples), "--train-samples (in iterations)")
     if args.train_samples < glob:
         raise UsageError(f"--train-samples {args.train_samples} is less than one global batch ({glob} "
                          f"samples); raise it or lower --global-batch-size")
@@ -257,6 +277,14 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
 def _tokenizer_vocab_size(args) -> int:
     """The vocabulary of the tokenizer the flags name (the embedded corpus's without --data-path)."""
     from megazero.data.default_data import DEFAULT_VOCAB_SIZE
+    if args.mock_data:       # random tokens of the named tokenizer's vocabulary, else the default corpus's
+        from megazero.data.tokenizer import build_tokenizer
+        named = args.tokenizer_model or args.vocab_file or args.vocab_size is not None
+        if not named and args.tokenizer_type == "SentencePieceTokenizer":
+            return DEFAULT_VOCAB_SIZE
+        return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                               merge_file=args.merge_file, vocab_size=args.vocab_size,
+                               tiktoken_pattern=args.tiktoken_pattern).vocab_size
     if args.data_path is None:
         given = [flag for flag, value in (("--tokenizer-model", args.tokenizer_model),
                                           ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
@@ -273,7 +301,8 @@ def _tokenizer_vocab_size(args) -> int:
         raise UsageError("--data-path needs --tokenizer-model (the sentencepiece model the data was "
                          "tokenized with), or another --tokenizer-type")
     return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, vocab_size=args.vocab_size).vocab_size
+                           merge_file=args.merge_file, vocab_size=args.vocab_size,
+                           tiktoken_pattern=args.tiktoken_pattern).vocab_size
 
 
 def _model_config(args, topology: Topology, notes: list[str]) -> GPTConfig:
@@ -346,21 +375,29 @@ def _in_iterations(samples: int | None, flag: str, glob: int) -> int | None:
 
 
 def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_iters: int,
-                      glob: int) -> OptimizerConfig:
+                      glob: int, in_samples: bool = False) -> OptimizerConfig:
+    """The schedule and Adam settings. With a batch ramp (`in_samples`) the schedule counts samples,
+    as Megatron's does: sample flags as given, iteration flags times the global batch."""
     warmups = [flag for flag in ("--lr-warmup-iters", "--lr-warmup-fraction", "--lr-warmup-samples")
                if getattr(args, flag[2:].replace("-", "_")) is not None]
     if len(warmups) > 1:
         raise UsageError(f"{' and '.join(warmups)} are {'both' if len(warmups) == 2 else 'all'} set; choose one")
     if args.lr_decay_iters is not None and args.lr_decay_samples is not None:
         raise UsageError("--lr-decay-iters and --lr-decay-samples are both set; choose one")
-    decay_iters = (args.lr_decay_iters or _in_iterations(args.lr_decay_samples, "--lr-decay-samples", glob)
-                   or train_iters)
+    unit = 1 if not in_samples else glob           # schedule steps per iteration flag's unit
+    if in_samples:
+        decay_iters = (args.lr_decay_iters * glob if args.lr_decay_iters else args.lr_decay_samples
+                       or (args.train_samples or train_iters * glob))
+    else:
+        decay_iters = (args.lr_decay_iters or _in_iterations(args.lr_decay_samples, "--lr-decay-samples", glob)
+                       or train_iters)
     if args.lr_warmup_fraction is not None:
         warmup = int(args.lr_warmup_fraction * decay_iters)
     elif args.lr_warmup_samples is not None:
-        warmup = _in_iterations(args.lr_warmup_samples, "--lr-warmup-samples", glob)
+        warmup = (args.lr_warmup_samples if in_samples
+                  else _in_iterations(args.lr_warmup_samples, "--lr-warmup-samples", glob))
     else:
-        warmup = args.lr_warmup_iters if args.lr_warmup_iters is not None else min(20, train_iters // 10)
+        warmup = (args.lr_warmup_iters if args.lr_warmup_iters is not None else min(20, train_iters // 10)) * unit
     lr = merged["lr"]
     min_lr = args.min_lr if args.min_lr is not None else lr / 10
     if min_lr > lr:
@@ -369,5 +406,13 @@ def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_it
     adam = AdamConfig(lr=lr, beta1=merged["adam_beta1"], beta2=merged["adam_beta2"], eps=merged["adam_eps"],
                       weight_decay=merged["weight_decay"],
                       decoupled_weight_decay=merged["decoupled_weight_decay"])
+    decoupled_min = args.decoupled_min_lr
+    if decoupled_min is not None and args.decoupled_lr is None:
+        raise UsageError("--decoupled-min-lr needs --decoupled-lr (the embedding and output layer's peak rate)")
+    if args.decoupled_lr is not None and (decoupled_min if decoupled_min is not None else min_lr) > args.decoupled_lr:
+        raise UsageError(f"--decoupled-lr {args.decoupled_lr} is below its minimum "
+                         f"{decoupled_min if decoupled_min is not None else min_lr} (--decoupled-min-lr, else "
+                         f"--min-lr); the rate decays from the peak to the minimum")
     return OptimizerConfig(lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay_iters,
-                           decay_style=args.lr_decay_style, adam=adam, clip_grad=merged["clip_grad"])
+                           decay_style=args.lr_decay_style, adam=adam, clip_grad=merged["clip_grad"],
+                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples)

@@ -12,6 +12,7 @@ import difflib
 import math
 
 from megazero.core.errors import UsageError
+from megazero.config.run_flags import add_run_flags
 from megazero.config.zero_arguments import add_zero_flags
 
 # Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does). The
@@ -28,17 +29,17 @@ MERGED = {
 }
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
---use-flash-attn --use-mcore-models --transformer-impl --context-parallel-size --expert-model-parallel-size
---num-experts --moe-router-topk --tokenizer-model-type --num-workers
---log-throughput --log-timers-to-tensorboard --use-checkpoint-args
+--use-flash-attn --transformer-impl --context-parallel-size --expert-model-parallel-size
+--num-experts --moe-router-topk --tokenizer-model-type
+--use-checkpoint-args
 --use-cpu-initialization --attention-softmax-in-fp32
 --accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
 --no-bias-dropout-fusion --no-gradient-accumulation-fusion --apply-query-key-layer-scaling
---use-rotary-position-embeddings --no-position-embedding --rampup-batch-size
+--use-rotary-position-embeddings --no-position-embedding
 --data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
 --checkpoint-activations
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
---cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt --ckpt-format
+--cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt
 """.split())
 
 
@@ -49,7 +50,8 @@ MERGED_RANGES = {"lr": (0, True, None, False), "weight_decay": (0, True, None, F
                  "adam_eps": (0, False, None, False), "clip_grad": (0, True, None, False),
                  "loss_scale": (0, True, None, False), "min_loss_scale": (0, False, None, False)}
 # Ranges of flags only the command line gives: args attribute -> (lowest, lowest allowed, highest, ...).
-FLAG_RANGES = {"min_lr": (0, True, None, False), "rotary_base": (0, False, None, False),
+FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None, False),
+               "decoupled_min_lr": (0, True, None, False), "rotary_base": (0, False, None, False),
                "norm_epsilon": (0, False, None, False), "init_method_std": (0, False, None, False),
                "lr_warmup_fraction": (0, True, 1, True), "lr_warmup_iters": (0, True, None, False),
                "lr_decay_iters": (1, True, None, False), "train_samples": (1, True, None, False),
@@ -241,6 +243,13 @@ def _training_flags(p) -> None:
          shown="none")
     _merged(g, "lr", "peak learning rate", type=float)
     _add(g, "--min-lr", type=float, default=None, help="learning rate at the end of decay", shown="lr / 10")
+    _add(g, "--decoupled-lr", type=float, default=None,
+         help="peak learning rate of the input embedding and the output layer (same schedule)", shown="--lr")
+    _add(g, "--decoupled-min-lr", type=float, default=None,
+         help="their learning rate at the end of decay, with --decoupled-lr", shown="--min-lr")
+    _add(g, "--calculate-per-token-loss", action="store_true",
+         help="normalise the loss by the tokens of the whole global batch (megazero always does: every "
+              "token counts)")
     _add(g, "--lr-warmup-iters", type=int, default=None, help="linear warmup steps",
          shown="min(20, train iters / 10)")
     _add(g, "--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay steps",
@@ -278,13 +287,23 @@ def _data_flags(p) -> None:
     g = p.add_argument_group("data and logging")
     _add(g, "--data-path", nargs="+", default=None, help="prefix of a .bin/.idx pair, or 'weight prefix ...'",
          shown="the embedded standard-library corpus")
+    _add(g, "--mock-data", action="store_true",
+         help="train on random tokens of the tokenizer's vocabulary (no data files)")
     _add(g, "--split", default="949,50,1", help="train,valid,test weights")
     _add(g, "--tokenizer-model", default=None,
          help="sentencepiece .model, or Hugging Face tokenizer folder/tokenizer.json, the data was tokenized with",
          shown="the embedded corpus's")
     _add(g, "--tokenizer-type", choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
-                                         "NullTokenizer"],
-         default="SentencePieceTokenizer", help="tokenizer kind")
+                                         "NullTokenizer", "TikTokenizer"],
+         default=None, help="tokenizer kind",
+         shown="GPT2BPETokenizer with --vocab-file and --merge-file, else SentencePieceTokenizer")
+    _add(g, "--tiktoken-pattern", choices=["v1", "v2"], default=None,
+         help="TikTokenizer's pre-tokenization pattern (needs the tiktoken package)", shown="v2")
+    _add(g, "--num-workers", type=int, default=2,
+         help="0: batches read in the training loop; >0: read ahead by a background thread")
+    _add(g, "--no-mmap-bin-files", action="store_true", help="read .bin files with plain reads instead of mmap")
+    _add(g, "--no-create-attention-mask-in-dataloader", action="store_true",
+         help="accepted: megazero never builds attention masks")
     _add(g, "--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json", shown="none")
     _add(g, "--merge-file", default=None, help="GPT2BPETokenizer's merges.txt", shown="none")
     _add(g, "--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary, eod = vocab-size - 1",
@@ -318,6 +337,9 @@ def _data_flags(p) -> None:
          help="stop the run when a save fails (a full disk); otherwise it trains on and says so")
     _add(g, "--ckpt-keep-last", type=int, default=0, help="keep only the newest K checkpoints", shown="0: all")
     _add(g, "--async-save", action="store_true", help="write checkpoints in the background")
+    _add(g, "--ckpt-format", choices=["torch", "torch_dist"], default=None,
+         help="accepted: megazero writes its own sharded format (each rank its shard, loadable into any "
+              "layout), which serves torch_dist's purpose", shown="megazero's sharded format")
     g = p.add_argument_group("monitoring")
     _add(g, "--wandb-project", default=None, help="Weights & Biases project to log to", shown="none: no wandb")
     _add(g, "--wandb-exp-name", default=None, help="wandb run name", shown="chosen by wandb")
@@ -326,6 +348,7 @@ def _data_flags(p) -> None:
     _add(g, "--wandb-entity", default=None, help="wandb team or user", shown="the account's default")
     _add(g, "--tensorboard-dir", default=None, help="folder for TensorBoard event files",
          shown="none: no TensorBoard")
+    add_run_flags(p.add_argument_group("housekeeping, logging and profiling"), _add)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: 
 
 def sample_counts(cfg: TrainConfig) -> tuple[int, int, int]:
     """Samples the run draws from the train, valid and test splits."""
-    return (cfg.train_iters * cfg.global_batch_size, cfg.eval_iters * cfg.global_batch_size, 0)
+    return (cfg.consumed_before(cfg.train_iters), cfg.eval_iters * cfg.global_batch_size, 0)
 
 
 def check_data(cfg: TrainConfig) -> None:
@@ -49,6 +49,8 @@ def check_data(cfg: TrainConfig) -> None:
     from megazero.data.default_data import (cache_origin, default_data_dir, default_data_files,
                                             default_data_ready)
     data = cfg.data
+    if data.mock_data:          # random tokens: nothing to open
+        return
     if data.data_path is None:
         if not default_data_ready(data.cache_dir):
             # The embedded corpus will be built (or repaired) into the cache by rank 0.

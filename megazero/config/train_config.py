@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
+from megazero.config.batch_ramp import BatchRamp
 from megazero.models.config import GPTConfig
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
@@ -35,6 +36,13 @@ class OptimizerConfig:
     decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
     adam: AdamConfig = dataclasses.field(default_factory=AdamConfig)
     clip_grad: float = 1.0
+    decoupled_lr: Optional[float] = None
+    """Megatron's --decoupled-lr: the input embedding and the output layer follow the same schedule
+    from this peak instead of `lr` (None: every parameter takes `lr`)."""
+    decoupled_min_lr: Optional[float] = None     # their min_lr (None: min_lr)
+    in_samples: bool = False
+    """warmup_iters and decay_iters count samples and the schedule is read at consumed samples
+    (Megatron's sample-based schedule, which --rampup-batch-size needs)."""
 
 
 DType = Literal["fp32", "bf16", "fp16"]
@@ -71,6 +79,9 @@ class DataConfig:
     merge_file: Optional[str] = None             # GPT2BPETokenizer: merges.txt
     vocab_size: Optional[int] = None             # NullTokenizer
     cache_dir: Optional[str] = None
+    mock_data: bool = False                      # random tokens of the vocabulary, no files
+    mmap_bin_files: bool = True                  # False: .bin files read with plain reads
+    tiktoken_pattern: Optional[str] = None       # TikTokenizer: "v1" or "v2"
 
 
 @dataclasses.dataclass
@@ -106,6 +117,22 @@ class MonitorConfig:
 
 
 @dataclasses.dataclass
+class RunOptions:
+    """Megatron's housekeeping, logging and profiling flags (none changes the math)."""
+    manual_gc: bool = False                      # Python's automatic GC off, collected every interval
+    manual_gc_interval: int = 0                  # 0: only Megatron's collections around evaluation
+    empty_unused_memory_level: int = 0           # 1: release the allocator cache after backward; 2: also after the step
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_timers_to_tensorboard: bool = False
+    profile: bool = False                        # a torch.profiler trace of steps [profile_step_start, profile_step_end)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = dataclasses.field(default_factory=lambda: [0])
+    num_workers: int = 0                         # >0: batches prepared by a background thread
+
+
+@dataclasses.dataclass
 class TrainConfig:
     model: GPTConfig
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -131,6 +158,21 @@ class TrainConfig:
     """torch.compile backend each transformer layer is compiled with (--compile); None: eager."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """Settings accepted without effect, one line each, for the driver to log once at start-up."""
+    rampup: Optional[BatchRamp] = None
+    """--rampup-batch-size: the global batch of the first steps grows to global_batch_size."""
+    run: RunOptions = dataclasses.field(default_factory=lambda: RunOptions())
 
     def num_microbatches(self, data_parallel: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel)
+
+    def batch_at(self, iteration: int) -> int:
+        """The global batch of step `iteration` (counting from 0)."""
+        if self.rampup is None:
+            return self.global_batch_size
+        return self.rampup.batch_at_consumed(self.rampup.consumed_before(iteration))
+
+    def consumed_before(self, iteration: int) -> int:
+        """Samples the steps before step `iteration` (counting from 0) consumed."""
+        if self.rampup is None:
+            return iteration * self.global_batch_size
+        return self.rampup.consumed_before(iteration)

@@ -75,9 +75,9 @@ def parse_data_path(data_path):
 
 
 def _split_datasets_for_prefix(prefix, fractions, seq_length, seed, samples_per_split, cache_dir, progress,
-                               build=True):
+                               build=True, mmap=True):
     """[train, valid, test] GPTDatasets of one prefix (None where the split gets no samples)."""
-    indexed = IndexedDataset(prefix)
+    indexed = IndexedDataset(prefix, mmap=mmap)
     if indexed.num_documents == 0:
         raise UsageError(f"--data-path {prefix} holds no documents; preprocess a non-empty corpus "
                          "with tools/preprocess_data.py")
@@ -96,13 +96,14 @@ def _split_datasets_for_prefix(prefix, fractions, seq_length, seed, samples_per_
 
 
 def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samples,
-                                    cache_dir=None, progress=True, build=True):
+                                    cache_dir=None, progress=True, build=True, mmap=True):
     """(train, valid, test): each a GPTDataset or BlendedDataset, or None when its split fraction
     or requested sample count is 0.
 
     `num_samples` is (train, valid, test). Index caches go beside the data unless `cache_dir`
     is given (useful when the data directory is read-only). With `build=False` nothing is written
-    and the GPTDatasets hold no indices (see GPTDataset); blends are not assembled.
+    and the GPTDatasets hold no indices (see GPTDataset); blends are not assembled. With
+    `mmap=False` the .bin files are read with plain reads (Megatron's --no-mmap-bin-files).
     """
     pairs = parse_data_path(data_path)
     fractions = parse_split(split)
@@ -111,13 +112,13 @@ def build_train_valid_test_datasets(data_path, split, seq_length, seed, num_samp
         raise UsageError(f"num_samples {num_samples} must be three non-negative counts (train, valid, test)")
     if len(pairs) == 1:
         return tuple(_split_datasets_for_prefix(pairs[0][1], fractions, seq_length, seed,
-                                                num_samples, cache_dir, progress, build))
+                                                num_samples, cache_dir, progress, build, mmap))
     weights = normalize_weights([w for w, _ in pairs])
     per_prefix = []
     for weight, (_, prefix) in zip(weights, pairs):
         counts = [math.ceil(weight * n * BLEND_OVERSAMPLE) + 1 if n else 0 for n in num_samples]
         per_prefix.append(_split_datasets_for_prefix(prefix, fractions, seq_length, seed,
-                                                     counts, cache_dir, progress, build))
+                                                     counts, cache_dir, progress, build, mmap))
     if not build:
         return tuple([d for d in datasets if d is not None] for datasets in zip(*per_prefix))
     blends = []

@@ -24,6 +24,7 @@ Owns only the file format. Splits, samples and shuffling live in gpt_dataset.py.
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -206,15 +207,40 @@ def read_index_header(idx_path):
     return np.dtype(DTYPE_CODES[code]), sequences, doc_entries
 
 
+class _FileTokens:
+    """The .bin's tokens read with plain file reads, one read per slice (Megatron's
+    --no-mmap-bin-files: for file systems where mapping many large files misbehaves)."""
+
+    def __init__(self, path, dtype, count: int):
+        self.path, self.dtype, self.count = path, dtype, count
+        self._file = open(path, "rb", buffering=0)      # noqa: SIM115  (lives as long as the dataset)
+        self._lock = threading.Lock()                   # the read-ahead thread and the loop share it
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index: slice):
+        start, stop, _ = index.indices(self.count)
+        with self._lock:
+            self._file.seek(start * self.dtype.itemsize)
+            data = self._file.read(max(0, stop - start) * self.dtype.itemsize)
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def max(self):
+        step = 1 << 24
+        return max(int(self[s:s + step].max()) for s in range(0, self.count, step))
+
+
 class IndexedDataset:
-    """Read-only memory map of `{prefix}.bin/.idx`, validated on open.
+    """Read-only memory map of `{prefix}.bin/.idx`, validated on open (with `mmap=False` the .bin is
+    read with plain file reads instead).
 
     `sizes[i]` is sequence i's length, `document_indices` the sequence numbers where documents
     start (length = documents + 1), `get(i, offset, length)` a zero-copy view of sequence i.
     """
 
-    def __init__(self, prefix):
-        self.prefix = str(prefix)
+    def __init__(self, prefix, mmap: bool = True):
+        self.prefix, self.mmap = str(prefix), mmap
         bin_path, idx_path = data_file_paths(self.prefix)
         for path in (idx_path, bin_path):
             if not path.is_file():
@@ -249,6 +275,8 @@ class IndexedDataset:
                              "the pair is out of sync, regenerate both with tools/preprocess_data.py")
         if expected == 0:
             return np.empty(0, dtype=self.dtype)  # numpy cannot memory-map an empty file
+        if not self.mmap:
+            return _FileTokens(bin_path, self.dtype, expected // self.dtype.itemsize)
         return np.memmap(bin_path, mode="r", dtype=self.dtype)
 
     @property
@@ -267,10 +295,10 @@ class IndexedDataset:
     def __getstate__(self):
         # Pickle (e.g. to spawned DataLoader workers) as the prefix; the receiver maps the files
         # itself instead of receiving a copy of every token.
-        return self.prefix
+        return self.prefix, self.mmap
 
-    def __setstate__(self, prefix):
-        self.__init__(prefix)
+    def __setstate__(self, state):
+        self.__init__(*state)
 
     def __len__(self):
         return len(self.sizes)

@@ -89,11 +89,12 @@ def load_tokenizer(path):
     return Tokenizer(processor, path)
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer",
+                   "TikTokenizer")
 
 
 def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=None, vocab_file=None,
-                    merge_file=None, vocab_size=None):
+                    merge_file=None, vocab_size=None, tiktoken_pattern=None):
     """The tokenizer Megatron's flags of the same names describe; a missing input raises UsageError."""
     from megazero.data import tokenizers_hf
     if tokenizer_type == "SentencePieceTokenizer":
@@ -113,6 +114,11 @@ def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=Non
         if vocab_size is None:
             raise UsageError("NullTokenizer needs --vocab-size (the largest token id + 2: ids and the eod id)")
         return tokenizers_hf.NullTokenizer(vocab_size)
+    if tokenizer_type == "TikTokenizer":
+        if not tokenizer_model:
+            raise UsageError("TikTokenizer needs --tokenizer-model (a tiktoken vocabulary .json file)")
+        from megazero.data.tokenizer_tiktoken import TikTokenizer
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size)
     raise UsageError(f"unknown tokenizer type {tokenizer_type!r}; pick one of {', '.join(TOKENIZER_TYPES)}")
 
 

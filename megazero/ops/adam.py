@@ -203,13 +203,21 @@ def adam_update_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torc
 # --- many segments at once: the engine's step ------------------------------------------------------
 class AdamSegment(NamedTuple):
     """One contiguous piece of a partition: fp32 `param` (the master), its gradient and moments, the
-    weight decay it takes, and optionally the 16-bit copy of `param` to refresh (see adam_update)."""
+    weight decay it takes, optionally the 16-bit copy of `param` to refresh (see adam_update), and
+    its own learning rate (None: the step's)."""
     param: torch.Tensor
     grad: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     weight_decay: float
     param_copy: torch.Tensor | None = None
+    lr: float | None = None
+
+
+def lr_of(lr, group: int) -> float:
+    """Group `group`'s learning rate from a step's `lr`: one float for every parameter, or a
+    sequence with one per lr group (Megatron's --decoupled-lr: the embedding and output layer's)."""
+    return float(lr) if isinstance(lr, (int, float)) else float(lr[group])
 
 
 # Gradients in another dtype than fp32 are widened for torch's fused kernel in slices of this many
@@ -248,7 +256,8 @@ def adam_step(segments: list[AdamSegment], *, step: int, lr: float, config: Adam
             adam_update_fused(group, step=step, lr=lr, config=config, grad_scale=grad_scale)
             continue
         for seg in group:
-            kw = dict(step=step, lr=lr, config=config, weight_decay=seg.weight_decay, grad_scale=grad_scale)
+            kw = dict(step=step, lr=lr if seg.lr is None else seg.lr, config=config,
+                      weight_decay=seg.weight_decay, grad_scale=grad_scale)
             if route == "cpu":
                 adam_update(*seg[:4], param_copy=seg.param_copy, **kw)
             else:
@@ -259,7 +268,7 @@ def adam_step(segments: list[AdamSegment], *, step: int, lr: float, config: Adam
 
 def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, config: AdamConfig,
                       grad_scale: float = 1.0) -> None:
-    """`adam_update` on every segment with torch's fused kernel: one call per (device, weight decay),
+    """`adam_update` on every segment with torch's fused kernel: one call per (device, weight decay, lr),
     the bias corrections from a step tensor, then the 16-bit copies in one multi-tensor copy. Runs
     on any device torch has the kernel for (CPU included, where it is tested).
 
@@ -274,14 +283,15 @@ def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, conf
             continue
         if seg.param_copy is not None:
             _check_param_copy(seg.param_copy, seg[:4])
-        groups.setdefault((seg.param.device, seg.weight_decay), []).append(seg)
-    for (device, weight_decay), group in groups.items():
+        key = (seg.param.device, seg.weight_decay, lr if seg.lr is None else seg.lr)
+        groups.setdefault(key, []).append(seg)
+    for (device, weight_decay, group_lr), group in groups.items():
         # Scalars made on the device by a fill (no host-to-device copy, no sync).
         steps = torch.full((), float(step), dtype=torch.float32, device=device)
         divide = grad_scale != 1.0 and math.frexp(grad_scale)[0] == 0.5
         divisor = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device) if divide else None
         multiply = grad_scale != 1.0 and not divide
-        kw = dict(lr=float(lr), beta1=float(config.beta1), beta2=float(config.beta2),
+        kw = dict(lr=float(group_lr), beta1=float(config.beta1), beta2=float(config.beta2),
                   weight_decay=float(weight_decay), eps=float(config.eps), amsgrad=False,
                   maximize=False, grad_scale=divisor, found_inf=None)
         lists = ([], [], [], [])                 # params, grads, exp_avgs, exp_avg_sqs

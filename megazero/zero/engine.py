@@ -54,18 +54,24 @@ def _never(param) -> bool:
     return False
 
 
+def _no_group(param) -> int:
+    return 0
+
+
 class ZeroEngine:
     def __init__(self, modules: list[nn.Module], init_fn, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: Precision = Precision(), clip_grad: float = 0.0,
                  loss_scaler: LossScaler | None = None, device="cpu", *,
-                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None):
+                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None, lr_group=None):
         """`counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
         norm (a replicated copy is counted once). `isolated(param)`: parameters whose reduced
         gradients the caller sums across other ranks afterwards (a tied embedding on two pipeline
         stages); each gets buffers of its own, so its partition is laid out identically there.
         `streams`: the device's side streams (gradient reductions, stage-3 prefetch); made here
         when not given, no-ops on CPU. Stage 3's leaf modules (one unit each) come from
-        zero.leaf_module and stage3_granularity (leaves.py)."""
+        zero.leaf_module and stage3_granularity (leaves.py).
+        `lr_group(name) -> int`: which of the step's learning rates a parameter (by its name in
+        the modules) takes when `step` is given one per group (default: 0 for every parameter)."""
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = precision, clip_grad, torch.device(device)
         self.loss_scaler = loss_scaler or LossScaler()
@@ -88,7 +94,8 @@ class ZeroEngine:
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
         for storage in self.storages():
-            storage.plan(self._weight_decay_of, counts_in_norm)
+            storage.plan(self._weight_decay_of, counts_in_norm,
+                         (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group)
         if zero.offloads_optimizer:
             self._offload_optimizer()
         self.host_copies = HostCopies()           # states moved by offload_states
@@ -267,8 +274,24 @@ class ZeroEngine:
         value = sumsq.item()
         return math.sqrt(value) / self.loss_scaler.scale if value >= 0 else float("nan")
 
-    def step(self, lr: float) -> StepStats:
-        """Clips and applies the step's gradients; a non-finite gradient norm (any precision, any
+    def counted_stats(self, kind: str) -> tuple[float, int]:
+        """(L2 norm, number of zeros) of the parameters' fp32 values (kind "fp32") or of their
+        reduced, still scaled gradients ("grad", call before `step`), each element counted once over
+        DP shards, TP and PP, as the gradient norm counts them."""
+        if kind == "grad":
+            self.finish_gradients()
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for storage in self.storages():
+            stats += storage.counted_stats(kind)
+        if self.zero.stage > 0:
+            comm.all_reduce(stats, self.groups.shard)
+        comm.all_reduce(stats, self.groups.model_parallel)
+        sumsq, zeros = stats.tolist()
+        return math.sqrt(max(sumsq, 0.0)), int(zeros)
+
+    def step(self, lr) -> StepStats:
+        """Clips and applies the step's gradients with learning rate `lr` (a float, or one per lr
+        group: see __init__'s `lr_group`); a non-finite gradient norm (any precision, any
         rank) skips the step on every rank instead, and fp16's dynamic loss scale backs off."""
         self._check_states_home()
         self.finish_gradients()

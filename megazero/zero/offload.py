@@ -26,7 +26,7 @@ import torch
 
 from megazero.core.errors import UsageError
 from megazero.core.streams import Event
-from megazero.ops.adam import adam_update
+from megazero.ops.adam import adam_update, lr_of
 from .tensor_memory import drop_storage
 from .swap import SubGroupSwapper
 
@@ -164,15 +164,15 @@ class OptimizerOffload:
 
     # --- the step ---------------------------------------------------------------------------------
     def _pieces(self, storage) -> list[list[tuple]]:
-        """Per sub-group: (bucket, lo, hi, weight decay, offset in the sub-group) of each run of the
-        storage's plan, clipped to the sub-group."""
+        """Per sub-group: (bucket, lo, hi, weight decay, offset in the sub-group, lr group) of each
+        run of the storage's plan, clipped to the sub-group."""
         out = [[] for _ in self.bounds]
-        for b, lo, hi, wd in storage.runs:
+        for b, lo, hi, wd, group in storage.runs:
             base = storage.layout.buckets[b].local_offset
             for k, (s, e) in enumerate(self.bounds):
                 a, c = max(base + lo, s), min(base + hi, e)
                 if a < c:
-                    out[k].append((b, a - base, c - base, wd, a - s))
+                    out[k].append((b, a - base, c - base, wd, a - s, group))
         return out
 
     def _fetch(self, k: int) -> dict[str, torch.Tensor]:
@@ -183,7 +183,7 @@ class OptimizerOffload:
             return {kind: self.host[kind][s - self.split:e - self.split] for kind in OFFLOADED_KINDS}
         return self.swapper.fetch(k - self.resident)
 
-    def step(self, storage, step: int, lr: float, config, grad_scale: float) -> None:
+    def step(self, storage, step: int, lr, config, grad_scale: float) -> None:
         """Adam on the resident sub-groups on the device, then on the offloaded ones on the host,
         sub-group by sub-group; the device weights follow. On a GPU the resident part's kernels are
         only queued before the host part starts, so the two run at the same time."""
@@ -191,10 +191,10 @@ class OptimizerOffload:
         pieces = self._pieces(storage)
         for k in range(self.resident):
             states = self._fetch(k)
-            for b, lo, hi, wd, at in pieces[k]:
+            for b, lo, hi, wd, at, group in pieces[k]:
                 r = slice(at, at + hi - lo)
                 adam_update(states["fp32"][r], storage.grad_chunk(b)[lo:hi], states["exp_avg"][r],
-                            states["exp_avg_sq"][r], step=step, lr=lr, config=config, weight_decay=wd,
+                            states["exp_avg_sq"][r], step=step, lr=lr_of(lr, group), config=config, weight_decay=wd,
                             grad_scale=grad_scale, param_copy=storage.param_chunk(b)[lo:hi])
         swapper = self.swapper
         try:
@@ -219,7 +219,7 @@ class OptimizerOffload:
 
     def _step_sub_group(self, storage, pieces, states, n, step, lr, config, grad_scale) -> None:
         grad = self.grad_buffer[:n]
-        for b, lo, hi, _, at in pieces:
+        for b, lo, hi, _, at, _ in pieces:
             grad[at:at + hi - lo].copy_(storage.grad_chunk(b)[lo:hi], non_blocking=True)
         # The host buffers are written below: the gradients must have arrived, and the previous
         # sub-group's weights (queued before on the same stream) must have left.
@@ -227,13 +227,13 @@ class OptimizerOffload:
         self.copied.synchronize()
         lp = self.lp_buffer[:n] if self.lp_buffer is not None else None
         master, m, v = states["fp32"], states["exp_avg"], states["exp_avg_sq"]
-        for b, lo, hi, wd, at in pieces:
+        for b, lo, hi, wd, at, group in pieces:
             r = slice(at, at + hi - lo)
-            adam_update(master[r], grad[r], m[r], v[r], step=step, lr=lr, config=config,
+            adam_update(master[r], grad[r], m[r], v[r], step=step, lr=lr_of(lr, group), config=config,
                         weight_decay=wd, grad_scale=grad_scale,
                         param_copy=None if lp is None else lp[r])
         updated = master if lp is None else lp
-        for b, lo, hi, _, at in pieces:
+        for b, lo, hi, _, at, _ in pieces:
             storage.param_chunk(b)[lo:hi].copy_(updated[at:at + hi - lo], non_blocking=True)
 
     # --- accounting -------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from torch import nn
 
 from megazero.core import comm
 from megazero.core.streams import Streams, label
-from megazero.ops.adam import AdamConfig, AdamSegment, adam_step
+from megazero.ops.adam import AdamConfig, AdamSegment, adam_step, lr_of
 from .flat import FlatLayout
 from .offload import OFFLOADED_KINDS, OptimizerOffload
 from .precision import Precision, sum_of_squares_many
@@ -39,11 +39,13 @@ KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
 
 
 class Run(NamedTuple):
-    """Elements [lo, hi) of bucket `bucket`'s chunk, stepped with one weight decay."""
+    """Elements [lo, hi) of bucket `bucket`'s chunk, stepped with one weight decay and one learning
+    rate: the step's lr number `lr_group` (Megatron's --decoupled-lr gives some parameters a second)."""
     bucket: int
     lo: int
     hi: int
     weight_decay: float
+    lr_group: int = 0
 
 
 class NormRun(NamedTuple):
@@ -309,9 +311,9 @@ class PartitionedStorage:
         self._fresh = [True] * len(self.layout.buckets)
 
     # --- optimizer ----------------------------------------------------------------------------
-    def plan(self, weight_decay_of, counts_in_norm) -> None:
-        """Cuts each bucket's chunk into runs of equal weight decay (padding joins a neighbour)
-        for the step, and into counted / not-counted runs for the gradient norm."""
+    def plan(self, weight_decay_of, counts_in_norm, lr_group_of=lambda param: 0) -> None:
+        """Cuts each bucket's chunk into runs of equal weight decay and lr group (padding joins a
+        neighbour) for the step, and into counted / not-counted runs for the gradient norm."""
         self.runs, self.norm_runs = [], []
         for b, bucket in enumerate(self.layout.buckets):
             cursor, runs = 0, []
@@ -322,10 +324,11 @@ class PartitionedStorage:
                 lo = piece.partition_offset - bucket.local_offset
                 hi = lo + piece.length
                 wd = weight_decay_of(self.params[i], self.full_shape(i))
-                if runs and runs[-1].weight_decay == wd:
+                group = lr_group_of(self.params[i])
+                if runs and runs[-1].weight_decay == wd and runs[-1].lr_group == group:
                     runs[-1] = runs[-1]._replace(hi=hi)
                 else:
-                    runs.append(Run(b, cursor, hi, wd))
+                    runs.append(Run(b, cursor, hi, wd, group))
                 cursor = hi
                 counted = bool(counts_in_norm(self.params[i]))
                 last = self.norm_runs[-1] if self.norm_runs else None
@@ -348,9 +351,20 @@ class PartitionedStorage:
         return sum_of_squares_many([g for g, c in runs if c], [g for g, c in runs if not c],
                                    device=self.device)
 
-    def step(self, step: int, lr: float, config: AdamConfig, grad_scale: float) -> None:
+    def counted_stats(self, kind: str) -> torch.Tensor:
+        """float64 [sum of squares, zeros] of this rank's `kind` ("fp32" or "grad") over the
+        elements counted in the norm (Megatron's --log-params-norm, --log-num-zeros-in-grad)."""
+        pieces = [self.chunk(kind, b)[lo:hi] for b, lo, hi, counted in self.norm_runs if counted]
+        pieces = [t.to(self.device, non_blocking=True) for t in pieces if t.numel()]
+        out = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if pieces:
+            out[0] = sum_of_squares_many(pieces, device=self.device)
+            out[1] = torch.stack([(t == 0).sum() for t in pieces]).sum().double()
+        return out
+
+    def step(self, step: int, lr, config: AdamConfig, grad_scale: float) -> None:
         """Adam on every run of this rank's chunks, in one `adam_step` (on a GPU: torch's fused
-        kernel, one launch per weight decay). With a separate fp32 master the updated values are
+        kernel, one launch per weight decay and lr); `lr` as `lr_of` reads it. With a separate fp32 master the updated values are
         also written to the low-precision weights, in the same pass where the CPU kernel runs (the
         runs cover every chunk whole, padding included). Offloaded states step on the CPU
         (offload.py), then the device weights follow."""
@@ -360,9 +374,10 @@ class PartitionedStorage:
             return
         segments = [AdamSegment(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
                                 self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi], wd,
-                                self.param_chunk(b)[lo:hi] if self.master is not None else None)
-                    for b, lo, hi, wd in self.runs]
-        adam_step(segments, step=step, lr=lr, config=config, grad_scale=grad_scale)
+                                self.param_chunk(b)[lo:hi] if self.master is not None else None,
+                                lr_of(lr, group))
+                    for b, lo, hi, wd, group in self.runs]
+        adam_step(segments, step=step, lr=lr_of(lr, 0), config=config, grad_scale=grad_scale)
         self.after_step()
 
     def after_step(self) -> None:

@@ -93,7 +93,7 @@ class ZenFlowOffload(OptimizerOffload):
         self.stats = {"cpu_adam_ms": 0.0, "wait_ms": 0.0, "cpu_updates": 0}
         self.partition_runs = [(storage.layout.buckets[b].local_offset + lo,
                                 storage.layout.buckets[b].local_offset + hi, wd)
-                               for b, lo, hi, wd in storage.runs]
+                               for b, lo, hi, wd, _ in storage.runs]
 
     # --- values of record -------------------------------------------------------------------------
     def _updated(self) -> torch.Tensor:
