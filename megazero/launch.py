@@ -149,7 +149,7 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world, **store, **bind)
     par = cfg.parallel
     topology = Topology(world_size=launch.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                        mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
+                        cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
                         hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
     groups = ProcessGroups.build(topology, launch.rank, device=device)
     logging_rank = launch.rank == topology.rank_of(0, 0, topology.pp - 1)

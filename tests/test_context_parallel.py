@@ -105,3 +105,35 @@ def test_context_parallel_with_tp_pp_zero_matches_single_process(dist_pool, refe
     check_layout(pool, reference, "cp 2 tp 2 sequence parallel", 1, cp=2, tp=2, sequence_parallel=True)
     check_layout(pool, reference, "cp 2 dp 2 zero 3", 2, cp=2, stage=3)
     check_layout(pool, reference, "cp 2 pp 2 zero 1", 1, cp=2, pp=2, stage=1)
+
+
+def _config(*argv, world=1):
+    from megazero.config.arguments import config_from_args, parse_args
+    return config_from_args(parse_args(list(argv)), world_size=world)
+
+
+def test_flags_reach_the_config_and_bad_input_is_one_line():
+    """Megatron's and Megatron-DeepSpeed's spellings; each mistake a UsageError naming the flag and
+    the fix, raised while the flags are read (before any process group)."""
+    from megazero.core.errors import UsageError
+    base = ("--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
+            "--attention-dropout", "0", "--micro-batch-size", "1")
+    cfg = _config(*base, "--context-parallel-size", "2", "--cp-comm-type", "allgather", world=4)
+    assert (cfg.parallel.context_parallel, cfg.parallel.cp_comm_type, cfg.global_batch_size) == (2, "allgather", 2)
+    cfg = _config(*base, "--ds-sequence-parallel-size", "2", world=2)
+    assert (cfg.parallel.context_parallel, cfg.parallel.cp_comm_type) == (2, "a2a")
+    mistakes = [
+        (("--seq-length", "60", "--context-parallel-size", "4"), 4, "not divisible by 2 x --context-parallel-size 4"),
+        (("--context-parallel-size", "4", "--cp-comm-type", "a2a"), 4, "--num-query-groups 2 is not divisible"),
+        (("--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tensor-model-parallel-size", "2",
+          "--num-attention-heads", "6", "--kv-channels", "16"), 4, "--num-attention-heads 6 is not divisible by cp 2 x tp 2"),
+        (("--context-parallel-size", "3",), 4, "world size 4 is not divisible by tensor-parallel size 1 x "
+                                               "context-parallel size 3"),
+        (("--context-parallel-size", "2", "--attention-dropout", "0.1"), 2, "--attention-dropout 0"),
+        (("--ds-sequence-parallel-size", "2", "--context-parallel-size", "2"), 2, "contradicts"),
+        (("--context-parallel-size", "0",), 2, "--context-parallel-size"),
+    ]
+    for extra, world, message in mistakes:
+        with pytest.raises(UsageError, match=message.replace("(", r"\(").replace("+", r"\+")) as err:
+            _config(*base, *extra, world=world)
+        assert "\n" not in str(err.value)
