@@ -125,8 +125,8 @@ class Topology:
 
     def dp_groups(self) -> list[list[int]]:
         """The gradient-reduction groups: dp x cp ranks (just dp without context parallelism)."""
-        return [[self.rank_of(t, d, p, c) for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp) for c in range(self.cp)]
+        return [[self.rank_of(t, d, p, c) for d, c in self._columns()]
+                for p in range(self.pp) for t in range(self.tp)]
 
     def cp_groups(self) -> list[list[int]]:
         """The context-parallel rings: ranks holding parts of the same sequences."""

@@ -107,6 +107,23 @@ def test_context_parallel_with_tp_pp_zero_matches_single_process(dist_pool, refe
     check_layout(pool, reference, "cp 2 pp 2 zero 1", 1, cp=2, pp=2, stage=1)
 
 
+def test_checkpoint_moves_between_cp2_and_cp1(dist_pool, reference, tmp_path):
+    """Saved at cp 2 (ring attention, ZeRO-1 sharded over dp x cp) after 3 steps, loaded at cp 1: the
+    remaining steps follow the single-process curve; and the reverse, cp 1 -> cp 2 ZeRO-3."""
+    from test_checkpoint import ckpt_worker
+    ref, _ = reference
+    pool = dist_pool(4)
+    for what, source, target in (("cp 2 -> cp 1", dict(cp=2, stage=1), dict(stage=1)),
+                                 ("cp 1 -> cp 2", dict(stage=3), dict(cp=2, stage=3))):
+        directory = tmp_path / what.replace(" ", "")
+        pool.run(ckpt_worker, small_config(**SMALL, **source), 1, str(directory), save_at=3, stop_after=3)
+        results = pool.run(ckpt_worker, small_config(**SMALL, **target), 1, str(tmp_path / "unused"),
+                           load=str(directory))
+        curve = results[0]["curve"]
+        assert sorted(curve) == [4, 5], what
+        assert_close([curve[i][0] for i in (4, 5)], ref["losses"][3:], f"{what}: loss after loading")
+
+
 def _config(*argv, world=1):
     from megazero.config.arguments import config_from_args, parse_args
     return config_from_args(parse_args(list(argv)), world_size=world)
