@@ -12,8 +12,7 @@ Mutations planted and seen failing (each by hand, then reverted):
   rescaling) -> the p2p core check and the p2p layouts fail; a2a and allgather still pass.
 - dK/dV not sent back to their owner (the last `_pass_on` of the backward skipped) -> the p2p
   k/v gradient check fails.
-- RoPE at local positions (Attention.positions left unset) -> every training layout fails at step 1.
-- gradients reduced over dp only (the topology's dp group without cp) -> losses of step 2 on differ.
+- RoPE at local positions (Attention.positions left unset) -> the cp 2 p2p layout's grad norms differ.
 """
 import pytest
 import torch
@@ -93,10 +92,17 @@ def check_layout(pool, reference, what, dp, **config):
     return results
 
 
+# The comm log's ops on the CP group per comm type (ring: K/V and dK/dV sends; Ulysses: all-to-alls;
+# allgather: K/V gathered, their gradients reduce-scattered).
+CP_OPS = {"p2p": {"send", "recv"}, "a2a": {"all_to_all"}, "allgather": {"all_gather", "reduce_scatter"}}
+
+
 def test_context_parallel_comm_types_match_single_process(dist_pool, reference):
     pool = dist_pool(4)
     for comm_type in ("p2p", "a2a", "allgather"):
-        check_layout(pool, reference, f"cp 2 {comm_type}", 1, cp=2, cp_comm_type=comm_type)
+        results = check_layout(pool, reference, f"cp 2 {comm_type}", 1, cp=2, cp_comm_type=comm_type)
+        cp_ops = {op for (op, group, _), nbytes in results[0]["comm"].items() if group == "cp" and nbytes}
+        assert cp_ops == CP_OPS[comm_type], (comm_type, results[0]["comm"])
     check_layout(pool, reference, "cp 4 p2p", 1, cp=4)
 
 
@@ -154,3 +160,25 @@ def test_flags_reach_the_config_and_bad_input_is_one_line():
         with pytest.raises(UsageError, match=message.replace("(", r"\(").replace("+", r"\+")) as err:
             _config(*base, *extra, world=world)
         assert "\n" not in str(err.value)
+
+
+def test_planner_divides_activations_by_cp_and_adds_its_buffers():
+    """Each rank keeps seq / cp tokens: the layers' activations fall by cp, plus the CP attention's
+    own saved tensors (the ring's fp32 output and LSE, allgather's whole-sequence K/V) and buffers."""
+    from megazero.config.memory_estimate import cp_saved_per_layer, plan_bytes
+    base = dict(model_extra={"seq_length": 256, "hidden_size": 64, "num_attention_heads": 4,
+                             "num_query_groups": 2}, micro=1, global_batch=2)
+    plans = {(cp, kind): plan_bytes(small_config(cp=cp, cp_comm_type=kind, **base), 2 * cp)
+             for cp, kind in ((1, "p2p"), (2, "p2p"), (4, "p2p"), (2, "a2a"), (2, "allgather"))}
+    one = plans[(1, "p2p")]
+    model = small_config(**base).model
+    for (cp, kind), plan in plans.items():
+        if cp == 1:
+            continue
+        layers = small_config(**base).model.num_layers
+        extra = layers * cp_saved_per_layer(256, 1, model, 1, cp, kind, 4)
+        logits = 256 * 1 * model.padded_vocab_size * 12     # fp32 logits and their gradient, per token
+        expected = (one["activations"] - logits) / cp + logits / cp + extra
+        assert plan["activations"] == pytest.approx(expected, rel=1e-9), (cp, kind)
+        assert plan["comm_buffers"] > one["comm_buffers"], (cp, kind)
+    assert plans[(4, "p2p")]["activations"] < plans[(2, "p2p")]["activations"]
