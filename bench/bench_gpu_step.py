@@ -20,7 +20,7 @@ training loop's MFU uses); MFU = TFLOP/s / --peak-tflops (default: the device's 
 megazero.flops, 989 for the H100/H200). Step time is the median over the timed steps (CUDA events
 between steps, after warm-up); peak memory is torch.cuda.max_memory_allocated of each side, measured
 one after the other; ours' is compared with tools/plan_memory.py's device total for the same run
-(megazero.memory_estimate.plan_bytes).
+(megazero.config.memory_estimate.plan_bytes).
 
 Checks (`compare`, exit 1 if one fails): every loss finite; each side's last loss below its first;
 ours and peer within LOSS_RTOL relative at every step (bf16 computes the residual stream and norms
@@ -56,10 +56,13 @@ from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 
-LR = 1e-4
-ADAM = AdamConfig(lr=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)   # both sides
 LOSS_RTOL = 0.03          # ours vs peer, every step
 MEMORY_RTOL = 0.10        # ours' measured peak vs the plan
+
+
+def adam_config(lr: float) -> AdamConfig:
+    """Both sides' optimizer hyperparameters (constant lr)."""
+    return AdamConfig(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,11 +82,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,peer")
     p.add_argument("--json", default=None, help="write the figures here (bench/gpu_check.py's step format)")
+    p.add_argument("--lr", type=float, default=None, help="constant learning rate (default 1e-4; --tiny 1e-2)")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, seq 64, vocab 512: a path check")
     args = p.parse_args(argv)
     if args.tiny:
         args.layers, args.hidden, args.heads, args.seq, args.vocab, args.micro_batch = 2, 64, 4, 64, 512, 2
         args.warmup, args.steps = 1, 2
+    if args.lr is None:
+        # The tiny run's steps must move the loss far more than bf16 noise moves the two sides apart.
+        args.lr = 1e-2 if args.tiny else 1e-4
     return args
 
 
@@ -96,7 +103,7 @@ def model_config(args) -> GPTConfig:
 def train_config(args, cfg: GPTConfig) -> TrainConfig:
     """Ours' run, as pretrain_gpt.py would configure it (and tools/plan_memory.py plans it)."""
     return TrainConfig(model=cfg, zero=ZeroConfig(stage=args.zero_stage),
-                       optimizer=OptimizerConfig(lr=LR, adam=ADAM, clip_grad=1.0),
+                       optimizer=OptimizerConfig(lr=args.lr, adam=adam_config(args.lr), clip_grad=1.0),
                        precision=PrecisionConfig(bf16=True), micro_batch_size=args.micro_batch,
                        global_batch_size=args.micro_batch * args.microbatches, seed=1234,
                        parallel=ParallelConfig(distributed_backend="nccl" if args.device != "cpu" else "gloo"))
@@ -131,7 +138,7 @@ def run_ours(args, cfg: GPTConfig, device: torch.device) -> dict:
     state = setup(train_config(args, cfg), ProcessGroups.single(device=device), device)
     params = sum(p.numel() for chunk in state.chunks for p in chunk.parameters())
     batches = step_batches(args, cfg)
-    result = timed(args, device, lambda i: train_step(state, batches[i], LR).loss)
+    result = timed(args, device, lambda i: train_step(state, batches[i], args.lr).loss)
     return {**result, "params": params}
 
 
@@ -149,9 +156,10 @@ def run_peer(args, cfg: GPTConfig, device: torch.device) -> dict:
     params = list(model.parameters())
     decay = [p for p in params if p.ndim >= 2]           # as ours: no decay on biases and norms
     rest = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": ADAM.weight_decay},
+    adam = adam_config(args.lr)
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": adam.weight_decay},
                                    {"params": rest, "weight_decay": 0.0}],
-                                  lr=LR, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps, fused=True)
+                                  lr=args.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, fused=True)
     batches = step_batches(args, cfg)
     normalizer = args.micro_batch * args.microbatches * cfg.seq_length
 

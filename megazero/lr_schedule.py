@@ -1,5 +1,11 @@
 """Learning-rate schedule: linear warmup from 0, then constant / linear / cosine / inverse-square-root
-decay to min_lr at decay_iters (Megatron-LM's rules; iterations count from 1)."""
+decay to min_lr at decay_iters (Megatron-LM's rules).
+
+Megatron's scheduler is a function of the optimizer steps already taken, n, and the step it sets
+the rate for is the next one: step 1 runs at n = 0 (0 with a warmup), step warmup + 1 at the peak,
+and only applied steps count (an fp16 step skipped on overflow does not advance it). Callers pass
+the 1-based number of the step about to be applied; the rate is Megatron's at n = step - 1.
+"""
 from __future__ import annotations
 
 import math
@@ -7,18 +13,19 @@ import math
 from megazero.config.train_config import OptimizerConfig
 
 
-def learning_rate(config: OptimizerConfig, iteration: int, train_iters: int) -> float:
+def learning_rate(config: OptimizerConfig, step: int, train_iters: int) -> float:
     max_lr, min_lr, warmup = config.lr, config.min_lr, config.warmup_iters
     decay_iters = config.decay_iters or train_iters
-    if warmup > 0 and iteration <= warmup:
-        return max_lr * iteration / warmup
+    done = step - 1
+    if warmup > 0 and done <= warmup:
+        return max_lr * done / warmup
     if config.decay_style == "constant":
         return max_lr
-    if config.decay_style == "inverse-square-root":
-        return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(iteration))
-    if iteration > decay_iters:
+    if done > decay_iters:
         return min_lr
-    ratio = (iteration - warmup) / max(1, decay_iters - warmup)
+    if config.decay_style == "inverse-square-root":
+        return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(done, 1)))
+    ratio = (done - warmup) / max(1, decay_iters - warmup)
     if config.decay_style == "linear":
         coeff = 1.0 - ratio
     else:

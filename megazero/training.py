@@ -244,7 +244,8 @@ def peak_memory_mib(device: torch.device) -> float:
 def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_at, metrics=None,
           start_iteration: int = 0, policy=None) -> list[dict]:
     """Runs steps start_iteration+1 .. cfg.train_iters; returns one record per step (and per
-    evaluation). `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
+    evaluation). `lr_at(n)` is the rate of the n-th applied optimizer step (megazero.lr_schedule).
+    `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
     cfg = state.cfg
     history, window = [], []
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
@@ -257,7 +258,9 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     world = state.groups.topology.world_size
     for it in range(start_iteration, cfg.train_iters):
         started = time.perf_counter()
-        lr = lr_at(it + 1)
+        # The schedule counts applied optimizer steps (Megatron's scheduler does not advance on a
+        # skipped step; a checkpoint loaded without its optimizer restarts it).
+        lr = lr_at(state.engine.step_count + 1)
         step = train_step(state, train_source.batch(it), lr, policy.stop_flags if policy else None)
         elapsed = time.perf_counter() - started
         record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,

@@ -3,12 +3,14 @@ tokens and return its loss curve and its full final parameters, for comparison w
 single-process run of the same code."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.lr_schedule import learning_rate
 from megazero.models.config import GPTConfig
+from megazero.models.gpt import TransformerLayer
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train_step
@@ -17,13 +19,14 @@ from megazero.zero.config import ZeroConfig
 from megazero.zero.state_access import safe_get_full_fp32_param
 
 RTOL = 1e-5
+VOCAB = 61          # small_config's vocabulary
 
 
 def small_config(tp=1, pp=1, stage=0, *, steps=10, micro=2, global_batch=16, layers=4, tied=True,
                  sequence_parallel=False, virtual=1, schedule="auto", mics=-1, zero_extra=None,
                  model_extra=None, bf16=False, clip=0.05, lr=1e-3, layer_split=None, cp=1,
                  cp_comm_type="p2p") -> TrainConfig:
-    shape = dict(vocab_size=61, padded_vocab_size=0, hidden_size=32, num_layers=layers,
+    shape = dict(vocab_size=VOCAB, padded_vocab_size=0, hidden_size=32, num_layers=layers,
                  num_attention_heads=4, ffn_hidden_size=64, seq_length=16, hidden_dropout=0.0,
                  attention_dropout=0.0, tie_embeddings=tied)
     model = GPTConfig(**{**shape, **(model_extra or {})})
@@ -83,6 +86,66 @@ def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None):
     if groups is None:
         return None
     return run_training(cfg, groups, on_setup)
+
+
+def run_layouts(ctx, layouts):
+    """Pool entry: trains each (config, dp) in turn; ranks outside a layout give None for it.
+    Each result also counts the transformer layers' forward calls (recompute runs each twice; a
+    pre-hook, since the recomputation stops as soon as it has what backward needs)."""
+    calls = [0]
+
+    def count(module, args):
+        calls[0] += isinstance(module, TransformerLayer)
+
+    out = []
+    for cfg, dp in layouts:
+        calls[0] = 0
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+        try:
+            result = layout_worker(ctx, cfg, dp)
+        finally:
+            handle.remove()
+        if result is not None:
+            result["layer_forwards"] = calls[0]
+        out.append(result)
+    return out
+
+
+def per_layout(pool_results):
+    """Per-rank lists of per-layout results -> per-layout lists of per-rank results."""
+    return [list(results) for results in zip(*pool_results)]
+
+
+_REFERENCES: dict[str, tuple[dict, dict]] = {}
+
+
+def single_process_reference(**config) -> tuple[dict, dict]:
+    """(result, full parameters without vocabulary padding) of run_training(small_config(**config))
+    in one process; run once per session per config, since several files compare with the same one."""
+    key = repr(sorted(config.items()))
+    if key not in _REFERENCES:
+        result = run_training(small_config(**config), ProcessGroups.single())
+        _REFERENCES[key] = result, strip_padding(assemble_params([result]), VOCAB)
+    return _REFERENCES[key]
+
+
+def reference_fixture(**config):
+    """A module-scoped `reference` fixture holding single_process_reference(**config); a test file
+    takes it with `reference = reference_fixture(steps=STEPS)`."""
+    @pytest.fixture(scope="module")
+    def reference():
+        return single_process_reference(**config)
+    return reference
+
+
+def assert_matches_reference(results: list[dict], reference: tuple[dict, dict], what: str) -> None:
+    """A layout's per-rank results against the single-process run: the loss curve and the gradient
+    norms elementwise, the final parameters per tensor (rtol 1e-5)."""
+    ref, ref_params = reference
+    got = last_stage_result(results)
+    assert_close(got["losses"], ref["losses"], f"{what}: loss curve")
+    assert_close(got["norms"], ref["norms"], f"{what}: grad norms")
+    assert_params_match(strip_padding(assemble_params(results), VOCAB), ref_params, what)
 
 
 def assemble_params(results: list[dict]) -> dict[str, torch.Tensor]:

@@ -8,39 +8,14 @@
 
 Each test sends its whole list of layouts to the pool in one call (one worker, many configs).
 """
-import pytest
 import torch
 
-from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
-                     layout_worker, run_training, small_config, strip_padding, with_padded_vocab)
-from megazero.models.gpt import GPT, TransformerLayer
-from megazero.parallel.groups import ProcessGroups
+from layouts import (VOCAB, assemble_params, assert_matches_reference, last_stage_result, per_layout,
+                     reference_fixture, run_layouts, small_config, strip_padding, with_padded_vocab)
+from megazero.models.gpt import GPT
 
-VOCAB, STEPS = 61, 5
+STEPS = 5
 RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-
-
-def run_layouts(ctx, layouts):
-    """Pool entry: trains each (config, dp) in turn; ranks outside a layout give None for it.
-    Each result also counts the transformer layers' forward calls (recompute runs each twice; a
-    pre-hook, since the recomputation stops as soon as it has what backward needs)."""
-    calls = [0]
-
-    def count(module, args):
-        calls[0] += isinstance(module, TransformerLayer)
-
-    out = []
-    for cfg, dp in layouts:
-        calls[0] = 0
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
-        try:
-            result = layout_worker(ctx, cfg, dp)
-        finally:
-            handle.remove()
-        if result is not None:
-            result["layer_forwards"] = calls[0]
-        out.append(result)
-    return out
 
 
 def assert_recompute(results, cfg, dp, what):
@@ -54,23 +29,7 @@ def assert_recompute(results, cfg, dp, what):
             f"{what}: {r['layer_forwards']} layer forwards on rank {r['coords']}, expected {expected}"
 
 
-def per_layout(pool_results):
-    """Per-rank lists of per-layout results -> per-layout lists of per-rank results."""
-    return [list(results) for results in zip(*pool_results)]
-
-
-def assert_matches(results, reference, what):
-    ref, ref_params = reference
-    got = last_stage_result(results)
-    assert_close(got["losses"], ref["losses"], f"{what}: loss curve")
-    assert_close(got["norms"], ref["norms"], f"{what}: grad norms")
-    assert_params_match(strip_padding(assemble_params(results), VOCAB), ref_params, what)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    result = run_training(small_config(steps=STEPS), ProcessGroups.single())
-    return result, strip_padding(assemble_params([result]), VOCAB)
+reference = reference_fixture(steps=STEPS)
 
 
 def test_recompute_and_sequence_parallel_compose_with_zero3_and_pipeline(dist_pool, reference):
@@ -84,7 +43,7 @@ def test_recompute_and_sequence_parallel_compose_with_zero3_and_pipeline(dist_po
     results = per_layout(dist_pool(4).run(run_layouts, list(layouts.values())))
     for (what, (cfg, dp)), got in zip(layouts.items(), results):
         assert_recompute(got, cfg, dp, what)
-        assert_matches(got, reference, what)
+        assert_matches_reference(got, reference, what)
 
 
 def test_recompute_replays_dropout_on_a_pipeline_stage(dist_pool):
@@ -97,7 +56,7 @@ def test_recompute_replays_dropout_on_a_pipeline_stage(dist_pool):
     for (cfg, dp), got in zip(layouts, (plain, recomputed)):
         assert_recompute(got, cfg, dp, "tp 2 x pp 2 with dropout")
     expected = (last_stage_result(plain), strip_padding(assemble_params(plain), VOCAB))
-    assert_matches(recomputed, expected, "tp 2 x pp 2 recompute with dropout vs without recompute")
+    assert_matches_reference(recomputed, expected, "tp 2 x pp 2 recompute with dropout vs without recompute")
 
 
 def interleaved_in_flight(pp: int, v: int, m: int, stage: int) -> int:

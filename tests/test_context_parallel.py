@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
-                     layout_worker, run_training, small_config, strip_padding)
+                     layout_worker, reference_fixture, small_config, strip_padding)
 from megazero.models.attention import attention_reference
 from megazero.parallel.context_parallel import (ContextParallelAttention, local_chunks, local_positions,
                                                 ring_positions)
-from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
 
 VOCAB = 61
@@ -76,10 +75,7 @@ def test_attention_cores_match_full_attention(dist_pool, cp):
                                            msg=lambda m: f"cp {cp} {comm_type} rank {rank} {name}: {m}")
 
 
-@pytest.fixture(scope="module")
-def reference():
-    result = run_training(small_config(**SMALL), ProcessGroups.single())
-    return result, strip_padding(assemble_params([result]), VOCAB)
+reference = reference_fixture(**SMALL)
 
 
 def check_layout(pool, reference, what, dp, **config):

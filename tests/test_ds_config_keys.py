@@ -190,11 +190,13 @@ def _records(path: Path) -> list[dict]:
 def test_a_trainer_style_config_runs_on_the_flags_schedule(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = _write(tmp_path, TRAINER_STYLE)
-    code, out = _main(TINY + ["--train-iters", "2", "--zero-config", path, "--lr", "1e-3", "--min-lr", "1e-4",
+    code, out = _main(TINY + ["--train-iters", "3", "--zero-config", path, "--lr", "1e-3", "--min-lr", "1e-4",
                               "--lr-warmup-iters", "1", "--metrics-file", "m.jsonl"], capsys)
     assert code == 0, out.err
     lrs = [r["lr"] for r in _records(tmp_path / "m.jsonl")]
-    assert lrs == pytest.approx([1e-3, 1e-4]), "warmup to --lr, then WarmupDecayLR's linear decay to --min-lr"
+    # Megatron's schedule after 0, 1, 2 steps: warmup from 0 to --lr, then WarmupDecayLR's linear
+    # decay, halfway to --min-lr after 2 of its 3 steps
+    assert lrs == pytest.approx([0.0, 1e-3, 5.5e-4])
 
 
 def test_an_activation_checkpointing_config_runs_with_recomputation(tmp_path, capsys, monkeypatch):

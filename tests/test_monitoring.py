@@ -74,13 +74,33 @@ def _wandb_log_records(path: Path) -> list[bytes]:
     return records
 
 
-def _wandb_history_and_config(run_dir: Path) -> tuple[dict, dict]:
+def _finished_wandb_records(run_dir: Path, timeout: float = 300.0) -> list:
+    """The records of the run's transaction log once it holds the run's `exit` record. wandb's
+    service process writes the log; run.finish() can return before the last records reach the
+    file (seen on a loaded machine: an empty history), so wait for the record that ends a run."""
+    import time
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
-    (log,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while True:
+        records = []
+        try:
+            (log,) = run_dir.glob("run-*.wandb")
+            for raw in _wandb_log_records(log):
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(raw)
+                records.append(record)
+        except (ValueError, struct.error, AssertionError, DecodeError):   # not there yet, or half written
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{run_dir}: no exit record after {timeout:.0f} s"
+        time.sleep(0.2)
+
+
+def _wandb_history_and_config(run_dir: Path) -> tuple[dict, dict]:
     history, config = {}, {}
-    for raw in _wandb_log_records(log):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
+    for record in _finished_wandb_records(run_dir):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = history.setdefault(record.history.step.num, {})

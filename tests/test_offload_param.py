@@ -8,18 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
-                     run_training, small_config, strip_padding, with_padded_vocab)
+from layouts import (assert_matches_reference, last_stage_result, reference_fixture, run_layouts, small_config,
+                     with_padded_vocab)
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.lr_schedule import learning_rate
-from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.config import OffloadParamConfig
 from megazero.zero.stage3.param_offload import GatherOrder, NvmeParams, SwapFileError
 
-VOCAB = 61
 STEPS = 3
 
 
@@ -31,19 +29,10 @@ def offloaded(device: str, root: str, tp=1, pp=1, bf16=False, **extra):
                         zero_extra={"offload_param": block, **extra})
 
 
-@pytest.fixture(scope="module")
-def reference():
-    result = run_training(small_config(steps=STEPS), ProcessGroups.single())
-    return result, strip_padding(assemble_params([result]), VOCAB)
-
-
-def run_layouts(ctx, layouts):
-    """Pool entry: trains each (config, dp) in turn (None on ranks outside a layout)."""
-    return [layout_worker(ctx, cfg, dp) for cfg, dp in layouts]
+reference = reference_fixture(steps=STEPS)
 
 
 def test_offloaded_params_reproduce_the_single_process_curve(dist_pool, reference, tmp_path):
-    ref, ref_params = reference
     layouts = {
         "cpu dp 4": (offloaded("cpu", str(tmp_path)), 4),
         "nvme dp 4": (offloaded("nvme", str(tmp_path)), 4),
@@ -57,10 +46,7 @@ def test_offloaded_params_reproduce_the_single_process_curve(dist_pool, referenc
     results = dist_pool(4).run(run_layouts, [layout for layout in layouts.values()])
     for k, (what, (cfg, dp)) in enumerate(layouts.items()):
         got = [per_rank[k] for per_rank in results]
-        last = last_stage_result(got)
-        assert_close(last["losses"], ref["losses"], f"{what}: loss curve")
-        assert_close(last["norms"], ref["norms"], f"{what}: grad norms")
-        assert_params_match(strip_padding(assemble_params(got), VOCAB), ref_params, what)
+        assert_matches_reference(got, reference, what)
         device = cfg.zero.offload_param.device
         for r in (r for r in got if r is not None):
             memory = r["memory"]

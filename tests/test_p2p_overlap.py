@@ -6,14 +6,9 @@ batches in turn, is tests/test_p2p_order.py's.
 import pytest
 import torch
 
-from layouts import layout_worker, small_config, with_padded_vocab
+from layouts import run_layouts, small_config, with_padded_vocab
 
 STEPS = 2
-
-
-def run_layouts(ctx, layouts):
-    """Pool entry: trains each (config, dp) in turn; ranks outside a layout give None for it."""
-    return [layout_worker(ctx, cfg, dp) for cfg, dp in layouts]
 
 
 def overlapped(cfg):

@@ -6,29 +6,20 @@ last stage each hold the word embedding and sum its gradients over the embedding
 """
 import pytest
 
-from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
-                     layout_worker, run_training, small_config, strip_padding)
-from megazero.parallel.groups import ProcessGroups
+from layouts import assert_matches_reference, layout_worker, reference_fixture, small_config
 from megazero.parallel.pipeline.split import stage_layer_ranges
 
-VOCAB, LAYERS = 61, 8
+LAYERS = 8
 GRID = [(pp, tp, dp) for pp in (2, 4) for tp in (1, 2) for dp in (1, 2) if pp * tp * dp <= 8]
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}     # schedule -> virtual stages
 
 
-@pytest.fixture(scope="module")
-def reference():
-    result = run_training(small_config(layers=LAYERS), ProcessGroups.single())
-    return result, strip_padding(assemble_params([result]), VOCAB)
+reference = reference_fixture(layers=LAYERS)
 
 
 def check(pool, reference, dp, what, **config):
-    ref, ref_params = reference
     results = pool.run(layout_worker, small_config(layers=LAYERS, **config), dp)
-    got = last_stage_result(results)
-    assert_close(got["losses"], ref["losses"], f"{what}: loss curve")
-    assert_close(got["norms"], ref["norms"], f"{what}: grad norms")
-    assert_params_match(strip_padding(assemble_params(results), VOCAB), ref_params, what)
+    assert_matches_reference(results, reference, what)
     return results
 
 

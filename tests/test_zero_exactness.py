@@ -7,17 +7,12 @@ layouts.assert_params_match for why parameters are compared per tensor).
 """
 import pytest
 
-from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
-                     layout_worker, run_training, small_config, strip_padding)
+from layouts import (VOCAB, assemble_params, assert_close, assert_matches_reference, assert_params_match,
+                     last_stage_result, layout_worker, reference_fixture, run_training, single_process_reference,
+                     small_config, strip_padding)
 from megazero.parallel.groups import ProcessGroups
 
-VOCAB = 61
-
-
-@pytest.fixture(scope="module")
-def reference():
-    result = run_training(small_config(), ProcessGroups.single())
-    return result, strip_padding(assemble_params([result]), VOCAB)
+reference = reference_fixture()
 
 
 def test_reference_noise_floor(reference):
@@ -32,12 +27,8 @@ def test_reference_noise_floor(reference):
 
 
 def check_layout(pool, reference, what, dp, **config):
-    ref, ref_params = reference
     results = pool.run(layout_worker, small_config(**config), dp)
-    got = last_stage_result(results)
-    assert_close(got["losses"], ref["losses"], f"{what}: loss curve")
-    assert_close(got["norms"], ref["norms"], f"{what}: grad norms")
-    assert_params_match(strip_padding(assemble_params(results), VOCAB), ref_params, what)
+    assert_matches_reference(results, reference, what)
     return results
 
 
@@ -70,16 +61,18 @@ def test_sequence_parallel_overlap_and_allreduce_match_single_process(dist_pool,
 
 
 def test_untied_embeddings_match_single_process(dist_pool):
-    ref = run_training(small_config(tied=False), ProcessGroups.single())
-    reference = (ref, strip_padding(assemble_params([ref]), VOCAB))
-    check_layout(dist_pool(8), reference, "untied stage 3 tp 2 dp 2", 2, tp=2, stage=3, tied=False)
+    check_layout(dist_pool(8), single_process_reference(tied=False), "untied stage 3 tp 2 dp 2", 2, tp=2, stage=3, tied=False)
+
+
+BF16_GAP = 1.1e-4     # 3x the largest gap measured over the 10 steps (3.7e-5, every stage)
 
 
 def test_bf16_tracks_fp32(dist_pool, reference):
-    """bf16 weights and gradients with fp32 master weights stay within 1% of the fp32 loss curve."""
+    """bf16 weights and gradients with fp32 master weights track the fp32 loss curve to BF16_GAP
+    relative per step."""
     ref, _ = reference
     for stage in (0, 2, 3):
         results = dist_pool(8).run(layout_worker, small_config(stage=stage, bf16=True), 2)
         got = last_stage_result(results)["losses"]
         for step, (a, b) in enumerate(zip(got, ref["losses"])):
-            assert abs(a - b) <= 1e-2 * abs(b), f"bf16 stage {stage} step {step}: {a} vs fp32 {b}"
+            assert abs(a - b) <= BF16_GAP * abs(b), f"bf16 stage {stage} step {step}: {a} vs fp32 {b}"
