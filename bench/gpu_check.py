@@ -356,7 +356,8 @@ def summary(work: Path, out: Path, figure_steps: list[str]) -> int:
     for step, figs in result["figures"].items():
         for name, f in figs.items():
             mark = "ok  " if f["ok"] and finite(f["value"]) else "FAIL"
-            print(f"{mark} {step}: {name} = {f['value']} ({f['bound']})")
+            note = f" {f['note']}" if f.get("note") and step != "pytest" else ""   # pytest's: long lists
+            print(f"{mark} {step}: {name} = {f['value']} ({f['bound']}){note}")
     for line in result["unverified"]:
         print(f"unverified: {line}")
     if result["passed"]:
@@ -373,7 +374,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="summary: where gpu_check.json goes")
     p.add_argument("--xml", type=Path, help="pytest: the junit report")
     p.add_argument("--expected-skips", default="", help="pytest: comma-separated test names skipped on one GPU")
-    p.add_argument("--figure-steps", default="pytest,parity,overlap,bench_gpu_step,gloo_cuda",
+    p.add_argument("--figure-steps", default="pytest,parity,overlap,bench_gpu_step,adam_norm,gloo_cuda",
                    help="summary: the steps that must have written figures")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)

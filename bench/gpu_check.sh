@@ -11,7 +11,9 @@
 # an earlier one failed:
 #   versions, pytest tests/gpu (junit report judged by bench/gpu_check.py: the one-GPU expected
 #   skips are listed below), parity (fp32 GPU vs CPU, ZeRO-3 vs ZeRO-0, offload vs device),
-#   bench_gpu_step (~1.3B bf16: tokens/s, MFU, ratio to plain torch, memory vs the planner),
+#   bench_gpu_step (~1.3B bf16: tokens/s, MFU with HFU beside it, step-time ratio to plain torch
+#   with fused AdamW, memory vs the planner), adam_norm (bench_adam_norm.py: ZeRO's fused Adam and
+#   foreach norm on the 1.3B partition against the reference paths: gaps, speed, kernels, temporaries),
 #   overlap (profiler: stage-3 prefetch gathers overlapping compute), streams, gloo_cuda (2 ranks
 #   on the GPU over gloo, or "unverified"), then the summary.
 # GPU_CHECK_OUT gets gpu_check.log (everything printed) and gpu_check.json (every figure, pass or
@@ -96,6 +98,7 @@ EOF
         --expected-skips "$EXPECTED_SKIPS"
     step parity 120 "$PY" bench/gpu_check.py parity --work "$WORK"
     step bench_gpu_step 200 "$PY" bench/bench_gpu_step.py --json "$WORK/bench_gpu_step.json"
+    step adam_norm 60 "$PY" bench/bench_adam_norm.py --device cuda --rounds 2 --json "$WORK/adam_norm.json"
     step overlap 90 "$PY" bench/gpu_check.py overlap --work "$WORK"
     step streams 45 "$PY" - <<'EOF'
 import torch

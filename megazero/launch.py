@@ -4,22 +4,35 @@ and holds no training logic of its own (that is megazero.training's).
 
 Errors end a launch with one line. Those found before the process group starts (flags, paths, data,
 memory) are found on every rank and agreed through the launch's rendezvous store, and rank 0 prints
-the verdict for all; one found later is printed by the rank that found it, which marks the store so
-that the others, cut off mid-collective, leave quietly instead of each printing a connection error.
+the verdict for all. Once the ranks run, the first rank to end (a bug, a lost or silent peer, Ctrl-C)
+says so in the store: it prints its line (megazero.failures words it) and the others, cut off
+mid-collective, leave quietly with the same line in torchrun's error file.
+
+Restarts (torchrun --max-restarts): every key of an attempt, the process group's own included, lives
+under that attempt's prefix of the rendezvous store. torchrun's static rendezvous keeps one store for
+all attempts and torch prefixes nothing, so a restarted attempt would otherwise read the dead
+attempt's addresses (gloo's connectFullMesh then fails, or hangs on a stale barrier count).
 
 It is the one module that reads the launcher's environment (WORLD_SIZE, RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT); what the runtime needs of it travels on
-in `Launch` and `TrainConfig`.
+LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_ERROR_FILE); what the runtime
+needs of it travels on in `Launch` and `TrainConfig`.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import os
+import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
+from megazero import failures
+from megazero.checkpoint import SaveError
+from megazero.checkpoint.files import latest_iteration_name
 from megazero.core import stream_check
 from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
 from megazero.config.arguments import config_from_args, parse_args
@@ -29,13 +42,17 @@ from megazero.core.errors import UsageError
 from megazero.lr_schedule import learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.groups import GroupFactory, ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train
 
 
 class AgreedStop(Exception):
     """Every rank stops after an agreement: rank 0 prints the message, the others leave quietly."""
+
+    def __init__(self, message: str, code: int = failures.EXIT_USAGE):
+        super().__init__(message)
+        self.code = code
 
 
 class Launch:
@@ -50,7 +67,8 @@ class Launch:
         self.local_world = int(env.get("LOCAL_WORLD_SIZE", str(self.world)))
         self._local_rank_from_env = "LOCAL_RANK" in env
         self._prefix = f"megazero/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.rendezvous_store = self.store = None     # the launch's store; our keys under a prefix
+        self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
+        self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
 
     def adopt_local_rank(self, flag_value: int | None) -> None:
         """Older launchers pass --local_rank instead of setting LOCAL_RANK."""
@@ -63,6 +81,11 @@ class Launch:
             self.rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
                                                                timeout=datetime.timedelta(minutes=30)))
             self.store = dist.PrefixStore(self._prefix, self.rendezvous_store)
+            self.store.set(f"process/{self.rank}", failures.process_identity())
+
+    def process_group_store(self):
+        """The store init_process_group builds the groups in: this attempt's, never the last one's."""
+        return dist.PrefixStore("process_group", self.store)
 
     @property
     def speaks(self) -> bool:
@@ -87,19 +110,33 @@ class Launch:
                 return f"rank {other}: {report}"
         return ""
 
-    def another_rank_failed(self) -> bool:
+    def end_first(self, line: str, code: int) -> tuple[bool, str, int]:
+        """Whether this rank is the first of the attempt to end (then it prints `line`); the others
+        get the first one's line and code, for torchrun's error file and their exit status."""
+        if self.store is None:
+            return True, line, code
         try:
-            return self.store is not None and self.store.check(["failed"]) and \
-                self.store.get("failed").decode() != str(self.rank)
+            if self.store.add("ending", 1) == 1:
+                self.store.set("ending/line", json.dumps([line, code]))
+                return True, line, code
+            self.store.wait(["ending/line"], datetime.timedelta(seconds=5))
+            first, first_code = json.loads(self.store.get("ending/line"))
+            return False, first, first_code
         except (RuntimeError, ValueError):     # the store went down with its host rank
-            return False
+            return False, line, code
 
-    def mark_failed(self) -> None:
-        if self.store is not None:
+    def peers(self) -> dict[int, str | None]:
+        """Every other rank's registered identity (see megazero.failures.process_identity)."""
+        found = {}
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
             try:
-                self.store.set("failed", str(self.rank))
-            except (RuntimeError, ValueError):
-                pass
+                key = f"process/{rank}"
+                found[rank] = self.store.get(key).decode() if self.store.check([key]) else None
+            except (RuntimeError, ValueError, AttributeError):
+                found[rank] = None
+        return found
 
 
 def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -139,19 +176,56 @@ def _datasets(cfg: TrainConfig, launch: Launch, say):
     return train_set, valid_set
 
 
-def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None, None)) -> None:
+@dataclasses.dataclass
+class Progress:
+    """How far the run got, for the line that ends it early."""
+    cfg: TrainConfig | None = None
+    state: object = None                 # the TrainState once set up
+
+    def interrupted_line(self) -> str:
+        if self.cfg is None:
+            return "interrupted before training started"
+        iteration = self.state.iteration if self.state is not None else 0
+        save = self.cfg.checkpoint.save
+        latest = latest_iteration_name(save) if save is not None else None
+        kept = ("none (no --save)" if save is None else f"{save}/{latest} (resume with --load {save})"
+                if latest else f"none yet in {save}")
+        return f"interrupted at iteration {iteration}; last checkpoint: {kept}"
+
+
+def _tokenizer_record(cfg: TrainConfig) -> dict:
+    """The run's tokenizer as its checkpoints keep it (megazero.data.tokenizer.saved_form)."""
+    from megazero.data.default_data import default_data_files
+    from megazero.data.tokenizer import build_tokenizer, load_tokenizer, saved_form
+    data = cfg.data
+    if data.data_path is None:
+        return saved_form(load_tokenizer(default_data_files(data.cache_dir)[1]))
+    return saved_form(build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model,
+                                      vocab_file=data.vocab_file, merge_file=data.merge_file,
+                                      vocab_size=data.vocab_size))
+
+
+def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device) -> ProcessGroups:
+    par = cfg.parallel
+    # Every collective, of the default group and of every group made from it, waits this long for a
+    # silent rank (gloo: each op's timeout); then it raises, and the rank names whom it waited for.
+    timeout = datetime.timedelta(minutes=par.timeout_minutes)
     if launch.world > 1:
         # Binding NCCL to this rank's GPU makes it create its communicators now (not at the first
         # collective) and lets barriers and new groups know the device without guessing.
-        backend = cfg.parallel.distributed_backend
-        bind = dict(device_id=device) if backend == "nccl" else {}
-        store = dict(store=launch.rendezvous_store) if launch.store is not None else {}
-        dist.init_process_group(backend, rank=launch.rank, world_size=launch.world, **store, **bind)
-    par = cfg.parallel
+        bind = dict(device_id=device) if par.distributed_backend == "nccl" else {}
+        store = dict(store=launch.process_group_store()) if launch.store is not None else {}
+        dist.init_process_group(par.distributed_backend, rank=launch.rank, world_size=launch.world,
+                                timeout=timeout, **store, **bind)
     topology = Topology(world_size=launch.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
                         cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
                         hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
-    groups = ProcessGroups.build(topology, launch.rank, device=device)
+    return ProcessGroups.build(topology, launch.rank, GroupFactory(launch.rank, timeout=timeout), device=device)
+
+
+def run(cfg: TrainConfig, launch: Launch, device: torch.device, resume=None, progress=None) -> None:
+    groups = _process_groups(cfg, launch, device)
+    topology = groups.topology
     logging_rank = launch.rank == topology.rank_of(0, 0, topology.pp - 1)
     metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters)
     metrics.say(f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "
@@ -162,11 +236,14 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
         metrics.add_monitors(open_monitors(cfg, metrics.say))
     train_set, valid_set = _datasets(cfg, launch, metrics.say)
     state = setup(cfg, groups, device)
+    if progress is not None:
+        progress.state = state
     metrics.say(f" {state.streams.describe()}")
-    reader, notice = checkpoint
-    if notice:
+    for notice in resume.notices if resume is not None else ():
         metrics.say(f" {notice}")
-    start_iteration, policy = checkpoint_start(state, cfg.checkpoint, reader, metrics.say)
+    tokenizer = _tokenizer_record(cfg) if launch.rank == 0 and cfg.checkpoint.save is not None else None
+    start_iteration, policy = checkpoint_start(state, cfg.checkpoint, resume.reader if resume else None,
+                                               metrics.say, tokenizer)
     report = state.engine.memory_report()
     metrics.say(" model states per rank (MiB): " + ", ".join(
         f"{k}={v / 2**20:.1f}" for k, v in report.items()))
@@ -185,54 +262,98 @@ def run(cfg: TrainConfig, launch: Launch, device: torch.device, checkpoint=(None
         dist.destroy_process_group()
 
 
-def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, tuple]:
-    """Flags -> config -> checks against this machine; every error a UsageError."""
+def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, object]:
+    """Flags -> config -> checks against this machine and the checkpoint; every error a UsageError."""
     args = parse_args(argv)
     launch.adopt_local_rank(args.local_rank)
     cfg = config_from_args(args, launch.world, launch.local_world)
     device = _device(cfg, launch.local_rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
     preflight(cfg, launch.world, launch.local_world, device)
-    checkpoint = checkpoint_preflight(cfg.checkpoint, cfg.model, cfg.global_batch_size)
+    resume = checkpoint_preflight(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
+    cfg = dataclasses.replace(cfg, optimizer=resume.optimizer)     # the lr schedule may be the checkpoint's
     if launch.world > 1 and "MASTER_ADDR" not in os.environ:
         raise UsageError(f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the ranks with "
                          f"torchrun (or set MASTER_ADDR and MASTER_PORT)")
-    return cfg, device, checkpoint
+    return cfg, device, resume
+
+
+def _end_agreed(launch: Launch, line: str, code: int) -> int:
+    """Every rank ends with the same line: rank 0 prints it, every rank hands it to torchrun."""
+    if launch.speaks:
+        print(f"error: {line}", file=sys.stderr)
+    failures.write_error_file(launch.error_file, line)
+    return code
+
+
+def _end_on(err: BaseException, launch: Launch, progress: Progress, interrupts: failures.Interrupts) -> int:
+    """The end of a run cut short on this rank: its line (printed by the first rank to end), exit code
+    and torchrun's error file. An error that is none of ours (a bug) keeps its traceback."""
+    if isinstance(err, KeyboardInterrupt) or interrupts.received:
+        line, code = progress.interrupted_line(), failures.EXIT_INTERRUPTED
+    elif isinstance(err, UsageError):
+        line, code = str(err) if launch.world == 1 else f"rank {launch.rank}: {err}", failures.EXIT_USAGE
+    else:
+        timeout = progress.cfg.parallel.timeout_minutes if progress.cfg else 0
+        peers = launch.peers() if launch.store is not None else {}
+        line, code = failures.peer_failure_line(err, launch.rank, peers, timeout), failures.EXIT_FAILURE
+    bug = line is None
+    first, shown, shown_code = launch.end_first(line or f"rank {launch.rank}: {type(err).__name__}: {err}", code)
+    if bug and first:
+        failures.write_traceback_error_file(launch.error_file, err)
+        raise err
+    if first:
+        print(line if code == failures.EXIT_INTERRUPTED else f"error: {line}", file=sys.stderr)
+    failures.write_error_file(launch.error_file, shown)
+    return shown_code
+
+
+def _with_signals_restored(body):
+    """Runs body(interrupts) with Ctrl-C handled by `failures.Interrupts` (in the main thread), and
+    gives the process its signal handlers back afterwards (tests run many launches in one process)."""
+    interrupts = failures.Interrupts()
+    if threading.current_thread() is not threading.main_thread():
+        return body(interrupts)
+    names = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in names}
+    signal.signal(signal.SIGINT, interrupts)
+    try:
+        return body(interrupts)
+    finally:
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler if handler is not None else signal.SIG_DFL)
 
 
 def main(argv=None) -> int:
-    launch = Launch()
-    error = None
+    return _with_signals_restored(lambda interrupts: _main(argv, Launch(), interrupts))
+
+
+def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
+    progress = Progress()
     try:
-        cfg, device, checkpoint = _checked_config(argv, launch)
-    except UsageError as err:
-        error = str(err)
-    try:
-        verdict = launch.agree("preflight", error)
-    except (RuntimeError, ValueError) as err:      # no rendezvous: nothing to agree with
-        print(f"error: cannot join the launch's rendezvous ({str(err).splitlines()[0]}); start the "
-              f"ranks with torchrun", file=sys.stderr)
-        return 2
-    if verdict:
-        if launch.speaks:
-            print(f"error: {verdict}", file=sys.stderr)
-        return 2
-    try:
+        error = None
+        try:
+            progress.cfg, device, resume = _checked_config(argv, launch)
+        except UsageError as err:
+            error = str(err)
+        try:
+            verdict = launch.agree("preflight", error)
+        except (RuntimeError, ValueError) as err:      # no rendezvous: nothing to agree with
+            print(f"error: cannot join the launch's rendezvous ({str(err).splitlines()[0]}); start the "
+                  f"ranks with torchrun", file=sys.stderr)
+            return failures.EXIT_USAGE
+        if verdict:
+            return _end_agreed(launch, verdict, failures.EXIT_USAGE)
         with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,
                                      launch.store, launch.rank, launch.world):
-            run(cfg, launch, device, checkpoint)
-    except AgreedStop as stop:
-        if launch.speaks:
-            print(f"error: {stop}", file=sys.stderr)
-        dist.destroy_process_group()     # every rank is here: nothing is left in flight
-        return 2
-    except Exception as err:
-        if launch.another_rank_failed():   # cut off by the rank that failed; it printed the line
-            return 2
-        launch.mark_failed()
-        if not isinstance(err, UsageError):
-            raise
-        print(f"error: {err}" if launch.world == 1 else f"error: rank {launch.rank}: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+            run(progress.cfg, launch, device, resume, progress)
+        return 0
+    except (AgreedStop, SaveError) as stop:     # every rank is here: nothing is left in flight
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return _end_agreed(launch, str(stop), getattr(stop, "code", failures.EXIT_FAILURE))
+    except SystemExit:
+        raise
+    except BaseException as err:
+        interrupts.ending = True
+        return _end_on(err, launch, progress, interrupts)

@@ -80,17 +80,6 @@ def precision_of(cfg: TrainConfig) -> Precision:
     return Precision.from_flags(prec.bf16, prec.fp16, prec.grad_accum_dtype, prec.reduce_dtype)
 
 
-def stage3_blocks(chunks) -> set:
-    """The modules that are one stage-3 unit each under stage3_granularity "layer": every
-    transformer layer and the embedding (the final norm and the head stay units of their own)."""
-    blocks = set()
-    for chunk in chunks:
-        blocks.update(chunk.layers.values())
-        if chunk.embedding is not None:
-            blocks.add(chunk.embedding)
-    return blocks
-
-
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     device = torch.device(device)
     par = cfg.parallel
@@ -107,7 +96,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), zero_groups(groups), cfg.zero,
                         cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device,
                         counts_in_norm=lambda p: counts_in_norm(p, groups), isolated=summed_across_stages,
-                        streams=streams, unit_block=stage3_blocks(chunks).__contains__)
+                        streams=streams)
     for chunk in chunks:
         chunk.train()
     p2p = None

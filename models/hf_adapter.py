@@ -23,7 +23,8 @@ Facts the mapping honours:
   construction and never trained) are dropped on export, and a non-zero one is refused.
 - Dropout is no part of a model's function: GPT-2's resid/embd_pdrop carry megazero's hidden dropout;
   Llama has attention dropout only, so an imported Llama trains with hidden dropout 0 unless the
-  flags say otherwise. Special token ids are the tokenizer's business and are left unset.
+  flags say otherwise. Special token ids come from the tokenizer exported with the model (the tool
+  passes them in); without one they stay unset.
 """
 from __future__ import annotations
 
@@ -92,13 +93,14 @@ def choose_format(config: GPTConfig, fmt: str = "auto") -> str:
 
 # --- config.json <-> GPTConfig ----------------------------------------------------------------
 
-def hf_config(config: GPTConfig, fmt: str) -> dict:
-    """The config.json of `config` (already checked by choose_format) in format `fmt`."""
+def hf_config(config: GPTConfig, fmt: str, special_ids: dict | None = None) -> dict:
+    """The config.json of `config` (already checked by choose_format) in format `fmt`; `special_ids`
+    (bos_token_id, eos_token_id, pad_token_id) are the exported tokenizer's."""
+    ids = special_ids or {}
     common = {"architectures": [ARCHITECTURE[fmt]], "model_type": fmt, "vocab_size": config.vocab_size,
               "initializer_range": config.init_method_std, "tie_word_embeddings": config.tie_embeddings,
               "torch_dtype": "float32", "use_cache": True,
-              # megazero's checkpoints do not know the tokenizer's special ids
-              "bos_token_id": None, "eos_token_id": None}
+              **{key: ids.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}}
     if fmt == "gpt2":
         return {**common, "n_positions": config.max_position_embeddings, "n_embd": config.hidden_size,
                 "n_layer": config.num_layers, "n_head": config.num_attention_heads,

@@ -26,9 +26,11 @@ from .topology import Coords, Topology
 class GroupFactory:
     """Creates (or reuses) torch process groups; every process must make the same calls in order."""
 
-    def __init__(self, rank: int, initialized: bool | None = None):
+    def __init__(self, rank: int, initialized: bool | None = None, timeout=None):
         self.rank = rank
         self.initialized = dist.is_initialized() if initialized is None else initialized
+        # torch gives new groups its default timeout, not the default group's: pass the run's on
+        self.timeout = timeout
         self._cache: dict[tuple[tuple[int, ...], str], object] = {}
 
     def torch_group(self, ranks: tuple[int, ...], purpose: str = "shared"):
@@ -39,7 +41,7 @@ class GroupFactory:
             raise RuntimeError(f"group {ranks} needs torch.distributed, which is not initialized")
         key = (tuple(ranks), purpose)
         if key not in self._cache:
-            self._cache[key] = dist.new_group(list(ranks), pg_options=_options(purpose))
+            self._cache[key] = dist.new_group(list(ranks), timeout=self.timeout, pg_options=_options(purpose))
         return self._cache[key]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from layouts import assert_close, small_config, with_padded_vocab
-from megazero.checkpoint import CheckpointError, CheckpointReader, CheckpointSaver, load_checkpoint
+from megazero.checkpoint import CheckpointError, CheckpointReader, CheckpointSaver, SaveError, load_checkpoint
 
 STEPS, SAVE_AT = 6, 3
 
@@ -331,7 +331,8 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(saver_module, "save_file", no_space)
     train_step(state, source.batch(1), 1e-3)
-    with pytest.raises(CheckpointError, match=r"rank_00000.safetensors: could not write \(No space left"):
+    with pytest.raises(SaveError, match=r"rank 0 could not write its shard of the checkpoint of iteration 2 "
+                                         r"\(No space left on device\)"):
         saver.save(state, 2 * cfg.global_batch_size)
     assert CheckpointReader(tmp_path).metadata["iteration"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest"], "no leftovers"

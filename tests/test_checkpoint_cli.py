@@ -83,6 +83,7 @@ def test_torchrun_save_then_load_at_another_layout(tmp_path):
     port = __import__("megazero.testing", fromlist=["free_port"]).free_port()
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(port), str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "2",
+                          "--lr-decay-iters", "4",        # the schedule of the 4-iteration run that resumes
                           "--tensor-model-parallel-size", "2", "--zero-stage", "3", "--save", "ck"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert two.returncode == 0, two.stderr[-3000:]

@@ -46,7 +46,14 @@ ZERO_VALUES = {"stage": 2, "reduce_scatter": False, "reduce_bucket_size": 1e6, "
                "offload_param": {"device": "cpu"}, "cpu_offload": True, "cpu_offload_param": True,
                "sub_group_size": 1000, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
                "zero_quantized_gradients": True, "mics_hierarchical_params_gather": True,
-               "stage3_granularity": "layer"}
+               "stage3_granularity": "layer", "leaf_module": {"classes": ["MLP"]},
+               "adaptive_prefetch_bucket_size": True, "stage3_adaptive_prefetch_bucket_size": True,
+               "adaptive_prefetch_min_size": 7, "stage3_adaptive_prefetch_min_size": 7,
+               "adaptive_prefetch_max_size": 7e9, "stage3_adaptive_prefetch_max_size": 7e9,
+               "parameter_alignment": True}
+# Keys that need another base than stage 3 alone: key -> (base block, value).
+ZERO_VALUES_ON = {"compute_grad_norm": ({"stage": 2}, False),
+                  "zenflow": ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {"topk_ratio": 0.5, "update_interval": 4})}
 # Keys inside the offload blocks, each with a value that changes the config or yields a note.
 OFFLOAD_VALUES = {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/swap", "pin_memory": True,
                                         "buffer_count": 2, "pipeline_read": True, "pipeline_write": True,
@@ -57,7 +64,7 @@ TOP_VALUES = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "grad
               "gradient_clipping": 0.5, "steps_per_print": 3, "wall_clock_breakdown": True,
               "zero_allow_untested_optimizer": True, "prescale_gradients": False,
               "gradient_predivide_factor": 2.0, "communication_data_type": "bf16",
-              "data_types": {"grad_accum_dtype": "bf16"}, "seed": 5, "bf16": {"enabled": False},
+              "data_types": {"grad_accum_dtype": "bf16"}, "seed": 5, "bf16": {"enabled": False}, "dump_state": True,
               "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
 FP16_VALUES = {"enabled": False, "loss_scale": 64, "initial_scale_power": 8, "loss_scale_window": 10,
                "hysteresis": 3, "min_loss_scale": 0.5, "auto_cast": True, "consecutive_hysteresis": True}
@@ -70,6 +77,8 @@ def _cases():
     stage3 = {"stage": 3}
     for key, value in ZERO_VALUES.items():
         yield f"zero:{key}", {"zero_optimization": stage3}, {"zero_optimization": {**stage3, key: value}}
+    for key, (block, value) in ZERO_VALUES_ON.items():
+        yield f"zero:{key}", {"zero_optimization": block}, {"zero_optimization": {**block, key: value}}
     for key, (fixed, _) in FIXED_BY_DESIGN.items():
         other = (not fixed) if isinstance(fixed, bool) else fixed // 2 + 1
         yield f"zero:{key}", {"zero_optimization": stage3}, {"zero_optimization": {**stage3, key: other}}

@@ -27,6 +27,33 @@ curriculum_learning flops_profiler steps_per_print wall_clock_breakdown dump_sta
 csv_monitor comet comms_logger autotuning elasticity compression_training checkpoint pipeline
 memory_breakdown timers dataloader_drop_last compile managed_gradient_accumulation""".split()
 
+# DeepSpeedZeroConfig's fields and aliases (deepspeed/runtime/zero/config.py of release 0.19.8, plus
+# current master's stage3_adaptive_prefetch_* and stage3_partition_stream_chunk_size, whose unit tests
+# assert the defaults False / 1e7 / 5e8 and 0), and the fields of its nested blocks.
+DOCUMENTED_ZERO = """stage contiguous_gradients reduce_scatter reduce_bucket_size use_multi_rank_bucket_allreduce
+allgather_partitions allgather_bucket_size overlap_comm compute_grad_norm load_from_fp32_weights
+elastic_checkpoint offload_param offload_optimizer zenflow sub_group_size cpu_offload_param
+cpu_offload_use_pin_memory cpu_offload prefetch_bucket_size stage3_prefetch_bucket_size
+param_persistence_threshold stage3_param_persistence_threshold model_persistence_threshold
+stage3_model_persistence_threshold max_live_parameters stage3_max_live_parameters max_reuse_distance
+stage3_max_reuse_distance gather_16bit_weights_on_model_save stage3_gather_16bit_weights_on_model_save
+module_granularity_threshold stage3_module_granularity_threshold use_all_reduce_for_fetch_params
+stage3_use_all_reduce_for_fetch_params allgather_sequential stage3_allgather_sequential
+stage3_gather_fp16_weights_on_model_save ignore_unused_parameters legacy_stage1 round_robin_gradients
+parameter_alignment zero_hpz_partition_size zero_quantized_weights zero_quantized_nontrainable_weights
+zero_quantized_gradients zeropp_loco_param mics_shard_size mics_hierarchical_params_gather
+memory_efficient_linear pipeline_loading_checkpoint override_module_apply log_trace_cache_warnings
+enable_sanity_checks save_muon_momentum_buffer_in_memory leaf_module
+stage3_adaptive_prefetch_bucket_size stage3_adaptive_prefetch_min_size stage3_adaptive_prefetch_max_size
+stage3_partition_stream_chunk_size partition_stream_chunk_size""".split()
+DOCUMENTED_BLOCKS = {
+    "offload_optimizer": "device nvme_path buffer_count pin_memory pipeline_read pipeline_write fast_init ratio",
+    "offload_param": "device nvme_path buffer_count buffer_size max_in_cpu pin_memory",
+    "zenflow": "topk_ratio select_strategy select_interval update_interval overlap_step offload auto_ratio "
+               "full_warm_up_rounds pt_reserved_cores_perc steps_per_epoch",
+    "leaf_module": "classes names name_suffixes",
+}
+
 # As the Hugging Face Trainer's documentation writes a ZeRO-2 config: "auto" wherever it fills in its
 # own arguments.
 TRAINER_STYLE = {
@@ -70,6 +97,35 @@ def test_every_documented_top_level_key_is_known():
     assert set(DOCUMENTED) <= KNOWN_TOP_LEVEL, set(DOCUMENTED) - KNOWN_TOP_LEVEL
     message = _error(lambda: parse_deepspeed_config({"zero_optimisation": {}}, "ds.json"))
     assert message == "unknown key 'zero_optimisation' in ds.json; did you mean 'zero_optimization'?"
+
+
+def test_every_deepspeed_zero_key_is_known_with_deepspeeds_defaults():
+    """Each key of DeepSpeedZeroConfig is accepted at its DeepSpeed default (implemented, noted, or a
+    do-nothing value of a key refused otherwise), and so is each key of the nested blocks."""
+    from megazero.zero.config import ZeroConfig, _key_names
+    from megazero.zero.config_blocks import (DEFAULT_LEAF_CLASSES, LeafModuleConfig, OffloadOptimizerConfig,
+                                             OffloadParamConfig, ZenFlowConfig)
+    assert set(DOCUMENTED_ZERO) <= _key_names(), set(DOCUMENTED_ZERO) - _key_names()
+    records = {"offload_optimizer": OffloadOptimizerConfig, "offload_param": OffloadParamConfig,
+               "zenflow": ZenFlowConfig, "leaf_module": LeafModuleConfig}
+    for block, keys in DOCUMENTED_BLOCKS.items():
+        assert set(keys.split()) == set(records[block].model_fields), block
+    zero = ZeroConfig(stage=3)
+    assert (zero.adaptive_prefetch_bucket_size, zero.adaptive_prefetch_min_size,
+            zero.adaptive_prefetch_max_size) == (False, int(1e7), int(5e8))
+    assert zero.compute_grad_norm is True and zero.parameter_alignment is False and zero.zenflow is None
+    assert zero.leaf_module.classes == DEFAULT_LEAF_CLASSES and zero.leaf_module.names == []
+    flow = ZenFlowConfig()
+    assert (flow.topk_ratio, flow.select_strategy, flow.select_interval, flow.update_interval,
+            flow.overlap_step, flow.offload, flow.auto_ratio, flow.full_warm_up_rounds,
+            flow.pt_reserved_cores_perc) == (0.1, "auto", "auto", "auto", False, False, 0.99, 0, 0.5)
+    assert OffloadOptimizerConfig().ratio == 1.0
+    defaults = {"stage": 2, "compute_grad_norm": True, "parameter_alignment": False,
+                "save_muon_momentum_buffer_in_memory": False, "stage3_adaptive_prefetch_bucket_size": False,
+                "stage3_adaptive_prefetch_min_size": 1e7, "stage3_adaptive_prefetch_max_size": 5e8,
+                "stage3_partition_stream_chunk_size": 0, "leaf_module": {}}
+    settings = parse_deepspeed_config({"zero_optimization": defaults}, "ds.json")
+    assert settings.notes == [] and settings.zero.stage == 2
 
 
 @pytest.mark.parametrize("key", sorted(NOT_SUPPORTED_YET_TOP))
@@ -135,7 +191,21 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, [],
      "offload_optimizer needs ZeRO stage 1-3"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, [],
-     "offload_optimizer.ratio = 0.5: partial offload is not supported"),
+     "offload_optimizer.ratio = 0.5: partial offload splits stage 3's sub-groups"),
+    ({"zero_optimization": {"stage": 1, "save_muon_momentum_buffer_in_memory": True}}, [],
+     "save_muon_momentum_buffer_in_memory = true is not supported yet (megazero has no Muon optimizer"),
+    ({"zero_optimization": {"stage": 3, "compute_grad_norm": False}}, [],
+     "compute_grad_norm = false is supported only at ZeRO stage 1 or 2"),
+    ({"zero_optimization": {"stage": 2, "zenflow": {}}}, [], "zenflow works on optimizer offload to host"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"offload": True}}},
+     [], "zenflow.offload = true is not supported yet"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                            "zenflow": {"select_strategy": "step", "select_interval": 2, "update_interval": 4}}},
+     [], "select_interval must be at least update_interval"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}},
+     [], "zenflow.update_interval \"auto\" is not supported yet"),
+    ({"zero_optimization": {"stage": 2, "leaf_module": {"classes": ["MLP"]}}}, [],
+     "leaf_module acts on stage 3's units"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [],
      "offload_param.device \"nvme\" needs nvme_path"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 4}}, [],
@@ -177,8 +247,10 @@ def test_monitors_map_onto_the_monitor_flags():
         "wandb_project": "p", "wandb_entity": "t", "tensorboard_dir": str(Path("tb") / "j")}
     assert settings.notes == ["ds.json: csv_monitor has no effect: every logged record goes to metrics.jsonl "
                               "in the run directory (--metrics-file)"]
-    message = _error(lambda: flags_from_config(settings, {**flags, "wandb_project": "q"}, 1e-3, "ds.json"))
-    assert message == "--wandb-project q contradicts wandb.project = \"p\" in ds.json; remove one"
+    # where the monitors write is no training setting: the flag wins, with a note
+    given = flags_from_config(settings, {**flags, "wandb_project": "q"}, 1e-3, "ds.json")
+    assert "wandb_project" not in given and given["wandb_entity"] == "t"
+    assert settings.notes[-1] == "--wandb-project q wins over wandb.project = \"p\" in ds.json"
     off = parse_deepspeed_config({"wandb": {"enabled": False, "project": "p"}}, "ds.json")
     assert off.values == {} and off.notes == []
 

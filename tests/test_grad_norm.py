@@ -1,13 +1,16 @@
 """The gradient norm's sum of squares: one foreach norm per storage (megazero.zero.precision
 .sum_of_squares_many) against the slice-by-slice dot products the engine used before.
 
-- On tensors: float64 accumulation is exact to 1e-12 where the old fp32 dots are ~1e-6 off on 1M
-  slices; on model-sized tensors the two agree to 1e-6. Uncounted tensors add nothing when finite
-  and make the sum non-finite when not (the norm doubles as the overflow check).
+- On tensors: fp32 norms of the CPU's 64K-element slices are within 2e-6 of the exact sum, closer
+  than the old fp32 dots on 1M slices (~3e-6); bf16 tensors are normed in fp32 (within 5e-6).
+  Planted: 1M-element slices on the CPU (2.4e-5 off) and bf16 norms (6e-4 off) each fail. On
+  model-sized tensors the two agree to 1e-6. Uncounted tensors add nothing when finite and make
+  the sum non-finite when not (the norm doubles as the overflow check).
 - In the engine, over layouts where the per-parameter 0/1 weights and the reductions of the squared
   norm matter (TP 2: replicated norms counted on one TP rank; PP 2 with the tied embedding on two
-  stages; MiCS shards of 2 with replicas; stage 3), the norm of every step equals the old one to
-  1e-6 and the loss curves agree. Planted: counting the uncounted runs (drop `* 0.0`) fails TP 2.
+  stages; MiCS shards of 2 with replicas; stage 3), every storage's sum of squares at every step
+  equals the old one to 1e-6 (both computed in one run). Planted: counting the uncounted runs (drop
+  `* 0.0`) fails TP 2.
 - A step takes one foreach norm call per storage, whatever the number of slices (the old path
   took three kernels per 1M elements).
 """
@@ -24,16 +27,16 @@ def _exact(tensors) -> float:
     return sum(float((t.double() ** 2).sum()) for t in tensors)
 
 
-def test_float64_accumulation_is_exact_where_fp32_dots_are_not():
+def test_fp32_norms_of_short_slices_are_closer_to_the_exact_sum_than_the_old_dots():
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(n, generator=gen) * s for n, s in ((3_000_001, 1e-3), (17, 1.0), (1 << 20, 5.0))]
     exact = _exact(tensors)
     new = float(sum_of_squares_many(tensors, device="cpu"))
     old = float(sum(sum_of_squares(t) for t in tensors))
-    assert abs(new - exact) <= 1e-12 * exact
-    assert abs(old - exact) <= 1e-5 * exact        # the old path's own error on 1M slices
+    assert abs(new - exact) <= 2e-6 * exact
+    assert abs(new - exact) < abs(old - exact) <= 1e-5 * exact     # the old path's own error on 1M slices
     bf16 = [t.bfloat16() for t in tensors]
-    assert abs(float(sum_of_squares_many(bf16, device="cpu")) - _exact(bf16)) <= 1e-12 * _exact(bf16)
+    assert abs(float(sum_of_squares_many(bf16, device="cpu")) - _exact(bf16)) <= 5e-6 * _exact(bf16)
 
 
 def test_model_sized_tensors_agree_with_the_old_sum_within_1e6():
@@ -46,7 +49,8 @@ def test_model_sized_tensors_agree_with_the_old_sum_within_1e6():
 
 def test_uncounted_tensors_add_nothing_unless_non_finite():
     counted, uncounted = [torch.full((5,), 2.0)], [torch.full((3,), 7.0)]
-    assert float(sum_of_squares_many(counted, uncounted, device="cpu")) == pytest.approx(20.0, rel=1e-12)
+    total = sum_of_squares_many(counted, uncounted, device="cpu")
+    assert float(total) == pytest.approx(20.0, rel=1e-6)           # the fp32 norm, squared
     for bad in (float("inf"), float("nan")):
         assert not torch.isfinite(sum_of_squares_many(counted, [torch.tensor([1.0, bad])], device="cpu"))
         assert not torch.isfinite(sum_of_squares_many([torch.tensor([bad])], uncounted, device="cpu"))
@@ -72,30 +76,34 @@ LAYOUTS = [
 
 
 def norms_worker(ctx, layouts):
-    out = []
-    for _, kw, dp in layouts:
-        new = layout_worker(ctx, small_config(steps=3, **kw), dp)
-        current = PartitionedStorage.grad_sumsq
-        PartitionedStorage.grad_sumsq = old_grad_sumsq
-        try:
-            old = layout_worker(ctx, small_config(steps=3, **kw), dp)
-        finally:
-            PartitionedStorage.grad_sumsq = current
-        out.append(None if new is None else (new["norms"], old["norms"], new["losses"], old["losses"]))
+    """Every storage's (new, old) sum of squares at every step of each layout, from one run."""
+    current = PartitionedStorage.grad_sumsq
+    pairs = []
+
+    def both(storage):
+        new = current(storage)
+        pairs.append((float(new), float(old_grad_sumsq(storage))))
+        return new
+    PartitionedStorage.grad_sumsq = both
+    try:
+        out = []
+        for _, kw, dp in layouts:
+            pairs.clear()
+            result = layout_worker(ctx, small_config(steps=3, **kw), dp)
+            out.append(None if result is None else list(pairs))
+    finally:
+        PartitionedStorage.grad_sumsq = current
     return out
 
 
 def test_engine_norms_equal_the_old_ones_across_layouts(dist_pool):
     per_rank = dist_pool(4).run(norms_worker, LAYOUTS)
     for k, (name, _, _) in enumerate(LAYOUTS):
-        for result in per_rank:
-            if result[k] is None:
-                continue
-            new, old, new_losses, old_losses = result[k]
-            torch.testing.assert_close(torch.tensor(new), torch.tensor(old), rtol=1e-6, atol=0,
-                                       msg=lambda m: f"{name}: {m}")
-            torch.testing.assert_close(torch.tensor(new_losses), torch.tensor(old_losses), rtol=1e-6, atol=0,
-                                       msg=lambda m: f"{name}: {m}")
+        ran = [result[k] for result in per_rank if result[k] is not None]
+        assert ran and all(ran), f"{name}: no norm was computed"
+        for pairs in ran:
+            for new, old in pairs:
+                assert abs(new - old) <= 1e-6 * abs(old), f"{name}: {new} vs {old}"
 
 
 @pytest.mark.parametrize("stage", [1, 3])

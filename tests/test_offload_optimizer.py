@@ -161,10 +161,13 @@ def test_nvme_checkpoint_continues_the_curve_and_damaged_swap_files_fail(dist_po
 
 def test_offload_errors_are_one_line(tmp_path):
     from megazero.core.errors import UsageError
-    from megazero.zero.config import OffloadOptimizerConfig
-    from megazero.zero.offload import OptimizerOffload, check_state_names
-    with pytest.raises(UsageError, match="ratio"):
-        OptimizerOffload(None, OffloadOptimizerConfig(device="cpu", ratio=0.5), 100, None, "x")
+    from megazero.zero.config import parse_zero_config
+    from megazero.zero.offload import check_state_names
+    with pytest.raises(UsageError, match="ratio = 0.5: partial offload .* needs ZeRO stage 3"):
+        parse_zero_config({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
+    for ratio in (0, 1.5):
+        with pytest.raises(UsageError, match="offload_optimizer.ratio"):
+            parse_zero_config({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}})
     with pytest.raises(UsageError, match="unknown state 'optimizer'"):
         check_state_names(["optimizer"])
     assert check_state_names("lp_grads") == ("lp_grads",)

@@ -1,9 +1,10 @@
 """Stage-3 units per transformer layer (`stage3_granularity: "layer"`), in fp32 against the
 single-process run, and the gathers they cost against per-module units.
 
-A layer unit holds every non-persistent parameter of one transformer block (the embedding is one
-block too; the final norm and the head stay units of their own), gathered once before the block
-runs and released after it: the same bytes as per-module units, in fewer, larger all-gathers.
+A layer unit holds every non-persistent parameter of one transformer block (the leaf_module case
+classes ["TransformerLayer"]; the embeddings, the final norm and the head stay units of their
+own), gathered once before the block runs and released after it: the same bytes as per-module
+units, in fewer, larger all-gathers.
 """
 import pytest
 
@@ -90,7 +91,7 @@ def test_a_layer_unit_is_gathered_before_the_layer_and_released_after_it():
     state = setup(cfg, groups)
     gather = state.engine.gather
     hooked = {gather.module_name(m) for m in gather.module_units}
-    assert hooked == {"embedding", "output_head", *(f"layers.{i}" for i in range(4))}, hooked
+    assert hooked == {"embedding.word", "embedding.position", "output_head", *(f"layers.{i}" for i in range(4))}, hooked
     layer = state.chunks[0].layers["1"]
     unit = layer.attention.qkv.weight.zero_unit
     assert {p.zero_unit for p in layer.parameters() if hasattr(p, "zero_unit")} == {unit}

@@ -337,11 +337,12 @@ def test_ranks_agree_on_the_first_error_and_rank_0_speaks():
 
 
 def test_a_rank_cut_off_by_another_ones_failure_stays_quiet():
+    """The first rank to end speaks; one cut off by it stays quiet and reports the first one's line
+    (and exit code) to torchrun. (Planted: end_first answering True to every rank fails here.)"""
     store = dist.HashStore()
     failing, other = _Rank(1, store), _Rank(0, store)
-    assert not other.another_rank_failed()
-    failing.mark_failed()
-    assert other.another_rank_failed() and not failing.another_rank_failed()
+    assert failing.end_first("rank 1: the data is gone", 2) == (True, "rank 1: the data is gone", 2)
+    assert other.end_first("rank 0: lost rank 1", 1) == (False, "rank 1: the data is gone", 2)
 
 
 def _config(*argv, world=1):

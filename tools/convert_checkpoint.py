@@ -2,6 +2,7 @@
 
     python tools/convert_checkpoint.py consolidate --load runs/ckpt --output out/model [--with-optimizer]
     python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama]
+                                             [--without-tokenizer]
     python tools/convert_checkpoint.py import-hf --input path/to/hf_model --save runs/imported
 
 `consolidate` writes the full fp32 model of a sharded checkpoint (any layout) as
@@ -11,10 +12,16 @@ one parameter at a time (see megazero/checkpoint/consolidate.py). It prints the 
 `export-hf` writes a checkpoint of any layout as OUT/config.json + OUT/model.safetensors (fp32) in
 GPT2LMHeadModel's format (learned positions, GELU, LayerNorm) or LlamaForCausalLM's (rotary, SwiGLU,
 RMSNorm); `auto` picks by the position embedding. A model the format cannot express exactly is
-refused, naming the option. `import-hf` reads such a directory (local files only; safetensors, one
-file or sharded with its index) into a one-rank megazero checkpoint that `--load`/`--finetune`
-accept at any layout. Names, shapes and configs are mapped in models/hf_adapter.py
-(megazero.models.hf_adapter); this file only reads and writes.
+refused, naming the option. The run's tokenizer (which every checkpoint keeps) goes with it in the
+form transformers loads (megazero/data/hf_tokenizer.py), its bos/eos/pad ids in config.json and
+generation_config.json, so `AutoTokenizer`, `generate` and `pipeline("text-generation")` work from
+the folder alone; a checkpoint without a tokenizer, or one transformers cannot load exactly, is
+refused unless --without-tokenizer asks for the weights alone. `import-hf` reads such a directory
+(local files only; safetensors, one file or sharded with its index) into a one-rank megazero
+checkpoint that `--load`/`--finetune` accept at any layout, with the folder's tokenizer (tokenizer.json,
+a sentencepiece tokenizer.model, or GPT-2's vocab.json + merges.txt) kept as the checkpoint's. Names,
+shapes and configs are mapped in models/hf_adapter.py (megazero.models.hf_adapter); this file only
+reads and writes. Every file gets the umask's mode (0644 by default).
 """
 from __future__ import annotations
 
@@ -31,14 +38,34 @@ from safetensors.torch import save_file
 
 from megazero.checkpoint import CheckpointReader, write_full_checkpoint
 from megazero.checkpoint.consolidate import consolidate
-from megazero.checkpoint.files import LATEST
+from megazero.checkpoint.files import LATEST, TOKENIZER_DIR, apply_umask
 from megazero.core.errors import UsageError, check_writable_dir
+from megazero.data.hf_tokenizer import HFTokenizer
+from megazero.data.tokenizer import load_tokenizer, saved_form, tokenizer_from_saved
+from megazero.data.tokenizers_hf import GPT2BPETokenizer, HuggingFaceTokenizer
 from megazero.models import hf_adapter
 from megazero.models.config import GPTConfig
 
 
-def export_hf(load, output, fmt: str = "auto") -> dict:
-    """Writes the checkpoint at `load` in a Hugging Face format; returns the format and tensor count."""
+def checkpoint_tokenizer(reader: CheckpointReader, without: bool = False) -> HFTokenizer | None:
+    """The tokenizer a checkpoint keeps, ready for a model folder (None with `without`); refused when
+    the checkpoint keeps none or transformers cannot load it exactly."""
+    record = reader.metadata.get("tokenizer")
+    if without:
+        return None
+    if record is None:
+        raise UsageError(f"export-hf {reader.path}: the checkpoint keeps no tokenizer (it was saved before "
+                         f"megazero kept one, or imported without one); pass --without-tokenizer to export "
+                         f"the weights alone")
+    try:
+        return HFTokenizer(tokenizer_from_saved(reader.path / TOKENIZER_DIR, record))
+    except UsageError as err:
+        raise UsageError(f"export-hf {reader.path}: {err}") from None
+
+
+def export_hf(load, output, fmt: str = "auto", without_tokenizer: bool = False) -> dict:
+    """Writes the checkpoint at `load` in a Hugging Face format, with its tokenizer; returns the
+    format, the tensor count and the tokenizer's type (None without one)."""
     reader = CheckpointReader(load)
     config = GPTConfig(**reader.metadata["model"])
 
@@ -54,12 +81,19 @@ def export_hf(load, output, fmt: str = "auto") -> dict:
         state = hf_adapter.to_hf(config, fmt, read)
     except hf_adapter.ConversionError as err:
         raise UsageError(f"export-hf {reader.path}: {err}") from None
+    tokenizer = checkpoint_tokenizer(reader, without_tokenizer)      # checked before a file is written
     out.mkdir(parents=True, exist_ok=True)
+    special = tokenizer.special_ids() if tokenizer else {}
+    if tokenizer:
+        tokenizer.write(out, config.max_position_embeddings)
     # transformers checks this metadata key before it reads a safetensors file
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config_json = json.dumps(hf_adapter.hf_config(config, fmt), indent=2, sort_keys=True)
+    apply_umask(out / "model.safetensors")
+    config_json = json.dumps(hf_adapter.hf_config(config, fmt, special), indent=2, sort_keys=True)
     (out / "config.json").write_text(config_json + "\n")
-    return {"format": fmt, "tensors": len(state)}
+    if special:
+        (out / "generation_config.json").write_text(json.dumps(special, indent=2, sort_keys=True) + "\n")
+    return {"format": fmt, "tensors": len(state), "tokenizer": tokenizer and tokenizer.tokenizer.tokenizer_type}
 
 
 def read_hf_directory(path) -> tuple[dict, dict]:
@@ -89,9 +123,21 @@ def read_hf_directory(path) -> tuple[dict, dict]:
     return config, state
 
 
-def import_hf(input_dir, save, run_id: str | None = None) -> Path:
-    """Writes the Hugging Face model at `input_dir` as a megazero checkpoint in `save`; returns its
-    iteration directory."""
+def folder_tokenizer(folder: Path):
+    """The tokenizer a Hugging Face model folder holds (None when it holds none): tokenizer.json, else
+    a sentencepiece tokenizer.model, else GPT-2's vocab.json + merges.txt."""
+    if (folder / "tokenizer.json").is_file():
+        return HuggingFaceTokenizer(folder)
+    if (folder / "tokenizer.model").is_file():
+        return load_tokenizer(folder / "tokenizer.model")
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        return GPT2BPETokenizer(folder / "vocab.json", folder / "merges.txt")
+    return None
+
+
+def import_hf(input_dir, save, run_id: str | None = None) -> tuple[Path, str | None]:
+    """Writes the Hugging Face model at `input_dir` as a megazero checkpoint in `save`, with the folder's
+    tokenizer; returns its iteration directory and the tokenizer's type (None when there was none)."""
     save = Path(save)
     check_writable_dir(save, f"--save {save}", "choose a writable directory")
     if (save / LATEST).exists():
@@ -102,7 +148,14 @@ def import_hf(input_dir, save, run_id: str | None = None) -> Path:
         params = hf_adapter.from_hf(config, hf_adapter.hf_format(hf_config), state)
     except ValueError as err:          # ConversionError, or GPTConfig refusing the shape
         raise UsageError(f"import-hf {input_dir}: {err}") from None
-    return write_full_checkpoint(save, config, params, run_id or f"import-hf-{uuid.uuid4().hex[:12]}")
+    tokenizer = folder_tokenizer(Path(input_dir))
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise UsageError(f"import-hf {input_dir}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocab_size {config.vocab_size}; the files do not belong together")
+    record = saved_form(tokenizer) if tokenizer is not None else None
+    directory = write_full_checkpoint(save, config, params, run_id or f"import-hf-{uuid.uuid4().hex[:12]}",
+                                      tokenizer=record)
+    return directory, tokenizer and tokenizer.tokenizer_type
 
 
 def parse_args(argv=None):
@@ -117,6 +170,8 @@ def parse_args(argv=None):
     e.add_argument("--output", required=True, help="directory for config.json and model.safetensors")
     e.add_argument("--format", default="auto", choices=["auto", *hf_adapter.FORMATS],
                    help="target format; auto: gpt2 for learned positions, llama for rope")
+    e.add_argument("--without-tokenizer", action="store_true",
+                   help="export the weights alone, without the checkpoint's tokenizer")
     i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2 or Llama model as a megazero checkpoint")
     i.add_argument("--input", required=True, help="directory with config.json and model.safetensors")
     i.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
@@ -126,11 +181,17 @@ def parse_args(argv=None):
 def run(args) -> str:
     """Runs one subcommand; returns what it wrote, in words."""
     if args.command == "export-hf":
-        written = export_hf(args.load, args.output, args.format)
+        written = export_hf(args.load, args.output, args.format, args.without_tokenizer)
+        tokenizer = f" and its {written['tokenizer']}" if written["tokenizer"] else " (no tokenizer)"
         return (f"wrote {written['format']} config.json and model.safetensors "
-                f"({written['tensors']} tensors) to {args.output}")
+                f"({written['tensors']} tensors){tokenizer} to {args.output}")
     if args.command == "import-hf":
-        return f"wrote checkpoint {import_hf(args.input, args.save)}"
+        directory, tokenizer = import_hf(args.input, args.save)
+        if tokenizer is None:
+            return f"wrote checkpoint {directory} (the folder has no tokenizer)"
+        flag = "--tokenizer-model" if tokenizer != "GPT2BPETokenizer" else "--vocab-file/--merge-file"
+        return (f"wrote checkpoint {directory} with its {tokenizer} in {directory / TOKENIZER_DIR} (for "
+                f"preprocess_data.py and pretrain_gpt.py: --tokenizer-type {tokenizer} {flag} from there)")
     written = consolidate(args.load, args.output, args.with_optimizer)
     files = ", ".join(f"{name} ({count} tensors)" for name, count in written.items())
     return f"wrote {files} to {args.output}"

@@ -6,10 +6,12 @@
         metadata.json              run, model, layout, iteration, consumed samples, lr schedule, and
                                    every tensor of every rank: parameter, piece, TP split, CRC
         rank_00003.safetensors     rank 3's tensors (no pickle anywhere); its header names run and rank
+        tokenizer/                 the files that rebuild the run's tokenizer (metadata.json says which)
 
 A save writes into a hidden temporary directory beside the final one, fsyncs every file and the
 directory, then renames it into place and replaces `latest` the same way: a process killed at any
-moment leaves the previous checkpoint loadable and `latest` pointing at it.
+moment leaves the previous checkpoint loadable and `latest` pointing at it. Every file gets the mode
+the user's umask gives a new file (0644 by default), whatever the library that wrote it chose.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
+TOKENIZER_DIR = "tokenizer"
 
 
 class CheckpointError(UsageError):
@@ -36,6 +39,26 @@ def iteration_dir_name(iteration: int) -> str:
 
 def rank_file_names(rank: int) -> tuple[str, str]:
     return f"rank_{rank:05d}.safetensors", f"rank_{rank:05d}.json"
+
+
+def new_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0o644 for the usual 022). Read from
+    /proc where it can be (os.umask sets it to read it, which another thread could race)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def apply_umask(path) -> None:
+    """Gives `path` the mode of a file created under the umask: safetensors writes 0600 files, which
+    the rest of a team on a shared filesystem could not read."""
+    os.chmod(path, new_file_mode())
 
 
 def fsync_path(path: Path) -> None:
@@ -82,6 +105,21 @@ def latest_iteration_dir(save_dir: Path) -> Path | None:
         raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory in "
                               f"{save_dir}; point it at an existing iter_* directory")
     return target
+
+
+def latest_iteration_name(save_dir: Path) -> str | None:
+    """What `latest` says, unchecked (None when there is none or it cannot be read)."""
+    try:
+        return (Path(save_dir) / LATEST).read_text().strip()
+    except OSError:
+        return None
+
+
+def copy_tokenizer(files: dict[str, str], folder: Path) -> None:
+    """Copies the tokenizer's files ({name in the checkpoint: source path}) into `folder`."""
+    folder.mkdir(exist_ok=True)
+    for name, source in files.items():
+        shutil.copyfile(source, folder / name)
 
 
 def complete_iteration_dirs(save_dir: Path) -> list[Path]:

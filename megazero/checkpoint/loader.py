@@ -15,7 +15,7 @@ import torch
 
 from .files import CheckpointError
 from .reader import CheckpointReader
-from .saver import KINDS, canonical_name, layout_key
+from .saver import canonical_name, layout_key
 
 
 @dataclasses.dataclass
@@ -50,8 +50,8 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
     reader.check_model(state.cfg.model)
     engine = state.engine
-    kinds = KINDS if load_optim and not finetune else ("fp32",)
     for storage in engine.storages():
+        kinds = storage.checkpoint_kinds() if load_optim and not finetune else ("fp32",)
         for i, param in enumerate(storage.params):
             if not storage.weights_always_full and storage.layout.local_piece(i) is None:
                 continue              # stage 3: this rank holds none of it

@@ -1,18 +1,26 @@
 """When a run saves and when it stops: Megatron's --save-interval, --exit-interval,
---exit-duration-in-mins and --exit-signal-handler, and the save at the end of training.
+--exit-duration-in-mins and --exit-signal-handler (with --exit-signal), the save at the end of training,
+and what a failed save does.
 
-Conditions that one rank can see before another (the wall clock, a SIGTERM from Slurm before
-preemption) are agreed over the whole layout after every step, so all ranks save and stop at the
-same iteration. The training loop folds them into the step's loss reduction (`stop_flags`, then
+Conditions that one rank can see before another (the wall clock, a signal from Slurm before
+preemption, Ctrl-C) are agreed over the whole layout after every step, so all ranks save and stop at
+the same iteration. The training loop folds them into the step's loss reduction (`stop_flags`, then
 `after_step(..., agreed)`): no collective of their own. Called without the agreed values,
-`after_step` agrees on both in one reduction (`agree_on_any`).
+`after_step` agrees on both in one reduction (`agree_on_any`). With --exit-signal-handler, SIGINT
+(Ctrl-C) is handled as the chosen signal is: finish the step, save, exit 0.
+
+A save that fails (no room, a failed write: a SaveError, the same on every rank) is logged in one line
+and training goes on, the previous checkpoint intact, unless --exit-on-save-failure asks to stop or the
+save was the last one (the end of training, or a stop the user asked for): then the error ends the run.
 """
 from __future__ import annotations
 
 import dataclasses
 import signal
 import time
+from typing import Callable
 
+from .agreement import SaveError
 from .saver import CheckpointSaver, agree_on_any
 
 
@@ -23,16 +31,20 @@ class SavePolicy:
     exit_interval: int = 0
     exit_duration_mins: float = 0.0
     exit_signal_handler: bool = False
+    exit_signal: str = "SIGTERM"
+    exit_on_save_failure: bool = False
+    say: Callable[[str], None] = print
 
     def __post_init__(self):
         self.started = time.monotonic()
-        self.signalled = False
+        self.signalled: str | None = None          # the name of the signal received
         self.last_saved: int | None = None
         if self.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_signal)
+            for name in {self.exit_signal, "SIGINT"}:
+                signal.signal(getattr(signal, name), self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.signalled = True            # finish the current step, save, exit 0
+        self.signalled = signal.Signals(signum).name    # finish the current step, save, exit 0
 
     def stop_flags(self) -> tuple[bool, ...]:
         """This rank's (wall clock past --exit-duration-in-mins, signal received), to be agreed
@@ -40,7 +52,7 @@ class SavePolicy:
         if not (self.exit_duration_mins or self.exit_signal_handler):
             return ()
         late = self.exit_duration_mins and time.monotonic() - self.started >= 60 * self.exit_duration_mins
-        return bool(late), self.signalled
+        return bool(late), self.signalled is not None
 
     def after_step(self, state, consumed_samples: int, agreed: tuple[bool, ...] | None = None) -> str | None:
         """Saves when due; returns why the run stops now (or None to go on). `agreed`: the values of
@@ -54,18 +66,27 @@ class SavePolicy:
             if late:
                 reason = reason or f"--exit-duration-in-mins {self.exit_duration_mins:g}"
             if signalled:
-                reason = reason or "SIGTERM"
+                reason = reason or self.signalled or "a signal another rank received"
         if self.saver is not None and ((self.save_interval and it % self.save_interval == 0) or reason):
-            self.save(state, consumed_samples)
+            self.save(state, consumed_samples, last=reason is not None or it == state.cfg.train_iters)
         return reason
 
-    def save(self, state, consumed_samples: int) -> None:
-        if self.saver is not None and self.last_saved != state.iteration:
+    def save(self, state, consumed_samples: int, last: bool = False) -> None:
+        """Saves unless this iteration is saved already; a failed save is logged and training goes on,
+        unless it is the `last` one or --exit-on-save-failure is set (then the SaveError ends the run)."""
+        if self.saver is None or self.last_saved == state.iteration:
+            return
+        try:
             self.saver.save(state, consumed_samples)
-            self.last_saved = state.iteration
+        except SaveError as err:
+            if last or self.exit_on_save_failure:
+                raise
+            self.say(f" warning: {err}; training goes on (--exit-on-save-failure stops instead)")
+            return
+        self.last_saved = state.iteration
 
     def finish(self, state, consumed_samples: int) -> None:
         """End of training: the final save (if not just done), and any async save committed."""
         if self.saver is not None:
-            self.save(state, consumed_samples)
+            self.save(state, consumed_samples, last=True)
             self.saver.finalize()

@@ -5,16 +5,23 @@ exists, then loading and the save policy once the model is set up.
                           (one line says so); a --load directory that does not exist otherwise fails
     --save D              refuses a D holding another run's checkpoints (never mixes runs)
     --finetune            weights only: iteration 0, fresh optimizer, a new run
+
+The lr schedule on resume follows Megatron-LM: the checkpoint's schedule (peak and final lr, warmup,
+decay iterations and style, weight decay) must equal the flags' unless --override-opt_param-scheduler
+(the flags win) or --use-checkpoint-opt_param-scheduler (the checkpoint wins) says which to keep; a
+changed --train-iters changes the decay (and the default warmup), so it is caught too. --finetune and
+--no-load-optim start a fresh schedule, as in Megatron.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from pathlib import Path
 
 import torch
 
 from megazero.core import comm
-from megazero.config.train_config import CheckpointConfig
+from megazero.config.train_config import CheckpointConfig, OptimizerConfig
 from megazero.core.errors import UsageError, check_writable_dir
 from .files import METADATA, latest_iteration_dir, read_json
 from .loader import load_checkpoint
@@ -27,9 +34,54 @@ def _has_checkpoint(path: Path) -> bool:
     return (path / METADATA).is_file() or (path / "latest").is_file()
 
 
-def preflight(ck: CheckpointConfig, model_config, global_batch_size: int) -> tuple[CheckpointReader | None, str | None]:
-    """Validates --load and --save (no file is written); returns the reader of the checkpoint to
-    load (or None) and a notice to print (or None)."""
+@dataclasses.dataclass
+class Resume:
+    """What --load and --save found before any process group: the checkpoint to load (or None), lines
+    to print once the run logs, and the optimizer settings (the lr schedule may be the checkpoint's)."""
+    reader: CheckpointReader | None
+    notices: list[str]
+    optimizer: OptimizerConfig
+
+
+# The lr schedule's settings: OptimizerConfig field -> the flag that sets it.
+SCHEDULE = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-warmup-iters",
+            "decay_iters": "--lr-decay-iters", "decay_style": "--lr-decay-style"}
+
+
+def _schedule_differences(saved: dict, optimizer: OptimizerConfig) -> list[str]:
+    diffs = [f"{flag} {getattr(optimizer, field)} (checkpoint: {saved[field]})"
+             for field, flag in SCHEDULE.items() if field in saved and saved[field] != getattr(optimizer, field)]
+    saved_decay = saved.get("adam", {}).get("weight_decay")
+    if saved_decay is not None and saved_decay != optimizer.adam.weight_decay:
+        diffs.append(f"--weight-decay {optimizer.adam.weight_decay} (checkpoint: {saved_decay})")
+    return diffs
+
+
+def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig,
+                       reader: CheckpointReader) -> tuple[OptimizerConfig, str | None]:
+    """The optimizer settings a resume runs with, and a notice when the flags and checkpoint differed."""
+    saved = reader.metadata.get("optimizer")
+    if saved is None or ck.finetune or not ck.load_optim:
+        return optimizer, None
+    diffs = _schedule_differences(saved, optimizer)
+    if not diffs:
+        return optimizer, None
+    described = ", ".join(diffs)
+    if ck.scheduler_on_load == "check":
+        raise UsageError(f"--load {ck.load}: the lr schedule differs from the checkpoint's: {described} (a "
+                         f"changed --train-iters moves the decay); pass --override-opt_param-scheduler to "
+                         f"use the flags' or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    if ck.scheduler_on_load == "flags":
+        return optimizer, f"lr schedule of the flags (--override-opt_param-scheduler): {described}"
+    adam = dataclasses.replace(optimizer.adam, weight_decay=saved.get("adam", {}).get(
+        "weight_decay", optimizer.adam.weight_decay))
+    kept = dataclasses.replace(optimizer, adam=adam, **{f: saved[f] for f in SCHEDULE if f in saved})
+    return kept, f"lr schedule of the checkpoint (--use-checkpoint-opt_param-scheduler); the flags gave {described}"
+
+
+def preflight(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig) -> Resume:
+    """Validates --load and --save (no file is written): the checkpoint to load and the schedule to
+    resume with."""
     reader, notice = None, None
     same = ck.save is not None and ck.load is not None and Path(ck.save).resolve() == Path(ck.load).resolve()
     if ck.load is not None:
@@ -47,6 +99,7 @@ def preflight(ck: CheckpointConfig, model_config, global_batch_size: int) -> tup
                 raise UsageError(f"--global-batch-size {global_batch_size} differs from the checkpoint's "
                                  f"{saved_batch}; resuming reads samples where it stopped only with the "
                                  f"same global batch (or use --finetune)")
+            optimizer, notice = schedule_on_resume(ck, optimizer, reader)
     if ck.save is not None:
         check_writable_dir(ck.save, f"--save {ck.save}", "choose a folder you can write to")
         save = Path(ck.save)
@@ -58,7 +111,7 @@ def preflight(ck: CheckpointConfig, model_config, global_batch_size: int) -> tup
                 raise UsageError(f"--save {ck.save} holds checkpoints of another run (iteration "
                                  f"{theirs.get('iteration')}); resume it with --load {ck.save}, or "
                                  f"save into an empty folder")
-    return reader, notice
+    return Resume(reader, [notice] if notice else [], optimizer)
 
 
 def agreed_run_id(groups) -> str:
@@ -70,9 +123,10 @@ def agreed_run_id(groups) -> str:
     return bytes(value.cpu().tolist()).hex()
 
 
-def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say) -> tuple[int, SavePolicy]:
+def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say,
+          tokenizer: dict | None = None) -> tuple[int, SavePolicy]:
     """Loads the checkpoint (if any) into the set-up state; returns the iteration to start from and
-    the save policy of the run."""
+    the save policy of the run (whose checkpoints keep `tokenizer`, see CheckpointSaver)."""
     run_id = agreed_run_id(state.groups)
     start_iteration = 0
     if reader is not None:
@@ -85,8 +139,8 @@ def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say) -> 
         rng = "" if ck.finetune else "; RNG states restored" if result.rng_restored else \
             "; RNG states not restored: another layout or device type, or --no-load-rng"
         say(f" loaded {what} from {reader.path} at iteration {reader.metadata['iteration']}{rng}")
-    saver = (CheckpointSaver(ck.save, run_id, keep_last=ck.keep_last, async_save=ck.async_save)
-             if ck.save is not None else None)
+    saver = (CheckpointSaver(ck.save, run_id, keep_last=ck.keep_last, async_save=ck.async_save,
+                             tokenizer=tokenizer) if ck.save is not None else None)
     policy = SavePolicy(saver, ck.save_interval, ck.exit_interval, ck.exit_duration_mins,
-                        ck.exit_signal_handler)
+                        ck.exit_signal_handler, ck.exit_signal, ck.exit_on_save_failure, say)
     return start_iteration, policy

@@ -6,7 +6,13 @@ parameter's model name, with where the piece sits in the (TP-local) parameter an
 parameter is split over TP. Copies held elsewhere too are written once: by the rank that counts the
 parameter in the gradient norm (TP rank 0 for replicated ones, the first stage for a tied
 embedding), and by the first MiCS replica (DP rank 0 at stage 0). Also per rank: its RNG states.
-Rank 0 adds metadata.json: model, layout, iteration, consumed samples, loss scaler, Adam step.
+Rank 0 adds metadata.json: model, layout, iteration, consumed samples, loss scaler, Adam step,
+lr schedule, and the run's tokenizer (its files go into tokenizer/).
+
+Before anything is written the ranks agree that the filesystem has room for the whole checkpoint;
+a write that fails anyway (ENOSPC, EIO) is agreed the same way: every rank raises the same one-line
+SaveError, rank 0 removes the temporary directory, and `latest` keeps naming the previous checkpoint
+(agreement.py). Files get the umask's mode (safetensors itself writes 0600).
 
 With `async_save` the tensors are copied to host memory and written by a background thread while
 training goes on; the commit (rename into place, `latest`) happens at the next save or at `finalize`.
@@ -26,8 +32,10 @@ import torch
 from safetensors.torch import save_file
 
 from megazero.core import comm
-from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, CheckpointError, commit_directory,
-                    iteration_dir_name, rank_file_names, remove_old, write_json_atomic)
+from .agreement import RankReport, agree, check_room, check_written, errno_of, free_bytes
+from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, TOKENIZER_DIR, apply_umask, commit_directory,
+                    copy_tokenizer, iteration_dir_name, latest_iteration_name, rank_file_names, remove_old,
+                    write_json_atomic)
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -58,7 +66,7 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
             entry = {"shape": list(getattr(param, "zero_full_shape", param.shape)), "offset": offset,
                      "length": length, "crc": {},
                      "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
-            for kind in KINDS:
+            for kind in storage.checkpoint_kinds():
                 host = storage.local_view(param, kind).detach().to("cpu", torch.float32, copy=True)
                 tensors[f"{name}/{kind}"] = host
                 entry["crc"][kind] = crc32(host)
@@ -127,33 +135,43 @@ def agree_on_any(flags: tuple[bool, ...], groups) -> tuple[bool, ...]:
 
 
 class CheckpointSaver:
-    """Writes checkpoints of one run into `save_dir` (see the module docstring)."""
+    """Writes checkpoints of one run into `save_dir` (see the module docstring). `tokenizer` describes
+    the run's tokenizer: {"type", "eod", "vocab_size", "files": {name in the checkpoint: source path}};
+    rank 0 copies the files into each checkpoint's tokenizer/ folder (None on the other ranks, or for
+    a run without one)."""
 
-    def __init__(self, save_dir: str | Path, run_id: str, keep_last: int = 0, async_save: bool = False):
+    def __init__(self, save_dir: str | Path, run_id: str, keep_last: int = 0, async_save: bool = False,
+                 tokenizer: dict | None = None):
         self.save_dir, self.run_id = Path(save_dir), run_id
         self.keep_last, self.async_save = keep_last, async_save
+        self.tokenizer = tokenizer
         self._pending: dict | None = None
 
     def save(self, state, consumed_samples: int) -> None:
-        """Saves the state after `state.iteration` steps (collective over the layout)."""
+        """Saves the state after `state.iteration` steps (collective over the layout). Raises SaveError
+        on every rank alike when the filesystem has no room for it (before anything is written) or a
+        rank fails to write; the previous checkpoint stays as it was either way."""
         self.finalize()
-        groups = state.groups
-        tmp = self.save_dir / f"{TMP_PREFIX}{iteration_dir_name(state.iteration)}"
-        problem = None
+        groups, iteration = state.groups, state.iteration
+        tensors, index = collect_rank_state(state)
+        index["run_id"] = self.run_id
+        metadata = run_metadata(state, self.run_id, consumed_samples) if groups.rank == 0 else None
+        if metadata is not None and self.tokenizer is not None:
+            metadata["tokenizer"] = {**self.tokenizer, "files": sorted(self.tokenizer["files"])}
+        need = self._bytes_to_write(tensors, index, metadata)
+        check_room(agree(RankReport(need, free_bytes(self.save_dir)), groups), self.save_dir, iteration)
+        tmp = self.save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
+        code = 0
         if groups.rank == 0:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             except OSError as err:
-                problem = f"--save {self.save_dir}: cannot create {tmp.name} ({err.strerror or err})"
-        if agree_on_failure(problem is not None, groups):   # also: the directory exists for everyone
-            raise CheckpointError(problem or f"--save {self.save_dir}: rank 0 could not create the "
-                                  f"checkpoint directory")
-        tensors, index = collect_rank_state(state)
-        index["run_id"] = self.run_id
-        metadata = run_metadata(state, self.run_id, consumed_samples) if groups.rank == 0 else None
-        pending = {"tmp": tmp, "iteration": state.iteration, "groups": groups, "metadata": metadata,
-                   "error": None}
+                code = errno_of(err)
+        # also the barrier after which the directory exists for everyone
+        check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
+                      "create the temporary directory")
+        pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0}
         if self.async_save:
             thread = threading.Thread(target=self._write, args=(pending, tensors, index), daemon=True)
             pending["thread"] = thread
@@ -164,47 +182,80 @@ class CheckpointSaver:
         if not self.async_save:
             self.finalize()
 
-    @staticmethod
-    def _write(pending: dict, tensors: dict, index: dict) -> None:
+    def _bytes_to_write(self, tensors: dict, index: dict, metadata: dict | None) -> int:
+        """This rank's bytes: its tensors, their safetensors header, its index (written beside the
+        shard, then again inside metadata.json), and on rank 0 the metadata and tokenizer files."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + 128 * len(tensors) + 1024
+        nbytes += 2 * len(json.dumps(index))
+        if metadata is not None:
+            nbytes += len(json.dumps(metadata))
+            if self.tokenizer is not None:
+                nbytes += sum(os.path.getsize(src) for src in self.tokenizer["files"].values())
+        return nbytes
+
+    def _write(self, pending: dict, tensors: dict, index: dict) -> None:
         data_name, index_name = rank_file_names(index["rank"])
         path = pending["tmp"] / data_name
         try:
             save_file(tensors, str(path), metadata={"megazero_run_id": index["run_id"],
                                                     "rank": str(index["rank"])})
+            apply_umask(path)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
             # Every tensor carries its own CRC in the index; the size catches truncation up front.
             index["file"] = {"name": data_name, "bytes": path.stat().st_size}
             write_json_atomic(pending["tmp"] / index_name, index)
+            if pending["metadata"] is not None and self.tokenizer is not None:
+                copy_tokenizer(self.tokenizer["files"], pending["tmp"] / TOKENIZER_DIR)
         except OSError as err:
-            pending["error"] = f"{path}: could not write ({err.strerror or err}); check free space and permissions"
+            pending["errno"] = errno_of(err)
 
     def finalize(self) -> None:
-        """Waits for a pending save and commits it (collective); a no-op when none is pending."""
+        """Waits for a pending save and commits it (collective); a no-op when none is pending. Raises
+        SaveError on every rank alike when a rank could not write its shard or rank 0 could not
+        commit; the temporary directory is removed then."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         if "thread" in pending:
             pending["thread"].join()
-        groups = pending["groups"]
-        if agree_on_failure(pending["error"] is not None, groups):
+        groups, tmp, iteration = pending["groups"], pending["tmp"], pending["iteration"]
+        reports = agree(RankReport(errno=pending["errno"]), groups)
+        if any(r.errno for r in reports):
             if groups.rank == 0:
-                shutil.rmtree(pending["tmp"], ignore_errors=True)
-            raise CheckpointError(pending["error"] or "another rank could not write its checkpoint "
-                                  "shard; the previous checkpoint is kept")
+                shutil.rmtree(tmp, ignore_errors=True)
+            check_written(reports, self.save_dir, iteration, "write its shard of the checkpoint")
+        code = 0
         if groups.rank == 0:
-            final = self.save_dir / iteration_dir_name(pending["iteration"])
-            write_json_atomic(pending["tmp"] / METADATA, merge_rank_indexes(pending["tmp"], pending["metadata"]))
-            commit_directory(pending["tmp"], final)
+            code = self._commit(tmp, iteration, pending["metadata"])
+        check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
+                      "commit the checkpoint")      # also: committed before anyone goes on
+        if groups.rank == 0:
             remove_old(self.save_dir, self.keep_last)
-        agree_on_failure(False, groups)                  # committed before anyone goes on
+
+    def _commit(self, tmp: Path, iteration: int, metadata: dict) -> int:
+        """Rank 0: metadata.json, then the directory into place and `latest` at it; 0 or the errno of
+        a failure, after which the new directory is gone and `latest` names what it named before."""
+        final = self.save_dir / iteration_dir_name(iteration)
+        existed = final.exists()
+        try:
+            write_json_atomic(tmp / METADATA, merge_rank_indexes(tmp, metadata))
+            commit_directory(tmp, final)
+            return 0
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest = latest_iteration_name(self.save_dir)
+            if not existed and final.exists() and latest != final.name:
+                shutil.rmtree(final, ignore_errors=True)
+            return errno_of(err)
 
 
 def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str, torch.Tensor],
-                          run_id: str, iteration: int = 0) -> Path:
+                          run_id: str, iteration: int = 0, tokenizer: dict | None = None) -> Path:
     """A one-rank checkpoint from full fp32 tensors under the model's parameter names (e.g. a model
-    imported from another format): zero Adam states, no RNG states, iteration `iteration`. Like any
-    checkpoint it loads at every layout (`--load`, `--finetune`). Returns the iteration directory."""
+    imported from another format): zero Adam states, no RNG states, iteration `iteration`, and the
+    tokenizer described as CheckpointSaver's `tokenizer`. Like any checkpoint it loads at every layout
+    (`--load`, `--finetune`). Returns the iteration directory."""
     save_dir = Path(save_dir)
     tmp = save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -220,6 +271,7 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
         pieces[name] = entry
     data_name = rank_file_names(0)[0]
     save_file(data, str(tmp / data_name), metadata={"megazero_run_id": run_id, "rank": "0"})
+    apply_umask(tmp / data_name)
     index = {"rank": 0, "coords": [0, 0, 0], "pieces": pieces, "rng": {}, "layout_key": None,
              "run_id": run_id, "file": {"name": data_name, "bytes": (tmp / data_name).stat().st_size}}
     metadata = {
@@ -229,6 +281,9 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
         "precision": {}, "global_batch_size": None, "engine": {"step_count": 0, "skipped_steps": 0},
         "loss_scaler": None, "rank_files": [data_name], "ranks": [index],
     }
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer["files"], tmp / TOKENIZER_DIR)
+        metadata["tokenizer"] = {**tokenizer, "files": sorted(tokenizer["files"])}
     write_json_atomic(tmp / METADATA, metadata)
     final = save_dir / iteration_dir_name(iteration)
     commit_directory(tmp, final)

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from megazero.config.ds_config import load_deepspeed_config
 from megazero.config.ds_settings import DeepSpeedSettings, flags_from_config
-from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, in_range, range_text
+from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_problem
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
+from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_arguments import check_attention_precision, compile_backend, model_config
 from megazero.config.monitor_flags import monitor_config
-from megazero.config.train_config import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig,
-                                          PrecisionConfig, TrainConfig)
+from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
 from megazero.config.zero_arguments import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
@@ -31,6 +31,9 @@ from megazero.parallel.topology import Topology, validate_context_parallel, vali
 from megazero.zero.config import as_json, stage_notes
 
 SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
+# Settings whose DeepSpeed key is about DeepSpeed's console, not the training: a flag that says
+# otherwise wins, with a note (a key that changes the math or the layout refuses the contradiction).
+COSMETIC = {"log_interval": "DeepSpeed's console cadence"}
 # Settings only a DeepSpeed config gives: name -> default.
 JSON_ONLY = {"grad_accum_dtype": "fp32", "consecutive_hysteresis": False, "wall_clock_breakdown": False,
              "decoupled_weight_decay": True}
@@ -44,8 +47,13 @@ def _merge(args, ds: DeepSpeedSettings | None, config_path: str | None) -> dict:
         from_json = ds.get(name) if ds else None
         if from_flag is not None and from_json is not None and from_flag != from_json:
             shown = flag if name in SWITCHES else f"{flag} {from_flag}"
-            raise UsageError(f"{shown} contradicts {ds.source(name)} = {as_json(from_json)} in "
-                             f"{config_path}; remove one")
+            if name in COSMETIC:
+                ds.notes.append(f"{shown} wins over {ds.source(name)} = {as_json(from_json)} in {config_path} "
+                                f"({COSMETIC[name]})")
+                from_json = None
+            else:
+                raise UsageError(f"{shown} contradicts {ds.source(name)} = {as_json(from_json)} in "
+                                 f"{config_path}; remove one")
         merged[name] = from_flag if from_flag is not None else from_json if from_json is not None else default
     for name, default in JSON_ONLY.items():
         merged[name] = ds.get(name, default) if ds else default
@@ -143,14 +151,15 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 sequence_parallel=args.sequence_parallel and topology.tp > 1,
                                 context_parallel=cp, cp_comm_type=cp_comm_type, virtual_stages=virtual, layer_split=args.pipeline_layer_split,
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
-                                distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication),
+                                distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication,
+                                timeout_minutes=args.distributed_timeout_minutes),
         precision=precision,
         micro_batch_size=micro, global_batch_size=glob, train_iters=train_iters,
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
         wall_clock_breakdown=merged["wall_clock_breakdown"], compile_backend=compile_layers, notes=notes,
-        checkpoint=_checkpoint_config(args), monitor=monitor_config(args, run_dir))
+        checkpoint=checkpoint_config(args), monitor=monitor_config(args, run_dir))
 
 
 def _context_parallel(args) -> tuple[int, str]:
@@ -163,25 +172,6 @@ def _context_parallel(args) -> tuple[int, str]:
         raise UsageError(f"--ds-sequence-parallel-size {ulysses} (Ulysses: context parallel with a2a) "
                          f"contradicts --context-parallel-size {cp} --cp-comm-type {comm_type}; give one")
     return ulysses, "a2a"
-
-
-def _checkpoint_config(args) -> CheckpointConfig:
-    for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval),
-                        ("--ckpt-keep-last", args.ckpt_keep_last), ("--exit-duration-in-mins",
-                                                                    args.exit_duration_in_mins)):
-        if value < 0:
-            raise UsageError(f"{flag} {value} must be >= 0 (0 turns it off)")
-    wants_save = args.save_interval or args.ckpt_keep_last or args.async_save
-    if wants_save and args.save is None:
-        raise UsageError("--save-interval, --ckpt-keep-last and --async-save need --save FOLDER")
-    if (args.no_load_optim or args.no_load_rng or args.finetune) and args.load is None:
-        raise UsageError("--no-load-optim, --no-load-rng and --finetune need --load FOLDER")
-    return CheckpointConfig(
-        save=args.save, load=args.load, save_interval=args.save_interval,
-        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-        exit_interval=args.exit_interval, exit_duration_mins=args.exit_duration_in_mins,
-        exit_signal_handler=args.exit_signal_handler, keep_last=args.ckpt_keep_last,
-        async_save=args.async_save)
 
 
 def _cuda_available() -> bool:
@@ -213,13 +203,16 @@ def _origin(args, ds: DeepSpeedSettings | None, name: str, flag: str | None, att
 def _check_ranges(args, ds: DeepSpeedSettings | None, merged: dict) -> None:
     """Numbers out of their range, named as the user wrote them (flag, or key and file)."""
     for name, bounds in MERGED_RANGES.items():
-        if not in_range(merged[name], bounds):
+        problem = range_problem(merged[name], bounds)
+        if problem:
             origin = _origin(args, ds, name, MERGED[name][0])
-            raise UsageError(f"{origin} must be {range_text(bounds)}, got {merged[name]}")
+            hint = "; 0 turns clipping off" if name == "clip_grad" else ""
+            raise UsageError(f"{origin} {problem}, got {merged[name]}{hint}")
     for name, bounds in FLAG_RANGES.items():
         value = getattr(args, name)
-        if value is not None and not in_range(value, bounds):
-            raise UsageError(f"--{name.replace('_', '-')} must be {range_text(bounds)}, got {value}")
+        problem = None if value is None else range_problem(value, bounds)
+        if problem:
+            raise UsageError(f"--{name.replace('_', '-')} {problem}, got {value}")
     for split in args.pipeline_layer_split or ():
         if split < 1:
             raise UsageError(f"--pipeline-layer-split takes layer counts >= 1, got {split}")

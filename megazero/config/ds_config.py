@@ -27,7 +27,7 @@ from megazero.zero.config import as_json, design_notes, parse_zero_config, unkno
 TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "gradient_clipping", "optimizer", "fp16", "bf16", "zero_optimization", "steps_per_print",
              "wall_clock_breakdown", "zero_allow_untested_optimizer", "prescale_gradients",
-             "gradient_predivide_factor", "communication_data_type", "data_types", "seed"}
+             "gradient_predivide_factor", "communication_data_type", "data_types", "seed", "dump_state"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "min_loss_scale", "auto_cast", "consecutive_hysteresis"}
 DATA_TYPES_KEYS = {"grad_accum_dtype"}
@@ -52,7 +52,7 @@ NOT_SUPPORTED_YET_TOP = {
     "sparse_attention": "", "sparse_gradients": "", "autotuning": "", "elasticity": "",
     "compression_training": "", "data_efficiency": "", "curriculum_learning": "",
     "progressive_layer_drop": "", "eigenvalue": "", "quantize_training": "", "weight_quantization": "",
-    "graph_harvesting": "", "dump_state": "", "nebula": "", "hybrid_engine": "", "compile": "",
+    "graph_harvesting": "", "nebula": "", "hybrid_engine": "", "compile": "",
     "disable_allgather": "", "dataloader_drop_last": "", "managed_gradient_accumulation": "",
 }
 # Values beyond false/null/{} that ask for what megazero does anyway.
@@ -70,6 +70,8 @@ TOP_LEVEL_BY_DESIGN = {
     "prescale_gradients": (True, _DIVIDED_BEFORE),
     "gradient_predivide_factor": (None, _DIVIDED_BEFORE),
     "zero_allow_untested_optimizer": (False, "megazero's ZeRO runs only its own Adam/AdamW"),
+    # DeepSpeed prints its engine's state once; megazero's first lines give the layout and settings.
+    "dump_state": (False, "megazero logs its layout and the settings that differ at start-up"),
 }
 
 

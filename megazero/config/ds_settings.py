@@ -47,6 +47,9 @@ FLAG_SETTINGS = {"recompute_granularity": "--recompute-granularity", "recompute_
                  "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
                  "min_lr": "--min-lr", "wandb_project": "--wandb-project", "wandb_entity": "--wandb-entity",
                  "tensorboard_dir": "--tensorboard-dir"}
+# Where the monitors write: about the console and the dashboards, not the training, so a flag that
+# says otherwise wins (with a note) instead of contradicting the config.
+COSMETIC_SETTINGS = {"wandb_project", "wandb_entity", "tensorboard_dir"}
 # Flags that give the same setting another way: args attribute -> their args attributes.
 SAME_SETTING = {"lr_warmup_iters": ("lr_warmup_fraction", "lr_warmup_samples"),
                 "lr_decay_iters": ("lr_decay_samples",)}
@@ -116,6 +119,9 @@ def flags_from_config(settings: DeepSpeedSettings, flags: dict[str, Any], lr: fl
         given = None if given == FLAG_DEFAULTS.get(name, None) else given
         others = [o for o in SAME_SETTING.get(name, ()) if flags.get(o) is not None]
         if source.endswith(DS_DEFAULT) and (given is not None or others):
+            continue
+        if given is not None and given != value and name in COSMETIC_SETTINGS:
+            settings.notes.append(f"{flag} {given} wins over {source} = {as_json(value)} in {path}")
             continue
         if given is not None and given != value:
             raise UsageError(f"{flag} {given} contradicts {source} = {as_json(value)} in {path}; remove one")

@@ -31,7 +31,7 @@ MEGATRON_ONLY = frozenset("""
 --use-flash-attn --use-mcore-models --transformer-impl --expert-model-parallel-size
 --num-experts --moe-router-topk --tokenizer-model-type --num-workers
 --log-throughput --log-timers-to-tensorboard --use-checkpoint-args
---distributed-timeout-minutes --use-cpu-initialization --attention-softmax-in-fp32
+--use-cpu-initialization --attention-softmax-in-fp32
 --accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
 --no-bias-dropout-fusion --no-gradient-accumulation-fusion --apply-query-key-layer-scaling
 --use-rotary-position-embeddings --no-position-embedding --rampup-batch-size
@@ -63,7 +63,8 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "rotary_base": (0, False, None,
                "recompute_num_layers": (1, True, None, False),
                "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
                "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
-               "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False)}
+               "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
+               "distributed_timeout_minutes": (0, False, None, False)}
 
 
 def range_text(bounds) -> str:
@@ -71,6 +72,13 @@ def range_text(bounds) -> str:
     if high is None:
         return f"{'>=' if low_in else '>'} {low}"
     return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def range_problem(value, bounds) -> str | None:
+    """Why `value` is outside `bounds` ("must be ..."), or None when it is inside."""
+    if not math.isfinite(value):
+        return f"must be finite ({range_text(bounds)})"
+    return None if in_range(value, bounds) else f"must be {range_text(bounds)}"
 
 
 def in_range(value, bounds) -> bool:
@@ -82,9 +90,35 @@ def in_range(value, bounds) -> bool:
     return above and below
 
 
+# The help's first screen: one line per flag group (argparse's group titles), then the flags.
+GROUPS = {
+    "model": "the transformer's shape: layers, width, heads, positions, MLP, norms, dropout, init",
+    "parallelism": "tensor / pipeline / ZeRO data parallelism, the DeepSpeed config, offload, ZeRO++, timeouts",
+    "training": "batch sizes, iterations, the lr schedule, Adam, clipping, seed, precision, loss scaling",
+    "data and logging": "data, tokenizer, evaluation, log cadence, run folder and metrics file",
+    "checkpoints": "save, load, resume, the schedule on resume, stopping, signals, failed saves",
+    "monitoring": "wandb and TensorBoard (optional extras: .[wandb], .[tensorboard])",
+}
+USAGE = "python pretrain_gpt.py [FLAGS]   (torchrun --nproc-per-node N pretrain_gpt.py [FLAGS])"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):          # one line, no usage block
         raise UsageError(message)
+
+
+def _description() -> str:
+    width = max(len(name) for name in GROUPS) + 2
+    lines = [f"  {name:<{width}}{what}" for name, what in GROUPS.items()]
+    return ("Train a GPT with TP x PP x ZeRO data parallelism. Flags follow Megatron-LM's names.\n\n"
+            "flag groups:\n" + "\n".join(lines))
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Flags and their help on one line where the terminal allows (argparse's column is narrow)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=38, width=120)
 
 
 def _add(group, *names, help: str, shown=None, **kwargs) -> None:
@@ -93,6 +127,8 @@ def _add(group, *names, help: str, shown=None, **kwargs) -> None:
     default = kwargs.get("default")
     if shown is None:
         shown = "off" if kwargs.get("action") == "store_true" else default
+    if kwargs.get("action") is None and "choices" not in kwargs and "metavar" not in kwargs:
+        kwargs["metavar"] = {int: "N", float: "X"}.get(kwargs.get("type"), "VALUE")
     group.add_argument(*names, help=f"{help} (default: {shown})".replace("%", "%%"), **kwargs)
 
 
@@ -182,6 +218,8 @@ def _parallel_flags(p) -> None:
     _add(g, "--ranks-per-node", type=int, default=0, help="ranks per node; 0: LOCAL_WORLD_SIZE")
     _add(g, "--distributed-backend", choices=["gloo", "nccl"], default=None, help="process-group backend",
          shown="nccl when CUDA is available, else gloo")
+    _add(g, "--distributed-timeout-minutes", type=float, default=10.0,
+         help="how long a collective waits for a silent rank before the job ends naming it (fractions allowed)")
     _add(g, "--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
          help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters partitioned",
          shown="0, or the config's zero_optimization.stage")
@@ -220,6 +258,10 @@ def _training_flags(p) -> None:
          default="cosine", help="learning-rate decay after warmup")
     _add(g, "--lr-decay-iters", type=int, default=None, help="steps to decay over", shown="train iters")
     _add(g, "--lr-decay-samples", type=int, default=None, help="samples to decay over", shown="none")
+    _add(g, "--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+         help="on --load, the flags' lr schedule replaces the checkpoint's")
+    _add(g, "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
+         help="on --load, keep the checkpoint's lr schedule whatever the flags say")
     _merged(g, "weight_decay", "AdamW weight decay", type=float)
     _merged(g, "adam_beta1", "Adam beta1, in [0, 1)", type=float)
     _merged(g, "adam_beta2", "Adam beta2, in [0, 1)", type=float)
@@ -277,10 +319,14 @@ def _data_flags(p) -> None:
     _add(g, "--exit-duration-in-mins", type=float, default=0.0, help="stop (and save) after this many minutes",
          shown="0: never")
     _add(g, "--exit-signal-handler", action="store_true",
-         help="on SIGTERM finish the step, save and exit 0 (Slurm preemption)")
+         help="on --exit-signal (and Ctrl-C) finish the step, save and exit 0 (Slurm preemption)")
+    _add(g, "--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
+         help="the signal --exit-signal-handler acts on")
+    _add(g, "--exit-on-save-failure", action="store_true",
+         help="stop the run when a save fails (a full disk); otherwise it trains on and says so")
     _add(g, "--ckpt-keep-last", type=int, default=0, help="keep only the newest K checkpoints", shown="0: all")
     _add(g, "--async-save", action="store_true", help="write checkpoints in the background")
-    g = p.add_argument_group("monitoring (optional extras: .[wandb], .[tensorboard])")
+    g = p.add_argument_group("monitoring")
     _add(g, "--wandb-project", default=None, help="Weights & Biases project to log to", shown="none: no wandb")
     _add(g, "--wandb-exp-name", default=None, help="wandb run name", shown="chosen by wandb")
     _add(g, "--wandb-save-dir", default=None, help="folder wandb writes its wandb/ run folders into",
@@ -291,8 +337,9 @@ def _data_flags(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pretrain_gpt.py", description="Train a GPT with TP x PP x ZeRO data parallelism.",
-                allow_abbrev=False)
+    # A short usage line instead of argparse's synopsis of every flag (85 lines before any description).
+    p = _Parser(prog="pretrain_gpt.py", usage=USAGE, description=_description(), allow_abbrev=False,
+                formatter_class=_Help)
     for add_flags in (_model_flags, _parallel_flags, _training_flags, _data_flags):
         add_flags(p)
     return p

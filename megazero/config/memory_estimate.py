@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from megazero.config.train_config import TrainConfig
+from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
 
@@ -293,6 +294,15 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> fl
     return float(live * r.weight_bytes + peak - activations)
 
 
+def resident_fraction(zero, partition: float) -> float:
+    """The fraction of a partition whose optimizer states stay on the device under offload_optimizer:
+    none, or with stage 3's partial offload (`ratio`) the first sub-groups DeepSpeed's rule keeps."""
+    if not zero.offloads_optimizer or zero.offload_optimizer.ratio == 1.0 or partition <= 0:
+        return 0.0
+    count = max(1, math.ceil(partition / zero.sub_group_size))
+    return min(partition, resident_sub_groups(count, zero.offload_optimizer.ratio) * zero.sub_group_size) / partition
+
+
 def offloaded_bytes(cfg: TrainConfig, r: RankLayout) -> dict[str, float]:
     """OFFLOAD_CATEGORIES (zero where nothing is offloaded). The optimizer's host staging holds one
     sub-group (at most `sub_group_size` elements) of gradients and, in 16-bit runs, weights; nvme
@@ -302,12 +312,17 @@ def offloaded_bytes(cfg: TrainConfig, r: RankLayout) -> dict[str, float]:
     partition = r.rank_parameters / r.shards          # optimizer-state elements on this rank
     if z.offloads_optimizer:
         where = "host" if z.offload_optimizer.device == "cpu" else "nvme"
-        out[f"{where}_master"], out[f"{where}_optimizer_states"] = 4 * partition, 8 * partition
+        away = partition * (1 - resident_fraction(z, partition))
+        out[f"{where}_master"], out[f"{where}_optimizer_states"] = 4 * away, 8 * away
         group = min(z.sub_group_size, partition)
         out["host_offload_buffers"] = group * (r.grad_bytes + (r.weight_bytes if r.weight_bytes == 2 else 0))
         if where == "nvme":
             sub_groups = math.ceil(partition / z.sub_group_size)
             out["host_offload_buffers"] += min(z.offload_optimizer.buffer_count, sub_groups) * 3 * 4 * group
+        if z.zenflow is not None:     # the accumulator(s), the gradients' copy, the CPU Adam's output
+            accumulators = 2 if z.zenflow.overlap_step else 1
+            out["host_offload_buffers"] += partition * (4 * accumulators + r.grad_bytes + (
+                r.weight_bytes if r.weight_bytes == 2 else 0))
     if z.stage == 3 and z.offloads_params:
         moved = (r.rank_parameters - r.persistent_parameters) / r.shards * r.weight_bytes
         out["host_params" if z.offload_param.device == "cpu" else "nvme_params"] = moved
@@ -327,8 +342,13 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     out["activations"] = _activations(cfg, r)
     out["comm_buffers"] = comm_buffer_bytes(cfg, r, out["activations"])
     offloaded = offloaded_bytes(cfg, r)
-    if cfg.zero.offloads_optimizer:
-        out["master"] = out["optimizer_states"] = 0.0
+    if cfg.zero.offloads_optimizer:       # a separate fp32 master for the part kept on the device
+        partition = r.rank_parameters / r.shards
+        resident = partition * resident_fraction(cfg.zero, partition)
+        out["master"], out["optimizer_states"] = 4 * resident, 8 * resident
+        if cfg.zero.zenflow is not None:  # the selected columns' states and indices (two int64 each)
+            selected = partition * cfg.zero.zenflow.topk_ratio
+            out["master"], out["optimizer_states"] = 4 * selected, 24 * selected
     out["params"] -= offloaded["host_params"] + offloaded["nvme_params"]
     return {**out, **offloaded}
 
@@ -360,7 +380,8 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
                                       separate_master=r.weight_bytes == 2)
     away = ("nvme",) if device_type == "cpu" else ("cpu", "nvme")
     if cfg.zero.offloads_optimizer and cfg.zero.offload_optimizer.device in away:
-        kinds["master"] = kinds["optimizer_states"] = 0.0
+        kept = resident_fraction(cfg.zero, r.rank_parameters / r.shards) / r.shards
+        kinds["master"], kinds["optimizer_states"] = 4 * kept, 8 * kept
     if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
         kinds["params"] = 0.0
     per_param = sum(kinds.values())

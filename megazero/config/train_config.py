@@ -25,6 +25,9 @@ class ParallelConfig:
     overlap_p2p_comm: bool = False               # 1F1B/interleaved: p2p transfers move during compute
     ranks_per_node: int = 0                      # 0: LOCAL_WORLD_SIZE
     distributed_backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_minutes: float = 10.0
+    """How long any collective waits for a silent rank (Megatron's --distributed-timeout-minutes):
+    init_process_group's and every group's timeout; under gloo it bounds each op."""
 
 
 @dataclasses.dataclass
@@ -85,9 +88,15 @@ class CheckpointConfig:
     finetune: bool = False                       # weights only; iteration 0, fresh optimizer
     exit_interval: int = 0                       # stop after an iteration that is a multiple of N
     exit_duration_mins: float = 0.0
-    exit_signal_handler: bool = False            # SIGTERM: finish the step, save, exit 0
+    exit_signal_handler: bool = False            # exit_signal or SIGINT: finish the step, save, exit 0
+    exit_signal: str = "SIGTERM"                 # SIGTERM, SIGINT, SIGUSR1 or SIGUSR2
     keep_last: int = 0                           # keep the newest K checkpoints (0: all)
     async_save: bool = False
+    exit_on_save_failure: bool = False           # a failed save stops the run (else it trains on)
+    scheduler_on_load: Literal["check", "flags", "checkpoint"] = "check"
+    """What --load does with the checkpoint's lr schedule (Megatron): "check" refuses a schedule that
+    differs from the flags', "flags" (--override-opt_param-scheduler) and "checkpoint"
+    (--use-checkpoint-opt_param-scheduler) say which one wins."""
 
 
 @dataclasses.dataclass

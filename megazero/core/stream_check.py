@@ -13,7 +13,8 @@ current stream: its inputs are read, the arguments its schema marks mutated and 
 are written (views touch no data). Collectives are declared by megazero.core.comm (`collective`): each
 runs on a modelled stream of its communicator, as NCCL runs on its own stream after the work queued
 on the issuing stream, and the event recorded there after it is the one its Handle makes the
-waiting stream wait on.
+waiting stream wait on. A host thread (ZenFlow's CPU Adam) is declared the same way
+(`host_thread`), on a stream of its own that is ordered only after what the host synchronized on.
 
 Violations (StreamOrderError, naming the tensor's shape, dtype and label, both streams and both call
 sites, the first frames outside torch and the stream and comm modules):
@@ -282,17 +283,32 @@ class StreamChecker:
         """Runs `issue()` (a torch.distributed call) as work on the communicator's stream after the
         work queued so far on the current stream; the communicator keeps its tensors until it is
         done (NCCL records its stream on them). Returns (issue's result, the event after it)."""
+        return self._run_on(key, f"{name} communicator", self.current.known, reads, writes, issue,
+                            keep=True)
+
+    def host_thread(self, name: str, reads, writes, issue):
+        """Runs `issue()` (which starts a host thread on host tensors) as work on a modelled stream
+        for that thread: ordered after only what the host has synchronized on (a host thread never
+        waits for queued device work), declared as reading `reads` and writing `writes`. Returns the
+        event after it; the host synchronizes on it when it joins the thread."""
+        return self._run_on(("host thread", name), f"{name} thread", self.done, reads, writes, issue,
+                            keep=False)[1]
+
+    def _run_on(self, key, stream_name: str, after, reads, writes, issue, keep: bool):
+        """`issue()` as work on the side stream `key` (made on first use), ordered after `after`;
+        `keep`: the stream holds the tensors until it is done. Returns (result, event after it)."""
         self.raise_pending()
         issuing = self.current
         stream = self._communicators.get(key)
         if stream is None:
-            stream = self._communicators[key] = self._new_stream(f"{name} communicator")
-        _merge(stream.known, issuing.known)
+            stream = self._communicators[key] = self._new_stream(stream_name)
+        _merge(stream.known, after)
         self.current = stream
         try:
             self.op(list(reads), list(writes), [], host_sync=False)
-            for t in (*reads, *writes):
-                self.record_stream(t, stream)
+            if keep:
+                for t in (*reads, *writes):
+                    self.record_stream(t, stream)
             result = issue()
         finally:
             self.current = issuing

@@ -414,6 +414,20 @@ class Timers:
         return totals
 
 
+def host_thread_work(device, name: str, reads, writes, start) -> Event:
+    """Work a host thread does on host tensors (`reads`, `writes`), begun by `start()`. A host thread
+    sees only what the host has waited for, never the device's queued work: synchronize on an event
+    after any copy or kernel touching these tensors before starting it. Synchronize on the event
+    returned once the thread is joined, before the host (or the device) touches them again. Under the
+    stream checker the thread is a modelled stream and both rules are checked; otherwise the event
+    orders nothing (the join itself does)."""
+    checker = checker_for(device)
+    if checker is None:
+        start()
+        return Event("cpu")
+    return checker.host_thread(name, reads, writes, start)
+
+
 def copy_to_device(tensor: torch.Tensor, device, streams: Streams | None = None) -> torch.Tensor:
     """`tensor` on `device`. A CPU target returns it unchanged (under the stream checker: a copy made
     on `streams.copy`, as a GPU's would be). A CUDA target copies from pinned host memory with

@@ -20,7 +20,8 @@ A model trained elsewhere works too if it has an EOS id or an `<|endoftext|>` pi
 `build_tokenizer` is the one door for preprocessing and training alike: Megatron's
 `--tokenizer-type` names (SentencePieceTokenizer here; GPT2BPETokenizer, HuggingFaceTokenizer and
 NullTokenizer in megazero.data.tokenizers_hf), each with `encode`, `encode_batch`, `decode`,
-`vocab_size` and `eod`.
+`vocab_size`, `eod` and `files()`. A checkpoint keeps the run's tokenizer as `saved_form` describes it
+and `tokenizer_from_saved` rebuilds it from there.
 """
 
 import io
@@ -64,6 +65,10 @@ class Tokenizer:
 
     def id_to_piece(self, token_id):
         return self._sp.id_to_piece(int(token_id))
+
+    def files(self):
+        """The files that rebuild this tokenizer: {name in a checkpoint: path}."""
+        return {"tokenizer.model": self.model_path}
 
 
 def load_tokenizer(path):
@@ -109,6 +114,34 @@ def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=Non
             raise UsageError("NullTokenizer needs --vocab-size (the largest token id + 2: ids and the eod id)")
         return tokenizers_hf.NullTokenizer(vocab_size)
     raise UsageError(f"unknown tokenizer type {tokenizer_type!r}; pick one of {', '.join(TOKENIZER_TYPES)}")
+
+
+SAVED_FILES = {"SentencePieceTokenizer": ("tokenizer.model",), "GPT2BPETokenizer": ("vocab.json", "merges.txt"),
+               "HuggingFaceTokenizer": ("tokenizer.json",), "NullTokenizer": ()}
+
+
+def saved_form(tokenizer):
+    """What a checkpoint keeps of a tokenizer: its type, end-of-document id, vocabulary size and the
+    files that rebuild it ({name in the checkpoint's tokenizer/ folder: source path})."""
+    return {"type": tokenizer.tokenizer_type, "eod": int(tokenizer.eod), "vocab_size": int(tokenizer.vocab_size),
+            "files": {name: str(path) for name, path in tokenizer.files().items()}}
+
+
+def tokenizer_from_saved(folder, record):
+    """The tokenizer a checkpoint's tokenizer/ `folder` holds, as `record` (saved_form's) describes it."""
+    from megazero.data import tokenizers_hf
+    folder, kind = Path(folder), record.get("type")
+    missing = [name for name in SAVED_FILES.get(kind, ()) if not (folder / name).is_file()]
+    if kind not in SAVED_FILES or missing:
+        what = f"has no {missing[0]}" if missing else f"names an unknown tokenizer type {kind!r}"
+        raise UsageError(f"{folder}: the checkpoint's tokenizer {what}; the checkpoint is incomplete")
+    if kind == "SentencePieceTokenizer":
+        return load_tokenizer(folder / "tokenizer.model")
+    if kind == "GPT2BPETokenizer":
+        return tokenizers_hf.GPT2BPETokenizer(folder / "vocab.json", folder / "merges.txt")
+    if kind == "HuggingFaceTokenizer":
+        return tokenizers_hf.HuggingFaceTokenizer(folder)
+    return tokenizers_hf.NullTokenizer(record["vocab_size"])
 
 
 def iter_training_lines(input_files, json_key="text"):

@@ -55,6 +55,7 @@ class GPT2BPETokenizer:
         self.eod = vocab[GPT2_EOD]
         self.vocab_size = max(vocab.values()) + 1
         self.model_path = str(vocab_file)
+        self.merge_file = str(merge_file)
 
     def encode(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -65,6 +66,14 @@ class GPT2BPETokenizer:
 
     def decode(self, ids):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def files(self):
+        """The files that rebuild this tokenizer: {name in a checkpoint: path}."""
+        return {"vocab.json": self.model_path, "merges.txt": self.merge_file}
+
+    def rust_tokenizer(self):
+        """The `tokenizers` object doing the work (export writes it as tokenizer.json)."""
+        return self._tok
 
 
 def _configured_eos(folder):
@@ -127,6 +136,12 @@ class HuggingFaceTokenizer:
     def decode(self, ids):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def files(self):
+        """tokenizer.json and the configuration files transformers writes beside it."""
+        folder = Path(self.model_path).parent
+        extra = [n for n in ("tokenizer_config.json", "special_tokens_map.json") if (folder / n).is_file()]
+        return {"tokenizer.json": self.model_path, **{n: str(folder / n) for n in extra}}
+
 
 class NullTokenizer:
     """Pre-tokenized text: a document is whitespace-separated integer ids below `vocab_size`.
@@ -163,6 +178,9 @@ class NullTokenizer:
 
     def decode(self, ids):
         return " ".join(str(int(i)) for i in ids)
+
+    def files(self):
+        return {}
 
 
 def train_byte_level_bpe(input_files, model_prefix, vocab_size, json_key="text"):

@@ -93,7 +93,7 @@ def selected_isa() -> str:
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, *, step: int, lr: float, config: AdamConfig,
                 weight_decay: float, grad_scale: float = 1.0,
-                param_copy: torch.Tensor | None = None) -> None:
+                param_copy: torch.Tensor | None = None, num_threads: int | None = None) -> None:
     """One Adam(W) step on fp32 `param` in place; `grad` (fp32, bf16 or fp16) is multiplied by
     `grad_scale` first (loss-scale removal and clipping folded into one multiply). Uses the C++
     kernel when it can (see module docstring); results agree to a few ulps either way.
@@ -102,7 +102,9 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     nearest even, i.e. exactly `param_copy.copy_(param)` after the step, whatever its dtype or
     device. It must have param's number of elements and must not overlap param or the states.
     When it is a contiguous CPU bf16/fp16 tensor and the kernel runs, the kernel writes it in the
-    same pass as the update (no second read of param); otherwise it is copied afterwards."""
+    same pass as the update (no second read of param); otherwise it is copied afterwards.
+    `num_threads`: the kernel's OpenMP threads (default torch.get_num_threads()), for a caller
+    stepping in a background thread beside the training's own."""
     if param_copy is not None:
         _check_param_copy(param_copy, (param, grad, exp_avg, exp_avg_sq))
     if not (kernel_available() and _kernel_accepts(param, grad, exp_avg, exp_avg_sq)):
@@ -116,7 +118,7 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                      param.numel(), _GRAD_DTYPE_CODES[grad.dtype], int(step), float(lr),
                      float(config.beta1), float(config.beta2), float(config.eps),
                      float(weight_decay), bool(config.decoupled_weight_decay), float(grad_scale),
-                     torch.get_num_threads(),
+                     int(num_threads or torch.get_num_threads()),
                      0 if fused_copy is None else fused_copy.data_ptr(),
                      _NO_COPY if fused_copy is None else _COPY_DTYPE_CODES[fused_copy.dtype],
                      selected_isa())

@@ -17,10 +17,18 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from megazero.core.errors import UsageError
+from .config_blocks import (LeafModuleConfig, OffloadConfig, OffloadOptimizerConfig,  # noqa: F401
+                            OffloadParamConfig, ZenFlowConfig)
 
 # Keys DeepSpeed accepts whose features have not landed here; each maps to its do-nothing value.
 NOT_SUPPORTED_YET = {
-    "zero_quantized_nontrainable_weights": False, "zeropp_loco_param": None, "zenflow": None,
+    "zero_quantized_nontrainable_weights": False, "zeropp_loco_param": None,
+    "save_muon_momentum_buffer_in_memory": False,
+}
+# Why, where a reason helps the user more than the key's name does.
+NOT_SUPPORTED_WHY = {
+    "save_muon_momentum_buffer_in_memory": "megazero has no Muon optimizer, whose momentum buffer the "
+                                           "key keeps off NVMe",
 }
 
 # DeepSpeed's older spellings of the offload blocks: key -> (what it maps to, its value when on).
@@ -34,6 +42,9 @@ LEGACY_OFFLOAD_KEYS = {
 SAVING_NOT_SUPPORTED_YET = {"pipeline_loading_checkpoint": False}
 _SIXTEEN_BIT_SAVE = (False, "megazero saves sharded checkpoints (--save); tools/convert_checkpoint.py "
                             "consolidate writes the full model as one file")
+
+_ONE_AT_A_TIME = ("parameters are initialised one at a time on the host and each rank keeps only its "
+                  "piece; no device ever holds a whole parameter it does not own")
 
 # DeepSpeed keys that choose between implementations where megazero has a single one. Each maps to
 # (the value megazero always behaves as, why); any other value is accepted with a note saying so.
@@ -69,51 +80,18 @@ FIXED_BY_DESIGN = {
                                                         "is no bound on their total"),
     "allgather_sequential": (False, "parameter all-gathers are never serialised"),
     "stage3_allgather_sequential": (False, "parameter all-gathers are never serialised"),
+    "partition_stream_chunk_size": (0, _ONE_AT_A_TIME),
+    "stage3_partition_stream_chunk_size": (0, _ONE_AT_A_TIME),
 }
 
 # ZeroConfig fields that act only at some stages: field -> those stages.
 STAGE_SCOPED = {
     "reduce_scatter": (1, 2, 3), "allgather_bucket_size": (1, 2, 3), "prefetch_bucket_size": (3,),
     "param_persistence_threshold": (3,), "max_live_parameters": (3,), "max_reuse_distance": (3,),
-    "keep_params_gathered_across_microbatches": (3,),
+    "keep_params_gathered_across_microbatches": (3,), "parameter_alignment": (1, 2),
+    "adaptive_prefetch_bucket_size": (3,), "adaptive_prefetch_min_size": (3,),
+    "adaptive_prefetch_max_size": (3,),
 }
-
-
-OffloadDevice = Literal["none", "cpu", "nvme"]
-
-
-class OffloadConfig(BaseModel):
-    """What both offload blocks say: where the states go, and how host buffers are made."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-    device: OffloadDevice = "none"
-    """cpu: host memory; nvme: files under nvme_path."""
-    nvme_path: Optional[str] = None
-    pin_memory: bool = False
-    """Host buffers in page-locked memory (faster device copies; ignored without CUDA)."""
-
-
-class OffloadOptimizerConfig(OffloadConfig):
-    """`offload_optimizer`: where the fp32 master weights and Adam moments live and the step runs
-    (on the CPU, by the CPU Adam; with nvme, swapped per sub-group)."""
-    buffer_count: int = Field(4, ge=1)
-    """nvme: sub-group buffers in host memory for reads ahead and writes behind."""
-    pipeline_read: bool = False
-    """nvme: read the next sub-group while the current one steps."""
-    pipeline_write: bool = False
-    """nvme: write a stepped sub-group while the next one steps."""
-    ratio: float = Field(1.0, gt=0.0, le=1.0)
-    """Fraction of each partition whose states are offloaded (only 1.0 is supported)."""
-    fast_init: bool = False
-
-
-class OffloadParamConfig(OffloadConfig):
-    """`offload_param` (stage 3): where each rank's low-precision parameter partition lives."""
-    buffer_count: int = Field(5, ge=1)
-    """nvme: unit chunks held in host memory at a time (at least two)."""
-    buffer_size: int = Field(int(1e8), gt=0)
-    """nvme: elements of the largest unit chunk a buffer must hold."""
-    max_in_cpu: int = Field(int(1e9), ge=0)
-    """nvme: elements of parameters held in host memory at most (two chunks at least)."""
 
 
 class ZeroConfig(BaseModel):
@@ -168,7 +146,23 @@ class ZeroConfig(BaseModel):
     mics_hierarchical_params_gather: bool = False
     """Stage 3: an all-gather in a shard group spanning nodes goes inter-node first, then intra-node."""
     stage3_granularity: Literal["module", "layer"] = "module"
-    """Stage 3 units: each module's own parameters, or one unit per transformer layer (FSDP-style)."""
+    """Stage 3 units: each module's own parameters, or one unit per transformer layer (FSDP-style:
+    the leaf_module case classes ["TransformerLayer"])."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Stage 3: modules that are one unit each, gathered whole when entered, never traced inside."""
+    adaptive_prefetch_bucket_size: bool = Field(False, alias="stage3_adaptive_prefetch_bucket_size")
+    """Stage 3: grow or shrink the prefetch budget between the min and max sizes with the measured
+    time the compute waited for gathers (coordinator.py, AdaptivePrefetch)."""
+    adaptive_prefetch_min_size: int = Field(int(1e7), ge=0, alias="stage3_adaptive_prefetch_min_size")
+    adaptive_prefetch_max_size: int = Field(int(5e8), ge=0, alias="stage3_adaptive_prefetch_max_size")
+    zenflow: Optional[ZenFlowConfig] = None
+    """With offload_optimizer: important gradient columns updated on the device every step, the
+    rest by the CPU Adam every update_interval steps (zero/zenflow.py)."""
+    compute_grad_norm: bool = True
+    """Stages 1-2: DeepSpeed may skip the global norm when nothing reads it; here the norm's
+    all-reduce is also the non-finite check of every step, so it is always computed."""
+    parameter_alignment: bool = False
+    """Stages 1-2: each parameter starts 16-byte aligned in the flat buffers (padding between)."""
 
     @property
     def overlap(self) -> bool:
@@ -218,8 +212,9 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
             # An offload block with device "none" (as Trainer configs write it) offloads nothing.
             off = isinstance(value, dict) and value.get("device") == "none"
             if value != NOT_SUPPORTED_YET[key] and value not in ({}, None) and not off:
-                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet; remove it or "
-                                 f"set it to {as_json(NOT_SUPPORTED_YET[key])}")
+                why = f" ({NOT_SUPPORTED_WHY[key]})" if key in NOT_SUPPORTED_WHY else ""
+                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet{why}; remove "
+                                 f"it or set it to {as_json(NOT_SUPPORTED_YET[key])}")
         elif key in SAVING_NOT_SUPPORTED_YET:
             if value != SAVING_NOT_SUPPORTED_YET[key]:
                 raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet: megazero's "
@@ -237,7 +232,8 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
     except pydantic.ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in first["loc"])
-        raise UsageError(f"{where}.{key}: {first['msg']} (got {first.get('input')!r})") from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise UsageError(f"{where}.{key}: {message} (got {first.get('input')!r})") from None
     if config.stage == 0 and config.mics_shard_size not in (-1, 0):
         raise UsageError(f"{where}.mics_shard_size needs ZeRO stage 1-3, got stage 0")
     check_stage_features(config, where)
@@ -262,10 +258,17 @@ def check_stage_features(config: ZeroConfig, where: str = "zero_optimization", s
         if asked and config.stage != 3:
             raise UsageError(f"{name(key)} acts on partitioned parameters, which only ZeRO stage 3 "
                              f"has; set stage 3 or remove it (got stage {config.stage})")
-    if config.offload_optimizer is not None and config.offload_optimizer.ratio != 1.0:
-        raise UsageError(f"{where}.offload_optimizer.ratio = {config.offload_optimizer.ratio}: partial "
-                         f"offload is not supported; set ratio 1.0 (all optimizer states offloaded) or "
-                         f"remove it")
+    if config.leaf_module.customised() and config.stage != 3:
+        raise UsageError(f"{name('leaf_module')} acts on stage 3's units; set stage 3 or remove it "
+                         f"(got stage {config.stage})")
+    if not config.compute_grad_norm and config.stage not in (1, 2):
+        raise UsageError(f"{name('compute_grad_norm')} = false is supported only at ZeRO stage 1 or 2 "
+                         f"(as in DeepSpeed); remove it (got stage {config.stage})")
+    if config.adaptive_prefetch_min_size > config.adaptive_prefetch_max_size:
+        raise UsageError(f"{where}.stage3_adaptive_prefetch_min_size ({config.adaptive_prefetch_min_size}) "
+                         f"exceeds stage3_adaptive_prefetch_max_size ({config.adaptive_prefetch_max_size}); "
+                         f"swap them")
+    _check_offload(config, where, name)
     for key in ("offload_optimizer", "offload_param"):
         block = getattr(config, key)
         if block is not None and block.device == "nvme" and not block.nvme_path and key in spelled:
@@ -273,6 +276,35 @@ def check_stage_features(config: ZeroConfig, where: str = "zero_optimization", s
         if block is not None and block.device == "nvme" and not block.nvme_path:
             raise UsageError(f"{name(key)}.device \"nvme\" needs nvme_path, the directory for the "
                              f"swap files; add \"nvme_path\": \"/local/disk/dir\"")
+
+
+def _check_offload(config: ZeroConfig, where: str, name) -> None:
+    """Partial offload is stage 3's; ZenFlow steps host-memory states, all of them."""
+    ratio = config.offload_optimizer.ratio if config.offloads_optimizer else 1.0
+    if ratio != 1.0 and config.stage != 3:
+        raise UsageError(f"{where}.offload_optimizer.ratio = {ratio}: partial offload splits stage 3's "
+                         f"sub-groups (as DeepSpeed's does) and needs ZeRO stage 3; set ratio 1.0 or "
+                         f"stage 3 (got stage {config.stage})")
+    zenflow = config.zenflow
+    if zenflow is None:
+        return
+    if not config.offloads_optimizer or config.offload_optimizer.device != "cpu":
+        raise UsageError(f"{where}.zenflow works on optimizer offload to host memory; add "
+                         f"\"offload_optimizer\": {{\"device\": \"cpu\"}} (or --zero-offload-optimizer cpu)")
+    if ratio != 1.0:
+        raise UsageError(f"{where}.zenflow with offload_optimizer.ratio = {ratio}: ZenFlow takes every "
+                         f"optimizer state to host memory; set ratio 1.0 or remove zenflow")
+    if zenflow.offload:
+        raise UsageError(f"{where}.zenflow.offload = true is not supported yet (the important columns' "
+                         f"states stay on the device); remove it or set it to false")
+    if zenflow.update_interval == "auto":
+        raise UsageError(f"{where}.zenflow.update_interval \"auto\" is not supported yet (windows of "
+                         f"data-dependent length); set a number of steps, e.g. \"update_interval\": 4")
+    fixed = zenflow.update_interval
+    every = zenflow.select_every()
+    if fixed is not None and 0 < every < fixed:
+        raise UsageError(f"{where}.zenflow: columns are selected every {every} steps but updated every "
+                         f"{fixed}; select_interval must be at least update_interval")
 
 
 def _apply_legacy_offload_keys(values: dict, where: str) -> None:
@@ -298,6 +330,9 @@ def design_notes(block: dict[str, Any], where: str = "zero_optimization") -> lis
             fixed, why = FIXED_BY_DESIGN[key]
             if _integral(value) != fixed:
                 notes.append(f"{where}.{key} = {as_json(value)} has no effect: {why}")
+    if block.get("compute_grad_norm") is False:
+        notes.append(f"{where}.compute_grad_norm = false has no effect: the norm's all-reduce is also "
+                     f"the step's non-finite check, so the norm is computed anyway")
     offload = block.get("offload_optimizer")
     if isinstance(offload, dict) and offload.get("fast_init"):
         notes.append(f"{where}.offload_optimizer.fast_init = true has no effect: the states are written "

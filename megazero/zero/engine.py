@@ -14,6 +14,7 @@ A training step, as the loop drives it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from pathlib import Path
@@ -32,7 +33,9 @@ from .loss_scaler import LossScaler
 from .offload import REPORT_CATEGORY, HostCopies, check_state_names
 from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
+from .stage3.leaves import find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStore
+from .zenflow import ZenFlowOffload
 from .storage import PartitionedStorage, ReductionQueue
 
 
@@ -55,17 +58,15 @@ class ZeroEngine:
     def __init__(self, modules: list[nn.Module], init_fn, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: Precision = Precision(), clip_grad: float = 0.0,
                  loss_scaler: LossScaler | None = None, device="cpu", *,
-                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
-                 unit_block=_never):
+                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None):
         """`counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
         norm (a replicated copy is counted once). `isolated(param)`: parameters whose reduced
         gradients the caller sums across other ranks afterwards (a tied embedding on two pipeline
         stages); each gets buffers of its own, so its partition is laid out identically there.
         `streams`: the device's side streams (gradient reductions, stage-3 prefetch); made here
-        when not given, no-ops on CPU. `unit_block(module)`: with stage3_granularity "layer", the
-        modules (transformer layers, the embedding) whose parameters form one stage-3 unit each."""
+        when not given, no-ops on CPU. Stage 3's leaf modules (one unit each) come from
+        zero.leaf_module and stage3_granularity (leaves.py)."""
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
-        self.unit_block = unit_block
         self.precision, self.clip_grad, self.device = precision, clip_grad, torch.device(device)
         self.loss_scaler = loss_scaler or LossScaler()
         self.step_count = 0
@@ -114,6 +115,9 @@ class ZeroEngine:
             key = (uses_weight_decay(p.shape), bool(isolated(p)))
             buckets.setdefault(key, []).append(p)
         stage = 2 if self.zero.stage == 3 else self.zero.stage
+        # parameter_alignment (stages 1-2): each parameter's view starts 16-byte aligned.
+        align = 16 // self.precision.param_dtype.itemsize if self.zero.parameter_alignment and \
+            self.zero.stage in (1, 2) else 1
         g = self.groups
         groups, self._flat_olds = [], []
         for _, params in sorted(buckets.items()):
@@ -122,7 +126,7 @@ class ZeroEngine:
                 precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
                 device=self.device, queue=self.queue, allgather_bucket_size=self.zero.allgather_bucket_size,
                 reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
-                state_device="cpu" if self.zero.offloads_optimizer else None)
+                state_device="cpu" if self.zero.offloads_optimizer else None, param_align=align)
             self._flat_olds.append((group, params))
             group.materialize(init_fn)
             groups.append(group)
@@ -130,40 +134,42 @@ class ZeroEngine:
 
     def _build_units(self, modules, persistent, init_fn, isolated) -> dict[int, nn.Parameter]:
         # A module's unit is its own non-persistent parameters; a parameter registered in two
-        # modules (a tied head) belongs to the first and is external to the second. With "layer"
-        # granularity a block's unit takes the parameters of all its submodules too, so one
-        # gather serves the whole block (outside the blocks, units stay per module). An isolated
-        # parameter stays a unit of its own, so its partition matches its copy on other ranks.
+        # modules (a tied head) belongs to the first and is external to the second. A leaf module's
+        # unit takes the parameters of all its submodules too, so one gather serves the whole leaf
+        # and nothing inside it is hooked. An isolated parameter stays a unit of its own, so its
+        # partition matches its copy on other ranks.
         taken = {id(p) for _, p in persistent}
-        by_layer = self.zero.stage3_granularity == "layer"
+        leaves = find_leaf_modules(modules, self.zero, self.groups.model_parallel)
         units_params: list[tuple[str, list]] = []
-        blocks, inside = [], set()
+        inside, leaf_of_unit = set(), {}
         for root in modules:
             for mod_name, module in root.named_modules():
                 if module in inside:
                     continue
-                is_block = by_layer and module is not root and self.unit_block(module)
-                if is_block:
-                    blocks.append(module)
+                is_leaf = module is not root and module in leaves
+                if is_leaf:
                     inside.update(m for m in module.modules() if m is not module)
-                params = [p for p in module.parameters(recurse=is_block) if id(p) not in taken]
+                params = [p for p in module.parameters(recurse=is_leaf) if id(p) not in taken]
                 taken.update(id(p) for p in params)
-                alone = [p for p in params if is_block and isolated(p)]
+                alone = [p for p in params if is_leaf and isolated(p)]
                 name = mod_name or type(module).__name__
-                units_params.extend((name, [p]) for p in alone)
-                params = [p for p in params if not any(p is q for q in alone)]
-                if params:
-                    units_params.append((name, params))
-        if by_layer and not blocks:
-            raise UsageError("stage3_granularity \"layer\" found no transformer layer among the "
-                             "model's modules; use \"module\" granularity for this model")
+                rest = [p for p in params if not any(p is q for q in alone)]
+                for group in [[p] for p in alone] + ([rest] if rest else []):
+                    if is_leaf:
+                        leaf_of_unit[len(units_params)] = module
+                    units_params.append((name, group))
         self.store = UnitStore(units_params, self.groups, self.precision, self.device, self.queue,
                                reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
                                zero=self.zero)
         replaced = self.store.materialize(init_fn)
         self.gather = GatherCoordinator(self.store, self.zero)
         self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()},
-                           blocks=blocks)
+                           blocks=[m for m in leaves if not any(m is root for root in modules)])
+        self.leaf_units: dict[nn.Module, list] = {}
+        for index, leaf in leaf_of_unit.items():
+            self.leaf_units.setdefault(leaf, []).append(self.store.units[index])
+        self.leaf_unit_indices = set(leaf_of_unit)
+        on_leaf_backward(self.leaf_units, self._leaf_backward_done)
         return replaced
 
     def _offload_optimizer(self) -> None:
@@ -174,9 +180,14 @@ class ZeroEngine:
         if config.device == "nvme":
             rank = self.groups.dp.ranks[self.groups.dp.rank]
             folder = Path(config.nvme_path) / "megazero_swap" / f"rank{rank}" / "optimizer"
+        make = None
+        if self.zero.zenflow is not None:   # the CPU Adam's threads: those the training leaves
+            threads = max(1, round(torch.get_num_threads() * (1 - self.zero.zenflow.pt_reserved_cores_perc)))
+            make = functools.partial(ZenFlowOffload, zenflow=self.zero.zenflow, cpu_threads=threads)
         for i, storage in enumerate(self.storages()):
             name = "units" if storage is self.store else f"group{i}"
-            storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name)
+            storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name,
+                                             **({"make": make} if make else {}))
 
     # --- microbatches -----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -207,10 +218,21 @@ class ZeroEngine:
                     self.gather.grads_done(unit)
 
     def _on_unit_grad(self, param: nn.Parameter) -> None:
-        if self.store.add_grad(param):
+        # A leaf's units are reduced when the leaf's backward is done (_leaf_backward_done): which of
+        # its parameters get gradients may differ between ranks (an expert one rank's tokens skip),
+        # the order of the reductions must not.
+        if self.store.add_grad(param) and param.zero_unit.index not in self.leaf_unit_indices:
             unit = param.zero_unit
             self.store.reduce_grads(unit)
             self.gather.grads_done(unit)
+
+    def _leaf_backward_done(self, module) -> None:
+        """Reduces the leaf's units with the gradients that came (zeros for parameters this rank's
+        data did not use), in unit order on every rank, as DeepSpeed does for its leaf modules."""
+        for unit in self.leaf_units[module]:
+            if unit.grad_pending != -1 or unit.grad_staging is not None:
+                self.store.reduce_grads(unit)
+                self.gather.grads_done(unit)
 
     def finish_gradients(self) -> None:
         """Completes every reduction of the step (MiCS replicas included). Afterwards, and until
@@ -328,8 +350,12 @@ class ZeroEngine:
         """Where each memory_report category lives now: the device (e.g. "cuda:0"), "cpu" (host
         memory) or "nvme" (swap files)."""
         where = {k: str(self.device) for k in ("params", "grads", "master", "optimizer_states", "buffers")}
-        if self.zero.offloads_optimizer:
-            where["master"] = where["optimizer_states"] = self.zero.offload_optimizer.device
+        offload = self.zero.offload_optimizer
+        if self.zero.offloads_optimizer and offload.ratio < 1.0:     # partial: both places
+            tier = "host" if offload.device == "cpu" else "nvme"
+            where[f"{tier}_master"] = where[f"{tier}_optimizer_states"] = offload.device
+        elif self.zero.offloads_optimizer:
+            where["master"] = where["optimizer_states"] = offload.device
         if self.zero.offloads_params:          # "params" keeps the persistent ones, on the device
             device = self.zero.offload_param.device
             where["host_params" if device == "cpu" else "nvme_params"] = device

@@ -54,9 +54,10 @@ class Bucket:
 
 class FlatLayout:
     def __init__(self, numels: list[int], bucket_size: int, shards: int, rank: int,
-                 groups: list[list[int]] | None = None):
+                 groups: list[list[int]] | None = None, param_align: int = 1):
         """Buckets of at most `bucket_size` elements in reverse parameter order, or exactly the
-        given `groups` of parameter indices (in that order) when they are given."""
+        given `groups` of parameter indices (in that order) when they are given. Each parameter
+        starts at a multiple of `param_align` elements (zero padding between parameters)."""
         if bucket_size <= 0:
             raise ValueError(f"bucket size must be positive, got {bucket_size}")
         self.shards, self.rank = shards, rank
@@ -76,6 +77,7 @@ class FlatLayout:
         for b, members in enumerate(groups):
             start = offset
             for i in members:
+                offset = -(-offset // param_align) * param_align
                 slots[i] = Slot(i, offset, numels[i], b)
                 offset += numels[i]
             used = offset - start

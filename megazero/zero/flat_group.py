@@ -32,9 +32,9 @@ class FlatParamGroup(PartitionedStorage):
                  dp: comm.Group, shard: comm.Group | None, replica: comm.Group | None,
                  precision: Precision, bucket_size: int, device, queue: ReductionQueue,
                  allgather_bucket_size: int = 2**62, reduce_scatter: bool = True, streams=None,
-                 state_device=None):
+                 state_device=None, param_align: int = 1):
         layout = FlatLayout([p.numel() for p in params], bucket_size,
-                            shard.size if shard else 1, shard.rank if shard else 0)
+                            shard.size if shard else 1, shard.rank if shard else 0, param_align=param_align)
         super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams,
                          state_device=state_device)
         self.stage, self.dp, self.replica = stage, dp, replica
@@ -105,6 +105,9 @@ class FlatParamGroup(PartitionedStorage):
         return new_params
 
     def write_full_weights(self, i: int, flat: torch.Tensor) -> None:
+        self.param_view(i).view(-1).copy_(flat)
+
+    def wrote_weights(self, i: int, flat: torch.Tensor) -> None:
         self.param_view(i).view(-1).copy_(flat)
 
     # --- backward -----------------------------------------------------------------------------

@@ -50,15 +50,27 @@ def partition_range(storage, kind: str, start: int, end: int) -> torch.Tensor:
     return out
 
 
+def resident_sub_groups(count: int, ratio: float) -> int:
+    """How many of the `count` sub-groups keep their states on the device under offload `ratio`:
+    DeepSpeed offloads sub-group k when k >= int((1 - ratio) * count), so the first ones stay (the
+    tiny epsilon keeps 0.9 * 10 from rounding down to 8.99...)."""
+    return min(count, int((1.0 - ratio) * count + 1e-9))
+
+
 class OptimizerOffload:
-    """The fp32 master and Adam moments of one storage, off the device (see module docstring)."""
+    """The fp32 master and Adam moments of one storage, off the device (see module docstring).
+
+    With `ratio` < 1 (stage 3's partial offload) the first `resident` sub-groups, elements
+    [0, split) of the partition, keep their states on the device and are stepped there; the rest
+    [split, partition) are offloaded. A view that crosses `split` (or any view, for nvme) is served
+    from a host cache written back before the next step."""
 
     def __init__(self, storage, config, sub_group_size: int, folder: Path | None, name: str):
-        if config.ratio != 1.0:
-            raise UsageError(f"offload_optimizer.ratio = {config.ratio}: partial offload is not "
-                             f"supported; set ratio 1.0 (all optimizer states offloaded) or remove it")
         self.device_kind = config.device                 # "cpu" | "nvme"
-        self.bounds = sub_group_bounds(storage.layout.partition_size, sub_group_size)
+        size = storage.layout.partition_size
+        self.bounds = sub_group_bounds(size, sub_group_size)
+        self.resident = resident_sub_groups(len(self.bounds), config.ratio)
+        self.split = self.bounds[self.resident][0] if self.resident < len(self.bounds) else size
         pin = config.pin_memory and storage.device.type == "cuda"
         longest = max(e - s for s, e in self.bounds)
         # Host staging of one sub-group: the reduced gradients in, the updated 16-bit weights out.
@@ -68,64 +80,87 @@ class OptimizerOffload:
                           if storage.precision.mixed else None)
         # Device<->host copies are issued without blocking and waited once per batch of them.
         self.copied = Event(storage.device)
+        self.on_device = {kind: partition_range(storage, kind, 0, self.split).to(storage.device)
+                          for kind in OFFLOADED_KINDS}
         self.host: dict[str, torch.Tensor] | None = None
         self.swapper: SubGroupSwapper | None = None
         self._cache: tuple[int, int, dict[str, torch.Tensor]] | None = None
+        offloaded = [(s - self.split, e - self.split) for s, e in self.bounds[self.resident:]]
         if self.device_kind == "cpu":
-            size = storage.layout.partition_size
-            self.host = {kind: torch.empty(size, dtype=torch.float32, pin_memory=pin, device="cpu")
+            self.host = {kind: torch.empty(size - self.split, dtype=torch.float32, pin_memory=pin, device="cpu")
                          for kind in OFFLOADED_KINDS}
-            for s, e in self.bounds:
+            for s, e in offloaded:
                 for kind in OFFLOADED_KINDS:
-                    self.host[kind][s:e].copy_(partition_range(storage, kind, s, e))
-        else:
+                    self.host[kind][s:e].copy_(partition_range(storage, kind, s + self.split, e + self.split))
+        elif offloaded:
             self.swapper = SubGroupSwapper(
-                folder, name, OFFLOADED_KINDS, self.bounds, buffer_count=config.buffer_count,
+                folder, name, OFFLOADED_KINDS, offloaded, buffer_count=config.buffer_count,
                 pipeline_read=config.pipeline_read, pipeline_write=config.pipeline_write, pin_memory=pin)
-            for k, (s, e) in enumerate(self.bounds):
-                self.swapper.write_initial(k, {kind: partition_range(storage, kind, s, e)
+            for k, (s, e) in enumerate(offloaded):
+                self.swapper.write_initial(k, {kind: partition_range(storage, kind, s + self.split, e + self.split)
                                                for kind in OFFLOADED_KINDS})
 
     # --- values of record, for checkpoints and inspection -----------------------------------------
     def view(self, kind: str, start: int, length: int) -> torch.Tensor:
-        """Partition elements [start, start + length) of `kind` as a writable host tensor. For nvme
-        it is a view of a cache of the covering sub-groups; writes reach the files when the cache is
-        flushed (before the next step, or when another range is asked for), so use it at once."""
-        if self.host is not None:
-            return self.host[kind][start:start + length]
+        """Partition elements [start, start + length) of `kind` as a writable tensor (a device one
+        for the resident part). A view the cache serves (nvme, or one crossing `split`) is a view of
+        a host copy of the covering sub-groups; writes reach the states when the cache is flushed
+        (before the next step, or when another range is asked for), so use it at once."""
         if length == 0:
             return torch.empty(0, dtype=torch.float32, device="cpu")
         end = start + length
+        direct = None
+        if end <= self.split:
+            direct = self.on_device[kind][start:end]
+        elif start >= self.split and self.host is not None:
+            direct = self.host[kind][start - self.split:end - self.split]
+        if direct is not None:
+            if self._cache is not None and start < self._cache[1] and self._cache[0] < end:
+                self.flush_cache()           # the cache's copy of these elements would overwrite them
+            return direct
         if self._cache is None or not (self._cache[0] <= start and end <= self._cache[1]):
             self.flush_cache()
             self._load_cache(start, end)
         lo = self._cache[0]
         return self._cache[2][kind][start - lo:end - lo]
 
+    def _covering(self, start: int, end: int) -> list[int]:
+        return [k for k, (s, e) in enumerate(self.bounds) if s < end and start < e]
+
     def _load_cache(self, start: int, end: int) -> None:
-        ks = [k for k, (s, e) in enumerate(self.bounds) if s < end and start < e]
+        ks = self._covering(start, end)
         lo, hi = self.bounds[ks[0]][0], self.bounds[ks[-1]][1]
-        cache = {}
-        for kind, file in self.swapper.files.items():
-            cache[kind] = torch.empty(hi - lo, dtype=torch.float32, device="cpu")
-            for k in ks:
-                s, _ = self.bounds[k]
-                file.read(k, cache[kind][s - lo:])
+        cache = {kind: torch.empty(hi - lo, dtype=torch.float32, device="cpu") for kind in OFFLOADED_KINDS}
+        for k in ks:
+            s, e = self.bounds[k]
+            for kind in OFFLOADED_KINDS:
+                if k < self.resident:
+                    cache[kind][s - lo:e - lo].copy_(self.on_device[kind][s:e])
+                elif self.host is not None:
+                    cache[kind][s - lo:e - lo].copy_(self.host[kind][s - self.split:e - self.split])
+                else:
+                    self.swapper.files[kind].read(k - self.resident, cache[kind][s - lo:])
         self._cache = (lo, hi, cache)
 
     def flush_cache(self) -> None:
-        """Writes back the sub-groups of the nvme cache whose values changed (the CRC tells), then
-        drops the cache."""
+        """Writes the cached sub-groups back (to swap files only those whose values changed, which
+        the CRC tells), then drops the cache."""
         if self._cache is None:
             return
         lo, hi, cache = self._cache
         self._cache = None
-        for kind, file in self.swapper.files.items():
-            for k, (s, e) in enumerate(self.bounds):
-                if lo <= s and e <= hi:
-                    piece = cache[kind][s - lo:e - lo]
-                    if zlib.crc32(piece.view(torch.uint8).numpy()) != file.crc[k]:
-                        file.write(k, piece)
+        for k in self._covering(lo, hi):
+            s, e = self.bounds[k]
+            for kind in OFFLOADED_KINDS:
+                piece = cache[kind][s - lo:e - lo]
+                if k < self.resident:
+                    self.on_device[kind][s:e].copy_(piece)
+                elif self.host is not None:
+                    self.host[kind][s - self.split:e - self.split].copy_(piece)
+                else:
+                    file = self.swapper.files[kind]
+                    if zlib.crc32(piece.view(torch.uint8).numpy()) != file.crc[k - self.resident]:
+                        file.write(k - self.resident, piece)
 
     # --- the step ---------------------------------------------------------------------------------
     def _pieces(self, storage) -> list[list[tuple]]:
@@ -141,29 +176,41 @@ class OptimizerOffload:
         return out
 
     def _fetch(self, k: int) -> dict[str, torch.Tensor]:
+        s, e = self.bounds[k]
+        if k < self.resident:
+            return {kind: self.on_device[kind][s:e] for kind in OFFLOADED_KINDS}
         if self.host is not None:
-            s, e = self.bounds[k]
-            return {kind: self.host[kind][s:e] for kind in OFFLOADED_KINDS}
-        return self.swapper.fetch(k)
+            return {kind: self.host[kind][s - self.split:e - self.split] for kind in OFFLOADED_KINDS}
+        return self.swapper.fetch(k - self.resident)
 
     def step(self, storage, step: int, lr: float, config, grad_scale: float) -> None:
-        """Adam on the host states, sub-group by sub-group; the device weights follow."""
+        """Adam on the resident sub-groups on the device, then on the offloaded ones on the host,
+        sub-group by sub-group; the device weights follow. On a GPU the resident part's kernels are
+        only queued before the host part starts, so the two run at the same time."""
         self.flush_cache()
         pieces = self._pieces(storage)
+        for k in range(self.resident):
+            states = self._fetch(k)
+            for b, lo, hi, wd, at in pieces[k]:
+                r = slice(at, at + hi - lo)
+                adam_update(states["fp32"][r], storage.grad_chunk(b)[lo:hi], states["exp_avg"][r],
+                            states["exp_avg_sq"][r], step=step, lr=lr, config=config, weight_decay=wd,
+                            grad_scale=grad_scale, param_copy=storage.param_chunk(b)[lo:hi])
         swapper = self.swapper
         try:
             if swapper is not None:
                 swapper.prefetch(0)
-            for k, (s, e) in enumerate(self.bounds):
+            for k in range(self.resident, len(self.bounds)):
                 states = self._fetch(k)
                 if swapper is not None:
-                    swapper.prefetch(k + 1)
+                    swapper.prefetch(k + 1 - self.resident)
+                s, e = self.bounds[k]
                 self._step_sub_group(storage, pieces[k], states, e - s, step, lr, config, grad_scale)
                 if swapper is not None:
                     # The buffer set is refilled once written: its copies to the device must be done.
                     self.copied.record()
                     self.copied.synchronize()
-                    swapper.store(k, states)
+                    swapper.store(k - self.resident, states)
             self.copied.record()
             self.copied.synchronize()
         finally:
@@ -191,16 +238,18 @@ class OptimizerOffload:
 
     # --- accounting -------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """Off-device bytes: the states (host memory or swap files) and the host staging buffers."""
-        state_bytes = sum(e - s for s, e in self.bounds) * 4
+        """Bytes of the states by where they are: the resident part's on the device ("master",
+        "optimizer_states"), the offloaded part's in host memory or swap files, and the host
+        staging buffers."""
+        resident, offloaded = self.split * 4, (self.bounds[-1][1] - self.split) * 4
         buffers = _nbytes(self.grad_buffer) + _nbytes(self.lp_buffer)
         if self._cache is not None:
             buffers += sum(_nbytes(t) for t in self._cache[2].values())
         if self.swapper is not None:
             buffers += self.swapper.buffer_bytes()
-        where = "host" if self.host is not None else "nvme"
-        return {f"{where}_master": state_bytes, f"{where}_optimizer_states": 2 * state_bytes,
-                "host_offload_buffers": buffers}
+        where = "host" if self.device_kind == "cpu" else "nvme"
+        return {"master": resident, "optimizer_states": 2 * resident, f"{where}_master": offloaded,
+                f"{where}_optimizer_states": 2 * offloaded, "host_offload_buffers": buffers}
 
     def close(self) -> None:
         if self.swapper is not None:

@@ -1,12 +1,13 @@
 """The numerics every ZeRO storage shares: the dtypes of a run (`Precision`), the float64 sum of
 squares the gradient norm is built from, and which parameters get weight decay.
 
-The norm's sum of squares (`sum_of_squares_many`) takes the norms of 1M-element slices, all of a
-storage's slices in one `torch._foreach_norm` (a few multi-tensor launches on a GPU, however many
-slices), accumulated in float64 inside the kernel: torch's CPU fp32 norm runs one vector
-accumulator down the slice (~2e-5 relative off on 1M elements), float64 is exact to ~1e-13, and
-on a GPU the pass is memory-bound either way. `sum_of_squares` is its reference: the same slices,
-one fp32 dot product each in float64 (three kernels per slice), which the engine used before.
+The norm's sum of squares (`sum_of_squares_many`) takes fp32 norms of slices of every gradient,
+all of a storage's slices in one `torch._foreach_norm` (a few multi-tensor launches on a GPU,
+however many slices), and adds their squares in float64. Slices are 1M elements on a GPU, whose
+kernel reduces each in a tree, and 64K on the CPU, whose fp32 norm runs one vector accumulator
+down a slice (~2e-5 relative off on 1M elements, ~4e-7 on 64K; a float64 accumulation would be
+exact but is 4x slower there). `sum_of_squares` is its reference: 1M-element slices, one fp32 dot
+product each in float64 (three kernels per slice), which the engine used before.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class Precision:
         return cls(param, _DTYPES[grad_accum], _DTYPES[reduce])
 
 
-NORM_SLICE = 1 << 20
+NORM_SLICE = 1 << 20          # elements per fp32 norm on a GPU (its kernel reduces a slice in a tree)
+CPU_NORM_SLICE = 1 << 16      # on the CPU (one accumulator runs down a slice: shorter is more exact)
 
 
 def sum_of_squares(t: torch.Tensor, slice_elems: int = NORM_SLICE) -> torch.Tensor:
@@ -61,13 +63,14 @@ def sum_of_squares(t: torch.Tensor, slice_elems: int = NORM_SLICE) -> torch.Tens
 
 
 def sum_of_squares_many(counted: list[torch.Tensor], uncounted: list[torch.Tensor] = (), *, device,
-                        slice_elems: int = NORM_SLICE) -> torch.Tensor:
+                        slice_elems: int | None = None) -> torch.Tensor:
     """float64 sum of squares of the 1-D tensors `counted`, plus 0 times that of `uncounted`, so a
     non-finite value anywhere makes the result non-finite (inf * 0 is nan) while a finite uncounted
-    gradient adds nothing. Each tensor is cut into slices of `slice_elems` (as `sum_of_squares`
-    does), every slice's norm comes from one foreach call (float64 accumulation), and the squares
-    add in float64.
-    `device`: where the result lives when there is nothing to sum (the tensors' device)."""
+    gradient adds nothing. Each tensor is cut into slices of `slice_elems` (default: see the module
+    docstring), every slice's fp32 norm comes from one foreach call, and the squares add in float64.
+    `device`: where the tensors live (and the result, when there is nothing to sum)."""
+    if slice_elems is None:
+        slice_elems = CPU_NORM_SLICE if torch.device(device).type == "cpu" else NORM_SLICE
     slices, split = [], 0
     for k, tensors in enumerate((counted, uncounted)):
         for t in tensors:
@@ -76,16 +79,19 @@ def sum_of_squares_many(counted: list[torch.Tensor], uncounted: list[torch.Tenso
             split = len(slices)
     if not slices:
         return torch.zeros((), dtype=torch.float64, device=device)
-    squares = torch.stack(_float64_norms(slices)).square()
+    squares = torch.stack(_fp32_norms(slices)).double().square()
     return squares[:split].sum() + squares[split:].sum() * 0.0
 
 
-def _float64_norms(slices: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of every slice, accumulated and returned in float64."""
+def _fp32_norms(slices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of every slice, accumulated and returned in fp32 (16-bit slices too: a bf16
+    result would keep 3 digits of the norm)."""
+    if all(t.dtype == torch.float32 for t in slices):
+        return list(torch._foreach_norm(slices, 2))
     try:
-        return list(torch._foreach_norm(slices, 2, dtype=torch.float64))   # torch >= 2.4
+        return list(torch._foreach_norm(slices, 2, dtype=torch.float32))   # torch >= 2.4
     except TypeError:
-        return [torch.linalg.vector_norm(t, dtype=torch.float64) for t in slices]
+        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in slices]
 
 
 def uses_weight_decay(shape) -> bool:

@@ -146,15 +146,22 @@ class PartitionedStorage:
         """Whether the fp32 master is a tensor of its own (16-bit runs, or offloaded states)."""
         return self.master is not None or self.offload is not None
 
-    def offload_optimizer_states(self, config, sub_group_size: int, folder, name: str) -> None:
+    def offload_optimizer_states(self, config, sub_group_size: int, folder, name: str,
+                                 make=OptimizerOffload) -> None:
         """Moves the fp32 master and Adam moments off the device (`offload_optimizer`, after
-        materialize): `folder` holds the swap files (named after `name`) for device "nvme"."""
-        self.offload = OptimizerOffload(self, config, sub_group_size, folder, name)
+        materialize): `folder` holds the swap files (named after `name`) for device "nvme".
+        `make(storage, config, sub_group_size, folder, name)` builds the offload (ZenFlow's own)."""
+        self.offload = make(self, config, sub_group_size, folder, name)
         self.master = self.exp_avg = self.exp_avg_sq = None
+
+    def checkpoint_kinds(self) -> tuple[str, ...]:
+        """The kinds a checkpoint holds of each parameter piece: the master and Adam moments, and
+        whatever state the offload adds (ZenFlow: the weights in use, its accumulator, its selection)."""
+        return getattr(self.offload, "checkpoint_kinds", OFFLOADED_KINDS)
 
     def chunk(self, kind: str, b: int) -> torch.Tensor:
         """This rank's chunk of bucket `b` in tensor `kind` (a host tensor for offloaded kinds)."""
-        if self.offload is not None and kind in OFFLOADED_KINDS:
+        if self.offload is not None and kind in getattr(self.offload, "kinds", OFFLOADED_KINDS):
             bucket = self.layout.buckets[b]
             return self.offload.view(kind, bucket.local_offset, bucket.chunk)
         if kind == "param" or (kind == "fp32" and self.master is None):
@@ -216,6 +223,12 @@ class PartitionedStorage:
             self.local_view(param, kind).copy_(flat[piece.param_offset:piece.param_offset + piece.length])
         if kind == "fp32":
             self.write_full_weights(i, flat)
+        elif kind == "param":
+            self.wrote_weights(i, flat)
+
+    def wrote_weights(self, i: int, flat: torch.Tensor) -> None:
+        """After a write of parameter i's low-precision piece ("param", every rank passing the full
+        value): stages that keep weights whole take the whole value; stage 3 publishes it."""
 
     def write_full_weights(self, i: int, flat: torch.Tensor) -> None:
         """After an fp32 write of parameter i's full value: the low-precision copy follows."""

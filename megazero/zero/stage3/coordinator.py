@@ -3,8 +3,9 @@
 Owns the module hooks and the schedule: before a module's forward (and, through a hook on its
 outputs, before its backward) its units are gathered; after its forward, and once its gradients are
 all in, they are released. The order of unit uses is recorded on the first step ("trace") and then
-drives prefetching (`prefetch_bucket_size` elements ahead, never beyond `max_live_parameters`, at
-most MAX_GATHERS_IN_FLIGHT gathers outstanding) and reuse (a released unit whose next use is within
+drives prefetching (`prefetch_bucket_size` elements ahead, or a budget adaptive_prefetch.py moves
+with the measured waits, never beyond `max_live_parameters`, at most MAX_GATHERS_IN_FLIGHT gathers
+outstanding) and reuse (a released unit whose next use is within
 `max_reuse_distance` elements stays gathered). If a step uses units in a different order the trace is
 dropped with a warning and recorded again.
 
@@ -42,6 +43,7 @@ from torch.utils import _pytree as pytree
 from megazero.core import comm
 from megazero.core.errors import UsageError
 from ..config import ZeroConfig
+from .adaptive_prefetch import AdaptivePrefetch
 from .units import ParamStatus, Unit, UnitStore
 
 # Gathers issued and not yet waited for. A backend runs one communicator's collectives one after
@@ -102,6 +104,8 @@ class GatherCoordinator:
         self.peak_gathers_in_flight = 0
         self._gathers: collections.deque[Unit] = collections.deque()   # issued by us, oldest first
         self._names: dict[nn.Module, str] = {}
+        self.adaptive = (AdaptivePrefetch(config, store.groups.shard, store.device)
+                         if config.adaptive_prefetch_bucket_size else None)
         self._hooked: list[nn.Module] = []           # in hooking order (the same on every rank) ...
         self._module_id: dict[nn.Module, int] = {}   # ... so a position names a module in the trace check
 
@@ -230,8 +234,13 @@ class GatherCoordinator:
         for unit in missing:
             self._start_gather(unit, needed_now=True)
         self._prefetch()
+        adaptive = self.adaptive if self.pass_key == "train" else None
+        waiting = adaptive is not None and any(u.status is ParamStatus.INFLIGHT for u in units)
+        started = adaptive.before_wait() if waiting else None
         for unit in units:
             self.store.wait_gather(unit)
+        if waiting:
+            adaptive.after_wait(started)
 
     def _record(self, unit: Unit, module: nn.Module) -> None:
         trace = self.traces.get(self.pass_key)
@@ -242,6 +251,8 @@ class GatherCoordinator:
             warnings.warn(f"ZeRO-3: module order changed at use {self.position} (unit {unit.name}); "
                           f"re-recording the prefetch trace on the next step", stacklevel=3)
             del self.traces[self.pass_key]
+            if self.adaptive is not None and self.pass_key == "train":
+                self.adaptive.dropped_trace()
         if self.recording is not None:
             self._agree_on_use(unit.index, self._module_id[module])
             self.recording.append(unit.index)
@@ -289,9 +300,9 @@ class GatherCoordinator:
         """Gathers ahead along the trace until `prefetch_bucket_size` elements lie ahead gathered or
         in flight (units already there count against it), never beyond max_live_parameters."""
         trace = self.traces.get(self.pass_key)
-        if trace is None or self.config.prefetch_bucket_size == 0:
+        budget = self.adaptive.budget if self.adaptive is not None else self.config.prefetch_bucket_size
+        if trace is None or budget == 0:
             return
-        budget = self.config.prefetch_bucket_size
         seen = set(self.refs)
         for index in itertools.islice(trace.order, self.position, None):
             if index in seen:
@@ -337,10 +348,14 @@ class GatherCoordinator:
         """Starts a training step ("train") or an evaluation forward; records a trace if none."""
         self.pass_key, self.position = key, 0
         self.recording = [] if key not in self.traces else None
+        if key == "train" and self.adaptive is not None:
+            self.adaptive.begin_pass(traced=self.recording is None)
 
     def end_pass(self) -> None:
         """Ends the pass: keeps a freshly recorded trace once every shard rank is seen to end it here
         too (a rank with more uses fails the check, not a gather), and releases every unit."""
+        if self.pass_key == "train" and self.adaptive is not None:
+            self.adaptive.end_pass()           # on every rank at every training pass (a collective)
         try:
             if self.recording is not None:
                 self._agree_on_use(_END_OF_PASS, _END_OF_PASS)

@@ -288,6 +288,10 @@ class UnitStore(PartitionedStorage):
         self.partition_ready.record()
         self.param_gather.partition_changed()
 
+    def wrote_weights(self, i: int, flat: torch.Tensor) -> None:
+        self.partition_ready.record()
+        self.param_gather.partition_changed()
+
     def refresh_low_precision(self, param: nn.Parameter) -> None:
         super().refresh_low_precision(param)
         self.partition_ready.record()

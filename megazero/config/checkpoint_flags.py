@@ -1,0 +1,39 @@
+"""Megatron's checkpoint flags as a `CheckpointConfig`, checked at the edge before any process group:
+negative intervals, flags that need --save or --load, --exit-signal without its handler, and the two
+lr-schedule flags of a resume given together. What the checkpoint holds is checked against the run
+by megazero.checkpoint.run.preflight.
+"""
+from __future__ import annotations
+
+from megazero.config.train_config import CheckpointConfig
+from megazero.core.errors import UsageError
+
+
+def checkpoint_config(args) -> CheckpointConfig:
+    """The checkpoint flags as a CheckpointConfig; flags that need another, or exclude one, fail here."""
+    for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval),
+                        ("--ckpt-keep-last", args.ckpt_keep_last), ("--exit-duration-in-mins",
+                                                                    args.exit_duration_in_mins)):
+        if value < 0:
+            raise UsageError(f"{flag} {value} must be >= 0 (0 turns it off)")
+    wants_save = args.save_interval or args.ckpt_keep_last or args.async_save
+    if wants_save and args.save is None:
+        raise UsageError("--save-interval, --ckpt-keep-last and --async-save need --save FOLDER")
+    if (args.no_load_optim or args.no_load_rng or args.finetune) and args.load is None:
+        raise UsageError("--no-load-optim, --no-load-rng and --finetune need --load FOLDER")
+    if args.exit_on_save_failure and args.save is None:
+        raise UsageError("--exit-on-save-failure needs --save FOLDER")
+    if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:
+        raise UsageError(f"--exit-signal {args.exit_signal} needs --exit-signal-handler (without it the "
+                         f"signal ends the run as usual)")
+    override, keep = args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler
+    if override and keep:
+        raise UsageError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are both "
+                         "set; choose one (the flags' lr schedule, or the checkpoint's)")
+    return CheckpointConfig(
+        save=args.save, load=args.load, save_interval=args.save_interval,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+        exit_interval=args.exit_interval, exit_duration_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler, exit_signal=args.exit_signal, keep_last=args.ckpt_keep_last,
+        async_save=args.async_save, exit_on_save_failure=args.exit_on_save_failure,
+        scheduler_on_load="flags" if override else "checkpoint" if keep else "check")
