@@ -231,7 +231,7 @@ def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device) -> P
         dist.init_process_group(par.distributed_backend, rank=launch.rank, world_size=launch.world,
                                 timeout=timeout, **store, **bind)
     topology = Topology(world_size=launch.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                        mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
+                        cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
                         hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
     return ProcessGroups.build(topology, launch.rank, GroupFactory(launch.rank, timeout=timeout), device=device)
 

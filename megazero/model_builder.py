@@ -9,6 +9,7 @@ import torch
 
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, initial_value
+from megazero.parallel.context_parallel import apply_context_parallel
 from megazero.parallel.parallelize import parallelize
 from megazero.parallel.pipeline.split import split_for_stage, stage_layer_ranges
 from megazero.parallel.groups import ProcessGroups
@@ -17,9 +18,11 @@ from megazero.parallel.random import RNGTracker
 
 def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,
                        sequence_parallel: bool = False, virtual_stages: int = 1,
-                       layer_split: list[int] | None = None, compile_backend: str | None = None) -> list[GPT]:
+                       layer_split: list[int] | None = None, compile_backend: str | None = None,
+                       cp_comm_type: str = "p2p") -> list[GPT]:
     """One GPT chunk per virtual pipeline stage owned by this rank, on the meta device; with
-    `compile_backend`, each transformer layer compiled (compile_layers)."""
+    `compile_backend`, each transformer layer compiled (compile_layers). Context parallelism (over
+    groups.cp, `cp_comm_type`) swaps the attention cores after the tensor-parallel swap."""
     topo = groups.topology
     ranges = stage_layer_ranges(config.num_layers, topo.pp, virtual_stages, layer_split)
     chunks = []
@@ -27,6 +30,7 @@ def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTra
         with torch.device("meta"):
             model = GPT(config)
         parallelize(model, groups.tp, tracker, sequence_parallel)
+        apply_context_parallel(model, groups.cp, cp_comm_type)
         layers = ranges[v * topo.pp + groups.coords.pp]
         first = v == 0 and groups.is_first_stage
         last = v == virtual_stages - 1 and groups.is_last_stage

@@ -16,6 +16,7 @@ from megazero.core import comm
 from megazero.config.train_config import TrainConfig
 from megazero.flops import peak_tflops, recompute_flops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
+from megazero.parallel.context_parallel import local_chunks
 from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, summed_across_stages
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
@@ -101,7 +102,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
                                 virtual_stages=par.virtual_stages, layer_split=par.layer_split,
-                                compile_backend=cfg.compile_backend)
+                                compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type)
     prec = cfg.precision
     precision = precision_of(cfg)
     scaler = (LossScaler.for_fp16(prec.loss_scale, prec.initial_scale_power, prec.loss_scale_window,
@@ -116,7 +117,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
         chunk.train()
     p2p = None
     if groups.topology.pp > 1:       # built once: its constructor joins a warm-up collective
-        seq = cfg.model.seq_length // (groups.topology.tp if par.sequence_parallel else 1)
+        seq = cfg.model.seq_length // groups.topology.cp // (groups.topology.tp if par.sequence_parallel else 1)
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
                           precision.param_dtype, device)
     timers = Timers(device) if cfg.wall_clock_breakdown else None
@@ -143,6 +144,7 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: Timers | N
     # Every microbatch's summed token losses over the tokens of the whole global batch (Megatron's
     # --calculate-per-token-loss; every token counts, so it is also the mean of the per-sample means).
     normalizer = len(microbatches) * cfg.micro_batch_size * groups.topology.dp * cfg.model.seq_length
+    cp = groups.cp     # CP ranks' token sums add up to the same count
     # Pinned, non-blocking copies on the copy stream, issued for the whole batch up front.
     tokens_on_device = [copy_to_device(mb, state.device, state.streams) for mb in microbatches]
     engine_backward = make_backward(state.engine.backward)
@@ -151,8 +153,9 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: Timers | N
         with _Timed(timers, "forward"):
             chunk = state.chunks[chunk_index]
             tokens = tokens_on_device[mb]
-            inputs = tokens[:, :-1] if chunk.embedding is not None else input_tensor
-            labels = tokens[:, 1:] if chunk.output_head is not None else None
+            # Context parallelism: this rank's chunks of every sample (inputs and labels alike)
+            inputs = local_chunks(tokens[:, :-1], cp.rank, cp.size) if chunk.embedding is not None else input_tensor
+            labels = local_chunks(tokens[:, 1:], cp.rank, cp.size) if chunk.output_head is not None else None
             out = chunk(inputs, labels)
             return out.float().sum() / normalizer if labels is not None else out
 

@@ -68,13 +68,20 @@ class RotaryTables:
         return cos, torch.cat([signed, sin.new_zeros(length, pad)], dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           positions: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE on x (b, s, ..., head_dim) with RotaryTables' (>= s, head_dim) tables: one expression,
     x * cos + pair_swap(x) * sin, where pair_swap exchanges x[2i] and x[2i+1]. In eager mode the
-    products and the sum round exactly as the pairwise formula does (a negated sin is exact)."""
+    products and the sum round exactly as the pairwise formula does (a negated sin is exact).
+    `positions` (s,): the tokens' positions in the sequence when x holds only some of them (context
+    parallelism); None: 0 .. s-1."""
     s = x.shape[1]
     shape = (1, s) + (1,) * (x.dim() - 3) + (x.shape[-1],)
-    cos, sin = cos[:s].view(shape), sin[:s].view(shape)
+    if positions is None:
+        cos, sin = cos[:s], sin[:s]
+    else:
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
+    cos, sin = cos.view(shape), sin.view(shape)
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return x * cos + swapped * sin
 

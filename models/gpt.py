@@ -83,6 +83,9 @@ class Attention(nn.Module):
                               bias=config.add_bias_linear)
         # checkpoint(function, *args) for selective recomputation of the core; set by GPT.set_checkpoint_fn
         self.recompute_core = None
+        # positions(length, device) -> the positions of this layer's tokens when the sequence is split
+        # outside the model (context parallelism sets it); None: 0 .. length-1
+        self.positions = None
 
     def forward(self, x, rotary=None):
         qkv = self.qkv(x)
@@ -90,7 +93,9 @@ class Attention(nn.Module):
         qkv = rearrange(qkv, "b s (g r d) -> b s g r d", r=self.q_per_group + 2, d=self.head_dim)
         qk = qkv[:, :, :, :-1]                     # each group's q heads and its k head
         if rotary is not None:                     # q and k rotate together, in one expression
-            qk = rotate(qk, *rotary)
+            # qkv's length: under sequence parallelism x holds a shard, qkv the whole local sequence
+            positions = self.positions(qkv.shape[1], x.device) if self.positions is not None else None
+            qk = rotate(qk, *rotary, positions=positions)
         q = rearrange(qk[:, :, :, :-1], "b s g r d -> b s (g r) d")
         k, v = qk[:, :, :, -1], qkv[:, :, :, -1]
         if self.recompute_core is not None and self.training:
@@ -143,12 +148,21 @@ class Embedding(nn.Module):
         self.position = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
                          if config.position_embedding == "learned" else None)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.positions = None           # as Attention.positions
 
     def forward(self, tokens):
         x = self.word(tokens)
         if self.position is not None:
-            x = x + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.position(token_positions(self.positions, tokens))
         return self.dropout(x)
+
+
+def token_positions(positions, tokens: torch.Tensor) -> torch.Tensor:
+    """The positions of `tokens` (b, s) in their sequences: `positions(s, device)` when the sequence
+    is split outside the model, else 0 .. s-1."""
+    if positions is not None:
+        return positions(tokens.shape[1], tokens.device)
+    return torch.arange(tokens.shape[1], device=tokens.device)
 
 
 class LMHead(nn.Module):
@@ -202,8 +216,8 @@ class GPT(nn.Module):
     def forward(self, inputs, labels=None):
         x = self.embedding(inputs) if self.embedding is not None else inputs
         rotary = None
-        if self.rotary is not None:     # inputs are at least as long as a sequence-parallel shard
-            length = max(self.config.max_position_embeddings, inputs.shape[1])
+        if self.rotary is not None:     # every position of a sequence, even if inputs hold a part of it
+            length = max(self.config.max_position_embeddings, self.config.seq_length, inputs.shape[1])
             rotary = self.rotary.get(length, x.device, x.dtype)
         x = self._run_layers(x, rotary)
         if self.final_norm is not None:

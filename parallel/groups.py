@@ -75,8 +75,9 @@ class ProcessGroups:
     rank: int
     coords: Coords
     tp: Group
-    dp: Group
+    dp: Group                 # gradient reduction: data parallel x context parallel ranks
     pp: Group
+    cp: Group                 # the context-parallel ring (this rank alone without context parallelism)
     mp: Group                 # tp x pp: one model replica
     embedding: Group          # first+last pipeline stage (this rank alone on middle stages)
     mics_shard: Group

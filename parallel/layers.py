@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megazero.core.comm import Group
+from megazero.models.gpt import token_positions
 from .cross_entropy import vocab_parallel_linear_cross_entropy
 from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_region,
@@ -133,6 +134,7 @@ class ParallelEmbedding(nn.Module):
         super().__init__()
         self.word, self.position, self.dropout = word, position, dropout
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.positions = None           # as models.gpt.Embedding.positions (context parallelism)
 
     def forward(self, tokens):
         x = self.word(tokens)
@@ -141,7 +143,7 @@ class ParallelEmbedding(nn.Module):
         else:
             x = reduce_from_tp_region(x, self.group)
         if self.position is not None:
-            pos = self.position(torch.arange(tokens.shape[1], device=tokens.device))
+            pos = self.position(token_positions(self.positions, tokens))
             if self.sequence_parallel:
                 pos = scatter_to_sequence_region(pos, self.group, dim=0)
             x = x + pos

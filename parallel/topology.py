@@ -1,11 +1,18 @@
-"""The rank grid: pure arithmetic from (world, tp, pp, dp, mics, ranks_per_node, hpz) to coordinates and groups.
+"""The rank grid: pure arithmetic from (world, tp, cp, pp, dp, mics, ranks_per_node, hpz) to coordinates and groups.
 
 Owns validation of the parallel degrees and the rank layout. Must not create process groups or import
 torch.distributed: `parallel.groups` turns the rank lists here into groups. Everything here is testable
 without processes.
 
-Layout (Megatron's default order "tp-dp-pp"): TP varies fastest, then DP, then PP:
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+Layout (Megatron's default order "tp-cp-dp-pp"): TP varies fastest, then CP (context parallel), then
+DP, then PP:
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+Without context parallelism (cp = 1) this is Megatron's "tp-dp-pp". `dp` is the data-parallel degree
+(how many different samples a step sees at once); the group kind "dp" is the data-parallel group
+*with* context parallelism, dp x cp ranks, because that is the group gradients are reduced over and
+ZeRO shards over (Megatron's distributed optimizer uses the same dp-cp group): each CP rank computes
+the gradient of its own part of every sequence. `coords(rank).dp` is the pure data-parallel index
+(which samples a rank reads), `cp_of(rank)` its place in the CP ring.
 MiCS: inside each DP group, shard groups are contiguous blocks of `mics_shard_size` DP ranks and replica
 groups are the ranks at the same position across blocks.
 Nodes: a node is `ranks_per_node` consecutive global ranks. Each shard group splits into its ranks on
@@ -33,31 +40,36 @@ class Topology:
     world_size: int
     tp: int = 1
     pp: int = 1
-    dp: int = 0                   # 0: derived as world // (tp * pp)
+    dp: int = 0                   # 0: derived as world // (tp * cp * pp)
     mics_shard_size: int = 0      # 0 or -1: the whole DP group is one shard group
     ranks_per_node: int = 0       # 0: the whole world is one node
     hpz_partition_size: int = 1   # stage-3 hpZ: ranks of a node-local shard group per secondary partition
+    cp: int = 1                   # context parallel: ranks splitting each sequence
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "pp"):
+        for name in ("world_size", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.world_size % (self.tp * self.pp):
+        model = self.tp * self.cp * self.pp
+        if self.world_size % model:
+            cp_text = f"context-parallel size {self.cp} x " if self.cp > 1 else ""
             raise UsageError(
                 f"world size {self.world_size} is not divisible by tensor-parallel size {self.tp} x "
-                f"pipeline-parallel size {self.pp} = {self.tp * self.pp}; launch a multiple of "
-                f"{self.tp * self.pp} processes or change the parallel sizes")
-        derived_dp = self.world_size // (self.tp * self.pp)
+                f"{cp_text}pipeline-parallel size {self.pp} = {model}; launch a multiple of "
+                f"{model} processes or change the parallel sizes")
+        derived_dp = self.world_size // model
         if self.dp == 0:
             object.__setattr__(self, "dp", derived_dp)
         elif self.dp != derived_dp:
             raise UsageError(f"data-parallel size {self.dp} does not match world size {self.world_size} "
-                             f"/ (tp {self.tp} x pp {self.pp}) = {derived_dp}")
+                             f"/ (tp {self.tp} x cp {self.cp} x pp {self.pp}) = {derived_dp}")
+        dp_cp = self.dp_cp
         if self.mics_shard_size in (0, -1):
-            object.__setattr__(self, "mics_shard_size", self.dp)
-        if self.mics_shard_size < 1 or self.dp % self.mics_shard_size:
-            raise UsageError(f"mics_shard_size {self.mics_shard_size} must divide the data-parallel size "
-                             f"{self.dp}; choose a divisor of {self.dp} or -1 for no MiCS")
+            object.__setattr__(self, "mics_shard_size", dp_cp)
+        if self.mics_shard_size < 1 or dp_cp % self.mics_shard_size:
+            what = "data-parallel size" if self.cp == 1 else "data-parallel x context-parallel size"
+            raise UsageError(f"mics_shard_size {self.mics_shard_size} must divide the {what} "
+                             f"{dp_cp}; choose a divisor of {dp_cp} or -1 for no MiCS")
         if self.ranks_per_node == 0:
             object.__setattr__(self, "ranks_per_node", self.world_size)
         if self.ranks_per_node < 1:
@@ -76,14 +88,29 @@ class Topology:
                                  f"stage-3 shard group {sum(parts, [])} ({[len(p) for p in parts]}); "
                                  f"change it, ranks_per_node or mics_shard_size")
 
+    @property
+    def dp_cp(self) -> int:
+        """Ranks of one gradient-reduction (ZeRO) group: data parallel x context parallel."""
+        return self.dp * self.cp
+
     # --- coordinates -------------------------------------------------------------------------
-    def rank_of(self, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank_of(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
-        return Coords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+        column = rank // self.tp          # cp + cp_size * (dp + dp_size * pp)
+        return Coords(tp=rank % self.tp, dp=(column // self.cp) % self.dp, pp=rank // (self.tp * self.dp_cp))
+
+    def cp_of(self, rank: int) -> int:
+        """The rank's place in its context-parallel ring."""
+        return (rank // self.tp) % self.cp
+
+    def _columns(self):
+        """(dp, cp) pairs in rank order: the index of a pair in this list is the rank's index in
+        its dp x cp group."""
+        return [(d, c) for d in range(self.dp) for c in range(self.cp)]
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -93,21 +120,27 @@ class Topology:
 
     # --- groups (each a list of rank lists covering the world) --------------------------------
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for t in range(self.tp)]
-                for p in range(self.pp) for d in range(self.dp)]
+        return [[self.rank_of(t, d, p, c) for t in range(self.tp)]
+                for p in range(self.pp) for d, c in self._columns()]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for d in range(self.dp)]
+        """The gradient-reduction groups: dp x cp ranks (just dp without context parallelism)."""
+        return [[self.rank_of(t, d, p, c) for d, c in self._columns()]
                 for p in range(self.pp) for t in range(self.tp)]
 
+    def cp_groups(self) -> list[list[int]]:
+        """The context-parallel rings: ranks holding parts of the same sequences."""
+        return [[self.rank_of(t, d, p, c) for c in range(self.cp)]
+                for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
+
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, d, p) for p in range(self.pp)]
-                for d in range(self.dp) for t in range(self.tp)]
+        return [[self.rank_of(t, d, p, c) for p in range(self.pp)]
+                for d, c in self._columns() for t in range(self.tp)]
 
     def model_parallel_groups(self) -> list[list[int]]:
         """TP x PP ranks holding one full model replica (for norms and losses over the whole model)."""
-        return [[self.rank_of(t, d, p) for p in range(self.pp) for t in range(self.tp)]
-                for d in range(self.dp)]
+        return [[self.rank_of(t, d, p, c) for p in range(self.pp) for t in range(self.tp)]
+                for d, c in self._columns()]
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline stage of each (tp, dp) column: they share tied embeddings."""
@@ -118,7 +151,7 @@ class Topology:
 
     def mics_shard_groups(self) -> list[list[int]]:
         m = self.mics_shard_size
-        return [dp_ranks[i:i + m] for dp_ranks in self.dp_groups() for i in range(0, self.dp, m)]
+        return [dp_ranks[i:i + m] for dp_ranks in self.dp_groups() for i in range(0, self.dp_cp, m)]
 
     def mics_replica_groups(self) -> list[list[int]]:
         m = self.mics_shard_size
@@ -163,7 +196,7 @@ class Topology:
 
     def all_group_kinds(self) -> dict[str, list[list[int]]]:
         return {
-            "tp": self.tp_groups(), "dp": self.dp_groups(), "pp": self.pp_groups(),
+            "tp": self.tp_groups(), "dp": self.dp_groups(), "pp": self.pp_groups(), "cp": self.cp_groups(),
             "mp": self.model_parallel_groups(), "embedding": self.embedding_groups(),
             "mics_shard": self.mics_shard_groups(), "mics_replica": self.mics_replica_groups(),
         }
@@ -178,7 +211,8 @@ class Topology:
         return mine
 
     def describe(self) -> str:
-        return (f"world={self.world_size} tp={self.tp} pp={self.pp} dp={self.dp} "
+        return (f"world={self.world_size} tp={self.tp} " + (f"cp={self.cp} " if self.cp > 1 else "")
+                + f"pp={self.pp} dp={self.dp} "
                 f"mics_shard={self.mics_shard_size} ranks_per_node={self.ranks_per_node}"
                 + (f" hpz={self.hpz_partition_size}" if self.hpz_partition_size > 1 else ""))
 
@@ -199,3 +233,35 @@ def validate_model_fits(topology: Topology, *, num_layers: int, num_attention_he
     if num_layers % (pp * virtual_stages):
         raise UsageError(f"--num-layers {num_layers} is not divisible by pipeline-parallel size {pp} x "
                          f"virtual stages {virtual_stages} = {pp * virtual_stages}")
+
+
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")
+
+
+def validate_context_parallel(topology: Topology, *, seq_length: int, num_attention_heads: int,
+                              num_query_groups: int, comm_type: str, sequence_parallel: bool = False,
+                              attention_dropout: float = 0.0) -> None:
+    """Checks that sequences and heads split over the context-parallel ring; raises UsageError."""
+    cp, tp = topology.cp, topology.tp
+    if cp == 1:
+        return
+    if comm_type not in CP_COMM_TYPES:
+        raise UsageError(f"--cp-comm-type {comm_type} is not one of {', '.join(CP_COMM_TYPES)}")
+    if seq_length % (2 * cp):
+        raise UsageError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {cp} "
+                         f"= {2 * cp} (each CP rank holds 2 load-balanced chunks of every sequence); "
+                         f"use a multiple of {2 * cp}")
+    if sequence_parallel and (seq_length // cp) % tp:
+        raise UsageError(f"--sequence-parallel needs the per-CP-rank sequence --seq-length {seq_length} / "
+                         f"cp {cp} = {seq_length // cp} divisible by --tensor-model-parallel-size {tp}")
+    if comm_type == "a2a":
+        for flag, count in (("--num-attention-heads", num_attention_heads),
+                            ("--num-query-groups", num_query_groups)):
+            if count % (cp * tp):
+                raise UsageError(f"--cp-comm-type a2a splits heads over context-parallel x tensor-parallel "
+                                 f"ranks, but {flag} {count} is not divisible by cp {cp} x tp {tp} = "
+                                 f"{cp * tp}; use --cp-comm-type p2p or allgather, or change the sizes")
+    if comm_type == "p2p" and attention_dropout > 0:
+        raise UsageError(f"--cp-comm-type p2p (ring attention) does not apply attention dropout "
+                         f"(--attention-dropout {attention_dropout:g}); pass --attention-dropout 0 or use "
+                         f"--cp-comm-type a2a or allgather")

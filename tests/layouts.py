@@ -24,7 +24,8 @@ VOCAB = 61          # small_config's vocabulary
 
 def small_config(tp=1, pp=1, stage=0, *, steps=10, micro=2, global_batch=16, layers=4, tied=True,
                  sequence_parallel=False, virtual=1, schedule="auto", mics=-1, zero_extra=None,
-                 model_extra=None, bf16=False, clip=0.05, lr=1e-3, layer_split=None) -> TrainConfig:
+                 model_extra=None, bf16=False, clip=0.05, lr=1e-3, layer_split=None, cp=1,
+                 cp_comm_type="p2p") -> TrainConfig:
     shape = dict(vocab_size=VOCAB, padded_vocab_size=0, hidden_size=32, num_layers=layers,
                  num_attention_heads=4, ffn_hidden_size=64, seq_length=16, hidden_dropout=0.0,
                  attention_dropout=0.0, tie_embeddings=tied)
@@ -38,6 +39,7 @@ def small_config(tp=1, pp=1, stage=0, *, steps=10, micro=2, global_batch=16, lay
                       global_batch_size=global_batch, train_iters=steps, seed=7,
                       parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp,
                                               sequence_parallel=sequence_parallel,
+                                              context_parallel=cp, cp_comm_type=cp_comm_type,
                                               virtual_stages=virtual, schedule=schedule,
                                               layer_split=layer_split))
     cfg.precision.bf16 = bf16
@@ -77,11 +79,11 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict
 
 
 def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None):
-    """Pool entry: runs `cfg` on the first tp*pp*dp ranks of the pool's world."""
+    """Pool entry: runs `cfg` on the first tp*cp*pp*dp ranks of the pool's world."""
     par = cfg.parallel
-    world = par.tensor_parallel * par.pipeline_parallel * dp
+    world = par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp
     groups = ctx.groups(Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                                 mics_shard_size=cfg.zero.mics_shard_size))
+                                 cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size))
     if groups is None:
         return None
     return run_training(cfg, groups, on_setup)

@@ -22,8 +22,8 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
     from megazero.parallel.topology import Topology
     from megazero.training import MicrobatchSource, setup, train_step
     par = cfg.parallel
-    groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.pipeline_parallel * dp,
-                                 tp=par.tensor_parallel, pp=par.pipeline_parallel,
+    groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp,
+                                 tp=par.tensor_parallel, pp=par.pipeline_parallel, cp=par.context_parallel,
                                  mics_shard_size=cfg.zero.mics_shard_size))
     if groups is None:
         return None

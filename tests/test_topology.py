@@ -16,7 +16,7 @@ GRIDS = [  # world, tp, pp, mics
 @pytest.mark.parametrize("world,tp,pp,mics", GRIDS)
 def test_every_rank_in_exactly_one_group_of_each_kind(world, tp, pp, mics):
     topo = Topology(world_size=world, tp=tp, pp=pp, mics_shard_size=mics)
-    sizes = {"tp": tp, "dp": topo.dp, "pp": pp, "mp": tp * pp,
+    sizes = {"tp": tp, "dp": topo.dp, "pp": pp, "mp": tp * pp, "cp": 1,
              "mics_shard": topo.mics_shard_size, "mics_replica": topo.dp // topo.mics_shard_size}
     for kind, groups in topo.all_group_kinds().items():
         if kind == "embedding":
@@ -46,6 +46,27 @@ def test_groups_are_orthogonal(world, tp, pp, mics):
         assert all(topo.coords(x).dp == c.dp and topo.coords(x).pp == c.pp for x in mine["tp"])
         assert all(topo.coords(x).tp == c.tp and topo.coords(x).pp == c.pp for x in mine["dp"])
         assert all(topo.coords(x).tp == c.tp and topo.coords(x).dp == c.dp for x in mine["pp"])
+
+
+def test_context_parallel_layout_tp_cp_dp_pp():
+    """Megatron's order with CP: tp fastest, then cp, then dp, then pp; gradients reduce (and ZeRO
+    shards) over dp x cp; a model replica (mp) and the pipeline keep one (dp, cp) column."""
+    topo = Topology(world_size=16, tp=2, pp=2, cp=2)       # dp = 2
+    assert topo.dp == 2 and topo.dp_cp == 4 and topo.mics_shard_size == 4
+    assert topo.cp_groups()[:3] == [[0, 2], [1, 3], [4, 6]]
+    assert topo.dp_groups()[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert topo.tp_groups()[:2] == [[0, 1], [2, 3]]
+    assert topo.pp_groups()[:3] == [[0, 8], [1, 9], [2, 10]]
+    assert topo.model_parallel_groups()[:2] == [[0, 1, 8, 9], [2, 3, 10, 11]]
+    assert topo.coords(13) == (1, 1, 1) and topo.cp_of(13) == 0 and topo.cp_of(11) == 1
+    for r in range(16):
+        c = topo.coords(r)
+        assert topo.rank_of(c.tp, c.dp, c.pp, topo.cp_of(r)) == r
+    for kind, groups in topo.all_group_kinds().items():
+        if kind != "embedding":
+            assert sorted(sum(groups, [])) == list(range(16)), kind
+    with pytest.raises(UsageError, match="context-parallel size 3"):
+        Topology(world_size=8, cp=3)
 
 
 def test_megatron_layout_tp_fastest_then_dp_then_pp():

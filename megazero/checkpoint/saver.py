@@ -88,7 +88,7 @@ def layout_key(state) -> list:
     tensor-parallel tracker holds the device's)."""
     cfg, topo = state.cfg, state.groups.topology
     return [topo.world_size, topo.tp, topo.pp, cfg.parallel.virtual_stages, state.groups.rank,
-            state.device.type]
+            state.device.type] + ([topo.cp] if topo.cp > 1 else [])
 
 
 def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
@@ -97,7 +97,7 @@ def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
         "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
         "run_id": run_id, "iteration": state.iteration, "consumed_samples": consumed_samples,
         "model": dataclasses.asdict(cfg.model),
-        "layout": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+        "layout": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp,
                    "virtual_stages": cfg.parallel.virtual_stages, "layer_split": cfg.parallel.layer_split,
                    "zero_stage": cfg.zero.stage, "mics_shard_size": cfg.zero.mics_shard_size},
         "precision": {"bf16": cfg.precision.bf16, "fp16": cfg.precision.fp16},

@@ -29,7 +29,7 @@ from megazero.config.zero_arguments import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
 from megazero.ops.adam import AdamConfig
-from megazero.parallel.topology import Topology, validate_model_fits
+from megazero.parallel.topology import Topology, validate_context_parallel, validate_model_fits
 from megazero.zero.config import as_json, stage_notes
 
 SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
@@ -111,9 +111,10 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         notes = ds.notes + stage_notes(zero, f"{config_path}: zero_optimization") + notes
     notes += zero_notes
 
+    cp, cp_comm_type = _context_parallel(args)
     topology = Topology(world_size=world_size, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
-                        ranks_per_node=args.ranks_per_node or local_world_size or world_size)
+                        ranks_per_node=args.ranks_per_node or local_world_size or world_size, cp=cp)
     check_zero_layout(zero, topology)
     model = _model_config(args, topology, notes)
     check_attention_precision(model, precision.bf16 or precision.fp16, _uses_cuda(args))
@@ -128,6 +129,10 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     if args.sequence_parallel and args.seq_length % topology.tp:
         raise UsageError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
                          f"--tensor-model-parallel-size {topology.tp}")
+    validate_context_parallel(topology, seq_length=model.seq_length, num_attention_heads=model.num_attention_heads,
+                              num_query_groups=model.num_query_groups, comm_type=cp_comm_type,
+                              sequence_parallel=args.sequence_parallel and topology.tp > 1,
+                              attention_dropout=model.attention_dropout)
 
     from megazero.data.gpt_dataset import parse_split
     parse_split(args.split)
@@ -160,7 +165,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         model=model, zero=zero, optimizer=optimizer, data=data,
         parallel=ParallelConfig(tensor_parallel=topology.tp, pipeline_parallel=topology.pp,
                                 sequence_parallel=args.sequence_parallel and topology.tp > 1,
-                                virtual_stages=virtual, layer_split=args.pipeline_layer_split,
+                                context_parallel=cp, cp_comm_type=cp_comm_type, virtual_stages=virtual, layer_split=args.pipeline_layer_split,
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
                                 distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication,
                                 timeout_minutes=args.distributed_timeout_minutes),
@@ -172,6 +177,18 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         wall_clock_breakdown=merged["wall_clock_breakdown"] or args.log_timers_to_tensorboard,
         compile_backend=compile_layers, notes=notes, checkpoint=checkpoint_config(args),
         monitor=monitor_config(args, run_dir), rampup=ramp, run=run_opts)
+
+
+def _context_parallel(args) -> tuple[int, str]:
+    """(cp size, comm type) from --context-parallel-size / --cp-comm-type, or Megatron-DeepSpeed's
+    --ds-sequence-parallel-size N (Ulysses: cp N with a2a)."""
+    cp, comm_type, ulysses = args.context_parallel_size, args.cp_comm_type, args.ds_sequence_parallel_size
+    if ulysses is None:
+        return cp, comm_type
+    if cp not in (1, ulysses) or (cp > 1 and comm_type != "a2a"):
+        raise UsageError(f"--ds-sequence-parallel-size {ulysses} (Ulysses: context parallel with a2a) "
+                         f"contradicts --context-parallel-size {cp} --cp-comm-type {comm_type}; give one")
+    return ulysses, "a2a"
 
 
 def _cuda_available() -> bool:

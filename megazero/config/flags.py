@@ -29,7 +29,7 @@ MERGED = {
 }
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
---use-flash-attn --transformer-impl --context-parallel-size --expert-model-parallel-size
+--use-flash-attn --transformer-impl --expert-model-parallel-size
 --num-experts --moe-router-topk --tokenizer-model-type
 --use-checkpoint-args
 --use-cpu-initialization --attention-softmax-in-fp32
@@ -59,6 +59,7 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None,
                "eval_iters": (0, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
                "tensor_model_parallel_size": (1, True, None, False),
                "pipeline_model_parallel_size": (1, True, None, False),
+               "context_parallel_size": (1, True, None, False), "ds_sequence_parallel_size": (1, True, None, False),
                "num_query_groups": (1, True, None, False), "ffn_hidden_size": (0, True, None, False),
                "kv_channels": (1, True, None, False), "rotary_percent": (0, False, 1, True),
                "recompute_num_layers": (1, True, None, False),
@@ -201,6 +202,13 @@ def _parallel_flags(p) -> None:
     _add(g, "--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks")
     _add(g, "--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages")
     _add(g, "--sequence-parallel", action="store_true", help="split norms and dropout along the sequence (tp > 1)")
+    _add(g, "--context-parallel-size", type=int, default=1,
+         help="context-parallel ranks: each holds 2 of 2N load-balanced chunks of every sequence")
+    _add(g, "--cp-comm-type", choices=["p2p", "a2a", "allgather"], default="p2p",
+         help="how attention sees the whole sequence under context parallelism: p2p ring attention, "
+              "a2a (Ulysses) all-to-all over heads, allgather of keys and values")
+    _add(g, "--ds-sequence-parallel-size", type=int, default=None,
+         help="Megatron-DeepSpeed's Ulysses: --context-parallel-size N --cp-comm-type a2a", shown="off")
     _add(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=0,
          help="layers per model chunk of the interleaved schedule; 0: one chunk per stage")
     _add(g, "--pipeline-schedule", choices=["auto", "1f1b", "gpipe", "interleaved"], default="auto",

@@ -40,6 +40,8 @@ recomputation; split over the tensor parallel ranks, for the microbatches a pipe
 once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation keeps only the input
 of each checkpointed layer group. The logits add s·b·V/t elements in fp32 (and their gradient): an
 upper bound, since the fused output layer and loss (models/loss.py) hold one chunk of them at a time.
+Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
+(`cp_saved_per_layer`) and, to the comm buffers, its transient blocks (`cp_transient_bytes`).
 """
 from __future__ import annotations
 
@@ -94,17 +96,21 @@ def layer_activation_units(model_cfg) -> float:
 
 
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
-                     weight_bytes: int, chunk_layers: list[int]) -> float:
+                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p") -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
 
     Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
     full set while it is recomputed; selective recomputation saves the attention scores, which only
-    the written-out attention (--attention-backend local/unfused) keeps."""
+    the written-out attention (--attention-backend local/unfused) keeps. Context parallelism keeps
+    seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`)."""
     m = model_cfg
-    tokens, hidden = seq * micro, m.hidden_size
+    tokens, hidden = seq * micro // cp, m.hidden_size
     full_layer = layer_activation_units(m) * tokens * hidden * weight_bytes / 2 / tp
-    if m.attention_backend in ("local", "unfused") and m.recompute_granularity != "selective":
-        full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp
+    full_layer += cp_saved_per_layer(seq, micro, m, tp, cp, cp_comm_type, weight_bytes)
+    written_out = m.attention_backend in ("local", "unfused") and not (cp > 1 and cp_comm_type == "p2p")
+    if written_out and m.recompute_granularity != "selective":
+        # every rank's queries (or, Ulysses, heads) over the whole sequence: 1/cp of the scores
+        full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp / cp
     kept_input = tokens * hidden * weight_bytes
     if m.recompute_granularity == "full" and m.recompute_method == "uniform":
         group = min(m.recompute_num_layers, layers)
@@ -116,6 +122,44 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
         per_micro = layers * full_layer
     logits = tokens * m.padded_vocab_size / tp * (4 + 4 + weight_bytes)
     return per_micro * in_flight + logits
+
+
+def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
+                       weight_bytes: int) -> float:
+    """What a context-parallel attention saves for its backward beyond the layer's usual
+    activations: the ring keeps its merged output in fp32 and one fp32 log-sum-exp per query and head;
+    allgather keeps the gathered keys and values (the whole sequence's); Ulysses nothing extra
+    (its head-split tensors are the local ones' size)."""
+    if cp == 1:
+        return 0.0
+    m, local = model_cfg, seq * micro / cp
+    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
+    if comm_type == "p2p":
+        return local * heads * (m.head_dim + 1) * 4
+    if comm_type == "allgather":
+        return 2 * seq * micro * groups * m.head_dim * weight_bytes
+    return 0.0
+
+
+def cp_transient_bytes(cfg: TrainConfig) -> float:
+    """The peak of a context-parallel attention's own buffers inside one layer's backward: the ring's
+    K/V held and in flight with their fp32 gradient accumulators (4 blocks), q, out and dq in fp32,
+    and one block's fp32 scores, probabilities and score gradients; allgather's gathered K/V
+    gradients before the reduce-scatter and a copy for gloo; Ulysses' head-split q, k, v, out and
+    their gradients (8 local-sized tensors)."""
+    par, m = cfg.parallel, cfg.model
+    cp, tp, micro = par.context_parallel, par.tensor_parallel, cfg.micro_batch_size
+    if cp == 1:
+        return 0.0
+    local = m.seq_length * micro / cp
+    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
+    weight_bytes = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
+    if par.cp_comm_type == "p2p":
+        return (4 * 2 * local * groups * m.head_dim * 4 + 3 * local * heads * m.head_dim * 4
+                + 3 * heads * local * local / micro * 4)
+    if par.cp_comm_type == "allgather":
+        return 2 * 2 * m.seq_length * micro * groups * m.head_dim * weight_bytes
+    return 8 * local * heads * m.head_dim * weight_bytes
 
 
 def _one_layer_model(model_cfg):
@@ -170,8 +214,8 @@ class RankLayout:
 
 def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     model, par, prec = cfg.model, cfg.parallel, cfg.precision
-    tp, pp = par.tensor_parallel, par.pipeline_parallel
-    dp = world_size // (tp * pp)
+    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
+    dp = world_size // (tp * pp * cp)
     embedding, layer, head = parameter_counts(model)
     layers_per_stage = math.ceil(model.num_layers / pp)
     # A tied output layer on its own last stage keeps a copy of the word embedding.
@@ -191,7 +235,7 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         persistent_parameters=math.ceil(persistent / tp),
         weight_bytes=2 if prec.bf16 or prec.fp16 else 4,
         grad_bytes=2 if prec.grad_accum_dtype != "fp32" else 4,
-        shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp,
+        shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp * cp,   # ZeRO: dp x cp
         layers_per_stage=layers_per_stage,
         in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches))
 
@@ -200,7 +244,8 @@ def _activations(cfg: TrainConfig, r: RankLayout) -> float:
     m, par = cfg.model, cfg.parallel
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     return activation_bytes(m.seq_length, cfg.micro_batch_size, m, r.layers_per_stage,
-                            par.tensor_parallel, r.in_flight, r.weight_bytes, chunks)
+                            par.tensor_parallel, r.in_flight, r.weight_bytes, chunks,
+                            par.context_parallel, par.cp_comm_type)
 
 
 def largest_param(model_cfg, tp: int) -> int:
@@ -245,7 +290,7 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> fl
     if z.stage >= 2:        # reduced after every microbatch, while a pipeline holds the others'
         reduction += activations * (r.in_flight - 1) / r.in_flight
     initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
-    peak = max(activations + staging + fresh_grad, reduction, gather, initial)
+    peak = max(activations + staging + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)
     return float(live * r.weight_bytes + peak - activations)
 
 

@@ -16,6 +16,10 @@ class ParallelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
+    context_parallel: int = 1                    # ranks splitting each sequence (--context-parallel-size)
+    cp_comm_type: Literal["p2p", "a2a", "allgather"] = "p2p"
+    """How attention sees the whole sequence under context parallelism: ring attention (p2p),
+    Ulysses all-to-all over heads (a2a) or all-gathered keys and values (allgather)."""
     virtual_stages: int = 1                      # interleaved pipeline: model chunks per stage
     layer_split: Optional[list[int]] = None      # uneven pipeline split: layers per chunk
     schedule: Literal["auto", "1f1b", "gpipe", "interleaved"] = "auto"

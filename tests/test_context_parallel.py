@@ -1,0 +1,179 @@
+"""Context parallelism (ring attention p2p, Ulysses a2a, allgather) against one process.
+
+- The attention cores alone: each comm type's output and q/k/v gradients on this rank's two chunks
+  equal full causal attention's (fp32, GQA) at cp 2 and 4.
+- Training: the small GPT with RoPE and GQA, 5 steps with gradient accumulation and clipping, in
+  each layout, matches the single-process loss curve, gradient norms and final parameters (rtol 1e-5).
+
+Mutations planted and seen failing (each by hand, then reverted):
+- chunk order: `chunk_ids` returning (i, i + N) instead of (i, 2N-1-i) -> the positions, the data
+  and ring attention's step plan disagree: core outputs and every training layout fail.
+- LSE correction dropped in the ring merge (`_merge` adding block outputs without the exp(lse - merged)
+  rescaling) -> the p2p core check and the p2p layouts fail; a2a and allgather still pass.
+- dK/dV not sent back to their owner (the last `_pass_on` of the backward skipped) -> the p2p
+  k/v gradient check fails.
+- RoPE at local positions (Attention.positions left unset) -> the cp 2 p2p layout's grad norms differ.
+"""
+import pytest
+import torch
+
+from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
+                     layout_worker, reference_fixture, small_config, strip_padding)
+from megazero.models.attention import attention_reference
+from megazero.parallel.context_parallel import (ContextParallelAttention, local_chunks, local_positions,
+                                                ring_positions)
+from megazero.parallel.topology import Topology
+
+VOCAB = 61
+# Small and short (the suite's time budget): 2 layers, 5 steps of 8 samples, which already shows
+# clipping, accumulation and Adam's moments at work; RoPE and GQA on.
+SMALL = dict(steps=5, layers=2, global_batch=8,
+             model_extra={"position_embedding": "rope", "num_query_groups": 2})
+
+
+def test_layout_is_load_balanced_and_a_permutation():
+    for cp in (1, 2, 4):
+        order = ring_positions(16 // cp, cp)
+        assert sorted(order.tolist()) == list(range(16))
+    assert local_positions(8, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(8, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    x = torch.arange(16).view(1, 16)
+    assert local_chunks(x, 1, 4).tolist() == [[2, 3, 12, 13]]
+
+
+def _core_worker(ctx, cp, comm_type):
+    # The 4-rank grids the training layouts use too (cp 2 x dp 2, cp 4): one pool, communicators made once.
+    groups = ctx.groups(Topology(world_size=4, cp=cp))
+    gen = torch.Generator().manual_seed(5)
+    b, s, heads, query_groups, d = 2, 16, 4, 2, 8
+    q = torch.randn(b, s, heads, d, generator=gen)
+    k, v = (torch.randn(b, s, query_groups, d, generator=gen) for _ in range(2))
+    dout = torch.randn(b, s, heads * d, generator=gen)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = attention_reference(*full)
+    expected.backward(dout)
+    rank = groups.cp.rank
+    local = [local_chunks(t, rank, cp).clone().requires_grad_() for t in (q, k, v)]
+    out = ContextParallelAttention(groups.cp, comm_type, 0.0)(*local)
+    out.backward(local_chunks(dout, rank, cp))
+    checks = {"out": (out, local_chunks(expected, rank, cp))}
+    for name, got, ref in zip("qkv", local, full):
+        checks[f"d{name}"] = (got.grad, local_chunks(ref.grad, rank, cp))
+    return {name: (a.detach(), e.detach()) for name, (a, e) in checks.items()}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_cores_match_full_attention(dist_pool, cp):
+    """Forward and backward of each comm type on this rank's chunks equal full causal attention."""
+    for comm_type in ("p2p", "a2a", "allgather"):
+        if comm_type == "a2a" and cp == 4:
+            continue            # 2 query groups do not split over 4 ranks (checked at the edge)
+        for rank, result in enumerate(dist_pool(4).run(_core_worker, cp, comm_type)):
+            for name, (got, expected) in result.items():
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"cp {cp} {comm_type} rank {rank} {name}: {m}")
+
+
+reference = reference_fixture(**SMALL)
+
+
+def check_layout(pool, reference, what, dp, **config):
+    ref, ref_params = reference
+    results = pool.run(layout_worker, small_config(**SMALL, **config), dp)
+    got = last_stage_result(results)
+    assert_close(got["losses"], ref["losses"], f"{what}: loss curve")
+    assert_close(got["norms"], ref["norms"], f"{what}: grad norms")
+    assert_params_match(strip_padding(assemble_params(results), VOCAB), ref_params, what)
+    return results
+
+
+# The comm log's ops on the CP group per comm type (ring: K/V and dK/dV sends; Ulysses: all-to-alls;
+# allgather: K/V gathered, their gradients reduce-scattered).
+CP_OPS = {"p2p": {"send", "recv"}, "a2a": {"all_to_all"}, "allgather": {"all_gather", "reduce_scatter"}}
+
+
+def test_context_parallel_comm_types_match_single_process(dist_pool, reference):
+    pool = dist_pool(4)
+    for comm_type in ("p2p", "a2a", "allgather"):
+        results = check_layout(pool, reference, f"cp 2 {comm_type}", 1, cp=2, cp_comm_type=comm_type)
+        cp_ops = {op for (op, group, _), nbytes in results[0]["comm"].items() if group == "cp" and nbytes}
+        assert cp_ops == CP_OPS[comm_type], (comm_type, results[0]["comm"])
+    check_layout(pool, reference, "cp 4 p2p", 1, cp=4)
+
+
+def test_context_parallel_with_tp_pp_zero_matches_single_process(dist_pool, reference):
+    pool = dist_pool(4)
+    check_layout(pool, reference, "cp 2 tp 2 sequence parallel", 1, cp=2, tp=2, sequence_parallel=True)
+    check_layout(pool, reference, "cp 2 dp 2 zero 3", 2, cp=2, stage=3)
+    check_layout(pool, reference, "cp 2 pp 2 zero 1", 1, cp=2, pp=2, stage=1)
+
+
+def test_checkpoint_moves_between_cp2_and_cp1(dist_pool, reference, tmp_path):
+    """Saved at cp 2 (ring attention, ZeRO-1 sharded over dp x cp) after 3 steps, loaded at cp 1: the
+    remaining steps follow the single-process curve; and the reverse, cp 1 -> cp 2 ZeRO-3."""
+    from test_checkpoint import ckpt_worker
+    ref, _ = reference
+    pool = dist_pool(4)
+    for what, source, target in (("cp 2 -> cp 1", dict(cp=2, stage=1), dict(stage=1)),
+                                 ("cp 1 -> cp 2", dict(stage=3), dict(cp=2, stage=3))):
+        directory = tmp_path / what.replace(" ", "")
+        pool.run(ckpt_worker, small_config(**SMALL, **source), 1, str(directory), save_at=3, stop_after=3)
+        results = pool.run(ckpt_worker, small_config(**SMALL, **target), 1, str(tmp_path / "unused"),
+                           load=str(directory))
+        curve = results[0]["curve"]
+        assert sorted(curve) == [4, 5], what
+        assert_close([curve[i][0] for i in (4, 5)], ref["losses"][3:], f"{what}: loss after loading")
+
+
+def _config(*argv, world=1):
+    from megazero.config.arguments import config_from_args, parse_args
+    return config_from_args(parse_args(list(argv)), world_size=world)
+
+
+def test_flags_reach_the_config_and_bad_input_is_one_line():
+    """Megatron's and Megatron-DeepSpeed's spellings; each mistake a UsageError naming the flag and
+    the fix, raised while the flags are read (before any process group)."""
+    from megazero.core.errors import UsageError
+    base = ("--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
+            "--attention-dropout", "0", "--micro-batch-size", "1")
+    cfg = _config(*base, "--context-parallel-size", "2", "--cp-comm-type", "allgather", world=4)
+    assert (cfg.parallel.context_parallel, cfg.parallel.cp_comm_type, cfg.global_batch_size) == (2, "allgather", 2)
+    cfg = _config(*base, "--ds-sequence-parallel-size", "2", world=2)
+    assert (cfg.parallel.context_parallel, cfg.parallel.cp_comm_type) == (2, "a2a")
+    mistakes = [
+        (("--seq-length", "60", "--context-parallel-size", "4"), 4, "not divisible by 2 x --context-parallel-size 4"),
+        (("--context-parallel-size", "4", "--cp-comm-type", "a2a"), 4, "--num-query-groups 2 is not divisible"),
+        (("--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tensor-model-parallel-size", "2",
+          "--num-attention-heads", "6", "--kv-channels", "16"), 4, "--num-attention-heads 6 is not divisible by cp 2 x tp 2"),
+        (("--context-parallel-size", "3",), 4, "world size 4 is not divisible by tensor-parallel size 1 x "
+                                               "context-parallel size 3"),
+        (("--context-parallel-size", "2", "--attention-dropout", "0.1"), 2, "--attention-dropout 0"),
+        (("--ds-sequence-parallel-size", "2", "--context-parallel-size", "2"), 2, "contradicts"),
+        (("--context-parallel-size", "0",), 2, "--context-parallel-size"),
+    ]
+    for extra, world, message in mistakes:
+        with pytest.raises(UsageError, match=message.replace("(", r"\(").replace("+", r"\+")) as err:
+            _config(*base, *extra, world=world)
+        assert "\n" not in str(err.value)
+
+
+def test_planner_divides_activations_by_cp_and_adds_its_buffers():
+    """Each rank keeps seq / cp tokens: the layers' activations fall by cp, plus the CP attention's
+    own saved tensors (the ring's fp32 output and LSE, allgather's whole-sequence K/V) and buffers."""
+    from megazero.config.memory_estimate import cp_saved_per_layer, plan_bytes
+    base = dict(model_extra={"seq_length": 256, "hidden_size": 64, "num_attention_heads": 4,
+                             "num_query_groups": 2}, micro=1, global_batch=2)
+    plans = {(cp, kind): plan_bytes(small_config(cp=cp, cp_comm_type=kind, **base), 2 * cp)
+             for cp, kind in ((1, "p2p"), (2, "p2p"), (4, "p2p"), (2, "a2a"), (2, "allgather"))}
+    one = plans[(1, "p2p")]
+    model = small_config(**base).model
+    for (cp, kind), plan in plans.items():
+        if cp == 1:
+            continue
+        layers = small_config(**base).model.num_layers
+        extra = layers * cp_saved_per_layer(256, 1, model, 1, cp, kind, 4)
+        logits = 256 * 1 * model.padded_vocab_size * 12     # fp32 logits and their gradient, per token
+        expected = (one["activations"] - logits) / cp + logits / cp + extra
+        assert plan["activations"] == pytest.approx(expected, rel=1e-9), (cp, kind)
+        assert plan["comm_buffers"] > one["comm_buffers"], (cp, kind)
+    assert plans[(4, "p2p")]["activations"] < plans[(2, "p2p")]["activations"]
