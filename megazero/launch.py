@@ -211,11 +211,15 @@ def _tokenizer_record(cfg: TrainConfig) -> dict:
     from megazero.data.default_data import default_data_files
     from megazero.data.tokenizer import build_tokenizer, load_tokenizer, saved_form
     data = cfg.data
-    if data.data_path is None:
+    if data.mock_data and data.tokenizer_type is None:
+        return None                        # random tokens of no tokenizer
+    if data.data_path is None and not data.mock_data:
         return saved_form(load_tokenizer(default_data_files(data.cache_dir)[1]))
-    return saved_form(build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model,
-                                      vocab_file=data.vocab_file, merge_file=data.merge_file,
-                                      vocab_size=data.vocab_size))
+    tokenizer = build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model,
+                                vocab_file=data.vocab_file, merge_file=data.merge_file,
+                                vocab_size=data.vocab_size, tiktoken_pattern=data.tiktoken_pattern)
+    # A TikTokenizer is not kept yet: its checkpoints export with --without-tokenizer only.
+    return saved_form(tokenizer) if hasattr(tokenizer, "files") else None
 
 
 def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device) -> ProcessGroups:
@@ -231,7 +235,8 @@ def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device) -> P
         dist.init_process_group(par.distributed_backend, rank=launch.rank, world_size=launch.world,
                                 timeout=timeout, **store, **bind)
     topology = Topology(world_size=launch.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                        cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
+                        cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
+                        ranks_per_node=par.ranks_per_node,
                         hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
     return ProcessGroups.build(topology, launch.rank, GroupFactory(launch.rank, timeout=timeout), device=device)
 

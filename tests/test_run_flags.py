@@ -360,8 +360,9 @@ def test_logged_norms_and_zeros_are_the_models():
     state = setup(cfg, ProcessGroups.single())
     initial = {n: safe_get_full_fp32_param(p).clone() for n, p in state.chunks[0].named_parameters()}
     norm, _ = state.engine.counted_stats("fp32")
+    # The engine's norms are fp32 norms of slices summed in float64 (zero/precision.py): ~1e-7 off.
     assert norm == pytest.approx(math.sqrt(sum(float(v.double().square().sum()) for v in initial.values())),
-                                 rel=1e-12)
+                                 rel=1e-6)
     batch = MicrobatchSource(ArithmeticTokens(VOCAB, 16, seed=3), 4, 2, 0, 1).batch(0)
     zeros = train_step(state, batch, 1e-3).num_zeros_in_grad
     model = GPT(cfg.model)
