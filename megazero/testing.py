@@ -17,6 +17,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 
 import torch
@@ -34,7 +35,28 @@ class WorkerContext:
         return ProcessGroups.build(topology, self.rank, self.factory, device=torch.device("cpu"))
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A free port below the ephemeral range: a port the kernel handed out (bind to 0) can be taken
+    by another process's outgoing connection before the rendezvous binds it, which happens when
+    several test processes (pytest-xdist workers, their pools) connect at the same time."""
+    import random
+    pick = random.Random(os.getpid() ^ time.monotonic_ns())
+    top = max(_ephemeral_start(), 12000)
+    for _ in range(200):
+        port = pick.randrange(10000, top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
