@@ -71,17 +71,10 @@ GPT3 = """
 --eval-iters 1 --tensorboard-dir {dir}/tb
 """
 
-# Flags of the recipes that other issues bring (context parallelism, the operating issue): dropped
-# from the lists only while the parser still names them as Megatron-only.
-OTHER_ISSUES = {"--context-parallel-size": 1, "--distributed-timeout-minutes": 1}
-
-
 def recipe_argv(text: str, **values) -> list[str]:
+    """The recipe as its script writes it: every flag kept (none of them is Megatron-only here)."""
     argv = text.format(**values).split()
-    for flag, nargs in OTHER_ISSUES.items():
-        if flag in MEGATRON_ONLY and flag in argv:
-            i = argv.index(flag)
-            del argv[i:i + 1 + nargs]
+    assert not MEGATRON_ONLY & set(argv), sorted(MEGATRON_ONLY & set(argv))
     return argv
 
 
