@@ -90,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sides", default="ours,peer")
     p.add_argument("--json", default=None, help="write the figures here (bench/gpu_check.py's step format)")
     p.add_argument("--lr", type=float, default=None, help="constant learning rate (default 1e-4; --tiny 1e-2)")
+    p.add_argument("--fp32", action="store_true",
+                   help="both sides in fp32 (no bf16 weights, no autocast): their losses then agree to 1e-5")
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, seq 64, vocab 512: a path check")
     args = p.parse_args(argv)
     if args.tiny:
@@ -113,7 +115,7 @@ def train_config(args, cfg: GPTConfig) -> TrainConfig:
     """Ours' run, as pretrain_gpt.py would configure it (and tools/plan_memory.py plans it)."""
     return TrainConfig(model=cfg, zero=ZeroConfig(stage=args.zero_stage),
                        optimizer=OptimizerConfig(lr=args.lr, adam=adam_config(args.lr), clip_grad=1.0),
-                       precision=PrecisionConfig(bf16=True), micro_batch_size=args.micro_batch,
+                       precision=PrecisionConfig(bf16=not args.fp32), micro_batch_size=args.micro_batch,
                        global_batch_size=args.micro_batch * args.microbatches, seed=1234,
                        parallel=ParallelConfig(distributed_backend="nccl" if args.device != "cpu" else "gloo"))
 
@@ -176,7 +178,7 @@ def run_peer(args, cfg: GPTConfig, device: torch.device) -> dict:
         total = torch.zeros((), device=device)
         for tokens in batches[i]:
             tokens = copy_to_device(tokens, device)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not args.fp32):
                 loss = model(tokens[:, :-1], tokens[:, 1:]).float().sum() / normalizer
             loss.backward()
             total += loss.detach()
@@ -270,7 +272,7 @@ def report(args, results: dict, tflops_per_step: float, peak: float, hardware_fl
               f"{memory} | {ratio} |")
     for side, r in results.items():
         if r is not None:
-            print(f"{side} losses: " + " ".join(f"{x:.4f}" for x in r["losses"]))
+            print(f"{side} losses: " + " ".join(f"{x:.6f}" for x in r["losses"]))
 
 
 def main(argv=None) -> int:

@@ -222,7 +222,7 @@ def _as_if_saved_on_a_gpu(it, cfg):
             index["rng"][key[len("rng/"):]] = crc32(tensors[key])
         save_file(tensors, str(data), metadata=header)
         topology = types.SimpleNamespace(world_size=len(meta["ranks"]), tp=par.tensor_parallel,
-                                         pp=par.pipeline_parallel)
+                                         pp=par.pipeline_parallel, cp=1)
         index["layout_key"] = layout_key(types.SimpleNamespace(
             cfg=cfg, groups=types.SimpleNamespace(topology=topology, rank=index["rank"]),
             device=torch.device("cuda", 0)))

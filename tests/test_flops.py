@@ -72,7 +72,7 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
     source = training.MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                                        cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
     metrics = MetricsLogger(str(tmp_path / "metrics.jsonl"), total_iters=2)
-    history = training.train(state, source, None, lambda it: 1e-3, metrics)
+    history = training.train(state, source, None, lambda it, _samples: 1e-3, metrics)
     tokens = cfg.global_batch_size * cfg.model.seq_length
     model, extra = step_flops(cfg.model, tokens), recompute_flops(cfg.model, tokens, [2])
     assert extra == tokens * layer_flops_per_token(cfg.model) > 0

@@ -477,7 +477,7 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
     spy = StepSnapshots(state)
-    records = train(state, source, [], lambda n: learning_rate(cfg.optimizer, n, steps), policy=spy)
+    records = train(state, source, [], lambda n, _samples: learning_rate(cfg.optimizer, n, steps), policy=spy)
     skipped = [r["skipped"] for r in records]
     scales = [r["loss_scale"] for r in records]
 

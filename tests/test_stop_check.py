@@ -85,7 +85,7 @@ def stop_worker(ctx, topology):
     state, source = _state(groups, cfg)
     signalled = SavePolicy(exit_duration_mins=30.0)
     signalled.signalled = ctx.rank == 2
-    history = train(state, source, None, lambda it: 1e-3, policy=signalled)
+    history = train(state, source, None, lambda it, _samples: 1e-3, policy=signalled)
     return steps, [record["iteration"] for record in history]
 
 
