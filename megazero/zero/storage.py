@@ -23,6 +23,7 @@ then a separate host copy in fp32 runs too.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -138,6 +139,18 @@ class PartitionedStorage:
 
     def grad_chunk(self, b: int) -> torch.Tensor:
         raise NotImplementedError
+
+    # Whether a view from `param_chunk` stays valid while other buckets' are asked for. A stage-3
+    # home in a few host buffers or swap files holds one bucket's (or a few) at a time: a view taken
+    # earlier may by then be written back and its buffer reused for another bucket.
+    param_chunks_stay = True
+
+    def by_bucket(self, runs: list) -> list[list]:
+        """`runs` (tuples starting with the bucket) in batches whose param_chunk views are valid
+        together: all at once, or one bucket at a time where views do not stay."""
+        if self.param_chunks_stay:
+            return [runs] if runs else []
+        return [list(batch) for _, batch in itertools.groupby(runs, key=lambda run: run[0])]
 
     def _part(self, tensor: torch.Tensor, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
@@ -354,12 +367,13 @@ class PartitionedStorage:
     def counted_stats(self, kind: str) -> torch.Tensor:
         """float64 [sum of squares, zeros] of this rank's `kind` ("fp32" or "grad") over the
         elements counted in the norm (Megatron's --log-params-norm, --log-num-zeros-in-grad)."""
-        pieces = [self.chunk(kind, b)[lo:hi] for b, lo, hi, counted in self.norm_runs if counted]
-        pieces = [t.to(self.device, non_blocking=True) for t in pieces if t.numel()]
         out = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if pieces:
-            out[0] = sum_of_squares_many(pieces, device=self.device)
-            out[1] = torch.stack([(t == 0).sum() for t in pieces]).sum().double()
+        for runs in self.by_bucket([run for run in self.norm_runs if run.counted]):
+            pieces = [self.chunk(kind, b)[lo:hi] for b, lo, hi, _ in runs]
+            pieces = [t.to(self.device, non_blocking=True) for t in pieces if t.numel()]
+            if pieces:
+                out[0] += sum_of_squares_many(pieces, device=self.device)
+                out[1] += torch.stack([(t == 0).sum() for t in pieces]).sum().double()
         return out
 
     def step(self, step: int, lr, config: AdamConfig, grad_scale: float) -> None:
@@ -372,12 +386,13 @@ class PartitionedStorage:
             self.offload.step(self, step, lr, config, grad_scale)
             self.after_step()
             return
-        segments = [AdamSegment(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
-                                self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi], wd,
-                                self.param_chunk(b)[lo:hi] if self.master is not None else None,
-                                lr_of(lr, group))
-                    for b, lo, hi, wd, group in self.runs]
-        adam_step(segments, step=step, lr=lr_of(lr, 0), config=config, grad_scale=grad_scale)
+        for runs in self.by_bucket(self.runs):
+            segments = [AdamSegment(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
+                                    self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi], wd,
+                                    self.param_chunk(b)[lo:hi] if self.master is not None else None,
+                                    lr_of(lr, group))
+                        for b, lo, hi, wd, group in runs]
+            adam_step(segments, step=step, lr=lr_of(lr, 0), config=config, grad_scale=grad_scale)
         self.after_step()
 
     def after_step(self) -> None:

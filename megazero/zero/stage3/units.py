@@ -108,6 +108,10 @@ class UnitStore(PartitionedStorage):
         self.param_gather = ParamGather(groups, self.zero, [u.total for u in self.units],
                                         precision.param_dtype, self.device, self.streams)
 
+    @property
+    def param_chunks_stay(self) -> bool:
+        return self.home is None
+
     def param_chunk(self, b: int) -> torch.Tensor:
         if self.home is None:
             return self._part(self.partition, b)
