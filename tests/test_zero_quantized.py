@@ -157,12 +157,12 @@ def test_quantized_collectives(dist_pool):
 
 # ---- quantized training on the embedded corpus --------------------------------------------------
 
-TRAIN_STEPS = 200
+TRAIN_STEPS = 40
 
 
 def corpus_config(steps: int, bf16: bool, quantized: bool):
     """A tiny GPT on the embedded corpus's 8192-piece vocabulary, ZeRO-3 over 4 ranks, one unit per
-    layer (a few larger collectives per step keep 2 x 200 steps inside the test's budget)."""
+    layer (a few larger collectives per step keep the runs inside the test's budget)."""
     from layouts import small_config
     extra = {"zero_quantized_weights": True, "zero_quantized_gradients": True} if quantized else {}
     return small_config(stage=3, steps=steps, micro=2, global_batch=8, bf16=bf16, lr=3e-3, clip=1.0,
@@ -199,8 +199,9 @@ def corpus_worker(ctx, prefix: str, index_dir: str, runs: list):
 
 
 def test_quantized_training_follows_the_unquantized_curve(dist_pool, tmp_path):
-    """qwZ + qgZ for 200 steps (fp32) end within 2% of the unquantized run's loss (the mean of the
-    last 10 steps); a bf16 run's 20 steps stay as close."""
+    """qwZ + qgZ for 40 steps (fp32) end within 2% of the unquantized run's loss (the mean of the
+    last 10 steps); a bf16 run's 20 steps stay as close. Measured: +0.12% at 60 steps and at 200
+    (docs/zero.md), bf16 +0.24%."""
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.data.default_data import prepare_default_data
     prefix, _ = prepare_default_data(progress=False)

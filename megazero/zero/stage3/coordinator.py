@@ -44,6 +44,7 @@ from megazero.core import comm
 from megazero.core.errors import UsageError
 from ..config import ZeroConfig
 from .adaptive_prefetch import AdaptivePrefetch
+from .leaves import OnBackward
 from .units import ParamStatus, Unit, UnitStore
 
 # Gathers issued and not yet waited for. A backend runs one communicator's collectives one after
@@ -55,20 +56,6 @@ MAX_GATHERS_IN_FLIGHT = 2
 
 _END_OF_PASS = -1             # a rank's "use" at the end of a recording pass, in the trace check
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
-
-
-class _BeforeBackward(torch.autograd.Function):
-    """Identity on a module's outputs whose backward gathers the module's units first."""
-
-    @staticmethod
-    def forward(ctx, coordinator, module, *tensors):
-        ctx.coordinator, ctx.module = coordinator, module
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.coordinator.before_backward(ctx.module)
-        return (None, None, *grads)
 
 
 class Trace:
@@ -180,7 +167,7 @@ class GatherCoordinator:
         if not torch.is_grad_enabled():
             return output
         if isinstance(output, torch.Tensor):
-            return _BeforeBackward.apply(self, module, output)[0] if output.requires_grad else output
+            return OnBackward.apply(self.before_backward, module, output)[0] if output.requires_grad else output
         leaves, spec = pytree.tree_flatten(output)
         for leaf in leaves:
             if not isinstance(leaf, (torch.Tensor, *_PLAIN_LEAVES)):
@@ -192,7 +179,7 @@ class GatherCoordinator:
         grad_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not grad_at:
             return output
-        wrapped = _BeforeBackward.apply(self, module, *(leaves[i] for i in grad_at))
+        wrapped = OnBackward.apply(self.before_backward, module, *(leaves[i] for i in grad_at))
         for i, tensor in zip(grad_at, wrapped):
             leaves[i] = tensor
         return pytree.tree_unflatten(leaves, spec)

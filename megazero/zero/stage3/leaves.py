@@ -74,18 +74,20 @@ def find_leaf_modules(modules: list[nn.Module], zero: ZeroConfig, group: comm.Gr
     return found
 
 
-class _AfterLeafBackward(torch.autograd.Function):
-    """Identity on a leaf's inputs; its backward runs once the gradients of the leaf's inputs are
-    computed, i.e. after every gradient of the leaf's own parameters this backward brings."""
+class OnBackward(torch.autograd.Function):
+    """Identity on `tensors`; its backward calls `callback(module)` once the gradients reaching
+    them arrive. On a module's outputs that is just before the module's backward (stage 3 gathers
+    its units there); on a leaf's inputs, just after it (every gradient of the leaf's own parameters
+    from this backward is then computed)."""
 
     @staticmethod
-    def forward(ctx, done, module, *tensors):
-        ctx.done, ctx.module = done, module
+    def forward(ctx, callback, module, *tensors):
+        ctx.callback, ctx.module = callback, module
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.done(ctx.module)
+        ctx.callback(ctx.module)
         return (None, None, *grads)
 
 
@@ -102,7 +104,7 @@ def on_leaf_backward(leaves, done) -> None:
         at = [i for i, a in enumerate(leaves_) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not at:
             return None
-        wrapped = _AfterLeafBackward.apply(done, module, *(leaves_[i] for i in at))
+        wrapped = OnBackward.apply(done, module, *(leaves_[i] for i in at))
         for i, t in zip(at, wrapped):
             leaves_[i] = t
         return pytree.tree_unflatten(leaves_, spec)
