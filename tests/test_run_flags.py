@@ -339,15 +339,20 @@ def test_accepted_flags_and_their_settings():
     assert cfg.wall_clock_breakdown and cfg.run.manual_gc_interval == 3 and cfg.run.empty_unused_memory_level == 2
 
 
-def test_logged_norms_and_zeros_are_the_models():
+@pytest.mark.parametrize("home", ["device", "nvme"])
+def test_logged_norms_and_zeros_are_the_models(home, tmp_path):
     """--log-params-norm is the L2 norm of every parameter; --log-num-zeros-in-grad counts the zeros of
     the step's gradients as plain autograd on the same model and batch gives them (the vocabulary's
-    padding rows, never used, are among them)."""
+    padding rows, never used, are among them). Also with stage 3's weights in swap files, two held
+    in host memory at a time: the norm reads every unit's chunk through the home."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.models.gpt import GPT
     from megazero.training import MicrobatchSource, setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
-    cfg = small_config(steps=1, global_batch=4)
+    nvme = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2},
+            "param_persistence_threshold": 0}
+    cfg = small_config(steps=1, global_batch=4, stage=3 if home == "nvme" else 0,
+                       zero_extra=nvme if home == "nvme" else None)
     cfg.run.log_num_zeros_in_grad = True
     cfg.model.padded_vocab_size = 64
     state = setup(cfg, ProcessGroups.single())
