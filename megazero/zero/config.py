@@ -294,9 +294,6 @@ def _check_offload(config: ZeroConfig, where: str, name) -> None:
     if ratio != 1.0:
         raise UsageError(f"{where}.zenflow with offload_optimizer.ratio = {ratio}: ZenFlow takes every "
                          f"optimizer state to host memory; set ratio 1.0 or remove zenflow")
-    if zenflow.offload:
-        raise UsageError(f"{where}.zenflow.offload = true is not supported yet (the important columns' "
-                         f"states stay on the device); remove it or set it to false")
     if zenflow.update_interval == "auto":
         raise UsageError(f"{where}.zenflow.update_interval \"auto\" is not supported yet (windows of "
                          f"data-dependent length); set a number of steps, e.g. \"update_interval\": 4")

@@ -80,7 +80,8 @@ class ZenFlowConfig(_Block):
     overlap_step: bool = False
     """Run the CPU Adam while the next window's steps compute (its result lands one window later)."""
     offload: bool = False
-    """DeepSpeed: keep the important columns' Adam states in host memory too (not supported yet)."""
+    """Keep the selected columns' Adam moments in host memory; they visit the device for each step
+    (less device memory, two copies of them per step; the same numbers)."""
     auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
     """update_interval "auto": the fraction of parameters that must have caught up."""
     full_warm_up_rounds: int = Field(0, ge=0)
