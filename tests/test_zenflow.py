@@ -103,3 +103,7 @@ def test_the_planner_counts_zenflow_as_the_engine_does():
     assert flow["master"] == 0.5 * flow["host_master"] and flow["optimizer_states"] == 6 * flow["master"]
     # two fp32 accumulators and the fp32 gradients' copy: 12 bytes per element beside plain's staging
     assert flow["host_offload_buffers"] > plain["host_offload_buffers"] + 2 * flow["host_master"]
+    # offload: the selected moments move to host memory, the indices stay
+    away = plan_bytes(with_padded_vocab(cfg(2, zenflow(topk_ratio=0.5, update_interval=2, offload=True))), 2)
+    assert away["optimizer_states"] == 4 * away["master"] == 4 * flow["master"]
+    assert away["host_optimizer_states"] == plain["host_optimizer_states"] + 2 * flow["master"]
