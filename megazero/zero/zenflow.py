@@ -119,8 +119,9 @@ class ZenFlowOffload(OptimizerOffload):
 
     def view(self, kind: str, start: int, length: int) -> torch.Tensor:
         """As OptimizerOffload.view, after the host has become the record of every state (the
-        CPU Adam joined, the selected elements copied back); the device copies are taken again
-        from the host at the next step, as the caller may write the view (a checkpoint load)."""
+        CPU Adam joined, the selected master copied back, the selected moments spread over two
+        partition-sized host buffers); the device copies are taken again from the host at the
+        next step, as the caller may write the view (a checkpoint load)."""
         self.settle()
         if self.moments is None:
             self.moments = {kind: torch.zeros_like(self.acc) for kind in SELECTED_MOMENTS}
