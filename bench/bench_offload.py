@@ -31,7 +31,7 @@ had: the gap's cause in a short run from scratch); the wall_clock_breakdown
 thread) against the ms per step the training thread waited for it, and the step-phase ratio
 offload / ZenFlow (above 1: the CPU Adam is off the critical path).
 
-    python bench/bench_offload.py --zenflow --steps 200 --hidden 64 --layers 2 --threads 1   # ~45 min, 2 loaded cores
+    python bench/bench_offload.py --zenflow --steps 200 --hidden 64 --layers 2 --threads 1   # ~20 min, 2 loaded cores
 """
 from __future__ import annotations
 
