@@ -197,8 +197,6 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
     ({"zero_optimization": {"stage": 3, "compute_grad_norm": False}}, [],
      "compute_grad_norm = false is supported only at ZeRO stage 1 or 2"),
     ({"zero_optimization": {"stage": 2, "zenflow": {}}}, [], "zenflow works on optimizer offload to host"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"offload": True}}},
-     [], "zenflow.offload = true is not supported yet"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                             "zenflow": {"select_strategy": "step", "select_interval": 2, "update_interval": 4}}},
      [], "select_interval must be at least update_interval"),

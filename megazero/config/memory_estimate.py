@@ -348,7 +348,9 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
         out["master"], out["optimizer_states"] = 4 * resident, 8 * resident
         if cfg.zero.zenflow is not None:  # the selected columns' states and indices (two int64 each)
             selected = partition * cfg.zero.zenflow.topk_ratio
-            out["master"], out["optimizer_states"] = 4 * selected, 24 * selected
+            moments = 0 if cfg.zero.zenflow.offload else 8 * selected      # offload: in host memory
+            out["master"], out["optimizer_states"] = 4 * selected, 16 * selected + moments
+            offloaded["host_optimizer_states"] += 8 * selected - moments
     out["params"] -= offloaded["host_params"] + offloaded["nvme_params"]
     return {**out, **offloaded}
 

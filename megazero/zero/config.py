@@ -294,12 +294,10 @@ def _check_offload(config: ZeroConfig, where: str, name) -> None:
     if ratio != 1.0:
         raise UsageError(f"{where}.zenflow with offload_optimizer.ratio = {ratio}: ZenFlow takes every "
                          f"optimizer state to host memory; set ratio 1.0 or remove zenflow")
-    if zenflow.offload:
-        raise UsageError(f"{where}.zenflow.offload = true is not supported yet (the important columns' "
-                         f"states stay on the device); remove it or set it to false")
     if zenflow.update_interval == "auto":
-        raise UsageError(f"{where}.zenflow.update_interval \"auto\" is not supported yet (windows of "
-                         f"data-dependent length); set a number of steps, e.g. \"update_interval\": 4")
+        raise UsageError(f"{where}.zenflow.update_interval \"auto\" is not supported yet (windows that end "
+                         f"when the unselected columns' gradients catch up, per-parameter running sums a "
+                         f"checkpoint does not hold yet); set a number of steps, e.g. \"update_interval\": 4")
     fixed = zenflow.update_interval
     every = zenflow.select_every()
     if fixed is not None and 0 < every < fixed:

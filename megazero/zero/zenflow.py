@@ -1,30 +1,43 @@
 """ZenFlow (DeepSpeed's `zenflow` block): ZeRO-Offload without the CPU stall, for one storage.
 
 On top of optimizer offload to host memory (stages 1-3), each parameter is seen as a matrix of
-columns (its last dimension; a 1-D parameter is one column). After `full_warm_up_rounds` steps of
-plain offload, the columns with the largest gradient norm (`topk_ratio` of each parameter's, at
-least one when positive; the norm summed over the shard group, so every rank picks the same) are
-*selected*: their master weights and Adam moments are copied to the device and updated there every
-step. Every gradient also goes to the host, where it is accumulated in fp32 (`zenflow_acc`); every
-`update_interval` steps the CPU Adam applies the window's mean gradient to the host states and the
-device weights follow, except the selected ones, which the device keeps. With `overlap_step` the
-CPU Adam runs on a background thread while the next window computes; its result is applied at the
-end of that next window (a step boundary, on the training thread, after a join), so the device
-update and the host update never touch the same tensor at the same time. Selection is renewed at
-a window start every `select_interval` steps (or epochs); the old selection's device states go
-back to the host first.
+columns (its last dimension, a linear layer's input channels; a 1-D parameter is one column).
+After `full_warm_up_rounds` steps of plain offload, the columns with the largest gradient L1 norm
+(`topk_ratio` of each parameter's, at least one when positive; the norm summed over the shard
+group, so every rank picks the same) are *selected*: they are updated on the device every step by
+an Adam of their own, as DeepSpeed's selective optimizer: its master starts from the master of
+record, its moments from zero at every selection, and its step count from the end of the warm-up
+(it is not reset at a re-selection). Every gradient also goes to the host, where it is
+accumulated in fp32 (`zenflow_acc`); every `update_interval` steps the CPU Adam applies the
+window's mean gradient (DeepSpeed divides the loss by update_interval, its gradient accumulation
+steps) to the host states, with the step count and lr of the step that ends the window (as
+DeepSpeed's `step_id = micro_step + 1`: a window's bias correction is that of the global step, not
+of the number of windows), and the device weights follow, except the selected ones, which the
+device keeps. The CPU Adam's moments are its own for every column: a selection never copies them
+to or from the device. With `overlap_step` the CPU Adam runs on a background thread while the next
+window computes; its result is applied at the end of that next window (a step boundary, on the
+training thread, after a join), so the device update and the host update never touch the same
+tensor at the same time. Selection is renewed at a window start every `select_interval` steps (or
+epochs); the old selection's master goes back to the host first. With `offload` the selected
+columns' moments live in host memory and visit the device for their step (DeepSpeed's
+`zenflow.offload`): the same numbers, less device memory, two copies per step.
+
+Not followed: DeepSpeed's overlapped CPU process keeps two sets of Adam moments, one per gradient
+buffer, so each sees every other window; here one set sees every window (one optimizer, as its
+sequential mode, half the host memory). Its re-selection copies the device weights over the CPU
+master while the CPU may still be stepping it; here the CPU Adam is joined first.
 
 The two ends are exact: `topk_ratio` 1 is the device optimizer (every element selected, stepped
-with the global step count); `topk_ratio` 0 with `update_interval` 1 and no overlap is plain
-optimizer offload. The CPU Adam steps the whole partition (the selected elements' host states are
-stale copies, replaced when the selection moves), which wastes `topk_ratio` of its work but keeps
-it one contiguous pass per weight-decay run.
+with the global step count, moments from zero at step 1); `topk_ratio` 0 with `update_interval` 1
+and no overlap is plain optimizer offload. The CPU Adam steps the whole partition (the selected
+elements' host master is a stale copy, replaced when the selection moves), which wastes
+`topk_ratio` of its work but keeps it one contiguous pass per weight-decay run.
 
 Where everything is, given the step count t after the warm-up and the interval k: a window ends
 after steps k, 2k, ...; with overlap, a result is pending from the end of window 2 on. A
-checkpoint holds the host states of record (the selected ones copied back first), the weights in
-use ("param"), the accumulator, the selection mask and the pending result, so a run resumes
-exactly mid-window.
+checkpoint holds the host states of record (the selected master copied back first), the weights
+in use ("param"), the accumulator, the selection mask, the pending result and the selected
+columns' device moments, so a run resumes exactly mid-window.
 
 Owns the ZenFlow step of one storage; never decides when to step, gather or save.
 """
@@ -41,13 +54,15 @@ from megazero.ops.adam import adam_update
 from .offload import OFFLOADED_KINDS, OptimizerOffload, _nbytes
 
 ZENFLOW_KINDS = ("zenflow_acc", "zenflow_selected", "zenflow_pending")
+# The selected columns' device moments, at their elements of the partition (zero elsewhere).
+SELECTED_MOMENTS = {"zenflow_exp_avg": "exp_avg", "zenflow_exp_avg_sq": "exp_avg_sq"}
 
 
-def column_sumsq(piece: torch.Tensor, offset: int, columns: int) -> torch.Tensor:
-    """Sum of squares per column of a [rows, columns] matrix over the flat elements
-    [offset, offset + len(piece)) that `piece` holds (a partial first and last row allowed)."""
+def column_abs_sums(piece: torch.Tensor, offset: int, columns: int) -> torch.Tensor:
+    """L1 norm per column (DeepSpeed's importance) of a [rows, columns] matrix over the flat
+    elements [offset, offset + len(piece)) that `piece` holds (a partial first and last row allowed)."""
     out = torch.zeros(columns, dtype=torch.float32, device=piece.device)
-    sq = piece.float().square()
+    sq = piece.float().abs()
     col0 = offset % columns
     head = min(len(sq), (columns - col0) % columns)
     if head:
@@ -60,16 +75,16 @@ def column_sumsq(piece: torch.Tensor, offset: int, columns: int) -> torch.Tensor
     return out
 
 
-def top_columns(sumsq: torch.Tensor, ratio: float) -> torch.Tensor:
+def top_columns(norms: torch.Tensor, ratio: float) -> torch.Tensor:
     """Indices of the `ratio` largest columns (at least one when ratio > 0)."""
-    count = 0 if ratio <= 0 else max(1, int(ratio * len(sumsq)))
-    return torch.topk(sumsq, min(count, len(sumsq)), sorted=False).indices
+    count = 0 if ratio <= 0 else max(1, int(ratio * len(norms)))
+    return torch.topk(norms, min(count, len(norms)), sorted=False).indices
 
 
 class ZenFlowOffload(OptimizerOffload):
     """The ZenFlow step of one storage (see the module docstring)."""
-    kinds = OFFLOADED_KINDS + ZENFLOW_KINDS
-    checkpoint_kinds = OFFLOADED_KINDS + ("param",) + ZENFLOW_KINDS
+    kinds = OFFLOADED_KINDS + ZENFLOW_KINDS + tuple(SELECTED_MOMENTS)
+    checkpoint_kinds = OFFLOADED_KINDS + ("param",) + ZENFLOW_KINDS + tuple(SELECTED_MOMENTS)
 
     def __init__(self, storage, config, sub_group_size, folder, name, *, zenflow, cpu_threads: int):
         super().__init__(storage, config, sub_group_size, folder, name)
@@ -87,7 +102,10 @@ class ZenFlowOffload(OptimizerOffload):
         self.mask = torch.zeros(n, dtype=torch.float32, device="cpu")      # 1: selected element
         self.groups: list[dict] = []      # per weight decay: device index and states of the selected
         self.stale = True                 # device states to be taken from the host (after a load)
-        self.on_host = True               # host states hold the selected elements' values too
+        self.on_host = True               # the host master holds the selected elements' values too
+        # The selected moments spread over the partition, while a checkpoint reads or writes them.
+        self.moments: dict[str, torch.Tensor] | None = None
+        self.moments_host = dict(device="cpu", pin_memory=pin) if zenflow.offload else None
         self.thread: threading.Thread | None = None
         self.thread_done = None
         self.stats = {"cpu_adam_ms": 0.0, "wait_ms": 0.0, "cpu_updates": 0}
@@ -101,39 +119,45 @@ class ZenFlowOffload(OptimizerOffload):
 
     def view(self, kind: str, start: int, length: int) -> torch.Tensor:
         """As OptimizerOffload.view, after the host has become the record of every state (the
-        CPU Adam joined, the selected elements copied back); the device copies are taken again
-        from the host at the next step, as the caller may write the view (a checkpoint load)."""
+        CPU Adam joined, the selected master copied back, the selected moments spread over two
+        partition-sized host buffers); the device copies are taken again from the host at the
+        next step, as the caller may write the view (a checkpoint load)."""
         self.settle()
+        if self.moments is None:
+            self.moments = {kind: torch.zeros_like(self.acc) for kind in SELECTED_MOMENTS}
+            for g in self.groups:
+                for name, state in SELECTED_MOMENTS.items():
+                    self.moments[name].index_copy_(0, g["host_index"], g[state].to("cpu"))
         self.stale = True
-        extra = {"zenflow_acc": self.acc, "zenflow_selected": self.mask, "zenflow_pending": self._updated()}
+        extra = {"zenflow_acc": self.acc, "zenflow_selected": self.mask, "zenflow_pending": self._updated(),
+                 **self.moments}
         if kind in extra:
             return extra[kind][start:start + length]
         return super().view(kind, start, length)
 
     def settle(self) -> None:
-        """Joins the CPU Adam and copies the selected elements' device states to the host states
+        """Joins the CPU Adam and copies the selected elements' device master to the host master
         (and to the pending weights, which would otherwise carry the CPU's stale copy of them)."""
         self._join()
         if self.on_host:
             return
         for g in self.groups:
             idx = g["host_index"]
-            for kind in OFFLOADED_KINDS:
-                self.host[kind].index_copy_(0, idx, g[kind].to("cpu"))
+            self.host["fp32"].index_copy_(0, idx, g["fp32"].to("cpu"))
             if self.lp is not None:
                 self.lp.index_copy_(0, idx, g["fp32"].to("cpu").to(self.lp.dtype))
         self.on_host = True
 
     # --- selection --------------------------------------------------------------------------------
     def _select(self, storage) -> None:
-        """Chooses the columns by this step's gradient norms, summed over the shard group."""
+        """Chooses the columns by this step's gradient L1 norms, summed over the shard group."""
         pieces, sums = [], []
         for i, param in enumerate(storage.params):
             piece = storage.layout.local_piece(i)
             shape = storage.full_shape(i)
             columns = shape[-1] if len(shape) >= 2 else 1
             grad = storage.local_view(param, "grad") if piece is not None else None
-            sums.append(column_sumsq(grad, piece.param_offset, columns) if piece is not None
+            sums.append(column_abs_sums(grad, piece.param_offset, columns) if piece is not None
                         else torch.zeros(columns, device=storage.device))
             pieces.append((piece, columns))
         flat = torch.cat(sums) if sums else torch.zeros(0, device=storage.device)
@@ -153,7 +177,8 @@ class ZenFlowOffload(OptimizerOffload):
         self.mask.copy_(mask)
 
     def _take_selection(self, storage) -> None:
-        """The device states of the selected elements (per weight decay), from the host states."""
+        """The device states of the selected elements (per weight decay): the master from the host
+        master, the moments from a checkpoint's (`self.moments`) or zero (a new selection)."""
         self.groups = []
         by_wd: dict[float, list[torch.Tensor]] = {}
         for start, end, wd in self.partition_runs:
@@ -163,15 +188,19 @@ class ZenFlowOffload(OptimizerOffload):
         bucket_starts = [b.local_offset for b in storage.layout.buckets]
         for wd, hits in by_wd.items():
             idx = torch.cat(hits)
-            g = {"wd": wd, "host_index": idx, "index": idx.to(storage.device)}
-            for kind in OFFLOADED_KINDS:
-                g[kind] = self.host[kind].index_select(0, idx).to(storage.device)
+            g = {"wd": wd, "host_index": idx, "index": idx.to(storage.device),
+                 "fp32": self.host["fp32"].index_select(0, idx).to(storage.device)}
+            where = self.moments_host or dict(device=storage.device)
+            for kind, state in SELECTED_MOMENTS.items():
+                g[state] = torch.zeros(len(idx), dtype=torch.float32, **where)
+                if self.moments is not None:
+                    g[state].copy_(self.moments[kind].index_select(0, idx))
             # Per bucket: the run of `index` inside it, as indices into that bucket's chunk.
             cuts = torch.searchsorted(idx, torch.tensor(bucket_starts + [storage.layout.partition_size])).tolist()
             g["buckets"] = [(b, cuts[b], cuts[b + 1], g["index"][cuts[b]:cuts[b + 1]] - bucket_starts[b])
                             for b in range(len(bucket_starts)) if cuts[b + 1] > cuts[b]]
             self.groups.append(g)
-        self.stale, self.on_host = False, not self.groups
+        self.stale, self.on_host, self.moments = False, not self.groups, None
 
     # --- the step ---------------------------------------------------------------------------------
     def step(self, storage, step: int, lr: float, config, grad_scale: float) -> None:
@@ -186,21 +215,30 @@ class ZenFlowOffload(OptimizerOffload):
         window_start = (t - 1) % k == 0
         if t == 1 or (window_start and every > 0 and (t - 1) // every != (t - 1 - k) // every):
             self.settle()
+            self.moments = None          # a new selection's moments start from zero
             self._select(storage)
             self._take_selection(storage)
         elif self.stale:
             self.settle()
             self._take_selection(storage)
-        for g in self.groups:           # the selected elements: Adam on the device, every step
-            grad = torch.cat([storage.grad_chunk(b).index_select(0, rel) for b, _, _, rel in g["buckets"]])
-            adam_update(g["fp32"], grad, g["exp_avg"], g["exp_avg_sq"], step=step, lr=lr, config=config,
-                        weight_decay=g["wd"], grad_scale=grad_scale)
-        self.on_host = self.on_host and not self.groups
-        self._write_selected(storage)
+        self._step_selected(storage, t, lr, config, grad_scale)
         self._accumulate(storage, grad_scale)
         if t % k == 0:
-            self._end_window(storage, flow.full_warm_up_rounds + t // k, lr, config, k,
-                             pending=flow.overlap_step and t >= 2 * k)
+            self._end_window(storage, step, lr, config, k, pending=flow.overlap_step and t >= 2 * k)
+
+    def _step_selected(self, storage, t: int, lr: float, config, grad_scale: float) -> None:
+        """Adam on the device for the selected elements, the t-th step of their own optimizer
+        (their moments fetched from and returned to the host with `offload`)."""
+        for g in self.groups:
+            grad = torch.cat([storage.grad_chunk(b).index_select(0, rel) for b, _, _, rel in g["buckets"]])
+            m, v = (g[state].to(storage.device, non_blocking=True) for state in ("exp_avg", "exp_avg_sq"))
+            adam_update(g["fp32"], grad, m, v, step=t, lr=lr, config=config, weight_decay=g["wd"],
+                        grad_scale=grad_scale)
+            if m is not g["exp_avg"]:      # offload: back to the host (waited on in _accumulate)
+                g["exp_avg"].copy_(m, non_blocking=True)
+                g["exp_avg_sq"].copy_(v, non_blocking=True)
+        self.on_host = self.on_host and not self.groups
+        self._write_selected(storage)
 
     def _write_selected(self, storage) -> None:
         for g in self.groups:
@@ -213,12 +251,13 @@ class ZenFlowOffload(OptimizerOffload):
         for b, bucket in enumerate(storage.layout.buckets):
             self.grad_in[bucket.local_offset:bucket.local_offset + bucket.chunk].copy_(
                 storage.grad_chunk(b), non_blocking=True)
-        self.copied.record()
+        self.copied.record()       # the gradients and (offload) the selected moments have arrived
         self.copied.synchronize()
         self.acc.add_(self.grad_in, alpha=grad_scale)
 
     def _end_window(self, storage, cpu_step: int, lr: float, config, k: int, pending: bool) -> None:
-        """The window's CPU Adam: at once, or (overlap) on a thread after applying the last one's."""
+        """The window's CPU Adam, with the step count of the step that ends it: at once, or
+        (overlap) on a thread after applying the last window's."""
         if not self.flow.overlap_step:
             self._cpu_adam(self.acc, cpu_step, lr, config, 1.0 / k, None)   # every thread: nothing beside it
             self._apply(storage)
@@ -276,10 +315,14 @@ class ZenFlowOffload(OptimizerOffload):
     def memory_bytes(self) -> dict[str, int]:
         out = super().memory_bytes()
         for g in self.groups:       # the selected elements' device states, and their indices
+            moments = _nbytes(g["exp_avg"]) + _nbytes(g["exp_avg_sq"])
             out["master"] += _nbytes(g["fp32"])
-            out["optimizer_states"] += _nbytes(g["exp_avg"]) + _nbytes(g["exp_avg_sq"]) + _nbytes(
+            out["optimizer_states"] += (0 if self.flow.offload else moments) + _nbytes(
                 g["index"]) + sum(_nbytes(rel) for *_, rel in g["buckets"])
+            if self.flow.offload:
+                out["host_optimizer_states"] += moments
         extra = [self.acc, self.grad_in, self.lp] + ([self.window_grad] if self.flow.overlap_step else [])
+        extra += list((self.moments or {}).values())
         out["host_offload_buffers"] += sum(_nbytes(t) for t in extra)
         return out
 
