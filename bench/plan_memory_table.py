@@ -134,7 +134,7 @@ def _describe(layout) -> str:
 
 
 # --- measured peak ------------------------------------------------------------------------------
-def _status_bytes(key: str) -> int:
+def status_bytes(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -142,7 +142,7 @@ def _status_bytes(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}; the measured peak needs Linux")
 
 
-def _fresh_high_water_mark() -> int:
+def fresh_high_water_mark() -> int:
     """Makes freed memory leave the process and restarts the kernel's peak count; returns the
     resident bytes now (the baseline)."""
     libc = ctypes.CDLL("libc.so.6")
@@ -152,7 +152,7 @@ def _fresh_high_water_mark() -> int:
     libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                   # resets VmHWM to the current resident size
-    return _status_bytes("VmRSS")
+    return status_bytes("VmRSS")
 
 
 def _train(cfg, groups, steps: int) -> None:
@@ -173,9 +173,9 @@ def measured_peak_worker(ctx, layout, model, vocab: int, steps: int = 2):
     if groups is None:
         return None
     _train(layout_config(layout), groups, 1)
-    base = _fresh_high_water_mark()
+    base = fresh_high_water_mark()
     _train(layout_config(layout, model, vocab), groups, steps)
-    peak = _status_bytes("VmHWM") - base
+    peak = status_bytes("VmHWM") - base
     gc.collect()
     return peak
 

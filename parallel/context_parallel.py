@@ -149,18 +149,28 @@ def ulysses_attention(q, k, v, group: Group, dropout_p: float = 0.0, backend: st
     return _HeadsToSeq.apply(out, group).flatten(2)
 
 
+@functools.lru_cache(maxsize=8)
+def _visible_bias(local_length: int, cp_rank: int, cp: int, device: torch.device, dtype) -> torch.Tensor:
+    """(local, N*local) additive mask of this rank's queries over the gathered keys: 0 where the key's
+    true position is at or before the query's, -inf after. One tensor for every layer and
+    microbatch: SDPA saves a float mask it is given as it is, but turns a boolean one into a float
+    copy per call, which autograd then holds until the layer's backward (measured on the CPU:
+    layers x local x N*local x 4 bytes more at the step's peak)."""
+    query_pos = local_positions(local_length, cp_rank, cp, device)
+    key_pos = ring_positions(local_length, cp, device)
+    hidden = key_pos.unsqueeze(0) > query_pos.unsqueeze(1)
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+
+
 def allgather_attention(q, k, v, group: Group, dropout_p: float = 0.0):
     """allgather: local queries over all-gathered K/V, masked by true positions."""
-    local = q.shape[1]
-    query_pos = local_positions(local, group.rank, group.size, q.device)
-    key_pos = ring_positions(local, group.size, q.device)
+    bias = _visible_bias(q.shape[1], group.rank, group.size, q.device, q.dtype)
     k, v = (_GatherSequence.apply(t, group) for t in (k, v))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if k.shape[1] != q.shape[1] and not SDPA_HAS_GQA:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     extra = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout_p, **extra)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, **extra)
     return out.transpose(1, 2).flatten(2)
 
 

@@ -41,7 +41,8 @@ once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation
 of each checkpointed layer group. The logits add s·b·V/t elements in fp32 (and their gradient): an
 upper bound, since the fused output layer and loss (models/loss.py) hold one chunk of them at a time.
 Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
-(`cp_saved_per_layer`) and, to the comm buffers, its transient blocks (`cp_transient_bytes`).
+(`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
+transient blocks (`cp_transient_bytes`).
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     else:
         per_micro = layers * full_layer
     logits = tokens * m.padded_vocab_size / tp * (4 + 4 + weight_bytes)
-    return per_micro * in_flight + logits
+    return per_micro * in_flight + logits + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
 
 
 def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
@@ -139,6 +140,12 @@ def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_t
     if comm_type == "allgather":
         return 2 * seq * micro * groups * m.head_dim * weight_bytes
     return 0.0
+
+
+def cp_mask_bytes(seq: int, cp: int, comm_type: str, weight_bytes: int) -> float:
+    """allgather's additive mask of the local queries over the whole sequence, in the activations'
+    dtype: one tensor that every layer's attention saves (parallel.context_parallel._visible_bias)."""
+    return seq / cp * seq * weight_bytes if cp > 1 and comm_type == "allgather" else 0.0
 
 
 def cp_transient_bytes(cfg: TrainConfig) -> float:
