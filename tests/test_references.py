@@ -181,19 +181,20 @@ def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monk
     if adam == "torch-adam":           # megazero's torch reference Adam instead of the C++ kernel
         monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
     write_corpus(tmp_path / "corpus")
-    seen: list[list[torch.Tensor]] = []
+    seen_at: dict[int, list[torch.Tensor]] = {}
     batch = training.MicrobatchSource.batch
 
     def recording(source, i):          # the tokens pretrain_gpt trains on, step by step
         out = batch(source, i)
-        seen.append([t.clone() for t in out])
+        seen_at[i] = [t.clone() for t in out]    # by step: a read-ahead thread may fetch out of order
         return out
 
     monkeypatch.setattr(training.MicrobatchSource, "batch", recording)
     code, out = run_main(pretrain_argv(tmp_path, style), capsys)
     assert code == 0, out.err
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(seen) == STEPS and all(len(mbs) == GLOBAL // MICRO for mbs in seen)
+    seen = [seen_at[i] for i in sorted(seen_at)]
+    assert sorted(seen_at) == list(range(STEPS)) and all(len(mbs) == GLOBAL // MICRO for mbs in seen)
 
     cfg = GPTConfig(vocab_size=TOKENS + 1, padded_vocab_size=128, **MODEL)
     model = plain_gpt(cfg, SEED)
