@@ -149,7 +149,9 @@ def ulysses_attention(q, k, v, group: Group, dropout_p: float = 0.0, backend: st
     return _HeadsToSeq.apply(out, group).flatten(2)
 
 
-@functools.lru_cache(maxsize=8)
+# Two entries (a training and an evaluation length): each is a (seq/cp x seq) device tensor, kept
+# for the process's life once built.
+@functools.lru_cache(maxsize=2)
 def _visible_bias(local_length: int, cp_rank: int, cp: int, device: torch.device, dtype) -> torch.Tensor:
     """(local, N*local) additive mask of this rank's queries over the gathered keys: 0 where the key's
     true position is at or before the query's, -inf after. One tensor for every layer and

@@ -62,15 +62,15 @@ def column_abs_sums(piece: torch.Tensor, offset: int, columns: int) -> torch.Ten
     """L1 norm per column (DeepSpeed's importance) of a [rows, columns] matrix over the flat
     elements [offset, offset + len(piece)) that `piece` holds (a partial first and last row allowed)."""
     out = torch.zeros(columns, dtype=torch.float32, device=piece.device)
-    sq = piece.float().abs()
+    absolute = piece.float().abs()
     col0 = offset % columns
-    head = min(len(sq), (columns - col0) % columns)
+    head = min(len(absolute), (columns - col0) % columns)
     if head:
-        out[col0:col0 + head] += sq[:head]
-    rows = (len(sq) - head) // columns
+        out[col0:col0 + head] += absolute[:head]
+    rows = (len(absolute) - head) // columns
     if rows:
-        out += sq[head:head + rows * columns].view(rows, columns).sum(0)
-    tail = sq[head + rows * columns:]
+        out += absolute[head:head + rows * columns].view(rows, columns).sum(0)
+    tail = absolute[head + rows * columns:]
     out[:len(tail)] += tail
     return out
 
