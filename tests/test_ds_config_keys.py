@@ -200,8 +200,6 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                             "zenflow": {"select_strategy": "step", "select_interval": 2, "update_interval": 4}}},
      [], "select_interval must be at least update_interval"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}},
-     [], "zenflow.update_interval \"auto\" is not supported yet"),
     ({"zero_optimization": {"stage": 2, "leaf_module": {"classes": ["MLP"]}}}, [],
      "leaf_module acts on stage 3's units"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, [],
@@ -212,6 +210,19 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
 def test_errors_name_the_key(tmp_path, ds, flags, expected):
     message = _error(lambda: _config(tmp_path, ds, *flags))
     assert expected.format(path=tmp_path / "ds.json") in message, message
+
+
+def test_zenflow_tutorial_config_is_taken_as_written(tmp_path):
+    """DeepSpeed's ZenFlow tutorial block ("auto" selection and update interval) is accepted: the
+    "auto" update interval is zenflow_windows.py's rule (it was refused before it existed)."""
+    block = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
+             "update_interval": "auto", "full_warm_up_rounds": 0, "overlap_step": True}
+    offload = {"device": "cpu", "pin_memory": True}
+    flow = _config(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": offload,
+                                                    "zenflow": block}}).zero.zenflow
+    assert (flow.update_interval, flow.select_strategy, flow.topk_ratio, flow.overlap_step) == (
+        "auto", "auto", 0.05, True)
+    assert flow.select_every() == 0          # "epoch" without steps_per_epoch: selected once
 
 
 def test_deepspeed_defaults_yield_to_flags(tmp_path):

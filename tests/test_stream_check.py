@@ -279,9 +279,12 @@ def grid(tmp: str) -> list:
             "stage3_granularity": "layer"}), None),
         ("stage 3 tp 2 dp 2, params on nvme", 4, {}, _grid_config(3, tp=2, dp=2, zero_extra={
             "offload_param": nvme}), None),
-        ("stage 3 dp 2 bf16 ZenFlow, CPU Adam thread overlapped", 2, {}, _bf16(_grid_config(3, dp=2, zero_extra={
+        # update_interval "auto" with auto_ratio 0 ends every window (the CPU Adam thread runs each step)
+        # through the window decision's reductions.
+        ("stage 3 dp 2 bf16 ZenFlow auto, CPU Adam thread overlapped", 2, {}, _bf16(_grid_config(3, dp=2, zero_extra={
             "offload_optimizer": {"device": "cpu"},
-            "zenflow": {"topk_ratio": 0.5, "update_interval": 1, "overlap_step": True}})), None),
+            "zenflow": {"topk_ratio": 0.5, "update_interval": "auto", "auto_ratio": 0.0, "overlap_step": True}})),
+         None),
         ("stage 3 pp 2 dp 2 1f1b, overlapped p2p", 4, {}, _overlapped(_grid_config(3, pp=2, dp=2,
                                                                                    schedule="1f1b")), None),
         ("stage 1 pp 2 tp 2 interleaved, overlapped p2p", 4, {}, _overlapped(_grid_config(

@@ -79,6 +79,9 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
         tensors[f"rng/{key}"] = value.clone()
     index = {"rank": groups.rank, "coords": list(groups.coords), "pieces": pieces,
              "rng": {key: crc32(value) for key, value in rng.items()}, "layout_key": layout_key(state)}
+    if engine.zenflow_windows is not None:     # ZenFlow's "auto" window: this rank's running sums
+        index["zenflow_window"] = engine.zenflow_windows.state_dict(engine.storages(),
+                                                                    lambda p: canonical_name(p, engine))
     return tensors, index
 
 

@@ -294,13 +294,9 @@ def _check_offload(config: ZeroConfig, where: str, name) -> None:
     if ratio != 1.0:
         raise UsageError(f"{where}.zenflow with offload_optimizer.ratio = {ratio}: ZenFlow takes every "
                          f"optimizer state to host memory; set ratio 1.0 or remove zenflow")
-    if zenflow.update_interval == "auto":
-        raise UsageError(f"{where}.zenflow.update_interval \"auto\" is not supported yet (windows that end "
-                         f"when the unselected columns' gradients catch up, per-parameter running sums a "
-                         f"checkpoint does not hold yet); set a number of steps, e.g. \"update_interval\": 4")
     fixed = zenflow.update_interval
     every = zenflow.select_every()
-    if fixed is not None and 0 < every < fixed:
+    if fixed != "auto" and 0 < every < fixed:
         raise UsageError(f"{where}.zenflow: columns are selected every {every} steps but updated every "
                          f"{fixed}; select_interval must be at least update_interval")
 

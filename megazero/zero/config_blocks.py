@@ -75,16 +75,17 @@ class ZenFlowConfig(_Block):
     select_interval: Union[Literal["auto"], int] = "auto"
     """How often the important columns are chosen again (0: only once, after the warm-up)."""
     update_interval: Union[Literal["auto"], int] = "auto"
-    """Steps whose accumulated gradients the CPU Adam applies at once. DeepSpeed's "auto" ends a
-    window when, for auto_ratio of the 2-D parameters, the unselected columns' accumulated gradient
-    L1 has caught up with the selected ones' running mean; not supported yet (refused)."""
+    """Steps whose accumulated gradients the CPU Adam applies at once. "auto" (DeepSpeed's rule,
+    zero/zenflow_windows.py): a window ends when, for auto_ratio of the matrices, the unselected
+    columns' gradient L1 summed over the window has caught up, column for column, with the
+    selected ones' mean per step."""
     overlap_step: bool = False
     """Run the CPU Adam while the next window's steps compute (its result lands one window later)."""
     offload: bool = False
     """Keep the selected columns' Adam moments in host memory; they visit the device for each step
     (less device memory, two copies of them per step; the same numbers)."""
     auto_ratio: float = Field(0.99, ge=0.0, le=1.0)
-    """update_interval "auto": the fraction of parameters that must have caught up."""
+    """update_interval "auto": the fraction of matrices that must have caught up."""
     full_warm_up_rounds: int = Field(0, ge=0)
     """Steps of plain optimizer offload before the first selection."""
     pt_reserved_cores_perc: float = Field(0.5, ge=0.0, le=1.0)

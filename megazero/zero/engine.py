@@ -36,6 +36,7 @@ from .stage3.coordinator import GatherCoordinator
 from .stage3.leaves import find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStore
 from .zenflow import ZenFlowOffload
+from .zenflow_windows import AutoWindows
 from .storage import PartitionedStorage, ReductionQueue
 
 
@@ -96,6 +97,7 @@ class ZeroEngine:
         for storage in self.storages():
             storage.plan(self._weight_decay_of, counts_in_norm,
                          (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group)
+        self.zenflow_windows: AutoWindows | None = None     # zenflow.update_interval "auto"
         if zero.offloads_optimizer:
             self._offload_optimizer()
         self.host_copies = HostCopies()           # states moved by offload_states
@@ -190,7 +192,10 @@ class ZeroEngine:
         make = None
         if self.zero.zenflow is not None:   # the CPU Adam's threads: those the training leaves
             threads = max(1, round(torch.get_num_threads() * (1 - self.zero.zenflow.pt_reserved_cores_perc)))
-            make = functools.partial(ZenFlowOffload, zenflow=self.zero.zenflow, cpu_threads=threads)
+            if self.zero.zenflow.update_interval == "auto":
+                self.zenflow_windows = AutoWindows(self.zero.zenflow, self.groups.model_parallel)
+            make = functools.partial(ZenFlowOffload, zenflow=self.zero.zenflow, cpu_threads=threads,
+                                     windows=self.zenflow_windows)
         for i, storage in enumerate(self.storages()):
             name = "units" if storage is self.store else f"group{i}"
             storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name,
@@ -306,6 +311,8 @@ class ZeroEngine:
         if self.clip_grad > 0 and norm > self.clip_grad:
             coef *= self.clip_grad / (norm + 1e-6)
         self.step_count += 1
+        if self.zenflow_windows is not None:      # one window decision for every storage, first
+            self.zenflow_windows.decide(self.storages(), self.step_count, coef)
         for storage in self.storages():
             storage.step(self.step_count, lr, self.adam, coef)
         self.loss_scaler.update(False)

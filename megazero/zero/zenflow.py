@@ -1,18 +1,21 @@
 """ZenFlow (DeepSpeed's `zenflow` block): ZeRO-Offload without the CPU stall, for one storage.
 
 On top of optimizer offload to host memory (stages 1-3), each parameter is seen as a matrix of
-columns (its last dimension, a linear layer's input channels; a 1-D parameter is one column).
+columns (its last dimension, a linear layer's input channels, an embedding's hidden channels, as
+DeepSpeed's `weight[:, j]`, embeddings and the tied output layer included; a 1-D parameter is one
+column, so it is always selected whole).
 After `full_warm_up_rounds` steps of plain offload, the columns with the largest gradient L1 norm
 (`topk_ratio` of each parameter's, at least one when positive; the norm summed over the shard
 group, so every rank picks the same) are *selected*: they are updated on the device every step by
 an Adam of their own, as DeepSpeed's selective optimizer: its master starts from the master of
 record, its moments from zero at every selection, and its step count from the end of the warm-up
 (it is not reset at a re-selection). Every gradient also goes to the host, where it is
-accumulated in fp32 (`zenflow_acc`); every `update_interval` steps the CPU Adam applies the
-window's mean gradient (DeepSpeed divides the loss by update_interval, its gradient accumulation
-steps) to the host states, with the step count and lr of the step that ends the window (as
-DeepSpeed's `step_id = micro_step + 1`: a window's bias correction is that of the global step, not
-of the number of windows), and the device weights follow, except the selected ones, which the
+accumulated in fp32 (`zenflow_acc`); every `update_interval` steps (with "auto": when the engine's
+AutoWindows, zenflow_windows.py, says the window ends) the CPU Adam applies the window's mean
+gradient (DeepSpeed divides the loss by update_interval, its gradient accumulation steps) to the
+host states, with the step count and lr of the step that ends the window (as DeepSpeed's
+`step_id = micro_step + 1`: a window's bias correction is that of the global step, not of the
+number of windows), and the device weights follow, except the selected ones, which the
 device keeps. The CPU Adam's moments are its own for every column: a selection never copies them
 to or from the device. With `overlap_step` the CPU Adam runs on a background thread while the next
 window computes; its result is applied at the end of that next window (a step boundary, on the
@@ -25,7 +28,9 @@ columns' moments live in host memory and visit the device for their step (DeepSp
 Not followed: DeepSpeed's overlapped CPU process keeps two sets of Adam moments, one per gradient
 buffer, so each sees every other window; here one set sees every window (one optimizer, as its
 sequential mode, half the host memory). Its re-selection copies the device weights over the CPU
-master while the CPU may still be stepping it; here the CPU Adam is joined first.
+master while the CPU may still be stepping it; here the CPU Adam is joined first. Its selective
+Adam takes the unclipped gradient; here both parts take the clipped one the step applies. It
+selects int(topk_ratio x columns), none for a narrow matrix; here at least one.
 
 The two ends are exact: `topk_ratio` 1 is the device optimizer (every element selected, stepped
 with the global step count, moments from zero at step 1); `topk_ratio` 0 with `update_interval` 1
@@ -33,11 +38,12 @@ and no overlap is plain optimizer offload. The CPU Adam steps the whole partitio
 elements' host master is a stale copy, replaced when the selection moves), which wastes
 `topk_ratio` of its work but keeps it one contiguous pass per weight-decay run.
 
-Where everything is, given the step count t after the warm-up and the interval k: a window ends
-after steps k, 2k, ...; with overlap, a result is pending from the end of window 2 on. A
-checkpoint holds the host states of record (the selected master copied back first), the weights
-in use ("param"), the accumulator, the selection mask, the pending result and the selected
-columns' device moments, so a run resumes exactly mid-window.
+Where everything is, given the step count t after the warm-up: a window of u steps ends at t (at
+t = k, 2k, ... for a fixed interval k); with overlap, a result is pending at a window's end when an
+earlier window ended (t > u). A checkpoint holds the host states of record (the selected master
+copied back first), the weights in use ("param"), the accumulator, the selection mask, the pending
+result and the selected columns' device moments (and, with "auto", the engine's AutoWindows its
+open window), so a run resumes exactly mid-window.
 
 Owns the ZenFlow step of one storage; never decides when to step, gather or save.
 """
@@ -86,9 +92,11 @@ class ZenFlowOffload(OptimizerOffload):
     kinds = OFFLOADED_KINDS + ZENFLOW_KINDS + tuple(SELECTED_MOMENTS)
     checkpoint_kinds = OFFLOADED_KINDS + ("param",) + ZENFLOW_KINDS + tuple(SELECTED_MOMENTS)
 
-    def __init__(self, storage, config, sub_group_size, folder, name, *, zenflow, cpu_threads: int):
+    def __init__(self, storage, config, sub_group_size, folder, name, *, zenflow, cpu_threads: int,
+                 windows=None):
         super().__init__(storage, config, sub_group_size, folder, name)
         self.flow, self.cpu_threads = zenflow, cpu_threads
+        self.windows = windows            # update_interval "auto": the engine's AutoWindows
         self.storage = storage
         n = storage.layout.partition_size
         pin = config.pin_memory and storage.device.type == "cuda"
@@ -112,6 +120,11 @@ class ZenFlowOffload(OptimizerOffload):
         self.partition_runs = [(storage.layout.buckets[b].local_offset + lo,
                                 storage.layout.buckets[b].local_offset + hi, wd)
                                for b, lo, hi, wd, _ in storage.runs]
+        # Where each parameter's piece starts in the partition, in order: an element's parameter.
+        pieces = sorted((piece.partition_offset, i) for i in range(len(storage.params))
+                        if (piece := storage.layout.local_piece(i)) is not None)
+        self.piece_starts = torch.tensor([start for start, _ in pieces], dtype=torch.long)
+        self.piece_params = torch.tensor([i for _, i in pieces], dtype=torch.long)
 
     # --- values of record -------------------------------------------------------------------------
     def _updated(self) -> torch.Tensor:
@@ -188,8 +201,10 @@ class ZenFlowOffload(OptimizerOffload):
         bucket_starts = [b.local_offset for b in storage.layout.buckets]
         for wd, hits in by_wd.items():
             idx = torch.cat(hits)
+            param_of = self.piece_params[torch.searchsorted(self.piece_starts, idx, right=True) - 1]
             g = {"wd": wd, "host_index": idx, "index": idx.to(storage.device),
-                 "fp32": self.host["fp32"].index_select(0, idx).to(storage.device)}
+                 "fp32": self.host["fp32"].index_select(0, idx).to(storage.device),
+                 "param_of": param_of.to(storage.device)}
             where = self.moments_host or dict(device=storage.device)
             for kind, state in SELECTED_MOMENTS.items():
                 g[state] = torch.zeros(len(idx), dtype=torch.float32, **where)
@@ -210,10 +225,22 @@ class ZenFlowOffload(OptimizerOffload):
             self.settle()
             super().step(storage, step, lr, config, grad_scale)
             return
-        k = int(flow.update_interval)
-        every = flow.select_every()
-        window_start = (t - 1) % k == 0
-        if t == 1 or (window_start and every > 0 and (t - 1) // every != (t - 1 - k) // every):
+        if self.windows is None:          # "auto": the engine's AutoWindows prepared the step
+            self.prepare(storage, t)
+        self._step_selected(storage, t, lr, config, grad_scale)
+        self._accumulate(storage, grad_scale)
+        if self.windows is not None:
+            ends, steps = self.windows.ends, self.windows.steps
+        else:
+            steps = int(flow.update_interval)
+            ends = t % steps == 0
+        if ends:
+            self._end_window(storage, step, lr, config, steps, pending=flow.overlap_step and t > steps)
+
+    def prepare(self, storage, t: int) -> None:
+        """The selection step t (after the warm-up) works with: chosen anew when due, at a window
+        start; taken again from the host after a checkpoint wrote it."""
+        if self._selection_due(t):
             self.settle()
             self.moments = None          # a new selection's moments start from zero
             self._select(storage)
@@ -221,16 +248,40 @@ class ZenFlowOffload(OptimizerOffload):
         elif self.stale:
             self.settle()
             self._take_selection(storage)
-        self._step_selected(storage, t, lr, config, grad_scale)
-        self._accumulate(storage, grad_scale)
-        if t % k == 0:
-            self._end_window(storage, step, lr, config, k, pending=flow.overlap_step and t >= 2 * k)
+
+    def _selection_due(self, t: int) -> bool:
+        every = self.flow.select_every()
+        if t == 1 or every <= 0:
+            return t == 1
+        if self.windows is not None:      # "auto" ends a window at every multiple of `every`
+            return (t - 1) % every == 0
+        k = int(self.flow.update_interval)
+        return (t - 1) % k == 0 and (t - 1) // every != (t - 1 - k) // every
+
+    def column_l1(self, storage, grad_scale: float) -> torch.Tensor:
+        """[parameters, 2]: the L1 norms of each parameter's selected and other elements' gradient
+        this step, as applied (times grad_scale), summed over the shard group ("auto"'s measure)."""
+        total = torch.zeros(len(storage.params), dtype=torch.float32, device=storage.device)
+        for i, param in enumerate(storage.params):
+            if storage.layout.local_piece(i) is not None:
+                total[i] = storage.local_view(param, "grad").float().abs().sum()
+        selected = torch.zeros_like(total)
+        for g in self.groups:
+            selected.index_add_(0, g["param_of"], self._selected_grad(storage, g).float().abs())
+        out = torch.stack([selected, (total - selected).clamp_min_(0.0)], 1).mul_(grad_scale)
+        if storage.shard is not None and storage.shard.size > 1:
+            comm.all_reduce(out, storage.shard)
+        return out
+
+    @staticmethod
+    def _selected_grad(storage, g: dict) -> torch.Tensor:
+        return torch.cat([storage.grad_chunk(b).index_select(0, rel) for b, _, _, rel in g["buckets"]])
 
     def _step_selected(self, storage, t: int, lr: float, config, grad_scale: float) -> None:
         """Adam on the device for the selected elements, the t-th step of their own optimizer
         (their moments fetched from and returned to the host with `offload`)."""
         for g in self.groups:
-            grad = torch.cat([storage.grad_chunk(b).index_select(0, rel) for b, _, _, rel in g["buckets"]])
+            grad = self._selected_grad(storage, g)
             m, v = (g[state].to(storage.device, non_blocking=True) for state in ("exp_avg", "exp_avg_sq"))
             adam_update(g["fp32"], grad, m, v, step=t, lr=lr, config=config, weight_decay=g["wd"],
                         grad_scale=grad_scale)
@@ -255,11 +306,11 @@ class ZenFlowOffload(OptimizerOffload):
         self.copied.synchronize()
         self.acc.add_(self.grad_in, alpha=grad_scale)
 
-    def _end_window(self, storage, cpu_step: int, lr: float, config, k: int, pending: bool) -> None:
+    def _end_window(self, storage, cpu_step: int, lr: float, config, steps: int, pending: bool) -> None:
         """The window's CPU Adam, with the step count of the step that ends it: at once, or
         (overlap) on a thread after applying the last window's."""
         if not self.flow.overlap_step:
-            self._cpu_adam(self.acc, cpu_step, lr, config, 1.0 / k, None)   # every thread: nothing beside it
+            self._cpu_adam(self.acc, cpu_step, lr, config, 1.0 / steps, None)   # every thread: nothing beside it
             self._apply(storage)
             self.acc.zero_()
             return
@@ -273,7 +324,7 @@ class ZenFlowOffload(OptimizerOffload):
         done.synchronize()
         grad = self.window_grad
         self.thread = threading.Thread(target=self._cpu_adam, name="zenflow-cpu-adam", daemon=True,
-                                       args=(grad, cpu_step, lr, config, 1.0 / k, self.cpu_threads))
+                                       args=(grad, cpu_step, lr, config, 1.0 / steps, self.cpu_threads))
         self.thread_done = host_thread_work(
             storage.device, "zenflow cpu adam", reads=[grad],
             writes=[t for t in (self.host["fp32"], self.host["exp_avg"], self.host["exp_avg_sq"], self.lp)

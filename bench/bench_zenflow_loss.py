@@ -1,0 +1,157 @@
+"""ZenFlow's loss against Adam's, part by part: where the gap of a short run from scratch comes from.
+
+One process, stage 2 fp32, the same model, init and data (the embedded stdlib corpus, vocabulary
+8192) on every side; --steps steps. Each side is a `zenflow` block, sometimes with one part of the
+algorithm changed by a patch of this script (not a feature of megazero):
+
+  device <names>   those parameters (name prefixes) always selected: stepped on the device every step
+  window steps     the CPU Adam's bias correction counts windows (1, 2, ...) instead of the global
+                   step at the window's end (DeepSpeed's step_id, megazero's rule)
+  summed           the CPU Adam takes the window's summed gradient instead of its mean
+
+Printed per side: the final loss (mean of the last 10 steps), its gap to the device Adam's and the
+number of CPU Adam windows (the updates the unselected columns got), and the device Adam's loss
+after steps / 4 steps (as many updates as they get at update_interval 4). `--schedule pretrain` uses pretrain_gpt.py's optimizer defaults (warmup 20,
+cosine to lr / 10, beta2 0.95, clip 1.0); `bench` those of bench_offload.py --zenflow (constant lr,
+beta2 0.999, clip 1.0).
+
+    python bench/bench_zenflow_loss.py --steps 200 --schedule pretrain        # ~5 min a side, loaded 2 cores
+    python bench/bench_zenflow_loss.py --sides adam zenflow "zenflow, auto"
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+REAL = {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}
+EMBEDDINGS = ["embedding."]
+LAYERS = ["layers."]
+# side -> (zenflow block or None for the device Adam, patches)
+SIDES = {
+    "adam": (None, {}),
+    "zenflow": (REAL, {}),
+    "no overlap": ({**REAL, "overlap_step": False}, {}),
+    "topk 0, no overlap": ({**REAL, "topk_ratio": 0.0, "overlap_step": False}, {}),
+    "topk 0.25": ({**REAL, "topk_ratio": 0.25}, {}),
+    "update_interval 2": ({**REAL, "update_interval": 2}, {}),
+    "reselect every 4": ({**REAL, "select_strategy": "step", "select_interval": 4}, {}),
+    "embeddings on device": (REAL, {"device": EMBEDDINGS}),
+    "layers on device": (REAL, {"device": LAYERS}),
+    "window steps": (REAL, {"window_steps": True}),
+    "summed": (REAL, {"summed": True}),
+    "zenflow, auto": ({**REAL, "update_interval": "auto"}, {}),
+}
+
+
+def patch(zenflow_class, names: dict, patches: dict) -> None:
+    """Applies this script's changes of the algorithm to ZenFlowOffload (in the worker process,
+    which runs one side after another: the last side's changes are undone first)."""
+    originals = vars(zenflow_class).get("_unpatched")
+    if originals is None:
+        originals = zenflow_class._unpatched = {k: vars(zenflow_class)[k] for k in ("_select", "_cpu_adam")}
+    for key, method in originals.items():
+        setattr(zenflow_class, key, method)
+    if patches.get("device"):
+        select = zenflow_class._select
+
+        def select_with_device_params(self, storage):
+            select(self, storage)
+            for i, param in enumerate(storage.params):
+                piece = storage.layout.local_piece(i)
+                if piece is not None and names[id(param)].startswith(tuple(patches["device"])):
+                    self.mask[piece.partition_offset:piece.partition_offset + piece.length] = 1
+        zenflow_class._select = select_with_device_params
+    if patches.get("window_steps") or patches.get("summed"):
+        cpu_adam = zenflow_class._cpu_adam
+
+        def changed_cpu_adam(self, grad, cpu_step, lr, config, scale, threads):
+            k = self.flow.update_interval
+            if patches.get("window_steps"):
+                cpu_step = max(1, (cpu_step - self.flow.full_warm_up_rounds) // k)
+            cpu_adam(self, grad, cpu_step, lr, config, scale * (k if patches.get("summed") else 1), threads)
+        zenflow_class._cpu_adam = changed_cpu_adam
+
+
+def worker(ctx, args, side, data_prefix):
+    """Trains args.steps steps of one side; returns its losses."""
+    import torch
+
+    from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
+    from megazero.data.builders import build_train_valid_test_datasets
+    from megazero.lr_schedule import step_learning_rate
+    from megazero.models.config import GPTConfig
+    from megazero.ops.adam import AdamConfig
+    from megazero.parallel.topology import Topology
+    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.zero import zenflow
+    from megazero.zero.config import ZeroConfig
+    torch.set_num_threads(args.threads)
+    block, patches = SIDES[side]
+    zero = {"stage": 2}
+    if block is not None:
+        zero.update(offload_optimizer={"device": "cpu"}, zenflow=block)
+    model = GPTConfig(vocab_size=8192, padded_vocab_size=8192, hidden_size=args.hidden,
+                      num_layers=args.layers, num_attention_heads=4, ffn_hidden_size=4 * args.hidden,
+                      seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0)
+    if args.schedule == "pretrain":      # pretrain_gpt.py's defaults
+        opt = OptimizerConfig(lr=args.lr, min_lr=args.lr / 10, warmup_iters=min(20, args.steps // 10),
+                              adam=AdamConfig(lr=args.lr, beta2=0.95, weight_decay=0.01))
+    else:                                # bench_offload.py --zenflow's
+        opt = OptimizerConfig(lr=args.lr, decay_style="constant", adam=AdamConfig(lr=args.lr, weight_decay=0.01))
+    cfg = TrainConfig(model=model, zero=ZeroConfig(**zero), micro_batch_size=args.batch,
+                      global_batch_size=args.batch, train_iters=args.steps, seed=1, parallel=ParallelConfig(),
+                      optimizer=opt)
+    state = setup(cfg, ctx.groups(Topology(world_size=1, tp=1, pp=1)))
+    names = {id(p): n for chunk in state.chunks for n, p in chunk.named_parameters()}
+    patch(zenflow.ZenFlowOffload, names, patches)
+    train, _, _ = build_train_valid_test_datasets(data_prefix, "100,0,0", args.seq, 1,
+                                                  (args.steps * args.batch, 0, 0), progress=False)
+    source = MicrobatchSource(train, args.batch, args.batch, 0, 1)
+    losses = [train_step(state, source.batch(it), step_learning_rate(opt, it + 1, args.steps)).loss
+              for it in range(args.steps)]
+    storages = state.engine.storages() if block is not None else []
+    for storage in storages:
+        storage.offload.settle()          # the last window's CPU Adam has ended
+    updates = [storage.offload.stats["cpu_updates"] for storage in storages]
+    return losses, max(updates, default=0)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--schedule", choices=["pretrain", "bench"], default="pretrain")
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    args = parser.parse_args(argv)
+    from megazero.data.default_data import prepare_default_data
+    from megazero.testing import DistributedPool
+    prefix, _ = prepare_default_data(progress=False)
+    sides = ["adam"] + [s for s in args.sides if s != "adam"]
+    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab 8192, seq {args.seq}, batch {args.batch}; "
+          f"stage 2 fp32; {args.steps} steps, lr {args.lr}, schedule {args.schedule}", flush=True)
+    print("| side | final loss | vs adam | CPU Adam windows | minutes |\n|---|---|---|---|---|", flush=True)
+    pool = DistributedPool(1)
+    final = {}
+    try:
+        for side in sides:
+            began = time.time()
+            losses, windows = pool.run(worker, args, side, prefix, timeout=4 * 3600)[0]
+            final[side] = sum(losses[-10:]) / 10
+            if side == "adam":
+                windows = max(10, args.steps // 4)
+                adam_early = sum(losses[windows - 10:windows]) / 10
+            gap = 100 * (final[side] - final["adam"]) / final["adam"]
+            print(f"| {side} | {final[side]:.4f} | {gap:+.1f}% | {windows or '-'} | "
+                  f"{(time.time() - began) / 60:.1f} |", flush=True)
+    finally:
+        pool.close()
+    print(f"adam after {max(10, args.steps // 4)} steps: {adam_early:.4f}")
+
+
+if __name__ == "__main__":
+    main()
