@@ -191,6 +191,7 @@ def test_cp2_tp2_pp2_zero3_on_8_ranks_and_bf16_first_gradient_norm(dist_pool, re
         bar = BF16_ALLGATHER_GAP if "allgather" in what else BF16_GAP
         for key in ("norms", "losses"):
             gap = _gap(got[what], ref, key)
+            print(f"bf16 {what} against {against}: iteration-1 {key} {gap:.1e}")
             assert gap <= bar, f"bf16 {what}: iteration-1 {key} {got[what][key][0]} vs {against} {ref[key][0]} ({gap:.1e})"
     # The ring against one-process SDPA: SDPA's own rounding of the probabilities, not more.
     gap = _gap(got["cp 2 p2p"], one["sdpa"], "norms")
