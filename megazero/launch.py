@@ -299,7 +299,8 @@ def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, ob
     launch.adopt_local_rank(args.local_rank)
     cfg = config_from_args(args, launch.world, launch.local_world)
     device = _device(cfg, launch.local_rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
+    if not os.environ.get("OMP_NUM_THREADS"):      # torch already took the user's (or torchrun's) count
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
     preflight(cfg, launch.world, launch.local_world, device)
     resume = checkpoint_preflight(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
     cfg = dataclasses.replace(cfg, optimizer=resume.optimizer)     # the lr schedule may be the checkpoint's

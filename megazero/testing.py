@@ -109,9 +109,12 @@ class DistributedPool:
         out, errors = [None] * self.world_size, []
         for _ in range(self.world_size):
             try:
-                rank, ok, value = self._results.get(timeout=timeout)
+                rank, ok, value = self._next_result(timeout)
             except queue.Empty:
                 errors.append(f"timed out after {timeout}s waiting for a rank")
+                break
+            except ChildProcessError as err:
+                errors.append(str(err))
                 break
             if ok:
                 out[rank] = value
@@ -122,6 +125,21 @@ class DistributedPool:
             self.close(force=True)
             raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
         return out
+
+    def _next_result(self, timeout: float):
+        """The next rank's result; ChildProcessError as soon as a rank's process has ended (it died
+        starting up or in the job: nothing more will come from it), queue.Empty after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._results.get(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
+                if dead:
+                    raise ChildProcessError(", ".join(f"rank {r}'s process ended (exit code {code})"
+                                                      for r, code in dead)) from None
+                if time.monotonic() >= deadline:
+                    raise
 
     def close(self, force: bool = False):
         for p, q in zip(self._procs, self._requests):

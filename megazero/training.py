@@ -93,7 +93,8 @@ def zero_groups(groups: ProcessGroups) -> ZeroGroups:
 
 def precision_of(cfg: TrainConfig) -> Precision:
     prec = cfg.precision
-    return Precision.from_flags(prec.bf16, prec.fp16, prec.grad_accum_dtype, prec.reduce_dtype)
+    return Precision.from_flags(prec.bf16, prec.fp16, prec.grad_accum_dtype, prec.reduce_dtype,
+                                prec.gradient_accumulation_fusion)
 
 
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:

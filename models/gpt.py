@@ -24,6 +24,7 @@ from torch import nn
 from .attention import RotaryTables, core_attention, rotate
 from .config import GPTConfig
 from .loss import linear_cross_entropy
+from .weight_grad import Embedding as Table, Linear
 
 
 class ZeroCenteredLayerNorm(nn.LayerNorm):
@@ -77,9 +78,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear)
+        self.qkv = Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear)
         self.core = CoreAttention(config.attention_dropout, config.attention_backend)
-        self.proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+        self.proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                               bias=config.add_bias_linear)
         # checkpoint(function, *args) for selective recomputation of the core; set by GPT.set_checkpoint_fn
         self.recompute_core = None
@@ -113,8 +114,8 @@ class MLP(nn.Module):
         self.swiglu = config.activation == "swiglu"
         self.gelu_approximate = config.gelu_approximate
         fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
-        self.fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
-        self.fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        self.fc1 = Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
+        self.fc2 = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, x):
         y = self.fc1(x)
@@ -144,8 +145,8 @@ class TransformerLayer(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.word = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        self.position = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.word = Table(config.padded_vocab_size, config.hidden_size)
+        self.position = (Table(config.max_position_embeddings, config.hidden_size)
                          if config.position_embedding == "learned" else None)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.positions = None           # as Attention.positions

@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .weight_grad import deposit, marked, matmul_fp32, zero_grad_for
+
 
 def _no_reduce(tensor: torch.Tensor) -> None:
     return None
@@ -94,8 +96,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_logits = softmax.mul_(grad_flat[lo:hi].unsqueeze(-1)).to(x.dtype)
             grad_x[lo:hi] = grad_logits @ w
             if grad_w is not None:
-                grad_w[:real] += (grad_logits.t() @ x2[lo:hi]).float()
-        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+                grad_w[:real] += matmul_fp32(grad_logits.t(), x2[lo:hi])
+        if grad_w is not None and marked(weight):
+            deposit(weight, grad_w)
+            grad_w = zero_grad_for(weight)
+        elif grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
         return grad_x.view(x.shape), grad_w, None, None, None, None
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from megazero.core.comm import Group
 from megazero.models.gpt import token_positions
+from megazero.models.weight_grad import add_bias, embedding, linear
 from .cross_entropy import vocab_parallel_linear_cross_entropy
 from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_region,
@@ -76,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_region(x, self.group)
         else:
             x = copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -98,12 +99,12 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = True
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.group)
         else:
             y = reduce_from_tp_region(y, self.group)
-        return y + self.bias if self.bias is not None else y
+        return add_bias(y, self.bias) if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -122,7 +123,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, tokens):
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.local_rows)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)
-        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 class ParallelEmbedding(nn.Module):

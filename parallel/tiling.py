@@ -27,6 +27,7 @@ from torch import nn
 
 from megazero.core.errors import UsageError
 from megazero.models.gpt import LMHead
+from megazero.models.weight_grad import Linear, linear
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -60,7 +61,7 @@ class LinearTile(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class TiledLinear(nn.Module):
@@ -145,7 +146,7 @@ class TiledLMHead(nn.Module):
 
 
 def _tiled(name: str, module: nn.Module, in_splits: int, out_splits: int) -> nn.Module:
-    if type(module) is nn.Linear:
+    if type(module) in (nn.Linear, Linear):
         tiled = TiledLinear.from_linear(module, in_splits, out_splits)
         bias_name = getattr(module.bias, "init_name", f"{name}.bias") if module.bias is not None else None
         tiled.mark_sources(getattr(module.weight, "init_name", f"{name}.weight"), bias_name)

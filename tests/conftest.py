@@ -1,6 +1,14 @@
 """Shared fixtures: gloo worker pools that live for the whole session, one per world size."""
-import pytest
-import torch
+import os
+
+# One OpenMP thread per process: the two pytest-xdist workers already fill the 2 cores, and an
+# OpenMP barrier whose other thread is descheduled costs a time slice per op (a tiny in-process
+# pretrain_gpt run went from 0.6 s to 4-15 s per step on a busy machine with 2 threads). Subprocesses
+# (pretrain_gpt.py, torchrun) inherit it; launch keeps a set OMP_NUM_THREADS.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from megazero.testing import DistributedPool
 

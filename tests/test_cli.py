@@ -103,6 +103,28 @@ def test_bad_flag_process_exits_2_without_traceback():
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_threads_are_the_cores_per_local_rank_unless_omp_num_threads_says(monkeypatch):
+    """torch's intra-op threads: the machine's cores shared by the node's ranks (4 ranks of 8 cores:
+    2 each), unless OMP_NUM_THREADS is set (torchrun sets 1, a user their own), which torch took at
+    import and the launch keeps. (Planted: ignoring the variable fails the last check.)"""
+    import torch
+    monkeypatch.setattr(launch, "preflight", lambda *args: None)      # the world is not real here
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    argv = ["--num-layers", "2", "--hidden-size", "64"]
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        launch._checked_config(argv, launch.Launch())
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        launch._checked_config(argv, launch.Launch())
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(1)
+
+
 def _losses(metrics: Path, split="train"):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in records if r.get("split", "train") == split]

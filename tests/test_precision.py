@@ -42,10 +42,11 @@ def test_bf16_layouts_track_the_single_process_bf16_run(dist_pool, bf16_referenc
     print(f"bf16 layouts vs 1-process bf16: worst relative loss gap {worst:.2e}")
 
 
-def _bf16_state(stage, accum):
+def _bf16_state(stage, accum, fusion=True):
     from megazero.training import setup
     cfg = with_padded_vocab(small_config(bf16=True, stage=stage, micro=1, global_batch=8))
     cfg.precision.grad_accum_dtype = accum
+    cfg.precision.gradient_accumulation_fusion = fusion
     return setup(cfg, ProcessGroups.single())
 
 
@@ -57,9 +58,11 @@ def _microbatches():
 
 def test_gradients_accumulate_in_fp32(monkeypatch):
     """Over 8 microbatches the accumulated gradient is the fp32 sum of the microbatches' bf16
-    gradients (error ~1e-7); accumulating in bf16 rounds every partial sum (error ~1e-3)."""
+    gradients (error ~1e-7); accumulating in bf16 rounds every partial sum (error ~1e-3). Without
+    gradient-accumulation fusion: with it, the microbatches' weight gradients are not bf16 to begin
+    with (tests/test_weight_grad.py)."""
     batches = _microbatches()
-    ref_state = _bf16_state(0, "fp32")
+    ref_state = _bf16_state(0, "fp32", fusion=False)
     chunk = ref_state.chunks[0]
     names = [n for n, _ in chunk.named_parameters()]
     exact = {n: 0.0 for n in names}
@@ -71,7 +74,7 @@ def test_gradients_accumulate_in_fp32(monkeypatch):
     from megazero.zero.state_access import safe_get_full_grad
     errors = {}
     for stage, accum in ((1, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")):
-        state = _bf16_state(stage, accum)
+        state = _bf16_state(stage, accum, fusion=False)
         engine, model = state.engine, state.chunks[0]
         engine.begin_step()
         for k, tokens in enumerate(batches):

@@ -474,6 +474,9 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     prec = cfg.precision
     prec.fp16, prec.initial_scale_power, prec.loss_scale_window = True, power, window
     prec.hysteresis = hysteresis
+    # The oracle is the plain fp16 GPT's fp16 gradients (GradScaler's and DeepSpeed's view); with
+    # gradient-accumulation fusion the weight gradients are fp32 sums, which overflow later.
+    prec.gradient_accumulation_fusion = False
     state = setup(cfg, ProcessGroups.single())
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, 0, 1)

@@ -287,7 +287,7 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
         initial_scale_power=merged["initial_scale_power"], loss_scale_window=merged["loss_scale_window"],
         hysteresis=merged["hysteresis"], min_loss_scale=merged["min_loss_scale"],
         consecutive_hysteresis=merged["consecutive_hysteresis"], grad_accum_dtype=merged["grad_accum_dtype"],
-        reduce_dtype=merged["reduce_dtype"])
+        reduce_dtype=merged["reduce_dtype"], gradient_accumulation_fusion=args.gradient_accumulation_fusion)
     return precision, notes
 
 

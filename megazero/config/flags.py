@@ -34,7 +34,7 @@ MEGATRON_ONLY = frozenset("""
 --use-checkpoint-args
 --use-cpu-initialization --attention-softmax-in-fp32
 --accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
---no-bias-dropout-fusion --no-gradient-accumulation-fusion --apply-query-key-layer-scaling
+--no-bias-dropout-fusion --apply-query-key-layer-scaling
 --use-rotary-position-embeddings --no-position-embedding
 --data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
 --checkpoint-activations
@@ -289,6 +289,10 @@ def _training_flags(p) -> None:
     _merged(g, "hysteresis", "fp16 overflows tolerated before the scale halves", type=int)
     _merged(g, "reduce_dtype", "reduce gradients in bf16 (needs --bf16)", dest="reduce_dtype",
             action="store_const", const="bf16", default=None)
+    _add(g, "--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
+         default=True, help="with 16-bit weights, let autograd round each weight gradient to 16 bits "
+                            "before it is accumulated in fp32 (default: the layers sum weight gradients "
+                            "in fp32, Megatron's gradient-accumulation fusion)", shown="off")
 
 
 def _data_flags(p) -> None:

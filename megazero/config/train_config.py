@@ -71,6 +71,10 @@ class PrecisionConfig:
     reduce_dtype: DType = "fp32"
     """dtype gradients are reduced in across data-parallel ranks (DeepSpeed's communication_data_type,
     Megatron's --grad-reduce-in-bf16). A 16-bit value equals the parameter dtype."""
+    gradient_accumulation_fusion: bool = True
+    """16-bit weights with fp32 accumulation: the layers sum each weight gradient in fp32 for the fp32
+    buffers instead of autograd rounding it to 16 bits first (Megatron-LM's gradient-accumulation
+    fusion; --no-gradient-accumulation-fusion turns it off). Not inside --compile'd layers."""
 
 
 @dataclasses.dataclass

@@ -103,14 +103,17 @@ class ZeroEngine:
         self.host_copies = HostCopies()           # states moved by offload_states
         self.has_grads = False
         me = weakref.ref(self)
+        fuse = self.precision.fp32_weight_grads
         for group in self.flat_groups:
             for p in group.params:
                 p.zero_storage, p.zero_engine = group, me
+                p.fp32_grad = fuse and not group.grads_are_views
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(group.on_grad_ready)
         if self.store is not None:
             for p in self.store.params:
                 p.zero_storage, p.zero_engine = self.store, me
+                p.fp32_grad = fuse
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_unit_grad)
 

@@ -21,7 +21,7 @@ from torch import nn
 from megazero.core import comm
 from megazero.core.streams import label
 from .flat import FlatLayout
-from .precision import Precision
+from .precision import Precision, take_grad
 from .storage import PartitionedStorage, ReductionQueue
 from .tensor_memory import drop_storage, ensure_storage
 
@@ -125,8 +125,7 @@ class FlatParamGroup(PartitionedStorage):
         if self.stage == 2:
             self._stage_grad(i, param)
         elif not self.grads_are_views:
-            self.grad_view(i).add_(param.grad)
-            param.grad = None
+            self.grad_view(i).add_(take_grad(param))
         if not self._reducing:
             return
         self._pending[b] -= 1
@@ -139,8 +138,7 @@ class FlatParamGroup(PartitionedStorage):
         if b not in self._staging:
             self._staging[b] = self.new_staging(b)
         start = self.layout.slots[i].offset - self.layout.buckets[b].start
-        self._staging[b][start:start + param.numel()].copy_(param.grad.reshape(-1))
-        param.grad = None
+        self._staging[b][start:start + param.numel()].copy_(take_grad(param).reshape(-1))
 
     def end_backward(self) -> None:
         """Reduces buckets still waiting. Stage 0/1: every bucket (the buffer holds the whole step's

@@ -26,10 +26,18 @@ class Precision:
     param_dtype: torch.dtype = torch.float32
     grad_accum_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
+    gradient_accumulation_fusion: bool = True
+    """16-bit weights with fp32 accumulation: the layers sum weight gradients in fp32 straight for
+    the fp32 buffers (`take_grad`), not rounded to 16 bits first (Megatron-LM's default)."""
 
     @property
     def mixed(self) -> bool:
         return self.param_dtype != torch.float32
+
+    @property
+    def fp32_weight_grads(self) -> bool:
+        """Whether the engine marks its parameters `fp32_grad` (see take_grad)."""
+        return self.mixed and self.grad_accum_dtype == torch.float32 and self.gradient_accumulation_fusion
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -37,14 +45,26 @@ class Precision:
 
     @classmethod
     def from_flags(cls, bf16: bool = False, fp16: bool = False, grad_accum: str = "fp32",
-                   reduce: str = "fp32") -> "Precision":
+                   reduce: str = "fp32", gradient_accumulation_fusion: bool = True) -> "Precision":
         if bf16 and fp16:
             raise ValueError("choose one of bf16 and fp16")
         param = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
         for name, value in (("gradient accumulation", grad_accum), ("gradient reduction", reduce)):
             if _DTYPES[value] not in (torch.float32, param):
                 raise ValueError(f"{name} in {value} needs {value} parameters (or fp32)")
-        return cls(param, _DTYPES[grad_accum], _DTYPES[reduce])
+        return cls(param, _DTYPES[grad_accum], _DTYPES[reduce], gradient_accumulation_fusion)
+
+
+def take_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """`param`'s gradient since the last take, clearing it. A parameter the engine marked
+    `fp32_grad` may have had (part of) it summed in fp32 by its layers (megazero.models.weight_grad,
+    Megatron's gradient-accumulation fusion), left in `pending_fp32_grad`; the 16-bit `.grad`
+    autograd accumulated beside it (zeros, or a tied weight's other use) is added to that."""
+    pending = param.__dict__.pop("pending_fp32_grad", None)
+    grad, param.grad = param.grad, None
+    if pending is None:
+        return grad
+    return pending.add_(grad) if grad is not None else pending
 
 
 NORM_SLICE = 1 << 20          # elements per fp32 norm on a GPU (its kernel reduces a slice in a tree)

@@ -32,7 +32,7 @@ from ..flat import Bucket, FlatLayout
 from ..groups import ZeroGroups
 from .param_gather import ParamGather
 from .param_offload import GatherOrder, make_param_home
-from ..precision import Precision
+from ..precision import Precision, take_grad
 from ..quantized_comm import quantized_gradient_reducer
 from ..storage import PartitionedStorage, ReductionQueue
 from ..tensor_memory import drop_storage, ensure_storage
@@ -245,8 +245,7 @@ class UnitStore(PartitionedStorage):
         unit, j = param.zero_unit, param.zero_index
         if unit.grad_staging is None:
             unit.grad_staging = self.new_staging(unit.index)
-        unit.grad_staging[unit.offsets[j]:unit.offsets[j] + unit.numels[j]].copy_(param.grad.reshape(-1))
-        param.grad = None
+        unit.grad_staging[unit.offsets[j]:unit.offsets[j] + unit.numels[j]].copy_(take_grad(param).reshape(-1))
         unit.grad_pending -= 1
         return unit.grad_pending == 0
 
