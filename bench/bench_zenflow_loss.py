@@ -21,6 +21,8 @@ beta2 0.999, clip 1.0).
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
 import time
 
 REAL = {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}
@@ -72,12 +74,16 @@ def patch(zenflow_class, names: dict, patches: dict) -> None:
         zenflow_class._cpu_adam = changed_cpu_adam
 
 
-def worker(ctx, args, side, data_prefix):
-    """Trains args.steps steps of one side; returns its losses."""
+def worker(ctx, args, side, data_prefix, start=None, save=None):
+    """Trains args.steps steps of one side (from the weights of the checkpoint `start`, on the
+    corpus after the samples it saw, with a fresh optimizer: a fine-tuning run), or with `save`
+    args.pretrain steps of the device Adam saved there; returns its losses."""
     import torch
 
     from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
     from megazero.data.builders import build_train_valid_test_datasets
+    from megazero.checkpoint.loader import load_checkpoint
+    from megazero.checkpoint.saver import CheckpointSaver
     from megazero.lr_schedule import step_learning_rate
     from megazero.models.config import GPTConfig
     from megazero.ops.adam import AdamConfig
@@ -98,17 +104,24 @@ def worker(ctx, args, side, data_prefix):
                               adam=AdamConfig(lr=args.lr, beta2=0.95, weight_decay=0.01))
     else:                                # bench_offload.py --zenflow's
         opt = OptimizerConfig(lr=args.lr, decay_style="constant", adam=AdamConfig(lr=args.lr, weight_decay=0.01))
+    steps = args.pretrain if save else args.steps
+    skip = args.pretrain if start else 0           # the pretraining's batches come first
     cfg = TrainConfig(model=model, zero=ZeroConfig(**zero), micro_batch_size=args.batch,
-                      global_batch_size=args.batch, train_iters=args.steps, seed=1, parallel=ParallelConfig(),
+                      global_batch_size=args.batch, train_iters=steps, seed=1, parallel=ParallelConfig(),
                       optimizer=opt)
     state = setup(cfg, ctx.groups(Topology(world_size=1, tp=1, pp=1)))
     names = {id(p): n for chunk in state.chunks for n, p in chunk.named_parameters()}
     patch(zenflow.ZenFlowOffload, names, patches)
+    if start:
+        load_checkpoint(state, start, finetune=True)
     train, _, _ = build_train_valid_test_datasets(data_prefix, "100,0,0", args.seq, 1,
-                                                  (args.steps * args.batch, 0, 0), progress=False)
+                                                  ((skip + steps) * args.batch, 0, 0), progress=False)
     source = MicrobatchSource(train, args.batch, args.batch, 0, 1)
-    losses = [train_step(state, source.batch(it), step_learning_rate(opt, it + 1, args.steps)).loss
-              for it in range(args.steps)]
+    losses = [train_step(state, source.batch(skip + it), step_learning_rate(opt, it + 1, steps)).loss
+              for it in range(steps)]
+    if save:
+        CheckpointSaver(save, "pretrain").save(state, steps * args.batch)
+        return losses, 0
     storages = state.engine.storages() if block is not None else []
     for storage in storages:
         storage.offload.settle()          # the last window's CPU Adam has ended
@@ -127,6 +140,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--schedule", choices=["pretrain", "bench"], default="pretrain")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    parser.add_argument("--pretrain", type=int, default=0,
+                        help="first train this many steps with the device Adam; every side then starts "
+                             "from those weights with a fresh optimizer (fine-tuning, ZenFlow's setting)")
     args = parser.parse_args(argv)
     from megazero.data.default_data import prepare_default_data
     from megazero.testing import DistributedPool
@@ -137,10 +153,15 @@ def main(argv=None) -> None:
     print("| side | final loss | vs adam | CPU Adam windows | minutes |\n|---|---|---|---|---|", flush=True)
     pool = DistributedPool(1)
     final = {}
+    start = tempfile.mkdtemp(prefix="zenflow-pretrain-") if args.pretrain else None
     try:
+        if start:
+            losses, _ = pool.run(worker, args, "adam", prefix, None, start, timeout=4 * 3600)[0]
+            print(f"pretrained: {args.pretrain} steps of the device Adam, loss {sum(losses[-10:]) / 10:.4f}; "
+                  f"every side fine-tunes from there", flush=True)
         for side in sides:
             began = time.time()
-            losses, windows = pool.run(worker, args, side, prefix, timeout=4 * 3600)[0]
+            losses, windows = pool.run(worker, args, side, prefix, start, timeout=4 * 3600)[0]
             final[side] = sum(losses[-10:]) / 10
             if side == "adam":
                 windows = max(10, args.steps // 4)
@@ -150,6 +171,8 @@ def main(argv=None) -> None:
                   f"{(time.time() - began) / 60:.1f} |", flush=True)
     finally:
         pool.close()
+        if start:
+            shutil.rmtree(start, ignore_errors=True)
     print(f"adam after {max(10, args.steps // 4)} steps: {adam_early:.4f}")
 
 
