@@ -91,7 +91,8 @@ def _worker(rank, world_size, port, sys_path, requests, results):
 PRELOAD = ["torch.distributed", "megazero.parallel.groups", "megazero.training"]
 
 
-def _context():
+def process_context():
+    """The multiprocessing context pool ranks start from (also for a test's own one-off process)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -106,7 +107,7 @@ class DistributedPool:
         self._start()
 
     def _start(self):
-        ctx = _context()
+        ctx = process_context()
         self._results = ctx.Queue()
         self._requests = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
