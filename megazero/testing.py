@@ -1,7 +1,7 @@
 """A pool of gloo worker processes that runs functions on every rank: the multi-process test harness.
 
-Starting a process group costs seconds (spawn, import torch, rendezvous) and layout changes cost
-only a few `new_group` calls, so one pool serves many checks: `pool.run(fn, *args)` calls
+Starting a process group costs seconds (start a process, import torch, rendezvous) and layout
+changes cost only a few `new_group` calls, so one pool serves many checks: `pool.run(fn, *args)` calls
 `fn(ctx, *args)` on every rank and returns the per-rank results. `ctx.groups(topology)` builds that
 layout's groups (reusing communicators across calls); ranks outside a smaller layout get None and
 simply return.
@@ -9,6 +9,11 @@ simply return.
 `fn` must be importable by name (a module-level function), since it is pickled to the workers.
 A failure on any rank fails the call with every rank's traceback, and the pool is torn down (the
 surviving ranks may be stuck in a collective), so the next call starts a fresh one.
+
+Ranks are forked from a multiprocessing forkserver that has imported torch and megazero's training
+stack once (PRELOAD): a spawned rank spent 3-6 CPU seconds importing them, i.e. most of a minute
+for a pool of 8 on 2 cores, and a pool torn down by a failure paid it again. The forkserver is a
+clean process (no process group, no OpenMP threads), started on the first pool.
 """
 from __future__ import annotations
 
@@ -83,6 +88,18 @@ def _worker(rank, world_size, port, sys_path, requests, results):
     dist.destroy_process_group()
 
 
+PRELOAD = ["torch.distributed", "megazero.parallel.groups", "megazero.training"]
+
+
+def process_context():
+    """The multiprocessing context pool ranks start from (also for a test's own one-off process)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)        # takes effect when the forkserver starts
+    return ctx
+
+
 class DistributedPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -90,7 +107,7 @@ class DistributedPool:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self._results = ctx.Queue()
         self._requests = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()

@@ -248,66 +248,66 @@ def test_rng_states_stay_on_their_device_type(dist_pool, tmp_path):
     assert all(math.isfinite(loss) for loss, _ in _curve(moved).values())
 
 
-KILL_CHILD = r'''
-import os, signal, sys
-sys.path.insert(0, sys.argv[3])
-from layouts import small_config, with_padded_vocab
-import megazero.checkpoint.files as files
-import megazero.checkpoint.saver as saver_module
-from megazero.checkpoint import CheckpointSaver
-from megazero.data.synthetic import ArithmeticTokens
-from megazero.parallel.groups import ProcessGroups
-from megazero.training import MicrobatchSource, setup, train_step
+def save_then_die(directory, point):
+    """A process of its own: saves iteration 1, then dies by SIGKILL at `point` of saving iteration 2."""
+    import os
+    import signal
 
-def die():
-    os.kill(os.getpid(), signal.SIGKILL)
+    import megazero.checkpoint.files as files
+    import megazero.checkpoint.saver as saver_module
+    from megazero.data.synthetic import ArithmeticTokens
+    from megazero.parallel.groups import ProcessGroups
+    from megazero.training import MicrobatchSource, setup, train_step
 
-cfg = with_padded_vocab(small_config(stage=1, steps=4))
-state = setup(cfg, ProcessGroups.single())
-source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
-saver = CheckpointSaver(sys.argv[1], "kill-run")
-train_step(state, source.batch(0), 1e-3)
-saver.save(state, cfg.global_batch_size)                    # iteration 1: complete
-point = sys.argv[2]
-if point == "rank-file":                                    # half a shard on disk
-    real = saver_module.save_file
-    def partial(tensors, path, metadata=None):
-        real(tensors, path, metadata=metadata)
-        with open(path, "r+b") as f:
-            f.truncate(os.path.getsize(path) // 2)
-        die()
-    saver_module.save_file = partial
-elif point == "metadata":                                   # shards done, metadata half written
-    real_json = saver_module.write_json_atomic
-    def json_then_die(path, value):
-        if path.name == files.METADATA:
-            path.write_text("{")
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    cfg = with_padded_vocab(small_config(stage=1, steps=4))
+    state = setup(cfg, ProcessGroups.single())
+    source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    saver = CheckpointSaver(directory, "kill-run")
+    train_step(state, source.batch(0), 1e-3)
+    saver.save(state, cfg.global_batch_size)                    # iteration 1: complete
+    if point == "rank-file":                                    # half a shard on disk
+        real = saver_module.save_file
+
+        def partial(tensors, path, metadata=None):
+            real(tensors, path, metadata=metadata)
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
             die()
-        real_json(path, value)
-    saver_module.write_json_atomic = json_then_die
-elif point == "latest":                                     # directory in place, latest not yet
-    real_write = files.write_file_atomic
-    def write_then_die(path, data):
-        if path.name == files.LATEST:
-            path.with_name(files.TMP_PREFIX + path.name).write_bytes(data[:3])
-            die()
-        real_write(path, data)
-    files.write_file_atomic = write_then_die
-train_step(state, source.batch(1), 1e-3)
-saver.save(state, 2 * cfg.global_batch_size)
-'''
+        saver_module.save_file = partial
+    elif point == "metadata":                                   # shards done, metadata half written
+        real_json = saver_module.write_json_atomic
+
+        def json_then_die(path, value):
+            if path.name == files.METADATA:
+                path.write_text("{")
+                die()
+            real_json(path, value)
+        saver_module.write_json_atomic = json_then_die
+    elif point == "latest":                                     # directory in place, latest not yet
+        real_write = files.write_file_atomic
+
+        def write_then_die(path, data):
+            if path.name == files.LATEST:
+                path.with_name(files.TMP_PREFIX + path.name).write_bytes(data[:3])
+                die()
+            real_write(path, data)
+        files.write_file_atomic = write_then_die
+    train_step(state, source.batch(1), 1e-3)
+    saver.save(state, 2 * cfg.global_batch_size)
 
 
 @pytest.mark.parametrize("point", ["rank-file", "metadata", "latest"])
 def test_save_killed_midway_keeps_the_previous_checkpoint(tmp_path, point):
-    import subprocess
-    import sys
-    from pathlib import Path
-    child = tmp_path / "child.py"
-    child.write_text(KILL_CHILD)
-    proc = subprocess.run([sys.executable, str(child), str(tmp_path / "ckpt"), point,
-                           str(Path(__file__).resolve().parent)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == -9, proc.stderr[-2000:]
+    """The saving process is SIGKILLed mid-save (a process of its own, forked from the pools'
+    forkserver, which has megazero imported already)."""
+    from megazero.testing import process_context
+    child = process_context().Process(target=save_then_die, args=(str(tmp_path / "ckpt"), point))
+    child.start()
+    child.join(timeout=600)
+    assert child.exitcode == -9, child.exitcode
     reader = CheckpointReader(tmp_path / "ckpt")
     assert reader.metadata["iteration"] == 1, "latest must still name the previous checkpoint"
     result = load_checkpoint(_single_state(stage=1, steps=4), tmp_path / "ckpt")

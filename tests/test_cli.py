@@ -13,12 +13,14 @@ from megazero import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
-# qwZ (int8 weights) and qgZ (int4 gradients) against the unquantized one-process run, 4 steps of
-# SHORT: at most 2.8e-2 relative measured (Adam's first steps follow the gradients' signs, which int4
-# flips for small elements); 3x that. Exact layouts agree to 1e-5.
-QUANTIZED = 8.5e-2
+# qwZ (int8 weights) and qgZ (int4 gradients) against the unquantized one-process run on the same
+# global batches, 4 steps of SHORT: 3.0e-5 to 6.3e-5 relative measured (the first step, at the
+# warmup's lr 0, sees only qwZ's rounded weights); 3x the largest. Exact layouts agree to 1e-5
+# (~1e-7 measured), so a loss off by more than EXACT on every step shows quantization at work.
+QUANTIZED = 1.9e-4
+EXACT = 1e-5
 SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]
+         "--micro-batch-size", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 @pytest.mark.parametrize("argv,expected", [
@@ -159,7 +161,10 @@ def _free_port():
     return free_port()
 
 
-SHORT = SMALL + ["--train-iters", "4", "--eval-iters", "1", "--eval-interval", "4", "--log-interval", "1"]
+# 4 steps of 4 samples: every launch below runs the same global batches as the one-process run
+# (1 rank: 4 microbatches; tp 4: 4; ZeRO-3 dp 4: 1 per rank; tp 2 x pp 2 x dp 2: 2 per rank).
+SHORT = SMALL + ["--global-batch-size", "4", "--train-iters", "4", "--eval-iters", "1", "--eval-interval", "4",
+                 "--log-interval", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -175,22 +180,29 @@ def one_process(tmp_path_factory):
     return {split: [r["loss"] for r in _losses(root / "r" / "metrics.jsonl", split)] for split in ("train", "valid")}
 
 
+def _assert_matches_one_process(run_dir: Path, one_process: dict, what: str) -> None:
+    """Train and validation losses at 1e-5 relative, step by step."""
+    for split in ("train", "valid"):
+        got = [r["loss"] for r in _losses(run_dir / "metrics.jsonl", split)]
+        assert len(got) == len(one_process[split]) >= 1, (split, got)
+        for step, (a, b) in enumerate(zip(got, one_process[split])):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{split} {step + 1}: {what} {a} vs 1 process {b}"
+
+
 def test_torchrun_tp4_matches_single_process(tmp_path, one_process):
     proc = _torchrun(4, SHORT + ["--tensor-model-parallel-size", "4", "--run-dir", "r"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for split in ("train", "valid"):
-        got = [r["loss"] for r in _losses(tmp_path / "r" / "metrics.jsonl", split)]
-        assert len(got) == len(one_process[split]) >= 1
-        for step, (a, b) in enumerate(zip(got, one_process[split])):
-            assert abs(a - b) <= 1e-5 * abs(b), f"{split} {step + 1}: tp 4 {a} vs 1 process {b}"
+    _assert_matches_one_process(tmp_path / "r", one_process, "tp 4")
 
 
 def test_torchrun_zero3_with_every_offload_and_zeropp_flag(tmp_path, one_process):
     """The flags reach the engine: 4 ranks as 2 nodes of 2, optimizer states swapped to files,
     partitions in host memory, two-hop gathers, hpZ, qwZ and qgZ, layer units; under the stream
     checker (MEGAZERO_STREAM_CHECK=1), which finds no violation. The losses follow the one-process
-    run within QUANTIZED, and visibly differ from it (quantization is on; the exact pieces are the
-    in-pool tests' to check at 1e-5)."""
+    run (the same global batches) within QUANTIZED, and differ from it by more than exact layouts
+    ever do (quantization is on; the exact pieces are the in-pool tests' to check at 1e-5).
+    (Planted: without --zero-quantized-weights and --zero-quantized-gradients every gap is below
+    EXACT.)"""
     flags = ["--zero-stage", "3", "--ranks-per-node", "2", "--zero-offload-optimizer", "nvme",
              "--zero-nvme-path", "swap", "--zero-offload-param", "cpu", "--zero-hierarchical-gather",
              "--zero-hpz-partition-size", "2", "--zero-quantized-weights", "--zero-quantized-gradients",
@@ -203,22 +215,15 @@ def test_torchrun_zero3_with_every_offload_and_zeropp_flag(tmp_path, one_process
     losses = [r["loss"] for r in _losses(tmp_path / "r" / "metrics.jsonl")]
     assert len(losses) == len(one_process["train"]) == 4
     gaps = [abs(a - b) / abs(b) for a, b in zip(losses, one_process["train"])]
-    assert 1e-4 < max(gaps) and all(gap <= QUANTIZED for gap in gaps), (losses, one_process["train"])
+    print("qwZ + qgZ against the unquantized run, relative loss gaps:", gaps)
+    assert all(EXACT < gap <= QUANTIZED for gap in gaps), (gaps, losses, one_process["train"])
     swapped = list((tmp_path / "swap").rglob("*"))
     assert any(p.is_file() and p.stat().st_size > 0 for p in swapped), swapped
 
 
-def test_torchrun_tp2_pp2_zero3_matches_single_process(tmp_path):
-    common = SMALL + ["--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
-                      "--eval-iters", "0", "--lr", "1e-3"]
-    proc = _torchrun(8, common + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                                  "2", "--zero-stage", "3", "--run-dir", "par"], tmp_path)
+def test_torchrun_tp2_pp2_zero3_matches_single_process(tmp_path, one_process):
+    """8 ranks: tp 2 x pp 2 x ZeRO-3 over dp 2, 2 microbatches per rank and step."""
+    proc = _torchrun(8, SHORT + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                 "--zero-stage", "3", "--run-dir", "r"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    single = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *common, "--run-dir", "one"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert single.returncode == 0, single.stderr[-3000:]
-    par = [r["loss"] for r in _losses(tmp_path / "par" / "metrics.jsonl")]
-    one = [r["loss"] for r in _losses(tmp_path / "one" / "metrics.jsonl")]
-    assert len(par) == len(one) == 10
-    for step, (a, b) in enumerate(zip(par, one)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: 8 ranks {a} vs 1 process {b}"
+    _assert_matches_one_process(tmp_path / "r", one_process, "tp 2 x pp 2 x ZeRO-3 dp 2")
