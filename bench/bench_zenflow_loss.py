@@ -17,10 +17,18 @@ beta2 0.999, clip 1.0).
 
     python bench/bench_zenflow_loss.py --steps 200 --schedule pretrain        # ~5 min a side, loaded 2 cores
     python bench/bench_zenflow_loss.py --sides adam zenflow "zenflow, auto"
+    python bench/bench_zenflow_loss.py --count windows --sides adam zenflow "zenflow, auto"
+
+`--count windows` counts DeepSpeed's steps, its update boundaries (it sets its gradient
+accumulation to update_interval k and does the selective step and the lr schedule's step at every
+micro-batch): a ZenFlow side trains k x steps of ours, the device Adam steps of k accumulated
+micro-batches; the same samples on both. `--pretrain N` starts every side from N steps of the
+device Adam with a fresh optimizer (fine-tuning, ZenFlow's own setting).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -106,8 +114,16 @@ def worker(ctx, args, side, data_prefix, start=None, save=None):
         opt = OptimizerConfig(lr=args.lr, decay_style="constant", adam=AdamConfig(lr=args.lr, weight_decay=0.01))
     steps = args.pretrain if save else args.steps
     skip = args.pretrain if start else 0           # the pretraining's batches come first
-    cfg = TrainConfig(model=model, zero=ZeroConfig(**zero), micro_batch_size=args.batch,
-                      global_batch_size=args.batch, train_iters=steps, seed=1, parallel=ParallelConfig(),
+    micro, batch = args.batch, args.batch
+    if args.count == "windows" and not save:       # DeepSpeed's steps: update boundaries
+        k = REAL["update_interval"]
+        if block is None:                          # its accumulation of k micro-batches
+            batch, skip = k * micro, skip // k
+        else:                                      # its micro-steps, the lr schedule's steps
+            steps = k * steps
+            opt = dataclasses.replace(opt, warmup_iters=k * opt.warmup_iters)
+    cfg = TrainConfig(model=model, zero=ZeroConfig(**zero), micro_batch_size=micro,
+                      global_batch_size=batch, train_iters=steps, seed=1, parallel=ParallelConfig(),
                       optimizer=opt)
     state = setup(cfg, ctx.groups(Topology(world_size=1, tp=1, pp=1)))
     names = {id(p): n for chunk in state.chunks for n, p in chunk.named_parameters()}
@@ -115,8 +131,8 @@ def worker(ctx, args, side, data_prefix, start=None, save=None):
     if start:
         load_checkpoint(state, start, finetune=True)
     train, _, _ = build_train_valid_test_datasets(data_prefix, "100,0,0", args.seq, 1,
-                                                  ((skip + steps) * args.batch, 0, 0), progress=False)
-    source = MicrobatchSource(train, args.batch, args.batch, 0, 1)
+                                                  ((skip + steps) * batch, 0, 0), progress=False)
+    source = MicrobatchSource(train, batch, micro, 0, 1)
     losses = [train_step(state, source.batch(skip + it), step_learning_rate(opt, it + 1, steps)).loss
               for it in range(steps)]
     if save:
@@ -140,6 +156,12 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--schedule", choices=["pretrain", "bench"], default="pretrain")
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    parser.add_argument("--count", choices=["steps", "windows"], default="steps",
+                        help="windows: --steps counts DeepSpeed's optimizer steps, its update boundaries: "
+                             "a ZenFlow side trains update_interval x steps micro-steps (DeepSpeed's lr "
+                             "schedule steps with them), the device Adam steps accumulates update_interval "
+                             "micro-batches each (the same config without the zenflow block): the same "
+                             "samples, and as many full updates")
     parser.add_argument("--pretrain", type=int, default=0,
                         help="first train this many steps with the device Adam; every side then starts "
                              "from those weights with a fresh optimizer (fine-tuning, ZenFlow's setting)")
@@ -162,7 +184,8 @@ def main(argv=None) -> None:
         for side in sides:
             began = time.time()
             losses, windows = pool.run(worker, args, side, prefix, start, timeout=4 * 3600)[0]
-            final[side] = sum(losses[-10:]) / 10
+            tail = 10 * (len(losses) // args.steps)      # the last 10 steps' samples
+            final[side] = sum(losses[-tail:]) / tail
             if side == "adam":
                 windows = max(10, args.steps // 4)
                 adam_early = sum(losses[windows - 10:windows]) / 10
