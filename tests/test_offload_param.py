@@ -131,6 +131,28 @@ def test_nvme_home_writes_back_evicted_chunks_and_refuses_an_altered_file(tmp_pa
         home.to_device(1)
 
 
+def test_nvme_home_rewrites_only_changed_chunks(tmp_path, monkeypatch):
+    """A chunk handed out by host_chunk and only read (--log-params-norm, a checkpoint save) is not
+    written back to its file; one changed in place is. Planted: writing every handed-out chunk."""
+    from megazero.zero.swap import SwapFile
+    config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=4)
+    home = NvmeParams([(0, 5), (5, 3), (8, 4)], torch.bfloat16, "cpu", Streams("cpu"), config, rank=0)
+    for b in range(3):
+        home.host_chunk(b).fill_(b + 1)
+    home.flush()
+    written = []
+    write = SwapFile.write
+    monkeypatch.setattr(SwapFile, "write", lambda self, k, values: (written.append(self.path), write(self, k, values)))
+    assert sum(float(home.host_chunk(b).float().sum()) for b in range(3)) == 5 + 6 + 12
+    home.flush()
+    home.drop_cache()
+    assert written == []
+    home.host_chunk(2).add_(1)
+    home.drop_cache()
+    assert written == [home.path(2)]
+    assert home.to_device(2).tolist() == [4.0] * 4
+
+
 def test_nvme_home_holds_at_most_max_in_cpu_elements_in_host_buffers(tmp_path):
     """max_in_cpu bounds the host cache below buffer_count, never below two chunks."""
     chunks = [(0, 4), (4, 4), (8, 4), (12, 4)]

@@ -19,7 +19,6 @@ Owns no policy of when to step or gather; the storage calls `step`, the engine c
 """
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import torch
@@ -158,9 +157,7 @@ class OptimizerOffload:
                 elif self.host is not None:
                     self.host[kind][s - self.split:e - self.split].copy_(piece)
                 else:
-                    file = self.swapper.files[kind]
-                    if zlib.crc32(piece.view(torch.uint8).numpy()) != file.crc[k - self.resident]:
-                        file.write(k - self.resident, piece)
+                    self.swapper.files[kind].write_if_changed(k - self.resident, piece)
 
     # --- the step ---------------------------------------------------------------------------------
     def _pieces(self, storage) -> list[list[tuple]]:

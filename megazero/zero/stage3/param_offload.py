@@ -137,7 +137,8 @@ class NvmeParams:
     def _start_write(self, b: int, buffer: torch.Tensor) -> None:
         self.dirty.discard(b)
         # The buffer is not written again once queued (evicted, or flush waits for the write).
-        self.writes[b] = self.pool.submit(self.files[b].write, 0, buffer)
+        # Unchanged chunks (handed out by host_chunk for a norm or a checkpoint) are not rewritten.
+        self.writes[b] = self.pool.submit(self.files[b].write_if_changed, 0, buffer)
 
     def host_chunk(self, b: int) -> torch.Tensor:
         """Unit b's chunk in a host buffer the caller may write (it goes back to the file)."""
