@@ -149,7 +149,7 @@ class DeepSpeedZenFlow:
     selection is renewed at a window start every `select_every` steps."""
 
     def __init__(self, model, *, topk, interval, overlap, select_every, weight_decay, betas, eps, auto_ratio=0.99):
-        from test_references import megatron_decays
+        from reference_rules import megatron_decays
         self.params = [(n, p, weight_decay if megatron_decays(n, p) else 0.0) for n, p in model.named_parameters()]
         self.topk, self.k, self.overlap, self.every = topk, interval, overlap, select_every
         self.auto_ratio, self.window, self.l1, self.windows = auto_ratio, 0, {}, []
@@ -249,7 +249,7 @@ def deepspeed_zenflow_run(cfg, flow: dict) -> dict:
     """The GPT of `cfg` trained by DeepSpeedZenFlow on the batches the engine's runs see."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.training import MicrobatchSource
-    from test_references import megatron_lr, plain_gpt
+    from reference_rules import megatron_lr, plain_gpt
     cfg = with_padded_vocab(cfg)
     model, opt, adam = plain_gpt(cfg.model, cfg.seed), cfg.optimizer, cfg.optimizer.adam
     zen = DeepSpeedZenFlow(model, topk=flow["topk_ratio"], interval=flow["update_interval"],
