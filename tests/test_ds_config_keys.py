@@ -223,6 +223,11 @@ def test_zenflow_tutorial_config_is_taken_as_written(tmp_path):
     assert (flow.update_interval, flow.select_strategy, flow.topk_ratio, flow.overlap_step) == (
         "auto", "auto", 0.05, True)
     assert flow.select_every() == 0          # "epoch" without steps_per_epoch: selected once
+    assert not [n for n in _config(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": offload,
+                                                                    "zenflow": block}}).notes if "zenflow" in n]
+    accumulating = _config(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": offload, "zenflow": block}},
+                           "--micro-batch-size", "2", "--global-batch-size", "8")
+    assert [n for n in accumulating.notes if n.startswith("zenflow with 4 microbatches per step")], accumulating.notes
 
 
 def test_deepspeed_defaults_yield_to_flags(tmp_path):

@@ -154,6 +154,12 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     if optimizer.decoupled_lr is not None and zero.zenflow is not None:
         raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
                          "CPU Adam steps one learning rate): drop one of them")
+    accumulation = glob // (micro * topology.dp)
+    if zero.zenflow is not None and accumulation > 1:
+        notes.append(f"zenflow with {accumulation} microbatches per step: megazero's ZenFlow steps once per "
+                     f"global batch (its device step, and its update_interval counted in global batches); "
+                     f"DeepSpeed's steps every microbatch and replaces the accumulation by update_interval. "
+                     f"For DeepSpeed's arithmetic set --global-batch-size to micro batch x data-parallel size")
     run_opts = run_options(args, world_size, notes)
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")
     backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
