@@ -88,7 +88,8 @@ def zero_groups(groups: ProcessGroups) -> ZeroGroups:
     hpz = groups.hpz if groups.topology.hpz_partition_size > 1 else None
     return ZeroGroups(dp=groups.dp, shard=groups.mics_shard, replica=groups.mics_replica,
                       model_parallel=groups.mp, gather=groups.mics_shard_gather,
-                      node_local=groups.shard_node_local, cross_node=groups.shard_cross_node, hpz=hpz)
+                      node_local=groups.shard_node_local, cross_node=groups.shard_cross_node, hpz=hpz,
+                      tensor=groups.tp)
 
 
 def precision_of(cfg: TrainConfig) -> Precision:

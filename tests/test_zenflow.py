@@ -65,6 +65,10 @@ def test_zenflow_limits_and_resume(dist_pool, tmp_path):
     jobs += [(resumed_auto, 2, {"save": (ckpt + "-auto", 8)}),
              (resumed_auto, 2, {"load": ckpt + "-auto", "save": (ckpt + "-auto-again", 9)}),
              (resumed_auto, 2, {"save": (ckpt + "-auto-straight", 9)})]
+    # ... and resumed at tp 2 (the window's sums are whole matrices' in every layout).
+    resumed_auto_tp2 = small_config(stage=3, tp=2, steps=12, layers=2, zero_extra=zenflow(**auto),
+                                    model_extra={"hidden_size": 96, "ffn_hidden_size": 192})
+    jobs += [(resumed_auto_tp2, 1, {"load": ckpt + "-auto"})]
     ranks = [r for r in dist_pool(4).run(many, jobs) if r[0] is not None]
     by_job = list(zip(*ranks))         # per job: the working ranks' results
     for s, stage in enumerate(stages):
@@ -89,6 +93,9 @@ def test_zenflow_limits_and_resume(dist_pool, tmp_path):
         want = assemble_params(straight)
         for name, value in assemble_params(again).items():
             assert (value == want[name]).all(), name
+    straight, tp2 = by_job[14], by_job[17]
+    assert_close(list(tp2[0]["curve"].values()), [v for k, v in straight[0]["curve"].items() if k > 8], "auto at tp 2")
+    assert_params_match(assemble_params(tp2), assemble_params(straight), "auto resumed at tp 2")
     # The window's running state round-trips: saved one step in, resumed, saved again one step
     # later, it is the straight run's at that step (two steps in, the same sums to the bit).
     windows = [CheckpointReader(ckpt + suffix).indexes[0]["zenflow_window"]
@@ -280,23 +287,33 @@ def test_zenflow_real_shape_follows_deepspeeds_rules(dist_pool):
     losses and parameters to rtol 1e-5 over 8 steps. Between the two exact limits this is what
     tells the bookkeeping apart from the algorithm: which columns, which step counts, which window
     lands when. And `update_interval` "auto" (two ranks, stage 2, a re-selection at step 7) ends
-    the reference's windows, which adapt (lengths 2, 1, 1, 1, 1, 2, 1: not a fixed interval).
+    the reference's windows, which adapt (lengths 2, 1, 1, 1, 1, 2, 1: not a fixed interval). At
+    tp 2 (stage 2 fixed, stage 3 "auto") and pp 2 (stage 1 "auto") the layout chooses the columns
+    and ends the windows one process does: a split matrix's norms and sums are its whole's, and each
+    matrix (the tied embedding on two stages, a replicated one on two tensor-parallel ranks) counts
+    once.
 
     Planted: the CPU Adam stepped with the window count instead of the global step (fixed
     interval, losses from step 6 on); "auto"'s selected L1 summed over the window instead of
-    averaged, or its sums left unreduced over the shard group (windows end elsewhere)."""
+    averaged, or its sums left unreduced over the shard group (windows end elsewhere); at tp 2,
+    a row- or a column-split matrix's columns chosen by its shard's norms, its "auto" sums left
+    per shard, or a matrix counted on each rank that holds it."""
     flow = {"topk_ratio": 0.25, "update_interval": 2, "overlap_step": True, "select_strategy": "step",
             "select_interval": 4}
     auto = {"topk_ratio": 0.15, "update_interval": "auto", "auto_ratio": 0.5, "overlap_step": True,
             "select_strategy": "step", "select_interval": 6}
     jobs = [(cfg(2, zenflow(**flow), steps=8), 1, {}), (cfg(3, zenflow(**flow), steps=8), 2, {}),
-            (cfg(2, zenflow(**auto), steps=10), 2, {})]
+            (cfg(2, zenflow(**auto), steps=10), 2, {}),
+            (small_config(stage=1, pp=2, steps=10, layers=2, zero_extra=zenflow(**auto)), 1, {}),
+            (small_config(stage=3, tp=2, steps=10, layers=2, zero_extra=zenflow(**auto)), 1, {}),
+            (small_config(stage=2, tp=2, steps=8, layers=2, zero_extra=zenflow(**flow)), 1, {})]
     results = dist_pool(2).run(many, jobs)
     want = deepspeed_zenflow_run(cfg(2, zenflow(**flow), steps=8), flow)
     want_auto = deepspeed_zenflow_run(cfg(2, zenflow(**auto), steps=10), auto)
     assert len(set(want_auto["windows"])) > 1, want_auto["windows"]
     for name, index, reference in (("stage 2, one rank", 0, want), ("stage 3, two ranks", 1, want),
-                                   ("auto, stage 2, two ranks", 2, want_auto)):
+                                   ("auto, stage 2, two ranks", 2, want_auto), ("auto, stage 1, pp 2", 3, want_auto),
+                                   ("auto, stage 3, tp 2", 4, want_auto), ("stage 2, tp 2", 5, want)):
         got = [r[index] for r in results if r[index] is not None]
         assert_close(list(got[0]["curve"].values()), list(reference["curve"].values()), name)
         assert_params_match(assemble_params(got), reference["params"], name)

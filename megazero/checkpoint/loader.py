@@ -79,17 +79,14 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
 
 
 def _restore_zenflow_window(state, reader: CheckpointReader) -> None:
-    """ZenFlow's open "auto" window: its step count, and its running sums from the ranks of this
-    rank's tensor-parallel position when the tensor-parallel degree is the same (none saved: the
+    """ZenFlow's open "auto" window: its step count and its running sums, by parameter name from
+    any rank that saved them (every rank holding a matrix holds its whole sums; none saved: the
     checkpoint closed its window, or was written without "auto")."""
     saved = [index["zenflow_window"] for index in reader.indexes if "zenflow_window" in index]
-    same_tp = reader.metadata["layout"]["tp"] == state.groups.topology.tp
-    mine = [index["zenflow_window"] for index in reader.indexes
-            if "zenflow_window" in index and index["coords"][0] == state.groups.coords[0]]
     window = {"steps": max((w["steps"] for w in saved), default=0),
-              "sums": {name: pair for w in mine for name, pair in w["sums"].items()}}
+              "sums": {name: pair for w in saved for name, pair in w["sums"].items()}}
     engine = state.engine
-    engine.zenflow_windows.load_state_dict(window, engine.storages(), lambda p: canonical_name(p, engine), same_tp)
+    engine.zenflow_windows.load_state_dict(window, engine.storages(), lambda p: canonical_name(p, engine))
 
 
 def _restore_rng(state, reader: CheckpointReader) -> bool:

@@ -198,7 +198,8 @@ class ZeroEngine:
             if self.zero.zenflow.update_interval == "auto":
                 self.zenflow_windows = AutoWindows(self.zero.zenflow, self.groups.model_parallel)
             make = functools.partial(ZenFlowOffload, zenflow=self.zero.zenflow, cpu_threads=threads,
-                                     windows=self.zenflow_windows)
+                                     windows=self.zenflow_windows, tensor=self.groups.tensor,
+                                     counted=self.counts_in_norm)
         for i, storage in enumerate(self.storages()):
             name = "units" if storage is self.store else f"group{i}"
             storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name,

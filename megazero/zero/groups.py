@@ -23,6 +23,9 @@ class ZeroGroups:
     node_local: Group | None = None
     cross_node: Group | None = None
     hpz: Group | None = None   # hpZ: the node-local ranks sharing a secondary partition (None: off)
+    # The tensor-parallel ranks (None: none): ZenFlow chooses the columns of a matrix that tensor
+    # parallelism splits by the whole matrix's norms, as one process would.
+    tensor: Group | None = None
 
     @property
     def shard_gather(self) -> Group:

@@ -6,7 +6,9 @@ DeepSpeed's `weight[:, j]`, embeddings and the tied output layer included; a 1-D
 column, so it is always selected whole).
 After `full_warm_up_rounds` steps of plain offload, the columns with the largest gradient L1 norm
 (`topk_ratio` of each parameter's, at least one when positive; the norm summed over the shard
-group, so every rank picks the same) are *selected*: they are updated on the device every step by
+group, so every rank picks the same, and taken over the whole matrix where tensor parallelism splits
+it: summed over the tensor-parallel ranks where its rows are split, gathered where its columns are,
+so a layout picks the columns one process would) are *selected*: they are updated on the device every step by
 an Adam of their own, as DeepSpeed's selective optimizer: its master starts from the master of
 record, its moments from zero at every selection, and its step count from the end of the warm-up
 (it is not reset at a re-selection). Every gradient also goes to the host, where it is
@@ -49,6 +51,7 @@ Owns the ZenFlow step of one storage; never decides when to step, gather or save
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -93,11 +96,25 @@ class ZenFlowOffload(OptimizerOffload):
     checkpoint_kinds = OFFLOADED_KINDS + ("param",) + ZENFLOW_KINDS + tuple(SELECTED_MOMENTS)
 
     def __init__(self, storage, config, sub_group_size, folder, name, *, zenflow, cpu_threads: int,
-                 windows=None):
+                 windows=None, tensor=None, counted=None):
         super().__init__(storage, config, sub_group_size, folder, name)
         self.flow, self.cpu_threads = zenflow, cpu_threads
         self.windows = windows            # update_interval "auto": the engine's AutoWindows
         self.storage = storage
+        # Tensor parallelism: the matrices it splits (their shard, else None), whose column norms
+        # and "auto" sums are taken over the whole matrix, on every tensor-parallel rank alike.
+        self.tensor = tensor if tensor is not None and tensor.size > 1 else None
+        self.tp_split = [getattr(p, "tp_shard", None) if self.tensor is not None and len(storage.full_shape(i)) >= 2
+                      else None for i, p in enumerate(storage.params)]
+        self.columns_split = [s is not None and s.dim % len(storage.full_shape(i)) == len(storage.full_shape(i)) - 1
+                              for i, s in enumerate(self.tp_split)]
+        # "auto" counts each matrix once: one pipeline stage's copy of a tied one, one
+        # tensor-parallel rank's of a split or replicated one (`counted`: the gradient norm's rule).
+        counted = counted or (lambda p: True)
+        first = self.tensor is None or self.tensor.rank == 0
+        self.matrices = torch.tensor([len(storage.full_shape(i)) >= 2 and counted(p) and (first or not split)
+                                      for i, (p, split) in enumerate(zip(storage.params, self.tp_split))],
+                                     device=storage.device)
         n = storage.layout.partition_size
         pin = config.pin_memory and storage.device.type == "cuda"
         host = dict(device="cpu", pin_memory=pin)
@@ -176,10 +193,20 @@ class ZenFlowOffload(OptimizerOffload):
         flat = torch.cat(sums) if sums else torch.zeros(0, device=storage.device)
         if storage.shard is not None and storage.shard.size > 1:
             comm.all_reduce(flat, storage.shard)
+        per_rank = None
+        if self.tensor is not None:           # every tensor-parallel rank's sums, to see whole matrices
+            per_rank = torch.empty(self.tensor.size * len(flat), dtype=flat.dtype, device=flat.device)
+            comm.all_gather(per_rank, flat, self.tensor)
+            per_rank = per_rank.view(self.tensor.size, -1)
         mask = torch.zeros(storage.layout.partition_size, dtype=torch.bool, device=storage.device)
         at = 0
-        for piece, columns in pieces:
-            chosen = top_columns(flat[at:at + columns], self.flow.topk_ratio)
+        for (piece, columns), split, by_columns in zip(pieces, self.tp_split, self.columns_split):
+            if split is None:
+                chosen = top_columns(flat[at:at + columns], self.flow.topk_ratio)
+            elif not by_columns:              # rows split: each rank's sums are partial (L1 adds up)
+                chosen = top_columns(per_rank[:, at:at + columns].sum(0), self.flow.topk_ratio)
+            else:
+                chosen = self._chosen_in_split(split, per_rank[:, at:at + columns])
             at += columns
             if piece is None or len(chosen) == 0:
                 continue
@@ -188,6 +215,16 @@ class ZenFlowOffload(OptimizerOffload):
             start = piece.partition_offset
             mask[start:start + piece.length] = torch.isin(cols, chosen)
         self.mask.copy_(mask)
+
+    def _chosen_in_split(self, split, per_rank: torch.Tensor) -> torch.Tensor:
+        """This rank's chosen columns of a matrix whose columns tensor parallelism splits, chosen by
+        the whole matrix's column norms: the ranks' sums are pieces of its row of sums, in the order
+        the shard (the parameter's `tp_shard`) says."""
+        along = dataclasses.replace(split, dim=0)        # the same split, of a row of column sums
+        whole = along.full_from_locals(list(per_rank))
+        picked = torch.zeros(len(whole), dtype=torch.bool, device=whole.device)
+        picked[top_columns(whole, self.flow.topk_ratio)] = True
+        return torch.nonzero(along.local_from_full(picked)).view(-1)
 
     def _take_selection(self, storage) -> None:
         """The device states of the selected elements (per weight decay): the master from the host
@@ -271,6 +308,11 @@ class ZenFlowOffload(OptimizerOffload):
         out = torch.stack([selected, (total - selected).clamp_min_(0.0)], 1).mul_(grad_scale)
         if storage.shard is not None and storage.shard.size > 1:
             comm.all_reduce(out, storage.shard)
+        if self.tensor is not None:           # a split matrix's sums over its whole
+            split = torch.tensor([s is not None for s in self.tp_split], device=out.device).unsqueeze(1)
+            whole = out * split
+            comm.all_reduce(whole, self.tensor)
+            out = torch.where(split, whole, out)
         return out
 
     @staticmethod

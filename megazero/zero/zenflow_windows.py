@@ -27,12 +27,14 @@ double-buffer state before the update boundary reads it, so its windows end only
 here the window ends at the step that meets the rule.
 
 The L1 norms are those of the gradient the optimizer applies (unscaled, clipped), summed over the
-shard group, and the counts over the tensor- and pipeline-parallel ranks (`model_parallel`), so every
-rank ends the same windows (a tied embedding's copies on two stages step together).
+shard group and, for a matrix tensor parallelism splits, over the tensor-parallel ranks (the whole
+matrix's, as one process sees it). Each matrix is counted once (one pipeline stage's copy of a tied
+one, one tensor-parallel rank's: ZenFlowOffload.matrices) and the counts are summed over the tensor-
+and pipeline-parallel ranks (`model_parallel`), so every rank ends the windows one process would.
 
 A checkpoint holds the open window's step count and each matrix's two running sums (`state_dict`,
-by parameter name; written in each rank's index), so a resumed run ends the same windows; in another
-tensor-parallel degree the sums restart from zero (one shard's sums are not another's).
+by parameter name; written in each rank's index). The sums are the whole matrix's on every rank, so
+a run resumed in any layout ends the same windows.
 
 Owns the window decision; never selects, steps or accumulates (zenflow.py does).
 """
@@ -53,7 +55,6 @@ class AutoWindows:
         self.steps = 0                   # steps in the open window (after decide: this one included)
         self.ends = True                 # the last step closed its window: the next one opens one
         self.sums: dict[int, torch.Tensor] = {}      # id(offload) -> [params, 2]: selected, deferred L1
-        self.matrices: dict[int, torch.Tensor] = {}  # id(offload) -> [params]: two or more dimensions
         self.loaded: dict[int, list[float]] = {}     # id(param) -> sums, from a checkpoint
 
     def decide(self, storages, step: int, grad_scale: float) -> None:
@@ -82,11 +83,7 @@ class AutoWindows:
 
     def _caught_up(self, storage, sums: torch.Tensor) -> torch.Tensor:
         """[matrices that have caught up, matrices] of this storage (float, on its device)."""
-        key = id(storage.offload)
-        if key not in self.matrices:
-            self.matrices[key] = torch.tensor([len(storage.full_shape(i)) >= 2 for i in range(len(storage.params))],
-                                              device=sums.device)
-        matrix = self.matrices[key]
+        matrix = storage.offload.matrices
         ratio = self.flow.topk_ratio
         caught = (ratio * sums[:, 1] >= (1.0 - ratio) * sums[:, 0] / self.steps) & matrix
         return torch.stack([caught.sum(), matrix.sum()]).float()
@@ -110,11 +107,10 @@ class AutoWindows:
                 sums.update(zip((name_of(p) for p in storage.params), values.tolist()))
         return {"steps": 0 if self.ends else self.steps, "sums": sums}
 
-    def load_state_dict(self, state: dict, storages, name_of, same_tensor_parallel: bool) -> None:
-        """Resumes the window `state_dict` saved; its sums only when summed in this tensor-parallel
-        degree (a shard's sums are not another shard's)."""
+    def load_state_dict(self, state: dict, storages, name_of) -> None:
+        """Resumes the window `state_dict` saved (in any layout: the sums are whole matrices')."""
         self.steps = int(state["steps"])
         self.ends, self.sums = self.steps == 0, {}
-        saved = state["sums"] if same_tensor_parallel else {}
+        saved = state["sums"]
         self.loaded = {id(p): saved[name_of(p)] for storage in storages for p in storage.params
                        if name_of(p) in saved}
