@@ -32,7 +32,8 @@ buffer, so each sees every other window; here one set sees every window (one opt
 sequential mode, half the host memory). Its re-selection copies the device weights over the CPU
 master while the CPU may still be stepping it; here the CPU Adam is joined first. Its selective
 Adam takes the unclipped gradient; here both parts take the clipped one the step applies. It
-selects int(topk_ratio x columns), none for a narrow matrix; here at least one.
+selects int(topk_ratio x columns), none for a narrow matrix; here at least one. Under tensor
+parallelism (Megatron-DeepSpeed) it sees each rank's shard as a matrix; here the whole matrix.
 
 The two ends are exact: `topk_ratio` 1 is the device optimizer (every element selected, stepped
 with the global step count, moments from zero at step 1); `topk_ratio` 0 with `update_interval` 1
