@@ -110,7 +110,7 @@ def test_column_sums_of_a_piece_match_the_matrix_reference():
     column 0 fails)."""
     import torch
 
-    from megazero.zero.zenflow import column_abs_sums, top_columns
+    from megazero.zero.zenflow_columns import column_abs_sums, top_columns
     torch.manual_seed(0)
     rows, columns = 7, 5
     matrix = torch.randn(rows * columns)

@@ -52,7 +52,6 @@ Owns the ZenFlow step of one storage; never decides when to step, gather or save
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -62,33 +61,11 @@ from megazero.core import comm
 from megazero.core.streams import Event, host_thread_work
 from megazero.ops.adam import adam_update
 from .offload import OFFLOADED_KINDS, OptimizerOffload, _nbytes
+from .zenflow_columns import chosen_in_split, column_abs_sums, top_columns
 
 ZENFLOW_KINDS = ("zenflow_acc", "zenflow_selected", "zenflow_pending")
 # The selected columns' device moments, at their elements of the partition (zero elsewhere).
 SELECTED_MOMENTS = {"zenflow_exp_avg": "exp_avg", "zenflow_exp_avg_sq": "exp_avg_sq"}
-
-
-def column_abs_sums(piece: torch.Tensor, offset: int, columns: int) -> torch.Tensor:
-    """L1 norm per column (DeepSpeed's importance) of a [rows, columns] matrix over the flat
-    elements [offset, offset + len(piece)) that `piece` holds (a partial first and last row allowed)."""
-    out = torch.zeros(columns, dtype=torch.float32, device=piece.device)
-    absolute = piece.float().abs()
-    col0 = offset % columns
-    head = min(len(absolute), (columns - col0) % columns)
-    if head:
-        out[col0:col0 + head] += absolute[:head]
-    rows = (len(absolute) - head) // columns
-    if rows:
-        out += absolute[head:head + rows * columns].view(rows, columns).sum(0)
-    tail = absolute[head + rows * columns:]
-    out[:len(tail)] += tail
-    return out
-
-
-def top_columns(norms: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Indices of the `ratio` largest columns (at least one when ratio > 0)."""
-    count = 0 if ratio <= 0 else max(1, int(ratio * len(norms)))
-    return torch.topk(norms, min(count, len(norms)), sorted=False).indices
 
 
 class ZenFlowOffload(OptimizerOffload):
@@ -207,7 +184,7 @@ class ZenFlowOffload(OptimizerOffload):
             elif not by_columns:              # rows split: each rank's sums are partial (L1 adds up)
                 chosen = top_columns(per_rank[:, at:at + columns].sum(0), self.flow.topk_ratio)
             else:
-                chosen = self._chosen_in_split(split, per_rank[:, at:at + columns])
+                chosen = chosen_in_split(split, per_rank[:, at:at + columns], self.flow.topk_ratio)
             at += columns
             if piece is None or len(chosen) == 0:
                 continue
@@ -216,16 +193,6 @@ class ZenFlowOffload(OptimizerOffload):
             start = piece.partition_offset
             mask[start:start + piece.length] = torch.isin(cols, chosen)
         self.mask.copy_(mask)
-
-    def _chosen_in_split(self, split, per_rank: torch.Tensor) -> torch.Tensor:
-        """This rank's chosen columns of a matrix whose columns tensor parallelism splits, chosen by
-        the whole matrix's column norms: the ranks' sums are pieces of its row of sums, in the order
-        the shard (the parameter's `tp_shard`) says."""
-        along = dataclasses.replace(split, dim=0)        # the same split, of a row of column sums
-        whole = along.full_from_locals(list(per_rank))
-        picked = torch.zeros(len(whole), dtype=torch.bool, device=whole.device)
-        picked[top_columns(whole, self.flow.topk_ratio)] = True
-        return torch.nonzero(along.local_from_full(picked)).view(-1)
 
     def _take_selection(self, storage) -> None:
         """The device states of the selected elements (per weight decay): the master from the host
