@@ -24,16 +24,16 @@ Stage 3 keeps parameters of at most `param_persistence_threshold` elements whole
 default 1e5 would keep every parameter of this small model whole); the grid sets thresholds that
 split the model both ways, and 0.
 
-One run (2 shared CPU cores; the 16th layout, partial optimizer offload, came later and is not in
-these figures): the report table, every category of every layout within 0.4%
+One run (2 CPU cores, quiet), after the output layer's term became the fused loss's chunk (it was
+the whole logits): the report table, every category of every layout within 0.4%
 (offloaded host_params, host/nvme master and optimizer states, nvme_params and the optimizer's host
 staging exactly). The peak table (planned / measured, 13.6M-parameter model), layouts in GRID order:
-0.980 0.951 0.986 0.986 0.959 0.988 0.882 0.923 0.898 0.966 0.903 0.910 0.986 0.994 0.926: 13 of 15
-within 10%. The two outside are stage 3 in bf16 (tp 2 and pp 2): there a rank stays ~10 MB more
-resident after the step than its live tensors (fp32 stage 3: ~1.4 MB; the garbage collector finds
-no tensor beyond memory_report's), memory outside torch's tensors that the planner cannot see.
-Reruns move single layouts by up to ~5% (a warm-up with the large model itself instead of the small
-one: 14 of 15 within 10%, ratios 0.89-0.98); the planner runs ~5% under the measured peak overall.
+0.989 0.976 0.966 1.012 0.951 0.979 0.938 0.717 0.895 0.946 0.893 0.954 0.986 1.015 0.922 1.012: 13 of
+16 within 10%. Outside: pp 2 stage 2 fp32 (0.717: measured ~185 MB in three reruns, and the same in
+trees from before this change, where an older run measured ~140 MB; not found), and stage 3 in bf16
+at pp 2 and with persistence 2000 (0.89: a rank stays ~10 MB more resident after the step than its
+live tensors, memory outside torch's tensors that the planner cannot see). Reruns move single
+layouts by up to ~5%.
 """
 from __future__ import annotations
 

@@ -251,7 +251,7 @@ def test_planner_divides_activations_by_cp_and_adds_its_buffers():
     """Each rank keeps seq / cp tokens: the layers' activations fall by cp, plus the CP attention's
     own saved tensors (the ring's fp32 output and LSE, allgather's whole-sequence K/V and its one
     mask) and buffers."""
-    from megazero.config.memory_estimate import cp_mask_bytes, cp_saved_per_layer, plan_bytes
+    from megazero.config.memory_estimate import cp_mask_bytes, cp_saved_per_layer, output_layer_bytes, plan_bytes
     base = dict(model_extra={"seq_length": 256, "hidden_size": 64, "num_attention_heads": 4,
                              "num_query_groups": 2}, micro=1, global_batch=2)
     plans = {(cp, kind): plan_bytes(small_config(cp=cp, cp_comm_type=kind, **base), 2 * cp)
@@ -263,8 +263,9 @@ def test_planner_divides_activations_by_cp_and_adds_its_buffers():
             continue
         layers = small_config(**base).model.num_layers
         extra = layers * cp_saved_per_layer(256, 1, model, 1, cp, kind, 4) + cp_mask_bytes(256, cp, kind, 4)
-        logits = 256 * 1 * model.padded_vocab_size * 12     # fp32 logits and their gradient, per token
-        expected = (one["activations"] - logits) / cp + logits / cp + extra
+        # the fused output layer's chunk of the rank's 256 / cp tokens (test_plan_memory checks its terms)
+        logits = output_layer_bytes(256, model, 1, 4)
+        expected = (one["activations"] - logits) / cp + output_layer_bytes(256 // cp, model, 1, 4) + extra
         assert plan["activations"] == pytest.approx(expected, rel=1e-9), (cp, kind)
         assert plan["comm_buffers"] > one["comm_buffers"], (cp, kind)
     assert plans[(4, "p2p")]["activations"] < plans[(2, "p2p")]["activations"]

@@ -3,6 +3,7 @@ engine's own memory_report over a grid of layouts (tp, pp, dp, stage, bf16, MiCS
 the planned total within 10% of the measured peak of the processes for a few of them, and
 tools/plan_memory.py's output and layout search."""
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -130,7 +131,11 @@ def test_activations_follow_head_width_and_recomputation():
     def acts(model, layers=4, chunks=(4,)):
         return activation_bytes(32, 2, model, layers, 1, 1, 4, list(chunks))
 
-    logits = 32 * 2 * plain.model.padded_vocab_size * (4 + 4 + 4)
+    # The fused loss: 64 tokens in ceil(V / 64) chunks, each chunk's fp32 logits and fp32 gradient,
+    # and the [V, 64] fp32 weight gradient with one chunk's product beside it.
+    vocab = plain.model.padded_vocab_size
+    chunk = math.ceil(64 / math.ceil(vocab / 64))
+    logits = chunk * vocab * (4 + 4) + 2 * vocab * 64 * 4
     full_layer = 34 * 32 * 2 * 64 * 4 / 2
     kept = 32 * 2 * 64 * 4
     assert acts(plain.model) == 4 * full_layer + logits

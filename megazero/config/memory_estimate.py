@@ -38,8 +38,9 @@ which need not keep the scores, so only the first term is counted (twice that in
 attention is the written-out math (--attention-backend local/unfused) without selective
 recomputation; split over the tensor parallel ranks, for the microbatches a pipeline stage holds at
 once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation keeps only the input
-of each checkpointed layer group. The logits add s·b·V/t elements in fp32 (and their gradient): an
-upper bound, since the fused output layer and loss (models/loss.py) hold one chunk of them at a time.
+of each checkpointed layer group. The fused output layer and loss (models/loss.py) add one chunk of
+logits (about as many elements as the tokens' hidden states) in fp32 and its gradient, and the
+output weight's fp32 gradient twice over (the sum, and one chunk's product added to it).
 Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
 (`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
 transient blocks (`cp_transient_bytes`).
@@ -53,6 +54,7 @@ from pathlib import Path
 import torch
 
 from megazero.config.train_config import TrainConfig
+from megazero.models.loss import default_chunk_tokens
 from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
@@ -96,6 +98,15 @@ def layer_activation_units(model_cfg) -> float:
     return (26 * h + 4 * width + 4 * kv) / h
 
 
+def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int) -> float:
+    """What the fused output layer and loss (models/loss.py) hold at once in backward: one chunk of
+    fp32 logits and its gradient in the weights' dtype, and the output weight's fp32 gradient with
+    one chunk's fp32 product being added to it."""
+    vocab = model_cfg.padded_vocab_size / tp
+    chunk = default_chunk_tokens(tokens, math.ceil(vocab), model_cfg.hidden_size)
+    return chunk * vocab * (4 + weight_bytes) + 2 * vocab * model_cfg.hidden_size * 4
+
+
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
                      weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p") -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
@@ -121,8 +132,8 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
         per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
     else:
         per_micro = layers * full_layer
-    logits = tokens * m.padded_vocab_size / tp * (4 + 4 + weight_bytes)
-    return per_micro * in_flight + logits + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
+    return (per_micro * in_flight + output_layer_bytes(tokens, m, tp, weight_bytes)
+            + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes))
 
 
 def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
