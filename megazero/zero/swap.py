@@ -34,6 +34,10 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+def _checksums(data: memoryview) -> tuple[int, int]:
+    return zlib.crc32(data), zlib.adler32(data)
+
+
 class SwapFile:
     """One tensor of `numel` elements of `dtype` in a file of exactly that many bytes; `bounds` are
     the sub-groups' [start, end) element ranges, each with the CRC of what was last written there
@@ -58,8 +62,9 @@ class SwapFile:
             raise SwapFileError(f"swap file {self.path} is missing; keep nvme_path intact while the run "
                                 f"lasts and restart from a checkpoint") from None
 
-    def write(self, k: int, values: torch.Tensor) -> None:
-        """Writes sub-group k from a contiguous CPU tensor of its length."""
+    def write(self, k: int, values: torch.Tensor, checksums: tuple[int, int] | None = None) -> None:
+        """Writes sub-group k from a contiguous CPU tensor of its length (`checksums`: its CRC-32 and
+        Adler-32 when the caller has them already)."""
         start, end = self.bounds[k]
         data = _as_bytes(values[:end - start])
         offset, done, fd = start * self.element, 0, self._open()
@@ -68,7 +73,7 @@ class SwapFile:
                 done += os.pwrite(fd, data[done:], offset + done)
         finally:
             os.close(fd)
-        self.crc[k], self.adler[k] = zlib.crc32(data), zlib.adler32(data)
+        self.crc[k], self.adler[k] = checksums or _checksums(data)
 
     def write_if_changed(self, k: int, values: torch.Tensor) -> bool:
         """Writes sub-group k unless the file already holds these values (its CRC says so): a
@@ -76,10 +81,10 @@ class SwapFile:
         Unchanged means both checksums agree (64 bits: one CRC-32 alone would skip one changed
         write in 4 billion, a run's worth)."""
         start, end = self.bounds[k]
-        data = _as_bytes(values[:end - start])
-        if self.crc[k] is not None and (zlib.crc32(data), zlib.adler32(data)) == (self.crc[k], self.adler[k]):
+        checksums = _checksums(_as_bytes(values[:end - start]))
+        if self.crc[k] is not None and checksums == (self.crc[k], self.adler[k]):
             return False
-        self.write(k, values)
+        self.write(k, values, checksums)
         return True
 
     def read(self, k: int, out: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ class ZenFlowOffload(OptimizerOffload):
                       else None for i, p in enumerate(storage.params)]
         self.columns_split = [s is not None and s.dim % len(storage.full_shape(i)) == len(storage.full_shape(i)) - 1
                               for i, s in enumerate(self.tp_split)]
+        self.split_rows = torch.tensor([s is not None for s in self.tp_split], device=storage.device).unsqueeze(1)
         # "auto" counts each matrix once: one pipeline stage's copy of a tied one, one
         # tensor-parallel rank's of a split or replicated one (`counted`: the gradient norm's rule).
         counted = counted or (lambda p: True)
@@ -277,10 +278,9 @@ class ZenFlowOffload(OptimizerOffload):
         if storage.shard is not None and storage.shard.size > 1:
             comm.all_reduce(out, storage.shard)
         if self.tensor is not None:           # a split matrix's sums over its whole
-            split = torch.tensor([s is not None for s in self.tp_split], device=out.device).unsqueeze(1)
-            whole = out * split
+            whole = out * self.split_rows
             comm.all_reduce(whole, self.tensor)
-            out = torch.where(split, whole, out)
+            out = torch.where(self.split_rows, whole, out)
         return out
 
     @staticmethod
