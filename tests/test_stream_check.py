@@ -4,21 +4,34 @@ the layout grid running clean under it.
 - Rules: read-after-write, write-after-read, write-after-write and use-after-free are each named
   with the tensor, its label, both streams and both call sites; events, host synchronisation,
   record_stream (keep_alive) and collectives' handles order streams as they do on CUDA.
+- NCCL as torch runs it (`nccl_semantics`): from torch 2.8 an async collective's tensors are held
+  until its wait and recorded on no stream, the wait orders only the waiting stream, and a sync
+  collective runs on the current stream; before 2.8 every tensor was recorded on NCCL's stream. The
+  three-stream case (allocate on A, gather from B, wait on C, free, reallocate on A and write) is
+  flagged under the first and clean under the second, and clean under both with comm's fix (the
+  Handle records its tensors on the waiting stream).
+- Races of torch >= 2.8, each put back by turning that fix off and named with the tensor and both
+  call sites: ZeRO-3 with offload_param (the chunk copied on the copy stream, gathered from the
+  prefetch stream), qwZ (the send buffer packed on the prefetch stream), and gloo's in-place
+  reduce-scatter temporary (made on the reduce stream, freed after main's wait).
 - Races, each reintroduced by monkeypatching its fix away, and named: a stage-3 gather on a group
   of one (one GPU, dp 1 under TP/PP, MiCS shards of 1) copied on the prefetch stream and handed the
   forward a handle with no event; the dp 1 bf16 reduce-scatter read on the compute stream with no
   wait. Both failed this file's grid on the code before the fix. Also: a gathered unit freed
   without keep_alive, a reduction that skips its wait for the backward, a prefetch that skips its
   wait for the optimizer step.
-- The grid: stages 0-3 on groups of one and of several ranks, MiCS (shards of 2, and of 1: groups of
-  one beside a replica all-reduce), the two-hop gather, hpZ, qwZ/qgZ (qgZ's hops chained on the
-  reduce stream), both offload tiers, PP with overlapped p2p, an async checkpoint save, bf16 with
+- The grid (NCCL as torch >= 2.8 runs it): stages 0-3 on groups of one
+  and of several ranks, MiCS (shards of 2, and of 1: groups of one beside a replica all-reduce), the
+  two-hop gather, hpZ, qwZ/qgZ (qgZ's hops chained on the reduce stream), both offload tiers of
+  parameters and optimizer at dp >= 2, ZenFlow's CPU thread, PP with overlapped p2p, CP's ring and
+  all-to-all, an async checkpoint save, bf16 with
   the reduction in bf16, stage 1/2 reductions overlapped with backward (the default) and waited
   bucket by bucket (overlap_comm false): every layout trains two steps under the checker with no
   violation.
 """
 import contextlib
 import os
+import re
 
 import pytest
 import torch
@@ -27,7 +40,7 @@ from layouts import run_training, small_config, with_padded_vocab
 from megazero.core import comm, streams
 from megazero.parallel.groups import ProcessGroups
 from megazero.parallel.topology import Topology
-from megazero.core.stream_check import StreamOrderError, checking
+from megazero.core.stream_check import RECORD_STREAM, STASH, StreamOrderError, checking, nccl_semantics
 from megazero.core.streams import Event, Streams, label
 
 HERE = "tests/test_stream_check.py"
@@ -86,7 +99,8 @@ def test_events_host_syncs_and_disjoint_bytes_order_nothing_wrongly():
         with s.copy:
             v.mul_(2)                                    # so copy may overwrite what main wrote
     assert checker.side_ops >= 5 and checker.violations == 1
-    assert checker.summary() == f"stream check: {checker.side_ops} side-stream ops checked, 1 violations"
+    assert checker.summary() == (f"stream check (NCCL as torch >= 2.8: async ops' tensors stashed until "
+                                 f"wait): {checker.side_ops} side-stream ops checked, 1 violations")
 
 
 def test_a_buffer_freed_under_another_stream_needs_keep_alive():
@@ -114,6 +128,41 @@ def test_a_buffer_freed_under_another_stream_needs_keep_alive():
         resized.sum()
         with pytest.raises(StreamOrderError, match="use-after-free"):
             resized.untyped_storage().resize_(0)         # a release frees at once
+
+
+def test_a_recorded_stream_holds_the_block_for_what_it_is_ordered_after():
+    """record_stream(t, C) keeps t's block from its allocating stream until C has passed the point C had
+    reached at the free: an access on another stream B is covered when C waited for it, not otherwise."""
+    with checking():
+        s = Streams("cpu")
+        with s.copy:
+            held = label(torch.ones(4), "held")
+            lost = label(torch.ones(4), "lost")
+        with s.prefetch:
+            s.prefetch.wait_current()
+            Event("cpu").record(s.copy).wait(s.prefetch)
+            held.sum(), lost.sum()                          # read on prefetch
+        s.prefetch.current_waits()                          # main is ordered after those reads
+        streams.record_on_current_stream(held)              # ... and recorded: covers prefetch's read
+        del held
+        torch.ones(1)
+        s.copy.keep_alive(lost)                             # copy and main recorded, but before main waited
+        with s.prefetch:
+            lost.sum()                                      # a second read, that main never waits for
+        del lost
+        with pytest.raises(StreamOrderError, match=r"use-after-free .* \(lost\): .* back with stream 'copy'.* "
+                                                   r"read on stream 'prefetch'"):
+            torch.ones(1)
+
+
+def test_nccl_semantics_follow_the_torch_version():
+    assert nccl_semantics("2.7.1+cu126") == RECORD_STREAM
+    assert nccl_semantics("2.8.0") == STASH and nccl_semantics("2.11.0+cu130") == STASH
+    assert nccl_semantics() == (STASH if torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
+                                else RECORD_STREAM)
+    with pytest.raises(ValueError, match="semantics must be"):
+        with checking("record_streams"):
+            pass
 
 
 def test_a_handle_orders_its_waiter_after_the_op_groups_of_one_included():
@@ -159,6 +208,68 @@ def test_collectives_run_on_their_communicator_stream(dist_pool):
     for caught, side_ops in dist_pool(2).run(collective_rules_worker):
         assert caught is not None and "read-after-write" in caught and "communicator" in caught, caught
         assert side_ops >= 2
+
+
+@contextlib.contextmanager
+def _handles_record_nothing():
+    """comm's fix taken out: a Handle lets its tensors go at the wait without recording them."""
+    record = comm.record_on_waiting_stream
+    comm.record_on_waiting_stream = lambda tensors: None
+    try:
+        yield
+    finally:
+        comm.record_on_waiting_stream = record
+
+
+def three_streams_worker(ctx, semantics: str, fixed: bool):
+    """Pool entry (2 ranks): a buffer allocated on A (copy), all-gathered from B (prefetch), waited
+    on C (main), freed, then A allocates and writes. Returns (the violation or None, side-stream ops
+    of a sync all-reduce on main)."""
+    group = ctx.groups(Topology(world_size=2)).dp
+    with contextlib.ExitStack() as stack:
+        if not fixed:
+            stack.enter_context(_handles_record_nothing())
+        checker = stack.enter_context(checking(semantics))
+        s = Streams("cpu")
+        with s.copy:
+            chunk = label(torch.full((4,), float(ctx.rank)), "three-stream chunk")
+        s.copy.current_waits()
+        with s.prefetch:
+            s.prefetch.wait_current()
+            out = torch.empty(8)
+            handle = comm.all_gather(out, chunk, group, async_op=True)
+        del chunk                                       # held by the handle until its wait
+        handle.wait()                                   # on main
+        s.prefetch.keep_alive(out)
+        assert out.tolist() == [0.0] * 4 + [1.0] * 4
+        caught = None
+        try:
+            del handle                                  # the chunk's last reference
+            with s.copy:
+                torch.empty(4).fill_(7.0)               # A's next allocation, written
+        except StreamOrderError as err:
+            caught = str(err)
+        before = checker.side_ops
+        x = torch.ones(2)
+        comm.all_reduce(x, group)                       # sync: on main itself, nothing to wait for
+        x.sum()
+        return caught, checker.side_ops - before
+
+
+def test_three_streams_freed_after_a_wait_elsewhere(dist_pool):
+    """The three-stream case under each NCCL model, with and without comm's fix."""
+    for semantics, fixed in ((STASH, False), (STASH, True), (RECORD_STREAM, False)):
+        results = dist_pool(2).run(three_streams_worker, semantics, fixed)
+        for caught, sync_side_ops in results:
+            if semantics == STASH and not fixed:
+                assert caught is not None and re.search(
+                    r"use-after-free of a float32 tensor of shape \(4,\) \(three-stream chunk\): freed at "
+                    rf"{HERE}:\d+ \(three_streams_worker\), its memory back with stream 'copy' .* read on stream "
+                    rf"'.* communicator' at {HERE}:\d+ \(three_streams_worker\)", caught), caught
+            else:
+                assert caught is None, (semantics, fixed, caught)
+            # Sync ops: on main under torch >= 2.8; on the communicator's stream before.
+            assert sync_side_ops == (0 if semantics == STASH else 1), (semantics, sync_side_ops)
 
 
 # --- the races it found ----------------------------------------------------------------------------
@@ -216,6 +327,44 @@ def test_a_reduction_that_does_not_wait_for_the_backward_is_caught(monkeypatch):
                                                r"output\): written on stream 'main' .* written on stream "
                                                r"'reduce'"):
         _checked_steps(_bf16(small_config(stage=1, layers=2, global_batch=2)))
+
+
+def unrecorded_races_worker(ctx):
+    """Pool entry (2 ranks): the layouts whose buffers torch >= 2.8's NCCL leaves unrecorded, trained
+    with comm's fix taken out; the violation each raises, or None."""
+    layouts = [
+        ("offload_param", 3, {"offload_param": {"device": "cpu"}}),
+        ("qwZ", 3, {"zero_quantized_weights": True}),
+        ("in-place reduce-scatter on gloo", 1, {}),
+    ]
+    found = {}
+    for name, stage, extra in layouts:
+        cfg = with_padded_vocab(_grid_config(stage, dp=2, zero_extra=extra))
+        with _handles_record_nothing():
+            try:
+                checked_layout(ctx, name, 2, {}, cfg, None)
+                found[name] = None
+            except StreamOrderError as err:
+                found[name] = str(err)
+    return found
+
+
+def test_races_torch_2_8_nccl_leaves_are_fixed_by_the_handle(dist_pool):
+    """With the Handle's recording taken out, each path's buffer is freed back to the stream that made
+    it while the communicator may still read it; the message names the buffer, the free and the
+    collective. The grid below runs the same layouts clean with it."""
+    found = dist_pool(2).run(unrecorded_races_worker)[0]
+    free_site = r"freed at megazero/zero/stage3/units.py:\d+ \(wait_gather\)"
+    assert re.search(r"use-after-free of a float32 tensor of shape \(\d+,\) \(stage-3 unit '.*': this rank's "
+                     rf"chunk, copied from its offload home\): {free_site}, its memory back with stream 'copy' "
+                     r".* read on stream '.*shard_gather communicator' at megazero/zero/stage3/param_gather.py:"
+                     r"\d+ \(_all_gather\)", found["offload_param"] or ""), found["offload_param"]
+    assert re.search(r"use-after-free of a uint8 tensor of shape \(1, \d+\) \(qwZ send buffer \(int8 codes and "
+                     rf"scales\)\): {free_site}, its memory back with stream 'prefetch' .* read on stream "
+                     r"'.*shard_gather communicator' at megazero/zero/quantized_comm.py:\d+ "
+                     r"\(quantized_all_gather\)", found["qwZ"] or ""), found["qwZ"]
+    assert re.search(r"use-after-free of a float32 tensor .* freed at megazero/zero/storage.py:\d+ .* back with "
+                     r"stream 'reduce'", found["in-place reduce-scatter on gloo"] or ""), found
 
 
 def test_a_prefetch_that_does_not_wait_for_the_optimizer_step_is_caught(monkeypatch):
@@ -289,6 +438,15 @@ def grid(tmp: str) -> list:
                                                                                    schedule="1f1b")), None),
         ("stage 1 pp 2 tp 2 interleaved, overlapped p2p", 4, {}, _overlapped(_grid_config(
             1, pp=2, tp=2, layers=4, virtual=2, schedule="interleaved")), None),
+        ("stage 3 dp 2, params and optimizer on cpu", 2, {}, _grid_config(3, dp=2, zero_extra={
+            "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}), None),
+        ("stage 3 dp 2 bf16 qwZ", 2, {}, _bf16(_grid_config(3, dp=2, zero_extra={"zero_quantized_weights": True})),
+         None),
+        ("stage 3 dp 2 params on nvme, qwZ", 2, {}, _grid_config(3, dp=2, zero_extra={
+            "offload_param": nvme, "zero_quantized_weights": True}), None),
+        ("stage 3 cp 2 dp 2 ring attention, params on cpu", 4, {}, _grid_config(3, dp=2, cp=2, zero_extra={
+            "offload_param": {"device": "cpu"}}), None),
+        ("stage 2 cp 2 dp 2 all-to-all", 4, {}, _grid_config(2, dp=2, cp=2, cp_comm_type="a2a"), None),
     ]
 
 
@@ -304,7 +462,8 @@ def checked_layout(ctx, name, world, topology, cfg, save_dir):
         groups = ProcessGroups.single()
     else:
         groups = ctx.groups(Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                                     mics_shard_size=cfg.zero.mics_shard_size, **topology))
+                                     cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
+                                     **topology))
         if groups is None:
             return None
     cfg = with_padded_vocab(cfg)
@@ -347,9 +506,11 @@ def test_pretrain_gpt_under_megazero_stream_check_says_one_line(tmp_path, monkey
     code, out = run_main(TINY + ["--zero-stage", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
                                  "--train-iters", "2"], capsys)
     assert code == 0, out.err[-2000:]
-    checked = [line for line in out.out.splitlines() if line.startswith("stream check:")]
-    assert len(checked) == 1 and checked[0].endswith(" side-stream ops checked, 0 violations"), out.out
-    assert int(checked[0].split()[2]) > 0 and streams.checker_for("cpu") is None
+    checked = [line for line in out.out.splitlines() if line.startswith("stream check")]
+    assert len(checked) == 1 and re.fullmatch(r"stream check \(NCCL as torch >= 2.8: async ops' tensors stashed "
+                                              r"until wait\): [1-9]\d* side-stream ops checked, 0 violations",
+                                              checked[0]), out.out
+    assert streams.checker_for("cpu") is None
 
 
 def test_a_checked_run_computes_what_an_unchecked_one_does():

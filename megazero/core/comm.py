@@ -17,6 +17,14 @@ the stream current at the wait wait for it (NCCL's work.wait() does that; under 
 checker the Handle holds the event that ends the op on its communicator's modelled stream). Under
 the checker every collective declares the tensors it reads and writes (`_issue`).
 
+Tensor lifetimes: torch's NCCL (>= 2.8) records no stream on a collective's tensors; it holds them
+until the wait, which orders only the waiting stream after the op. A tensor allocated on another
+stream (the copy stream's offloaded chunk, the prefetch stream's quantized send buffer) would go back
+to that stream's pool when its last reference goes after the wait, and could be handed out there
+while NCCL still reads it. So every async op's Handle holds its tensors until the wait and then
+records them on the waiting stream (`Handle.wait`): the allocator reuses none of them before that
+stream has passed its wait for the op. Sync ops run on the current stream and need nothing.
+
 Devices: a `Group` knows the device its collectives run on (the rank's CUDA device under NCCL, the
 CPU under gloo). Every op checks every tensor it is given against it before anything else, groups of
 one included, so a tensor on the wrong device fails with a message naming the op, the group and both
@@ -100,13 +108,16 @@ class Handle:
 
     `wait()` makes the current stream wait for the op: `done` (an Event recorded after the op on the
     stream that did it, where the works cannot say so themselves), then each work's wait (gloo's may
-    finish the op with copies on the waiting thread). `then` runs once, after that, on the first
-    wait, on the waiting stream (e.g. copying a result out of a temporary buffer)."""
+    finish the op with copies on the waiting thread). The op's `tensors`, held until then, are
+    recorded on the waiting stream and let go (see the module docstring). `then` runs once, after
+    that, on the first wait, on the waiting stream (e.g. copying a result out of a temporary buffer)."""
 
-    def __init__(self, works: Sequence[object] = (), then=None, done: streams.Event | None = None):
+    def __init__(self, works: Sequence[object] = (), then=None, done: streams.Event | None = None,
+                 tensors: Sequence[torch.Tensor] = ()):
         self._works = list(works)
         self._then = then
         self._done = done
+        self._tensors = list(tensors)
 
     def wait(self) -> None:
         done, self._done = self._done, None
@@ -115,6 +126,9 @@ class Handle:
         works, self._works = self._works, []
         for work in works:
             work.wait()
+        held, self._tensors = self._tensors, []
+        record_on_waiting_stream(held)
+        del held
         then, self._then = self._then, None
         if then is not None:
             then()
@@ -122,6 +136,14 @@ class Handle:
     @property
     def done(self) -> bool:
         return not self._works and self._done is None
+
+
+def record_on_waiting_stream(tensors: Sequence[torch.Tensor]) -> None:
+    """An op's tensors, at its wait: recorded on the waiting (current) stream, which the wait has
+    ordered after the op, so the allocator hands none of them out again, on whichever stream made
+    it, before that stream has got past the wait."""
+    for tensor in tensors:
+        streams.record_on_current_stream(tensor)
 
 
 def _check_device(op: str, group: Group, what: str, tensor: torch.Tensor) -> None:
@@ -147,20 +169,23 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], call):
+def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], call,
+           async_op: bool):
     """Runs `call()` (the torch.distributed op); returns (its work, the event that ends it or None).
-    Under the CPU stream checker the op is work on the group's communicator stream, reading `reads`
-    and writing `writes`; elsewhere the backend's work orders the streams (NCCL) or the host (gloo)."""
+    Under the CPU stream checker the op reads `reads` and writes `writes` as NCCL would run it
+    (megazero.core.stream_check.nccl_semantics); elsewhere the backend's work orders the streams
+    (NCCL) or the host (gloo)."""
     checker = streams.checker_for(group.device)
     if checker is None:
         return call(), None
-    return checker.collective(group.pg, group.name, reads, writes, call)
+    return checker.collective(group.pg, group.name, reads, writes, call, async_op=async_op)
 
 
-def _finish(work, done, async_op: bool, then=None) -> Handle | None:
-    """An async op's Handle; a synchronous op is waited here (on the current stream)."""
+def _finish(work, done, async_op: bool, tensors: Sequence[torch.Tensor], then=None) -> Handle | None:
+    """An async op's Handle, holding `tensors` until its wait; a synchronous op is waited here (on
+    the current stream)."""
     works = work if isinstance(work, list) else [work] if work is not None else []
-    handle = Handle(works, then, done)
+    handle = Handle(works, then, done, tensors if async_op else ())
     if async_op:
         return handle
     handle.wait()
@@ -181,8 +206,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bo
         return local_handle(group, async_op)
     group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor))
     work, done = _issue(group, [tensor], [tensor],
-                        lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op))
-    return _finish(work, done, async_op)
+                        lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), async_op)
+    return _finish(work, done, async_op, [tensor])
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -200,18 +225,16 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     then = None
     if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
         # In place (output is this rank's chunk of input) is defined for NCCL only; gloo can
-        # corrupt it, so go through a temporary and copy back once the op is done. The copy runs
-        # on the waiting stream, which may not be the one the temporary was made on: recorded
-        # there, its memory is not reused before the copy has read it.
+        # corrupt it, so go through a temporary and copy back once the op is done (on the waiting
+        # stream, where the Handle recorded the temporary).
         target, output = output, torch.empty_like(output, device=group.device)
 
         def then():
-            streams.record_on_current_stream(output)
             target.copy_(output)
     # Flat views: backends disagree on how they match multi-dimensional shapes.
     work, done = _issue(group, [input], [output], lambda: _reduce_scatter_single(
-        output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op))
-    return _finish(work, done, async_op, then)
+        output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op), async_op)
+    return _finish(work, done, async_op, [input, output], then)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -226,8 +249,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         return local_handle(group, async_op)
     group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output))
     work, done = _issue(group, [input], [output], lambda: _all_gather_single(
-        output.view(-1), input.view(-1), group=group.pg, async_op=async_op))
-    return _finish(work, done, async_op)
+        output.view(-1), input.view(-1), group=group.pg, async_op=async_op), async_op)
+    return _finish(work, done, async_op, [input, output])
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -238,8 +261,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         return local_handle(group, async_op)
     group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input))
     work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
-        output, input, group=group.pg, async_op=async_op))
-    return _finish(work, done, async_op)
+        output, input, group=group.pg, async_op=async_op), async_op)
+    return _finish(work, done, async_op, [input, output])
 
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
@@ -249,8 +272,8 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
         return
     group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor))
     work, done = _issue(group, [tensor], [tensor],
-                        lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg))
-    _finish(work, done, async_op=False)
+                        lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg), False)
+    _finish(work, done, False, ())
 
 
 def all_reduce_object_max(value: float, group: Group) -> float:
@@ -279,8 +302,9 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
         group.log.record(kind, group, _nbytes(op.tensor))
     sent = [op.tensor for kind, op in ops if kind == "send"]
     received = [op.tensor for kind, op in ops if kind == "recv"]
-    works, done = _issue(group, sent, received, lambda: dist.batch_isend_irecv([op for _, op in ops]))
-    return Handle(works, done=done)
+    works, done = _issue(group, sent, received, lambda: dist.batch_isend_irecv([op for _, op in ops]),
+                         True)
+    return Handle(works, done=done, tensors=sent + received)
 
 
 def barrier(group: Group) -> None:

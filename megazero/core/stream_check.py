@@ -10,10 +10,18 @@ merges the event's view into the waiting stream's. An access on stream B is orde
 stream A at position p when B's view of A has reached p (B waited on an event recorded after it), or
 when the host synchronized on such an event. A `TorchDispatchMode` attributes every aten op to the
 current stream: its inputs are read, the arguments its schema marks mutated and its fresh outputs
-are written (views touch no data). Collectives are declared by megazero.core.comm (`collective`): each
-runs on a modelled stream of its communicator, as NCCL runs on its own stream after the work queued
-on the issuing stream, and the event recorded there after it is the one its Handle makes the
-waiting stream wait on. A host thread (ZenFlow's CPU Adam) is declared the same way
+are written (views touch no data). Collectives are declared by megazero.core.comm (`collective`), and
+run as torch's ProcessGroupNCCL runs them (`nccl_semantics` picks the model by torch version):
+
+- torch >= 2.8 (pytorch PR #148590, relanded as #150398; the GPU image's 2.11): an asynchronous
+  collective or batched p2p runs on its communicator's modelled stream after the work queued on the
+  issuing stream; no stream is recorded on its tensors: the comm layer's Handle holds them ("the
+  stash") until its wait, which orders only the waiting stream after the op (the event recorded on
+  the communicator's stream). A synchronous collective runs on the current stream itself.
+- before 2.8: every collective ran on the communicator's stream with its tensors record_stream'ed
+  there, a synchronous one waited for by the current stream.
+
+A host thread (ZenFlow's CPU Adam) is declared the same way
 (`host_thread`), on a stream of its own that is ordered only after what the host synchronized on.
 
 Violations (StreamOrderError, naming the tensor's shape, dtype and label, both streams and both call
@@ -22,8 +30,9 @@ sites, the first frames outside torch and the stream and comm modules):
   storage on different streams, at least one a write, with no event between them;
 - use-after-free: a storage freed (its last reference gone, or `untyped_storage().resize_`) goes
   back to the stream that allocated it, as in the CUDA caching allocator, which reuses it there at
-  once; an access by another stream that is neither ordered before that stream nor
-  `record_stream`ed on it (SideStream.keep_alive) may still be running.
+  once; an access by another stream may still be running unless it is ordered before that stream,
+  or before the point a stream `record_stream`ed on the storage (SideStream.keep_alive) had reached
+  when it was freed: the allocator holds the block until each recorded stream passes that point.
 
 On CPU every op runs when it is issued, so a checked run computes exactly what an unchecked one
 does; the check says what a GPU would have raced on. Buffers get readable names through
@@ -47,10 +56,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megazero.core import streams as _streams
 
 MAIN = 0
+STASH, RECORD_STREAM = "stash", "record_stream"       # how NCCL keeps collective tensors alive (nccl_semantics)
 _SKIPPED_FILES = tuple(str(Path(p).resolve()) for p in (
     Path(torch.__file__).parent, Path(__file__), Path(_streams.__file__),
     Path(_streams.__file__).with_name("comm.py"), Path(contextlib.__file__)))
 _ROOT = Path(__file__).resolve().parents[2]   # the repository root (megazero/core/ is two below)
+
+
+def nccl_semantics(version: str | None = None) -> str:
+    """How torch's ProcessGroupNCCL orders a collective's tensors, for torch `version` (default: this
+    one's). STASH from 2.8 on: pytorch PR #148590 (relanded as #150398) removed every record_stream; an
+    async op holds its tensors on the host until work.wait(), the wait orders only the waiting stream
+    after NCCL's work, and a sync op runs on the current stream (TORCH_NCCL_AVOID_RECORD_STREAMS is
+    ignored, and was removed by PR #194701). RECORD_STREAM before: every tensor was recorded on
+    NCCL's stream, where sync ops ran too, joined back to the current stream."""
+    release = torch.torch_version.TorchVersion(version if version is not None else torch.__version__)
+    return STASH if release >= (2, 8) else RECORD_STREAM
 
 
 class StreamOrderError(RuntimeError):
@@ -174,7 +195,10 @@ class StreamChecker:
     streams.TorchCudaBackend), and the record of every storage's accesses."""
     name = "stream-check"
 
-    def __init__(self):
+    def __init__(self, semantics: str | None = None):
+        self.semantics = semantics if semantics is not None else nccl_semantics()
+        if self.semantics not in (STASH, RECORD_STREAM):
+            raise ValueError(f"semantics must be {STASH!r} or {RECORD_STREAM!r}, not {self.semantics!r}")
         self.streams = [_Stream(MAIN, "main")]
         self.current = self.streams[MAIN]
         self.done: dict[int, int] = {}                 # positions the host has synchronized on
@@ -216,7 +240,11 @@ class StreamChecker:
             self.raise_pending()
 
     def summary(self) -> str:
-        return f"stream check: {self.side_ops} side-stream ops checked, {self.violations} violations"
+        return f"stream check ({self.describe_semantics()}): {self.side_ops} side-stream ops checked, " \
+               f"{self.violations} violations"
+
+    def describe_semantics(self) -> str:
+        return describe_semantics(self.semantics)
 
     # --- streams and events (megazero.core.streams' backend interface) -------------------------------
     def current_device(self) -> int:
@@ -279,12 +307,20 @@ class StreamChecker:
         tracked = self._tracked(tensor)
         return None if tracked is None else tracked.label
 
-    def collective(self, key, name: str, reads, writes, issue):
-        """Runs `issue()` (a torch.distributed call) as work on the communicator's stream after the
-        work queued so far on the current stream; the communicator keeps its tensors until it is
-        done (NCCL records its stream on them). Returns (issue's result, the event after it)."""
+    def collective(self, key, name: str, reads, writes, issue, async_op: bool = True):
+        """Runs `issue()` (a torch.distributed call reading `reads` and writing `writes`) as NCCL
+        would (see `nccl_semantics`). Returns (issue's result, the event that ends it, or None for a
+        sync op under STASH: it ran on the current stream, which has nothing to wait for).
+
+        STASH: an async op is work on the communicator's stream after the work queued so far on the
+        current stream, and nothing is recorded on its tensors: the caller keeps them alive until
+        the wait (megazero.core.comm.Handle). RECORD_STREAM: every op is that work, with its tensors
+        recorded on the communicator's stream."""
+        if self.semantics == STASH and not async_op:
+            self.op(list(reads), list(writes), [], host_sync=False)
+            return issue(), None
         return self._run_on(key, f"{name} communicator", self.current.known, reads, writes, issue,
-                            keep=True)
+                            keep=self.semantics == RECORD_STREAM)
 
     def host_thread(self, name: str, reads, writes, issue):
         """Runs `issue()` (which starts a host thread on host tensors) as work on a modelled stream
@@ -386,15 +422,17 @@ class StreamChecker:
         """The allocation's memory goes back to its stream: every other stream's access must be
         ordered before that stream's next work, or that stream recorded on it."""
         owner = self.streams[tracked.stream]
+        holding = [self.streams[r] for r in tracked.recorded]
         for write, sid, pos, _, _, rsite in tracked.accesses:
-            if sid == owner.id or sid in tracked.recorded or self._ordered(sid, pos, owner):
+            if sid == owner.id or self._ordered(sid, pos, owner) or \
+                    any(held.known.get(sid, 0) >= pos for held in holding):
                 continue
             self._violation(
                 f"stream check: use-after-free of a {tracked.first} ({tracked.label or 'unlabelled'}): "
                 f"freed at {site}, its memory back with {owner} for reuse, while the "
                 f"{'write' if write else 'read'} on {self.streams[sid]} at {rsite} may still run; "
-                f"record_stream it on {self.streams[sid]} (SideStream.keep_alive) or keep it alive "
-                f"until {owner} waited on an event recorded after that access", now=now)
+                f"record_stream it on a stream ordered after that access (SideStream.keep_alive) or "
+                f"keep it alive until {owner} waited on an event recorded after it", now=now)
             break
         tracked.accesses = []
 
@@ -431,10 +469,16 @@ def _storage_died(checker_ref, key: int, _ref) -> None:
         checker._free(tracked, _call_site(), now=False)
 
 
+def describe_semantics(semantics: str) -> str:
+    return ("NCCL as torch >= 2.8: async ops' tensors stashed until wait" if semantics == STASH
+            else "NCCL as torch < 2.8: tensors recorded on its stream")
+
+
 @contextlib.contextmanager
-def checking():
-    """Models and checks the streams of CPU devices inside the block (see the module docstring)."""
-    with StreamChecker() as checker:
+def checking(semantics: str | None = None):
+    """Models and checks the streams of CPU devices inside the block (see the module docstring);
+    `semantics` (STASH or RECORD_STREAM) overrides the torch version's NCCL model."""
+    with StreamChecker(semantics) as checker:
         yield checker
 
 
@@ -447,8 +491,8 @@ def summed(checker: StreamChecker, store=None, rank: int = 0, world: int = 1) ->
     if rank != 0:
         return None
     counts = [[int(x) for x in store.get(f"stream_check/{r}").decode().split()] for r in range(world)]
-    return (f"stream check: {sum(c[0] for c in counts)} side-stream ops checked on {world} ranks, "
-            f"{sum(c[1] for c in counts)} violations")
+    return (f"stream check ({checker.describe_semantics()}): {sum(c[0] for c in counts)} side-stream ops "
+            f"checked on {world} ranks, {sum(c[1] for c in counts)} violations")
 
 
 @contextlib.contextmanager

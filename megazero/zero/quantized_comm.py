@@ -68,13 +68,15 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
         out.view(-1).copy_(chunk.reshape(-1))      # nothing moves, so nothing is quantized
         return comm.local_handle(group, async_op)
     q = quantize(chunk, bits, block_size, symmetric=True)
-    send = _pack(q, 1)
-    received = torch.empty((group.size, send.shape[1]), dtype=torch.uint8, device=group.device)
+    # Made on the issuing stream (stage 3's prefetch), freed after the wait on the compute stream:
+    # comm's Handle records both buffers there (torch's NCCL records none).
+    send = streams.label(_pack(q, 1), "qwZ send buffer (int8 codes and scales)")
+    received = streams.label(torch.empty((group.size, send.shape[1]), dtype=torch.uint8, device=group.device),
+                             "qwZ receive buffer (int8 codes and scales)")
     work = comm.all_gather(received, send, group, async_op=True)
     rows = out.view(group.size, chunk.numel())
 
     def dequantize_rows():
-        _read_on_waiting_stream(received)
         _dequantize_rows(_unpack(received, q), rows)
 
     handle = comm.Handle([work], then=dequantize_rows)
@@ -180,15 +182,7 @@ class _QuantizedAllToAll:
         self.handle.wait()
         if self.group.size == 1:
             return self.local.float()
-        _read_on_waiting_stream(self.received)
         return dequantize_reduce(_unpack(self.received, self.row_format))[:self.m]
-
-
-def _read_on_waiting_stream(buffer: torch.Tensor) -> None:
-    """A receive buffer allocated on the issuing stream (a prefetch side stream, say) and read by
-    the stream that waits: the caching allocator must not hand its memory back to the issuing
-    stream before those reads are done."""
-    streams.record_on_current_stream(buffer)
 
 
 def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:

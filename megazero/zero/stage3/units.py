@@ -127,7 +127,8 @@ class UnitStore(PartitionedStorage):
             return self.param_chunk(unit.index)
         for b in self.fetch_order.next_after(unit.index, getattr(self.home, "capacity", 1) - 1):
             self.home.prefetch(b)
-        return self.home.to_device(unit.index)
+        return label(self.home.to_device(unit.index),
+                     f"stage-3 unit '{unit.name}': this rank's chunk, copied from its offload home")
 
     @contextlib.contextmanager
     def _chunks_on_device(self, write_back: bool):
