@@ -1,24 +1,48 @@
 #!/usr/bin/env bash
-# The GPU check, one command, at most 8 minutes on one H200 (installs included). bench/README.md
-# says how to prepare the wheels it installs offline and how to launch it on a lent GPU machine.
+# The GPU check, one command, at most 9 minutes on one H200 (installs included). bench/README.md
+# says how to launch it on a lent GPU machine.
 #
-#   GPU_CHECK_OUT=/some/dir bash bench/gpu_check.sh      # default GPU_CHECK_OUT: bench/out
+#   bash bench/gpu_check.sh --prepare                    # here, with network: the wheels it needs
+#   GPU_CHECK_OUT=/some/dir bash bench/gpu_check.sh      # there; default GPU_CHECK_OUT: bench/out
 #
-# Nothing reaches for a network (PIP_NO_INDEX=1): what the image lacks (pydantic and its own
-# dependencies, a setuptools that builds the package) comes from the wheels in GPU_CHECK_WHEELS
-# (default .whl), then the package is installed editable without build isolation. Steps, each with
-# a time limit inside the whole budget (GPU_CHECK_BUDGET seconds, default 470), each run even when
-# an earlier one failed:
-#   versions, pytest tests/gpu (junit report judged by bench/gpu_check.py: the one-GPU expected
-#   skips are listed below), parity (fp32 GPU vs CPU, ZeRO-3 vs ZeRO-0, offload vs device),
+# The GPU image (Python 3.12, torch 2.11, no network) lacks pydantic and may lack pytest and a
+# setuptools that builds the package: --prepare downloads them and their dependencies, as CPython
+# 3.12 x86-64 wheels, into GPU_CHECK_WHEELS (default .whl, kept out of git) and says what to carry.
+# The check itself reaches for no network (PIP_NO_INDEX=1, PIP_BREAK_SYSTEM_PACKAGES=1 for a system
+# Python): it installs from those wheels, then the package editable without build isolation.
+# Steps, most valuable first, each with a time limit; the limits add up to the whole budget
+# (GPU_CHECK_BUDGET seconds, default 540), and each step runs even when an earlier one failed:
+#   versions, parity (fp32 GPU vs CPU, ZeRO-3 vs ZeRO-0, offload vs device), pytest tests/gpu (junit
+#   report judged by bench/gpu_check.py: the one-GPU expected skips are listed below),
 #   bench_gpu_step (~1.3B bf16: tokens/s, MFU with HFU beside it, step-time ratio to plain torch
-#   with fused AdamW, memory vs the planner), adam_norm (bench_adam_norm.py: ZeRO's fused Adam and
-#   foreach norm on the 1.3B partition against the reference paths: gaps, speed, kernels, temporaries),
-#   overlap (profiler: stage-3 prefetch gathers overlapping compute), streams, gloo_cuda (2 ranks
-#   on the GPU over gloo, or "unverified"), then the summary.
+#   with fused AdamW, memory against the planner's figure computed there), streams, overlap
+#   (profiler: stage-3 prefetch gathers overlapping compute), adam_norm (bench_adam_norm.py: ZeRO's
+#   fused Adam and foreach norm on the 1.3B partition against the reference paths), gloo_cuda
+#   (2 ranks on the GPU over gloo, or "unverified"), then the summary.
 # GPU_CHECK_OUT gets gpu_check.log (everything printed) and gpu_check.json (every figure, pass or
 # fail, and what one GPU cannot show). Exit 1 naming each failed step or figure.
 set -uo pipefail
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+PY=${PYTHON:-python3}
+if [ "${1:-}" = "--prepare" ]; then
+    cd "$(dirname "$0")/.." || exit 1
+    mkdir -p "$WHEELS" || exit 1
+    # Every platform tag pip must match exactly for CPython 3.12 x86-64 (pydantic-core is the one
+    # binary wheel); --only-binary resolves the dependencies for that target, not for this Python.
+    "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform any -d "$WHEELS" "pydantic>=2" "pytest>=8" "setuptools>=77" wheel "pybind11>=2.10" || {
+        echo "gpu_check --prepare: pip could not download the wheels into $WHEELS (see above)" >&2; exit 1; }
+    case "$WHEELS" in        # a folder inside the checkout travels with it: keep it out of git
+        /*) ;;
+        *) if [ -d .git ] && ! grep -qxF "/$WHEELS/" .git/info/exclude 2>/dev/null; then
+               echo "/$WHEELS/" >> .git/info/exclude
+           fi ;;
+    esac
+    echo "gpu_check --prepare: $(ls "$WHEELS" | wc -l) wheels, $(du -sh "$WHEELS" | cut -f1), in $WHEELS (ignored by git)"
+    echo "carry: $WHEELS   (device tool: run with carry [\"$WHEELS\"], command: bash bench/gpu_check.sh)"
+    exit 0
+fi
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_check: no usable NVIDIA GPU here (nvidia-smi is missing or fails); run it on a GPU machine" >&2
     exit 1
@@ -26,12 +50,11 @@ fi
 cd "$(dirname "$0")/.." || exit 1
 OUT=${GPU_CHECK_OUT:-bench/out}
 WORK=${GPU_CHECK_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")}
-WHEELS=${GPU_CHECK_WHEELS:-.whl}
-BUDGET=${GPU_CHECK_BUDGET:-470}
-PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET:-540}
 mkdir -p "$OUT" "$WORK" || exit 1
 : > "$WORK/steps.tsv"
-export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES=1 \
+    CUBLAS_WORKSPACE_CONFIG=:4096:8
 
 # Tests that need two GPUs (tests/gpu/test_trainer_gpu.py): skipped on one, and only there.
 EXPECTED_SKIPS="test_two_gpus_nccl_match_one_process_fp32[dp2-zero3],\
@@ -66,13 +89,14 @@ main() {
 
     if "$PY" -c "import megazero.training, pytest" 2>/dev/null; then
         echo "megazero is importable already: no install"
+    elif [ ! -d "$WHEELS" ]; then
+        echo "gpu_check: no wheel folder $WHEELS: run 'bash bench/gpu_check.sh --prepare' where pip reaches PyPI, and carry it"
     else
-        step "install setuptools" 60 "$PY" -m pip install -q --no-index --find-links "$WHEELS" "setuptools>=77"
-        step "install megazero" 240 "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
-            --no-build-isolation -e .
+        step install 100 bash -c "'$PY' -m pip install -q --no-index --find-links '$WHEELS' 'setuptools>=77' pytest \
+            && '$PY' -m pip install -q --no-index --find-links '$WHEELS' --no-build-isolation -e ."
     fi
 
-    step versions 60 "$PY" - <<'EOF'
+    step versions 15 "$PY" - <<'EOF'
 import torch, pydantic
 import megazero.core.streams
 print(f"torch {torch.__version__}  cuda {torch.version.cuda}  cudnn {torch.backends.cudnn.version()}  "
@@ -93,14 +117,12 @@ except ImportError as err:
     print(f"megazero C++ kernels: not built ({err}); the torch references run")
 EOF
 
-    step pytest 200 "$PY" -m pytest -q tests/gpu -ra -p no:cacheprovider --junitxml="$WORK/pytest.xml"
-    step "pytest report" 30 "$PY" bench/gpu_check.py pytest --work "$WORK" --xml "$WORK/pytest.xml" \
+    step parity 75 "$PY" bench/gpu_check.py parity --work "$WORK"
+    step pytest 90 "$PY" -m pytest -q tests/gpu -ra -p no:cacheprovider --junitxml="$WORK/pytest.xml"
+    step "pytest report" 10 "$PY" bench/gpu_check.py pytest --work "$WORK" --xml "$WORK/pytest.xml" \
         --expected-skips "$EXPECTED_SKIPS"
-    step parity 120 "$PY" bench/gpu_check.py parity --work "$WORK"
-    step bench_gpu_step 200 "$PY" bench/bench_gpu_step.py --json "$WORK/bench_gpu_step.json"
-    step adam_norm 60 "$PY" bench/bench_adam_norm.py --device cuda --rounds 2 --json "$WORK/adam_norm.json"
-    step overlap 90 "$PY" bench/gpu_check.py overlap --work "$WORK"
-    step streams 45 "$PY" - <<'EOF'
+    step bench_gpu_step 120 "$PY" bench/bench_gpu_step.py --json "$WORK/bench_gpu_step.json"
+    step streams 20 "$PY" - <<'EOF'
 import torch
 from megazero.core.streams import Streams, Timers, copy_to_device
 streams = Streams("cuda")
@@ -117,7 +139,9 @@ assert torch.equal(out.cpu(), host)
 ms = timers.elapsed_ms()["h2d on the copy stream"] / 3
 print(f"pinned copy of 256 MiB: {ms:.2f} ms ({host.numel() * 4 / ms / 1e6:.1f} GB/s), result checked")
 EOF
-    step gloo_cuda 150 "$PY" bench/gpu_check.py gloo-cuda --work "$WORK"
+    step overlap 40 "$PY" bench/gpu_check.py overlap --work "$WORK"
+    step adam_norm 30 "$PY" bench/bench_adam_norm.py --device cuda --rounds 2 --json "$WORK/adam_norm.json"
+    step gloo_cuda 40 "$PY" bench/gpu_check.py gloo-cuda --work "$WORK"
 
     if [ -f "$WORK/stage3_trace.json" ]; then
         gzip -c "$WORK/stage3_trace.json" > "$OUT/stage3_trace.json.gz"

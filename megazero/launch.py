@@ -38,8 +38,10 @@ from megazero.checkpoint.run import preflight as checkpoint_preflight, start as 
 from megazero.config.arguments import config_from_args, parse_args
 from megazero.config.preflight import preflight, sample_counts
 from megazero.config.train_config import TrainConfig
+from megazero.core.comm import CommLog
 from megazero.core.errors import UsageError
 from megazero.data.read_ahead import ReadAhead
+from megazero.heartbeat import Heartbeat, describe_activity
 from megazero.lr_schedule import step_learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors
@@ -140,12 +142,25 @@ class Launch:
         return found
 
 
-def _device(cfg: TrainConfig, local_rank: int) -> torch.device:
+def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
+    """The GPU of this rank among the `visible` ones: its local rank when the node's GPUs are all
+    visible, 0 when one is (CUDA_VISIBLE_DEVICES set per task, as some Slurm set-ups do)."""
+    if visible == 1:
+        return 0
+    if local_world > visible or local_rank >= visible:
+        raise UsageError(f"{local_world} ranks on this node but {visible} GPUs visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch "
+                         f"--nproc-per-node {visible}, or make one GPU per rank visible")
+    return local_rank
+
+
+def _device(cfg: TrainConfig, local_rank: int, local_world: int) -> torch.device:
     if cfg.parallel.distributed_backend == "nccl":
         if not torch.cuda.is_available():
             raise UsageError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = cuda_index(local_rank, local_world, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -194,6 +209,7 @@ class Progress:
     """How far the run got, for the line that ends it early."""
     cfg: TrainConfig | None = None
     state: object = None                 # the TrainState once set up
+    comm_log: CommLog = dataclasses.field(default_factory=CommLog)   # the groups' (a heartbeat reads it)
 
     def interrupted_line(self) -> str:
         if self.cfg is None:
@@ -222,7 +238,7 @@ def _tokenizer_record(cfg: TrainConfig) -> dict:
     return saved_form(tokenizer) if hasattr(tokenizer, "files") else None
 
 
-def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device) -> ProcessGroups:
+def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device, log: CommLog) -> ProcessGroups:
     par = cfg.parallel
     # Every collective, of the default group and of every group made from it, waits this long for a
     # silent rank (gloo: each op's timeout); then it raises, and the rank names whom it waited for.
@@ -238,11 +254,12 @@ def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device) -> P
                         cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
                         ranks_per_node=par.ranks_per_node,
                         hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
-    return ProcessGroups.build(topology, launch.rank, GroupFactory(launch.rank, timeout=timeout), device=device)
+    return ProcessGroups.build(topology, launch.rank, GroupFactory(launch.rank, timeout=timeout), device=device,
+                               log=log)
 
 
 def run(cfg: TrainConfig, launch: Launch, device: torch.device, resume=None, progress=None) -> None:
-    groups = _process_groups(cfg, launch, device)
+    groups = _process_groups(cfg, launch, device, progress.comm_log if progress is not None else CommLog())
     train_on(cfg, launch, groups, device, resume, progress)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -298,7 +315,7 @@ def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, ob
     args = parse_args(argv)
     launch.adopt_local_rank(args.local_rank)
     cfg = config_from_args(args, launch.world, launch.local_world)
-    device = _device(cfg, launch.local_rank)
+    device = _device(cfg, launch.local_rank, launch.local_world)
     if not os.environ.get("OMP_NUM_THREADS"):      # torch already took the user's (or torchrun's) count
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
     preflight(cfg, launch.world, launch.local_world, device)
@@ -308,6 +325,17 @@ def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, ob
         raise UsageError(f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the ranks with "
                          f"torchrun (or set MASTER_ADDR and MASTER_PORT)")
     return cfg, device, resume
+
+
+def _heartbeat(progress: Progress, launch: Launch) -> Heartbeat | None:
+    """This rank's heartbeat and watch (megazero.heartbeat) where ranks share a store."""
+    minutes = progress.cfg.parallel.heartbeat_minutes
+    if launch.store is None or minutes <= 0:
+        return None
+    flag = f" (--heartbeat-timeout-minutes {minutes:g})"
+    return Heartbeat(launch.store, launch.rank, launch.world, 60 * minutes,
+                     lambda: describe_activity(progress.comm_log), launch.end_first, launch.peers,
+                     launch.error_file, timeout_flag=flag).start()
 
 
 def _end_agreed(launch: Launch, line: str, code: int) -> int:
@@ -376,9 +404,14 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             return failures.EXIT_USAGE
         if verdict:
             return _end_agreed(launch, verdict, failures.EXIT_USAGE)
-        with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,
-                                     launch.store, launch.rank, launch.world):
-            run(progress.cfg, launch, device, resume, progress)
+        beat = _heartbeat(progress, launch)
+        try:
+            with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,
+                                         launch.store, launch.rank, launch.world):
+                run(progress.cfg, launch, device, resume, progress)
+        finally:
+            if beat is not None:
+                beat.stop()
         return 0
     except (AgreedStop, SaveError) as stop:     # every rank is here: nothing is left in flight
         if dist.is_initialized():

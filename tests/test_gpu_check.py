@@ -33,6 +33,25 @@ def test_without_a_gpu_the_script_exits_1_in_one_line_within_5_seconds(tmp_path)
     assert not (tmp_path / "out").exists(), "nothing is written before the GPU check"
 
 
+def test_prepare_downloads_the_wheels_the_gpu_image_lacks(tmp_path):
+    """`bash bench/gpu_check.sh --prepare`: CPython 3.12 x86-64 wheels of pydantic (its compiled core
+    included), pytest and a setuptools that builds the package, in one folder, and the line saying to
+    carry it. (Planted: with manylinux_2_28 as the only Linux tag pip finds no pydantic-core: exit 1.)"""
+    wheels = tmp_path / "wheels"
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--prepare"], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, GPU_CHECK_WHEELS=str(wheels)))
+    offline = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable")
+    if proc.returncode != 0 and any(word in proc.stderr for word in offline):
+        pytest.skip(f"pip reaches no package index here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(p.name for p in wheels.iterdir())
+    for wanted in ("pydantic-2", "pytest-", "setuptools-", "pluggy-", "annotated_types-"):
+        assert any(n.startswith(wanted) for n in names), (wanted, names)
+    core = [n for n in names if n.startswith("pydantic_core-")]
+    assert len(core) == 1 and "-cp312-cp312-" in core[0] and "x86_64" in core[0], names
+    assert f"carry: {wheels}" in proc.stdout, proc.stdout
+
+
 def _step(work: Path, step: str, **figures):
     (work / f"{step}.json").write_text(json.dumps({"step": step, "figures": figures}))
 

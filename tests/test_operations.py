@@ -48,7 +48,11 @@ class Torchrun:
         """The worker process of `rank` (a child of torchrun whose environment says RANK=rank)."""
         for task in os.listdir(f"/proc/{self.proc.pid}/task"):
             for child in Path(f"/proc/{self.proc.pid}/task/{task}/children").read_text().split():
-                if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+                try:
+                    environ = Path(f"/proc/{child}/environ").read_bytes()
+                except OSError:             # a worker that has just ended
+                    continue
+                if f"RANK={rank}".encode() in environ.split(b"\0"):
                     return int(child)
         raise AssertionError(f"no worker of rank {rank}")
 
@@ -134,14 +138,15 @@ def test_a_run_killed_once_restarts_to_the_straight_curve(tmp_path):
 
 
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
-    """SIGSTOP of rank 1 with --distributed-timeout-minutes 0.2 (12 s): rank 0's collective gives up
-    after the timeout and prints one line naming rank 1 (stopped) and the collective waited on; the
-    same line is torchrun's root cause. (torchrun would stop the stopped process itself, with SIGKILL
-    after its 30 s grace; the test kills it at once to spare that wait.) (Planted: without the timeout
-    on the groups made by new_group, gloo's default 30 minutes applies and the wait below fails as a
-    hang.)"""
+    """SIGSTOP of rank 1 with --distributed-timeout-minutes 0.2 (12 s) and the heartbeat off: rank 0's
+    collective gives up after the timeout and prints one line naming rank 1 (stopped) and the
+    collective waited on; the same line is torchrun's root cause. (torchrun would stop the stopped
+    process itself, with SIGKILL after its 30 s grace; the test kills it at once to spare that wait.)
+    (Planted: without the timeout on the groups made by new_group, gloo's default 30 minutes applies
+    and the wait below fails as a hang.)"""
     run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "3000", "--distributed-timeout-minutes", "0.2",
-                                               "--metrics-file", "m.jsonl", "--run-dir", "r"])
+                                               "--heartbeat-timeout-minutes", "0", "--metrics-file", "m.jsonl",
+                                               "--run-dir", "r"])
     try:
         run.wait_for(lambda: len(_records(tmp_path / "m.jsonl")) >= 3)
         os.kill(run.rank_pid(1), signal.SIGSTOP)
@@ -157,6 +162,35 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     assert line.startswith("error: rank 0: no answer within --distributed-timeout-minutes 0.2 during "), line
     assert "(rank 1: its process is stopped" in line and "Traceback" not in run.log(0, 0), line
     assert waited >= 6, f"the line came {waited:.1f} s after the stop, before any timeout could pass"
+    assert code != 0 and f"traceback : {line[len('error: '):]}" in err, err[-3000:]
+
+
+def test_a_stopped_rank_is_named_by_its_heartbeat_before_the_backend_times_out(tmp_path):
+    """SIGSTOP of rank 1 with the backend's timeout at 10 minutes and megazero's heartbeat at 0.25
+    (15 s): rank 0 names rank 1 (stopped) and the collective it waited in, from the heartbeat alone,
+    as it must under NCCL, whose watchdog aborts with no Python exception; the line is torchrun's
+    root cause. (Planted: with the heartbeat off, --heartbeat-timeout-minutes 0, nothing is printed
+    within the wait below and it fails as a hang.)"""
+    run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "3000", "--distributed-timeout-minutes", "10",
+                                               "--heartbeat-timeout-minutes", "0.25", "--metrics-file", "m.jsonl",
+                                               "--run-dir", "r"])
+    try:
+        run.wait_for(lambda: len(_records(tmp_path / "m.jsonl")) >= 3)
+        os.kill(run.rank_pid(1), signal.SIGSTOP)
+        stopped = time.monotonic()
+        run.wait_for(lambda: "error:" in run.log(0, 0), timeout=15 + 120)
+        waited = time.monotonic() - stopped
+        os.kill(run.rank_pid(1), signal.SIGKILL)
+        code, err = run.finish(timeout=300)
+    finally:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+    line = next(x for x in run.log(0, 0).splitlines() if x.startswith("error:"))
+    assert line.startswith("error: rank 0: rank 1 went silent (its process is stopped (SIGSTOP, or a debugger)): "
+                           "no heartbeat for "), line
+    assert "(--heartbeat-timeout-minutes 0.25); rank 0 waited for it in " in line and \
+        "over the dp group (ranks [0, 1])" in line and "rank 1's last collective: " in line, line
+    assert "Traceback" not in run.log(0, 0) and 15 <= waited < 600, (waited, line)
     assert code != 0 and f"traceback : {line[len('error: '):]}" in err, err[-3000:]
 
 
@@ -367,6 +401,9 @@ def test_cosmetic_deepspeed_keys_yield_to_flags_and_math_keys_still_refuse(tmp_p
     (["--clip-grad", "inf"], "error: --clip-grad must be finite (>= 0), got inf; 0 turns clipping off"),
     (["--lr", "nan"], "error: --lr must be finite (>= 0), got nan"),
     (["--distributed-timeout-minutes", "0"], "error: --distributed-timeout-minutes must be > 0, got 0.0"),
+    (["--distributed-timeout-minutes", "2", "--heartbeat-timeout-minutes", "3"],
+     "error: --heartbeat-timeout-minutes 3 must be below --distributed-timeout-minutes 2: at the backend's timeout "
+     "NCCL aborts the job naming no rank"),
     (["--exit-signal", "SIGUSR1"], "error: --exit-signal SIGUSR1 needs --exit-signal-handler"),
     (["--exit-on-save-failure"], "error: --exit-on-save-failure needs --save FOLDER"),
 ])
@@ -399,3 +436,18 @@ def test_torchrun_shows_the_error_file_line_as_the_root_cause(tmp_path):
     failures.write_error_file(str(path), "rank 0: lost rank 1 (its process ended) during all_reduce")
     summary = ChildFailedError("pretrain_gpt.py", {0: ProcessFailure(0, 123, 1, str(path))}).format_msg()
     assert "traceback : rank 0: lost rank 1 (its process ended) during all_reduce" in summary, summary
+
+
+def test_one_visible_gpu_per_rank_is_cuda_0(monkeypatch):
+    """CUDA_VISIBLE_DEVICES set per task (one GPU visible to each rank, as some Slurm set-ups do): every
+    rank takes cuda:0, not cuda:LOCAL_RANK; with the node's GPUs all visible, its local rank; fewer
+    GPUs than the node's ranks is one line naming both counts."""
+    from megazero.core.errors import UsageError
+    from megazero.launch import cuda_index
+    assert [cuda_index(r, 8, 1) for r in range(8)] == [0] * 8
+    assert [cuda_index(r, 8, 8) for r in range(8)] == list(range(8))
+    assert cuda_index(1, 2, 8) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    with pytest.raises(UsageError, match=r"^8 ranks on this node but 4 GPUs visible \(CUDA_VISIBLE_DEVICES=0,1,2,3\): "
+                                         r"launch --nproc-per-node 4, or make one GPU per rank visible$"):
+        cuda_index(1, 8, 4)

@@ -174,7 +174,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 context_parallel=cp, cp_comm_type=cp_comm_type, virtual_stages=virtual, layer_split=args.pipeline_layer_split,
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
                                 distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication,
-                                timeout_minutes=args.distributed_timeout_minutes),
+                                timeout_minutes=args.distributed_timeout_minutes,
+                                heartbeat_minutes=_heartbeat_minutes(args)),
         precision=precision,
         micro_batch_size=micro, global_batch_size=glob, train_iters=train_iters,
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
@@ -205,6 +206,19 @@ def _cuda_available() -> bool:
 def _uses_cuda(args) -> bool:
     """Whether the run's device will be a GPU (the launch's rule: gloo runs on CPU)."""
     return (args.distributed_backend or ("nccl" if _cuda_available() else "gloo")) == "nccl"
+
+
+def _heartbeat_minutes(args) -> float:
+    """--heartbeat-timeout-minutes, by default half the backend's timeout; refused at or above it,
+    where NCCL's watchdog would abort the job first, naming no rank."""
+    backend = args.distributed_timeout_minutes
+    if args.heartbeat_timeout_minutes is None:
+        return backend / 2
+    if args.heartbeat_timeout_minutes >= backend:
+        raise UsageError(f"--heartbeat-timeout-minutes {args.heartbeat_timeout_minutes:g} must be below "
+                         f"--distributed-timeout-minutes {backend:g}: at the backend's timeout NCCL aborts the "
+                         f"job naming no rank; lower it, or raise --distributed-timeout-minutes (0 turns it off)")
+    return args.heartbeat_timeout_minutes
 
 
 def _positive(value: int, flag: str) -> int:

@@ -66,7 +66,8 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None,
                "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
                "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
                "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
-               "distributed_timeout_minutes": (0, False, None, False)}
+               "distributed_timeout_minutes": (0, False, None, False),
+               "heartbeat_timeout_minutes": (0, True, None, False)}
 
 
 def range_text(bounds) -> str:
@@ -222,6 +223,10 @@ def _parallel_flags(p) -> None:
          shown="nccl when CUDA is available, else gloo")
     _add(g, "--distributed-timeout-minutes", type=float, default=10.0,
          help="how long a collective waits for a silent rank before the job ends naming it (fractions allowed)")
+    _add(g, "--heartbeat-timeout-minutes", type=float, default=None,
+         help="how long a rank may miss its heartbeats (stopped, killed, host lost) before the job ends "
+              "naming it, whatever the backend; below --distributed-timeout-minutes (0: off)",
+         shown="half of --distributed-timeout-minutes")
     _add(g, "--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
          help="ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters partitioned",
          shown="0, or the config's zero_optimization.stage")

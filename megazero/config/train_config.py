@@ -29,6 +29,10 @@ class ParallelConfig:
     timeout_minutes: float = 10.0
     """How long any collective waits for a silent rank (Megatron's --distributed-timeout-minutes):
     init_process_group's and every group's timeout; under gloo it bounds each op."""
+    heartbeat_minutes: float = 5.0
+    """How long a rank may miss its heartbeats through the launch's store before the job ends naming
+    it (megazero.heartbeat); below timeout_minutes so that the line comes before NCCL's watchdog
+    aborts the process naming no one. 0: off."""
 
 
 @dataclasses.dataclass

@@ -57,9 +57,15 @@ class CommLog:
         self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
         self.last_step: dict[tuple[str, str, str], float] = {}
+        self.issued = 0                       # collectives issued so far (groups of one excluded)
+        # (op, group name, its ranks, count) of the last one: what a heartbeat reports (another
+        # thread reads it, so it is replaced whole, never changed in place)
+        self.last_issued: tuple[str, str, tuple[int, ...], int] | None = None
 
     def record(self, op: str, group: "Group", nbytes: float) -> None:
         key = (op, group.name, "intra" if group.intra_node else "inter")
+        self.issued += 1
+        self.last_issued = (op, group.name, tuple(group.ranks), self.issued)
         self.step_bytes[key] += nbytes
         self.step_calls[key] += 1
         self.total_bytes[key] += nbytes
