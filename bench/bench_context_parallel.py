@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from megazero.config.arguments import config_from_args
+from megazero.config.train_flags import config_from_args
 from megazero.config.flags import build_parser
 from megazero.config.memory_estimate import plan_bytes
 from megazero.parallel.topology import Topology

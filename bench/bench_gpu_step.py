@@ -53,7 +53,7 @@ from megazero.config.memory_estimate import device_bytes, plan_bytes
 from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.core.streams import Event, copy_to_device
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig

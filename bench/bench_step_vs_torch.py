@@ -35,7 +35,7 @@ from megazero.model_builder import compile_layers, make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 from megazero.ops.adam import AdamConfig
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.config import ZeroConfig
 from megazero.zero.precision import uses_weight_decay

@@ -97,7 +97,7 @@ def worker(ctx, args, side, data_prefix, start=None, save=None):
     from megazero.ops.adam import AdamConfig
     from megazero.parallel.topology import Topology
     from megazero.training import MicrobatchSource, setup, train_step
-    from megazero.zero import zenflow
+    from megazero.zero.zenflow import optimizer as zenflow
     from megazero.zero.config import ZeroConfig
     torch.set_num_threads(args.threads)
     block, patches = SIDES[side]

@@ -105,7 +105,7 @@ def run_row(ctx, bench: Bench, keys: dict) -> dict:
     for (_, _, loc), nbytes in groups.log.last_step.items():
         by_locality[loc] += nbytes
     return {"ms": statistics.median(wall), "cpu": statistics.median(cpu), "losses": losses,
-            "partition": state.engine.store.partition_size * state.engine.store.partition.element_size(),
+            "partition": state.engine.unit_storage.partition_size * state.engine.unit_storage.partition.element_size(),
             **by_locality}
 
 

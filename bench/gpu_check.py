@@ -109,7 +109,7 @@ def train(cfg, groups, device) -> list[float]:
 def parity(work: Path) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.use_deterministic_algorithms(True, warn_only=True)
     cuda, cpu = torch.device("cuda", torch.cuda.current_device()), torch.device("cpu")
@@ -172,7 +172,7 @@ def gather_overlap(trace: dict) -> tuple[int, int, str]:
 def overlap(work: Path) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     cuda = torch.device("cuda", torch.cuda.current_device())
     cfg = train_config(3, bf16=True, steps=3, hidden_size=1024, num_layers=8, num_attention_heads=8,
                        seq_length=1024, vocab_size=32000,
@@ -243,7 +243,7 @@ def layout_config(layout: str, tp: int, steps: int = 10):
 def layout_worker(ctx, layout: str, device: str = "cuda:0", steps: int = 10) -> list[float]:
     """Pool entry: `steps` fp32 steps of `layout` on two ranks sharing `device`, over gloo."""
     import torch
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.parallel.topology import Topology
     cuda = torch.device(device)
     tp = 2 if layout == "tp2" else 1
@@ -253,7 +253,7 @@ def layout_worker(ctx, layout: str, device: str = "cuda:0", steps: int = 10) -> 
 
 def gloo_cuda(work: Path) -> None:
     import torch
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.testing import DistributedPool
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu_check as me                  # the pool's workers import this module by name

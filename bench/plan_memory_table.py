@@ -43,7 +43,7 @@ import os
 import sys
 import tempfile
 
-from megazero.config.arguments import config_from_args
+from megazero.config.train_flags import config_from_args
 from megazero.config.flags import build_parser
 from megazero.models.config import padded_vocab_size
 from megazero.config.memory_estimate import MODEL_STATE_KINDS, OFFLOAD_CATEGORIES, device_bytes, plan_bytes

@@ -34,9 +34,9 @@ from megazero import failures
 from megazero.checkpoint import SaveError
 from megazero.checkpoint.files import latest_iteration_name
 from megazero.core import stream_check
-from megazero.checkpoint.run import preflight as checkpoint_preflight, start as checkpoint_start
-from megazero.config.arguments import config_from_args, parse_args
-from megazero.config.preflight import preflight, sample_counts
+from megazero.checkpoint.resume import check_resume, start as checkpoint_start
+from megazero.config.train_flags import config_from_args, parse_args
+from megazero.config.machine_checks import check_machine, sample_counts
 from megazero.config.train_config import TrainConfig
 from megazero.core.comm import CommLog
 from megazero.core.errors import UsageError
@@ -45,7 +45,7 @@ from megazero.heartbeat import Heartbeat, describe_activity
 from megazero.lr_schedule import step_learning_rate
 from megazero.metrics import MetricsLogger
 from megazero.monitor import open_monitors
-from megazero.parallel.groups import GroupFactory, ProcessGroups
+from megazero.parallel.process_groups import GroupFactory, ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train
 
@@ -318,8 +318,8 @@ def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, ob
     device = _device(cfg, launch.local_rank, launch.local_world)
     if not os.environ.get("OMP_NUM_THREADS"):      # torch already took the user's (or torchrun's) count
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
-    preflight(cfg, launch.world, launch.local_world, device)
-    resume = checkpoint_preflight(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
+    check_machine(cfg, launch.world, launch.local_world, device)
+    resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
     cfg = dataclasses.replace(cfg, optimizer=resume.optimizer)     # the lr schedule may be the checkpoint's
     if launch.world > 1 and "MASTER_ADDR" not in os.environ:
         raise UsageError(f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the ranks with "

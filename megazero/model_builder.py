@@ -12,7 +12,7 @@ from megazero.models.gpt import GPT, initial_value
 from megazero.parallel.context_parallel import apply_context_parallel
 from megazero.parallel.parallelize import parallelize
 from megazero.parallel.pipeline.split import split_for_stage, stage_layer_ranges
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.random import RNGTracker
 
 

@@ -36,7 +36,7 @@ class WorkerContext:
     factory: object
 
     def groups(self, topology):
-        from megazero.parallel.groups import ProcessGroups
+        from megazero.parallel.process_groups import ProcessGroups
         return ProcessGroups.build(topology, self.rank, self.factory, device=torch.device("cpu"))
 
 
@@ -73,7 +73,7 @@ def _worker(rank, world_size, port, sys_path, requests, results):
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from megazero.parallel.groups import GroupFactory
+    from megazero.parallel.process_groups import GroupFactory
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     ctx = WorkerContext(rank, world_size, GroupFactory(rank))
     while True:
@@ -88,7 +88,7 @@ def _worker(rank, world_size, port, sys_path, requests, results):
     dist.destroy_process_group()
 
 
-PRELOAD = ["torch.distributed", "megazero.parallel.groups", "megazero.training"]
+PRELOAD = ["torch.distributed", "megazero.parallel.process_groups", "megazero.training"]
 
 
 def process_context():

@@ -18,7 +18,7 @@ from megazero.flops import peak_tflops, recompute_flops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
 from megazero.parallel.context_parallel import local_chunks
 from megazero.parallel.finalize import counts_in_norm, finalize_model_grads, summed_across_stages
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.split import stage_layer_ranges
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
@@ -26,7 +26,7 @@ from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.housekeeping import Housekeeping
 from megazero.zero.engine import ZeroEngine
-from megazero.zero.groups import ZeroGroups
+from megazero.zero.zero_groups import ZeroGroups
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.precision import Precision
 

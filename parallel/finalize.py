@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from megazero.core import comm
-from .groups import ProcessGroups
+from .process_groups import ProcessGroups
 
 
 def counts_in_norm(param: nn.Parameter, groups: ProcessGroups) -> bool:

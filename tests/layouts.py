@@ -11,7 +11,7 @@ from megazero.data.synthetic import ArithmeticTokens
 from megazero.lr_schedule import step_learning_rate
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import TransformerLayer
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig

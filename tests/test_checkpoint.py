@@ -154,7 +154,7 @@ def _curve(results) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.testing import WorkerContext
     directory = tmp_path_factory.mktemp("ckpt")
     ctx = WorkerContext(0, 1, None)
@@ -164,7 +164,7 @@ def saved(tmp_path_factory):
 
 
 def _single_state(**kw):
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.training import setup
     return setup(with_padded_vocab(small_config(**kw)), ProcessGroups.single())
 
@@ -256,7 +256,7 @@ def save_then_die(directory, point):
     import megazero.checkpoint.files as files
     import megazero.checkpoint.saver as saver_module
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.training import MicrobatchSource, setup, train_step
 
     def die():
@@ -339,7 +339,7 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
 
 
 def run_id_worker(ctx, directory):
-    from megazero.checkpoint.run import start
+    from megazero.checkpoint.resume import start
     from megazero.config.train_config import CheckpointConfig
     from megazero.parallel.topology import Topology
     from megazero.training import setup

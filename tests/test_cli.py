@@ -84,7 +84,7 @@ def test_bad_zero_config_names_the_key(tmp_path, capsys):
 
 
 def test_deepspeed_config_fills_in_settings(tmp_path):
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
@@ -111,7 +111,7 @@ def test_threads_are_the_cores_per_local_rank_unless_omp_num_threads_says(monkey
     2 each), unless OMP_NUM_THREADS is set (torchrun sets 1, a user their own), which torch took at
     import and the launch keeps. (Planted: ignoring the variable fails the last check.)"""
     import torch
-    monkeypatch.setattr(launch, "preflight", lambda *args: None)      # the world is not real here
+    monkeypatch.setattr(launch, "check_machine", lambda *args: None)      # the world is not real here
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

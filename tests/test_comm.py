@@ -53,7 +53,7 @@ def test_comm_layer(dist_pool):
 
 
 def test_single_rank_groups_move_nothing():
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     groups = ProcessGroups.single()
     x = torch.ones(4)
     comm.all_reduce(x, groups.dp)

@@ -9,7 +9,7 @@ import torch
 
 from megazero.core import comm
 from megazero.core.comm import CommLog, Group
-from megazero.parallel.groups import ProcessGroups, collective_device
+from megazero.parallel.process_groups import ProcessGroups, collective_device
 
 # op -> (its tensor arguments, a call taking the group and those tensors; sizes fit a group of `n`)
 OPS = {

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from megazero.config.arguments import config_from_args, parse_args
+from megazero.config.train_flags import config_from_args, parse_args
 from megazero.config.train_config import TrainConfig
-from megazero.config.ds_config import (FP16_KEYS, OPTIMIZER_PARAMS, TOP_LEVEL, TOP_LEVEL_BY_DESIGN,
+from megazero.config.deepspeed_json import (FP16_KEYS, OPTIMIZER_PARAMS, TOP_LEVEL, TOP_LEVEL_BY_DESIGN,
                                        parse_deepspeed_config)
 from megazero.core.errors import UsageError
 from megazero.zero.config import (FIXED_BY_DESIGN, NOT_SUPPORTED_YET, SAVING_NOT_SUPPORTED_YET,

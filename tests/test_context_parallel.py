@@ -216,7 +216,7 @@ def test_checkpoint_moves_between_cp2_and_cp1(dist_pool, reference, tmp_path):
 
 
 def _config(*argv, world=1):
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     return config_from_args(parse_args(list(argv)), world_size=world)
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megazero.config.arguments import config_from_args, parse_args
-from megazero.config.ds_config import KNOWN_TOP_LEVEL, NOT_SUPPORTED_YET_TOP, parse_deepspeed_config
-from megazero.config.ds_settings import flags_from_config
+from megazero.config.train_flags import config_from_args, parse_args
+from megazero.config.deepspeed_json import KNOWN_TOP_LEVEL, NOT_SUPPORTED_YET_TOP, parse_deepspeed_config
+from megazero.config.deepspeed_blocks import flags_from_config
 from megazero.core.errors import UsageError
 
 from driver import TINY as DRIVER_TINY
@@ -214,7 +214,7 @@ def test_errors_name_the_key(tmp_path, ds, flags, expected):
 
 def test_zenflow_tutorial_config_is_taken_as_written(tmp_path):
     """DeepSpeed's ZenFlow tutorial block ("auto" selection and update interval) is accepted: the
-    "auto" update interval is zenflow_windows.py's rule (it was refused before it existed)."""
+    "auto" update interval is zenflow/windows.py's rule (it was refused before it existed)."""
     block = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
              "update_interval": "auto", "full_warm_up_rounds": 0, "overlap_step": True}
     offload = {"device": "cpu", "pin_memory": True}

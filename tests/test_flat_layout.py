@@ -48,7 +48,7 @@ def test_parameter_alignment_aligns_every_weight_and_changes_nothing_else():
     """zero_optimization.parameter_alignment (stages 1-2): every parameter view starts 16-byte
     aligned in the flat buffer (bf16: 8 elements); in fp32 the run is the same run."""
     from layouts import run_training, small_config, with_padded_vocab
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.training import setup
     odd = {"hidden_size": 36}              # 36-element norms: the next parameter starts unaligned
     for stage in (1, 2):

@@ -63,7 +63,7 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
     from megazero import training
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.metrics import MetricsLogger
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     monkeypatch.setattr(training, "peak_tflops", lambda device: 1e-3)
     cfg = with_padded_vocab(small_config(steps=2, layers=2, model_extra={
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}))

@@ -25,7 +25,7 @@ from layouts import RTOL, run_training, small_config
 from megazero.ops import adam as adam_module
 from megazero.ops.adam import (AdamConfig, AdamSegment, adam_step, adam_update, adam_update_fused,
                                adam_update_reference, fused_available)
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 
 SIZES = (1, 7, 1000, 4099)
 ONE_ROUNDING = 2.0 ** -23          # relative: one fp32 rounding of the value

@@ -46,7 +46,7 @@ def _train(folder: Path, argv: list[str]) -> Path:
 def runs(tmp_path_factory):
     """{family: (checkpoint, exported folder)}: a GPT-2 run on data made with a GPT-2 BPE tokenizer
     trained here, and a Llama run on the embedded corpus (its sentencepiece tokenizer)."""
-    from megazero.data.tokenizers_hf import train_byte_level_bpe
+    from megazero.data.tokenizer_bpe import train_byte_level_bpe
     root = tmp_path_factory.mktemp("runs")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))

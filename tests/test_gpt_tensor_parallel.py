@@ -9,7 +9,7 @@ from torch import nn
 
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
                      layout_worker, run_training, small_config, strip_padding)
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.random import MODEL_PARALLEL, TrackedDropout, TrackedModule, make_checkpoint_fn, \
     seed_everything
 from megazero.parallel.topology import Topology

@@ -160,7 +160,7 @@ def layout_on_cpu(ctx, layout):
 
 def test_the_gloo_step_probes_every_op_and_compares_a_layout_with_one_process(dist_pool):
     """What the gloo-cuda step does on the GPU, on CPU tensors (which gloo takes for every op)."""
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     pool = dist_pool(2)
     found = pool.run(probe_on_cpu)
     assert found[0] == found[1] == dict.fromkeys(gpu_check.OPS, "ok")

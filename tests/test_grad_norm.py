@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from layouts import layout_worker, run_training, small_config
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.zero.precision import sum_of_squares, sum_of_squares_many
 from megazero.zero.storage import PartitionedStorage
 

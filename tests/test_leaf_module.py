@@ -20,7 +20,7 @@ from torch import nn
 from layouts import (assemble_params, assert_close, assert_params_match, layout_worker, run_training,
                      small_config, strip_padding, with_padded_vocab)
 from megazero.core.errors import UsageError
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.training import setup
 from test_zero_stage3_hardening import HANG, _assert_matches_one_process, _build, _train
 

@@ -3,7 +3,7 @@ optimizer states untouched) and lowers the scale; clean steps train and track th
 import torch
 
 from layouts import run_training, small_config
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.zero.loss_scaler import LossScaler
 
 

@@ -20,11 +20,11 @@ import torch
 
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
                      run_training, small_config, strip_padding)
-from megazero.config.arguments import config_from_args, parse_args
+from megazero.config.train_flags import config_from_args, parse_args
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, initial_value
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 
 VOCAB = 61
 # Biases off where the attention changes shape: an attention bias element whose gradient is ~0 (a
@@ -158,7 +158,7 @@ def test_accepted_flags_say_what_they_mean():
 
 
 def test_flash_attention_in_fp32_on_cuda_is_refused_before_the_run():
-    from megazero.config.model_arguments import check_attention_precision
+    from megazero.config.model_flags import check_attention_precision
     model = GPTConfig(vocab_size=VOCAB, attention_backend="flash")
     with pytest.raises(UsageError, match="--attention-backend flash runs in bf16 or fp16 on CUDA"):
         check_attention_precision(model, half_precision=False, cuda=True)

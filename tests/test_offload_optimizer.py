@@ -187,12 +187,12 @@ def test_swap_file_round_trip_and_checks(tmp_path):
         swapper.prefetch(k + 1)
         assert torch.equal(states["a"], values[s:e]) and torch.equal(states["b"], -values[s:e])
         states["a"].add_(1)
-        swapper.store(k, states)
+        swapper.write(k, states)
     swapper.drain()
     for k, (s, e) in enumerate(bounds):
         states = swapper.fetch(k)
         assert torch.equal(states["a"], values[s:e] + 1)
-        swapper.store(k, states)
+        swapper.write(k, states)
     swapper.drain()
     os.truncate(tmp_path / "t.b.swp", 20)
     with pytest.raises(SwapFileError, match="t.b.swp holds 20 bytes"):

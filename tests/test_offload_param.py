@@ -82,7 +82,7 @@ def truncated_swap_file(ctx, cfg):
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)
     train_step(state, source.batch(0), learning_rate(cfg.optimizer, 1, cfg.train_iters))
-    store = state.engine.store
+    store = state.engine.unit_storage
     victim = store.home.path(len(store.units) - 1)
     if ctx.rank == 1:
         store.home.held.clear()             # nothing cached: the next use reads the file

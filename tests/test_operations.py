@@ -340,7 +340,7 @@ def test_the_lr_schedule_on_resume_follows_megatron(tmp_path, capsys, monkeypatc
     values, unless --override-opt_param-scheduler (the flags' schedule) or
     --use-checkpoint-opt_param-scheduler (the checkpoint's) says which; both at once are refused.
     (Planted: schedule_on_resume returning the flags' settings unchecked lets the first resume run.)"""
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     from megazero.lr_schedule import learning_rate
     monkeypatch.chdir(tmp_path)
     assert _main(TINY + ["--train-iters", "6", "--exit-interval", "3", "--save", "ck"], capsys)[0] == 0
@@ -383,7 +383,7 @@ def test_cosmetic_deepspeed_keys_yield_to_flags_and_math_keys_still_refuse(tmp_p
     """steps_per_print (DeepSpeed's console cadence, 2000 in Hugging Face's examples) loses to
     --log-interval with a note; dump_state is noted; a key that changes the math still refuses a
     contradicting flag. (Planted: removing log_interval from COSMETIC brings back the refusal.)"""
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     from megazero.core.errors import UsageError
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"steps_per_print": 2000, "dump_state": True, "gradient_clipping": 0.5,

@@ -42,10 +42,10 @@ def test_overlapped_p2p_trains_bitwise_like_plain_p2p(dist_pool):
 
 
 def test_overlap_flag_reaches_the_schedule_and_refuses_what_it_cannot_overlap():
-    from megazero.config.arguments import config_from_args
+    from megazero.config.train_flags import config_from_args
     from megazero.core.errors import UsageError
     from megazero.config.flags import parse_args
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.training import _job, setup
 
     pipeline = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--overlap-p2p-communication"]

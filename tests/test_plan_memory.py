@@ -113,7 +113,7 @@ def test_activations_follow_head_width_and_recomputation():
     """Korthikanti's 34 s b h per layer at heads of hidden / heads, the attention terms at their real
     widths with --kv-channels and GQA; full recomputation keeps a group's input only (uniform) or
     recomputes the first N layers of a stage (block); the model-state count takes the wider heads."""
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     from megazero.config.memory_estimate import activation_bytes, layer_activation_units, rank_layout
 
     def cfg(*flags):

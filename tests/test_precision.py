@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from layouts import last_stage_result, layout_worker, run_training, small_config, with_padded_vocab
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 
 STEPS = 6
 BF16_RTOL = 2e-4        # measured worst case 4.2e-5 over the grid below (tp 2); the old bar was 1e-2

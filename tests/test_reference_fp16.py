@@ -114,7 +114,7 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     applied despite an overflow; the lr schedule counting skipped steps; the warmup off by one;
     the decay over the wrong period."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.parallel.groups import ProcessGroups
+    from megazero.parallel.process_groups import ProcessGroups
     from megazero.lr_schedule import learning_rate
     from megazero.training import MicrobatchSource, setup, train
     steps, power, window = 14, 21, 2

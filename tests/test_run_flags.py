@@ -27,11 +27,11 @@ import torch
 from layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
                      run_training, small_config, strip_padding)
 from megazero import launch
-from megazero.config.arguments import config_from_args, parse_args
+from megazero.config.train_flags import config_from_args, parse_args
 from megazero.config.batch_ramp import BatchRamp
 from megazero.config.flags import MEGATRON_ONLY
 from megazero.core.errors import UsageError
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.topology import Topology
 
 VOCAB = 61

@@ -11,7 +11,7 @@ import pytest
 from layouts import (assert_matches_reference, layout_worker, reference_fixture, small_config,
                      with_padded_vocab)
 from megazero.data.synthetic import ArithmeticTokens
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.stage3.units import ParamStatus
 

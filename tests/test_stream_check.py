@@ -38,7 +38,7 @@ import torch
 
 from layouts import run_training, small_config, with_padded_vocab
 from megazero.core import comm, streams
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.core.stream_check import RECORD_STREAM, STASH, StreamOrderError, checking, nccl_semantics
 from megazero.core.streams import Event, Streams, label

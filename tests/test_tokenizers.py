@@ -11,7 +11,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from megazero.config.arguments import config_from_args, parse_args
+from megazero.config.train_flags import config_from_args, parse_args
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.tokenizer import build_tokenizer
 from megazero.core.errors import UsageError
@@ -199,7 +199,7 @@ def test_trained_byte_level_bpe_loads_everywhere(tmp_path):
 
     from transformers import AutoTokenizer, GPT2TokenizerFast
 
-    from megazero.data.tokenizers_hf import train_byte_level_bpe
+    from megazero.data.tokenizer_bpe import train_byte_level_bpe
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TRAIN_LINES), encoding="utf-8")
     vocab, merges, tokenizer_json, _ = train_byte_level_bpe([corpus], tmp_path / "bpe", 300)

@@ -346,12 +346,12 @@ def test_a_rank_cut_off_by_another_ones_failure_stays_quiet():
 
 
 def _config(*argv, world=1):
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     return config_from_args(parse_args(list(argv)), world_size=world)
 
 
 def test_launch_lines_users_already_have_are_accepted(tmp_path):
-    from megazero.config.arguments import parse_args
+    from megazero.config.train_flags import parse_args
     assert parse_args(["--local_rank=3"]).local_rank == 3 and parse_args(["--local-rank", "1"]).local_rank == 1
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}))
@@ -401,7 +401,7 @@ def test_memory_formulas_are_the_engines():
 def test_memory_check_leaves_offloaded_states_out_where_they_leave():
     """The refusal estimate of an offloaded run: host-offloaded states leave a GPU's count but stay in
     the CPU's (the same memory), swapped ones leave both."""
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     from megazero.config.memory_estimate import estimate
     base = ["--zero-stage", "3", "--bf16"]
     plain = config_from_args(parse_args(base), 2)

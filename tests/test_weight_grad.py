@@ -165,7 +165,7 @@ def test_engine_takes_fp32_weight_gradients_at_every_stage():
 
 
 def test_the_flag_turns_it_off_and_fp32_runs_never_mark():
-    from megazero.config.arguments import config_from_args, parse_args
+    from megazero.config.train_flags import config_from_args, parse_args
     from megazero.training import precision_of
     on = config_from_args(parse_args(["--bf16"]))
     off = config_from_args(parse_args(["--bf16", "--no-gradient-accumulation-fusion"]))

@@ -1,4 +1,4 @@
-"""ZenFlow (zero/zenflow.py, zero/zenflow_windows.py), its two exact limits, its real shape against
+"""ZenFlow (zero/zenflow/optimizer.py, zero/zenflow/windows.py), its two exact limits, its real shape against
 DeepSpeed's rules, and its exact resume.
 
 - `topk_ratio` 1.0 (every column selected, stepped on the device every step) follows the run with
@@ -110,7 +110,7 @@ def test_column_sums_of_a_piece_match_the_matrix_reference():
     column 0 fails)."""
     import torch
 
-    from megazero.zero.zenflow_columns import column_abs_sums, top_columns
+    from megazero.zero.zenflow.columns import column_abs_sums, top_columns
     torch.manual_seed(0)
     rows, columns = 7, 5
     matrix = torch.randn(rows * columns)

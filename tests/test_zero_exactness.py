@@ -10,7 +10,7 @@ import pytest
 from layouts import (VOCAB, assemble_params, assert_close, assert_matches_reference, assert_params_match,
                      last_stage_result, layout_worker, reference_fixture, run_training, single_process_reference,
                      small_config, strip_padding)
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 
 reference = reference_fixture()
 

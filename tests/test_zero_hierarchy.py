@@ -17,7 +17,7 @@ from layouts import (assemble_params, assert_close, assert_params_match, last_st
                      run_training, small_config, strip_padding)
 from megazero.core import comm
 from megazero.core.errors import UsageError
-from megazero.parallel.groups import ProcessGroups
+from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
 from megazero.training import zero_groups

@@ -273,7 +273,7 @@ def nodes_worker(ctx, rows: list):
                                   cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, 8)
         losses = [train_step(state, source.batch(it), 1e-3).loss for it in range(cfg.train_iters)]
         inter = sum(b for (_, _, loc), b in groups.log.last_step.items() if loc == "inter")
-        out.append((inter, state.engine.store.partition_size, losses))
+        out.append((inter, state.engine.unit_storage.partition_size, losses))
     return out
 
 

@@ -82,7 +82,7 @@ def analytic_stage3(ctx):
     h, y_expected = acts[ctx.rank]
     assert torch.equal(seen["fc1"], torch.tensor(h, dtype=torch.float32))
     assert torch.equal(seen["fc2"], torch.tensor(y_expected, dtype=torch.float32))
-    store = engine.store
+    store = engine.unit_storage
     partitions = {}
     for unit in store.units:
         flat = np.concatenate([grads[f"{unit.name}.{n}"].ravel() for n in ("weight", "bias")])
@@ -129,8 +129,8 @@ def live_bound(ctx, max_live):
         engine.begin_step()
         engine.backward(model(torch.ones(2, 8)).sum())
         engine.step(lr=0.0)
-        live_after_steps.append(engine.store.live_numel)
-    return engine.store.peak_live_numel, live_after_steps, engine.gather.trace_names()
+        live_after_steps.append(engine.unit_storage.live_numel)
+    return engine.unit_storage.peak_live_numel, live_after_steps, engine.gather.trace_names()
 
 
 def test_stage3_live_parameter_bound_and_trace(dist_pool):

@@ -250,7 +250,7 @@ def in_flight(ctx, bound):
     zero = ZeroConfig(**STAGE3, prefetch_bucket_size=10**6, max_live_parameters=10**6)
     engine = ZeroEngine([model], _init, zero_groups(groups), zero, AdamConfig(lr=LR, weight_decay=0.0))
     engine.gather.max_gathers_in_flight = bound
-    store = engine.store
+    store = engine.unit_storage
     seen = []                     # units in flight as each layer's forward starts (after our hooks)
     for layer in model.layers:
         layer.register_forward_pre_hook(
@@ -301,7 +301,7 @@ def compiled_against_eager(ctx):
             loss = run(_batch(step, ctx.rank)).pow(2).sum()
             engine.backward(loss)
             engine.finish_gradients()
-            grads.append(engine.store.grad_part.clone())
+            grads.append(engine.unit_storage.grad_part.clone())
             engine.step(LR)
             losses.append(loss.item())
         results.append((losses, grads))

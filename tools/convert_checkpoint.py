@@ -13,7 +13,7 @@ one parameter at a time (see megazero/checkpoint/consolidate.py). It prints the 
 GPT2LMHeadModel's format (learned positions, GELU, LayerNorm) or LlamaForCausalLM's (rotary, SwiGLU,
 RMSNorm); `auto` picks by the position embedding. A model the format cannot express exactly is
 refused, naming the option. The run's tokenizer (which every checkpoint keeps) goes with it in the
-form transformers loads (megazero/data/hf_tokenizer.py), its bos/eos/pad ids in config.json and
+form transformers loads (megazero/data/tokenizer_export.py), its bos/eos/pad ids in config.json and
 generation_config.json, so `AutoTokenizer`, `generate` and `pipeline("text-generation")` work from
 the folder alone; a checkpoint without a tokenizer, or one transformers cannot load exactly, is
 refused unless --without-tokenizer asks for the weights alone. `import-hf` reads such a directory
@@ -40,9 +40,9 @@ from megazero.checkpoint import CheckpointReader, write_full_checkpoint
 from megazero.checkpoint.consolidate import consolidate
 from megazero.checkpoint.files import LATEST, TOKENIZER_DIR, apply_umask
 from megazero.core.errors import UsageError, check_writable_dir
-from megazero.data.hf_tokenizer import HFTokenizer
+from megazero.data.tokenizer_export import HFTokenizer
 from megazero.data.tokenizer import load_tokenizer, saved_form, tokenizer_from_saved
-from megazero.data.tokenizers_hf import GPT2BPETokenizer, HuggingFaceTokenizer
+from megazero.data.tokenizer_bpe import GPT2BPETokenizer, HuggingFaceTokenizer
 from megazero.models import hf_adapter
 from megazero.models.config import GPTConfig
 

@@ -28,7 +28,7 @@ import argparse
 import copy
 import sys
 
-from megazero.config.arguments import config_from_args
+from megazero.config.train_flags import config_from_args
 from megazero.core.errors import UsageError
 from megazero.config.flags import build_parser
 from megazero.config.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes,

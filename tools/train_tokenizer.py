@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from megazero.data.tokenizer import train_tokenizer
-from megazero.data.tokenizers_hf import train_byte_level_bpe
+from megazero.data.tokenizer_bpe import train_byte_level_bpe
 from megazero.core.errors import UsageError, check_writable_dir
 
 

@@ -1,7 +1,7 @@
 """Megatron's checkpoint flags as a `CheckpointConfig`, checked at the edge before any process group:
 negative intervals, flags that need --save or --load, --exit-signal without its handler, and the two
 lr-schedule flags of a resume given together. What the checkpoint holds is checked against the run
-by megazero.checkpoint.run.preflight.
+by megazero.checkpoint.resume.check_resume.
 """
 from __future__ import annotations
 

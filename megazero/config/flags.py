@@ -3,7 +3,7 @@ default, the launcher flags other tools add (`--local_rank`, `--deepspeed_config
 
 The parse turns every argparse complaint into one UsageError line: a misspelled flag gets the
 nearest real one, a Megatron-LM flag megazero lacks is named as such. What the flags mean together
-is megazero.config.arguments', which also checks the values against the ranges listed here.
+is megazero.config.train_flags', which also checks the values against the ranges listed here.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import math
 
 from megazero.core.errors import UsageError
 from megazero.config.run_flags import add_run_flags
-from megazero.config.zero_arguments import add_zero_flags
+from megazero.config.zero_flags import add_zero_flags
 
 # Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does). The
 # parser's own default is None, so that a flag and a JSON key that disagree can be told apart.

@@ -1,5 +1,5 @@
 """The typed configuration tree of a training run. Flags map onto it once, at the edge
-(megazero.config.arguments); the runtime reads these records, never argv or globals."""
+(megazero.config.train_flags); the runtime reads these records, never argv or globals."""
 from __future__ import annotations
 
 import dataclasses
@@ -98,7 +98,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    """Megatron's checkpoint flags (see megazero.checkpoint.run)."""
+    """Megatron's checkpoint flags (see megazero.checkpoint.resume)."""
     save: Optional[str] = None                   # folder to save into
     load: Optional[str] = None                   # folder (its `latest`) or iter_* directory to load
     save_interval: int = 0                       # save every N iterations (0: only at the end)

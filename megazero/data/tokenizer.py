@@ -19,7 +19,7 @@ A model trained elsewhere works too if it has an EOS id or an `<|endoftext|>` pi
 
 `build_tokenizer` is the one door for preprocessing and training alike: Megatron's
 `--tokenizer-type` names (SentencePieceTokenizer here; GPT2BPETokenizer, HuggingFaceTokenizer and
-NullTokenizer in megazero.data.tokenizers_hf), each with `encode`, `encode_batch`, `decode`,
+NullTokenizer in megazero.data.tokenizer_bpe), each with `encode`, `encode_batch`, `decode`,
 `vocab_size`, `eod` and `files()`. A checkpoint keeps the run's tokenizer as `saved_form` describes it
 and `tokenizer_from_saved` rebuilds it from there.
 """
@@ -96,7 +96,7 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTok
 def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=None, vocab_file=None,
                     merge_file=None, vocab_size=None, tiktoken_pattern=None):
     """The tokenizer Megatron's flags of the same names describe; a missing input raises UsageError."""
-    from megazero.data import tokenizers_hf
+    from megazero.data import tokenizer_bpe
     if tokenizer_type == "SentencePieceTokenizer":
         if not tokenizer_model:
             raise UsageError("SentencePieceTokenizer needs --tokenizer-model (a sentencepiece .model file)")
@@ -104,16 +104,16 @@ def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=Non
     if tokenizer_type == "GPT2BPETokenizer":
         if not vocab_file or not merge_file:
             raise UsageError("GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file (merges.txt)")
-        return tokenizers_hf.GPT2BPETokenizer(vocab_file, merge_file)
+        return tokenizer_bpe.GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
             raise UsageError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer directory or its "
                              "tokenizer.json)")
-        return tokenizers_hf.HuggingFaceTokenizer(tokenizer_model)
+        return tokenizer_bpe.HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise UsageError("NullTokenizer needs --vocab-size (the largest token id + 2: ids and the eod id)")
-        return tokenizers_hf.NullTokenizer(vocab_size)
+        return tokenizer_bpe.NullTokenizer(vocab_size)
     if tokenizer_type == "TikTokenizer":
         if not tokenizer_model:
             raise UsageError("TikTokenizer needs --tokenizer-model (a tiktoken vocabulary .json file)")
@@ -135,7 +135,7 @@ def saved_form(tokenizer):
 
 def tokenizer_from_saved(folder, record):
     """The tokenizer a checkpoint's tokenizer/ `folder` holds, as `record` (saved_form's) describes it."""
-    from megazero.data import tokenizers_hf
+    from megazero.data import tokenizer_bpe
     folder, kind = Path(folder), record.get("type")
     missing = [name for name in SAVED_FILES.get(kind, ()) if not (folder / name).is_file()]
     if kind not in SAVED_FILES or missing:
@@ -144,10 +144,10 @@ def tokenizer_from_saved(folder, record):
     if kind == "SentencePieceTokenizer":
         return load_tokenizer(folder / "tokenizer.model")
     if kind == "GPT2BPETokenizer":
-        return tokenizers_hf.GPT2BPETokenizer(folder / "vocab.json", folder / "merges.txt")
+        return tokenizer_bpe.GPT2BPETokenizer(folder / "vocab.json", folder / "merges.txt")
     if kind == "HuggingFaceTokenizer":
-        return tokenizers_hf.HuggingFaceTokenizer(folder)
-    return tokenizers_hf.NullTokenizer(record["vocab_size"])
+        return tokenizer_bpe.HuggingFaceTokenizer(folder)
+    return tokenizer_bpe.NullTokenizer(record["vocab_size"])
 
 
 def iter_training_lines(input_files, json_key="text"):

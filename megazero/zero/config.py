@@ -1,7 +1,7 @@
 """ZeRO configuration: DeepSpeed's `zero_optimization` block, with its key names, aliases and defaults.
 
 Owns parsing and validation of the ZeRO keys only (the whole-DeepSpeed-config reader lives in
-megazero.config.ds_config). No key is silently ignored: each one either sets a ZeroConfig field, or is
+megazero.config.deepspeed_json). No key is silently ignored: each one either sets a ZeroConfig field, or is
 accepted with a note where megazero's design fixes its behaviour, or fails (unknown keys with the
 nearest valid key; keys of features that have not landed as "not supported yet" unless they hold
 their do-nothing value). Notes are returned as data; the driver logs them once.
@@ -157,7 +157,7 @@ class ZeroConfig(BaseModel):
     adaptive_prefetch_max_size: int = Field(int(5e8), ge=0, alias="stage3_adaptive_prefetch_max_size")
     zenflow: Optional[ZenFlowConfig] = None
     """With offload_optimizer: important gradient columns updated on the device every step, the
-    rest by the CPU Adam every update_interval steps (zero/zenflow.py)."""
+    rest by the CPU Adam every update_interval steps (zero/zenflow/optimizer.py)."""
     compute_grad_norm: bool = True
     """Stages 1-2: DeepSpeed may skip the global norm when nothing reads it; here the norm's
     all-reduce is also the non-finite check of every step, so it is always computed."""

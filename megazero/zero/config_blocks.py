@@ -62,7 +62,7 @@ class OffloadParamConfig(OffloadConfig):
 
 
 class ZenFlowConfig(_Block):
-    """`zenflow`: ZeRO-Offload without the CPU stall (zero/zenflow.py). Each step the most important
+    """`zenflow`: ZeRO-Offload without the CPU stall (zero/zenflow/optimizer.py). Each step the most important
     gradient columns are updated on the device; the others' gradients accumulate and the CPU Adam
     applies them every `update_interval` steps, in the background with `overlap_step`."""
     topk_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -76,7 +76,7 @@ class ZenFlowConfig(_Block):
     """How often the important columns are chosen again (0: only once, after the warm-up)."""
     update_interval: Union[Literal["auto"], int] = "auto"
     """Steps whose accumulated gradients the CPU Adam applies at once. "auto" (DeepSpeed's rule,
-    zero/zenflow_windows.py): a window ends when, for auto_ratio of the matrices, the unselected
+    zero/zenflow/windows.py): a window ends when, for auto_ratio of the matrices, the unselected
     columns' gradient L1 summed over the window has caught up, column for column, with the
     selected ones' mean per step."""
     overlap_step: bool = False

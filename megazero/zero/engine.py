@@ -27,16 +27,16 @@ from megazero.core.streams import Streams
 from megazero.ops.adam import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
-from .groups import ZeroGroups
+from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .engine_memory import EngineMemory
 from .offload import HostCopies
 from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
 from .stage3.leaves import find_leaf_modules, on_leaf_backward
-from .stage3.units import UnitStore
-from .zenflow import ZenFlowOffload
-from .zenflow_windows import AutoWindows
+from .stage3.units import UnitStorage
+from .zenflow.optimizer import ZenFlowOffload
+from .zenflow.windows import AutoWindows
 from .storage import PartitionedStorage, ReductionQueue
 
 
@@ -89,7 +89,7 @@ class ZeroEngine(EngineMemory):
         persistent = [(n, p) for n, p in named if zero.stage < 3 or p.numel() <= zero.param_persistence_threshold]
         self.flat_groups = self._build_flat_groups(persistent, init_fn, isolated)
         replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
-        self.store, self.gather = None, None
+        self.unit_storage, self.gather = None, None
         if zero.stage == 3:
             replaced.update(self._build_units(modules, persistent, init_fn, isolated))
         _swap_parameters(modules, replaced)
@@ -110,9 +110,9 @@ class ZeroEngine(EngineMemory):
                 p.fp32_grad = fuse and not group.grads_are_views
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(group.on_grad_ready)
-        if self.store is not None:
-            for p in self.store.params:
-                p.zero_storage, p.zero_engine = self.store, me
+        if self.unit_storage is not None:
+            for p in self.unit_storage.params:
+                p.zero_storage, p.zero_engine = self.unit_storage, me
                 p.fp32_grad = fuse
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_unit_grad)
@@ -170,16 +170,16 @@ class ZeroEngine(EngineMemory):
                     if is_leaf:
                         leaf_of_unit[len(units_params)] = module
                     units_params.append((name, group))
-        self.store = UnitStore(units_params, self.groups, self.precision, self.device, self.queue,
+        self.unit_storage = UnitStorage(units_params, self.groups, self.precision, self.device, self.queue,
                                reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
                                zero=self.zero)
-        replaced = self.store.materialize(init_fn)
-        self.gather = GatherCoordinator(self.store, self.zero)
+        replaced = self.unit_storage.materialize(init_fn)
+        self.gather = GatherCoordinator(self.unit_storage, self.zero)
         self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()},
                            blocks=[m for m in leaves if not any(m is root for root in modules)])
         self.leaf_units: dict[nn.Module, list] = {}
         for index, leaf in leaf_of_unit.items():
-            self.leaf_units.setdefault(leaf, []).append(self.store.units[index])
+            self.leaf_units.setdefault(leaf, []).append(self.unit_storage.units[index])
         self.leaf_unit_indices = set(leaf_of_unit)
         on_leaf_backward(self.leaf_units, self._leaf_backward_done)
         return replaced
@@ -201,7 +201,7 @@ class ZeroEngine(EngineMemory):
                                      windows=self.zenflow_windows, tensor=self.groups.tensor,
                                      counted=self.counts_in_norm)
         for i, storage in enumerate(self.storages()):
-            name = "units" if storage is self.store else f"group{i}"
+            name = "units" if storage is self.unit_storage else f"group{i}"
             storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name,
                                              **({"make": make} if make else {}))
 
@@ -217,8 +217,8 @@ class ZeroEngine(EngineMemory):
         Stage 0/1 reduce after the last microbatch, stage 2/3 after each."""
         for group in self.flat_groups:
             group.start_backward(reduce=last_microbatch)
-        if self.store is not None:
-            self.store.start_backward()
+        if self.unit_storage is not None:
+            self.unit_storage.start_backward()
         self.has_grads = True
         if callable(loss):
             loss()
@@ -226,20 +226,20 @@ class ZeroEngine(EngineMemory):
             (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
         for group in self.flat_groups:
             group.end_backward()
-        if self.store is not None:
-            for unit in self.store.units:
+        if self.unit_storage is not None:
+            for unit in self.unit_storage.units:
                 # Some but not all of its gradients arrived (unused parameters): reduce what came.
                 if unit.grad_staging is not None:
-                    self.store.reduce_grads(unit)
+                    self.unit_storage.reduce_grads(unit)
                     self.gather.grads_done(unit)
 
     def _on_unit_grad(self, param: nn.Parameter) -> None:
         # A leaf's units are reduced when the leaf's backward is done (_leaf_backward_done): which of
         # its parameters get gradients may differ between ranks (an expert one rank's tokens skip),
         # the order of the reductions must not.
-        if self.store.add_grad(param) and param.zero_unit.index not in self.leaf_unit_indices:
+        if self.unit_storage.add_grad(param) and param.zero_unit.index not in self.leaf_unit_indices:
             unit = param.zero_unit
-            self.store.reduce_grads(unit)
+            self.unit_storage.reduce_grads(unit)
             self.gather.grads_done(unit)
 
     def _leaf_backward_done(self, module) -> None:
@@ -247,7 +247,7 @@ class ZeroEngine(EngineMemory):
         data did not use), in unit order on every rank, as DeepSpeed does for its leaf modules."""
         for unit in self.leaf_units[module]:
             if unit.grad_pending != -1 or unit.grad_staging is not None:
-                self.store.reduce_grads(unit)
+                self.unit_storage.reduce_grads(unit)
                 self.gather.grads_done(unit)
 
     def finish_gradients(self) -> None:
@@ -267,7 +267,7 @@ class ZeroEngine(EngineMemory):
 
     # --- step -------------------------------------------------------------------------------
     def storages(self) -> list[PartitionedStorage]:
-        return list(self.flat_groups) + ([self.store] if self.store is not None else [])
+        return list(self.flat_groups) + ([self.unit_storage] if self.unit_storage is not None else [])
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradients over DP shards, TP and PP; inf or nan when

@@ -3,7 +3,7 @@ where each category lives (device, host, nvme), and `offload_states` / `reload_s
 `empty_partition_cache` between steps.
 
 A part of ZeroEngine (its base class), kept in a room of its own: it reads the engine's storages,
-stage-3 store and gather coordinator, and never decides when anything is gathered or stepped.
+stage-3 unit storage and gather coordinator, and never decides when anything is gathered or stepped.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ class EngineMemory:
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every state moved by offload_states back to the device, bitwise."""
         self.host_copies.reload(non_blocking)
-        if self.store is not None:
+        if self.unit_storage is not None:
             # Stage-3 gathers run on the prefetch stream after this event: after the copies back.
-            self.store.partition_ready.record()
+            self.unit_storage.partition_ready.record()
 
     def empty_partition_cache(self) -> None:
         """Releases every gathered stage-3 unit (each keeps only its partition), writes back and
@@ -46,13 +46,13 @@ class EngineMemory:
             if self.gather.pass_key is not None:
                 raise UsageError("empty_partition_cache() was called during a forward/backward pass; "
                                  "call it between training steps")
-            for unit in self.store.units:
-                self.store.release(unit)
+            for unit in self.unit_storage.units:
+                self.unit_storage.release(unit)
         for storage in self.storages():
             if storage.offload is not None:
                 storage.offload.flush_cache()
-        if self.store is not None and self.store.home is not None:
-            self.store.home.drop_cache()          # offload_param nvme: host buffers written back
+        if self.unit_storage is not None and self.unit_storage.home is not None:
+            self.unit_storage.home.drop_cache()          # offload_param nvme: host buffers written back
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -86,8 +86,8 @@ class EngineMemory:
         for storage in self.storages():
             for key, value in storage.memory_bytes().items():
                 report[key] = report.get(key, 0) + value
-        if self.store is not None:
-            report["peak_live_params"] = self.store.peak_live_numel * self.store.partition.element_size()
+        if self.unit_storage is not None:
+            report["peak_live_params"] = self.unit_storage.peak_live_numel * self.unit_storage.partition.element_size()
         # Module buffers, and gradient staging buckets alive right now (in flight or filling).
         report["buffers"] = sum(b.numel() * b.element_size() for m in self.modules for b in m.buffers())
         report["buffers"] += sum(s.staging_bytes() for s in self.storages()) + self.queue.staged_bytes()

@@ -207,7 +207,7 @@ class OptimizerOffload:
                     # The buffer set is refilled once written: its copies to the device must be done.
                     self.copied.record()
                     self.copied.synchronize()
-                    swapper.store(k - self.resident, states)
+                    swapper.write(k - self.resident, states)
             self.copied.record()
             self.copied.synchronize()
         finally:

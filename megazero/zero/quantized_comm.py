@@ -44,7 +44,7 @@ from megazero.core import comm, streams
 from megazero.core.errors import UsageError
 from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
 from .config import ZeroConfig
-from .groups import ZeroGroups
+from .zero_groups import ZeroGroups
 
 QWZ_BITS, QWZ_BLOCK = 8, 256
 QGZ_BITS, QGZ_BLOCK = 4, 128

@@ -10,7 +10,7 @@ from an init function, views of one parameter's piece by kind, a parameter's who
 the gradient reduction of a filled bucket, the gradient norm (with the non-finite check folded
 in), the Adam step and memory accounting. Subclasses say where a bucket's low-precision weights
 and gradients live (`param_chunk`, `grad_chunk`) and when full weights exist (the gather policy):
-FlatParamGroup keeps them full, UnitStore gathers units on demand.
+FlatParamGroup keeps them full, UnitStorage gathers units on demand.
 
 Kinds: "param" (the low-precision weights the model computes with), "fp32" (master), "grad",
 "exp_avg", "exp_avg_sq". In fp32 runs without a separate master the "fp32" kind *is* "param".

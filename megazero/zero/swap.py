@@ -8,7 +8,7 @@ truncated or altered behind our back is a `SwapFileError` naming it, never a wro
 
 `SubGroupSwapper` swaps the states of one partition sub-group by sub-group with `buffer_count`
 host buffer sets: `fetch(k)` hands back sub-group k's states (read now, or earlier by `prefetch`),
-`store(k, ...)` writes them back (behind, in a thread, when `pipeline_write`), `drain()` waits for
+`write(k, ...)` writes them back (behind, in a thread, when `pipeline_write`), `drain()` waits for
 every write. Which sub-groups to step and when is offload.py's business; this module owns bytes.
 """
 from __future__ import annotations
@@ -173,7 +173,7 @@ class SubGroupSwapper:
 
     def fetch(self, k: int) -> dict[str, torch.Tensor]:
         """Sub-group k's states, one host tensor per kind (views of a buffer set, held by the caller
-        until `store(k, ...)`)."""
+        until `write(k, ...)`)."""
         future = self._reads.pop(k, None)
         if future is not None:
             buffers = future.result()
@@ -190,7 +190,7 @@ class SubGroupSwapper:
         finally:
             self._free.put(buffers)
 
-    def store(self, k: int, states: dict[str, torch.Tensor]) -> None:
+    def write(self, k: int, states: dict[str, torch.Tensor]) -> None:
         """Writes sub-group k back from the tensors `fetch(k)` returned; the buffer set is free
         again once written."""
         buffers = self._set_of(states)
@@ -215,7 +215,7 @@ class SubGroupSwapper:
         for buffers in self.sets:
             if buffers[self.kinds[0]].data_ptr() == first.data_ptr():
                 return buffers
-        raise RuntimeError("store() takes the tensors fetch() returned")
+        raise RuntimeError("write() takes the tensors fetch() returned")
 
     def drain(self) -> None:
         """Waits for every read ahead and write behind; raises the first error one met."""

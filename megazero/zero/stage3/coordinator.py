@@ -45,7 +45,7 @@ from megazero.core.errors import UsageError
 from ..config import ZeroConfig
 from .adaptive_prefetch import AdaptivePrefetch
 from .leaves import OnBackward
-from .units import ParamStatus, Unit, UnitStore
+from .units import ParamStatus, Unit, UnitStorage
 
 # Gathers issued and not yet waited for. A backend runs one communicator's collectives one after
 # another (NCCL on its stream, gloo on its group's queue), so a third gather queued behind two
@@ -77,8 +77,8 @@ class Trace:
 
 
 class GatherCoordinator:
-    def __init__(self, store: UnitStore, config: ZeroConfig):
-        self.store, self.config = store, config
+    def __init__(self, storage: UnitStorage, config: ZeroConfig):
+        self.unit_storage, self.config = storage, config
         self.module_units: dict[nn.Module, list[Unit]] = {}
         self.traces: dict[object, Trace] = {}         # by pass kind: recorded unit order
         self.recording: list[int] | None = None
@@ -91,7 +91,7 @@ class GatherCoordinator:
         self.peak_gathers_in_flight = 0
         self._gathers: collections.deque[Unit] = collections.deque()   # issued by us, oldest first
         self._names: dict[nn.Module, str] = {}
-        self.adaptive = (AdaptivePrefetch(config, store.groups.shard, store.device)
+        self.adaptive = (AdaptivePrefetch(config, storage.groups.shard, storage.device)
                          if config.adaptive_prefetch_bucket_size else None)
         self._hooked: list[nn.Module] = []           # in hooking order (the same on every rank) ...
         self._module_id: dict[nn.Module, int] = {}   # ... so a position names a module in the trace check
@@ -225,7 +225,7 @@ class GatherCoordinator:
         waiting = adaptive is not None and any(u.status is ParamStatus.INFLIGHT for u in units)
         started = adaptive.before_wait() if waiting else None
         for unit in units:
-            self.store.wait_gather(unit)
+            self.unit_storage.wait_gather(unit)
         if waiting:
             adaptive.after_wait(started)
 
@@ -247,11 +247,11 @@ class GatherCoordinator:
 
     def _agree_on_use(self, unit_index: int, module_id: int) -> None:
         """Recording pass: every shard rank must be at the same unit now; else all raise, naming it."""
-        shard = self.store.groups.shard
+        shard = self.unit_storage.groups.shard
         if shard.size == 1:
             return
-        mine = torch.tensor([unit_index, module_id], dtype=torch.int64, device=self.store.device)
-        everyone = torch.empty(2 * shard.size, dtype=torch.int64, device=self.store.device)
+        mine = torch.tensor([unit_index, module_id], dtype=torch.int64, device=self.unit_storage.device)
+        everyone = torch.empty(2 * shard.size, dtype=torch.int64, device=self.unit_storage.device)
         comm.all_gather(everyone, mine, shard)
         uses = everyone.view(shard.size, 2).tolist()
         other = next((r for r, (u, _) in enumerate(uses) if u != unit_index), None)
@@ -265,9 +265,9 @@ class GatherCoordinator:
     def _describe(self, unit_index: int, module_id: int) -> str:
         if unit_index == _END_OF_PASS:
             return "has ended the pass"
-        if not (0 <= unit_index < len(self.store.units) and 0 <= module_id < len(self._hooked)):
+        if not (0 <= unit_index < len(self.unit_storage.units) and 0 <= module_id < len(self._hooked)):
             return f"uses unit #{unit_index} in module #{module_id} (its model differs from this rank's)"
-        return (f"uses unit {self.store.units[unit_index].name!r} in module "
+        return (f"uses unit {self.unit_storage.units[unit_index].name!r} in module "
                 f"{self.module_name(self._hooked[module_id])!r}")
 
     def _start_gather(self, unit: Unit, needed_now: bool) -> bool:
@@ -277,8 +277,8 @@ class GatherCoordinator:
         while len(self._gathers) >= self.max_gathers_in_flight:
             if not needed_now:
                 return False
-            self.store.wait_gather(self._gathers.popleft())
-        self.store.start_gather(unit)
+            self.unit_storage.wait_gather(self._gathers.popleft())
+        self.unit_storage.start_gather(unit)
         self._gathers.append(unit)
         self.peak_gathers_in_flight = max(self.peak_gathers_in_flight, len(self._gathers))
         return True
@@ -295,12 +295,12 @@ class GatherCoordinator:
             if index in seen:
                 continue
             seen.add(index)
-            unit = self.store.units[index]
+            unit = self.unit_storage.units[index]
             if unit.total > budget:
                 break
             budget -= unit.total
             if unit.status is ParamStatus.NOT_AVAILABLE:
-                if self.store.live_numel + unit.total > self.config.max_live_parameters:
+                if self.unit_storage.live_numel + unit.total > self.config.max_live_parameters:
                     break
                 if not self._start_gather(unit, needed_now=False):
                     break
@@ -309,9 +309,9 @@ class GatherCoordinator:
         if unit.index in self.refs or unit.status is ParamStatus.NOT_AVAILABLE:
             return
         if self._next_use_distance(unit) <= self.config.max_reuse_distance and \
-                self.store.live_numel <= self.config.max_live_parameters:
+                self.unit_storage.live_numel <= self.config.max_live_parameters:
             return
-        self.store.release(unit)
+        self.unit_storage.release(unit)
 
     def _next_use_distance(self, unit: Unit) -> float:
         """Elements fetched between now and the unit's next use in the trace (inf if unknown)."""
@@ -324,11 +324,11 @@ class GatherCoordinator:
         """Releases gathered units kept for reuse (not in use now) until `needed` more elements fit
         under max_live_parameters; what is needed now is gathered even if nothing can go."""
         limit = self.config.max_live_parameters
-        for unit in self.store.units:
-            if self.store.live_numel + needed <= limit:
+        for unit in self.unit_storage.units:
+            if self.unit_storage.live_numel + needed <= limit:
                 break
             if unit.index not in self.refs and unit.status is not ParamStatus.NOT_AVAILABLE:
-                self.store.release(unit)
+                self.unit_storage.release(unit)
 
     # --- pass boundaries ----------------------------------------------------------------------
     def begin_pass(self, key) -> None:
@@ -347,18 +347,18 @@ class GatherCoordinator:
             if self.recording is not None:
                 self._agree_on_use(_END_OF_PASS, _END_OF_PASS)
                 if self.recording:
-                    self.traces[self.pass_key] = Trace(self.recording, [u.total for u in self.store.units])
+                    self.traces[self.pass_key] = Trace(self.recording, [u.total for u in self.unit_storage.units])
         finally:
             self.pass_key, self.recording, self.position = None, None, 0
             self.refs.clear()
             self.backward_holds.clear()
-            for unit in self.store.units:
-                self.store.release(unit)
+            for unit in self.unit_storage.units:
+                self.unit_storage.release(unit)
             self._gathers.clear()
 
     def trace_names(self, key="train") -> list[str]:
         trace = self.traces.get(key)
-        return [self.store.units[i].name for i in trace.order] if trace else []
+        return [self.unit_storage.units[i].name for i in trace.order] if trace else []
 
 
 def _pass_name(key) -> str:

@@ -35,8 +35,8 @@ class GatheredParameters:
             if unit is not None and unit.status is ParamStatus.NOT_AVAILABLE:
                 p.zero_storage.start_gather(unit)
                 self._gathered.append((p.zero_storage, unit))
-        for store, unit in self._gathered:
-            store.wait_gather(unit)
+        for storage, unit in self._gathered:
+            storage.wait_gather(unit)
         return self
 
     def __exit__(self, *exc):
@@ -47,8 +47,8 @@ class GatheredParameters:
                 engine = p.zero_engine()
                 comm.broadcast(p.data, self.modifier_rank, engine.groups.dp)
                 p.zero_storage.write_full(p, "fp32", p.data.float())
-        for store, unit in self._gathered:
-            store.release(unit)
+        for storage, unit in self._gathered:
+            storage.release(unit)
         self._gathered = []
         return False
 

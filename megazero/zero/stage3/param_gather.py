@@ -1,6 +1,6 @@
 """ZeRO stage 3: how a unit's full buffer is assembled from the partitions, across nodes.
 
-Owns the collectives of a parameter gather; `units.UnitStore` says which unit and where its
+Owns the collectives of a parameter gather; `units.UnitStorage` says which unit and where its
 partition chunk is, `coordinator` says when. Three ways, chosen by the ZeroConfig:
 
 - flat: one all-gather over the shard group (`ZeroGroups.shard_gather`).
@@ -33,7 +33,7 @@ from megazero.core import comm
 from megazero.core.errors import UsageError
 from megazero.core.streams import Event, label
 from ..config import ZeroConfig
-from ..groups import ZeroGroups
+from ..zero_groups import ZeroGroups
 
 
 class ParamGather:
@@ -62,7 +62,7 @@ class ParamGather:
 
     # --- the one entry point ------------------------------------------------------------------
     def start(self, unit, chunk: torch.Tensor) -> comm.Handle:
-        """Issues the gather of `unit.full` (on the current stream: the store's prefetch stream);
+        """Issues the gather of `unit.full` (on the current stream: the unit storage's prefetch stream);
         `chunk` is this rank's partition chunk of the unit."""
         if self.hpz is not None and self.fresh[unit.index]:
             self.gathered_numel["secondary"] += unit.total

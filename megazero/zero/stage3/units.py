@@ -29,7 +29,7 @@ from megazero.core import comm
 from megazero.core.streams import Event, label
 from ..config import ZeroConfig
 from ..flat import Bucket, FlatLayout
-from ..groups import ZeroGroups
+from ..zero_groups import ZeroGroups
 from .param_gather import ParamGather
 from .param_offload import GatherOrder, make_param_home
 from ..precision import Precision, take_grad
@@ -64,7 +64,7 @@ class Unit:
         self.grad_pending = 0
 
 
-class UnitStore(PartitionedStorage):
+class UnitStorage(PartitionedStorage):
     weights_always_full = False
     def __init__(self, units_params: list[tuple[str, list[nn.Parameter]]], groups: ZeroGroups,
                  precision: Precision, device, queue: ReductionQueue, reduce_scatter: bool = True,

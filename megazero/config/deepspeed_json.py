@@ -12,14 +12,14 @@ setting comes from the flags (or their default).
 Returns the settings found, each with the key it came from, so the driver can merge them with
 command-line flags and reject contradictions; it never reads argv itself (`flags_from_config` is
 handed the flag values). The blocks that stand for flags, the settings record and the value readers
-live in ds_settings.py; this module reads the top level, precision, data types and the optimizer.
+live in deepspeed_blocks.py; this module reads the top level, precision, data types and the optimizer.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from megazero.config.ds_settings import (DeepSpeedSettings, as_bool, as_number, read_activation_checkpointing,
+from megazero.config.deepspeed_blocks import (DeepSpeedSettings, as_bool, as_number, read_activation_checkpointing,
                                          read_monitors, read_scheduler)
 from megazero.core.errors import UsageError
 from megazero.zero.config import as_json, design_notes, parse_zero_config, unknown_key_error

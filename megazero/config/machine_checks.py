@@ -5,7 +5,7 @@ and the fix.
 
 Writes nothing (probes are removed at once; the one exception is a data file's token statistics,
 cached beside it, see megazero.data.indexed_dataset). The flags were already checked against each
-other by megazero.config.arguments; here they meet the world. Under torchrun the driver runs this on every
+other by megazero.config.train_flags; here they meet the world. Under torchrun the driver runs this on every
 rank and lets rank 0 speak for all.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _tokenizer_named(data) -> str:
     return f"--tokenizer-model {data.tokenizer_model} ({data.tokenizer_type})"
 
 
-def preflight(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:
+def check_machine(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: torch.device) -> None:
     """Every check of this module, cheapest first."""
     check_output_paths(cfg)
     check_memory(cfg, world_size, ranks_on_node, device)

@@ -2,7 +2,7 @@
 readers its values go through, and the blocks that stand for command-line flags: `scheduler` (the lr
 schedule), `activation_checkpointing` (recomputation) and the `wandb` / `tensorboard` / `csv_monitor`
 monitors. `flags_from_config` hands those blocks' values to the flags after checking them against
-what the command line gave. ds_config.py reads the rest of the config and calls the block readers.
+what the command line gave. deepspeed_json.py reads the rest of the config and calls the block readers.
 """
 from __future__ import annotations
 

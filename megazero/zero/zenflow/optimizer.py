@@ -13,7 +13,7 @@ an Adam of their own, as DeepSpeed's selective optimizer: its master starts from
 record, its moments from zero at every selection, and its step count from the end of the warm-up
 (it is not reset at a re-selection). Every gradient also goes to the host, where it is
 accumulated in fp32 (`zenflow_acc`); every `update_interval` steps (with "auto": when the engine's
-AutoWindows, zenflow_windows.py, says the window ends) the CPU Adam applies the window's mean
+AutoWindows, zenflow/windows.py, says the window ends) the CPU Adam applies the window's mean
 gradient (DeepSpeed divides the loss by update_interval, its gradient accumulation steps) to the
 host states, with the step count and lr of the step that ends the window (as DeepSpeed's
 `step_id = micro_step + 1`: a window's bias correction is that of the global step, not of the
@@ -60,8 +60,8 @@ import torch
 from megazero.core import comm
 from megazero.core.streams import Event, host_thread_work
 from megazero.ops.adam import adam_update
-from .offload import OFFLOADED_KINDS, OptimizerOffload, _nbytes
-from .zenflow_columns import chosen_in_split, column_abs_sums, top_columns
+from ..offload import OFFLOADED_KINDS, OptimizerOffload, _nbytes
+from .columns import chosen_in_split, column_abs_sums, top_columns
 
 ZENFLOW_KINDS = ("zenflow_acc", "zenflow_selected", "zenflow_pending")
 # The selected columns' device moments, at their elements of the partition (zero elsewhere).

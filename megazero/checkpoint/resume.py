@@ -79,7 +79,7 @@ def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig,
     return kept, f"lr schedule of the checkpoint (--use-checkpoint-opt_param-scheduler); the flags gave {described}"
 
 
-def preflight(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig) -> Resume:
+def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig) -> Resume:
     """Validates --load and --save (no file is written): the checkpoint to load and the schedule to
     resume with."""
     reader, notice = None, None

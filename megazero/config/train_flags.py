@@ -6,7 +6,7 @@ config file and key) and the fix. Settings that a DeepSpeed config (--zero-confi
 default to None in the parser, so that a flag and a JSON key that disagree are reported instead of
 one silently winning. Launcher and Megatron-LM spellings (--deepspeed_config, --train-samples,
 --use-distributed-optimizer, ...) are mapped here onto megazero's own settings. Checks against the
-machine and the files (paths, data, memory) are megazero.config.preflight's.
+machine and the files (paths, data, memory) are megazero.config.machine_checks's.
 """
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import os
 import time
 from pathlib import Path
 
-from megazero.config.ds_config import load_deepspeed_config
-from megazero.config.data_arguments import data_notes, infer_tokenizer_type
-from megazero.config.ds_settings import DeepSpeedSettings, flags_from_config
+from megazero.config.deepspeed_json import load_deepspeed_config
+from megazero.config.data_flags import data_notes, infer_tokenizer_type
+from megazero.config.deepspeed_blocks import DeepSpeedSettings, flags_from_config
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_problem
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
 from megazero.config.checkpoint_flags import checkpoint_config
-from megazero.config.model_arguments import check_attention_precision, compile_backend, model_config
+from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.run_flags import batch_ramp, run_options
 from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
-from megazero.config.zero_arguments import check_zero_layout, zero_config
+from megazero.config.zero_flags import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
 from megazero.ops.adam import AdamConfig
