@@ -14,6 +14,7 @@ from megazero.parallel.parallelize import parallelize
 from megazero.parallel.pipeline.split import split_for_stage, stage_layer_ranges
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.random import RNGTracker
+from megazero.models.param_info import param_info
 
 
 def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,
@@ -55,11 +56,12 @@ def make_init_fn(config: GPTConfig, seed: int):
     from (seed, name) so every layout starts from the same weights."""
 
     def init(name: str, param) -> torch.Tensor:
-        tile = getattr(param, "tile_shard", None)       # a tile of parallel.tiling: cut from its source
+        info = param_info(param)
+        tile = info.tile_shard       # a tile of parallel.tiling: cut from its source
         if tile is not None:
             return tile.local_from_full(initial_value(config, tile.source, tile.full, seed))
-        init_name = getattr(param, "init_name", name)
-        shard = getattr(param, "tp_shard", None)
+        init_name = info.init_name or name
+        shard = info.tp_shard
         full_shape = shard.full_shape(param.shape) if shard is not None else tuple(param.shape)
         full = initial_value(config, init_name, full_shape, seed)
         return shard.local_from_full(full) if shard is not None else full

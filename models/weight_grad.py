@@ -5,7 +5,7 @@ microbatch is rounded to 16 bits before anybody accumulates it in fp32. When tho
 (microbatches, context or sequence parallel ranks), each part's sum is rounded on its own, so a
 layout's gradient differs from one process's by 16-bit noise. A parameter marked `fp32_grad = True`
 instead gets its gradient summed in fp32 by the layers below (linear, embedding, the norms, the fused
-output layer), kept beside the parameter (`pending_fp32_grad`) until the code that owns the
+output layer), kept in the parameter's ParamInfo (`pending_fp32_grad`) until the code that owns the
 parameter's fp32 gradient takes it (megazero.zero.precision.take_grad: that room may not import
 this one, so the two attribute names are the protocol). Autograd still receives a zero 16-bit gradient
 for the weight, so that per-parameter gradient hooks fire as before; contributions some other op
@@ -21,13 +21,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from .param_info import param_info, set_param_info
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 def marked(param: torch.Tensor | None) -> bool:
     """Whether `param` is a 16-bit parameter whose owner takes fp32 gradients."""
-    return param is not None and param.dtype in _SIXTEEN_BIT and getattr(param, "fp32_grad", False)
+    return param is not None and param.dtype in _SIXTEEN_BIT and param_info(param).fp32_grad
 
 
 def _compiling() -> bool:
@@ -44,9 +45,9 @@ def wants_fp32_grad(param: torch.Tensor | None) -> bool:
 
 def deposit(param: torch.Tensor, grad32: torch.Tensor) -> None:
     """Adds an fp32 gradient contribution to `param`'s pending one (a weight used twice gets both)."""
-    pending = param.__dict__.get("pending_fp32_grad")
+    pending = param_info(param).pending_fp32_grad
     if pending is None:
-        param.pending_fp32_grad = grad32
+        set_param_info(param, pending_fp32_grad=grad32)
     else:
         pending.add_(grad32)
 

@@ -21,13 +21,14 @@ from torch import nn
 
 from megazero.core import comm
 from .process_groups import ProcessGroups
+from megazero.models.param_info import param_info
 
 
 def counts_in_norm(param: nn.Parameter, groups: ProcessGroups) -> bool:
     """Whether this rank counts `param` in the global gradient norm."""
-    if not getattr(param, "tensor_parallel", False) and groups.coords.tp != 0:
+    if not param_info(param).tensor_parallel and groups.coords.tp != 0:
         return False
-    if getattr(param, "shared_embedding", False) and not groups.is_first_stage:
+    if param_info(param).shared_embedding and not groups.is_first_stage:
         return False
     return True
 
@@ -35,7 +36,7 @@ def counts_in_norm(param: nn.Parameter, groups: ProcessGroups) -> bool:
 def summed_across_stages(param: nn.Parameter) -> bool:
     """Parameters whose reduced gradients are summed with another stage's copy: ZeRO must lay
     their partitions out identically on both stages (see ZeroEngine's `isolated`)."""
-    return bool(getattr(param, "shared_embedding", False))
+    return param_info(param).shared_embedding
 
 
 def finalize_model_grads(params: list[nn.Parameter], grad_pieces: Callable[[list], list[torch.Tensor]],
@@ -48,13 +49,13 @@ def finalize_model_grads(params: list[nn.Parameter], grad_pieces: Callable[[list
 
 
 def sum_tied_embedding_grads(params, grad_pieces, embedding_group: comm.Group) -> None:
-    tied = [p for p in params if getattr(p, "shared_embedding", False)]
+    tied = [p for p in params if param_info(p).shared_embedding]
     if tied and embedding_group.size > 1:
         _all_reduce_coalesced(grad_pieces(tied), embedding_group)
 
 
 def sum_sequence_parallel_grads(params, grad_pieces, tp_group: comm.Group) -> None:
-    partial = [p for p in params if getattr(p, "sequence_parallel", False)]
+    partial = [p for p in params if param_info(p).sequence_parallel]
     if partial and tp_group.size > 1:
         _all_reduce_coalesced(grad_pieces(partial), tp_group)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megazero.models.param_info import set_param_info
 from megazero.core.comm import Group
 from megazero.models.gpt import token_positions
 from megazero.models.weight_grad import add_bias, embedding, linear
@@ -49,8 +50,7 @@ class TPShard:
 
 
 def mark_split(param: nn.Parameter, shard: TPShard) -> nn.Parameter:
-    param.tp_shard = shard
-    param.tensor_parallel = True
+    set_param_info(param, tp_shard=shard, tensor_parallel=True)
     return param
 
 
@@ -96,7 +96,7 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None and sequence_parallel:
             # Each rank adds the bias to its own tokens only, so its gradient is partial; it is
             # summed over TP once per step (megazero.parallel.finalize).
-            self.bias.sequence_parallel = True
+            set_param_info(self.bias, sequence_parallel=True)
 
     def forward(self, x):
         y = linear(x, self.weight)
@@ -188,7 +188,7 @@ class SequenceParallelNorm(nn.Module):
         self.group = group
         for p in (self.weight, self.bias):
             if p is not None:
-                p.sequence_parallel = True
+                set_param_info(p, sequence_parallel=True)
 
     def forward(self, x):
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight

@@ -28,6 +28,7 @@ from torch import nn
 from megazero.core.errors import UsageError
 from megazero.models.gpt import LMHead
 from megazero.models.weight_grad import Linear, linear
+from megazero.models.param_info import param_info, set_param_info
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -100,9 +101,9 @@ class TiledLinear(nn.Module):
         for o, (row0, n_rows) in enumerate(zip(rows, self.out_sizes)):
             for i, (col0, n_cols) in enumerate(zip(cols, self.in_sizes)):
                 tile = self.tile(o, i)
-                tile.weight.tile_shard = TileShard(weight_name, full, row0, n_rows, col0, n_cols)
+                set_param_info(tile.weight, tile_shard=TileShard(weight_name, full, row0, n_rows, col0, n_cols))
                 if tile.bias is not None:
-                    tile.bias.tile_shard = TileShard(bias_name, (self.out_features,), row0, n_rows)
+                    set_param_info(tile.bias, tile_shard=TileShard(bias_name, (self.out_features,), row0, n_rows))
 
     def full_weight(self, tile_weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The untiled weight, from the tiles' weights (or the given values, in `tiles` order)."""
@@ -121,9 +122,9 @@ class TiledLinear(nn.Module):
     def copy_from(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "TiledLinear":
         """Fills every tile from the untiled values (for tests and for tiling a materialised layer)."""
         for tile in self.tiles:
-            tile.weight.copy_(tile.weight.tile_shard.local_from_full(weight))
+            tile.weight.copy_(param_info(tile.weight).tile_shard.local_from_full(weight))
             if tile.bias is not None:
-                tile.bias.copy_(tile.bias.tile_shard.local_from_full(bias))
+                tile.bias.copy_(param_info(tile.bias).tile_shard.local_from_full(bias))
         return self
 
 
@@ -148,15 +149,15 @@ class TiledLMHead(nn.Module):
 def _tiled(name: str, module: nn.Module, in_splits: int, out_splits: int) -> nn.Module:
     if type(module) in (nn.Linear, Linear):
         tiled = TiledLinear.from_linear(module, in_splits, out_splits)
-        bias_name = getattr(module.bias, "init_name", f"{name}.bias") if module.bias is not None else None
-        tiled.mark_sources(getattr(module.weight, "init_name", f"{name}.weight"), bias_name)
+        bias_name = (param_info(module.bias).init_name or f"{name}.bias") if module.bias is not None else None
+        tiled.mark_sources(param_info(module.weight).init_name or f"{name}.weight", bias_name)
         return tiled
     if type(module) is LMHead:
-        if getattr(module.weight, "shared_embedding", False):
+        if param_info(module.weight).shared_embedding:
             raise UsageError(f"cannot tile '{name}': its weight is the tied word embedding; add "
                              f"--untie-embeddings-and-output-weights or leave it untiled")
         tiled = TiledLMHead(module, in_splits, out_splits)
-        tiled.linear.mark_sources(getattr(module.weight, "init_name", f"{name}.weight"), None)
+        tiled.linear.mark_sources(param_info(module.weight).init_name or f"{name}.weight", None)
         return tiled
     raise UsageError(f"cannot tile '{name}' ({type(module).__name__}): only plain nn.Linear layers and the "
                      f"untied output head tile (tensor-parallel layers do not yet); name another module")

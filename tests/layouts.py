@@ -17,6 +17,7 @@ from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.state_access import safe_get_full_fp32_param
+from megazero.models.param_info import param_info
 
 RTOL = 1e-5
 VOCAB = 61          # small_config's vocabulary
@@ -72,7 +73,7 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict
     params = {}
     for chunk in state.chunks:
         for name, p in chunk.named_parameters():
-            params[name] = (safe_get_full_fp32_param(p), getattr(p, "tp_shard", None))
+            params[name] = (safe_get_full_fp32_param(p), param_info(p).tp_shard)
     return {"coords": tuple(groups.coords), "losses": losses, "norms": norms, "params": params,
             "in_flight": max(in_flight, default=0), "memory": state.engine.memory_report(),
             "comm": dict(groups.log.last_step)}

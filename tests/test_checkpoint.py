@@ -9,6 +9,7 @@ import torch
 
 from layouts import assert_close, small_config, with_padded_vocab
 from megazero.checkpoint import CheckpointError, CheckpointReader, CheckpointSaver, SaveError, load_checkpoint
+from megazero.models.param_info import param_info
 
 STEPS, SAVE_AT = 6, 3
 
@@ -46,7 +47,7 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
     out = {"curve": curve, "rng": rng, "coords": tuple(groups.coords)}
     if params:                    # the live model, gathered as the exactness tests do
         from megazero.zero.state_access import safe_get_full_fp32_param
-        out["params"] = {n: (safe_get_full_fp32_param(p), getattr(p, "tp_shard", None))
+        out["params"] = {n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
                          for chunk in state.chunks for n, p in chunk.named_parameters()}
     return out
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from layouts import assemble_params, assert_close, assert_params_match, small_config, with_padded_vocab
+from megazero.models.param_info import param_info
 
 STEPS = 4
 
@@ -56,7 +57,7 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
         out["curve"][it + 1] = step.loss
         if save is not None and save[1] == it + 1:
             CheckpointSaver(save[0], "offload-test").save(state, (it + 1) * cfg.global_batch_size)
-    out["params"] = {n: (safe_get_full_fp32_param(p), getattr(p, "tp_shard", None))
+    out["params"] = {n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
                      for chunk in state.chunks for n, p in chunk.named_parameters()}
     out["memory"], out["where"] = engine.memory_report(), engine.memory_locations()
     return out

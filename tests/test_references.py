@@ -22,6 +22,7 @@ from megazero.checkpoint.reader import CheckpointReader
 from megazero.data.indexed_dataset import IndexedDatasetBuilder
 from megazero.models.config import GPTConfig
 from reference_rules import adamw, assert_same_losses, assert_same_params, megatron_lr, plain_gpt, without_key_bias
+from megazero.models.param_info import param_info
 
 
 # --- 1. pretrain_gpt.py, one process, fp32, against a plain torch loop --------------------------
@@ -180,7 +181,7 @@ def train_megazero(cfg, groups) -> dict:
     state = setup(cfg, groups)
     steps = [train_step(state, batch, peer_lr(done))
              for done, batch in enumerate(peer_batches(cfg, groups.coords.dp, groups.topology.dp))]
-    params = {name: (safe_get_full_fp32_param(p), getattr(p, "tp_shard", None))
+    params = {name: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
               for name, p in state.chunks[0].named_parameters()}
     return {"coords": tuple(groups.coords), "losses": [s.loss for s in steps],
             "norms": [s.grad_norm for s in steps], "params": params}

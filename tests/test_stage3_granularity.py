@@ -14,6 +14,7 @@ from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero.stage3.units import ParamStatus
+from megazero.models.param_info import param_info
 
 STEPS = 3
 LAYER = {"stage3_granularity": "layer", "prefetch_bucket_size": 20000}
@@ -93,8 +94,8 @@ def test_a_layer_unit_is_gathered_before_the_layer_and_released_after_it():
     hooked = {gather.module_name(m) for m in gather.module_units}
     assert hooked == {"embedding.word", "embedding.position", "output_head", *(f"layers.{i}" for i in range(4))}, hooked
     layer = state.chunks[0].layers["1"]
-    unit = layer.attention.qkv.weight.zero_unit
-    assert {p.zero_unit for p in layer.parameters() if hasattr(p, "zero_unit")} == {unit}
+    unit = param_info(layer.attention.qkv.weight).zero_unit
+    assert {param_info(p).zero_unit for p in layer.parameters() if param_info(p).zero_unit is not None} == {unit}
     statuses = []
     for sub in (layer.input_norm, layer.attention.qkv, layer.mlp.fc2):
         sub.register_forward_pre_hook(lambda m, args: statuses.append(unit.status))

@@ -15,6 +15,7 @@ from megazero.parallel.layers import (ColumnParallelLinear, ParallelEmbedding, P
                                       VocabParallelEmbedding)
 from megazero.parallel.mappings import scatter_to_sequence_region
 from megazero.parallel.topology import Topology
+from megazero.models.param_info import param_info
 
 RTOL = 1e-5
 B, S, H = 2, 8, 16
@@ -41,8 +42,8 @@ def check_column_row(group, sp):
         ref = nn.Linear(H, 4 * H)
         ref.weight.data, ref.bias.data = _inputs(1, 4 * H, H), _inputs(2, 4 * H)
         col = ColumnParallelLinear(H, 4 * H, True, group, sp, chunks=chunks, gather_output=True)
-        col.weight.data = col.weight.tp_shard.local_from_full(ref.weight.data)
-        col.bias.data = col.bias.tp_shard.local_from_full(ref.bias.data)
+        col.weight.data = param_info(col.weight).tp_shard.local_from_full(ref.weight.data)
+        col.bias.data = param_info(col.bias).tp_shard.local_from_full(ref.bias.data)
         x = _inputs(3, B, S, H).requires_grad_()
         x_local = _shard_seq(x.detach(), group, sp).requires_grad_()
         y_ref = ref(x)
@@ -54,13 +55,13 @@ def check_column_row(group, sp):
         y_ref.backward(grad_out)
         y.backward(grad_out)
         close(x_local.grad, _shard_seq(x.grad, group, sp), "column input grad")
-        close(col.weight.grad, col.weight.tp_shard.local_from_full(ref.weight.grad), "column weight grad")
-        close(col.bias.grad, col.bias.tp_shard.local_from_full(ref.bias.grad), "column bias grad")
+        close(col.weight.grad, param_info(col.weight).tp_shard.local_from_full(ref.weight.grad), "column weight grad")
+        close(col.bias.grad, param_info(col.bias).tp_shard.local_from_full(ref.bias.grad), "column bias grad")
 
     ref = nn.Linear(4 * H, H)
     ref.weight.data, ref.bias.data = _inputs(5, H, 4 * H), _inputs(6, H)
     row = RowParallelLinear(4 * H, H, True, group, sp)
-    row.weight.data = row.weight.tp_shard.local_from_full(ref.weight.data)
+    row.weight.data = param_info(row.weight).tp_shard.local_from_full(ref.weight.data)
     row.bias.data = ref.bias.data.clone()
     x = _inputs(7, B, S, 4 * H).requires_grad_()
     x_local = x.detach().chunk(group.size, dim=-1)[group.rank].clone().requires_grad_()
@@ -71,7 +72,7 @@ def check_column_row(group, sp):
     y.backward(_shard_seq(grad_out, group, sp))
     sum_sequence_parallel_grads(list(row.parameters()), plain_grads, group)
     close(x_local.grad, x.grad.chunk(group.size, dim=-1)[group.rank], "row input grad")
-    close(row.weight.grad, row.weight.tp_shard.local_from_full(ref.weight.grad), "row weight grad")
+    close(row.weight.grad, param_info(row.weight).tp_shard.local_from_full(ref.weight.grad), "row weight grad")
     close(row.bias.grad, ref.bias.grad, "row bias grad (replicated)")
 
 
@@ -89,7 +90,7 @@ def check_embedding_and_loss(group, sp):
     pos_ref = nn.Embedding(S, H)
     pos_ref.weight.data = _inputs(10, S, H)
     word = VocabParallelEmbedding(padded, H, group)
-    word.weight.data = word.weight.tp_shard.local_from_full(word_ref.weight.data)
+    word.weight.data = param_info(word.weight).tp_shard.local_from_full(word_ref.weight.data)
     pos = nn.Embedding(S, H)
     pos.weight.data = pos_ref.weight.data.clone()
     emb = ParallelEmbedding(word, pos, nn.Identity(), group, sp)
@@ -115,7 +116,7 @@ def check_embedding_and_loss(group, sp):
     (loss * weights).sum().backward()
     (loss_ref * weights).sum().backward()
     sum_sequence_parallel_grads(list(norm.parameters()), plain_grads, group)
-    close(word.weight.grad, word.weight.tp_shard.local_from_full(word_ref.weight.grad),
+    close(word.weight.grad, param_info(word.weight).tp_shard.local_from_full(word_ref.weight.grad),
           "tied embedding grad")
     assert torch.all(word_ref.weight.grad[vocab:] == 0), "padding rows must get no gradient"
     close(pos.weight.grad, pos_ref.weight.grad, "position embedding grad")

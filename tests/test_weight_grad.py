@@ -23,6 +23,7 @@ from layouts import ProcessGroups, small_config, with_padded_vocab
 from megazero.models.loss import linear_cross_entropy
 from megazero.models.weight_grad import add_bias, embedding, linear
 from megazero.zero.precision import take_grad
+from megazero.models.param_info import param_info, set_param_info
 
 BF16 = torch.bfloat16
 
@@ -30,7 +31,7 @@ BF16 = torch.bfloat16
 def _param(*shape, seed):
     gen = torch.Generator().manual_seed(seed)
     p = torch.nn.Parameter(torch.randn(*shape, generator=gen).to(BF16))
-    p.fp32_grad = True
+    set_param_info(p, fp32_grad=True)
     return p
 
 
@@ -78,7 +79,7 @@ def test_layers_match_torch_and_sum_weight_gradients_in_fp32(name):
     if inp.is_floating_point():
         assert torch.equal(inp.grad, plain_inp.grad), f"{name}: input gradient"
     for p, got, plain, exact in zip(params, deposited, plain_params, exact_grads(inp.detach(), dout)):
-        assert got.dtype == torch.float32 and p.grad is None and "pending_fp32_grad" not in p.__dict__
+        assert got.dtype == torch.float32 and p.grad is None and param_info(p).pending_fp32_grad is None
         assert _rel(got, exact) <= 1e-6, f"{name}: fp32 weight gradient off by {_rel(got, exact):.1e}"
         assert _rel(plain.grad, exact) > 1e-4, f"{name}: bf16 gradient too close to tell apart"
     # Two halves of the tokens, one backward each: the deposits add up to the whole batch's.
@@ -115,14 +116,14 @@ def test_tied_table_gets_both_uses_and_unmarked_calls_take_torchs_path():
     # Unmarked, fp32 and no-grad calls: torch's path, nothing deposited.
     unmarked = torch.nn.Parameter(table.detach().clone())
     embedding(ids, unmarked).float().sum().backward()
-    assert unmarked.grad is not None and unmarked.grad.any() and "pending_fp32_grad" not in unmarked.__dict__
+    assert unmarked.grad is not None and unmarked.grad.any() and param_info(unmarked).pending_fp32_grad is None
     with torch.no_grad():
         linear(x, table)
-    assert "pending_fp32_grad" not in table.__dict__
+    assert param_info(table).pending_fp32_grad is None
     fp32 = torch.nn.Parameter(torch.ones(8, 32))
-    fp32.fp32_grad = True
+    set_param_info(fp32, fp32_grad=True)
     linear(x.float(), fp32).sum().backward()
-    assert fp32.grad is not None and "pending_fp32_grad" not in fp32.__dict__
+    assert fp32.grad is not None and param_info(fp32).pending_fp32_grad is None
 
 
 FUSED = ("qkv.", "proj.", "fc1.", "fc2.", "embedding.word.")    # linear layers and the (tied) table

@@ -8,6 +8,7 @@ from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.topology import Topology
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.zero import state_access as zi
+from megazero.models.param_info import param_info
 
 # ZeRO's table, bf16 weights, g-byte gradients, fp32 master + Adam moments (K = 12). With
 # grad_accum_dtype bf16 (g = 2) it is the ZeRO paper's; the default accumulates in fp32 (g = 4).
@@ -45,7 +46,7 @@ def accounting_worker(ctx, stage, bf16, grads="fp32"):
     groups = ctx.groups(Topology(world_size=dp))
     cfg = _config(stage, dp, bf16, grads)
     state = setup(cfg, groups)
-    psi = sum(p.zero_full_shape.numel() if hasattr(p, "zero_full_shape") else p.numel()
+    psi = sum(param_info(p).zero_full_shape.numel() if param_info(p).zero_full_shape is not None else p.numel()
               for p in state.engine.parameters())
     report = state.engine.memory_report()
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.global_batch_size,

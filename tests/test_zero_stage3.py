@@ -16,6 +16,7 @@ from megazero.ops.adam import AdamConfig
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.stage3.gathered import GatheredParameters, register_external_parameter
 from megazero.zero.stage3.units import ParamStatus
+from megazero.models.param_info import param_info
 
 W1 = np.array([[1, 2], [3, -4], [5, 6]], dtype=np.float64)     # fc1: 2 -> 3 (6 + 3 = 9 elements:
 B1 = np.array([1, 0, -2], dtype=np.float64)                    #  over 2 ranks, 5 each, 1 padding)
@@ -94,7 +95,7 @@ def analytic_stage3(ctx):
         partitions[unit.name] = (unit.part_size, unit.total - unit.numel)
     engine.step(lr=0.0)
     for p in model.parameters():
-        assert p.zero_unit.status is ParamStatus.NOT_AVAILABLE and p.data.numel() == 0
+        assert param_info(p).zero_unit.status is ParamStatus.NOT_AVAILABLE and p.data.numel() == 0
     return partitions
 
 

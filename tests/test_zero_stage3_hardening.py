@@ -23,6 +23,7 @@ from megazero.zero.state_access import safe_get_full_fp32_param
 from megazero.zero.stage3.units import ParamStatus
 
 from test_zero_stage3 import Stack
+from megazero.models.param_info import param_info
 
 LR = 1e-2
 STAGE3 = dict(stage=3, param_persistence_threshold=0, max_reuse_distance=0)
@@ -165,7 +166,7 @@ def _watch_owner_unit(model):
     register_external_parameter(model.owner.inner, model.owner.weight)
     seen = []
     model.owner.inner.register_forward_hook(
-        lambda m, args, out: seen.append(model.owner.weight.zero_unit.status))
+        lambda m, args, out: seen.append(param_info(model.owner.weight).zero_unit.status))
     return seen
 
 

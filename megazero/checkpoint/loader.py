@@ -16,6 +16,7 @@ import torch
 from .files import CheckpointError
 from .reader import CheckpointReader
 from .saver import canonical_name, layout_key
+from megazero.models.param_info import param_info
 
 
 @dataclasses.dataclass
@@ -56,7 +57,7 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
             if not storage.weights_always_full and storage.layout.local_piece(i) is None:
                 continue              # stage 3: this rank holds none of it
             name = canonical_name(param, engine)
-            shard = getattr(param, "tp_shard", None)
+            shard = param_info(param).tp_shard
             local_shape = tuple(storage.full_shape(i))
             full_shape = shard.full_shape(local_shape) if shard is not None else local_shape
             for kind in kinds:

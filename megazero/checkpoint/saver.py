@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from megazero.models.param_info import param_info
 from megazero.core import comm
 from .agreement import RankReport, agree, check_room, check_written, errno_of, free_bytes
 from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, TOKENIZER_DIR, apply_umask, commit_directory,
@@ -42,7 +43,7 @@ KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
 def canonical_name(param, engine) -> str:
     """The model's name for a parameter (a tied head copy is saved under the embedding's)."""
-    return getattr(param, "init_name", engine.names[id(param)])
+    return param_info(param).init_name or engine.names[id(param)]
 
 
 def crc32(tensor: torch.Tensor) -> int:
@@ -62,8 +63,9 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
             if not engine.counts_in_norm(param):
                 continue
             name = canonical_name(param, engine)
-            shard = getattr(param, "tp_shard", None)
-            entry = {"shape": list(getattr(param, "zero_full_shape", param.shape)), "offset": offset,
+            info = param_info(param)
+            shard = info.tp_shard
+            entry = {"shape": list(info.zero_full_shape or param.shape), "offset": offset,
                      "length": length, "crc": {},
                      "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
             for kind in storage.checkpoint_kinds():

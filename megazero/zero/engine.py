@@ -38,6 +38,7 @@ from .stage3.units import UnitStorage
 from .zenflow.optimizer import ZenFlowOffload
 from .zenflow.windows import AutoWindows
 from .storage import PartitionedStorage, ReductionQueue
+from megazero.models.param_info import param_info, set_param_info
 
 
 @dataclasses.dataclass
@@ -106,14 +107,12 @@ class ZeroEngine(EngineMemory):
         fuse = self.precision.fp32_weight_grads
         for group in self.flat_groups:
             for p in group.params:
-                p.zero_storage, p.zero_engine = group, me
-                p.fp32_grad = fuse and not group.grads_are_views
+                set_param_info(p, zero_storage=group, zero_engine=me, fp32_grad=fuse and not group.grads_are_views)
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(group.on_grad_ready)
         if self.unit_storage is not None:
             for p in self.unit_storage.params:
-                p.zero_storage, p.zero_engine = self.unit_storage, me
-                p.fp32_grad = fuse
+                set_param_info(p, zero_storage=self.unit_storage, zero_engine=me, fp32_grad=fuse)
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_unit_grad)
 
@@ -175,7 +174,7 @@ class ZeroEngine(EngineMemory):
                                zero=self.zero)
         replaced = self.unit_storage.materialize(init_fn)
         self.gather = GatherCoordinator(self.unit_storage, self.zero)
-        self.gather.attach(modules, {old_id: new.zero_unit for old_id, new in replaced.items()},
+        self.gather.attach(modules, {old_id: param_info(new).zero_unit for old_id, new in replaced.items()},
                            blocks=[m for m in leaves if not any(m is root for root in modules)])
         self.leaf_units: dict[nn.Module, list] = {}
         for index, leaf in leaf_of_unit.items():
@@ -237,8 +236,8 @@ class ZeroEngine(EngineMemory):
         # A leaf's units are reduced when the leaf's backward is done (_leaf_backward_done): which of
         # its parameters get gradients may differ between ranks (an expert one rank's tokens skip),
         # the order of the reductions must not.
-        if self.unit_storage.add_grad(param) and param.zero_unit.index not in self.leaf_unit_indices:
-            unit = param.zero_unit
+        unit = param_info(param).zero_unit
+        if self.unit_storage.add_grad(param) and unit.index not in self.leaf_unit_indices:
             self.unit_storage.reduce_grads(unit)
             self.gather.grads_done(unit)
 
@@ -263,7 +262,7 @@ class ZeroEngine(EngineMemory):
     def grad_pieces(self, params) -> list[torch.Tensor]:
         """This rank's pieces (1-D views, possibly empty) of the reduced gradients of `params`."""
         self.finish_gradients()
-        return [p.zero_storage.local_view(p, "grad") for p in params]
+        return [param_info(p).zero_storage.local_view(p, "grad") for p in params]
 
     # --- step -------------------------------------------------------------------------------
     def storages(self) -> list[PartitionedStorage]:

@@ -24,6 +24,7 @@ from .flat import FlatLayout
 from .precision import Precision, take_grad
 from .storage import PartitionedStorage, ReductionQueue
 from .tensor_memory import drop_storage, ensure_storage
+from megazero.models.param_info import carry_param_info
 
 
 class FlatParamGroup(PartitionedStorage):
@@ -97,7 +98,7 @@ class FlatParamGroup(PartitionedStorage):
             self.param_view(i).view(-1).copy_(value)
             self._write_initial_piece(i, value)
             new = nn.Parameter(self.param_view(i), requires_grad=p.requires_grad)
-            new.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
+            carry_param_info(p, new)
             new_params.append(new)
         self.params = new_params
         self.index_of = {id(p): i for i, p in enumerate(new_params)}

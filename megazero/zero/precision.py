@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megazero.models.param_info import param_info, set_param_info
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,9 +59,11 @@ class Precision:
 def take_grad(param: torch.Tensor) -> torch.Tensor | None:
     """`param`'s gradient since the last take, clearing it. A parameter the engine marked
     `fp32_grad` may have had (part of) it summed in fp32 by its layers (megazero.models.weight_grad,
-    Megatron's gradient-accumulation fusion), left in `pending_fp32_grad`; the 16-bit `.grad`
+    Megatron's gradient-accumulation fusion), left in its ParamInfo's `pending_fp32_grad`; the 16-bit `.grad`
     autograd accumulated beside it (zeros, or a tied weight's other use) is added to that."""
-    pending = param.__dict__.pop("pending_fp32_grad", None)
+    pending = param_info(param).pending_fp32_grad
+    if pending is not None:
+        set_param_info(param, pending_fp32_grad=None)
     grad, param.grad = param.grad, None
     if pending is None:
         return grad

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from megazero.models.param_info import param_info
 
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def _storage(param: nn.Parameter):
-    storage = getattr(param, "zero_storage", None)
+    storage = param_info(param).zero_storage
     if storage is None:
         raise ValueError("this parameter is not managed by a ZeroEngine")
     return storage
@@ -34,7 +35,7 @@ def _check_key(key: str) -> str:
 
 
 def _grads_ready(param: nn.Parameter) -> None:
-    engine = param.zero_engine()
+    engine = param_info(param).zero_engine()
     if not engine.has_grads:
         raise RuntimeError("gradients are only available between backward and the optimizer step")
     engine.finish_gradients()

@@ -10,6 +10,7 @@ start identical.
 from __future__ import annotations
 
 from megazero.core.errors import UsageError
+from megazero.models.param_info import set_param_info
 
 EMBEDDING_WEIGHT = "embedding.word.weight"
 
@@ -48,9 +49,8 @@ def split_for_stage(model, layers: range, first: bool, last: bool):
         model.output_head = None
     if tied and not (first and last):
         if first:
-            model.embedding.word.weight.shared_embedding = True
+            set_param_info(model.embedding.word.weight, shared_embedding=True)
         if last:
             weight = model.output_head.weight
-            weight.shared_embedding = True
-            weight.init_name = EMBEDDING_WEIGHT
+            set_param_info(weight, shared_embedding=True, init_name=EMBEDDING_WEIGHT)
     return model

@@ -19,6 +19,7 @@ from torch import nn
 
 from megazero.core import comm
 from .units import ParamStatus
+from megazero.models.param_info import param_info, set_param_info
 
 
 class GatheredParameters:
@@ -31,10 +32,10 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for p in self.params:
-            unit = getattr(p, "zero_unit", None)
-            if unit is not None and unit.status is ParamStatus.NOT_AVAILABLE:
-                p.zero_storage.start_gather(unit)
-                self._gathered.append((p.zero_storage, unit))
+            info = param_info(p)
+            if info.zero_unit is not None and info.zero_unit.status is ParamStatus.NOT_AVAILABLE:
+                info.zero_storage.start_gather(info.zero_unit)
+                self._gathered.append((info.zero_storage, info.zero_unit))
         for storage, unit in self._gathered:
             storage.wait_gather(unit)
         return self
@@ -44,9 +45,9 @@ class GatheredParameters:
             return False
         if self.modifier_rank is not None and exc[0] is None:
             for p in self.params:
-                engine = p.zero_engine()
-                comm.broadcast(p.data, self.modifier_rank, engine.groups.dp)
-                p.zero_storage.write_full(p, "fp32", p.data.float())
+                info = param_info(p)
+                comm.broadcast(p.data, self.modifier_rank, info.zero_engine().groups.dp)
+                info.zero_storage.write_full(p, "fp32", p.data.float())
         for storage, unit in self._gathered:
             storage.release(unit)
         self._gathered = []
@@ -55,7 +56,6 @@ class GatheredParameters:
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     """Gather `param` around `module`'s forward and backward too (stage 3; a no-op otherwise)."""
-    unit = getattr(param, "zero_unit", None)
-    if unit is None:
-        return
-    param.zero_engine().gather.register_external(module, unit)
+    info = param_info(param)
+    if info.zero_unit is not None:
+        info.zero_engine().gather.register_external(module, info.zero_unit)

@@ -36,6 +36,7 @@ from ..precision import Precision, take_grad
 from ..quantized_comm import quantized_gradient_reducer
 from ..storage import PartitionedStorage, ReductionQueue
 from ..tensor_memory import drop_storage, ensure_storage
+from megazero.models.param_info import carry_param_info, param_info
 
 
 class ParamStatus(enum.Enum):
@@ -185,8 +186,7 @@ class UnitStorage(PartitionedStorage):
                     self.param_chunk(unit.index)[rel:rel + length].copy_(value[param_off:param_off + length])
                     self._write_initial_piece(i, value)
                 new = nn.Parameter(self.placeholder, requires_grad=p.requires_grad)
-                new.__dict__.update({k: v for k, v in p.__dict__.items() if not k.startswith("_")})
-                new.zero_unit, new.zero_index, new.zero_full_shape = unit, j, p.shape
+                carry_param_info(p, new, zero_unit=unit, zero_index=j, zero_full_shape=p.shape)
                 replaced[id(p)] = new
                 new_params.append(new)
             unit.params = new_params
@@ -243,7 +243,8 @@ class UnitStorage(PartitionedStorage):
 
     def add_grad(self, param: nn.Parameter) -> bool:
         """Moves param.grad into its unit's staging buffer; True when the unit's gradients are all in."""
-        unit, j = param.zero_unit, param.zero_index
+        info = param_info(param)
+        unit, j = info.zero_unit, info.zero_index
         if unit.grad_staging is None:
             unit.grad_staging = self.new_staging(unit.index)
         unit.grad_staging[unit.offsets[j]:unit.offsets[j] + unit.numels[j]].copy_(take_grad(param).reshape(-1))

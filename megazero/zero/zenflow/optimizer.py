@@ -62,6 +62,7 @@ from megazero.core.streams import Event, host_thread_work
 from megazero.ops.adam import adam_update
 from ..offload import OFFLOADED_KINDS, OptimizerOffload, _nbytes
 from .columns import chosen_in_split, column_abs_sums, top_columns
+from megazero.models.param_info import param_info
 
 ZENFLOW_KINDS = ("zenflow_acc", "zenflow_selected", "zenflow_pending")
 # The selected columns' device moments, at their elements of the partition (zero elsewhere).
@@ -82,7 +83,7 @@ class ZenFlowOffload(OptimizerOffload):
         # Tensor parallelism: the matrices it splits (their shard, else None), whose column norms
         # and "auto" sums are taken over the whole matrix, on every tensor-parallel rank alike.
         self.tensor = tensor if tensor is not None and tensor.size > 1 else None
-        self.tp_split = [getattr(p, "tp_shard", None) if self.tensor is not None and len(storage.full_shape(i)) >= 2
+        self.tp_split = [param_info(p).tp_shard if self.tensor is not None and len(storage.full_shape(i)) >= 2
                       else None for i, p in enumerate(storage.params)]
         self.columns_split = [s is not None and s.dim % len(storage.full_shape(i)) == len(storage.full_shape(i)) - 1
                               for i, s in enumerate(self.tp_split)]
