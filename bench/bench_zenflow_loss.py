@@ -28,7 +28,6 @@ device Adam with a fresh optimizer (fine-tuning, ZenFlow's own setting).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shutil
 import tempfile
 import time
@@ -121,7 +120,7 @@ def worker(ctx, args, side, data_prefix, start=None, save=None):
             batch, skip = k * micro, skip // k
         else:                                      # its micro-steps, the lr schedule's steps
             steps = k * steps
-            opt = dataclasses.replace(opt, warmup_iters=k * opt.warmup_iters)
+            opt = opt.replace(warmup_iters=k * opt.warmup_iters)
     cfg = TrainConfig(model=model, zero=ZeroConfig(**zero), micro_batch_size=micro,
                       global_batch_size=batch, train_iters=steps, seed=1, parallel=ParallelConfig(),
                       optimizer=opt)

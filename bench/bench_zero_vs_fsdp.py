@@ -143,7 +143,7 @@ def run_ours(ctx, bench: Bench, stage: int, name: str) -> dict:
 
     result = timed_steps(bench, step, ctx.rank, name)
     return {**result, "peak": rss_mib(), "baseline": baseline,
-            "model_states": state.engine.memory_report()["model_states"], "comm": comm_bytes[-1]}
+            "model_states": state.engine.memory.report()["model_states"], "comm": comm_bytes[-1]}
 
 
 def peer_model(bench: Bench) -> GPT:

@@ -70,7 +70,8 @@ def gap_figure(a, b, rtol: float, what: str) -> dict:
 def train_config(stage: int = 0, bf16: bool = False, zero_extra: dict | None = None, tp: int = 1,
                  global_batch: int = 8, steps: int = 20, **model):
     """A small fp32 GPT on learnable tokens, micro batch 4, clipping on."""
-    from megazero.config.train_config import OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
+    from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
+    from megazero.zero.precision import PrecisionConfig
     from megazero.models.config import GPTConfig, padded_vocab_size
     from megazero.ops.adam import AdamConfig
     from megazero.zero.config import ZeroConfig

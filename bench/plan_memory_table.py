@@ -101,7 +101,7 @@ def engine_report_worker(ctx, layout):
     groups = _groups(ctx, layout)
     if groups is None:
         return None
-    return setup(layout_config(layout), groups).engine.memory_report()
+    return setup(layout_config(layout), groups).engine.memory.report()
 
 
 def compare(pool, layouts=GRID) -> list[tuple]:

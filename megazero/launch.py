@@ -287,7 +287,7 @@ def train_on(cfg: TrainConfig, launch: Launch, groups: ProcessGroups, device: to
     tokenizer = _tokenizer_record(cfg) if launch.rank == 0 and cfg.checkpoint.save is not None else None
     start_iteration, policy = checkpoint_start(state, cfg.checkpoint, resume.reader if resume else None,
                                                metrics.say, tokenizer)
-    report = state.engine.memory_report()
+    report = state.engine.memory.report()
     metrics.say(" model states per rank (MiB): " + ", ".join(
         f"{k}={v / 2**20:.1f}" for k, v in report.items()))
     source = MicrobatchSource(train_set, cfg.global_batch_size, cfg.micro_batch_size,
@@ -320,7 +320,7 @@ def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, ob
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
     check_machine(cfg, launch.world, launch.local_world, device)
     resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
-    cfg = dataclasses.replace(cfg, optimizer=resume.optimizer)     # the lr schedule may be the checkpoint's
+    cfg = cfg.replace(optimizer=resume.optimizer)     # the lr schedule may be the checkpoint's
     if launch.world > 1 and "MASTER_ADDR" not in os.environ:
         raise UsageError(f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the ranks with "
                          f"torchrun (or set MASTER_ADDR and MASTER_PORT)")

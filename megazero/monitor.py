@@ -10,7 +10,6 @@ record's iteration, so a valid loss and the train loss of the same iteration sha
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -40,7 +39,7 @@ def config_dict(cfg: TrainConfig) -> dict:
     objects (dtypes) as their str."""
     def plain(value):
         return value.model_dump(mode="json") if hasattr(value, "model_dump") else str(value)
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=plain))
+    return json.loads(json.dumps(cfg.model_dump(), default=plain))
 
 
 class WandbMonitor:

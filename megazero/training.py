@@ -27,8 +27,6 @@ from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.housekeeping import Housekeeping
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
-from megazero.zero.loss_scaler import LossScaler
-from megazero.zero.precision import Precision
 
 
 class MicrobatchSource:
@@ -92,12 +90,6 @@ def zero_groups(groups: ProcessGroups) -> ZeroGroups:
                       tensor=groups.tp)
 
 
-def precision_of(cfg: TrainConfig) -> Precision:
-    prec = cfg.precision
-    return Precision.from_flags(prec.bf16, prec.fp16, prec.grad_accum_dtype, prec.reduce_dtype,
-                                prec.gradient_accumulation_fusion)
-
-
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     device = torch.device(device)
     par = cfg.parallel
@@ -105,23 +97,19 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
                                 virtual_stages=par.virtual_stages, layer_split=par.layer_split,
                                 compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type)
-    prec = cfg.precision
-    precision = precision_of(cfg)
-    scaler = (LossScaler.for_fp16(prec.loss_scale, prec.initial_scale_power, prec.loss_scale_window,
-                                  prec.hysteresis, prec.min_loss_scale, prec.consecutive_hysteresis)
-              if prec.fp16 else LossScaler())
     streams = Streams(device)
-    engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), zero_groups(groups), cfg.zero,
-                        cfg.optimizer.adam, precision, cfg.optimizer.clip_grad, scaler, device,
-                        counts_in_norm=lambda p: counts_in_norm(p, groups), isolated=summed_across_stages,
-                        streams=streams, lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None)
+    engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), groups=zero_groups(groups), zero=cfg.zero,
+                        adam=cfg.optimizer.adam, precision=cfg.precision, clip_grad=cfg.optimizer.clip_grad,
+                        device=device, counts_in_norm=lambda p: counts_in_norm(p, groups),
+                        isolated=summed_across_stages, streams=streams,
+                        lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None)
     for chunk in chunks:
         chunk.train()
     p2p = None
     if groups.topology.pp > 1:       # built once: its constructor joins a warm-up collective
         seq = cfg.model.seq_length // groups.topology.cp // (groups.topology.tp if par.sequence_parallel else 1)
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
-                          precision.param_dtype, device)
+                          engine.precision.param_dtype, device)
     timers = Timers(device) if cfg.wall_clock_breakdown else None
     return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers)
 

@@ -75,7 +75,7 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict
         for name, p in chunk.named_parameters():
             params[name] = (safe_get_full_fp32_param(p), param_info(p).tp_shard)
     return {"coords": tuple(groups.coords), "losses": losses, "norms": norms, "params": params,
-            "in_flight": max(in_flight, default=0), "memory": state.engine.memory_report(),
+            "in_flight": max(in_flight, default=0), "memory": state.engine.memory.report(),
             "comm": dict(groups.log.last_step)}
 
 

@@ -5,6 +5,7 @@ import torch
 from layouts import run_training, small_config
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.zero.loss_scaler import LossScaler
+from megazero.zero.precision import PrecisionConfig
 
 
 def _fp16_config(stage):
@@ -55,7 +56,7 @@ def fp16_worker(ctx, cfg):
 
 
 def test_loss_scaler_hysteresis_and_growth():
-    scaler = LossScaler.for_fp16(initial_scale_power=4, window=3, hysteresis=2)
+    scaler = LossScaler.from_config(PrecisionConfig(fp16=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2))
     assert scaler.scale == 16.0
     scaler.update(True)
     assert scaler.scale == 16.0          # first overflow is tolerated
@@ -64,7 +65,7 @@ def test_loss_scaler_hysteresis_and_growth():
     for _ in range(3):
         scaler.update(False)
     assert scaler.scale == 16.0          # three clean steps double it
-    assert LossScaler.for_fp16(loss_scale=128.0).dynamic is False
+    assert LossScaler.from_config(PrecisionConfig(fp16=True, loss_scale=128.0)).dynamic is False
 
 
 def _scales(scaler: LossScaler, overflows: str) -> list[float]:
@@ -79,8 +80,8 @@ def _scales(scaler: LossScaler, overflows: str) -> list[float]:
 def test_loss_scaler_hysteresis_refill_as_deepspeed():
     """Without consecutive_hysteresis only a scale increase refills the hysteresis, so once it is used
     up every overflow halves; with it every clean step refills, so only overflows in a row count."""
-    plain = LossScaler.for_fp16(initial_scale_power=4, window=3, hysteresis=2)
+    plain = LossScaler.from_config(PrecisionConfig(fp16=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2))
     assert _scales(plain, "ocoo" + "ccc" + "oo") == [16, 16, 8, 4] + [4, 4, 8] + [8, 4]
-    consecutive = LossScaler.for_fp16(initial_scale_power=4, window=3, hysteresis=2, consecutive_hysteresis=True)
+    consecutive = LossScaler.from_config(PrecisionConfig(fp16=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2, consecutive_hysteresis=True))
     assert _scales(consecutive, "ocococ" + "oo") == [16] * 6 + [16, 8]
-    assert LossScaler.for_fp16(loss_scale=128.0, consecutive_hysteresis=True).dynamic is False
+    assert LossScaler.from_config(PrecisionConfig(fp16=True, loss_scale=128.0, consecutive_hysteresis=True)).dynamic is False

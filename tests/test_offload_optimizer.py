@@ -42,9 +42,9 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
     out = {"coords": tuple(groups.coords), "curve": {}}
     for it in range(start, cfg.train_iters):
         if it == offload_at:
-            before = engine.memory_report()
+            before = engine.memory.report()
             engine.offload_states()
-            out["offloaded"] = (before, engine.memory_report(), engine.memory_locations())
+            out["offloaded"] = (before, engine.memory.report(), engine.memory.locations())
             engine.reload_states()
         if corrupt is not None and it == corrupt[0]:
             path = damage_swap_file(cfg, groups.rank, corrupt[1])
@@ -59,7 +59,7 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
             CheckpointSaver(save[0], "offload-test").save(state, (it + 1) * cfg.global_batch_size)
     out["params"] = {n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
                      for chunk in state.chunks for n, p in chunk.named_parameters()}
-    out["memory"], out["where"] = engine.memory_report(), engine.memory_locations()
+    out["memory"], out["where"] = engine.memory.report(), engine.memory.locations()
     return out
 
 

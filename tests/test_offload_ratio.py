@@ -34,8 +34,8 @@ def train(ctx, cfg, dp):
              for it in range(STEPS)]
     params = {n: (safe_get_full_fp32_param(p), None) for n, p in state.chunks[0].named_parameters()}
     return {"coords": tuple(groups.coords), "curve": curve, "params": params,
-            "memory": state.engine.memory_report(), "partition": state.engine.unit_storage.partition_size,
-            "where": state.engine.memory_locations()}
+            "memory": state.engine.memory.report(), "partition": state.engine.unit_storage.partition_size,
+            "where": state.engine.memory.locations()}
 
 
 def ratio_worker(ctx, dp, ratios, nvme_dir):

@@ -211,7 +211,7 @@ def memory_worker(ctx, stage: int, bf16: bool) -> list:
 
     def measuring_step(lr):
         engine.finish_gradients()
-        measured.append((live_tensor_bytes(engine), engine.memory_report()))
+        measured.append((live_tensor_bytes(engine), engine.memory.report()))
         return step(lr)
 
     engine.step = measuring_step

@@ -167,12 +167,14 @@ def test_loss_scaler_on_overflow_patterns(hysteresis, consecutive):
     Kills: the loss scale never growing; growth after window + 1 clean steps; every overflow
     halving (hysteresis ignored); consecutive_hysteresis ignored."""
     from megazero.zero.loss_scaler import LossScaler
+    from megazero.zero.precision import PrecisionConfig
     rng = np.random.default_rng(hysteresis * 2 + consecutive)
     for _ in range(200):
         overflows = list(rng.random(int(rng.integers(1, 40))) < rng.uniform(0.1, 0.7))
         window = int(rng.integers(1, 5))
-        scaler = LossScaler.for_fp16(initial_scale_power=5, window=window, hysteresis=hysteresis,
-                                     min_loss_scale=4.0, consecutive_hysteresis=consecutive)
+        scaler = LossScaler.from_config(PrecisionConfig(fp16=True, initial_scale_power=5, loss_scale_window=window,
+                                                        hysteresis=hysteresis, min_loss_scale=4.0,
+                                                        consecutive_hysteresis=consecutive))
         scales = []
         for overflow in overflows:
             scales.append(scaler.scale)

@@ -167,11 +167,11 @@ def test_engine_takes_fp32_weight_gradients_at_every_stage():
 
 def test_the_flag_turns_it_off_and_fp32_runs_never_mark():
     from megazero.config.train_flags import config_from_args, parse_args
-    from megazero.training import precision_of
+    from megazero.zero.precision import Precision
     on = config_from_args(parse_args(["--bf16"]))
     off = config_from_args(parse_args(["--bf16", "--no-gradient-accumulation-fusion"]))
-    assert precision_of(on).fp32_weight_grads and not precision_of(off).fp32_weight_grads
-    assert not precision_of(config_from_args(parse_args([]))).fp32_weight_grads          # fp32 weights
+    assert Precision.from_config(on.precision).fp32_weight_grads and not Precision.from_config(off.precision).fp32_weight_grads
+    assert not Precision.from_config(config_from_args(parse_args([])).precision).fp32_weight_grads   # fp32 weights
     bf16_accum = config_from_args(parse_args(["--bf16"]))
     bf16_accum.precision.grad_accum_dtype = "bf16"       # autograd accumulates into the buffer itself
-    assert not precision_of(bf16_accum).fp32_weight_grads
+    assert not Precision.from_config(bf16_accum.precision).fp32_weight_grads

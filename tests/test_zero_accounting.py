@@ -48,7 +48,7 @@ def accounting_worker(ctx, stage, bf16, grads="fp32"):
     state = setup(cfg, groups)
     psi = sum(param_info(p).zero_full_shape.numel() if param_info(p).zero_full_shape is not None else p.numel()
               for p in state.engine.parameters())
-    report = state.engine.memory_report()
+    report = state.engine.memory.report()
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.global_batch_size,
                               cfg.micro_batch_size, groups.coords.dp, dp)
     train_step(state, source.batch(0), 1e-3)

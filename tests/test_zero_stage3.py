@@ -36,7 +36,7 @@ class TwoLinear(nn.Module):
 
 def _engine(ctx, model, zero: ZeroConfig, init):
     groups = ctx.groups(Topology(world_size=2))
-    return ZeroEngine([model], init, zero_groups(groups), zero, AdamConfig(lr=0.0, weight_decay=0.0))
+    return ZeroEngine([model], init, groups=zero_groups(groups), zero=zero, adam=AdamConfig(lr=0.0, weight_decay=0.0))
 
 
 def _inputs(rank):

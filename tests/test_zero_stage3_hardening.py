@@ -42,8 +42,8 @@ def _build(ctx, model_cls, world, **zero):
         return None, None
     with torch.device("meta"):
         model = model_cls()
-    engine = ZeroEngine([model], _init, zero_groups(groups), ZeroConfig(**zero),
-                        AdamConfig(lr=LR, weight_decay=0.0))
+    engine = ZeroEngine([model], _init, groups=zero_groups(groups), zero=ZeroConfig(**zero),
+                        adam=AdamConfig(lr=LR, weight_decay=0.0))
     return model, engine
 
 
@@ -249,7 +249,7 @@ def in_flight(ctx, bound):
     with torch.device("meta"):
         model = Stack(n=6)
     zero = ZeroConfig(**STAGE3, prefetch_bucket_size=10**6, max_live_parameters=10**6)
-    engine = ZeroEngine([model], _init, zero_groups(groups), zero, AdamConfig(lr=LR, weight_decay=0.0))
+    engine = ZeroEngine([model], _init, groups=zero_groups(groups), zero=zero, adam=AdamConfig(lr=LR, weight_decay=0.0))
     engine.gather.max_gathers_in_flight = bound
     store = engine.unit_storage
     seen = []                     # units in flight as each layer's forward starts (after our hooks)

@@ -70,24 +70,12 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     if load_optim:
         engine.step_count = meta["engine"]["step_count"]
         engine.skipped_steps = meta["engine"]["skipped_steps"]
-        if engine.zenflow_windows is not None:
-            _restore_zenflow_window(state, reader)
+        engine.placement.restore(reader.indexes, engine.storages(), lambda p: canonical_name(p, engine))
         if meta["loss_scaler"] is not None:          # None: written from full tensors, no run
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     state.iteration = meta["iteration"]
     rng = load_rng and _restore_rng(state, reader)
     return LoadResult(meta["iteration"], meta["consumed_samples"], reader.run_id, rng)
-
-
-def _restore_zenflow_window(state, reader: CheckpointReader) -> None:
-    """ZenFlow's open "auto" window: its step count and its running sums, by parameter name from
-    any rank that saved them (every rank holding a matrix holds its whole sums; none saved: the
-    checkpoint closed its window, or was written without "auto")."""
-    saved = [index["zenflow_window"] for index in reader.indexes if "zenflow_window" in index]
-    window = {"steps": max((w["steps"] for w in saved), default=0),
-              "sums": {name: pair for w in saved for name, pair in w["sums"].items()}}
-    engine = state.engine
-    engine.zenflow_windows.load_state_dict(window, engine.storages(), lambda p: canonical_name(p, engine))
 
 
 def _restore_rng(state, reader: CheckpointReader) -> bool:

@@ -75,7 +75,7 @@ def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig,
         return optimizer, f"lr schedule of the flags (--override-opt_param-scheduler): {described}"
     adam = dataclasses.replace(optimizer.adam, weight_decay=saved.get("adam", {}).get(
         "weight_decay", optimizer.adam.weight_decay))
-    kept = dataclasses.replace(optimizer, adam=adam, **{f: saved[f] for f in SCHEDULE if f in saved})
+    kept = optimizer.replace(adam=adam, **{f: saved[f] for f in SCHEDULE if f in saved})
     return kept, f"lr schedule of the checkpoint (--use-checkpoint-opt_param-scheduler); the flags gave {described}"
 
 

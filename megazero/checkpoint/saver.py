@@ -81,9 +81,8 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
         tensors[f"rng/{key}"] = value.clone()
     index = {"rank": groups.rank, "coords": list(groups.coords), "pieces": pieces,
              "rng": {key: crc32(value) for key, value in rng.items()}, "layout_key": layout_key(state)}
-    if engine.zenflow_windows is not None:     # ZenFlow's "auto" window: this rank's running sums
-        index["zenflow_window"] = engine.zenflow_windows.state_dict(engine.storages(),
-                                                                    lambda p: canonical_name(p, engine))
+    # What the optimizer's placement keeps beside the states (ZenFlow's open "auto" window).
+    index.update(engine.placement.checkpoint_index(engine.storages(), lambda p: canonical_name(p, engine)))
     return tensors, index
 
 
@@ -109,7 +108,7 @@ def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
         "global_batch_size": cfg.global_batch_size,
         "engine": {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps},
         "loss_scaler": engine.loss_scaler.state_dict(),
-        "optimizer": dataclasses.asdict(cfg.optimizer),   # with the iteration: the lr schedule
+        "optimizer": cfg.optimizer.model_dump(),   # with the iteration: the lr schedule
         "rank_files": [rank_file_names(r)[0] for r in range(topo.world_size)],
     }
 

@@ -10,11 +10,13 @@ run resumed at any iteration draws exactly the samples it would have drawn.
 """
 from __future__ import annotations
 
-import dataclasses
+from pydantic import ConfigDict
+
+from megazero.core.records import Record
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchRamp:
+class BatchRamp(Record):
+    model_config = ConfigDict(frozen=True)
     start: int
     increment: int
     samples: int

@@ -6,11 +6,13 @@ what the command line gave. deepspeed_json.py reads the rest of the config and c
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from megazero.core.errors import UsageError
+from megazero.core.records import Record
 from megazero.zero.config import ZeroConfig, as_json, unknown_key_error
 
 # DeepSpeed's lr schedulers with a megazero equivalent -> megazero's decay after warmup.
@@ -57,14 +59,13 @@ SAME_SETTING = {"lr_warmup_iters": ("lr_warmup_fraction", "lr_warmup_samples"),
 FLAG_DEFAULTS = {"lr_decay_style": "cosine"}
 
 
-@dataclasses.dataclass
-class DeepSpeedSettings:
+class DeepSpeedSettings(Record):
     """What a DeepSpeed config set: name -> (value, the JSON key it came from), and the notes on
     keys accepted without effect."""
     zero: ZeroConfig
-    values: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    auto: set[str] = dataclasses.field(default_factory=set)
+    values: dict[str, tuple[Any, str]] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+    auto: set[str] = Field(default_factory=set)
     """Dotted keys whose value was "auto" (dropped: the flags give them)."""
 
     def get(self, name: str, default=None):

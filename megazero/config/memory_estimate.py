@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from megazero.config.train_config import TrainConfig
+from megazero.core.records import Record
 from megazero.models.loss import default_chunk_tokens
 from megazero.zero.offload import resident_sub_groups
 
@@ -217,8 +218,7 @@ def largest_module_params(model_cfg) -> int:
     return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
 
-@dataclasses.dataclass
-class RankLayout:
+class RankLayout(Record):
     """What one rank of the largest pipeline stage holds, as counts and byte widths."""
     parameters: int            # the whole model
     rank_parameters: int       # this rank's shard of the largest pipeline stage (before ZeRO)
@@ -378,8 +378,7 @@ def device_bytes(plan: dict[str, float]) -> float:
     return sum(plan[key] for key in DEVICE_CATEGORIES)
 
 
-@dataclasses.dataclass
-class MemoryEstimate:
+class MemoryEstimate(Record):
     parameters: int            # the whole model
     rank_parameters: int       # this rank's shard of the largest pipeline stage
     bytes_per_param: float
@@ -405,8 +404,8 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
     if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
         kinds["params"] = 0.0
     per_param = sum(kinds.values())
-    return MemoryEstimate(r.parameters, r.rank_parameters, per_param, r.rank_parameters * per_param,
-                          _activations(cfg, r))
+    return MemoryEstimate(parameters=r.parameters, rank_parameters=r.rank_parameters, bytes_per_param=per_param,
+                          model_states=r.rank_parameters * per_param, activations=_activations(cfg, r))
 
 
 def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, str] | None:

@@ -92,4 +92,4 @@ def batch_ramp(args, global_batch: int, micro: int, dp: int) -> BatchRamp | None
             raise UsageError(f"{flag}: the ramp's batch {size} does not split into micro batch {micro} x "
                              f"data-parallel size {dp} = {micro * dp}; choose START and INCREMENT multiples "
                              f"of {micro * dp}")
-    return BatchRamp(start, increment, samples, global_batch)
+    return BatchRamp(start=start, increment=increment, samples=samples, global_batch=global_batch)

@@ -2,17 +2,19 @@
 (megazero.config.train_flags); the runtime reads these records, never argv or globals."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal, Optional
 
+from pydantic import Field
+
 from megazero.config.batch_ramp import BatchRamp
+from megazero.core.records import Record
 from megazero.models.config import GPTConfig
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
+from megazero.zero.precision import PrecisionConfig
 
 
-@dataclasses.dataclass
-class ParallelConfig:
+class ParallelConfig(Record):
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
@@ -35,14 +37,13 @@ class ParallelConfig:
     aborts the process naming no one. 0: off."""
 
 
-@dataclasses.dataclass
-class OptimizerConfig:
+class OptimizerConfig(Record):
     lr: float = 6e-4
     min_lr: float = 0.0
     warmup_iters: int = 0
     decay_iters: Optional[int] = None            # None: train_iters
     decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
-    adam: AdamConfig = dataclasses.field(default_factory=AdamConfig)
+    adam: AdamConfig = Field(default_factory=AdamConfig)
     clip_grad: float = 1.0
     decoupled_lr: Optional[float] = None
     """Megatron's --decoupled-lr: the input embedding and the output layer follow the same schedule
@@ -53,36 +54,7 @@ class OptimizerConfig:
     (Megatron's sample-based schedule, which --rampup-batch-size needs)."""
 
 
-DType = Literal["fp32", "bf16", "fp16"]
-
-
-@dataclasses.dataclass
-class PrecisionConfig:
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float = 0.0                      # fp16: 0 means dynamic
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    consecutive_hysteresis: bool = False
-    """fp16 dynamic scaling: refill the hysteresis on every step without overflow, not only when the
-    scale grows (DeepSpeed's fp16.consecutive_hysteresis)."""
-    grad_accum_dtype: DType = "fp32"
-    """dtype the gradients accumulate in across microbatches (DeepSpeed's data_types.grad_accum_dtype).
-    A 16-bit value equals the parameter dtype (checked at the edge); fp32 with 16-bit parameters means
-    separate fp32 gradient buffers."""
-    reduce_dtype: DType = "fp32"
-    """dtype gradients are reduced in across data-parallel ranks (DeepSpeed's communication_data_type,
-    Megatron's --grad-reduce-in-bf16). A 16-bit value equals the parameter dtype."""
-    gradient_accumulation_fusion: bool = True
-    """16-bit weights with fp32 accumulation: the layers sum each weight gradient in fp32 for the fp32
-    buffers instead of autograd rounding it to 16 bits first (Megatron-LM's gradient-accumulation
-    fusion; --no-gradient-accumulation-fusion turns it off). Not inside --compile'd layers."""
-
-
-@dataclasses.dataclass
-class DataConfig:
+class DataConfig(Record):
     data_path: Optional[list[str]] = None        # None: the embedded default corpus
     split: str = "949,50,1"
     tokenizer_model: Optional[str] = None
@@ -96,8 +68,7 @@ class DataConfig:
     tiktoken_pattern: Optional[str] = None       # TikTokenizer: "v1" or "v2"
 
 
-@dataclasses.dataclass
-class CheckpointConfig:
+class CheckpointConfig(Record):
     """Megatron's checkpoint flags (see megazero.checkpoint.resume)."""
     save: Optional[str] = None                   # folder to save into
     load: Optional[str] = None                   # folder (its `latest`) or iter_* directory to load
@@ -118,8 +89,7 @@ class CheckpointConfig:
     (--use-checkpoint-opt_param-scheduler) say which one wins."""
 
 
-@dataclasses.dataclass
-class MonitorConfig:
+class MonitorConfig(Record):
     """Where the logging rank also sends its metrics records (see megazero.monitor)."""
     wandb_project: Optional[str] = None          # None: no wandb run
     wandb_exp_name: Optional[str] = None         # None: wandb picks a name
@@ -128,8 +98,7 @@ class MonitorConfig:
     tensorboard_dir: Optional[str] = None        # None: no event files
 
 
-@dataclasses.dataclass
-class RunOptions:
+class RunOptions(Record):
     """Megatron's housekeeping, logging and profiling flags (none changes the math)."""
     manual_gc: bool = False                      # Python's automatic GC off, collected every interval
     manual_gc_interval: int = 0                  # 0: only Megatron's collections around evaluation
@@ -140,20 +109,19 @@ class RunOptions:
     profile: bool = False                        # a torch.profiler trace of steps [profile_step_start, profile_step_end)
     profile_step_start: int = 10
     profile_step_end: int = 12
-    profile_ranks: list[int] = dataclasses.field(default_factory=lambda: [0])
+    profile_ranks: list[int] = Field(default_factory=lambda: [0])
     num_workers: int = 0                         # >0: batches prepared by a background thread
 
 
-@dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(Record):
     model: GPTConfig
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    zero: ZeroConfig = dataclasses.field(default_factory=ZeroConfig)
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    zero: ZeroConfig = Field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     micro_batch_size: int = 4
     global_batch_size: int = 8
     train_iters: int = 100
@@ -168,11 +136,11 @@ class TrainConfig:
     iteration (DeepSpeed's wall_clock_breakdown)."""
     compile_backend: Optional[str] = None
     """torch.compile backend each transformer layer is compiled with (--compile); None: eager."""
-    notes: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
     """Settings accepted without effect, one line each, for the driver to log once at start-up."""
     rampup: Optional[BatchRamp] = None
     """--rampup-batch-size: the global batch of the first steps grows to global_batch_size."""
-    run: RunOptions = dataclasses.field(default_factory=lambda: RunOptions())
+    run: RunOptions = Field(default_factory=RunOptions)
 
     def num_microbatches(self, data_parallel: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel)

@@ -24,7 +24,8 @@ from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.run_flags import batch_ramp, run_options
-from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
+from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from megazero.zero.precision import PrecisionConfig
 from megazero.config.zero_flags import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig

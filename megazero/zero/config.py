@@ -14,9 +14,10 @@ import sys
 from typing import Any, Literal, Optional
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from megazero.core.errors import UsageError
+from megazero.core.records import Record
 from .config_blocks import (LeafModuleConfig, OffloadConfig, OffloadOptimizerConfig,  # noqa: F401
                             OffloadParamConfig, ZenFlowConfig)
 
@@ -94,9 +95,9 @@ STAGE_SCOPED = {
 }
 
 
-class ZeroConfig(BaseModel):
+class ZeroConfig(Record):
     """The ZeRO optimizer's settings; names and defaults follow DeepSpeed's `zero_optimization`."""
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     stage: int = Field(0, ge=0, le=3)
     """0: plain data parallel; 1: optimizer states; 2: + gradients; 3: + parameters partitioned."""

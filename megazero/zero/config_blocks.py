@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from megazero.core.records import Record
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -22,8 +24,8 @@ DEFAULT_LEAF_CLASSES = [
 ]
 
 
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class _Block(Record):
+    pass
 
 
 class OffloadConfig(_Block):

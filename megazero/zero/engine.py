@@ -6,6 +6,13 @@ norm and clipping, loss scaling and the Adam step. It knows nothing of tensor- o
 layers: it gets modules, an `init_fn(name, param) -> full fp32 tensor`, process groups and
 per-parameter flags.
 
+Built from its records, keyword by keyword:
+    engine = ZeroEngine(modules, init_fn, groups=zero_groups, zero=zero_config, adam=adam_config,
+                        precision=precision_config, clip_grad=1.0, device=device)
+It makes its own Precision (dtypes) and LossScaler from the PrecisionConfig, holds the optimizer's
+placement (megazero.zero.placement: on the device, offloaded, ZenFlow) and its memory API
+(`engine.memory`: the report, where each state lives, DeepSpeed's offload_states / reload_states).
+
 A training step, as the loop drives it:
     engine.begin_step()
     for each microbatch: forward, then engine.backward(loss | tensors+grads, last_microbatch=...)
@@ -14,10 +21,8 @@ A training step, as the loop drives it:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import weakref
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,13 +35,11 @@ from .flat_group import FlatParamGroup
 from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .engine_memory import EngineMemory
-from .offload import HostCopies
-from .precision import Precision, uses_weight_decay
+from .placement import optimizer_placement
+from .precision import Precision, PrecisionConfig, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
 from .stage3.leaves import find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStorage
-from .zenflow.optimizer import ZenFlowOffload
-from .zenflow.windows import AutoWindows
 from .storage import PartitionedStorage, ReductionQueue
 from megazero.models.param_info import param_info, set_param_info
 
@@ -60,12 +63,14 @@ def _no_group(param) -> int:
     return 0
 
 
-class ZeroEngine(EngineMemory):
-    def __init__(self, modules: list[nn.Module], init_fn, groups: ZeroGroups, zero: ZeroConfig,
-                 adam: AdamConfig, precision: Precision = Precision(), clip_grad: float = 0.0,
-                 loss_scaler: LossScaler | None = None, device="cpu", *,
-                 counts_in_norm=_always, isolated=_never, streams: Streams | None = None, lr_group=None):
-        """`counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
+class ZeroEngine:
+    def __init__(self, modules: list[nn.Module], init_fn, *, groups: ZeroGroups, zero: ZeroConfig,
+                 adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
+                 device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
+                 lr_group=None):
+        """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
+        `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
+        run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
         norm (a replicated copy is counted once). `isolated(param)`: parameters whose reduced
         gradients the caller sums across other ranks afterwards (a tied embedding on two pipeline
         stages); each gets buffers of its own, so its partition is laid out identically there.
@@ -74,9 +79,10 @@ class ZeroEngine(EngineMemory):
         zero.leaf_module and stage3_granularity (leaves.py).
         `lr_group(name) -> int`: which of the step's learning rates a parameter (by its name in
         the modules) takes when `step` is given one per group (default: 0 for every parameter)."""
+        precision = precision if precision is not None else PrecisionConfig()
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
-        self.precision, self.clip_grad, self.device = precision, clip_grad, torch.device(device)
-        self.loss_scaler = loss_scaler or LossScaler()
+        self.precision, self.clip_grad, self.device = Precision.from_config(precision), clip_grad, torch.device(device)
+        self.loss_scaler = LossScaler.from_config(precision)
         self.step_count = 0
         self.skipped_steps = 0
         self.counts_in_norm = counts_in_norm
@@ -98,10 +104,10 @@ class ZeroEngine(EngineMemory):
         for storage in self.storages():
             storage.plan(self._weight_decay_of, counts_in_norm,
                          (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group)
-        self.zenflow_windows: AutoWindows | None = None     # zenflow.update_interval "auto"
-        if zero.offloads_optimizer:
-            self._offload_optimizer()
-        self.host_copies = HostCopies()           # states moved by offload_states
+        self.placement = optimizer_placement(zero, groups, counts_in_norm)
+        for i, storage in enumerate(self.storages()):
+            self.placement.place(storage, "units" if storage is self.unit_storage else f"group{i}")
+        self.memory = EngineMemory(self)
         self.has_grads = False
         me = weakref.ref(self)
         fuse = self.precision.fp32_weight_grads
@@ -183,30 +189,9 @@ class ZeroEngine(EngineMemory):
         on_leaf_backward(self.leaf_units, self._leaf_backward_done)
         return replaced
 
-    def _offload_optimizer(self) -> None:
-        """offload_optimizer: every storage's master and Adam moments move to host memory or to
-        swap files under nvme_path/megazero_swap/rank{r}/optimizer (one file per storage and kind)."""
-        config = self.zero.offload_optimizer
-        folder = None
-        if config.device == "nvme":
-            rank = self.groups.dp.ranks[self.groups.dp.rank]
-            folder = Path(config.nvme_path) / "megazero_swap" / f"rank{rank}" / "optimizer"
-        make = None
-        if self.zero.zenflow is not None:   # the CPU Adam's threads: those the training leaves
-            threads = max(1, round(torch.get_num_threads() * (1 - self.zero.zenflow.pt_reserved_cores_perc)))
-            if self.zero.zenflow.update_interval == "auto":
-                self.zenflow_windows = AutoWindows(self.zero.zenflow, self.groups.model_parallel)
-            make = functools.partial(ZenFlowOffload, zenflow=self.zero.zenflow, cpu_threads=threads,
-                                     windows=self.zenflow_windows, tensor=self.groups.tensor,
-                                     counted=self.counts_in_norm)
-        for i, storage in enumerate(self.storages()):
-            name = "units" if storage is self.unit_storage else f"group{i}"
-            storage.offload_optimizer_states(config, self.zero.sub_group_size, folder, name,
-                                             **({"make": make} if make else {}))
-
     # --- microbatches -----------------------------------------------------------------------
     def begin_step(self) -> None:
-        self._check_states_home()
+        self.memory.check_states_home()
         if self.gather is not None:
             self.gather.begin_pass("train")
 
@@ -301,7 +286,7 @@ class ZeroEngine(EngineMemory):
         """Clips and applies the step's gradients with learning rate `lr` (a float, or one per lr
         group: see __init__'s `lr_group`); a non-finite gradient norm (any precision, any
         rank) skips the step on every rank instead, and fp16's dynamic loss scale backs off."""
-        self._check_states_home()
+        self.memory.check_states_home()
         self.finish_gradients()
         scale = self.loss_scaler.scale
         norm = self.grad_norm()
@@ -314,8 +299,7 @@ class ZeroEngine(EngineMemory):
         if self.clip_grad > 0 and norm > self.clip_grad:
             coef *= self.clip_grad / (norm + 1e-6)
         self.step_count += 1
-        if self.zenflow_windows is not None:      # one window decision for every storage, first
-            self.zenflow_windows.decide(self.storages(), self.step_count, coef)
+        self.placement.before_step(self.storages(), self.step_count, coef)
         for storage in self.storages():
             storage.step(self.step_count, lr, self.adam, coef)
         self.loss_scaler.update(False)
@@ -335,6 +319,17 @@ class ZeroEngine(EngineMemory):
     # --- introspection ----------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in _unique_named_parameters(self.modules)]
+
+    # DeepSpeed's engine API for moving states between steps (engine.memory has the rest).
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        self.memory.offload_states(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        self.memory.reload_states(non_blocking)
+
+    def empty_partition_cache(self) -> None:
+        self.memory.empty_partition_cache()
 
 
 def _unique_named_parameters(modules) -> list[tuple[str, nn.Parameter]]:

@@ -2,18 +2,23 @@
 where each category lives (device, host, nvme), and `offload_states` / `reload_states` /
 `empty_partition_cache` between steps.
 
-A part of ZeroEngine (its base class), kept in a room of its own: it reads the engine's storages,
-stage-3 unit storage and gather coordinator, and never decides when anything is gathered or stepped.
+An object the engine holds (`engine.memory`); it owns the states offload_states moved (`HostCopies`),
+reads the engine's storages, stage-3 unit storage and gather coordinator, and never decides when
+anything is gathered or stepped.
 """
 from __future__ import annotations
 
 import torch
 
 from megazero.core.errors import UsageError
-from .offload import REPORT_CATEGORY, check_state_names
+from .offload import REPORT_CATEGORY, HostCopies, check_state_names
 
 
 class EngineMemory:
+    def __init__(self, engine):
+        self.engine = engine
+        self.host_copies = HostCopies()           # states moved by offload_states
+
     # --- states off the device (DeepSpeed's offload_states API) ------------------------------
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
@@ -25,72 +30,77 @@ class EngineMemory:
             raise UsageError(f"offload_states(device={device!r}): states can be offloaded to host "
                              f"memory only; pass device=\"cpu\"")
         check_state_names(include)
-        if self.grads_ready or self.has_grads:
+        engine = self.engine
+        if engine.grads_ready or engine.has_grads:
             raise UsageError("offload_states() was called inside a training step (after backward); "
                              "call it after engine.step()")
         self.empty_partition_cache()
-        self.host_copies.offload(self.storages(), include, pin_memory=pin_memory,
+        self.host_copies.offload(engine.storages(), include, pin_memory=pin_memory,
                                  non_blocking=non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every state moved by offload_states back to the device, bitwise."""
         self.host_copies.reload(non_blocking)
-        if self.unit_storage is not None:
+        if self.engine.unit_storage is not None:
             # Stage-3 gathers run on the prefetch stream after this event: after the copies back.
-            self.unit_storage.partition_ready.record()
+            self.engine.unit_storage.partition_ready.record()
 
     def empty_partition_cache(self) -> None:
         """Releases every gathered stage-3 unit (each keeps only its partition), writes back and
         drops the host cache of swapped optimizer states, and frees the device's cached blocks."""
-        if self.gather is not None:
-            if self.gather.pass_key is not None:
+        engine = self.engine
+        if engine.gather is not None:
+            if engine.gather.pass_key is not None:
                 raise UsageError("empty_partition_cache() was called during a forward/backward pass; "
                                  "call it between training steps")
-            for unit in self.unit_storage.units:
-                self.unit_storage.release(unit)
-        for storage in self.storages():
+            for unit in engine.unit_storage.units:
+                engine.unit_storage.release(unit)
+        for storage in engine.storages():
             if storage.offload is not None:
                 storage.offload.flush_cache()
-        if self.unit_storage is not None and self.unit_storage.home is not None:
-            self.unit_storage.home.drop_cache()          # offload_param nvme: host buffers written back
-        if self.device.type == "cuda":
+        if engine.unit_storage is not None and engine.unit_storage.home is not None:
+            engine.unit_storage.home.drop_cache()          # offload_param nvme: host buffers written back
+        if engine.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _check_states_home(self) -> None:
+    def check_states_home(self) -> None:
         if self.host_copies:
             raise UsageError(f"engine.offload_states() moved {', '.join(self.host_copies.moved)} off "
                              f"the device; call engine.reload_states() before the next training step")
 
-    def memory_locations(self) -> dict[str, str]:
-        """Where each memory_report category lives now: the device (e.g. "cuda:0"), "cpu" (host
-        memory) or "nvme" (swap files)."""
-        where = {k: str(self.device) for k in ("params", "grads", "master", "optimizer_states", "buffers")}
-        offload = self.zero.offload_optimizer
-        if self.zero.offloads_optimizer and offload.ratio < 1.0:     # partial: both places
+    def locations(self) -> dict[str, str]:
+        """Where each report() category lives now: the device (e.g. "cuda:0"), "cpu" (host memory)
+        or "nvme" (swap files)."""
+        zero = self.engine.zero
+        where = {k: str(self.engine.device) for k in ("params", "grads", "master", "optimizer_states", "buffers")}
+        offload = zero.offload_optimizer
+        if zero.offloads_optimizer and offload.ratio < 1.0:     # partial: both places
             tier = "host" if offload.device == "cpu" else "nvme"
             where[f"{tier}_master"] = where[f"{tier}_optimizer_states"] = offload.device
-        elif self.zero.offloads_optimizer:
+        elif zero.offloads_optimizer:
             where["master"] = where["optimizer_states"] = offload.device
-        if self.zero.offloads_params:          # "params" keeps the persistent ones, on the device
-            device = self.zero.offload_param.device
+        if zero.offloads_params:          # "params" keeps the persistent ones, on the device
+            device = zero.offload_param.device
             where["host_params" if device == "cpu" else "nvme_params"] = device
         for name in self.host_copies.moved:
             where[REPORT_CATEGORY[name]] = "cpu"
         return where
 
-    def memory_report(self) -> dict[str, int]:
+    def report(self) -> dict[str, int]:
         """Bytes held by this rank, by category: low-precision params (stage 3: partitions plus
         persistent ones), grads, fp32 master, optimizer states, live (gathered) params now and at
         peak, buffers (module buffers and gradient staging); model_states sums the first four."""
+        engine = self.engine
         report = {"params": 0, "grads": 0, "master": 0, "optimizer_states": 0, "live_params": 0}
-        for storage in self.storages():
+        for storage in engine.storages():
             for key, value in storage.memory_bytes().items():
                 report[key] = report.get(key, 0) + value
-        if self.unit_storage is not None:
-            report["peak_live_params"] = self.unit_storage.peak_live_numel * self.unit_storage.partition.element_size()
+        units = engine.unit_storage
+        if units is not None:
+            report["peak_live_params"] = units.peak_live_numel * units.partition.element_size()
         # Module buffers, and gradient staging buckets alive right now (in flight or filling).
-        report["buffers"] = sum(b.numel() * b.element_size() for m in self.modules for b in m.buffers())
-        report["buffers"] += sum(s.staging_bytes() for s in self.storages()) + self.queue.staged_bytes()
+        report["buffers"] = sum(b.numel() * b.element_size() for m in engine.modules for b in m.buffers())
+        report["buffers"] += sum(s.staging_bytes() for s in engine.storages()) + engine.queue.staged_bytes()
         # States moved by offload_states count as host bytes (host_<category>), not device bytes.
         for category, moved in self.host_copies.bytes_by_category().items():
             report[category] -= moved

@@ -25,13 +25,16 @@ class LossScaler:
         self._clean_steps = 0
 
     @classmethod
-    def for_fp16(cls, loss_scale: float = 0.0, initial_scale_power: int = 16, window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0,
-                 consecutive_hysteresis: bool = False) -> "LossScaler":
-        if loss_scale > 0:
-            return cls(scale=loss_scale)
-        return cls(scale=2.0 ** initial_scale_power, dynamic=True, window=window, hysteresis=hysteresis,
-                   min_scale=min_loss_scale, consecutive_hysteresis=consecutive_hysteresis)
+    def from_config(cls, config) -> "LossScaler":
+        """The scaler a run's PrecisionConfig asks for: fp16's static (loss_scale > 0) or dynamic one,
+        else the constant scale 1 of bf16 and fp32."""
+        if not config.fp16:
+            return cls()
+        if config.loss_scale > 0:
+            return cls(scale=config.loss_scale)
+        return cls(scale=2.0 ** config.initial_scale_power, dynamic=True, window=config.loss_scale_window,
+                   hysteresis=config.hysteresis, min_scale=config.min_loss_scale,
+                   consecutive_hysteresis=config.consecutive_hysteresis)
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:

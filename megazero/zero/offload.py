@@ -26,8 +26,10 @@ import torch
 from megazero.core.errors import UsageError
 from megazero.core.streams import Event
 from megazero.ops.adam import adam_update, lr_of
+from .config import ZeroConfig
 from .tensor_memory import drop_storage
 from .swap import SubGroupSwapper
+from .zero_groups import ZeroGroups
 
 OFFLOADED_KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -336,3 +338,39 @@ class HostCopies:
             category = REPORT_CATEGORY[name]
             out[category] = out.get(category, 0) + sum(_nbytes(host) for _, host, _ in entries)
         return out
+
+
+# --- the optimizer placements of megazero.zero.placement -------------------------------------
+class OnDevice:
+    """States on the device, in the storages: nothing to do around the step."""
+
+    def place(self, storage, name: str) -> None:
+        pass
+
+    def before_step(self, storages, step: int, coef: float) -> None:
+        pass
+
+    def checkpoint_index(self, storages, name_of) -> dict:
+        return {}
+
+    def restore(self, indexes: list[dict], storages, name_of) -> None:
+        pass
+
+
+class Offloaded(OnDevice):
+    """offload_optimizer: each storage's master and moments in host memory or swap files."""
+
+    def __init__(self, zero: ZeroConfig, groups: ZeroGroups):
+        self.config, self.sub_group_size = zero.offload_optimizer, zero.sub_group_size
+        self.folder = None
+        if self.config.device == "nvme":
+            rank = groups.dp.ranks[groups.dp.rank]
+            self.folder = Path(self.config.nvme_path) / "megazero_swap" / f"rank{rank}" / "optimizer"
+
+    def make_offload(self):
+        """What builds a storage's offload: `make(storage, config, sub_group_size, folder, name)`."""
+        return OptimizerOffload
+
+    def place(self, storage, name: str) -> None:
+        storage.offload_optimizer_states(self.config, self.sub_group_size, self.folder, name,
+                                         make=self.make_offload())

@@ -19,7 +19,7 @@ from torch import nn
 
 from megazero.core import comm
 from .units import ParamStatus
-from megazero.models.param_info import param_info, set_param_info
+from megazero.models.param_info import param_info
 
 
 class GatheredParameters:
