@@ -59,7 +59,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megazero.core.streams import Event
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
-from megazero.ops.adam import AdamConfig, AdamSegment, adam_step, adam_update_fused, adam_update_reference
+from megazero.ops.adam import AdamSegment, adam_step, adam_update_fused, adam_update_reference
+from megazero.ops.adam_config import AdamConfig
 from megazero.zero.precision import sum_of_squares, sum_of_squares_many, uses_weight_decay
 
 CONFIG = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

@@ -34,7 +34,8 @@ from megazero.data.synthetic import SyntheticTokens
 from megazero.models.config import GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.testing import DistributedPool
-from megazero.training import MicrobatchSource, setup, train_step
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
 from megazero.zero.config import ZeroConfig
 
 REPO = Path(__file__).resolve().parent.parent

@@ -97,7 +97,8 @@ def point_worker(ctx, args, seq: int, cp: int, comm_type: str):
     """Pool entry: one point on the first `cp` ranks -> this rank's losses, step times, CPU times
     and peak bytes above the post-warm-up baseline (None outside the point)."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     groups = ctx.groups(Topology(world_size=cp, cp=cp))
     if groups is None:
         return None

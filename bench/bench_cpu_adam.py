@@ -42,7 +42,8 @@ from typing import Callable
 
 import torch
 
-from megazero.ops.adam import AdamConfig, adam_update, kernel_info
+from megazero.ops.adam import adam_update, kernel_info
+from megazero.ops.adam_config import AdamConfig
 
 CONFIG = AdamConfig(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 GRAD_SCALE = 0.5

@@ -55,8 +55,9 @@ from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.core.streams import Event, copy_to_device
-from megazero.training import MicrobatchSource, setup, train_step
-from megazero.ops.adam import AdamConfig
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
+from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
 
 LOSS_RTOL = 0.03          # ours vs peer, every step

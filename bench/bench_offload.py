@@ -56,8 +56,9 @@ def bench_worker(ctx, args, block):
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.models.config import GPTConfig
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
-    from megazero.ops.adam import AdamConfig
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
+    from megazero.ops.adam_config import AdamConfig
     from megazero.zero.config import ZeroConfig
     torch.set_num_threads(args.threads)
     zero = {"stage": 1, "sub_group_size": args.sub_group_size}
@@ -100,9 +101,10 @@ def zenflow_worker(ctx, args, extra, data_prefix):
     from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.models.config import GPTConfig
-    from megazero.ops.adam import AdamConfig
+    from megazero.ops.adam_config import AdamConfig
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     from megazero.zero.config import ZeroConfig
     torch.set_num_threads(args.threads)
     seq, batch = 64, 8

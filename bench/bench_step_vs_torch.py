@@ -34,9 +34,10 @@ from megazero.data.synthetic import SyntheticTokens
 from megazero.model_builder import compile_layers, make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
-from megazero.ops.adam import AdamConfig
+from megazero.ops.adam_config import AdamConfig
 from megazero.parallel.process_groups import ProcessGroups
-from megazero.training import MicrobatchSource, setup, train_step
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
 from megazero.zero.config import ZeroConfig
 from megazero.zero.precision import uses_weight_decay
 

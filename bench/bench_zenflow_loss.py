@@ -93,9 +93,10 @@ def worker(ctx, args, side, data_prefix, start=None, save=None):
     from megazero.checkpoint.saver import CheckpointSaver
     from megazero.lr_schedule import step_learning_rate
     from megazero.models.config import GPTConfig
-    from megazero.ops.adam import AdamConfig
+    from megazero.ops.adam_config import AdamConfig
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     from megazero.zero.zenflow import optimizer as zenflow
     from megazero.zero.config import ZeroConfig
     torch.set_num_threads(args.threads)

@@ -41,8 +41,9 @@ from megazero.data.synthetic import SyntheticTokens
 from megazero.models.config import GPTConfig
 from megazero.parallel.topology import Topology
 from megazero.testing import DistributedPool
-from megazero.training import MicrobatchSource, setup, train_step
-from megazero.ops.adam import AdamConfig
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
+from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.quantized_comm import stage3_inter_node_bytes
 

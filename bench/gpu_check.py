@@ -71,9 +71,9 @@ def train_config(stage: int = 0, bf16: bool = False, zero_extra: dict | None = N
                  global_batch: int = 8, steps: int = 20, **model):
     """A small fp32 GPT on learnable tokens, micro batch 4, clipping on."""
     from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
-    from megazero.zero.precision import PrecisionConfig
+    from megazero.zero.config import PrecisionConfig
     from megazero.models.config import GPTConfig, padded_vocab_size
-    from megazero.ops.adam import AdamConfig
+    from megazero.ops.adam_config import AdamConfig
     from megazero.zero.config import ZeroConfig
     shape = dict(vocab_size=512, hidden_size=64, num_layers=4, num_attention_heads=4, seq_length=64,
                  hidden_dropout=0.0, attention_dropout=0.0)
@@ -93,7 +93,8 @@ def trainer(cfg, groups, device):
     global loss."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.lr_schedule import learning_rate
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     state = setup(cfg, groups, device)
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)

@@ -157,7 +157,8 @@ def fresh_high_water_mark() -> int:
 
 def _train(cfg, groups, steps: int) -> None:
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     state = setup(cfg, groups)
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)

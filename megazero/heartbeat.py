@@ -133,8 +133,8 @@ class Heartbeat:
 
 
 def describe_activity(log) -> str | None:
-    """What a CommLog says this rank last issued, for a heartbeat."""
-    last = log.last_issued
+    """What a CommLog (None: none yet) says this rank last issued, for a heartbeat."""
+    last = log.last_issued if log is not None else None
     if last is None:
         return None
     op, group, ranks, count = last

@@ -1,6 +1,10 @@
-"""The driver behind pretrain_gpt.py: flags -> config -> checks against the machine and files ->
-process groups -> data -> model chunks -> ZeRO engine -> training loop. It wires the rooms together
-and holds no training logic of its own (that is megazero.training's).
+"""The driver behind pretrain_gpt.py: it runs the recipe (megazero.pretrain: flags -> config ->
+checks -> process groups -> data -> model chunks -> ZeRO engine -> loop) on every rank, with what
+surrounds it: the rendezvous, the error line the ranks agree on, heartbeats, signals and the exit code.
+
+The flags are checked first, before torch loads (megazero.config.train_flags.flag_error): a mistake
+in them is the same on every rank, so rank 0 prints it and every rank exits 2 within a second or two,
+not after torch's and the runtime's imports. The runtime is imported only after that.
 
 Errors end a launch with one line. Those found before the process group starts (flags, paths, data,
 memory) are found on every rank and agreed through the launch's rendezvous store, and rank 0 prints
@@ -14,8 +18,8 @@ all attempts and torch prefixes nothing, so a restarted attempt would otherwise 
 attempt's addresses (gloo's connectFullMesh then fails, or hangs on a stale barrier count).
 
 It is the one module that reads the launcher's environment (WORLD_SIZE, RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_ERROR_FILE); what the runtime
-needs of it travels on in `Launch` and `TrainConfig`.
+LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_ERROR_FILE, OMP_NUM_THREADS,
+CUDA_VISIBLE_DEVICES); what the runtime needs of it travels on in `Launch` and `TrainConfig`.
 """
 from __future__ import annotations
 
@@ -27,35 +31,10 @@ import signal
 import sys
 import threading
 
-import torch
-import torch.distributed as dist
-
 from megazero import failures
-from megazero.checkpoint import SaveError
-from megazero.checkpoint.files import latest_iteration_name
-from megazero.core import stream_check
-from megazero.checkpoint.resume import check_resume, start as checkpoint_start
-from megazero.config.train_flags import config_from_args, parse_args
-from megazero.config.machine_checks import check_machine, sample_counts
-from megazero.config.train_config import TrainConfig
-from megazero.core.comm import CommLog
-from megazero.core.errors import UsageError
-from megazero.data.read_ahead import ReadAhead
+from megazero.config.train_flags import flag_error
+from megazero.core.errors import AgreedStop, UsageError
 from megazero.heartbeat import Heartbeat, describe_activity
-from megazero.lr_schedule import step_learning_rate
-from megazero.metrics import MetricsLogger
-from megazero.monitor import open_monitors
-from megazero.parallel.process_groups import GroupFactory, ProcessGroups
-from megazero.parallel.topology import Topology
-from megazero.training import MicrobatchSource, setup, train
-
-
-class AgreedStop(Exception):
-    """Every rank stops after an agreement: rank 0 prints the message, the others leave quietly."""
-
-    def __init__(self, message: str, code: int = failures.EXIT_USAGE):
-        super().__init__(message)
-        self.code = code
 
 
 class Launch:
@@ -81,6 +60,7 @@ class Launch:
     def connect(self) -> None:
         """Joins the rendezvous store (no process group yet) when there is a launch to coordinate."""
         if self.world > 1 and self.store is None and "MASTER_ADDR" in os.environ:
+            import torch.distributed as dist
             self.rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
                                                                timeout=datetime.timedelta(minutes=30)))
             self.store = dist.PrefixStore(self._prefix, self.rendezvous_store)
@@ -88,6 +68,7 @@ class Launch:
 
     def process_group_store(self):
         """The store init_process_group builds the groups in: this attempt's, never the last one's."""
+        import torch.distributed as dist
         return dist.PrefixStore("process_group", self.store)
 
     @property
@@ -141,6 +122,66 @@ class Launch:
                 found[rank] = None
         return found
 
+    def first(self, step: str):
+        """For files one rank writes and all read (the data's caches): `first(build)` runs
+        build(True) on rank 0, agrees on how it went, then build(False) on the others; a UsageError
+        of rank 0's stops every rank with its line."""
+        def run(build):
+            error = built = None
+            if self.rank == 0:
+                try:
+                    built = build(True)           # builds and caches what is missing, once
+                except UsageError as err:
+                    error = str(err)
+            verdict = self.agree(step, error)
+            if verdict:
+                raise AgreedStop(verdict)
+            return built if self.rank == 0 else build(False)
+        return run
+
+    def device(self, cfg):
+        """This rank's device: its GPU under NCCL (set as torch's current one), else the CPU; and
+        its thread count, the node's cores shared by its ranks unless OMP_NUM_THREADS says."""
+        import torch
+        if not os.environ.get("OMP_NUM_THREADS"):      # torch already took the user's (or torchrun's) count
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.local_world)))
+        if cfg.parallel.distributed_backend != "nccl":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise UsageError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
+        index = cuda_index(self.local_rank, self.local_world, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
+    def process_groups(self, cfg, device, log):
+        """The process groups of the rank grid, on `device`, counting their bytes in `log`. Every
+        collective, of the default group and of every group made from it, waits
+        --distributed-timeout-minutes for a silent rank (gloo: each op's timeout); then it raises,
+        and the rank names whom it waited for."""
+        import torch.distributed as dist
+        from megazero.parallel.process_groups import GroupFactory, ProcessGroups
+        from megazero.parallel.topology import Topology
+        par = cfg.parallel
+        timeout = datetime.timedelta(minutes=par.timeout_minutes)
+        if self.world > 1:
+            # Binding NCCL to this rank's GPU makes it create its communicators now (not at the first
+            # collective) and lets barriers and new groups know the device without guessing.
+            bind = dict(device_id=device) if par.distributed_backend == "nccl" else {}
+            store = dict(store=self.process_group_store()) if self.store is not None else {}
+            dist.init_process_group(par.distributed_backend, rank=self.rank, world_size=self.world,
+                                    timeout=timeout, **store, **bind)
+        topology = Topology(world_size=self.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
+                            cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
+                            ranks_per_node=par.ranks_per_node,
+                            hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
+        return ProcessGroups.build(topology, self.rank, GroupFactory(self.rank, timeout=timeout), device=device,
+                                   log=log)
+
+    def close_process_group(self) -> None:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
     """The GPU of this rank among the `visible` ones: its local rank when the node's GPUs are all
@@ -154,177 +195,23 @@ def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
     return local_rank
 
 
-def _device(cfg: TrainConfig, local_rank: int, local_world: int) -> torch.device:
-    if cfg.parallel.distributed_backend == "nccl":
-        if not torch.cuda.is_available():
-            raise UsageError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
-        index = cuda_index(local_rank, local_world, torch.cuda.device_count())
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def _datasets(cfg: TrainConfig, launch: Launch, say):
-    """Train and valid datasets; rank 0 prepares the embedded corpus and the sample indices while the
-    others wait for its verdict."""
-    from megazero.data.builders import build_train_valid_test_datasets
-    from megazero.data.default_data import prepare_default_data
-
-    if cfg.data.mock_data:
-        return _mock_datasets(cfg, say)
-
-    def build(progress):
-        data_path = cfg.data.data_path
-        if data_path is None:
-            prefix, _ = prepare_default_data(cfg.data.cache_dir, progress=progress)
-            say(f" data: embedded corpus (Python standard library sources) at {prefix}")
-            data_path = [prefix]
-        return build_train_valid_test_datasets(data_path, cfg.data.split, cfg.model.seq_length, cfg.seed,
-                                               sample_counts(cfg), cfg.data.cache_dir, progress,
-                                               mmap=cfg.data.mmap_bin_files)
-
-    error = None
-    if launch.rank == 0:
-        try:
-            built = build(True)           # builds and caches what is missing, once
-        except UsageError as err:
-            error = str(err)
-    verdict = launch.agree("data", error)
-    if verdict:
-        raise AgreedStop(verdict)
-    train_set, valid_set, _ = built if launch.rank == 0 else build(False)
-    return train_set, valid_set
-
-
-def _mock_datasets(cfg: TrainConfig, say):
-    """--mock-data: random tokens of the vocabulary, reproducible by (seed, split, index), no files."""
-    from megazero.data.synthetic import SyntheticTokens
-    say(f" data: mock (random tokens of a {cfg.model.vocab_size}-token vocabulary)")
-    vocab, seq = cfg.model.vocab_size, cfg.model.seq_length
-    return SyntheticTokens(vocab, seq, seed=cfg.seed), SyntheticTokens(vocab, seq, seed=cfg.seed + 1)
-
-
 @dataclasses.dataclass
 class Progress:
-    """How far the run got, for the line that ends it early."""
-    cfg: TrainConfig | None = None
+    """How far the run got, for the line that ends it early, and what its heartbeat reports."""
+    cfg: object = None                   # the TrainConfig once checked
     state: object = None                 # the TrainState once set up
-    comm_log: CommLog = dataclasses.field(default_factory=CommLog)   # the groups' (a heartbeat reads it)
+    comm_log: object = None              # the groups' CommLog once they exist
 
     def interrupted_line(self) -> str:
         if self.cfg is None:
             return "interrupted before training started"
+        from megazero.checkpoint.files import latest_iteration_name
         iteration = self.state.iteration if self.state is not None else 0
         save = self.cfg.checkpoint.save
         latest = latest_iteration_name(save) if save is not None else None
         kept = ("none (no --save)" if save is None else f"{save}/{latest} (resume with --load {save})"
                 if latest else f"none yet in {save}")
         return f"interrupted at iteration {iteration}; last checkpoint: {kept}"
-
-
-def _tokenizer_record(cfg: TrainConfig) -> dict:
-    """The run's tokenizer as its checkpoints keep it (megazero.data.tokenizer.saved_form)."""
-    from megazero.data.default_data import default_data_files
-    from megazero.data.tokenizer import build_tokenizer, load_tokenizer, saved_form
-    data = cfg.data
-    if data.mock_data and data.tokenizer_type is None:
-        return None                        # random tokens of no tokenizer
-    if data.data_path is None and not data.mock_data:
-        return saved_form(load_tokenizer(default_data_files(data.cache_dir)[1]))
-    tokenizer = build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model,
-                                vocab_file=data.vocab_file, merge_file=data.merge_file,
-                                vocab_size=data.vocab_size, tiktoken_pattern=data.tiktoken_pattern)
-    # A TikTokenizer is not kept yet: its checkpoints export with --without-tokenizer only.
-    return saved_form(tokenizer) if hasattr(tokenizer, "files") else None
-
-
-def _process_groups(cfg: TrainConfig, launch: Launch, device: torch.device, log: CommLog) -> ProcessGroups:
-    par = cfg.parallel
-    # Every collective, of the default group and of every group made from it, waits this long for a
-    # silent rank (gloo: each op's timeout); then it raises, and the rank names whom it waited for.
-    timeout = datetime.timedelta(minutes=par.timeout_minutes)
-    if launch.world > 1:
-        # Binding NCCL to this rank's GPU makes it create its communicators now (not at the first
-        # collective) and lets barriers and new groups know the device without guessing.
-        bind = dict(device_id=device) if par.distributed_backend == "nccl" else {}
-        store = dict(store=launch.process_group_store()) if launch.store is not None else {}
-        dist.init_process_group(par.distributed_backend, rank=launch.rank, world_size=launch.world,
-                                timeout=timeout, **store, **bind)
-    topology = Topology(world_size=launch.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                        cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
-                        ranks_per_node=par.ranks_per_node,
-                        hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
-    return ProcessGroups.build(topology, launch.rank, GroupFactory(launch.rank, timeout=timeout), device=device,
-                               log=log)
-
-
-def run(cfg: TrainConfig, launch: Launch, device: torch.device, resume=None, progress=None) -> None:
-    groups = _process_groups(cfg, launch, device, progress.comm_log if progress is not None else CommLog())
-    train_on(cfg, launch, groups, device, resume, progress)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def train_on(cfg: TrainConfig, launch: Launch, groups: ProcessGroups, device: torch.device,
-             resume=None, progress=None) -> None:
-    """The run on built process groups: monitors, data, model and engine, checkpoint, the loop."""
-    topology = groups.topology
-    logging_rank = launch.rank == topology.rank_of(0, 0, topology.pp - 1)
-    metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters)
-    metrics.say(f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "
-                f"precision={'bf16' if cfg.precision.bf16 else 'fp16' if cfg.precision.fp16 else 'fp32'}")
-    for note in cfg.notes:          # config keys accepted without an effect of their own
-        metrics.say(f" note: {note}")
-    if logging_rank:     # wandb/TensorBoard; a run that raises is ended by their own exit hooks
-        metrics.add_monitors(open_monitors(cfg, metrics.say))
-    train_set, valid_set = _datasets(cfg, launch, metrics.say)
-    state = setup(cfg, groups, device)
-    if progress is not None:
-        progress.state = state
-    metrics.say(f" {state.streams.describe()}")
-    for notice in resume.notices if resume is not None else ():
-        metrics.say(f" {notice}")
-    tokenizer = _tokenizer_record(cfg) if launch.rank == 0 and cfg.checkpoint.save is not None else None
-    start_iteration, policy = checkpoint_start(state, cfg.checkpoint, resume.reader if resume else None,
-                                               metrics.say, tokenizer)
-    report = state.engine.memory.report()
-    metrics.say(" model states per rank (MiB): " + ", ".join(
-        f"{k}={v / 2**20:.1f}" for k, v in report.items()))
-    source = MicrobatchSource(train_set, cfg.global_batch_size, cfg.micro_batch_size,
-                              groups.coords.dp, topology.dp, ramp=cfg.rampup)
-    if cfg.run.num_workers > 0:
-        source = ReadAhead(source, cfg.run.num_workers)
-    valid_batches = []
-    if valid_set is not None and cfg.eval_iters > 0:
-        valid_source = MicrobatchSource(valid_set, cfg.global_batch_size, cfg.micro_batch_size,
-                                        groups.coords.dp, topology.dp)
-        valid_batches = [valid_source.batch(i) for i in range(cfg.eval_iters)]
-    try:
-        train(state, source, valid_batches,
-              lambda step, done: step_learning_rate(cfg.optimizer, step, cfg.train_iters, done),
-              metrics, start_iteration=start_iteration, policy=policy)
-    finally:
-        if isinstance(source, ReadAhead):
-            source.close()
-    metrics.close()
-    metrics.say(f" done: metrics appended to {cfg.metrics_file}")
-
-
-def _checked_config(argv, launch: Launch) -> tuple[TrainConfig, torch.device, object]:
-    """Flags -> config -> checks against this machine and the checkpoint; every error a UsageError."""
-    args = parse_args(argv)
-    launch.adopt_local_rank(args.local_rank)
-    cfg = config_from_args(args, launch.world, launch.local_world)
-    device = _device(cfg, launch.local_rank, launch.local_world)
-    if not os.environ.get("OMP_NUM_THREADS"):      # torch already took the user's (or torchrun's) count
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.local_world)))
-    check_machine(cfg, launch.world, launch.local_world, device)
-    resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
-    cfg = cfg.replace(optimizer=resume.optimizer)     # the lr schedule may be the checkpoint's
-    if launch.world > 1 and "MASTER_ADDR" not in os.environ:
-        raise UsageError(f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the ranks with "
-                         f"torchrun (or set MASTER_ADDR and MASTER_PORT)")
-    return cfg, device, resume
 
 
 def _heartbeat(progress: Progress, launch: Launch) -> Heartbeat | None:
@@ -391,9 +278,17 @@ def main(argv=None) -> int:
 def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
     progress = Progress()
     try:
+        mistake = flag_error(argv, launch.world, launch.local_world)
+        if mistake is not None:       # the same flags on every rank, so the same mistake: said once
+            if launch.rank == 0:
+                print(f"error: {mistake}", file=sys.stderr)
+            failures.write_error_file(launch.error_file, mistake)
+            return failures.EXIT_USAGE
+        from megazero import pretrain                 # the runtime: torch and everything on it
+        from megazero.core import stream_check
         error = None
         try:
-            progress.cfg, device, resume = _checked_config(argv, launch)
+            progress.cfg, device, resume = pretrain.configure(argv, launch)
         except UsageError as err:
             error = str(err)
         try:
@@ -404,19 +299,22 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             return failures.EXIT_USAGE
         if verdict:
             return _end_agreed(launch, verdict, failures.EXIT_USAGE)
+        if launch.world > 1 and "MASTER_ADDR" not in os.environ:
+            return _end_agreed(launch, f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the "
+                                       f"ranks with torchrun (or set MASTER_ADDR and MASTER_PORT)", failures.EXIT_USAGE)
         beat = _heartbeat(progress, launch)
         try:
             with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,
                                          launch.store, launch.rank, launch.world):
-                run(progress.cfg, launch, device, resume, progress)
+                pretrain.pretrain(progress.cfg, launch, device, resume, progress)
         finally:
             if beat is not None:
                 beat.stop()
+        launch.close_process_group()
         return 0
-    except (AgreedStop, SaveError) as stop:     # every rank is here: nothing is left in flight
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return _end_agreed(launch, str(stop), getattr(stop, "code", failures.EXIT_FAILURE))
+    except AgreedStop as stop:     # every rank is here: nothing is left in flight
+        launch.close_process_group()
+        return _end_agreed(launch, str(stop), stop.code)
     except SystemExit:
         raise
     except BaseException as err:

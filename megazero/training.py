@@ -25,36 +25,9 @@ from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.housekeeping import Housekeeping
+from megazero.data.sampler import MicrobatchSource
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
-
-
-class MicrobatchSource:
-    """This DP rank's microbatches of global batch `i` from an indexable dataset of token arrays.
-
-    Global batch i is samples [i*G, (i+1)*G); microbatch j of DP rank r takes mbs consecutive
-    samples starting at i*G + j*mbs*dp + r*mbs (Megatron's pretraining sampler order). With a
-    `ramp` (--rampup-batch-size) batch i starts after the samples the steps before it consumed and
-    is as large as the ramp says."""
-
-    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 ramp=None):
-        self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
-        self.dp_rank, self.dp_size, self.ramp = dp_rank, dp_size, ramp
-        self.num_microbatches = global_batch // (micro_batch * dp_size)
-
-    def batch(self, i: int) -> list[torch.Tensor]:
-        base, size = i * self.global_batch, self.global_batch
-        if self.ramp is not None:
-            base = self.ramp.consumed_before(i)
-            size = self.ramp.batch_at_consumed(base)
-        out = []
-        for j in range(size // (self.micro_batch * self.dp_size)):
-            start = base + j * self.micro_batch * self.dp_size + self.dp_rank * self.micro_batch
-            rows = [torch.as_tensor(self.dataset[start + k]["tokens"], dtype=torch.long)
-                    for k in range(self.micro_batch)]
-            out.append(torch.stack(rows))
-        return out
 
 
 @dataclasses.dataclass

@@ -13,8 +13,9 @@ from megazero.models.config import GPTConfig
 from megazero.models.gpt import TransformerLayer
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.topology import Topology
-from megazero.training import MicrobatchSource, setup, train_step
-from megazero.ops.adam import AdamConfig
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
+from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.state_access import safe_get_full_fp32_param
 from megazero.models.param_info import param_info

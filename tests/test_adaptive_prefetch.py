@@ -104,7 +104,8 @@ def budget_worker(ctx, configs):
     """Trains each config on 2 ranks: losses, grad norms, and the adaptive budget and ratios."""
     from layouts import with_padded_vocab
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     groups = ctx.groups(Topology(world_size=2))
     out = []
     for cfg in configs:

@@ -21,7 +21,8 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     par = cfg.parallel
     groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp,
                                  tp=par.tensor_parallel, pp=par.pipeline_parallel, cp=par.context_parallel,
@@ -258,7 +259,8 @@ def save_then_die(directory, point):
     import megazero.checkpoint.saver as saver_module
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.process_groups import ProcessGroups
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
@@ -320,7 +322,8 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
 
     import megazero.checkpoint.saver as saver_module
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import train_step
     state = _single_state(stage=2, steps=3)
     cfg = state.cfg
     source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size, 0, 1)

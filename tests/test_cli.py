@@ -111,18 +111,19 @@ def test_threads_are_the_cores_per_local_rank_unless_omp_num_threads_says(monkey
     2 each), unless OMP_NUM_THREADS is set (torchrun sets 1, a user their own), which torch took at
     import and the launch keeps. (Planted: ignoring the variable fails the last check.)"""
     import torch
-    monkeypatch.setattr(launch, "check_machine", lambda *args: None)      # the world is not real here
+    from megazero import pretrain
+    monkeypatch.setattr(pretrain, "check_machine", lambda *args: None)      # the world is not real here
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     argv = ["--num-layers", "2", "--hidden-size", "64"]
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        launch._checked_config(argv, launch.Launch())
+        pretrain.configure(argv, launch.Launch())
         assert torch.get_num_threads() == 2
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         torch.set_num_threads(3)
-        launch._checked_config(argv, launch.Launch())
+        pretrain.configure(argv, launch.Launch())
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(1)

@@ -30,7 +30,8 @@ import torch
 
 from megazero.core.errors import UsageError
 from megazero.ops import adam as adam_module
-from megazero.ops.adam import AdamConfig, adam_update, adam_update_reference, kernel_available
+from megazero.ops.adam import adam_update, adam_update_reference, kernel_available
+from megazero.ops.adam_config import AdamConfig
 
 PARAM_ULPS = 8
 UNFUSED_ATOL = 1e-6

@@ -61,6 +61,7 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
 
     from layouts import small_config, with_padded_vocab
     from megazero import training
+    from megazero.data.sampler import MicrobatchSource
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.metrics import MetricsLogger
     from megazero.parallel.process_groups import ProcessGroups
@@ -69,7 +70,7 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}))
     cfg.log_interval = 1
     state = training.setup(cfg, ProcessGroups.single())
-    source = training.MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
+    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                                        cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
     metrics = MetricsLogger(str(tmp_path / "metrics.jsonl"), total_iters=2)
     history = training.train(state, source, None, lambda it, _samples: 1e-3, metrics)

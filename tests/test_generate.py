@@ -133,7 +133,8 @@ def layout_checkpoint_worker(ctx, directory):
     from megazero.checkpoint import CheckpointSaver
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     groups = ctx.groups(Topology(world_size=4, tp=2, pp=2))
     cfg = with_padded_vocab(small_config(tp=2, pp=2, stage=1, steps=2, layers=2))
     state = setup(cfg, groups)

@@ -5,7 +5,7 @@ import torch
 from layouts import run_training, small_config
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.zero.loss_scaler import LossScaler
-from megazero.zero.precision import PrecisionConfig
+from megazero.zero.config import PrecisionConfig
 
 
 def _fp16_config(stage):
@@ -36,7 +36,8 @@ def fp16_worker(ctx, cfg):
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     groups = ctx.groups(Topology(world_size=2))
     cfg = with_padded_vocab(cfg)

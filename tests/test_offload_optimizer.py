@@ -25,7 +25,8 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     from megazero.zero.swap import SwapFileError
     par = cfg.parallel

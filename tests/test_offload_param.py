@@ -14,7 +14,8 @@ from megazero.data.synthetic import ArithmeticTokens
 from megazero.lr_schedule import learning_rate
 from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
-from megazero.training import MicrobatchSource, setup, train_step
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
 from megazero.zero.config import OffloadParamConfig
 from megazero.zero.stage3.param_offload import GatherOrder, NvmeParams, SwapFileError
 

@@ -21,7 +21,8 @@ def train(ctx, cfg, dp):
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     groups = ctx.groups(Topology(world_size=dp))
     if groups is None:

@@ -264,7 +264,8 @@ def failing_save_worker(ctx, directory, fail_rank, phase, code):
     import megazero.checkpoint.saver as saver_module
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     groups = ctx.groups(Topology(world_size=2, tp=1))
     cfg = with_padded_vocab(small_config(stage=2, steps=2))
     state = setup(cfg, groups)

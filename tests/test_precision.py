@@ -52,7 +52,7 @@ def _bf16_state(stage, accum, fusion=True):
 
 def _microbatches():
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource
+    from megazero.data.sampler import MicrobatchSource
     return MicrobatchSource(ArithmeticTokens(61, 16, seed=3), 8, 1, 0, 1).batch(0)
 
 
@@ -98,7 +98,8 @@ def nonfinite_worker(ctx, cfg, tp, pp, inject_rank, inject_step, value):
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     dp = ctx.world_size // (tp * pp)
     groups = ctx.groups(Topology(world_size=ctx.world_size, tp=tp, pp=pp))

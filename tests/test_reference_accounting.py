@@ -202,7 +202,8 @@ def memory_worker(ctx, stage: int, bf16: bool) -> list:
     reduced, before the optimizer) the bytes alive under the engine and its memory report."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     groups = ctx.groups(Topology(world_size=2))
     cfg = with_padded_vocab(small_config(stage=stage, steps=2, layers=2, bf16=bf16))
     state = setup(cfg, groups)

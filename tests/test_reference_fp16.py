@@ -116,7 +116,8 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.process_groups import ProcessGroups
     from megazero.lr_schedule import learning_rate
-    from megazero.training import MicrobatchSource, setup, train
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train
     steps, power, window = 14, 21, 2
     cfg = with_padded_vocab(small_config(steps=steps, layers=2, global_batch=8, clip=1.0, lr=1e-3))
     prec = cfg.precision
@@ -167,7 +168,7 @@ def test_loss_scaler_on_overflow_patterns(hysteresis, consecutive):
     Kills: the loss scale never growing; growth after window + 1 clean steps; every overflow
     halving (hysteresis ignored); consecutive_hysteresis ignored."""
     from megazero.zero.loss_scaler import LossScaler
-    from megazero.zero.precision import PrecisionConfig
+    from megazero.zero.config import PrecisionConfig
     rng = np.random.default_rng(hysteresis * 2 + consecutive)
     for _ in range(200):
         overflows = list(rng.random(int(rng.integers(1, 40))) < rng.uniform(0.1, 0.7))

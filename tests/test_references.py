@@ -97,19 +97,19 @@ def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monk
     inverse-square-root not ending at min-lr; no Adam bias correction in the C++ kernel (cosine,
     inverse-square-root) or in megazero's torch reference Adam (linear, run with
     MEGAZERO_DISABLE_CPP_ADAM=1). The schedule counting skipped steps is test_fp16_*'s."""
-    import megazero.training as training
+    from megazero.data import sampler
     if adam == "torch-adam":           # megazero's torch reference Adam instead of the C++ kernel
         monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
     write_corpus(tmp_path / "corpus")
     seen_at: dict[int, list[torch.Tensor]] = {}
-    batch = training.MicrobatchSource.batch
+    batch = sampler.MicrobatchSource.batch
 
     def recording(source, i):          # the tokens pretrain_gpt trains on, step by step
         out = batch(source, i)
         seen_at[i] = [t.clone() for t in out]    # by step: a read-ahead thread may fetch out of order
         return out
 
-    monkeypatch.setattr(training.MicrobatchSource, "batch", recording)
+    monkeypatch.setattr(sampler.MicrobatchSource, "batch", recording)
     code, out = run_main(pretrain_argv(tmp_path, style), capsys)
     assert code == 0, out.err
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -168,7 +168,7 @@ def peer_lr(done: int) -> float:
 
 def peer_batches(cfg, dp_rank: int, dp: int) -> list[list[torch.Tensor]]:
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource
+    from megazero.data.sampler import MicrobatchSource
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, dp_rank, dp)
     return [source.batch(i) for i in range(PEER_STEPS)]

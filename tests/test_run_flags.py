@@ -128,19 +128,20 @@ def test_recipes_train_unedited_on_one_rank(tmp_path, gpt2_data, capsys):
 
 
 def _train_recipe(ctx, argv: list[str], store_prefix: str):
-    """launch's run on the pool's process group: the launch's checks, then launch.train_on."""
+    """The recipe on the pool's process group: megazero.pretrain's checks, then its run."""
+    from megazero import pretrain
     import torch.distributed as dist
     me = launch.Launch()
     me.rendezvous_store = dist.distributed_c10d._get_default_store()
     me.store = dist.PrefixStore(store_prefix, me.rendezvous_store)
     try:
-        cfg, device, checkpoint = launch._checked_config(argv, me)
+        cfg, device, checkpoint = pretrain.configure(argv, me)
     finally:
         torch.set_num_threads(1)
     par = cfg.parallel
     groups = ctx.groups(Topology(world_size=2, tp=par.tensor_parallel, pp=par.pipeline_parallel,
                                  mics_shard_size=cfg.zero.mics_shard_size))
-    launch.train_on(cfg, me, groups, device, checkpoint)
+    pretrain.pretrain(cfg, me, device, checkpoint, launch.Progress(), groups=groups)
     return groups.coords
 
 
@@ -347,7 +348,8 @@ def test_logged_norms_and_zeros_are_the_models(home, tmp_path):
     in host memory at a time: the norm reads every unit's chunk through the home."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.models.gpt import GPT
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     nvme = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2},
             "param_persistence_threshold": 0}
@@ -423,7 +425,8 @@ def test_no_mmap_bin_files_reads_the_same_samples(gpt2_data, tmp_path):
 def test_segment_rates_in_every_adam_path():
     """A segment's own lr (a decoupled run's embedding) in adam_step's CPU path and in torch's fused
     kernel (grouped by lr), each equal to the reference Adam at that rate."""
-    from megazero.ops.adam import AdamConfig, AdamSegment, adam_step, adam_update_fused, adam_update_reference
+    from megazero.ops.adam import AdamSegment, adam_step, adam_update_fused, adam_update_reference
+    from megazero.ops.adam_config import AdamConfig
     config = AdamConfig(weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
     tensors = [[torch.randn(33, generator=g).abs() if k == 3 else torch.randn(33, generator=g) for k in range(4)]

@@ -12,7 +12,8 @@ from layouts import (assert_matches_reference, layout_worker, reference_fixture,
                      with_padded_vocab)
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.process_groups import ProcessGroups
-from megazero.training import MicrobatchSource, setup, train_step
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
 from megazero.zero.stage3.units import ParamStatus
 from megazero.models.param_info import param_info
 

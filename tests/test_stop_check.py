@@ -19,7 +19,8 @@ from megazero.checkpoint.saver import agree_on_failure
 from megazero.core import comm
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.topology import Topology
-from megazero.training import MicrobatchSource, setup, train, train_step
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train, train_step
 
 LAYOUTS = [("tp 2 x pp 2", dict(tp=2, pp=2)), ("dp 2 x pp 2", dict(pp=2))]
 STEPS = 3

@@ -456,7 +456,8 @@ def checked_layout(ctx, name, world, topology, cfg, save_dir):
     committed after step 2."""
     from megazero.checkpoint import CheckpointSaver
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     par = cfg.parallel
     if ctx is None:
         groups = ProcessGroups.single()

@@ -132,7 +132,8 @@ FUSED = ("qkv.", "proj.", "fc1.", "fc2.", "embedding.word.")    # linear layers 
 def _accumulated_grads(stage: int, micro: int, fusion: bool) -> dict[str, torch.Tensor]:
     """The engine's fp32 gradients of the fused parameters after one step's backward of 8 samples."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource, setup
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup
     from megazero.zero.state_access import safe_get_full_grad
     cfg = with_padded_vocab(small_config(bf16=True, stage=stage, micro=micro, global_batch=8, layers=2))
     cfg.precision.gradient_accumulation_fusion = fusion

@@ -255,7 +255,7 @@ class DeepSpeedZenFlow:
 def deepspeed_zenflow_run(cfg, flow: dict) -> dict:
     """The GPT of `cfg` trained by DeepSpeedZenFlow on the batches the engine's runs see."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.training import MicrobatchSource
+    from megazero.data.sampler import MicrobatchSource
     from reference_rules import megatron_lr, plain_gpt
     cfg = with_padded_vocab(cfg)
     model, opt, adam = plain_gpt(cfg.model, cfg.seed), cfg.optimizer, cfg.optimizer.adam

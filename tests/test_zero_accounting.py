@@ -6,7 +6,8 @@ import torch
 from layouts import small_config, with_padded_vocab
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.topology import Topology
-from megazero.training import MicrobatchSource, setup, train_step
+from megazero.data.sampler import MicrobatchSource
+from megazero.training import setup, train_step
 from megazero.zero import state_access as zi
 from megazero.models.param_info import param_info
 

@@ -177,7 +177,8 @@ def corpus_worker(ctx, prefix: str, index_dir: str, runs: list):
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     groups = ctx.groups(Topology(world_size=4, ranks_per_node=2))
     if groups is None:
         return None
@@ -262,7 +263,8 @@ def nodes_worker(ctx, rows: list):
     """Each row's inter-node bytes of its second step, and this rank's partition elements."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.training import MicrobatchSource, setup, train_step
+    from megazero.data.sampler import MicrobatchSource
+    from megazero.training import setup, train_step
     out = []
     for keys in rows:
         cfg = nodes_config(keys)

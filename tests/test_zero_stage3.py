@@ -12,7 +12,7 @@ from torch import nn
 from megazero.parallel.topology import Topology
 from megazero.training import zero_groups
 from megazero.zero.config import ZeroConfig
-from megazero.ops.adam import AdamConfig
+from megazero.ops.adam_config import AdamConfig
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.stage3.gathered import GatheredParameters, register_external_parameter
 from megazero.zero.stage3.units import ParamStatus

@@ -15,7 +15,7 @@ from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology
 from megazero.training import zero_groups
 from megazero.zero.stage3 import coordinator as stage3_gather
-from megazero.ops.adam import AdamConfig
+from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.stage3.gathered import register_external_parameter

@@ -23,15 +23,19 @@ from pathlib import Path
 import torch
 
 from megazero.core import comm
+from megazero.core.errors import AgreedStop
 from .files import LATEST
 
 MARGIN_FRACTION = 0.01
 MARGIN_BYTES = 1 << 20
 
 
-class SaveError(Exception):
+class SaveError(AgreedStop):
     """A checkpoint that could not be written (no room, a failed write, rename or fsync). The message is
     one line, the same on every rank; the temporary directory is gone and `latest` is untouched."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code=1)
 
 
 @dataclasses.dataclass

@@ -38,11 +38,6 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_on_node: int, device: 
         raise UsageError(describe_refusal(cfg, found, *available))
 
 
-def sample_counts(cfg: TrainConfig) -> tuple[int, int, int]:
-    """Samples the run draws from the train, valid and test splits."""
-    return (cfg.consumed_before(cfg.train_iters), cfg.eval_iters * cfg.global_batch_size, 0)
-
-
 def check_data(cfg: TrainConfig) -> None:
     """The data opens, its token ids fit the vocabulary, and the caches it needs can be written."""
     from megazero.data.builders import check_datasets
@@ -61,7 +56,7 @@ def check_data(cfg: TrainConfig) -> None:
         data_path, vocab_source = [prefix], f"the embedded corpus's tokenizer {model}"
     else:
         data_path, vocab_source = data.data_path, _tokenizer_named(data)
-    folders = check_datasets(data_path, data.split, cfg.model.seq_length, cfg.seed, sample_counts(cfg),
+    folders = check_datasets(data_path, data.split, cfg.model.seq_length, cfg.seed, cfg.sample_counts(),
                              data.cache_dir, cfg.model.vocab_size, vocab_source)
     for folder in folders:
         if data.cache_dir:

@@ -9,9 +9,9 @@ from pydantic import Field
 from megazero.config.batch_ramp import BatchRamp
 from megazero.core.records import Record
 from megazero.models.config import GPTConfig
-from megazero.ops.adam import AdamConfig
+from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
-from megazero.zero.precision import PrecisionConfig
+from megazero.zero.config import PrecisionConfig
 
 
 class ParallelConfig(Record):
@@ -150,6 +150,10 @@ class TrainConfig(Record):
         if self.rampup is None:
             return self.global_batch_size
         return self.rampup.batch_at_consumed(self.rampup.consumed_before(iteration))
+
+    def sample_counts(self) -> tuple[int, int, int]:
+        """Samples the run draws from the train, valid and test splits."""
+        return (self.consumed_before(self.train_iters), self.eval_iters * self.global_batch_size, 0)
 
     def consumed_before(self, iteration: int) -> int:
         """Samples the steps before step `iteration` (counting from 0) consumed."""

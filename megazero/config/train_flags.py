@@ -25,11 +25,11 @@ from megazero.config.model_flags import check_attention_precision, compile_backe
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.run_flags import batch_ramp, run_options
 from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, TrainConfig
-from megazero.zero.precision import PrecisionConfig
+from megazero.zero.config import PrecisionConfig
 from megazero.config.zero_flags import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
-from megazero.ops.adam import AdamConfig
+from megazero.ops.adam_config import AdamConfig
 from megazero.parallel.topology import Topology, validate_context_parallel, validate_model_fits
 from megazero.zero.config import as_json, stage_notes
 
@@ -96,8 +96,13 @@ def _config_path(args) -> str | None:
     return args.zero_config
 
 
-def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_size: int = 0) -> TrainConfig:
-    """Validates the flags against each other and the world; raises UsageError on the first problem."""
+def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_size: int = 0, *,
+                     cuda_available: bool | None = None) -> TrainConfig:
+    """Validates the flags against each other and the world; raises UsageError on the first problem.
+    `cuda_available`: whether this machine has CUDA (None: torch.cuda says, importing torch); it
+    picks the default backend, and a few checks depend on it (fused attention, --compile)."""
+    # Read by _uses_cuda wherever the device matters below (args already carries the run's values).
+    args.cuda_available = torch_cuda_available() if cuda_available is None else cuda_available
     config_path = _config_path(args)
     infer_tokenizer_type(args)
     ds = load_deepspeed_config(config_path) if config_path else None
@@ -163,7 +168,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                      f"For DeepSpeed's arithmetic set --global-batch-size to micro batch x data-parallel size")
     run_opts = run_options(args, world_size, notes)
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")
-    backend = args.distributed_backend or ("nccl" if _cuda_available() else "gloo")
+    backend = args.distributed_backend or ("nccl" if args.cuda_available else "gloo")
     compile_layers = compile_backend(args, _uses_cuda(args))
     if args.deepspeed:
         notes.append("--deepspeed has no effect: megazero's own ZeRO engine always runs (its settings "
@@ -199,14 +204,28 @@ def _context_parallel(args) -> tuple[int, str]:
     return ulysses, "a2a"
 
 
-def _cuda_available() -> bool:
-    import torch
+def torch_cuda_available() -> bool:
+    import torch            # here, not at the top: the flags are checked before torch loads
     return torch.cuda.is_available()
 
 
 def _uses_cuda(args) -> bool:
     """Whether the run's device will be a GPU (the launch's rule: gloo runs on CPU)."""
-    return (args.distributed_backend or ("nccl" if _cuda_available() else "gloo")) == "nccl"
+    return (args.distributed_backend or ("nccl" if args.cuda_available else "gloo")) == "nccl"
+
+
+def flag_error(argv: list[str], world_size: int = 1, local_world_size: int = 0) -> str | None:
+    """The flags' first mistake, found without torch: parse and check as config_from_args does, once
+    assuming this machine has CUDA and once that it has not. A mistake found both ways is one
+    whatever the machine has (None otherwise: the full check, with torch, decides)."""
+    found = []
+    for cuda in (False, True):
+        try:
+            config_from_args(parse_args(argv), world_size, local_world_size, cuda_available=cuda)
+            return None
+        except UsageError as err:
+            found.append(str(err))
+    return found[0]
 
 
 def _heartbeat_minutes(args) -> float:

@@ -15,6 +15,15 @@ class UsageError(ValueError):
     """Bad input from the user; the message says what is wrong and how to fix it."""
 
 
+class AgreedStop(Exception):
+    """Every rank stops here together, after agreeing on why (no collective is left in flight): the
+    launch prints the message once and exits with `code`."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
 def _existing_ancestor(path: Path) -> Path:
     for candidate in (path, *path.parents):
         if os.path.lexists(candidate):

@@ -29,7 +29,6 @@ not decide which segments get weight decay or how the grad scale is formed; the 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from typing import NamedTuple
@@ -37,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from megazero.core.errors import UsageError
+from megazero.ops.adam_config import AdamConfig
 
 try:
     # Import after torch: the extension's OpenMP runtime then resolves to the libgomp torch already
@@ -52,16 +52,6 @@ _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _COPY_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 _NO_COPY = -1
 ISA_ENV = "MEGAZERO_CPU_ADAM_ISA"
-
-
-@dataclasses.dataclass
-class AdamConfig:
-    lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    decoupled_weight_decay: bool = True      # AdamW; False: classic Adam with L2 in the gradient
 
 
 def kernel_available() -> bool:

@@ -17,7 +17,8 @@ from typing import Callable, Iterable
 import torch
 
 from megazero.core.errors import UsageError
-from megazero.ops.adam import AdamConfig, adam_update
+from megazero.ops.adam import adam_update
+from megazero.ops.adam_config import AdamConfig
 
 # torch.optim.Adam options CPUAdam cannot honour; a state_dict that turns one on is refused.
 _UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")

@@ -29,14 +29,15 @@ from torch import nn
 
 from megazero.core import comm
 from megazero.core.streams import Streams
-from megazero.ops.adam import AdamConfig
+from megazero.ops.adam_config import AdamConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
 from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .engine_memory import EngineMemory
 from .placement import optimizer_placement
-from .precision import Precision, PrecisionConfig, uses_weight_decay
+from .config import PrecisionConfig
+from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
 from .stage3.leaves import find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStorage

@@ -1,6 +1,6 @@
-"""The numerics every ZeRO storage shares: the precision settings (`PrecisionConfig`, the record the
-engine is built from) and the dtypes they mean (`Precision`), the float64 sum of squares the
-gradient norm is built from, and which parameters get weight decay.
+"""The numerics every ZeRO storage shares: the dtypes a run's precision settings mean (`Precision`,
+made from `megazero.zero.config.PrecisionConfig`, the record the engine is built from), the float64
+sum of squares the gradient norm is built from, and which parameters get weight decay.
 
 The norm's sum of squares (`sum_of_squares_many`) takes fp32 norms of slices of every gradient,
 all of a storage's slices in one `torch._foreach_norm` (a few multi-tensor launches on a GPU,
@@ -13,44 +13,13 @@ product each in float64 (three kernels per slice), which the engine used before.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import torch
 
-from megazero.core.records import Record
+from .config import PrecisionConfig
 from megazero.models.param_info import param_info, set_param_info
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-DType = Literal["fp32", "bf16", "fp16"]
-
-
-class PrecisionConfig(Record):
-    """The precision settings of a run: the flags --bf16/--fp16 and their fp16 loss scaling, DeepSpeed's
-    fp16 / bf16 / data_types / communication_data_type keys. The engine makes its Precision (the
-    dtypes) and its LossScaler from it."""
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float = 0.0                      # fp16: 0 means dynamic
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    consecutive_hysteresis: bool = False
-    """fp16 dynamic scaling: refill the hysteresis on every step without overflow, not only when the
-    scale grows (DeepSpeed's fp16.consecutive_hysteresis)."""
-    grad_accum_dtype: DType = "fp32"
-    """dtype the gradients accumulate in across microbatches (DeepSpeed's data_types.grad_accum_dtype).
-    A 16-bit value equals the parameter dtype (checked at the edge); fp32 with 16-bit parameters means
-    separate fp32 gradient buffers."""
-    reduce_dtype: DType = "fp32"
-    """dtype gradients are reduced in across data-parallel ranks (DeepSpeed's communication_data_type,
-    Megatron's --grad-reduce-in-bf16). A 16-bit value equals the parameter dtype."""
-    gradient_accumulation_fusion: bool = True
-    """16-bit weights with fp32 accumulation: the layers sum each weight gradient in fp32 for the fp32
-    buffers instead of autograd rounding it to 16 bits first (Megatron-LM's gradient-accumulation
-    fusion; --no-gradient-accumulation-fusion turns it off). Not inside --compile'd layers."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,8 @@ from torch import nn
 
 from megazero.core import comm
 from megazero.core.streams import Streams, label
-from megazero.ops.adam import AdamConfig, AdamSegment, adam_step, lr_of
+from megazero.ops.adam import AdamSegment, adam_step, lr_of
+from megazero.ops.adam_config import AdamConfig
 from .flat import FlatLayout
 from .offload import OFFLOADED_KINDS, OptimizerOffload
 from .precision import Precision, sum_of_squares_many
