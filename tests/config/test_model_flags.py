@@ -5,7 +5,7 @@
   curve and parameters (fp32, rtol 1e-5, 10 steps), and matches an independent statement of its
   meaning: attention written out head by head in float64 with heads kv_channels wide; a zero-centred
   norm equals the plain norm holding weight + 1 (the rotary fraction's reference is in
-  tests/models/test_model_kernels.py).
+  tests/models/test_attention.py).
 - The flags map as Megatron maps them: --num-query-groups counts only with --group-query-attention
   (which defaults it to 1), --recompute-activations is selective recomputation, full recomputation
   takes a method and a layer count within a pipeline stage, --cross-entropy-loss-fusion and

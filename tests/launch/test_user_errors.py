@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from megazero import launch
 from megazero.data.tokenizer import train_tokenizer
-from tests.data.test_data import write_dataset
+from tests.data.tiny_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 
