@@ -1,4 +1,4 @@
-"""Megatron-LM's model flags (issue 23) with Megatron's meaning.
+"""Megatron-LM's model flags (megazero/config/model_flags.py) with Megatron's meaning.
 
 - Each flag that changes the math (--kv-channels other than hidden / heads, --rotary-percent 0.5,
   --apply-layernorm-1p) trains at tp 2 (with sequence parallelism) and at pp 2 on the one-process loss

@@ -1,4 +1,4 @@
-"""Megatron-LM's run flags (issue 23): a user's launch script runs unedited.
+"""Megatron-LM's run flags (megazero/config/run_flags.py): a user's launch script runs unedited.
 
 - Megatron-LM's own recipes, Llama-3 8B (bf16, mock data) and GPT-3 175B (fp16, GPT-2 BPE files
   without --tokenizer-type, --rampup-batch-size), are held below as a user's script writes them,

@@ -97,7 +97,7 @@ ROWS = [
      ["--zero-nvme-path is only used with nvme offload"], []),
     ("hpz-larger-than-the-node", lambda f: ["--zero-stage", "3", "--zero-hpz-partition-size", "2"], {},
      ["zero_hpz_partition_size 2 must divide the 1 ranks"], []),
-    # the table
+    # paths a run writes, token ids, lr, memory, precision, misspelled or foreign flags
     ("run-dir-uncreatable", lambda f: ["--run-dir", "/proc/megazero-test/run"], {}, ["--run-dir", "/proc"], []),
     ("run-dir-is-a-file", lambda f: ["--run-dir", f.file("taken")], {}, ["--run-dir", "is a file"], []),
     ("run-dir-under-a-file", lambda f: ["--run-dir", f.file("taken") + "/run"], {}, ["taken is a file"], []),

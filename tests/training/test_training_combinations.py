@@ -1,4 +1,4 @@
-"""Features that must compose (issue 7's "Must show"), in fp32 against the single-process run.
+"""Features that must compose in one training step, in fp32 against the single-process run.
 
 - activation recompute with ZeRO-3 and with pipelining (and, with dropout on, recompute replays the
   same masks on a pipeline stage as the plain run draws);

@@ -41,8 +41,8 @@ def test_rows_dequantized_at_once_equal_row_by_row(bits, block, numel, dtype):
 
 
 def lazy_reduce_scatter(output, input, shard, node_local, cross_node, bits=4, block_size=QGZ_BLOCK):
-    """qgZ's schedule before issue 17: the first hop issued at once, the second hop and both sums
-    when the handle is waited."""
+    """qgZ's previous schedule, the one this test compares with: the first hop issued at once, the
+    second hop and both sums when the handle is waited."""
     locals_, nodes, chunk = node_local.size, cross_node.size, output.numel()
     rows = input.reshape(nodes, locals_, chunk).transpose(0, 1).reshape(locals_, nodes * chunk)
     intra = _QuantizedAllToAll(rows, node_local, bits, block_size)

@@ -33,7 +33,7 @@ LAYOUTS = [
     ("pp 2 dp 4, nodes of 2: two hops", 4, 2, (2, 2), dict(pp=2, hierarchical=True)),
     ("dp 8 mics 4, nodes of 2: two hops + hpZ 2", 8, 2, (2, 2), dict(mics=4, hierarchical=True, hpz=2)),
     ("dp 8, nodes of 4: flat + hpZ 2 (half the node's shard ranks)", 8, 4, (2, 4), dict(hpz=2)),
-    # The dp 4 with MiCS shards of 2: a 2-rank shard group spanning nodes has one rank per
+    # dp 4 with MiCS shards of 2 (DeepSpeed's ZeRO++ example layout): a 2-rank shard group spanning nodes has one rank per
     # node (two hops are the flat gather, hpZ has nothing to split), so the shard stays in a node
     # and hpZ serves the backward from secondaries, beside MiCS's replica reduction and TP.
     ("tp 2 dp 4 mics 2, nodes of 4: hpZ 2", 4, 4, (1, 2), dict(tp=2, mics=2, hpz=2)),
