@@ -75,8 +75,12 @@ def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist
 
     layer, module = results["layer units dp 2"][0], results["module units dp 2"][0]
     # Per layer, per-module units gather attention qkv/proj and mlp fc1/fc2 apart (4 gathers), a
-    # layer unit all at once; the bytes differ only by each unit's padding to the shard count.
-    assert layer["gather_calls"] * 2 < module["gather_calls"], (layer["gather_calls"], module["gather_calls"])
+    # layer unit all at once; the bytes differ only by each unit's padding to the shard count. Over
+    # the 4 layers, with the word and the position embedding units of their own either way (the
+    # tied output head uses the word embedding's unit; norms and biases are persistent): 4 + 2
+    # all-gathers per step against 4 x 4 + 2 (the figure README.md and docs/zero.md quote).
+    calls = (layer["gather_calls"], module["gather_calls"])
+    assert calls == (6, 18), calls
     assert layer["gather_bytes"] == pytest.approx(module["gather_bytes"], rel=0.01)
     per_call = [r["gather_bytes"] / r["gather_calls"] for r in (layer, module)]
     assert per_call[0] > 2 * per_call[1], per_call
