@@ -263,7 +263,8 @@ def test_planner_divides_activations_by_cp_and_adds_its_buffers():
             continue
         layers = small_config(**base).model.num_layers
         extra = layers * cp_saved_per_layer(256, 1, model, 1, cp, kind, 4) + cp_mask_bytes(256, cp, kind, 4)
-        # the fused output layer's chunk of the rank's 256 / cp tokens (test_plan_memory checks its terms)
+        # the fused output layer's chunk of the rank's 256 / cp tokens (its terms:
+        # tests/config/test_memory_estimate.py)
         logits = output_layer_bytes(256, model, 1, 4)
         expected = (one["activations"] - logits) / cp + output_layer_bytes(256 // cp, model, 1, 4) + extra
         assert plan["activations"] == pytest.approx(expected, rel=1e-9), (cp, kind)
