@@ -35,7 +35,7 @@ the reference's, max |new - old| / max |old|; the norms' relative gap, and each 
 exact sum (float64 squares of every element); the bf16 copy is checked against the fused side's
 own parameter rounded (the reference's parameter differs by ulps, so its rounding may too). On CPU
 the fused kernel's moments equal the reference's, its parameter is a few ulps off
-(tests/test_fused_adam.py); both norms are a few 1e-6 off the exact sum (tests/test_grad_norm.py).
+(tests/ops/test_adam_fused.py); both norms are a few 1e-6 off the exact sum (tests/zero/test_precision_norm.py).
 
 `--json PATH` (bench/gpu_check.sh, on the GPU) writes the figures in bench/gpu_check.py's step
 format: the gaps bounded by GAP_BOUND and EXACT_BOUND, the times and op counts reported.

@@ -73,7 +73,7 @@ def check_equal(sides: dict) -> None:
     for result in results[1:]:
         same = (torch.equal(result.codes, results[0].codes) if isinstance(result, Q.QuantizedTensor)
                 else torch.equal(result, results[0]))
-        assert same, "a kernel disagrees with the torch reference; run tests/test_quantize.py"
+        assert same, "a kernel disagrees with the torch reference; run tests/ops/test_quantize.py"
 
 
 def main() -> None:

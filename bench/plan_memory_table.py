@@ -10,7 +10,7 @@ Each layout's config is built from pretrain_gpt.py's flags exactly as the planne
 Report table: the engine is set up (parameters, gradients, master and Adam states allocated, offloaded
 ones in host memory or swap files) and its report read on every rank; the table prints predicted /
 reported for the largest rank of each category (the planner predicts the rank that runs out first).
-tests/test_plan_memory.py asserts 10 of the layouts within 10%.
+tests/config/test_memory_estimate.py asserts 10 of the layouts within 10%.
 
 Peak table: a larger model (model states well above the interpreter's own noise) trains two steps in
 each layout; each rank measures its peak resident memory growth from just before setup (the kernel's

@@ -22,7 +22,7 @@
 // into the final add, which torch does not. Result: exp_avg and exp_avg_sq are bitwise equal to
 // the reference. param is too, except where torch's sqrt is not correctly rounded: torch builds
 // with MKL (the x86 wheels) take fp32 sqrt from MKL's vector math, one ulp off for ~20% of
-// inputs. param then differs by a few ulps (tests/test_cpu_adam.py states the bound and checks
+// inputs. param then differs by a few ulps (tests/ops/test_adam.py states the bound and checks
 // bitwise equality against the reference with a correctly rounded sqrt). torch's
 // DEFAULT-capability (non-AVX2) kernels fuse nothing; against those every fma step differs by one
 // rounding. The 16-bit copy is the updated fp32 parameter rounded to nearest even, as

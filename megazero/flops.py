@@ -8,8 +8,9 @@ forward, so a step is 3x the forward: the model FLOPs MFU divides by. Recomputat
 forward again: selective, each layer's two attention matmuls; full, the forward of every layer it
 checkpoints (all of them with the uniform method, the first recompute_num_layers of each model chunk
 with block). Model plus recomputed FLOPs are what the hardware executes (HFU). Embedding lookups,
-norms, softmax and the optimizer are not counted (they are not matmuls). tests/test_references.py checks
-the 3x count against torch's FlopCounterMode over a real forward and backward.
+norms, softmax and the optimizer are not counted (they are not matmuls).
+tests/references/test_accounting_against_torch.py checks the 3x count against torch's FlopCounterMode
+over a real forward and backward.
 """
 from __future__ import annotations
 

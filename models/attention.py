@@ -6,7 +6,7 @@ attention) can swap it for a function of the same signature. `rotate` applies Ro
 `rotary_dim` dims of each head with tables that `RotaryTables` builds once per (length, device,
 dtype) and keeps for the run.
 
-Conventions (kept from the first implementation; tests/test_model_kernels.py holds it as the oracle):
+Conventions (kept from the first implementation; tests/models/test_attention.py holds it as the oracle):
 - RoPE rotates the interleaved pairs (x[2i], x[2i+1]) by angle pos * base^(-2i / rotary_dim)
   (RoFormer's form; models/hf_adapter.py permutes rows to Llama's halves on export and import).
   With rotary_percent < 1 only the first rotary_dim dims of a head rotate (Megatron-LM's choice); the

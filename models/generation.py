@@ -5,7 +5,7 @@ with temperature, top-k and top-p).
 `forward_cached` runs the model's own modules (embedding, norms, projections, MLP, head) and repeats
 only the attention's bookkeeping: the fused QKV's group layout, the rotary tables' rows at each
 token's absolute position, and attention over the cached keys and values. Its oracle is GPT.forward: the
-logits at every position equal the full forward's (tests/test_generate.py). Inference only (no
+logits at every position equal the full forward's (tests/tools/test_generate.py). Inference only (no
 dropout, no gradients). Like the rest of `models`, imports neither `parallel` nor `megazero`.
 """
 from __future__ import annotations

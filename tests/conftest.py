@@ -1,5 +1,6 @@
 """Shared fixtures: gloo worker pools that live for the whole session, one per world size."""
 import os
+from pathlib import Path
 
 # One OpenMP thread per process: the two pytest-xdist workers already fill the 2 cores, and an
 # OpenMP barrier whose other thread is descheduled costs a time slice per op (a tiny in-process
@@ -14,13 +15,18 @@ from megazero.testing import DistributedPool
 
 torch.set_num_threads(1)
 
-# The files that take longest, longest first (worker-seconds measured on the 2-core machine; see
-# tests/README.md). With `--dist loadfile` each file runs whole on one xdist worker, and a worker
-# takes the next file when it runs dry: handing out the long files first keeps the two workers'
-# ends close together (longest-processing-time-first). The other files follow in collection order.
+# The files that take longest, longest first, by path under tests/ (worker-seconds measured on the
+# 2-core machine; see tests/README.md). With `--dist loadfile` each file runs whole on one xdist
+# worker, and a worker takes the next file when it runs dry: handing out the long files first keeps
+# the two workers' ends close together (longest-processing-time-first). The other files follow in
+# collection order. A file moved or renamed without this list following fails the session's start.
 SLOWEST_FIRST = [
-    "test_cli.py", "test_zero_exactness.py", "test_operations.py", "test_checkpoint.py", "test_pipeline.py",
+    "launch/test_cli.py", "zero/test_engine_exactness.py", "launch/test_operations.py",
+    "checkpoint/test_save_and_load.py", "parallel/pipeline/test_schedules.py",
 ]
+TESTS = Path(__file__).resolve().parent
+_stale = [name for name in SLOWEST_FIRST if not (TESTS / name).is_file()]
+assert not _stale, f"tests/conftest.py SLOWEST_FIRST names files that do not exist: {_stale}"
 
 
 def pytest_configure(config):
@@ -30,9 +36,14 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+def _under_tests(item) -> str:
+    path = item.path.resolve()
+    return path.relative_to(TESTS).as_posix() if TESTS in path.parents else str(path)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: files stay whole
+    items.sort(key=lambda item: rank.get(_under_tests(item), len(rank)))     # stable: files stay whole
 
 
 class _Pools:

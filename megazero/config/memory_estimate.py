@@ -13,9 +13,9 @@ fp32, where this rank's fp32 partition *is* its chunk of the weights); 8 = Adam'
     stage 0: p + g + m + 8    stage 1: p + g + (m + 8)/N    stage 2: p + (g + m + 8)/N
     stage 3: (p + g + m + 8)/N
 
-(tests/test_zero_accounting.py checks the engine's own report against the same table, and
-tests/test_plan_memory.py each of its categories, params/grads/master/optimizer_states, against the
-split `model_state_bytes_by_kind` makes of it; the planner also counts stage 3's persistent
+(tests/zero/test_engine_accounting.py checks the engine's own report against the same table, and
+tests/config/test_memory_estimate.py each of its categories, params/grads/master/optimizer_states,
+against the split `model_state_bytes_by_kind` makes of it; the planner also counts stage 3's persistent
 parameters, under param_persistence_threshold, which stay whole in a stage-2 group.)
 
 Communication and transient buffers ("comm_buffers": what the peak holds beside model states and

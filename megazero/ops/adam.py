@@ -8,12 +8,12 @@ Three implementations of one update, all in place:
   memory, OpenMP threads, AVX-512 / AVX2+FMA / scalar copies of the loop chosen at run time. Against
   the reference on torch's AVX2/AVX-512 CPU kernels, exp_avg and exp_avg_sq are bitwise equal and
   param is within a few ulps, because torch's MKL sqrt is not correctly rounded and the kernel's is
-  (tests/test_cpu_adam.py states the bound). Every copy of the loop gives the same bits.
+  (tests/ops/test_adam.py states the bound). Every copy of the loop gives the same bits.
 - torch's fused Adam(W) kernel (`torch._fused_adamw_` / `torch._fused_adam_`, what
   torch.optim.AdamW(fused=True) runs; CUDA since torch 2.0, CPU since 2.4): one multi-tensor launch
   per list of segments, no temporaries. Its moments equal the reference's bitwise; its parameter
   update computes the bias corrections and the step size in its own order, so param agrees to a
-  few ulps (~2e-7 relative; tests/test_fused_adam.py). It writes the scaled gradient back into
+  few ulps (~2e-7 relative; tests/ops/test_adam_fused.py). It writes the scaled gradient back into
   `grad` (as torch's unscale does): the step consumes the gradients.
 
 `adam_update` (one segment; what zero/offload.py calls on host states) picks the C++ kernel when

@@ -22,8 +22,8 @@ goes with tag 0, and correctness rests on this rule:
    holds at pp=2 too, where the previous and next stage are one rank and an activation and a
    gradient can cross the same way in one batch.
 3. Across batches, every schedule posts each stage's receives from a neighbour in the order that
-   neighbour sends. tests/test_p2p_order.py runs every schedule for pp 2-4, with and without
-   overlap, over a transport with no tags that delivers strictly first-in first-out per direction
+   neighbour sends. tests/parallel/pipeline/test_p2p_order.py runs every schedule for pp 2-4, with
+   and without overlap, over a transport with no tags that delivers strictly first-in first-out per direction
    and runs each stage's batches one after another (as one NCCL communicator's stream does), and
    checks each message's kind, microbatch and model chunk on arrival.
 

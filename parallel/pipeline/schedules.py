@@ -12,8 +12,8 @@
 
 The job carries the model-specific steps; the schedules only order them and move tensors. Each
 `p2p.exchange` call is one batch, and messages carry no tags: the order of the calls on neighbouring
-stages is what matches a send with its receive (the rule is in p2p.py; tests/test_p2p_order.py
-checks every schedule against it).
+stages is what matches a send with its receive (the rule is in p2p.py;
+tests/parallel/pipeline/test_p2p_order.py checks every schedule against it).
 
 With `job.overlap_p2p` (1F1B and interleaved; Megatron's overlap_p2p_comm) the batches are issued
 with `p2p.start_exchange` and waited only when their tensors are needed, so transfers move while the

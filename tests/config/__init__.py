@@ -1,0 +1,1 @@
+"""Tests of megazero/config/: flags and DeepSpeed JSON onto TrainConfig, and the memory estimate."""

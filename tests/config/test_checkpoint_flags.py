@@ -1,0 +1,95 @@
+"""pretrain_gpt.py's checkpoint flags: save and resume, --exit-interval, SIGTERM (Slurm preemption),
+--ckpt-keep-last, and the one-line refusals (before any process group) of bad --save/--load."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.driver import REPO, TINY
+from tests.driver import run_main as _main
+
+
+def _iterations(metrics: Path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+
+
+def test_save_resume_exit_interval_and_keep_last(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _ = _main(TINY + ["--train-iters", "8", "--save", "ck", "--save-interval", "2",
+                            "--ckpt-keep-last", "2", "--exit-interval", "5", "--metrics-file", "a.jsonl"], capsys)
+    assert code == 0
+    assert _iterations(tmp_path / "a.jsonl") == [1, 2, 3, 4, 5], "stops after the multiple of 5"
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["iter_0000004", "iter_0000005", "latest"]
+    code, out = _main(TINY + ["--train-iters", "8", "--save", "ck", "--load", "ck",
+                              "--metrics-file", "b.jsonl"], capsys)
+    assert code == 0 and "loaded weights and optimizer from ck/iter_0000005" in out.out
+    assert _iterations(tmp_path / "b.jsonl") == [6, 7, 8]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "iter_0000008"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--load", "nowhere"], "--load nowhere: no such directory"),
+    (["--save", "afile"], "--save afile is a file, not a directory"),
+    (["--save", "other"], "--save other holds checkpoints of another run"),
+    (["--save-interval", "2"], "need --save FOLDER"),
+    (["--finetune"], "need --load FOLDER"),
+    (["--load", "other", "--hidden-size", "32"], "hidden_size=64, this run has 32"),
+])
+def test_bad_checkpoint_flags_fail_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    code, _ = _main(TINY + ["--train-iters", "1", "--save", "other"], capsys)
+    assert code == 0
+    before = sorted(p.name for p in (tmp_path / "other").iterdir())
+    code, out = _main(TINY + ["--train-iters", "1"] + argv, capsys)
+    assert code == 2
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.err
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == before, "nothing saved is touched"
+
+
+def test_resume_idiom_starts_from_scratch_with_a_notice(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = _main(TINY + ["--train-iters", "1", "--save", "new", "--load", "new"], capsys)
+    assert code == 0 and "no checkpoint there yet; training starts from scratch" in out.out
+    assert (tmp_path / "new" / "latest").read_text().strip() == "iter_0000001"
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "100000",
+                             "--save", str(tmp_path / "ck"), "--exit-signal-handler", "--metrics-file",
+                             str(metrics)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "hang"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    assert "(SIGTERM)" in out
+    last = _iterations(metrics)[-1]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == f"iter_{last:07d}"
+
+
+def test_torchrun_save_then_load_at_another_layout(tmp_path):
+    """2 ranks (tp 2, ZeRO-3) save through the driver; one process (ZeRO-1) loads and goes on."""
+    import os
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    port = __import__("megazero.testing", fromlist=["free_port"]).free_port()
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(port), str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "2",
+                          "--lr-decay-iters", "4",        # the schedule of the 4-iteration run that resumes
+                          "--tensor-model-parallel-size", "2", "--zero-stage", "3", "--save", "ck"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "4",
+                          "--zero-stage", "1", "--load", "ck", "--save", "ck", "--metrics-file", "m.jsonl"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "loaded weights and optimizer from ck/iter_0000002" in one.stdout
+    assert _iterations(tmp_path / "m.jsonl") == [3, 4]

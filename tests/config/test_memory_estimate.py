@@ -1,0 +1,146 @@
+"""The memory planner: each model-state category (and offloaded host/disk bytes) within 10% of the ZeRO
+engine's own memory_report over a grid of layouts (tp, pp, dp, stage, bf16, MiCS, persistence, offload),
+the planned total within 10% of the measured peak of the processes for a few of them, and
+tools/plan_memory.py's output and layout search."""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from megazero.config.memory_estimate import DEVICE_CATEGORIES, GIB, device_bytes, plan_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+# The grid and its pool worker live with the bench table that prints them; the pool's workers import
+# the worker by module name, so bench/ joins sys.path here, at collection, before any pool starts.
+sys.path.insert(0, str(ROOT / "bench"))
+from plan_memory_table import GRID, compare, compare_peaks, format_peaks, format_rows  # noqa: E402
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("plan_memory", ROOT / "tools" / "plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2"]
+
+
+# 10 of the bench table's 16 layouts (setting up each costs seconds): every stage, fp32 and bf16, TP,
+# PP, TP x PP, MiCS, stage-3 persistent parameters, optimizer and parameter offload to host memory,
+# partial optimizer offload (ratio 0.5: half the states on the device).
+TESTED = [GRID[i] for i in (3, 4, 5, 6, 7, 9, 11, 12, 13, 15)]
+# The measured peak needs a model whose states stand well above the interpreter's own memory (the
+# bench's); three of the bench's layouts: stages 1, 2, 3, fp32 and bf16, TP, optimizer states and
+# parameters in host memory (the bench prints all 15).
+PEAK_TESTED = [GRID[i] for i in (5, 12, 13)]
+
+
+def test_prediction_within_10_percent_of_engine_report(dist_pool):
+    assert len(set(TESTED)) >= 8 and {layout[3] for layout in TESTED} == {0, 1, 2, 3}
+    rows = compare(dist_pool(4), TESTED)
+    assert {row[1] for row in rows} >= {"host_params", "host_master", "host_optimizer_states"}
+    bad = [row for row in rows if abs(row[2] - row[3]) > 0.10 * row[3]]
+    assert not bad, "planner off by more than 10%:\n" + format_rows(bad)
+
+
+def test_prediction_within_10_percent_of_measured_peak(dist_pool):
+    rows = compare_peaks(dist_pool(4), PEAK_TESTED)
+    bad = [row for row in rows if abs(row[1] - row[2]) > 0.10 * row[2]]
+    assert not bad, "planned total off the measured peak by more than 10%:\n" + format_peaks(rows)
+
+
+def test_plan_prints_every_category(capsys):
+    tool = _tool()
+    argv = SMALL + ["--world-size", "4", "--zero-stage", "2", "--bf16"]
+    assert tool.main(argv) == 0
+    out = capsys.readouterr().out
+    cfg = tool.config_from_args(tool.parse(argv), 4)
+    predicted = plan_bytes(cfg, 4)
+    for key in DEVICE_CATEGORIES:
+        assert f"{tool.LABELS[key]}" in out and f"{predicted[key] / GIB:10.3f} GiB" in out, key
+    assert "ZeRO stage 2" in out and "dp 4" in out
+
+
+def test_plan_prints_offloaded_bytes_apart_from_the_device(capsys, tmp_path):
+    tool = _tool()
+    argv = SMALL + ["--world-size", "4", "--zero-stage", "3", "--zero-offload-param", "cpu",
+                    "--zero-offload-optimizer", "nvme", "--zero-nvme-path", str(tmp_path)]
+    assert tool.main(argv) == 0
+    out = capsys.readouterr().out
+    predicted = plan_bytes(tool.config_from_args(tool.parse(argv), 4), 4)
+    assert predicted["master"] == predicted["optimizer_states"] == 0 and predicted["nvme_optimizer_states"] > 0
+    host, disk = out.split("offloaded to host memory:")[1].split("offloaded to disk (nvme_path):")
+    assert f"{predicted['host_params'] / GIB:10.3f} GiB" in host and "offload staging" in host
+    assert f"{predicted['nvme_optimizer_states'] / GIB:10.3f} GiB" in disk
+    assert f"{device_bytes(predicted) / GIB:10.3f} GiB per rank on the device" in out
+
+
+def test_fit_picks_the_first_candidate_that_fits(capsys):
+    tool = _tool()
+    args = tool.parse(SMALL + ["--world-size", "4"])
+    candidates = tool.candidate_configs(args)
+    totals = [device_bytes(plan_bytes(cfg, 4)) for cfg in candidates]
+    assert candidates[0].zero.stage == 0 and candidates[0].parallel.tensor_parallel == 1
+    # A limit between the cheapest layout's total and the smallest total: the cheapest no longer fits.
+    limit = (totals[0] + min(totals)) / 2 / GIB
+    args.fit_gib = limit
+    best, _ = tool.fit(args)
+    index = next(i for i, cfg in enumerate(candidates) if tool.describe_layout(cfg, 4) == tool.describe_layout(best, 4))
+    assert totals[index] <= limit * GIB and all(t > limit * GIB for t in totals[:index])
+    assert tool.main(SMALL + ["--world-size", "4", "--fit-gib", f"{limit}"]) == 0
+    assert tool.describe_layout(best, 4) in capsys.readouterr().out
+    assert tool.main(SMALL + ["--world-size", "4", "--fit-gib", f"{min(totals) / GIB / 2}"]) == 1
+    assert "no layout of 4 rank(s) fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--fit-gib", "-1"], "--fit-gib must be > 0"),
+    (["--tensor-model-parallel-size", "3", "--world-size", "3"], ""),
+    (["--no-such-flag"], "unrecognized argument --no-such-flag"),
+])
+def test_bad_input_is_one_line(capsys, argv, message):
+    assert _tool().main(SMALL + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_activations_follow_head_width_and_recomputation():
+    """Korthikanti's 34 s b h per layer at heads of hidden / heads, the attention terms at their real
+    widths with --kv-channels and GQA; full recomputation keeps a group's input only (uniform) or
+    recomputes the first N layers of a stage (block); the model-state count takes the wider heads."""
+    from megazero.config.train_flags import config_from_args, parse_args
+    from megazero.config.memory_estimate import activation_bytes, layer_activation_units, rank_layout
+
+    def cfg(*flags):
+        return config_from_args(parse_args(SMALL + list(flags)), world_size=1)
+
+    plain = cfg()
+    assert layer_activation_units(plain.model) == 34
+    wide = cfg("--kv-channels", "32", "--group-query-attention", "--num-query-groups", "2")
+    # h 64: q and projection input 4 x 32 = 128 wide, k and v 2 x 32 = 64 wide: 26 + 4 x 2 + 4 x 1
+    assert layer_activation_units(wide.model) == 26 + 8 + 4
+    extra_weights = 64 * (128 + 64 + 64) + 128 * 64 - 4 * 64 * 64    # qkv + proj against the plain layer
+    extra_biases = (128 + 64 + 64) - 3 * 64                            # the qkv bias
+    assert rank_layout(wide, 1).parameters - rank_layout(plain, 1).parameters == 4 * (extra_weights + extra_biases)
+
+    def acts(model, layers=4, chunks=(4,)):
+        return activation_bytes(32, 2, model, layers, 1, 1, 4, list(chunks))
+
+    # The fused loss: 64 tokens in ceil(V / 64) chunks, each chunk's fp32 logits and fp32 gradient,
+    # and the [V, 64] fp32 weight gradient with one chunk's product beside it.
+    vocab = plain.model.padded_vocab_size
+    chunk = math.ceil(64 / math.ceil(vocab / 64))
+    logits = chunk * vocab * (4 + 4) + 2 * vocab * 64 * 4
+    full_layer = 34 * 32 * 2 * 64 * 4 / 2
+    kept = 32 * 2 * 64 * 4
+    assert acts(plain.model) == 4 * full_layer + logits
+    assert acts(cfg("--recompute-activations").model) == 4 * full_layer + logits     # SDPA keeps no scores
+    uniform = cfg("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2")
+    assert acts(uniform.model) == 2 * kept + 2 * full_layer + logits
+    block = cfg("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")
+    assert acts(block.model, chunks=(2, 2)) == 2 * kept + 2 * full_layer + full_layer + logits

@@ -1,0 +1,1 @@
+"""Tests of megazero/data/: indexed datasets, GPT samples, blends, tokenizers, the default corpus."""

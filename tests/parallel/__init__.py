@@ -1,0 +1,1 @@
+"""Tests of parallel/ (megazero.parallel): topology, process groups, TP layers, parallelize, CP, tiling, RNG."""
