@@ -3,13 +3,16 @@
     ours ZeRO-3        vs  torch.distributed.fsdp.fully_shard (FSDP2), per transformer layer + root
     ours ZeRO-0/1/2    vs  torch.nn.parallel.DistributedDataParallel
 
-Both sides train the same pure `megazero.models.GPT` (dropout off, tied embeddings) from the same
-initial weights (`megazero.model_builder.make_init_fn`, by parameter name) on the same
+Each side trains its own model: ours the pure `megazero.models.GPT` (fused output layer and loss),
+the peers what their users train, transformers' GPT2LMHeadModel (SDPA) with transformers' own loss,
+holding megazero's initial weights (bench/peer_models.py, through megazero's Hugging Face export:
+the same function, so the printed losses agree). Both: dropout off, tied embeddings, the same
 `SyntheticTokens` samples (Megatron sampler order through `MicrobatchSource`), fp32, AdamW with the
 same hyperparameters (weight decay on >= 2-D weights only, as ours), global-norm gradient clipping,
 a constant learning rate. The loss is the summed token loss over the global batch's tokens on both
 sides (the peers average gradients over ranks, so their backward loss is multiplied by the world
-size to match ours, which sums).
+size to match ours, which sums). The ratios therefore include the model's code as well as the
+engine's.
 
 The peers use torch.optim.AdamW(fused=True) (ours: the fused C++ Adam kernel when it is built);
 DDP keeps gradients as views of its buckets, as our stage 0 keeps them in its flat buffer.
@@ -52,15 +55,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megazero.config.train_config import OptimizerConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
-from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
-from megazero.models.gpt import GPT
 from megazero.parallel.topology import Topology
 from megazero.testing import DistributedPool
 from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.precision import uses_weight_decay
+
+from peer_models import hf_loss, hf_model, layers_of
 
 WORLD = 2
 # (name, side, ZeRO stage or None, name of the peer it is compared with)
@@ -146,14 +149,9 @@ def run_ours(ctx, bench: Bench, stage: int, name: str) -> dict:
             "model_states": state.engine.memory_report()["model_states"], "comm": comm_bytes[-1]}
 
 
-def peer_model(bench: Bench) -> GPT:
-    """The pure GPT with our initial weights (init depends only on seed and parameter name)."""
-    model = GPT(bench.model)
-    init = make_init_fn(bench.model, bench.seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():     # tied weights appear once
-            p.copy_(init(name, p))
-    return model.train()
+def peer_model(bench: Bench):
+    """transformers' GPT-2 with our initial weights (init depends only on seed and parameter name)."""
+    return hf_model(bench.model, bench.seed)
 
 
 def peer_optimizer(model: nn.Module, bench: Bench) -> torch.optim.AdamW:
@@ -166,11 +164,11 @@ def peer_optimizer(model: nn.Module, bench: Bench) -> torch.optim.AdamW:
                              lr=bench.lr, betas=(a.beta1, a.beta2), eps=a.eps, **kind[bench.peer_adam])
 
 
-def wrap_fsdp2(model: GPT):
+def wrap_fsdp2(model):
     """FSDP2 the way its docs apply it to a transformer: each layer, then the root (embedding, final
     norm and the tied head share the root's group). Returns (model, sync(last) -> context)."""
     mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.layers.values():
+    for layer in layers_of(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -182,7 +180,7 @@ def wrap_fsdp2(model: GPT):
     return model, sync
 
 
-def wrap_ddp(model: GPT):
+def wrap_ddp(model):
     """DDP with gradients as views of its buckets (no second gradient copy, as our flat buffer)."""
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     return ddp, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
@@ -199,7 +197,7 @@ def run_peer(ctx, bench: Bench, side: str, name: str) -> dict:
         total = torch.zeros(1, dtype=torch.float64)
         for j, tokens in enumerate(data[i]):
             with sync(j == len(data[i]) - 1):
-                loss = model(tokens[:, :-1], tokens[:, 1:]).sum() / normalizer
+                loss = hf_loss(model, tokens, normalizer)
                 (loss * WORLD).backward()            # the peers average gradients over ranks
             total += loss.item()
         nn.utils.clip_grad_norm_(model.parameters(), bench.clip)
@@ -213,7 +211,7 @@ def run_peer(ctx, bench: Bench, side: str, name: str) -> dict:
 
 def worker(ctx, bench: Bench, name: str, side: str, stage: int | None) -> dict:
     torch.set_num_threads(bench.threads)
-    # Our GPT returns its per-token losses as a view; FSDP2 warns about in-place ops on it (we do none).
+    # FSDP2 warns when a wrapped module returns a view (in-place ops on it would be unsafe; none here).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if side == "ours":
         return run_ours(ctx, bench, stage, name)
