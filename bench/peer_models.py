@@ -13,7 +13,8 @@ plain torch trains instead of megazero's GPT, so that a same-run ratio includes 
     layers_of(model)        the transformer layers of either model (for FSDP2 and compile)
 
 Used by bench_step_vs_torch.py and bench_zero_vs_fsdp.py; bench_gpu_step.py's peer is a plain
-PyTorch GPT of its own (bench/plain_gpt.py), since the GPU image need not have transformers.
+PyTorch GPT (bench/plain_gpt.py) loading `initial_hf_state`, since the GPU image need not have
+transformers.
 """
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def initialised_gpt(cfg: GPTConfig, seed: int) -> GPT:
     return model
 
 
+def initial_hf_state(cfg: GPTConfig, seed: int, fmt: str) -> dict[str, torch.Tensor]:
+    """megazero's initial weights of GPT(cfg) as the Hugging Face state dict of format `fmt`,
+    generated one parameter at a time (the GPT itself is built on the meta device)."""
+    with torch.device("meta"):
+        params = dict(GPT(cfg).named_parameters())
+    init = make_init_fn(cfg, seed)
+    return hf_adapter.to_hf(cfg, fmt, lambda name: init(name, params[name]))
+
+
 def hf_model(cfg: GPTConfig, seed: int, attention: str = "sdpa"):
     """transformers' model of megazero's `cfg` (GPT-2 or Llama, whichever expresses it exactly)
     holding megazero's initial weights, in train mode."""
@@ -46,9 +56,7 @@ def hf_model(cfg: GPTConfig, seed: int, attention: str = "sdpa"):
     config._attn_implementation = attention
     model = getattr(transformers, architecture)(config)
     model.loss_type = "ForCausalLM"         # transformers' causal-LM loss (its default, named)
-    params = dict(initialised_gpt(cfg, seed).named_parameters())
-    state = hf_adapter.to_hf(cfg, fmt, lambda name: params[name].detach())
-    result = model.load_state_dict(state, strict=False)
+    result = model.load_state_dict(initial_hf_state(cfg, seed, fmt), strict=False)
     tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
     if result.unexpected_keys or set(result.missing_keys) - tied:
         raise RuntimeError(f"export does not fit {architecture}: {result}")
