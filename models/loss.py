@@ -2,9 +2,9 @@
 at 16k tokens and a 200k vocabulary) exist at most one memory budget's worth at a time.
 
 The chunking policy (`chunk_tokens_for`): when every token's fp32 logits fit `LOGITS_BUDGET_BYTES`,
-the head runs as one chunk and the forward keeps softmax - onehot(label) for the backward, which then
-is two GEMMs (what F.linear + F.cross_entropy's autograd does, with one fp32 tensor saved where they
-save the logits and their log-softmax). Otherwise the tokens are cut into the fewest equal chunks
+the head runs as one chunk and the forward keeps exp(logits - max) for the backward, which then is
+one pass over it and two GEMMs (what F.linear + F.cross_entropy's autograd does, with one fp32 tensor
+saved where they save the logits and their log-softmax). Otherwise the tokens are cut into the fewest equal chunks
 whose logits fit the budget, but no chunk under `MIN_CHUNK_TOKENS` tokens: the weight gradient's
 GEMM reduces over a chunk's tokens and its fp32 sum is rewritten once per chunk, so chunks of a few
 dozen tokens (the rule before this one, vocab / hidden chunks, cut 512 tokens at vocab 8k into 22)
@@ -14,8 +14,8 @@ recomputes each chunk's logits.
 megazero.config.memory_estimate counts the same policy.
 
 Per chunk: logits = x_c W^T in fp32; shifted = logits - max; loss = log(sum exp(shifted)) -
-shifted[label]; gradient = (exp(shifted) / sum - onehot) x the incoming gradient, multiplied into
-dx_c and dW. These are the unchunked path's formulas, so fp32 results agree with it to rounding.
+shifted[label]; gradient = (exp(shifted) / sum - onehot) x the incoming gradient g (computed as
+exp(shifted) x (g / sum) - g onehot), multiplied into dx_c and dW. These are the unchunked path's formulas, so fp32 results agree with it to rounding.
 
 The vocabulary may be split across ranks (Megatron's vocab-parallel cross entropy): `VocabShard` says
 which rows of the vocabulary this weight holds and how the per-token max and sums are combined over
@@ -67,7 +67,7 @@ def chunk_tokens_for(tokens: int, vocab_rows: int, budget_bytes: int = LOGITS_BU
 
 
 def keeps_gradient(tokens: int, chunk_tokens: int) -> bool:
-    """Whether the forward keeps its softmax - onehot for the backward (one chunk) rather than
+    """Whether the forward keeps its exp(logits - max) for the backward (one chunk) rather than
     the backward recomputing the logits."""
     return chunk_tokens >= tokens
 
@@ -81,23 +81,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = x2.shape[0]
         keep = keeps_gradient(n, chunk_tokens)
         maxes, sums, losses = (torch.empty(n, device=x.device, dtype=torch.float32) for _ in range(3))
+        local_labels, in_range = _local_labels(flat_labels, shard.start, real)
         kept = None
         for lo in range(0, n, chunk_tokens):
             hi = min(n, lo + chunk_tokens)
-            exp, local_labels, in_range = _chunk_statistics(x2[lo:hi], w, flat_labels[lo:hi], shard, real,
-                                                            maxes[lo:hi], sums[lo:hi], losses[lo:hi])
+            exp = _chunk_statistics(x2[lo:hi], w, local_labels[lo:hi], in_range[lo:hi], shard, real,
+                                    maxes[lo:hi], sums[lo:hi], losses[lo:hi])
             if keep and real:
-                kept = _softmax_minus_onehot(exp, sums, local_labels, in_range)
-        ctx.save_for_backward(x, weight, labels, maxes, sums, kept)
-        ctx.real, ctx.start, ctx.chunk_tokens = real, shard.start, chunk_tokens
+                kept = exp
+        ctx.save_for_backward(x, weight, local_labels, in_range, maxes, sums, kept)
+        ctx.real, ctx.chunk_tokens = real, chunk_tokens
         return losses.view(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_losses):
-        x, weight, labels, maxes, sums, kept = ctx.saved_tensors
+        x, weight, local_labels, in_range, maxes, sums, kept = ctx.saved_tensors
         real, chunk = ctx.real, ctx.chunk_tokens
         w = weight[:real]
-        x2, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+        x2 = x.reshape(-1, x.shape[-1])
         n = x2.shape[0]
         grad_flat = grad_losses.reshape(-1, 1).float()
         want_w = ctx.needs_input_grad[1]
@@ -105,12 +106,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = None          # fp32 sum over the chunks; a 16-bit weight's is rounded once at the end
         for lo in range(0, n if real else 0, chunk):
             hi = min(n, lo + chunk)
-            if kept is not None:        # used once: scaled in place (a second backward raises)
-                grad_logits = kept.mul_(grad_flat).to(x.dtype)
-            else:
-                grad_logits = _recomputed_gradient(x2[lo:hi], w, flat_labels[lo:hi], ctx.start, real,
-                                                   maxes[lo:hi], sums[lo:hi]).mul_(grad_flat[lo:hi])
-                grad_logits = grad_logits.to(x.dtype)
+            # the kept exp is used once, scaled in place (a second backward through it raises)
+            exp = kept if kept is not None else F.linear(x2[lo:hi], w).float().sub_(maxes[lo:hi, None]).exp_()
+            grad_logits = _logits_gradient(exp, sums[lo:hi], grad_flat[lo:hi], local_labels[lo:hi],
+                                           in_range[lo:hi])
+            grad_logits = grad_logits.to(x.dtype)
             torch.matmul(grad_logits, w, out=grad_x[lo:hi])
             if want_w:
                 part = matmul_fp32(grad_logits.t(), x2[lo:hi])
@@ -126,11 +126,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x.view(x.shape), grad_w, None, None, None, None
 
 
-def _chunk_statistics(x, w, labels, shard: VocabShard, real: int, maxes, sums, losses):
+def _chunk_statistics(x, w, local_labels, in_range, shard: VocabShard, real: int, maxes, sums, losses):
     """One chunk's forward: fills its tokens' max, softmax denominator and loss; returns the fp32
-    exp(logits - max) (the chunk's logits, overwritten in place) and the labels in this shard's rows."""
+    exp(logits - max) (the chunk's logits, overwritten in place)."""
     logits = F.linear(x, w).float()
-    local_labels, in_range = _local_labels(labels, shard.start, real)
     if real:
         logits_max = logits.amax(dim=-1)
     else:              # this rank holds only padding rows: it adds nothing to the max or the sums
@@ -146,20 +145,14 @@ def _chunk_statistics(x, w, labels, shard: VocabShard, real: int, maxes, sums, l
     maxes.copy_(logits_max)
     sums.copy_(combined[1])
     torch.sub(combined[1].log(), combined[0], out=losses)
-    return exp, local_labels, in_range
+    return exp
 
 
-def _softmax_minus_onehot(exp, sums, local_labels, in_range):
-    """exp / sum - onehot(label), in place in `exp` (labels outside this shard's rows: no onehot)."""
-    softmax = exp.div_(sums.unsqueeze(-1))
-    return softmax.scatter_add_(-1, local_labels.unsqueeze(-1), -in_range.unsqueeze(-1).to(softmax.dtype))
-
-
-def _recomputed_gradient(x, w, labels, start: int, real: int, maxes, sums):
-    """One chunk's softmax - onehot from its recomputed logits and the forward's max and sums."""
-    exp = F.linear(x, w).float().sub_(maxes.unsqueeze(-1)).exp_()
-    local_labels, in_range = _local_labels(labels, start, real)
-    return _softmax_minus_onehot(exp, sums, local_labels, in_range)
+def _logits_gradient(exp, sums, grad, local_labels, in_range):
+    """(exp / sum - onehot(label)) x grad, in place in `exp`, as exp x (grad / sum) less grad at
+    the label (one pass over the logits; labels outside this shard's rows: no onehot)."""
+    exp.mul_(grad / sums.unsqueeze(-1))
+    return exp.scatter_add_(-1, local_labels.unsqueeze(-1), -grad * in_range.unsqueeze(-1).to(grad.dtype))
 
 
 def _pad_rows(grad_w, weight, x2):

@@ -41,7 +41,7 @@ once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation
 of each checkpointed layer group. The fused output layer and loss (models/loss.py, chunked by its
 memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when the weights are 16-bit,
 and the output weight's fp32 gradient twice over (the sum, and one chunk's product added to it); when
-the whole head is one chunk, the forward keeps that chunk (softmax - onehot) for the backward, once
+the whole head is one chunk, the forward keeps that chunk (exp(logits - max)) for the backward, once
 per microbatch in flight.
 Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
 (`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
