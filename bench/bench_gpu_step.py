@@ -46,7 +46,9 @@ import gc
 import json
 import math
 import statistics
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -61,8 +63,9 @@ from megazero.training import MicrobatchSource, setup, train_step
 from megazero.ops.adam import AdamConfig
 from megazero.zero.config import ZeroConfig
 
-from peer_models import initial_hf_state
-from plain_gpt import PlainGPT, supports
+sys.path.insert(0, str(Path(__file__).resolve().parent))    # the sibling modules, also when imported by path
+from peer_models import initial_hf_state  # noqa: E402
+from plain_gpt import PlainGPT, supports  # noqa: E402
 
 LOSS_RTOL = 0.03          # ours vs peer, every step
 MEMORY_RTOL = 0.10        # ours' measured peak vs the plan
