@@ -66,7 +66,7 @@ def chunk_tokens_for(tokens: int, vocab_rows: int, budget_bytes: int = LOGITS_BU
     return -(-tokens // chunks)
 
 
-def keeps_gradient(tokens: int, chunk_tokens: int) -> bool:
+def keeps_softmax(tokens: int, chunk_tokens: int) -> bool:
     """Whether the forward keeps its exp(logits - max) for the backward (one chunk) rather than
     the backward recomputing the logits."""
     return chunk_tokens >= tokens
@@ -79,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight[:real]
         x2, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
         n = x2.shape[0]
-        keep = keeps_gradient(n, chunk_tokens)
+        keep = keeps_softmax(n, chunk_tokens)
         maxes, sums, losses = (torch.empty(n, device=x.device, dtype=torch.float32) for _ in range(3))
         local_labels, in_range = _local_labels(flat_labels, shard.start, real)
         kept = None

@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from megazero.config.train_config import TrainConfig
-from megazero.models.loss import chunk_tokens_for, keeps_gradient
+from megazero.models.loss import chunk_tokens_for, keeps_softmax
 from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
@@ -109,7 +109,7 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
     chunk = chunk_tokens_for(tokens, math.ceil(vocab))
     sixteen_bit_copy = weight_bytes if weight_bytes < 4 else 0
     held = chunk * vocab * (4 + sixteen_bit_copy) + 2 * vocab * model_cfg.hidden_size * 4
-    if keeps_gradient(tokens, chunk):
+    if keeps_softmax(tokens, chunk):
         held += (in_flight - 1) * tokens * vocab * 4
     return held
 
