@@ -91,8 +91,11 @@ def timed(args, step) -> dict:
 def peer(cfg: GPTConfig, backend, recompute: bool):
     """transformers' model of `cfg` with our initial weights, recomputing / compiled as asked."""
     model = hf_model(cfg, SEED)
-    if recompute:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recompute:           # transformers 5's name; 4.x calls it gradient checkpointing
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if backend is not None:
         for layer in layers_of(model):
             layer.compile(backend=backend)
