@@ -102,12 +102,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = x2.shape[0]
         grad_flat = grad_losses.reshape(-1, 1).float()
         want_w = ctx.needs_input_grad[1]
-        grad_x = torch.zeros_like(x2) if not real else torch.empty_like(x2)
+        grad_x = x2.new_zeros(x2.shape) if not real else x2.new_empty(x2.shape)     # contiguous
         grad_w = None          # fp32 sum over the chunks; a 16-bit weight's is rounded once at the end
         for lo in range(0, n if real else 0, chunk):
             hi = min(n, lo + chunk)
             # the kept exp is used once, scaled in place (a second backward through it raises)
-            exp = kept if kept is not None else F.linear(x2[lo:hi], w).float().sub_(maxes[lo:hi, None]).exp_()
+            exp = (kept if kept is not None
+                   else F.linear(x2[lo:hi], w).float().sub_(maxes[lo:hi, None]).exp_())
             grad_logits = _logits_gradient(exp, sums[lo:hi], grad_flat[lo:hi], local_labels[lo:hi],
                                            in_range[lo:hi])
             grad_logits = grad_logits.to(x.dtype)
@@ -117,7 +118,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w = part if grad_w is None else grad_w.add_(part)
             del grad_logits
         if want_w:
-            grad_w = _pad_rows(grad_w, weight, x2)
+            grad_w = _pad_rows(grad_w, weight)
         if want_w and marked(weight):
             deposit(weight, grad_w)
             grad_w = zero_grad_for(weight)
@@ -155,7 +156,7 @@ def _logits_gradient(exp, sums, grad, local_labels, in_range):
     return exp.scatter_add_(-1, local_labels.unsqueeze(-1), -grad * in_range.unsqueeze(-1).to(grad.dtype))
 
 
-def _pad_rows(grad_w, weight, x2):
+def _pad_rows(grad_w, weight):
     """The weight's full-shape fp32 gradient: the real rows' sum, zeros for the padding rows (all
     zeros when this rank holds padding only)."""
     if grad_w is None:
