@@ -4,11 +4,15 @@ torch, measured in the same run, with the figures checked.
     ours  megazero.training.setup / train_step (ZeRO stage 1 by default, one process, tp = pp = dp = 1):
           bf16 parameters and activations, fp32 master weights and Adam states, fp32 gradient norm
           clipping; the pure `megazero.models.GPT` underneath
-    peer  the same `megazero.models.GPT` moved to the GPU with no megazero engine: fp32 parameters
-          under `torch.autocast(bfloat16)` (the standard torch mixed-precision recipe, fp32 master
-          weights as ours), `torch.optim.AdamW(fused=True)`, `clip_grad_norm_(1.0)`
+    peer  a GPT-2 in plain PyTorch (bench/plain_gpt.py: nn.Linear, nn.LayerNorm, SDPA, F.cross_entropy
+          on the full logits; no custom autograd Function, so every GEMM of forward and backward runs
+          under the autocast) holding megazero's initial weights: fp32 parameters under
+          `torch.autocast(bfloat16)` (the standard torch mixed-precision recipe, fp32 master weights
+          as ours), `torch.optim.AdamW(fused=True)`, `clip_grad_norm_(1.0)`; the ratio includes the
+          model's code as well as the engine's
 
-Both sides start from the same weights (`make_init_fn`: by seed and parameter name), train on the
+Both sides start from the same weights (`make_init_fn`: by seed and parameter name; the peer's through
+megazero's GPT-2 export, bench/peer_models.initial_hf_state), train on the
 same learnable `ArithmeticTokens` microbatches (progressions modulo the vocabulary: the loss falls
 within a few steps) with the same optimizer hyperparameters and the same summed token loss over the
 global batch, and take one `loss.item()` per step. Attention is SDPA's flash kernel on both sides
@@ -19,7 +23,7 @@ microbatch per step. FLOPs per step are megazero.flops.step_flops (Megatron's co
 training loop's MFU uses); MFU = TFLOP/s / --peak-tflops (default: the device's dense bf16 peak from
 megazero.flops, 989 for the H100/H200); HFU beside it also counts the FLOPs recomputation adds
 (megazero.flops.recompute_flops; `--recompute selective|full` turns Megatron's recomputation on for
-both sides; without it HFU = MFU). Issue 17's goals, MFU >= 0.50 and ours' step time <= the peer's
+both sides, the peer's through torch.utils.checkpoint; without it HFU = MFU). Issue 17's goals, MFU >= 0.50 and ours' step time <= the peer's
 / 0.95, are noted beside those figures, not checked. Step time is the median over the timed steps
 (CUDA events between steps, after warm-up); peak memory is torch.cuda.max_memory_allocated of each side, measured
 one after the other; ours' is compared with tools/plan_memory.py's device total for the same run
@@ -42,7 +46,9 @@ import gc
 import json
 import math
 import statistics
+import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -50,15 +56,17 @@ from megazero.config.train_config import OptimizerConfig, ParallelConfig, Precis
 from megazero.data.synthetic import ArithmeticTokens
 from megazero.flops import peak_tflops, recompute_flops, step_flops
 from megazero.config.memory_estimate import device_bytes, plan_bytes
-from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
-from megazero.models.gpt import GPT
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.core.streams import Event, copy_to_device
 from megazero.data.sampler import MicrobatchSource
 from megazero.training import setup, train_step
 from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))    # the sibling modules, also when imported by path
+from peer_models import initial_hf_state  # noqa: E402
+from plain_gpt import PlainGPT, supports  # noqa: E402
 
 LOSS_RTOL = 0.03          # ours vs peer, every step
 MEMORY_RTOL = 0.10        # ours' measured peak vs the plan
@@ -154,16 +162,17 @@ def run_ours(args, cfg: GPTConfig, device: torch.device) -> dict:
     return {**result, "params": params}
 
 
-def peer_model(cfg: GPTConfig, device: torch.device) -> GPT:
-    model = GPT(cfg)
-    init = make_init_fn(cfg, 1234)
-    with torch.no_grad():
-        for name, p in model.named_parameters():        # the tied weight appears once
-            p.copy_(init(name, p))
+def peer_model(cfg: GPTConfig, device: torch.device) -> PlainGPT:
+    """The plain-PyTorch GPT-2 holding megazero's initial weights (the same function as ours)."""
+    if not supports(cfg):
+        raise ValueError("bench_gpu_step's peer is a GPT-2 (bench/plain_gpt.py): the model must be one")
+    model = PlainGPT(cfg)
+    model.load_gpt2_state(initial_hf_state(cfg, 1234, "gpt2"))
     return model.to(device).train()
 
 
-def run_peer(args, cfg: GPTConfig, device: torch.device) -> dict:
+def peer_step(args, cfg: GPTConfig, device: torch.device):
+    """(step(i) -> loss, parameter count) of the peer's training loop."""
     model = peer_model(cfg, device)
     params = list(model.parameters())
     decay = [p for p in params if p.ndim >= 2]           # as ours: no decay on biases and norms
@@ -188,8 +197,12 @@ def run_peer(args, cfg: GPTConfig, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return total.item()
 
-    result = timed(args, device, step)
-    return {**result, "params": sum(p.numel() for p in params)}
+    return step, sum(p.numel() for p in params)
+
+
+def run_peer(args, cfg: GPTConfig, device: torch.device) -> dict:
+    step, params = peer_step(args, cfg, device)
+    return {**timed(args, device, step), "params": params}
 
 
 def measure(side: str, args, cfg: GPTConfig, device: torch.device) -> dict | None:

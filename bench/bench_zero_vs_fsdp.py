@@ -1,18 +1,27 @@
-"""ZeRO stages 0-3 against torch's own data parallelism, on 2 gloo ranks on CPU, in one run.
+"""ZeRO stages 0-3 against torch's own data parallelism and DeepSpeed, on 2 gloo ranks on CPU, in one run.
 
     ours ZeRO-3        vs  torch.distributed.fsdp.fully_shard (FSDP2), per transformer layer + root
     ours ZeRO-0/1/2    vs  torch.nn.parallel.DistributedDataParallel
+    ours ZeRO-1/2/3    vs  DeepSpeed's ZeRO 1/2/3 (`deepspeed.initialize`, its CPU accelerator, the
+                           same process group; DeepSpeed's default zero_optimization otherwise), when
+                           deepspeed is installed (the ds rows are left out, with a note, when not)
 
-Both sides train the same pure `megazero.models.GPT` (dropout off, tied embeddings) from the same
-initial weights (`megazero.model_builder.make_init_fn`, by parameter name) on the same
+Each side trains its own model: ours the pure `megazero.models.GPT` (fused output layer and loss),
+the peers what their users train, transformers' GPT2LMHeadModel (SDPA) with transformers' own loss,
+holding megazero's initial weights (bench/peer_models.py, through megazero's Hugging Face export:
+the same function, so the printed losses agree). Both: dropout off, tied embeddings, the same
 `SyntheticTokens` samples (Megatron sampler order through `MicrobatchSource`), fp32, AdamW with the
 same hyperparameters (weight decay on >= 2-D weights only, as ours), global-norm gradient clipping,
 a constant learning rate. The loss is the summed token loss over the global batch's tokens on both
 sides (the peers average gradients over ranks, so their backward loss is multiplied by the world
-size to match ours, which sums).
+size to match ours, which sums). The ratios therefore include the model's code as well as the
+engine's.
 
-The peers use torch.optim.AdamW(fused=True) (ours: the fused C++ Adam kernel when it is built);
-DDP keeps gradients as views of its buckets, as our stage 0 keeps them in its flat buffer.
+The peers use torch.optim.AdamW(fused=True) (ours: the fused C++ Adam kernel when it is built;
+DeepSpeed's own CPU Adam is a JIT-built extension, so DeepSpeed gets the same torch AdamW as a client
+optimizer, `zero_allow_untested_optimizer`); DDP keeps gradients as views of its buckets, as our
+stage 0 keeps them in its flat buffer. DeepSpeed clips with its `gradient_clipping` and accumulates
+over its `gradient_accumulation_steps` (its backward loss is scaled to the same summed loss).
 
 Each configuration runs in a fresh pair of processes (`DistributedPool`), so each rank's
 `ru_maxrss` is that configuration's own peak. Reported per configuration, worst rank:
@@ -23,8 +32,8 @@ Each configuration runs in a fresh pair of processes (`DistributedPool`), so eac
   peak     peak RSS of the process
   +model   peak RSS minus the RSS measured after imports and communicator creation, before the model
            is built: what the model, optimizer, activations and temporaries added at their peak
-The configurations run in rounds (ddp, zero0, zero1, zero2, fsdp2, zero3, then again); each keeps
-its fastest round, since other load only ever adds time. Ratios are ours / peer (below 1: ours is
+The configurations run in rounds (ddp, zero0, ds1, zero1, ds2, zero2, fsdp2, ds3, zero3, then
+again); each keeps its fastest round, since other load only ever adds time. Ratios are ours / peer (below 1: ours is
 faster or smaller). The first steps' global losses of every side are printed too: same init, data
 and optimizer, so they agree to float reduction-order noise (~1e-7 relative).
 
@@ -38,6 +47,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
+import os
 import resource
 import statistics
 import time
@@ -52,9 +63,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megazero.config.train_config import OptimizerConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
-from megazero.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
-from megazero.models.gpt import GPT
 from megazero.parallel.topology import Topology
 from megazero.testing import DistributedPool
 from megazero.data.sampler import MicrobatchSource
@@ -63,16 +72,27 @@ from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.precision import uses_weight_decay
 
+from peer_models import hf_loss, hf_model, layers_of
+
 WORLD = 2
-# (name, side, ZeRO stage or None, name of the peer it is compared with)
+# (name, side, ZeRO stage or None, names of the peers it is compared with)
 CONFIGS = [
-    ("ddp", "ddp", None, None),
-    ("zero0", "ours", 0, "ddp"),
-    ("zero1", "ours", 1, "ddp"),
-    ("zero2", "ours", 2, "ddp"),
-    ("fsdp2", "fsdp2", None, None),
-    ("zero3", "ours", 3, "fsdp2"),
+    ("ddp", "ddp", None, ()),
+    ("zero0", "ours", 0, ("ddp",)),
+    ("ds1", "deepspeed", 1, ()),
+    ("zero1", "ours", 1, ("ddp", "ds1")),
+    ("ds2", "deepspeed", 2, ()),
+    ("zero2", "ours", 2, ("ddp", "ds2")),
+    ("fsdp2", "fsdp2", None, ()),
+    ("ds3", "deepspeed", 3, ()),
+    ("zero3", "ours", 3, ("fsdp2", "ds3")),
 ]
+
+
+def deepspeed_available() -> bool:
+    """Whether deepspeed is installed (not imported here: its accelerator is chosen at import,
+    which the workers do with DS_ACCELERATOR=cpu)."""
+    return importlib.util.find_spec("deepspeed") is not None
 
 
 @dataclasses.dataclass
@@ -147,14 +167,9 @@ def run_ours(ctx, bench: Bench, stage: int, name: str) -> dict:
             "model_states": state.engine.memory.report()["model_states"], "comm": comm_bytes[-1]}
 
 
-def peer_model(bench: Bench) -> GPT:
-    """The pure GPT with our initial weights (init depends only on seed and parameter name)."""
-    model = GPT(bench.model)
-    init = make_init_fn(bench.model, bench.seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():     # tied weights appear once
-            p.copy_(init(name, p))
-    return model.train()
+def peer_model(bench: Bench):
+    """transformers' GPT-2 with our initial weights (init depends only on seed and parameter name)."""
+    return hf_model(bench.model, bench.seed)
 
 
 def peer_optimizer(model: nn.Module, bench: Bench) -> torch.optim.AdamW:
@@ -167,11 +182,11 @@ def peer_optimizer(model: nn.Module, bench: Bench) -> torch.optim.AdamW:
                              lr=bench.lr, betas=(a.beta1, a.beta2), eps=a.eps, **kind[bench.peer_adam])
 
 
-def wrap_fsdp2(model: GPT):
+def wrap_fsdp2(model):
     """FSDP2 the way its docs apply it to a transformer: each layer, then the root (embedding, final
     norm and the tied head share the root's group). Returns (model, sync(last) -> context)."""
     mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.layers.values():
+    for layer in layers_of(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -183,10 +198,46 @@ def wrap_fsdp2(model: GPT):
     return model, sync
 
 
-def wrap_ddp(model: GPT):
+def wrap_ddp(model):
     """DDP with gradients as views of its buckets (no second gradient copy, as our flat buffer)."""
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     return ddp, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
+
+
+def wrap_deepspeed(model, bench: Bench, stage: int, rank: int):
+    """DeepSpeed's ZeRO `stage` around the model on its CPU accelerator, in this process group,
+    with the peers' AdamW as a client optimizer. Returns (engine, backward(loss))."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(rank)            # one machine: the launcher would set it
+    import deepspeed
+    accumulation = bench.global_batch // (bench.micro_batch * WORLD)
+    config = {"train_micro_batch_size_per_gpu": bench.micro_batch,
+              "gradient_accumulation_steps": accumulation, "gradient_clipping": bench.clip,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 2 ** 31, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=peer_optimizer(model, bench), config=config,
+                                      dist_init_required=False)
+    # DeepSpeed averages gradients over ranks and (scale_wrt_gas) divides by the accumulation steps
+    return engine, lambda loss: engine.backward(loss * WORLD * accumulation)
+
+
+def run_deepspeed(ctx, bench: Bench, stage: int, name: str) -> dict:
+    baseline = rss_mib()
+    engine, backward = wrap_deepspeed(peer_model(bench), bench, stage, ctx.rank)
+    data = batches(bench, ctx.rank)
+    normalizer = bench.global_batch * bench.model.seq_length
+
+    def step(i: int) -> float:
+        total = torch.zeros(1, dtype=torch.float64)
+        for tokens in data[i]:
+            loss = hf_loss(engine, tokens, normalizer)
+            backward(loss)
+            engine.step()                            # the optimizer steps at the accumulation boundary
+            total += loss.item()
+        dist.all_reduce(total)
+        return total.item()
+
+    return {**timed_steps(bench, step, ctx.rank, name), "peak": rss_mib(), "baseline": baseline}
 
 
 def run_peer(ctx, bench: Bench, side: str, name: str) -> dict:
@@ -200,7 +251,7 @@ def run_peer(ctx, bench: Bench, side: str, name: str) -> dict:
         total = torch.zeros(1, dtype=torch.float64)
         for j, tokens in enumerate(data[i]):
             with sync(j == len(data[i]) - 1):
-                loss = model(tokens[:, :-1], tokens[:, 1:]).sum() / normalizer
+                loss = hf_loss(model, tokens, normalizer)
                 (loss * WORLD).backward()            # the peers average gradients over ranks
             total += loss.item()
         nn.utils.clip_grad_norm_(model.parameters(), bench.clip)
@@ -214,10 +265,13 @@ def run_peer(ctx, bench: Bench, side: str, name: str) -> dict:
 
 def worker(ctx, bench: Bench, name: str, side: str, stage: int | None) -> dict:
     torch.set_num_threads(bench.threads)
-    # Our GPT returns its per-token losses as a view; FSDP2 warns about in-place ops on it (we do none).
+    # FSDP2 warns when a wrapped module returns a view (in-place ops on it would be unsafe; none here).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     if side == "ours":
         return run_ours(ctx, bench, stage, name)
+    if side == "deepspeed":
+        warnings.filterwarnings("ignore", module="deepspeed")
+        return run_deepspeed(ctx, bench, stage, name)
     return run_peer(ctx, bench, side, name)
 
 
@@ -244,20 +298,21 @@ def print_results(results: dict[str, dict], show_losses: int) -> None:
             f"{'states MiB':>11} {'comm MiB':>9} {'time x':>7} {'cpu x':>6} {'peak x':>7} {'+model x':>9}")
     print(head)
     print("-" * len(head))
-    for name, _, _, peer in CONFIGS:
+    for name, _, _, peers in CONFIGS:
         if name not in results:
             continue
         r = results[name]
-        line = (f"{name:<7} {peer or '':<6} {r['ms']:>8.1f} {r['cpu_ms']:>7.1f} {r['peak']:>9.1f} "
-                f"{r['added']:>11.1f} {_fmt(r.get('model_states')):>11} {_fmt(r.get('comm')):>9}")
-        if peer in results:
-            p = results[peer]
-            line += (f" {r['ms'] / p['ms']:>7.3f} {r['cpu_ms'] / p['cpu_ms']:>6.3f} "
-                     f"{r['peak'] / p['peak']:>7.3f} {r['added'] / p['added']:>9.3f}")
-        print(line)
+        for peer in [p for p in peers if p in results] or [None]:
+            line = (f"{name:<7} {peer or '':<6} {r['ms']:>8.1f} {r['cpu_ms']:>7.1f} {r['peak']:>9.1f} "
+                    f"{r['added']:>11.1f} {_fmt(r.get('model_states')):>11} {_fmt(r.get('comm')):>9}")
+            if peer is not None:
+                p = results[peer]
+                line += (f" {r['ms'] / p['ms']:>7.3f} {r['cpu_ms'] / p['cpu_ms']:>6.3f} "
+                         f"{r['peak'] / p['peak']:>7.3f} {r['added'] / p['added']:>9.3f}")
+            print(line)
     print("ms/step: median wall time; cpu ms: median process CPU time per step (all threads; "
           "insensitive to other load on the machine)\nstates: our engine's model-state bytes per rank "
-          "(memory_report); comm: bytes per rank per step by the comm layer's ring convention")
+          "(engine.memory.report()); comm: bytes per rank per step by the comm layer's ring convention")
     _print_losses(results, show_losses)
 
 
@@ -271,11 +326,12 @@ def _print_losses(results: dict[str, dict], show: int) -> None:
     print(f"{'step':>4} " + " ".join(f"{n:>12}" for n in names))
     for i in range(min(show, len(results[names[0]]["losses"]))):
         print(f"{i + 1:>4} " + " ".join(f"{results[n]['losses'][i]:>12.7f}" for n in names))
-    for name, _, _, peer in CONFIGS:
-        if name in results and peer in results:
-            ours, theirs = results[name]["losses"], results[peer]["losses"]
-            gap = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
-            print(f"{name} vs {peer}: max relative loss gap over {len(ours)} steps = {gap:.2e}")
+    for name, _, _, peers in CONFIGS:
+        for peer in peers:
+            if name in results and peer in results:
+                ours, theirs = results[name]["losses"], results[peer]["losses"]
+                gap = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+                print(f"{name} vs {peer}: max relative loss gap over {len(ours)} steps = {gap:.2e}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -325,6 +381,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     bench = make_bench(args)
     wanted = set(args.configs.split(","))
+    if not deepspeed_available() and wanted & {"ds1", "ds2", "ds3"}:
+        print("deepspeed is not installed: its rows are left out (pip install deepspeed)")
+        wanted -= {"ds1", "ds2", "ds3"}
     m = bench.model
     print(f"GPT h={m.hidden_size} layers={m.num_layers} heads={m.num_attention_heads} seq={m.seq_length} "
           f"vocab={m.vocab_size}; micro {bench.micro_batch} x {WORLD} ranks, global {bench.global_batch}; "

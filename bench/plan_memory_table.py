@@ -1,5 +1,5 @@
 """The memory planner (tools/plan_memory.py, megazero.config.memory_estimate.plan_bytes) against the ZeRO
-engine's own memory_report, per category, and against the measured peak of each rank's process,
+engine's own memory.report(), per category, and against the measured peak of each rank's process,
 over a grid of layouts on 4 gloo ranks.
 
     python bench/plan_memory_table.py              # both tables
@@ -96,7 +96,7 @@ def _groups(ctx, layout):
 
 
 def engine_report_worker(ctx, layout):
-    """Pool entry: the engine's memory_report on this rank for `layout` (None outside it)."""
+    """Pool entry: the engine's memory.report() on this rank for `layout` (None outside it)."""
     from megazero.training import setup
     groups = _groups(ctx, layout)
     if groups is None:

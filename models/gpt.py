@@ -92,13 +92,16 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         # groups are inferred from the width, so a tensor-parallel slice of whole groups works too
         qkv = rearrange(qkv, "b s (g r d) -> b s g r d", r=self.q_per_group + 2, d=self.head_dim)
-        qk = qkv[:, :, :, :-1]                     # each group's q heads and its k head
+        # Splits, not indexing: the backward of a split is one concatenation, where each slice or
+        # select of qkv would cost a zero-filled qkv-sized gradient and an add.
+        qk, v = qkv.split([self.q_per_group + 1, 1], dim=3)   # each group's q heads and k head; v
         if rotary is not None:                     # q and k rotate together, in one expression
             # qkv's length: under sequence parallelism x holds a shard, qkv the whole local sequence
             positions = self.positions(qkv.shape[1], x.device) if self.positions is not None else None
             qk = rotate(qk, *rotary, positions=positions)
-        q = rearrange(qk[:, :, :, :-1], "b s g r d -> b s (g r) d")
-        k, v = qk[:, :, :, -1], qkv[:, :, :, -1]
+        q, k = qk.split([self.q_per_group, 1], dim=3)
+        q = rearrange(q, "b s g r d -> b s (g r) d")
+        k, v = k.squeeze(3), v.squeeze(3)
         if self.recompute_core is not None and self.training:
             out = self.recompute_core(self.core, q, k, v)
         else:

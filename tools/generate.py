@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import torch
 

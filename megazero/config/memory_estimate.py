@@ -38,9 +38,11 @@ which need not keep the scores, so only the first term is counted (twice that in
 attention is the written-out math (--attention-backend local/unfused) without selective
 recomputation; split over the tensor parallel ranks, for the microbatches a pipeline stage holds at
 once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation keeps only the input
-of each checkpointed layer group. The fused output layer and loss (models/loss.py) add one chunk of
-logits (about as many elements as the tokens' hidden states) in fp32 and its gradient, and the
-output weight's fp32 gradient twice over (the sum, and one chunk's product added to it).
+of each checkpointed layer group. The fused output layer and loss (models/loss.py, chunked by its
+memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when the weights are 16-bit,
+and the output weight's fp32 gradient twice over (the sum, and one chunk's product added to it); when
+the whole head is one chunk, the forward keeps that chunk (exp(logits - max)) for the backward, once
+per microbatch in flight.
 Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
 (`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
 transient blocks (`cp_transient_bytes`).
@@ -55,14 +57,14 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
-from megazero.models.loss import default_chunk_tokens
+from megazero.models.loss import chunk_tokens_for, keeps_softmax
 from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
 
 
-MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")   # the engine's memory_report keys
-# Off the device (the engine's memory_report keys too): offload_param moves stage 3's partitioned
+MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")   # the engine's memory.report() keys
+# Off the device (the engine's memory.report() keys too): offload_param moves stage 3's partitioned
 # weights, offload_optimizer the fp32 master and Adam moments (a master of their own even in fp32
 # runs) plus host staging for one sub-group's gradients and updated 16-bit weights.
 OFFLOAD_CATEGORIES = ("host_params", "nvme_params", "host_master", "host_optimizer_states", "nvme_master",
@@ -99,13 +101,18 @@ def layer_activation_units(model_cfg) -> float:
     return (26 * h + 4 * width + 4 * kv) / h
 
 
-def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int) -> float:
+def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_flight: int = 1) -> float:
     """What the fused output layer and loss (models/loss.py) hold at once in backward: one chunk of
-    fp32 logits and its gradient in the weights' dtype, and the output weight's fp32 gradient with
-    one chunk's fp32 product being added to it."""
+    fp32 logits (chunk_tokens_for's policy) and, with 16-bit weights, its gradient in their dtype,
+    and the output weight's fp32 gradient with one chunk's fp32 product being added to it. A head
+    run as one chunk keeps it from forward to backward: the other microbatches in flight hold theirs."""
     vocab = model_cfg.padded_vocab_size / tp
-    chunk = default_chunk_tokens(tokens, math.ceil(vocab), model_cfg.hidden_size)
-    return chunk * vocab * (4 + weight_bytes) + 2 * vocab * model_cfg.hidden_size * 4
+    chunk = chunk_tokens_for(tokens, math.ceil(vocab))
+    sixteen_bit_copy = weight_bytes if weight_bytes < 4 else 0
+    held = chunk * vocab * (4 + sixteen_bit_copy) + 2 * vocab * model_cfg.hidden_size * 4
+    if keeps_softmax(tokens, chunk):
+        held += (in_flight - 1) * tokens * vocab * 4
+    return held
 
 
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
@@ -133,7 +140,7 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
         per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
     else:
         per_micro = layers * full_layer
-    return (per_micro * in_flight + output_layer_bytes(tokens, m, tp, weight_bytes)
+    return (per_micro * in_flight + output_layer_bytes(tokens, m, tp, weight_bytes, in_flight)
             + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes))
 
 

@@ -1,5 +1,5 @@
 """The memory planner: each model-state category (and offloaded host/disk bytes) within 10% of the ZeRO
-engine's own memory_report over a grid of layouts (tp, pp, dp, stage, bf16, MiCS, persistence, offload),
+engine's own memory.report() over a grid of layouts (tp, pp, dp, stage, bf16, MiCS, persistence, offload),
 the planned total within 10% of the measured peak of the processes for a few of them, and
 tools/plan_memory.py's output and layout search."""
 import importlib.util
@@ -109,6 +109,29 @@ def test_bad_input_is_one_line(capsys, argv, message):
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
 
 
+def test_output_layer_term_follows_the_fused_losss_chunking():
+    """The planner's output-layer term is models/loss.py's policy: one kept chunk (once per
+    microbatch in flight) when the logits fit the budget, else a budget-sized chunk, its 16-bit
+    gradient copy with bf16 weights, and the weight's fp32 gradient twice over."""
+    from megazero.config.memory_estimate import output_layer_bytes
+    from megazero.models.config import GPTConfig
+    from megazero.models.loss import LOGITS_BUDGET_BYTES, MIN_CHUNK_TOKENS, chunk_tokens_for
+
+    small = GPTConfig(vocab_size=8192, hidden_size=384, num_layers=1, num_attention_heads=6, seq_length=128)
+    grad_w = 2 * 8192 * 384 * 4
+    assert output_layer_bytes(512, small, 1, 4) == 512 * 8192 * 4 + grad_w
+    assert output_layer_bytes(512, small, 1, 2, in_flight=3) == 512 * 8192 * (4 + 2) + 2 * 512 * 8192 * 4 + grad_w
+    large = GPTConfig(vocab_size=128256, hidden_size=4096, num_layers=1, num_attention_heads=32, seq_length=4096)
+    tokens = 4 * 4096
+    chunk = chunk_tokens_for(tokens, 128256)
+    assert MIN_CHUNK_TOKENS <= chunk and chunk * 128256 * 4 <= LOGITS_BUDGET_BYTES and tokens % chunk == 0
+    # chunked: nothing kept across microbatches
+    expected = chunk * 128256 * (4 + 2) + 2 * 128256 * 4096 * 4
+    assert output_layer_bytes(tokens, large, 1, 2, in_flight=4) == expected
+    # vocab-parallel: the rank's rows only, so the whole head fits in one chunk at tp 8
+    assert chunk_tokens_for(4096, 128256 // 8) == 4096
+
+
 def test_activations_follow_head_width_and_recomputation():
     """Korthikanti's 34 s b h per layer at heads of hidden / heads, the attention terms at their real
     widths with --kv-channels and GQA; full recomputation keeps a group's input only (uniform) or
@@ -131,11 +154,11 @@ def test_activations_follow_head_width_and_recomputation():
     def acts(model, layers=4, chunks=(4,)):
         return activation_bytes(32, 2, model, layers, 1, 1, 4, list(chunks))
 
-    # The fused loss: 64 tokens in ceil(V / 64) chunks, each chunk's fp32 logits and fp32 gradient,
-    # and the [V, 64] fp32 weight gradient with one chunk's product beside it.
+    # The fused loss: 64 tokens' fp32 logits fit its budget, so one chunk, kept from forward to
+    # backward (fp32 weights: no 16-bit gradient copy), and the [V, 64] fp32 weight gradient with
+    # one chunk's product beside it.
     vocab = plain.model.padded_vocab_size
-    chunk = math.ceil(64 / math.ceil(vocab / 64))
-    logits = chunk * vocab * (4 + 4) + 2 * vocab * 64 * 4
+    logits = 64 * vocab * 4 + 2 * vocab * 64 * 4
     full_layer = 34 * 32 * 2 * 64 * 4 / 2
     kept = 32 * 2 * 64 * 4
     assert acts(plain.model) == 4 * full_layer + logits

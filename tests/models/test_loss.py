@@ -43,6 +43,19 @@ def test_chunked_cross_entropy_matches_the_full_logits(chunk):
     assert torch.all(weight.grad[vocab:] == 0), "padding rows get no gradient"
 
 
+def test_chunking_is_one_chunk_under_the_budget_and_thousands_of_tokens_above():
+    from megazero.models.loss import LOGITS_BUDGET_BYTES, MIN_CHUNK_TOKENS, chunk_tokens_for
+    assert chunk_tokens_for(512, 8192) == 512                    # the benches' head: one chunk
+    assert chunk_tokens_for(8 * 2048, 50304) * 50304 * 4 <= LOGITS_BUDGET_BYTES
+    for tokens, vocab in ((8 * 2048, 50304), (16384, 128256), (4096, 1 << 20), (5000, 300_000)):
+        chunk = chunk_tokens_for(tokens, vocab)
+        chunks = -(-tokens // chunk)
+        assert chunk >= MIN_CHUNK_TOKENS, (tokens, vocab)
+        assert chunks * chunk - tokens < chunks, "chunks are equal but for rounding"
+    assert chunk_tokens_for(4096, 1 << 20) == MIN_CHUNK_TOKENS   # the floor beats the budget
+    assert chunk_tokens_for(100, 1 << 30, budget_bytes=1) == 100  # fewer tokens than the floor: one chunk
+
+
 def test_chunked_cross_entropy_in_bf16_tracks_the_full_path():
     x, weight, labels, upstream = _head_inputs(tokens=64, hidden=32, rows=64, vocab=60)
     x, weight = x.bfloat16(), weight.bfloat16()
