@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from megazero import failures
 from megazero.config.train_flags import flag_error
@@ -226,9 +227,18 @@ def _heartbeat(progress: Progress, launch: Launch) -> Heartbeat | None:
 
 
 def _end_agreed(launch: Launch, line: str, code: int) -> int:
-    """Every rank ends with the same line: rank 0 prints it, every rank hands it to torchrun."""
+    """Every rank ends with the same line: rank 0 prints it, every rank hands it to torchrun. The
+    others leave only once rank 0 has printed: torchrun stops every worker as soon as one ends, and
+    would otherwise stop rank 0 before its line is out."""
     if launch.speaks:
-        print(f"error: {line}", file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        if launch.store is not None:
+            launch.store.set("agreed/said", "1")
+    elif launch.store is not None:
+        try:
+            launch.store.wait(["agreed/said"], datetime.timedelta(seconds=30))
+        except (RuntimeError, ValueError):      # rank 0 went away: nothing left to wait for
+            pass
     failures.write_error_file(launch.error_file, line)
     return code
 
@@ -281,7 +291,9 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
         mistake = flag_error(argv, launch.world, launch.local_world)
         if mistake is not None:       # the same flags on every rank, so the same mistake: said once
             if launch.rank == 0:
-                print(f"error: {mistake}", file=sys.stderr)
+                print(f"error: {mistake}", file=sys.stderr, flush=True)
+            else:       # no store yet: give rank 0 the moment to print before torchrun stops it
+                time.sleep(1.0)
             failures.write_error_file(launch.error_file, mistake)
             return failures.EXIT_USAGE
         from megazero import pretrain                 # the runtime: torch and everything on it

@@ -119,7 +119,7 @@ def test_recipes_train_unedited_on_one_rank(tmp_path, gpt2_data, capsys):
 
     gpt3 = recipe_argv(GPT3, pp=1, dir=tmp_path / "gpt3", **gpt2_data) + ["--run-dir", str(tmp_path / "gpt3")]
     cfg = config_from_args(parse_args(gpt3))
-    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.rampup == BatchRamp(2, 2, 8, 8)
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.rampup == BatchRamp(start=2, increment=2, samples=8, global_batch=8)
     assert launch.main(gpt3) == 0, capsys.readouterr().err
     assert "--rampup-batch-size with --train-iters" in capsys.readouterr().out
     train = records(tmp_path / "gpt3")
@@ -172,7 +172,7 @@ def _decoupled(cfg):
 
 def _ramped(cfg):
     """Global batches 4, 4, 8, 12, 16, 16 (the normaliser changes every step); schedule in samples."""
-    cfg.rampup = BatchRamp(4, 4, 24, cfg.global_batch_size)
+    cfg.rampup = BatchRamp(start=4, increment=4, samples=24, global_batch=cfg.global_batch_size)
     opt = cfg.optimizer
     opt.in_samples, opt.warmup_iters, opt.decay_iters = True, 8, cfg.consumed_before(cfg.train_iters)
     return cfg
