@@ -27,6 +27,7 @@ import dataclasses
 from typing import NamedTuple
 
 from megazero.core.errors import UsageError
+from megazero.parallel.pipeline.split import stage_layer_ranges
 
 
 class Coords(NamedTuple):
@@ -218,7 +219,8 @@ class Topology:
 
 
 def validate_model_fits(topology: Topology, *, num_layers: int, num_attention_heads: int,
-                        num_query_groups: int, ffn_hidden_size: int, virtual_stages: int = 1) -> None:
+                        num_query_groups: int, ffn_hidden_size: int, virtual_stages: int = 1,
+                        layer_split: list[int] | None = None) -> None:
     """Checks that the model divides evenly over the grid; raises UsageError naming the numbers."""
     tp, pp = topology.tp, topology.pp
     if num_attention_heads % tp:
@@ -230,9 +232,8 @@ def validate_model_fits(topology: Topology, *, num_layers: int, num_attention_he
     if ffn_hidden_size % tp:
         raise UsageError(f"--ffn-hidden-size {ffn_hidden_size} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
-    if num_layers % (pp * virtual_stages):
-        raise UsageError(f"--num-layers {num_layers} is not divisible by pipeline-parallel size {pp} x "
-                         f"virtual stages {virtual_stages} = {pp * virtual_stages}")
+    # the pipeline's own split: even (naming --pipeline-layer-split when it is not) or the one given
+    stage_layer_ranges(num_layers, pp, virtual_stages, layer_split)
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather")

@@ -68,16 +68,18 @@ class SavePolicy:
             if signalled:
                 reason = reason or self.signalled or "a signal another rank received"
         if self.saver is not None and ((self.save_interval and it % self.save_interval == 0) or reason):
-            self.save(state, consumed_samples, last=reason is not None or it == state.cfg.train_iters)
+            last = reason is not None or it == state.cfg.train_iters
+            why = f"stopping: {reason}" if reason else "final" if last else f"--save-interval {self.save_interval}"
+            self.save(state, consumed_samples, last=last, why=why)
         return reason
 
-    def save(self, state, consumed_samples: int, last: bool = False) -> None:
+    def save(self, state, consumed_samples: int, last: bool = False, why: str = "") -> None:
         """Saves unless this iteration is saved already; a failed save is logged and training goes on,
         unless it is the `last` one or --exit-on-save-failure is set (then the SaveError ends the run)."""
         if self.saver is None or self.last_saved == state.iteration:
             return
         try:
-            self.saver.save(state, consumed_samples)
+            self.saver.save(state, consumed_samples, why)
         except SaveError as err:
             if last or self.exit_on_save_failure:
                 raise
@@ -88,5 +90,5 @@ class SavePolicy:
     def finish(self, state, consumed_samples: int) -> None:
         """End of training: the final save (if not just done), and any async save committed."""
         if self.saver is not None:
-            self.save(state, consumed_samples, last=True)
+            self.save(state, consumed_samples, last=True, why="final")
             self.saver.finalize()

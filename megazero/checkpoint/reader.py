@@ -17,11 +17,23 @@ import torch
 from safetensors import safe_open
 
 from megazero.parallel.layers import TPShard
-from .files import FORMAT_VERSION, METADATA, CheckpointError, latest_iteration_dir, read_json
+from .files import FORMAT_VERSION, METADATA, TOKENIZER_DIR, CheckpointError, latest_iteration_dir, read_json
 from .saver import crc32
 
 # GPTConfig fields that decide parameter names and shapes or the function the weights compute
 # (dropout, recompute, seq_length for rope models and the like may change between save and load).
+def tokenizer_flags(record: dict, folder: Path) -> str:
+    """The pretrain_gpt.py flags that rebuild the tokenizer a checkpoint keeps in `folder`."""
+    kind = record["type"]
+    if kind == "SentencePieceTokenizer":
+        return f"--tokenizer-type {kind} --tokenizer-model {folder / 'tokenizer.model'}"
+    if kind == "GPT2BPETokenizer":
+        return f"--tokenizer-type {kind} --vocab-file {folder / 'vocab.json'} --merge-file {folder / 'merges.txt'}"
+    if kind == "HuggingFaceTokenizer":
+        return f"--tokenizer-type {kind} --tokenizer-model {folder}"
+    return f"--tokenizer-type {kind} --vocab-size {record['vocab_size']}"
+
+
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                        "num_query_groups", "kv_channels", "ffn_hidden_size", "position_embedding",
                        "activation", "gelu_approximate", "normalization", "norm_epsilon",
@@ -145,5 +157,11 @@ class CheckpointReader:
         for field in ARCHITECTURE_FIELDS:
             mine = getattr(model_config, field)
             if field in saved and saved[field] != mine:
+                fix = "load a checkpoint of the same model"
+                record = self.metadata.get("tokenizer")
+                if field == "vocab_size" and record:      # most often: the tokenizer flags left out
+                    fix = (f"the checkpoint keeps the tokenizer it was trained with ({record['type']}, "
+                           f"vocab {record['vocab_size']}): pass "
+                           f"{tokenizer_flags(record, self.path / TOKENIZER_DIR)}")
                 raise CheckpointError(f"{where} {self.path}: saved model has {field}={saved.get(field)!r}, "
-                                      f"this run has {mine!r}; load a checkpoint of the same model")
+                                      f"this run has {mine!r}; {fix}")

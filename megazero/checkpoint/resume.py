@@ -57,9 +57,10 @@ def _schedule_differences(saved: dict, optimizer: OptimizerConfig) -> list[str]:
     return diffs
 
 
-def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig,
-                       reader: CheckpointReader) -> tuple[OptimizerConfig, str | None]:
-    """The optimizer settings a resume runs with, and a notice when the flags and checkpoint differed."""
+def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig, reader: CheckpointReader,
+                       train_iters: int | None = None) -> tuple[OptimizerConfig, str | None]:
+    """The optimizer settings a resume runs with, and a notice when the flags and checkpoint differed
+    (`train_iters`: this run's, named when the difference is the schedule it derives)."""
     saved = reader.metadata.get("optimizer")
     if saved is None or ck.finetune or not ck.load_optim:
         return optimizer, None
@@ -68,6 +69,16 @@ def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig,
         return optimizer, None
     described = ", ".join(diffs)
     if ck.scheduler_on_load == "check":
+        changed = [field for field in SCHEDULE if field in saved and saved[field] != getattr(optimizer, field)]
+        if changed and set(changed) <= set(optimizer.from_train_iters) and train_iters is not None:
+            saved_iters = reader.metadata.get("train_iters")
+            was = f" ({saved_iters})" if saved_iters is not None else ""
+            derived = ", ".join(f"{field.replace('_iters', '')} over {getattr(optimizer, field)} iterations "
+                                f"(checkpoint: {saved[field]})" for field in changed)
+            raise UsageError(f"--load {ck.load}: --train-iters {train_iters} differs from the checkpoint's "
+                             f"run{was}, and the lr schedule follows it ({derived}); train with the "
+                             f"checkpoint's --train-iters, or pass --override-opt_param-scheduler for the new "
+                             f"schedule or --use-checkpoint-opt_param-scheduler to keep the old one")
         raise UsageError(f"--load {ck.load}: the lr schedule differs from the checkpoint's: {described} (a "
                          f"changed --train-iters moves the decay); pass --override-opt_param-scheduler to "
                          f"use the flags' or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
@@ -79,7 +90,8 @@ def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig,
     return kept, f"lr schedule of the checkpoint (--use-checkpoint-opt_param-scheduler); the flags gave {described}"
 
 
-def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig) -> Resume:
+def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig,
+                 train_iters: int | None = None) -> Resume:
     """Validates --load and --save (no file is written): the checkpoint to load and the schedule to
     resume with."""
     reader, notice = None, None
@@ -99,7 +111,7 @@ def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, opt
                 raise UsageError(f"--global-batch-size {global_batch_size} differs from the checkpoint's "
                                  f"{saved_batch}; resuming reads samples where it stopped only with the "
                                  f"same global batch (or use --finetune)")
-            optimizer, notice = schedule_on_resume(ck, optimizer, reader)
+            optimizer, notice = schedule_on_resume(ck, optimizer, reader, train_iters)
     if ck.save is not None:
         check_writable_dir(ck.save, f"--save {ck.save}", "choose a folder you can write to")
         save = Path(ck.save)
@@ -140,7 +152,7 @@ def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say,
             "; RNG states not restored: another layout or device type, or --no-load-rng"
         say(f" loaded {what} from {reader.path} at iteration {reader.metadata['iteration']}{rng}")
     saver = (CheckpointSaver(ck.save, run_id, keep_last=ck.keep_last, async_save=ck.async_save,
-                             tokenizer=tokenizer) if ck.save is not None else None)
+                             tokenizer=tokenizer, say=say) if ck.save is not None else None)
     policy = SavePolicy(saver, ck.save_interval, ck.exit_interval, ck.exit_duration_mins,
                         ck.exit_signal_handler, ck.exit_signal, ck.exit_on_save_failure, say)
     return start_iteration, policy

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
                    "virtual_stages": cfg.parallel.virtual_stages, "layer_split": cfg.parallel.layer_split,
                    "zero_stage": cfg.zero.stage, "mics_shard_size": cfg.zero.mics_shard_size},
         "precision": {"bf16": cfg.precision.bf16, "fp16": cfg.precision.fp16},
-        "global_batch_size": cfg.global_batch_size,
+        "global_batch_size": cfg.global_batch_size, "train_iters": cfg.train_iters,
         "engine": {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps},
         "loss_scaler": engine.loss_scaler.state_dict(),
         "optimizer": cfg.optimizer.model_dump(),   # with the iteration: the lr schedule
@@ -145,17 +146,20 @@ class CheckpointSaver:
     a run without one)."""
 
     def __init__(self, save_dir: str | Path, run_id: str, keep_last: int = 0, async_save: bool = False,
-                 tokenizer: dict | None = None):
+                 tokenizer: dict | None = None, say=None):
         self.save_dir, self.run_id = Path(save_dir), run_id
         self.keep_last, self.async_save = keep_last, async_save
         self.tokenizer = tokenizer
+        self.say = say or (lambda line: None)      # the run's log: a line per committed checkpoint
         self._pending: dict | None = None
 
-    def save(self, state, consumed_samples: int) -> None:
+    def save(self, state, consumed_samples: int, why: str = "") -> None:
         """Saves the state after `state.iteration` steps (collective over the layout). Raises SaveError
         on every rank alike when the filesystem has no room for it (before anything is written) or a
-        rank fails to write; the previous checkpoint stays as it was either way."""
+        rank fails to write; the previous checkpoint stays as it was either way. `why` (periodic,
+        final, ...) goes into the line said once it is committed."""
         self.finalize()
+        started = time.monotonic()
         groups, iteration = state.groups, state.iteration
         tensors, index = collect_rank_state(state)
         index["run_id"] = self.run_id
@@ -163,7 +167,8 @@ class CheckpointSaver:
         if metadata is not None and self.tokenizer is not None:
             metadata["tokenizer"] = {**self.tokenizer, "files": sorted(self.tokenizer["files"])}
         need = self._bytes_to_write(tensors, index, metadata)
-        check_room(agree(RankReport(need, free_bytes(self.save_dir)), groups), self.save_dir, iteration)
+        room = agree(RankReport(need, free_bytes(self.save_dir)), groups)
+        check_room(room, self.save_dir, iteration)
         tmp = self.save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
         code = 0
         if groups.rank == 0:
@@ -175,11 +180,14 @@ class CheckpointSaver:
         # also the barrier after which the directory exists for everyone
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "create the temporary directory")
-        pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0}
+        pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0,
+                   "started": started, "bytes": sum(r.bytes_needed for r in room), "why": why}
         if self.async_save:
             thread = threading.Thread(target=self._write, args=(pending, tensors, index), daemon=True)
             pending["thread"] = thread
             thread.start()
+            self.say(f" saving checkpoint of iteration {iteration} into {self.save_dir} in the background "
+                     f"(--async-save): committed at the next save or the end")
         else:
             self._write(pending, tensors, index)
         self._pending = pending
@@ -236,6 +244,11 @@ class CheckpointSaver:
                       "commit the checkpoint")      # also: committed before anyone goes on
         if groups.rank == 0:
             remove_old(self.save_dir, self.keep_last)
+        why = f" ({pending['why']})" if pending["why"] else ""
+        took = time.monotonic() - pending["started"]
+        took = f"committed {took:.1f} s after its step" if "thread" in pending else f"{took:.1f} s"
+        self.say(f" saved checkpoint{why} of iteration {iteration}: "
+                 f"{self.save_dir / iteration_dir_name(iteration)} ({pending['bytes'] / 2**20:.1f} MiB, {took})")
 
     def _commit(self, tmp: Path, iteration: int, metadata: dict) -> int:
         """Rank 0: metadata.json, then the directory into place and `latest` at it; 0 or the errno of

@@ -75,16 +75,18 @@ TOP_LEVEL_BY_DESIGN = {
 }
 
 
-def load_deepspeed_config(path: str) -> DeepSpeedSettings:
+def load_deepspeed_config(path: str, flag: str = "--zero-config") -> DeepSpeedSettings:
+    """The DeepSpeed JSON at `path`, given by `flag` (named, as typed, in its errors)."""
     file = Path(path)
     if not file.is_file():
-        raise UsageError(f"--zero-config {path}: no such file; give a DeepSpeed JSON config")
+        raise UsageError(f"{flag} {path}: no such file; give a DeepSpeed JSON config")
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise UsageError(f"--zero-config {path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        raise UsageError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno}, column "
+                         f"{err.colno})") from None
     if not isinstance(data, dict):
-        raise UsageError(f"--zero-config {path}: expected a JSON object")
+        raise UsageError(f"{flag} {path}: expected a JSON object")
     return parse_deepspeed_config(data, str(path))
 
 

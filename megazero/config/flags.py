@@ -238,7 +238,7 @@ def _parallel_flags(p) -> None:
          help="Megatron-LM's name for ZeRO-1; stage 1 unless a stage is given")
     _add(g, "--overlap-grad-reduce", action="store_true",
          help="overlap gradient reduction with backward (zero_optimization.overlap_comm)",
-         shown="on at stage 3, else off")
+         shown="on at every stage; a DeepSpeed config's overlap_comm: false turns it off")
     _add(g, "--overlap-param-gather", action="store_true",
          help="overlap parameter gathers with compute (stage 3 prefetch)")
     _add(g, "--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed launch lines; no effect")

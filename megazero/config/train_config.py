@@ -49,6 +49,9 @@ class OptimizerConfig(Record):
     """Megatron's --decoupled-lr: the input embedding and the output layer follow the same schedule
     from this peak instead of `lr` (None: every parameter takes `lr`)."""
     decoupled_min_lr: Optional[float] = None     # their min_lr (None: min_lr)
+    from_train_iters: tuple[str, ...] = ()
+    """The schedule fields (warmup_iters, decay_iters) no flag set: derived from --train-iters, so a
+    resume with another --train-iters is refused naming that flag, not these."""
     in_samples: bool = False
     """warmup_iters and decay_iters count samples and the schedule is read at consumed samples
     (Megatron's sample-based schedule, which --rampup-batch-size needs)."""
@@ -138,6 +141,8 @@ class TrainConfig(Record):
     """torch.compile backend each transformer layer is compiled with (--compile); None: eager."""
     notes: list[str] = Field(default_factory=list)
     """Settings accepted without effect, one line each, for the driver to log once at start-up."""
+    batch_from: Optional[str] = None
+    """The DeepSpeed config (as the flag naming it) that set the batch sizes, for the start-up line."""
     rampup: Optional[BatchRamp] = None
     """--rampup-batch-size: the global batch of the first steps grows to global_batch_size."""
     run: RunOptions = Field(default_factory=RunOptions)

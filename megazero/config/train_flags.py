@@ -87,6 +87,7 @@ def _config_path(args) -> str | None:
         raise UsageError(f"--zero-config {args.zero_config} contradicts --deepspeed_config "
                          f"{args.deepspeed_config}; give the DeepSpeed config once")
     flag = "--zero-config" if args.zero_config else "--deepspeed_config"
+    args.zero_config_flag = flag       # how the user named the file, for its errors
     args.zero_config = args.zero_config or args.deepspeed_config
     if args.zero_config and not Path(args.zero_config).is_file():
         what = "is a directory" if Path(args.zero_config).is_dir() else "no such file"
@@ -105,7 +106,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     args.cuda_available = torch_cuda_available() if cuda_available is None else cuda_available
     config_path = _config_path(args)
     infer_tokenizer_type(args)
-    ds = load_deepspeed_config(config_path) if config_path else None
+    ds = load_deepspeed_config(config_path, args.zero_config_flag) if config_path else None
     merged = _merge(args, ds, config_path)
     if ds:      # keys standing for flags outside MERGED (schedule, recomputation, monitors) act as those flags
         for attr, value in flags_from_config(ds, vars(args), merged["lr"], config_path).items():
@@ -127,9 +128,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     virtual = _virtual_stages(args, topology)
     validate_model_fits(topology, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
                         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
-                        virtual_stages=1 if args.pipeline_layer_split else virtual)
+                        virtual_stages=virtual, layer_split=args.pipeline_layer_split)
     micro, glob = merged["micro_batch_size"], merged["global_batch_size"]
-    glob = _global_batch(micro, glob, topology.dp, ds)
+    glob = _global_batch(args, micro, glob, topology.dp, ds)
     microbatches = glob // (micro * topology.dp)
     _check_pipeline(args, topology, virtual, microbatches)
     if args.sequence_parallel and args.seq_length % topology.tp:
@@ -157,6 +158,11 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                      "runs the iterations with the ramp's batches and counts the lr schedule in samples "
                      "(iteration flags x --global-batch-size)")
     optimizer = _optimizer_config(args, ds, merged, train_iters, glob, ramp is not None)
+    warmup_steps = optimizer.warmup_iters // (glob if optimizer.in_samples else 1)
+    if "warmup_iters" not in optimizer.from_train_iters and warmup_steps > train_iters:
+        # refused by nobody (a recipe's smoke test with few --train-iters is normal), but never silent
+        notes.append(f"the lr warmup ({warmup_steps} iterations) is longer than the run (--train-iters "
+                     f"{train_iters}): the rate never reaches --lr {optimizer.lr}")
     if optimizer.decoupled_lr is not None and zero.zenflow is not None:
         raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
                          "CPU Adam steps one learning rate): drop one of them")
@@ -184,6 +190,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 heartbeat_minutes=_heartbeat_minutes(args)),
         precision=precision,
         micro_batch_size=micro, global_batch_size=glob, train_iters=train_iters,
+        batch_from=_batch_from(args, ds),
         eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
         log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
@@ -384,20 +391,37 @@ def _virtual_stages(args, topology: Topology) -> int:
     return args.num_layers // (per_stage * topology.pp)
 
 
-def _global_batch(micro: int, glob: int | None, dp: int, ds: DeepSpeedSettings | None) -> int:
+def _batch_from(args, ds: DeepSpeedSettings | None) -> str | None:
+    """The DeepSpeed config's flag and file when it set a batch size the flags did not."""
+    keys = {"micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
+            "gradient_accumulation_steps": None}
+    if ds and any(name in ds.values and flag_value is None for name, flag_value in keys.items()):
+        return f"{args.zero_config_flag} {args.zero_config}"
+    return None
+
+
+def _global_batch(args, micro: int, glob: int | None, dp: int, ds: DeepSpeedSettings | None) -> int:
+    """The global batch; a mismatch names each number as the user gave it (flag, or key and file)."""
+    def named(name: str, flag: str, value) -> str:
+        if flag and getattr(args, name, None) is not None or not (ds and name in ds.values):
+            return f"{flag} {value}"
+        return f"{ds.source(name)} = {value} ({args.zero_config})"
     if micro < 1:
-        raise UsageError(f"--micro-batch-size must be >= 1, got {micro}")
+        raise UsageError(f"{named('micro_batch_size', '--micro-batch-size', micro)}: must be >= 1")
     if glob is not None and glob < 1:
-        raise UsageError(f"--global-batch-size must be >= 1, got {glob}")
+        raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)}: must be >= 1")
     accumulation = ds.get("gradient_accumulation_steps") if ds else None
     if glob is None:
         glob = micro * dp * (accumulation or 1)
     elif accumulation is not None and glob != micro * dp * accumulation:
-        raise UsageError(f"train_batch_size/--global-batch-size {glob} != micro batch {micro} x "
-                         f"gradient_accumulation_steps {accumulation} x data-parallel size {dp}")
+        raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)} != "
+                         f"{named('micro_batch_size', '--micro-batch-size', micro)} x "
+                         f"{named('gradient_accumulation_steps', '', accumulation)} x data-parallel size {dp}; "
+                         f"DeepSpeed's rule: train_batch_size = micro batch x accumulation x data-parallel size")
     if glob % (micro * dp):
-        raise UsageError(f"--global-batch-size {glob} is not divisible by --micro-batch-size {micro} x "
-                         f"data-parallel size {dp} = {micro * dp}")
+        raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)} is not divisible by "
+                         f"{named('micro_batch_size', '--micro-batch-size', micro)} x data-parallel size "
+                         f"{dp} = {micro * dp}")
     return glob
 
 
@@ -470,6 +494,9 @@ def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_it
         raise UsageError(f"--decoupled-lr {args.decoupled_lr} is below its minimum "
                          f"{decoupled_min if decoupled_min is not None else min_lr} (--decoupled-min-lr, else "
                          f"--min-lr); the rate decays from the peak to the minimum")
+    derived = (("warmup_iters",) if not warmups else ()) + \
+        (("decay_iters",) if args.lr_decay_iters is None and args.lr_decay_samples is None else ())
     return OptimizerConfig(lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay_iters,
+                           from_train_iters=derived,
                            decay_style=args.lr_decay_style, adam=adam, clip_grad=merged["clip_grad"],
                            decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples)

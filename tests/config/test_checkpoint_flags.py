@@ -19,9 +19,16 @@ def _iterations(metrics: Path) -> list[int]:
 
 def test_save_resume_exit_interval_and_keep_last(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, _ = _main(TINY + ["--train-iters", "8", "--save", "ck", "--save-interval", "2",
-                            "--ckpt-keep-last", "2", "--exit-interval", "5", "--metrics-file", "a.jsonl"], capsys)
+    code, out = _main(TINY + ["--train-iters", "8", "--save", "ck", "--save-interval", "2",
+                              "--ckpt-keep-last", "2", "--exit-interval", "5", "--metrics-file", "a.jsonl"], capsys)
     assert code == 0
+    # every save says what it wrote, why and where; the last line says how to go on
+    saves = [line for line in out.out.splitlines() if "saved checkpoint" in line]
+    assert [line.split(" MiB")[0].rsplit(" (", 1)[0] for line in saves] == [
+        " saved checkpoint (--save-interval 2) of iteration 2: ck/iter_0000002",
+        " saved checkpoint (--save-interval 2) of iteration 4: ck/iter_0000004",
+        " saved checkpoint (stopping: --exit-interval 5) of iteration 5: ck/iter_0000005"], saves
+    assert out.out.splitlines()[-1].endswith("checkpoints in ck (go on with --load ck)")
     assert _iterations(tmp_path / "a.jsonl") == [1, 2, 3, 4, 5], "stops after the multiple of 5"
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["iter_0000004", "iter_0000005", "latest"]
     code, out = _main(TINY + ["--train-iters", "8", "--save", "ck", "--load", "ck",
@@ -38,6 +45,15 @@ def test_save_resume_exit_interval_and_keep_last(tmp_path, capsys, monkeypatch):
     (["--save-interval", "2"], "need --save FOLDER"),
     (["--finetune"], "need --load FOLDER"),
     (["--load", "other", "--hidden-size", "32"], "hidden_size=64, this run has 32"),
+    # the tokenizer flags left out: the checkpoint's own tokenizer is named, with the flags for it
+    (["--load", "other", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
+     "the checkpoint keeps the tokenizer it was trained with (SentencePieceTokenizer, vocab 8192): pass "
+     "--tokenizer-type SentencePieceTokenizer --tokenizer-model other/iter_0000001/tokenizer/tokenizer.model"),
+    # a longer run: the flag the user changed is named, not the decay it derives
+    (["--load", "other", "--train-iters", "3"], "--train-iters 3 differs from the checkpoint's run (1), and "
+     "the lr schedule follows it (decay over 3 iterations (checkpoint: 1))"),
+    (["--load", "other", "--lr-decay-iters", "3"], "the lr schedule differs from the checkpoint's: "
+     "--lr-decay-iters 3 (checkpoint: 1)"),
 ])
 def test_bad_checkpoint_flags_fail_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)

@@ -106,27 +106,67 @@ def test_bad_flag_process_exits_2_without_traceback():
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_threads_are_the_cores_per_local_rank_unless_omp_num_threads_says(monkeypatch):
-    """torch's intra-op threads: the machine's cores shared by the node's ranks (4 ranks of 8 cores:
-    2 each), unless OMP_NUM_THREADS is set (torchrun sets 1, a user their own), which torch took at
-    import and the launch keeps. (Planted: ignoring the variable fails the last check.)"""
+def test_threads_are_the_idle_cores_per_local_rank_unless_omp_num_threads_says(monkeypatch):
+    """torch's intra-op threads: the cores other work leaves idle shared by the node's ranks (4 ranks
+    of 8 idle cores: 2 each; with a load of 4.3 on them, 1 each), unless OMP_NUM_THREADS is set
+    (torchrun sets 1, a user their own), which torch took at import and the launch keeps; the
+    start-up line says which. (Planted: ignoring the variable fails the last check; ignoring the
+    load fails the second.)"""
     import torch
     from megazero import pretrain
     monkeypatch.setattr(pretrain, "check_machine", lambda *args: None)      # the world is not real here
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(launch, "usable_cores", lambda: 8)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     argv = ["--num-layers", "2", "--hidden-size", "64"]
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        pretrain.configure(argv, launch.Launch())
-        assert torch.get_num_threads() == 2
+        for load, threads in ((0.2, 2), (4.3, 1)):
+            monkeypatch.setattr(launch.os, "getloadavg", lambda: (load, load, load))
+            run = launch.Launch()
+            pretrain.configure(argv, run)
+            assert torch.get_num_threads() == threads
+            assert run.threads.startswith(f"threads={threads} (of 8 cores, load {load:.1f}, 4 ranks here")
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         torch.set_num_threads(3)
-        pretrain.configure(argv, launch.Launch())
-        assert torch.get_num_threads() == 3
+        run = launch.Launch()
+        pretrain.configure(argv, run)
+        assert torch.get_num_threads() == 3 and run.threads == "threads=3 (OMP_NUM_THREADS)"
     finally:
         torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("cores,ranks,load,threads", [
+    (2, 1, 0.3, 2), (2, 1, 0.8, 1), (2, 1, 12.0, 1), (8, 4, 0.0, 2), (16, 2, 6.6, 4), (8, 16, 0.0, 1)])
+def test_default_threads(cores, ranks, load, threads):
+    assert launch.default_threads(cores, ranks, load) == threads
+
+
+def test_start_up_lines_say_the_batch_a_deepspeed_config_resolved_to(tmp_path, capsys, monkeypatch):
+    """The global batch, micro batch and accumulation steps as they resolved, naming the config
+    that set them; the thread count; the run folder and where checkpoints go."""
+    from tests.driver import TINY, run_main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}))
+    code, out = run_main(TINY + ["--train-iters", "1", "--deepspeed_config", "ds.json", "--run-dir", "r"], capsys)
+    assert code == 0, out.err
+    lines = out.out.splitlines()
+    assert lines[0].startswith(" megazero: world=1") and lines[0].endswith("threads=1 (OMP_NUM_THREADS)")
+    assert lines[1] == (" batch: global 8 samples = micro batch 2 x data-parallel 1 x 4 accumulation steps "
+                        "(set by --deepspeed_config ds.json); 1 iteration, 64 tokens a sample")
+    assert lines[2] == " run folder: r (metrics.jsonl); checkpoints: none (no --save)"
+
+
+def test_overlap_help_says_the_default_the_engine_takes(capsys):
+    """--help's default of --overlap-grad-reduce is what ZeroConfig does at every stage (it once
+    said "on at stage 3, else off" while every stage overlapped)."""
+    from megazero.config.train_flags import config_from_args, parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    said = help_text.split("--overlap-grad-reduce", 1)[1].split("(default: ", 1)[1].split(")")[0]
+    assert said.startswith("on at every stage")
+    assert all(config_from_args(parse_args(["--zero-stage", str(stage)])).zero.overlap for stage in range(4))
 
 
 def _losses(metrics: Path, split="train"):

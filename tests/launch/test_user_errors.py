@@ -166,6 +166,20 @@ ROWS = [
     ("world-size-without-launcher", lambda f: [], {"WORLD_SIZE": "2"}, ["WORLD_SIZE=2", "torchrun"], []),
     ("vocab-divisor-zero", lambda f: ["--make-vocab-size-divisible-by", "0"], {},
      ["--make-vocab-size-divisible-by must be >= 1"], []),
+    # each names what the user wrote (the file, the flag as typed) and the way out
+    ("layers-not-divisible-by-pp", lambda f: ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+     {"WORLD_SIZE": "2"}, ["--num-layers 3 is not divisible", "--pipeline-layer-split with 2 counts"], []),
+    ("layer-split-not-summing", lambda f: ["--num-layers", "3", "--pipeline-model-parallel-size", "2",
+                                           "--pipeline-layer-split", "1", "1"],
+     {"WORLD_SIZE": "2"}, ["--pipeline-layer-split [1, 1]", "summing to --num-layers 3"], []),
+    ("deepspeed-batch-not-divisible", lambda f: ["--deepspeed_config", f.ds({"train_batch_size": 7,
+                                                                           "train_micro_batch_size_per_gpu": 4})],
+     {}, ["train_batch_size = 7 (", "ds.json)", "train_micro_batch_size_per_gpu = 4"], ["--global-batch-size"]),
+    ("deepspeed-accumulation-mismatch", lambda f: ["--zero-config", f.ds({
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3})],
+     {}, ["train_batch_size = 16 (", "gradient_accumulation_steps = 3 (", "ds.json)"], []),
+    ("deepspeed-config-not-json", lambda f: ["--deepspeed_config", f.file("bad.json", "{bad")], {},
+     ["--deepspeed_config", "bad.json: not valid JSON", "column 2"], ["--zero-config"]),
 ]
 # Permission rows: root writes and reads through mode bits, so these only mean something for others.
 AS_USER = [

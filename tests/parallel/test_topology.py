@@ -125,3 +125,15 @@ def test_model_that_does_not_divide_over_the_grid(kwargs, flag):
     with pytest.raises(UsageError) as err:
         validate_model_fits(topo, **kwargs)
     assert flag in str(err.value)
+
+
+def test_layers_that_do_not_divide_need_a_layer_split():
+    """3 layers on 2 stages: refused naming --pipeline-layer-split, accepted with one (the check once
+    refused any count not divisible by pp, split or not)."""
+    topo = Topology(world_size=2, pp=2)
+    sizes = dict(num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64)
+    with pytest.raises(UsageError, match="--pipeline-layer-split with 2 counts"):
+        validate_model_fits(topo, num_layers=3, **sizes)
+    validate_model_fits(topo, num_layers=3, layer_split=[1, 2], **sizes)
+    with pytest.raises(UsageError, match=r"--pipeline-layer-split \[2, 2\] must have 2 positive counts summing"):
+        validate_model_fits(topo, num_layers=3, layer_split=[2, 2], **sizes)
