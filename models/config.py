@@ -1,7 +1,7 @@
 """The GPT model's shape and options, as one typed record (no parallel layout in here).
 
 Invalid shapes raise ValueError with the offending flag named; the driver turns it into a one-line error.
-Field meanings follow Megatron-LM's flags of the same name (README's flag table).
+Field meanings follow Megatron-LM's flags of the same name (docs/flags.md).
 """
 from __future__ import annotations
 

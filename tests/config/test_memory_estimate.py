@@ -3,7 +3,6 @@ engine's own memory.report() over a grid of layouts (tp, pp, dp, stage, bf16, Mi
 the planned total within 10% of the measured peak of the processes for a few of them, and
 tools/plan_memory.py's output and layout search."""
 import importlib.util
-import math
 import sys
 from pathlib import Path
 

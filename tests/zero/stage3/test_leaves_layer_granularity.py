@@ -80,7 +80,7 @@ def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist
     # layer unit all at once; the bytes differ only by each unit's padding to the shard count. Over
     # the 4 layers, with the word and the position embedding units of their own either way (the
     # tied output head uses the word embedding's unit; norms and biases are persistent): 4 + 2
-    # all-gathers per step against 4 x 4 + 2 (the figure README.md and docs/zero.md quote).
+    # all-gathers per step against 4 x 4 + 2 (the figure docs/zero.md quotes).
     calls = (layer["gather_calls"], module["gather_calls"])
     assert calls == (6, 18), calls
     assert layer["gather_bytes"] == pytest.approx(module["gather_bytes"], rel=0.01)
