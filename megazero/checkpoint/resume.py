@@ -73,8 +73,9 @@ def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig, reader:
         if changed and set(changed) <= set(optimizer.from_train_iters) and train_iters is not None:
             saved_iters = reader.metadata.get("train_iters")
             was = f" ({saved_iters})" if saved_iters is not None else ""
-            derived = ", ".join(f"{field.replace('_iters', '')} over {getattr(optimizer, field)} iterations "
-                                f"(checkpoint: {saved[field]})" for field in changed)
+            derived = ", ".join(f"{field.replace('_iters', '')} over {getattr(optimizer, field)} iteration"
+                                f"{'s' if getattr(optimizer, field) != 1 else ''} (checkpoint: {saved[field]})"
+                                for field in changed)
             raise UsageError(f"--load {ck.load}: --train-iters {train_iters} differs from the checkpoint's "
                              f"run{was}, and the lr schedule follows it ({derived}); train with the "
                              f"checkpoint's --train-iters, or pass --override-opt_param-scheduler for the new "

@@ -286,5 +286,10 @@ def test_tensor_parallel_matches_the_single_device_model(dist_pool):
     expected = {n: p.detach() for n, p in model.named_parameters()}
     assert_same_losses(results[0]["losses"], losses, "tp 2: loss")
     assert_same_losses(results[0]["norms"], norms, "tp 2: grad norm")
+    # The parameters at the project's exactness bar (1e-5), not the 1e-6 of the one-device layouts:
+    # tp 2 sums row-parallel outputs and replicated norms' gradients in another order, and on one
+    # machine (AMD EPYC) a single element of a norm bias, whose gradient is near zero so that Adam
+    # normalises its noise, ended 2.1e-8 away (1.1e-6 of the tensor; every other element < 5e-9).
+    # Losses and norms keep the 1e-6 bar (planted: weight decay on biases fails there, 4.75e-6 at step 3).
     assert_same_params(without_key_bias(assemble_params(results), cfg.model),
-                       without_key_bias(expected, cfg.model), "tp 2: final parameters")
+                       without_key_bias(expected, cfg.model), "tp 2: final parameters", rtol=1e-5)
