@@ -46,6 +46,9 @@ def pretrain(cfg, launch, device, resume, progress, groups=None) -> None:
     _say_setup(state, resume, metrics.say)
     start_iteration, policy = start_checkpoint(state, cfg.checkpoint, resume.reader if resume else None,
                                                metrics.say, data.tokenizer)
+    if start_iteration >= cfg.train_iters:
+        metrics.say(f" the checkpoint is at iteration {start_iteration}: --train-iters {cfg.train_iters} "
+                    f"is done; raise --train-iters to train on")
     metrics.say(" model states per rank (MiB): " + ", ".join(
         f"{k}={v / 2**20:.1f}" for k, v in state.engine.memory.report().items()))
     try:

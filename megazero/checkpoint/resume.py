@@ -156,4 +156,7 @@ def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say,
                              tokenizer=tokenizer, say=say) if ck.save is not None else None)
     policy = SavePolicy(saver, ck.save_interval, ck.exit_interval, ck.exit_duration_mins,
                         ck.exit_signal_handler, ck.exit_signal, ck.exit_on_save_failure, say)
+    if reader is not None and not ck.finetune and ck.save is not None and \
+            Path(ck.save).resolve() == Path(reader.path).resolve().parent:
+        policy.last_saved = start_iteration     # the checkpoint just loaded: not written again
     return start_iteration, policy

@@ -36,6 +36,13 @@ def test_save_resume_exit_interval_and_keep_last(tmp_path, capsys, monkeypatch):
     assert code == 0 and "loaded weights and optimizer from ck/iter_0000005" in out.out
     assert _iterations(tmp_path / "b.jsonl") == [6, 7, 8]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "iter_0000008"
+    # the same line again (the README's main job run twice): nothing to train, nothing rewritten
+    written = (tmp_path / "ck" / "iter_0000008" / "metadata.json").stat().st_mtime_ns
+    code, out = _main(TINY + ["--train-iters", "8", "--save", "ck", "--load", "ck",
+                              "--metrics-file", "c.jsonl"], capsys)
+    assert code == 0 and "--train-iters 8 is done; raise --train-iters to train on" in out.out
+    assert "saved checkpoint" not in out.out, out.out
+    assert (tmp_path / "ck" / "iter_0000008" / "metadata.json").stat().st_mtime_ns == written
 
 
 @pytest.mark.parametrize("argv,message", [
