@@ -1,0 +1,120 @@
+"""Across hosts (tests/hosts.py: network namespaces joined by a bridge, torchrun on each): 2 hosts x 2
+ranks train exactly as one host's 4 ranks (TP 2 x ZeRO-3 with a static rendezvous, PP 2 x ZeRO-1 with
+c10d; fp32 losses, gradient norms and the saved checkpoint to rtol 1e-5), the checkpoint written by
+both hosts to one shared path; a host whose name resolves to loopback is refused in one line before
+anything connects; a host killed (kill -9 of its whole tree) or cut off (its link down: no process
+ends, no socket closes) ends the job on the other host within --distributed-timeout-minutes, in one
+line naming the lost host and its ranks, and the checkpoint saved before still loads."""
+import json
+import time
+
+import pytest
+import torch
+
+from megazero.checkpoint import CheckpointReader
+from tests.hosts import Hosts, wait_all
+
+TIMEOUT_MINUTES = 0.5                 # the heartbeat's is half: 15 s
+MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "2",
+         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
+         "--global-batch-size", "4", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
+         "--num-workers", "0", "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
+_ports = iter(range(29520, 29600))
+
+
+@pytest.fixture(scope="module")
+def made():
+    with Hosts(2) as hosts:
+        yield hosts
+
+
+@pytest.fixture
+def hosts(made):
+    yield made
+    made.reset()
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)
+            if "loss" in r and r.get("split", "train") == "train"]
+
+
+def _errors(log) -> list[str]:
+    return [line for line in log.read_text(errors="replace").splitlines() if line.startswith("error: ")]
+
+
+def _no_worker_traceback(log) -> None:
+    text = log.read_text(errors="replace")
+    assert 'pretrain_gpt.py", line' not in text, text[-3000:]       # every worker traceback passes there
+
+
+@pytest.mark.parametrize("layout,rdzv", [(["--tensor-model-parallel-size", "2", "--zero-stage", "3"], "static"),
+                                         (["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], "c10d")],
+                         ids=["tp2-zero3-static", "pp2-zero1-c10d"])
+def test_two_hosts_train_as_one(hosts, tmp_path, layout, rdzv):
+    flags = MODEL + layout + ["--train-iters", "4"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    job = hosts.torchrun(0, 1, 4, flags + ["--run-dir", str(one), "--save", str(one / "ckpt")], tmp_path / "one.log",
+                         rdzv=rdzv, port=next(_ports))
+    assert wait_all([job], 300)[0][0] == 0, (tmp_path / "one.log").read_text()[-3000:]
+    port = next(_ports)
+    jobs = [hosts.torchrun(k, 2, 2, flags + ["--run-dir", str(two), "--save", str(two / "ckpt")],
+                           tmp_path / f"two{k}.log", rdzv=rdzv, port=port) for k in range(2)]
+    ends = wait_all(jobs, 300)
+    assert [code for code, _ in ends] == [0, 0], (tmp_path / "two1.log").read_text()[-3000:]
+    expected, got = _losses(one), _losses(two)
+    assert [r[0] for r in got] == [1, 2, 3, 4] == [r[0] for r in expected]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    print(f"across hosts ({rdzv}): {'bitwise' if got == expected else 'within rtol 1e-5'} of one host")
+    reference, saved = CheckpointReader(one / "ckpt"), CheckpointReader(two / "ckpt")   # every rank's file, CRCs
+    assert saved.names == reference.names
+    for name in reference.names:
+        torch.testing.assert_close(saved.full_tensor(name), reference.full_tensor(name), rtol=1e-5, atol=0)
+
+
+def test_a_loopback_host_name_is_refused_before_connecting(hosts, tmp_path):
+    hosts.set_names(loopback=True)             # mzh0 -> 127.0.1.1 on host 0, as Debian's /etc/hosts has it
+    port = next(_ports)
+    jobs = [hosts.torchrun(k, 2, 2, MODEL + ["--train-iters", "2", "--run-dir", str(tmp_path / "run")],
+                           tmp_path / f"{k}.log", port=port) for k in range(2)]
+    ends = wait_all(jobs, 120)
+    assert [code for code, _ in ends] == [1, 1], ends
+    assert max(t for _, t in ends) < 60, ends       # ends at once: no connection attempt, no timeout
+    [line] = _errors(tmp_path / "0.log")
+    assert line.startswith("error: this job spans hosts but host mzh0's process-group address is 127.0.1.1, a "
+                           "loopback address (the host name mzh0 resolves to it)"), line
+    assert "set GLOO_SOCKET_IFNAME to this host's network interface (here: eth0 10.77.0.1)" in line, line
+    for k in range(2):
+        log = (tmp_path / f"{k}.log").read_text()
+        _no_worker_traceback(tmp_path / f"{k}.log")
+        assert "exitcode  : 2" in log and line[len("error: "):] in log        # torchrun's summary shows it
+    print(f"loopback refusal: ends after {max(t for _, t in ends):.1f} s")
+
+
+@pytest.mark.parametrize("how", ["kill", "cut"])
+def test_a_lost_host_is_named_within_the_timeout(hosts, tmp_path, how):
+    save = tmp_path / "ckpt"
+    flags = MODEL + ["--zero-stage", "3", "--train-iters", "1000", "--save-interval", "2", "--save", str(save),
+                     "--run-dir", str(tmp_path / "run")]
+    port = next(_ports)
+    jobs = [hosts.torchrun(k, 2, 2, flags, tmp_path / f"{k}.log", port=port) for k in range(2)]
+    start = time.monotonic()
+    while not (save / "latest").exists():
+        assert time.monotonic() - start < 300 and jobs[0].poll() is None, (tmp_path / "0.log").read_text()[-3000:]
+        time.sleep(0.2)
+    (hosts.kill if how == "kill" else hosts.cut)(1)
+    ends = wait_all(jobs if how == "cut" else jobs[:1], 10 * 60 * TIMEOUT_MINUTES)
+    assert all(code == 1 for code, _ in ends), ends
+    assert max(t for _, t in ends) < 60 * TIMEOUT_MINUTES, ends
+    [line] = _errors(tmp_path / "0.log")
+    assert "host mzh1 (ranks 2, 3)" in line, line
+    _no_worker_traceback(tmp_path / "0.log")
+    if how == "cut":             # the cut-off host ends too, and says why
+        [own] = _errors(tmp_path / "1.log")
+        assert "the launch's store has not answered" in own and "cut off" in own, own
+        _no_worker_traceback(tmp_path / "1.log")
+    reader = CheckpointReader(save)                    # what was saved before is whole (every CRC read)
+    for name in reader.names:
+        reader.full_tensor(name)
+    print(f"lost host ({how}): other hosts end {', '.join(f'{t:.1f}' for _, t in ends)} s after")
