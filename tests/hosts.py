@@ -170,3 +170,19 @@ def wait_all(jobs, timeout: float) -> list[tuple[int | None, float]]:
                 ended[i] = (job.returncode, time.monotonic() - start)
         time.sleep(0.1)
     return [ended.get(i, (None, time.monotonic() - start)) for i in range(len(jobs))]
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def workers(job: subprocess.Popen) -> list[int]:
+    """The pids (as this machine's root namespace sees them) of the workers under a host's torchrun."""
+    torchrun = children(job.pid)              # unshare -> its child, torchrun (pid 1 on the host)
+    return sorted(p for t in torchrun for p in children(t))

@@ -4,15 +4,18 @@ c10d; fp32 losses, gradient norms and the saved checkpoint to rtol 1e-5), the ch
 both hosts to one shared path; a host whose name resolves to loopback is refused in one line before
 anything connects; a host killed (kill -9 of its whole tree) or cut off (its link down: no process
 ends, no socket closes) ends the job on the other host within --distributed-timeout-minutes, in one
-line naming the lost host and its ranks, and the checkpoint saved before still loads."""
+line naming the lost host and its ranks, and the checkpoint saved before still loads; with
+--max-restarts 1 and c10d a worker killed on one host restarts both hosts, which resume exactly."""
 import json
+import os
+import signal
 import time
 
 import pytest
 import torch
 
 from megazero.checkpoint import CheckpointReader
-from tests.hosts import Hosts, wait_all
+from tests.hosts import Hosts, wait_all, workers
 
 TIMEOUT_MINUTES = 0.5                 # the heartbeat's is half: 15 s
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "2",
@@ -118,3 +121,33 @@ def test_a_lost_host_is_named_within_the_timeout(hosts, tmp_path, how):
     for name in reader.names:
         reader.full_tensor(name)
     print(f"lost host ({how}): other hosts end {', '.join(f'{t:.1f}' for _, t in ends)} s after")
+
+
+def _curve(run_dir) -> dict:
+    """Iteration -> (loss, grad norm), the last record of each winning (a restarted attempt repeats some)."""
+    return {i: (loss, norm) for i, loss, norm in _losses(run_dir)}
+
+
+def test_a_restart_across_hosts_resumes_to_the_straight_curve(hosts, tmp_path):
+    """torchrun --max-restarts 1 --rdzv-backend c10d on both hosts, --save D --load D: kill -9 of one
+    worker of host 1 restarts both hosts' workers, which resume from D and finish on the straight
+    (one-host) fp32 curve bitwise."""
+    flags = MODEL + ["--zero-stage", "3", "--train-iters", "8"]
+    straight, broken, save = tmp_path / "straight", tmp_path / "broken", tmp_path / "ckpt"
+    job = hosts.torchrun(0, 1, 4, flags + ["--run-dir", str(straight)], tmp_path / "straight.log", port=next(_ports))
+    flags += ["--save-interval", "2"]
+    assert wait_all([job], 300)[0][0] == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    port, restart = next(_ports), ["--max-restarts", "1", "--monitor-interval", "1"]
+    jobs = [hosts.torchrun(k, 2, 2, flags + ["--run-dir", str(broken), "--save", str(save), "--load", str(save)],
+                           tmp_path / f"{k}.log", rdzv="c10d", port=port, extra=restart) for k in range(2)]
+    start = time.monotonic()
+    while not (save / "latest").exists() or (save / "latest").read_text().strip() < "iter_0000004":
+        assert time.monotonic() - start < 300 and jobs[0].poll() is None, (tmp_path / "0.log").read_text()[-3000:]
+        time.sleep(0.1)
+    os.kill(workers(jobs[1])[1], signal.SIGKILL)                 # rank 3
+    ends = wait_all(jobs, 300)
+    assert [code for code, _ in ends] == [0, 0], (tmp_path / "1.log").read_text()[-3000:]
+    assert "error: rank 2: lost rank 3 (its process ended) during " in (tmp_path / "1.log").read_text()
+    assert "loaded weights and optimizer from" in (tmp_path / "0.log").read_text()
+    assert sorted(_curve(straight)) == list(range(1, 9))
+    assert _curve(broken) == _curve(straight)
