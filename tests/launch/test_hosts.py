@@ -151,3 +151,15 @@ def test_a_restart_across_hosts_resumes_to_the_straight_curve(hosts, tmp_path):
     assert "loaded weights and optimizer from" in (tmp_path / "0.log").read_text()
     assert sorted(_curve(straight)) == list(range(1, 9))
     assert _curve(broken) == _curve(straight)
+
+
+def test_the_readme_slurm_script_runs_the_restart_tests_lines():
+    """README's two-node Slurm script carries the restart test's torchrun and pretrain_gpt.py flags."""
+    from tests.hosts import REPO
+    text = (REPO / "README.md").read_text()
+    script = text[text.index("#SBATCH --job-name=megazero-2n"):]
+    script = " ".join(script[:script.index("```")].replace("\\\n", " ").split())
+    launch = ("--nnodes 2 --rdzv-backend c10d --rdzv-endpoint \"$head:29500\" --rdzv-id \"$SLURM_JOB_ID\" "
+              "--nproc-per-node 2 --max-restarts 1 --monitor-interval 1 pretrain_gpt.py ")
+    flags = MODEL + ["--zero-stage", "3", "--train-iters", "8", "--save-interval", "2"]
+    assert launch + " ".join(flags) + " --run-dir " in script, script
