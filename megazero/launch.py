@@ -80,6 +80,18 @@ class Launch:
             backend, {name: env.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}, spanning)
         return problem
 
+    def cpu_optimizer_threads(self) -> int:
+        """The offloaded optimizer's CPU Adam threads where --cpu-optimizer-threads is not given:
+        MEGAZERO_CPU_OPTIMIZER_THREADS, else the node's cores per local rank. Not OMP_NUM_THREADS:
+        torchrun sets it to 1 for the training's threads, which would leave the CPU Adam one core."""
+        given = os.environ.get("MEGAZERO_CPU_OPTIMIZER_THREADS")
+        if given:
+            if not given.strip().isdigit() or int(given) < 1:
+                raise UsageError(f"MEGAZERO_CPU_OPTIMIZER_THREADS={given} must be a whole number >= 1 (the "
+                                 f"offloaded optimizer's CPU Adam threads); unset it for the cores per local rank")
+            return int(given)
+        return max(1, (os.cpu_count() or 1) // max(1, self.local_world))
+
     def process_group_store(self):
         """The store init_process_group builds the groups in: this attempt's, never the last one's."""
         import torch.distributed as dist
