@@ -101,8 +101,8 @@ def collective_in(tb) -> Collective | None:
     while tb is not None:
         frame = tb.tb_frame
         filename = frame.f_code.co_filename
-        if filename.endswith(_COMM_FILE) and not frame.f_code.co_name.startswith("<"):
-            comm_frame = frame          # a named function of the comm layer, not a lambda inside one
+        if filename.endswith(_COMM_FILE) and frame.f_code.co_name not in ("<lambda>", "_issue"):
+            comm_frame = frame          # the comm layer's collective, not the helper issuing it
         elif _TORCH_DISTRIBUTED in filename and torch_name is None and frame.f_code.co_name != "wrapper":
             torch_name = frame.f_code.co_name
         tb = tb.tb_next

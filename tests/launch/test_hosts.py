@@ -5,7 +5,8 @@ both hosts to one shared path; a host whose name resolves to loopback is refused
 anything connects; a host killed (kill -9 of its whole tree) or cut off (its link down: no process
 ends, no socket closes) ends the job on the other host within --distributed-timeout-minutes, in one
 line naming the lost host and its ranks, and the checkpoint saved before still loads; with
---max-restarts 1 and c10d a worker killed on one host restarts both hosts, which resume exactly."""
+--max-restarts 1 and c10d a worker killed on one host restarts both hosts, which resume exactly, and
+with --nnodes 1:2 a host lost for good leaves the other to resume alone, resharded."""
 import json
 import os
 import signal
@@ -128,29 +129,67 @@ def _curve(run_dir) -> dict:
     return {i: (loss, norm) for i, loss, norm in _losses(run_dir)}
 
 
-def test_a_restart_across_hosts_resumes_to_the_straight_curve(hosts, tmp_path):
-    """torchrun --max-restarts 1 --rdzv-backend c10d on both hosts, --save D --load D: kill -9 of one
-    worker of host 1 restarts both hosts' workers, which resume from D and finish on the straight
-    (one-host) fp32 curve bitwise."""
-    flags = MODEL + ["--zero-stage", "3", "--train-iters", "8"]
-    straight, broken, save = tmp_path / "straight", tmp_path / "broken", tmp_path / "ckpt"
-    job = hosts.torchrun(0, 1, 4, flags + ["--run-dir", str(straight)], tmp_path / "straight.log", port=next(_ports))
-    flags += ["--save-interval", "2"]
-    assert wait_all([job], 300)[0][0] == 0, (tmp_path / "straight.log").read_text()[-3000:]
-    port, restart = next(_ports), ["--max-restarts", "1", "--monitor-interval", "1"]
-    jobs = [hosts.torchrun(k, 2, 2, flags + ["--run-dir", str(broken), "--save", str(save), "--load", str(save)],
-                           tmp_path / f"{k}.log", rdzv="c10d", port=port, extra=restart) for k in range(2)]
+# No dropout: a checkpoint loaded at another layout (the resize) restores no RNG states, so dropout
+# would draw other masks there (the one-host restart test in test_operations.py keeps dropout on).
+RESTART_FLAGS = MODEL + ["--zero-stage", "3", "--train-iters", "8", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.fixture(scope="module")
+def straight(made, tmp_path_factory):
+    """Iteration -> (loss, grad norm) of one host's 4 ranks left alone, ZeRO-3, 8 iterations."""
+    run = tmp_path_factory.mktemp("straight")
+    job = made.torchrun(0, 1, 4, RESTART_FLAGS + ["--run-dir", str(run)], run / "log", port=next(_ports))
+    assert wait_all([job], 300)[0][0] == 0, (run / "log").read_text()[-3000:]
+    made.reset()
+    curve = _curve(run)
+    assert sorted(curve) == list(range(1, 9))
+    return curve
+
+
+def _start_then_break(hosts, tmp_path, nnodes, extra):
+    """Both hosts train RESTART_FLAGS with --save D --load D (c10d, one restart) until D holds
+    iteration 4 or later; returns the jobs and D."""
+    save = tmp_path / "ckpt"
+    flags = RESTART_FLAGS + ["--save-interval", "2", "--run-dir", str(tmp_path / "run"), "--save", str(save),
+                             "--load", str(save)]
+    port = next(_ports)
+    jobs = [hosts.torchrun(k, nnodes, 2, flags, tmp_path / f"{k}.log", rdzv="c10d", port=port,
+                           extra=["--max-restarts", "1", "--monitor-interval", "1", *extra]) for k in range(2)]
     start = time.monotonic()
     while not (save / "latest").exists() or (save / "latest").read_text().strip() < "iter_0000004":
         assert time.monotonic() - start < 300 and jobs[0].poll() is None, (tmp_path / "0.log").read_text()[-3000:]
         time.sleep(0.1)
+    return jobs
+
+
+def test_a_restart_across_hosts_resumes_to_the_straight_curve(hosts, tmp_path, straight):
+    """torchrun --max-restarts 1 --rdzv-backend c10d on both hosts, --save D --load D: kill -9 of one
+    worker of host 1 restarts both hosts' workers, which resume from D and finish on the straight
+    (one-host) fp32 curve bitwise."""
+    jobs = _start_then_break(hosts, tmp_path, 2, [])
     os.kill(workers(jobs[1])[1], signal.SIGKILL)                 # rank 3
     ends = wait_all(jobs, 300)
     assert [code for code, _ in ends] == [0, 0], (tmp_path / "1.log").read_text()[-3000:]
     assert "error: rank 2: lost rank 3 (its process ended) during " in (tmp_path / "1.log").read_text()
     assert "loaded weights and optimizer from" in (tmp_path / "0.log").read_text()
-    assert sorted(_curve(straight)) == list(range(1, 9))
-    assert _curve(broken) == _curve(straight)
+    assert _curve(tmp_path / "run") == straight
+
+
+def test_a_host_lost_for_good_resizes_the_job_and_resumes(hosts, tmp_path, straight):
+    """--nnodes 1:2: host 1 killed for good, host 0 restarts alone (world 2, dp 2 where it was 4),
+    loads the checkpoint resharded, and finishes the same global batches on the straight curve (rtol
+    1e-5: the dp sums run in another order)."""
+    jobs = _start_then_break(hosts, tmp_path, "1:2", ["--rdzv-conf", "last_call_timeout=2"])
+    hosts.kill(1)
+    [(code, _)] = wait_all(jobs[:1], 300)
+    log = (tmp_path / "0.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "world=4 tp=1 pp=1 dp=4" in log and "world=2 tp=1 pp=1 dp=2" in log, log[-3000:]
+    assert "loaded weights and optimizer from" in log
+    got = _curve(tmp_path / "run")
+    assert sorted(got) == sorted(straight)
+    torch.testing.assert_close(torch.tensor([got[i] for i in sorted(got)]),
+                               torch.tensor([straight[i] for i in sorted(straight)]), rtol=1e-5, atol=0)
 
 
 def test_the_readme_slurm_script_runs_the_restart_tests_lines():
@@ -161,5 +200,5 @@ def test_the_readme_slurm_script_runs_the_restart_tests_lines():
     script = " ".join(script[:script.index("```")].replace("\\\n", " ").split())
     launch = ("--nnodes 2 --rdzv-backend c10d --rdzv-endpoint \"$head:29500\" --rdzv-id \"$SLURM_JOB_ID\" "
               "--nproc-per-node 2 --max-restarts 1 --monitor-interval 1 pretrain_gpt.py ")
-    flags = MODEL + ["--zero-stage", "3", "--train-iters", "8", "--save-interval", "2"]
+    flags = RESTART_FLAGS + ["--save-interval", "2"]
     assert launch + " ".join(flags) + " --run-dir " in script, script
