@@ -170,7 +170,8 @@ def test_a_restart_across_hosts_resumes_to_the_straight_curve(hosts, tmp_path, s
     os.kill(workers(jobs[1])[1], signal.SIGKILL)                 # rank 3
     ends = wait_all(jobs, 300)
     assert [code for code, _ in ends] == [0, 0], (tmp_path / "1.log").read_text()[-3000:]
-    assert "error: rank 2: lost rank 3 (its process ended) during " in (tmp_path / "1.log").read_text()
+    # (rank 2's "lost rank 3" line is not asserted: torchrun, polling every second, may stop rank 2
+    # before it notices, which README documents; test_operations.py holds that line on one host.)
     assert "loaded weights and optimizer from" in (tmp_path / "0.log").read_text()
     assert _curve(tmp_path / "run") == straight
 
