@@ -52,13 +52,14 @@ class Interrupts:
             raise KeyboardInterrupt
 
 
-def process_identity() -> str:
-    """This process as a peer can look it up: host, PID namespace, PID."""
+def process_identity(address: str | None = None) -> str:
+    """This process as a peer can look it up: host, PID namespace, PID, and the address its process
+    group offers (to name the rank behind an address in a connection's error)."""
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = ""
-    return json.dumps({"host": socket.gethostname(), "ns": namespace, "pid": os.getpid()})
+    return json.dumps({"host": socket.gethostname(), "ns": namespace, "pid": os.getpid(), "address": address})
 
 
 def peer_state(identity: str | None) -> str | None:
@@ -100,8 +101,8 @@ def collective_in(tb) -> Collective | None:
     while tb is not None:
         frame = tb.tb_frame
         filename = frame.f_code.co_filename
-        if filename.endswith(_COMM_FILE):
-            comm_frame = frame
+        if filename.endswith(_COMM_FILE) and frame.f_code.co_name not in ("<lambda>", "_issue"):
+            comm_frame = frame          # the comm layer's collective, not the helper issuing it
         elif _TORCH_DISTRIBUTED in filename and torch_name is None and frame.f_code.co_name != "wrapper":
             torch_name = frame.f_code.co_name
         tb = tb.tb_next
@@ -118,6 +119,54 @@ def _first_line(err: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\]\s*", "", text)        # gloo's "[.../pair.cc:537] " source prefix
 
 
+_REMOTE = re.compile(r"remote=\[([^\]]+)\]:(\d+)|peer \[([^\]]+)\]:(\d+)")
+_CONNECT = re.compile(r"SO_ERROR: ([^,]+), remote=\[([^\]]+)\]:(\d+)")
+
+
+def host_ranks(peers: dict[int, str | None], host: str) -> list[int]:
+    """The ranks registered on `host` (this rank's own not among `peers`)."""
+    return sorted(r for r, identity in peers.items() if identity and json.loads(identity)["host"] == host)
+
+
+def describe_host(peers: dict[int, str | None], rank: int) -> str | None:
+    """ "host H (ranks a, b)" for the host `rank` registered from, None when unknown."""
+    identity = peers.get(rank)
+    if identity is None:
+        return None
+    host = json.loads(identity)["host"]
+    return f"host {host} (ranks {', '.join(map(str, host_ranks(peers, host)))})"
+
+
+def _at_address(peers: dict[int, str | None], address: str) -> list[int]:
+    return sorted(r for r, identity in peers.items() if identity and json.loads(identity).get("address") == address)
+
+
+def _connect_line(err, rank: int, peers, collective: "Collective") -> str | None:
+    """A connection that could not be made (refused, unreachable): which rank, which address."""
+    found = _CONNECT.search(str(err))
+    if found is None:
+        return None
+    reason, address, port = found.groups()
+    ranks = _at_address(peers, address)
+    who = (f"rank {ranks[0]}" if len(ranks) == 1 else f"a rank of {describe_host(peers, ranks[0])}" if ranks
+           else "a peer")
+    return (f"rank {rank}: cannot connect to {who} at {address}:{port} ({reason.strip().lower()}) during "
+            f"{collective.describe()}")
+
+
+def _lost_host(err, peers, elsewhere: list[int]) -> str | None:
+    """The host a failed connection was with: the remote address the error names, else the one other
+    host among `elsewhere`."""
+    for found in _REMOTE.finditer(str(err)):
+        address = found.group(1) or found.group(3)
+        ranks = _at_address(peers, address)
+        if ranks:
+            return describe_host(peers, ranks[0])
+    hosts = {json.loads(peers[r])["host"] for r in elsewhere if peers.get(r)}
+    return describe_host(peers, elsewhere[0]) if len(hosts) == 1 and len(elsewhere) == sum(
+        1 for r in elsewhere if peers.get(r)) else None
+
+
 def peer_failure_line(err: BaseException, rank: int, peers: dict[int, str | None],
                       timeout_minutes: float) -> str | None:
     """The line for an error raised by a collective (None for any other error). `peers` maps every
@@ -125,6 +174,9 @@ def peer_failure_line(err: BaseException, rank: int, peers: dict[int, str | None
     collective = collective_in(err.__traceback__)
     if collective is None or not isinstance(err, RuntimeError):
         return None
+    connect = _connect_line(err, rank, peers, collective)
+    if connect is not None:          # gloo says "timed out connecting" for a refused connection too
+        return connect
     considered = [r for r in (collective.ranks or peers) if r != rank]
     states = {r: peer_state(peers.get(r)) for r in considered}
     timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
@@ -138,6 +190,9 @@ def peer_failure_line(err: BaseException, rank: int, peers: dict[int, str | None
         lost = ", ".join(f"rank {r} ({states[r]})" for r in culprits)
         return f"rank {rank}: lost {lost} during {collective.describe()}"
     elsewhere = [r for r, s in states.items() if s is None]
+    host = _lost_host(err, peers, elsewhere) if elsewhere else None
+    if host is not None:
+        return f"rank {rank}: lost {host}: {collective.describe()} failed ({_first_line(err)})"
     who = f"a peer among ranks {elsewhere} (on other hosts)" if elsewhere else "a peer"
     return f"rank {rank}: {collective.describe()} failed, {who} went away ({_first_line(err)})"
 

@@ -40,21 +40,28 @@ class Heartbeat:
     `end(line, code)` is the launch's agreement: (first?, line to show, exit code)."""
 
     def __init__(self, store, rank: int, world: int, timeout_s: float, activity, end, peers,
-                 error_file: str | None, interval_s: float | None = None, timeout_flag: str = ""):
+                 error_file: str | None, interval_s: float | None = None, timeout_flag: str = "",
+                 host_speaker: bool = True):
         self.store, self.rank, self.world, self.timeout = store, rank, world, timeout_s
         self.activity, self.end, self.peers, self.error_file = activity, end, peers, error_file
         self.interval = interval_s if interval_s is not None else min(10.0, max(0.5, timeout_s / 5))
         self.timeout_flag = timeout_flag
+        self.host_speaker = host_speaker             # prints the line when this host lost the store (local rank 0)
         self.watched = (rank + 1) % world
         self.count = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megazero-heartbeat", daemon=True)
         self._seen = (None, time.monotonic())       # the watched rank's last count, and when it changed
         self._store_down_since = None
+        self._answered = time.monotonic()           # when the store last answered this thread
+        self._guard = threading.Thread(target=self._guard_run, name="megazero-heartbeat-guard", daemon=True)
+        self._leaving = threading.Lock()
 
     def start(self) -> "Heartbeat":
         self._beat()
+        self._answered = time.monotonic()
         self._thread.start()
+        self._guard.start()
         return self
 
     def stop(self) -> None:
@@ -74,6 +81,7 @@ class Heartbeat:
                 self._beat()
                 line = self._check()
                 self._store_down_since = None
+                self._answered = time.monotonic()
             except (RuntimeError, ValueError) as err:        # the store did not answer
                 line = self._store_silent(err)
             if line is not None and not self._stop.is_set():
@@ -104,9 +112,12 @@ class Heartbeat:
         return self._silent_line(beat, now - since)
 
     def _silent_line(self, beat: dict, age: float):
-        state = failures.peer_state(self.peers().get(self.watched)) or "on another host"
+        peers = self.peers()
+        state = failures.peer_state(peers.get(self.watched))
+        host = failures.describe_host(peers, self.watched) if state is None else None
         mine, theirs = self.activity(), beat.get("last")
-        line = (f"rank {self.rank}: rank {self.watched} went silent ({state}): no heartbeat for {age:.0f} s"
+        where = f"on {host}: that host is lost or cut off" if host is not None else state or "on another host"
+        line = (f"rank {self.rank}: rank {self.watched} went silent ({where}): no heartbeat for {age:.0f} s"
                 f"{self.timeout_flag}; rank {self.rank} waited for it in {mine or 'no collective yet'}; rank "
                 f"{self.watched}'s last collective: {theirs or 'none yet'}")
         first, shown, code = self.end(line, failures.EXIT_FAILURE)
@@ -124,7 +135,27 @@ class Heartbeat:
                 f"(the host running torchrun's rendezvous is lost?): {first_line}")
         return line, failures.EXIT_FAILURE, True
 
+    def _guard_run(self) -> None:
+        """Watches the beating thread itself: on a cut link no socket closes and a store request can
+        wait for good (the store's client timeout bounds waits for keys, not a reply that never
+        comes), so a thread blocked in one is noticed here, from its last answer."""
+        while not self._stop.wait(self.interval):
+            line = self._stuck_line(time.monotonic())
+            if line is not None and not self._stop.is_set():
+                if not self.host_speaker:       # this host's ranks are cut off together: one says it
+                    self._stop.wait(2 * self.interval)
+                self._leave(line, failures.EXIT_FAILURE, self.host_speaker)
+
+    def _stuck_line(self, now: float) -> str | None:
+        waited = now - self._answered
+        if waited < self.timeout + self.interval:
+            return None
+        return (f"rank {self.rank}: the launch's store has not answered for {waited:.0f} s{self.timeout_flag}: the host "
+                f"running torchrun's rendezvous is lost or this host is cut off from it")
+
     def _leave(self, line: str, code: int, first: bool) -> None:
+        if not self._leaving.acquire(blocking=False):
+            return                       # the other thread is already ending the process
         if first:
             print(f"error: {line}", file=sys.stderr, flush=True)
         failures.write_error_file(self.error_file, line)

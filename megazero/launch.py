@@ -53,6 +53,7 @@ class Launch:
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
         self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
         self.threads = ""                             # the start-up line's thread count (device() sets it)
+        self.address = None                           # the address this rank's process group offers its peers
 
     def adopt_local_rank(self, flag_value: int | None) -> None:
         """Older launchers pass --local_rank instead of setting LOCAL_RANK."""
@@ -66,7 +67,31 @@ class Launch:
             self.rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
                                                                timeout=datetime.timedelta(minutes=30)))
             self.store = dist.PrefixStore(self._prefix, self.rendezvous_store)
-            self.store.set(f"process/{self.rank}", failures.process_identity())
+            self.store.set(f"process/{self.rank}", failures.process_identity(self.address))
+
+    def address_problem(self, backend: str) -> str | None:
+        """The line refusing this rank's process-group address where other hosts cannot reach it
+        (megazero.addresses), checked before anything connects; None when it is fine."""
+        if self.world <= 1:
+            return None
+        from megazero import addresses
+        env = os.environ
+        spanning = addresses.spans_hosts(self.world, self.local_world, env.get("MASTER_ADDR"))
+        problem, self.address = addresses.address_error(
+            backend, {name: env.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}, spanning)
+        return problem
+
+    def cpu_optimizer_threads(self) -> int:
+        """The offloaded optimizer's CPU Adam threads where --cpu-optimizer-threads is not given:
+        MEGAZERO_CPU_OPTIMIZER_THREADS, else the node's cores per local rank. Not OMP_NUM_THREADS:
+        torchrun sets it to 1 for the training's threads, which would leave the CPU Adam one core."""
+        given = os.environ.get("MEGAZERO_CPU_OPTIMIZER_THREADS")
+        if given:
+            if not given.strip().isdigit() or int(given) < 1:
+                raise UsageError(f"MEGAZERO_CPU_OPTIMIZER_THREADS={given} must be a whole number >= 1 (the "
+                                 f"offloaded optimizer's CPU Adam threads); unset it for the cores per local rank")
+            return int(given)
+        return max(1, usable_cores() // max(1, self.local_world))
 
     def process_group_store(self):
         """The store init_process_group builds the groups in: this attempt's, never the last one's."""
@@ -247,7 +272,7 @@ def _heartbeat(progress: Progress, launch: Launch) -> Heartbeat | None:
     flag = f" (--heartbeat-timeout-minutes {minutes:g})"
     return Heartbeat(launch.store, launch.rank, launch.world, 60 * minutes,
                      lambda: describe_activity(progress.comm_log), launch.end_first, launch.peers,
-                     launch.error_file, timeout_flag=flag).start()
+                     launch.error_file, timeout_flag=flag, host_speaker=launch.local_rank == 0).start()
 
 
 def _end_agreed(launch: Launch, line: str, code: int) -> int:
@@ -327,6 +352,8 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             progress.cfg, device, resume = pretrain.configure(argv, launch)
         except UsageError as err:
             error = str(err)
+        if error is None and progress.cfg is not None:
+            error = launch.address_problem(progress.cfg.parallel.distributed_backend)
         try:
             verdict = launch.agree("preflight", error)
         except (RuntimeError, ValueError) as err:      # no rendezvous: nothing to agree with

@@ -29,6 +29,8 @@ def configure(argv, launch):
     args = parse_args(argv)
     launch.adopt_local_rank(args.local_rank)
     cfg = config_from_args(args, launch.world, launch.local_world)
+    if cfg.zero.cpu_optimizer_threads is None:
+        cfg = cfg.replace(zero=cfg.zero.model_copy(update={"cpu_optimizer_threads": launch.cpu_optimizer_threads()}))
     device = launch.device(cfg)
     check_machine(cfg, launch.world, launch.local_world, device)
     resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters)

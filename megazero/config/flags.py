@@ -66,6 +66,7 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None,
                "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
                "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
                "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
+               "cpu_optimizer_threads": (1, True, None, False),
                "distributed_timeout_minutes": (0, False, None, False),
                "heartbeat_timeout_minutes": (0, True, None, False)}
 

@@ -19,6 +19,7 @@ _ZEROPP_FLAGS = {
     "zero_hierarchical_gather": ("mics_hierarchical_params_gather", "--zero-hierarchical-gather"),
     "zero_stage3_granularity": ("stage3_granularity", "--zero-stage3-granularity"),
     "zero_sub_group_size": ("sub_group_size", "--zero-sub-group-size"),
+    "cpu_optimizer_threads": ("cpu_optimizer_threads", "--cpu-optimizer-threads"),
 }
 
 
@@ -36,6 +37,9 @@ def add_zero_flags(group, add) -> None:
         help="directory for the nvme offload swap files", shown="none")
     add(group, "--zero-sub-group-size", type=int, default=None,
         help="optimizer elements stepped (and swapped) at a time", shown="1e9")
+    add(group, "--cpu-optimizer-threads", type=int, default=None,
+        help="threads of the offloaded optimizer's CPU Adam (also MEGAZERO_CPU_OPTIMIZER_THREADS)",
+        shown="cores per local rank")
     add(group, "--zero-hpz-partition-size", type=int, default=None,
         help="stage 3 hpZ: secondary partition over this many ranks of a node", shown="1 (off)")
     add(group, "--zero-quantized-weights", action="store_true", default=None,

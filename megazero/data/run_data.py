@@ -73,11 +73,18 @@ def tokenizer_record(data) -> dict | None:
     checkpoints export with --without-tokenizer only)."""
     from megazero.data.default_data import default_data_files
     from megazero.data.tokenizer import build_tokenizer, load_tokenizer, saved_form
-    if data.mock_data and data.tokenizer_type is None:
-        return None                        # random tokens of no tokenizer
+    if data.mock_data and not _names_a_tokenizer(data):
+        return None                        # random tokens of the default vocabulary: no tokenizer to keep
     if data.data_path is None and not data.mock_data:
         return saved_form(load_tokenizer(default_data_files(data.cache_dir)[1]))
     tokenizer = build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model,
                                 vocab_file=data.vocab_file, merge_file=data.merge_file,
                                 vocab_size=data.vocab_size, tiktoken_pattern=data.tiktoken_pattern)
     return saved_form(tokenizer) if hasattr(tokenizer, "files") else None
+
+
+def _names_a_tokenizer(data) -> bool:
+    """Whether mock data's flags name a tokenizer (as the flags' vocabulary check reads them): the
+    default SentencePieceTokenizer without a model names none, and mock data then needs none."""
+    named = data.tokenizer_model or data.vocab_file or data.vocab_size is not None
+    return bool(named) or data.tokenizer_type != "SentencePieceTokenizer"

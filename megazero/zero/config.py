@@ -167,6 +167,10 @@ class ZeroConfig(Record):
     """Stage 3: parameter partitions in host memory or on disk (ZeRO-Infinity)."""
     sub_group_size: int = Field(int(1e9), gt=0)
     """Elements of optimizer state stepped (and, offloaded to nvme, swapped) at a time."""
+    cpu_optimizer_threads: Optional[int] = Field(None, ge=1)
+    """megazero's own: threads of the offloaded optimizer's CPU Adam (None: torch's thread count;
+    the launch fills it in: --cpu-optimizer-threads, MEGAZERO_CPU_OPTIMIZER_THREADS, else the
+    node's cores per local rank, whatever OMP_NUM_THREADS torchrun set for the training)."""
     zero_hpz_partition_size: int = Field(1, ge=1)
     """Stage 3 (hpZ): >1 keeps a secondary copy of each gathered unit partitioned over this many ranks
     of a node, so the backward gather stays inside the node."""

@@ -19,6 +19,7 @@ Owns no policy of when to step or gather; the storage calls `step`, the engine c
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -66,8 +67,10 @@ class OptimizerOffload:
     [split, partition) are offloaded. A view that crosses `split` (or any view, for nvme) is served
     from a host cache written back before the next step."""
 
-    def __init__(self, storage, config, sub_group_size: int, folder: Path | None, name: str):
+    def __init__(self, storage, config, sub_group_size: int, folder: Path | None, name: str,
+                 cpu_threads: int | None = None):
         self.device_kind = config.device                 # "cpu" | "nvme"
+        self.cpu_threads = cpu_threads                   # the CPU Adam's threads (None: torch's count)
         size = storage.layout.partition_size
         self.bounds = sub_group_bounds(size, sub_group_size)
         self.resident = resident_sub_groups(len(self.bounds), config.ratio)
@@ -230,7 +233,7 @@ class OptimizerOffload:
             r = slice(at, at + hi - lo)
             adam_update(master[r], grad[r], m[r], v[r], step=step, lr=lr_of(lr, group), config=config,
                         weight_decay=wd, grad_scale=grad_scale,
-                        param_copy=None if lp is None else lp[r])
+                        param_copy=None if lp is None else lp[r], num_threads=self.cpu_threads)
         updated = master if lp is None else lp
         for b, lo, hi, _, at, _ in pieces:
             storage.param_chunk(b)[lo:hi].copy_(updated[at:at + hi - lo], non_blocking=True)
@@ -363,13 +366,14 @@ class Offloaded(OnDevice):
     def __init__(self, zero: ZeroConfig, groups: ZeroGroups):
         self.config, self.sub_group_size = zero.offload_optimizer, zero.sub_group_size
         self.folder = None
+        self.cpu_threads = zero.cpu_optimizer_threads or torch.get_num_threads()
         if self.config.device == "nvme":
             rank = groups.dp.ranks[groups.dp.rank]
             self.folder = Path(self.config.nvme_path) / "megazero_swap" / f"rank{rank}" / "optimizer"
 
     def make_offload(self):
         """What builds a storage's offload: `make(storage, config, sub_group_size, folder, name)`."""
-        return OptimizerOffload
+        return functools.partial(OptimizerOffload, cpu_threads=self.cpu_threads)
 
     def place(self, storage, name: str) -> None:
         storage.offload_optimizer_states(self.config, self.sub_group_size, self.folder, name,

@@ -358,3 +358,25 @@ def test_a_new_run_has_one_run_id_on_every_rank(dist_pool, tmp_path):
     ids = dist_pool(4).run(run_id_worker, str(tmp_path))
     assert len(set(ids)) == 1, ids
     assert CheckpointReader(tmp_path).run_id == ids[0]
+
+
+def test_mock_data_saves_and_resumes_without_a_tokenizer(tmp_path, capsys):
+    """--mock-data (no tokenizer named) with --save, then --load: the resumed run logs what the unbroken
+    run logs, and the checkpoint keeps no tokenizer (there is none to keep)."""
+    import json
+    from megazero import launch
+    common = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
+              "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0"]
+
+    def losses(run_dir):
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [(r["iteration"], r["loss"]) for r in map(json.loads, lines) if "loss" in r and r.get("split", "train") == "train"]
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert launch.main(common + ["--run-dir", str(whole)]) == 0, capsys.readouterr().err
+    stop = common + ["--run-dir", str(part), "--save", str(part / "ckpt"), "--exit-interval", "2"]
+    assert launch.main(stop) == 0, capsys.readouterr().err
+    assert not any((part / "ckpt").glob("*/tokenizer"))
+    assert launch.main(common + ["--run-dir", str(part), "--load", str(part / "ckpt")]) == 0, capsys.readouterr().err
+    assert losses(part) == losses(whole) and len(losses(whole)) == 4

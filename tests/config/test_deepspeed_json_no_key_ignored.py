@@ -50,7 +50,7 @@ ZERO_VALUES = {"stage": 2, "reduce_scatter": False, "reduce_bucket_size": 1e6, "
                "adaptive_prefetch_bucket_size": True, "stage3_adaptive_prefetch_bucket_size": True,
                "adaptive_prefetch_min_size": 7, "stage3_adaptive_prefetch_min_size": 7,
                "adaptive_prefetch_max_size": 7e9, "stage3_adaptive_prefetch_max_size": 7e9,
-               "parameter_alignment": True}
+               "parameter_alignment": True, "cpu_optimizer_threads": 3}
 # Keys that need another base than stage 3 alone: key -> (base block, value).
 ZERO_VALUES_ON = {"compute_grad_norm": ({"stage": 2}, False),
                   "zenflow": ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {"topk_ratio": 0.5, "update_interval": 4})}

@@ -4,6 +4,7 @@ stops moving for the timeout is named with both ranks' last collectives; a rank 
 that said it is done, and one that keeps beating are not; a line another rank posted is taken up;
 a store that stops answering is named after the timeout, not at its first error."""
 import json
+import re
 import time
 
 import torch.distributed as dist
@@ -70,3 +71,46 @@ def test_the_comm_log_says_what_was_issued_last():
     assert describe_activity(log) == "all_gather over the dp group (ranks [0, 1]), its collective #2"
     log.record("all_gather", comm.Group("mics_shard", tuple(range(64)), 0, None, False, log), 8)
     assert describe_activity(log).startswith("all_gather over the mics_shard group (64 ranks from 0 to 63)")
+
+
+class _StuckStore:
+    """A store whose requests never come back after the first `answers` (a cut link: no error, no reply)."""
+
+    def __init__(self, answers: int):
+        self.inner, self.answers, self.release = dist.HashStore(), answers, __import__("threading").Event()
+
+    def __getattr__(self, name):
+        def call(*args):
+            if self.answers <= 0:
+                self.release.wait()
+                raise RuntimeError("released")
+            self.answers -= 1
+            return getattr(self.inner, name)(*args)
+        return call
+
+
+def test_a_beat_blocked_in_a_request_is_named_by_the_guard():
+    store = _StuckStore(answers=3)
+    beat = Heartbeat(store, 0, 2, 0.3, lambda: None, lambda line, code: (True, line, code), lambda: {}, None,
+                     interval_s=0.05)
+    beat._beat()
+    beat._answered = time.monotonic()
+    beat._thread.start()                  # the beating thread only: its second beat blocks for good
+    time.sleep(0.2)
+    assert beat._stuck_line(time.monotonic()) is None
+    time.sleep(0.3)
+    line = beat._stuck_line(time.monotonic())
+    assert re.fullmatch(r"rank 0: the launch's store has not answered for \d+ s: the host running torchrun's "
+                        r"rendezvous is lost or this host is cut off from it", line), line
+    store.release.set()
+    beat._stop.set()
+
+
+def test_a_silent_rank_on_another_host_is_named_with_its_host_and_ranks():
+    store = dist.HashStore()
+    peers = {1: json.dumps({"host": "node7", "ns": "pid:[1]", "pid": 11, "address": "10.0.0.7"}),
+             2: json.dumps({"host": "node7", "ns": "pid:[1]", "pid": 12, "address": "10.0.0.7"}),
+             3: json.dumps({"host": "node8", "ns": "pid:[2]", "pid": 13, "address": "10.0.0.8"})}
+    beat = Heartbeat(store, 0, 4, 0.1, lambda: None, lambda line, code: (True, line, code), lambda: peers, None)
+    line, _, _ = beat._silent_line({"n": 3, "last": None}, 0.2)
+    assert line.startswith("rank 0: rank 1 went silent (on host node7 (ranks 1, 2): that host is lost or cut off)")

@@ -200,3 +200,38 @@ def test_swap_file_round_trip_and_checks(tmp_path):
     with pytest.raises(SwapFileError, match="t.b.swp holds 20 bytes"):
         swapper.fetch(0)
     swapper.close()
+
+
+def test_the_cpu_adam_gets_the_cores_per_local_rank_unless_told(tmp_path, capsys, monkeypatch):
+    """An offloaded run's CPU Adam steps on the node's cores per local rank even with OMP_NUM_THREADS=1
+    (torchrun's default, and this suite's), on --cpu-optimizer-threads N when given, else on
+    MEGAZERO_CPU_OPTIMIZER_THREADS; a bad value of that variable is one line, exit 2."""
+    import os
+    from megazero import launch
+    from megazero.zero import offload
+    seen = []
+
+    def recording(*args, num_threads=None, **kwargs):
+        seen.append(num_threads)
+        return real(*args, num_threads=num_threads, **kwargs)
+    real = offload.adam_update
+    monkeypatch.setattr(offload, "adam_update", recording)
+    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "1",
+            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "1", "--eval-iters", "0", "--num-workers", "0",
+            "--zero-stage", "2", "--zero-offload-optimizer", "cpu", "--run-dir", str(tmp_path)]
+    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
+    for extra, env, expected in [([], None, launch.usable_cores()), (["--cpu-optimizer-threads", "3"], "5", 3),
+                                 ([], "5", 5)]:
+        seen.clear()
+        if env is None:
+            monkeypatch.delenv("MEGAZERO_CPU_OPTIMIZER_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("MEGAZERO_CPU_OPTIMIZER_THREADS", env)
+        assert launch.main(argv + extra) == 0, capsys.readouterr().err
+        assert seen and set(seen) == {expected}, (extra, env, seen)
+    monkeypatch.setenv("MEGAZERO_CPU_OPTIMIZER_THREADS", "many")
+    assert launch.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: MEGAZERO_CPU_OPTIMIZER_THREADS=many must be a whole number >= 1 (the offloaded optimizer's CPU "
+        "Adam threads); unset it for the cores per local rank")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 
 from ..offload import Offloaded
 from .optimizer import ZenFlowOffload
@@ -18,7 +17,7 @@ class ZenFlow(Offloaded):
     def __init__(self, zero, groups, counts_in_norm):
         super().__init__(zero, groups)
         self.flow = zero.zenflow
-        self.cpu_threads = max(1, round(torch.get_num_threads() * (1 - self.flow.pt_reserved_cores_perc)))
+        self.cpu_threads = max(1, round(self.cpu_threads * (1 - self.flow.pt_reserved_cores_perc)))
         self.windows = AutoWindows(self.flow, groups.model_parallel) if self.flow.update_interval == "auto" else None
         self.tensor, self.counts_in_norm = groups.tensor, counts_in_norm
 
