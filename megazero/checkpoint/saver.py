@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 
 from megazero.models.param_info import param_info
-from megazero.core import comm
+from megazero.core import comm, host_read
 from .agreement import RankReport, agree, check_room, check_written, errno_of, free_bytes
 from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, TOKENIZER_DIR, apply_umask, commit_directory,
                     copy_tokenizer, iteration_dir_name, latest_iteration_name, rank_file_names, remove_old,
@@ -69,7 +69,12 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
                      "length": length, "crc": {},
                      "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
             for kind in storage.checkpoint_kinds():
-                host = storage.local_view(param, kind).detach().to("cpu", torch.float32, copy=True)
+                view = storage.local_view(param, kind).detach()
+                if view.is_meta:      # the dry run's device: no values to copy, sizes still count
+                    tensors[f"{name}/{kind}"] = view.to(torch.float32)
+                    entry["crc"][kind] = 0
+                    continue
+                host = view.to("cpu", torch.float32, copy=True)
                 tensors[f"{name}/{kind}"] = host
                 entry["crc"][kind] = crc32(host)
             pieces[name] = entry
@@ -135,7 +140,7 @@ def agree_on_any(flags: tuple[bool, ...], groups) -> tuple[bool, ...]:
     values = torch.tensor([1.0 if f else 0.0 for f in flags], device=groups.dp.device)
     comm.all_reduce(values, groups.dp, op=comm.ReduceOp.MAX)
     comm.all_reduce(values, groups.mp, op=comm.ReduceOp.MAX)
-    return tuple(v > 0 for v in values.tolist())
+    return tuple(v > 0 for v in host_read.read(values, "save flags", healthy=[float(f) for f in flags]))
 
 
 class CheckpointSaver:
@@ -175,8 +180,11 @@ class CheckpointSaver:
         # also the barrier after which the directory exists for everyone
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "create the temporary directory")
-        pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0}
-        if self.async_save:
+        pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0,
+                   "written": state.device.type != "meta"}
+        if not pending["written"]:
+            pass       # the dry run's state has no values to write; the agreements around it still run
+        elif self.async_save:
             thread = threading.Thread(target=self._write, args=(pending, tensors, index), daemon=True)
             pending["thread"] = thread
             thread.start()
@@ -230,7 +238,7 @@ class CheckpointSaver:
                 shutil.rmtree(tmp, ignore_errors=True)
             check_written(reports, self.save_dir, iteration, "write its shard of the checkpoint")
         code = 0
-        if groups.rank == 0:
+        if groups.rank == 0 and pending["written"]:
             code = self._commit(tmp, iteration, pending["metadata"])
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "commit the checkpoint")      # also: committed before anyone goes on
