@@ -26,6 +26,7 @@ import traceback
 
 import torch
 
+from megazero.core import host_read
 from megazero.core.comm import CommLog
 from megazero.dry_run_device import DeviceStandIn
 
@@ -41,6 +42,7 @@ class RankRun:
     step_ends: list = dataclasses.field(default_factory=list)   # len(entries) after each training step
     host_reads: list = dataclasses.field(default_factory=list)
     memory: dict | None = None
+    model_states: dict | None = None   # the engine's own report (engine.memory.report()), bytes
     error: str | None = None       # one line: where a rank stopped (a misplaced tensor, a bug)
     detail: str | None = None      # its traceback
 
@@ -104,6 +106,8 @@ def run_rank(argv: list[str], world: int, rank: int, device, factory, local_worl
         run.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         run.detail = traceback.format_exc()
     run.entries, run.step_ends = log.entries, log.step_ends
+    if progress.state is not None:
+        run.model_states = {k: float(v) for k, v in progress.state.engine.memory.report().items()}
     return run
 
 
@@ -119,6 +123,16 @@ def check_flags(argv: list[str], world: int, local_world: int | None = None) -> 
     return None
 
 
+def planner_figures(argv: list[str], world: int, local_world: int | None) -> dict:
+    """megazero.config.memory_estimate's figures for a GPU rank of this job (its largest stage)."""
+    from megazero.config.memory_estimate import estimate
+    from megazero.config.train_flags import config_from_args, parse_args
+    cfg = config_from_args(parse_args(argv), world, local_world or min(world, DEFAULT_RANKS_PER_NODE),
+                           cuda_available=True)
+    found = estimate(cfg, world, "cuda")
+    return {"model_states": found.model_states, "activations": found.activations, "total": found.total}
+
+
 def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None):
     """One simulated rank's process: the fake backend for NCCL, meta for the GPU. `prepare(rank)`,
     a context manager, is held open around the rank (the tests plant bugs with it)."""
@@ -128,11 +142,18 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None):
     torch.set_num_threads(1)
     # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"))
+    device = DeviceStandIn()
     try:
-        with (prepare(rank) if prepare else contextlib.nullcontext()), DeviceStandIn(), \
-                contextlib.redirect_stdout(io.StringIO()):      # each rank's log lines: not the report's
-            return run_rank(dry_argv(argv, os.path.join(workdir, f"rank{rank}")), world, rank,
-                            torch.device("meta"), GroupFactory(rank), local_world, cuda=True)
+        with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
+                device, device.phase_hooks(reads), contextlib.redirect_stdout(io.StringIO()):
+            # (each rank's log lines are not the report's)
+            run = run_rank(argv, world, rank, torch.device("meta"), GroupFactory(rank), local_world, cuda=True)
+        run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
+        step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
+        run.host_reads = [{"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)}
+                          for i, r in enumerate(reads)]
+        return run
     finally:
         dist.destroy_process_group()
 

@@ -49,6 +49,7 @@ def rank_record(run) -> dict:
         "step_comm": per_group(last_step(run)),
         "host_reads": list(run.host_reads),
         "memory": run.memory,
+        "engine_model_states": run.model_states,
     }
 
 
@@ -57,13 +58,26 @@ def report(runs, problems: list[str], world: int, seconds: float) -> dict:
             "problems": list(problems), "ranks": [rank_record(r) for r in runs]}
 
 
+def _mib(x) -> str:
+    return f"{x / 2**20:,.1f}" if x is not None else "-"
+
+
 def table(result: dict) -> str:
     verdict = "all checks passed" if result["ok"] else f"{len(result['problems'])} problem(s)"
     lines = [f"dry run: {len(result['ranks'])} of {result['world_size']} ranks in {result['seconds']:.1f} s; "
-             f"{verdict}"]
-    lines.append(f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3}  {'ops':>6}  collectives per step by group (calls, MiB)")
+             f"{verdict}", "",
+             f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'peak MiB':>10} {'planner':>10} {'ratio':>6}  "
+             f"at the peak (MiB): model states / activations / backward / communication / workspace"]
     for r in result["ranks"]:
         c = r["coords"] or {"tp": "-", "dp": "-", "pp": "-"}
+        m = r["memory"] or {}
+        peak, plan = m.get("peak"), (m.get("planner") or {}).get("total")
+        ratio = f"{plan / peak:.2f}" if peak and plan else "-"
+        owners = " / ".join(_mib(v) for v in (m.get("peak_by_owner") or {}).values()) or "-"
+        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3} {_mib(peak):>10} {_mib(plan):>10} "
+                     f"{ratio:>6}  {owners}")
+    lines += ["", f"{'rank':>6}  {'ops':>6}  collectives per step by group (calls, MiB)"]
+    for r in result["ranks"]:
         groups = ", ".join(f"{g} {v['calls']}x {v['bytes'] / 2**20:.2f}" for g, v in r["step_comm"].items())
-        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3}  {len(r['ops']):>6}  {groups or '-'}")
+        lines.append(f"{r['rank']:>6}  {len(r['ops']):>6}  {groups or '-'}")
     return "\n".join(lines)

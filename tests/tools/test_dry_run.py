@@ -167,6 +167,12 @@ def _documented_fields(table: str) -> list[str]:
     return [line.split("`")[1] for line in block.splitlines()[3:] if line.startswith("| `")]
 
 
+def _documented_host_reads() -> list[tuple[str, str]]:
+    doc = (REPO / "docs" / "dry_run.md").read_text()
+    block = doc.split("<!-- steady-state host reads -->", 1)[1].split("\n\n", 1)[0]
+    return [(line.split("`")[1], line.split("(")[1].split(")")[0]) for line in block.splitlines() if line.startswith("- ")]
+
+
 def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
     tool = [sys.executable, str(REPO / "tools" / "dry_run.py")]
     got = subprocess.run(tool + ["--world-size", "2", "--processes", "1", "--json", "-"] + BASE,
@@ -180,6 +186,16 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
         assert list(r) == _documented_fields("rank") and r["error"] is None and r["steps"] == 2
         assert r["ops"] and all(list(op) == _documented_fields("op") for op in r["ops"])
         assert r["step_comm"]["dp"]["calls"] >= 1
+        m = r["memory"]
+        assert list(m) == _documented_fields("memory") and list(m["phases"]) == ["setup", "forward", "backward", "step"]
+        assert m["peak"] >= max(p["allocated"] for p in m["phases"].values()) > 0
+        assert sum(m["peak_by_owner"].values()) == m["peak"] and m["peak"] % 512 == 0
+        assert m["phases"]["forward"]["by_owner"]["activations"] > 0 and m["planner"]["total"] > 0
+        last = [(h["what"], h["site"].split(":")[0]) for h in r["host_reads"] if h["step"] == r["steps"]]
+        assert last == _documented_host_reads(), r["host_reads"]
+        # before the first step the device holds the engine's model states (and little else)
+        states = r["engine_model_states"]["model_states"]
+        assert states <= m["phases"]["setup"]["allocated"] < 1.6 * states
     for extra, needle in ((["--ranks", "2"], "--ranks 2: give comma-separated ranks between 0 and 1"),
                           (["--tensor-model-parallel-size", "3"], "tensor")):
         bad = subprocess.run(tool + ["--world-size", "2"] + BASE + extra, capture_output=True, text=True,
@@ -187,3 +203,24 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
             bad.stderr
+
+
+def test_meta_allocations_are_counted_as_the_caching_allocator_rounds_them():
+    from megazero.dry_run_device import DeviceStandIn
+    with DeviceStandIn() as device:
+        a = torch.empty(1, device="meta")                  # 4 bytes -> one 512-byte block
+        b = torch.empty(129, device="meta")                # 516 bytes -> two blocks
+        view = b[1:]                                       # a view allocates nothing
+        device.snapshot("made")
+        del a, b
+        device.snapshot("views only")
+        del view
+        device.in_setup = False                            # from now on: owners by what allocates
+        out = torch.empty(4, device="meta") * 2            # the factory's block is freed at once
+        host = torch.empty(3, device="meta").to("cpu")     # a device-to-host copy: host zeros
+    assert device.phases["made"]["allocated"] == 512 + 1024
+    assert device.phases["made"]["by_owner"]["model states"] == 512 + 1024
+    assert device.phases["views only"]["allocated"] == 1024     # b's storage lives while its view does
+    assert device.peak == 512 + 1024 and device.live == {**device.live, "model states": 0, "workspace": 512}
+    assert out.shape == (4,) and host.device.type == "cpu" and host.tolist() == [0.0] * 3
+    assert device.d2h_copies == 1 and device.d2h_bytes == 12 and device.allocations == 5
