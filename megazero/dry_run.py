@@ -111,6 +111,13 @@ def run_rank(argv: list[str], world: int, rank: int, device, factory, local_worl
     return run
 
 
+def job_config(argv: list[str], world: int, local_world: int | None = None):
+    """The TrainConfig of a `world`-rank GPU job of these flags (as each simulated rank reads them)."""
+    from megazero.config.train_flags import config_from_args, parse_args
+    return config_from_args(parse_args(dry_argv(argv, "/nonexistent")), world,
+                            local_world or min(world, DEFAULT_RANKS_PER_NODE), cuda_available=True)
+
+
 def check_flags(argv: list[str], world: int, local_world: int | None = None) -> str | None:
     """The flags' first mistake for a `world`-rank GPU job, as pretrain_gpt.py would say it."""
     from megazero.config.train_flags import config_from_args, parse_args

@@ -40,10 +40,10 @@ def per_group(entries) -> dict[str, dict]:
     return dict(sorted(out.items()))
 
 
-def rank_record(run) -> dict:
+def rank_record(run, stands_for: int = 1) -> dict:
     coords = dict(zip(("tp", "dp", "pp"), run.coords)) if run.coords is not None else None
     return {
-        "rank": run.rank, "coords": coords, "error": run.error,
+        "rank": run.rank, "coords": coords, "stands_for": stands_for, "error": run.error,
         "steps": len(run.step_ends),
         "ops": [_op(e) for e in run.entries],
         "step_comm": per_group(last_step(run)),
@@ -53,9 +53,11 @@ def rank_record(run) -> dict:
     }
 
 
-def report(runs, problems: list[str], world: int, seconds: float) -> dict:
+def report(runs, problems: list[str], world: int, seconds: float, stands_for: dict | None = None) -> dict:
+    """`stands_for`: simulated rank -> ranks of the job it represents (its role's; None: itself)."""
     return {"schema": SCHEMA, "world_size": world, "seconds": round(seconds, 2), "ok": not problems,
-            "problems": list(problems), "ranks": [rank_record(r) for r in runs]}
+            "problems": list(problems),
+            "ranks": [rank_record(r, (stands_for or {}).get(r.rank, 1)) for r in runs]}
 
 
 def _mib(x) -> str:
@@ -66,7 +68,7 @@ def table(result: dict) -> str:
     verdict = "all checks passed" if result["ok"] else f"{len(result['problems'])} problem(s)"
     lines = [f"dry run: {len(result['ranks'])} of {result['world_size']} ranks in {result['seconds']:.1f} s; "
              f"{verdict}", "",
-             f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'peak MiB':>10} {'planner':>10} {'ratio':>6}  "
+             f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'x':>4} {'peak MiB':>10} {'planner':>10} {'ratio':>6}  "
              f"at the peak (MiB): model states / activations / backward / communication / workspace"]
     for r in result["ranks"]:
         c = r["coords"] or {"tp": "-", "dp": "-", "pp": "-"}
@@ -74,7 +76,7 @@ def table(result: dict) -> str:
         peak, plan = m.get("peak"), (m.get("planner") or {}).get("total")
         ratio = f"{plan / peak:.2f}" if peak and plan else "-"
         owners = " / ".join(_mib(v) for v in (m.get("peak_by_owner") or {}).values()) or "-"
-        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3} {_mib(peak):>10} {_mib(plan):>10} "
+        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3} {r['stands_for']:>4} {_mib(peak):>10} {_mib(plan):>10} "
                      f"{ratio:>6}  {owners}")
     lines += ["", f"{'rank':>6}  {'ops':>6}  collectives per step by group (calls, MiB)"]
     for r in result["ranks"]:

@@ -7,7 +7,7 @@ meet receives, does every tensor sit on the device (docs/dry_run.md).
     python tools/dry_run.py --world-size 8 --ranks 0,7 --json report.json ...
 
 Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simulate only these;
-default all), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
+default all up to 64 ranks, above that one rank per role: megazero.dry_run_roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
 default the CPU count) and --json PATH ('-': stdout). Each simulated rank runs the real recipe with
 the meta device for its GPU and torch's fake process group for NCCL (megazero.dry_run); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
@@ -22,6 +22,9 @@ import sys
 import time
 
 
+ALL_RANKS_UP_TO = 64
+
+
 def parse(argv):
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--world-size", type=int, required=True)
@@ -34,7 +37,8 @@ def parse(argv):
 
 def main(argv=None) -> int:
     opts, train_argv = parse(sys.argv[1:] if argv is None else argv)
-    from megazero.dry_run import check_flags, simulate
+    from megazero.dry_run import check_flags, job_config, simulate
+    from megazero.dry_run_roles import representatives
     from megazero.dry_run_checks import check_all
     from megazero.dry_run_report import report, table
     world, local = opts.world_size, min(opts.world_size, opts.ranks_per_node_sim)
@@ -49,11 +53,16 @@ def main(argv=None) -> int:
     if mistake is not None:
         print(f"error: {mistake}", file=sys.stderr)
         return 2
-    ranks = None if opts.ranks is None else ranks
+    stands_for = None
+    if opts.ranks is None and world > ALL_RANKS_UP_TO:      # one rank per role (megazero.dry_run_roles)
+        stands_for = representatives(job_config(train_argv, world, local), world)
+        ranks = sorted(stands_for)
+    elif opts.ranks is None:
+        ranks = None
     started = time.perf_counter()
     runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes)
     problems = check_all(runs)
-    result = report(runs, problems, world, time.perf_counter() - started)
+    result = report(runs, problems, world, time.perf_counter() - started, stands_for)
     if opts.json == "-":
         json.dump(result, sys.stdout, indent=1)
         print()
