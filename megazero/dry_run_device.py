@@ -70,6 +70,7 @@ class DeviceStandIn(TorchDispatchMode):
         self.phases: dict[str, dict] = {}
         self._held: set[int] = set()
         self.read_marks: list[tuple[int, int]] = []
+        self.counting = True           # off while the model chunks are built on meta (as on a GPU)
         self.in_setup = True           # until the first step: the model and ZeRO's storages
         self.backward_started = False  # in this step: the first backward allocation notes "forward"
 
@@ -99,7 +100,17 @@ class DeviceStandIn(TorchDispatchMode):
         def engine_step(engine, *args, **kwargs):
             self.snapshot("backward")
             return real_engine_step(engine, *args, **kwargs)
+        real_build = training.build_model_chunks
+
+        def build_model_chunks(*args, **kwargs):
+            # On a GPU these chunks are meta tensors too (materialised later by the engine): no memory.
+            self.counting = False
+            try:
+                return real_build(*args, **kwargs)
+            finally:
+                self.counting = True
         stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(training, "build_model_chunks", build_model_chunks))
         stack.enter_context(mock.patch.object(training, "train_step", train_step))
         stack.enter_context(mock.patch.object(ZeroEngine, "step", engine_step))
         return stack
@@ -113,6 +124,8 @@ class DeviceStandIn(TorchDispatchMode):
                 "phases": dict(self.phases), "d2h_copies": self.d2h_copies, "d2h_bytes": self.d2h_bytes}
 
     def _track(self, out) -> None:
+        if not self.counting:
+            return
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if not _is(t, "meta"):
                 continue

@@ -168,7 +168,9 @@ class CheckpointSaver:
         if metadata is not None and self.tokenizer is not None:
             metadata["tokenizer"] = {**self.tokenizer, "files": sorted(self.tokenizer["files"])}
         need = self._bytes_to_write(tensors, index, metadata)
-        check_room(agree(RankReport(need, free_bytes(self.save_dir)), groups), self.save_dir, iteration)
+        # The dry run (a meta state) writes nothing: its room is not this machine's disk.
+        free = free_bytes(self.save_dir) if state.device.type != "meta" else 2**62
+        check_room(agree(RankReport(need, free), groups), self.save_dir, iteration)
         tmp = self.save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
         code = 0
         if groups.rank == 0:
