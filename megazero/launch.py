@@ -193,7 +193,6 @@ class Launch:
         and the rank names whom it waited for."""
         import torch.distributed as dist
         from megazero.parallel.process_groups import GroupFactory, ProcessGroups
-        from megazero.parallel.topology import Topology
         par = cfg.parallel
         timeout = datetime.timedelta(minutes=par.timeout_minutes)
         if self.world > 1:
@@ -203,12 +202,8 @@ class Launch:
             store = dict(store=self.process_group_store()) if self.store is not None else {}
             dist.init_process_group(par.distributed_backend, rank=self.rank, world_size=self.world,
                                     timeout=timeout, **store, **bind)
-        topology = Topology(world_size=self.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                            cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
-                            ranks_per_node=par.ranks_per_node,
-                            hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
-        return ProcessGroups.build(topology, self.rank, GroupFactory(self.rank, timeout=timeout), device=device,
-                                   log=log)
+        return ProcessGroups.build(topology_of(cfg, self.world), self.rank, GroupFactory(self.rank, timeout=timeout),
+                                   device=device, log=log)
 
     def close_process_group(self) -> None:
         import torch.distributed as dist
@@ -231,6 +226,16 @@ def default_threads(cores: int, local_world: int, load: float) -> int:
     two busy cores against 38-92 ms on one thread."""
     idle = min(cores, cores - int(load + 0.5)) if load > 0 else cores
     return max(1, idle // max(1, local_world))
+
+
+def topology_of(cfg, world: int):
+    """The rank grid `cfg` lays `world` ranks out on."""
+    from megazero.parallel.topology import Topology
+    par = cfg.parallel
+    return Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
+                    cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
+                    ranks_per_node=par.ranks_per_node,
+                    hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
 
 
 def cuda_index(local_rank: int, local_world: int, visible: int) -> int:

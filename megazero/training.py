@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.config.train_config import TrainConfig
 from megazero.flops import peak_tflops, recompute_flops, step_flops
 from megazero.model_builder import build_model_chunks, make_init_fn
@@ -154,7 +154,7 @@ def _global_loss(state: TrainState, losses: list[torch.Tensor],
         if groups.is_last_stage:
             comm.all_reduce(total, groups.dp)
         comm.broadcast(total, groups.topology.pp - 1, groups.pp)
-    values = total.tolist()
+    values = host_read.read(total, "loss and stop flags", healthy=lambda: [1.0] + [float(f) for f in flags])
     return values[0], tuple(v > 0 for v in values[1:])
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.core.errors import AgreedStop
 from .files import LATEST
 
@@ -54,7 +54,8 @@ def agree(report: RankReport, groups) -> list[RankReport]:
                                       dtype=torch.float64)
     comm.all_reduce(table, groups.dp)
     comm.all_reduce(table, groups.mp)
-    return [RankReport(int(need), int(free), int(code)) for need, free, code in table.cpu().tolist()]
+    return [RankReport(int(need), int(free), int(code)) for need, free, code in host_read.read(
+        table, "save room table", healthy=lambda: [[report.bytes_needed, report.bytes_free, report.errno]] * world)]
 
 
 def free_bytes(folder: Path) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.config.train_config import CheckpointConfig, OptimizerConfig
 from megazero.core.errors import UsageError, check_writable_dir
 from .files import METADATA, latest_iteration_dir, read_json
@@ -133,7 +133,7 @@ def agreed_run_id(groups) -> str:
     value = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=groups.dp.device)
     comm.broadcast(value, 0, groups.dp)
     comm.broadcast(value, 0, groups.mp)
-    return bytes(value.cpu().tolist()).hex()
+    return bytes(host_read.read(value, "run id")).hex()
 
 
 def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say,

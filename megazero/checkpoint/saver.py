@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from megazero.models.param_info import param_info
-from megazero.core import comm
+from megazero.core import comm, host_read
 from .agreement import RankReport, agree, check_room, check_written, errno_of, free_bytes
 from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, TOKENIZER_DIR, apply_umask, commit_directory,
                     copy_tokenizer, iteration_dir_name, latest_iteration_name, rank_file_names, remove_old,
@@ -70,7 +70,12 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
                      "length": length, "crc": {},
                      "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
             for kind in storage.checkpoint_kinds():
-                host = storage.local_view(param, kind).detach().to("cpu", torch.float32, copy=True)
+                view = storage.local_view(param, kind).detach()
+                if view.is_meta:      # the dry run's device: no values to copy, sizes still count
+                    tensors[f"{name}/{kind}"] = view.to(torch.float32)
+                    entry["crc"][kind] = 0
+                    continue
+                host = view.to("cpu", torch.float32, copy=True)
                 tensors[f"{name}/{kind}"] = host
                 entry["crc"][kind] = crc32(host)
             pieces[name] = entry
@@ -136,7 +141,7 @@ def agree_on_any(flags: tuple[bool, ...], groups) -> tuple[bool, ...]:
     values = torch.tensor([1.0 if f else 0.0 for f in flags], device=groups.dp.device)
     comm.all_reduce(values, groups.dp, op=comm.ReduceOp.MAX)
     comm.all_reduce(values, groups.mp, op=comm.ReduceOp.MAX)
-    return tuple(v > 0 for v in values.tolist())
+    return tuple(v > 0 for v in host_read.read(values, "save flags", healthy=[float(f) for f in flags]))
 
 
 class CheckpointSaver:
@@ -167,7 +172,9 @@ class CheckpointSaver:
         if metadata is not None and self.tokenizer is not None:
             metadata["tokenizer"] = {**self.tokenizer, "files": sorted(self.tokenizer["files"])}
         need = self._bytes_to_write(tensors, index, metadata)
-        room = agree(RankReport(need, free_bytes(self.save_dir)), groups)
+        # The dry run (a meta state) writes nothing: its room is not this machine's disk.
+        free = free_bytes(self.save_dir) if state.device.type != "meta" else 2**62
+        room = agree(RankReport(need, free), groups)
         check_room(room, self.save_dir, iteration)
         tmp = self.save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
         code = 0
@@ -181,8 +188,11 @@ class CheckpointSaver:
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "create the temporary directory")
         pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0,
-                   "started": started, "bytes": sum(r.bytes_needed for r in room), "why": why}
-        if self.async_save:
+                   "started": started, "bytes": sum(r.bytes_needed for r in room), "why": why,
+                   "written": state.device.type != "meta"}
+        if not pending["written"]:
+            pass       # the dry run's state has no values to write; the agreements around it still run
+        elif self.async_save:
             thread = threading.Thread(target=self._write, args=(pending, tensors, index), daemon=True)
             pending["thread"] = thread
             thread.start()
@@ -238,12 +248,14 @@ class CheckpointSaver:
                 shutil.rmtree(tmp, ignore_errors=True)
             check_written(reports, self.save_dir, iteration, "write its shard of the checkpoint")
         code = 0
-        if groups.rank == 0:
+        if groups.rank == 0 and pending["written"]:
             code = self._commit(tmp, iteration, pending["metadata"])
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "commit the checkpoint")      # also: committed before anyone goes on
         if groups.rank == 0:
             remove_old(self.save_dir, self.keep_last)
+        if not pending["written"]:
+            return
         why = f" ({pending['why']})" if pending["why"] else ""
         took = time.monotonic() - pending["started"]
         took = f"committed {took:.1f} s after its step" if "thread" in pending else f"{took:.1f} s"

@@ -34,13 +34,15 @@ Tensors this module creates itself are created on the group's device.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections import defaultdict
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from megazero.core import streams
+from megazero.core import host_read, streams
 
 ReduceOp = dist.ReduceOp
 
@@ -50,9 +52,15 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class CommLog:
-    """Bytes moved per rank, keyed by (op, group name, 'intra'|'inter'), for the current step and in total."""
+    """Bytes moved per rank, keyed by (op, group name, 'intra'|'inter'), for the current step and in total.
 
-    def __init__(self):
+    With `trace=True` it also keeps every op in issue order (`entries`, `CommEntry`): what ranks must
+    agree on (op, dtype, element count, reduce op, root; a p2p's peer and shape) and where the code
+    issued it, which the dry run (megazero.dry_run) compares across the members of each group."""
+
+    def __init__(self, trace: bool = False):
+        self.entries: list[CommEntry] | None = [] if trace else None
+        self.step_ends: list[int] = []        # len(entries) at each end_step
         self.step_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
         self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
@@ -62,8 +70,13 @@ class CommLog:
         # thread reads it, so it is replaced whole, never changed in place)
         self.last_issued: tuple[str, str, tuple[int, ...], int] | None = None
 
-    def record(self, op: str, group: "Group", nbytes: float) -> None:
+    def record(self, op: str, group: "Group", nbytes: float, tensor: torch.Tensor | None = None,
+               reduce_op=None, root: int | None = None, peer: int | None = None) -> None:
         key = (op, group.name, "intra" if group.intra_node else "inter")
+        if self.entries is not None:
+            self.entries.append(CommEntry(
+                op, group.name, tuple(group.ranks), str(tensor.dtype).removeprefix("torch."),
+                tensor.numel(), tuple(tensor.shape), _reduce_name(reduce_op), root, peer, _call_site()))
         self.issued += 1
         self.last_issued = (op, group.name, tuple(group.ranks), self.issued)
         self.step_bytes[key] += nbytes
@@ -73,6 +86,8 @@ class CommLog:
     def end_step(self) -> dict[tuple[str, str, str], float]:
         """Closes the step: returns its byte counts and starts a new one."""
         self.last_step = dict(self.step_bytes)
+        if self.entries is not None:
+            self.step_ends.append(len(self.entries))
         self.step_bytes.clear()
         self.step_calls.clear()
         return self.last_step
@@ -81,6 +96,56 @@ class CommLog:
         counts = self.last_step if counts is None else counts
         parts = [f"{op}[{g},{loc}]={b / 2**20:.2f}MiB" for (op, g, loc), b in sorted(counts.items())]
         return "comm/rank: " + (" ".join(parts) if parts else "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommEntry:
+    """One traced op as this rank issued it. `root`: a broadcast's source, `peer`: a send's or
+    receive's other end (global ranks); `site`: file:line of the first caller outside this module."""
+    op: str
+    group: str
+    ranks: tuple[int, ...]
+    dtype: str
+    numel: int
+    shape: tuple[int, ...]
+    reduce_op: str | None = None
+    root: int | None = None
+    peer: int | None = None
+    site: str = ""
+
+    def signature(self) -> tuple:
+        """What every member of the group must issue alike (p2p: what the peer's side must mirror)."""
+        if self.op in ("send", "recv"):
+            return (self.op, self.dtype, self.shape)
+        return (self.op, self.dtype, self.numel, self.reduce_op, self.root)
+
+
+def _reduce_name(op) -> str | None:
+    if op is None:
+        return None
+    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
+        if op == getattr(ReduceOp, name, None):
+            return name.lower()
+    return str(op)
+
+
+_HERE = __file__.removesuffix("c")
+_WRAPPERS = (_HERE, _HERE.replace("core/comm.py", "zero/quantized_comm.py"))
+
+
+def _call_site() -> str:
+    """file:line of the code that asked for the op (the first frame outside the comm wrappers)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in _WRAPPERS:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    name = frame.f_code.co_filename
+    for root in ("/megazero/", "/parallel/", "/models/"):
+        if root in name:
+            name = name[name.rindex(root) + 1:]
+            break
+    return f"{os.path.basename(name) if name.startswith('/') else name}:{frame.f_lineno}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -210,7 +275,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bo
     _check_device("all_reduce", group, "tensor", tensor)
     if group.size == 1:
         return local_handle(group, async_op)
-    group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor))
+    group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor), tensor, op)
     work, done = _issue(group, [tensor], [tensor],
                         lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), async_op)
     return _finish(work, done, async_op, [tensor])
@@ -227,7 +292,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     if group.size == 1:
         output.copy_(input.view_as(output))
         return local_handle(group, async_op)
-    group.log.record("reduce_scatter", group, _ring_fraction(group) * _nbytes(input))
+    group.log.record("reduce_scatter", group, _ring_fraction(group) * _nbytes(input), input, op)
     then = None
     if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
         # In place (output is this rank's chunk of input) is defined for NCCL only; gloo can
@@ -253,7 +318,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     if group.size == 1:
         output.view_as(input).copy_(input)
         return local_handle(group, async_op)
-    group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output))
+    group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output), output)
     work, done = _issue(group, [input], [output], lambda: _all_gather_single(
         output.view(-1), input.view(-1), group=group.pg, async_op=async_op), async_op)
     return _finish(work, done, async_op, [input, output])
@@ -265,7 +330,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     if group.size == 1:
         output.copy_(input)
         return local_handle(group, async_op)
-    group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input))
+    group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input), input)
     work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
         output, input, group=group.pg, async_op=async_op), async_op)
     return _finish(work, done, async_op, [input, output])
@@ -276,7 +341,8 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
     _check_device("broadcast", group, "tensor", tensor)
     if group.size == 1:
         return
-    group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor))
+    group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor), tensor,
+                     root=group.ranks[src_index])
     work, done = _issue(group, [tensor], [tensor],
                         lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg), False)
     _finish(work, done, False, ())
@@ -288,7 +354,7 @@ def all_reduce_object_max(value: float, group: Group) -> float:
         return value
     t = torch.tensor([float(value)], dtype=torch.float64, device=group.device)
     all_reduce(t, group, op=ReduceOp.MAX)
-    return t.item()
+    return host_read.read(t, "max over a group", healthy=[float(value)])[0]
 
 
 def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> Handle:
@@ -305,7 +371,7 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
     if not ops:
         return local_handle(group)
     for kind, op in ops:      # counted only once every tensor has passed the check
-        group.log.record(kind, group, _nbytes(op.tensor))
+        group.log.record(kind, group, _nbytes(op.tensor), op.tensor, peer=op.peer)
     sent = [op.tensor for kind, op in ops if kind == "send"]
     received = [op.tensor for kind, op in ops if kind == "recv"]
     works, done = _issue(group, sent, received, lambda: dist.batch_isend_irecv([op for _, op in ops]),
@@ -315,4 +381,7 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
 
 def barrier(group: Group) -> None:
     if group.size > 1:
+        if group.log.entries is not None:
+            group.log.entries.append(CommEntry("barrier", group.name, tuple(group.ranks), "-", 0, (),
+                                               site=_call_site()))
         dist.barrier(group=group.pg)

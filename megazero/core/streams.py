@@ -439,8 +439,10 @@ def copy_to_device(tensor: torch.Tensor, device, streams: Streams | None = None)
     stream and used on the main one, is recorded with keep_alive."""
     device = torch.device(device)
     modelled = device.type == "cpu" and streams is not None and streams.enabled
-    if not modelled and (device.type != "cuda" or tensor.device == device):
+    if not modelled and (tensor.device == device or device.type == "cpu"):
         return tensor
+    if device.type not in ("cpu", "cuda"):        # meta (the dry run's device): no streams, no pinning
+        return tensor.to(device)
     if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = tensor.pin_memory()
     if streams is None or not streams.enabled:

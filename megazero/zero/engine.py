@@ -27,7 +27,7 @@ import weakref
 import torch
 from torch import nn
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.core.streams import Streams
 from megazero.ops.adam_config import AdamConfig
 from .config import ZeroConfig
@@ -265,7 +265,7 @@ class ZeroEngine:
         if self.zero.stage > 0:
             comm.all_reduce(sumsq, self.groups.shard)
         comm.all_reduce(sumsq, self.groups.model_parallel)
-        value = sumsq.item()
+        value = host_read.read(sumsq, "gradient norm", healthy=1.0)
         return math.sqrt(value) / self.loss_scaler.scale if value >= 0 else float("nan")
 
     def counted_stats(self, kind: str) -> tuple[float, int]:
@@ -280,7 +280,7 @@ class ZeroEngine:
         if self.zero.stage > 0:
             comm.all_reduce(stats, self.groups.shard)
         comm.all_reduce(stats, self.groups.model_parallel)
-        sumsq, zeros = stats.tolist()
+        sumsq, zeros = host_read.read(stats, "parameter statistics", healthy=[1.0, 0.0])
         return math.sqrt(max(sumsq, 0.0)), int(zeros)
 
     def step(self, lr) -> StepStats:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.core.streams import Event
 
 ADAPT_EVERY = 10
@@ -78,7 +78,8 @@ class AdaptivePrefetch:
         agreed = torch.tensor([max(ratio, 0.0), 1.0 if ratio < 0 else 0.0], dtype=torch.float64,
                               device=self.group.device)
         comm.all_reduce(agreed, self.group, op=comm.ReduceOp.MAX)
-        worst, missing = agreed.tolist()
+        worst, missing = host_read.read(agreed, "prefetch wait ratio",
+                                        healthy=[max(ratio, 0.0), 1.0 if ratio < 0 else 0.0])
         if missing:
             return
         self.ratios.append(worst)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.core.errors import UsageError
 from ..config import ZeroConfig
 from .adaptive_prefetch import AdaptivePrefetch
@@ -253,7 +253,8 @@ class GatherCoordinator:
         mine = torch.tensor([unit_index, module_id], dtype=torch.int64, device=self.unit_storage.device)
         everyone = torch.empty(2 * shard.size, dtype=torch.int64, device=self.unit_storage.device)
         comm.all_gather(everyone, mine, shard)
-        uses = everyone.view(shard.size, 2).tolist()
+        uses = host_read.read(everyone.view(shard.size, 2), "stage-3 use agreement",
+                              healthy=lambda: [[unit_index, module_id]] * shard.size)
         other = next((r for r, (u, _) in enumerate(uses) if u != unit_index), None)
         if other is not None:
             raise RuntimeError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.core.errors import UsageError
 from ..config import ZeroConfig
 
@@ -52,18 +52,21 @@ def find_leaf_modules(modules: list[nn.Module], zero: ZeroConfig, group: comm.Gr
     found, seen = [], set()
     wanted = selectors(zero)
     counts = torch.zeros(len(wanted), dtype=torch.float64, device=group.device)
+    local = [0.0] * len(wanted)      # this rank's counts: what every rank finding the same reads
     for root in modules:
         for name, module in root.named_modules():
             for k, (kind, value, _) in enumerate(wanted):
                 if _matches(kind, value, name, module):
                     counts[k] += 1
+                    local[k] += 1
                     if id(module) not in seen:
                         seen.add(id(module))
                         found.append(module)
     checked = [k for k, (_, _, must) in enumerate(wanted) if must]
     if checked:
         comm.all_reduce(counts, group)
-        missing = [f"{wanted[k][0]} {wanted[k][1]!r}" for k in checked if counts[k].item() == 0]
+        agreed = host_read.read(counts, "leaf-module selector matches", healthy=local)
+        missing = [f"{wanted[k][0]} {wanted[k][1]!r}" for k in checked if agreed[k] == 0]
         if missing == [f"classes {LAYER_CLASS!r}"] and zero.stage3_granularity == "layer":
             raise UsageError(f"stage3_granularity \"layer\" found no {LAYER_CLASS} among the model's "
                              f"modules; use \"module\" granularity for this model")

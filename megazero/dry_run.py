@@ -1,0 +1,188 @@
+"""The dry run: every rank of an N-GPU job, each in a process of its own on this CPU, running the
+real recipe (megazero.pretrain: flags -> config -> process groups -> data -> model chunks -> ZeRO
+engine -> training steps with the optimizer step -> a checkpoint save) with the `meta` device
+standing in for its GPU and torch's fake process group for NCCL.
+
+Meta tensors have shapes, dtypes and a device but no values: every kernel runs as shape arithmetic,
+so a 70B model's step takes seconds and no memory of the model's size, and a tensor made on the host
+meeting one fails exactly as it would meeting a CUDA tensor. The fake backend completes every
+collective at once without moving anything; what each rank issued is recorded by its CommLog's trace
+(megazero.core.comm.CommEntry) and compared across the members of every group afterwards
+(megazero.dry_run_checks). Values the host reads back (the loss, the gradient norm, agreement
+tables) come from megazero.core.host_read, which answers meta tensors with the value a healthy run
+would agree on.
+
+`run_rank` is the path itself, on any device and process group: the tests run it on gloo ranks of
+the CPU to prove the dry run's traces equal a real run's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import tempfile
+import traceback
+
+import torch
+
+from megazero.core import host_read
+from megazero.core.comm import CommLog
+from megazero.dry_run_device import DeviceStandIn
+
+DEFAULT_RANKS_PER_NODE = 8     # a GPU node's ranks, for the intra/inter-node split of the groups
+
+
+@dataclasses.dataclass
+class RankRun:
+    """What one simulated rank did: its traced ops, host reads and (meta) memory; or its error."""
+    rank: int
+    coords: tuple | None = None
+    entries: list = dataclasses.field(default_factory=list)
+    step_ends: list = dataclasses.field(default_factory=list)   # len(entries) after each training step
+    host_reads: list = dataclasses.field(default_factory=list)
+    memory: dict | None = None
+    model_states: dict | None = None   # the engine's own report (engine.memory.report()), bytes
+    error: str | None = None       # one line: where a rank stopped (a misplaced tensor, a bug)
+    detail: str | None = None      # its traceback
+
+
+class SimulatedLaunch:
+    """What the recipe asks of a launch, for one rank of a world simulated without a store: every
+    rank prepares its own data (mock data writes no files), nothing is agreed through a store."""
+
+    def __init__(self, rank: int, world: int, local_world: int):
+        self.rank, self.world, self.local_world = rank, world, local_world
+        self.store = None
+
+    def first(self, step: str):
+        return lambda build: build(True)
+
+
+def dry_argv(argv: list[str], workdir: str, save: bool = True) -> list[str]:
+    """The user's flags, with what a dry run adds: mock data unless data is named (no file is read),
+    outputs into `workdir`, no evaluation, and a save at the last step (its collectives are part of
+    what ranks must agree on)."""
+    argv = list(argv)
+    if "--data-path" not in argv and "--mock-data" not in argv:
+        argv.append("--mock-data")
+    if "--run-dir" not in argv:
+        argv += ["--run-dir", os.path.join(workdir, "run")]
+    if "--eval-iters" not in argv:
+        argv += ["--eval-iters", "0"]
+    if save and "--save" not in argv:
+        argv += ["--save", os.path.join(workdir, "checkpoints")]
+    return argv
+
+
+def run_rank(argv: list[str], world: int, rank: int, device, factory, local_world: int | None = None,
+             on_groups=None, cuda: bool = False) -> RankRun | None:
+    """Runs the recipe for `rank` of `world` with `argv` (pretrain_gpt.py's flags) on `device`,
+    its groups made by `factory` (a GroupFactory over an initialised default group); returns the
+    rank's trace, or None for a process outside `world`. `on_groups(groups)` may look at them first;
+    `cuda`: the flags are read as on a GPU machine (the default backend is nccl)."""
+    from megazero import pretrain
+    from megazero.checkpoint.resume import check_resume
+    from megazero.config.train_flags import config_from_args, parse_args
+    from megazero.launch import Progress, topology_of
+    from megazero.parallel.process_groups import ProcessGroups
+    local_world = local_world or min(world, DEFAULT_RANKS_PER_NODE)
+    args = parse_args(argv)
+    cfg = config_from_args(args, world, local_world, cuda_available=cuda)
+    log = CommLog(trace=True)
+    groups = ProcessGroups.build(topology_of(cfg, world), rank, factory, log=log, device=device)
+    if groups is None:
+        return None
+    if on_groups is not None:
+        on_groups(groups)
+    resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
+    cfg = cfg.replace(optimizer=resume.optimizer)
+    progress = Progress(cfg=cfg)
+    run = RankRun(rank, coords=tuple(groups.coords))
+    try:
+        pretrain.pretrain(cfg, SimulatedLaunch(rank, world, local_world), torch.device(device), resume,
+                          progress, groups=groups)
+    except Exception as err:        # noqa: BLE001 - a rank's failure is a finding, reported per rank
+        run.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        run.detail = traceback.format_exc()
+    run.entries, run.step_ends = log.entries, log.step_ends
+    if progress.state is not None:
+        run.model_states = {k: float(v) for k, v in progress.state.engine.memory.report().items()}
+    return run
+
+
+def job_config(argv: list[str], world: int, local_world: int | None = None):
+    """The TrainConfig of a `world`-rank GPU job of these flags (as each simulated rank reads them)."""
+    from megazero.config.train_flags import config_from_args, parse_args
+    return config_from_args(parse_args(dry_argv(argv, "/nonexistent")), world,
+                            local_world or min(world, DEFAULT_RANKS_PER_NODE), cuda_available=True)
+
+
+def check_flags(argv: list[str], world: int, local_world: int | None = None) -> str | None:
+    """The flags' first mistake for a `world`-rank GPU job, as pretrain_gpt.py would say it."""
+    from megazero.config.train_flags import config_from_args, parse_args
+    from megazero.core.errors import UsageError
+    try:
+        config_from_args(parse_args(dry_argv(argv, "/nonexistent")), world,
+                         local_world or min(world, DEFAULT_RANKS_PER_NODE), cuda_available=True)
+    except UsageError as err:
+        return str(err)
+    return None
+
+
+def planner_figures(argv: list[str], world: int, local_world: int | None) -> dict:
+    """megazero.config.memory_estimate's figures for a GPU rank of this job (its largest stage)."""
+    from megazero.config.memory_estimate import estimate
+    from megazero.config.train_flags import config_from_args, parse_args
+    cfg = config_from_args(parse_args(argv), world, local_world or min(world, DEFAULT_RANKS_PER_NODE),
+                           cuda_available=True)
+    found = estimate(cfg, world, "cuda")
+    return {"model_states": found.model_states, "activations": found.activations, "total": found.total}
+
+
+def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None):
+    """One simulated rank's process: the fake backend for NCCL, meta for the GPU. `prepare(rank)`,
+    a context manager, is held open around the rank (the tests plant bugs with it)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megazero.parallel.process_groups import GroupFactory
+    torch.set_num_threads(1)
+    # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
+    argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"))
+    device = DeviceStandIn()
+    try:
+        with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
+                device, device.phase_hooks(reads), contextlib.redirect_stdout(io.StringIO()):
+            # (each rank's log lines are not the report's)
+            run = run_rank(argv, world, rank, torch.device("meta"), GroupFactory(rank), local_world, cuda=True)
+        run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
+        step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
+        run.host_reads = [{"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)}
+                          for i, r in enumerate(reads)]
+        return run
+    finally:
+        dist.destroy_process_group()
+
+
+PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "megazero.pretrain"]
+
+
+def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,
+             processes: int | None = None, prepare=None) -> list[RankRun]:
+    """Runs `ranks` (all of them by default) of a `world`-rank job of pretrain_gpt.py's `argv`.
+    `processes` workers (forked from a server that imported torch and megazero once) each run one
+    rank after another, each rank in a default group of its own, made and destroyed around it."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+    ranks = list(range(world)) if ranks is None else list(ranks)
+    processes = processes or max(1, min(len(ranks), os.cpu_count() or 1))
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+    else:
+        context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="megazero-dry-run-") as workdir:
+        with ProcessPoolExecutor(processes, mp_context=context) as pool:
+            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare) for r in ranks]
+            return [f.result() for f in futures]

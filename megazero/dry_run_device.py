@@ -1,0 +1,172 @@
+"""The meta device as a GPU for the dry run: what a GPU does that meta tensors cannot.
+
+Meta kernels compute shapes only, and a copy out of a meta tensor fails ("no data"). A GPU's
+device-to-host copies (optimizer states offloaded to the host, a checkpoint's host copy) are ordinary
+there, so under `DeviceStandIn` a copy from meta into a host tensor leaves the host tensor as it was
+(zeros where the dry run made it) and a `.to("cpu")` of a meta tensor gives host zeros of its shape.
+Every such copy is counted (`d2h_copies`, `d2h_bytes`): host traffic the step pays.
+
+It also keeps the device's memory as CUDA's caching allocator would hand it out: every meta storage
+an op creates is one allocation, rounded up to the allocator's 512-byte blocks, held until torch
+frees the storage (a finalizer on it: storages keep one Python object for their lifetime). Each
+allocation gets an owner from what allocated it: the collectives' buffers (`communication`: made
+inside megazero's comm layer, the stage-3 gathers, the quantized collectives), autograd's backward
+(`backward`: gradients of activations and weight gradients before ZeRO takes them), the forward
+of the model (`activations`), ZeRO's storages (`model states`: parameters, gradients, master
+weights, optimizer states) and the rest (`workspace`). `snapshot(phase)` notes the live bytes by
+owner and the peak so far; the peak's own breakdown is kept as well. Reserved memory (the
+allocator's 2 MiB and larger segments, fragmentation) is not modelled: these are allocated bytes.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+def _is(t, kind: str) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == kind
+
+
+BLOCK = 512     # the CUDA caching allocator's rounding (kMinBlockSize)
+OWNERS = ("model states", "activations", "backward", "communication", "workspace")
+_COMM_FILES = ("/core/comm.py", "/zero/quantized_comm.py", "/zero/stage3/param_gather.py")
+
+
+def rounded(nbytes: int) -> int:
+    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK) if nbytes else 0
+
+
+def _owner() -> str:
+    if torch._C._current_autograd_node() is not None:
+        return "backward"
+    frame, zero = sys._getframe(3), False
+    for _ in range(40):
+        if frame is None:
+            break
+        name = frame.f_code.co_filename
+        if name.endswith(_COMM_FILES):
+            return "communication"
+        if "/megazero/zero/" in name:
+            zero = True
+        elif "/models/" in name and torch.is_grad_enabled() and not zero:
+            return "activations"
+        frame = frame.f_back
+    return "model states" if zero else "workspace"
+
+
+class DeviceStandIn(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.d2h_copies = 0
+        self.d2h_bytes = 0
+        self.allocations = 0
+        self.live = dict.fromkeys(OWNERS, 0)
+        self.peak, self.peak_by_owner = 0, dict(self.live)
+        self.phases: dict[str, dict] = {}
+        self._held: set[int] = set()
+        self.read_marks: list[tuple[int, int]] = []
+        self.counting = True           # off while the model chunks are built on meta (as on a GPU)
+        self.in_setup = True           # until the first step: the model and ZeRO's storages
+        self.backward_started = False  # in this step: the first backward allocation notes "forward"
+
+    def phase_hooks(self, reads: list | None = None):
+        """Patches that note the phases of every training step: "setup" before the first, "forward"
+        at the step's first backward allocation (with pipelining: after the warm-up forwards),
+        "backward" before the optimizer step, "step" after it. The last step's notes are kept.
+        `reads` (host_read's open recording): each step's (first, end) positions in it go to `read_marks`."""
+        import contextlib
+        from unittest import mock
+        from megazero import training
+        from megazero.zero.engine import ZeroEngine
+        real_step, real_engine_step = training.train_step, ZeroEngine.step
+
+        def train_step(*args, **kwargs):
+            if self.in_setup:
+                self.snapshot("setup")
+                self.in_setup = False
+            self.backward_started = False
+            start = len(reads) if reads is not None else 0
+            out = real_step(*args, **kwargs)
+            self.snapshot("step")
+            if reads is not None:
+                self.read_marks.append((start, len(reads)))
+            return out
+
+        def engine_step(engine, *args, **kwargs):
+            self.snapshot("backward")
+            return real_engine_step(engine, *args, **kwargs)
+        real_build = training.build_model_chunks
+
+        def build_model_chunks(*args, **kwargs):
+            # On a GPU these chunks are meta tensors too (materialised later by the engine): no memory.
+            self.counting = False
+            try:
+                return real_build(*args, **kwargs)
+            finally:
+                self.counting = True
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(training, "build_model_chunks", build_model_chunks))
+        stack.enter_context(mock.patch.object(training, "train_step", train_step))
+        stack.enter_context(mock.patch.object(ZeroEngine, "step", engine_step))
+        return stack
+
+    def snapshot(self, phase: str) -> None:
+        self.phases[phase] = {"allocated": sum(self.live.values()), "peak": self.peak,
+                              "by_owner": dict(self.live)}
+
+    def record(self) -> dict:
+        return {"allocations": self.allocations, "peak": self.peak, "peak_by_owner": dict(self.peak_by_owner),
+                "phases": dict(self.phases), "d2h_copies": self.d2h_copies, "d2h_bytes": self.d2h_bytes}
+
+    def _track(self, out) -> None:
+        if not self.counting:
+            return
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if not _is(t, "meta"):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in self._held:
+                continue
+            size = rounded(storage.nbytes())
+            if not size:
+                continue
+            owner = _owner()
+            if self.in_setup and owner != "communication":
+                owner = "model states"
+            if owner == "backward" and not self.backward_started:
+                self.backward_started = True
+                self.snapshot("forward")
+            self._held.add(key)
+            self.allocations += 1
+            self.live[owner] += size
+            weakref.finalize(storage, self._free, key, owner, size)
+            total = sum(self.live.values())
+            if total > self.peak:
+                self.peak, self.peak_by_owner = total, dict(self.live)
+
+    def _free(self, key: int, owner: str, size: int) -> None:
+        self._held.discard(key)
+        self.live[owner] -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = getattr(func, "overloadpacket", None)
+        if packet is aten.copy_ and _is(args[0], "cpu") and _is(args[1], "meta"):
+            self._count(args[1])
+            return args[0]
+        if packet is aten._to_copy and _is(args[0], "meta") and str(kwargs.get("device", "meta")) == "cpu":
+            self._count(args[0])
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device="cpu")
+        out = func(*args, **kwargs)
+        self._track(out)
+        return out
+
+    def _count(self, t: torch.Tensor) -> None:
+        self.d2h_copies += 1
+        self.d2h_bytes += t.numel() * t.element_size()

@@ -1,0 +1,85 @@
+"""The dry run's output: one JSON document (schema "megazero.dry_run/1", documented field by field in
+docs/dry_run.md) and the table printed from it."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+SCHEMA = "megazero.dry_run/1"
+
+_ITEMSIZE = {}
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype not in _ITEMSIZE:
+        _ITEMSIZE[dtype] = getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 0
+    return _ITEMSIZE[dtype]
+
+
+def _op(entry) -> dict:
+    out = dataclasses.asdict(entry)
+    return {**out, "ranks": list(entry.ranks), "shape": list(entry.shape)}
+
+
+def last_step(run) -> list:
+    """The ops of the run's last training step (steady state: the first step also records traces)."""
+    if not run.step_ends:
+        return []
+    start = run.step_ends[-2] if len(run.step_ends) > 1 else 0
+    return run.entries[start:run.step_ends[-1]]
+
+
+def per_group(entries) -> dict[str, dict]:
+    """group name -> {"calls", "bytes"}: the payload each op hands the backend (a p2p: its tensor)."""
+    out: dict[str, dict] = {}
+    for e in entries:
+        row = out.setdefault(e.group, {"calls": 0, "bytes": 0})
+        row["calls"] += 1
+        row["bytes"] += e.numel * _itemsize(e.dtype)
+    return dict(sorted(out.items()))
+
+
+def rank_record(run, stands_for: int = 1) -> dict:
+    coords = dict(zip(("tp", "dp", "pp"), run.coords)) if run.coords is not None else None
+    return {
+        "rank": run.rank, "coords": coords, "stands_for": stands_for, "error": run.error,
+        "steps": len(run.step_ends),
+        "ops": [_op(e) for e in run.entries],
+        "step_comm": per_group(last_step(run)),
+        "host_reads": list(run.host_reads),
+        "memory": run.memory,
+        "engine_model_states": run.model_states,
+    }
+
+
+def report(runs, problems: list[str], world: int, seconds: float, stands_for: dict | None = None) -> dict:
+    """`stands_for`: simulated rank -> ranks of the job it represents (its role's; None: itself)."""
+    return {"schema": SCHEMA, "world_size": world, "seconds": round(seconds, 2), "ok": not problems,
+            "problems": list(problems),
+            "ranks": [rank_record(r, (stands_for or {}).get(r.rank, 1)) for r in runs]}
+
+
+def _mib(x) -> str:
+    return f"{x / 2**20:,.1f}" if x is not None else "-"
+
+
+def table(result: dict) -> str:
+    verdict = "all checks passed" if result["ok"] else f"{len(result['problems'])} problem(s)"
+    lines = [f"dry run: {len(result['ranks'])} of {result['world_size']} ranks in {result['seconds']:.1f} s; "
+             f"{verdict}", "",
+             f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'x':>4} {'peak MiB':>10} {'planner':>10} {'ratio':>6}  "
+             f"at the peak (MiB): model states / activations / backward / communication / workspace"]
+    for r in result["ranks"]:
+        c = r["coords"] or {"tp": "-", "dp": "-", "pp": "-"}
+        m = r["memory"] or {}
+        peak, plan = m.get("peak"), (m.get("planner") or {}).get("total")
+        ratio = f"{plan / peak:.2f}" if peak and plan else "-"
+        owners = " / ".join(_mib(v) for v in (m.get("peak_by_owner") or {}).values()) or "-"
+        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3} {r['stands_for']:>4} {_mib(peak):>10} {_mib(plan):>10} "
+                     f"{ratio:>6}  {owners}")
+    lines += ["", f"{'rank':>6}  {'ops':>6}  collectives per step by group (calls, MiB)"]
+    for r in result["ranks"]:
+        groups = ", ".join(f"{g} {v['calls']}x {v['bytes'] / 2**20:.2f}" for g, v in r["step_comm"].items())
+        lines.append(f"{r['rank']:>6}  {len(r['ops']):>6}  {groups or '-'}")
+    return "\n".join(lines)

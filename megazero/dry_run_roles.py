@@ -1,0 +1,55 @@
+"""Which ranks a dry run of a large job simulates: one per role.
+
+A rank's role is everything about its place in the grid that changes what it runs: for every group
+kind it belongs to (tp, dp, pp, cp, mp, embedding, MiCS shard and replica, the shard group's
+node-local and cross-node parts, hpZ), its position there (first / middle / last; along ZeRO's
+axis its exact index, its partition), the group's size and whether the group stays inside a node; its exact place in the context-parallel ring (each chunk
+pairs with its own peers); and its pipeline stage with that stage's layers (1F1B's warm-up length
+depends on the stage's index, so two middle stages order their sends and receives differently). Ranks of one role issue the
+same collectives (same ops, sizes, reduce ops, positions of roots and peers) and allocate the same
+memory, so one of them stands for all: `tests/tools/test_dry_run.py` runs every rank of 16-rank
+layouts and checks each rank against its role's representative.
+"""
+from __future__ import annotations
+
+
+# Groups along ZeRO's axis: a rank's index there is its partition, whose padding and unit pieces
+# differ from the next one's, so the index itself is part of the role.
+_EXACT = {"dp", "mics_shard", "mics_shard_gather", "mics_replica", "shard_node_local", "shard_cross_node", "hpz"}
+
+
+def _position(index: int, size: int) -> str:
+    return "first" if index == 0 else "last" if index == size - 1 else "middle"
+
+
+def roles(cfg, world: int) -> dict[tuple, list[int]]:
+    """role -> its ranks (ascending), for `world` ranks of the job `cfg` lays out."""
+    from megazero.launch import topology_of
+    from megazero.parallel.pipeline.split import stage_layer_ranges
+    topology = topology_of(cfg, world)
+    par = cfg.parallel
+    chunks = stage_layer_ranges(cfg.model.num_layers, topology.pp, par.virtual_stages, par.layer_split)
+    stage_layers = [tuple(len(chunks[v * topology.pp + p]) for v in range(par.virtual_stages))
+                    for p in range(topology.pp)]
+    kinds = {**topology.all_group_kinds(), **topology.stage3_gather_group_kinds()}
+    place: list[list] = [[] for _ in range(world)]
+    for kind, groups in sorted(kinds.items()):
+        member = [None] * world
+        for ranks in groups:
+            intra = topology.is_intra_node(ranks)
+            for i, r in enumerate(ranks):
+                where = i if kind in _EXACT else _position(i, len(ranks))
+                member[r] = (kind, where, len(ranks), intra)
+        for r in range(world):
+            place[r].append(member[r] or (kind, None))
+    found: dict[tuple, list[int]] = {}
+    for r in range(world):
+        stage = topology.coords(r).pp
+        key = (stage, stage_layers[stage], topology.cp_of(r)) + tuple(place[r])
+        found.setdefault(key, []).append(r)
+    return found
+
+
+def representatives(cfg, world: int) -> dict[int, int]:
+    """rank simulated -> how many ranks of the job it stands for (itself included)."""
+    return {members[0]: len(members) for members in roles(cfg, world).values()}

@@ -1,0 +1,264 @@
+"""The dry run (meta device, fake process group) against real gloo runs of the same flags, and the
+bugs its cross-rank checks exist for.
+
+- fidelity: over a grid of layouts of at most 8 ranks (every axis, ZeRO stages 0-3, offload to cpu and
+  nvme, MiCS, hpZ, qwZ / qgZ, every context-parallel type) each rank's collective and p2p sequence in
+  the dry run equals what the same rank issues in a real gloo run of the same flags (CommLog's trace);
+- planted bugs: a collective skipped on one rank, a host-made tensor in the gradient norm, a pipeline
+  receive one row off: each fails with its one line naming the group or the pair and the code line;
+- the CLI: `--json -` parsed against its documented schema; exit 2 and one line on a flag mistake.
+
+One gloo pool runs every layout of the grid (one call); the dry runs share one forkserver.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+from megazero.dry_run import dry_argv, run_rank, simulate
+from megazero.dry_run_checks import check_all
+from tests.driver import REPO
+
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2", "--log-interval", "1",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "101", "--lr", "1e-3",
+        "--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def _zero_config(path, name, block) -> list[str]:
+    file = path / f"{name}.json"
+    file.write_text(json.dumps({"zero_optimization": block}))
+    return ["--zero-config", str(file)]
+
+
+def grid(path) -> dict[str, tuple[int, list[str]]]:
+    """layout -> (world size, flags): each axis and each ZeRO feature at least once."""
+    nvme = path / "nvme"
+    nvme.mkdir(exist_ok=True)
+    return {
+        "tp 2 x pp 2 interleaved x dp 2, ZeRO-1, bf16": (8, [
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "1", "--bf16"]),
+        "dp 2, ZeRO-0": (2, ["--zero-stage", "0"]),
+        "dp 4, ZeRO-2, optimizer offloaded to nvme": (4, _zero_config(path, "nvme", {
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}})),
+        "dp 4, ZeRO-3, parameters and optimizer offloaded to cpu": (4, _zero_config(path, "cpu", {
+            "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})),
+        "dp 4, ZeRO-3 MiCS 2": (4, _zero_config(path, "mics", {"stage": 3, "mics_shard_size": 2})),
+        "dp 4, ZeRO-3 hpZ 2, qwZ, qgZ": (4, _zero_config(path, "zeropp", {
+            "stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
+            "zero_quantized_gradients": True})),
+        "cp 2 p2p x tp 2, ZeRO-2, sequence parallel": (4, [
+            "--context-parallel-size", "2", "--cp-comm-type", "p2p", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--zero-stage", "2"]),
+        "cp 2 a2a x dp 2, ZeRO-3": (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--zero-stage", "3"]),
+        "cp 2 allgather x pp 2, ZeRO-1": (4, ["--context-parallel-size", "2", "--cp-comm-type", "allgather",
+                                             "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
+    }
+
+
+def _key(entry) -> tuple:
+    return (entry.group, entry.ranks, entry.peer) + entry.signature()
+
+
+def _gloo_traces(ctx, layouts, workdir):
+    """Every layout on this gloo rank of the pool: (error, that rank's traced ops) or None."""
+    out = []
+    for i, (world, argv) in enumerate(layouts):
+        run = run_rank(dry_argv(argv, f"{workdir}/{i}"), world, ctx.rank, torch.device("cpu"), ctx.factory)
+        out.append(None if run is None else (run.error, run.detail, run.entries))
+    return out
+
+
+def test_dry_run_issues_what_the_gloo_run_issues_on_every_rank(dist_pool, tmp_path):
+    layouts = grid(tmp_path)
+    real = dist_pool(8).run(_gloo_traces, [(w, BASE + flags) for w, flags in layouts.values()], str(tmp_path))
+    for i, (what, (world, flags)) in enumerate(layouts.items()):
+        runs = simulate(BASE + flags, world, processes=2)
+        assert check_all(runs) == [], what
+        for run in runs:
+            error, detail, entries = real[run.rank][i]
+            assert error is None, f"{what}: gloo rank {run.rank}: {detail}"
+            got, want = [_key(e) for e in run.entries], [_key(e) for e in entries]
+            if got != want:
+                at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                pytest.fail(f"{what}: rank {run.rank} op #{at + 1}: dry run "
+                            f"{run.entries[at] if at < len(got) else 'nothing'} vs gloo "
+                            f"{entries[at] if at < len(want) else 'nothing'} ({len(got)} vs {len(want)} ops)")
+            assert len(got) > 0 and len(run.step_ends) == 2, what
+
+
+# Planted bugs, each held open around one simulated rank (module-level: pickled to the workers).
+
+@contextlib.contextmanager
+def skip_model_parallel_norm_sum_on_rank_1(rank):
+    """Rank 1 skips the gradient norm's all-reduce over the model-parallel group."""
+    from megazero.core import comm
+    from megazero.zero import engine
+    real = comm.all_reduce
+
+    def all_reduce(tensor, group, *args, **kwargs):
+        if group.name == "mp" and tensor.dtype == torch.float64 and tensor.dim() == 0:
+            return None
+        return real(tensor, group, *args, **kwargs)
+    fake_comm = mock.Mock(wraps=comm)
+    fake_comm.all_reduce = all_reduce
+    with mock.patch.object(engine, "comm", fake_comm) if rank == 1 else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def host_tensor_in_the_gradient_norm(rank):
+    """The gradient norm's sum starts as a tensor on the host (torch.zeros without a device)."""
+    from megazero.zero import engine
+    real = engine.torch.zeros
+
+    def zeros(*shape, **kwargs):
+        if kwargs.get("dtype") == torch.float64 and shape == ((),):
+            kwargs.pop("device", None)
+        return real(*shape, **kwargs)
+    with mock.patch.object(engine.torch, "zeros", zeros):
+        yield
+
+
+@contextlib.contextmanager
+def pipeline_receive_one_row_off_on_rank_3(rank):
+    """Rank 3 (second stage) receives its input into a buffer one row longer than the sender's."""
+    from megazero.parallel.pipeline import p2p
+    real = p2p.PipelineP2P._empty
+
+    def _empty(self, what):
+        t = real(self, what)
+        return torch.empty((t.shape[0] + 1,) + t.shape[1:], dtype=t.dtype, device=t.device) \
+            if what == "pipeline input received" else t
+    with mock.patch.object(p2p.PipelineP2P, "_empty", _empty) if rank == 3 else contextlib.nullcontext():
+        yield
+
+
+def test_planted_bugs_fail_with_their_line():
+    tp2pp2 = BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    clean = simulate(tp2pp2, 4, processes=2)
+    assert check_all(clean) == []
+    skipped = check_all(simulate(tp2pp2, 4, processes=2, prepare=skip_model_parallel_norm_sum_on_rank_1))
+    assert skipped == [skipped[0]] and skipped[0].startswith(
+        "group mp [0, 1, 2, 3]: collective #2 differs: rank 0 issued all_reduce float64 x1 (sum) at "
+        "megazero/zero/engine.py:"), skipped
+    assert "; rank 1 issued all_reduce float64 x12 (sum) at megazero/checkpoint/agreement.py:" in skipped[0]
+    host = check_all(simulate(BASE, 2, processes=2, prepare=host_tensor_in_the_gradient_norm))
+    assert len(host) == 2 and all("a tensor made on the host meets a device tensor at megazero/zero/engine.py:" in line
+                                  for line in host), host
+    off = check_all(simulate(tp2pp2, 4, processes=2, prepare=pipeline_receive_one_row_off_on_rank_3))
+    p2p = [line for line in off if line.startswith("p2p ")]
+    assert p2p and p2p[0].startswith(
+        "p2p rank 1 -> rank 3: message #1 does not meet: rank 1 issued send float32 [1, 32, 32] at "
+        "parallel/pipeline/p2p.py:"), "\n".join(off)
+    assert "; rank 3 issued recv float32 [2, 32, 32] at parallel/pipeline/p2p.py:" in p2p[0], off
+
+
+def _documented_fields(table: str) -> list[str]:
+    doc = (REPO / "docs" / "dry_run.md").read_text()
+    block = doc.split(f"<!-- dry-run-schema: {table} -->", 1)[1].split("\n\n", 1)[0]
+    return [line.split("`")[1] for line in block.splitlines()[3:] if line.startswith("| `")]
+
+
+def _documented_host_reads() -> list[tuple[str, str]]:
+    doc = (REPO / "docs" / "dry_run.md").read_text()
+    block = doc.split("<!-- steady-state host reads -->", 1)[1].split("\n\n", 1)[0]
+    return [(line.split("`")[1], line.split("(")[1].split(")")[0]) for line in block.splitlines() if line.startswith("- ")]
+
+
+def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
+    tool = [sys.executable, str(REPO / "tools" / "dry_run.py")]
+    got = subprocess.run(tool + ["--world-size", "2", "--processes", "1", "--json", "-"] + BASE,
+                         capture_output=True, text=True, timeout=600)
+    assert got.returncode == 0, got.stderr[-3000:]
+    result = json.loads(got.stdout)
+    assert list(result) == _documented_fields("top") and result["schema"] == "megazero.dry_run/1"
+    assert result["ok"] is True and result["problems"] == [] and result["world_size"] == 2
+    assert [r["rank"] for r in result["ranks"]] == [0, 1]
+    for r in result["ranks"]:
+        assert list(r) == _documented_fields("rank") and r["error"] is None and r["steps"] == 2
+        assert r["ops"] and all(list(op) == _documented_fields("op") for op in r["ops"])
+        assert r["step_comm"]["dp"]["calls"] >= 1
+        m = r["memory"]
+        assert list(m) == _documented_fields("memory") and list(m["phases"]) == ["setup", "forward", "backward", "step"]
+        assert m["peak"] >= max(p["allocated"] for p in m["phases"].values()) > 0
+        assert sum(m["peak_by_owner"].values()) == m["peak"] and m["peak"] % 512 == 0
+        assert m["phases"]["forward"]["by_owner"]["activations"] > 0 and m["planner"]["total"] > 0
+        last = [(h["what"], h["site"].split(":")[0]) for h in r["host_reads"] if h["step"] == r["steps"]]
+        assert last == _documented_host_reads(), r["host_reads"]
+        # before the first step the device holds the engine's model states (and little else)
+        states = r["engine_model_states"]["model_states"]
+        assert states <= m["phases"]["setup"]["allocated"] < 1.6 * states
+    for extra, needle in ((["--ranks", "2"], "--ranks 2: give comma-separated ranks between 0 and 1"),
+                          (["--tensor-model-parallel-size", "3"], "tensor")):
+        bad = subprocess.run(tool + ["--world-size", "2"] + BASE + extra, capture_output=True, text=True,
+                             timeout=600)
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
+            bad.stderr
+
+
+def test_meta_allocations_are_counted_as_the_caching_allocator_rounds_them():
+    from megazero.dry_run_device import DeviceStandIn
+    with DeviceStandIn() as device:
+        a = torch.empty(1, device="meta")                  # 4 bytes -> one 512-byte block
+        b = torch.empty(129, device="meta")                # 516 bytes -> two blocks
+        view = b[1:]                                       # a view allocates nothing
+        device.snapshot("made")
+        del a, b
+        device.snapshot("views only")
+        del view
+        device.in_setup = False                            # from now on: owners by what allocates
+        out = torch.empty(4, device="meta") * 2            # the factory's block is freed at once
+        host = torch.empty(3, device="meta").to("cpu")     # a device-to-host copy: host zeros
+    assert device.phases["made"]["allocated"] == 512 + 1024
+    assert device.phases["made"]["by_owner"]["model states"] == 512 + 1024
+    assert device.phases["views only"]["allocated"] == 1024     # b's storage lives while its view does
+    assert device.peak == 512 + 1024 and device.live == {**device.live, "model states": 0, "workspace": 512}
+    assert out.shape == (4,) and host.device.type == "cpu" and host.tolist() == [0.0] * 3
+    assert device.d2h_copies == 1 and device.d2h_bytes == 12 and device.allocations == 5
+
+
+def _relative(run) -> list[tuple]:
+    """A rank's ops with global ranks replaced by positions in their groups (what a role fixes)."""
+    out = []
+    for e in run.entries:
+        me = e.ranks.index(run.rank)
+        peer = None if e.peer is None else e.ranks.index(e.peer) - me
+        root = None if e.root is None else e.ranks.index(e.root)
+        out.append((e.op, e.group, len(e.ranks), e.dtype, e.shape, e.reduce_op, root, peer))
+    return out
+
+
+def _peak(run) -> int:
+    return run.memory["peak"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16"],
+    ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+     "--zero-stage", "3"],
+], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3"])
+def test_one_rank_per_role_stands_for_all_ranks_at_16(flags):
+    from megazero.config.train_flags import config_from_args, parse_args
+    from megazero.dry_run_roles import roles
+    argv = BASE + ["--num-layers", "8"] + flags
+    runs = {r.rank: r for r in simulate(argv, 16, processes=2)}
+    assert check_all(list(runs.values())) == []
+    found = roles(config_from_args(parse_args(dry_argv(argv, "/nonexistent")), 16, 8, cuda_available=True), 16)
+    assert 1 < len(found) < 16 and sorted(r for members in found.values() for r in members) == list(range(16))
+    for members in found.values():
+        first = runs[members[0]]
+        for other in members[1:]:
+            assert _relative(runs[other]) == _relative(first), f"rank {other} differs from rank {members[0]}"
+            # Measured: under ZeRO-3 two middle tp ranks' peaks part by one 512-byte block (three
+            # allocations more on one of them), not yet explained; anything larger fails.
+            assert abs(_peak(runs[other]) - _peak(first)) <= 1e-3 * _peak(first), \
+                f"rank {other}'s peak {_peak(runs[other])} differs from rank {members[0]}'s {_peak(first)}"

@@ -1,0 +1,80 @@
+"""Every rank of an N-GPU job on this CPU: do the ranks agree on their collectives, do their sends
+meet receives, does every tensor sit on the device (docs/dry_run.md).
+
+    python tools/dry_run.py --world-size 8 --num-layers 4 --hidden-size 256 --num-attention-heads 8 \\
+        --seq-length 512 --micro-batch-size 1 --global-batch-size 16 --train-iters 2 \\
+        --tensor-model-parallel-size 2 --zero-stage 3 --bf16
+    python tools/dry_run.py --world-size 8 --ranks 0,7 --json report.json ...
+
+Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simulate only these;
+default all up to 64 ranks, above that one rank per role: megazero.dry_run_roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
+default the CPU count) and --json PATH ('-': stdout). Each simulated rank runs the real recipe with
+the meta device for its GPU and torch's fake process group for NCCL (megazero.dry_run); mock data
+is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
+
+Exit 0: every check passed; 2: a flag mistake, a disagreement or a misplaced tensor, each one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+ALL_RANKS_UP_TO = 64
+
+
+def parse(argv):
+    ours = argparse.ArgumentParser(add_help=False)
+    ours.add_argument("--world-size", type=int, required=True)
+    ours.add_argument("--ranks", default=None, help="comma-separated ranks to simulate (default: all)")
+    ours.add_argument("--ranks-per-node-sim", type=int, default=8)
+    ours.add_argument("--processes", type=int, default=None)
+    ours.add_argument("--json", default=None)
+    return ours.parse_known_args(argv)
+
+
+def main(argv=None) -> int:
+    opts, train_argv = parse(sys.argv[1:] if argv is None else argv)
+    from megazero.dry_run import check_flags, job_config, simulate
+    from megazero.dry_run_roles import representatives
+    from megazero.dry_run_checks import check_all
+    from megazero.dry_run_report import report, table
+    world, local = opts.world_size, min(opts.world_size, opts.ranks_per_node_sim)
+    mistake = check_flags(train_argv, world, local)
+    if mistake is None and opts.ranks is not None:
+        try:
+            ranks = sorted({int(r) for r in opts.ranks.split(",")})
+        except ValueError:
+            ranks = [-1]
+        if any(r < 0 or r >= world for r in ranks):
+            mistake = f"--ranks {opts.ranks}: give comma-separated ranks between 0 and {world - 1}"
+    if mistake is not None:
+        print(f"error: {mistake}", file=sys.stderr)
+        return 2
+    stands_for = None
+    if opts.ranks is None and world > ALL_RANKS_UP_TO:      # one rank per role (megazero.dry_run_roles)
+        stands_for = representatives(job_config(train_argv, world, local), world)
+        ranks = sorted(stands_for)
+    elif opts.ranks is None:
+        ranks = None
+    started = time.perf_counter()
+    runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes)
+    problems = check_all(runs)
+    result = report(runs, problems, world, time.perf_counter() - started, stands_for)
+    if opts.json == "-":
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        print(table(result))
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(result, f, indent=1)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
