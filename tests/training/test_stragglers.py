@@ -42,16 +42,16 @@ def test_the_slowest_rank_over_the_median_is_named():
     assert line.endswith("also over the threshold: ranks 3")
 
 
-def _train(ctx, tp: int, slow_rank: int | None):
+def _train(ctx, tp: int, pp: int, slow_rank: int | None):
     from megazero import training
     from megazero.data.sampler import MicrobatchSource
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.metrics import MetricsLogger
     from megazero.parallel.topology import Topology
     from tests.layouts import small_config, with_padded_vocab
-    cfg = with_padded_vocab(small_config(tp=tp, steps=STEPS, global_batch=4, micro=2, layers=2))
+    cfg = with_padded_vocab(small_config(tp=tp, pp=pp, steps=STEPS, global_batch=4, micro=2, layers=2))
     cfg.log_interval, cfg.run.straggler_threshold = INTERVAL, 0.5
-    groups = ctx.groups(Topology(world_size=2, tp=tp))
+    groups = ctx.groups(Topology(world_size=2, tp=tp, pp=pp))
     state = training.setup(cfg, groups)
     if groups.rank == slow_rank:
         for chunk in state.chunks:
@@ -65,7 +65,7 @@ def _train(ctx, tp: int, slow_rank: int | None):
     source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                               cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, dp)
     out = io.StringIO()
-    path = ctx.tmp / f"metrics-{tp}-{slow_rank}.jsonl"
+    path = ctx.tmp / f"metrics-{tp}-{pp}-{slow_rank}.jsonl"
     metrics = MetricsLogger(str(path), enabled=groups.rank == 0, stream=out, total_iters=STEPS)
     training.train(state, source, None, lambda it, _samples: 1e-3, metrics)
     if groups.rank != 0:
@@ -73,10 +73,11 @@ def _train(ctx, tp: int, slow_rank: int | None):
     return out.getvalue(), [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("tp,slow_rank", [(1, 1), (2, 0)])
-def test_a_slowed_rank_is_named(dist_pool, tmp_path, tp, slow_rank):
-    """Over DP (rank 1 slowed) and over TP (rank 0, the logging rank itself, slowed)."""
-    text, records = _run(dist_pool, tmp_path, tp, slow_rank)
+@pytest.mark.parametrize("tp,pp,slow_rank", [(1, 1, 1), (2, 1, 0), (1, 2, 1)])
+def test_a_slowed_rank_is_named(dist_pool, tmp_path, tp, pp, slow_rank):
+    """Over DP (rank 1 slowed), over TP (rank 0, the logging rank itself, slowed) and over PP (the
+    last stage slowed: the first stage waits for it in the pipeline's receives, outside its phases)."""
+    text, records = _run(dist_pool, tmp_path, tp, pp, slow_rank)
     named = [r for r in records if "straggler" in r]
     assert [r["iteration"] for r in named] == [5, 10], text
     for r in named:
@@ -91,20 +92,20 @@ def test_a_slowed_rank_is_named(dist_pool, tmp_path, tp, slow_rank):
 
 
 def test_an_unslowed_run_names_nobody(dist_pool, tmp_path):
-    text, records = _run(dist_pool, tmp_path, 1, None)
+    text, records = _run(dist_pool, tmp_path, 1, 1, None)
     assert [r["iteration"] for r in records] == [1, 5, 10]
     assert not any("straggler" in r for r in records) and "straggler" not in text, text
 
 
-def _run(dist_pool, tmp_path, tp, slow_rank):
+def _run(dist_pool, tmp_path, tp, pp, slow_rank):
     pool = dist_pool(2)
-    results = pool.run(_with_tmp, tmp_path, tp, slow_rank)
+    results = pool.run(_with_tmp, tmp_path, tp, pp, slow_rank)
     return results[0]
 
 
-def _with_tmp(ctx, tmp_path, tp, slow_rank):
+def _with_tmp(ctx, tmp_path, tp, pp, slow_rank):
     ctx.tmp = tmp_path
-    return _train(ctx, tp, slow_rank)
+    return _train(ctx, tp, pp, slow_rank)
 
 
 @pytest.mark.parametrize("value", ["-0.1", "nan", "inf"])
