@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from megazero.stragglers import describe
+
 
 # Fields a record carries when a flag asks for them (--decoupled-lr, --rampup-batch-size,
 # --log-params-norm, --log-num-zeros-in-grad).
@@ -74,6 +76,8 @@ class MetricsLogger:
             phases = {k for r in window for k in r.get("time_ms", {})}
             record["time_ms"] = {k: sum(r.get("time_ms", {}).get(k, 0.0) for r in window) / len(window)
                                  for k in sorted(phases)}
+        if "straggler" in last:        # --straggler-threshold: the slowest rank over it, this interval
+            record["straggler"] = last["straggler"]
         self._append(record)
         self.say(f" iteration {record['iteration']:>6}/{self.total_iters} | loss {record['loss']:.4f} | "
                  f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
@@ -90,6 +94,8 @@ class MetricsLogger:
             self.say("   time/iter (ms): " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
         if comm_log is not None and comm_log.last_step:
             self.say("   " + comm_log.summary())
+        if "straggler" in record:
+            self.say(describe(record["straggler"]))
 
     def log_eval(self, record: dict) -> None:
         self._append(record)

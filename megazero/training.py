@@ -25,6 +25,7 @@ from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.housekeeping import Housekeeping
+from megazero.stragglers import StragglerWatch, find_stragglers
 from megazero.data.sampler import MicrobatchSource
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
@@ -42,6 +43,12 @@ class TrainState:
     p2p: PipelineP2P | None = None
     timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
+    stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
+
+    @property
+    def phase_timers(self) -> tuple:
+        """What times the phases: wall_clock_breakdown's Timers, the straggler watch (start/stop)."""
+        return tuple(t for t in (self.timers, self.stragglers) if t is not None)
 
 
 # Megatron's is_embedding_or_output_parameter: the parameters --decoupled-lr gives their own rate.
@@ -84,25 +91,28 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
                           engine.precision.param_dtype, device)
     timers = Timers(device) if cfg.wall_clock_breakdown else None
-    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers)
+    threshold = cfg.run.straggler_threshold
+    watch = StragglerWatch(threshold, groups.dp.device, groups.log) if threshold > 0 else None
+    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch)
 
 
 class _Timed:
-    """`with _Timed(timers, name):` times a phase when wall_clock_breakdown is on."""
+    """`with _Timed(timers, name):` times a phase on each of `timers` (wall_clock_breakdown's, the
+    straggler watch's; none: nothing is timed)."""
 
-    def __init__(self, timers: Timers | None, name: str):
+    def __init__(self, timers: tuple, name: str):
         self.timers, self.name = timers, name
 
     def __enter__(self):
-        if self.timers is not None:
-            self.timers.start(self.name)
+        for timers in self.timers:
+            timers.start(self.name)
 
     def __exit__(self, *exc):
-        if self.timers is not None:
-            self.timers.stop(self.name)
+        for timers in self.timers:
+            timers.stop(self.name)
 
 
-def _job(state: TrainState, microbatches: list[torch.Tensor], timers: Timers | None = None) -> PipelineJob:
+def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()) -> PipelineJob:
     cfg, groups = state.cfg, state.groups
     # Every microbatch's summed token losses over the tokens of the whole global batch (Megatron's
     # --calculate-per-token-loss; every token counts, so it is also the mean of the per-sample means).
@@ -178,15 +188,15 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
     par = state.cfg.parallel
     schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
     state.engine.begin_step()
-    result = schedule(_job(state, microbatches, state.timers), forward_only=False)
-    with _Timed(state.timers, "reduce"):
+    result = schedule(_job(state, microbatches, state.phase_timers), forward_only=False)
+    with _Timed(state.phase_timers, "reduce"):
         state.engine.finish_gradients()
         finalize_model_grads(state.engine.parameters(), state.engine.grad_pieces, state.groups)
     run = state.cfg.run
     if run.empty_unused_memory_level >= 1:
         empty_cache(state.device)
     zeros = state.engine.counted_stats("grad")[1] if run.log_num_zeros_in_grad else None
-    with _Timed(state.timers, "step"):
+    with _Timed(state.phase_timers, "step"):
         stats = state.engine.step(lr)
     state.iteration += 1
     loss, agreed = _global_loss(state, result.losses, stop_flags() if stop_flags is not None else ())
@@ -275,6 +285,8 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                             f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")
             history.append(record)
             window.append(record)
+            if state.stragglers is not None:
+                _watch_stragglers(state, record, (it + 1) % cfg.log_interval == 0, it == start_iteration)
             if metrics is not None and ((it + 1) % cfg.log_interval == 0 or it == start_iteration):
                 metrics.log_train(window, state.groups.log)
                 window = []
@@ -297,6 +309,21 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     if policy is not None:
         policy.finish(state, consumed)
     return history
+
+
+def _watch_stragglers(state: TrainState, record: dict, at_interval: bool, first: bool) -> None:
+    """At each --log-interval iteration (on every rank: it gathers over the layout) the slowest rank
+    over the threshold goes into `record` as "straggler". The run's first step (warm-up) is dropped
+    unless it ends an interval; that needs no collective, so nothing is gathered then."""
+    watch = state.stragglers
+    watch.iterations += 1
+    if at_interval:
+        iterations = watch.iterations
+        found = find_stragglers(watch.gather(state.groups), watch.threshold, iterations)
+        if found is not None:
+            record["straggler"] = found
+    elif first:
+        watch.reset()
 
 
 def _optional_fields(state: TrainState, rates, batch: int, consumed: int, step: StepResult) -> dict:

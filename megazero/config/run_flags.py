@@ -41,6 +41,9 @@ def add_run_flags(g, add) -> None:
     add(g, "--profile-step-start", type=int, default=10, help="first step traced (steps done before it)")
     add(g, "--profile-step-end", type=int, default=12, help="tracing stops before this step")
     add(g, "--profile-ranks", type=int, nargs="+", default=[0], help="global ranks that trace")
+    add(g, "--straggler-threshold", type=float, default=0.2,
+        help="at each log line name a rank whose forward + backward + step time over the interval is "
+             "more than this fraction above the median rank's; 0: off")
     add(g, "--use-mcore-models", action="store_true", help="accepted: megazero has one model code path")
     add(g, "--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
         help="grow the global batch from START by INCREMENT over the first SAMPLES samples", shown="none")
@@ -60,6 +63,9 @@ def run_options(args, world_size: int, notes: list[str]) -> RunOptions:
         if outside:
             raise UsageError(f"--profile-ranks {outside[0]} is not a rank of this {world_size}-rank run; "
                              f"give ranks 0..{world_size - 1}")
+    if not 0 <= args.straggler_threshold < float("inf"):
+        raise UsageError(f"--straggler-threshold must be a fraction >= 0 (0.2: 20% slower than the median; "
+                         f"0: off), got {args.straggler_threshold}")
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
     for attr, note in NOTED.items():
@@ -70,7 +76,8 @@ def run_options(args, world_size: int, notes: list[str]) -> RunOptions:
                       log_params_norm=args.log_params_norm, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                       log_timers_to_tensorboard=args.log_timers_to_tensorboard, profile=args.profile,
                       profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
-                      profile_ranks=list(args.profile_ranks), num_workers=args.num_workers)
+                      profile_ranks=list(args.profile_ranks), num_workers=args.num_workers,
+                      straggler_threshold=args.straggler_threshold)
 
 
 def batch_ramp(args, global_batch: int, micro: int, dp: int) -> BatchRamp | None:

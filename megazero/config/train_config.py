@@ -114,6 +114,7 @@ class RunOptions(Record):
     profile_step_end: int = 12
     profile_ranks: list[int] = Field(default_factory=lambda: [0])
     num_workers: int = 0                         # >0: batches prepared by a background thread
+    straggler_threshold: float = 0.2             # name a rank this fraction slower than the median; 0: off
 
 
 class TrainConfig(Record):

@@ -37,6 +37,7 @@ import dataclasses
 import os
 import sys
 from collections import defaultdict
+import time
 from typing import Sequence
 
 import torch
@@ -64,6 +65,9 @@ class CommLog:
         self.step_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
         self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
+        # host seconds blocked in collectives (a synchronous op's call, an async op's wait), in total:
+        # where a rank waits for slower peers (megazero.stragglers)
+        self.wait_s = 0.0
         self.last_step: dict[tuple[str, str, str], float] = {}
         self.issued = 0                       # collectives issued so far (groups of one excluded)
         # (op, group name, its ranks, count) of the last one: what a heartbeat reports (another
@@ -184,8 +188,9 @@ class Handle:
     that, on the first wait, on the waiting stream (e.g. copying a result out of a temporary buffer)."""
 
     def __init__(self, works: Sequence[object] = (), then=None, done: streams.Event | None = None,
-                 tensors: Sequence[torch.Tensor] = ()):
+                 tensors: Sequence[torch.Tensor] = (), log: CommLog | None = None):
         self._works = list(works)
+        self._log = log
         self._then = then
         self._done = done
         self._tensors = list(tensors)
@@ -195,8 +200,11 @@ class Handle:
         if done is not None:
             done.wait()
         works, self._works = self._works, []
+        started = time.perf_counter()
         for work in works:
             work.wait()
+        if self._log is not None and works:
+            self._log.wait_s += time.perf_counter() - started
         held, self._tensors = self._tensors, []
         record_on_waiting_stream(held)
         del held
@@ -247,16 +255,22 @@ def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.T
     (megazero.core.stream_check.nccl_semantics); elsewhere the backend's work orders the streams
     (NCCL) or the host (gloo)."""
     checker = streams.checker_for(group.device)
-    if checker is None:
-        return call(), None
-    return checker.collective(group.pg, group.name, reads, writes, call, async_op=async_op)
+    started = time.perf_counter()
+    try:
+        if checker is None:
+            return call(), None
+        return checker.collective(group.pg, group.name, reads, writes, call, async_op=async_op)
+    finally:
+        if not async_op:      # a synchronous op blocks the host in the call (gloo) until its peers come
+            group.log.wait_s += time.perf_counter() - started
 
 
-def _finish(work, done, async_op: bool, tensors: Sequence[torch.Tensor], then=None) -> Handle | None:
+def _finish(work, done, async_op: bool, tensors: Sequence[torch.Tensor], then=None,
+            log: CommLog | None = None) -> Handle | None:
     """An async op's Handle, holding `tensors` until its wait; a synchronous op is waited here (on
     the current stream)."""
     works = work if isinstance(work, list) else [work] if work is not None else []
-    handle = Handle(works, then, done, tensors if async_op else ())
+    handle = Handle(works, then, done, tensors if async_op else (), log)
     if async_op:
         return handle
     handle.wait()
@@ -278,7 +292,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bo
     group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor), tensor, op)
     work, done = _issue(group, [tensor], [tensor],
                         lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), async_op)
-    return _finish(work, done, async_op, [tensor])
+    return _finish(work, done, async_op, [tensor], log=group.log)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -305,7 +319,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     # Flat views: backends disagree on how they match multi-dimensional shapes.
     work, done = _issue(group, [input], [output], lambda: _reduce_scatter_single(
         output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op), async_op)
-    return _finish(work, done, async_op, [input, output], then)
+    return _finish(work, done, async_op, [input, output], then, group.log)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -321,7 +335,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output), output)
     work, done = _issue(group, [input], [output], lambda: _all_gather_single(
         output.view(-1), input.view(-1), group=group.pg, async_op=async_op), async_op)
-    return _finish(work, done, async_op, [input, output])
+    return _finish(work, done, async_op, [input, output], log=group.log)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op: bool = False):
@@ -333,7 +347,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input), input)
     work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
         output, input, group=group.pg, async_op=async_op), async_op)
-    return _finish(work, done, async_op, [input, output])
+    return _finish(work, done, async_op, [input, output], log=group.log)
 
 
 def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
@@ -345,7 +359,7 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
                      root=group.ranks[src_index])
     work, done = _issue(group, [tensor], [tensor],
                         lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg), False)
-    _finish(work, done, False, ())
+    _finish(work, done, False, (), log=group.log)
 
 
 def all_reduce_object_max(value: float, group: Group) -> float:
@@ -376,7 +390,7 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
     received = [op.tensor for kind, op in ops if kind == "recv"]
     works, done = _issue(group, sent, received, lambda: dist.batch_isend_irecv([op for _, op in ops]),
                          True)
-    return Handle(works, done=done, tensors=sent + received)
+    return Handle(works, done=done, tensors=sent + received, log=group.log)
 
 
 def barrier(group: Group) -> None:
