@@ -172,8 +172,8 @@ class Launch:
             dist.init_process_group(par.distributed_backend, rank=self.rank, world_size=self.world,
                                     timeout=timeout, **store, **bind)
         topology = Topology(world_size=self.world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                            cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
-                            ranks_per_node=par.ranks_per_node,
+                            cp=par.context_parallel, ep=par.expert_parallel,
+                            mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
                             hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
         return ProcessGroups.build(topology, self.rank, GroupFactory(self.rank, timeout=timeout), device=device,
                                    log=log)

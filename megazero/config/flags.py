@@ -12,6 +12,7 @@ import difflib
 import math
 
 from megazero.core.errors import UsageError
+from megazero.config.moe_flags import add_moe_flags
 from megazero.config.run_flags import add_run_flags
 from megazero.config.zero_flags import add_zero_flags
 
@@ -29,8 +30,7 @@ MERGED = {
 }
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
---use-flash-attn --transformer-impl --expert-model-parallel-size
---num-experts --moe-router-topk --tokenizer-model-type
+--use-flash-attn --transformer-impl --tokenizer-model-type
 --use-checkpoint-args
 --use-cpu-initialization --attention-softmax-in-fp32
 --accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
@@ -366,6 +366,7 @@ def _data_flags(p) -> None:
     _add(g, "--tensorboard-dir", default=None, help="folder for TensorBoard event files",
          shown="none: no TensorBoard")
     add_run_flags(p.add_argument_group("housekeeping, logging and profiling"), _add)
+    add_moe_flags(p.add_argument_group("mixture of experts"), _add)
 
 
 def build_parser() -> argparse.ArgumentParser:
