@@ -219,17 +219,22 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
 
 
 class GroupedExperts(nn.Module):
-    """E experts, each an MLP without biases (Mixtral's), as one weight per projection:
+    """`num_experts` experts, each an MLP without biases (Mixtral's), as one weight per projection:
     weight1 (E, h, f) or, with SwiGLU, (E, h, 2f) holding [gate | up]; weight2 (E, f, h)."""
 
-    def __init__(self, config: GPTConfig, num_experts: int | None = None):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, *, swiglu: bool, gelu_approximate="tanh",
+                 grouped: bool = False, device=None, dtype=None):
         super().__init__()
-        e = config.num_experts if num_experts is None else num_experts
-        f, h = config.moe_ffn_hidden_size, config.hidden_size
-        self.swiglu, self.gelu_approximate = config.activation == "swiglu", config.gelu_approximate
-        self.grouped = config.moe_grouped_gemm
-        self.weight1 = nn.Parameter(torch.empty(e, h, f * (2 if self.swiglu else 1)))
-        self.weight2 = nn.Parameter(torch.empty(e, f, h))
+        self.swiglu, self.gelu_approximate, self.grouped = swiglu, gelu_approximate, grouped
+        self.weight1 = nn.Parameter(torch.empty(num_experts, hidden, ffn * (2 if swiglu else 1),
+                                                device=device, dtype=dtype))
+        self.weight2 = nn.Parameter(torch.empty(num_experts, ffn, hidden, device=device, dtype=dtype))
+
+    @classmethod
+    def of(cls, config: GPTConfig) -> "GroupedExperts":
+        return cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
+                   swiglu=config.activation == "swiglu", gelu_approximate=config.gelu_approximate,
+                   grouped=config.moe_grouped_gemm)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (n, h): rows sorted by expert, counts[e] of them for expert e."""
@@ -260,7 +265,7 @@ class MoELayer(nn.Module):
         self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.router = Router(config)
-        self.experts = GroupedExperts(config)
+        self.experts = GroupedExperts.of(config)
         self.shared_experts = shared_experts
         self.dispatcher = LocalDispatcher()
         # The factor the balancing losses' gradient enters with: the training loop sets this

@@ -290,7 +290,8 @@ def validate_context_parallel(topology: Topology, *, seq_length: int, num_attent
 
 
 def validate_expert_parallel(topology: Topology, *, num_experts: int, expert_tensor_parallel: int,
-                             mics: bool, capacity: bool, dispatcher: str) -> None:
+                             mics: bool, capacity: bool, dispatcher: str, checkpoint: str | None = None,
+                             expert_bias: bool = False) -> None:
     """Checks that the experts split over the expert-parallel ranks; raises UsageError."""
     ep, tp = topology.ep, topology.tp
     if num_experts == 0:
@@ -311,3 +312,9 @@ def validate_expert_parallel(topology: Topology, *, num_experts: int, expert_ten
                          "works with context parallelism)")
     if dispatcher not in ("alltoall", "allgather"):
         raise UsageError(f"--moe-token-dispatcher-type {dispatcher}: choose alltoall or allgather")
+    if checkpoint and ep > 1:
+        raise UsageError(f"{checkpoint} with --expert-model-parallel-size {ep} is not supported yet "
+                         f"(checkpoints hold experts of one expert-parallel rank); drop one")
+    if checkpoint and expert_bias:
+        raise UsageError(f"{checkpoint} with --moe-router-enable-expert-bias is not supported yet (the "
+                         f"expert bias is not saved); drop one")

@@ -146,7 +146,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                              expert_tensor_parallel=args.expert_tensor_parallel_size or topology.tp,
                              mics=topology.mics_shard_size != topology.dp_cp,
                              capacity=model.moe_expert_capacity_factor is not None,
-                             dispatcher=args.moe_token_dispatcher_type)
+                             dispatcher=args.moe_token_dispatcher_type,
+                             checkpoint="--save" if args.save else "--load" if args.load else None,
+                             expert_bias=model.moe_router_enable_expert_bias)
 
     from megazero.data.gpt_dataset import parse_split
     parse_split(args.split)
