@@ -3,7 +3,8 @@
 A 2-layer GPT whose both layers are mixtures of 4 experts (top-2, aux loss and z-loss on, a shared
 expert), 10 steps with accumulation and clipping: each layout's loss curve, gradient norms, aux and
 z losses per step, and final parameters (experts gathered from their expert-parallel ranks) match
-the single-process run (fp32, rtol 1e-5). The 4-rank layouts run in one pool call; tp 2 x pp 2 x
+the single-process run (fp32, rtol 1e-5). The 4-rank layouts (the interleaved schedule on a
+4-layer model of its own) run in one pool call; tp 2 x pp 2 x
 ep 2 ZeRO-3 on 8 ranks. The skewed-routing check: every token of one rank goes to one expert (the
 others get no rows there), under ZeRO-3 at ep 2; it must finish (no hang) and match one process.
 """
@@ -84,12 +85,17 @@ LAYOUTS_4 = [
     ("ep 2 pp 2", 2, dict(ep=2, pp=2, stage=1)),
     ("ep 2 cp 2", 2, dict(ep=2, cp=2)),
 ]
+# The interleaved schedule needs layers divisible by pp x virtual stages: a 4-layer model of its own.
+INTERLEAVED = dict(SMALL, layers=4)
 
 
 def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
     layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in LAYOUTS_4]
-    for (what, _, _), results in zip(LAYOUTS_4, per_layout(dist_pool(4).run(run_layouts, layouts))):
-        check(results, reference, what)
+    layouts.append((small_config(**INTERLEAVED, ep=2, pp=2, virtual=2, stage=2), 2))
+    results = per_layout(dist_pool(4).run(run_layouts, layouts))
+    for (what, _, _), result in zip(LAYOUTS_4, results):
+        check(result, reference, what)
+    check(results[-1], single_process_reference(**INTERLEAVED), "ep 2 pp 2 interleaved zero 2")
 
 
 def test_tp_pp_ep_zero3_on_8_ranks_matches_single_process(dist_pool, reference):
