@@ -5,7 +5,9 @@ expert), 10 steps with accumulation and clipping: each layout's loss curve, grad
 z losses per step, and final parameters (experts gathered from their expert-parallel ranks) match
 the single-process run (fp32, rtol 1e-5). The 4-rank layouts (the interleaved schedule on a
 4-layer model of its own) run in one pool call; tp 2 x pp 2 x
-ep 2 ZeRO-3 on 8 ranks. The skewed-routing check: every token of one rank goes to one expert (the
+ep 2 ZeRO-3 on 8 ranks. At ep 2 with ZeRO-1/2/3 the memory planner's model-state bytes equal the
+engine's report (experts 1/ep per rank, their states over the expert-data-parallel ranks). The
+skewed-routing check: every token of one rank goes to one expert (the
 others get no rows there), under ZeRO-3 at ep 2; it must finish (no hang) and match one process.
 """
 from __future__ import annotations
@@ -14,7 +16,9 @@ import pytest
 import torch
 
 from tests.layouts import (assert_close, assert_params_match, last_stage_result, layout_worker, per_layout,
-                           run_layouts, single_process_reference, small_config, strip_padding, VOCAB)
+                           run_layouts, single_process_reference, small_config, strip_padding, with_padded_vocab,
+                           VOCAB)
+from megazero.config.memory_estimate import plan_bytes
 from megazero.moe_stats import moe_layers
 from megazero.parallel.moe import ExpertShard
 
@@ -93,8 +97,12 @@ def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
     layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in LAYOUTS_4]
     layouts.append((small_config(**INTERLEAVED, ep=2, pp=2, virtual=2, stage=2), 2))
     results = per_layout(dist_pool(4).run(run_layouts, layouts))
-    for (what, _, _), result in zip(LAYOUTS_4, results):
+    for (what, dp, config), result in zip(LAYOUTS_4, results):
         check(result, reference, what)
+        if what.startswith("ep 2 zero"):        # the planner's model states, experts over edp
+            plan = plan_bytes(with_padded_vocab(small_config(**SMALL, **config)), dp)
+            for kind in ("params", "grads", "master", "optimizer_states"):
+                assert all(r["memory"][kind] == round(plan[kind]) for r in result), (what, kind, plan[kind])
     check(results[-1], single_process_reference(**INTERLEAVED), "ep 2 pp 2 interleaved zero 2")
 
 
