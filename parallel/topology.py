@@ -312,9 +312,6 @@ def validate_expert_parallel(topology: Topology, *, num_experts: int, expert_ten
                          "works with context parallelism)")
     if dispatcher not in ("alltoall", "allgather"):
         raise UsageError(f"--moe-token-dispatcher-type {dispatcher}: choose alltoall or allgather")
-    if checkpoint and ep > 1:
-        raise UsageError(f"{checkpoint} with --expert-model-parallel-size {ep} is not supported yet "
-                         f"(checkpoints hold experts of one expert-parallel rank); drop one")
     if checkpoint and expert_bias:
         raise UsageError(f"{checkpoint} with --moe-router-enable-expert-bias is not supported yet (the "
                          f"expert bias is not saved); drop one")

@@ -33,9 +33,9 @@ MEGATRON_ONLY = frozenset("""
 --use-flash-attn --transformer-impl --tokenizer-model-type
 --use-checkpoint-args
 --use-cpu-initialization --attention-softmax-in-fp32
---accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
+--accumulate-allreduce-grads-in-fp32
 --no-bias-dropout-fusion --apply-query-key-layer-scaling
---use-rotary-position-embeddings --no-position-embedding
+--use-rotary-position-embeddings
 --data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
 --checkpoint-activations
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
@@ -160,6 +160,8 @@ def _model_flags(p) -> None:
     _add(g, "--max-position-embeddings", type=int, default=0, help="rows of the position table; 0: seq length")
     _add(g, "--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
          help="position encoding")
+    _add(g, "--no-position-embedding", action="store_true",
+         help="Megatron's older way of saying no learned position table: with --position-embedding-type rope")
     _add(g, "--rotary-base", type=float, default=10000.0, help="RoPE frequency base")
     _add(g, "--rotary-percent", type=float, default=1.0,
          help="fraction of each head's dims RoPE rotates (the leading ones), in (0, 1]")

@@ -49,6 +49,9 @@ def model_config(args, vocab: int, tp: int, pp: int, cuda: bool) -> tuple[GPTCon
             init_method_std=args.init_method_std, **moe_fields(args))
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if getattr(args, "no_position_embedding", False) and config.position_embedding != "rope":
+        raise UsageError("--no-position-embedding: megazero has no model without positions; add "
+                         "--position-embedding-type rope (what Megatron-LM's recipes pair it with)")
     if args.rotary_percent != 1.0 and config.position_embedding != "rope":
         raise UsageError(f"--rotary-percent {args.rotary_percent} needs --position-embedding-type rope")
     return config, notes

@@ -301,7 +301,7 @@ class ZeroEngine:
         storages over their own shard group, then over the ranks holding the other experts."""
         dense = torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0)
         experts = torch.zeros_like(dense)
-        expert_storages = {id(s) for s in self.storages() if self._is_expert_storage(s)}
+        expert_storages = {id(s) for s in self.storages() if self.is_expert_storage(s)}
         for storage in self.storages():
             if id(storage) in expert_storages:
                 experts += of_storage(storage)
@@ -317,7 +317,7 @@ class ZeroEngine:
         comm.all_reduce(total, self.groups.model_parallel)
         return total
 
-    def _is_expert_storage(self, storage) -> bool:
+    def is_expert_storage(self, storage) -> bool:
         if self.expert_groups is None:
             return False
         if self.expert_units is not None and storage is self.expert_units.storage:

@@ -49,7 +49,6 @@ def test_megatron_deepspeed_aliases():
      "--expert-tensor-parallel-size 1 must equal --tensor-model-parallel-size 2"),
     ("--num-experts 4 --moe-expert-capacity-factor 1 --context-parallel-size 2 --attention-dropout 0",
      "--moe-expert-capacity-factor counts each sequence's tokens"),
-    ("--num-experts 4 --expert-model-parallel-size 2 --save ckpt", "--save with --expert-model-parallel-size 2"),
     ("--num-experts 4 --moe-router-score-function sigmoid --moe-router-enable-expert-bias --load ckpt",
      "--load with --moe-router-enable-expert-bias is not supported yet"),
 ])
