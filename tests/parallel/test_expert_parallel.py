@@ -3,7 +3,9 @@
 A 2-layer GPT whose both layers are mixtures of 4 experts (top-2, aux loss and z-loss on, a shared
 expert), 10 steps with accumulation and clipping: each layout's loss curve, gradient norms, aux and
 z losses per step, and final parameters (experts gathered from their expert-parallel ranks) match
-the single-process run (fp32, rtol 1e-5). The 4-rank layouts (the interleaved schedule on a
+the single-process run (fp32, rtol 1e-5): ep 2, ep 4, the all-gather dispatcher, ep 2 with ZeRO-1/2/3
+(and ZeRO-3 with the optimizer offloaded), ep 2 x tp 2 (sequence parallel), ep 2 x pp 2 (1F1B and
+interleaved), ep 2 x cp 2. The 4-rank layouts (the interleaved schedule on a
 4-layer model of its own) run in one pool call; tp 2 x pp 2 x
 ep 2 ZeRO-3 on 8 ranks. At ep 2 with ZeRO-1/2/3 the memory planner's model-state bytes equal the
 engine's report (experts 1/ep per rank, their states over the expert-data-parallel ranks). The
@@ -85,6 +87,8 @@ LAYOUTS_4 = [
     ("ep 2 zero 1", 4, dict(ep=2, stage=1)),
     ("ep 2 zero 2", 4, dict(ep=2, stage=2)),
     ("ep 2 zero 3", 4, dict(ep=2, stage=3)),
+    ("ep 2 zero 3 offloaded optimizer", 4, dict(ep=2, stage=3, zero_extra={
+        "offload_optimizer": {"device": "cpu"}, "sub_group_size": 2000})),
     ("ep 2 tp 2 sequence parallel", 2, dict(ep=2, tp=2, sequence_parallel=True)),
     ("ep 2 pp 2", 2, dict(ep=2, pp=2, stage=1)),
     ("ep 2 cp 2", 2, dict(ep=2, cp=2)),
@@ -99,7 +103,7 @@ def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
     results = per_layout(dist_pool(4).run(run_layouts, layouts))
     for (what, dp, config), result in zip(LAYOUTS_4, results):
         check(result, reference, what)
-        if what.startswith("ep 2 zero"):        # the planner's model states, experts over edp
+        if what in ("ep 2 zero 1", "ep 2 zero 2", "ep 2 zero 3"):        # the planner's model states, experts over edp
             plan = plan_bytes(with_padded_vocab(small_config(**SMALL, **config)), dp)
             for kind in ("params", "grads", "master", "optimizer_states"):
                 assert all(r["memory"][kind] == round(plan[kind]) for r in result), (what, kind, plan[kind])
