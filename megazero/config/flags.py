@@ -160,8 +160,7 @@ def _model_flags(p) -> None:
     _add(g, "--max-position-embeddings", type=int, default=0, help="rows of the position table; 0: seq length")
     _add(g, "--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
          help="position encoding")
-    _add(g, "--no-position-embedding", action="store_true",
-         help="Megatron's older way of saying no learned position table: with --position-embedding-type rope")
+    _add(g, "--no-position-embedding", action="store_true", help="no learned position table (with rope)")
     _add(g, "--rotary-base", type=float, default=10000.0, help="RoPE frequency base")
     _add(g, "--rotary-percent", type=float, default=1.0,
          help="fraction of each head's dims RoPE rotates (the leading ones), in (0, 1]")

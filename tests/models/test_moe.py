@@ -77,7 +77,7 @@ def plain_moe(x, cfg: GPTConfig, router_w, w1, w2, shared=None, bias=None):
             for ex in range(e):
                 rows = [(t, j) for t in range(seq * s, seq * s + s) for j in range(k) if choices[t][j] == ex]
                 if cfg.moe_token_drop_policy == "probs":
-                    rows.sort(key=lambda tj: -float(weights[tj[0]][tj[1]]))
+                    rows.sort(key=lambda tj: -float(weights[tj[0]][tj[1]].detach()))
                 for t, j in rows[cap:]:
                     kept[t][j] = False
     outs = []
