@@ -252,11 +252,33 @@ class GPT(nn.Module):
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":
             for lo in range(0, len(layers), n):
-                x = self.checkpoint_fn(_Sequence(layers[lo:lo + n]), x, rotary)
+                x = self.checkpoint_fn(_Recomputed(_Sequence(layers[lo:lo + n]), layers[lo:lo + n]), x, rotary)
             return x
         for i, layer in enumerate(layers):
-            x = self.checkpoint_fn(layer, x, rotary) if i < n else layer(x, rotary)
+            x = self.checkpoint_fn(_Recomputed(layer, [layer]), x, rotary) if i < n else layer(x, rotary)
         return x
+
+
+class _Recomputed:
+    """A checkpointed function whose later calls are the backward's recomputation: the MoE layers in
+    it do not gather their routing statistics (loads, losses) a second time then."""
+
+    def __init__(self, function, layers):
+        self.function, self.calls = function, 0
+        self.moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoELayer)]
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == 1 or not self.moe:
+            return self.function(*args)
+        kept = [moe.stats for moe in self.moe]
+        for moe in self.moe:
+            moe.stats = None
+        try:
+            return self.function(*args)
+        finally:
+            for moe, stats in zip(self.moe, kept):
+                moe.stats = stats
 
 
 class _Sequence:

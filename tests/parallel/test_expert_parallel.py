@@ -5,7 +5,8 @@ expert), 10 steps with accumulation and clipping: each layout's loss curve, grad
 z losses per step, and final parameters (experts gathered from their expert-parallel ranks) match
 the single-process run (fp32, rtol 1e-5): ep 2, ep 4, the all-gather dispatcher, ep 2 with ZeRO-1/2/3
 (and ZeRO-3 with the optimizer offloaded), ep 2 x tp 2 (sequence parallel), ep 2 x pp 2 (1F1B and
-interleaved), ep 2 x cp 2. The 4-rank layouts (the interleaved schedule on a
+interleaved), ep 2 x cp 2, ep 2 with full recomputation (the dispatch runs again in the
+backward; the routing statistics are not counted twice). The 4-rank layouts (the interleaved schedule on a
 4-layer model of its own) run in one pool call; tp 2 x pp 2 x
 ep 2 ZeRO-3 on 8 ranks. At ep 2 with ZeRO-1/2/3 the memory planner's model-state bytes equal the
 engine's report (experts 1/ep per rank, their states over the expert-data-parallel ranks). The
@@ -92,13 +93,18 @@ LAYOUTS_4 = [
     ("ep 2 tp 2 sequence parallel", 2, dict(ep=2, tp=2, sequence_parallel=True)),
     ("ep 2 pp 2", 2, dict(ep=2, pp=2, stage=1)),
     ("ep 2 cp 2", 2, dict(ep=2, cp=2)),
+    ("ep 2 full recomputation", 2, dict(ep=2)),
 ]
+# the same run with every layer recomputed in the backward (the dispatch collectives run again there)
+RECOMPUTE = dict(SMALL, model_extra=dict(MOE, recompute_granularity="full", recompute_method="uniform",
+                                         recompute_num_layers=1))
 # The interleaved schedule needs layers divisible by pp x virtual stages: a 4-layer model of its own.
 INTERLEAVED = dict(SMALL, layers=4)
 
 
 def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
-    layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in LAYOUTS_4]
+    layouts = [(small_config(**(RECOMPUTE if "recomputation" in what else SMALL), **config), dp)
+               for what, dp, config in LAYOUTS_4]
     layouts.append((small_config(**INTERLEAVED, ep=2, pp=2, virtual=2, stage=2), 2))
     results = per_layout(dist_pool(4).run(run_layouts, layouts))
     for (what, dp, config), result in zip(LAYOUTS_4, results):
