@@ -299,21 +299,20 @@ class ZeroEngine:
         once. Stage 0 ranks hold identical all-reduced gradients (a NaN anywhere reached every rank);
         partitions are summed over the shard group (MiCS replicas already hold the same sums); expert
         storages over their own shard group, then over the ranks holding the other experts."""
-        dense = torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0)
-        experts = torch.zeros_like(dense)
-        expert_storages = {id(s) for s in self.storages() if self.is_expert_storage(s)}
+        total = torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0)
+        experts = torch.zeros_like(total) if self.expert_groups is not None else None
         for storage in self.storages():
-            if id(storage) in expert_storages:
+            if experts is not None and self.is_expert_storage(storage):
                 experts += of_storage(storage)
             else:
-                dense += of_storage(storage)
+                total += of_storage(storage)
         if self.zero.stage > 0:
-            comm.all_reduce(dense, self.groups.shard)
-        if self.expert_groups is not None:
+            comm.all_reduce(total, self.groups.shard)
+        if experts is not None:
             if self.zero.stage > 0:
                 comm.all_reduce(experts, self.expert_groups.shard)
             comm.all_reduce(experts, self.expert_parallel)
-        total = dense + experts
+            total += experts
         comm.all_reduce(total, self.groups.model_parallel)
         return total
 
