@@ -26,17 +26,27 @@ def attention_flops_per_token(cfg: GPTConfig) -> float:
     return 2.0 * 2 * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
 
 
-def layer_flops_per_token(cfg: GPTConfig) -> float:
-    """One transformer layer's forward, per token."""
+def layer_flops_per_token(cfg: GPTConfig, index: int | None = None) -> float:
+    """Transformer layer `index`'s forward, per token (None: the mean over the layers). A mixture
+    of experts counts its active weights: the router, the k experts a token goes to and the
+    shared expert."""
+    if index is None:
+        return sum(layer_flops_per_token(cfg, i) for i in range(cfg.num_layers)) / cfg.num_layers
     h, width = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.head_dim * cfg.num_query_groups
     projections = h * width + 2 * h * kv + width * h                 # q, k and v, output
-    mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.ffn_hidden_size
+    per_width = (3 if cfg.activation == "swiglu" else 2) * h
+    if cfg.is_moe_layer(index):
+        mlp = (h * cfg.num_experts + per_width * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
+               + per_width * cfg.moe_shared_expert_intermediate_size)
+    else:
+        mlp = per_width * cfg.ffn_hidden_size
     return 2.0 * (projections + mlp) + attention_flops_per_token(cfg)
 
 
 def forward_flops_per_token(cfg: GPTConfig) -> float:
-    return cfg.num_layers * layer_flops_per_token(cfg) + 2.0 * cfg.padded_vocab_size * cfg.hidden_size
+    return (sum(layer_flops_per_token(cfg, i) for i in range(cfg.num_layers))
+            + 2.0 * cfg.padded_vocab_size * cfg.hidden_size)
 
 
 def step_flops(cfg: GPTConfig, tokens: int) -> float:
@@ -55,7 +65,7 @@ def recompute_flops(cfg: GPTConfig, tokens: int, chunk_layers: list[int]) -> flo
         layers = sum(min(cfg.recompute_num_layers, n) for n in chunk_layers)
     else:
         layers = cfg.num_layers
-    return layers * layer_flops_per_token(cfg) * tokens
+    return layers * layer_flops_per_token(cfg) * tokens    # the mean layer: MoE and dense may mix
 
 
 def peak_tflops(device) -> float | None:

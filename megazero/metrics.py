@@ -17,7 +17,8 @@ from megazero.stragglers import describe
 
 # Fields a record carries when a flag asks for them (--decoupled-lr, --rampup-batch-size,
 # --log-params-norm, --log-num-zeros-in-grad).
-OPTIONAL_FIELDS = ("decoupled_lr", "global_batch_size", "consumed_samples", "params_norm", "num_zeros_in_grad")
+OPTIONAL_FIELDS = ("decoupled_lr", "global_batch_size", "consumed_samples", "params_norm", "num_zeros_in_grad",
+                   "moe_aux_loss", "moe_z_loss", "moe_dropped")
 
 
 class MetricsLogger:
@@ -78,6 +79,8 @@ class MetricsLogger:
                                  for k in sorted(phases)}
         if "straggler" in last:        # --straggler-threshold: the slowest rank over it, this interval
             record["straggler"] = last["straggler"]
+        if "moe_load" in last:
+            record["moe_load"] = last["moe_load"]
         self._append(record)
         self.say(f" iteration {record['iteration']:>6}/{self.total_iters} | loss {record['loss']:.4f} | "
                  f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
@@ -90,6 +93,9 @@ class MetricsLogger:
         extra = [f"{key.replace('_', ' ')} {record[key]:.4g}" for key in OPTIONAL_FIELDS if key in record]
         if extra:
             self.say("   " + " | ".join(extra))
+        if "moe_load" in record:       # tokens per expert of each MoE layer: max / mean
+            self.say("   expert load (max/mean tokens): " + " ".join(
+                f"layer {i} {mx:.0f}/{mean:.0f}" for i, (mx, mean) in record["moe_load"].items()))
         if "time_ms" in record:
             self.say("   time/iter (ms): " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
         if comm_log is not None and comm_log.last_step:

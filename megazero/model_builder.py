@@ -10,6 +10,7 @@ import torch
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, initial_value
 from megazero.parallel.context_parallel import apply_context_parallel
+from megazero.parallel.moe import apply_expert_parallel
 from megazero.parallel.parallelize import parallelize
 from megazero.parallel.pipeline.split import split_for_stage, stage_layer_ranges
 from megazero.parallel.process_groups import ProcessGroups
@@ -20,7 +21,7 @@ from megazero.models.param_info import param_info
 def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,
                        sequence_parallel: bool = False, virtual_stages: int = 1,
                        layer_split: list[int] | None = None, compile_backend: str | None = None,
-                       cp_comm_type: str = "p2p") -> list[GPT]:
+                       cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall") -> list[GPT]:
     """One GPT chunk per virtual pipeline stage owned by this rank, on the meta device; with
     `compile_backend`, each transformer layer compiled (compile_layers). Context parallelism (over
     groups.cp, `cp_comm_type`) swaps the attention cores after the tensor-parallel swap."""
@@ -31,6 +32,9 @@ def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTra
         with torch.device("meta"):
             model = GPT(config)
         parallelize(model, groups.tp, tracker, sequence_parallel)
+        if config.num_experts:
+            apply_expert_parallel(model, tp=groups.tp, ep=groups.ep, cp=groups.cp,
+                                  sequence_parallel=sequence_parallel, dispatcher=moe_dispatcher)
         apply_context_parallel(model, groups.cp, cp_comm_type)
         layers = ranges[v * topo.pp + groups.coords.pp]
         first = v == 0 and groups.is_first_stage

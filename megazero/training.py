@@ -26,6 +26,7 @@ from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.housekeeping import Housekeeping
 from megazero.stragglers import StragglerWatch, find_stragglers
+from megazero.moe_stats import begin_moe_step, end_moe_step
 from megazero.data.sampler import MicrobatchSource
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
@@ -70,19 +71,29 @@ def zero_groups(groups: ProcessGroups) -> ZeroGroups:
                       tensor=groups.tp)
 
 
+def expert_zero_groups(groups: ProcessGroups) -> ZeroGroups:
+    """ZeRO's groups for expert weights: the expert-data-parallel ranks (no MiCS: config/ refuses it
+    with expert parallelism, so mics_replica is this rank alone)."""
+    return ZeroGroups(dp=groups.edp, shard=groups.edp, replica=groups.mics_replica, model_parallel=groups.mp,
+                      gather=groups.edp_gather, tensor=groups.tp)
+
+
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     device = torch.device(device)
     par = cfg.parallel
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
                                 virtual_stages=par.virtual_stages, layer_split=par.layer_split,
-                                compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type)
+                                compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type,
+                                moe_dispatcher=par.moe_dispatcher)
     streams = Streams(device)
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), groups=zero_groups(groups), zero=cfg.zero,
                         adam=cfg.optimizer.adam, precision=cfg.precision, clip_grad=cfg.optimizer.clip_grad,
                         device=device, counts_in_norm=lambda p: counts_in_norm(p, groups),
                         isolated=summed_across_stages, streams=streams,
-                        lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None)
+                        lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
+                        expert_groups=expert_zero_groups(groups) if groups.topology.ep > 1 else None,
+                        expert_parallel=groups.ep)
     for chunk in chunks:
         chunk.train()
     p2p = None
@@ -177,6 +188,7 @@ class StepResult:
     max_in_flight: int
     stop_flags: tuple[bool, ...] = ()     # stop_flags()'s values, each agreed over the layout
     num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad
+    moe: dict | None = None               # mixture of experts: moe_stats.end_moe_step's record
 
 
 def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
@@ -188,6 +200,9 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
     par = state.cfg.parallel
     schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
     state.engine.begin_step()
+    moe = state.cfg.model.num_experts > 0
+    if moe:
+        begin_moe_step(state.chunks, len(microbatches), state.groups.topology.dp, state.engine.loss_scaler.scale)
     result = schedule(_job(state, microbatches, state.phase_timers), forward_only=False)
     with _Timed(state.phase_timers, "reduce"):
         state.engine.finish_gradients()
@@ -199,12 +214,14 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
     with _Timed(state.phase_timers, "step"):
         stats = state.engine.step(lr)
     state.iteration += 1
+    moe_record = end_moe_step(state.chunks, state.groups, state.cfg.model, len(microbatches),
+                              par.sequence_parallel, state.device) if moe else None
     loss, agreed = _global_loss(state, result.losses, stop_flags() if stop_flags is not None else ())
     state.groups.log.end_step()
     if run.empty_unused_memory_level >= 2:
         empty_cache(state.device)
     return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight, agreed,
-                      zeros)
+                      zeros, moe_record)
 
 
 def empty_cache(device: torch.device) -> None:
@@ -275,6 +292,10 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                       "memory_mib": peak_memory_mib(state.device),
                       "skipped_total": state.engine.skipped_steps}
             record.update(_optional_fields(state, rates, batch, consumed, step))
+            if step.moe is not None:
+                record.update(moe_aux_loss=step.moe["aux"], moe_z_loss=step.moe["z"],
+                              moe_dropped=step.moe["dropped"],
+                              moe_load={str(i): list(v) for i, v in step.moe["load"].items()})
             if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
                 record["mfu"] = record["tflops_per_device"] / peak
                 record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak

@@ -6,7 +6,9 @@ Field meanings follow Megatron-LM's flags of the same name (docs/flags.md).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
+
+from .moe_config import moe_layer_pattern, validate_moe
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
@@ -52,6 +54,26 @@ class GPTConfig:
     recompute_method: Optional[Literal["uniform", "block"]] = None
     recompute_num_layers: int = 0
     init_method_std: float = 0.02
+    # Mixture of experts (models/moe.py; Megatron-LM's --num-experts and --moe-* flags, same meanings,
+    # checked in models/moe_config.py). 0 experts: every layer dense.
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0                    # each expert's width; 0: ffn_hidden_size
+    moe_router_load_balancing_type: str = "aux_loss"   # aux_loss, seq_aux_loss, none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_router_score_function: str = "softmax"      # softmax, sigmoid
+    moe_router_pre_softmax: bool = False            # softmax over all experts before the top-k
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False     # DeepSeek-V3's aux-loss-free balancing
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_dtype: Optional[str] = None          # the router GEMM's dtype: None (activations'), fp32, fp64
+    moe_expert_capacity_factor: Optional[float] = None   # None: dropless
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"            # probs, position
+    moe_shared_expert_intermediate_size: int = 0    # 0: no shared expert
+    moe_layer_freq: Union[int, list] = 1            # every N-th layer MoE, or one 0/1 per layer
+    moe_grouped_gemm: bool = False                  # torch._grouped_mm where it runs, else a loop
     # A checkpoint's model record written before recompute_granularity existed says this instead;
     # True meant every layer recomputed whole (full, uniform, one layer per group). Not stored.
     recompute_activations: dataclasses.InitVar[Optional[bool]] = None
@@ -66,6 +88,8 @@ class GPTConfig:
                 self.ffn_hidden_size = 64 * ((8 * self.hidden_size // 3 + 63) // 64)
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size == 0:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.padded_vocab_size == 0:
             self.padded_vocab_size = self.vocab_size
         if self.max_position_embeddings == 0:
@@ -74,6 +98,10 @@ class GPTConfig:
         if self.kv_channels == 0 and heads > 0 and self.hidden_size % heads == 0:
             self.kv_channels = self.hidden_size // heads      # Megatron's default head size
         self.validate()
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (global) is a mixture of experts."""
+        return self.num_experts > 0 and bool(moe_layer_pattern(self.moe_layer_freq, self.num_layers)[index])
 
     @property
     def head_dim(self) -> int:
@@ -101,6 +129,7 @@ class GPTConfig:
                              f"--num-query-groups {self.num_query_groups}")
         self._validate_rotary()
         self._validate_recompute()
+        validate_moe(self)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: choose one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

@@ -24,6 +24,7 @@ from torch import nn
 from .attention import RotaryTables, core_attention, rotate
 from .config import GPTConfig
 from .loss import linear_cross_entropy
+from .moe import MoELayer
 from .weight_grad import Embedding as Table, Linear
 
 
@@ -112,13 +113,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Feed-forward block; with SwiGLU, fc1 emits [gate; up] halves (Shazeer, GLU variants)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, ffn_hidden_size: int | None = None):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
         self.gelu_approximate = config.gelu_approximate
-        fc1_out = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        fc1_out = ffn * (2 if self.swiglu else 1)
         self.fc1 = Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
-        self.fc2 = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        self.fc2 = Linear(ffn, config.hidden_size, bias=config.add_bias_linear)
 
     def forward(self, x):
         y = self.fc1(x)
@@ -131,13 +133,20 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """Pre-LN attention then feed-forward: a dense MLP, or a mixture of experts (models/moe.py) where
+    the config's --moe-layer-freq says so for layer `index`."""
+
+    def __init__(self, config: GPTConfig, index: int = 0):
         super().__init__()
         self.input_norm = make_norm(config)
         self.attention = Attention(config)
         self.attention_dropout = nn.Dropout(config.hidden_dropout)
         self.mlp_norm = make_norm(config)
-        self.mlp = MLP(config)
+        if config.is_moe_layer(index):
+            shared = config.moe_shared_expert_intermediate_size
+            self.mlp = MoELayer(config, MLP(config, ffn_hidden_size=shared) if shared else None)
+        else:
+            self.mlp = MLP(config)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x, rotary=None):
@@ -200,7 +209,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config) for i in range(config.num_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in range(config.num_layers)})
         self.final_norm = make_norm(config)
         tied = self.embedding.word.weight if config.tie_embeddings else None
         self.output_head = LMHead(config, weight=tied)
@@ -243,11 +252,33 @@ class GPT(nn.Module):
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":
             for lo in range(0, len(layers), n):
-                x = self.checkpoint_fn(_Sequence(layers[lo:lo + n]), x, rotary)
+                x = self.checkpoint_fn(_Recomputed(_Sequence(layers[lo:lo + n]), layers[lo:lo + n]), x, rotary)
             return x
         for i, layer in enumerate(layers):
-            x = self.checkpoint_fn(layer, x, rotary) if i < n else layer(x, rotary)
+            x = self.checkpoint_fn(_Recomputed(layer, [layer]), x, rotary) if i < n else layer(x, rotary)
         return x
+
+
+class _Recomputed:
+    """A checkpointed function whose later calls are the backward's recomputation: the MoE layers in
+    it do not gather their routing statistics (loads, losses) a second time then."""
+
+    def __init__(self, function, layers):
+        self.function, self.calls = function, 0
+        self.moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoELayer)]
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == 1 or not self.moe:
+            return self.function(*args)
+        kept = [moe.stats for moe in self.moe]
+        for moe in self.moe:
+            moe.stats = None
+        try:
+            return self.function(*args)
+        finally:
+            for moe, stats in zip(self.moe, kept):
+                moe.stats = stats
 
 
 class _Sequence:
@@ -275,7 +306,8 @@ def init_std(config: GPTConfig, name: str) -> float | None:
         return 0.0
     if "norm" in name.rsplit(".", 2)[-2]:
         return 0.0 if config.apply_layernorm_1p else None
-    if name.endswith(("attention.proj.weight", "mlp.fc2.weight")):
+    if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "shared_experts.fc2.weight",
+                      "experts.weight2")):
         return config.init_method_std / math.sqrt(2.0 * config.num_layers)
     return config.init_method_std
 

@@ -34,9 +34,11 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT
+from .hf_mixtral import (mixtral_config_fields, mixtral_hf_problems, mixtral_mlp_entries, mixtral_problems,
+                         moe_fields_from_hf)
 
-FORMATS = ("gpt2", "llama")
-ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+FORMATS = ("gpt2", "llama", "mixtral")
+ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 VOCAB_ROWS = ("embedding.word.weight", "output_head.weight")
 # GPT-2 activation names (transformers' ACT2FN) -> F.gelu's `approximate`; all compute one of the two.
 GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -73,19 +75,24 @@ def _problems(config: GPTConfig, fmt: str) -> list[str]:
             (config.rotary_percent == 1.0,
              f"--rotary-percent {config.rotary_percent}: {target} rotates every dim of a head"),
         ]
+    if fmt == "mixtral":
+        checks += [(False, message) for message in mixtral_problems(config)]
+    elif config.num_experts:
+        checks.append((False, f"--num-experts {config.num_experts}: {target} is dense (--format mixtral "
+                              f"holds mixtures of experts)"))
     return [message for ok, message in checks if not ok]
 
 
 def choose_format(config: GPTConfig, fmt: str = "auto") -> str:
     """`fmt`, or for "auto" the family the position embedding says; refuses what it cannot express."""
     if fmt == "auto":
-        fmt = "gpt2" if config.position_embedding == "learned" else "llama"
+        fmt = "gpt2" if config.position_embedding == "learned" else "mixtral" if config.num_experts else "llama"
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r}: choose one of auto, {', '.join(FORMATS)}")
     problems = _problems(config, fmt)
     if problems:
-        other = next(f for f in FORMATS if f != fmt)
-        fix = (f"--format {other} expresses this model exactly" if not _problems(config, other)
+        other = next((f for f in FORMATS if f != fmt and not _problems(config, f)), None)
+        fix = (f"--format {other} expresses this model exactly" if other is not None
                else "no Hugging Face format here expresses this model exactly")
         raise ConversionError(f"cannot export exactly: {problems[0]}; {fix}")
     return fmt
@@ -110,7 +117,7 @@ def hf_config(config: GPTConfig, fmt: str, special_ids: dict | None = None) -> d
                 "attn_pdrop": config.attention_dropout, "layer_norm_epsilon": config.norm_epsilon,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False, "add_cross_attention": False}
-    return {**common, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
+    llama = {**common, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_hidden_size,
             "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_query_groups,
             "head_dim": config.head_dim, "hidden_act": "silu",
@@ -118,6 +125,10 @@ def hf_config(config: GPTConfig, fmt: str, special_ids: dict | None = None) -> d
             "rope_theta": config.rotary_base, "rope_scaling": None,
             "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
             "attention_dropout": config.attention_dropout}
+    if fmt != "mixtral":
+        return llama
+    del llama["attention_bias"], llama["mlp_bias"]
+    return {**llama, **mixtral_config_fields(config)}
 
 
 def hf_format(hf: dict) -> str:
@@ -156,6 +167,12 @@ def gpt_config(hf: dict) -> GPTConfig:
             hidden_dropout=hf.get("resid_pdrop", 0.1), attention_dropout=hf.get("attn_pdrop", 0.1),
             init_method_std=hf.get("initializer_range", 0.02))
     _require(hf, "hidden_act", ("silu", "swish"), "silu", "SwiGLU MLPs")
+    moe = {}
+    if fmt == "mixtral":
+        problems = mixtral_hf_problems(hf)
+        if problems:
+            raise ConversionError(problems[0])
+        moe = moe_fields_from_hf(hf)
     hidden, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     rope = _rope_theta(hf)
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
@@ -173,7 +190,8 @@ def gpt_config(hf: dict) -> GPTConfig:
         activation="swiglu", normalization="rmsnorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf.get("tie_word_embeddings", False),
         add_bias_linear=hf.get("attention_bias", False), hidden_dropout=0.0,
-        attention_dropout=hf.get("attention_dropout", 0.0), init_method_std=hf.get("initializer_range", 0.02))
+        attention_dropout=hf.get("attention_dropout", 0.0), init_method_std=hf.get("initializer_range", 0.02),
+        **moe)
 
 
 def _rope_theta(hf: dict) -> float:
@@ -284,12 +302,14 @@ def _llama_layer(config: GPTConfig, i: int) -> list[Entry]:
                 lambda t: tuple(c.contiguous() for c in t.chunk(2, dim=0)), lambda ts: torch.cat(ts))
 
     kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
+    moe = config.num_experts > 0
     entries = [_norm_scale(config, f"{ours}input_norm.weight", f"{theirs}input_layernorm.weight"),
                _norm_scale(config, f"{ours}mlp_norm.weight", f"{theirs}post_attention_layernorm.weight")]
     for kind in kinds:
-        entries += [qkv(kind), _same(f"{ours}attention.proj.{kind}", f"{theirs}self_attn.o_proj.{kind}"),
-                    gate_up(kind), _same(f"{ours}mlp.fc2.{kind}", f"{theirs}mlp.down_proj.{kind}")]
-    return entries
+        entries += [qkv(kind), _same(f"{ours}attention.proj.{kind}", f"{theirs}self_attn.o_proj.{kind}")]
+        if not moe:
+            entries += [gate_up(kind), _same(f"{ours}mlp.fc2.{kind}", f"{theirs}mlp.down_proj.{kind}")]
+    return entries + (mixtral_mlp_entries(i) if moe else [])
 
 
 def parameter_map(config: GPTConfig, fmt: str) -> list[Entry]:

@@ -23,6 +23,9 @@ Fields, by the room that sets them:
   `shared_embedding` the input embedding or its tied output copy on another stage: its gradient is
                    summed over the embedding group
   `tile_shard`     parallel.tiling.TileShard: a tile of a linear cut into tiles, and where it sits
+  `expert_parallel` an expert weight of a MoE layer (parallel.moe): each expert-parallel rank holds
+                   other experts; its gradient is reduced, and its states sharded, over the
+                   expert-data-parallel group
 - zero (the engine and stage 3):
   `zero_storage`   the storage that holds this parameter's partition (a flat group or stage 3's units)
   `zero_engine`    a weak reference to the engine (call it for the engine)
@@ -44,6 +47,7 @@ class ParamInfo:
     sequence_parallel: bool = False
     shared_embedding: bool = False
     tile_shard: object = None
+    expert_parallel: bool = False
     zero_storage: object = None
     zero_engine: object = None
     fp32_grad: bool = False

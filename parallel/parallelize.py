@@ -12,6 +12,7 @@ from torch import nn
 
 from megazero.core.comm import Group
 from megazero.models.gpt import GPT, Attention, Embedding, LMHead, MLP, TransformerLayer
+from megazero.models.moe import MoELayer
 from .layers import (ColumnParallelLinear, ParallelEmbedding, ParallelLMHead, RowParallelLinear,
                      SequenceParallelNorm, TPShard, VocabParallelEmbedding, mark_split)
 from .random import RNGTracker, TrackedDropout, TrackedModule, make_checkpoint_fn
@@ -35,9 +36,15 @@ def _parallelize_layer(layer: TransformerLayer, group: Group, sp: bool, tracker:
     attention.proj = _row(attention.proj, group, sp)
     # Different heads live on different TP ranks: their attention-dropout masks must differ.
     attention.core = TrackedModule(attention.core, tracker)
-    mlp: MLP = layer.mlp
-    mlp.fc1 = _column(mlp.fc1, group, sp, chunks=2 if mlp.swiglu else 1)
-    mlp.fc2 = _row(mlp.fc2, group, sp)
+    # A MoE layer's experts split in parallel.moe; its shared expert is a dense MLP, split here.
+    mlp: MLP | None = layer.mlp.shared_experts if isinstance(layer.mlp, MoELayer) else layer.mlp
+    if mlp is not None:
+        mlp.fc1 = _column(mlp.fc1, group, sp, chunks=2 if mlp.swiglu else 1)
+        mlp.fc2 = _row(mlp.fc2, group, sp)
+    _parallelize_norms(layer, group, sp, tracker)
+
+
+def _parallelize_norms(layer: TransformerLayer, group: Group, sp: bool, tracker: RNGTracker) -> None:
     if sp:
         layer.input_norm = SequenceParallelNorm(layer.input_norm, group)
         layer.mlp_norm = SequenceParallelNorm(layer.mlp_norm, group)

@@ -86,6 +86,9 @@ class ProcessGroups:
     shard_node_local: Group   # the ranks of mics_shard on this rank's node (gather communicator)
     shard_cross_node: Group   # the ranks of mics_shard at this rank's node position on each node
     hpz: Group                # hpZ: this rank's block of shard_node_local (topology.hpz_partition_size)
+    ep: Group                 # expert parallel: the ranks holding the other experts (topology.ep_groups)
+    edp: Group                # expert data parallel: the ranks holding the same experts
+    edp_gather: Group         # edp's ranks on a separate communicator, for stage-3 expert gathers
     log: CommLog
 
     @property

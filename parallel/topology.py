@@ -46,6 +46,7 @@ class Topology:
     ranks_per_node: int = 0       # 0: the whole world is one node
     hpz_partition_size: int = 1   # stage-3 hpZ: ranks of a node-local shard group per secondary partition
     cp: int = 1                   # context parallel: ranks splitting each sequence
+    ep: int = 1                   # expert parallel: ranks of the dp x cp group the experts split over
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp", "cp"):
@@ -77,6 +78,10 @@ class Topology:
             raise UsageError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.hpz_partition_size > 1:
             self._check_hpz()
+        if self.ep < 1 or dp_cp % self.ep:
+            raise UsageError(f"--expert-model-parallel-size {self.ep} must divide the data-parallel x "
+                             f"context-parallel size {dp_cp} (experts fold into those ranks); choose a "
+                             f"divisor of {dp_cp}")
 
     def _check_hpz(self) -> None:
         hpz = self.hpz_partition_size
@@ -184,6 +189,20 @@ class Topology:
             groups.extend([part[j] for part in parts] for j in range(len(parts[0])))
         return groups
 
+    def ep_groups(self) -> list[list[int]]:
+        """Expert parallel: blocks of `ep` consecutive ranks of each dp x cp group; each holds
+        1/ep of every MoE layer's experts and they trade tokens (Megatron's tp-ep-dp-pp folding)."""
+        return [ranks[i:i + self.ep] for ranks in self.dp_groups() for i in range(0, self.dp_cp, self.ep)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Expert data parallel: the ranks at the same place of every EP block, holding the same
+        experts: expert gradients are reduced, and ZeRO shards expert states, over these."""
+        return [ranks[j::self.ep] for ranks in self.dp_groups() for j in range(self.ep)]
+
+    def ep_of(self, rank: int) -> int:
+        """The rank's place in its expert-parallel group (which experts it holds)."""
+        return ((rank // self.tp) % self.dp_cp) % self.ep
+
     def hpz_groups(self) -> list[list[int]]:
         """Blocks of hpz_partition_size consecutive ranks of each node-local shard group."""
         h = self.hpz_partition_size
@@ -193,13 +212,15 @@ class Topology:
         """The groups stage-3 parameter gathers run on (each kind covers the world once)."""
         return {"mics_shard_gather": self.mics_shard_groups(),
                 "shard_node_local": self.shard_node_local_groups(),
-                "shard_cross_node": self.shard_cross_node_groups(), "hpz": self.hpz_groups()}
+                "shard_cross_node": self.shard_cross_node_groups(), "hpz": self.hpz_groups(),
+                "edp_gather": self.edp_groups()}
 
     def all_group_kinds(self) -> dict[str, list[list[int]]]:
         return {
             "tp": self.tp_groups(), "dp": self.dp_groups(), "pp": self.pp_groups(), "cp": self.cp_groups(),
             "mp": self.model_parallel_groups(), "embedding": self.embedding_groups(),
             "mics_shard": self.mics_shard_groups(), "mics_replica": self.mics_replica_groups(),
+            "ep": self.ep_groups(), "edp": self.edp_groups(),
         }
 
     def groups_of(self, rank: int) -> dict[str, list[int]]:
@@ -213,6 +234,7 @@ class Topology:
 
     def describe(self) -> str:
         return (f"world={self.world_size} tp={self.tp} " + (f"cp={self.cp} " if self.cp > 1 else "")
+                + (f"ep={self.ep} " if self.ep > 1 else "")
                 + f"pp={self.pp} dp={self.dp} "
                 f"mics_shard={self.mics_shard_size} ranks_per_node={self.ranks_per_node}"
                 + (f" hpz={self.hpz_partition_size}" if self.hpz_partition_size > 1 else ""))
@@ -266,3 +288,31 @@ def validate_context_parallel(topology: Topology, *, seq_length: int, num_attent
         raise UsageError(f"--cp-comm-type p2p (ring attention) does not apply attention dropout "
                          f"(--attention-dropout {attention_dropout:g}); pass --attention-dropout 0 or use "
                          f"--cp-comm-type a2a or allgather")
+
+
+def validate_expert_parallel(topology: Topology, *, num_experts: int, expert_tensor_parallel: int,
+                             mics: bool, capacity: bool, dispatcher: str, checkpoint: str | None = None,
+                             expert_bias: bool = False) -> None:
+    """Checks that the experts split over the expert-parallel ranks; raises UsageError."""
+    ep, tp = topology.ep, topology.tp
+    if num_experts == 0:
+        return
+    if num_experts % ep:
+        raise UsageError(f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}; "
+                         f"choose an ep that divides the experts")
+    if expert_tensor_parallel != tp:
+        raise UsageError(f"--expert-tensor-parallel-size {expert_tensor_parallel} must equal "
+                         f"--tensor-model-parallel-size {tp} (experts split over TP as the dense MLP); "
+                         f"remove the flag")
+    if ep > 1 and mics:
+        raise UsageError("MiCS shard groups (mics_shard_size) with --expert-model-parallel-size > 1 are not "
+                         "supported: expert states shard over the expert-data-parallel group; drop one")
+    if capacity and topology.cp > 1:
+        raise UsageError("--moe-expert-capacity-factor counts each sequence's tokens per expert, and "
+                         "--context-parallel-size splits sequences over ranks; drop one (dropless routing "
+                         "works with context parallelism)")
+    if dispatcher not in ("alltoall", "allgather"):
+        raise UsageError(f"--moe-token-dispatcher-type {dispatcher}: choose alltoall or allgather")
+    if checkpoint and expert_bias:
+        raise UsageError(f"{checkpoint} with --moe-router-enable-expert-bias is not supported yet (the "
+                         f"expert bias is not saved); drop one")

@@ -1,7 +1,7 @@
 """Convert megazero checkpoints.
 
     python tools/convert_checkpoint.py consolidate --load runs/ckpt --output out/model [--with-optimizer]
-    python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama]
+    python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama|mixtral]
                                              [--without-tokenizer]
     python tools/convert_checkpoint.py import-hf --input path/to/hf_model --save runs/imported
 
@@ -165,14 +165,14 @@ def parse_args(argv=None):
     c.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     c.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
     c.add_argument("--with-optimizer", action="store_true", help="also write the full Adam states")
-    e = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 or Llama model directory")
+    e = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2, Llama or Mixtral model directory")
     e.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     e.add_argument("--output", required=True, help="directory for config.json and model.safetensors")
     e.add_argument("--format", default="auto", choices=["auto", *hf_adapter.FORMATS],
-                   help="target format; auto: gpt2 for learned positions, llama for rope")
+                   help="target format; auto: gpt2 for learned positions, mixtral for rope with experts, llama for rope")
     e.add_argument("--without-tokenizer", action="store_true",
                    help="export the weights alone, without the checkpoint's tokenizer")
-    i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2 or Llama model as a megazero checkpoint")
+    i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2, Llama or Mixtral model as a megazero checkpoint")
     i.add_argument("--input", required=True, help="directory with config.json and model.safetensors")
     i.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
     return parser.parse_args(argv)

@@ -103,10 +103,12 @@ class CheckpointReader:
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         entry = self.where[name][0][1]
-        tp = entry["tp"]
+        tp, ep = entry["tp"], entry.get("ep")
         shape = list(entry["shape"])
         if tp is not None:
             shape[tp[0]] *= tp[2]
+        if ep is not None:               # experts: each expert-parallel rank saved its own, along dim 0
+            shape[0] *= ep[1]
         return tuple(shape)
 
     def full_tensor(self, name: str, kind: str = "fp32") -> torch.Tensor:
@@ -114,24 +116,25 @@ class CheckpointReader:
         if name not in self.where:
             raise CheckpointError(f"{self.path}: has no parameter {name!r}; it was saved from another model")
         entries = self.where[name]
-        tp = entries[0][1]["tp"]
-        tp_size = 1 if tp is None else tp[2]
+        tp, ep = entries[0][1]["tp"], entries[0][1].get("ep")
+        tp_size, ep_size = 1 if tp is None else tp[2], 1 if ep is None else ep[1]
         local_shape = entries[0][1]["shape"]
         numel = math.prod(local_shape)
-        locals_ = [torch.zeros(numel) for _ in range(tp_size)]
-        filled = [0] * tp_size
+        locals_ = [torch.zeros(numel) for _ in range(tp_size * ep_size)]
+        filled = [0] * (tp_size * ep_size)
         for rank, entry in entries:
-            t = 0 if entry["tp"] is None else entry["tp"][1]
+            t = (0 if entry["tp"] is None else entry["tp"][1]) + tp_size * (0 if ep is None else entry["ep"][0])
             piece = self._read(rank, f"{name}/{kind}", entry["crc"][kind])
             locals_[t][entry["offset"]:entry["offset"] + entry["length"]] = piece
             filled[t] += entry["length"]
-        if filled != [numel] * tp_size:
+        if filled != [numel] * (tp_size * ep_size):
             raise CheckpointError(f"{self.path}: parameter {name!r} is incomplete ({filled} of {numel} "
-                                  f"elements per TP rank); a rank file is missing pieces")
+                                  f"elements per TP (and expert-parallel) rank); a rank file is missing pieces")
         locals_ = [t.view(local_shape) for t in locals_]
-        if tp is None:
-            return locals_[0]
-        return TPShard(tp[0], 0, tp_size, tp[3]).full_from_locals(locals_)
+        per_ep = [locals_[e * tp_size:(e + 1) * tp_size] for e in range(ep_size)]
+        if tp is not None:
+            per_ep = [[TPShard(tp[0], 0, tp_size, tp[3]).full_from_locals(pieces)] for pieces in per_ep]
+        return torch.cat([pieces[0] for pieces in per_ep]) if ep is not None else per_ep[0][0]
 
     def _read(self, rank: int, key: str, crc: int) -> torch.Tensor:
         path = self.path / self.metadata["rank_files"][rank]

@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from megazero.models.param_info import param_info
+from megazero.parallel.moe import ExpertShard
 from megazero.core import comm, host_read
 from .agreement import RankReport, agree, check_room, check_written, errno_of, free_bytes
 from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, TOKENIZER_DIR, apply_umask, commit_directory,
@@ -57,7 +58,10 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict] = {}
     for storage in engine.storages():
-        copy_index = groups.dp.rank if storage.shard is None else engine.groups.replica.rank
+        # stage 0 keeps whole copies on the data-parallel ranks (experts: the expert-data-parallel ones)
+        experts = engine.expert_groups is not None and engine.is_expert_storage(storage)
+        copy_index = (groups.edp.rank if experts else groups.dp.rank) if storage.shard is None else \
+            engine.groups.replica.rank
         if copy_index != 0:
             continue
         for param, offset, length in storage.local_pieces():
@@ -66,8 +70,10 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
             name = canonical_name(param, engine)
             info = param_info(param)
             shard = info.tp_shard
+            ep = [shard.ep_rank, shard.ep] if isinstance(shard, ExpertShard) else None
+            shard = shard.tp if isinstance(shard, ExpertShard) else shard
             entry = {"shape": list(info.zero_full_shape or param.shape), "offset": offset,
-                     "length": length, "crc": {},
+                     "length": length, "crc": {}, "ep": ep,
                      "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
             for kind in storage.checkpoint_kinds():
                 view = storage.local_view(param, kind).detach()

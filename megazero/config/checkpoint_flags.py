@@ -19,8 +19,10 @@ def checkpoint_config(args) -> CheckpointConfig:
     wants_save = args.save_interval or args.ckpt_keep_last or args.async_save
     if wants_save and args.save is None:
         raise UsageError("--save-interval, --ckpt-keep-last and --async-save need --save FOLDER")
-    if (args.no_load_optim or args.no_load_rng or args.finetune) and args.load is None:
-        raise UsageError("--no-load-optim, --no-load-rng and --finetune need --load FOLDER")
+    # --no-load-optim and --no-load-rng without --load skip nothing (Megatron-LM's recipes pass them so,
+    # their --load commented out); --finetune asks for weights it would not get
+    if args.finetune and args.load is None:
+        raise UsageError("--finetune needs --load FOLDER (the weights to start from)")
     if args.exit_on_save_failure and args.save is None:
         raise UsageError("--exit-on-save-failure needs --save FOLDER")
     if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:

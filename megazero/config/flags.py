@@ -12,6 +12,7 @@ import difflib
 import math
 
 from megazero.core.errors import UsageError
+from megazero.config.moe_flags import add_moe_flags
 from megazero.config.run_flags import add_run_flags
 from megazero.config.zero_flags import add_zero_flags
 
@@ -29,13 +30,12 @@ MERGED = {
 }
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
---use-flash-attn --transformer-impl --expert-model-parallel-size
---num-experts --moe-router-topk --tokenizer-model-type
+--use-flash-attn --transformer-impl --tokenizer-model-type
 --use-checkpoint-args
 --use-cpu-initialization --attention-softmax-in-fp32
---accumulate-allreduce-grads-in-fp32 --no-masked-softmax-fusion
+--accumulate-allreduce-grads-in-fp32
 --no-bias-dropout-fusion --apply-query-key-layer-scaling
---use-rotary-position-embeddings --no-position-embedding
+--use-rotary-position-embeddings
 --data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
 --checkpoint-activations
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
@@ -161,6 +161,7 @@ def _model_flags(p) -> None:
     _add(g, "--max-position-embeddings", type=int, default=0, help="rows of the position table; 0: seq length")
     _add(g, "--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
          help="position encoding")
+    _add(g, "--no-position-embedding", action="store_true", help="no learned position table (with rope)")
     _add(g, "--rotary-base", type=float, default=10000.0, help="RoPE frequency base")
     _add(g, "--rotary-percent", type=float, default=1.0,
          help="fraction of each head's dims RoPE rotates (the leading ones), in (0, 1]")
@@ -367,6 +368,7 @@ def _data_flags(p) -> None:
     _add(g, "--tensorboard-dir", default=None, help="folder for TensorBoard event files",
          shown="none: no TensorBoard")
     add_run_flags(p.add_argument_group("housekeeping, logging and profiling"), _add)
+    add_moe_flags(p.add_argument_group("mixture of experts"), _add)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,6 +57,7 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
+from megazero.config.moe_memory import dense_layer_config, moe_layer_extra, stage_moe_layers
 from megazero.models.loss import chunk_tokens_for, keeps_softmax
 from megazero.zero.offload import resident_sub_groups
 
@@ -189,9 +190,10 @@ def cp_transient_bytes(cfg: TrainConfig) -> float:
 
 
 def _one_layer_model(model_cfg):
+    """A one-layer model of `model_cfg`'s dense layer (config/moe_memory.py adds what MoE layers hold)."""
     from megazero.models.gpt import GPT
     with torch.device("meta"):      # shapes only: nothing is allocated
-        return GPT(dataclasses.replace(model_cfg, num_layers=1))
+        return GPT(dataclasses.replace(dense_layer_config(model_cfg), num_layers=1))
 
 
 def parameter_counts(model_cfg) -> tuple[int, int, int]:
@@ -230,6 +232,8 @@ class RankLayout(Record):
     parameters: int            # the whole model
     rank_parameters: int       # this rank's shard of the largest pipeline stage (before ZeRO)
     persistent_parameters: int  # of which stage 3 keeps whole (under param_persistence_threshold)
+    expert_parameters: int = 0  # this rank's MoE experts (1/ep of them, split over TP), not in the above
+    expert_shards: int = 1     # ZeRO partitions of the experts (the expert-data-parallel size)
     weight_bytes: int
     grad_bytes: int
     shards: int                # ZeRO partitions (data-parallel size, or the MiCS shard size)
@@ -247,6 +251,11 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     tied_copy = model.padded_vocab_size * model.hidden_size if model.tie_embeddings and pp > 1 else 0
     first = embedding + layers_per_stage * layer + (head if pp == 1 else 0)
     last = layers_per_stage * layer + head + tied_copy
+    extra, experts = moe_layer_extra(model)
+    moe_first = stage_moe_layers(model, range(layers_per_stage))
+    moe_last = stage_moe_layers(model, range(model.num_layers - layers_per_stage, model.num_layers))
+    first, last = first + moe_first * extra, last + moe_last * extra
+    ep = par.expert_parallel
     persistent = 0
     if cfg.zero.stage == 3:
         p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
@@ -255,7 +264,10 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
                       else layers_per_stage * p_layer + p_head + p_tied)
     microbatches = cfg.num_microbatches(dp)
     return RankLayout(
-        parameters=embedding + model.num_layers * layer + head,
+        parameters=embedding + model.num_layers * layer + head
+        + stage_moe_layers(model, range(model.num_layers)) * (extra + experts),
+        expert_parameters=math.ceil(max(moe_first if first >= last else moe_last, 0) * experts / ep / tp),
+        expert_shards=max(dp * cp // ep, 1),
         rank_parameters=math.ceil(max(first, last) / tp),
         persistent_parameters=math.ceil(persistent / tp),
         weight_bytes=2 if prec.bf16 or prec.fp16 else 4,
@@ -362,8 +374,11 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
         stage, r.shards, r.weight_bytes, r.grad_bytes, separate_master=r.weight_bytes == 2)
     # Stage 3 keeps its persistent parameters in a stage-2 group: weights whole, the rest partitioned.
     partitioned, persistent = by_kind(cfg.zero.stage), by_kind(2)
+    experts = model_state_bytes_by_kind(cfg.zero.stage, r.expert_shards, r.weight_bytes, r.grad_bytes,
+                                        separate_master=r.weight_bytes == 2)
     out = {kind: (r.rank_parameters - r.persistent_parameters) * partitioned[kind]
-           + r.persistent_parameters * persistent[kind] for kind in MODEL_STATE_KINDS}
+           + r.persistent_parameters * persistent[kind] + r.expert_parameters * experts[kind]
+           for kind in MODEL_STATE_KINDS}
     out["activations"] = _activations(cfg, r)
     out["comm_buffers"] = comm_buffer_bytes(cfg, r, out["activations"])
     offloaded = offloaded_bytes(cfg, r)

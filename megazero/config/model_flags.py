@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 
+from megazero.config.moe_flags import moe_fields
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig, padded_vocab_size
 
@@ -45,9 +46,12 @@ def model_config(args, vocab: int, tp: int, pp: int, cuda: bool) -> tuple[GPTCon
             add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, attention_backend=args.attention_backend,
             recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers,
-            init_method_std=args.init_method_std)
+            init_method_std=args.init_method_std, **moe_fields(args))
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if getattr(args, "no_position_embedding", False) and config.position_embedding != "rope":
+        raise UsageError("--no-position-embedding: megazero has no model without positions; add "
+                         "--position-embedding-type rope (what Megatron-LM's recipes pair it with)")
     if args.rotary_percent != 1.0 and config.position_embedding != "rope":
         raise UsageError(f"--rotary-percent {args.rotary_percent} needs --position-embedding-type rope")
     return config, notes

@@ -16,6 +16,8 @@ from megazero.core.errors import UsageError
 # Accepted flags that change nothing here: flag -> why.
 NOTED = {
     "use_mcore_models": "--use-mcore-models has no effect: megazero has one model code path",
+    "no_masked_softmax_fusion": "--no-masked-softmax-fusion has no effect: megazero's attention uses no "
+                                "masked-softmax kernel (--attention-backend chooses the attention)",
     "no_create_attention_mask_in_dataloader": "--no-create-attention-mask-in-dataloader has no effect: "
                                               "megazero's data loader never builds attention masks (attention is causal)",
     "log_throughput": "--log-throughput has no effect: throughput (tokens/s, TFLOP/s per device) is always logged",
@@ -45,6 +47,7 @@ def add_run_flags(g, add) -> None:
         help="at each log line name a rank whose forward + backward + step time over the interval is "
              "more than this fraction above the median rank's; 0: off")
     add(g, "--use-mcore-models", action="store_true", help="accepted: megazero has one model code path")
+    add(g, "--no-masked-softmax-fusion", action="store_true", help="accepted: no masked-softmax kernel here")
     add(g, "--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
         help="grow the global batch from START by INCREMENT over the first SAMPLES samples", shown="none")
 

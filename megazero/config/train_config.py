@@ -19,6 +19,8 @@ class ParallelConfig(Record):
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
     context_parallel: int = 1                    # ranks splitting each sequence (--context-parallel-size)
+    expert_parallel: int = 1                     # ranks the experts split over, out of dp x cp
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     cp_comm_type: Literal["p2p", "a2a", "allgather"] = "p2p"
     """How attention sees the whole sequence under context parallelism: ring attention (p2p),
     Ulysses all-to-all over heads (a2a) or all-gathered keys and values (allgather)."""

@@ -22,6 +22,7 @@ from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_prob
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
 from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
+from megazero.config.moe_flags import expert_parallel_size
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.run_flags import batch_ramp, run_options
 from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, TrainConfig
@@ -30,7 +31,8 @@ from megazero.config.zero_flags import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
 from megazero.ops.adam_config import AdamConfig
-from megazero.parallel.topology import Topology, validate_context_parallel, validate_model_fits
+from megazero.parallel.topology import (Topology, validate_context_parallel, validate_expert_parallel,
+                                        validate_model_fits)
 from megazero.zero.config import as_json, stage_notes
 
 SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
@@ -121,7 +123,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     cp, cp_comm_type = _context_parallel(args)
     topology = Topology(world_size=world_size, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
-                        ranks_per_node=args.ranks_per_node or local_world_size or world_size, cp=cp)
+                        ranks_per_node=args.ranks_per_node or local_world_size or world_size, cp=cp,
+                        ep=expert_parallel_size(args))
     check_zero_layout(zero, topology)
     model = _model_config(args, topology, notes)
     check_attention_precision(model, precision.bf16 or precision.fp16, _uses_cuda(args))
@@ -140,6 +143,13 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                               num_query_groups=model.num_query_groups, comm_type=cp_comm_type,
                               sequence_parallel=args.sequence_parallel and topology.tp > 1,
                               attention_dropout=model.attention_dropout)
+    validate_expert_parallel(topology, num_experts=model.num_experts,
+                             expert_tensor_parallel=args.expert_tensor_parallel_size or topology.tp,
+                             mics=topology.mics_shard_size != topology.dp_cp,
+                             capacity=model.moe_expert_capacity_factor is not None,
+                             dispatcher=args.moe_token_dispatcher_type,
+                             checkpoint="--save" if args.save else "--load" if args.load else None,
+                             expert_bias=model.moe_router_enable_expert_bias)
 
     from megazero.data.gpt_dataset import parse_split
     parse_split(args.split)
@@ -183,7 +193,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         model=model, zero=zero, optimizer=optimizer, data=data,
         parallel=ParallelConfig(tensor_parallel=topology.tp, pipeline_parallel=topology.pp,
                                 sequence_parallel=args.sequence_parallel and topology.tp > 1,
-                                context_parallel=cp, cp_comm_type=cp_comm_type, virtual_stages=virtual, layer_split=args.pipeline_layer_split,
+                                context_parallel=cp, cp_comm_type=cp_comm_type, expert_parallel=topology.ep,
+                                moe_dispatcher=args.moe_token_dispatcher_type, virtual_stages=virtual, layer_split=args.pipeline_layer_split,
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
                                 distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication,
                                 timeout_minutes=args.distributed_timeout_minutes,

@@ -399,3 +399,20 @@ def barrier(group: Group) -> None:
             group.log.entries.append(CommEntry("barrier", group.name, tuple(group.ranks), "-", 0, (),
                                                site=_call_site()))
         dist.barrier(group=group.pg)
+
+
+def all_to_all_uneven(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                      input_splits: Sequence[int], group: Group) -> None:
+    """Rows `input_splits[j]` of `input` (in order) go to rank j; rank j's rows for this rank land
+    in `output`, `output_splits[j]` of them, in rank order (dim 0; expert-parallel dispatch).
+    Counted as the bytes this rank sends to the others."""
+    _check_device("all_to_all", group, "output", output)
+    _check_device("all_to_all", group, "input", input)
+    if group.size == 1:
+        output.copy_(input)
+        return
+    row = _nbytes(input) // max(input.shape[0], 1)
+    group.log.record("all_to_all", group, row * (sum(input_splits) - input_splits[group.rank]))
+    work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
+        output, input, list(output_splits), list(input_splits), group=group.pg), False)
+    _finish(work, done, False, [input, output])

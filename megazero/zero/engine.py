@@ -35,6 +35,7 @@ from .flat_group import FlatParamGroup
 from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .engine_memory import EngineMemory
+from .experts import ExpertUnits, is_expert
 from .placement import optimizer_placement
 from .config import PrecisionConfig
 from .precision import Precision, uses_weight_decay
@@ -68,7 +69,7 @@ class ZeroEngine:
     def __init__(self, modules: list[nn.Module], init_fn, *, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
-                 lr_group=None):
+                 lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -79,7 +80,10 @@ class ZeroEngine:
         when not given, no-ops on CPU. Stage 3's leaf modules (one unit each) come from
         zero.leaf_module and stage3_granularity (leaves.py).
         `lr_group(name) -> int`: which of the step's learning rates a parameter (by its name in
-        the modules) takes when `step` is given one per group (default: 0 for every parameter)."""
+        the modules) takes when `step` is given one per group (default: 0 for every parameter).
+        `expert_groups`: ZeRO's groups for mixture-of-experts weights (their expert-data-parallel
+        ranks), `expert_parallel` the group holding the other experts (zero/experts.py); None:
+        expert weights are sharded as the others."""
         precision = precision if precision is not None else PrecisionConfig()
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = Precision.from_config(precision), clip_grad, torch.device(device)
@@ -87,6 +91,8 @@ class ZeroEngine:
         self.step_count = 0
         self.skipped_steps = 0
         self.counts_in_norm = counts_in_norm
+        self.expert_groups, self.expert_parallel = expert_groups, expert_parallel
+        expert = (lambda p: is_expert(p)) if expert_groups is not None else _never
         self.grads_ready = False
         self.queue = ReductionQueue(zero.reduce_bucket_size, zero.overlap)
         self.streams = streams if streams is not None else Streams(self.device)
@@ -95,11 +101,17 @@ class ZeroEngine:
         user_init = init_fn
         init_fn = lambda p: user_init(self.names[id(p)], p)  # noqa: E731  (old params, by name)
         persistent = [(n, p) for n, p in named if zero.stage < 3 or p.numel() <= zero.param_persistence_threshold]
-        self.flat_groups = self._build_flat_groups(persistent, init_fn, isolated)
+        self.flat_groups = self._build_flat_groups(persistent, init_fn, isolated, expert)
         replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
-        self.unit_storage, self.gather = None, None
+        self.unit_storage, self.gather, self.expert_units = None, None, None
         if zero.stage == 3:
-            replaced.update(self._build_units(modules, persistent, init_fn, isolated))
+            experts = [p for n, p in named if expert(p) and id(p) not in replaced]
+            if experts:
+                self.expert_units = ExpertUnits(modules, experts, expert_groups, self.precision, self.device,
+                                                self.queue, zero, self.streams, init_fn)
+                replaced.update(self.expert_units.replaced)
+            replaced.update(self._build_units(modules, persistent + [(None, p) for p in experts], init_fn,
+                                              isolated))
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
         for storage in self.storages():
@@ -117,9 +129,9 @@ class ZeroEngine:
                 set_param_info(p, zero_storage=group, zero_engine=me, fp32_grad=fuse and not group.grads_are_views)
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(group.on_grad_ready)
-        if self.unit_storage is not None:
-            for p in self.unit_storage.params:
-                set_param_info(p, zero_storage=self.unit_storage, zero_engine=me, fp32_grad=fuse)
+        for units in self._unit_storages():
+            for p in units.params:
+                set_param_info(p, zero_storage=units, zero_engine=me, fp32_grad=fuse)
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_unit_grad)
 
@@ -127,18 +139,21 @@ class ZeroEngine:
     def _weight_decay_of(self, param, full_shape) -> float:
         return self.adam.weight_decay if uses_weight_decay(full_shape) else 0.0
 
-    def _build_flat_groups(self, named, init_fn, isolated) -> list[FlatParamGroup]:
-        buckets: dict[tuple[bool, bool], list] = {}
+    def _unit_storages(self) -> list[UnitStorage]:
+        return [u for u in (self.unit_storage, self.expert_units and self.expert_units.storage) if u is not None]
+
+    def _build_flat_groups(self, named, init_fn, isolated, expert) -> list[FlatParamGroup]:
+        buckets: dict[tuple[bool, bool, bool], list] = {}
         for name, p in named:
-            key = (uses_weight_decay(p.shape), bool(isolated(p)))
+            key = (bool(expert(p)), uses_weight_decay(p.shape), bool(isolated(p)))
             buckets.setdefault(key, []).append(p)
         stage = 2 if self.zero.stage == 3 else self.zero.stage
         # parameter_alignment (stages 1-2): each parameter's view starts 16-byte aligned.
         align = 16 // self.precision.param_dtype.itemsize if self.zero.parameter_alignment and \
             self.zero.stage in (1, 2) else 1
-        g = self.groups
         groups, self._flat_olds = [], []
-        for _, params in sorted(buckets.items()):
+        for (experts, *_), params in sorted(buckets.items()):
+            g = self.expert_groups if experts else self.groups
             group = FlatParamGroup(
                 params, stage=stage, dp=g.dp, shard=g.shard if stage > 0 else None, replica=g.replica,
                 precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
@@ -193,8 +208,8 @@ class ZeroEngine:
     # --- microbatches -----------------------------------------------------------------------
     def begin_step(self) -> None:
         self.memory.check_states_home()
-        if self.gather is not None:
-            self.gather.begin_pass("train")
+        for gather in self._gathers():
+            gather.begin_pass("train")
 
     def backward(self, loss, *, last_microbatch: bool = True) -> None:
         """Backward of one microbatch from `loss` (scaled for fp16 here), or by calling `loss` when it
@@ -204,6 +219,8 @@ class ZeroEngine:
             group.start_backward(reduce=last_microbatch)
         if self.unit_storage is not None:
             self.unit_storage.start_backward()
+        if self.expert_units is not None:
+            self.expert_units.start_backward()
         self.has_grads = True
         if callable(loss):
             loss()
@@ -217,11 +234,18 @@ class ZeroEngine:
                 if unit.grad_staging is not None:
                     self.unit_storage.reduce_grads(unit)
                     self.gather.grads_done(unit)
+        if self.expert_units is not None:
+            self.expert_units.end_backward()
+
+    def _gathers(self) -> list[GatherCoordinator]:
+        return [g for g in (self.gather, self.expert_units and self.expert_units.gather) if g is not None]
 
     def _on_unit_grad(self, param: nn.Parameter) -> None:
         # A leaf's units are reduced when the leaf's backward is done (_leaf_backward_done): which of
         # its parameters get gradients may differ between ranks (an expert one rank's tokens skip),
         # the order of the reductions must not.
+        if self.expert_units is not None and param_info(param).zero_storage is self.expert_units.storage:
+            return self.expert_units.add_grad(param)
         unit = param_info(param).zero_unit
         if self.unit_storage.add_grad(param) and unit.index not in self.leaf_unit_indices:
             self.unit_storage.reduce_grads(unit)
@@ -252,19 +276,12 @@ class ZeroEngine:
 
     # --- step -------------------------------------------------------------------------------
     def storages(self) -> list[PartitionedStorage]:
-        return list(self.flat_groups) + ([self.unit_storage] if self.unit_storage is not None else [])
+        return list(self.flat_groups) + self._unit_storages()
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradients over DP shards, TP and PP; inf or nan when
         any rank holds a non-finite gradient (one all-reduce per group serves both)."""
-        sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for storage in self.storages():
-            sumsq += storage.grad_sumsq()
-        # Stage 0 ranks hold identical all-reduced gradients (a NaN anywhere reached every rank);
-        # partitions are summed over the shard group (MiCS replicas already hold the same sums).
-        if self.zero.stage > 0:
-            comm.all_reduce(sumsq, self.groups.shard)
-        comm.all_reduce(sumsq, self.groups.model_parallel)
+        sumsq = self._summed(lambda storage: storage.grad_sumsq(), 1)
         value = host_read.read(sumsq, "gradient norm", healthy=1.0)
         return math.sqrt(value) / self.loss_scaler.scale if value >= 0 else float("nan")
 
@@ -274,14 +291,38 @@ class ZeroEngine:
         DP shards, TP and PP, as the gradient norm counts them."""
         if kind == "grad":
             self.finish_gradients()
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for storage in self.storages():
-            stats += storage.counted_stats(kind)
-        if self.zero.stage > 0:
-            comm.all_reduce(stats, self.groups.shard)
-        comm.all_reduce(stats, self.groups.model_parallel)
+        stats = self._summed(lambda storage: storage.counted_stats(kind), 2)
         sumsq, zeros = host_read.read(stats, "parameter statistics", healthy=[1.0, 0.0])
         return math.sqrt(max(sumsq, 0.0)), int(zeros)
+
+    def _summed(self, of_storage, size: int) -> torch.Tensor:
+        """`of_storage(storage)` (float64 of `size`) summed over every storage and rank, each element
+        once. Stage 0 ranks hold identical all-reduced gradients (a NaN anywhere reached every rank);
+        partitions are summed over the shard group (MiCS replicas already hold the same sums); expert
+        storages over their own shard group, then over the ranks holding the other experts."""
+        total = torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0)
+        experts = torch.zeros_like(total) if self.expert_groups is not None else None
+        for storage in self.storages():
+            if experts is not None and self.is_expert_storage(storage):
+                experts += of_storage(storage)
+            else:
+                total += of_storage(storage)
+        if self.zero.stage > 0:
+            comm.all_reduce(total, self.groups.shard)
+        if experts is not None:
+            if self.zero.stage > 0:
+                comm.all_reduce(experts, self.expert_groups.shard)
+            comm.all_reduce(experts, self.expert_parallel)
+            total += experts
+        comm.all_reduce(total, self.groups.model_parallel)
+        return total
+
+    def is_expert_storage(self, storage) -> bool:
+        if self.expert_groups is None:
+            return False
+        if self.expert_units is not None and storage is self.expert_units.storage:
+            return True
+        return storage in self.flat_groups and is_expert(storage.params[0])
 
     def step(self, lr) -> StepStats:
         """Clips and applies the step's gradients with learning rate `lr` (a float, or one per lr
@@ -308,8 +349,8 @@ class ZeroEngine:
         return StepStats(norm, False, scale)
 
     def _end_step(self) -> None:
-        if self.gather is not None:
-            self.gather.end_pass()
+        for gather in self._gathers():
+            gather.end_pass()
         self.zero_grad()
 
     def zero_grad(self) -> None:

@@ -26,7 +26,7 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
     par = cfg.parallel
     groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp,
                                  tp=par.tensor_parallel, pp=par.pipeline_parallel, cp=par.context_parallel,
-                                 mics_shard_size=cfg.zero.mics_shard_size))
+                                 ep=par.expert_parallel, mics_shard_size=cfg.zero.mics_shard_size))
     if groups is None:
         return None
     cfg = with_padded_vocab(cfg)

@@ -50,7 +50,7 @@ def test_save_resume_exit_interval_and_keep_last(tmp_path, capsys, monkeypatch):
     (["--save", "afile"], "--save afile is a file, not a directory"),
     (["--save", "other"], "--save other holds checkpoints of another run"),
     (["--save-interval", "2"], "need --save FOLDER"),
-    (["--finetune"], "need --load FOLDER"),
+    (["--finetune"], "--finetune needs --load FOLDER"),
     (["--load", "other", "--hidden-size", "32"], "hidden_size=64, this run has 32"),
     # the tokenizer flags left out: the checkpoint's own tokenizer is named, with the flags for it
     (["--load", "other", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],

@@ -17,7 +17,8 @@ GRIDS = [  # world, tp, pp, mics
 def test_every_rank_in_exactly_one_group_of_each_kind(world, tp, pp, mics):
     topo = Topology(world_size=world, tp=tp, pp=pp, mics_shard_size=mics)
     sizes = {"tp": tp, "dp": topo.dp, "pp": pp, "mp": tp * pp, "cp": 1,
-             "mics_shard": topo.mics_shard_size, "mics_replica": topo.dp // topo.mics_shard_size}
+             "mics_shard": topo.mics_shard_size, "mics_replica": topo.dp // topo.mics_shard_size,
+             "ep": 1, "edp": topo.dp}
     for kind, groups in topo.all_group_kinds().items():
         if kind == "embedding":
             continue
@@ -137,3 +138,17 @@ def test_layers_that_do_not_divide_need_a_layer_split():
     validate_model_fits(topo, num_layers=3, layer_split=[1, 2], **sizes)
     with pytest.raises(UsageError, match=r"--pipeline-layer-split \[2, 2\] must have 2 positive counts summing"):
         validate_model_fits(topo, num_layers=3, layer_split=[2, 2], **sizes)
+
+
+def test_expert_groups_fold_into_dp_times_cp():
+    """Megatron's folding: EP blocks of consecutive dp x cp ranks, EDP the ranks at the same place in
+    every block; each (tp, pp) column's dp x cp ranks are exactly ep x edp."""
+    topo = Topology(world_size=16, tp=2, pp=1, cp=2, ep=2)
+    assert topo.dp_groups()[0] == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert topo.ep_groups()[:2] == [[0, 2], [4, 6]]
+    assert topo.edp_groups()[:2] == [[0, 4, 8, 12], [2, 6, 10, 14]]
+    assert [topo.ep_of(r) for r in (0, 2, 4, 6, 1, 3)] == [0, 1, 0, 1, 0, 1]
+    for kind in ("ep", "edp"):
+        assert sorted(itertools.chain.from_iterable(topo.all_group_kinds()[kind])) == list(range(16))
+    with pytest.raises(UsageError, match="--expert-model-parallel-size 3 must divide"):
+        Topology(world_size=8, ep=3)

@@ -1,0 +1,58 @@
+"""The mixture-of-experts flags (megazero/config/moe_flags.py): Megatron-LM's names reach GPTConfig,
+Megatron-DeepSpeed's aliases mean the same, and each bad combination is one line before any group."""
+from __future__ import annotations
+
+import pytest
+
+from megazero.config.flags import parse_args
+from megazero.config.train_flags import config_from_args
+from megazero.core.errors import UsageError
+
+
+def _config(line: str, world: int = 4):
+    return config_from_args(parse_args((line + " --mock-data").split()), world_size=world, cuda_available=False)
+
+
+def test_megatron_flags_reach_the_model_and_the_layout():
+    cfg = _config("--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 96 --moe-aux-loss-coeff 0.01 "
+                  "--moe-z-loss-coeff 0.001 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                  "--moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --moe-layer-freq ([1]*1+[0]*1)*2 "
+                  "--moe-shared-expert-intermediate-size 64 --moe-grouped-gemm --expert-model-parallel-size 4 "
+                  "--moe-token-dispatcher-type allgather")
+    m = cfg.model
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq) == (8, 2, 96, [1, 0, 1, 0])
+    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_router_topk_scaling_factor) == (0.01, 0.001, 2.5)
+    assert m.moe_router_enable_expert_bias and m.moe_grouped_gemm and m.moe_router_dtype == "fp32"
+    assert (cfg.parallel.expert_parallel, cfg.parallel.moe_dispatcher) == (4, "allgather")
+
+
+def test_megatron_deepspeed_aliases():
+    cfg = _config("--num-experts 4 --topk 1 --moe-train-capacity-factor 1.5 --moe-loss-coeff 0.1 "
+                  "--moe-expert-parallel-size 2")
+    m = cfg.model
+    assert (m.moe_router_topk, m.moe_expert_capacity_factor, m.moe_aux_loss_coeff) == (1, 1.5, 0.1)
+    assert cfg.parallel.expert_parallel == 2
+
+
+@pytest.mark.parametrize("line, words", [
+    ("--num-experts 3 --expert-model-parallel-size 2", "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
+    ("--num-experts 4 --expert-model-parallel-size 3", "--expert-model-parallel-size 3 must divide the data-parallel"),
+    ("--num-experts 4 --moe-router-topk 5", "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+    ("--num-experts 4 --topk 3 --moe-router-topk 2", "--topk 3 contradicts --moe-router-topk 2"),
+    ("--expert-model-parallel-size 2", "--expert-model-parallel-size needs --num-experts N"),
+    ("--moe-router-topk 2", "--moe-router-topk needs --num-experts N"),
+    ("--num-experts 4 --moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor"),
+    ("--num-experts 4 --moe-router-pre-softmax --moe-router-score-function sigmoid", "--moe-router-pre-softmax"),
+    ("--num-experts 4 --moe-layer-freq [1,0]", "one 0 (dense) or 1 (MoE) per layer: 4 entries"),
+    ("--num-experts 4 --moe-layer-freq __import__('os')", "--moe-layer-freq"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
+     "--expert-tensor-parallel-size 1 must equal --tensor-model-parallel-size 2"),
+    ("--num-experts 4 --moe-expert-capacity-factor 1 --context-parallel-size 2 --attention-dropout 0",
+     "--moe-expert-capacity-factor counts each sequence's tokens"),
+    ("--num-experts 4 --moe-router-score-function sigmoid --moe-router-enable-expert-bias --load ckpt",
+     "--load with --moe-router-enable-expert-bias is not supported yet"),
+])
+def test_bad_combinations_are_one_line(line, words):
+    with pytest.raises(UsageError) as err:
+        _config(line)
+    assert words in str(err.value) and "\n" not in str(err.value)
