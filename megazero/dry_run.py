@@ -54,6 +54,7 @@ class SimulatedLaunch:
     def __init__(self, rank: int, world: int, local_world: int):
         self.rank, self.world, self.local_world = rank, world, local_world
         self.store = None
+        self.threads = ""            # the start-up line's thread count: not this machine's to say
 
     def first(self, step: str):
         return lambda build: build(True)
