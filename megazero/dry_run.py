@@ -43,6 +43,8 @@ class RankRun:
     host_reads: list = dataclasses.field(default_factory=list)
     memory: dict | None = None
     model_states: dict | None = None   # the engine's own report (engine.memory.report()), bytes
+    stream_check: dict | None = None   # the stream checker's counts and distinct violations
+    skipped_steps: int | None = None   # optimizer steps skipped for a non-finite gradient norm
     error: str | None = None       # one line: where a rank stopped (a misplaced tensor, a bug)
     detail: str | None = None      # its traceback
 
@@ -109,6 +111,7 @@ def run_rank(argv: list[str], world: int, rank: int, device, factory, local_worl
     run.entries, run.step_ends = log.entries, log.step_ends
     if progress.state is not None:
         run.model_states = {k: float(v) for k, v in progress.state.engine.memory.report().items()}
+        run.skipped_steps = progress.state.engine.skipped_steps
     return run
 
 
@@ -141,22 +144,38 @@ def planner_figures(argv: list[str], world: int, local_world: int | None) -> dic
     return {"model_states": found.model_states, "activations": found.activations, "total": found.total}
 
 
-def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None):
-    """One simulated rank's process: the fake backend for NCCL, meta for the GPU. `prepare(rank)`,
-    a context manager, is held open around the rank (the tests plant bugs with it)."""
+def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overflow_steps=(), streams=True):
+    """One simulated rank's process: the fake backend for NCCL, meta for the GPU, the stream layer in
+    its checking mode (megazero.core.stream_check, modelling meta as a device and the CPU as the
+    host; violations collected, not raised). `prepare(rank)`, a context manager, is held open around
+    the rank (the tests plant bugs with it); in `overflow_steps` (1-based training steps) the
+    gradient norm reads inf, walking the step-skip path; `streams` False: no stream check."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megazero.core import stream_check
     from megazero.parallel.process_groups import GroupFactory
     torch.set_num_threads(1)
     # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"))
+    # The comm layer takes the path of the backend the flags name (NCCL's in-place reduce-scatter),
+    # not the fake one's.
+    factory = GroupFactory(rank, stands_for=job_config(argv, world, local_world).parallel.distributed_backend)
     device = DeviceStandIn()
+
+    def gradient_norm():         # device.read_marks grows by one at the end of every training step
+        return float("inf") if len(device.read_marks) + 1 in overflow_steps else 1.0
     try:
         with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
-                device, device.phase_hooks(reads), contextlib.redirect_stdout(io.StringIO()):
+                host_read.forcing({"gradient norm": gradient_norm} if overflow_steps else {}), device, device.phase_hooks(reads), \
+                (stream_check.checking(devices=("cpu", "meta"), collect=True) if streams
+                 else contextlib.nullcontext()) as checker, \
+                contextlib.redirect_stdout(io.StringIO()):
             # (each rank's log lines are not the report's)
-            run = run_rank(argv, world, rank, torch.device("meta"), GroupFactory(rank), local_world, cuda=True)
+            run = run_rank(argv, world, rank, torch.device("meta"), factory, local_world, cuda=True)
+        if checker is not None:
+            run.stream_check = {"semantics": checker.semantics, "side_ops": checker.side_ops,
+                                "violations": checker.violations, "found": list(checker.found)}
         run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
         step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
         run.host_reads = [{"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)}
@@ -170,10 +189,12 @@ PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "
 
 
 def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,
-             processes: int | None = None, prepare=None) -> list[RankRun]:
+             processes: int | None = None, prepare=None, overflow_steps=(), stream_check: bool = True) -> list[RankRun]:
     """Runs `ranks` (all of them by default) of a `world`-rank job of pretrain_gpt.py's `argv`.
     `processes` workers (forked from a server that imported torch and megazero once) each run one
-    rank after another, each rank in a default group of its own, made and destroyed around it."""
+    rank after another, each rank in a default group of its own, made and destroyed around it.
+    `overflow_steps`: training steps (1-based) whose gradient norm reads inf (the skip path);
+    `stream_check` False: the stream layer runs unchecked (about half the time)."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
     ranks = list(range(world)) if ranks is None else list(ranks)
@@ -185,5 +206,7 @@ def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_
         context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megazero-dry-run-") as workdir:
         with ProcessPoolExecutor(processes, mp_context=context) as pool:
-            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare) for r in ranks]
+            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare,
+                                   tuple(overflow_steps), stream_check)
+                       for r in ranks]
             return [f.result() for f in futures]

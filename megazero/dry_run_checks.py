@@ -5,7 +5,12 @@ trace (megazero.dry_run.RankRun), each finding one line naming where.
   op, dtype, element count, reduce op and root (NCCL matches ops by position alone: a mismatch is a
   hang or corrupt data, reported by its watchdog without a rank's name);
 - p2p: the k-th send from rank a to rank b meets b's k-th receive from a, of the same shape and dtype;
-- placement: a rank that stopped because a host tensor met a device tensor, at the line that did it.
+- placement: a rank that stopped because a host tensor met a device tensor, at the line that did it;
+- host reads: a rank that read a device value (.item(), .tolist(), nonzero) other than through
+  megazero.core.host_read, at its line;
+- streams: the stream checker's violations (megazero.core.stream_check, run in every rank: a race
+  between the modelled streams or a use-after-free, naming the tensor and both call sites), one
+  line per rank's first violation, ranks with the same first one in the same line.
 
 Groups whose members were not all simulated (`--ranks`) are checked among the simulated ones.
 """
@@ -82,6 +87,9 @@ def check_p2p(runs) -> list[str]:
 
 _DEVICE_MIX = re.compile(r"(Expected all tensors to be on the same device|is not on the expected device"
                          r"|is on cpu but group|Tensor on device cpu)")
+# A device value read by the host without megazero.core.host_read (meta has no values to give).
+_HOST_READ = re.compile(r"(cannot be called on meta tensors|Cannot copy out of meta tensor|torch.nonzero\(\)"
+                        r"|data-dependent)")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -90,9 +98,9 @@ def _site_of(detail: str) -> str:
     standing for them (their device check is where a host tensor meets the group's device)."""
     site = "?"
     for path, line in _FRAME.findall(detail or ""):
-        if path.endswith(("/core/comm.py", "/zero/quantized_comm.py")):
+        if path.endswith(("/core/comm.py", "/zero/quantized_comm.py", "/core/stream_check.py", "/core/host_read.py")):
             continue
-        for root in ("/megazero/", "/parallel/", "/models/"):
+        for root in ("/megazero/", "/parallel/", "/models/", "/tests/"):
             if root in path and "/dry_run" not in path:
                 site = f"{path[path.rindex(root) + 1:]}:{line}"
     return site
@@ -107,10 +115,31 @@ def check_ranks_ran(runs) -> list[str]:
         if _DEVICE_MIX.search(run.error) or _DEVICE_MIX.search(run.detail or ""):
             problems.append(f"rank {run.rank}: a tensor made on the host meets a device tensor at "
                             f"{_site_of(run.detail)} ({run.error})")
+        elif _HOST_READ.search(run.error):
+            problems.append(f"rank {run.rank}: the host reads a device value at {_site_of(run.detail)} without "
+                            f"megazero.core.host_read (a host sync the step does not list; {run.error[:80]})")
         else:
             problems.append(f"rank {run.rank}: stopped at {_site_of(run.detail)}: {run.error}")
     return problems
 
 
+def check_streams(runs) -> list[str]:
+    """One line per first stream-check violation, naming the ranks that hit it first and how many
+    violations (and distinct ones) they counted in all: a race repeats every step, in every bucket."""
+    first: dict[str, list] = {}
+    for run in runs:
+        found = (run.stream_check or {}).get("found") or []
+        if found:
+            first.setdefault(found[0], []).append(run)
+    problems = []
+    for message, hit in first.items():
+        ranks = ", ".join(str(run.rank) for run in hit)
+        total = sum(run.stream_check["violations"] for run in hit)
+        distinct = len({m for run in hit for m in run.stream_check["found"]})
+        problems.append(f"rank{'s' if len(hit) > 1 else ''} {ranks}: {message} (the first of {total} "
+                        f"violations, {distinct} distinct, on {'these ranks' if len(hit) > 1 else 'it'})")
+    return problems
+
+
 def check_all(runs) -> list[str]:
-    return check_ranks_ran(runs) + check_collectives(runs) + check_p2p(runs)
+    return check_ranks_ran(runs) + check_collectives(runs) + check_p2p(runs) + check_streams(runs)

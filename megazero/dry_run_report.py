@@ -44,12 +44,14 @@ def rank_record(run, stands_for: int = 1) -> dict:
     coords = dict(zip(("tp", "dp", "pp"), run.coords)) if run.coords is not None else None
     return {
         "rank": run.rank, "coords": coords, "stands_for": stands_for, "error": run.error,
-        "steps": len(run.step_ends),
+        "steps": len(run.step_ends), "skipped_steps": run.skipped_steps,
         "ops": [_op(e) for e in run.entries],
         "step_comm": per_group(last_step(run)),
         "host_reads": list(run.host_reads),
         "memory": run.memory,
         "engine_model_states": run.model_states,
+        "stream_check": None if run.stream_check is None else {
+            k: run.stream_check[k] for k in ("semantics", "side_ops", "violations")},
     }
 
 
@@ -78,8 +80,11 @@ def table(result: dict) -> str:
         owners = " / ".join(_mib(v) for v in (m.get("peak_by_owner") or {}).values()) or "-"
         lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3} {r['stands_for']:>4} {_mib(peak):>10} {_mib(plan):>10} "
                      f"{ratio:>6}  {owners}")
-    lines += ["", f"{'rank':>6}  {'ops':>6}  collectives per step by group (calls, MiB)"]
+    lines += ["", f"{'rank':>6}  {'ops':>6}  {'stream ops':>10}  {'races':>5}  {'skipped':>7}  "
+                  f"collectives per step by group (calls, MiB)"]
     for r in result["ranks"]:
         groups = ", ".join(f"{g} {v['calls']}x {v['bytes'] / 2**20:.2f}" for g, v in r["step_comm"].items())
-        lines.append(f"{r['rank']:>6}  {len(r['ops']):>6}  {groups or '-'}")
+        streams = r["stream_check"] or {"side_ops": "-", "violations": "-"}
+        lines.append(f"{r['rank']:>6}  {len(r['ops']):>6}  {streams['side_ops']:>10}  {streams['violations']:>5}  "
+                     f"{r['skipped_steps'] if r['skipped_steps'] is not None else '-':>7}  {groups or '-'}")
     return "\n".join(lines)

@@ -2,8 +2,9 @@
 
 A rank's role is everything about its place in the grid that changes what it runs: for every group
 kind it belongs to (tp, dp, pp, cp, mp, embedding, MiCS shard and replica, the shard group's
-node-local and cross-node parts, hpZ), its position there (first / middle / last; along ZeRO's
-axis its exact index, its partition), the group's size and whether the group stays inside a node; its exact place in the context-parallel ring (each chunk
+node-local and cross-node parts, hpZ, expert parallel ep and expert data parallel edp), its position
+there (first / middle / last; along ZeRO's axes, dp's and the experts' edp, its exact index, its
+partition), the group's size and whether the group stays inside a node; its exact place in the context-parallel ring (each chunk
 pairs with its own peers); and its pipeline stage with that stage's layers (1F1B's warm-up length
 depends on the stage's index, so two middle stages order their sends and receives differently). Ranks of one role issue the
 same collectives (same ops, sizes, reduce ops, positions of roots and peers) and allocate the same
@@ -15,7 +16,10 @@ from __future__ import annotations
 
 # Groups along ZeRO's axis: a rank's index there is its partition, whose padding and unit pieces
 # differ from the next one's, so the index itself is part of the role.
-_EXACT = {"dp", "mics_shard", "mics_shard_gather", "mics_replica", "shard_node_local", "shard_cross_node", "hpz"}
+# Expert parallelism: the expert-data-parallel group (and its stage-3 gather communicator) is ZeRO's
+# axis for the expert weights; a rank's place in its ep group (which experts it holds) is positional.
+_EXACT = {"dp", "mics_shard", "mics_shard_gather", "mics_replica", "shard_node_local", "shard_cross_node", "hpz",
+          "edp", "edp_gather"}
 
 
 def _position(index: int, size: int) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.models.moe import MoELayer
 
 
@@ -58,11 +58,12 @@ def end_moe_step(chunks, groups, config, microbatches: int, sequence_parallel: b
     # the cp ranks (and the tp ranks under sequence parallelism) summed the same loss values and
     # dropped counts; their loads were counts of different tokens
     sharers = groups.topology.cp * (groups.topology.tp if sp else 1)
-    aux, z, dropped = (flat[-3:] / sharers).tolist()
+    aux, z, dropped = host_read.read(flat[-3:] / sharers, "moe statistics")
     total_microbatches = microbatches * groups.topology.dp
     loads = flat[:-3].view(len(moe_indices), e)
     for name, layer in mine:
         if layer.router.use_bias:
             layer.router.update_expert_bias(loads[moe_indices.index(int(name))].float())
     return {"aux": aux / total_microbatches, "z": z / total_microbatches, "dropped": dropped,
-            "load": {i: (float(row.max()), float(row.mean())) for i, row in zip(moe_indices, loads)}}
+            "load": {i: (max(row), sum(row) / len(row))
+                     for i, row in zip(moe_indices, host_read.read(loads, "moe expert loads"))}}

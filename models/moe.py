@@ -89,7 +89,7 @@ class Router(nn.Module):
         loss = self.balancing_loss(logits, indices, sequences, reduce_stats, stats)
         if stats is not None:
             with torch.no_grad():
-                load = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+                load = expert_counts(indices.reshape(-1), self.num_experts).float()
                 stats["load"] = stats.get("load", 0) + load
         return probs, indices, loss
 
@@ -169,6 +169,13 @@ def capacity_keep(probs, indices, sequences: int, num_experts: int, factor: floa
     return keep.any(dim=2).view(t, k)
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `experts` (expert indices) name each expert: bincount with minlength E, as a
+    scatter-add, whose output shape does not depend on the values (meta tensors have none)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=experts.device).index_add_(
+        0, experts, torch.ones_like(experts))
+
+
 def sort_by_expert(indices, keep, num_experts: int, pad_to: int | None = None):
     """Rows for the experts, sorted by expert: (slots, counts). `slots[r]` is the flat choice
     (token x k + j) row r computes, -1 for a padding row; `counts[e]` how many rows expert e gets
@@ -177,7 +184,7 @@ def sort_by_expert(indices, keep, num_experts: int, pad_to: int | None = None):
     slots = keep.reshape(-1).nonzero().squeeze(1) if keep is not None else torch.arange(
         flat.numel(), device=flat.device)
     slots = slots[torch.argsort(flat[slots], stable=True)]
-    counts = torch.bincount(flat[slots], minlength=num_experts)
+    counts = expert_counts(flat[slots], num_experts)
     if pad_to is not None:
         experts = flat[slots]
         starts = torch.cumsum(counts, 0) - counts
@@ -207,13 +214,15 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool,
+                   sizes: list[int] | None = None) -> torch.Tensor:
     """Rows of x (n, a) times weight[e] (E, a, b) for the counts[e] rows of each expert e, in order:
-    one torch._grouped_mm where it runs, else a loop of matmuls (the same products)."""
+    one torch._grouped_mm where it runs, else a loop of matmuls (the same products). `sizes`: the
+    counts as the host already read them (the loop needs them there), if it has."""
     if grouped and grouped_mm_usable(x, weight):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=offsets))
-    pieces = x.split(counts.tolist())
+    pieces = x.split(sizes if sizes is not None else counts.tolist())
     return torch.cat([piece @ weight[e] for e, piece in enumerate(pieces)]) if pieces else x.new_zeros(
         0, weight.shape[-1])
 
@@ -236,15 +245,16 @@ class GroupedExperts(nn.Module):
                    swiglu=config.activation == "swiglu", gelu_approximate=config.gelu_approximate,
                    grouped=config.moe_grouped_gemm)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (n, h): rows sorted by expert, counts[e] of them for expert e."""
-        y = grouped_matmul(x, self.weight1, counts, self.grouped)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """x (n, h): rows sorted by expert, counts[e] of them for expert e (`sizes`: the same
+        counts on the host, where the caller has read them)."""
+        y = grouped_matmul(x, self.weight1, counts, self.grouped, sizes)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)
-        return grouped_matmul(y, self.weight2, counts, self.grouped)
+        return grouped_matmul(y, self.weight2, counts, self.grouped, sizes)
 
 
 class LocalDispatcher:

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.core.comm import Group
 from megazero.models.moe import AuxLossScaler, GroupedExperts, MoELayer
 from megazero.models.param_info import set_param_info
@@ -70,6 +70,22 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def even_split(rows: int, parts: int) -> list[int]:
+    """`rows` spread over `parts` as evenly as they go (the first ones one more): the balanced
+    routing the host reads of expert counts answer with where the device's counts have no values
+    (the dry run's meta tensors; host_read), so that every shape downstream is known."""
+    return [rows // parts + (i < rows % parts) for i in range(parts)]
+
+
+class HostCountsDispatcher:
+    """Every expert on this device (as models.moe.LocalDispatcher), the per-expert row counts read
+    on the host through host_read, where the loop over experts needs them."""
+
+    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        sizes = host_read.read(counts, "expert rows", healthy=lambda: even_split(rows.shape[0], len(counts)))
+        return experts(rows, counts, sizes)
+
+
 class AllToAllDispatcher:
     """Rows sorted by (global) expert go to the EP rank holding it and come back in place."""
 
@@ -82,21 +98,30 @@ class AllToAllDispatcher:
         recv = torch.empty_like(counts)
         comm.all_to_all(recv, counts.contiguous(), self.group)
         recv_counts = recv.view(ep, local)
-        send_host, recv_host = counts.view(ep, local).sum(1).tolist(), recv_counts.sum(1).tolist()
+        # Both tables on the host (one read each). Balanced (meta): every rank routes its rows
+        # evenly over all experts, so source s sends my local expert e what I send expert e's peer.
+        mine = host_read.read(counts, "expert rows sent", healthy=lambda: even_split(rows.shape[0], len(counts)))
+        lo = self.group.rank * local
+        table = host_read.read(recv_counts, "expert rows received", healthy=lambda: [
+            even_split(rows.shape[0], self.num_experts)[lo:lo + local]] * ep)
+        send_host = [sum(mine[j * local:(j + 1) * local]) for j in range(ep)]
+        recv_host = [sum(row) for row in table]
         received = _AllToAll.apply(rows, self.group, send_host, recv_host)
         # received: by source, then by local expert; the experts want them by local expert
-        order = _by_expert(recv_counts)
-        out = experts(received[order], recv_counts.sum(0))
+        order = _by_expert(table, rows.device)
+        out = experts(received[order], recv_counts.sum(0), [sum(col) for col in zip(*table)])
         back = torch.empty_like(out).index_copy(0, order, out) if out.shape[0] else out
         return _AllToAll.apply(back, self.group, recv_host, send_host)
 
 
-def _by_expert(counts: torch.Tensor) -> torch.Tensor:
-    """Row order grouping (source, expert)-major rows by expert: counts (sources, experts)."""
-    starts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view_as(counts)
-    pieces = [torch.arange(int(n), device=counts.device) + starts[s, e]
-              for e in range(counts.shape[1]) for s, n in enumerate(counts[:, e].tolist())]
-    return torch.cat(pieces) if pieces else counts.new_zeros(0)
+def _by_expert(table: list[list[int]], device) -> torch.Tensor:
+    """Row order grouping (source, expert)-major rows by expert: `table` [source][expert] counts."""
+    flat = [n for row in table for n in row]
+    starts = [sum(flat[:i]) for i in range(len(flat))]
+    experts = len(table[0]) if table else 0
+    pieces = [torch.arange(table[s][e], device=device) + starts[s * experts + e]
+              for e in range(experts) for s in range(len(table))]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
 class AllGatherDispatcher:
@@ -110,17 +135,18 @@ class AllGatherDispatcher:
         ep, local = self.group.size, self.num_experts // self.group.size
         every = counts.new_empty((ep, counts.numel()))
         comm.all_gather(every, counts.contiguous(), self.group)
-        longest = int(every.sum(1).max())
+        # on the host (one read); balanced (meta): every rank's rows spread evenly over the experts
+        table = host_read.read(every, "expert rows of every rank",
+                               healthy=lambda: [even_split(rows.shape[0], self.num_experts)] * ep)
+        longest = max(sum(row) for row in table)
         padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], rows.shape[1])])
         gathered = gather_from_sequence_region(padded.unsqueeze(0), self.group).squeeze(0)
         # rows of my experts: from each source, its block for experts [ep_rank x local, ...)
         lo = self.group.rank * local
-        starts = torch.cumsum(every, 1) - every
+        pick = torch.cat([torch.arange(table[s][lo + e], device=rows.device) + s * longest + sum(table[s][:lo + e])
+                          for e in range(local) for s in range(ep)] or [counts.new_zeros(0)])
         mine = every[:, lo:lo + local]
-        pick = torch.cat([torch.arange(int(n), device=rows.device) + s * longest + int(starts[s, lo + e])
-                          for e in range(local) for s, n in enumerate(mine[:, e].tolist())]
-                         or [counts.new_zeros(0)])
-        out = experts(gathered[pick], mine.sum(0))
+        out = experts(gathered[pick], mine.sum(0), [sum(table[s][lo + e] for s in range(ep)) for e in range(local)])
         full = out.new_zeros(gathered.shape[0], out.shape[1]).index_copy(0, pick, out)
         return reduce_scatter_to_sequence_region(full.unsqueeze(0), self.group).squeeze(0)[:rows.shape[0]]
 
@@ -201,6 +227,8 @@ def parallelize_moe(moe: MoELayer, *, tp: Group, ep: Group, cp: Group, sequence_
     moe.experts = experts
     if ep.size > 1:
         moe.dispatcher = (AllGatherDispatcher if dispatcher == "allgather" else AllToAllDispatcher)(ep, e)
+    else:
+        moe.dispatcher = HostCountsDispatcher()
     sp = sequence_parallel and tp.size > 1
     layer = ParallelMoELayer(moe, tp, sp, (tp, cp) if sp else (cp,))
     if layer.sp:

@@ -26,8 +26,11 @@ from .topology import Coords, Topology
 class GroupFactory:
     """Creates (or reuses) torch process groups; every process must make the same calls in order."""
 
-    def __init__(self, rank: int, initialized: bool | None = None, timeout=None):
+    def __init__(self, rank: int, initialized: bool | None = None, timeout=None, stands_for: str | None = None):
         self.rank = rank
+        # The backend whose semantics the groups' collectives follow when the process group is a
+        # stand-in (the dry run's fake backend standing for the flags' nccl); None: its own.
+        self.stands_for = stands_for
         self.initialized = dist.is_initialized() if initialized is None else initialized
         # torch gives new groups its default timeout, not the default group's: pass the run's on
         self.timeout = timeout
@@ -122,7 +125,7 @@ class ProcessGroups:
                 pg = factory.torch_group(ranks, purpose)
                 if rank in ranks:
                     mine[kind] = Group(kind, ranks, ranks.index(rank), pg,
-                                       topology.is_intra_node(ranks), log, device)
+                                       topology.is_intra_node(ranks), log, device, factory.stands_for)
             if kind not in mine:   # middle pipeline stages belong to no embedding group
                 mine[kind] = Group(kind, (rank,), 0, None, True, log, device)
         if rank >= topology.world_size:

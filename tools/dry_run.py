@@ -8,11 +8,15 @@ meet receives, does every tensor sit on the device (docs/dry_run.md).
 
 Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simulate only these;
 default all up to 64 ranks, above that one rank per role: megazero.dry_run_roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
-default the CPU count) and --json PATH ('-': stdout). Each simulated rank runs the real recipe with
-the meta device for its GPU and torch's fake process group for NCCL (megazero.dry_run); mock data
+default the CPU count), --json PATH ('-': stdout) and --force-overflow STEPS (the gradient norm reads
+inf in these training steps, from 1: every rank walks the step-skip path) and --no-stream-check (the
+stream layer unchecked: about half the time). Each simulated rank runs the real recipe with
+the meta device for its GPU, torch's fake process group for NCCL and the stream layer in its
+checking mode (megazero.dry_run); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
 
-Exit 0: every check passed; 2: a flag mistake, a disagreement or a misplaced tensor, each one line.
+Exit 0: every check passed; 2: a flag mistake, a disagreement, a misplaced tensor or a stream race,
+each one line.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ def parse(argv):
     ours.add_argument("--ranks-per-node-sim", type=int, default=8)
     ours.add_argument("--processes", type=int, default=None)
     ours.add_argument("--json", default=None)
+    ours.add_argument("--no-stream-check", action="store_true")
+    ours.add_argument("--force-overflow", default=None,
+                      help="comma-separated training steps (from 1) whose gradient norm reads inf")
     return ours.parse_known_args(argv)
 
 
@@ -50,6 +57,14 @@ def main(argv=None) -> int:
             ranks = [-1]
         if any(r < 0 or r >= world for r in ranks):
             mistake = f"--ranks {opts.ranks}: give comma-separated ranks between 0 and {world - 1}"
+    overflow = ()
+    if mistake is None and opts.force_overflow is not None:
+        try:
+            overflow = tuple(sorted({int(s) for s in opts.force_overflow.split(",")}))
+        except ValueError:
+            overflow = (0,)
+        if any(s < 1 for s in overflow):
+            mistake = f"--force-overflow {opts.force_overflow}: give comma-separated training steps, from 1"
     if mistake is not None:
         print(f"error: {mistake}", file=sys.stderr)
         return 2
@@ -60,7 +75,8 @@ def main(argv=None) -> int:
     elif opts.ranks is None:
         ranks = None
     started = time.perf_counter()
-    runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes)
+    runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes,
+                    overflow_steps=overflow, stream_check=not opts.no_stream_check)
     problems = check_all(runs)
     result = report(runs, problems, world, time.perf_counter() - started, stands_for)
     if opts.json == "-":

@@ -121,6 +121,8 @@ class CommEntry:
         """What every member of the group must issue alike (p2p: what the peer's side must mirror)."""
         if self.op in ("send", "recv"):
             return (self.op, self.dtype, self.shape)
+        if self.op == "all_to_allv":      # each rank's row counts are its own: the row's width is shared
+            return (self.op, self.dtype, self.shape[1:])
         return (self.op, self.dtype, self.numel, self.reduce_op, self.root)
 
 
@@ -162,6 +164,9 @@ class Group:
     intra_node: bool
     log: CommLog
     device: torch.device = torch.device("cpu")   # where every tensor of its collectives lives
+    # The backend whose semantics the collectives follow, when `pg` stands in for it (the dry run's
+    # fake backend for the flags' nccl); None: pg's own.
+    stands_for: str | None = None
 
     def __post_init__(self):
         device = torch.device(self.device)
@@ -245,7 +250,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if a.device.type == "meta":             # meta storages have no data: every pointer is 0
+        return sa._cdata == sb._cdata
+    return sa.data_ptr() == sb.data_ptr()
+
+
+def backend_of(group: Group) -> str:
+    """The backend whose path the group's collectives take: the one it stands for, else its own."""
+    return group.stands_for or str(dist.get_backend(group.pg))
 
 
 def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], call,
@@ -308,7 +321,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         return local_handle(group, async_op)
     group.log.record("reduce_scatter", group, _ring_fraction(group) * _nbytes(input), input, op)
     then = None
-    if _shares_storage(output, input) and dist.get_backend(group.pg) != "nccl":
+    if _shares_storage(output, input) and backend_of(group) != "nccl":
         # In place (output is this rank's chunk of input) is defined for NCCL only; gloo can
         # corrupt it, so go through a temporary and copy back once the op is done (on the waiting
         # stream, where the Handle recorded the temporary).
@@ -405,14 +418,15 @@ def all_to_all_uneven(output: torch.Tensor, input: torch.Tensor, output_splits: 
                       input_splits: Sequence[int], group: Group) -> None:
     """Rows `input_splits[j]` of `input` (in order) go to rank j; rank j's rows for this rank land
     in `output`, `output_splits[j]` of them, in rank order (dim 0; expert-parallel dispatch).
-    Counted as the bytes this rank sends to the others."""
+    Counted as the bytes this rank sends to the others; traced as "all_to_allv" (its input), whose
+    members agree on the row's width and dtype, not on the rows each sends."""
     _check_device("all_to_all", group, "output", output)
     _check_device("all_to_all", group, "input", input)
     if group.size == 1:
         output.copy_(input)
         return
     row = _nbytes(input) // max(input.shape[0], 1)
-    group.log.record("all_to_all", group, row * (sum(input_splits) - input_splits[group.rank]))
+    group.log.record("all_to_allv", group, row * (sum(input_splits) - input_splits[group.rank]), input)
     work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
         output, input, list(output_splits), list(input_splits), group=group.pg), False)
     _finish(work, done, False, [input, output])

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from megazero.core import streams
+
 
 @dataclasses.dataclass(frozen=True)
 class HostRead:
@@ -43,10 +45,7 @@ def read(tensor: torch.Tensor, what: str, healthy=None):
     """`tensor.tolist()` (a Python number for a 0-dim tensor). On a meta tensor: the forced value
     for `what` if the dry run set one, else `healthy` (a value, or a callable giving it; None:
     zeros of the tensor's shape)."""
-    if _Reads.recording is not None:
-        frame = sys._getframe(1)
-        site = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
-        _Reads.recording.append(HostRead(what, site, tensor.numel()))
+    _note(tensor, what)
     if tensor.device.type != "meta":
         return tensor.tolist()
     value = _Reads.forced.get(what, healthy)
@@ -55,8 +54,34 @@ def read(tensor: torch.Tensor, what: str, healthy=None):
     return _zeros(tuple(tensor.shape), zero) if value is None else value
 
 
+def copy_into(host: torch.Tensor, tensor: torch.Tensor, what: str, healthy=None) -> torch.Tensor:
+    """`host.copy_(tensor)`: a device tensor copied into the host tensor `host`, whose values the
+    host then acts on (a selection it indexes with; a host sync, like `read`). On a meta tensor
+    `host` gets the forced value for `what`, else `healthy` (a tensor, or a callable giving one;
+    None: zeros). Returns `host`."""
+    _note(tensor, what)
+    if tensor.device.type != "meta":
+        return host.copy_(tensor)
+    value = _Reads.forced.get(what, healthy)
+    value = value() if callable(value) else value
+    return host.zero_() if value is None else host.copy_(value)
+
+
+def _note(tensor: torch.Tensor, what: str) -> None:
+    """Records the read at the caller of read / copy_into; under the dry run's stream check the
+    host waits there for the current stream, as a GPU's copy to the host makes it."""
+    if _Reads.recording is not None:
+        frame = sys._getframe(2)
+        site = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        _Reads.recording.append(HostRead(what, site, tensor.numel()))
+    if tensor.device.type == "meta":
+        checker = streams.checker_for(tensor.device)
+        if checker is not None:
+            checker.op([tensor], [], [], host_sync=True)
+
+
 def _short(filename: str) -> str:
-    for root in ("/megazero/", "/parallel/", "/models/"):
+    for root in ("/megazero/", "/parallel/", "/models/", "/tests/"):
         if root in filename:
             return filename[filename.rindex(root) + 1:]
     return os.path.basename(filename)

@@ -35,7 +35,9 @@ sites, the first frames outside torch and the stream and comm modules):
   when it was freed: the allocator holds the block until each recorded stream passes that point.
 
 On CPU every op runs when it is issued, so a checked run computes exactly what an unchecked one
-does; the check says what a GPU would have raced on. Buffers get readable names through
+does; the check says what a GPU would have raced on. The dry run (megazero.dry_run) checks its
+ranks with `devices=("cpu", "meta")`: meta, its GPU, is modelled as a device too (a storage's bytes
+are known without its values) and violations are collected (`collect`) instead of raised. Buffers get readable names through
 `megazero.core.streams.label`. Must not touch: the engine's tensors (only their metadata is read), CUDA
 devices (they keep their CUDA backends; torch's own sanitizer, TORCH_CUDA_SANITIZER=1, checks those).
 """
@@ -195,10 +197,13 @@ class StreamChecker:
     streams.TorchCudaBackend), and the record of every storage's accesses."""
     name = "stream-check"
 
-    def __init__(self, semantics: str | None = None):
+    def __init__(self, semantics: str | None = None, devices: tuple[str, ...] = ("cpu",), collect: bool = False):
         self.semantics = semantics if semantics is not None else nccl_semantics()
         if self.semantics not in (STASH, RECORD_STREAM):
             raise ValueError(f"semantics must be {STASH!r} or {RECORD_STREAM!r}, not {self.semantics!r}")
+        self.devices = tuple(devices)     # device types modelled: the CPU; the dry run adds meta, its GPU
+        self.collect = collect            # violations kept in `found` and the run goes on (the dry run)
+        self.found: list[str] = []        # with `collect`: each distinct violation's message, in order
         self.streams = [_Stream(MAIN, "main")]
         self.current = self.streams[MAIN]
         self.done: dict[int, int] = {}                 # positions the host has synchronized on
@@ -368,7 +373,7 @@ class StreamChecker:
             _merge(self.done, stream.known)
 
     def _tracked(self, t: torch.Tensor, new: bool = False) -> _Storage | None:
-        if t.device.type != "cpu":             # meta tensors; CUDA has its own backends
+        if t.device.type not in self.devices:       # CUDA has its own backends
             return None
         storage = t.untyped_storage()
         key, ptr = storage._cdata, storage.data_ptr()
@@ -449,6 +454,10 @@ class StreamChecker:
     # --- violations ---------------------------------------------------------------------------
     def _violation(self, message: str, now: bool) -> None:
         self.violations += 1
+        if self.collect:
+            if message not in self.found:
+                self.found.append(message)
+            return
         if now:
             raise StreamOrderError(message)
         self.pending.append(message)
@@ -475,10 +484,12 @@ def describe_semantics(semantics: str) -> str:
 
 
 @contextlib.contextmanager
-def checking(semantics: str | None = None):
+def checking(semantics: str | None = None, devices: tuple[str, ...] = ("cpu",), collect: bool = False):
     """Models and checks the streams of CPU devices inside the block (see the module docstring);
-    `semantics` (STASH or RECORD_STREAM) overrides the torch version's NCCL model."""
-    with StreamChecker(semantics) as checker:
+    `semantics` (STASH or RECORD_STREAM) overrides the torch version's NCCL model. `devices`: the
+    device types modelled (the dry run adds "meta", its GPU: meta storages are tracked as CPU ones,
+    without values); `collect`: violations are kept in `checker.found` instead of raised."""
+    with StreamChecker(semantics, devices, collect) as checker:
         yield checker
 
 

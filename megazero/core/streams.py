@@ -191,17 +191,20 @@ def use_cpu_backend(backend):
 
 
 def checker_for(device):
-    """The stream checker modelling `device` (a CPU device while one is on), else None."""
-    return _cpu_backend if torch.device(device).type == "cpu" else None
+    """The stream checker modelling `device` while one is on (a CPU device; also the meta device
+    under the dry run, whose checker models both: its `devices`), else None."""
+    if _cpu_backend is None or torch.device(device).type not in getattr(_cpu_backend, "devices", ("cpu",)):
+        return None
+    return _cpu_backend
 
 
 def backend_for(device: torch.device):
-    """The CUDA backend on CUDA; on CPU None (every stream and event call is a no-op there), or the
-    stream checker while one is on."""
+    """The CUDA backend on CUDA; elsewhere None (every stream and event call is a no-op there), or
+    the stream checker modelling the device while one is on."""
     device = torch.device(device)
     if device.type == "cuda":
         return default_cuda_backend()
-    return _cpu_backend if device.type == "cpu" else None
+    return checker_for(device)
 
 
 def label(tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -438,10 +441,11 @@ def copy_to_device(tensor: torch.Tensor, device, streams: Streams | None = None)
     stream and does not reuse the buffer before the copy has run; the result, allocated on the copy
     stream and used on the main one, is recorded with keep_alive."""
     device = torch.device(device)
-    modelled = device.type == "cpu" and streams is not None and streams.enabled
-    if not modelled and (tensor.device == device or device.type == "cpu"):
+    # Under the stream checker a CPU or meta (the dry run's GPU) target is a modelled device.
+    modelled = device.type in ("cpu", "meta") and streams is not None and streams.enabled
+    if tensor.device == device and device.type != "cpu" or not modelled and device.type == "cpu":
         return tensor
-    if device.type not in ("cpu", "cuda"):        # meta (the dry run's device): no streams, no pinning
+    if not modelled and device.type != "cuda":    # meta without the checker: no streams, no pinning
         return tensor.to(device)
     if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = tensor.pin_memory()
@@ -449,9 +453,9 @@ def copy_to_device(tensor: torch.Tensor, device, streams: Streams | None = None)
         return tensor.to(device, non_blocking=True)
     # No wait_current first on a GPU: the source is host memory that no queued GPU work writes. On
     # the CPU the main stream's ops are what write it.
-    if modelled:
+    if device.type == "cpu":
         streams.copy.wait_current()
     with streams.copy:
-        out = tensor.to(device, non_blocking=True) if not modelled else tensor.clone()
+        out = tensor.clone() if device.type == "cpu" else tensor.to(device, non_blocking=True)
     streams.copy.current_waits()
     return streams.copy.keep_alive(out)

@@ -61,3 +61,24 @@ def test_single_rank_groups_move_nothing():
     comm.reduce_scatter(out, torch.arange(4.0), groups.dp)
     assert x.tolist() == [1.0] * 4 and out.tolist() == [0.0, 1.0, 2.0, 3.0]
     assert groups.log.end_step() == {}
+
+
+def test_reduce_scatter_takes_the_path_of_the_backend_a_stand_in_group_names(monkeypatch):
+    """In place (the output is this rank's chunk of the input) NCCL needs no buffer; gloo goes
+    through a temporary. A group whose process group stands in for another backend (the dry run's
+    fake one for the flags' nccl) takes that backend's path, and meta tensors (no data pointers)
+    share storage only when they do."""
+    monkeypatch.setattr(comm.dist, "get_backend", lambda pg=None: "fake")      # what the fake backend says
+    handed = []
+    monkeypatch.setattr(comm, "_reduce_scatter_single", lambda out, inp, **kw: handed.append((out, inp)))
+
+    def buffer_of(stands_for, in_place=True):
+        group = comm.Group("dp", (0, 1), 0, object(), True, comm.CommLog(), torch.device("meta"), stands_for)
+        flat = torch.empty(8, device="meta")
+        out = flat[:4] if in_place else torch.empty(4, device="meta")
+        comm.reduce_scatter(out, flat, group)
+        sent = handed.pop()[0]
+        return "in place" if sent.untyped_storage()._cdata == out.untyped_storage()._cdata else "temporary"
+    assert buffer_of("nccl") == "in place"
+    assert buffer_of(None) == "temporary" and buffer_of("gloo") == "temporary"
+    assert buffer_of("gloo", in_place=False) == "in place"       # its own output: nothing to protect

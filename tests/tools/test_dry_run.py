@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from unittest import mock
@@ -48,12 +49,22 @@ def grid(path) -> dict[str, tuple[int, list[str]]]:
         "dp 2, ZeRO-0": (2, ["--zero-stage", "0"]),
         "dp 4, ZeRO-2, optimizer offloaded to nvme": (4, _zero_config(path, "nvme", {
             "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}})),
+        # (persistence threshold 0: this small model's parameters would all stay whole otherwise)
         "dp 4, ZeRO-3, parameters and optimizer offloaded to cpu": (4, _zero_config(path, "cpu", {
-            "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})),
+            "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+            "stage3_param_persistence_threshold": 0})),
         "dp 4, ZeRO-3 MiCS 2": (4, _zero_config(path, "mics", {"stage": 3, "mics_shard_size": 2})),
         "dp 4, ZeRO-3 hpZ 2, qwZ, qgZ": (4, _zero_config(path, "zeropp", {
             "stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
-            "zero_quantized_gradients": True})),
+            "zero_quantized_gradients": True, "stage3_param_persistence_threshold": 0})),
+        # the experts' row counts follow the routing in the gloo run and are balanced placeholders in
+        # the dry run: the expert all-to-all's rows (all_to_allv) are compared by width, not count
+        "dp 4 x ep 2 all-to-all, ZeRO-1": (4, ["--num-experts", "4", "--expert-model-parallel-size", "2",
+                                              "--moe-layer-freq", "2", "--zero-stage", "1"]),
+        "tp 2 x dp 2, ZeRO-2, ZenFlow": (4, ["--tensor-model-parallel-size", "2"] + _zero_config(path, "zenflow", {
+            "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {
+                "topk_ratio": 0.25, "update_interval": 2, "full_warm_up_rounds": 0, "select_strategy": "step",
+                "select_interval": 2}})),
         "cp 2 p2p x tp 2, ZeRO-2, sequence parallel": (4, [
             "--context-parallel-size", "2", "--cp-comm-type", "p2p", "--tensor-model-parallel-size", "2",
             "--sequence-parallel", "--zero-stage", "2"]),
@@ -81,7 +92,14 @@ def test_dry_run_issues_what_the_gloo_run_issues_on_every_rank(dist_pool, tmp_pa
     real = dist_pool(8).run(_gloo_traces, [(w, BASE + flags) for w, flags in layouts.values()], str(tmp_path))
     for i, (what, (world, flags)) in enumerate(layouts.items()):
         runs = simulate(BASE + flags, world, processes=2)
-        assert check_all(runs) == [], what
+        assert check_all(runs) == [], what     # the stream check's violations included: none
+        # the stream layer ran checked in every rank: stage 3's gathers and offloaded copies run on
+        # side streams, so ops were checked there
+        if "ZeRO-3" in what:
+            assert all(run.stream_check["side_ops"] > 0 for run in runs), what
+        if "ZenFlow" in what:      # its selection is read on the host, answered for meta tensors
+            reads = {h["what"] for h in runs[0].host_reads}
+            assert {"zenflow selection", "zenflow columns chosen"} <= reads, (what, reads)
         for run in runs:
             error, detail, entries = real[run.rank][i]
             assert error is None, f"{what}: gloo rank {run.rank}: {detail}"
@@ -141,6 +159,29 @@ def pipeline_receive_one_row_off_on_rank_3(rank):
         yield
 
 
+@contextlib.contextmanager
+def handles_record_nothing(rank):
+    """The comm layer's fix taken out: a Handle lets its tensors go at the wait without recording
+    them on the waiting stream (torch >= 2.8's NCCL records none itself)."""
+    from megazero.core import comm
+    with mock.patch.object(comm, "record_on_waiting_stream", lambda tensors: None):
+        yield
+
+
+def test_the_stream_check_runs_in_every_rank_and_a_planted_race_fails_in_one_line(tmp_path):
+    flags = BASE + _zero_config(tmp_path, "offload", {
+        "stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0})
+    runs = simulate(flags, 2, processes=2, prepare=handles_record_nothing)
+    problems = check_all(runs)
+    assert len(problems) == 1 and re.match(
+        r"ranks 0, 1: stream check: use-after-free of a float32 tensor of shape \(\d+,\) \(stage-3 unit '.*': "
+        r"this rank's chunk, copied from its offload home\): freed at megazero/zero/stage3/units.py:\d+ "
+        r"\(wait_gather\), its memory back with stream 'copy' .* read on stream '.*communicator' at "
+        r"megazero/zero/stage3/param_gather.py:\d+ .* \(the first of \d+ violations, \d+ distinct, on these "
+        r"ranks\)$", problems[0]), problems
+    assert all(run.error is None and run.stream_check["side_ops"] > 0 for run in runs)
+
+
 def test_planted_bugs_fail_with_their_line():
     tp2pp2 = BASE + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     clean = simulate(tp2pp2, 4, processes=2)
@@ -160,6 +201,46 @@ def test_planted_bugs_fail_with_their_line():
         "p2p rank 1 -> rank 3: message #1 does not meet: rank 1 issued send float32 [1, 32, 32] at "
         "parallel/pipeline/p2p.py:"), "\n".join(off)
     assert "; rank 3 issued recv float32 [2, 32, 32] at parallel/pipeline/p2p.py:" in p2p[0], off
+
+
+@contextlib.contextmanager
+def an_extra_host_read_in_the_step(rank):
+    """The gradient norm reads one more device value: through host_read on rank 0, as a raw .item()
+    on rank 1 (each a host sync the steady-state step does not list)."""
+    from megazero.core import host_read
+    from megazero.zero.engine import ZeroEngine
+    real = ZeroEngine.grad_norm
+
+    def grad_norm(engine):
+        flag = torch.zeros((), device=engine.device)
+        if rank == 0:
+            host_read.read(flag, "a planted flag")
+        else:
+            flag.item()
+        return real(engine)
+    with mock.patch.object(ZeroEngine, "grad_norm", grad_norm):
+        yield
+
+
+def _steady_state_reads(run) -> list[tuple[str, str]]:
+    return [(h["what"], h["site"].split(":")[0]) for h in run.host_reads if h["step"] == len(run.step_ends)]
+
+
+def test_an_extra_host_read_in_the_step_fails_with_its_line_and_a_forced_overflow_skips_the_step():
+    planted = simulate(BASE, 2, processes=2, prepare=an_extra_host_read_in_the_step)
+    extra = [r for r in _steady_state_reads(planted[0]) if r not in _documented_host_reads()]
+    assert extra == [("a planted flag", "tests/tools/test_dry_run.py")], _steady_state_reads(planted[0])
+    problems = check_all(planted)
+    assert any(line.startswith("rank 1: the host reads a device value at tests/tools/test_dry_run.py:")
+               and "without megazero.core.host_read" in line for line in problems), problems
+    # the gradient norm reads inf in step 1: every rank skips it, and they still agree on every op
+    forced = simulate(BASE + ["--zero-stage", "2"], 2, processes=2, overflow_steps=(1,))
+    assert check_all(forced) == [] and [r.skipped_steps for r in forced] == [1, 1]
+    for run in forced:
+        step1, step2 = run.entries[:run.step_ends[0]], run.entries[run.step_ends[0]:run.step_ends[1]]
+        # the skipped step gathers no updated parameters; the applied one does
+        assert not [e for e in step1 if e.op == "all_gather" and e.group == "dp"], step1
+        assert [e for e in step2 if e.op == "all_gather" and e.group == "dp"], step2
 
 
 def _documented_fields(table: str) -> list[str]:
@@ -194,6 +275,7 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
         assert m["phases"]["forward"]["by_owner"]["activations"] > 0 and m["planner"]["total"] > 0
         last = [(h["what"], h["site"].split(":")[0]) for h in r["host_reads"] if h["step"] == r["steps"]]
         assert last == _documented_host_reads(), r["host_reads"]
+        assert r["skipped_steps"] == 0 and r["stream_check"]["violations"] == 0
         # before the first step the device holds the engine's model states (and little else)
         states = r["engine_model_states"]["model_states"]
         assert states <= m["phases"]["setup"]["allocated"] < 1.6 * states
@@ -246,7 +328,10 @@ def _peak(run) -> int:
     ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16"],
     ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
      "--zero-stage", "3"],
-], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3"])
+    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "3",
+     "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
+     "--moe-layer-freq", "2"],
+], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 pp2 dp4 ep2 allgather ZeRO-3"])
 def test_one_rank_per_role_stands_for_all_ranks_at_16(flags):
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.dry_run_roles import roles

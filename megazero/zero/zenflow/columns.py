@@ -10,6 +10,8 @@ import dataclasses
 
 import torch
 
+from megazero.core import host_read
+
 
 def column_abs_sums(piece: torch.Tensor, offset: int, columns: int) -> torch.Tensor:
     """L1 norm per column (DeepSpeed's importance) of a [rows, columns] matrix over the flat
@@ -41,5 +43,11 @@ def chosen_in_split(split, per_rank: torch.Tensor, ratio: float) -> torch.Tensor
     along = dataclasses.replace(split, dim=0)        # the same split, of a row of column sums
     whole = along.full_from_locals(list(per_rank))
     picked = torch.zeros(len(whole), dtype=torch.bool, device=whole.device)
-    picked[top_columns(whole, ratio)] = True
-    return torch.nonzero(along.local_from_full(picked)).view(-1)
+    chosen = top_columns(whole, ratio)
+    picked[chosen] = True
+    local = along.local_from_full(picked)
+    # This rank's share is data-dependent: its indices are read on the host (nonzero would sync as
+    # well). Healthy (the dry run's meta tensors): the matrix's count spread evenly, first columns.
+    share = len(chosen) * len(local) // max(len(whole), 1)
+    mine = host_read.read(local, "zenflow columns chosen", healthy=lambda: [i < share for i in range(len(local))])
+    return torch.tensor([i for i, hit in enumerate(mine) if hit], dtype=torch.long, device=local.device)

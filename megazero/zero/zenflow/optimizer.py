@@ -57,7 +57,7 @@ import time
 
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 from megazero.core.streams import Event, host_thread_work
 from megazero.ops.adam import adam_update
 from ..offload import OFFLOADED_KINDS, OptimizerOffload, _nbytes
@@ -194,7 +194,20 @@ class ZenFlowOffload(OptimizerOffload):
                                 device=storage.device) % columns
             start = piece.partition_offset
             mask[start:start + piece.length] = torch.isin(cols, chosen)
-        self.mask.copy_(mask)
+        host_read.copy_into(self.mask, mask, "zenflow selection", healthy=lambda: self._first_columns(pieces))
+
+    def _first_columns(self, pieces) -> torch.Tensor:
+        """A selection of the size `_select` makes (top_columns' count of every matrix's columns; a
+        vector whole), of each matrix's first columns: what the dry run's meta tensors select."""
+        mask = torch.zeros_like(self.mask)
+        for piece, columns in pieces:
+            if piece is None:
+                continue
+            ratio = self.flow.topk_ratio
+            count = 0 if ratio <= 0 else max(1, int(ratio * columns))
+            cols = torch.arange(piece.param_offset, piece.param_offset + piece.length) % columns
+            mask[piece.partition_offset:piece.partition_offset + piece.length] = (cols < count).float()
+        return mask
 
     def _take_selection(self, storage) -> None:
         """The device states of the selected elements (per weight decay): the master from the host

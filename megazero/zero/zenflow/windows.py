@@ -40,9 +40,11 @@ Owns the window decision; never selects, steps or accumulates (zenflow.py does).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from megazero.core import comm
+from megazero.core import comm, host_read
 
 
 class AutoWindows:
@@ -77,7 +79,11 @@ class AutoWindows:
             counts = mine if counts is None else counts + mine
         self.loaded = {}
         comm.all_reduce(counts, self.group)
-        caught, matrices = counts.tolist()
+        # healthy (the dry run's meta tensors; alike on every rank): no matrix has caught up, among
+        # enough of them that the rule needs one, so only select_interval ends a window
+        ratio = self.flow.auto_ratio
+        caught, matrices = host_read.read(counts, "zenflow window counts",
+                                          healthy=[0.0, float(math.ceil(1 / ratio)) if ratio > 0 else 1.0])
         every = self.flow.select_every()
         self.ends = caught >= int(self.flow.auto_ratio * matrices) or (every > 0 and t % every == 0)
 
@@ -104,7 +110,8 @@ class AutoWindows:
         for storage in storages if not self.ends else ():
             values = self.sums.get(id(storage.offload))
             if values is not None:
-                sums.update(zip((name_of(p) for p in storage.params), values.tolist()))
+                sums.update(zip((name_of(p) for p in storage.params),
+                                host_read.read(values, "zenflow window sums")))
         return {"steps": 0 if self.ends else self.steps, "sums": sums}
 
     def load_state_dict(self, state: dict, storages, name_of) -> None:
