@@ -18,6 +18,8 @@ from __future__ import annotations
 # differ from the next one's, so the index itself is part of the role.
 # Expert parallelism: the expert-data-parallel group (and its stage-3 gather communicator) is ZeRO's
 # axis for the expert weights; a rank's place in its ep group (which experts it holds) is positional.
+# (Both groups lie inside dp x cp, so dp's exact index and the cp place already fix them: named here
+# so that the role says so, not because the key would change without them.)
 _EXACT = {"dp", "mics_shard", "mics_shard_gather", "mics_replica", "shard_node_local", "shard_cross_node", "hpz",
           "edp", "edp_gather"}
 

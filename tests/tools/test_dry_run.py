@@ -328,10 +328,9 @@ def _peak(run) -> int:
     ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16"],
     ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
      "--zero-stage", "3"],
-    ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "3",
-     "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
-     "--moe-layer-freq", "2"],
-], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 pp2 dp4 ep2 allgather ZeRO-3"])
+    ["--num-layers", "2", "--tensor-model-parallel-size", "4", "--zero-stage", "3", "--num-experts", "4",
+     "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"])
 def test_one_rank_per_role_stands_for_all_ranks_at_16(flags):
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.dry_run_roles import roles
