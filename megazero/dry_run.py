@@ -191,8 +191,8 @@ PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "
 def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,
              processes: int | None = None, prepare=None, overflow_steps=(), stream_check: bool = True) -> list[RankRun]:
     """Runs `ranks` (all of them by default) of a `world`-rank job of pretrain_gpt.py's `argv`.
-    `processes` workers (forked from a server that imported torch and megazero once) each run one
-    rank after another, each rank in a default group of its own, made and destroyed around it.
+    `processes` ranks run at once, each in a fresh process forked from a server that imported torch
+    and megazero once, in a default group of its own.
     `overflow_steps`: training steps (1-based) whose gradient norm reads inf (the skip path);
     `stream_check` False: the stream layer runs unchecked (about half the time)."""
     from concurrent.futures import ProcessPoolExecutor
@@ -205,7 +205,9 @@ def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_
     else:
         context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megazero-dry-run-") as workdir:
-        with ProcessPoolExecutor(processes, mp_context=context) as pool:
+        # One process per rank (max_tasks_per_child=1): nothing a rank caches (a module-level table,
+        # a compiled kernel) carries over to the next rank a worker would run.
+        with ProcessPoolExecutor(processes, mp_context=context, max_tasks_per_child=1) as pool:
             futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare,
                                    tuple(overflow_steps), stream_check)
                        for r in ranks]
