@@ -11,6 +11,8 @@ expert bias), dropless, no linear biases.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from .config import GPTConfig
 
 
@@ -70,3 +72,16 @@ def mixtral_mlp_entries(i: int) -> list[tuple]:
     return [(f"{ours}router.weight", (f"{theirs}gate.weight",), lambda t: (t,), lambda ts: ts[0]),
             (f"{ours}experts.weight1", (f"{theirs}experts.gate_up_proj",), *per_expert_t),
             (f"{ours}experts.weight2", (f"{theirs}experts.down_proj",), *per_expert_t)]
+
+
+class MoEFormat(NamedTuple):
+    """A mixture-of-experts format's part of the mapping, as models/hf_adapter.py calls it."""
+    problems: Callable          # GPTConfig -> why the format cannot express it (messages)
+    config_fields: Callable     # GPTConfig -> config.json's keys beyond Llama's
+    fields_from_hf: Callable    # config.json -> GPTConfig's MoE fields
+    hf_problems: Callable       # config.json -> what of it megazero cannot match (messages)
+    mlp_entries: Callable       # layer index -> the sparse layer's (ours, theirs, split, join)
+
+
+MIXTRAL = MoEFormat(mixtral_problems, mixtral_config_fields, moe_fields_from_hf, mixtral_hf_problems,
+                    mixtral_mlp_entries)

@@ -57,7 +57,8 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
-from megazero.config.moe_memory import dense_layer_config, moe_layer_extra, stage_moe_layers
+from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe_layer_persistent_extra,
+                                        stage_moe_layers)
 from megazero.models.loss import chunk_tokens_for, keeps_softmax
 from megazero.zero.offload import resident_sub_groups
 
@@ -260,8 +261,9 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     if cfg.zero.stage == 3:
         p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
         p_tied = tied_copy if tied_copy // tp <= cfg.zero.param_persistence_threshold else 0
-        persistent = (p_embedding + layers_per_stage * p_layer + (p_head if pp == 1 else 0) if first >= last
-                      else layers_per_stage * p_layer + p_head + p_tied)
+        p_moe = moe_layer_persistent_extra(model, tp, cfg.zero.param_persistence_threshold)
+        persistent = (p_embedding + layers_per_stage * p_layer + moe_first * p_moe + (p_head if pp == 1 else 0)
+                      if first >= last else layers_per_stage * p_layer + moe_last * p_moe + p_head + p_tied)
     microbatches = cfg.num_microbatches(dp)
     return RankLayout(
         parameters=embedding + model.num_layers * layer + head

@@ -33,5 +33,25 @@ def moe_layer_extra(model_cfg) -> tuple[int, int]:
     return count(moe) - experts - count(dense), experts
 
 
+def moe_layer_persistent_extra(model_cfg, tp: int, threshold: int) -> int:
+    """Of moe_layer_extra's dense-sharded parameters, those stage 3 keeps whole (at most `threshold`
+    elements on a rank), less the dense MLP's such ones; counted before the TP split as
+    memory_estimate.persistent_counts does. The router and the shared expert's gate are whole on
+    every TP rank, the shared expert's 2-D weights split as a dense MLP's; experts never persist."""
+    if not model_cfg.num_experts:
+        return 0
+
+    def count(mlp, whole=()) -> int:
+        total = 0
+        for name, p in mlp.named_parameters():
+            if name.startswith("experts."):
+                continue
+            local = p.numel() // tp if p.dim() == 2 and not name.startswith(whole) else p.numel()
+            total += p.numel() if local <= threshold else 0
+        return total
+    return count(_layer(model_cfg, True).mlp, ("router.", "shared_experts.gate_weight")) - count(
+        _layer(model_cfg, False).mlp)
+
+
 def stage_moe_layers(model_cfg, layers: range) -> int:
     return sum(model_cfg.is_moe_layer(i) for i in layers) if model_cfg.num_experts else 0
