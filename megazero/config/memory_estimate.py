@@ -338,8 +338,9 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> fl
     initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
     head = output_layer_bytes(cfg.model.seq_length * cfg.micro_batch_size // par.context_parallel, cfg.model,
                               par.tensor_parallel, r.weight_bytes, r.in_flight)
+    # a MoE layer's dispatch buffers run in the backward while the staged buckets fill: the larger counts
     moe = moe_transient_bytes(cfg, r.weight_bytes, head)
-    peak = max(activations + staging + fresh_grad + cp_transient_bytes(cfg) + moe, reduction, gather, initial)
+    peak = max(activations + max(staging, moe) + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)
     return float(live * r.weight_bytes + peak - activations)
 
 

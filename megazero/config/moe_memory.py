@@ -99,19 +99,21 @@ def moe_layer_activation_extra(model_cfg, tokens: int, micro: int, tp: int, weig
 
 
 def moe_dispatch_bytes(model_cfg, tokens: int, micro: int, tp: int, weight_bytes: int, ep: int,
-                       dispatcher: str) -> float:
+                       dispatcher: str, gloo: bool = False) -> float:
     """The dispatch buffers a MoE layer holds while it runs, beyond what it saves (routed_rows'
     balance), less what the layer saves after its experts (the placed outputs the probabilities
     multiply, the shared expert's tensors: not yet held when the dispatch runs in the forward, freed
     before it runs in the backward). The buffers: the token copy the rows are gathered from and,
-    with expert parallelism, the rows sent with those received (alltoall), or every EP rank's rows
-    gathered and the buffer their outputs are scattered back from (allgather). Whole on every TP
-    rank, as the rows are. May be negative (then nothing beyond the saved tensors)."""
+    with expert parallelism, the rows sent with those received (alltoall), or the rows padded to the
+    longest rank's, every EP rank's rows gathered, the buffer their outputs are scattered back from
+    and the rows scattered back (allgather; on gloo also its copy of the gathered or the scattered
+    buffer, as memory_estimate counts for ZeRO's collectives). Whole on every TP rank, as the rows
+    are. May be negative (then nothing beyond the saved tensors)."""
     m, h, rows = model_cfg, model_cfg.hidden_size, routed_rows(model_cfg, tokens, micro)
     if ep == 1:
         held = tokens
     elif dispatcher == "allgather":
-        held = tokens + rows + 2 * ep * rows
+        held = tokens + 3 * rows + (3 if gloo else 2) * ep * rows
     else:
         held = tokens + 2 * rows
     per_width = 4 if m.activation == "swiglu" else 2
@@ -129,5 +131,5 @@ def moe_transient_bytes(cfg, weight_bytes: int, head_bytes: float) -> float:
         return 0.0
     tokens = m.seq_length * cfg.micro_batch_size // par.context_parallel
     dispatch = moe_dispatch_bytes(m, tokens, cfg.micro_batch_size, par.tensor_parallel, weight_bytes,
-                                  par.expert_parallel, par.moe_dispatcher)
+                                  par.expert_parallel, par.moe_dispatcher, par.distributed_backend == "gloo")
     return max(0.0, dispatch - head_bytes)

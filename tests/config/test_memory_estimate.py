@@ -1,7 +1,7 @@
 """The memory planner: each model-state category (and offloaded host/disk bytes) within 10% of the ZeRO
 engine's own memory.report() over a grid of layouts (tp, pp, dp, stage, bf16, MiCS, persistence, offload),
-the planned total within 10% of the measured peak of the processes for a few of them and for three
-mixture-of-experts layouts (ep 1, ep 2 all-to-all, ep 2 all-gather), and tools/plan_memory.py's output
+the planned total within 10% of the measured peak of the processes for a few of them and for four
+mixture-of-experts layouts (ep 1, ep 2 all-to-all, ep 4 and ep 2 all-gather), and tools/plan_memory.py's output
 and layout search."""
 import importlib.util
 import sys
@@ -56,9 +56,10 @@ def test_prediction_within_10_percent_of_measured_peak(dist_pool):
 
 def test_moe_prediction_within_10_percent_of_measured_peak(dist_pool):
     """Mixtures of experts (4 experts, top-2, a gated shared expert, 1024 tokens a microbatch): ep 1
-    ZeRO-1, ep 2 all-to-all ZeRO-2, ep 2 all-gather ZeRO-3. The routed rows, the experts'
-    intermediates and the dispatch buffers are a quarter of the peak here: planned as dense layers
-    (config/moe_memory.py's activation term left out) the three were 0.75, 0.76 and 0.71."""
+    ZeRO-1, ep 2 all-to-all ZeRO-2, ep 4 all-gather ZeRO-3, ep 2 all-gather ZeRO-2. The routed rows,
+    the experts' intermediates and the dispatch buffers are a quarter of the peak and more: planned
+    as dense layers (config/moe_memory.py's terms left out) they were 0.75, 0.75, 0.60 and 0.77 of
+    the measured peak, and without the dispatch buffers ep 4 all-gather was 0.82."""
     rows = compare_peaks(dist_pool(4), MOE_PEAK_GRID, MOE_PEAK_MODEL)
     bad = [row for row in rows if abs(row[1] - row[2]) > 0.10 * row[2]]
     assert not bad, "planned total off the measured peak by more than 10%:\n" + format_peaks(rows)
