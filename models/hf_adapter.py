@@ -36,7 +36,7 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT
-from .hf_mixtral import MIXTRAL
+from .hf_mixtral import MIXTRAL, fused_experts
 from .hf_qwen2_moe import QWEN2_MOE
 
 FORMATS = ("gpt2", "llama", "mixtral", "qwen2_moe")
@@ -361,12 +361,12 @@ def to_hf(config: GPTConfig, fmt: str, read: Callable[[str], torch.Tensor]) -> d
 
 def _canonical_hf_names(fmt: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Accepts files saved from the bare GPT2Model (no `transformer.` prefix) and drops GPT-2's
-    causal-mask buffers that older files carry."""
+    causal-mask buffers that older files carry; experts saved one by one are fused (hf_mixtral)."""
     if fmt == "gpt2" and not any(k.startswith("transformer.") for k in state):
         state = {(k if k == "lm_head.weight" else f"transformer.{k}"): v for k, v in state.items()}
     if fmt == "gpt2":
         state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    return state
+    return fused_experts(state) if fmt in MOE_FORMATS else state
 
 
 def hf_shapes(config: GPTConfig, fmt: str) -> dict[str, tuple[int, ...]]:

@@ -2,8 +2,8 @@
 Qwen2MoeForCausalLM, built from its config with random weights: a megazero MoE GPT with a gated
 shared expert, q/k/v biases and a dense layer among the sparse ones exported gives the same logits
 (fp32, 1e-5) and the same greedy continuation, and imports back bit for bit; a model transformers
-made (its sparse-step rule, no top-k renormalisation) imported gives its logits; what Qwen2-MoE cannot
-express is refused naming the option."""
+made (its sparse-step rule, no top-k renormalisation) imported gives its logits, from its fused
+expert tensors or the hub's one-by-one ones; what Qwen2-MoE cannot express is refused naming the option."""
 from __future__ import annotations
 
 import pytest
@@ -87,9 +87,21 @@ def test_transformers_model_imported_gives_its_logits():
     cfg = gpt_config({**theirs.config.to_dict(), "model_type": "qwen2_moe"})
     assert cfg.moe_layer_freq == [0, 1, 0, 0] and cfg.moe_router_pre_softmax
     model = GPT(cfg).eval()
-    model.load_state_dict(from_hf(cfg, "qwen2_moe", dict(theirs.state_dict())), strict=True)
+    fused = dict(theirs.state_dict())
+    params = from_hf(cfg, "qwen2_moe", fused)
+    model.load_state_dict(params, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS), theirs(TOKENS).logits, rtol=1e-5, atol=1e-5)
+    # the hub's files (transformers 4) keep experts one by one: mlp.experts.{j}.gate_proj/up_proj/down_proj
+    per_expert = {k: v for k, v in fused.items() if ".mlp.experts." not in k}
+    for name in [k for k in fused if k.endswith("experts.gate_up_proj")]:
+        prefix = name[:-len("gate_up_proj")]
+        for j, (both, down) in enumerate(zip(fused[name], fused[prefix + "down_proj"])):
+            gate, up = both.chunk(2)
+            per_expert.update({f"{prefix}{j}.gate_proj.weight": gate, f"{prefix}{j}.up_proj.weight": up,
+                               f"{prefix}{j}.down_proj.weight": down})
+    for name, value in from_hf(cfg, "qwen2_moe", per_expert).items():
+        assert torch.equal(value, params[name]), name
 
 
 @pytest.mark.parametrize("extra, words", [
