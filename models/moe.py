@@ -258,7 +258,8 @@ class MoELayer(nn.Module):
     """The MoE block in a transformer layer's MLP place: forward(x (b, s, h)) -> (b, s, h)."""
 
     def __init__(self, config: GPTConfig, shared_experts: nn.Module | None = None):
-        """`shared_experts`: the MLP every token also goes through (gpt.py builds the dense MLP at
+        """`shared_experts`: the MLP every token also goes through (gpt.py builds the dense MLP, gated by
+        sigmoid(x . w) with --moe-shared-expert-gate, at
         --moe-shared-expert-intermediate-size), or None."""
         super().__init__()
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk

@@ -38,7 +38,7 @@ ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention
                        "num_query_groups", "kv_channels", "ffn_hidden_size", "position_embedding",
                        "activation", "gelu_approximate", "normalization", "norm_epsilon",
                        "apply_layernorm_1p", "rotary_base", "rotary_percent", "tie_embeddings",
-                       "add_bias_linear")
+                       "add_bias_linear", "add_qkv_bias")
 
 
 def resolve(path: str | Path) -> Path:

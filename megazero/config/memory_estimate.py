@@ -43,6 +43,8 @@ memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when t
 and the output weight's fp32 gradient twice over (the sum, and one chunk's product added to it); when
 the whole head is one chunk, the forward keeps that chunk (exp(logits - max)) for the backward, once
 per microbatch in flight.
+Mixtures of experts: config/moe_memory.py's terms (their saved tensors per MoE layer, their dispatch
+buffers, which run inside a layer and count as far as they exceed the output layer's buffers).
 Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
 (`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
 transient blocks (`cp_transient_bytes`).
@@ -57,7 +59,8 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
-from megazero.config.moe_memory import dense_layer_config, moe_layer_extra, stage_moe_layers
+from megazero.config.moe_memory import (dense_layer_config, moe_layer_activation_extra, moe_layer_extra,
+                                        moe_layer_persistent_extra, moe_transient_bytes, stage_moe_layers)
 from megazero.models.loss import chunk_tokens_for, keeps_softmax
 from megazero.zero.offload import resident_sub_groups
 
@@ -117,17 +120,22 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
 
 
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
-                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p") -> float:
+                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
+                     ep: int = 1) -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
 
     Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
     full set while it is recomputed; selective recomputation saves the attention scores, which only
     the written-out attention (--attention-backend local/unfused) keeps. Context parallelism keeps
-    seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`)."""
+    seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`). MoE layers add
+    config/moe_memory.py's term, spread over the stage's layers in their proportion."""
     m = model_cfg
     tokens, hidden = seq * micro // cp, m.hidden_size
     full_layer = layer_activation_units(m) * tokens * hidden * weight_bytes / 2 / tp
     full_layer += cp_saved_per_layer(seq, micro, m, tp, cp, cp_comm_type, weight_bytes)
+    if m.num_experts:
+        moe = stage_moe_layers(m, range(layers)) / layers
+        full_layer += moe * moe_layer_activation_extra(m, tokens, micro, tp, weight_bytes, ep)
     written_out = m.attention_backend in ("local", "unfused") and not (cp > 1 and cp_comm_type == "p2p")
     if written_out and m.recompute_granularity != "selective":
         # every rank's queries (or, Ulysses, heads) over the whole sequence: 1/cp of the scores
@@ -260,8 +268,9 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     if cfg.zero.stage == 3:
         p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
         p_tied = tied_copy if tied_copy // tp <= cfg.zero.param_persistence_threshold else 0
-        persistent = (p_embedding + layers_per_stage * p_layer + (p_head if pp == 1 else 0) if first >= last
-                      else layers_per_stage * p_layer + p_head + p_tied)
+        p_moe = moe_layer_persistent_extra(model, tp, cfg.zero.param_persistence_threshold)
+        persistent = (p_embedding + layers_per_stage * p_layer + moe_first * p_moe + (p_head if pp == 1 else 0)
+                      if first >= last else layers_per_stage * p_layer + moe_last * p_moe + p_head + p_tied)
     microbatches = cfg.num_microbatches(dp)
     return RankLayout(
         parameters=embedding + model.num_layers * layer + head
@@ -282,7 +291,7 @@ def _activations(cfg: TrainConfig, r: RankLayout) -> float:
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     return activation_bytes(m.seq_length, cfg.micro_batch_size, m, r.layers_per_stage,
                             par.tensor_parallel, r.in_flight, r.weight_bytes, chunks,
-                            par.context_parallel, par.cp_comm_type)
+                            par.context_parallel, par.cp_comm_type, par.expert_parallel)
 
 
 def largest_param(model_cfg, tp: int) -> int:
@@ -327,7 +336,11 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> fl
     if z.stage >= 2:        # reduced after every microbatch, while a pipeline holds the others'
         reduction += activations * (r.in_flight - 1) / r.in_flight
     initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
-    peak = max(activations + staging + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)
+    head = output_layer_bytes(cfg.model.seq_length * cfg.micro_batch_size // par.context_parallel, cfg.model,
+                              par.tensor_parallel, r.weight_bytes, r.in_flight)
+    # a MoE layer's dispatch buffers run in the backward while the staged buckets fill: the larger counts
+    moe = moe_transient_bytes(cfg, r.weight_bytes, head)
+    peak = max(activations + max(staging, moe) + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)
     return float(live * r.weight_bytes + peak - activations)
 
 

@@ -42,6 +42,8 @@ def add_moe_flags(g, add) -> None:
         help="which tokens over capacity drop: the lowest probabilities or the latest positions")
     add(g, "--moe-shared-expert-intermediate-size", type=int, default=0,
         help="width of the shared expert every token also goes through; 0: none")
+    add(g, "--moe-shared-expert-gate", action="store_true",
+        help="scale the shared expert's output by sigmoid(x . w), a learned (1, hidden) gate per layer")
     add(g, "--moe-layer-freq", default="1",
         help="every N-th layer MoE (from layer 0), or a Python list of 0/1 per layer, e.g. ([1]*3+[0])*2")
     add(g, "--moe-grouped-gemm", action="store_true",
@@ -104,6 +106,7 @@ def moe_fields(args) -> dict:
     if not args.num_experts:
         given = [f"--{n.replace('_', '-')}" for n in ("moe_router_topk", "moe_aux_loss_coeff",
                                                        "moe_expert_capacity_factor") if merged[n] is not None]
+        given += ["--moe-shared-expert-gate"] if args.moe_shared_expert_gate else []
         if given or (merged["expert_model_parallel_size"] or 1) > 1:
             flag = given[0] if given else "--expert-model-parallel-size"
             raise UsageError(f"{flag} needs --num-experts N (a mixture of experts); add it or remove {flag}")
@@ -123,6 +126,7 @@ def moe_fields(args) -> dict:
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_layer_freq=layer_freq(args.moe_layer_freq), moe_grouped_gemm=args.moe_grouped_gemm)
 
 

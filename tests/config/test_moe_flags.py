@@ -17,12 +17,14 @@ def test_megatron_flags_reach_the_model_and_the_layout():
     cfg = _config("--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 96 --moe-aux-loss-coeff 0.01 "
                   "--moe-z-loss-coeff 0.001 --moe-router-score-function sigmoid --moe-router-enable-expert-bias "
                   "--moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --moe-layer-freq ([1]*1+[0]*1)*2 "
-                  "--moe-shared-expert-intermediate-size 64 --moe-grouped-gemm --expert-model-parallel-size 4 "
+                  "--moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate --moe-grouped-gemm "
+                  "--expert-model-parallel-size 4 --add-qkv-bias --disable-bias-linear "
                   "--moe-token-dispatcher-type allgather")
     m = cfg.model
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq) == (8, 2, 96, [1, 0, 1, 0])
     assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_router_topk_scaling_factor) == (0.01, 0.001, 2.5)
     assert m.moe_router_enable_expert_bias and m.moe_grouped_gemm and m.moe_router_dtype == "fp32"
+    assert m.moe_shared_expert_gate and m.add_qkv_bias and not m.add_bias_linear
     assert (cfg.parallel.expert_parallel, cfg.parallel.moe_dispatcher) == (4, "allgather")
 
 
@@ -41,6 +43,8 @@ def test_megatron_deepspeed_aliases():
     ("--num-experts 4 --topk 3 --moe-router-topk 2", "--topk 3 contradicts --moe-router-topk 2"),
     ("--expert-model-parallel-size 2", "--expert-model-parallel-size needs --num-experts N"),
     ("--moe-router-topk 2", "--moe-router-topk needs --num-experts N"),
+    ("--moe-shared-expert-gate", "--moe-shared-expert-gate needs --num-experts N"),
+    ("--num-experts 4 --moe-shared-expert-gate", "it needs --moe-shared-expert-intermediate-size N"),
     ("--num-experts 4 --moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor"),
     ("--num-experts 4 --moe-router-pre-softmax --moe-router-score-function sigmoid", "--moe-router-pre-softmax"),
     ("--num-experts 4 --moe-layer-freq [1,0]", "one 0 (dense) or 1 (MoE) per layer: 4 entries"),

@@ -1,7 +1,7 @@
 """Expert parallelism (parallel/moe.py) and ZeRO over experts (zero/experts.py) against one process.
 
 A 2-layer GPT whose both layers are mixtures of 4 experts (top-2, aux loss and z-loss on, a shared
-expert), 10 steps with accumulation and clipping: each layout's loss curve, gradient norms, aux and
+expert with its sigmoid gate), 10 steps with accumulation and clipping: each layout's loss curve, gradient norms, aux and
 z losses per step, and final parameters (experts gathered from their expert-parallel ranks) match
 the single-process run (fp32, rtol 1e-5): ep 2, ep 4, the all-gather dispatcher, ep 2 with ZeRO-1/2/3
 (and ZeRO-3 with the optimizer offloaded), ep 2 x tp 2 (sequence parallel), ep 2 x pp 2 (1F1B and
@@ -29,7 +29,8 @@ from megazero.parallel.moe import ExpertShard
 # Adam turns into noise of the order of lr) differs from the one process's by ~1.7 relative in cp 2
 # and sequence-parallel layouts with or without experts, over the per-tensor bound for qkv.bias.
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01,
-           moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=16, add_bias_linear=False)
+           moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+           add_bias_linear=False)
 SMALL = dict(steps=10, layers=2, global_batch=8, model_extra=MOE)
 
 
