@@ -61,7 +61,7 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
         # stage 0 keeps whole copies on the data-parallel ranks (experts: the expert-data-parallel ones)
         experts = engine.expert_groups is not None and engine.is_expert_storage(storage)
         copy_index = (groups.edp.rank if experts else groups.dp.rank) if storage.shard is None else \
-            engine.groups.replica.rank
+            (engine.expert_groups if experts else engine.groups).replica.rank
         if copy_index != 0:
             continue
         for param, offset, length in storage.local_pieces():

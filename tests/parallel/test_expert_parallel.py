@@ -45,7 +45,7 @@ def assemble(results) -> dict[str, torch.Tensor]:
             if isinstance(shard, ExpertShard):
                 if r["edp_rank"] == 0:
                     pieces.setdefault(name, {})[(shard.ep_rank, tp)] = (value, shard)
-            elif dp == 0 and r["ep_rank"] == 0:
+            elif dp == 0 and r["cp_rank"] == 0:
                 pieces.setdefault(name, {})[(0, tp)] = (value, shard)
     full = {}
     for name, parts in pieces.items():
@@ -114,6 +114,23 @@ def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
             for kind in ("params", "grads", "master", "optimizer_states"):
                 assert all(r["memory"][kind] == round(plan[kind]) for r in result), (what, kind, plan[kind])
     check(results[-1], single_process_reference(**INTERLEAVED), "ep 2 pp 2 interleaved zero 2")
+
+
+# Whole experts (expert tensor-parallel size 1): the EP groups span the TP ranks
+WHOLE_EXPERTS = [
+    ("tp 2 ep 2 etp 1", 1, dict(tp=2, ep=2, etp=1)),
+    ("tp 2 ep 2 etp 1 sequence parallel", 1, dict(tp=2, ep=2, etp=1, sequence_parallel=True)),
+    ("tp 2 ep 4 etp 1 dp 2 zero 1", 2, dict(tp=2, ep=4, etp=1, stage=1)),
+    ("tp 2 ep 4 etp 1 dp 2 zero 3 sequence parallel", 2, dict(tp=2, ep=4, etp=1, stage=3, sequence_parallel=True)),
+    ("tp 2 ep 2 etp 1 dp 2 zero 3", 2, dict(tp=2, ep=2, etp=1, stage=3)),
+    ("tp 2 ep 1 etp 1 dp 2 zero 2", 2, dict(tp=2, ep=1, etp=1, stage=2)),
+]
+
+
+def test_whole_experts_under_tensor_parallelism_match_single_process(dist_pool, reference):
+    layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in WHOLE_EXPERTS]
+    for (what, _, _), result in zip(WHOLE_EXPERTS, per_layout(dist_pool(4).run(run_layouts, layouts))):
+        check(result, reference, what)
 
 
 def test_tp_pp_ep_zero3_on_8_ranks_matches_single_process(dist_pool, reference):
