@@ -133,9 +133,29 @@ def test_whole_experts_under_tensor_parallelism_match_single_process(dist_pool, 
         check(result, reference, what)
 
 
+# MiCS: dense states shard over the MiCS shard group, expert states over the edp ranks inside it
+MICS_4 = [
+    ("ep 2 zero 3 mics 2 (experts replicated over edp)", 4, dict(ep=2, stage=3, mics=2)),
+    ("ep 4 zero 3 mics 2", 4, dict(ep=4, stage=3, mics=2)),
+]
+
+
+def test_mics_with_expert_parallelism_matches_single_process(dist_pool, reference):
+    layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in MICS_4]
+    for (what, _, _), result in zip(MICS_4, per_layout(dist_pool(4).run(run_layouts, layouts))):
+        check(result, reference, what)
+
+
 def test_tp_pp_ep_zero3_on_8_ranks_matches_single_process(dist_pool, reference):
-    cfg = small_config(**SMALL, ep=2, tp=2, pp=2, stage=3, sequence_parallel=True)
-    check(dist_pool(8).run(layout_worker, cfg, 2), reference, "tp 2 x pp 2 x ep 2 zero 3")
+    """Also on 8 ranks: MiCS shard groups of 4 of the dp x cp ranks at ep 2, so the expert states
+    shard over 2 expert-data-parallel ranks and replicate over the other 2."""
+    layouts = [(small_config(**SMALL, ep=2, tp=2, pp=2, stage=3, sequence_parallel=True), 2),
+               (small_config(**SMALL, ep=2, cp=2, stage=3, mics=4), 4)]
+    eight, mics = per_layout(dist_pool(8).run(run_layouts, layouts))
+    check(eight, reference, "tp 2 x pp 2 x ep 2 zero 3")
+    check(mics, reference, "ep 2 x cp 2 x dp 4 zero 3 mics 4")
+    # the expert gradients' shards were summed over the expert replicas, not the dense ones
+    assert all(any(kind == "expert_replica" and n > 0 for (_, kind, _), n in r["comm"].items()) for r in mics)
 
 
 def _skew_first_ep_group(state):
