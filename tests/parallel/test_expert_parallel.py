@@ -21,7 +21,8 @@ import torch
 from tests.layouts import (assert_close, assert_params_match, last_stage_result, layout_worker, per_layout,
                            run_layouts, single_process_reference, small_config, strip_padding, with_padded_vocab,
                            VOCAB)
-from megazero.config.memory_estimate import plan_bytes
+from megazero.config.memory_estimate import plan_bytes, rank_layout
+from megazero.parallel.topology import Topology
 from megazero.moe_stats import moe_layers
 from megazero.parallel.moe import ExpertShard
 
@@ -110,9 +111,7 @@ def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
     for (what, dp, config), result in zip(LAYOUTS_4, results):
         check(result, reference, what)
         if what in ("ep 2 zero 1", "ep 2 zero 2", "ep 2 zero 3"):        # the planner's model states, experts over edp
-            plan = plan_bytes(with_padded_vocab(small_config(**SMALL, **config)), dp)
-            for kind in ("params", "grads", "master", "optimizer_states"):
-                assert all(r["memory"][kind] == round(plan[kind]) for r in result), (what, kind, plan[kind])
+            _check_plan(result, config, dp, what)
     check(results[-1], single_process_reference(**INTERLEAVED), "ep 2 pp 2 interleaved zero 2")
 
 
@@ -129,8 +128,30 @@ WHOLE_EXPERTS = [
 
 def test_whole_experts_under_tensor_parallelism_match_single_process(dist_pool, reference):
     layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in WHOLE_EXPERTS]
-    for (what, _, _), result in zip(WHOLE_EXPERTS, per_layout(dist_pool(4).run(run_layouts, layouts))):
+    for (what, dp, config), result in zip(WHOLE_EXPERTS, per_layout(dist_pool(4).run(run_layouts, layouts))):
         check(result, reference, what)
+        _check_plan(result, config, dp, what)
+
+
+def _check_plan(result, config, dp, what):
+    """The planner's model-state bytes equal the engine's report on every rank; under TP (where the
+    planner splits the TP-replicated weights too) its expert counts equal the rank's experts and
+    their ZeRO partitions."""
+    cfg = with_padded_vocab(small_config(**SMALL, **config))
+    par = cfg.parallel
+    world = par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp
+    if par.tensor_parallel > 1:
+        layout = rank_layout(cfg, world)
+        topo = Topology(world_size=world, tp=par.tensor_parallel, ep=par.expert_parallel,
+                        etp=par.expert_tensor_parallel, mics_shard_size=cfg.zero.mics_shard_size)
+        for r in filter(None, result):
+            experts = sum(v.numel() for name, (v, _) in r["params"].items() if ".mlp.experts." in name)
+            assert layout.expert_parameters == experts, (what, layout.expert_parameters, experts)
+        assert layout.expert_shards == topo.expert_shard_size, (what, layout.expert_shards)
+        return
+    plan = plan_bytes(cfg, world)
+    for kind in ("params", "grads", "master", "optimizer_states"):
+        assert all(r["memory"][kind] == round(plan[kind]) for r in result if r is not None), (what, kind, plan[kind])
 
 
 # MiCS: dense states shard over the MiCS shard group, expert states over the edp ranks inside it
@@ -142,8 +163,9 @@ MICS_4 = [
 
 def test_mics_with_expert_parallelism_matches_single_process(dist_pool, reference):
     layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in MICS_4]
-    for (what, _, _), result in zip(MICS_4, per_layout(dist_pool(4).run(run_layouts, layouts))):
+    for (what, dp, config), result in zip(MICS_4, per_layout(dist_pool(4).run(run_layouts, layouts))):
         check(result, reference, what)
+        _check_plan(result, config, dp, what)
 
 
 def test_tp_pp_ep_zero3_on_8_ranks_matches_single_process(dist_pool, reference):
