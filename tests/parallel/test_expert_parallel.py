@@ -12,6 +12,10 @@ ep 2 ZeRO-3 on 8 ranks. At ep 2 with ZeRO-1/2/3 the memory planner's model-state
 engine's report (experts 1/ep per rank, their states over the expert-data-parallel ranks). The
 skewed-routing check: every token of one rank goes to one expert (the
 others get no rows there), under ZeRO-3 at ep 2; it must finish (no hang) and match one process.
+Whole experts (expert tensor-parallel size 1, the EP groups spanning TP ranks): tp 2 x ep 2 with and
+without sequence parallelism, tp 2 x ep 4 x dp 2 ZeRO-1 and ZeRO-3 (SP), tp 2 x ep 1 x dp 2 ZeRO-2;
+MiCS with experts at ZeRO-3: ep 2 and ep 4 with shard groups of 2, ep 2 x cp 2 x dp 4 with groups of
+4 (expert states over 2 edp ranks); the planner's expert counts for each.
 """
 from __future__ import annotations
 
@@ -121,7 +125,6 @@ WHOLE_EXPERTS = [
     ("tp 2 ep 2 etp 1 sequence parallel", 1, dict(tp=2, ep=2, etp=1, sequence_parallel=True)),
     ("tp 2 ep 4 etp 1 dp 2 zero 1", 2, dict(tp=2, ep=4, etp=1, stage=1)),
     ("tp 2 ep 4 etp 1 dp 2 zero 3 sequence parallel", 2, dict(tp=2, ep=4, etp=1, stage=3, sequence_parallel=True)),
-    ("tp 2 ep 2 etp 1 dp 2 zero 3", 2, dict(tp=2, ep=2, etp=1, stage=3)),
     ("tp 2 ep 1 etp 1 dp 2 zero 2", 2, dict(tp=2, ep=1, etp=1, stage=2)),
 ]
 
