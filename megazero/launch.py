@@ -233,8 +233,8 @@ def topology_of(cfg, world: int):
     from megazero.parallel.topology import Topology
     par = cfg.parallel
     return Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                    cp=par.context_parallel, ep=par.expert_parallel, mics_shard_size=cfg.zero.mics_shard_size,
-                    ranks_per_node=par.ranks_per_node,
+                    cp=par.context_parallel, ep=par.expert_parallel, etp=par.expert_tensor_parallel,
+                    mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
                     hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
 
 

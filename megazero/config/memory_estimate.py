@@ -264,6 +264,12 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     moe_last = stage_moe_layers(model, range(model.num_layers - layers_per_stage, model.num_layers))
     first, last = first + moe_first * extra, last + moe_last * extra
     ep = par.expert_parallel
+    # whole experts (etp 1 under tp): not split over tp, their groups cut from tp x dp x cp ranks
+    expert_tp = 1 if par.expert_tensor_parallel == 1 else tp
+    mics = cfg.zero.mics_shard_size
+    expert_shards = (tp // expert_tp) * dp * cp // ep
+    if 0 < mics < dp * cp:           # MiCS: the edp ranks inside a shard group
+        expert_shards = mics // ep if mics % ep == 0 else 1
     persistent = 0
     if cfg.zero.stage == 3:
         p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
@@ -275,8 +281,8 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     return RankLayout(
         parameters=embedding + model.num_layers * layer + head
         + stage_moe_layers(model, range(model.num_layers)) * (extra + experts),
-        expert_parameters=math.ceil(max(moe_first if first >= last else moe_last, 0) * experts / ep / tp),
-        expert_shards=max(dp * cp // ep, 1),
+        expert_parameters=math.ceil(max(moe_first if first >= last else moe_last, 0) * experts / ep / expert_tp),
+        expert_shards=max(expert_shards, 1),
         rank_parameters=math.ceil(max(first, last) / tp),
         persistent_parameters=math.ceil(persistent / tp),
         weight_bytes=2 if prec.bf16 or prec.fp16 else 4,

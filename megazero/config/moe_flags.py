@@ -51,9 +51,11 @@ def add_moe_flags(g, add) -> None:
     add(g, "--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
         help="how tokens reach the experts over the expert-parallel group")
     add(g, "--expert-model-parallel-size", type=int, default=None,
-        help="ranks the experts are split over, out of the data-parallel x context-parallel ranks", shown=1)
+        help="ranks the experts are split over, out of the data-parallel x context-parallel ranks "
+             "(x the tensor-parallel ranks with --expert-tensor-parallel-size 1)", shown=1)
     add(g, "--expert-tensor-parallel-size", type=int, default=None,
-        help="tensor-parallel ranks of each expert: the tensor-parallel size", shown="tp")
+        help="tensor-parallel ranks of each expert: the tensor-parallel size, or 1 (whole experts; "
+             "the expert groups then span the tensor-parallel ranks too)", shown="tp")
     # Megatron-DeepSpeed's names (ALIASES)
     add(g, "--moe-expert-parallel-size", type=int, default=None,
         help="Megatron-DeepSpeed's --expert-model-parallel-size", shown="off")

@@ -49,14 +49,47 @@ def test_megatron_deepspeed_aliases():
     ("--num-experts 4 --moe-router-pre-softmax --moe-router-score-function sigmoid", "--moe-router-pre-softmax"),
     ("--num-experts 4 --moe-layer-freq [1,0]", "one 0 (dense) or 1 (MoE) per layer: 4 entries"),
     ("--num-experts 4 --moe-layer-freq __import__('os')", "--moe-layer-freq"),
-    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1",
-     "--expert-tensor-parallel-size 1 must equal --tensor-model-parallel-size 2"),
+    ("--num-experts 4 --tensor-model-parallel-size 4 --expert-tensor-parallel-size 2",
+     "--expert-tensor-parallel-size 2 must be 1 or --tensor-model-parallel-size 4"),
+    ("--num-experts 8 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --expert-model-parallel-size 8",
+     "--expert-model-parallel-size 8 must divide tensor-parallel x data-parallel x context-parallel size 4"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --moe-expert-capacity-factor 1",
+     "--expert-tensor-parallel-size 1 splits each sequence's tokens over the tensor-parallel ranks"),
+    ("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --seq-length 15 "
+     "--max-position-embeddings 16", "--seq-length 15 / cp 1 must be divisible by --tensor-model-parallel-size 2"),
     ("--num-experts 4 --moe-expert-capacity-factor 1 --context-parallel-size 2 --attention-dropout 0",
      "--moe-expert-capacity-factor counts each sequence's tokens"),
-    ("--num-experts 4 --moe-router-score-function sigmoid --moe-router-enable-expert-bias --load ckpt",
-     "--load with --moe-router-enable-expert-bias is not supported yet"),
 ])
 def test_bad_combinations_are_one_line(line, words):
     with pytest.raises(UsageError) as err:
         _config(line)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_whole_experts_fold_the_tensor_parallel_ranks():
+    cfg = _config("--num-experts 4 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 "
+                  "--expert-model-parallel-size 4")
+    assert (cfg.parallel.expert_tensor_parallel, cfg.parallel.expert_parallel) == (1, 4)
+    assert _config("--num-experts 4 --tensor-model-parallel-size 2").parallel.expert_tensor_parallel == 2
+
+
+@pytest.mark.parametrize("line, mics, words", [
+    ("--expert-model-parallel-size 2", 4, None),
+    ("--expert-model-parallel-size 4", 2, None),
+    ("--expert-model-parallel-size 3 --num-experts 6", 4,
+     "mics_shard_size 4 and --expert-model-parallel-size 3: one must divide the other"),
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --expert-model-parallel-size 2", 2,
+     "MiCS shard groups (mics_shard_size) with --expert-tensor-parallel-size 1"),
+])
+def test_mics_with_expert_parallelism(tmp_path, line, mics, words):
+    path = tmp_path / "zero.json"
+    path.write_text(f'{{"zero_optimization": {{"stage": 3, "mics_shard_size": {mics}}}}}')
+    world = 12 if "size 3" in line else 8
+    line = f"--num-experts 4 {line} --zero-config {path}" if "--num-experts" not in line else \
+        f"{line} --zero-config {path}"
+    if words is None:
+        assert _config(line, world).parallel.expert_parallel > 1
+        return
+    with pytest.raises(UsageError) as err:
+        _config(line, world)
     assert words in str(err.value) and "\n" not in str(err.value)
