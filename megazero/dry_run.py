@@ -28,6 +28,7 @@ import torch
 
 from megazero.core import host_read
 from megazero.core.comm import CommLog
+from megazero.dry_run_attention import gpu_attention
 from megazero.dry_run_device import DeviceStandIn
 
 DEFAULT_RANKS_PER_NODE = 8     # a GPU node's ranks, for the intra/inter-node split of the groups
@@ -154,7 +155,7 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None):
     device = DeviceStandIn()
     try:
         with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
-                device, device.phase_hooks(reads), contextlib.redirect_stdout(io.StringIO()):
+                device, device.phase_hooks(reads), device.keeping_activations(), gpu_attention(), contextlib.redirect_stdout(io.StringIO()):
             # (each rank's log lines are not the report's)
             run = run_rank(argv, world, rank, torch.device("meta"), GroupFactory(rank), local_world, cuda=True)
         run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}

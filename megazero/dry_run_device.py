@@ -37,6 +37,11 @@ OWNERS = ("model states", "activations", "backward", "communication", "workspace
 _COMM_FILES = ("/core/comm.py", "/zero/quantized_comm.py", "/zero/stage3/param_gather.py")
 
 
+def meta_value(config, name: str, full_shape, seed: int) -> torch.Tensor:
+    """models.gpt.initial_value's shape and dtype without its values (no draw on the host)."""
+    return torch.empty(tuple(full_shape), dtype=torch.float32, device="meta")
+
+
 def rounded(nbytes: int) -> int:
     return max(BLOCK, -(-nbytes // BLOCK) * BLOCK) if nbytes else 0
 
@@ -68,7 +73,8 @@ class DeviceStandIn(TorchDispatchMode):
         self.live = dict.fromkeys(OWNERS, 0)
         self.peak, self.peak_by_owner = 0, dict(self.live)
         self.phases: dict[str, dict] = {}
-        self._held: set[int] = set()
+        self._held: dict[int, list] = {}      # storage id -> [owner, bytes], while it lives
+        self._host_values: set[int] = set()   # storages of initial values: host data on a GPU
         self.read_marks: list[tuple[int, int]] = []
         self.counting = True           # off while the model chunks are built on meta (as on a GPU)
         self.in_setup = True           # until the first step: the model and ZeRO's storages
@@ -81,7 +87,7 @@ class DeviceStandIn(TorchDispatchMode):
         `reads` (host_read's open recording): each step's (first, end) positions in it go to `read_marks`."""
         import contextlib
         from unittest import mock
-        from megazero import training
+        from megazero import model_builder, training
         from megazero.zero.engine import ZeroEngine
         real_step, real_engine_step = training.train_step, ZeroEngine.step
 
@@ -109,7 +115,29 @@ class DeviceStandIn(TorchDispatchMode):
                 return real_build(*args, **kwargs)
             finally:
                 self.counting = True
+        real_init_fn = training.make_init_fn
+
+        def make_init_fn(*args, **kwargs):
+            # A GPU job draws each parameter's initial value on the host, one full tensor at a time,
+            # and copies this rank's piece to the device. Values do not matter here, and drawing a
+            # 70B model's full tensors on this CPU takes minutes: the value is a meta tensor of its
+            # shape, made and cut with counting off (host memory on a GPU) and marked as host data,
+            # so that its copies into host buffers (offloaded master weights) are no device reads.
+            real = real_init_fn(*args, **kwargs)
+
+            def init(name, param):
+                self.counting = False
+                try:
+                    with mock.patch.object(model_builder, "initial_value", meta_value):
+                        value = real(name, param)
+                finally:
+                    self.counting = True
+                self._host_values.add(id(value.untyped_storage()))
+                weakref.finalize(value.untyped_storage(), self._host_values.discard, id(value.untyped_storage()))
+                return value
+            return init
         stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(training, "make_init_fn", make_init_fn))
         stack.enter_context(mock.patch.object(training, "build_model_chunks", build_model_chunks))
         stack.enter_context(mock.patch.object(training, "train_step", train_step))
         stack.enter_context(mock.patch.object(ZeroEngine, "step", engine_step))
@@ -142,23 +170,39 @@ class DeviceStandIn(TorchDispatchMode):
             if owner == "backward" and not self.backward_started:
                 self.backward_started = True
                 self.snapshot("forward")
-            self._held.add(key)
+            self._held[key] = [owner, size]
             self.allocations += 1
             self.live[owner] += size
-            weakref.finalize(storage, self._free, key, owner, size)
+            weakref.finalize(storage, self._free, key)
             total = sum(self.live.values())
             if total > self.peak:
                 self.peak, self.peak_by_owner = total, dict(self.live)
 
-    def _free(self, key: int, owner: str, size: int) -> None:
-        self._held.discard(key)
+    def _free(self, key: int) -> None:
+        owner, size = self._held.pop(key)
         self.live[owner] -= size
+
+    def saved(self, t):
+        """autograd's pack hook: a tensor kept for the backward is an activation, whatever made it
+        (a custom Function's forward runs with autograd off: its outputs were counted as workspace)."""
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            held = self._held.get(id(t.untyped_storage()))
+            if held is not None and held[0] == "workspace":
+                self.live["workspace"] -= held[1]
+                self.live["activations"] += held[1]
+                held[0] = "activations"
+        return t
+
+    def keeping_activations(self):
+        """A context in which every tensor autograd saves for the backward goes through `saved`."""
+        return torch.autograd.graph.saved_tensors_hooks(self.saved, lambda t: t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = getattr(func, "overloadpacket", None)
         if packet is aten.copy_ and _is(args[0], "cpu") and _is(args[1], "meta"):
-            self._count(args[1])
+            if id(args[1].untyped_storage()) not in self._host_values:
+                self._count(args[1])
             return args[0]
         if packet is aten._to_copy and _is(args[0], "meta") and str(kwargs.get("device", "meta")) == "cpu":
             self._count(args[0])

@@ -1,0 +1,55 @@
+"""The dry run's memory model: attention as the GPU's kernel allocates it, activations by what
+autograd keeps, the caching allocator's segments, and the planner against the dry run."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megazero.dry_run_attention import gpu_attention, kernel_for
+from megazero.dry_run_device import DeviceStandIn
+from megazero.models.attention import core_attention
+
+
+def _attention_memory(dtype, groups: int, patched: bool):
+    """(peak bytes, bytes kept for the backward) of one causal attention's forward on meta."""
+    b, s, heads, d = 1, 2048, 8, 64
+    with DeviceStandIn() as device, device.keeping_activations(), (gpu_attention() if patched else contextlib.nullcontext()):
+        q = torch.empty(b, s, heads, d, device="meta", dtype=dtype, requires_grad=True)
+        k = torch.empty(b, s, groups, d, device="meta", dtype=dtype, requires_grad=True)
+        v = torch.empty(b, s, groups, d, device="meta", dtype=dtype, requires_grad=True)
+        device.in_setup = False        # q, k, v count as model states: what follows is attention's
+        base = sum(device.live.values())
+        with torch.enable_grad():
+            out = core_attention(q, k, v)
+        kept = device.live["activations"]
+        out.sum().backward()
+    return device.peak - base, kept, out
+
+
+def test_attention_on_meta_keeps_what_the_flash_kernel_keeps():
+    b, s, heads, d = 1, 2048, 8, 64
+    peak, kept, out = _attention_memory(torch.bfloat16, 2, patched=True)
+    assert out.shape == (b, s, heads * d) and out.dtype == torch.bfloat16
+    # flash-attention's forward returns the output (b, h, s, d) in 16 bits and the log-sum-exp
+    # (b, h, s) in fp32 (torch's _scaled_dot_product_flash_attention), and its two 8-byte philox
+    # seed and offset, one 512-byte block each: nothing sequence-squared.
+    assert kept == b * heads * s * d * 2 + b * heads * s * 4 + 2 * 512
+    assert peak < b * heads * s * s          # not even one byte per score
+    # The math path (what meta picks by itself) keeps the fp32 probabilities.
+    math_peak, math_kept, _ = _attention_memory(torch.bfloat16, 2, patched=False)
+    assert math_kept >= b * heads * s * s * 4 and math_peak > 4 * peak
+
+
+def test_kernel_choice_follows_cudas_rules():
+    def t(dtype, heads, d=64):
+        return torch.empty(1, heads, 16, d, device="meta", dtype=dtype)
+    assert kernel_for(t(torch.bfloat16, 8), t(torch.bfloat16, 2), None, True) == "flash"
+    assert kernel_for(t(torch.bfloat16, 8, 512), t(torch.bfloat16, 8, 512), None, False) == "efficient"
+    assert kernel_for(t(torch.float32, 8), t(torch.float32, 8), None, False) == "efficient"
+    assert kernel_for(t(torch.float32, 8), t(torch.float32, 2), None, True) == "math"
+    mask = torch.empty(16, 16, device="meta", dtype=torch.bool)
+    assert kernel_for(t(torch.bfloat16, 8), t(torch.bfloat16, 8), mask, False) == "efficient"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert kernel_for(t(torch.bfloat16, 8), t(torch.bfloat16, 8), None, False) == "efficient"
