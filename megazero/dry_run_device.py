@@ -8,14 +8,16 @@ Every such copy is counted (`d2h_copies`, `d2h_bytes`): host traffic the step pa
 
 It also keeps the device's memory as CUDA's caching allocator would hand it out: every meta storage
 an op creates is one allocation, rounded up to the allocator's 512-byte blocks, held until torch
-frees the storage (a finalizer on it: storages keep one Python object for their lifetime). Each
-allocation gets an owner from what allocated it: the collectives' buffers (`communication`: made
-inside megazero's comm layer, the stage-3 gathers, the quantized collectives), autograd's backward
-(`backward`: gradients of activations and weight gradients before ZeRO takes them), the forward
-of the model (`activations`), ZeRO's storages (`model states`: parameters, gradients, master
-weights, optimizer states) and the rest (`workspace`). `snapshot(phase)` notes the live bytes by
-owner and the peak so far; the peak's own breakdown is kept as well. Reserved memory (the
-allocator's 2 MiB and larger segments, fragmentation) is not modelled: these are allocated bytes.
+frees the storage (a finalizer on it: storages keep one Python object for their lifetime), and
+placed in the allocator's segments by `megazero.dry_run_allocator` (reserved beside allocated).
+Each allocation gets an owner from what allocated it: the collectives' buffers (`communication`:
+made inside megazero's comm layer, the stage-3 gathers, the quantized collectives), autograd's
+backward (`backward`: gradients of activations and weight gradients before ZeRO takes them), the
+forward of the model (`activations`; and whatever autograd saves for the backward: `saved`, its
+pack hook), ZeRO's storages (`model states`: parameters, gradients, master weights, optimizer
+states) and the rest (`workspace`). Host storages (offloaded optimizer states, host staging) are
+kept the same way, in plain bytes. `snapshot(phase)` notes the live bytes by owner and the peak so
+far; the peak's own breakdown is kept as well.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megazero.dry_run_allocator import CachingAllocator, rounded
+
 aten = torch.ops.aten
 
 
@@ -32,7 +36,6 @@ def _is(t, kind: str) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == kind
 
 
-BLOCK = 512     # the CUDA caching allocator's rounding (kMinBlockSize)
 OWNERS = ("model states", "activations", "backward", "communication", "workspace")
 _COMM_FILES = ("/core/comm.py", "/zero/quantized_comm.py", "/zero/stage3/param_gather.py")
 
@@ -40,10 +43,6 @@ _COMM_FILES = ("/core/comm.py", "/zero/quantized_comm.py", "/zero/stage3/param_g
 def meta_value(config, name: str, full_shape, seed: int) -> torch.Tensor:
     """models.gpt.initial_value's shape and dtype without its values (no draw on the host)."""
     return torch.empty(tuple(full_shape), dtype=torch.float32, device="meta")
-
-
-def rounded(nbytes: int) -> int:
-    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK) if nbytes else 0
 
 
 def _owner() -> str:
@@ -72,6 +71,9 @@ class DeviceStandIn(TorchDispatchMode):
         self.allocations = 0
         self.live = dict.fromkeys(OWNERS, 0)
         self.peak, self.peak_by_owner = 0, dict(self.live)
+        self.allocator = CachingAllocator()      # the segments behind the device's allocations
+        self.host_live = dict.fromkeys(OWNERS, 0)
+        self.host_peak, self.host_peak_by_owner = 0, dict(self.host_live)
         self.phases: dict[str, dict] = {}
         self._held: dict[int, list] = {}      # storage id -> [owner, bytes], while it lives
         self._host_values: set[int] = set()   # storages of initial values: host data on a GPU
@@ -145,32 +147,47 @@ class DeviceStandIn(TorchDispatchMode):
 
     def snapshot(self, phase: str) -> None:
         self.phases[phase] = {"allocated": sum(self.live.values()), "peak": self.peak,
-                              "by_owner": dict(self.live)}
+                              "reserved": self.allocator.reserved, "by_owner": dict(self.live),
+                              "host": sum(self.host_live.values())}
 
     def record(self) -> dict:
         return {"allocations": self.allocations, "peak": self.peak, "peak_by_owner": dict(self.peak_by_owner),
-                "phases": dict(self.phases), "d2h_copies": self.d2h_copies, "d2h_bytes": self.d2h_bytes}
+                "reserved_peak": self.allocator.peak_reserved, "segments": self.allocator.segments,
+                "phases": dict(self.phases), "d2h_copies": self.d2h_copies, "d2h_bytes": self.d2h_bytes,
+                "host": {"peak": self.host_peak, "peak_by_owner": dict(self.host_peak_by_owner)}}
 
     def _track(self, out) -> None:
         if not self.counting:
             return
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if not _is(t, "meta"):
+            if not isinstance(t, torch.Tensor):
+                continue
+            kind = t.device.type
+            if kind != "meta" and kind != "cpu":
                 continue
             storage = t.untyped_storage()
             key = id(storage)
             if key in self._held:
                 continue
-            size = rounded(storage.nbytes())
-            if not size:
+            nbytes = storage.nbytes()
+            if not nbytes:
                 continue
             owner = _owner()
             if self.in_setup and owner != "communication":
                 owner = "model states"
+            if kind == "cpu":          # host memory: plain bytes, no caching allocator in between
+                self._held[key] = [owner, nbytes, None]
+                self.host_live[owner] += nbytes
+                weakref.finalize(storage, self._free, key)
+                total = sum(self.host_live.values())
+                if total > self.host_peak:
+                    self.host_peak, self.host_peak_by_owner = total, dict(self.host_live)
+                continue
+            size = rounded(nbytes)
             if owner == "backward" and not self.backward_started:
                 self.backward_started = True
                 self.snapshot("forward")
-            self._held[key] = [owner, size]
+            self._held[key] = [owner, size, self.allocator.malloc(nbytes)]
             self.allocations += 1
             self.live[owner] += size
             weakref.finalize(storage, self._free, key)
@@ -179,15 +196,19 @@ class DeviceStandIn(TorchDispatchMode):
                 self.peak, self.peak_by_owner = total, dict(self.live)
 
     def _free(self, key: int) -> None:
-        owner, size = self._held.pop(key)
-        self.live[owner] -= size
+        owner, size, block = self._held.pop(key)
+        if block is None:
+            self.host_live[owner] -= size
+        else:
+            self.live[owner] -= size
+            self.allocator.free(block)
 
     def saved(self, t):
         """autograd's pack hook: a tensor kept for the backward is an activation, whatever made it
         (a custom Function's forward runs with autograd off: its outputs were counted as workspace)."""
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             held = self._held.get(id(t.untyped_storage()))
-            if held is not None and held[0] == "workspace":
+            if held is not None and held[0] == "workspace" and held[2] is not None:
                 self.live["workspace"] -= held[1]
                 self.live["activations"] += held[1]
                 held[0] = "activations"

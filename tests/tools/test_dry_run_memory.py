@@ -53,3 +53,27 @@ def test_kernel_choice_follows_cudas_rules():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         assert kernel_for(t(torch.bfloat16, 8), t(torch.bfloat16, 8), None, False) == "efficient"
+
+
+def test_caching_allocator_model_places_requests_in_segments_as_cuda_does():
+    from megazero.dry_run_allocator import CachingAllocator
+    MiB = 1 << 20
+    a = CachingAllocator()
+    small = [a.malloc(100) for _ in range(4096)]          # 4096 x 512 bytes: one 2 MiB segment
+    assert (a.segments, a.reserved) == (1, 2 * MiB)
+    a.malloc(1)                                           # the 4097th block opens a second one
+    assert (a.segments, a.reserved) == (2, 4 * MiB)
+    mid = [a.malloc(3 * MiB) for _ in range(7)]           # 1-10 MiB: 20 MiB segments, six in one
+    assert (a.segments, a.reserved) == (4, 44 * MiB)
+    big = a.malloc(11 * MiB + 1)          # best fit: the 17 MiB the 7th request left, split
+    assert a.reserved == 44 * MiB and big.segment == mid[6].segment and big.size == 11 * MiB + 512
+    huge = a.malloc(31 * MiB + 1)          # >= 10 MiB and nothing cached fits: rounded to 2 MiB
+    assert a.reserved == 76 * MiB and huge.size == 32 * MiB     # not split: <= 1 MiB left over
+    for block in mid[:3]:                  # a segment's three freed neighbours merge
+        a.free(block)
+    again = a.malloc(9 * MiB)              # and hold a 9 MiB request, the best of 2, 9 and ~6 MiB
+    assert a.reserved == 76 * MiB and (again.segment, again.offset) == (mid[0].segment, 0)
+    for block in small:
+        a.free(block)
+    assert (2 * MiB, 0, 0) in a.pools[True]        # the first small segment is whole again, kept
+    assert a.peak_reserved == a.reserved == 76 * MiB
