@@ -16,6 +16,12 @@ kernels exist for both, forward and backward, and autograd knows their derivativ
   fp32 or a mask, without grouped-query heads (that kernel takes none);
 - the math path (the real function, unchanged) for what neither takes, as on CUDA.
 Other devices go to the real function untouched.
+
+The same holds for `F.rms_norm`: on CUDA it runs the fused kernel (`aten._fused_rms_norm`), which
+keeps its input and one fp32 reciprocal RMS per row; on meta it decomposes into an fp32 copy of the
+input, its square and products, each kept for the backward. `gpu_attention()` also makes meta's
+rms_norm the fused kernel's: an output like the input, the fp32 (rows, 1) statistics, and in
+backward the gradients of the input and the weight.
 """
 from __future__ import annotations
 
@@ -67,9 +73,36 @@ def _on_meta(real):
     return sdpa
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """What CUDA's fused RMSNorm allocates: its output and fp32 per-row statistics, kept for the
+    backward with the input and the weight; the backward, the two gradients. Shapes only (meta)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        rows = x.shape[:x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.has_weight = weight is not None
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        return torch.empty_like(x), None, (torch.empty_like(weight) if ctx.has_weight else None), None
+
+
+def _rms_norm_on_meta(real):
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if input.device.type != "meta":
+            return real(input, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+    return rms_norm
+
+
 def gpu_attention():
-    """A context in which attention on meta tensors allocates what CUDA's chosen kernel does."""
+    """A context in which attention and RMSNorm on meta tensors allocate what CUDA's kernels do."""
     stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(F, "rms_norm", _rms_norm_on_meta(F.rms_norm)))
     stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
                                           _on_meta(F.scaled_dot_product_attention)))
     return stack

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megazero.dry_run_allocator import CachingAllocator, rounded
+from megazero.dry_run_memo import MetaMemo
 
 aten = torch.ops.aten
 
@@ -64,8 +65,9 @@ def _owner() -> str:
 
 
 class DeviceStandIn(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, memo: bool = True):
         super().__init__()
+        self.memo = MetaMemo() if memo else None     # meta kernels' results remembered (dry_run_memo)
         self.d2h_copies = 0
         self.d2h_bytes = 0
         self.allocations = 0
@@ -75,7 +77,8 @@ class DeviceStandIn(TorchDispatchMode):
         self.host_live = dict.fromkeys(OWNERS, 0)
         self.host_peak, self.host_peak_by_owner = 0, dict(self.host_live)
         self.phases: dict[str, dict] = {}
-        self._held: dict[int, list] = {}      # storage id -> [owner, bytes], while it lives
+        self._held: dict[int, list] = {}      # storage id -> [owner, bytes, block], while it holds memory
+        self._watched: set[int] = set()       # storages with a finalizer
         self._host_values: set[int] = set()   # storages of initial values: host data on a GPU
         self.read_marks: list[tuple[int, int]] = []
         self.counting = True           # off while the model chunks are built on meta (as on a GPU)
@@ -138,7 +141,14 @@ class DeviceStandIn(TorchDispatchMode):
                 weakref.finalize(value.untyped_storage(), self._host_values.discard, id(value.untyped_storage()))
                 return value
             return init
+        real_resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = real_resize(storage, size)
+            self.resized(storage)
+            return out
         stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(torch.UntypedStorage, "resize_", resize_))
         stack.enter_context(mock.patch.object(training, "make_init_fn", make_init_fn))
         stack.enter_context(mock.patch.object(training, "build_model_chunks", build_model_chunks))
         stack.enter_context(mock.patch.object(training, "train_step", train_step))
@@ -166,34 +176,51 @@ class DeviceStandIn(TorchDispatchMode):
             if kind != "meta" and kind != "cpu":
                 continue
             storage = t.untyped_storage()
-            key = id(storage)
-            if key in self._held:
-                continue
-            nbytes = storage.nbytes()
-            if not nbytes:
-                continue
-            owner = _owner()
-            if self.in_setup and owner != "communication":
-                owner = "model states"
-            if kind == "cpu":          # host memory: plain bytes, no caching allocator in between
-                self._held[key] = [owner, nbytes, None]
-                self.host_live[owner] += nbytes
-                weakref.finalize(storage, self._free, key)
-                total = sum(self.host_live.values())
-                if total > self.host_peak:
-                    self.host_peak, self.host_peak_by_owner = total, dict(self.host_live)
-                continue
-            size = rounded(nbytes)
-            if owner == "backward" and not self.backward_started:
-                self.backward_started = True
-                self.snapshot("forward")
-            self._held[key] = [owner, size, self.allocator.malloc(nbytes)]
-            self.allocations += 1
-            self.live[owner] += size
-            weakref.finalize(storage, self._free, key)
-            total = sum(self.live.values())
-            if total > self.peak:
-                self.peak, self.peak_by_owner = total, dict(self.live)
+            if id(storage) not in self._held and storage.nbytes():
+                self._account(storage, kind == "cpu")
+
+    def resized(self, storage) -> None:
+        """After `UntypedStorage.resize_`: stage 3 frees a gathered unit's memory by resizing its
+        storage to 0 and gathers into it again by resizing it back (tensor_memory.py), which no op
+        shows; the storage's old bytes are freed and its new ones allocated, owned anew."""
+        kind = storage.device.type
+        if not self.counting or (kind != "meta" and kind != "cpu"):
+            return
+        if id(storage) in self._held:
+            self._free(id(storage))
+        if storage.nbytes():
+            self._account(storage, kind == "cpu")
+
+    def _account(self, storage, host: bool) -> None:
+        key, nbytes = id(storage), storage.nbytes()
+        owner = _owner()
+        if self.in_setup and owner != "communication":
+            owner = "model states"
+        if key not in self._watched:
+            self._watched.add(key)
+            weakref.finalize(storage, self._gone, key)
+        if host:                   # host memory: plain bytes, no caching allocator in between
+            self._held[key] = [owner, nbytes, None]
+            self.host_live[owner] += nbytes
+            total = sum(self.host_live.values())
+            if total > self.host_peak:
+                self.host_peak, self.host_peak_by_owner = total, dict(self.host_live)
+            return
+        size = rounded(nbytes)
+        if owner == "backward" and not self.backward_started:
+            self.backward_started = True
+            self.snapshot("forward")
+        self._held[key] = [owner, size, self.allocator.malloc(nbytes)]
+        self.allocations += 1
+        self.live[owner] += size
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak, self.peak_by_owner = total, dict(self.live)
+
+    def _gone(self, key: int) -> None:
+        self._watched.discard(key)
+        if key in self._held:
+            self._free(key)
 
     def _free(self, key: int) -> None:
         owner, size, block = self._held.pop(key)
@@ -228,7 +255,12 @@ class DeviceStandIn(TorchDispatchMode):
         if packet is aten._to_copy and _is(args[0], "meta") and str(kwargs.get("device", "meta")) == "cpu":
             self._count(args[0])
             return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype, device="cpu")
-        out = func(*args, **kwargs)
+        key = self.memo.key(func, args, kwargs) if self.memo is not None else None
+        out = self.memo.replay(key) if key is not None else None
+        if out is None:
+            out = func(*args, **kwargs)
+            if key is not None:
+                self.memo.remember(key, out)
         self._track(out)
         return out
 

@@ -77,3 +77,19 @@ def test_caching_allocator_model_places_requests_in_segments_as_cuda_does():
         a.free(block)
     assert (2 * MiB, 0, 0) in a.pools[True]        # the first small segment is whole again, kept
     assert a.peak_reserved == a.reserved == 76 * MiB
+
+
+def test_rms_norm_on_meta_keeps_what_the_fused_kernel_keeps():
+    import torch.nn.functional as F
+    rows, h = 4096, 1024
+    with DeviceStandIn() as device, device.keeping_activations(), gpu_attention():
+        x = torch.empty(rows, h, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(h, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        device.in_setup = False
+        out = F.rms_norm(x, (h,), w, 1e-5)
+        kept = device.live["activations"]
+        out.sum().backward()
+    real = F.rms_norm(torch.ones(rows, h, dtype=torch.bfloat16), (h,), torch.ones(h, dtype=torch.bfloat16), 1e-5)
+    assert out.shape == real.shape and out.dtype == real.dtype
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert kept == rows * 4          # the fp32 reciprocal RMS per row; the decomposition keeps fp32 copies
