@@ -74,7 +74,7 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
 
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
                      weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
-                     sequence_parallel: bool = False) -> float:
+                     sequence_parallel: bool = False, with_head: bool = True) -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
 
     Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
@@ -99,8 +99,8 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
         per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
     else:
         per_micro = layers * full_layer
-    return (per_micro * in_flight + output_layer_bytes(tokens, m, tp, weight_bytes, in_flight)
-            + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes))
+    head = output_layer_bytes(tokens, m, tp, weight_bytes, in_flight) if with_head else 0.0
+    return per_micro * in_flight + head + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
 
 
 def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,

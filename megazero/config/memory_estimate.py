@@ -171,10 +171,20 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
 def _activations(cfg: TrainConfig, r: RankLayout) -> float:
     m, par = cfg.model, cfg.parallel
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
-    in_flight = r.in_flight
+    in_flight, layers = r.in_flight, r.layers_per_stage
     if par.virtual_stages > 1 and par.schedule != "gpipe":
         in_flight = interleaved_in_flight(par.pipeline_parallel, par.virtual_stages, r.microbatches)
-    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, r.layers_per_stage,
+    elif par.pipeline_parallel > 1 and par.schedule != "gpipe":
+        # 1F1B: stage s holds min(pp - s, microbatches) microbatches of its own layers, and only
+        # the last stage the output layer (one microbatch in flight there): the planner answers for
+        # the stage that holds the most
+        pp = par.pipeline_parallel
+        split = par.layer_split or [r.layers_per_stage] * pp
+        stages = [(n, min(pp - s, r.microbatches), s == pp - 1) for s, n in enumerate(split)]
+        return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
+                                    r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
+                                    par.sequence_parallel, with_head=last) for n, held, last in stages)
+    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
                             par.tensor_parallel, in_flight, r.weight_bytes, chunks,
                             par.context_parallel, par.cp_comm_type, par.sequence_parallel)
 
