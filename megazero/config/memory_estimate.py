@@ -31,23 +31,7 @@ stage 1's chunk temporary), beside the activations of the other microbatches a p
 an allgather_bucket_size bucket. Set-up: one parameter's full fp32 initial value and its slice.
 (bench/plan_memory_table.py compares the planned total with the processes' measured peak.)
 
-Activations, roughly: Korthikanti et al. (2022) count 34 s·b·h bytes per layer in 16 bits plus
-5 a·s²·b for attention scores (the attention terms scaled here to the heads' real widths, with
---kv-channels and grouped-query attention); attention here runs through scaled_dot_product_attention,
-which need not keep the scores, so only the first term is counted (twice that in fp32) unless the
-attention is the written-out math (--attention-backend local/unfused) without selective
-recomputation; split over the tensor parallel ranks, for the microbatches a pipeline stage holds at
-once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation keeps only the input
-of each checkpointed layer group. The fused output layer and loss (models/loss.py, chunked by its
-memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when the weights are 16-bit,
-and the output weight's fp32 gradient twice over (the sum, and one chunk's product added to it); when
-the whole head is one chunk, the forward keeps that chunk (exp(logits - max)) for the backward, once
-per microbatch in flight.
-Mixtures of experts: config/moe_memory.py's terms (their saved tensors per MoE layer, their dispatch
-buffers, which run inside a layer and count as far as they exceed the output layer's buffers).
-Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
-(`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
-transient blocks (`cp_transient_bytes`).
+Activations: megazero/config/activation_memory.py (re-exported here).
 """
 from __future__ import annotations
 
@@ -59,9 +43,11 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
-from megazero.config.moe_memory import (dense_layer_config, moe_layer_activation_extra, moe_layer_extra,
-                                        moe_layer_persistent_extra, moe_transient_bytes, stage_moe_layers)
-from megazero.models.loss import chunk_tokens_for, keeps_softmax
+from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe_layer_persistent_extra,
+                                        moe_transient_bytes, stage_moe_layers)
+from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
+    activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
+    layer_activation_split, layer_activation_units, output_layer_bytes)
 from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
@@ -92,109 +78,6 @@ def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad
                                 separate_master: bool) -> float:
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks."""
     return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master).values())
-
-
-def layer_activation_units(model_cfg) -> float:
-    """Korthikanti et al.'s bytes per token of one layer in 16 bits, in units of the hidden size: 34
-    = 19 (MLP) + 4 (norms) + 11 (attention: its input 2, dropout mask 1, q 2, k 2, v 2, projection
-    input 2). The attention terms are counted here at their real widths, heads x head size for q and
-    the projection input, query groups x head size for k and v."""
-    h = model_cfg.hidden_size
-    width = model_cfg.num_attention_heads * model_cfg.head_dim
-    kv = model_cfg.num_query_groups * model_cfg.head_dim
-    return (26 * h + 4 * width + 4 * kv) / h
-
-
-def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_flight: int = 1) -> float:
-    """What the fused output layer and loss (models/loss.py) hold at once in backward: one chunk of
-    fp32 logits (chunk_tokens_for's policy) and, with 16-bit weights, its gradient in their dtype,
-    and the output weight's fp32 gradient with one chunk's fp32 product being added to it. A head
-    run as one chunk keeps it from forward to backward: the other microbatches in flight hold theirs."""
-    vocab = model_cfg.padded_vocab_size / tp
-    chunk = chunk_tokens_for(tokens, math.ceil(vocab))
-    sixteen_bit_copy = weight_bytes if weight_bytes < 4 else 0
-    held = chunk * vocab * (4 + sixteen_bit_copy) + 2 * vocab * model_cfg.hidden_size * 4
-    if keeps_softmax(tokens, chunk):
-        held += (in_flight - 1) * tokens * vocab * 4
-    return held
-
-
-def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
-                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
-                     ep: int = 1) -> float:
-    """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
-
-    Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
-    full set while it is recomputed; selective recomputation saves the attention scores, which only
-    the written-out attention (--attention-backend local/unfused) keeps. Context parallelism keeps
-    seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`). MoE layers add
-    config/moe_memory.py's term, spread over the stage's layers in their proportion."""
-    m = model_cfg
-    tokens, hidden = seq * micro // cp, m.hidden_size
-    full_layer = layer_activation_units(m) * tokens * hidden * weight_bytes / 2 / tp
-    full_layer += cp_saved_per_layer(seq, micro, m, tp, cp, cp_comm_type, weight_bytes)
-    if m.num_experts:
-        moe = stage_moe_layers(m, range(layers)) / layers
-        full_layer += moe * moe_layer_activation_extra(m, tokens, micro, tp, weight_bytes, ep)
-    written_out = m.attention_backend in ("local", "unfused") and not (cp > 1 and cp_comm_type == "p2p")
-    if written_out and m.recompute_granularity != "selective":
-        # every rank's queries (or, Ulysses, heads) over the whole sequence: 1/cp of the scores
-        full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp / cp
-    kept_input = tokens * hidden * weight_bytes
-    if m.recompute_granularity == "full" and m.recompute_method == "uniform":
-        group = min(m.recompute_num_layers, layers)
-        per_micro = math.ceil(layers / group) * kept_input + group * full_layer
-    elif m.recompute_granularity == "full":        # block: the first N layers of each chunk
-        recomputed = min(layers, sum(min(m.recompute_num_layers, n) for n in chunk_layers))
-        per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
-    else:
-        per_micro = layers * full_layer
-    return (per_micro * in_flight + output_layer_bytes(tokens, m, tp, weight_bytes, in_flight)
-            + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes))
-
-
-def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
-                       weight_bytes: int) -> float:
-    """What a context-parallel attention saves for its backward beyond the layer's usual
-    activations: the ring keeps its merged output in fp32 and one fp32 log-sum-exp per query and head;
-    allgather keeps the gathered keys and values (the whole sequence's); Ulysses nothing extra
-    (its head-split tensors are the local ones' size)."""
-    if cp == 1:
-        return 0.0
-    m, local = model_cfg, seq * micro / cp
-    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
-    if comm_type == "p2p":
-        return local * heads * (m.head_dim + 1) * 4
-    if comm_type == "allgather":
-        return 2 * seq * micro * groups * m.head_dim * weight_bytes
-    return 0.0
-
-
-def cp_mask_bytes(seq: int, cp: int, comm_type: str, weight_bytes: int) -> float:
-    """allgather's additive mask of the local queries over the whole sequence, in the activations'
-    dtype: one tensor that every layer's attention saves (parallel.context_parallel._visible_bias)."""
-    return seq / cp * seq * weight_bytes if cp > 1 and comm_type == "allgather" else 0.0
-
-
-def cp_transient_bytes(cfg: TrainConfig) -> float:
-    """The peak of a context-parallel attention's own buffers inside one layer's backward: the ring's
-    K/V held and in flight with their fp32 gradient accumulators (4 blocks), q, out and dq in fp32,
-    and one block's fp32 scores, probabilities and score gradients; allgather's gathered K/V
-    gradients before the reduce-scatter and a copy for gloo; Ulysses' head-split q, k, v, out and
-    their gradients (8 local-sized tensors)."""
-    par, m = cfg.parallel, cfg.model
-    cp, tp, micro = par.context_parallel, par.tensor_parallel, cfg.micro_batch_size
-    if cp == 1:
-        return 0.0
-    local = m.seq_length * micro / cp
-    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
-    weight_bytes = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
-    if par.cp_comm_type == "p2p":
-        return (4 * 2 * local * groups * m.head_dim * 4 + 3 * local * heads * m.head_dim * 4
-                + 3 * heads * local * local / micro * 4)
-    if par.cp_comm_type == "allgather":
-        return 2 * 2 * m.seq_length * micro * groups * m.head_dim * weight_bytes
-    return 8 * local * heads * m.head_dim * weight_bytes
 
 
 def _one_layer_model(model_cfg):
@@ -247,6 +130,7 @@ class RankLayout(Record):
     shards: int                # ZeRO partitions (data-parallel size, or the MiCS shard size)
     layers_per_stage: int
     in_flight: int             # microbatches a stage holds activations for at once
+    microbatches: int = 1      # per step and data-parallel rank
 
 
 def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
@@ -289,15 +173,29 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         grad_bytes=2 if prec.grad_accum_dtype != "fp32" else 4,
         shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp * cp,   # ZeRO: dp x cp
         layers_per_stage=layers_per_stage,
-        in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches))
+        in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches), microbatches=microbatches)
 
 
 def _activations(cfg: TrainConfig, r: RankLayout) -> float:
     m, par = cfg.model, cfg.parallel
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
-    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, r.layers_per_stage,
-                            par.tensor_parallel, r.in_flight, r.weight_bytes, chunks,
-                            par.context_parallel, par.cp_comm_type, par.expert_parallel)
+    in_flight, layers = r.in_flight, r.layers_per_stage
+    if par.virtual_stages > 1 and par.schedule != "gpipe":
+        in_flight = interleaved_in_flight(par.pipeline_parallel, par.virtual_stages, r.microbatches)
+    elif par.pipeline_parallel > 1 and par.schedule != "gpipe":
+        # 1F1B: stage s holds min(pp - s, microbatches) microbatches of its own layers, and only
+        # the last stage the output layer (one microbatch in flight there): the planner answers for
+        # the stage that holds the most
+        pp = par.pipeline_parallel
+        split = par.layer_split or [r.layers_per_stage] * pp
+        stages = [(n, min(pp - s, r.microbatches), s == pp - 1) for s, n in enumerate(split)]
+        return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
+                                    r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
+                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel)
+                   for n, held, last in stages)
+    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
+                            par.tensor_parallel, in_flight, r.weight_bytes, chunks,
+                            par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel)
 
 
 def largest_param(model_cfg, tp: int) -> int:
