@@ -57,6 +57,7 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
+from megazero.config.attention_memory import kernel_for, math_kernel_bytes
 from megazero.config.moe_memory import dense_layer_config, moe_layer_extra, stage_moe_layers
 from megazero.models.loss import chunk_tokens_for, keeps_softmax
 from megazero.zero.offload import resident_sub_groups
@@ -117,8 +118,11 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
 
 
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
-                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p") -> float:
+                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
+                     kernel: str = "unknown") -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
+    `kernel`: the attention kernel the device runs (config/attention_memory.py); SDPA's math kernel
+    adds its (b, heads, s, s) tensors, kept per layer and at one layer's peak.
 
     Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
     full set while it is recomputed; selective recomputation saves the attention scores, which only
@@ -132,6 +136,12 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     if written_out and m.recompute_granularity != "selective":
         # every rank's queries (or, Ulysses, heads) over the whole sequence: 1/cp of the scores
         full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp / cp
+    workspace = 0.0
+    if kernel == "math" and cp == 1:
+        kept, peak = math_kernel_bytes(micro, m.num_attention_heads / tp, seq, weight_bytes)
+        selective = m.recompute_granularity == "selective"
+        full_layer += 0 if selective else kept
+        workspace = peak - (0 if selective else kept)      # beyond what the layer keeps
     kept_input = tokens * hidden * weight_bytes
     if m.recompute_granularity == "full" and m.recompute_method == "uniform":
         group = min(m.recompute_num_layers, layers)
@@ -141,7 +151,7 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
         per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
     else:
         per_micro = layers * full_layer
-    return (per_micro * in_flight + output_layer_bytes(tokens, m, tp, weight_bytes, in_flight)
+    return (per_micro * in_flight + workspace + output_layer_bytes(tokens, m, tp, weight_bytes, in_flight)
             + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes))
 
 
@@ -277,12 +287,13 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches))
 
 
-def _activations(cfg: TrainConfig, r: RankLayout) -> float:
+def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None) -> float:
+    """The activations of the largest stage; with `device_type`, what its attention kernel allocates."""
     m, par = cfg.model, cfg.parallel
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     return activation_bytes(m.seq_length, cfg.micro_batch_size, m, r.layers_per_stage,
                             par.tensor_parallel, r.in_flight, r.weight_bytes, chunks,
-                            par.context_parallel, par.cp_comm_type)
+                            par.context_parallel, par.cp_comm_type, kernel_for(cfg, device_type))
 
 
 def largest_param(model_cfg, tp: int) -> int:
@@ -406,6 +417,8 @@ class MemoryEstimate(Record):
     bytes_per_param: float
     model_states: float        # bytes
     activations: float         # bytes
+    attention: float = 0.0     # of the activations: what the device's attention kernel adds (math: s^2)
+    kernel: str = "unknown"    # that kernel (config/attention_memory.py)
 
     @property
     def total(self) -> float:
@@ -426,8 +439,10 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
     if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
         kinds["params"] = 0.0
     per_param = sum(kinds.values())
+    activations, kernel = _activations(cfg, r, device_type), kernel_for(cfg, device_type)
     return MemoryEstimate(parameters=r.parameters, rank_parameters=r.rank_parameters, bytes_per_param=per_param,
-                          model_states=r.rank_parameters * per_param, activations=_activations(cfg, r))
+                          model_states=r.rank_parameters * per_param, activations=activations,
+                          attention=activations - _activations(cfg, r), kernel=kernel)
 
 
 def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, str] | None:
@@ -448,10 +463,16 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, st
 
 
 def describe_refusal(cfg: TrainConfig, found: MemoryEstimate, available: float, how: str) -> str:
+    attention = ""
+    if found.attention > 0:
+        why = " (torch's flash kernel takes no dropout there: --attention-dropout 0 runs it)" if (
+            cfg.model.attention_dropout > 0) else ""
+        attention = (f", of which {found.attention / GIB:.1f} GiB are the {found.kernel} attention kernel's "
+                     f"(b, heads, s, s) probabilities{why}")
     return (f"this run needs about {found.total / GIB:.1f} GiB per rank but {available / GIB:.1f} GiB is "
             f"available ({how}): model states {found.model_states / GIB:.1f} GiB ({found.parameters / 1e6:.1f}M "
             f"parameters, {found.rank_parameters / 1e6:.1f}M on the largest rank at {found.bytes_per_param:g} "
             f"bytes each, ZeRO stage {cfg.zero.stage}), activations {found.activations / GIB:.1f} GiB "
-            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}); lower "
+            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}{attention}); lower "
             f"--seq-length, --micro-batch-size or the model size, or spread it (--zero-stage, "
             f"--tensor-model-parallel-size, --pipeline-model-parallel-size, --recompute-activations)")
