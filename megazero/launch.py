@@ -304,6 +304,14 @@ def _end_on(err: BaseException, launch: Launch, progress: Progress, interrupts: 
         line, code = progress.interrupted_line(), failures.EXIT_INTERRUPTED
     elif isinstance(err, UsageError):
         line, code = str(err) if launch.world == 1 else f"rank {launch.rank}: {err}", failures.EXIT_USAGE
+    elif _out_of_memory(err):      # said by every rank it happens on
+        from megazero import out_of_memory
+        device = progress.state.device if progress.state is not None else None
+        line = out_of_memory.out_of_memory_line(err, launch.rank if launch.world > 1 else None, progress.cfg, device)
+        launch.end_first(line, failures.EXIT_FAILURE)
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        failures.write_error_file(launch.error_file, line)
+        return failures.EXIT_FAILURE
     else:
         timeout = progress.cfg.parallel.timeout_minutes if progress.cfg else 0
         peers = launch.peers() if launch.store is not None else {}
@@ -317,6 +325,11 @@ def _end_on(err: BaseException, launch: Launch, progress: Progress, interrupts: 
         print(line if code == failures.EXIT_INTERRUPTED else f"error: {line}", file=sys.stderr)
     failures.write_error_file(launch.error_file, shown)
     return shown_code
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    from megazero.out_of_memory import is_out_of_memory      # torch: loaded by now
+    return is_out_of_memory(err)
 
 
 def _with_signals_restored(body):
