@@ -54,6 +54,7 @@ class Launch:
         self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
         self.threads = ""                             # the start-up line's thread count (device() sets it)
         self.address = None                           # the address this rank's process group offers its peers
+        self.spanning = False                         # whether ranks of this job run on other hosts
 
     def adopt_local_rank(self, flag_value: int | None) -> None:
         """Older launchers pass --local_rank instead of setting LOCAL_RANK."""
@@ -76,10 +77,24 @@ class Launch:
             return None
         from megazero import addresses
         env = os.environ
-        spanning = addresses.spans_hosts(self.world, self.local_world, env.get("MASTER_ADDR"))
+        spanning = self.spanning = addresses.spans_hosts(self.world, self.local_world, env.get("MASTER_ADDR"))
         problem, self.address = addresses.address_error(
             backend, {name: env.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}, spanning)
         return problem
+
+    def reach_problem(self, backend: str) -> str | None:
+        """The agreed line naming a peer host whose process-group address does not answer (gloo, in a
+        job spanning hosts; megazero.addresses.check_reach), None when every host answers."""
+        if self.store is None or not self.spanning or backend == "nccl":
+            return None
+        from megazero import addresses
+        listener, error = addresses.check_reach(self.store, self.rank, self.world, self.local_rank, self.address,
+                                                os.environ.get("GLOO_SOCKET_IFNAME"))
+        try:
+            return self.agree("reach", error)
+        finally:
+            if listener is not None:
+                listener.close()
 
     def cpu_optimizer_threads(self) -> int:
         """The offloaded optimizer's CPU Adam threads where --cpu-optimizer-threads is not given:
@@ -383,6 +398,9 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
         if launch.world > 1 and "MASTER_ADDR" not in os.environ:
             return _end_agreed(launch, f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the "
                                        f"ranks with torchrun (or set MASTER_ADDR and MASTER_PORT)", failures.EXIT_USAGE)
+        unreachable = launch.reach_problem(progress.cfg.parallel.distributed_backend)
+        if unreachable:
+            return _end_agreed(launch, unreachable, failures.EXIT_USAGE)
         beat = _heartbeat(progress, launch)
         try:
             with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,

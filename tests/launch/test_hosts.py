@@ -2,7 +2,7 @@
 ranks train exactly as one host's 4 ranks (TP 2 x ZeRO-3 with a static rendezvous, PP 2 x ZeRO-1 with
 c10d; fp32 losses, gradient norms and the saved checkpoint to rtol 1e-5), the checkpoint written by
 both hosts to one shared path; a host whose name resolves to loopback is refused in one line before
-anything connects; a host killed (kill -9 of its whole tree) or cut off (its link down: no process
+anything connects, and one whose address does not answer (packets lost) is named in seconds; a host killed (kill -9 of its whole tree) or cut off (its link down: no process
 ends, no socket closes) ends the job on the other host within --distributed-timeout-minutes, in one
 line naming the lost host and its ranks, and the checkpoint saved before still loads; with
 --max-restarts 1 and c10d a worker killed on one host restarts both hosts, which resume exactly, and
@@ -94,6 +94,27 @@ def test_a_loopback_host_name_is_refused_before_connecting(hosts, tmp_path):
         _no_worker_traceback(tmp_path / f"{k}.log")
         assert "exitcode  : 2" in log and line[len("error: "):] in log        # torchrun's summary shows it
     print(f"loopback refusal: ends after {max(t for _, t in ends):.1f} s")
+
+
+def test_an_unreachable_host_is_named_in_seconds(hosts, tmp_path):
+    """Host 1's ranks offer an address (GLOO_SOCKET_IFNAME=side0) that host 0 routes to a gateway
+    nobody holds: packets are lost, nothing refuses. Named in one line with the rank and address well
+    before the 5-minute timeout gloo would wait out; every host ends."""
+    ifname = hosts.offer_unreachable(1, to=0)
+    port = next(_ports)
+    flags = MODEL + ["--train-iters", "2", "--run-dir", str(tmp_path / "run"), "--distributed-timeout-minutes", "5"]
+    jobs = [hosts.torchrun(k, 2, 2, flags, tmp_path / f"{k}.log", port=port,
+                           env={"GLOO_SOCKET_IFNAME": "eth0" if k == 0 else ifname}) for k in range(2)]
+    ends = wait_all(jobs, 150)
+    assert [code for code, _ in ends] == [1, 1], (ends, (tmp_path / "0.log").read_text()[-3000:])
+    assert max(t for _, t in ends) < 120, ends      # start-up (25-65 s loaded) and the probe, not the 300 s timeout
+    [line] = _errors(tmp_path / "0.log")
+    assert line.startswith("error: cannot reach rank 2 (host mzh1) at 10.88.0.2:"), line
+    assert "GLOO_SOCKET_IFNAME=side0 there" in line, line
+    for k in range(2):
+        _no_worker_traceback(tmp_path / f"{k}.log")
+        assert "exitcode  : 2" in (tmp_path / f"{k}.log").read_text()
+    print(f"unreachable host: every host ends {max(t for _, t in ends):.1f} s after launch")
 
 
 @pytest.mark.parametrize("how", ["kill", "cut"])
