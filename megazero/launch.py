@@ -13,12 +13,14 @@ says so in the store: it prints its line (megazero.failures words it) and the ot
 mid-collective, leave quietly with the same line in torchrun's error file.
 
 Restarts (torchrun --max-restarts): every key of an attempt, the process group's own included, lives
-under that attempt's prefix of the rendezvous store. torchrun's static rendezvous keeps one store for
+under that attempt's prefix of the rendezvous store, numbered by the ranks' joins (each rank adds one
+to a counter, so attempt = (joins - 1) // world), which agree across hosts where torchrun's restart
+counts do not (a host that came back counts from 0). torchrun's static rendezvous keeps one store for
 all attempts and torch prefixes nothing, so a restarted attempt would otherwise read the dead
 attempt's addresses (gloo's connectFullMesh then fails, or hangs on a stale barrier count).
 
 It is the one module that reads the launcher's environment (WORLD_SIZE, RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_ERROR_FILE, OMP_NUM_THREADS,
+LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_ERROR_FILE, OMP_NUM_THREADS,
 CUDA_VISIBLE_DEVICES); what the runtime needs of it travels on in `Launch` and `TrainConfig`.
 """
 from __future__ import annotations
@@ -49,7 +51,6 @@ class Launch:
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.local_world = int(env.get("LOCAL_WORLD_SIZE", str(self.world)))
         self._local_rank_from_env = "LOCAL_RANK" in env
-        self._prefix = f"megazero/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
         self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
         self.threads = ""                             # the start-up line's thread count (device() sets it)
@@ -67,7 +68,10 @@ class Launch:
             import torch.distributed as dist
             self.rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
                                                                timeout=datetime.timedelta(minutes=30)))
-            self.store = dist.PrefixStore(self._prefix, self.rendezvous_store)
+            # The attempt from the ranks' joins, not TORCHELASTIC_RESTART_COUNT: a host whose torchrun
+            # joined later (an elastic job's host come back) counts its restarts from 0.
+            attempt = (self.rendezvous_store.add("megazero/joined", 1) - 1) // self.world
+            self.store = dist.PrefixStore(f"megazero/attempt{attempt}", self.rendezvous_store)
             self.store.set(f"process/{self.rank}", failures.process_identity(self.address))
 
     def address_problem(self, backend: str) -> str | None:
