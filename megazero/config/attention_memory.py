@@ -10,6 +10,9 @@ mask and the dropped probabilities, 12 bytes an element in fp32 and in 16 bits a
 holds a fourth (their gradient) while it runs: 16 bytes an element at one layer's peak. Its forward
 also builds a causal mask of s x s, once per layer (a bool and a float copy). Selective recomputation
 keeps none of them between layers; the one layer being recomputed still holds them.
+
+Asking torch's pick takes three tensors of 1 x heads x 8 x head size on the device (freed at once):
+the one thing the config edge makes on a device, since the pick is torch's and lives nowhere else.
 """
 from __future__ import annotations
 
