@@ -26,6 +26,7 @@ from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.housekeeping import Housekeeping
 from megazero.stragglers import StragglerWatch, find_stragglers
+from megazero.out_of_memory import mark_phase
 from megazero.moe_stats import begin_moe_step, end_moe_step
 from megazero.data.sampler import MicrobatchSource
 from megazero.zero.engine import ZeroEngine
@@ -128,7 +129,8 @@ class _Timed:
         for timers in self.timers:
             timers.start(self.name)
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, err, tb):
+        mark_phase(err, self.name)          # an out-of-memory error's line names the phase
         for timers in self.timers:
             timers.stop(self.name)
 

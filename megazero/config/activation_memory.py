@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from megazero.config.train_config import TrainConfig
+from megazero.config.attention_memory import math_kernel_bytes
 from megazero.config.moe_memory import moe_layer_activation_extra, stage_moe_layers
 from megazero.models.loss import chunk_tokens_for, keeps_softmax
 
@@ -77,8 +78,11 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
 
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
                      weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
-                     sequence_parallel: bool = False, with_head: bool = True, ep: int = 1) -> float:
+                     sequence_parallel: bool = False, with_head: bool = True, ep: int = 1,
+                     kernel: str = "unknown") -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
+    `kernel`: the attention kernel the device runs (config/attention_memory.py); SDPA's math kernel
+    adds its (b, heads, s, s) tensors, kept per layer and at one layer's peak.
 
     Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
     full set while it is recomputed; selective recomputation saves the attention scores, which only
@@ -97,6 +101,12 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     if written_out and m.recompute_granularity != "selective":
         # every rank's queries (or, Ulysses, heads) over the whole sequence: 1/cp of the scores
         full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp / cp
+    workspace = 0.0
+    if kernel == "math" and cp == 1:
+        kept, peak = math_kernel_bytes(micro, m.num_attention_heads / tp, seq, weight_bytes)
+        selective = m.recompute_granularity == "selective"
+        full_layer += 0 if selective else kept
+        workspace = peak - (0 if selective else kept)      # beyond what the layer keeps
     kept_input = tokens * hidden * weight_bytes
     if m.recompute_granularity == "full" and m.recompute_method == "uniform":
         group = min(m.recompute_num_layers, layers)
@@ -107,7 +117,7 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     else:
         per_micro = layers * full_layer
     head = output_layer_bytes(tokens, m, tp, weight_bytes, in_flight) if with_head else 0.0
-    return per_micro * in_flight + head + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
+    return per_micro * in_flight + workspace + head + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
 
 
 def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,

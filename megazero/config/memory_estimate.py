@@ -43,6 +43,7 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
+from megazero.config.attention_memory import kernel_for
 from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe_layer_persistent_extra,
                                         moe_transient_bytes, stage_moe_layers)
 from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
@@ -176,8 +177,10 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches), microbatches=microbatches)
 
 
-def _activations(cfg: TrainConfig, r: RankLayout) -> float:
+def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None) -> float:
+    """The activations of the largest stage; with `device_type`, what its attention kernel allocates."""
     m, par = cfg.model, cfg.parallel
+    kernel = kernel_for(cfg, device_type)
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     in_flight, layers = r.in_flight, r.layers_per_stage
     if par.virtual_stages > 1 and par.schedule != "gpipe":
@@ -191,11 +194,12 @@ def _activations(cfg: TrainConfig, r: RankLayout) -> float:
         stages = [(n, min(pp - s, r.microbatches), s == pp - 1) for s, n in enumerate(split)]
         return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
                                     r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
-                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel)
+                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel)
                    for n, held, last in stages)
     return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
                             par.tensor_parallel, in_flight, r.weight_bytes, chunks,
-                            par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel)
+                            par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel,
+                            kernel=kernel)
 
 
 def largest_param(model_cfg, tp: int) -> int:
@@ -323,6 +327,8 @@ class MemoryEstimate(Record):
     bytes_per_param: float
     model_states: float        # bytes
     activations: float         # bytes
+    attention: float = 0.0     # of the activations: what the device's attention kernel adds (math: s^2)
+    kernel: str = "unknown"    # that kernel (config/attention_memory.py)
 
     @property
     def total(self) -> float:
@@ -343,8 +349,10 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
     if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
         kinds["params"] = 0.0
     per_param = sum(kinds.values())
+    activations, kernel = _activations(cfg, r, device_type), kernel_for(cfg, device_type)
     return MemoryEstimate(parameters=r.parameters, rank_parameters=r.rank_parameters, bytes_per_param=per_param,
-                          model_states=r.rank_parameters * per_param, activations=_activations(cfg, r))
+                          model_states=r.rank_parameters * per_param, activations=activations,
+                          attention=activations - _activations(cfg, r), kernel=kernel)
 
 
 def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, str] | None:
@@ -365,10 +373,16 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, st
 
 
 def describe_refusal(cfg: TrainConfig, found: MemoryEstimate, available: float, how: str) -> str:
+    attention = ""
+    if found.attention > 0:
+        why = " (torch's flash kernel takes no dropout there: --attention-dropout 0 runs it)" if (
+            cfg.model.attention_dropout > 0) else ""
+        attention = (f", of which {found.attention / GIB:.1f} GiB are the {found.kernel} attention kernel's "
+                     f"(b, heads, s, s) probabilities{why}")
     return (f"this run needs about {found.total / GIB:.1f} GiB per rank but {available / GIB:.1f} GiB is "
             f"available ({how}): model states {found.model_states / GIB:.1f} GiB ({found.parameters / 1e6:.1f}M "
             f"parameters, {found.rank_parameters / 1e6:.1f}M on the largest rank at {found.bytes_per_param:g} "
             f"bytes each, ZeRO stage {cfg.zero.stage}), activations {found.activations / GIB:.1f} GiB "
-            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}); lower "
+            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}{attention}); lower "
             f"--seq-length, --micro-batch-size or the model size, or spread it (--zero-stage, "
             f"--tensor-model-parallel-size, --pipeline-model-parallel-size, --recompute-activations)")
