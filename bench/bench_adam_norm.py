@@ -1,5 +1,5 @@
-"""ZeRO's optimizer step and gradient norm on one rank's partition: the paths a GPU step takes since
-issue 17 against the ones it took before, on the same data in the same run.
+"""ZeRO's optimizer step and gradient norm on one rank's partition: the fused paths a GPU step takes
+("now" below) against the per-run ones it took before, on the same data in the same run.
 
 The partition is a GPT's parameters laid out flat as a ZeRO storage holds them (tp = pp = dp = 1,
 so one rank holds everything), cut into the storage's runs: consecutive parameters of equal weight

@@ -23,7 +23,7 @@ microbatch per step. FLOPs per step are megazero.flops.step_flops (Megatron's co
 training loop's MFU uses); MFU = TFLOP/s / --peak-tflops (default: the device's dense bf16 peak from
 megazero.flops, 989 for the H100/H200); HFU beside it also counts the FLOPs recomputation adds
 (megazero.flops.recompute_flops; `--recompute selective|full` turns Megatron's recomputation on for
-both sides, the peer's through torch.utils.checkpoint; without it HFU = MFU). Issue 17's goals, MFU >= 0.50 and ours' step time <= the peer's
+both sides, the peer's through torch.utils.checkpoint; without it HFU = MFU). The goals, MFU >= 0.50 and ours' step time <= the peer's
 / 0.95, are noted beside those figures, not checked. Step time is the median over the timed steps
 (CUDA events between steps, after warm-up); peak memory is torch.cuda.max_memory_allocated of each side, measured
 one after the other; ours' is compared with tools/plan_memory.py's device total for the same run
@@ -70,7 +70,7 @@ from plain_gpt import PlainGPT, supports  # noqa: E402
 
 LOSS_RTOL = 0.03          # ours vs peer, every step
 MEMORY_RTOL = 0.10        # ours' measured peak vs the plan
-MFU_GOAL = 0.50           # issue 17's goals, noted beside the figures (not checked)
+MFU_GOAL = 0.50           # the goals, noted beside the figures (not checked)
 TIME_GOAL = 1 / 0.95
 
 
@@ -232,7 +232,7 @@ def compare(results: dict, tflops_per_step: float, peak: float, planned_gib: flo
     """The bench's figures (name -> value, ok, bound) from each side's losses, step time and peak
     memory; a side missing (it failed) fails its figures. MFU counts the model's FLOPs
     (`tflops_per_step`), HFU also what recomputation adds (`hardware_flops_per_step`, the same
-    without recomputation); issue 17's goals (MFU >= MFU_GOAL, ours' step within TIME_GOAL of the
+    without recomputation); the goals (MFU >= MFU_GOAL, ours' step within TIME_GOAL of the
     peer's) are noted beside the figures, not checked: the bench reports, the reader judges."""
     hardware = hardware_flops_per_step or tflops_per_step
     out = {}

@@ -20,6 +20,20 @@ the peak is the peak of live memory). On the CPU the device and host memory are 
 figure is the plan's device total plus its host-memory offload. Stage 3's peak is reached in the
 second step, when gathers run ahead of use along the recorded trace.
 
+Mixtures of experts (MOE_PEAK_GRID, MOE_PEAK_MODEL: 4 experts top-2 with a gated shared expert,
+2 layers of hidden 256, 1024 tokens a microbatch, no dropout): the peak table gets four more rows,
+ep 1 ZeRO-1, ep 2 all-to-all ZeRO-2, ep 4 all-gather ZeRO-3, ep 2 all-gather ZeRO-2
+(tests/config/test_memory_estimate.py asserts them). One run (loaded 2-core CPU): 0.937, 1.003,
+0.989, 1.054 (ranks of one layout differ by up to ~8%: routing is not balanced); planned as dense
+layers (before config/moe_memory.py counted a MoE layer's saved rows, intermediates and dispatch
+buffers) 0.754, 0.751, 0.600, 0.768, and without the dispatch buffers ep 4 all-gather 0.815. Stage 2's
+staged gradient buckets fill during the backward as the activations drain: counted beside both the
+activations and a layer's dispatch buffers the ep 2 all-gather ZeRO-2 row was 1.14, so the larger
+of the buckets and the dispatch buffers counts. With the default dropout (0.1) the same model measured ~50 MB more: on the CPU,
+scaled_dot_product_attention with dropout keeps the attention probabilities (heads x s^2 per
+sequence), which the planner leaves out (see memory_estimate's activations note); the MoE model
+sets dropout 0 so that the dense part's known gap does not hide the MoE terms.
+
 Stage 3 keeps parameters of at most `param_persistence_threshold` elements whole (DeepSpeed's
 default 1e5 would keep every parameter of this small model whole); the grid sets thresholds that
 split the model both ways, and 0.
@@ -67,10 +81,23 @@ GRID = [(1, 1, 4, 0, False, -1, 0, ""), (1, 1, 4, 1, True, -1, 0, ""), (1, 1, 4,
         (1, 1, 4, 2, True, -1, 0, "optimizer:cpu"), (1, 1, 4, 3, False, -1, 0, "param:cpu"),
         (1, 1, 4, 3, True, -1, 0, "optimizer:nvme+param:nvme"), (1, 1, 4, 3, False, -1, 0, "optimizer:cpu:0.5")]
 SWAP_DIR = os.path.join(tempfile.gettempdir(), "megazero-plan-memory")
+# Mixtures of experts: a layout with a 9th entry (expert-parallel size, dispatcher) makes every layer
+# of the model a mixture of MOE_FLAGS' experts. Their peak model: the experts' dispatch buffers and
+# activations (tokens x top-k rows) must be a good part of the peak, so more tokens per microbatch
+# and a narrower model than PEAK_MODEL's.
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512",
+             "--moe-shared-expert-intermediate-size", "256", "--moe-shared-expert-gate"]
+MOE_PEAK_MODEL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size",
+                  "1024", "--seq-length", "512", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2",
+                  "--attention-dropout", "0", "--hidden-dropout", "0"]
+MOE_PEAK_GRID = [(1, 1, 4, 1, False, -1, 0, "", (1, "alltoall")), (1, 1, 4, 2, False, -1, 0, "", (2, "alltoall")),
+                 (1, 1, 4, 3, False, -1, 0, "", (4, "allgather")), (1, 1, 4, 2, False, -1, 0, "", (2, "allgather"))]
 
 
 def layout_config(layout, model=MODEL, vocab: int | None = None):
-    tp, pp, dp, stage, bf16, mics, persistence, offload = layout
+    tp, pp, dp, stage, bf16, mics, persistence, offload, *moe = layout
+    for ep, dispatcher in moe:
+        model = model + MOE_FLAGS + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
     argv = model + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                     "--zero-stage", str(stage), "--global-batch-size", str(2 * dp * pp)]
     ratio = None
@@ -91,8 +118,9 @@ def layout_config(layout, model=MODEL, vocab: int | None = None):
 
 
 def _groups(ctx, layout):
-    tp, pp, dp, _, _, mics, _, _ = layout
-    return ctx.groups(Topology(world_size=tp * pp * dp, tp=tp, pp=pp, mics_shard_size=mics))
+    tp, pp, dp, _, _, mics, _, _, *moe = layout
+    ep = moe[0][0] if moe else 1
+    return ctx.groups(Topology(world_size=tp * pp * dp, tp=tp, pp=pp, mics_shard_size=mics, ep=ep))
 
 
 def engine_report_worker(ctx, layout):
@@ -129,8 +157,9 @@ def format_rows(rows) -> str:
 
 
 def _describe(layout) -> str:
-    tp, pp, dp, stage, bf16, mics, persist, offload = layout
-    return f"{tp:>2} {pp:>2} {dp:>2} {stage:>5} {str(bf16):>5} {mics:>4} {persist:>7}  {offload or '-'}"
+    tp, pp, dp, stage, bf16, mics, persist, offload, *moe = layout
+    experts = "".join(f" moe ep {ep} {dispatcher}" for ep, dispatcher in moe)
+    return f"{tp:>2} {pp:>2} {dp:>2} {stage:>5} {str(bf16):>5} {mics:>4} {persist:>7}  {offload or '-'}{experts}"
 
 
 # --- measured peak ------------------------------------------------------------------------------
@@ -214,7 +243,7 @@ def main(argv=None) -> int:
         print(format_rows(compare(pool)))
         if "--report" not in argv:
             print()
-            print(format_peaks(compare_peaks(pool)))
+            print(format_peaks(compare_peaks(pool) + compare_peaks(pool, MOE_PEAK_GRID, MOE_PEAK_MODEL)))
     finally:
         pool.close()
         shutil.rmtree(SWAP_DIR, ignore_errors=True)

@@ -10,12 +10,19 @@ interface, leaving out loopback unless NCCL_SOCKET_IFNAME names it.
 
 A job spans hosts when this host runs fewer ranks than the world and the launch's master is not a
 loopback address (a loopback master can only be reached from its own host). The driver
-(megazero.launch) reads the environment and hands it in; this module only looks at sockets.
+(megazero.launch) reads the environment and hands it in; this module only looks at sockets (and,
+for the reachability probe, the launch's store that the driver hands in).
+
+A peer host's address can be routable yet unreachable (a firewall dropping packets, a route to a
+gateway nobody holds, the wrong interface offered): gloo then retries until its timeout. Before the
+process group starts, each host connects to a listener on every other host's process-group address
+and names the first one that does not answer within REACH_SECONDS.
 """
 from __future__ import annotations
 
 import fcntl
 import ipaddress
+import json
 import socket
 import struct
 
@@ -109,3 +116,61 @@ def _fix(variable: str) -> str:
     listed = ", ".join(f"{name} {address}" for name, address in found.items()) or "none found"
     return (f"set {variable} to this host's network interface (here: {listed}), or make the host name "
             f"resolve to that address")
+
+
+REACH_SECONDS = 5.0        # a peer host that has not answered a connection by then is unreachable
+
+
+def listen(address: str) -> socket.socket | None:
+    """A socket listening on `address` (any port) for the other hosts' reachability probes; the kernel
+    completes their connections, nothing accepts them."""
+    try:
+        s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((address, 0))
+        s.listen(128)
+        return s
+    except OSError:
+        return None
+
+
+def probe(address: str, port: int, seconds: float = REACH_SECONDS) -> str | None:
+    """None when a connection to address:port is made within `seconds`, else why not."""
+    try:
+        with socket.create_connection((address, port), timeout=seconds):
+            return None
+    except socket.timeout:
+        return f"no answer within {seconds:g} s: packets to it are dropped"
+    except OSError as err:
+        return (err.strerror or str(err)).lower()
+
+
+def check_reach(store, rank: int, world: int, local_rank: int, address: str | None,
+                ifname: str | None) -> tuple[socket.socket | None, str | None]:
+    """(this rank's listener, to close once every rank has probed; the line naming a peer host its
+    host cannot reach, or None). Every rank listens on its process-group address and posts it in the
+    launch's store; each host's local rank 0 connects to the first rank of every other address, so
+    a peer whose packets are dropped is named in seconds, before gloo would wait out its timeout."""
+    listener = listen(address) if address else None
+    port = listener.getsockname()[1] if listener is not None else 0
+    store.set(f"reach-address/{rank}", json.dumps([address, port, ifname]))
+    if local_rank != 0:
+        return listener, None
+    seen = {address}
+    for peer in range(world):
+        peer_address, peer_port, peer_ifname = json.loads(store.get(f"reach-address/{peer}"))
+        if peer_address in seen or not peer_port:
+            continue
+        seen.add(peer_address)
+        why = probe(peer_address, peer_port)
+        if why is not None:
+            host = json.loads(store.get(f"process/{peer}"))["host"]
+            return listener, unreachable_line(peer, host, peer_address, peer_port, why, peer_ifname)
+    return listener, None
+
+
+def unreachable_line(peer: int, host: str, address: str, port: int, why: str, ifname: str | None) -> str:
+    """The line naming a peer host this rank cannot connect to (its process-group address)."""
+    offered = f"GLOO_SOCKET_IFNAME={ifname} there" if ifname else "its host name's address"
+    return (f"cannot reach rank {peer} (host {host}) at {address}:{port} ({why}); that is the "
+            f"address its process group offers ({offered}): make it one the other hosts can reach (a route, "
+            f"a firewall), or set GLOO_SOCKET_IFNAME on host {host} to the interface they share")

@@ -28,6 +28,7 @@ import torch
 
 from megazero.core import host_read
 from megazero.core.comm import CommLog
+from megazero.dry_run_attention import gpu_attention
 from megazero.dry_run_device import DeviceStandIn
 
 DEFAULT_RANKS_PER_NODE = 8     # a GPU node's ranks, for the intra/inter-node split of the groups
@@ -135,13 +136,15 @@ def check_flags(argv: list[str], world: int, local_world: int | None = None) -> 
 
 
 def planner_figures(argv: list[str], world: int, local_world: int | None) -> dict:
-    """megazero.config.memory_estimate's figures for a GPU rank of this job (its largest stage)."""
-    from megazero.config.memory_estimate import estimate
+    """The memory planner's figures (megazero.config.memory_estimate.plan_bytes) for a GPU rank of
+    this job (its largest stage): model states, activations, comm buffers on the device, their sum."""
+    from megazero.config.memory_estimate import MODEL_STATE_KINDS, device_bytes, plan_bytes
     from megazero.config.train_flags import config_from_args, parse_args
     cfg = config_from_args(parse_args(argv), world, local_world or min(world, DEFAULT_RANKS_PER_NODE),
                            cuda_available=True)
-    found = estimate(cfg, world, "cuda")
-    return {"model_states": found.model_states, "activations": found.activations, "total": found.total}
+    plan = plan_bytes(cfg, world)
+    return {"model_states": sum(plan[k] for k in MODEL_STATE_KINDS), "activations": plan["activations"],
+            "comm_buffers": plan["comm_buffers"], "total": device_bytes(plan)}
 
 
 def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overflow_steps=(), streams=True):
@@ -167,7 +170,8 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
         return float("inf") if len(device.read_marks) + 1 in overflow_steps else 1.0
     try:
         with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
-                host_read.forcing({"gradient norm": gradient_norm} if overflow_steps else {}), device, device.phase_hooks(reads), \
+                host_read.forcing({"gradient norm": gradient_norm} if overflow_steps else {}), device, \
+                device.phase_hooks(reads), device.keeping_activations(), gpu_attention(), \
                 (stream_check.checking(devices=("cpu", "meta"), collect=True) if streams
                  else contextlib.nullcontext()) as checker, \
                 contextlib.redirect_stdout(io.StringIO()):

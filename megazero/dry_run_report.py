@@ -70,7 +70,8 @@ def table(result: dict) -> str:
     verdict = "all checks passed" if result["ok"] else f"{len(result['problems'])} problem(s)"
     lines = [f"dry run: {len(result['ranks'])} of {result['world_size']} ranks in {result['seconds']:.1f} s; "
              f"{verdict}", "",
-             f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'x':>4} {'peak MiB':>10} {'planner':>10} {'ratio':>6}  "
+             f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'x':>4} {'peak MiB':>10} {'reserved':>10} {'planner':>10} "
+             f"{'ratio':>6} {'host MiB':>9}  "
              f"at the peak (MiB): model states / activations / backward / communication / workspace"]
     for r in result["ranks"]:
         c = r["coords"] or {"tp": "-", "dp": "-", "pp": "-"}
@@ -78,8 +79,9 @@ def table(result: dict) -> str:
         peak, plan = m.get("peak"), (m.get("planner") or {}).get("total")
         ratio = f"{plan / peak:.2f}" if peak and plan else "-"
         owners = " / ".join(_mib(v) for v in (m.get("peak_by_owner") or {}).values()) or "-"
-        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3} {r['stands_for']:>4} {_mib(peak):>10} {_mib(plan):>10} "
-                     f"{ratio:>6}  {owners}")
+        host = (m.get("host") or {}).get("peak")
+        lines.append(f"{r['rank']:>6} {c['tp']:>3} {c['dp']:>4} {c['pp']:>3} {r['stands_for']:>4} {_mib(peak):>10} "
+                     f"{_mib(m.get('reserved_peak')):>10} {_mib(plan):>10} {ratio:>6} {_mib(host):>9}  {owners}")
     lines += ["", f"{'rank':>6}  {'ops':>6}  {'stream ops':>10}  {'races':>5}  {'skipped':>7}  "
                   f"collectives per step by group (calls, MiB)"]
     for r in result["ranks"]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 # differ from the next one's, so the index itself is part of the role.
 # Expert parallelism: the expert-data-parallel group (and its stage-3 gather communicator) is ZeRO's
 # axis for the expert weights; a rank's place in its ep group (which experts it holds) is positional.
-# (Both groups lie inside dp x cp, so dp's exact index and the cp place already fix them: named here
-# so that the role says so, not because the key would change without them.)
+# (With ep inside dp x cp, dp's exact index and the cp place already fix both; with whole experts,
+# ep spanning tensor-parallel ranks, ep's position adds to the key. The 16-rank test covers the first.)
 _EXACT = {"dp", "mics_shard", "mics_shard_gather", "mics_replica", "shard_node_local", "shard_cross_node", "hpz",
           "edp", "edp_gather"}
 

@@ -29,7 +29,7 @@ def attention_flops_per_token(cfg: GPTConfig) -> float:
 def layer_flops_per_token(cfg: GPTConfig, index: int | None = None) -> float:
     """Transformer layer `index`'s forward, per token (None: the mean over the layers). A mixture
     of experts counts its active weights: the router, the k experts a token goes to and the
-    shared expert."""
+    shared expert (with its gate)."""
     if index is None:
         return sum(layer_flops_per_token(cfg, i) for i in range(cfg.num_layers)) / cfg.num_layers
     h, width = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
@@ -38,7 +38,7 @@ def layer_flops_per_token(cfg: GPTConfig, index: int | None = None) -> float:
     per_width = (3 if cfg.activation == "swiglu" else 2) * h
     if cfg.is_moe_layer(index):
         mlp = (h * cfg.num_experts + per_width * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
-               + per_width * cfg.moe_shared_expert_intermediate_size)
+               + per_width * cfg.moe_shared_expert_intermediate_size + h * cfg.moe_shared_expert_gate)
     else:
         mlp = per_width * cfg.ffn_hidden_size
     return 2.0 * (projections + mlp) + attention_flops_per_token(cfg)

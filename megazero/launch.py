@@ -13,12 +13,14 @@ says so in the store: it prints its line (megazero.failures words it) and the ot
 mid-collective, leave quietly with the same line in torchrun's error file.
 
 Restarts (torchrun --max-restarts): every key of an attempt, the process group's own included, lives
-under that attempt's prefix of the rendezvous store. torchrun's static rendezvous keeps one store for
+under that attempt's prefix of the rendezvous store, numbered by the ranks' joins (each rank adds one
+to a counter, so attempt = (joins - 1) // world), which agree across hosts where torchrun's restart
+counts do not (a host that came back counts from 0). torchrun's static rendezvous keeps one store for
 all attempts and torch prefixes nothing, so a restarted attempt would otherwise read the dead
 attempt's addresses (gloo's connectFullMesh then fails, or hangs on a stale barrier count).
 
 It is the one module that reads the launcher's environment (WORLD_SIZE, RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_ERROR_FILE, OMP_NUM_THREADS,
+LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_ERROR_FILE, OMP_NUM_THREADS,
 CUDA_VISIBLE_DEVICES); what the runtime needs of it travels on in `Launch` and `TrainConfig`.
 """
 from __future__ import annotations
@@ -49,11 +51,11 @@ class Launch:
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
         self.local_world = int(env.get("LOCAL_WORLD_SIZE", str(self.world)))
         self._local_rank_from_env = "LOCAL_RANK" in env
-        self._prefix = f"megazero/attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
         self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
         self.threads = ""                             # the start-up line's thread count (device() sets it)
         self.address = None                           # the address this rank's process group offers its peers
+        self.spanning = False                         # whether ranks of this job run on other hosts
 
     def adopt_local_rank(self, flag_value: int | None) -> None:
         """Older launchers pass --local_rank instead of setting LOCAL_RANK."""
@@ -66,7 +68,10 @@ class Launch:
             import torch.distributed as dist
             self.rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
                                                                timeout=datetime.timedelta(minutes=30)))
-            self.store = dist.PrefixStore(self._prefix, self.rendezvous_store)
+            # The attempt from the ranks' joins, not TORCHELASTIC_RESTART_COUNT: a host whose torchrun
+            # joined later (an elastic job's host come back) counts its restarts from 0.
+            attempt = (self.rendezvous_store.add("megazero/joined", 1) - 1) // self.world
+            self.store = dist.PrefixStore(f"megazero/attempt{attempt}", self.rendezvous_store)
             self.store.set(f"process/{self.rank}", failures.process_identity(self.address))
 
     def address_problem(self, backend: str) -> str | None:
@@ -76,10 +81,24 @@ class Launch:
             return None
         from megazero import addresses
         env = os.environ
-        spanning = addresses.spans_hosts(self.world, self.local_world, env.get("MASTER_ADDR"))
+        spanning = self.spanning = addresses.spans_hosts(self.world, self.local_world, env.get("MASTER_ADDR"))
         problem, self.address = addresses.address_error(
             backend, {name: env.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}, spanning)
         return problem
+
+    def reach_problem(self, backend: str) -> str | None:
+        """The agreed line naming a peer host whose process-group address does not answer (gloo, in a
+        job spanning hosts; megazero.addresses.check_reach), None when every host answers."""
+        if self.store is None or not self.spanning or backend == "nccl":
+            return None
+        from megazero import addresses
+        listener, error = addresses.check_reach(self.store, self.rank, self.world, self.local_rank, self.address,
+                                                os.environ.get("GLOO_SOCKET_IFNAME"))
+        try:
+            return self.agree("reach", error)
+        finally:
+            if listener is not None:
+                listener.close()
 
     def cpu_optimizer_threads(self) -> int:
         """The offloaded optimizer's CPU Adam threads where --cpu-optimizer-threads is not given:
@@ -233,8 +252,8 @@ def topology_of(cfg, world: int):
     from megazero.parallel.topology import Topology
     par = cfg.parallel
     return Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                    cp=par.context_parallel, ep=par.expert_parallel, mics_shard_size=cfg.zero.mics_shard_size,
-                    ranks_per_node=par.ranks_per_node,
+                    cp=par.context_parallel, ep=par.expert_parallel, etp=par.expert_tensor_parallel,
+                    mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
                     hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
 
 
@@ -304,6 +323,14 @@ def _end_on(err: BaseException, launch: Launch, progress: Progress, interrupts: 
         line, code = progress.interrupted_line(), failures.EXIT_INTERRUPTED
     elif isinstance(err, UsageError):
         line, code = str(err) if launch.world == 1 else f"rank {launch.rank}: {err}", failures.EXIT_USAGE
+    elif _out_of_memory(err):      # said by every rank it happens on
+        from megazero import out_of_memory
+        device = progress.state.device if progress.state is not None else None
+        line = out_of_memory.out_of_memory_line(err, launch.rank if launch.world > 1 else None, progress.cfg, device)
+        launch.end_first(line, failures.EXIT_FAILURE)
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        failures.write_error_file(launch.error_file, line)
+        return failures.EXIT_FAILURE
     else:
         timeout = progress.cfg.parallel.timeout_minutes if progress.cfg else 0
         peers = launch.peers() if launch.store is not None else {}
@@ -317,6 +344,11 @@ def _end_on(err: BaseException, launch: Launch, progress: Progress, interrupts: 
         print(line if code == failures.EXIT_INTERRUPTED else f"error: {line}", file=sys.stderr)
     failures.write_error_file(launch.error_file, shown)
     return shown_code
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    from megazero.out_of_memory import is_out_of_memory      # torch: loaded by now
+    return is_out_of_memory(err)
 
 
 def _with_signals_restored(body):
@@ -370,6 +402,9 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
         if launch.world > 1 and "MASTER_ADDR" not in os.environ:
             return _end_agreed(launch, f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the "
                                        f"ranks with torchrun (or set MASTER_ADDR and MASTER_PORT)", failures.EXIT_USAGE)
+        unreachable = launch.reach_problem(progress.cfg.parallel.distributed_backend)
+        if unreachable:
+            return _end_agreed(launch, unreachable, failures.EXIT_USAGE)
         beat = _heartbeat(progress, launch)
         try:
             with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,

@@ -34,7 +34,8 @@ def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTra
         parallelize(model, groups.tp, tracker, sequence_parallel)
         if config.num_experts:
             apply_expert_parallel(model, tp=groups.tp, ep=groups.ep, cp=groups.cp,
-                                  sequence_parallel=sequence_parallel, dispatcher=moe_dispatcher)
+                                  sequence_parallel=sequence_parallel, dispatcher=moe_dispatcher,
+                                  whole_experts=topo.experts_fold_tp)
         apply_context_parallel(model, groups.cp, cp_comm_type)
         layers = ranges[v * topo.pp + groups.coords.pp]
         first = v == 0 and groups.is_first_stage

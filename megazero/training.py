@@ -26,6 +26,7 @@ from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers, copy_to_device
 from megazero.housekeeping import Housekeeping
 from megazero.stragglers import StragglerWatch, find_stragglers
+from megazero.out_of_memory import mark_phase
 from megazero.moe_stats import begin_moe_step, end_moe_step
 from megazero.data.sampler import MicrobatchSource
 from megazero.zero.engine import ZeroEngine
@@ -71,11 +72,21 @@ def zero_groups(groups: ProcessGroups) -> ZeroGroups:
                       tensor=groups.tp)
 
 
+def experts_apart(topology) -> bool:
+    """Whether expert weights need groups of their own (expert parallelism, or whole experts
+    under tensor parallelism: their gradients then sum over the tensor-parallel ranks too)."""
+    return topology.ep > 1 or topology.experts_fold_tp
+
+
 def expert_zero_groups(groups: ProcessGroups) -> ZeroGroups:
-    """ZeRO's groups for expert weights: the expert-data-parallel ranks (no MiCS: config/ refuses it
-    with expert parallelism, so mics_replica is this rank alone)."""
-    return ZeroGroups(dp=groups.edp, shard=groups.edp, replica=groups.mics_replica, model_parallel=groups.mp,
-                      gather=groups.edp_gather, tensor=groups.tp)
+    """ZeRO's groups for expert weights: the expert-data-parallel ranks, sharded inside each MiCS
+    shard group (topology.expert_shard_groups) and replicated across them. With whole experts
+    (etp 1) the expert groups span the tensor-parallel ranks, so the expert part of a norm is
+    summed over the pipeline stages alone."""
+    whole = groups.topology.experts_fold_tp
+    return ZeroGroups(dp=groups.edp, shard=groups.expert_shard, replica=groups.expert_replica,
+                      model_parallel=groups.pp if whole else groups.mp, gather=groups.edp_gather,
+                      tensor=groups.tp)
 
 
 def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
@@ -92,7 +103,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
                         device=device, counts_in_norm=lambda p: counts_in_norm(p, groups),
                         isolated=summed_across_stages, streams=streams,
                         lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
-                        expert_groups=expert_zero_groups(groups) if groups.topology.ep > 1 else None,
+                        expert_groups=expert_zero_groups(groups) if experts_apart(groups.topology) else None,
                         expert_parallel=groups.ep)
     for chunk in chunks:
         chunk.train()
@@ -118,7 +129,8 @@ class _Timed:
         for timers in self.timers:
             timers.start(self.name)
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, err, tb):
+        mark_phase(err, self.name)          # an out-of-memory error's line names the phase
         for timers in self.timers:
             timers.stop(self.name)
 

@@ -130,3 +130,33 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     if dropout_p:
         probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v).transpose(1, 2).flatten(2)
+
+
+# torch's SDPBackend numbering, as torch._fused_sdp_choice answers it
+_CHOICE_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+def attention_kernel(device, dtype, heads: int, groups: int, head_dim: int, dropout_p: float,
+                     backend: str = "auto") -> str:
+    """The kernel `core_attention` runs for a training forward of these shapes on `device`:
+    "written_out" (attention_reference), or the one torch's SDPA picks ("math", "flash", "efficient",
+    "cudnn"), asked of torch itself on a tiny tensor of the same dtype, heads and head size (its pick
+    does not depend on the length). The math kernel keeps (b, heads, s, s) probabilities; the others
+    O(s)."""
+    if backend in WRITTEN_OUT:
+        return "written_out"
+    device = torch.device(device)
+    if device.type == "meta" or not hasattr(torch, "_fused_sdp_choice"):
+        return "unknown"
+    native_gqa = groups != heads and SDPA_HAS_GQA and backend != "fused"
+    kv_heads = groups if native_gqa else heads
+    q = torch.zeros(1, heads, 8, head_dim, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.zeros(1, kv_heads, 8, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in "kv")
+    extra = {"enable_gqa": True} if native_gqa else {}
+    kernels = _kernels(backend, device.type)
+    if kernels is None:
+        choice = torch._fused_sdp_choice(q, k, v, None, dropout_p, True, **extra)
+    else:
+        with sdpa_kernel(kernels):
+            choice = torch._fused_sdp_choice(q, k, v, None, dropout_p, True, **extra)
+    return _CHOICE_NAMES.get(int(choice), "unknown")

@@ -41,6 +41,9 @@ class GPTConfig:
     apply_layernorm_1p: bool = False
     tie_embeddings: bool = True
     add_bias_linear: bool = True
+    # Biases in the QKV projection alone (Megatron-LM's --add-qkv-bias, Qwen's attention): on top of
+    # add_bias_linear, which puts them in every linear layer.
+    add_qkv_bias: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     # Which SDPA kernels attention may use ("local"/"unfused": the math written out; models/attention.py).
@@ -72,6 +75,7 @@ class GPTConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"            # probs, position
     moe_shared_expert_intermediate_size: int = 0    # 0: no shared expert
+    moe_shared_expert_gate: bool = False            # the shared expert's output x sigmoid(x . gate) (Qwen2-MoE)
     moe_layer_freq: Union[int, list] = 1            # every N-th layer MoE, or one 0/1 per layer
     moe_grouped_gemm: bool = False                  # torch._grouped_mm where it runs, else a loop
     # A checkpoint's model record written before recompute_granularity existed says this instead;

@@ -25,7 +25,7 @@ from .attention import RotaryTables, core_attention, rotate
 from .config import GPTConfig
 from .loss import linear_cross_entropy
 from .moe import MoELayer
-from .weight_grad import Embedding as Table, Linear
+from .weight_grad import Embedding as Table, Linear, linear
 
 
 class ZeroCenteredLayerNorm(nn.LayerNorm):
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
-        self.qkv = Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear)
+        self.qkv = Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias)
         self.core = CoreAttention(config.attention_dropout, config.attention_backend)
         self.proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                               bias=config.add_bias_linear)
@@ -132,6 +132,27 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
+class SharedExpertMLP(MLP):
+    """A MoE layer's shared expert with a gate (Megatron-LM's --moe-shared-expert-gate, Qwen2-MoE's
+    shared_expert_gate): the MLP's output times sigmoid(x . gate_weight), one scalar per token.
+    Tensor parallelism splits fc1/fc2 as any MLP's; gate_weight (1, h) stays whole on every rank."""
+
+    def __init__(self, config: GPTConfig, ffn_hidden_size: int):
+        super().__init__(config, ffn_hidden_size)
+        self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size))
+
+    def forward(self, x):
+        return super().forward(x) * torch.sigmoid(linear(x, self.gate_weight))
+
+
+def shared_expert(config: GPTConfig) -> MLP | None:
+    """The shared expert of a MoE layer (None without --moe-shared-expert-intermediate-size)."""
+    width = config.moe_shared_expert_intermediate_size
+    if not width:
+        return None
+    return SharedExpertMLP(config, width) if config.moe_shared_expert_gate else MLP(config, ffn_hidden_size=width)
+
+
 class TransformerLayer(nn.Module):
     """Pre-LN attention then feed-forward: a dense MLP, or a mixture of experts (models/moe.py) where
     the config's --moe-layer-freq says so for layer `index`."""
@@ -143,8 +164,7 @@ class TransformerLayer(nn.Module):
         self.attention_dropout = nn.Dropout(config.hidden_dropout)
         self.mlp_norm = make_norm(config)
         if config.is_moe_layer(index):
-            shared = config.moe_shared_expert_intermediate_size
-            self.mlp = MoELayer(config, MLP(config, ffn_hidden_size=shared) if shared else None)
+            self.mlp = MoELayer(config, shared_expert(config))
         else:
             self.mlp = MLP(config)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)

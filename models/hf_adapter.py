@@ -1,6 +1,8 @@
-"""Name and shape mapping between megazero's GPT and Hugging Face's GPT2LMHeadModel / LlamaForCausalLM.
+"""Name and shape mapping between megazero's GPT and Hugging Face's GPT2LMHeadModel / LlamaForCausalLM
+(and its mixtures of experts, MixtralForCausalLM and Qwen2MoeForCausalLM: models/hf_mixtral.py,
+models/hf_qwen2_moe.py).
 
-Owns, for both formats: which GPTConfig a Hugging Face `config.json` describes and back, which
+Owns, for every format: which GPTConfig a Hugging Face `config.json` describes and back, which
 megazero options a format can express exactly (anything else is refused naming the option, never
 exported approximately), and how every parameter maps. Pure functions on dicts and tensors: reading
 checkpoints and writing files is tools/convert_checkpoint.py's job. Like the rest of `models`, this
@@ -34,11 +36,13 @@ import torch
 
 from .config import GPTConfig
 from .gpt import GPT
-from .hf_mixtral import (mixtral_config_fields, mixtral_hf_problems, mixtral_mlp_entries, mixtral_problems,
-                         moe_fields_from_hf)
+from .hf_mixtral import MIXTRAL, fused_experts
+from .hf_qwen2_moe import QWEN2_MOE
 
-FORMATS = ("gpt2", "llama", "mixtral")
-ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+FORMATS = ("gpt2", "llama", "mixtral", "qwen2_moe")
+ARCHITECTURE = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_FORMATS = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}      # Llama's attention with experts
 VOCAB_ROWS = ("embedding.word.weight", "output_head.weight")
 # GPT-2 activation names (transformers' ACT2FN) -> F.gelu's `approximate`; all compute one of the two.
 GPT2_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -74,19 +78,22 @@ def _problems(config: GPTConfig, fmt: str) -> list[str]:
             (config.normalization == "rmsnorm", f"--normalization LayerNorm: {target} uses RMSNorm"),
             (config.rotary_percent == 1.0,
              f"--rotary-percent {config.rotary_percent}: {target} rotates every dim of a head"),
+            (fmt == "qwen2_moe" or config.add_bias_linear or not config.add_qkv_bias,
+             f"--add-qkv-bias without the other linear biases: {target} has no bias on q, k and v alone"),
         ]
-    if fmt == "mixtral":
-        checks += [(False, message) for message in mixtral_problems(config)]
+    if fmt in MOE_FORMATS:
+        checks += [(False, message) for message in MOE_FORMATS[fmt].problems(config)]
     elif config.num_experts:
         checks.append((False, f"--num-experts {config.num_experts}: {target} is dense (--format mixtral "
-                              f"holds mixtures of experts)"))
+                              f"or qwen2_moe holds mixtures of experts)"))
     return [message for ok, message in checks if not ok]
 
 
 def choose_format(config: GPTConfig, fmt: str = "auto") -> str:
     """`fmt`, or for "auto" the family the position embedding says; refuses what it cannot express."""
     if fmt == "auto":
-        fmt = "gpt2" if config.position_embedding == "learned" else "mixtral" if config.num_experts else "llama"
+        fmt = ("gpt2" if config.position_embedding == "learned" else "llama" if not config.num_experts
+               else "qwen2_moe" if config.moe_shared_expert_intermediate_size else "mixtral")
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r}: choose one of auto, {', '.join(FORMATS)}")
     problems = _problems(config, fmt)
@@ -125,10 +132,10 @@ def hf_config(config: GPTConfig, fmt: str, special_ids: dict | None = None) -> d
             "rope_theta": config.rotary_base, "rope_scaling": None,
             "attention_bias": config.add_bias_linear, "mlp_bias": config.add_bias_linear,
             "attention_dropout": config.attention_dropout}
-    if fmt != "mixtral":
+    if fmt not in MOE_FORMATS:
         return llama
     del llama["attention_bias"], llama["mlp_bias"]
-    return {**llama, **mixtral_config_fields(config)}
+    return {**llama, **MOE_FORMATS[fmt].config_fields(config)}
 
 
 def hf_format(hf: dict) -> str:
@@ -168,11 +175,11 @@ def gpt_config(hf: dict) -> GPTConfig:
             init_method_std=hf.get("initializer_range", 0.02))
     _require(hf, "hidden_act", ("silu", "swish"), "silu", "SwiGLU MLPs")
     moe = {}
-    if fmt == "mixtral":
-        problems = mixtral_hf_problems(hf)
+    if fmt in MOE_FORMATS:
+        problems = MOE_FORMATS[fmt].hf_problems(hf)
         if problems:
             raise ConversionError(problems[0])
-        moe = moe_fields_from_hf(hf)
+        moe = MOE_FORMATS[fmt].fields_from_hf(hf)
     hidden, heads = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
     rope = _rope_theta(hf)
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
@@ -281,7 +288,7 @@ def _gpt2_layer(config: GPTConfig, i: int) -> list[Entry]:
             _same(f"{ours}mlp.fc2.bias", f"{theirs}mlp.c_proj.bias")]
 
 
-def _llama_layer(config: GPTConfig, i: int) -> list[Entry]:
+def _llama_layer(config: GPTConfig, i: int, fmt: str) -> list[Entry]:
     ours, theirs = f"layers.{i}.", f"model.layers.{i}."
     head_dim = config.head_dim
 
@@ -302,14 +309,15 @@ def _llama_layer(config: GPTConfig, i: int) -> list[Entry]:
                 lambda t: tuple(c.contiguous() for c in t.chunk(2, dim=0)), lambda ts: torch.cat(ts))
 
     kinds = ("weight", "bias") if config.add_bias_linear else ("weight",)
-    moe = config.num_experts > 0
+    moe = config.is_moe_layer(i)
     entries = [_norm_scale(config, f"{ours}input_norm.weight", f"{theirs}input_layernorm.weight"),
                _norm_scale(config, f"{ours}mlp_norm.weight", f"{theirs}post_attention_layernorm.weight")]
+    entries += [qkv("weight")] + ([qkv("bias")] if config.add_bias_linear or config.add_qkv_bias else [])
     for kind in kinds:
-        entries += [qkv(kind), _same(f"{ours}attention.proj.{kind}", f"{theirs}self_attn.o_proj.{kind}")]
+        entries.append(_same(f"{ours}attention.proj.{kind}", f"{theirs}self_attn.o_proj.{kind}"))
         if not moe:
             entries += [gate_up(kind), _same(f"{ours}mlp.fc2.{kind}", f"{theirs}mlp.down_proj.{kind}")]
-    return entries + (mixtral_mlp_entries(i) if moe else [])
+    return entries + (MOE_FORMATS[fmt].mlp_entries(i) if moe else [])
 
 
 def parameter_map(config: GPTConfig, fmt: str) -> list[Entry]:
@@ -327,7 +335,7 @@ def parameter_map(config: GPTConfig, fmt: str) -> list[Entry]:
     if not config.tie_embeddings:
         entries.append(_same("output_head.weight", "lm_head.weight"))
     for i in range(config.num_layers):
-        entries += layer(config, i)
+        entries += layer(config, i) if fmt == "gpt2" else layer(config, i, fmt)
     return entries
 
 
@@ -353,12 +361,12 @@ def to_hf(config: GPTConfig, fmt: str, read: Callable[[str], torch.Tensor]) -> d
 
 def _canonical_hf_names(fmt: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Accepts files saved from the bare GPT2Model (no `transformer.` prefix) and drops GPT-2's
-    causal-mask buffers that older files carry."""
+    causal-mask buffers that older files carry; experts saved one by one are fused (hf_mixtral)."""
     if fmt == "gpt2" and not any(k.startswith("transformer.") for k in state):
         state = {(k if k == "lm_head.weight" else f"transformer.{k}"): v for k, v in state.items()}
     if fmt == "gpt2":
         state = {k: v for k, v in state.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    return state
+    return fused_experts(state) if fmt in MOE_FORMATS else state
 
 
 def hf_shapes(config: GPTConfig, fmt: str) -> dict[str, tuple[int, ...]]:

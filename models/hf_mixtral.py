@@ -11,6 +11,11 @@ expert bias), dropless, no linear biases.
 """
 from __future__ import annotations
 
+import re
+from typing import Callable, NamedTuple
+
+import torch
+
 from .config import GPTConfig
 
 
@@ -70,3 +75,48 @@ def mixtral_mlp_entries(i: int) -> list[tuple]:
     return [(f"{ours}router.weight", (f"{theirs}gate.weight",), lambda t: (t,), lambda ts: ts[0]),
             (f"{ours}experts.weight1", (f"{theirs}experts.gate_up_proj",), *per_expert_t),
             (f"{ours}experts.weight2", (f"{theirs}experts.down_proj",), *per_expert_t)]
+
+
+class MoEFormat(NamedTuple):
+    """A mixture-of-experts format's part of the mapping, as models/hf_adapter.py calls it."""
+    problems: Callable          # GPTConfig -> why the format cannot express it (messages)
+    config_fields: Callable     # GPTConfig -> config.json's keys beyond Llama's
+    fields_from_hf: Callable    # config.json -> GPTConfig's MoE fields
+    hf_problems: Callable       # config.json -> what of it megazero cannot match (messages)
+    mlp_entries: Callable       # layer index -> the sparse layer's (ours, theirs, split, join)
+
+
+MIXTRAL = MoEFormat(mixtral_problems, mixtral_config_fields, moe_fields_from_hf, mixtral_hf_problems,
+                    mixtral_mlp_entries)
+
+
+# Experts saved one by one (the hub's Mixtral and Qwen2-MoE files, transformers 4): layer, expert,
+# projection. Mixtral's w1 is the gate, w3 the up and w2 the down projection.
+_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with experts saved one by one fused as transformers 5 keeps them:
+    mlp.experts.gate_up_proj (E, 2f, h), each expert's [gate; up] rows, and mlp.experts.down_proj
+    (E, h, f); Mixtral's `block_sparse_moe.` prefix becomes `mlp.`. Fused files pass unchanged."""
+    pieces: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, tensor in state.items():
+        found = _PER_EXPERT.fullmatch(name)
+        if found is None:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = tensor
+            continue
+        layer, expert, kind = int(found[1]), int(found[2]), found[3]
+        pieces.setdefault(layer, {}).setdefault(expert, {})[_PROJECTION.get(kind, kind)] = tensor
+    for layer, experts in pieces.items():
+        ordered = [experts[e] for e in sorted(experts)]
+        lacking = [(e, k) for e in sorted(experts) for k in _PROJECTION.values() if k not in experts[e]]
+        if lacking:
+            raise ValueError(f"model.safetensors: layer {layer}'s expert {lacking[0][0]} has no {lacking[0][1]} "
+                             f"weight; the files are incomplete")
+        prefix = f"model.layers.{layer}.mlp.experts."
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in ordered])
+        out[prefix + "down_proj"] = torch.stack([p["down_proj"] for p in ordered])
+    return out

@@ -72,10 +72,11 @@ class Router(nn.Module):
         self.balancing, self.aux_coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
         self.z_coeff = config.moe_z_loss_coeff
         self.dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}[config.moe_router_dtype]
-        # DeepSeek-V3's per-expert bias: not a parameter (no gradient), updated from the step's loads
-        # by `update_expert_bias`; made on the first forward's device.
+        # DeepSeek-V3's per-expert bias: a buffer, not a parameter (no gradient), updated from the
+        # step's loads by `update_expert_bias`; in the state dict (checkpoints save and load it). A
+        # model built on the meta device gets its zeros on the first forward's device.
         self.use_bias, self.bias_rate = config.moe_router_enable_expert_bias, config.moe_router_bias_update_rate
-        self.expert_bias: torch.Tensor | None = None
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts) if self.use_bias else None)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype or x.dtype
@@ -83,7 +84,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, sequences: int, reduce_stats=_identity_stats, stats=None):
         logits = self.logits(x)
-        if self.use_bias and self.expert_bias is None:
+        if self.use_bias and self.expert_bias.is_meta and not x.is_meta:
             self.expert_bias = torch.zeros(self.num_experts, device=x.device)
         probs, indices = self.top_k(logits)
         loss = self.balancing_loss(logits, indices, sequences, reduce_stats, stats)
@@ -147,7 +148,7 @@ class Router(nn.Module):
         """DeepSeek-V3's aux-loss-free step: each expert's bias moves by the rate towards balance,
         up when it got fewer tokens than the mean, down when more. `load`: the step's token counts
         per expert summed over every token of the global batch (so every rank moves alike)."""
-        if self.expert_bias is None:
+        if self.expert_bias.is_meta and not load.is_meta:
             self.expert_bias = torch.zeros(self.num_experts, device=load.device)
         self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
 
@@ -268,7 +269,8 @@ class MoELayer(nn.Module):
     """The MoE block in a transformer layer's MLP place: forward(x (b, s, h)) -> (b, s, h)."""
 
     def __init__(self, config: GPTConfig, shared_experts: nn.Module | None = None):
-        """`shared_experts`: the MLP every token also goes through (gpt.py builds the dense MLP at
+        """`shared_experts`: the MLP every token also goes through (gpt.py builds the dense MLP, gated by
+        sigmoid(x . w) with --moe-shared-expert-gate, at
         --moe-shared-expert-intermediate-size), or None."""
         super().__init__()
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk

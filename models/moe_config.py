@@ -65,4 +65,7 @@ def validate_moe(cfg) -> None:
     for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.moe_shared_expert_gate and not cfg.moe_shared_expert_intermediate_size:
+        raise ValueError("--moe-shared-expert-gate scales the shared expert's output: it needs "
+                         "--moe-shared-expert-intermediate-size N")
     moe_layer_pattern(cfg.moe_layer_freq, cfg.num_layers)

@@ -60,8 +60,9 @@ def zero_grad_for(param: torch.Tensor) -> torch.Tensor:
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b (2-D, 16-bit) with an fp32 result: products of 16-bit numbers are exact in fp32, so
     this is the 16-bit GEMM's own fp32 accumulation without its final rounding. CUDA's GEMM writes
-    fp32 directly; elsewhere the inputs are widened first."""
-    if a.device.type == "cuda":
+    fp32 directly (so does meta, a GPU's stand-in in the dry run: it allocates what CUDA does);
+    elsewhere the inputs are widened first."""
+    if a.device.type in ("cuda", "meta"):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 

@@ -26,7 +26,10 @@ from megazero.models.param_info import param_info
 
 def counts_in_norm(param: nn.Parameter, groups: ProcessGroups) -> bool:
     """Whether this rank counts `param` in the global gradient norm."""
-    if not param_info(param).tensor_parallel and groups.coords.tp != 0:
+    # expert weights count on every rank: their groups sum them (zero/experts.py), whole experts
+    # (etp 1) being different experts on the tensor-parallel ranks
+    info = param_info(param)
+    if not (info.tensor_parallel or info.expert_parallel) and groups.coords.tp != 0:
         return False
     if param_info(param).shared_embedding and not groups.is_first_stage:
         return False

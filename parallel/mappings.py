@@ -7,7 +7,7 @@ Each name says which way data moves in the forward pass; the backward pass does 
     copy_to_tp_region            fwd identity          bwd all-reduce        (f)
     reduce_from_tp_region        fwd all-reduce        bwd identity          (g)
     scatter_to_tp_region         fwd split last dim    bwd all-gather last dim
-    gather_from_tp_region        fwd all-gather last   bwd split last dim
+    gather_from_tp_region        fwd all-gather last   bwd split last dim   (or another dim)
     scatter_to_sequence_region   fwd split seq dim     bwd all-gather seq dim
     gather_from_sequence_region  fwd all-gather seq    bwd reduce-scatter seq
     reduce_scatter_to_sequence_region  fwd reduce-scatter seq   bwd all-gather seq
@@ -94,13 +94,13 @@ class _ScatterToTP(torch.autograd.Function):
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, x.dim() - 1, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
+        return _split(grad, ctx.dim, ctx.group), None, None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -148,8 +148,10 @@ def scatter_to_tp_region(x, group: Group):
     return x if group.size == 1 else _ScatterToTP.apply(x, group)
 
 
-def gather_from_tp_region(x, group: Group):
-    return x if group.size == 1 else _GatherFromTP.apply(x, group)
+def gather_from_tp_region(x, group: Group, dim: int = -1):
+    """All-gather along `dim` (the last by default) of a tensor every rank holds a slice of, whose
+    gradient is the same on every rank (so the backward keeps its slice, no reduction)."""
+    return x if group.size == 1 else _GatherFromTP.apply(x, group, dim % x.dim())
 
 
 def scatter_to_sequence_region(x, group: Group, dim: int = SEQ_DIM):

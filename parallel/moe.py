@@ -18,6 +18,15 @@ input and probabilities enter through copy_to_tp (their gradients are partial pe
 partial outputs are summed. With sequence parallelism a rank routes its sequence shard (the
 router's gradient is then partial: marked sequence_parallel), the tokens and routing are gathered
 over TP, and the outputs reduce-scattered back to the shards.
+
+Whole experts (expert tensor-parallel size 1 under tp > 1, Megatron's etp 1): no expert weight is
+split over TP and the EP group is cut from all tp x cp x dp ranks of a stage (parallel/topology.py),
+so TP ranks hold different experts. Each TP rank sends its own tokens and none twice: under
+sequence parallelism its sequence shard as routed (the output is then already in the shard
+layout); without it, the TP ranks hold the same tokens, so each takes its 1/tp of the sequence
+after the (replicated) routing (scatter: the backward gathers the full gradient of the input and
+the probabilities, so the router's gradient stays whole on every rank) and the outputs are
+all-gathered back to the replicated layout (whose backward keeps the rank's slice).
 """
 from __future__ import annotations
 
@@ -31,8 +40,8 @@ from megazero.core.comm import Group
 from megazero.models.moe import AuxLossScaler, GroupedExperts, MoELayer
 from megazero.models.param_info import set_param_info
 from .layers import TPShard
-from .mappings import (copy_to_tp_region, gather_from_sequence_region, reduce_from_tp_region,
-                       reduce_scatter_to_sequence_region)
+from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
+                       reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,21 +180,45 @@ class _SumStats(torch.autograd.Function):
 class ParallelMoELayer(MoELayer):
     """The MoE layer over tensor- and expert-parallel ranks; parameters keep their names."""
 
-    def __init__(self, moe: MoELayer, tp: Group, sequence_parallel: bool, stats_groups: tuple[Group, ...]):
+    def __init__(self, moe: MoELayer, tp: Group, sequence_parallel: bool, stats_groups: tuple[Group, ...],
+                 whole_experts: bool = False):
         nn.Module.__init__(self)
         for name in ("num_experts", "topk", "capacity_factor", "drop_policy", "pad_to_capacity",
                      "aux_loss_weight", "stats", "dispatcher"):
             setattr(self, name, getattr(moe, name))
         self.router, self.experts, self.shared_experts = moe.router, moe.experts, moe.shared_experts
         self.tp, self.sp = tp, sequence_parallel and tp.size > 1
+        self.whole_experts = whole_experts and tp.size > 1
         stats_groups = tuple(g for g in stats_groups if g.size > 1)
         self.reduce_stats = (lambda t: _SumStats.apply(t, stats_groups)) if stats_groups else moe.reduce_stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, h, k = x.shape[0], x.shape[-1], self.topk
+        b, h = x.shape[0], x.shape[-1]
         probs, indices, loss = self.router(x.reshape(-1, h), b, self.reduce_stats, self.stats)
         if loss.requires_grad:
             probs = AuxLossScaler.apply(probs, loss, self.aux_loss_weight)
+        if self.whole_experts:
+            y = self.route_own_tokens(x, probs, indices)
+        else:
+            y = self.route_tp_split(x, probs, indices)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def route_own_tokens(self, x, probs, indices):
+        """Whole experts: this TP rank's own tokens (see the module docstring)."""
+        b, h, k = x.shape[0], x.shape[-1], self.topk
+        if self.sp:
+            return self.route(x.reshape(-1, h), probs, indices, b).view_as(x)
+        mine = scatter_to_sequence_region(x, self.tp)
+        probs = scatter_to_sequence_region(probs.view(b, -1, k), self.tp)
+        indices = indices.view(b, -1, k).chunk(self.tp.size, dim=1)[self.tp.rank]
+        y = self.route(mine.reshape(-1, h), probs.reshape(-1, k), indices.reshape(-1, k), b).view_as(mine)
+        return gather_from_tp_region(y, self.tp, dim=1)
+
+    def route_tp_split(self, x, probs, indices):
+        """Experts split over TP: every TP rank computes its part of every token's expert output."""
+        b, h, k = x.shape[0], x.shape[-1], self.topk
         if self.sp:
             full = gather_from_sequence_region(x, self.tp)
             probs = gather_from_sequence_region(probs.view(b, -1, k), self.tp)
@@ -200,24 +233,24 @@ class ParallelMoELayer(MoELayer):
             y = reduce_scatter_to_sequence_region(y, self.tp)
         elif self.tp.size > 1:
             y = reduce_from_tp_region(y, self.tp)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
         return y
 
 
 def parallelize_moe(moe: MoELayer, *, tp: Group, ep: Group, cp: Group, sequence_parallel: bool,
-                    dispatcher: str = "alltoall") -> ParallelMoELayer:
+                    dispatcher: str = "alltoall", whole_experts: bool = False) -> ParallelMoELayer:
     """`moe` (on the meta device) over `tp` and `ep`: local experts allocated (still meta), the
     dispatcher chosen, the routing statistics summed over the ranks holding other tokens of the
-    same sequences (cp, and tp under sequence parallelism)."""
+    same sequences (cp, and tp under sequence parallelism). `whole_experts`: the expert
+    tensor-parallel size is 1 (the experts are not split over tp; `ep` spans tp ranks)."""
     old, e = moe.experts, moe.num_experts
     h, f = old.weight2.shape[2], old.weight2.shape[1]
-    if e % ep.size or f % tp.size:
-        raise ValueError(f"{e} experts of width {f} do not split over ep {ep.size} x tp {tp.size}")
+    split = tp.size > 1 and not whole_experts
+    etp = tp.size if split else 1
+    if e % ep.size or f % etp:
+        raise ValueError(f"{e} experts of width {f} do not split over ep {ep.size} x etp {etp}")
     w = old.weight1
-    experts = GroupedExperts(e // ep.size, h, f // tp.size, swiglu=old.swiglu, gelu_approximate=old.gelu_approximate,
+    experts = GroupedExperts(e // ep.size, h, f // etp, swiglu=old.swiglu, gelu_approximate=old.gelu_approximate,
                              grouped=old.grouped, device=w.device, dtype=w.dtype)
-    split = tp.size > 1
     for weight, tp_shard in ((experts.weight1, TPShard(2, tp.rank, tp.size, 2 if old.swiglu else 1)),
                              (experts.weight2, TPShard(1, tp.rank, tp.size))):
         # one expert-parallel rank: the plain TPShard, which the checkpoint tools read
@@ -230,17 +263,17 @@ def parallelize_moe(moe: MoELayer, *, tp: Group, ep: Group, cp: Group, sequence_
     else:
         moe.dispatcher = HostCountsDispatcher()
     sp = sequence_parallel and tp.size > 1
-    layer = ParallelMoELayer(moe, tp, sp, (tp, cp) if sp else (cp,))
+    layer = ParallelMoELayer(moe, tp, sp, (tp, cp) if sp else (cp,), whole_experts=whole_experts)
     if layer.sp:
         set_param_info(layer.router.weight, sequence_parallel=True)
     return layer
 
 
 def apply_expert_parallel(model, *, tp: Group, ep: Group, cp: Group, sequence_parallel: bool,
-                          dispatcher: str = "alltoall"):
+                          dispatcher: str = "alltoall", whole_experts: bool = False):
     """Every MoE layer of `model` (a GPT, after the tensor-parallel swap) made a ParallelMoELayer."""
     for layer in model.layers.values():
         if isinstance(layer.mlp, MoELayer) and not isinstance(layer.mlp, ParallelMoELayer):
             layer.mlp = parallelize_moe(layer.mlp, tp=tp, ep=ep, cp=cp, sequence_parallel=sequence_parallel,
-                                        dispatcher=dispatcher)
+                                        dispatcher=dispatcher, whole_experts=whole_experts)
     return model

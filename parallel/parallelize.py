@@ -13,6 +13,7 @@ from torch import nn
 from megazero.core.comm import Group
 from megazero.models.gpt import GPT, Attention, Embedding, LMHead, MLP, TransformerLayer
 from megazero.models.moe import MoELayer
+from megazero.models.param_info import set_param_info
 from .layers import (ColumnParallelLinear, ParallelEmbedding, ParallelLMHead, RowParallelLinear,
                      SequenceParallelNorm, TPShard, VocabParallelEmbedding, mark_split)
 from .random import RNGTracker, TrackedDropout, TrackedModule, make_checkpoint_fn
@@ -41,6 +42,9 @@ def _parallelize_layer(layer: TransformerLayer, group: Group, sp: bool, tracker:
     if mlp is not None:
         mlp.fc1 = _column(mlp.fc1, group, sp, chunks=2 if mlp.swiglu else 1)
         mlp.fc2 = _row(mlp.fc2, group, sp)
+    gate = getattr(mlp, "gate_weight", None)        # the shared expert's gate: whole on every TP rank
+    if gate is not None and sp:                     # sees this rank's sequence shard: a partial gradient
+        set_param_info(gate, sequence_parallel=True)
     _parallelize_norms(layer, group, sp, tracker)
 
 

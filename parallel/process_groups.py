@@ -91,7 +91,9 @@ class ProcessGroups:
     hpz: Group                # hpZ: this rank's block of shard_node_local (topology.hpz_partition_size)
     ep: Group                 # expert parallel: the ranks holding the other experts (topology.ep_groups)
     edp: Group                # expert data parallel: the ranks holding the same experts
-    edp_gather: Group         # edp's ranks on a separate communicator, for stage-3 expert gathers
+    expert_shard: Group       # the edp ranks expert states shard over (edp itself without MiCS)
+    expert_replica: Group     # the edp ranks holding the same expert shard (this rank alone without MiCS)
+    edp_gather: Group         # expert_shard's ranks on a separate communicator, for stage-3 expert gathers
     log: CommLog
 
     @property

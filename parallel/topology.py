@@ -47,6 +47,7 @@ class Topology:
     hpz_partition_size: int = 1   # stage-3 hpZ: ranks of a node-local shard group per secondary partition
     cp: int = 1                   # context parallel: ranks splitting each sequence
     ep: int = 1                   # expert parallel: ranks of the dp x cp group the experts split over
+    etp: int = 0                  # expert tensor parallel: 0 or tp (experts split as the dense MLP), or 1
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp", "cp"):
@@ -78,7 +79,18 @@ class Topology:
             raise UsageError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if self.hpz_partition_size > 1:
             self._check_hpz()
-        if self.ep < 1 or dp_cp % self.ep:
+        if self.etp == 0:
+            object.__setattr__(self, "etp", self.tp)
+        if self.etp not in (1, self.tp):
+            raise UsageError(f"--expert-tensor-parallel-size {self.etp} must be 1 or --tensor-model-parallel-"
+                             f"size {self.tp}")
+        if self.experts_fold_tp:
+            if self.ep < 1 or (self.tp * dp_cp) % self.ep:
+                raise UsageError(f"--expert-model-parallel-size {self.ep} must divide tensor-parallel x "
+                                 f"data-parallel x context-parallel size {self.tp * dp_cp} (with "
+                                 f"--expert-tensor-parallel-size 1 experts fold into those ranks); choose a "
+                                 f"divisor of {self.tp * dp_cp}")
+        elif self.ep < 1 or dp_cp % self.ep:
             raise UsageError(f"--expert-model-parallel-size {self.ep} must divide the data-parallel x "
                              f"context-parallel size {dp_cp} (experts fold into those ranks); choose a "
                              f"divisor of {dp_cp}")
@@ -93,6 +105,12 @@ class Topology:
                 raise UsageError(f"zero_hpz_partition_size {hpz} must divide the ranks each node holds of "
                                  f"stage-3 shard group {sum(parts, [])} ({[len(p) for p in parts]}); "
                                  f"change it, ranks_per_node or mics_shard_size")
+
+    @property
+    def experts_fold_tp(self) -> bool:
+        """Expert tensor-parallel size 1 under tp > 1: experts are whole on each rank and the expert
+        groups are cut from all tp x cp x dp ranks of a pipeline stage (Megatron's etp x ep x edp)."""
+        return self.etp == 1 and self.tp > 1
 
     @property
     def dp_cp(self) -> int:
@@ -189,19 +207,52 @@ class Topology:
             groups.extend([part[j] for part in parts] for j in range(len(parts[0])))
         return groups
 
+    def _expert_domains(self) -> list[list[int]]:
+        """The ranks the expert groups are cut from: each (tp, pp) column's dp x cp ranks, or with
+        experts folding tp (etp 1) each pipeline stage's tp x cp x dp ranks in rank order."""
+        if self.experts_fold_tp:
+            n = self.tp * self.dp_cp
+            return [list(range(p * n, (p + 1) * n)) for p in range(self.pp)]
+        return self.dp_groups()
+
     def ep_groups(self) -> list[list[int]]:
-        """Expert parallel: blocks of `ep` consecutive ranks of each dp x cp group; each holds
-        1/ep of every MoE layer's experts and they trade tokens (Megatron's tp-ep-dp-pp folding)."""
-        return [ranks[i:i + self.ep] for ranks in self.dp_groups() for i in range(0, self.dp_cp, self.ep)]
+        """Expert parallel: blocks of `ep` consecutive ranks of each expert domain (dp x cp ranks of
+        one tp rank, or all tp x cp x dp ranks of a stage with etp 1); each holds 1/ep of every MoE
+        layer's experts and they trade tokens (Megatron's tp-ep-dp-pp folding)."""
+        return [ranks[i:i + self.ep] for ranks in self._expert_domains() for i in range(0, len(ranks), self.ep)]
 
     def edp_groups(self) -> list[list[int]]:
         """Expert data parallel: the ranks at the same place of every EP block, holding the same
         experts: expert gradients are reduced, and ZeRO shards expert states, over these."""
-        return [ranks[j::self.ep] for ranks in self.dp_groups() for j in range(self.ep)]
+        return [ranks[j::self.ep] for ranks in self._expert_domains() for j in range(self.ep)]
 
     def ep_of(self, rank: int) -> int:
         """The rank's place in its expert-parallel group (which experts it holds)."""
+        if self.experts_fold_tp:
+            return (rank % (self.tp * self.dp_cp)) % self.ep
         return ((rank // self.tp) % self.dp_cp) % self.ep
+
+    @property
+    def expert_shard_size(self) -> int:
+        """Ranks of an expert-data-parallel group that expert states shard over: all of them, or
+        with MiCS those inside this rank's MiCS shard group (mics_shard_size / ep of them when ep
+        divides it, one when mics_shard_size divides ep; validate_expert_parallel refuses others)."""
+        edp = len(self.edp_groups()[0])
+        if self.mics_shard_size == self.dp_cp:
+            return edp
+        m = self.mics_shard_size
+        return m // self.ep if m % self.ep == 0 else 1 if self.ep % m == 0 else 0
+
+    def expert_shard_groups(self) -> list[list[int]]:
+        """MiCS over experts: blocks of expert_shard_size consecutive ranks of each edp group (the
+        edp group itself without MiCS)."""
+        m = self.expert_shard_size or 1
+        return [ranks[i:i + m] for ranks in self.edp_groups() for i in range(0, len(ranks), m)]
+
+    def expert_replica_groups(self) -> list[list[int]]:
+        """The edp ranks at the same place of every expert shard block (each rank alone without MiCS)."""
+        m = self.expert_shard_size or 1
+        return [ranks[j::m] for ranks in self.edp_groups() for j in range(m)]
 
     def hpz_groups(self) -> list[list[int]]:
         """Blocks of hpz_partition_size consecutive ranks of each node-local shard group."""
@@ -213,7 +264,7 @@ class Topology:
         return {"mics_shard_gather": self.mics_shard_groups(),
                 "shard_node_local": self.shard_node_local_groups(),
                 "shard_cross_node": self.shard_cross_node_groups(), "hpz": self.hpz_groups(),
-                "edp_gather": self.edp_groups()}
+                "edp_gather": self.expert_shard_groups()}
 
     def all_group_kinds(self) -> dict[str, list[list[int]]]:
         return {
@@ -221,6 +272,7 @@ class Topology:
             "mp": self.model_parallel_groups(), "embedding": self.embedding_groups(),
             "mics_shard": self.mics_shard_groups(), "mics_replica": self.mics_replica_groups(),
             "ep": self.ep_groups(), "edp": self.edp_groups(),
+            "expert_shard": self.expert_shard_groups(), "expert_replica": self.expert_replica_groups(),
         }
 
     def groups_of(self, rank: int) -> dict[str, list[int]]:
@@ -234,7 +286,7 @@ class Topology:
 
     def describe(self) -> str:
         return (f"world={self.world_size} tp={self.tp} " + (f"cp={self.cp} " if self.cp > 1 else "")
-                + (f"ep={self.ep} " if self.ep > 1 else "")
+                + (f"ep={self.ep} " if self.ep > 1 else "") + ("etp=1 " if self.experts_fold_tp else "")
                 + f"pp={self.pp} dp={self.dp} "
                 f"mics_shard={self.mics_shard_size} ranks_per_node={self.ranks_per_node}"
                 + (f" hpz={self.hpz_partition_size}" if self.hpz_partition_size > 1 else ""))
@@ -290,9 +342,8 @@ def validate_context_parallel(topology: Topology, *, seq_length: int, num_attent
                          f"--cp-comm-type a2a or allgather")
 
 
-def validate_expert_parallel(topology: Topology, *, num_experts: int, expert_tensor_parallel: int,
-                             mics: bool, capacity: bool, dispatcher: str, checkpoint: str | None = None,
-                             expert_bias: bool = False) -> None:
+def validate_expert_parallel(topology: Topology, *, num_experts: int, mics: bool, capacity: bool,
+                             dispatcher: str, seq_length: int = 0) -> None:
     """Checks that the experts split over the expert-parallel ranks; raises UsageError."""
     ep, tp = topology.ep, topology.tp
     if num_experts == 0:
@@ -300,19 +351,26 @@ def validate_expert_parallel(topology: Topology, *, num_experts: int, expert_ten
     if num_experts % ep:
         raise UsageError(f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}; "
                          f"choose an ep that divides the experts")
-    if expert_tensor_parallel != tp:
-        raise UsageError(f"--expert-tensor-parallel-size {expert_tensor_parallel} must equal "
-                         f"--tensor-model-parallel-size {tp} (experts split over TP as the dense MLP); "
-                         f"remove the flag")
-    if ep > 1 and mics:
-        raise UsageError("MiCS shard groups (mics_shard_size) with --expert-model-parallel-size > 1 are not "
-                         "supported: expert states shard over the expert-data-parallel group; drop one")
+    if topology.experts_fold_tp:
+        if mics:
+            raise UsageError("MiCS shard groups (mics_shard_size) with --expert-tensor-parallel-size 1 under "
+                             "--tensor-model-parallel-size > 1 are not supported (the expert groups span "
+                             "tensor-parallel ranks, MiCS's do not); drop one")
+        if capacity:
+            raise UsageError("--moe-expert-capacity-factor counts each sequence's tokens per expert, and "
+                             "--expert-tensor-parallel-size 1 splits each sequence's tokens over the tensor-"
+                             "parallel ranks; drop one (dropless routing works with it)")
+        if seq_length and (seq_length // topology.cp) % tp:
+            raise UsageError(f"--expert-tensor-parallel-size 1 gives each tensor-parallel rank 1/{tp} of the "
+                             f"tokens: --seq-length {seq_length} / cp {topology.cp} must be divisible by "
+                             f"--tensor-model-parallel-size {tp}")
+    if ep > 1 and mics and not topology.expert_shard_size:
+        raise UsageError(f"mics_shard_size {topology.mics_shard_size} and --expert-model-parallel-size {ep}: "
+                         f"one must divide the other (expert states shard over the expert-data-parallel "
+                         f"ranks inside each MiCS shard group); change one of them")
     if capacity and topology.cp > 1:
         raise UsageError("--moe-expert-capacity-factor counts each sequence's tokens per expert, and "
                          "--context-parallel-size splits sequences over ranks; drop one (dropless routing "
                          "works with context parallelism)")
     if dispatcher not in ("alltoall", "allgather"):
         raise UsageError(f"--moe-token-dispatcher-type {dispatcher}: choose alltoall or allgather")
-    if checkpoint and expert_bias:
-        raise UsageError(f"{checkpoint} with --moe-router-enable-expert-bias is not supported yet (the "
-                         f"expert bias is not saved); drop one")

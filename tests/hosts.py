@@ -100,9 +100,24 @@ class Hosts:
                 lines.append(f"{'127.0.1.1' if j == k and loopback else self.address(j)} {name}")
             (etc / "hosts").write_text("\n".join(lines) + "\n")
 
+    def offer_unreachable(self, k: int, to: int) -> str:
+        """Host k gets a second interface, side0 at 10.66.0.(k+1) (one end of a veth pair of its own, as a
+        link to another network), which host `to` routes to a gateway nobody holds: its packets there
+        are lost (no host answers, nothing refuses). Returns the interface's name (for
+        GLOO_SOCKET_IFNAME on host k)."""
+        _ip("-n", self.spaces[k], "link", "add", "side0", "type", "veth", "peer", "name", "side1")
+        _ip("-n", self.spaces[k], "addr", "add", f"10.66.0.{k + 1}/24", "dev", "side0")
+        for end in ("side0", "side1"):
+            _ip("-n", self.spaces[k], "link", "set", end, "up")
+        _ip("-n", self.spaces[to], "route", "add", "10.66.0.0/24", "via", f"{SUBNET}.99")
+        return "side0"
+
     def reset(self) -> None:
         """Between tests: every job ended, every link up, every name at its address."""
         self._end_jobs()
+        for space in self.spaces:
+            _ip("-n", space, "link", "del", "side0", check=False)     # and its peer
+            _ip("-n", space, "route", "del", "10.66.0.0/24", check=False)
         for k in range(self.count):
             _ip("-n", self.bridge, "link", "set", f"{self.tag}p{k}", "up")
         self.set_names(False)

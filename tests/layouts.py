@@ -31,7 +31,7 @@ SMALL_HIDDEN, SMALL_HEADS = 32, 4     # small_config's width and attention heads
 def small_config(tp=1, pp=1, stage=0, *, steps=10, micro=2, global_batch=16, layers=4, tied=True,
                  sequence_parallel=False, virtual=1, schedule="auto", mics=-1, zero_extra=None,
                  model_extra=None, bf16=False, clip=0.05, lr=1e-3, layer_split=None, cp=1,
-                 cp_comm_type="p2p", ep=1, moe_dispatcher="alltoall") -> TrainConfig:
+                 cp_comm_type="p2p", ep=1, moe_dispatcher="alltoall", etp=0) -> TrainConfig:
     shape = dict(vocab_size=VOCAB, padded_vocab_size=0, hidden_size=SMALL_HIDDEN, num_layers=layers,
                  num_attention_heads=SMALL_HEADS, ffn_hidden_size=64, seq_length=16, hidden_dropout=0.0,
                  attention_dropout=0.0, tie_embeddings=tied)
@@ -47,6 +47,7 @@ def small_config(tp=1, pp=1, stage=0, *, steps=10, micro=2, global_batch=16, lay
                                               sequence_parallel=sequence_parallel,
                                               context_parallel=cp, cp_comm_type=cp_comm_type,
                                               expert_parallel=ep, moe_dispatcher=moe_dispatcher,
+                                              expert_tensor_parallel=etp,
                                               virtual_stages=virtual, schedule=schedule,
                                               layer_split=layer_split))
     cfg.precision.bf16 = bf16
@@ -83,6 +84,7 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict
             params[name] = (safe_get_full_fp32_param(p), param_info(p).tp_shard)
     return {"coords": tuple(groups.coords), "losses": losses, "norms": norms, "params": params, "moe": moe,
             "ep_rank": groups.topology.ep_of(groups.rank), "edp_rank": groups.edp.rank,
+            "cp_rank": groups.topology.cp_of(groups.rank),
             "in_flight": max(in_flight, default=0), "memory": state.engine.memory.report(),
             "comm": dict(groups.log.last_step)}
 
@@ -93,6 +95,7 @@ def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None):
     world = par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp
     groups = ctx.groups(Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
                                  cp=par.context_parallel, ep=par.expert_parallel,
+                                 etp=par.expert_tensor_parallel,
                                  mics_shard_size=cfg.zero.mics_shard_size))
     if groups is None:
         return None

@@ -1,7 +1,7 @@
 """Convert megazero checkpoints.
 
     python tools/convert_checkpoint.py consolidate --load runs/ckpt --output out/model [--with-optimizer]
-    python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama|mixtral]
+    python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama|mixtral|qwen2_moe]
                                              [--without-tokenizer]
     python tools/convert_checkpoint.py import-hf --input path/to/hf_model --save runs/imported
 
@@ -11,7 +11,8 @@ one parameter at a time (see megazero/checkpoint/consolidate.py). It prints the 
 
 `export-hf` writes a checkpoint of any layout as OUT/config.json + OUT/model.safetensors (fp32) in
 GPT2LMHeadModel's format (learned positions, GELU, LayerNorm) or LlamaForCausalLM's (rotary, SwiGLU,
-RMSNorm); `auto` picks by the position embedding. A model the format cannot express exactly is
+RMSNorm), mixtures of experts as MixtralForCausalLM's or Qwen2MoeForCausalLM's (a gated shared
+expert); `auto` picks by the position embedding, the experts and the shared expert. A model the format cannot express exactly is
 refused, naming the option. The run's tokenizer (which every checkpoint keeps) goes with it in the
 form transformers loads (megazero/data/tokenizer_export.py), its bos/eos/pad ids in config.json and
 generation_config.json, so `AutoTokenizer`, `generate` and `pipeline("text-generation")` work from
@@ -165,14 +166,14 @@ def parse_args(argv=None):
     c.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     c.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
     c.add_argument("--with-optimizer", action="store_true", help="also write the full Adam states")
-    e = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2, Llama or Mixtral model directory")
+    e = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model directory")
     e.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     e.add_argument("--output", required=True, help="directory for config.json and model.safetensors")
     e.add_argument("--format", default="auto", choices=["auto", *hf_adapter.FORMATS],
-                   help="target format; auto: gpt2 for learned positions, mixtral for rope with experts, llama for rope")
+                   help="target format; auto: gpt2 for learned positions, qwen2_moe for rope with experts and a shared expert, mixtral for rope with experts, llama for rope")
     e.add_argument("--without-tokenizer", action="store_true",
                    help="export the weights alone, without the checkpoint's tokenizer")
-    i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2, Llama or Mixtral model as a megazero checkpoint")
+    i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model as a megazero checkpoint")
     i.add_argument("--input", required=True, help="directory with config.json and model.safetensors")
     i.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
     return parser.parse_args(argv)

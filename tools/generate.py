@@ -44,6 +44,8 @@ def load_model(reader: CheckpointReader, device: torch.device) -> GPT:
         for name, param in model.named_parameters():
             param.copy_(reader.full_tensor(name, "fp32"))
             reader.close()             # files are memory-mapped: keep only what was read
+        for name, buffer in model.named_buffers():     # the routers' expert biases (to_empty left them unset)
+            buffer.copy_(reader.buffer(name) if name in reader.buffers else torch.zeros_like(buffer))
     return model.eval()
 
 

@@ -1,7 +1,8 @@
 """One full fp32 state dict from a sharded checkpoint of any layout, written one parameter at a time.
 
 `consolidate(load, output)` writes `output/model.safetensors` with exactly the keys and shapes of
-`GPT(config).state_dict()` (a tied head appears under both of its names, as in the state dict) and
+`GPT(config).state_dict()` (a tied head appears under both of its names, as in the state dict; the
+routers' expert biases, buffers, are in it) and
 `output/config.json` with the GPTConfig fields, so
 
     model = GPT(GPTConfig(**json.load(open("config.json"))))
@@ -65,6 +66,8 @@ def consolidate(load: str | Path, output: str | Path, with_optimizer: bool = Fal
     out.mkdir(parents=True, exist_ok=True)
 
     def produce(name: str, kind: str) -> torch.Tensor:
+        if name in reader.buffers:         # an expert bias: one saved tensor, no optimizer state
+            return reader.buffer(name)
         tensor = reader.full_tensor(source(name), kind)
         reader.close()                 # files are memory-mapped: keep one parameter resident
         return tensor
@@ -74,7 +77,7 @@ def consolidate(load: str | Path, output: str | Path, with_optimizer: bool = Fal
             return "embedding.word.weight"
         return name
 
-    missing = [k for k in keys if source(k) not in reader.where]
+    missing = [k for k in keys if source(k) not in reader.where and k not in reader.buffers]
     if missing:
         raise ValueError(f"{reader.path}: no saved values for {missing[:3]}; not a checkpoint of this model")
     entries = list(keys.items())
@@ -83,7 +86,7 @@ def consolidate(load: str | Path, output: str | Path, with_optimizer: bool = Fal
     write_json_atomic(out / "config.json", reader.metadata["model"])
     written = {"model.safetensors": len(entries), "config.json": 1}
     if with_optimizer:
-        names = sorted({source(k) for k in keys})
+        names = sorted({source(k) for k in keys if k not in reader.buffers})
         opt_entries = [(f"{n}.{kind}", reader.full_shape(n)) for n in names for kind in ("exp_avg", "exp_avg_sq")]
         write_safetensors_streaming(out / "optimizer.safetensors", opt_entries,
                                     lambda key: produce(*key.rsplit(".", 1)))

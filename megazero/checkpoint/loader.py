@@ -4,7 +4,8 @@ For every parameter this rank's ZeRO storage holds, the reader assembles the sav
 each kind (fp32 master, and unless told otherwise exp_avg and exp_avg_sq), this rank's TP slice is
 taken and the storage writes its own piece (`write_full`, which also refreshes the low-precision
 weights). One parameter at a time, no communication: every layout reads every other. Vocabulary
-padding (it depends on the TP degree) is cut or zero-filled. The loss scaler, Adam's step count and,
+padding (it depends on the TP degree) is cut or zero-filled. The model's buffers (the routers'
+expert biases) are set from the checkpoint, by name, whatever layout saved them. The loss scaler, Adam's step count and,
 for the same rank of the same layout on the same device type, the RNG states follow.
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
                 full = _fit(reader.full_tensor(name, kind), full_shape, name, reader.path)
                 value = shard.local_from_full(full) if shard is not None else full
                 storage.write_full(param, kind, value.to(storage.device))
+    _load_buffers(state, reader)
     meta = reader.metadata
     if finetune:
         return LoadResult(0, 0, reader.run_id, False)
@@ -76,6 +78,17 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     state.iteration = meta["iteration"]
     rng = load_rng and _restore_rng(state, reader)
     return LoadResult(meta["iteration"], meta["consumed_samples"], reader.run_id, rng)
+
+
+def _load_buffers(state, reader: CheckpointReader) -> None:
+    """The model's buffers (expert biases) from the checkpoint, whatever layout saved them; one the
+    checkpoint lacks (saved without the expert bias) keeps its initial zeros."""
+    for chunk in state.chunks:
+        for name, buffer in list(chunk.named_buffers()):
+            if name in reader.buffers:
+                owner, _, leaf = name.rpartition(".")
+                value = _fit(reader.buffer(name), tuple(buffer.shape), name, reader.path)
+                setattr(chunk.get_submodule(owner), leaf, value.to(state.device))
 
 
 def _restore_rng(state, reader: CheckpointReader) -> bool:

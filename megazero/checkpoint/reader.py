@@ -38,7 +38,7 @@ ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention
                        "num_query_groups", "kv_channels", "ffn_hidden_size", "position_embedding",
                        "activation", "gelu_approximate", "normalization", "norm_epsilon",
                        "apply_layernorm_1p", "rotary_base", "rotary_percent", "tie_embeddings",
-                       "add_bias_linear")
+                       "add_bias_linear", "add_qkv_bias")
 
 
 def resolve(path: str | Path) -> Path:
@@ -68,9 +68,12 @@ class CheckpointReader:
         for rank, data_name in enumerate(self.metadata["rank_files"]):
             self._check_rank_file(rank, data_name)
         self.where: dict[str, list[tuple[int, dict]]] = {}
+        self.buffers: dict[str, tuple[int, dict]] = {}     # name -> (a rank that saved it, its entry)
         for index in self.indexes:
             for name, entry in index["pieces"].items():
                 self.where.setdefault(name, []).append((index["rank"], entry))
+            for name, entry in index.get("buffers", {}).items():
+                self.buffers.setdefault(name, (index["rank"], entry))
 
     def _check_rank_file(self, rank: int, data_name: str) -> None:
         """Present, of the recorded size, and (its own header says) of this run and rank."""
@@ -135,6 +138,13 @@ class CheckpointReader:
         if tp is not None:
             per_ep = [[TPShard(tp[0], 0, tp_size, tp[3]).full_from_locals(pieces)] for pieces in per_ep]
         return torch.cat([pieces[0] for pieces in per_ep]) if ep is not None else per_ep[0][0]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The saved model buffer `name` (an expert bias), fp32."""
+        if name not in self.buffers:
+            raise CheckpointError(f"{self.path}: has no buffer {name!r}; it was saved from another model")
+        rank, entry = self.buffers[name]
+        return self._read(rank, f"buffer/{name}", entry["crc"]).view(entry["shape"])
 
     def _read(self, rank: int, key: str, crc: int) -> torch.Tensor:
         path = self.path / self.metadata["rank_files"][rank]

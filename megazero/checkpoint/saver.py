@@ -5,7 +5,8 @@ parameter piece it holds (`local_pieces`) the fp32 master, exp_avg and exp_avg_s
 parameter's model name, with where the piece sits in the (TP-local) parameter and how that
 parameter is split over TP. Copies held elsewhere too are written once: by the rank that counts the
 parameter in the gradient norm (TP rank 0 for replicated ones, the first stage for a tied
-embedding), and by the first MiCS replica (DP rank 0 at stage 0). Also per rank: its RNG states.
+embedding), and by the first MiCS replica (DP rank 0 at stage 0). Also per rank: its RNG states;
+and by the first DP and TP rank of each stage, the model's buffers (the routers' expert biases).
 Rank 0 adds metadata.json: model, layout, iteration, consumed samples, loss scaler, Adam step,
 lr schedule, and the run's tokenizer (its files go into tokenizer/).
 
@@ -61,7 +62,7 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
         # stage 0 keeps whole copies on the data-parallel ranks (experts: the expert-data-parallel ones)
         experts = engine.expert_groups is not None and engine.is_expert_storage(storage)
         copy_index = (groups.edp.rank if experts else groups.dp.rank) if storage.shard is None else \
-            engine.groups.replica.rank
+            (engine.expert_groups if experts else engine.groups).replica.rank
         if copy_index != 0:
             continue
         for param, offset, length in storage.local_pieces():
@@ -85,17 +86,32 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
                 tensors[f"{name}/{kind}"] = host
                 entry["crc"][kind] = crc32(host)
             pieces[name] = entry
+    buffers = model_buffers(state, tensors) if groups.dp.rank == 0 and groups.coords.tp == 0 else {}
     rng = {"cpu": torch.get_rng_state()}
     if state.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(state.device)
     rng.update({f"tracker/{k}": v.cpu() for k, v in state.tracker.get_states().items()})
     for key, value in rng.items():
         tensors[f"rng/{key}"] = value.clone()
-    index = {"rank": groups.rank, "coords": list(groups.coords), "pieces": pieces,
+    index = {"rank": groups.rank, "coords": list(groups.coords), "pieces": pieces, "buffers": buffers,
              "rng": {key: crc32(value) for key, value in rng.items()}, "layout_key": layout_key(state)}
     # What the optimizer's placement keeps beside the states (ZenFlow's open "auto" window).
     index.update(engine.placement.checkpoint_index(engine.storages(), lambda p: canonical_name(p, engine)))
     return tensors, index
+
+
+def model_buffers(state, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """The model's buffers (the routers' expert biases: state outside the optimizer, the same on
+    every rank of a stage) into `tensors` as "buffer/<name>"; their index entries. Written by the
+    first data-parallel and tensor-parallel rank of each stage. One never used yet (still on the
+    meta device of the build) is its initial zeros."""
+    index = {}
+    for chunk in state.chunks:
+        for name, buffer in chunk.named_buffers():
+            host = torch.zeros(buffer.shape) if buffer.is_meta else buffer.detach().to("cpu", torch.float32, copy=True)
+            tensors[f"buffer/{name}"] = host
+            index[name] = {"shape": list(buffer.shape), "crc": crc32(host)}
+    return index
 
 
 def layout_key(state) -> list:

@@ -179,6 +179,7 @@ def _model_flags(p) -> None:
     _add(g, "--untie-embeddings-and-output-weights", action="store_true",
          help="separate output layer instead of the input embedding")
     _add(g, "--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    _add(g, "--add-qkv-bias", action="store_true", help="biases in the QKV projection, whatever --disable-bias-linear")
     _add(g, "--hidden-dropout", type=float, default=0.1, help="dropout on hidden states, in [0, 1)")
     _add(g, "--attention-dropout", type=float, default=0.1, help="dropout on attention weights, in [0, 1)")
     _add(g, "--recompute-activations", action="store_true",

@@ -31,21 +31,7 @@ stage 1's chunk temporary), beside the activations of the other microbatches a p
 an allgather_bucket_size bucket. Set-up: one parameter's full fp32 initial value and its slice.
 (bench/plan_memory_table.py compares the planned total with the processes' measured peak.)
 
-Activations, roughly: Korthikanti et al. (2022) count 34 s·b·h bytes per layer in 16 bits plus
-5 a·s²·b for attention scores (the attention terms scaled here to the heads' real widths, with
---kv-channels and grouped-query attention); attention here runs through scaled_dot_product_attention,
-which need not keep the scores, so only the first term is counted (twice that in fp32) unless the
-attention is the written-out math (--attention-backend local/unfused) without selective
-recomputation; split over the tensor parallel ranks, for the microbatches a pipeline stage holds at
-once (the pipeline size under 1F1B, all of them under GPipe). Full recomputation keeps only the input
-of each checkpointed layer group. The fused output layer and loss (models/loss.py, chunked by its
-memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when the weights are 16-bit,
-and the output weight's fp32 gradient twice over (the sum, and one chunk's product added to it); when
-the whole head is one chunk, the forward keeps that chunk (exp(logits - max)) for the backward, once
-per microbatch in flight.
-Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
-(`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
-transient blocks (`cp_transient_bytes`).
+Activations: megazero/config/activation_memory.py (re-exported here).
 """
 from __future__ import annotations
 
@@ -57,8 +43,12 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
-from megazero.config.moe_memory import dense_layer_config, moe_layer_extra, stage_moe_layers
-from megazero.models.loss import chunk_tokens_for, keeps_softmax
+from megazero.config.attention_memory import kernel_for
+from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe_layer_persistent_extra,
+                                        moe_transient_bytes, stage_moe_layers)
+from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
+    activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
+    layer_activation_split, layer_activation_units, output_layer_bytes)
 from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
@@ -89,104 +79,6 @@ def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad
                                 separate_master: bool) -> float:
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks."""
     return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master).values())
-
-
-def layer_activation_units(model_cfg) -> float:
-    """Korthikanti et al.'s bytes per token of one layer in 16 bits, in units of the hidden size: 34
-    = 19 (MLP) + 4 (norms) + 11 (attention: its input 2, dropout mask 1, q 2, k 2, v 2, projection
-    input 2). The attention terms are counted here at their real widths, heads x head size for q and
-    the projection input, query groups x head size for k and v."""
-    h = model_cfg.hidden_size
-    width = model_cfg.num_attention_heads * model_cfg.head_dim
-    kv = model_cfg.num_query_groups * model_cfg.head_dim
-    return (26 * h + 4 * width + 4 * kv) / h
-
-
-def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_flight: int = 1) -> float:
-    """What the fused output layer and loss (models/loss.py) hold at once in backward: one chunk of
-    fp32 logits (chunk_tokens_for's policy) and, with 16-bit weights, its gradient in their dtype,
-    and the output weight's fp32 gradient with one chunk's fp32 product being added to it. A head
-    run as one chunk keeps it from forward to backward: the other microbatches in flight hold theirs."""
-    vocab = model_cfg.padded_vocab_size / tp
-    chunk = chunk_tokens_for(tokens, math.ceil(vocab))
-    sixteen_bit_copy = weight_bytes if weight_bytes < 4 else 0
-    held = chunk * vocab * (4 + sixteen_bit_copy) + 2 * vocab * model_cfg.hidden_size * 4
-    if keeps_softmax(tokens, chunk):
-        held += (in_flight - 1) * tokens * vocab * 4
-    return held
-
-
-def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
-                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p") -> float:
-    """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
-
-    Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
-    full set while it is recomputed; selective recomputation saves the attention scores, which only
-    the written-out attention (--attention-backend local/unfused) keeps. Context parallelism keeps
-    seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`)."""
-    m = model_cfg
-    tokens, hidden = seq * micro // cp, m.hidden_size
-    full_layer = layer_activation_units(m) * tokens * hidden * weight_bytes / 2 / tp
-    full_layer += cp_saved_per_layer(seq, micro, m, tp, cp, cp_comm_type, weight_bytes)
-    written_out = m.attention_backend in ("local", "unfused") and not (cp > 1 and cp_comm_type == "p2p")
-    if written_out and m.recompute_granularity != "selective":
-        # every rank's queries (or, Ulysses, heads) over the whole sequence: 1/cp of the scores
-        full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp / cp
-    kept_input = tokens * hidden * weight_bytes
-    if m.recompute_granularity == "full" and m.recompute_method == "uniform":
-        group = min(m.recompute_num_layers, layers)
-        per_micro = math.ceil(layers / group) * kept_input + group * full_layer
-    elif m.recompute_granularity == "full":        # block: the first N layers of each chunk
-        recomputed = min(layers, sum(min(m.recompute_num_layers, n) for n in chunk_layers))
-        per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
-    else:
-        per_micro = layers * full_layer
-    return (per_micro * in_flight + output_layer_bytes(tokens, m, tp, weight_bytes, in_flight)
-            + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes))
-
-
-def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
-                       weight_bytes: int) -> float:
-    """What a context-parallel attention saves for its backward beyond the layer's usual
-    activations: the ring keeps its merged output in fp32 and one fp32 log-sum-exp per query and head;
-    allgather keeps the gathered keys and values (the whole sequence's); Ulysses nothing extra
-    (its head-split tensors are the local ones' size)."""
-    if cp == 1:
-        return 0.0
-    m, local = model_cfg, seq * micro / cp
-    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
-    if comm_type == "p2p":
-        return local * heads * (m.head_dim + 1) * 4
-    if comm_type == "allgather":
-        return 2 * seq * micro * groups * m.head_dim * weight_bytes
-    return 0.0
-
-
-def cp_mask_bytes(seq: int, cp: int, comm_type: str, weight_bytes: int) -> float:
-    """allgather's additive mask of the local queries over the whole sequence, in the activations'
-    dtype: one tensor that every layer's attention saves (parallel.context_parallel._visible_bias)."""
-    return seq / cp * seq * weight_bytes if cp > 1 and comm_type == "allgather" else 0.0
-
-
-def cp_transient_bytes(cfg: TrainConfig) -> float:
-    """The peak of a context-parallel attention's own buffers inside one layer's backward: the ring's
-    K/V held and in flight with their fp32 gradient accumulators (4 blocks), q, out and dq in fp32,
-    and one block's fp32 scores, probabilities and score gradients; allgather's gathered K/V
-    gradients before the reduce-scatter and a copy for gloo; Ulysses' head-split q, k, v, out and
-    their gradients (8 local-sized tensors)."""
-    par, m = cfg.parallel, cfg.model
-    cp, tp, micro = par.context_parallel, par.tensor_parallel, cfg.micro_batch_size
-    if cp == 1:
-        return 0.0
-    local = m.seq_length * micro / cp
-    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
-    weight_bytes = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
-    if par.cp_comm_type == "p2p":
-        return (4 * 2 * local * groups * m.head_dim * 4 + 3 * local * heads * m.head_dim * 4
-                + 3 * heads * local * local / micro * 4)
-    if par.cp_comm_type == "allgather":
-        return 2 * 2 * m.seq_length * micro * groups * m.head_dim * weight_bytes
-    return 8 * local * heads * m.head_dim * weight_bytes
 
 
 def _one_layer_model(model_cfg):
@@ -239,6 +131,7 @@ class RankLayout(Record):
     shards: int                # ZeRO partitions (data-parallel size, or the MiCS shard size)
     layers_per_stage: int
     in_flight: int             # microbatches a stage holds activations for at once
+    microbatches: int = 1      # per step and data-parallel rank
 
 
 def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
@@ -256,33 +149,57 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     moe_last = stage_moe_layers(model, range(model.num_layers - layers_per_stage, model.num_layers))
     first, last = first + moe_first * extra, last + moe_last * extra
     ep = par.expert_parallel
+    # whole experts (etp 1 under tp): not split over tp, their groups cut from tp x dp x cp ranks
+    expert_tp = 1 if par.expert_tensor_parallel == 1 else tp
+    mics = cfg.zero.mics_shard_size
+    expert_shards = (tp // expert_tp) * dp * cp // ep
+    if 0 < mics < dp * cp:           # MiCS: the edp ranks inside a shard group
+        expert_shards = mics // ep if mics % ep == 0 else 1
     persistent = 0
     if cfg.zero.stage == 3:
         p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
         p_tied = tied_copy if tied_copy // tp <= cfg.zero.param_persistence_threshold else 0
-        persistent = (p_embedding + layers_per_stage * p_layer + (p_head if pp == 1 else 0) if first >= last
-                      else layers_per_stage * p_layer + p_head + p_tied)
+        p_moe = moe_layer_persistent_extra(model, tp, cfg.zero.param_persistence_threshold)
+        persistent = (p_embedding + layers_per_stage * p_layer + moe_first * p_moe + (p_head if pp == 1 else 0)
+                      if first >= last else layers_per_stage * p_layer + moe_last * p_moe + p_head + p_tied)
     microbatches = cfg.num_microbatches(dp)
     return RankLayout(
         parameters=embedding + model.num_layers * layer + head
         + stage_moe_layers(model, range(model.num_layers)) * (extra + experts),
-        expert_parameters=math.ceil(max(moe_first if first >= last else moe_last, 0) * experts / ep / tp),
-        expert_shards=max(dp * cp // ep, 1),
+        expert_parameters=math.ceil(max(moe_first if first >= last else moe_last, 0) * experts / ep / expert_tp),
+        expert_shards=max(expert_shards, 1),
         rank_parameters=math.ceil(max(first, last) / tp),
         persistent_parameters=math.ceil(persistent / tp),
         weight_bytes=2 if prec.bf16 or prec.fp16 else 4,
         grad_bytes=2 if prec.grad_accum_dtype != "fp32" else 4,
         shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp * cp,   # ZeRO: dp x cp
         layers_per_stage=layers_per_stage,
-        in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches))
+        in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches), microbatches=microbatches)
 
 
-def _activations(cfg: TrainConfig, r: RankLayout) -> float:
+def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None) -> float:
+    """The activations of the largest stage; with `device_type`, what its attention kernel allocates."""
     m, par = cfg.model, cfg.parallel
+    kernel = kernel_for(cfg, device_type)
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
-    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, r.layers_per_stage,
-                            par.tensor_parallel, r.in_flight, r.weight_bytes, chunks,
-                            par.context_parallel, par.cp_comm_type)
+    in_flight, layers = r.in_flight, r.layers_per_stage
+    if par.virtual_stages > 1 and par.schedule != "gpipe":
+        in_flight = interleaved_in_flight(par.pipeline_parallel, par.virtual_stages, r.microbatches)
+    elif par.pipeline_parallel > 1 and par.schedule != "gpipe":
+        # 1F1B: stage s holds min(pp - s, microbatches) microbatches of its own layers, and only
+        # the last stage the output layer (one microbatch in flight there): the planner answers for
+        # the stage that holds the most
+        pp = par.pipeline_parallel
+        split = par.layer_split or [r.layers_per_stage] * pp
+        stages = [(n, min(pp - s, r.microbatches), s == pp - 1) for s, n in enumerate(split)]
+        return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
+                                    r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
+                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel)
+                   for n, held, last in stages)
+    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
+                            par.tensor_parallel, in_flight, r.weight_bytes, chunks,
+                            par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel,
+                            kernel=kernel)
 
 
 def largest_param(model_cfg, tp: int) -> int:
@@ -327,7 +244,11 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> fl
     if z.stage >= 2:        # reduced after every microbatch, while a pipeline holds the others'
         reduction += activations * (r.in_flight - 1) / r.in_flight
     initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
-    peak = max(activations + staging + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)
+    head = output_layer_bytes(cfg.model.seq_length * cfg.micro_batch_size // par.context_parallel, cfg.model,
+                              par.tensor_parallel, r.weight_bytes, r.in_flight)
+    # a MoE layer's dispatch buffers run in the backward while the staged buckets fill: the larger counts
+    moe = moe_transient_bytes(cfg, r.weight_bytes, head)
+    peak = max(activations + max(staging, moe) + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)
     return float(live * r.weight_bytes + peak - activations)
 
 
@@ -406,6 +327,8 @@ class MemoryEstimate(Record):
     bytes_per_param: float
     model_states: float        # bytes
     activations: float         # bytes
+    attention: float = 0.0     # of the activations: what the device's attention kernel adds (math: s^2)
+    kernel: str = "unknown"    # that kernel (config/attention_memory.py)
 
     @property
     def total(self) -> float:
@@ -426,8 +349,10 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
     if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
         kinds["params"] = 0.0
     per_param = sum(kinds.values())
+    activations, kernel = _activations(cfg, r, device_type), kernel_for(cfg, device_type)
     return MemoryEstimate(parameters=r.parameters, rank_parameters=r.rank_parameters, bytes_per_param=per_param,
-                          model_states=r.rank_parameters * per_param, activations=_activations(cfg, r))
+                          model_states=r.rank_parameters * per_param, activations=activations,
+                          attention=activations - _activations(cfg, r), kernel=kernel)
 
 
 def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, str] | None:
@@ -448,10 +373,16 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, st
 
 
 def describe_refusal(cfg: TrainConfig, found: MemoryEstimate, available: float, how: str) -> str:
+    attention = ""
+    if found.attention > 0:
+        why = " (torch's flash kernel takes no dropout there: --attention-dropout 0 runs it)" if (
+            cfg.model.attention_dropout > 0) else ""
+        attention = (f", of which {found.attention / GIB:.1f} GiB are the {found.kernel} attention kernel's "
+                     f"(b, heads, s, s) probabilities{why}")
     return (f"this run needs about {found.total / GIB:.1f} GiB per rank but {available / GIB:.1f} GiB is "
             f"available ({how}): model states {found.model_states / GIB:.1f} GiB ({found.parameters / 1e6:.1f}M "
             f"parameters, {found.rank_parameters / 1e6:.1f}M on the largest rank at {found.bytes_per_param:g} "
             f"bytes each, ZeRO stage {cfg.zero.stage}), activations {found.activations / GIB:.1f} GiB "
-            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}); lower "
+            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}{attention}); lower "
             f"--seq-length, --micro-batch-size or the model size, or spread it (--zero-stage, "
             f"--tensor-model-parallel-size, --pipeline-model-parallel-size, --recompute-activations)")

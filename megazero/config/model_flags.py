@@ -43,7 +43,8 @@ def model_config(args, vocab: int, tp: int, pp: int, cuda: bool) -> tuple[GPTCon
             normalization="rmsnorm" if args.normalization == "RMSNorm" else "layernorm",
             norm_epsilon=args.norm_epsilon, apply_layernorm_1p=args.apply_layernorm_1p,
             tie_embeddings=not args.untie_embeddings_and_output_weights,
-            add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
+            add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
+            hidden_dropout=args.hidden_dropout,
             attention_dropout=args.attention_dropout, attention_backend=args.attention_backend,
             recompute_granularity=granularity, recompute_method=method, recompute_num_layers=layers,
             init_method_std=args.init_method_std, **moe_fields(args))

@@ -42,6 +42,8 @@ def add_moe_flags(g, add) -> None:
         help="which tokens over capacity drop: the lowest probabilities or the latest positions")
     add(g, "--moe-shared-expert-intermediate-size", type=int, default=0,
         help="width of the shared expert every token also goes through; 0: none")
+    add(g, "--moe-shared-expert-gate", action="store_true",
+        help="scale the shared expert's output by sigmoid(x . w), a learned (1, hidden) gate per layer")
     add(g, "--moe-layer-freq", default="1",
         help="every N-th layer MoE (from layer 0), or a Python list of 0/1 per layer, e.g. ([1]*3+[0])*2")
     add(g, "--moe-grouped-gemm", action="store_true",
@@ -49,9 +51,11 @@ def add_moe_flags(g, add) -> None:
     add(g, "--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="alltoall",
         help="how tokens reach the experts over the expert-parallel group")
     add(g, "--expert-model-parallel-size", type=int, default=None,
-        help="ranks the experts are split over, out of the data-parallel x context-parallel ranks", shown=1)
+        help="ranks the experts are split over, out of the data-parallel x context-parallel ranks "
+             "(x the tensor-parallel ranks with --expert-tensor-parallel-size 1)", shown=1)
     add(g, "--expert-tensor-parallel-size", type=int, default=None,
-        help="tensor-parallel ranks of each expert: the tensor-parallel size", shown="tp")
+        help="tensor-parallel ranks of each expert: the tensor-parallel size, or 1 (whole experts; "
+             "the expert groups then span the tensor-parallel ranks too)", shown="tp")
     # Megatron-DeepSpeed's names (ALIASES)
     add(g, "--moe-expert-parallel-size", type=int, default=None,
         help="Megatron-DeepSpeed's --expert-model-parallel-size", shown="off")
@@ -104,6 +108,7 @@ def moe_fields(args) -> dict:
     if not args.num_experts:
         given = [f"--{n.replace('_', '-')}" for n in ("moe_router_topk", "moe_aux_loss_coeff",
                                                        "moe_expert_capacity_factor") if merged[n] is not None]
+        given += ["--moe-shared-expert-gate"] if args.moe_shared_expert_gate else []
         if given or (merged["expert_model_parallel_size"] or 1) > 1:
             flag = given[0] if given else "--expert-model-parallel-size"
             raise UsageError(f"{flag} needs --num-experts N (a mixture of experts); add it or remove {flag}")
@@ -123,6 +128,7 @@ def moe_fields(args) -> dict:
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_layer_freq=layer_freq(args.moe_layer_freq), moe_grouped_gemm=args.moe_grouped_gemm)
 
 

@@ -20,6 +20,7 @@ class ParallelConfig(Record):
     sequence_parallel: bool = False
     context_parallel: int = 1                    # ranks splitting each sequence (--context-parallel-size)
     expert_parallel: int = 1                     # ranks the experts split over, out of dp x cp
+    expert_tensor_parallel: int = 0              # 0: tp (experts split as the dense MLP); 1: whole experts
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     cp_comm_type: Literal["p2p", "a2a", "allgather"] = "p2p"
     """How attention sees the whole sequence under context parallelism: ring attention (p2p),

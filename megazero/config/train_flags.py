@@ -124,7 +124,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     topology = Topology(world_size=world_size, tp=args.tensor_model_parallel_size,
                         pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
                         ranks_per_node=args.ranks_per_node or local_world_size or world_size, cp=cp,
-                        ep=expert_parallel_size(args))
+                        ep=expert_parallel_size(args), etp=args.expert_tensor_parallel_size or 0)
     check_zero_layout(zero, topology)
     model = _model_config(args, topology, notes)
     check_attention_precision(model, precision.bf16 or precision.fp16, _uses_cuda(args))
@@ -144,12 +144,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                               sequence_parallel=args.sequence_parallel and topology.tp > 1,
                               attention_dropout=model.attention_dropout)
     validate_expert_parallel(topology, num_experts=model.num_experts,
-                             expert_tensor_parallel=args.expert_tensor_parallel_size or topology.tp,
                              mics=topology.mics_shard_size != topology.dp_cp,
                              capacity=model.moe_expert_capacity_factor is not None,
-                             dispatcher=args.moe_token_dispatcher_type,
-                             checkpoint="--save" if args.save else "--load" if args.load else None,
-                             expert_bias=model.moe_router_enable_expert_bias)
+                             dispatcher=args.moe_token_dispatcher_type, seq_length=model.seq_length)
 
     from megazero.data.gpt_dataset import parse_split
     parse_split(args.split)
@@ -194,6 +191,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         parallel=ParallelConfig(tensor_parallel=topology.tp, pipeline_parallel=topology.pp,
                                 sequence_parallel=args.sequence_parallel and topology.tp > 1,
                                 context_parallel=cp, cp_comm_type=cp_comm_type, expert_parallel=topology.ep,
+                                expert_tensor_parallel=topology.etp,
                                 moe_dispatcher=args.moe_token_dispatcher_type, virtual_stages=virtual, layer_split=args.pipeline_layer_split,
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
                                 distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication,

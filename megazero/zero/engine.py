@@ -313,6 +313,11 @@ class ZeroEngine:
             if self.zero.stage > 0:
                 comm.all_reduce(experts, self.expert_groups.shard)
             comm.all_reduce(experts, self.expert_parallel)
+            if self.expert_groups.model_parallel is not self.groups.model_parallel:
+                # whole experts (etp 1): the expert groups spanned the tensor-parallel ranks already
+                comm.all_reduce(experts, self.expert_groups.model_parallel)
+                comm.all_reduce(total, self.groups.model_parallel)
+                return total + experts
             total += experts
         comm.all_reduce(total, self.groups.model_parallel)
         return total

@@ -45,7 +45,8 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
         curve[it + 1] = (step.loss, step.loss_scale)
         if save_at == it + 1:
             saver.save(state, (it + 1) * cfg.global_batch_size)
-    out = {"curve": curve, "rng": rng, "coords": tuple(groups.coords)}
+    out = {"curve": curve, "rng": rng, "coords": tuple(groups.coords),
+           "biases": {n: b.tolist() for chunk in state.chunks for n, b in chunk.named_buffers()}}
     if params:                    # the live model, gathered as the exactness tests do
         from megazero.zero.state_access import safe_get_full_fp32_param
         out["params"] = {n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)

@@ -83,7 +83,7 @@ def test_process_groups_give_their_device_to_every_group():
 
     cpu, meta = devices(ProcessGroups.single()), devices(ProcessGroups.single(device="meta"))
     assert {"mics_shard_gather", "shard_node_local", "shard_cross_node", "hpz", "cp", "ep", "edp",
-            "edp_gather"} <= set(cpu) and len(cpu) == 15
+            "edp_gather", "expert_shard", "expert_replica"} <= set(cpu) and len(cpu) == 17
     assert set(cpu.values()) == {torch.device("cpu")}
     assert set(meta.values()) == {torch.device("meta")}
 

@@ -2,7 +2,7 @@
 ranks train exactly as one host's 4 ranks (TP 2 x ZeRO-3 with a static rendezvous, PP 2 x ZeRO-1 with
 c10d; fp32 losses, gradient norms and the saved checkpoint to rtol 1e-5), the checkpoint written by
 both hosts to one shared path; a host whose name resolves to loopback is refused in one line before
-anything connects; a host killed (kill -9 of its whole tree) or cut off (its link down: no process
+anything connects, and one whose address does not answer (packets lost) is named in seconds; a host killed (kill -9 of its whole tree) or cut off (its link down: no process
 ends, no socket closes) ends the job on the other host within --distributed-timeout-minutes, in one
 line naming the lost host and its ranks, and the checkpoint saved before still loads; with
 --max-restarts 1 and c10d a worker killed on one host restarts both hosts, which resume exactly, and
@@ -94,6 +94,29 @@ def test_a_loopback_host_name_is_refused_before_connecting(hosts, tmp_path):
         _no_worker_traceback(tmp_path / f"{k}.log")
         assert "exitcode  : 2" in log and line[len("error: "):] in log        # torchrun's summary shows it
     print(f"loopback refusal: ends after {max(t for _, t in ends):.1f} s")
+
+
+def test_an_unreachable_host_is_named_in_seconds(hosts, tmp_path):
+    """Host 1's ranks offer an address (GLOO_SOCKET_IFNAME=side0) that host 0 routes to a gateway
+    nobody holds: packets are lost, nothing refuses. Named in one line with the rank and address well
+    before the 5-minute timeout; every host ends. (10.66 sorts below 10.77, so gloo has host 0's
+    ranks connect to it: without the probe host 0 ends with gloo's "no route to host" and host 1
+    waits on past 150 s. The other way round gloo's pairs would connect, by luck of the ordering.)"""
+    ifname = hosts.offer_unreachable(1, to=0)
+    port = next(_ports)
+    flags = MODEL + ["--train-iters", "2", "--run-dir", str(tmp_path / "run"), "--distributed-timeout-minutes", "5"]
+    jobs = [hosts.torchrun(k, 2, 2, flags, tmp_path / f"{k}.log", port=port,
+                           env={"GLOO_SOCKET_IFNAME": "eth0" if k == 0 else ifname}) for k in range(2)]
+    ends = wait_all(jobs, 150)
+    assert [code for code, _ in ends] == [1, 1], (ends, (tmp_path / "0.log").read_text()[-3000:])
+    assert max(t for _, t in ends) < 120, ends      # start-up (25-65 s loaded) and the probe, not the 300 s timeout
+    [line] = _errors(tmp_path / "0.log")
+    assert line.startswith("error: cannot reach rank 2 (host mzh1) at 10.66.0.2:"), line
+    assert "GLOO_SOCKET_IFNAME=side0 there" in line, line
+    for k in range(2):
+        _no_worker_traceback(tmp_path / f"{k}.log")
+        assert "exitcode  : 2" in (tmp_path / f"{k}.log").read_text()
+    print(f"unreachable host: every host ends {max(t for _, t in ends):.1f} s after launch")
 
 
 @pytest.mark.parametrize("how", ["kill", "cut"])
@@ -191,6 +214,80 @@ def test_a_host_lost_for_good_resizes_the_job_and_resumes(hosts, tmp_path, strai
     assert sorted(got) == sorted(straight)
     torch.testing.assert_close(torch.tensor([got[i] for i in sorted(got)]),
                                torch.tensor([straight[i] for i in sorted(straight)]), rtol=1e-5, atol=0)
+
+
+def _signal(job, sig) -> list[int]:
+    pids = workers(job)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def _term_pending(pid: int) -> bool:
+    """Whether SIGTERM waits on a (stopped) process: torchrun has begun stopping it."""
+    try:
+        status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    except OSError:
+        return True                   # gone
+    return any(int(status[key], 16) & (1 << (signal.SIGTERM - 1)) for key in ("SigPnd", "ShdPnd"))
+
+
+def test_a_host_that_comes_back_is_used_again(hosts, tmp_path, straight):
+    """--nnodes 1:2 --max-restarts 2 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): host 1 killed, host 0 goes on alone (world 2) and saves; host 1's
+    torchrun started again joins the rendezvous, torchrun restarts host 0's workers, and both hosts
+    resume at world 4 from the world-2 checkpoint, resharded back, to the straight curve (rtol 1e-5).
+    Host 0's world-2 workers are held (SIGSTOP, let run in 0.3 s slices) so that they save and have
+    not finished when host 1 is back."""
+    save = tmp_path / "ckpt"
+    flags = RESTART_FLAGS + ["--save-interval", "2", "--run-dir", str(tmp_path / "run"), "--save", str(save),
+                             "--load", str(save)]
+    port = next(_ports)
+    extra = ["--max-restarts", "2", "--monitor-interval", "1", "--rdzv-conf", "last_call_timeout=2"]
+    # torch's shared rendezvous store publishes the workers' MASTER_ADDR in the first round only, so a
+    # node joining a later round waits for it until it times out: the opt-out makes every round say it
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    start = lambda k, log: hosts.torchrun(k, "1:2", 2, flags, tmp_path / log, rdzv="c10d", port=port,  # noqa: E731
+                                          extra=extra, env=env)
+    first = start(0, "0.log")
+    start(1, "1.log")
+    began = time.monotonic()
+    latest = lambda: (save / "latest").read_text().strip() if (save / "latest").exists() else ""  # noqa: E731
+    log0 = lambda: (tmp_path / "0.log").read_text(errors="replace")  # noqa: E731
+    while not latest():
+        assert time.monotonic() - began < 300 and first.poll() is None, log0()[-3000:]
+        time.sleep(0.1)
+    hosts.kill(1)
+    at_loss = latest()
+    while "world=2 tp=1 pp=1 dp=2" not in log0():
+        assert time.monotonic() - began < 400 and first.poll() is None, log0()[-3000:]
+        time.sleep(0.1)
+    _signal(first, signal.SIGSTOP)
+    while latest() <= at_loss:               # world 2 trains in slices until it has saved
+        assert time.monotonic() - began < 500 and first.poll() is None, log0()[-3000:]
+        _signal(first, signal.SIGCONT)
+        time.sleep(0.3)
+        _signal(first, signal.SIGSTOP)
+    saved_at_world_2 = latest()
+    back = start(1, "1b.log")
+    held = workers(first)
+    while not all(_term_pending(pid) for pid in held):     # torchrun restarts host 0 for the newcomer
+        assert time.monotonic() - began < 600 and first.poll() is None, log0()[-3000:]
+        time.sleep(0.2)
+    _signal(first, signal.SIGCONT)
+    ends = wait_all([first, back], 150)
+    log = log0()
+    assert [code for code, _ in ends] == [0, 0], (ends, log[-3000:], (tmp_path / "1b.log").read_text()[-3000:])
+    assert log.count("world=4 tp=1 pp=1 dp=4") == 2 and log.count("world=2 tp=1 pp=1 dp=2") == 1, log[-3000:]
+    assert f"from {save / saved_at_world_2} at iteration" in log.split("world=4 tp=1 pp=1 dp=4")[-1], log[-3000:]
+    got = _curve(tmp_path / "run")
+    assert sorted(got) == sorted(straight)
+    torch.testing.assert_close(torch.tensor([got[i] for i in sorted(got)]),
+                               torch.tensor([straight[i] for i in sorted(straight)]), rtol=1e-5, atol=0)
+    print(f"host back: world 4 -> 2 ({at_loss}) -> 4 ({saved_at_world_2}), "
+          f"{time.monotonic() - began:.1f} s in all")
 
 
 def test_the_clusters_page_slurm_script_runs_the_restart_tests_lines():

@@ -114,6 +114,11 @@ ROWS = [
     ("negative-lr-alone", lambda f: ["--lr", "-0.001"], {}, ["--lr must be >= 0"], ["--min-lr"]),
     ("model-too-big-for-memory", lambda f: ["--seq-length", "400000", "--micro-batch-size", "64"], {},
      ["GiB per rank", "--seq-length 400000"], []),
+    # one sample, every layer recomputed: what remains is the CPU's attention kernel (math, with dropout)
+    ("attention-kernel-too-big-for-memory", lambda f: [
+        "--seq-length", "400000", "--max-position-embeddings", "400000", "--micro-batch-size", "1",
+        "--global-batch-size", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"], {}, ["GiB per rank", "math attention kernel's", "--attention-dropout 0"], []),
     ("config-bf16-vs-flag-fp16", lambda f: ["--fp16", "--zero-config", f.ds({"bf16": {"enabled": True}})], {},
      ["bf16.enabled in", "ds.json", "--fp16"], ["--bf16"]),
     ("misspelled-hidden-size", lambda f: ["--hiden-size", "64"], {}, ["did you mean --hidden-size?"], []),

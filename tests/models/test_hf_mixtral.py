@@ -52,6 +52,18 @@ def test_export_matches_transformers_logits_and_imports_back():
     assert gpt_config(hf).num_experts == 4 and gpt_config(hf).moe_ffn_hidden_size == 24
     for name, value in back.items():
         assert torch.equal(value, params[name].detach()), name
+    # the hub's Mixtral files: block_sparse_moe.gate and experts.{j}.w1 (gate), w3 (up), w2 (down)
+    old = {k.replace(".mlp.gate.", ".block_sparse_moe.gate."): v for k, v in state.items() if ".mlp." not in k
+           or ".mlp.gate." in k}
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        for j, (both, down) in enumerate(zip(state[f"{prefix}mlp.experts.gate_up_proj"],
+                                             state[f"{prefix}mlp.experts.down_proj"])):
+            gate, up = both.chunk(2)
+            old.update({f"{prefix}block_sparse_moe.experts.{j}.{w}.weight": t
+                        for w, t in (("w1", gate), ("w3", up), ("w2", down))})
+    for name, value in from_hf(gpt_config(hf), "mixtral", old).items():
+        assert torch.equal(value, params[name].detach()), name
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.models.config import GPTConfig
-from megazero.models.gpt import GPT, MLP, initial_value
+from megazero.models.gpt import GPT, initial_value, shared_expert
 from megazero.models.moe import MoELayer, grouped_matmul, grouped_mm_usable
 
 H, F_MOE, E, B, S = 16, 8, 4, 3, 6
@@ -26,8 +26,7 @@ def moe_config(**extra) -> GPTConfig:
 
 def make_layer(cfg: GPTConfig, seed=0) -> MoELayer:
     torch.manual_seed(seed)
-    shared = cfg.moe_shared_expert_intermediate_size
-    layer = MoELayer(cfg, MLP(cfg, ffn_hidden_size=shared) if shared else None)
+    layer = MoELayer(cfg, shared_expert(cfg))
     for name, p in layer.named_parameters():
         # larger than the model's init so that routing and losses are far from uniform
         p.data = initial_value(cfg, "layers.0.mlp." + name, p.shape, seed) * 20
@@ -117,9 +116,13 @@ def _compare(cfg: GPTConfig, shared=False):
         w1, b1 = params["shared_experts.fc1.weight"], params["shared_experts.fc1.bias"]
         w2, b2 = params["shared_experts.fc2.weight"], params["shared_experts.fc2.bias"]
 
+        gate_w = params.get("shared_experts.gate_weight")
+
         def shared_fn(t):
             gate, up = (w1 @ t + b1).chunk(2)
-            return w2 @ (F.silu(gate) * up) + b2
+            out = w2 @ (F.silu(gate) * up) + b2
+            # Megatron's --moe-shared-expert-gate, Qwen2-MoE's shared_expert_gate: sigmoid(w . x) scales it
+            return out if gate_w is None else out * torch.sigmoid(gate_w[0] @ t)
     ref, aux, z, kept = plain_moe(x2, cfg, params["router.weight"], params["experts.weight1"],
                                   params["experts.weight2"], shared_fn, layer.router.expert_bias)
     coeff_loss = cfg.moe_aux_loss_coeff * aux + cfg.moe_z_loss_coeff * z
@@ -150,8 +153,10 @@ def test_layer_matches_plain_moe(extra):
     _compare(moe_config(**extra))
 
 
-def test_shared_expert_matches_plain_moe():
-    _compare(moe_config(moe_shared_expert_intermediate_size=12), shared=True)
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_expert_matches_plain_moe(gate):
+    layer, _ = _compare(moe_config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=gate), shared=True)
+    assert ("shared_experts.gate_weight" in dict(layer.named_parameters())) == gate
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])

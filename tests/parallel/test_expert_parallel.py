@@ -1,7 +1,7 @@
 """Expert parallelism (parallel/moe.py) and ZeRO over experts (zero/experts.py) against one process.
 
 A 2-layer GPT whose both layers are mixtures of 4 experts (top-2, aux loss and z-loss on, a shared
-expert), 10 steps with accumulation and clipping: each layout's loss curve, gradient norms, aux and
+expert with its sigmoid gate), 10 steps with accumulation and clipping: each layout's loss curve, gradient norms, aux and
 z losses per step, and final parameters (experts gathered from their expert-parallel ranks) match
 the single-process run (fp32, rtol 1e-5): ep 2, ep 4, the all-gather dispatcher, ep 2 with ZeRO-1/2/3
 (and ZeRO-3 with the optimizer offloaded), ep 2 x tp 2 (sequence parallel), ep 2 x pp 2 (1F1B and
@@ -12,6 +12,10 @@ ep 2 ZeRO-3 on 8 ranks. At ep 2 with ZeRO-1/2/3 the memory planner's model-state
 engine's report (experts 1/ep per rank, their states over the expert-data-parallel ranks). The
 skewed-routing check: every token of one rank goes to one expert (the
 others get no rows there), under ZeRO-3 at ep 2; it must finish (no hang) and match one process.
+Whole experts (expert tensor-parallel size 1, the EP groups spanning TP ranks): tp 2 x ep 2 with and
+without sequence parallelism, tp 2 x ep 4 x dp 2 ZeRO-1 and ZeRO-3 (SP), tp 2 x ep 1 x dp 2 ZeRO-2;
+MiCS with experts at ZeRO-3: ep 2 and ep 4 with shard groups of 2, ep 2 x cp 2 x dp 4 with groups of
+4 (expert states over 2 edp ranks); the planner's expert counts for each.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ import torch
 from tests.layouts import (assert_close, assert_params_match, last_stage_result, layout_worker, per_layout,
                            run_layouts, single_process_reference, small_config, strip_padding, with_padded_vocab,
                            VOCAB)
-from megazero.config.memory_estimate import plan_bytes
+from megazero.config.memory_estimate import plan_bytes, rank_layout
+from megazero.parallel.topology import Topology
 from megazero.moe_stats import moe_layers
 from megazero.parallel.moe import ExpertShard
 
@@ -29,7 +34,8 @@ from megazero.parallel.moe import ExpertShard
 # Adam turns into noise of the order of lr) differs from the one process's by ~1.7 relative in cp 2
 # and sequence-parallel layouts with or without experts, over the per-tensor bound for qkv.bias.
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01,
-           moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=16, add_bias_linear=False)
+           moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+           add_bias_linear=False)
 SMALL = dict(steps=10, layers=2, global_batch=8, model_extra=MOE)
 
 
@@ -45,7 +51,7 @@ def assemble(results) -> dict[str, torch.Tensor]:
             if isinstance(shard, ExpertShard):
                 if r["edp_rank"] == 0:
                     pieces.setdefault(name, {})[(shard.ep_rank, tp)] = (value, shard)
-            elif dp == 0 and r["ep_rank"] == 0:
+            elif dp == 0 and r["cp_rank"] == 0:
                 pieces.setdefault(name, {})[(0, tp)] = (value, shard)
     full = {}
     for name, parts in pieces.items():
@@ -110,15 +116,72 @@ def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
     for (what, dp, config), result in zip(LAYOUTS_4, results):
         check(result, reference, what)
         if what in ("ep 2 zero 1", "ep 2 zero 2", "ep 2 zero 3"):        # the planner's model states, experts over edp
-            plan = plan_bytes(with_padded_vocab(small_config(**SMALL, **config)), dp)
-            for kind in ("params", "grads", "master", "optimizer_states"):
-                assert all(r["memory"][kind] == round(plan[kind]) for r in result), (what, kind, plan[kind])
+            _check_plan(result, config, dp, what)
     check(results[-1], single_process_reference(**INTERLEAVED), "ep 2 pp 2 interleaved zero 2")
 
 
+# Whole experts (expert tensor-parallel size 1): the EP groups span the TP ranks
+WHOLE_EXPERTS = [
+    ("tp 2 ep 2 etp 1", 1, dict(tp=2, ep=2, etp=1)),
+    ("tp 2 ep 2 etp 1 sequence parallel", 1, dict(tp=2, ep=2, etp=1, sequence_parallel=True)),
+    ("tp 2 ep 4 etp 1 dp 2 zero 1", 2, dict(tp=2, ep=4, etp=1, stage=1)),
+    ("tp 2 ep 4 etp 1 dp 2 zero 3 sequence parallel", 2, dict(tp=2, ep=4, etp=1, stage=3, sequence_parallel=True)),
+    ("tp 2 ep 1 etp 1 dp 2 zero 2", 2, dict(tp=2, ep=1, etp=1, stage=2)),
+]
+
+
+def test_whole_experts_under_tensor_parallelism_match_single_process(dist_pool, reference):
+    layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in WHOLE_EXPERTS]
+    for (what, dp, config), result in zip(WHOLE_EXPERTS, per_layout(dist_pool(4).run(run_layouts, layouts))):
+        check(result, reference, what)
+        _check_plan(result, config, dp, what)
+
+
+def _check_plan(result, config, dp, what):
+    """The planner's model-state bytes equal the engine's report on every rank; under TP (where the
+    planner splits the TP-replicated weights too) its expert counts equal the rank's experts and
+    their ZeRO partitions."""
+    cfg = with_padded_vocab(small_config(**SMALL, **config))
+    par = cfg.parallel
+    world = par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp
+    if par.tensor_parallel > 1:
+        layout = rank_layout(cfg, world)
+        topo = Topology(world_size=world, tp=par.tensor_parallel, ep=par.expert_parallel,
+                        etp=par.expert_tensor_parallel, mics_shard_size=cfg.zero.mics_shard_size)
+        for r in filter(None, result):
+            experts = sum(v.numel() for name, (v, _) in r["params"].items() if ".mlp.experts." in name)
+            assert layout.expert_parameters == experts, (what, layout.expert_parameters, experts)
+        assert layout.expert_shards == topo.expert_shard_size, (what, layout.expert_shards)
+        return
+    plan = plan_bytes(cfg, world)
+    for kind in ("params", "grads", "master", "optimizer_states"):
+        assert all(r["memory"][kind] == round(plan[kind]) for r in result if r is not None), (what, kind, plan[kind])
+
+
+# MiCS: dense states shard over the MiCS shard group, expert states over the edp ranks inside it
+MICS_4 = [
+    ("ep 2 zero 3 mics 2 (experts replicated over edp)", 4, dict(ep=2, stage=3, mics=2)),
+    ("ep 4 zero 3 mics 2", 4, dict(ep=4, stage=3, mics=2)),
+]
+
+
+def test_mics_with_expert_parallelism_matches_single_process(dist_pool, reference):
+    layouts = [(small_config(**SMALL, **config), dp) for _, dp, config in MICS_4]
+    for (what, dp, config), result in zip(MICS_4, per_layout(dist_pool(4).run(run_layouts, layouts))):
+        check(result, reference, what)
+        _check_plan(result, config, dp, what)
+
+
 def test_tp_pp_ep_zero3_on_8_ranks_matches_single_process(dist_pool, reference):
-    cfg = small_config(**SMALL, ep=2, tp=2, pp=2, stage=3, sequence_parallel=True)
-    check(dist_pool(8).run(layout_worker, cfg, 2), reference, "tp 2 x pp 2 x ep 2 zero 3")
+    """Also on 8 ranks: MiCS shard groups of 4 of the dp x cp ranks at ep 2, so the expert states
+    shard over 2 expert-data-parallel ranks and replicate over the other 2."""
+    layouts = [(small_config(**SMALL, ep=2, tp=2, pp=2, stage=3, sequence_parallel=True), 2),
+               (small_config(**SMALL, ep=2, cp=2, stage=3, mics=4), 4)]
+    eight, mics = per_layout(dist_pool(8).run(run_layouts, layouts))
+    check(eight, reference, "tp 2 x pp 2 x ep 2 zero 3")
+    check(mics, reference, "ep 2 x cp 2 x dp 4 zero 3 mics 4")
+    # the expert gradients' shards were summed over the expert replicas, not the dense ones
+    assert all(any(kind == "expert_replica" and n > 0 for (_, kind, _), n in r["comm"].items()) for r in mics)
 
 
 def _skew_first_ep_group(state):

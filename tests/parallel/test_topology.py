@@ -18,7 +18,8 @@ def test_every_rank_in_exactly_one_group_of_each_kind(world, tp, pp, mics):
     topo = Topology(world_size=world, tp=tp, pp=pp, mics_shard_size=mics)
     sizes = {"tp": tp, "dp": topo.dp, "pp": pp, "mp": tp * pp, "cp": 1,
              "mics_shard": topo.mics_shard_size, "mics_replica": topo.dp // topo.mics_shard_size,
-             "ep": 1, "edp": topo.dp}
+             "ep": 1, "edp": topo.dp, "expert_shard": topo.mics_shard_size,
+             "expert_replica": topo.dp // topo.mics_shard_size}
     for kind, groups in topo.all_group_kinds().items():
         if kind == "embedding":
             continue
@@ -152,3 +153,35 @@ def test_expert_groups_fold_into_dp_times_cp():
         assert sorted(itertools.chain.from_iterable(topo.all_group_kinds()[kind])) == list(range(16))
     with pytest.raises(UsageError, match="--expert-model-parallel-size 3 must divide"):
         Topology(world_size=8, ep=3)
+
+
+def test_whole_experts_fold_the_tensor_parallel_ranks_too():
+    """Expert tensor-parallel size 1: each stage's tp x cp x dp ranks in rank order are cut into EP
+    blocks (so TP ranks hold different experts) and EDP strides; tp x dp = ep x edp per stage."""
+    topo = Topology(world_size=8, tp=2, pp=2, ep=2, etp=1)
+    assert topo.ep_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.edp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [topo.ep_of(r) for r in range(8)] == [0, 1] * 4
+    wide = Topology(world_size=8, tp=2, ep=4, etp=1)
+    assert wide.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]] and wide.edp_groups()[0] == [0, 4]
+    assert Topology(world_size=4, tp=2, ep=1, etp=1).edp_groups() == [[0, 1, 2, 3]]
+    assert Topology(world_size=4, tp=2, ep=2).ep_groups() == [[0, 2], [1, 3]]      # etp = tp
+    with pytest.raises(UsageError, match="--expert-model-parallel-size 8 must divide tensor-parallel"):
+        Topology(world_size=4, tp=2, ep=8, etp=1)
+    with pytest.raises(UsageError, match="--expert-tensor-parallel-size 3 must be 1 or"):
+        Topology(world_size=8, tp=4, etp=3)
+
+
+def test_mics_shards_experts_inside_each_shard_group():
+    """MiCS over experts: the edp ranks inside a rank's MiCS shard group shard the expert states
+    (mics / ep of them, or 1 when mics divides ep); the blocks repeat across shard groups."""
+    topo = Topology(world_size=8, ep=2, mics_shard_size=4)
+    assert topo.mics_shard_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topo.edp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert topo.expert_shard_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert topo.expert_replica_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    small = Topology(world_size=8, ep=4, mics_shard_size=2)
+    assert small.expert_shard_groups() == [[r] for r in (0, 4, 1, 5, 2, 6, 3, 7)]
+    assert small.expert_replica_groups()[0] == [0, 4]
+    assert Topology(world_size=8, ep=2).expert_shard_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert Topology(world_size=12, ep=3, mics_shard_size=4).expert_shard_size == 0     # refused by config

@@ -83,6 +83,10 @@ EXPORTS = {
     "llama --kv-channels 12, --apply-layernorm-1p": ("llama", dict(LLAMA_LIKE, kv_channels=12, num_query_groups=2,
                                                                    apply_layernorm_1p=True)),
     "gpt2 --apply-layernorm-1p": ("gpt2", dict(GPT2_LIKE, apply_layernorm_1p=True)),
+    "qwen2_moe gated shared expert, qkv bias, a dense layer": ("qwen2_moe", dict(
+        LLAMA_LIKE, num_query_groups=2, tie_embeddings=False, add_bias_linear=False, add_qkv_bias=True,
+        num_experts=4, moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True,
+        moe_layer_freq=[0, 1])),
 }
 
 

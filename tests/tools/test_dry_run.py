@@ -272,6 +272,9 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
         assert list(m) == _documented_fields("memory") and list(m["phases"]) == ["setup", "forward", "backward", "step"]
         assert m["peak"] >= max(p["allocated"] for p in m["phases"].values()) > 0
         assert sum(m["peak_by_owner"].values()) == m["peak"] and m["peak"] % 512 == 0
+        assert m["reserved_peak"] >= m["peak"] and m["reserved_peak"] % (2 << 20) == 0 and m["segments"] > 0
+        assert all(p["reserved"] >= p["allocated"] for p in m["phases"].values())
+        assert list(m["host"]) == ["peak", "peak_by_owner"] and sum(m["host"]["peak_by_owner"].values()) == m["host"]["peak"]
         assert m["phases"]["forward"]["by_owner"]["activations"] > 0 and m["planner"]["total"] > 0
         last = [(h["what"], h["site"].split(":")[0]) for h in r["host_reads"] if h["step"] == r["steps"]]
         assert last == _documented_host_reads(), r["host_reads"]
@@ -307,6 +310,8 @@ def test_meta_allocations_are_counted_as_the_caching_allocator_rounds_them():
     assert device.peak == 512 + 1024 and device.live == {**device.live, "model states": 0, "workspace": 512}
     assert out.shape == (4,) and host.device.type == "cpu" and host.tolist() == [0.0] * 3
     assert device.d2h_copies == 1 and device.d2h_bytes == 12 and device.allocations == 5
+    # five small requests, never more than two blocks at once: one 2 MiB segment of the small pool
+    assert device.allocator.segments == 1 and device.allocator.peak_reserved == 2 << 20
 
 
 def _relative(run) -> list[tuple]:

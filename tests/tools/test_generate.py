@@ -214,3 +214,27 @@ def test_tokenizers_transformers_cannot_load_are_refused(tmp_path):
         convert_checkpoint.export_hf(tmp_path / "nfkc-ck", tmp_path / "hf-nfkc")
     assert "it normalizes text ('nmt_nfkc' rules); pass --without-tokenizer" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_a_qwen2_moe_checkpoint_generates_what_transformers_does(tmp_path, capsys):
+    """A mixture of experts with a gated shared expert and q/k/v biases (random weights, no tokenizer:
+    --prompt-ids): generate.py's greedy ids equal transformers' Qwen2MoeForCausalLM generate on the
+    export-hf folder."""
+    from transformers import AutoModelForCausalLM
+    config = GPTConfig(vocab_size=61, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                       seq_length=16, position_embedding="rope", activation="swiglu", normalization="rmsnorm",
+                       tie_embeddings=False, add_bias_linear=False, add_qkv_bias=True, hidden_dropout=0.0,
+                       attention_dropout=0.0, num_experts=4, moe_ffn_hidden_size=24,
+                       moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True)
+    generator = torch.Generator().manual_seed(4)
+    with torch.device("meta"):
+        names = {n: p.shape for n, p in GPT(config).named_parameters()}
+    write_full_checkpoint(tmp_path / "ck", config, {n: torch.randn(s, generator=generator) * 0.3
+                                                    for n, s in names.items()}, "qwen2-moe")
+    out = _generate(capsys, "--load", tmp_path / "ck", "--prompt-ids", 3, 17, 40, 2, "--max-new-tokens", "10")
+    convert_checkpoint.export_hf(tmp_path / "ck", tmp_path / "hf", without_tokenizer=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    theirs = model.generate(torch.tensor([[3, 17, 40, 2]]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, 4:].tolist()
+    assert out["ids"] == theirs and len(set(theirs)) > 1

@@ -1,0 +1,172 @@
+"""One rank's activation memory, for the memory planner (megazero/config/memory_estimate.py).
+
+Activations, roughly: Korthikanti et al. (2022) count 34 s·b·h bytes per layer in 16 bits plus
+5 a·s²·b for attention scores (the attention terms scaled here to the heads' real widths, with
+--kv-channels and grouped-query attention); attention here runs through scaled_dot_product_attention,
+which need not keep the scores, so only the first term is counted (twice that in fp32) unless the
+attention is the written-out math (--attention-backend local/unfused) without selective
+recomputation; the MLP's terms at its real width (SwiGLU keeps more), no dropout masks at
+probability 0; the attention's and the MLP's inputs and the norms' inputs whole on every tensor
+parallel rank without sequence parallelism, the rest split (`layer_activation_split`); for the
+microbatches a pipeline stage holds at once (the pipeline size under 1F1B, all of them under GPipe,
+the interleaved schedule's longer warm-up: `interleaved_in_flight`). The dry run
+(tools/dry_run.py, docs/dry_run.md) measures what these formulas predict at scale. Full recomputation keeps only the input
+of each checkpointed layer group. The fused output layer and loss (models/loss.py, chunked by its
+memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when the weights are 16-bit,
+and the output weight's fp32 gradient twice over (the sum, and one chunk's product added to it); when
+the whole head is one chunk, the forward keeps that chunk (exp(logits - max)) for the backward, once
+per microbatch in flight.
+Mixtures of experts: config/moe_memory.py's terms (their saved tensors per MoE layer, their dispatch
+buffers, which run inside a layer and count as far as they exceed the output layer's buffers).
+Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
+(`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
+transient blocks (`cp_transient_bytes`).
+"""
+from __future__ import annotations
+
+import math
+
+from megazero.config.train_config import TrainConfig
+from megazero.config.attention_memory import math_kernel_bytes
+from megazero.config.moe_memory import moe_layer_activation_extra, stage_moe_layers
+from megazero.models.loss import chunk_tokens_for, keeps_softmax
+
+
+def layer_activation_split(model_cfg, sequence_parallel: bool = False) -> tuple[float, float]:
+    """(whole, split): one layer's bytes per token in 16 bits, in units of the hidden size, that every
+    tensor-parallel rank keeps whole, and that the ranks split. Korthikanti et al.'s 34 = 11
+    (attention: its input 2, q 2, k 2, v 2, the projection's input 2, the output dropout's mask 1) +
+    19 (MLP: its input 2, the first linear's output 8, GeLU's output 8, the dropout mask 1) + 4 (the
+    norms' inputs), with the attention terms at their real widths (heads x head size for q and the
+    projection input, query groups x head size for k and v) and the MLP's at its width (SwiGLU: the
+    first linear's output 4 x ffn, the gate's activation 2 x ffn, the product 2 x ffn); a dropout of
+    probability 0 keeps no mask. Without sequence parallelism the inputs of the attention and the MLP,
+    the norms' inputs and the masks (10 units) are whole on every tensor-parallel rank; with it
+    megazero's column-parallel layers keep the all-gathered sequence their weight gradient reads
+    (the attention's and the MLP's inputs, 4 units; Megatron keeps the shard and gathers again in
+    backward), the rest is split."""
+    h, m = model_cfg.hidden_size, model_cfg
+    width = m.num_attention_heads * m.head_dim
+    kv = m.num_query_groups * m.head_dim
+    masks = 2 * h if m.hidden_dropout > 0 else 0
+    mlp = (8 if m.activation == "swiglu" else 4) * m.ffn_hidden_size
+    inputs, norms = 4 * h, 4 * h
+    split_part = 4 * width + 4 * kv + mlp
+    if sequence_parallel:
+        return inputs / h, (split_part + norms + masks) / h
+    return (inputs + norms + masks) / h, split_part / h
+
+
+def layer_activation_units(model_cfg) -> float:
+    """One layer's bytes per token in 16 bits, in hidden sizes (`layer_activation_split`'s sum)."""
+    return sum(layer_activation_split(model_cfg))
+
+
+def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_flight: int = 1) -> float:
+    """What the fused output layer and loss (models/loss.py) hold at once in backward: one chunk of
+    fp32 logits (chunk_tokens_for's policy) and, with 16-bit weights, its gradient in their dtype,
+    and the output weight's fp32 gradient with one chunk's fp32 product being added to it. A head
+    run as one chunk keeps it from forward to backward: the other microbatches in flight hold theirs."""
+    vocab = model_cfg.padded_vocab_size / tp
+    chunk = chunk_tokens_for(tokens, math.ceil(vocab))
+    sixteen_bit_copy = weight_bytes if weight_bytes < 4 else 0
+    held = chunk * vocab * (4 + sixteen_bit_copy) + 2 * vocab * model_cfg.hidden_size * 4
+    if keeps_softmax(tokens, chunk):
+        held += (in_flight - 1) * tokens * vocab * 4
+    return held
+
+
+def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
+                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
+                     sequence_parallel: bool = False, with_head: bool = True, ep: int = 1,
+                     kernel: str = "unknown") -> float:
+    """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
+    `kernel`: the attention kernel the device runs (config/attention_memory.py); SDPA's math kernel
+    adds its (b, heads, s, s) tensors, kept per layer and at one layer's peak.
+
+    Full recomputation keeps a checkpointed group's input only, and holds one group's (or layer's)
+    full set while it is recomputed; selective recomputation saves the attention scores, which only
+    the written-out attention (--attention-backend local/unfused) keeps. Context parallelism keeps
+    seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`). MoE layers add
+    config/moe_memory.py's term, spread over the stage's layers in their proportion."""
+    m = model_cfg
+    tokens, hidden = seq * micro // cp, m.hidden_size
+    whole, split = layer_activation_split(m, sequence_parallel and tp > 1)
+    full_layer = (whole + split / tp) * tokens * hidden * weight_bytes / 2
+    full_layer += cp_saved_per_layer(seq, micro, m, tp, cp, cp_comm_type, weight_bytes)
+    if m.num_experts:
+        moe = stage_moe_layers(m, range(layers)) / layers
+        full_layer += moe * moe_layer_activation_extra(m, tokens, micro, tp, weight_bytes, ep)
+    written_out = m.attention_backend in ("local", "unfused") and not (cp > 1 and cp_comm_type == "p2p")
+    if written_out and m.recompute_granularity != "selective":
+        # every rank's queries (or, Ulysses, heads) over the whole sequence: 1/cp of the scores
+        full_layer += 5 * m.num_attention_heads * seq * seq * micro * weight_bytes / 2 / tp / cp
+    workspace = 0.0
+    if kernel == "math" and cp == 1:
+        kept, peak = math_kernel_bytes(micro, m.num_attention_heads / tp, seq, weight_bytes)
+        selective = m.recompute_granularity == "selective"
+        full_layer += 0 if selective else kept
+        workspace = peak - (0 if selective else kept)      # beyond what the layer keeps
+    kept_input = tokens * hidden * weight_bytes
+    if m.recompute_granularity == "full" and m.recompute_method == "uniform":
+        group = min(m.recompute_num_layers, layers)
+        per_micro = math.ceil(layers / group) * kept_input + group * full_layer
+    elif m.recompute_granularity == "full":        # block: the first N layers of each chunk
+        recomputed = min(layers, sum(min(m.recompute_num_layers, n) for n in chunk_layers))
+        per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
+    else:
+        per_micro = layers * full_layer
+    head = output_layer_bytes(tokens, m, tp, weight_bytes, in_flight) if with_head else 0.0
+    return per_micro * in_flight + workspace + head + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
+
+
+def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
+                       weight_bytes: int) -> float:
+    """What a context-parallel attention saves for its backward beyond the layer's usual
+    activations: the ring keeps its merged output in fp32 and one fp32 log-sum-exp per query and head;
+    allgather keeps the gathered keys and values (the whole sequence's); Ulysses nothing extra
+    (its head-split tensors are the local ones' size)."""
+    if cp == 1:
+        return 0.0
+    m, local = model_cfg, seq * micro / cp
+    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
+    if comm_type == "p2p":
+        return local * heads * (m.head_dim + 1) * 4
+    if comm_type == "allgather":
+        return 2 * seq * micro * groups * m.head_dim * weight_bytes
+    return 0.0
+
+
+def cp_mask_bytes(seq: int, cp: int, comm_type: str, weight_bytes: int) -> float:
+    """allgather's additive mask of the local queries over the whole sequence, in the activations'
+    dtype: one tensor that every layer's attention saves (parallel.context_parallel._visible_bias)."""
+    return seq / cp * seq * weight_bytes if cp > 1 and comm_type == "allgather" else 0.0
+
+
+def cp_transient_bytes(cfg: TrainConfig) -> float:
+    """The peak of a context-parallel attention's own buffers inside one layer's backward: the ring's
+    K/V held and in flight with their fp32 gradient accumulators (4 blocks), q, out and dq in fp32,
+    and one block's fp32 scores, probabilities and score gradients; allgather's gathered K/V
+    gradients before the reduce-scatter and a copy for gloo; Ulysses' head-split q, k, v, out and
+    their gradients (8 local-sized tensors)."""
+    par, m = cfg.parallel, cfg.model
+    cp, tp, micro = par.context_parallel, par.tensor_parallel, cfg.micro_batch_size
+    if cp == 1:
+        return 0.0
+    local = m.seq_length * micro / cp
+    heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
+    weight_bytes = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
+    if par.cp_comm_type == "p2p":
+        return (4 * 2 * local * groups * m.head_dim * 4 + 3 * local * heads * m.head_dim * 4
+                + 3 * heads * local * local / micro * 4)
+    if par.cp_comm_type == "allgather":
+        return 2 * 2 * m.seq_length * micro * groups * m.head_dim * weight_bytes
+    return 8 * local * heads * m.head_dim * weight_bytes
+
+
+def interleaved_in_flight(pp: int, virtual: int, microbatches: int) -> float:
+    """Microbatches' worth of a whole stage the first stage holds under the interleaved 1F1B: its
+    warm-up runs 2 (pp - 1) + (virtual - 1) pp chunk forwards before the first backward, and one
+    more (Narayanan et al. 2021; the factor 1 + (pp - 1) / (pp virtual) of pp microbatches)."""
+    chunks = min(microbatches * virtual, 2 * (pp - 1) + (virtual - 1) * pp + 1)
+    return chunks / virtual

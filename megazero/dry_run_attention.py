@@ -1,0 +1,108 @@
+"""Attention on the dry run's device as a GPU computes it.
+
+`F.scaled_dot_product_attention` picks its kernel by device: on CUDA, for bf16 / fp16 with a head
+dim up to 256, the flash kernel, which keeps for the backward only the output and the log-sum-exp
+(batch, heads, sequence) in fp32; on the meta device no fused kernel is chosen and the op decomposes
+into the math path, which casts to fp32 and keeps the (batch, heads, sequence, sequence)
+probabilities. A dry run on meta would then count, per layer, a sequence-squared tensor the GPU
+never allocates (at sequence 8192 that is most of the activations).
+
+`gpu_attention()` patches `F.scaled_dot_product_attention` so that on meta tensors it runs the
+kernel CUDA's dispatcher would choose for the same inputs, through the kernel's own aten op (meta
+kernels exist for both, forward and backward, and autograd knows their derivatives):
+- flash (`aten._scaled_dot_product_flash_attention`): half precision, head dim <= 256, no mask,
+  flash allowed (`torch.backends.cuda.flash_sdp_enabled()`); grouped-query heads as they are;
+- memory-efficient (`aten._scaled_dot_product_efficient_attention`): otherwise, when allowed, for
+  fp32 or a mask, without grouped-query heads (that kernel takes none);
+- the math path (the real function, unchanged) for what neither takes, as on CUDA.
+Other devices go to the real function untouched.
+
+The same holds for `F.rms_norm`: on CUDA it runs the fused kernel (`aten._fused_rms_norm`), which
+keeps its input and one fp32 reciprocal RMS per row; on meta it decomposes into an fp32 copy of the
+input, its square and products, each kept for the backward. `gpu_attention()` also makes meta's
+rms_norm the fused kernel's: an output like the input, the fp32 (rows, 1) statistics, and in
+backward the gradients of the input and the weight.
+"""
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+FLASH_MAX_HEAD_DIM = 256
+
+
+def kernel_for(q: torch.Tensor, k: torch.Tensor, attn_mask, enable_gqa: bool) -> str:
+    """"flash", "efficient" or "math": what CUDA's SDPA picks for these inputs (the rules that
+    decide the memory it keeps; architecture checks aside: a recent GPU is assumed)."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    d = q.shape[-1]
+    if (torch.backends.cuda.flash_sdp_enabled() and half and d <= FLASH_MAX_HEAD_DIM and attn_mask is None
+            and d % 8 == 0):
+        return "flash"
+    if torch.backends.cuda.mem_efficient_sdp_enabled() and not (enable_gqa and k.shape[1] != q.shape[1]) \
+            and d % (8 if half else 4) == 0:
+        return "efficient"
+    return "math"
+
+
+def _on_meta(real):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        extra = {"enable_gqa": True} if enable_gqa else {}
+        if query.device.type != "meta":
+            return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, **extra)
+        kernel = kernel_for(query, key, attn_mask, enable_gqa)
+        if kernel == "flash":
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                           scale=scale)[0]
+        if kernel == "efficient":
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:      # the kernel takes an additive bias
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill(
+                    bias.logical_not(), float("-inf"))
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            return aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p,
+                                                               is_causal, scale=scale)[0]
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, **extra)
+    return sdpa
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """What CUDA's fused RMSNorm allocates: its output and fp32 per-row statistics, kept for the
+    backward with the input and the weight; the backward, the two gradients. Shapes only (meta)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps):
+        rows = x.shape[:x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.has_weight = weight is not None
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        return torch.empty_like(x), None, (torch.empty_like(weight) if ctx.has_weight else None), None
+
+
+def _rms_norm_on_meta(real):
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if input.device.type != "meta":
+            return real(input, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+    return rms_norm
+
+
+def gpu_attention():
+    """A context in which attention and RMSNorm on meta tensors allocate what CUDA's kernels do."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(F, "rms_norm", _rms_norm_on_meta(F.rms_norm)))
+    stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
+                                          _on_meta(F.scaled_dot_product_attention)))
+    return stack

@@ -1,0 +1,117 @@
+"""The dry run's memory model: attention as the GPU's kernel allocates it, activations by what
+autograd keeps, the caching allocator's segments, and the planner against the dry run."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megazero.dry_run_attention import gpu_attention, kernel_for
+from megazero.dry_run_device import DeviceStandIn
+from megazero.models.attention import core_attention
+
+
+def _attention_memory(dtype, groups: int, patched: bool):
+    """(peak bytes, bytes kept for the backward) of one causal attention's forward on meta."""
+    b, s, heads, d = 1, 2048, 8, 64
+    with DeviceStandIn() as device, device.keeping_activations(), (gpu_attention() if patched else contextlib.nullcontext()):
+        q = torch.empty(b, s, heads, d, device="meta", dtype=dtype, requires_grad=True)
+        k = torch.empty(b, s, groups, d, device="meta", dtype=dtype, requires_grad=True)
+        v = torch.empty(b, s, groups, d, device="meta", dtype=dtype, requires_grad=True)
+        device.in_setup = False        # q, k, v count as model states: what follows is attention's
+        base = sum(device.live.values())
+        with torch.enable_grad():
+            out = core_attention(q, k, v)
+        kept = device.live["activations"]
+        out.sum().backward()
+    return device.peak - base, kept, out
+
+
+def test_attention_on_meta_keeps_what_the_flash_kernel_keeps():
+    b, s, heads, d = 1, 2048, 8, 64
+    peak, kept, out = _attention_memory(torch.bfloat16, 2, patched=True)
+    assert out.shape == (b, s, heads * d) and out.dtype == torch.bfloat16
+    # flash-attention's forward returns the output (b, h, s, d) in 16 bits and the log-sum-exp
+    # (b, h, s) in fp32 (torch's _scaled_dot_product_flash_attention), and its two 8-byte philox
+    # seed and offset, one 512-byte block each: nothing sequence-squared.
+    assert kept == b * heads * s * d * 2 + b * heads * s * 4 + 2 * 512
+    assert peak < b * heads * s * s          # not even one byte per score
+    # The math path (what meta picks by itself) keeps the fp32 probabilities.
+    math_peak, math_kept, _ = _attention_memory(torch.bfloat16, 2, patched=False)
+    assert math_kept >= b * heads * s * s * 4 and math_peak > 4 * peak
+
+
+def test_kernel_choice_follows_cudas_rules():
+    def t(dtype, heads, d=64):
+        return torch.empty(1, heads, 16, d, device="meta", dtype=dtype)
+    assert kernel_for(t(torch.bfloat16, 8), t(torch.bfloat16, 2), None, True) == "flash"
+    assert kernel_for(t(torch.bfloat16, 8, 512), t(torch.bfloat16, 8, 512), None, False) == "efficient"
+    assert kernel_for(t(torch.float32, 8), t(torch.float32, 8), None, False) == "efficient"
+    assert kernel_for(t(torch.float32, 8), t(torch.float32, 2), None, True) == "math"
+    mask = torch.empty(16, 16, device="meta", dtype=torch.bool)
+    assert kernel_for(t(torch.bfloat16, 8), t(torch.bfloat16, 8), mask, False) == "efficient"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        assert kernel_for(t(torch.bfloat16, 8), t(torch.bfloat16, 8), None, False) == "efficient"
+
+
+def test_caching_allocator_model_places_requests_in_segments_as_cuda_does():
+    from megazero.dry_run_allocator import CachingAllocator
+    MiB = 1 << 20
+    a = CachingAllocator()
+    small = [a.malloc(100) for _ in range(4096)]          # 4096 x 512 bytes: one 2 MiB segment
+    assert (a.segments, a.reserved) == (1, 2 * MiB)
+    a.malloc(1)                                           # the 4097th block opens a second one
+    assert (a.segments, a.reserved) == (2, 4 * MiB)
+    mid = [a.malloc(3 * MiB) for _ in range(7)]           # 1-10 MiB: 20 MiB segments, six in one
+    assert (a.segments, a.reserved) == (4, 44 * MiB)
+    big = a.malloc(11 * MiB + 1)          # best fit: the 17 MiB the 7th request left, split
+    assert a.reserved == 44 * MiB and big.segment == mid[6].segment and big.size == 11 * MiB + 512
+    huge = a.malloc(31 * MiB + 1)          # >= 10 MiB and nothing cached fits: rounded to 2 MiB
+    assert a.reserved == 76 * MiB and huge.size == 32 * MiB     # not split: <= 1 MiB left over
+    for block in mid[:3]:                  # a segment's three freed neighbours merge
+        a.free(block)
+    again = a.malloc(9 * MiB)              # and hold a 9 MiB request, the best of 2, 9 and ~6 MiB
+    assert a.reserved == 76 * MiB and (again.segment, again.offset) == (mid[0].segment, 0)
+    for block in small:
+        a.free(block)
+    assert (2 * MiB, 0, 0) in a.pools[True]        # the first small segment is whole again, kept
+    assert a.peak_reserved == a.reserved == 76 * MiB
+
+
+def test_rms_norm_on_meta_keeps_what_the_fused_kernel_keeps():
+    import torch.nn.functional as F
+    rows, h = 4096, 1024
+    with DeviceStandIn() as device, device.keeping_activations(), gpu_attention():
+        x = torch.empty(rows, h, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(h, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        device.in_setup = False
+        out = F.rms_norm(x, (h,), w, 1e-5)
+        kept = device.live["activations"]
+        out.sum().backward()
+    real = F.rms_norm(torch.ones(rows, h, dtype=torch.bfloat16), (h,), torch.ones(h, dtype=torch.bfloat16), 1e-5)
+    assert out.shape == real.shape and out.dtype == real.dtype
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert kept == rows * 4          # the fp32 reciprocal RMS per row; the decomposition keeps fp32 copies
+
+
+MID = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--group-query-attention",
+       "--num-query-groups", "2", "--ffn-hidden-size", "1408", "--swiglu", "--normalization", "RMSNorm",
+       "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+       "--seq-length", "2048", "--max-position-embeddings", "2048", "--attention-dropout", "0",
+       "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
+       "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2",
+       "--tensor-model-parallel-size", "2", "--zero-stage", "1", "--bf16"]
+
+
+def test_planner_predicts_the_dry_runs_peak_on_a_mid_size_layout():
+    """A Llama-shaped layer stack (SwiGLU, GQA, RoPE, RMSNorm) at sequence 2048, tp 2 x dp 2: the
+    planner's device total within 10% of the dry run's peak (measured: 1.06, the fused loss's
+    buffers counted at their most), its model states equal to what the device holds."""
+    from megazero.dry_run import simulate
+    run, = simulate(MID, 4, ranks=[0], processes=1)
+    assert run.error is None, run.detail
+    memory = run.memory
+    plan, peak = memory["planner"], memory["peak"]
+    assert abs(plan["model_states"] - memory["phases"]["setup"]["allocated"]) <= 1e-3 * plan["model_states"]
+    assert 1.0 <= plan["total"] / peak <= 1.1, (plan, peak)
