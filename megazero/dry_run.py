@@ -28,7 +28,7 @@ import torch
 
 from megazero.core import host_read
 from megazero.core.comm import CommLog
-from megazero.dry_run_attention import gpu_attention
+from megazero.dry_run_attention import device_kernels
 from megazero.dry_run_device import DeviceStandIn
 
 DEFAULT_RANKS_PER_NODE = 8     # a GPU node's ranks, for the intra/inter-node split of the groups
@@ -144,22 +144,24 @@ def planner_figures(argv: list[str], world: int, local_world: int | None) -> dic
             "comm_buffers": plan["comm_buffers"], "total": device_bytes(plan)}
 
 
-def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None):
-    """One simulated rank's process: the fake backend for NCCL, meta for the GPU. `prepare(rank)`,
-    a context manager, is held open around the rank (the tests plant bugs with it)."""
+def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, device_kind="cuda", save=True):
+    """One simulated rank's process: the fake backend for NCCL, meta for the GPU (`device_kind`
+    "cpu": for a CPU's kernels and memory). `prepare(rank)`, a context manager, is held open around
+    the rank (the tests plant bugs with it)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megazero.parallel.process_groups import GroupFactory
     torch.set_num_threads(1)
     # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
-    argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"))
-    device = DeviceStandIn()
+    argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"), save=save)
+    device = DeviceStandIn(device=device_kind)
     try:
         with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
-                device, device.phase_hooks(reads), device.keeping_activations(), gpu_attention(), contextlib.redirect_stdout(io.StringIO()):
+                device, device.phase_hooks(reads), device.keeping_activations(), device_kernels(device_kind), contextlib.redirect_stdout(io.StringIO()):
             # (each rank's log lines are not the report's)
-            run = run_rank(argv, world, rank, torch.device("meta"), GroupFactory(rank), local_world, cuda=True)
+            run = run_rank(argv, world, rank, torch.device("meta"), GroupFactory(rank), local_world,
+                           cuda=device_kind == "cuda")
         run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
         step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
         run.host_reads = [{"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)}
@@ -173,10 +175,13 @@ PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "
 
 
 def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,
-             processes: int | None = None, prepare=None) -> list[RankRun]:
+             processes: int | None = None, prepare=None, device_kind: str = "cuda",
+             save: bool = True) -> list[RankRun]:
     """Runs `ranks` (all of them by default) of a `world`-rank job of pretrain_gpt.py's `argv`.
     `processes` workers (forked from a server that imported torch and megazero once) each run one
-    rank after another, each rank in a default group of its own, made and destroyed around it."""
+    rank after another, each rank in a default group of its own, made and destroyed around it.
+    `device_kind`: the device simulated, "cuda" or "cpu" (its kernels, memory without the caching
+    allocator); `save`: end with a checkpoint save's collectives."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
     ranks = list(range(world)) if ranks is None else list(ranks)
@@ -188,5 +193,6 @@ def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_
         context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megazero-dry-run-") as workdir:
         with ProcessPoolExecutor(processes, mp_context=context) as pool:
-            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare) for r in ranks]
+            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare, device_kind,
+                                   save) for r in ranks]
             return [f.result() for f in futures]

@@ -8,7 +8,8 @@ meet receives, does every tensor sit on the device (docs/dry_run.md).
 
 Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simulate only these;
 default all up to 64 ranks, above that one rank per role: megazero.dry_run_roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
-default the CPU count) and --json PATH ('-': stdout). Each simulated rank runs the real recipe with
+default the CPU count), --json PATH ('-': stdout) and --simulate-device cuda|cpu (the device whose
+kernels and memory the meta device stands for; default cuda). Each simulated rank runs the real recipe with
 the meta device for its GPU and torch's fake process group for NCCL (megazero.dry_run); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
 
@@ -32,6 +33,7 @@ def parse(argv):
     ours.add_argument("--ranks-per-node-sim", type=int, default=8)
     ours.add_argument("--processes", type=int, default=None)
     ours.add_argument("--json", default=None)
+    ours.add_argument("--simulate-device", choices=["cuda", "cpu"], default="cuda")
     return ours.parse_known_args(argv)
 
 
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
     elif opts.ranks is None:
         ranks = None
     started = time.perf_counter()
-    runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes)
+    runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes,
+                    device_kind=opts.simulate_device)
     problems = check_all(runs)
     result = report(runs, problems, world, time.perf_counter() - started, stands_for)
     if opts.json == "-":

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # The grid and its pool worker live with the bench table that prints them; the pool's workers import
 # the worker by module name, so bench/ joins sys.path here, at collection, before any pool starts.
 sys.path.insert(0, str(ROOT / "bench"))
-from plan_memory_table import (GRID, MOE_PEAK_GRID, MOE_PEAK_MODEL, compare, compare_peaks, format_peaks,  # noqa: E402
-                               format_rows)
+from plan_memory_table import (GRID, MOE_PEAK_GRID, MOE_PEAK_MODEL, compare, compare_peaks,  # noqa: E402
+                               dry_run_peaks, format_dry_peaks, format_peaks, format_rows)
 
 
 def _tool():
@@ -48,10 +48,17 @@ def test_prediction_within_10_percent_of_engine_report(dist_pool):
     assert not bad, "planner off by more than 10%:\n" + format_rows(bad)
 
 
-def test_prediction_within_10_percent_of_measured_peak(dist_pool):
+def test_prediction_and_dry_run_within_10_percent_of_measured_peak(dist_pool):
+    """The planner's total and the dry run's peak (tools/dry_run.py simulating the CPU: its kernels,
+    gloo's copies, device and host as one memory) against the same measured peaks. Without gloo's
+    copies of the reduce-scatter's input and the all-gather's output the dry run was 0.75 and 0.77
+    of the ZeRO-1 and ZeRO-2 layouts' measured peaks."""
     rows = compare_peaks(dist_pool(4), PEAK_TESTED)
+    dry = dry_run_peaks(PEAK_TESTED, processes=2)
     bad = [row for row in rows if abs(row[1] - row[2]) > 0.10 * row[2]]
     assert not bad, "planned total off the measured peak by more than 10%:\n" + format_peaks(rows)
+    off = [(row, d) for row, d in zip(rows, dry) if abs(d[1] - row[2]) > 0.10 * row[2]]
+    assert not off, "dry run off the measured peak by more than 10%:\n" + format_dry_peaks(rows, dry)
 
 
 def test_moe_prediction_within_10_percent_of_measured_peak(dist_pool):
