@@ -242,9 +242,9 @@ def dry_run_argv(layout, model, vocab: int, steps: int, workdir: str) -> list[st
     argv, ratio = layout_argv(layout, model)
     if ratio is not None:
         raise ValueError("a partial offload's ratio has no pretrain_gpt.py flag; the dry run cannot take it")
-    path = os.path.join(workdir, f"ds-{mics}-{persistence}.json")
+    path = os.path.join(workdir, f"ds-{stage}-{mics}-{persistence}.json")
     with open(path, "w") as f:
-        json.dump({"zero_optimization": {"stage3_param_persistence_threshold": persistence,
+        json.dump({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persistence,
                                          "mics_shard_size": mics}}, f)
     return argv + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--train-iters", str(steps),
                    "--deepspeed_config", path]

@@ -33,7 +33,10 @@ run on gloo, which (torch's ProcessGroupGloo) reduce-scatters a flat copy of its
 all-gathers into a flat copy of its output before copying it out, where NCCL works on the tensors
 themselves: the fake backend allocates nothing, so under `cpu_kernels()` each reduce-scatter and
 all-gather of meta tensors allocates that copy for the op's call (the fake op completes at once;
-gloo's async work may hold its copy longer).
+gloo's async work may hold its copy longer). The optimizer step on CPU segments runs megazero's C++
+Adam kernel (ops/adam.py), in place, no temporaries; meta segments would take torch's reference
+ops, whose denominator (and scaled gradient) are temporaries the size of the partition: under
+`cpu_kernels()` meta segments take the CPU's route, where the kernel's step allocates nothing.
 """
 from __future__ import annotations
 
@@ -158,12 +161,31 @@ def _with_gloo_copy(real, of_output: bool):
     return collective
 
 
+def _kernel_adam_on_meta(real):
+    from megazero.ops import adam
+
+    def adam_update(param, grad, exp_avg, exp_avg_sq, **kwargs):
+        if param.device.type == "meta" and adam.kernel_available():
+            return None        # the C++ kernel: in place through raw pointers, nothing allocated
+        return real(param, grad, exp_avg, exp_avg_sq, **kwargs)
+    return adam_update
+
+
+def _cpu_route(real):
+    def route(device):
+        return "cpu" if torch.device(device).type == "meta" else real(device)
+    return route
+
+
 def cpu_kernels():
     """A context in which attention, the fp32 weight gradient and the collectives on meta allocate
     what the CPU's (and gloo's) do."""
     from megazero.core import comm
     from megazero.models import loss, weight_grad
+    from megazero.ops import adam
     stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(adam, "_route", _cpu_route(adam._route)))
+    stack.enter_context(mock.patch.object(adam, "adam_update", _kernel_adam_on_meta(adam.adam_update)))
     stack.enter_context(mock.patch.object(comm, "_reduce_scatter_single",
                                           _with_gloo_copy(comm._reduce_scatter_single, of_output=False)))
     stack.enter_context(mock.patch.object(comm, "_all_gather_single",
