@@ -2,7 +2,7 @@
 engine's own memory.report(), per category, and against the measured peak of each rank's process,
 over a grid of layouts on 4 gloo ranks.
 
-    python bench/plan_memory_table.py              # both tables
+    python bench/plan_memory_table.py              # all three tables
     python bench/plan_memory_table.py --report     # the per-category table only
 
 Each layout's config is built from pretrain_gpt.py's flags exactly as the planner builds it.
@@ -19,6 +19,11 @@ every block of 64 KiB or more to the kernel when freed, so freed tensors do not 
 the peak is the peak of live memory). On the CPU the device and host memory are one, so the planned
 figure is the plan's device total plus its host-memory offload. Stage 3's peak is reached in the
 second step, when gathers run ahead of use along the recorded trace.
+
+Dry run table: the same measured peaks against tools/dry_run.py's simulation of the same flags on a
+CPU (`--simulate-device cpu`: the CPU's kernels, gloo's copies, device and host as one memory; the
+largest rank's process_peak); the partial offload (its ratio has no flag) and the mixtures of
+experts (meta has no bincount) are left out. docs/dry_run.md has one run's ratios (all 15 within 10%).
 
 Mixtures of experts (MOE_PEAK_GRID, MOE_PEAK_MODEL: 4 experts top-2 with a gated shared expert,
 2 layers of hidden 256, 1024 tokens a microbatch, no dropout): the peak table gets four more rows,
