@@ -121,7 +121,7 @@ def _cpu_attention_kept(device_type: str, dropout_p: float, dtype) -> int:
     """Bytes of the storages alive after one causal attention's forward (inputs aside): on the
     real CPU, torch's own; on meta, the dry run's simulating the CPU (cpu_kernels)."""
     from megazero.dry_run_attention import cpu_kernels
-    b, s, heads, d = 1, 256, 4, 32
+    b, s, heads, d = 1, 128, 2, 16
     saved = {}
 
     def pack(t):
