@@ -2,7 +2,7 @@
 engine's own memory.report(), per category, and against the measured peak of each rank's process,
 over a grid of layouts on 4 gloo ranks.
 
-    python bench/plan_memory_table.py              # both tables
+    python bench/plan_memory_table.py              # all three tables
     python bench/plan_memory_table.py --report     # the per-category table only
 
 Each layout's config is built from pretrain_gpt.py's flags exactly as the planner builds it.
@@ -19,6 +19,11 @@ every block of 64 KiB or more to the kernel when freed, so freed tensors do not 
 the peak is the peak of live memory). On the CPU the device and host memory are one, so the planned
 figure is the plan's device total plus its host-memory offload. Stage 3's peak is reached in the
 second step, when gathers run ahead of use along the recorded trace.
+
+Dry run table: the same measured peaks against tools/dry_run.py's simulation of the same flags on a
+CPU (`--simulate-device cpu`: the CPU's kernels, gloo's copies, device and host as one memory; the
+largest rank's process_peak); the partial offload (its ratio has no flag) and the mixtures of
+experts (meta has no bincount) are left out. docs/dry_run.md has one run's ratios (all 15 within 10%).
 
 Mixtures of experts (MOE_PEAK_GRID, MOE_PEAK_MODEL: 4 experts top-2 with a gated shared expert,
 2 layers of hidden 256, 1024 tokens a microbatch, no dropout): the peak table gets four more rows,
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import sys
 import tempfile
@@ -94,7 +100,8 @@ MOE_PEAK_GRID = [(1, 1, 4, 1, False, -1, 0, "", (1, "alltoall")), (1, 1, 4, 2, F
                  (1, 1, 4, 3, False, -1, 0, "", (4, "allgather")), (1, 1, 4, 2, False, -1, 0, "", (2, "allgather"))]
 
 
-def layout_config(layout, model=MODEL, vocab: int | None = None):
+def layout_argv(layout, model=MODEL) -> tuple[list[str], float | None]:
+    """pretrain_gpt.py's flags of `layout` (what flags say of it), with its partial-offload ratio."""
     tp, pp, dp, stage, bf16, mics, persistence, offload, *moe = layout
     for ep, dispatcher in moe:
         model = model + MOE_FLAGS + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
@@ -105,7 +112,13 @@ def layout_config(layout, model=MODEL, vocab: int | None = None):
         what, device, *rest = part.split(":")         # "optimizer:cpu:0.5": partial offload, ratio 0.5
         ratio = float(rest[0]) if rest else ratio
         argv += [f"--zero-offload-{what}", device] + (["--zero-nvme-path", SWAP_DIR] if device == "nvme" else [])
-    args = build_parser().parse_args(argv + (["--bf16"] if bf16 else []))
+    return argv + (["--bf16"] if bf16 else []), ratio
+
+
+def layout_config(layout, model=MODEL, vocab: int | None = None):
+    tp, pp, dp, stage, bf16, mics, persistence, offload, *moe = layout
+    argv, ratio = layout_argv(layout, model)
+    args = build_parser().parse_args(argv)
     cfg = config_from_args(args, tp * pp * dp)
     if ratio is not None:              # sub-groups small enough for the ratio to split the partition
         cfg.zero.offload_optimizer.ratio, cfg.zero.sub_group_size = ratio, 4096
@@ -226,6 +239,47 @@ def compare_peaks(pool, layouts=GRID, model=PEAK_MODEL, vocab: int = PEAK_VOCAB,
     return rows
 
 
+# --- the dry run's peak, simulating the CPU ------------------------------------------------------
+def dry_run_argv(layout, model, vocab: int, steps: int, workdir: str) -> list[str]:
+    """The flags under which tools/dry_run.py runs what measured_peak_worker trains: the layout's,
+    the vocabulary, `steps` steps, and its MiCS size and persistence threshold in a DeepSpeed JSON."""
+    tp, pp, dp, stage, bf16, mics, persistence, offload, *moe = layout
+    argv, ratio = layout_argv(layout, model)
+    if ratio is not None:
+        raise ValueError("a partial offload's ratio has no pretrain_gpt.py flag; the dry run cannot take it")
+    path = os.path.join(workdir, f"ds-{stage}-{mics}-{persistence}.json")
+    with open(path, "w") as f:
+        json.dump({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persistence,
+                                         "mics_shard_size": mics}}, f)
+    return argv + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--train-iters", str(steps),
+                   "--deepspeed_config", path]
+
+
+def dry_run_peaks(layouts, model=PEAK_MODEL, vocab: int = PEAK_VOCAB, steps: int = 2, processes=None) -> list[tuple]:
+    """[(layout, the dry run's largest process peak over its ranks)]: tools/dry_run.py's simulation
+    of a CPU (megazero.dry_run.simulate, device_kind "cpu": the CPU's kernels, device and host bytes
+    as one memory, plain bytes; no checkpoint save, which the measured run does not do)."""
+    from megazero.dry_run import simulate
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="megazero-plan-dry-") as workdir:
+        for layout in layouts:
+            world = layout[0] * layout[1] * layout[2]
+            runs = simulate(dry_run_argv(layout, model, vocab, steps, workdir), world, processes=processes,
+                            device_kind="cpu", save=False)
+            errors = [f"rank {r.rank}: {r.error}" for r in runs if r.error]
+            if errors:
+                raise RuntimeError(f"dry run of {_describe(layout)} stopped: " + "; ".join(errors))
+            rows.append((layout, max(r.memory["process_peak"] for r in runs)))
+    return rows
+
+
+def format_dry_peaks(rows, dry) -> str:
+    lines = [f"{'tp pp dp stage bf16 mics persist offload':<60}{'dry run MB':>12}{'measured MB':>13}{'ratio':>8}"]
+    for (layout, _, measured), (_, simulated) in zip(rows, dry):
+        lines.append(f"{_describe(layout):<60}{simulated / 1e6:12.1f}{measured / 1e6:13.1f}{simulated / measured:8.3f}")
+    return "\n".join(lines)
+
+
 def format_peaks(rows) -> str:
     lines = [f"{'tp pp dp stage bf16 mics persist offload':<60}{'planned MB':>12}{'measured MB':>13}{'ratio':>8}"]
     for layout, planned, measured in rows:
@@ -243,7 +297,14 @@ def main(argv=None) -> int:
         print(format_rows(compare(pool)))
         if "--report" not in argv:
             print()
-            print(format_peaks(compare_peaks(pool) + compare_peaks(pool, MOE_PEAK_GRID, MOE_PEAK_MODEL)))
+            dense, moe = compare_peaks(pool), compare_peaks(pool, MOE_PEAK_GRID, MOE_PEAK_MODEL)
+            print(format_peaks(dense + moe))
+            print()
+            # the dry run simulating the CPU against the same measured peaks (a partial offload's
+            # ratio has no flag: that layout is left out)
+            dense = [row for row in dense if ":0." not in row[0][7]]
+            print(format_dry_peaks(dense + moe, dry_run_peaks([row[0] for row in dense])
+                                   + dry_run_peaks([row[0] for row in moe], MOE_PEAK_MODEL)))
     finally:
         pool.close()
         shutil.rmtree(SWAP_DIR, ignore_errors=True)

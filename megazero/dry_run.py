@@ -28,7 +28,7 @@ import torch
 
 from megazero.core import host_read
 from megazero.core.comm import CommLog
-from megazero.dry_run_attention import gpu_attention
+from megazero.dry_run_attention import device_kernels
 from megazero.dry_run_device import DeviceStandIn
 
 DEFAULT_RANKS_PER_NODE = 8     # a GPU node's ranks, for the intra/inter-node split of the groups
@@ -147,12 +147,15 @@ def planner_figures(argv: list[str], world: int, local_world: int | None) -> dic
             "comm_buffers": plan["comm_buffers"], "total": device_bytes(plan)}
 
 
-def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overflow_steps=(), streams=True):
-    """One simulated rank's process: the fake backend for NCCL, meta for the GPU, the stream layer in
-    its checking mode (megazero.core.stream_check, modelling meta as a device and the CPU as the
-    host; violations collected, not raised). `prepare(rank)`, a context manager, is held open around
-    the rank (the tests plant bugs with it); in `overflow_steps` (1-based training steps) the
-    gradient norm reads inf, walking the step-skip path; `streams` False: no stream check."""
+def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overflow_steps=(), streams=True,
+                    device_kind="cuda", save=True):
+    """One simulated rank's process: the fake backend for NCCL, meta for the GPU (`device_kind`
+    "cpu": for a CPU's kernels and memory, gloo's paths), the stream layer in its checking mode
+    (megazero.core.stream_check, modelling meta as a device and the CPU as the host; violations
+    collected, not raised). `prepare(rank)`, a context manager, is held open around the rank (the
+    tests plant bugs with it); in `overflow_steps` (1-based training steps) the gradient norm reads
+    inf, walking the step-skip path; `streams` False: no stream check; `save`: end with a
+    checkpoint save's collectives."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megazero.core import stream_check
@@ -160,23 +163,25 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
     torch.set_num_threads(1)
     # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
-    argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"))
+    argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"), save=save)
     # The comm layer takes the path of the backend the flags name (NCCL's in-place reduce-scatter),
-    # not the fake one's.
-    factory = GroupFactory(rank, stands_for=job_config(argv, world, local_world).parallel.distributed_backend)
-    device = DeviceStandIn()
+    # not the fake one's; a simulated CPU runs gloo's.
+    backend = "gloo" if device_kind == "cpu" else job_config(argv, world, local_world).parallel.distributed_backend
+    factory = GroupFactory(rank, stands_for=backend)
+    device = DeviceStandIn(device=device_kind)
 
     def gradient_norm():         # device.read_marks grows by one at the end of every training step
         return float("inf") if len(device.read_marks) + 1 in overflow_steps else 1.0
     try:
         with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
                 host_read.forcing({"gradient norm": gradient_norm} if overflow_steps else {}), device, \
-                device.phase_hooks(reads), device.keeping_activations(), gpu_attention(), \
+                device.phase_hooks(reads), device.keeping_activations(), device_kernels(device_kind), \
                 (stream_check.checking(devices=("cpu", "meta"), collect=True) if streams
                  else contextlib.nullcontext()) as checker, \
                 contextlib.redirect_stdout(io.StringIO()):
             # (each rank's log lines are not the report's)
-            run = run_rank(argv, world, rank, torch.device("meta"), factory, local_world, cuda=True)
+            run = run_rank(argv, world, rank, torch.device("meta"), factory, local_world,
+                           cuda=device_kind == "cuda")
         if checker is not None:
             run.stream_check = {"semantics": checker.semantics, "side_ops": checker.side_ops,
                                 "violations": checker.violations, "found": list(checker.found)}
@@ -193,12 +198,15 @@ PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "
 
 
 def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,
-             processes: int | None = None, prepare=None, overflow_steps=(), stream_check: bool = True) -> list[RankRun]:
+             processes: int | None = None, prepare=None, overflow_steps=(), stream_check: bool = True,
+             device_kind: str = "cuda", save: bool = True) -> list[RankRun]:
     """Runs `ranks` (all of them by default) of a `world`-rank job of pretrain_gpt.py's `argv`.
     `processes` ranks run at once, each in a fresh process forked from a server that imported torch
     and megazero once, in a default group of its own.
     `overflow_steps`: training steps (1-based) whose gradient norm reads inf (the skip path);
-    `stream_check` False: the stream layer runs unchecked (about half the time)."""
+    `stream_check` False: the stream layer runs unchecked (about half the time); `device_kind`: the
+    device simulated, "cuda" or "cpu" (its kernels, memory without the caching allocator); `save`:
+    end with a checkpoint save's collectives."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
     ranks = list(range(world)) if ranks is None else list(ranks)
@@ -213,6 +221,6 @@ def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_
         # a compiled kernel) carries over to the next rank a worker would run.
         with ProcessPoolExecutor(processes, mp_context=context, max_tasks_per_child=1) as pool:
             futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare,
-                                   tuple(overflow_steps), stream_check)
+                                   tuple(overflow_steps), stream_check, device_kind, save)
                        for r in ranks]
             return [f.result() for f in futures]

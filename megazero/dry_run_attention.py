@@ -22,6 +22,21 @@ keeps its input and one fp32 reciprocal RMS per row; on meta it decomposes into 
 input, its square and products, each kept for the backward. `gpu_attention()` also makes meta's
 rms_norm the fused kernel's: an output like the input, the fp32 (rows, 1) statistics, and in
 backward the gradients of the input and the weight.
+
+`cpu_kernels()` is the same for a simulated CPU (the dry run's `--simulate-device cpu`, to compare
+with a real CPU run's measured memory): SDPA on the CPU runs its flash kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu`: the output and an fp32 log-sum-exp) when there
+is no dropout and no mask, else the math path (meta's own decomposition, unchanged); and
+models/weight_grad.py's fp32 weight gradient widens both 16-bit inputs to fp32 copies first, as it
+does on the CPU (meta otherwise takes CUDA's `mm(..., out_dtype=float32)`). A CPU job's collectives
+run on gloo, which (torch's ProcessGroupGloo) reduce-scatters a flat copy of its input and
+all-gathers into a flat copy of its output before copying it out, where NCCL works on the tensors
+themselves: the fake backend allocates nothing, so under `cpu_kernels()` each reduce-scatter and
+all-gather of meta tensors allocates that copy for the op's call (the fake op completes at once;
+gloo's async work may hold its copy longer). The optimizer step on CPU segments runs megazero's C++
+Adam kernel (ops/adam.py), in place, no temporaries; meta segments would take torch's reference
+ops, whose denominator (and scaled gradient) are temporaries the size of the partition: under
+`cpu_kernels()` meta segments take the CPU's route, where the kernel's step allocates nothing.
 """
 from __future__ import annotations
 
@@ -106,3 +121,82 @@ def gpu_attention():
     stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
                                           _on_meta(F.scaled_dot_product_attention)))
     return stack
+
+
+def cpu_kernel_for(attn_mask, dropout_p: float) -> str:
+    """"flash" or "math": what the CPU's SDPA picks (torch's sdp_utils_cpp: its flash kernel takes
+    no dropout and, here, no mask)."""
+    return "flash" if attn_mask is None and not dropout_p else "math"
+
+
+def _on_meta_as_cpu(real):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        extra = {"enable_gqa": True} if enable_gqa else {}
+        if query.device.type == "meta" and cpu_kernel_for(attn_mask, dropout_p) == "flash" \
+                and key.shape[1] == query.shape[1]:
+            return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
+                                                                   scale=scale)[0]
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, **extra)
+    return sdpa
+
+
+def _widened_matmul_fp32(real):
+    def matmul_fp32(a, b):
+        if a.device.type == "meta":
+            return a.float() @ b.float()
+        return real(a, b)
+    return matmul_fp32
+
+
+def _with_gloo_copy(real, of_output: bool):
+    def collective(output, input, *args, **kwargs):
+        if output.device.type != "meta":
+            return real(output, input, *args, **kwargs)
+        copy = torch.empty((output if of_output else input).numel(), dtype=input.dtype, device="meta")
+        work = real(output, input, *args, **kwargs)
+        del copy
+        return work
+    return collective
+
+
+def _kernel_adam_on_meta(real):
+    from megazero.ops import adam
+
+    def adam_update(param, grad, exp_avg, exp_avg_sq, **kwargs):
+        if param.device.type == "meta" and adam.kernel_available():
+            return None        # the C++ kernel: in place through raw pointers, nothing allocated
+        return real(param, grad, exp_avg, exp_avg_sq, **kwargs)
+    return adam_update
+
+
+def _cpu_route(real):
+    def route(device):
+        return "cpu" if torch.device(device).type == "meta" else real(device)
+    return route
+
+
+def cpu_kernels():
+    """A context in which attention, the fp32 weight gradient and the collectives on meta allocate
+    what the CPU's (and gloo's) do."""
+    from megazero.core import comm
+    from megazero.models import loss, weight_grad
+    from megazero.ops import adam
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(adam, "_route", _cpu_route(adam._route)))
+    stack.enter_context(mock.patch.object(adam, "adam_update", _kernel_adam_on_meta(adam.adam_update)))
+    stack.enter_context(mock.patch.object(comm, "_reduce_scatter_single",
+                                          _with_gloo_copy(comm._reduce_scatter_single, of_output=False)))
+    stack.enter_context(mock.patch.object(comm, "_all_gather_single",
+                                          _with_gloo_copy(comm._all_gather_single, of_output=True)))
+    stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
+                                          _on_meta_as_cpu(F.scaled_dot_product_attention)))
+    for module in (weight_grad, loss):        # loss.py imported the function by name
+        stack.enter_context(mock.patch.object(module, "matmul_fp32", _widened_matmul_fp32(module.matmul_fp32)))
+    return stack
+
+
+def device_kernels(device: str):
+    """The kernels' context for the simulated device: "cuda" (the default) or "cpu"."""
+    return gpu_attention() if device == "cuda" else cpu_kernels()

@@ -16,7 +16,9 @@ backward (`backward`: gradients of activations and weight gradients before ZeRO 
 forward of the model (`activations`; and whatever autograd saves for the backward: `saved`, its
 pack hook), ZeRO's storages (`model states`: parameters, gradients, master weights, optimizer
 states) and the rest (`workspace`). Host storages (offloaded optimizer states, host staging) are
-kept the same way, in plain bytes. `snapshot(phase)` notes the live bytes by owner and the peak so
+kept the same way, in plain bytes. Simulating a CPU (`device="cpu"`) the device's storages are plain
+bytes too (no caching allocator: glibc's malloc, no 512-byte blocks, no segments), and since device
+and host memory are then one, `process_peak` counts both at once. `snapshot(phase)` notes the live bytes by owner and the peak so
 far; the peak's own breakdown is kept as well.
 """
 from __future__ import annotations
@@ -65,8 +67,12 @@ def _owner() -> str:
 
 
 class DeviceStandIn(TorchDispatchMode):
-    def __init__(self, memo: bool = True):
+    def __init__(self, memo: bool = True, device: str = "cuda"):
         super().__init__()
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"the dry run simulates a cuda or a cpu device, not {device!r}")
+        self.device = device
+        self.process_live, self.process_peak = 0, 0    # device and host bytes together
         self.memo = MetaMemo() if memo else None     # meta kernels' results remembered (dry_run_memo)
         self.d2h_copies = 0
         self.d2h_bytes = 0
@@ -164,7 +170,8 @@ class DeviceStandIn(TorchDispatchMode):
         return {"allocations": self.allocations, "peak": self.peak, "peak_by_owner": dict(self.peak_by_owner),
                 "reserved_peak": self.allocator.peak_reserved, "segments": self.allocator.segments,
                 "phases": dict(self.phases), "d2h_copies": self.d2h_copies, "d2h_bytes": self.d2h_bytes,
-                "host": {"peak": self.host_peak, "peak_by_owner": dict(self.host_peak_by_owner)}}
+                "host": {"peak": self.host_peak, "peak_by_owner": dict(self.host_peak_by_owner)},
+                "simulated_device": self.device, "process_peak": self.process_peak}
 
     def _track(self, out) -> None:
         if not self.counting:
@@ -201,21 +208,27 @@ class DeviceStandIn(TorchDispatchMode):
             weakref.finalize(storage, self._gone, key)
         if host:                   # host memory: plain bytes, no caching allocator in between
             self._held[key] = [owner, nbytes, None]
+            self._process(nbytes)
             self.host_live[owner] += nbytes
             total = sum(self.host_live.values())
             if total > self.host_peak:
                 self.host_peak, self.host_peak_by_owner = total, dict(self.host_live)
             return
-        size = rounded(nbytes)
+        size = rounded(nbytes) if self.device == "cuda" else nbytes
+        self._process(size)
         if owner == "backward" and not self.backward_started:
             self.backward_started = True
             self.snapshot("forward")
-        self._held[key] = [owner, size, self.allocator.malloc(nbytes)]
+        self._held[key] = [owner, size, self.allocator.malloc(nbytes) if self.device == "cuda" else False]
         self.allocations += 1
         self.live[owner] += size
         total = sum(self.live.values())
         if total > self.peak:
             self.peak, self.peak_by_owner = total, dict(self.live)
+
+    def _process(self, nbytes: int) -> None:
+        self.process_live += nbytes
+        self.process_peak = max(self.process_peak, self.process_live)
 
     def _gone(self, key: int) -> None:
         self._watched.discard(key)
@@ -224,11 +237,13 @@ class DeviceStandIn(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         owner, size, block = self._held.pop(key)
+        self.process_live -= size
         if block is None:
             self.host_live[owner] -= size
         else:
             self.live[owner] -= size
-            self.allocator.free(block)
+            if block is not False:         # False: a simulated CPU's storage, no allocator block
+                self.allocator.free(block)
 
     def saved(self, t):
         """autograd's pack hook: a tensor kept for the backward is an activation, whatever made it

@@ -8,11 +8,12 @@ meet receives, does every tensor sit on the device (docs/dry_run.md).
 
 Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simulate only these;
 default all up to 64 ranks, above that one rank per role: megazero.dry_run_roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
-default the CPU count), --json PATH ('-': stdout) and --force-overflow STEPS (the gradient norm reads
-inf in these training steps, from 1: every rank walks the step-skip path) and --no-stream-check (the
-stream layer unchecked: about half the time). Each simulated rank runs the real recipe with
-the meta device for its GPU, torch's fake process group for NCCL and the stream layer in its
-checking mode (megazero.dry_run); mock data
+default the CPU count), --json PATH ('-': stdout), --force-overflow STEPS (the gradient norm reads
+inf in these training steps, from 1: every rank walks the step-skip path), --no-stream-check (the
+stream layer unchecked: about half the time) and --simulate-device cuda|cpu (the device whose
+kernels and memory the meta device stands for; default cuda). Each simulated rank runs the real
+recipe with the meta device for its GPU, torch's fake process group for NCCL and the stream layer
+in its checking mode (megazero.dry_run); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
 
 Exit 0: every check passed; 2: a flag mistake, a disagreement, a misplaced tensor or a stream race,
@@ -39,6 +40,7 @@ def parse(argv):
     ours.add_argument("--no-stream-check", action="store_true")
     ours.add_argument("--force-overflow", default=None,
                       help="comma-separated training steps (from 1) whose gradient norm reads inf")
+    ours.add_argument("--simulate-device", choices=["cuda", "cpu"], default="cuda")
     return ours.parse_known_args(argv)
 
 
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
         ranks = None
     started = time.perf_counter()
     runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes,
-                    overflow_steps=overflow, stream_check=not opts.no_stream_check)
+                    overflow_steps=overflow, stream_check=not opts.no_stream_check,
+                    device_kind=opts.simulate_device)
     problems = check_all(runs)
     result = report(runs, problems, world, time.perf_counter() - started, stands_for)
     if opts.json == "-":

@@ -115,3 +115,37 @@ def test_planner_predicts_the_dry_runs_peak_on_a_mid_size_layout():
     plan, peak = memory["planner"], memory["peak"]
     assert abs(plan["model_states"] - memory["phases"]["setup"]["allocated"]) <= 1e-3 * plan["model_states"]
     assert 1.0 <= plan["total"] / peak <= 1.1, (plan, peak)
+
+
+def _cpu_attention_kept(device_type: str, dropout_p: float, dtype) -> int:
+    """Bytes of the storages alive after one causal attention's forward (inputs aside): on the
+    real CPU, torch's own; on meta, the dry run's simulating the CPU (cpu_kernels)."""
+    from megazero.dry_run_attention import cpu_kernels
+    b, s, heads, d = 1, 128, 2, 16
+    saved = {}
+
+    def pack(t):
+        saved[id(t.untyped_storage())] = t.untyped_storage()
+        return t
+    with DeviceStandIn(device="cpu") as device, device.keeping_activations(), cpu_kernels():
+        q, k, v = (torch.empty(b, s, heads, d, device=device_type, dtype=dtype, requires_grad=True) for _ in range(3))
+        device.in_setup = False
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = core_attention(q, k, v, dropout_p=dropout_p)
+    if device_type == "meta":
+        return device.live["activations"]
+    inputs = {id(t.untyped_storage()) for t in (q, k, v)}
+    saved[id(out.untyped_storage())] = out.untyped_storage()
+    return sum(st.nbytes() for key, st in saved.items() if key not in inputs)
+
+
+def test_attention_simulating_the_cpu_keeps_what_the_cpu_keeps():
+    """The CPU's SDPA: its flash kernel without dropout (output and log-sum-exp), the math path with
+    it (probabilities and the dropout mask); meta keeps what a real CPU tensor's SDPA keeps."""
+    for dropout_p, dtype in ((0.0, torch.float32), (0.1, torch.float32), (0.0, torch.bfloat16)):
+        real = _cpu_attention_kept("cpu", dropout_p, dtype)
+        assert _cpu_attention_kept("meta", dropout_p, dtype) == real, (dropout_p, dtype)
+    assert _cpu_attention_kept("cpu", 0.1, torch.float32) > 4 * _cpu_attention_kept("cpu", 0.0, torch.float32)
+    with DeviceStandIn(device="cpu") as device:
+        torch.empty(1, device="meta")
+    assert device.peak == device.process_peak == 4 and device.allocator.segments == 0   # no 512-byte blocks
