@@ -2,26 +2,23 @@
 
 A rank's role is everything about its place in the grid that changes what it runs: for every group
 kind it belongs to (tp, dp, pp, cp, mp, embedding, MiCS shard and replica, the shard group's
-node-local and cross-node parts, hpZ, expert parallel ep and expert data parallel edp), its position
-there (first / middle / last; along ZeRO's axes, dp's and the experts' edp, its exact index, its
-partition), the group's size and whether the group stays inside a node; its exact place in the context-parallel ring (each chunk
+node-local and cross-node parts, hpZ, expert parallel ep and expert data parallel edp), its
+position there (first / middle / last), the group's size
+and whether the group stays inside a node; its exact place in the context-parallel ring (each chunk
 pairs with its own peers); and its pipeline stage with that stage's layers (1F1B's warm-up length
-depends on the stage's index, so two middle stages order their sends and receives differently). Ranks of one role issue the
-same collectives (same ops, sizes, reduce ops, positions of roots and peers) and allocate the same
-memory, so one of them stands for all: `tests/tools/test_dry_run.py` runs every rank of 16-rank
-layouts and checks each rank against its role's representative.
+depends on the stage's index, so two middle stages order their sends and receives differently).
+
+Along ZeRO's axis the position stands for the partition: every partition is the same size (each
+bucket is padded to a multiple of the shard count and cut into equal chunks, `zero/flat.py`), and
+every collective is one per bucket on every rank, whatever it holds. What the index changes is which
+parameters' pieces a rank holds (the first chunk of each bucket starts at a parameter, the last
+holds the padding): only local work (initial values, the optimizer's runs, the norm's sums), none of
+it a collective. Ranks of one role issue the same collectives (same ops, sizes, reduce ops,
+positions of roots and peers) and allocate the same memory, so one of them stands for all:
+`tests/tools/test_dry_run.py` runs every rank of 16-rank layouts (one with 8 partitions, six of them
+middle) and checks each rank against its role's representative.
 """
 from __future__ import annotations
-
-
-# Groups along ZeRO's axis: a rank's index there is its partition, whose padding and unit pieces
-# differ from the next one's, so the index itself is part of the role.
-# Expert parallelism: the expert-data-parallel group (and its stage-3 gather communicator) is ZeRO's
-# axis for the expert weights; a rank's place in its ep group (which experts it holds) is positional.
-# (With ep inside dp x cp, dp's exact index and the cp place already fix both; with whole experts,
-# ep spanning tensor-parallel ranks, ep's position adds to the key. The 16-rank test covers the first.)
-_EXACT = {"dp", "mics_shard", "mics_shard_gather", "mics_replica", "shard_node_local", "shard_cross_node", "hpz",
-          "edp", "edp_gather"}
 
 
 def _position(index: int, size: int) -> str:
@@ -44,8 +41,7 @@ def roles(cfg, world: int) -> dict[tuple, list[int]]:
         for ranks in groups:
             intra = topology.is_intra_node(ranks)
             for i, r in enumerate(ranks):
-                where = i if kind in _EXACT else _position(i, len(ranks))
-                member[r] = (kind, where, len(ranks), intra)
+                member[r] = (kind, _position(i, len(ranks)), len(ranks), intra)
         for r in range(world):
             place[r].append(member[r] or (kind, None))
     found: dict[tuple, list[int]] = {}

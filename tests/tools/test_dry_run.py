@@ -329,21 +329,29 @@ def _peak(run) -> int:
     return run.memory["peak"]
 
 
-@pytest.mark.parametrize("flags", [
-    ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16"],
-    ["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
-     "--zero-stage", "3"],
-    ["--num-layers", "2", "--tensor-model-parallel-size", "4", "--zero-stage", "3", "--num-experts", "4",
-     "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
-], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"])
-def test_one_rank_per_role_stands_for_all_ranks_at_16(flags):
+@pytest.mark.parametrize("flags, merged", [
+    (["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16"], 1),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+      "--zero-stage", "3"], 1),
+    # 8 ZeRO-3 partitions over two nodes: 1 and 2 (5 and 6) are middle along dp and along the shard
+    # group's node-local part, first (last) across nodes: one role per tp rank, the merge proven here
+    (["--tensor-model-parallel-size", "2", "--zero-stage", "3"], 2),
+    (["--num-layers", "2", "--tensor-model-parallel-size", "4", "--zero-stage", "3", "--num-experts", "4",
+      "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], 1),
+], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 dp8 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"])
+def test_one_rank_per_role_stands_for_all_ranks_at_16(flags, merged):
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.dry_run_roles import roles
+    from megazero.launch import topology_of
     argv = BASE + ["--num-layers", "8"] + flags
     runs = {r.rank: r for r in simulate(argv, 16, processes=2)}
     assert check_all(list(runs.values())) == []
-    found = roles(config_from_args(parse_args(dry_argv(argv, "/nonexistent")), 16, 8, cuda_available=True), 16)
+    cfg = config_from_args(parse_args(dry_argv(argv, "/nonexistent")), 16, 8, cuda_available=True)
+    found = roles(cfg, 16)
     assert 1 < len(found) < 16 and sorted(r for members in found.values() for r in members) == list(range(16))
+    # the most ZeRO partitions (data-parallel indices) one role stands for
+    topology = topology_of(cfg, 16)
+    assert max(len({topology.coords(r).dp for r in members}) for members in found.values()) == merged
     for members in found.values():
         first = runs[members[0]]
         for other in members[1:]:
