@@ -89,18 +89,20 @@ class CachingAllocator:
         before, after = block.prev, block.next
         if after is not None and after.free:
             self._uncache(after, small)
-            block.size += after.size
-            block.next = after.next
-            if after.next is not None:
-                after.next.prev = block
+            self._absorb(block, after)
         if before is not None and before.free:
             self._uncache(before, small)
-            before.size += block.size
-            before.next = block.next
-            if block.next is not None:
-                block.next.prev = before
+            self._absorb(before, block)
             block = before
         self._cache(block, small)
+
+    @staticmethod
+    def _absorb(left: _Block, right: _Block) -> None:
+        """`left` takes in its free neighbour `right` (the next block of its segment)."""
+        left.size += right.size
+        left.next = right.next
+        if right.next is not None:
+            right.next.prev = left
 
     def _cache(self, block: _Block, small: bool) -> None:
         bisect.insort(self.pools[small], (block.size, block.segment, block.offset))
