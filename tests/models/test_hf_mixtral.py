@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megazero.models.config import GPTConfig
-from megazero.models.generation import generate
+from tests.models.transformers_checks import assert_same_logits_and_greedy_tokens
 from megazero.models.gpt import GPT, initial_value
 from megazero.models.hf_adapter import ConversionError, choose_format, from_hf, gpt_config, hf_config, to_hf
 
@@ -38,16 +38,7 @@ def test_export_matches_transformers_logits_and_imports_back():
     loaded = theirs.load_state_dict(state, strict=True)
     assert not loaded.missing_keys and not loaded.unexpected_keys
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours, reference = model(tokens), theirs(tokens).logits
-    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
-    # greedy decoding with the KV cache (models/generation.py) against transformers' generate
-    prompt = tokens[0, :5].tolist()
-    mine = generate(model, prompt, max_new_tokens=8)
-    # the mask given: transformers would take the prompt's id 0 (its pad id here) for padding
-    expected = theirs.generate(tokens[:1, :5], attention_mask=torch.ones_like(tokens[:1, :5]), max_new_tokens=8,
-                               do_sample=False, pad_token_id=0)[0, 5:].tolist()
-    assert mine[-8:] == expected
+    assert_same_logits_and_greedy_tokens(model, theirs, tokens)
     back = from_hf(gpt_config(hf), "mixtral", state)
     assert gpt_config(hf).num_experts == 4 and gpt_config(hf).moe_ffn_hidden_size == 24
     for name, value in back.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megazero.models.config import GPTConfig
-from megazero.models.generation import generate
+from tests.models.transformers_checks import assert_same_logits_and_greedy_tokens
 from megazero.models.gpt import GPT, initial_value
 from megazero.models.hf_adapter import ConversionError, choose_format, from_hf, gpt_config, hf_config, to_hf
 
@@ -55,14 +55,7 @@ def test_export_matches_transformers_logits_and_generate_and_imports_back(extra)
     theirs = _theirs(hf, state)
     assert [type(layer.mlp).__name__ for layer in theirs.model.layers] == [
         "Qwen2MoeSparseMoeBlock" if cfg.is_moe_layer(i) else "Qwen2MoeMLP" for i in range(3)]
-    with torch.no_grad():
-        ours, reference = model(TOKENS), theirs(TOKENS).logits
-    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
-    prompt = TOKENS[0, :5].tolist()
-    mine = generate(model, prompt, max_new_tokens=8)
-    expected = theirs.generate(TOKENS[:1, :5], attention_mask=torch.ones_like(TOKENS[:1, :5]), max_new_tokens=8,
-                               do_sample=False, pad_token_id=0)[0, 5:].tolist()
-    assert mine[-8:] == expected
+    assert_same_logits_and_greedy_tokens(model, theirs, TOKENS)
     back_cfg = gpt_config(hf)
     assert (back_cfg.moe_layer_freq, back_cfg.moe_router_pre_softmax, back_cfg.add_qkv_bias) == (
         cfg.moe_layer_freq, cfg.moe_router_pre_softmax, True)
