@@ -139,22 +139,59 @@ def _call_site() -> str:
         frame = frame.f_back
     if frame is None:             # e.g. a backend's thread dropped a tensor's last reference
         return f"(thread {threading.current_thread().name})"
-    path = Path(frame.f_code.co_filename)
+    return f"{_shown(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+@functools.lru_cache(maxsize=None)
+def _shown(filename: str) -> str:
+    """A file's path as a call site names it: from the repository's root where it is inside it
+    (cached: resolving a path per op was 40% of a dry-run rank's time)."""
+    path = Path(filename)
     with contextlib.suppress(ValueError):
         path = path.resolve().relative_to(_ROOT)
-    return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+    return str(path)
 
 
-def _schema_pairs(schema, args, kwargs):
-    """(schema argument, value) of an op's call."""
-    yield from zip(schema.arguments, args)
-    by_name = {a.name: a for a in schema.arguments[len(args):]}
-    for name, value in kwargs.items():
-        if name in by_name:
-            yield by_name[name], value
+class _Plan:
+    """What an op's schema says of its arguments, worked out once per op: which positions and
+    keywords it reads, which it writes, which returns are fresh memory (not views, not in place)."""
+    __slots__ = ("passthrough", "reads", "writes", "read_names", "write_names", "fresh")
+
+    def __init__(self, func):
+        schema = func._schema
+        self.passthrough = func.namespace == "c10d" or torch.Tag.inplace_view in func.tags or func in _NO_DATA
+        kinds = ["read" if a.alias_info is None else "write" if a.alias_info.is_write else None
+                 for a in schema.arguments]
+        self.reads = tuple(i for i, k in enumerate(kinds) if k == "read")
+        self.writes = tuple(i for i, k in enumerate(kinds) if k == "write")
+        self.read_names = {a.name: i for i, a in enumerate(schema.arguments) if kinds[i] == "read"}
+        self.write_names = {a.name: i for i, a in enumerate(schema.arguments) if kinds[i] == "write"}
+        self.fresh = tuple(i for i, r in enumerate(schema.returns) if r.alias_info is None)
+
+    def split(self, args, kwargs):
+        """(tensors read, tensors written) by a call with `args` and `kwargs`."""
+        reads = [t for i in self.reads if i < len(args) for t in _tensors(args[i])]
+        writes = [t for i in self.writes if i < len(args) for t in _tensors(args[i])]
+        for name, value in kwargs.items():
+            index = self.read_names.get(name)
+            if index is not None and index >= len(args):
+                reads.extend(_tensors(value))
+            index = self.write_names.get(name)
+            if index is not None and index >= len(args):
+                writes.extend(_tensors(value))
+        return reads, writes
+
+
+_PLANS: dict = {}
 
 
 def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if value is None or isinstance(value, (int, float, bool, str, torch.dtype, torch.device)):
+        return []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in ((v,) if isinstance(v, torch.Tensor) else _tensors(v))]
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -167,21 +204,15 @@ class _AccessMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "c10d" or torch.Tag.inplace_view in func.tags or func in _NO_DATA:
+        plan = _PLANS.get(func)
+        if plan is None:
+            plan = _PLANS[func] = _Plan(func)
+        if plan.passthrough:
             return func(*args, **kwargs)     # collectives are declared by megazero.core.comm
-        reads, writes = [], []
-        for arg, value in _schema_pairs(func._schema, args, kwargs):
-            alias = arg.alias_info
-            if alias is None:
-                reads.extend(_tensors(value))
-            elif alias.is_write:
-                writes.extend(_tensors(value))
+        reads, writes = plan.split(args, kwargs)
         out = func(*args, **kwargs)
-        fresh = []
         results = out if isinstance(out, tuple) else (out,)
-        for ret, value in zip(func._schema.returns, results):
-            if ret.alias_info is None:           # not a view or an in-place result: new memory
-                fresh.extend(_tensors(value))
+        fresh = [t for i in plan.fresh if i < len(results) for t in _tensors(results[i])]
         self.checker.op(reads, writes, fresh, host_sync=func is _SCALAR)
         return out
 
