@@ -8,6 +8,12 @@ and whether the group stays inside a node; its exact place in the context-parall
 pairs with its own peers); and its pipeline stage with that stage's layers (1F1B's warm-up length
 depends on the stage's index, so two middle stages order their sends and receives differently).
 
+Along tensor parallelism the position matters only on the stages that hold the vocabulary (the
+first, with the embedding and the data's broadcast; the last, with the output layer, the loss and
+the last rank's padding rows): elsewhere every tensor-parallel rank holds shards of equal shapes
+and issues the same symmetric collectives (all-reduce, all-gather, reduce-scatter), so a middle
+stage's tensor-parallel ranks share one role.
+
 Along ZeRO's axis the position stands for the partition: every partition is the same size (each
 bucket is padded to a multiple of the shard count and cut into equal chunks, `zero/flat.py`), and
 every collective is one per bucket on every rank, whatever it holds. What the index changes is which
@@ -47,7 +53,13 @@ def roles(cfg, world: int) -> dict[tuple, list[int]]:
     found: dict[tuple, list[int]] = {}
     for r in range(world):
         stage = topology.coords(r).pp
-        key = (stage, stage_layers[stage], topology.cp_of(r)) + tuple(place[r])
+        where = place[r]
+        if stage not in (0, topology.pp - 1):
+            # No vocabulary here (the embedding is on the first stage, the output layer on the last):
+            # every tensor-parallel rank holds equal shards and issues symmetric collectives.
+            where = [(kind, None, *rest) if kind == "tp" else (kind, pos, *rest)
+                     for kind, pos, *rest in where]
+        key = (stage, stage_layers[stage], topology.cp_of(r)) + tuple(where)
         found.setdefault(key, []).append(r)
     return found
 

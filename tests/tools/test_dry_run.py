@@ -330,7 +330,8 @@ def _peak(run) -> int:
 
 
 @pytest.mark.parametrize("flags, merged", [
-    (["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16"], 1),
+    # the middle stages' four tensor-parallel ranks are one role each (no vocabulary there)
+    (["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "4", "--zero-stage", "1", "--bf16"], 1),
     (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
       "--zero-stage", "3"], 1),
     # 8 ZeRO-3 partitions over two nodes: 1 and 2 (5 and 6) are middle along dp and along the shard
@@ -338,7 +339,7 @@ def _peak(run) -> int:
     (["--tensor-model-parallel-size", "2", "--zero-stage", "3"], 2),
     (["--num-layers", "2", "--tensor-model-parallel-size", "4", "--zero-stage", "3", "--num-experts", "4",
       "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], 1),
-], ids=["tp4 pp2 dp2 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 dp8 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"])
+], ids=["tp4 pp4 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 dp8 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"])
 def test_one_rank_per_role_stands_for_all_ranks_at_16(flags, merged):
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.dry_run_roles import roles
