@@ -21,7 +21,12 @@ The same holds for `F.rms_norm`: on CUDA it runs the fused kernel (`aten._fused_
 keeps its input and one fp32 reciprocal RMS per row; on meta it decomposes into an fp32 copy of the
 input, its square and products, each kept for the backward. `gpu_attention()` also makes meta's
 rms_norm the fused kernel's: an output like the input, the fp32 (rows, 1) statistics, and in
-backward the gradients of the input and the weight.
+backward the gradients of the input and the weight. And for the optimizer step: on a GPU
+`ops/adam.py`'s `adam_step` sends the segments to torch's fused Adam(W) kernel (one multi-tensor
+launch, nothing allocated but a widened fp32 slice of a 16-bit gradient, `WIDEN_SLICE` elements at
+a time); meta has no such kernel registered as supported, so its segments would take the torch
+reference ops and a partition-sized denominator. `gpu_attention()` routes meta segments to the
+fused kernel, whose meta implementation allocates nothing.
 
 `cpu_kernels()` is the same for a simulated CPU (the dry run's `--simulate-device cpu`, to compare
 with a real CPU run's measured memory): SDPA on the CPU runs its flash kernel
@@ -114,9 +119,18 @@ def _rms_norm_on_meta(real):
     return rms_norm
 
 
+def _fused_route(real):
+    def route(device):
+        return "fused" if torch.device(device).type == "meta" else real(device)
+    return route
+
+
 def gpu_attention():
-    """A context in which attention and RMSNorm on meta tensors allocate what CUDA's kernels do."""
+    """A context in which attention, RMSNorm and the optimizer step on meta tensors allocate what
+    CUDA's kernels do (Adam: torch's fused multi-tensor kernel, as `adam_step` picks on a GPU)."""
+    from megazero.ops import adam
     stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(adam, "_route", _fused_route(adam._route)))
     stack.enter_context(mock.patch.object(F, "rms_norm", _rms_norm_on_meta(F.rms_norm)))
     stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
                                           _on_meta(F.scaled_dot_product_attention)))

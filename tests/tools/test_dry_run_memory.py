@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from megazero.dry_run_attention import gpu_attention, kernel_for
@@ -149,3 +150,22 @@ def test_attention_simulating_the_cpu_keeps_what_the_cpu_keeps():
     with DeviceStandIn(device="cpu") as device:
         torch.empty(1, device="meta")
     assert device.peak == device.process_peak == 4 and device.allocator.segments == 0   # no 512-byte blocks
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_optimizer_step_on_a_simulated_gpu_allocates_what_the_fused_kernel_does(grad_dtype):
+    """On a GPU adam_step runs torch's fused Adam(W): nothing allocated for fp32 gradients, one
+    widened fp32 slice (WIDEN_SLICE elements at most) at a time for 16-bit ones. torch's reference
+    ops (meta's own route) would allocate a denominator the size of the partition."""
+    from megazero.dry_run_attention import gpu_attention
+    from megazero.ops import adam
+    from megazero.ops.adam_config import AdamConfig
+    n = adam.WIDEN_SLICE + 1000
+    with DeviceStandIn(device="cuda") as device, gpu_attention():
+        p, m, v = (torch.empty(n, device="meta") for _ in range(3))
+        g = torch.empty(n, device="meta", dtype=grad_dtype)
+        device.in_setup = False
+        before = device.peak
+        adam.adam_step([adam.AdamSegment(p, g, m, v, 0.1, None, None)], step=1, lr=1e-3, config=AdamConfig())
+    widened = 0 if grad_dtype == torch.float32 else adam.WIDEN_SLICE * 4
+    assert device.peak - before <= widened + 2 * 512, (device.peak - before, widened)
