@@ -132,13 +132,17 @@ def _check_param_copy(param_copy: torch.Tensor, others: tuple) -> None:
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte address a tensor can touch (its strided extent, a superset for views)."""
+    """[first, last) byte address a tensor can touch (its strided extent, a superset for views);
+    on meta, whose storages have no memory (every pointer is 0), from its storage's start."""
     extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
+    start = t.storage_offset() * t.element_size() if t.device.type == "meta" else t.data_ptr()
+    return start, start + (extent + 1) * t.element_size()
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.device.type == "meta" and a.untyped_storage()._cdata != b.untyped_storage()._cdata:
         return False
     (a_begin, a_end), (b_begin, b_end) = _byte_span(a), _byte_span(b)
     return a_begin < b_end and b_begin < a_end
