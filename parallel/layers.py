@@ -16,10 +16,11 @@ from torch import nn
 from megazero.models.param_info import set_param_info
 from megazero.core.comm import Group
 from megazero.models.gpt import token_positions
-from megazero.models.weight_grad import add_bias, embedding, linear
+from megazero.models.weight_grad import (add_bias, deposit, embedding, linear, matmul_fp32, wants_fp32_grad,
+                                         zero_grad_for)
 from .cross_entropy import vocab_parallel_linear_cross_entropy
-from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
-                       reduce_from_tp_region, reduce_scatter_to_sequence_region,
+from .mappings import (SEQ_DIM, _gather, _reduce_scatter, copy_to_tp_region, gather_from_sequence_region,
+                       gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region,
                        scatter_to_sequence_region)
 
 
@@ -73,12 +74,52 @@ class ColumnParallelLinear(nn.Module):
         self.bias = mark_split(_param((local_out,), device, dtype), shard) if bias else None
 
     def forward(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group)
+        if self.sequence_parallel and self.group.size > 1:
+            y = _SequenceGatheredLinear.apply(x, self.weight, self.bias, self.group,
+                                              wants_fp32_grad(self.weight))
         else:
-            x = copy_to_tp_region(x, self.group)
-        y = linear(x, self.weight, self.bias)
+            y = linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """Sequence parallelism's column-parallel GEMM, y = gather(x) A^T + b, keeping for the backward
+    only this rank's sequence shard of x: the weight gradient needs the whole sequence, which the
+    backward all-gathers again (as Megatron-LM does). Kept whole, the gathered inputs of a layer's
+    two column-parallel GEMMs cost 4 s b h bytes on every rank instead of 4 s b h / tp.
+    `fp32`: the weight is marked for an fp32 gradient sum (models/weight_grad.py), decided by the
+    caller, since grad mode is off in here."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, fp32):
+        ctx.group, ctx.params, ctx.fp32 = group, (weight, bias), fp32
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather(x, SEQ_DIM, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        param, bias = ctx.params
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # Reduced and freed before the input is gathered again: one whole-sequence buffer at a time.
+            grad_x = _reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
+        rows = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            full = _gather(x, SEQ_DIM, ctx.group).reshape(-1, x.shape[-1])
+            if ctx.fp32:
+                deposit(param, matmul_fp32(rows.t(), full))
+                grad_w = zero_grad_for(weight)
+            else:
+                grad_w = rows.t() @ full
+            del full
+        if bias is not None and ctx.needs_input_grad[2]:
+            if ctx.fp32:
+                deposit(bias, rows.float().sum(dim=0))
+                grad_b = zero_grad_for(bias)
+            else:
+                grad_b = rows.sum(dim=0)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class RowParallelLinear(nn.Module):

@@ -42,9 +42,8 @@ def layer_activation_split(model_cfg, sequence_parallel: bool = False) -> tuple[
     first linear's output 4 x ffn, the gate's activation 2 x ffn, the product 2 x ffn); a dropout of
     probability 0 keeps no mask. Without sequence parallelism the inputs of the attention and the MLP,
     the norms' inputs and the masks (10 units) are whole on every tensor-parallel rank; with it
-    megazero's column-parallel layers keep the all-gathered sequence their weight gradient reads
-    (the attention's and the MLP's inputs, 4 units; Megatron keeps the shard and gathers again in
-    backward), the rest is split."""
+    everything is split: the column-parallel GEMMs keep their input's sequence shard and gather it
+    again in backward (parallel/layers.py)."""
     h, m = model_cfg.hidden_size, model_cfg
     width = m.num_attention_heads * m.head_dim
     kv = m.num_query_groups * m.head_dim
@@ -53,7 +52,7 @@ def layer_activation_split(model_cfg, sequence_parallel: bool = False) -> tuple[
     inputs, norms = 4 * h, 4 * h
     split_part = 4 * width + 4 * kv + mlp
     if sequence_parallel:
-        return inputs / h, (split_part + norms + masks) / h
+        return 0.0, (inputs + split_part + norms + masks) / h
     return (inputs + norms + masks) / h, split_part / h
 
 

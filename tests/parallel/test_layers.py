@@ -15,7 +15,7 @@ from megazero.parallel.layers import (ColumnParallelLinear, ParallelEmbedding, P
                                       VocabParallelEmbedding)
 from megazero.parallel.mappings import scatter_to_sequence_region
 from megazero.parallel.topology import Topology
-from megazero.models.param_info import param_info
+from megazero.models.param_info import param_info, set_param_info
 
 RTOL = 1e-5
 B, S, H = 2, 8, 16
@@ -76,6 +76,30 @@ def check_column_row(group, sp):
     close(row.bias.grad, ref.bias.grad, "row bias grad (replicated)")
 
 
+def check_column_keeps_the_sequence_shard(group):
+    """Under sequence parallelism the column-parallel GEMM keeps only this rank's sequence shard for
+    the backward (its weight gradient gathers it again), and a 16-bit weight marked for an fp32
+    gradient gets the same fp32 sum, bit for bit, as the layer fed the whole sequence directly."""
+    ref_w = _inputs(16, 4 * H, H).bfloat16()
+    x = _inputs(17, B, S, H).bfloat16()
+    grad_out = _inputs(18, B, S, 4 * H // group.size).bfloat16()
+    pending = {}
+    for sp in (False, True):
+        col = ColumnParallelLinear(H, 4 * H, False, group, sp, dtype=torch.bfloat16)
+        col.weight.data = param_info(col.weight).tp_shard.local_from_full(ref_w)
+        set_param_info(col.weight, fp32_grad=True)
+        x_in = _shard_seq(x, group, sp).requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            y = col(x_in)
+        y.backward(grad_out)
+        pending[sp] = param_info(col.weight).pending_fp32_grad
+        if sp:
+            assert (B, S // group.size, H) in saved and (B, S, H) not in saved, saved
+    assert pending[True].dtype == torch.float32
+    assert torch.equal(pending[True], pending[False]), "fp32 weight gradient differs under SP"
+
+
 def _regroup(y, size, chunks):
     """Gathered column output with chunks>1 is rank-major; turn it into block-major (full) order."""
     per_rank = y.chunk(size, dim=-1)
@@ -131,6 +155,7 @@ def tp_layers_vs_reference(ctx, tp):
     for sp in (False, True):
         check_column_row(groups.tp, sp)
         check_embedding_and_loss(groups.tp, sp)
+    check_column_keeps_the_sequence_shard(groups.tp)
     return True
 
 
