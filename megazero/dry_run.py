@@ -204,7 +204,7 @@ def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_
     `processes` ranks run at once, each in a fresh process forked from a server that imported torch
     and megazero once, in a default group of its own.
     `overflow_steps`: training steps (1-based) whose gradient norm reads inf (the skip path);
-    `stream_check` False: the stream layer runs unchecked (about half the time); `device_kind`: the
+    `stream_check` False: the stream layer runs unchecked (about 40% less time); `device_kind`: the
     device simulated, "cuda" or "cpu" (its kernels, memory without the caching allocator); `save`:
     end with a checkpoint save's collectives."""
     from concurrent.futures import ProcessPoolExecutor

@@ -10,7 +10,7 @@ Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simu
 default all up to 64 ranks, above that one rank per role: megazero.dry_run_roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
 default the CPU count), --json PATH ('-': stdout), --force-overflow STEPS (the gradient norm reads
 inf in these training steps, from 1: every rank walks the step-skip path), --no-stream-check (the
-stream layer unchecked: about half the time) and --simulate-device cuda|cpu (the device whose
+stream layer unchecked: about 40% less time) and --simulate-device cuda|cpu (the device whose
 kernels and memory the meta device stands for; default cuda). Each simulated rank runs the real
 recipe with the meta device for its GPU, torch's fake process group for NCCL and the stream layer
 in its checking mode (megazero.dry_run); mock data
