@@ -158,6 +158,7 @@ def test_the_optimizer_step_on_a_simulated_gpu_allocates_what_the_fused_kernel_d
     widened fp32 slice (WIDEN_SLICE elements at most) at a time for 16-bit ones. torch's reference
     ops (meta's own route) would allocate a denominator the size of the partition."""
     from megazero.dry_run_attention import gpu_attention
+    from megazero.core.errors import UsageError
     from megazero.ops import adam
     from megazero.ops.adam_config import AdamConfig
     n = adam.WIDEN_SLICE + 1000
@@ -167,5 +168,13 @@ def test_the_optimizer_step_on_a_simulated_gpu_allocates_what_the_fused_kernel_d
         device.in_setup = False
         before = device.peak
         adam.adam_step([adam.AdamSegment(p, g, m, v, 0.1, None, None)], step=1, lr=1e-3, config=AdamConfig())
+        peak = device.peak - before
+        # A 16-bit copy of its own is taken (meta pointers are all 0: overlap is told by storage);
+        # one sharing a state's storage is still refused.
+        copy = torch.empty(n, device="meta", dtype=torch.bfloat16)
+        adam.adam_step([adam.AdamSegment(p, g, m, v, 0.1, copy, None)], step=2, lr=1e-3, config=AdamConfig())
+        with pytest.raises(UsageError, match="overlaps"):
+            adam.adam_step([adam.AdamSegment(p, g, m, v, 0.1, m.view(torch.bfloat16)[:n], None)], step=3,
+                           lr=1e-3, config=AdamConfig())
     widened = 0 if grad_dtype == torch.float32 else adam.WIDEN_SLICE * 4
-    assert device.peak - before <= widened + 2 * 512, (device.peak - before, widened)
+    assert peak <= widened + 2 * 512, (peak, widened)
