@@ -340,18 +340,23 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
     leave a GPU's count; on the CPU only what is swapped to files leaves it (host memory is the
     same memory there)."""
     r = rank_layout(cfg, world_size)     # the first check: persistent stage-3 parameters ignored
-    kinds = model_state_bytes_by_kind(cfg.zero.stage, r.shards, r.weight_bytes, r.grad_bytes,
-                                      separate_master=r.weight_bytes == 2)
     away = ("nvme",) if device_type == "cpu" else ("cpu", "nvme")
-    if cfg.zero.offloads_optimizer and cfg.zero.offload_optimizer.device in away:
-        kept = resident_fraction(cfg.zero, r.rank_parameters / r.shards) / r.shards
-        kinds["master"], kinds["optimizer_states"] = 4 * kept, 8 * kept
-    if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
-        kinds["params"] = 0.0
-    per_param = sum(kinds.values())
+
+    def per_param(shards: int) -> float:
+        kinds = model_state_bytes_by_kind(cfg.zero.stage, shards, r.weight_bytes, r.grad_bytes,
+                                          separate_master=r.weight_bytes == 2)
+        if cfg.zero.offloads_optimizer and cfg.zero.offload_optimizer.device in away:
+            kept = resident_fraction(cfg.zero, r.rank_parameters / r.shards) / shards
+            kinds["master"], kinds["optimizer_states"] = 4 * kept, 8 * kept
+        if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
+            kinds["params"] = 0.0
+        return sum(kinds.values())
+    dense = per_param(r.shards)
+    # The experts' states are partitioned over their own (expert data parallel) ranks.
+    model_states = r.rank_parameters * dense + r.expert_parameters * per_param(r.expert_shards)
     activations, kernel = _activations(cfg, r, device_type), kernel_for(cfg, device_type)
-    return MemoryEstimate(parameters=r.parameters, rank_parameters=r.rank_parameters, bytes_per_param=per_param,
-                          model_states=r.rank_parameters * per_param, activations=activations,
+    return MemoryEstimate(parameters=r.parameters, rank_parameters=r.rank_parameters, bytes_per_param=dense,
+                          model_states=model_states, activations=activations,
                           attention=activations - _activations(cfg, r), kernel=kernel)
 
 

@@ -433,6 +433,17 @@ def test_memory_check_leaves_offloaded_states_out_where_they_leave():
     assert estimate(nvme, 2, "cpu").model_states == pytest.approx(estimate(plain, 2).model_states - params * 6)
 
 
+def test_memory_check_counts_the_experts_states():
+    """The refusal estimate of a mixture of experts holds the experts' states too, as the planner's
+    model states do (the experts are the most of such a model's parameters)."""
+    from megazero.config.train_flags import config_from_args, parse_args
+    from megazero.config.memory_estimate import MODEL_STATE_KINDS, estimate, plan_bytes
+    for extra in ([], ["--expert-model-parallel-size", "2"]):
+        cfg = config_from_args(parse_args(["--zero-stage", "1", "--bf16", "--num-experts", "4"] + extra), 2)
+        plan = plan_bytes(cfg, 2)
+        assert estimate(cfg, 2).model_states == pytest.approx(sum(plan[k] for k in MODEL_STATE_KINDS)), extra
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--hidden-sise", "64"], "error: unrecognized flag --hidden-sise; did you mean --hidden-size?"),
     (["--global-batch-size", "7", "--micro-batch-size", "2"],
