@@ -20,6 +20,7 @@ from megazero.config.data_flags import data_notes, infer_tokenizer_type
 from megazero.config.deepspeed_blocks import DeepSpeedSettings, flags_from_config
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_problem
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
+from megazero.config import batch_flags
 from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
 from megazero.config.moe_flags import expert_parallel_size
@@ -42,7 +43,6 @@ COSMETIC = {"log_interval": "DeepSpeed's console cadence"}
 # Settings only a DeepSpeed config gives: name -> default.
 JSON_ONLY = {"grad_accum_dtype": "fp32", "consecutive_hysteresis": False, "wall_clock_breakdown": False,
              "decoupled_weight_decay": True}
-DEFAULT_TRAIN_ITERS = 200
 
 
 def _merge(args, ds: DeepSpeedSettings | None, config_path: str | None) -> dict:
@@ -128,14 +128,14 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     check_zero_layout(zero, topology)
     model = _model_config(args, topology, notes)
     check_attention_precision(model, precision.bf16 or precision.fp16, _uses_cuda(args))
-    virtual = _virtual_stages(args, topology)
+    virtual = batch_flags.virtual_stages(args, topology)
     validate_model_fits(topology, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
                         num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
                         virtual_stages=virtual, layer_split=args.pipeline_layer_split)
     micro, glob = merged["micro_batch_size"], merged["global_batch_size"]
-    glob = _global_batch(args, micro, glob, topology.dp, ds)
+    glob = batch_flags.global_batch(args, micro, glob, topology.dp, ds)
     microbatches = glob // (micro * topology.dp)
-    _check_pipeline(args, topology, virtual, microbatches)
+    batch_flags.check_pipeline(args, topology, virtual, microbatches)
     if args.sequence_parallel and args.seq_length % topology.tp:
         raise UsageError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
                          f"--tensor-model-parallel-size {topology.tp}")
@@ -158,8 +158,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     notes += data_notes(args)
     ramp = batch_ramp(args, glob, micro, topology.dp)
     if ramp is not None and (virtual > 1 or args.pipeline_schedule == "interleaved"):
-        _check_pipeline(args, topology, virtual, ramp.start // (micro * topology.dp))
-    train_iters = _train_iters(args, glob, ramp)
+        batch_flags.check_pipeline(args, topology, virtual, ramp.start // (micro * topology.dp))
+    train_iters = batch_flags.train_iters(args, glob, ramp)
     if ramp is not None and args.train_samples is None:
         notes.append("--rampup-batch-size with --train-iters: Megatron-LM asks for --train-samples; megazero "
                      "runs the iterations with the ramp's batches and counts the lr schedule in samples "
@@ -199,9 +199,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 heartbeat_minutes=_heartbeat_minutes(args)),
         precision=precision,
         micro_batch_size=micro, global_batch_size=glob, train_iters=train_iters,
-        batch_from=_batch_from(args, ds),
-        eval_interval=_positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
-        log_interval=_positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
+        batch_from=batch_flags.batch_from(args, ds),
+        eval_interval=batch_flags.positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
+        log_interval=batch_flags.positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
         run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
         wall_clock_breakdown=merged["wall_clock_breakdown"] or args.log_timers_to_tensorboard,
         compile_backend=compile_layers, notes=notes, checkpoint=checkpoint_config(args),
@@ -257,12 +257,6 @@ def _heartbeat_minutes(args) -> float:
     return args.heartbeat_timeout_minutes
 
 
-def _positive(value: int, flag: str) -> int:
-    if value is None or value < 1:
-        raise UsageError(f"{flag} must be >= 1, got {value}")
-    return value
-
-
 def _origin(args, ds: DeepSpeedSettings | None, name: str, flag: str | None, attr: str = "",
             with_file: bool = True) -> str | None:
     """Where a setting came from: its flag, else its DeepSpeed key (and file); None when neither set it."""
@@ -289,21 +283,6 @@ def _check_ranges(args, ds: DeepSpeedSettings | None, merged: dict) -> None:
     for split in args.pipeline_layer_split or ():
         if split < 1:
             raise UsageError(f"--pipeline-layer-split takes layer counts >= 1, got {split}")
-
-
-def _train_iters(args, glob: int, ramp=None) -> int:
-    """--train-iters, or Megatron's --train-samples counted in global batches (with a batch ramp, in
-    Megatron's way: the ramp's steps, then whole global batches)."""
-    if args.train_samples is None:
-        return _positive(DEFAULT_TRAIN_ITERS if args.train_iters is None else args.train_iters, "--train-iters")
-    if args.train_iters is not None:
-        raise UsageError("--train-iters and --train-samples are both set; choose one")
-    if ramp is not None:
-        return _positive(ramp.train_iters(args.train_samples), "--train-samples (in iterations)")
-    if args.train_samples < glob:
-        raise UsageError(f"--train-samples {args.train_samples} is less than one global batch ({glob} "
-                         f"samples); raise it or lower --global-batch-size")
-    return args.train_samples // glob
 
 
 # fp16 loss-scaling settings: name -> (flag, args attribute).
@@ -388,82 +367,6 @@ def _model_config(args, topology: Topology, notes: list[str]) -> GPTConfig:
     return config
 
 
-def _virtual_stages(args, topology: Topology) -> int:
-    per_stage = args.num_layers_per_virtual_pipeline_stage
-    if not per_stage:
-        return 1
-    if topology.pp == 1:
-        raise UsageError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    if args.num_layers % (per_stage * topology.pp):
-        raise UsageError(f"--num-layers {args.num_layers} is not divisible by "
-                         f"--num-layers-per-virtual-pipeline-stage {per_stage} x pipeline size {topology.pp}")
-    return args.num_layers // (per_stage * topology.pp)
-
-
-def _batch_from(args, ds: DeepSpeedSettings | None) -> str | None:
-    """The DeepSpeed config's flag and file when it set a batch size the flags did not."""
-    keys = {"micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
-            "gradient_accumulation_steps": None}
-    if ds and any(name in ds.values and flag_value is None for name, flag_value in keys.items()):
-        return f"{args.zero_config_flag} {args.zero_config}"
-    return None
-
-
-def _global_batch(args, micro: int, glob: int | None, dp: int, ds: DeepSpeedSettings | None) -> int:
-    """The global batch; a mismatch names each number as the user gave it (flag, or key and file)."""
-    def named(name: str, flag: str, value) -> str:
-        if flag and getattr(args, name, None) is not None or not (ds and name in ds.values):
-            return f"{flag} {value}"
-        return f"{ds.source(name)} = {value} ({args.zero_config})"
-    if micro < 1:
-        raise UsageError(f"{named('micro_batch_size', '--micro-batch-size', micro)}: must be >= 1")
-    if glob is not None and glob < 1:
-        raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)}: must be >= 1")
-    accumulation = ds.get("gradient_accumulation_steps") if ds else None
-    if glob is None:
-        glob = micro * dp * (accumulation or 1)
-    elif accumulation is not None and glob != micro * dp * accumulation:
-        raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)} != "
-                         f"{named('micro_batch_size', '--micro-batch-size', micro)} x "
-                         f"{named('gradient_accumulation_steps', '', accumulation)} x data-parallel size {dp}; "
-                         f"DeepSpeed's rule: train_batch_size = micro batch x accumulation x data-parallel size")
-    if glob % (micro * dp):
-        raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)} is not divisible by "
-                         f"{named('micro_batch_size', '--micro-batch-size', micro)} x data-parallel size "
-                         f"{dp} = {micro * dp}")
-    return glob
-
-
-def _check_pipeline(args, topology: Topology, virtual: int, microbatches: int) -> None:
-    schedule = args.pipeline_schedule
-    if topology.pp == 1 and schedule in ("gpipe", "1f1b", "interleaved"):
-        raise UsageError(f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size > 1")
-    if args.overlap_p2p_communication and topology.pp == 1:
-        raise UsageError("--overlap-p2p-communication overlaps pipeline transfers, and "
-                         "--pipeline-model-parallel-size 1 has none; remove it")
-    if args.overlap_p2p_communication and schedule == "gpipe":
-        raise UsageError("--overlap-p2p-communication works with the 1f1b and interleaved schedules, not "
-                         "gpipe; remove it or choose another --pipeline-schedule")
-    if virtual > 1 and schedule in ("gpipe", "1f1b"):
-        raise UsageError(f"--pipeline-schedule {schedule} runs one model chunk per stage; drop "
-                         f"--num-layers-per-virtual-pipeline-stage or use 'interleaved'")
-    if virtual > 1 or schedule == "interleaved":
-        if microbatches % topology.pp:
-            raise UsageError(f"the interleaved schedule needs the number of microbatches ({microbatches} "
-                             f"= global batch / (micro batch x dp)) to be a multiple of the pipeline "
-                             f"size {topology.pp}; raise --global-batch-size")
-
-
-def _in_iterations(samples: int | None, flag: str, glob: int) -> int | None:
-    """Megatron's sample counts (--lr-decay-samples, ...) in optimizer steps of `glob` samples."""
-    if samples is None:
-        return None
-    if samples and samples < glob:
-        raise UsageError(f"{flag} {samples} is less than one global batch ({glob} samples); raise it or "
-                         f"count in iterations")
-    return samples // glob
-
-
 def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_iters: int,
                       glob: int, in_samples: bool = False) -> OptimizerConfig:
     """The schedule and Adam settings. With a batch ramp (`in_samples`) the schedule counts samples,
@@ -479,13 +382,14 @@ def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_it
         decay_iters = (args.lr_decay_iters * glob if args.lr_decay_iters else args.lr_decay_samples
                        or (args.train_samples or train_iters * glob))
     else:
-        decay_iters = (args.lr_decay_iters or _in_iterations(args.lr_decay_samples, "--lr-decay-samples", glob)
+        decay_iters = (args.lr_decay_iters
+                       or batch_flags.in_iterations(args.lr_decay_samples, "--lr-decay-samples", glob)
                        or train_iters)
     if args.lr_warmup_fraction is not None:
         warmup = int(args.lr_warmup_fraction * decay_iters)
     elif args.lr_warmup_samples is not None:
         warmup = (args.lr_warmup_samples if in_samples
-                  else _in_iterations(args.lr_warmup_samples, "--lr-warmup-samples", glob))
+                  else batch_flags.in_iterations(args.lr_warmup_samples, "--lr-warmup-samples", glob))
     else:
         warmup = (args.lr_warmup_iters if args.lr_warmup_iters is not None else min(20, train_iters // 10)) * unit
     lr = merged["lr"]
