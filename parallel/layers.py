@@ -19,9 +19,9 @@ from megazero.models.gpt import token_positions
 from megazero.models.weight_grad import (add_bias, deposit, embedding, linear, matmul_fp32, wants_fp32_grad,
                                          zero_grad_for)
 from .cross_entropy import vocab_parallel_linear_cross_entropy
-from .mappings import (SEQ_DIM, _gather, _reduce_scatter, copy_to_tp_region, gather_from_sequence_region,
-                       gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region,
-                       scatter_to_sequence_region)
+from .mappings import (SEQ_DIM, _gather, copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
+                       reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
+                       start_gather, start_reduce_scatter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +85,11 @@ class ColumnParallelLinear(nn.Module):
 class _SequenceGatheredLinear(torch.autograd.Function):
     """Sequence parallelism's column-parallel GEMM, y = gather(x) A^T + b, keeping for the backward
     only this rank's sequence shard of x: the weight gradient needs the whole sequence, which the
-    backward all-gathers again (as Megatron-LM does). Kept whole, the gathered inputs of a layer's
-    two column-parallel GEMMs cost 4 s b h bytes on every rank instead of 4 s b h / tp.
-    `fp32`: the weight is marked for an fp32 gradient sum (models/weight_grad.py), decided by the
-    caller, since grad mode is off in here."""
+    backward all-gathers again (as Megatron-LM does) while it computes the input's gradient, and
+    that gradient's reduce-scatter runs while it computes the weight's. Kept whole, the gathered
+    inputs of a layer's two column-parallel GEMMs would cost 4 s b h bytes on every rank, not
+    4 s b h / tp. `fp32`: the weight is marked for an fp32 gradient sum (models/weight_grad.py),
+    decided by the caller, since grad mode is off in here."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, fp32):
@@ -100,13 +101,14 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         param, bias = ctx.params
-        grad_x = grad_w = grad_b = None
+        wants_weight = ctx.needs_input_grad[1]
+        gathered = start_gather(x, SEQ_DIM, ctx.group) if wants_weight else None
+        reducing = grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            # Reduced and freed before the input is gathered again: one whole-sequence buffer at a time.
-            grad_x = _reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
+            reducing, grad_x = start_reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
         rows = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
-            full = _gather(x, SEQ_DIM, ctx.group).reshape(-1, x.shape[-1])
+        if wants_weight:
+            full = gathered().reshape(-1, x.shape[-1])
             if ctx.fp32:
                 deposit(param, matmul_fp32(rows.t(), full))
                 grad_w = zero_grad_for(weight)
@@ -119,6 +121,8 @@ class _SequenceGatheredLinear(torch.autograd.Function):
                 grad_b = zero_grad_for(bias)
             else:
                 grad_b = rows.sum(dim=0)
+        if reducing is not None:
+            reducing.wait()
         return grad_x, grad_w, grad_b, None, None
 
 

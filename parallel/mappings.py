@@ -60,6 +60,30 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     return out
 
 
+def start_gather(x: torch.Tensor, dim: int, group: Group):
+    """`_gather` issued asynchronously; returns `finish()`, which waits for it and returns the
+    gathered tensor (moving the ranks' axis into `dim` copies, so only after the wait)."""
+    x = x.contiguous()
+    out = x.new_empty((group.size, *x.shape))
+    handle = comm.all_gather(out, x, group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        handle.wait()
+        return out.movedim(0, dim).flatten(dim, dim + 1) if dim != 0 else out.flatten(0, 1)
+    return finish
+
+
+def start_reduce_scatter(x: torch.Tensor, dim: int, group: Group):
+    """`_reduce_scatter` issued asynchronously: (handle, result), read after handle.wait()."""
+    shape = list(x.shape)
+    if shape[dim] % group.size:
+        raise ValueError(f"dimension {dim} of size {shape[dim]} does not split over {group.size} ranks")
+    chunks = x.unflatten(dim, (group.size, shape[dim] // group.size)).movedim(dim, 0).contiguous()
+    shape[dim] //= group.size
+    out = x.new_empty(shape)
+    return comm.reduce_scatter(out, chunks, group, async_op=True), out
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
