@@ -29,6 +29,7 @@ its group): it gets rows sorted by expert and returns the experts' outputs in th
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -153,12 +154,25 @@ class Router(nn.Module):
         self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
 
 
+def expert_capacity(s: int, k: int, factor: float, num_experts: int) -> int:
+    """The choices of one sequence (s tokens, top-k) an expert keeps: ceil(s x k x factor / E)."""
+    return min(math.ceil(s * k * factor / num_experts), s * k)
+
+
+def balanced_kept(sequences: int, s: int, k: int, num_experts: int, capacity: int) -> int:
+    """The choices kept under balanced routing: each sequence's s x k spread evenly over the experts
+    (the first ones one more), each expert keeping at most `capacity` of them. What a dry run's
+    meta tensors stand for (they have no values to route by; see MoELayer.route)."""
+    n = s * k
+    return sequences * sum(min(capacity, n // num_experts + (e < n % num_experts)) for e in range(num_experts))
+
+
 def capacity_keep(probs, indices, sequences: int, num_experts: int, factor: float, policy: str):
     """(T, k) bool: which choices each sequence's experts keep, at most ceil(s x k x factor / E)
     per expert and sequence; by probability ("probs") or the earliest tokens ("position")."""
     t, k = indices.shape
     s = t // sequences
-    capacity = min(math.ceil(s * k * factor / num_experts), s * k)
+    capacity = expert_capacity(s, k, factor, num_experts)
     chosen = F.one_hot(indices.reshape(sequences, s * k), num_experts).bool()      # (b, s*k, E)
     if policy == "probs":
         key = probs.detach().reshape(sequences, s * k, 1).expand_as(chosen)
@@ -177,23 +191,28 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
         0, experts, torch.ones_like(experts))
 
 
-def sort_by_expert(indices, keep, num_experts: int, pad_to: int | None = None):
+def sort_by_expert(indices, keep, num_experts: int, pad_to: int | None = None, read_kept=int):
     """Rows for the experts, sorted by expert: (slots, counts). `slots[r]` is the flat choice
     (token x k + j) row r computes, -1 for a padding row; `counts[e]` how many rows expert e gets
-    (`pad_to` each when padding to capacity)."""
+    (`pad_to` each when padding to capacity). The dropped choices (not in `keep`) sort last, as an
+    expert past the last one, so every shape is fixed but the number of rows kept without padding:
+    `read_kept` turns that count (a 0-dim device tensor) into the host's int (a host sync, as the
+    nonzero it replaces was on a GPU; the dispatcher gives it, see MoELayer.route)."""
     flat = indices.reshape(-1)
-    slots = keep.reshape(-1).nonzero().squeeze(1) if keep is not None else torch.arange(
-        flat.numel(), device=flat.device)
-    slots = slots[torch.argsort(flat[slots], stable=True)]
-    counts = expert_counts(flat[slots], num_experts)
-    if pad_to is not None:
-        experts = flat[slots]
-        starts = torch.cumsum(counts, 0) - counts
-        place = experts * pad_to + torch.arange(slots.numel(), device=slots.device) - starts[experts]
-        slots = torch.full((num_experts * pad_to,), -1, dtype=slots.dtype, device=slots.device).index_copy(
-            0, place, slots)
-        counts = torch.full_like(counts, pad_to)
-    return slots, counts
+    if keep is None:
+        return torch.argsort(flat, stable=True), expert_counts(flat, num_experts)
+    key = torch.where(keep.reshape(-1), flat, num_experts)
+    order = torch.argsort(key, stable=True)          # kept choices by (expert, position), then the dropped
+    counts = expert_counts(key, num_experts + 1)
+    if pad_to is None:
+        return order[:read_kept(counts[:num_experts].sum())], counts[:num_experts]
+    # expert e's i-th row at e x pad_to + i; the dropped ones past every expert's rows, cut off
+    experts = key[order]
+    starts = torch.cumsum(counts, 0) - counts
+    place = experts * pad_to + torch.arange(order.numel(), device=order.device) - starts[experts]
+    slots = torch.full((num_experts * pad_to + order.numel(),), -1, dtype=order.dtype, device=order.device)
+    slots = slots.index_copy(0, place, order)[:num_experts * pad_to]
+    return slots, torch.full_like(counts[:num_experts], pad_to)
 
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -261,6 +280,11 @@ class GroupedExperts(nn.Module):
 class LocalDispatcher:
     """Every expert on this device: the rows go straight to them."""
 
+    def rows_kept(self, count: torch.Tensor, healthy: int) -> int:
+        """The number of choices a capacity kept (a device count) on the host; `healthy`: the count
+        under balanced routing, which parallel/'s dispatchers answer a meta tensor with."""
+        return int(count)
+
     def __call__(self, experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return experts(rows, counts)
 
@@ -301,16 +325,20 @@ class MoELayer(nn.Module):
         """Drops (with a capacity), sorts the choices by expert, runs the experts through the
         dispatcher and sums each token's k outputs weighted by their probabilities."""
         t, k = indices.shape
-        keep, pad_to = None, None
+        keep, pad_to, read_kept = None, None, int
         if self.capacity_factor is not None:
+            s = t // sequences
+            capacity = expert_capacity(s, k, self.capacity_factor, self.num_experts)
             keep = capacity_keep(probs, indices, sequences, self.num_experts, self.capacity_factor,
                                  self.drop_policy)
             if self.stats is not None:
                 self.stats["dropped"] = self.stats.get("dropped", 0) + (~keep).sum().float()
-            if self.pad_to_capacity:
-                s = t // sequences
-                pad_to = sequences * min(math.ceil(s * k * self.capacity_factor / self.num_experts), s * k)
-        slots, counts = sort_by_expert(indices, keep, self.num_experts, pad_to)
+            if self.pad_to_capacity:        # fixed shapes: nothing read on the host here
+                pad_to = sequences * capacity
+            else:                           # the rows kept: one host read (the dispatcher's)
+                healthy = balanced_kept(sequences, s, k, self.num_experts, capacity)
+                read_kept = functools.partial(self.dispatcher.rows_kept, healthy=healthy)
+        slots, counts = sort_by_expert(indices, keep, self.num_experts, pad_to, read_kept)
         padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
         rows = padded[torch.where(slots >= 0, slots // k, t)]
         out = self.dispatcher(self.experts, rows, counts)

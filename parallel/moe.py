@@ -86,7 +86,16 @@ def even_split(rows: int, parts: int) -> list[int]:
     return [rows // parts + (i < rows % parts) for i in range(parts)]
 
 
-class HostCountsDispatcher:
+class _ReadsKept:
+    """The dispatchers' read of the rows a capacity keeps (models.moe.MoELayer.route, without
+    padding to the capacity: the rows' number follows the routing) through host_read; a meta tensor
+    reads the count under balanced routing, each expert capped at its capacity."""
+
+    def rows_kept(self, count: torch.Tensor, healthy: int) -> int:
+        return host_read.read(count, "expert rows kept", healthy=healthy)
+
+
+class HostCountsDispatcher(_ReadsKept):
     """Every expert on this device (as models.moe.LocalDispatcher), the per-expert row counts read
     on the host through host_read, where the loop over experts needs them."""
 
@@ -95,7 +104,7 @@ class HostCountsDispatcher:
         return experts(rows, counts, sizes)
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(_ReadsKept):
     """Rows sorted by (global) expert go to the EP rank holding it and come back in place."""
 
     def __init__(self, group: Group, num_experts: int):
@@ -133,7 +142,7 @@ def _by_expert(table: list[list[int]], device) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_ReadsKept):
     """Every EP rank gathers every rank's rows, computes its experts' rows, and a reduce-scatter
     returns each rank's rows (summed with the other ranks' zeros there)."""
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, initial_value, shared_expert
-from megazero.models.moe import MoELayer, grouped_matmul, grouped_mm_usable
+from megazero.models.moe import (MoELayer, balanced_kept, expert_capacity, grouped_matmul, grouped_mm_usable,
+                                 sort_by_expert)
 
 H, F_MOE, E, B, S = 16, 8, 4, 3, 6
 
@@ -249,3 +250,21 @@ def test_bad_moe_settings_are_one_line(extra, words):
     with pytest.raises(ValueError) as err:
         moe_config(**extra)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_capacity_rows_have_fixed_shapes_padded_and_one_host_count_unpadded():
+    """The sort by expert on meta tensors (no values, as in the dry run): padded to the capacity
+    every shape is fixed and nothing is read; without padding the rows kept are the one count the
+    host reads (the dispatcher's read, answered there with the balanced count)."""
+    t, k = B * S, 2
+    indices = torch.empty(t, k, dtype=torch.long, device="meta")
+    keep = torch.empty(t, k, dtype=torch.bool, device="meta")
+    capacity = expert_capacity(S, k, 0.5, E)
+    slots, counts = sort_by_expert(indices, keep, E, pad_to=B * capacity, read_kept=None)
+    assert slots.shape == (E * B * capacity,) and counts.shape == (E,)
+    reads = []
+    slots, counts = sort_by_expert(indices, keep, E, read_kept=lambda n: reads.append(n.shape) or 7)
+    assert reads == [()] and slots.shape == (7,) and counts.shape == (E,)
+    # balanced: S x k = 12 choices a sequence, 3 an expert; a capacity of 2 keeps 2 of them
+    assert capacity == 2 and balanced_kept(B, S, k, E, capacity) == B * E * 2
+    assert balanced_kept(B, S, k, E, expert_capacity(S, k, 1.0, E)) == B * S * k

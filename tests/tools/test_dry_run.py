@@ -2,8 +2,9 @@
 bugs its cross-rank checks exist for.
 
 - fidelity: over a grid of layouts of at most 8 ranks (every axis, ZeRO stages 0-3, offload to cpu and
-  nvme, MiCS, hpZ, qwZ / qgZ, every context-parallel type) each rank's collective and p2p sequence in
-  the dry run equals what the same rank issues in a real gloo run of the same flags (CommLog's trace);
+  nvme, MiCS, hpZ, qwZ / qgZ, every context-parallel type, both expert dispatchers, a capacity factor)
+  each rank's collective and p2p sequence in the dry run equals what the same rank issues in a real
+  gloo run of the same flags (CommLog's trace; the experts' routed row counts compared by width);
 - planted bugs: a collective skipped on one rank, a host-made tensor in the gradient norm, a pipeline
   receive one row off: each fails with its one line naming the group or the pair and the code line;
 - the CLI: `--json -` parsed against its documented schema; exit 2 and one line on a flag mistake.
@@ -61,6 +62,11 @@ def grid(path) -> dict[str, tuple[int, list[str]]]:
         # the dry run: the expert all-to-all's rows (all_to_allv) are compared by width, not count
         "dp 4 x ep 2 all-to-all, ZeRO-1": (4, ["--num-experts", "4", "--expert-model-parallel-size", "2",
                                               "--moe-layer-freq", "2", "--zero-stage", "1"]),
+        # every rank's rows padded to the busiest rank's (gathered: the routing's in the gloo run), the
+        # rows a capacity keeps read on the host (`expert rows kept`): compared by width (_key)
+        "dp 4 x ep 2 all-gather, capacity 1.0, ZeRO-2": (4, [
+            "--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0", "--zero-stage", "2"]),
         "tp 2 x dp 2, ZeRO-2, ZenFlow": (4, ["--tensor-model-parallel-size", "2"] + _zero_config(path, "zenflow", {
             "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {
                 "topk_ratio": 0.25, "update_interval": 2, "full_warm_up_rounds": 0, "select_strategy": "step",
@@ -75,6 +81,13 @@ def grid(path) -> dict[str, tuple[int, list[str]]]:
 
 
 def _key(entry) -> tuple:
+    """What a dry-run op must share with the gloo run's. The all-gather dispatcher's row gathers and
+    scatters (float, on the ep group) carry every rank's rows padded to the busiest rank's: the
+    routing's in the gloo run, balanced in the dry run; they compare by dtype and row width, as
+    all_to_allv's signature compares the all-to-all dispatcher's (within a run the members agree on
+    the length, and dry_run_checks still holds them to it)."""
+    if entry.group == "ep" and entry.op in ("all_gather", "reduce_scatter") and entry.dtype != "int64":
+        return (entry.group, entry.ranks, entry.op, entry.dtype, entry.shape[-1])
     return (entry.group, entry.ranks, entry.peer) + entry.signature()
 
 
@@ -100,6 +113,8 @@ def test_dry_run_issues_what_the_gloo_run_issues_on_every_rank(dist_pool, tmp_pa
         if "ZenFlow" in what:      # its selection is read on the host, answered for meta tensors
             reads = {h["what"] for h in runs[0].host_reads}
             assert {"zenflow selection", "zenflow columns chosen"} <= reads, (what, reads)
+        if "capacity" in what:     # the rows kept, answered for meta tensors with balanced routing
+            assert "expert rows kept" in {h["what"] for h in runs[0].host_reads}, what
         for run in runs:
             error, detail, entries = real[run.rank][i]
             assert error is None, f"{what}: gloo rank {run.rank}: {detail}"
