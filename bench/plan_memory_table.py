@@ -48,8 +48,9 @@ the whole logits): the report table, every category of every layout within 0.4%
 (offloaded host_params, host/nvme master and optimizer states, nvme_params and the optimizer's host
 staging exactly). The peak table (planned / measured, 13.6M-parameter model), layouts in GRID order:
 0.989 0.976 0.966 1.012 0.951 0.979 0.938 0.717 0.895 0.946 0.893 0.954 0.986 1.015 0.922 1.012: 13 of
-16 within 10%. Outside: pp 2 stage 2 fp32 (0.717: measured ~185 MB in three reruns, and the same in
-trees from before this change, where an older run measured ~140 MB; not found), and stage 3 in bf16
+16 within 10%. Outside: pp 2 stage 2 fp32 (0.717, measured ~185 MB; found since: the previous
+microbatch's whole-stage staging bucket and gloo's copy of it are still held while the next one is
+reduced, config/staging_memory.py, and the row plans 191.7 MB, 1.03), and stage 3 in bf16
 at pp 2 and with persistence 2000 (0.89: a rank stays ~10 MB more resident after the step than its
 live tensors, memory outside torch's tensors that the planner cannot see). Reruns move single
 layouts by up to ~5%.

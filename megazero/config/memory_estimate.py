@@ -22,12 +22,14 @@ Communication and transient buffers ("comm_buffers": what the peak holds beside 
 activations), from the buffers the engine makes: stage 3's gathered (live) weights, this stage's
 whole unpartitioned shard while max_reuse_distance and max_live_parameters allow keeping them
 (DeepSpeed's defaults, for models of this size), otherwise about the largest module plus one
-prefetch bucket; plus the largest of the step's phases. Backward: stages 2/3 stage two gradient
-buckets (reduce_bucket_size elements, a unit at stage 3) in the reduction dtype, and autograd hands
-each parameter's gradient over as a tensor of its own (the largest one counts), beside the
-activations. Reduction: the staged buckets plus, on gloo, a copy of the reduce-scatter's input (and
-stage 1's chunk temporary), beside the activations of the other microbatches a pipeline holds; stage
-0/1 reduce the full gradient buffer in place. Weight gather after a stage 1/2 step: gloo's copy of
+prefetch bucket; plus the largest of the step's phases. Backward: stage 3 stages two gradient
+buckets (a unit's) in the reduction dtype, stage 2 the bucket filling beside the reductions its queue
+still holds (config/staging_memory.py: the previous microbatch's whole-stage bucket, under a
+pipeline or gradient accumulation), and autograd hands each parameter's gradient over as a tensor of
+its own (the largest one counts), beside the activations. Reduction: the staged buckets plus, on
+gloo, a copy of the reduce-scatter's input (and stage 1's chunk temporary; stage 2: a copy per
+reduction in flight, and the reduced chunk of each after the step's first), beside the activations
+of the other microbatches a pipeline holds; stage 0/1 reduce the full gradient buffer in place. Weight gather after a stage 1/2 step: gloo's copy of
 an allgather_bucket_size bucket. Set-up: one parameter's full fp32 initial value and its slice.
 (bench/plan_memory_table.py compares the planned total with the processes' measured peak.)
 
@@ -49,6 +51,7 @@ from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe
 from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
     activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
     layer_activation_split, layer_activation_units, output_layer_bytes)
+from megazero.config.staging_memory import stage2_staging_bytes
 from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
@@ -223,7 +226,7 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> fl
     if z.stage == 3:        # a unit's gradients are one bucket
         bucket = min(bucket, math.ceil(largest_module_params(cfg.model) / par.tensor_parallel))
     # Stage 0/1 reduce the full gradient buffer where it lies (a temporary only to change dtype);
-    # stage 2/3 stage a bucket while the previous one is reduced.
+    # stage 3 stages a unit's bucket while the previous one is reduced.
     in_place = z.stage <= 1 and reduce_bytes == r.grad_bytes
     staging = 0 if in_place else min(2 * bucket, r.rank_parameters) * reduce_bytes
     fresh_grad = largest_param(cfg.model, par.tensor_parallel) * r.weight_bytes
@@ -241,8 +244,10 @@ def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> fl
         reduction += bucket * reduce_bytes * (1 + (1 / r.shards if z.stage == 1 else 0))
         if z.stage in (1, 2):
             gather = min(z.allgather_bucket_size, r.rank_parameters) * r.weight_bytes
-    if z.stage >= 2:        # reduced after every microbatch, while a pipeline holds the others'
+    if z.stage == 3:        # reduced after every microbatch, while a pipeline holds the others'
         reduction += activations * (r.in_flight - 1) / r.in_flight
+    elif z.stage == 2:      # the reductions the queue holds, whole-stage buckets of earlier microbatches
+        staging, reduction = stage2_staging_bytes(cfg, r, reduce_bytes, activations)  # included
     initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
     head = output_layer_bytes(cfg.model.seq_length * cfg.micro_batch_size // par.context_parallel, cfg.model,
                               par.tensor_parallel, r.weight_bytes, r.in_flight)

@@ -39,6 +39,10 @@ TESTED = [GRID[i] for i in (3, 4, 5, 6, 7, 9, 11, 12, 13, 15)]
 # parameters in host memory (the bench prints all 16). Stage 0 steps Adam on the device's whole
 # partition, where an optimizer step's temporaries would show.
 PEAK_TESTED = [GRID[i] for i in (0, 5, 12, 13)]
+# pp 2, ZeRO-2, fp32: the previous microbatch's whole-stage staging bucket and gloo's copy of it are
+# still held while the next one is reduced (config/staging_memory.py); planned as one bucket it was
+# 0.69 of the measured peak. The planner's alone: the dry run frees gloo's copy at the end of its call.
+PLANNER_PEAK_TESTED = [GRID[7]]
 
 
 def test_prediction_within_10_percent_of_engine_report(dist_pool):
@@ -55,7 +59,7 @@ def test_prediction_and_dry_run_within_10_percent_of_measured_peak(dist_pool):
     copies of the reduce-scatter's input and the all-gather's output the dry run was 0.75 and 0.77
     of the ZeRO-1 and ZeRO-2 layouts' measured peaks; with meta's Adam through torch's reference
     ops (a denominator the size of the partition) instead of the CPU's kernel, stage 0 was 1.13."""
-    rows = compare_peaks(dist_pool(4), PEAK_TESTED)
+    rows = compare_peaks(dist_pool(4), PEAK_TESTED + PLANNER_PEAK_TESTED)
     dry = dry_run_peaks(PEAK_TESTED, processes=2)
     bad = [row for row in rows if abs(row[1] - row[2]) > 0.10 * row[2]]
     assert not bad, "planned total off the measured peak by more than 10%:\n" + format_peaks(rows)
@@ -188,3 +192,25 @@ def test_activations_follow_head_width_and_recomputation():
     assert acts(uniform.model) == 2 * kept + 2 * full_layer + logits
     block = cfg("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")
     assert acts(block.model, chunks=(2, 2)) == 2 * kept + 2 * full_layer + full_layer + logits
+
+
+@pytest.mark.parametrize("sizes, max_staged, overlap", [
+    ([5, 5, 5, 5], 12, True),        # two in flight, the third waits the oldest
+    ([5, 5, 5], 8, True),            # two would pass max_staged: one in flight
+    ([7, 3, 7, 3, 7], 10, True),     # a stage's full bucket and its remainder
+    ([5, 5, 5], 12, False),          # without overlap_comm every push is waited
+])
+def test_stage2_staging_replays_the_reduction_queue(sizes, max_staged, overlap):
+    """The planner's stage-2 term keeps the reductions zero/storage.py's ReductionQueue keeps: the
+    same staging buffers held when each new one is issued."""
+    import torch
+    from megazero.config.staging_memory import queue_held
+    from megazero.core import comm
+    from megazero.zero.storage import ReductionQueue
+    queue, stagings, real = ReductionQueue(max_staged, overlap), [], []
+    for size in sizes:
+        real.append(sorted(next(i for i, s in enumerate(stagings) if s is staging)
+                           for _, staging in queue._items))
+        stagings.append(torch.zeros(size))
+        queue.push(comm.Handle(), stagings[-1])
+    assert queue_held(sizes, max_staged, overlap) == real
