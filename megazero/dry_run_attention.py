@@ -37,8 +37,9 @@ does on the CPU (meta otherwise takes CUDA's `mm(..., out_dtype=float32)`). A CP
 run on gloo, which (torch's ProcessGroupGloo) reduce-scatters a flat copy of its input and
 all-gathers into a flat copy of its output before copying it out, where NCCL works on the tensors
 themselves: the fake backend allocates nothing, so under `cpu_kernels()` each reduce-scatter and
-all-gather of meta tensors allocates that copy for the op's call (the fake op completes at once;
-gloo's async work may hold its copy longer). The optimizer step on CPU segments runs megazero's C++
+all-gather of meta tensors allocates that copy, held by an async op's work until the comm
+layer's Handle lets the work go after its wait (as torch's gloo work holds it), a sync op's freed
+when the call returns. The optimizer step on CPU segments runs megazero's C++
 Adam kernel (ops/adam.py), in place, no temporaries; meta segments would take torch's reference
 ops, whose denominator (and scaled gradient) are temporaries the size of the partition: under
 `cpu_kernels()` meta segments take the CPU's route, where the kernel's step allocates nothing.
@@ -164,14 +165,24 @@ def _widened_matmul_fp32(real):
     return matmul_fp32
 
 
+class _WorkHoldingCopy:
+    """An async op's work that keeps gloo's flat copy alive until the work is let go (the comm
+    layer's Handle drops its works after their wait): torch's gloo work holds its copy that long."""
+
+    def __init__(self, work, copy):
+        self.work, self.copy = work, copy
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+
 def _with_gloo_copy(real, of_output: bool):
     def collective(output, input, *args, **kwargs):
         if output.device.type != "meta":
             return real(output, input, *args, **kwargs)
         copy = torch.empty((output if of_output else input).numel(), dtype=input.dtype, device="meta")
         work = real(output, input, *args, **kwargs)
-        del copy
-        return work
+        return None if work is None else _WorkHoldingCopy(work, copy)   # a sync op's copy dies here
     return collective
 
 

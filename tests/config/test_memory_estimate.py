@@ -38,11 +38,10 @@ TESTED = [GRID[i] for i in (3, 4, 5, 6, 7, 9, 11, 12, 13, 15)]
 # bench's); four of the bench's layouts: stages 0, 1, 2, 3, fp32 and bf16, TP, optimizer states and
 # parameters in host memory (the bench prints all 16). Stage 0 steps Adam on the device's whole
 # partition, where an optimizer step's temporaries would show.
-PEAK_TESTED = [GRID[i] for i in (0, 5, 12, 13)]
-# pp 2, ZeRO-2, fp32: the previous microbatch's whole-stage staging bucket and gloo's copy of it are
-# still held while the next one is reduced (config/staging_memory.py); planned as one bucket it was
-# 0.69 of the measured peak. The planner's alone: the dry run frees gloo's copy at the end of its call.
-PLANNER_PEAK_TESTED = [GRID[7]]
+# And pp 2, ZeRO-2, fp32: the previous microbatch's whole-stage staging bucket and gloo's copy of it
+# are still held while the next one is reduced (config/staging_memory.py); planned as one bucket it
+# was 0.69 of the measured peak, and the dry run freeing gloo's copy when the call returned was 0.88.
+PEAK_TESTED = [GRID[i] for i in (0, 5, 7, 12, 13)]
 
 
 def test_prediction_within_10_percent_of_engine_report(dist_pool):
@@ -59,7 +58,7 @@ def test_prediction_and_dry_run_within_10_percent_of_measured_peak(dist_pool):
     copies of the reduce-scatter's input and the all-gather's output the dry run was 0.75 and 0.77
     of the ZeRO-1 and ZeRO-2 layouts' measured peaks; with meta's Adam through torch's reference
     ops (a denominator the size of the partition) instead of the CPU's kernel, stage 0 was 1.13."""
-    rows = compare_peaks(dist_pool(4), PEAK_TESTED + PLANNER_PEAK_TESTED)
+    rows = compare_peaks(dist_pool(4), PEAK_TESTED)
     dry = dry_run_peaks(PEAK_TESTED, processes=2)
     bad = [row for row in rows if abs(row[1] - row[2]) > 0.10 * row[2]]
     assert not bad, "planned total off the measured peak by more than 10%:\n" + format_peaks(rows)

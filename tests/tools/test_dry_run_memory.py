@@ -178,3 +178,27 @@ def test_the_optimizer_step_on_a_simulated_gpu_allocates_what_the_fused_kernel_d
                            lr=1e-3, config=AdamConfig())
     widened = 0 if grad_dtype == torch.float32 else adam.WIDEN_SLICE * 4
     assert peak <= widened + 2 * 512, (peak, widened)
+
+
+def test_gloo_copy_lives_as_long_as_the_async_work_simulating_the_cpu():
+    """torch's gloo reduce-scatters a flat copy of its input, which an async op's work holds until it
+    is let go after its wait (the comm layer's Handle drops its works then); a sync op's dies with
+    the call. Freed at the call's end, the pp 2 ZeRO-2 layout's dry run was 0.88 of its measured peak."""
+    from megazero.dry_run_attention import _with_gloo_copy
+
+    class Work:
+        def wait(self):
+            return True
+
+    def fake(output, input, async_op=False):
+        return Work() if async_op else None
+    collective = _with_gloo_copy(fake, of_output=False)
+    with DeviceStandIn(device="cpu") as device:
+        out, inp = torch.empty(256, device="meta"), torch.empty(1024, device="meta")
+        device.in_setup = False
+        held = device.process_live
+        assert collective(out, inp) is None and device.process_live == held        # sync: freed
+        work = collective(out, inp, async_op=True)
+        assert device.process_live == held + 1024 * 4 and work.wait()
+        del work
+        assert device.process_live == held
