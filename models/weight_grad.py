@@ -71,6 +71,28 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def linear_param_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       fp32: bool, wants_weight: bool, wants_bias: bool):
+    """(weight's, bias's) gradients of y = x W^T + b for autograd, given y's gradient and x (any
+    leading dims): with `fp32` (a marked weight) the sums are taken in fp32 and deposited, and
+    autograd gets zeros; else autograd gets them in the weight's dtype. None where not wanted."""
+    rows = _rows(grad)
+    grad_w = grad_b = None
+    if wants_weight:
+        if fp32:
+            deposit(weight, matmul_fp32(rows.t(), _rows(x)))
+            grad_w = zero_grad_for(weight)
+        else:
+            grad_w = rows.t() @ _rows(x)
+    if bias is not None and wants_bias:
+        if fp32:
+            deposit(bias, rows.float().sum(dim=0))
+            grad_b = zero_grad_for(bias)
+        else:
+            grad_b = rows.sum(dim=0)
+    return grad_w, grad_b
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -83,13 +105,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         param, bias = ctx.params
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
-        if ctx.needs_input_grad[1]:
-            deposit(param, matmul_fp32(_rows(grad).t(), _rows(x)))
-            grad_w = zero_grad_for(weight)
-        if bias is not None and ctx.needs_input_grad[2]:
-            deposit(bias, _rows(grad).float().sum(dim=0))
-            grad_b = zero_grad_for(bias)
+        grad_w, grad_b = linear_param_grads(grad, x, param, bias, True, *ctx.needs_input_grad[1:3])
         return grad_x, grad_w, grad_b
 
 

@@ -16,8 +16,7 @@ from torch import nn
 from megazero.models.param_info import set_param_info
 from megazero.core.comm import Group
 from megazero.models.gpt import token_positions
-from megazero.models.weight_grad import (add_bias, deposit, embedding, linear, matmul_fp32, wants_fp32_grad,
-                                         zero_grad_for)
+from megazero.models.weight_grad import add_bias, embedding, linear, linear_param_grads, wants_fp32_grad
 from .cross_entropy import vocab_parallel_linear_cross_entropy
 from .mappings import (SEQ_DIM, _gather, copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
@@ -103,24 +102,12 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         param, bias = ctx.params
         wants_weight = ctx.needs_input_grad[1]
         gathered = start_gather(x, SEQ_DIM, ctx.group) if wants_weight else None
-        reducing = grad_x = grad_w = grad_b = None
+        reducing = grad_x = None
         if ctx.needs_input_grad[0]:
             reducing, grad_x = start_reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
-        rows = grad.reshape(-1, grad.shape[-1])
-        if wants_weight:
-            full = gathered().reshape(-1, x.shape[-1])
-            if ctx.fp32:
-                deposit(param, matmul_fp32(rows.t(), full))
-                grad_w = zero_grad_for(weight)
-            else:
-                grad_w = rows.t() @ full
-            del full
-        if bias is not None and ctx.needs_input_grad[2]:
-            if ctx.fp32:
-                deposit(bias, rows.float().sum(dim=0))
-                grad_b = zero_grad_for(bias)
-            else:
-                grad_b = rows.sum(dim=0)
+        full = gathered() if wants_weight else None
+        grad_w, grad_b = linear_param_grads(grad, full, param, bias, ctx.fp32, wants_weight, ctx.needs_input_grad[2])
+        del full
         if reducing is not None:
             reducing.wait()
         return grad_x, grad_w, grad_b, None, None

@@ -40,48 +40,41 @@ def _gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """All-gather along `dim`; gathers into a (world, *x.shape) buffer, then moves that axis in place."""
     if group.size == 1:
         return x
-    x = x.contiguous()
-    out = x.new_empty((group.size, *x.shape))
-    comm.all_gather(out, x, group)
-    return out.movedim(0, dim).flatten(dim, dim + 1) if dim != 0 else out.flatten(0, 1)
+    return start_gather(x, dim, group, async_op=False)()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Sums over ranks and keeps this rank's chunk of `dim`."""
     if group.size == 1:
         return x
-    shape = list(x.shape)
-    if shape[dim] % group.size:
-        raise ValueError(f"dimension {dim} of size {shape[dim]} does not split over {group.size} ranks")
-    chunks = x.unflatten(dim, (group.size, shape[dim] // group.size)).movedim(dim, 0).contiguous()
-    shape[dim] //= group.size
-    out = x.new_empty(shape)
-    comm.reduce_scatter(out, chunks, group)
-    return out
+    return start_reduce_scatter(x, dim, group, async_op=False)[1]
 
 
-def start_gather(x: torch.Tensor, dim: int, group: Group):
-    """`_gather` issued asynchronously; returns `finish()`, which waits for it and returns the
-    gathered tensor (moving the ranks' axis into `dim` copies, so only after the wait)."""
+def start_gather(x: torch.Tensor, dim: int, group: Group, async_op: bool = True):
+    """`_gather`'s collective issued (asynchronously by default); returns `finish()`, which waits
+    for it and returns the gathered tensor (moving the ranks' axis into `dim` copies, so only after
+    the wait)."""
     x = x.contiguous()
     out = x.new_empty((group.size, *x.shape))
-    handle = comm.all_gather(out, x, group, async_op=True)
+    handle = comm.all_gather(out, x, group, async_op=async_op)
 
     def finish() -> torch.Tensor:
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         return out.movedim(0, dim).flatten(dim, dim + 1) if dim != 0 else out.flatten(0, 1)
     return finish
 
 
-def start_reduce_scatter(x: torch.Tensor, dim: int, group: Group):
-    """`_reduce_scatter` issued asynchronously: (handle, result), read after handle.wait()."""
+def start_reduce_scatter(x: torch.Tensor, dim: int, group: Group, async_op: bool = True):
+    """`_reduce_scatter`'s collective issued (asynchronously by default): (handle or None, result),
+    the result read after handle.wait()."""
     shape = list(x.shape)
     if shape[dim] % group.size:
         raise ValueError(f"dimension {dim} of size {shape[dim]} does not split over {group.size} ranks")
     chunks = x.unflatten(dim, (group.size, shape[dim] // group.size)).movedim(dim, 0).contiguous()
     shape[dim] //= group.size
     out = x.new_empty(shape)
-    return comm.reduce_scatter(out, chunks, group, async_op=True), out
+    return comm.reduce_scatter(out, chunks, group, async_op=async_op), out
 
 
 class _CopyToTP(torch.autograd.Function):
