@@ -8,7 +8,7 @@ from torch import nn
 from tests.layouts import RTOL, assert_close, run_training, small_config
 from megazero import training
 from megazero.core.errors import UsageError
-from megazero.model_builder import make_init_fn
+from megazero.training.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 from megazero.parallel.tiling import TiledLinear, check_patterns_matched, tile_linears
