@@ -41,10 +41,10 @@ def test_another_position_table_is_refused_unless_extended_by_its_rule(saved, tm
     monkeypatch.chdir(tmp_path)
     code, out = _main(RUN + ["--load", str(saved), "--seq-length", "128"], capsys)
     assert code == 2 and out.err.count("\n") == 1, out.err
-    assert (f"the checkpoint's learned position table has 64 rows, this run's 128 (--max-position-embeddings, "
-            f"else --seq-length); pass --max-position-embeddings 64 with a --seq-length up to 64, or "
-            f"--extend-position-embeddings to grow the table (position p starts from the checkpoint's row p "
-            f"mod 64)") in out.err, out.err
+    assert ("the checkpoint's learned position table has 64 rows, this run's 128 (--max-position-embeddings, "
+            "else --seq-length); pass --max-position-embeddings 64 with a --seq-length up to 64, or "
+            "--extend-position-embeddings to grow the table (position p starts from the checkpoint's row p "
+            "mod 64)") in out.err, out.err
     with pytest.raises(CheckpointError, match="this run's 32 .*; pass --max-position-embeddings 64 "):
         _check(RUN + ["--load", str(saved), "--seq-length", "32"])
     _check(RUN + ["--load", str(saved), "--seq-length", "32", "--max-position-embeddings", "64"])

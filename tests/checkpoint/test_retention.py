@@ -53,7 +53,7 @@ def test_leftovers_of_interrupted_saves_go_with_a_line(tmp_path, monkeypatch):
     cannot be removed is named. A replaced iteration whose old copy cannot be removed is returned by
     commit_directory, not dropped. (Planted: remove_leftovers returning None leaves the folder.)"""
     _checkpoint(tmp_path, 2)
-    tmp = _checkpoint(tmp_path / "x", 4).rename(tmp_path / ".tmp-abc-iter_0000004")
+    _checkpoint(tmp_path / "x", 4).rename(tmp_path / ".tmp-abc-iter_0000004")
     (tmp_path / ".tmp-abc-latest").write_text("iter_0000004\n")
     line = remove_leftovers(tmp_path, "--save ck")
     assert line == ("--save ck: removed what interrupted saves left there: .tmp-abc-iter_0000004, "

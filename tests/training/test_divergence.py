@@ -40,8 +40,8 @@ def test_lr_1e6_stops_in_one_line_and_keeps_the_last_healthy_checkpoint(tmp_path
     why = "the loss is nan (--check-for-nan-in-loss-and-grad" if check == "default" else \
         "2 steps in a row were skipped for a non-finite gradient (--max-consecutive-skipped-steps 2)"
     assert out.err.startswith(f"error: iteration {last}: {why}"), out.err
-    assert (f"latest names ck/iter_0000001 again, the last checkpoint a finite loss followed (iter_0000002 was "
-            f"saved as the run diverged; resume with --load ck); lower --lr (now 1e+06)") in out.err, out.err
+    assert ("latest names ck/iter_0000001 again, the last checkpoint a finite loss followed (iter_0000002 was "
+            "saved as the run diverged; resume with --load ck); lower --lr (now 1e+06)") in out.err, out.err
     assert [r["iteration"] for r in _records(tmp_path / "m.jsonl")] == list(range(1, last + 1))
     assert _checkpoints(tmp_path / "ck") == {"iter_0000001": True, "iter_0000002": True}
     assert CheckpointReader(tmp_path / "ck").metadata["iteration"] == 1
