@@ -202,3 +202,26 @@ def test_gloo_copy_lives_as_long_as_the_async_work_simulating_the_cpu():
         assert device.process_live == held + 1024 * 4 and work.wait()
         del work
         assert device.process_live == held
+
+
+SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--zero-stage", "1", "--bf16"]
+BF16_MOMENTS = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+
+
+def test_bf16_moments_take_4_bytes_per_parameter_less_in_the_dry_run_and_the_planner():
+    """--exp-avg-dtype / --exp-avg-sq-dtype bf16 (Megatron-LM's precision-aware optimizer) at ZeRO-1 over 2
+    ranks: the engine's report, the dry run's device (the allocations of set-up) and the planner each
+    hold 2 bytes less per moment, 4 per parameter of this rank's partition; nothing else changes."""
+    from megazero.dry_run import simulate
+    fp32, bf16 = (simulate(SMALL + extra, 2, ranks=[0], processes=1, stream_check=False, save=False)[0]
+                  for extra in ([], BF16_MOMENTS))
+    assert fp32.error is None and bf16.error is None, (fp32.detail, bf16.detail)
+    partition = fp32.model_states["master"] / 4            # the fp32 master: 4 bytes an element
+    report = {k: fp32.model_states[k] - bf16.model_states[k] for k in fp32.model_states}
+    assert report["optimizer_states"] == report["model_states"] == 4 * partition > 0, report
+    setup = fp32.memory["phases"]["setup"]["allocated"] - bf16.memory["phases"]["setup"]["allocated"]
+    assert abs(setup - 4 * partition) <= 4 * 512, (setup, partition)      # the allocator's 512-byte blocks
+    planned = fp32.memory["planner"]["model_states"] - bf16.memory["planner"]["model_states"]
+    assert abs(planned - 4 * partition) <= 1e-6 * partition, (planned, partition)
