@@ -34,7 +34,7 @@ def states_run(ctx, cfg, dp, save=None, load=None):
     from megazero.checkpoint.saver import canonical_name
     from megazero.data.sampler import MicrobatchSource
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
