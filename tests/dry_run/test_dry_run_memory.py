@@ -240,3 +240,27 @@ def test_qgz_adds_nothing_to_the_simulated_gpu_peak():
                   for extra in ([], ["--zero-quantized-gradients"]))
     assert plain.error is None and qgz.error is None, (plain.detail, qgz.detail)
     assert qgz.memory["peak"] <= plain.memory["peak"], (qgz.memory["peak_by_owner"], plain.memory["peak_by_owner"])
+
+
+def test_quantized_reduction_on_meta_allocates_what_each_simulated_device_runs():
+    """qgZ's first hop (strided rows quantized into a packed send buffer, then the reduce into bf16):
+    on a simulated GPU the Triton kernels allocate nothing; simulating the CPU, the C++ path's
+    staging is counted (each strided row copied before its kernel: at least one row's fp32 copy).
+    Planted (cpu_kernels without quantize's route): the CPU's staging went uncounted, this fails."""
+    from megazero.dry_run.gpu_kernels import cpu_kernels, gpu_attention
+    from megazero.ops.quantize import dequantize_reduce, packed_row_bytes, packed_rows, quantize_rows
+    nodes, locals_, chunk, bits, block = 2, 2, 4096, 4, 64
+    m = nodes * chunk
+    peaks = {}
+    for kind, kernels in (("cuda", gpu_attention), ("cpu", cpu_kernels)):
+        with DeviceStandIn(device=kind) as device, kernels():
+            bucket = torch.empty(nodes * locals_ * chunk, device="meta")
+            send = torch.empty(locals_, packed_row_bytes(m, bits, block), dtype=torch.uint8, device="meta")
+            out = torch.empty(m, dtype=torch.bfloat16, device="meta")
+            device.in_setup = False
+            before = device.peak
+            packed = packed_rows(send, m, bits, block)
+            quantize_rows(bucket.view(nodes, locals_, chunk).transpose(0, 1), packed)
+            dequantize_reduce(packed, out=out)
+            peaks[kind] = device.peak - before
+    assert peaks["cuda"] == 0 and peaks["cpu"] >= 4 * m, peaks
