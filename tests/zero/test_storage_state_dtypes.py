@@ -2,13 +2,14 @@
 --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16) in the storages, the
 offload tiers and the checkpoints.
 
-- Layouts: stages 1-3 over 2 ranks, stage 3 with the states offloaded to host memory and stage 2 to
+- Layouts: stages 0-3 over 2 ranks, stage 3 with the states offloaded to host memory and stage 2 to
   swap files, reproduce the single process's bf16-moment run (loss curve and parameters, rtol 1e-5);
   every tier holds the moments in bf16, 4 bytes per element of the partition where fp32 moments take 8.
   (The moments' own numerics against torch: tests/ops/test_adam_state_dtypes.py.)
 - Checkpoints: a bf16-moment run saved and resumed continues its curve bitwise; its checkpoint loads
   into an fp32-moment run exactly, and an fp32-moment checkpoint into a bf16-moment run rounded to
-  nearest even (megazero/checkpoint/loader.py's rule).
+  nearest even (megazero/checkpoint/loader.py's rule); resharded (2 ranks' stage 2 into one rank's
+  stage 3) it loads bitwise.
 Planted: a storage whose moments stay fp32 whatever the setting (the bytes check fails); the saver
 writing the moments as fp32 (the checkpoint test's dtype check fails).
 """
@@ -87,7 +88,7 @@ def _last(results):
 
 
 def test_bf16_moments_at_every_stage_and_tier_match_one_process(dist_pool, tmp_path):
-    layouts = {"stage 1": (dict(stage=1), {}), "stage 2": (dict(stage=2), {}), "stage 3": (dict(stage=3), {}),
+    layouts = {"stage 0": (dict(stage=0), {}), "stage 1": (dict(stage=1), {}), "stage 2": (dict(stage=2), {}), "stage 3": (dict(stage=3), {}),
                "stage 3 host": (dict(stage=3), {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 500}),
                "stage 2 nvme": (dict(stage=2), {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
                                                                      "pipeline_read": True}, "sub_group_size": 700})}
@@ -113,7 +114,8 @@ def test_bf16_moment_checkpoints_resume_bitwise_and_cross_dtypes_by_the_stated_r
     pool = dist_pool(2)
     straight = pool.run(many, [(bf16, 2, {"save": (a, 2)})])
     resumed, widened = zip(*pool.run(many, [(bf16, 2, {"load": a}), (fp32, 2, {"load": a, "save": (b, 3)})]))
-    rounded, = zip(*pool.run(many, [(bf16, 2, {"load": b})]))
+    one = bf16_moments(small_config(steps=STEPS, layers=LAYERS, stage=3))
+    rounded, resharded = zip(*pool.run(many, [(bf16, 2, {"load": b}), (one, 1, {"load": a})]))
     tail = {k: v for k, v in _last([s[0] for s in straight])["curve"].items() if k > 2}
     assert _last(resumed)["curve"] == tail, "a bf16-moment run resumed off its own curve"
     for r in (x for x in widened if x is not None):            # bf16 checkpoint into fp32 moments: exact
@@ -124,6 +126,9 @@ def test_bf16_moment_checkpoints_resume_bitwise_and_cross_dtypes_by_the_stated_r
             assert torch.equal(live, saved.bfloat16().float()), what
         changed = sum(int((live != saved).sum()) for live, saved in r["loaded"].values())
         assert changed > 0, "the fp32 checkpoint held only bf16 values: the rounding was not exercised"
+    for r in (x for x in resharded if x is not None):          # 2 ranks' stage 2 into 1 rank's stage 3
+        for what, (live, saved) in r["loaded"].items():
+            assert torch.equal(live, saved), what
     from safetensors import safe_open
     from megazero.checkpoint import CheckpointReader
     first = CheckpointReader(a).path / "rank_00000.safetensors"
