@@ -44,7 +44,7 @@ def pretrain(cfg, launch, device, resume, progress, groups=None) -> None:
     metrics = _open_metrics(cfg, groups, device, launch.threads)
     data = run_data(cfg, groups.coords.dp, groups.topology.dp, metrics.say, first=launch.first("data"),
                     keep_tokenizer=launch.rank == 0 and cfg.checkpoint.save is not None)
-    state = progress.state = setup(cfg, groups, device)
+    state = progress.state = setup(cfg, groups, device, eod=data.eod)
     _say_setup(state, resume, metrics.say)
     start_iteration, policy = start_checkpoint(state, cfg.checkpoint, resume.reader if resume else None,
                                                metrics.say, data.tokenizer)

@@ -29,6 +29,7 @@ from megazero.stragglers import StragglerWatch, find_stragglers
 from megazero.out_of_memory import mark_phase
 from megazero.moe_stats import begin_moe_step, end_moe_step
 from megazero.data.sampler import MicrobatchSource
+from megazero.models.documents import DocumentMasking, pack_documents
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
 
@@ -46,6 +47,7 @@ class TrainState:
     timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
     stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
+    documents: DocumentMasking | None = None   # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
 
     @property
     def phase_timers(self) -> tuple:
@@ -89,8 +91,23 @@ def expert_zero_groups(groups: ProcessGroups) -> ZeroGroups:
                       tensor=groups.tp)
 
 
-def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
+def document_masking(data, eod: int | None) -> DocumentMasking | None:
+    """Megatron's document flags of a DataConfig with the tokenizer's end-of-document id (the data
+    knows it: megazero.data.run_data); None when no flag is on."""
+    flags = dict(reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+                 eod_mask_loss=data.eod_mask_loss)
+    if not any(flags.values()):
+        return None
+    if eod is None:
+        raise ValueError("document masking needs the end-of-document id (setup's eod)")
+    return DocumentMasking(eod=eod, **flags)
+
+
+def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None = None) -> TrainState:
+    """The run's state on this rank; `eod`: the tokenizer's end-of-document id, which document
+    masking (cfg.data's flags) needs."""
     device = torch.device(device)
+    documents = document_masking(cfg.data, eod)
     par = cfg.parallel
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
@@ -115,7 +132,8 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     timers = Timers(device) if cfg.wall_clock_breakdown else None
     threshold = cfg.run.straggler_threshold
     watch = StragglerWatch(threshold, groups.dp.device, groups.log) if threshold > 0 else None
-    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch)
+    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch,
+                      documents=documents)
 
 
 class _Timed:
@@ -143,6 +161,7 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()
     cp = groups.cp     # CP ranks' token sums add up to the same count
     # Pinned, non-blocking copies on the copy stream, issued for the whole batch up front.
     tokens_on_device = [copy_to_device(mb, state.device, state.streams) for mb in microbatches]
+    documents, loss_masks, normalizer = _packed_documents(state, microbatches, normalizer)
     engine_backward = make_backward(state.engine.backward)
 
     def forward(chunk_index: int, input_tensor, mb: int):
@@ -152,8 +171,12 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()
             # Context parallelism: this rank's chunks of every sample (inputs and labels alike)
             inputs = local_chunks(tokens[:, :-1], cp.rank, cp.size) if chunk.embedding is not None else input_tensor
             labels = local_chunks(tokens[:, 1:], cp.rank, cp.size) if chunk.output_head is not None else None
-            out = chunk(inputs, labels)
-            return out.float().sum() / normalizer if labels is not None else out
+            out = chunk(inputs, labels, documents[mb])
+            if labels is None:
+                return out
+            if loss_masks[mb] is not None:
+                return (out.float() * loss_masks[mb]).sum() / normalizer
+            return out.float().sum() / normalizer
 
     def backward(output, output_grad, last: bool) -> None:
         with _Timed(timers, "backward"):
@@ -162,6 +185,31 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()
     return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
                        stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
                        backward=backward, p2p=state.p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm)
+
+
+def _packed_documents(state: TrainState, microbatches: list[torch.Tensor], normalizer):
+    """Document masking's inputs for each microbatch: the Documents the model takes (whole samples,
+    on every stage and CP rank alike: each holds the whole microbatch's tokens and builds them on the
+    host from those; models/documents.py), this rank's loss masks (its CP chunks), and the loss
+    normalizer: with --eod-mask-loss the global batch's unmasked tokens, summed over dp x cp on the
+    last stage (a one-element all-reduce per step), so every layout divides by the same count."""
+    masking, n = state.documents, len(microbatches)
+    if masking is None:
+        return [None] * n, [None] * n, normalizer
+    groups, device, streams = state.groups, state.device, state.streams
+    packed = [pack_documents(mb[:, :-1], masking) for mb in microbatches]
+    documents = [None if d is None else d.to(lambda t: copy_to_device(t, device, streams)) for d, _ in packed]
+    if not masking.eod_mask_loss:
+        return documents, [None] * n, normalizer
+    cp = groups.cp
+    local = [local_chunks(mask, cp.rank, cp.size) for _, mask in packed]
+    masks = [copy_to_device(mask, device, streams) for mask in local]
+    if groups.is_last_stage:
+        count = torch.full((1,), float(sum(int(mask.sum()) for mask in local)), dtype=torch.float64,
+                           device=groups.dp.device)
+        comm.all_reduce(count, groups.dp)
+        normalizer = count.clamp_min(1.0).float().squeeze(0)
+    return documents, masks, normalizer
 
 
 def _global_loss(state: TrainState, losses: list[torch.Tensor],
