@@ -27,6 +27,7 @@ import functools
 import math
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 try:
@@ -143,8 +144,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     """Block-diagonal causal attention from `documents`' boundaries: q (b, s, heads, d), k, v
     (b, s, groups, d) -> (b, s, heads * d). The written-out math takes the dense mask (the oracle);
     CUDA its fused varlen kernels where they apply; everything else one causal SDPA call per
-    document, which keeps what one call over the whole sequence keeps (the output and one
-    log-sum-exp per query with the flash kernel) and never builds an (s x s) mask."""
+    document, recomputed in the backward: it keeps the concatenated output only (one call over the
+    whole sequence keeps its output and, with the flash kernel, one log-sum-exp per query) and
+    never builds an (s x s) mask."""
     if backend in WRITTEN_OUT:
         return attention_reference(q, k, v, dropout_p, visible=documents.visible())
     if q.device.type == "cuda":
@@ -156,12 +158,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
 
 def per_document_attention(q, k, v, bounds, dropout_p: float = 0.0, backend: str = "auto") -> torch.Tensor:
     """`causal_attention` on each document [bounds[i], bounds[i + 1]) of the batch flattened to
-    b * s tokens (a sample's tokens are consecutive there), the outputs concatenated back."""
+    b * s tokens (a sample's tokens are consecutive there), the outputs concatenated back. Under
+    autograd each call is checkpointed (recomputed in the backward, one document at a time)."""
     b, s = q.shape[:2]
     # (b, s) merge into one dimension without a copy: q, k, v are views of one projection's rows.
     q, k, v = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, v))
-    outs = [causal_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], dropout_p, backend)
-            for lo, hi in zip(bounds[:-1], bounds[1:])]
+    plain = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    outs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        args = (q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], dropout_p, backend)
+        # Each call is recomputed in the backward (its dropout replayed): the concatenation is the
+        # one output the step keeps, as one call over the sequence keeps its own, where the calls'
+        # own outputs and log-sum-exps, kept for their backward, would be a second copy.
+        outs.append(causal_attention(*args) if plain else torch.utils.checkpoint.checkpoint(
+            causal_attention, *args, use_reentrant=False, preserve_rng_state=dropout_p > 0))
     return torch.cat(outs, dim=1).view(b, s, -1)
 
 

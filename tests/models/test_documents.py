@@ -10,14 +10,21 @@ definition.
   attention, and learned positions; two samples a microbatch, a document cut by the sample's end.
 - The per-document SDPA kernel (the CPU's) equals the written-out math with the dense mask (the
   oracle), outputs and q/k/v gradients, with grouped-query heads.
+- Its per-document calls, recomputed in the backward, replay their attention dropout: outputs and
+  gradients bitwise those of the same calls kept.
 
 Mutations planted and seen failing (each by hand, then reverted):
 - a document's eod counted in the next document (starts at the eod, not after it) -> the megatron
-  comparison and packed-vs-separate fail.
-- positions not reset (reset_position_ids ignored in pack_documents) -> both fail.
-- the per-document loop's last document dropped (bounds[:-2]) -> the kernel check fails (shape).
-- one document's keys shifted by one token in per_document_attention (k[:, lo + 1:hi + 1]) -> the
-  kernel check and packed-vs-separate fail.
+  comparison and packed-vs-separate (both) fail.
+- positions not reset (reset_position_ids ignored in pack_documents) -> the megatron comparison and
+  packed-vs-separate with learned positions fail (with RoPE, attention kept inside each document
+  sees only relative positions: the reset changes nothing there, as it should).
+- the per-document loop's last document dropped (bounds[:-2], bounds[1:-1]) -> the kernel check and
+  packed-vs-separate fail.
+- attention across documents (varlen_attention running plain causal attention) -> the kernel
+  check and packed-vs-separate fail.
+- the recomputation not replaying the random state (preserve_rng_state=False) -> the dropout
+  replay check fails (dq differs).
 """
 import itertools
 import warnings
@@ -26,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-from megazero.models.attention import attention_reference, core_attention, per_document_attention
+from megazero.models.attention import attention_reference, causal_attention, core_attention, per_document_attention
 from megazero.models.config import GPTConfig
 from megazero.models.documents import DocumentMasking, Documents, pack_documents
 from megazero.models.gpt import GPT, initial_value
@@ -173,3 +180,28 @@ def test_per_document_kernel_equals_the_dense_mask():
         for name, a, e in zip(("out", "dq", "dk", "dv"), got, oracle):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * float(e.abs().max()),
                                        msg=lambda m: f"{name}: {m}")
+
+
+def test_per_document_recomputation_replays_dropout():
+    """Each document's call is recomputed in the backward: with attention dropout its mask must be
+    the forward's, so output and gradients equal the same calls run once, kept (the oracle)."""
+    gen = torch.Generator().manual_seed(2)
+    b, s, heads, d = 2, 32, 2, 8
+    documents = _random_documents(b, s, gen)
+    q, k, v = (torch.randn(b, s, heads, d, generator=gen) for _ in range(3))
+    dout = torch.randn(b, s, heads * d, generator=gen)
+    results = []
+    for kernel in ("per document", "kept"):
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(7)
+        if kernel == "per document":
+            out = per_document_attention(*qkv, documents.bounds, dropout_p=0.3)
+        else:
+            flat = [t.flatten(0, 1).unsqueeze(0) for t in qkv]
+            out = torch.cat([causal_attention(*(t[:, lo:hi] for t in flat), 0.3)
+                             for lo, hi in zip(documents.bounds[:-1], documents.bounds[1:])], 1).view(b, s, -1)
+        torch.manual_seed(99)                   # the backward draws from another state
+        out.backward(dout)
+        results.append([out.detach()] + [t.grad for t in qkv])
+    for name, a, e in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, e, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
