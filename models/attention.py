@@ -27,7 +27,6 @@ import functools
 import math
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
 
 try:
@@ -158,21 +157,65 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
 
 def per_document_attention(q, k, v, bounds, dropout_p: float = 0.0, backend: str = "auto") -> torch.Tensor:
     """`causal_attention` on each document [bounds[i], bounds[i + 1]) of the batch flattened to
-    b * s tokens (a sample's tokens are consecutive there), the outputs concatenated back. Under
-    autograd each call is checkpointed (recomputed in the backward, one document at a time)."""
+    b * s tokens (a sample's tokens are consecutive there), written into one output. Under autograd
+    `_PerDocument` keeps nothing of the calls and recomputes them in the backward, one at a time."""
     b, s = q.shape[:2]
     # (b, s) merge into one dimension without a copy: q, k, v are views of one projection's rows.
     q, k, v = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, v))
-    plain = not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-    outs = []
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = _PerDocument.apply(q, k, v, tuple(bounds), dropout_p, backend)
+    else:
+        out = _each_document(q, k, v, bounds, dropout_p, backend)
+    return out.view(b, s, -1)
+
+
+def _each_document(q, k, v, bounds, dropout_p: float, backend: str) -> torch.Tensor:
+    out = q.new_empty(1, q.shape[1], q.shape[2] * v.shape[3])
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        args = (q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], dropout_p, backend)
-        # Each call is recomputed in the backward (its dropout replayed): the concatenation is the
-        # one output the step keeps, as one call over the sequence keeps its own, where the calls'
-        # own outputs and log-sum-exps, kept for their backward, would be a second copy.
-        outs.append(causal_attention(*args) if plain else torch.utils.checkpoint.checkpoint(
-            causal_attention, *args, use_reentrant=False, preserve_rng_state=dropout_p > 0))
-    return torch.cat(outs, dim=1).view(b, s, -1)
+        out[:, lo:hi] = causal_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], dropout_p, backend)
+    return out
+
+
+class _PerDocument(torch.autograd.Function):
+    """The per-document calls as one autograd node. Each call's backward needs what its kernel kept
+    (its output and log-sum-exp, or the math kernel's probabilities): kept for every document they
+    would be a second copy of the output beside the one the projection keeps, and autograd's
+    slicing of q, k, v would add a whole zero-filled gradient per document. So the forward keeps
+    q, k, v only; the backward recomputes one document at a time (the forward's random state
+    restored, so its dropout is replayed) and writes its gradients into whole dq, dk, dv."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, dropout_p, backend):
+        ctx.bounds, ctx.dropout_p, ctx.backend = bounds, dropout_p, backend
+        ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
+        ctx.save_for_backward(q, k, v)
+        return _each_document(q, k, v, bounds, dropout_p, backend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        cuda = [q.device] if q.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda, enabled=ctx.rng is not None):
+            if ctx.rng is not None:
+                _set_rng_state(q.device, ctx.rng)
+            for lo, hi in zip(ctx.bounds[:-1], ctx.bounds[1:]):
+                with torch.enable_grad():
+                    inputs = [t[:, lo:hi].detach().requires_grad_() for t in (q, k, v)]
+                    out = causal_attention(*inputs, ctx.dropout_p, ctx.backend)
+                for whole, piece in zip(grads, torch.autograd.grad(out, inputs, grad[:, lo:hi])):
+                    whole[:, lo:hi] = piece
+        return (*grads, None, None, None)
+
+
+def _rng_state(device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device, state) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def cuda_varlen_attention(q, k, v, documents, dropout_p: float = 0.0):

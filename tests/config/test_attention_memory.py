@@ -10,7 +10,7 @@ over the whole sequence.
 Mutation planted and seen failing (by hand, then reverted): the CPU's per-document path replaced by
 one SDPA call with the documents' dense (s x s) mask -> the packed-documents check fails (the square
 is kept); the per-document calls not recomputed in the backward (their outputs and log-sum-exps kept
-beside the concatenation) -> it fails (kept 2x the whole-sequence call's).
+beside the concatenation) -> it fails (kept 139264 bytes, the whole-sequence call's 73728).
 """
 import pytest
 import torch

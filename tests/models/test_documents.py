@@ -23,8 +23,8 @@ Mutations planted and seen failing (each by hand, then reverted):
   packed-vs-separate fail.
 - attention across documents (varlen_attention running plain causal attention) -> the kernel
   check and packed-vs-separate fail.
-- the recomputation not replaying the random state (preserve_rng_state=False) -> the dropout
-  replay check fails (dq differs).
+- the recomputation not replaying the random state (checkpointed calls with preserve_rng_state=False;
+  then _PerDocument not restoring it) -> the dropout replay check fails (dq differs).
 """
 import itertools
 import warnings
