@@ -104,7 +104,7 @@ def step_worker(ctx, args, seq: int, masked: bool):
 
 
 def dry_run_peak(args, seq: int, masked: bool, device_kind: str) -> float:
-    from megazero.dry_run import simulate
+    from megazero.dry_run.job import simulate
     run = simulate(flags(args, seq, masked), 1, processes=1, stream_check=False, device_kind=device_kind,
                    save=False)[0]
     if run.error:

@@ -6,7 +6,7 @@ end-of-document id (the NullTokenizer's vocab-size - 1, the GPT-2 BPE's <|endoft
 losses are finite."""
 import math
 
-from megazero import launch
+from megazero.run import launch
 from megazero.data.tokenizer import build_tokenizer
 from tests.config.test_run_flags import GPT3, LLAMA3, gpt2_data, recipe_argv, records  # noqa: F401 (a fixture)
 
