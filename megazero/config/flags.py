@@ -37,7 +37,7 @@ MEGATRON_ONLY = frozenset("""
 --accumulate-allreduce-grads-in-fp32
 --no-bias-dropout-fusion --apply-query-key-layer-scaling
 --use-rotary-position-embeddings
---data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
+--data-impl --mmap-warmup --dataloader-type
 --checkpoint-activations
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
 --cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt
@@ -324,6 +324,11 @@ def _data_flags(p) -> None:
     _add(g, "--num-workers", type=int, default=2,
          help="0: batches read in the training loop; >0: read ahead by a background thread")
     _add(g, "--no-mmap-bin-files", action="store_true", help="read .bin files with plain reads instead of mmap")
+    _add(g, "--reset-position-ids", action="store_true",
+         help="packed samples: positions restart at 0 after each end-of-document token")
+    _add(g, "--reset-attention-mask", action="store_true",
+         help="packed samples: attention stays inside each document (block-diagonal causal)")
+    _add(g, "--eod-mask-loss", action="store_true", help="no loss where the input token is the end-of-document token")
     _add(g, "--no-create-attention-mask-in-dataloader", action="store_true",
          help="accepted: megazero never builds attention masks")
     _add(g, "--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json", shown="none")

@@ -189,6 +189,8 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
     """The activations of the largest stage; with `device_type`, what its attention kernel allocates."""
     m, par = cfg.model, cfg.parallel
     kernel = kernel_for(cfg, device_type)
+    data = cfg.data
+    documents = data if data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss else None
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     in_flight, layers = r.in_flight, r.layers_per_stage
     if par.virtual_stages > 1 and par.schedule != "gpipe":
@@ -202,12 +204,13 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
         stages = [(n, min(pp - s, r.microbatches), s == pp - 1) for s, n in enumerate(split)]
         return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
                                     r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
-                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel)
+                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel,
+                                    documents=documents, microbatches=r.microbatches)
                    for n, held, last in stages)
     return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
                             par.tensor_parallel, in_flight, r.weight_bytes, chunks,
                             par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel,
-                            kernel=kernel)
+                            kernel=kernel, documents=documents, microbatches=r.microbatches)
 
 
 def largest_param(model_cfg, tp: int) -> int:

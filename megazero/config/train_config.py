@@ -72,6 +72,12 @@ class DataConfig(Record):
     mock_data: bool = False                      # random tokens of the vocabulary, no files
     mmap_bin_files: bool = True                  # False: .bin files read with plain reads
     tiktoken_pattern: Optional[str] = None       # TikTokenizer: "v1" or "v2"
+    # Megatron-LM's document masking of packed samples, at the tokenizer's end-of-document id
+    # (models/documents.py): positions restart after it, attention stays inside each document, no
+    # loss where the input token is it.
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
 
 
 class CheckpointConfig(Record):

@@ -155,7 +155,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                       tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size,
                       cache_dir=args.data_cache_path, mock_data=args.mock_data,
-                      mmap_bin_files=not args.no_mmap_bin_files, tiktoken_pattern=args.tiktoken_pattern)
+                      mmap_bin_files=not args.no_mmap_bin_files, tiktoken_pattern=args.tiktoken_pattern,
+                      reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+                      eod_mask_loss=args.eod_mask_loss)
     notes += data_notes(args)
     ramp = batch_ramp(args, glob, micro, topology.dp)
     if ramp is not None and (virtual > 1 or args.pipeline_schedule == "interleaved"):

@@ -12,7 +12,7 @@ from megazero.dry_run.device_stand_in import DeviceStandIn
 from megazero.models.attention import core_attention
 
 
-def _attention_memory(dtype, groups: int, patched: bool):
+def _attention_memory(dtype, groups: int, patched: bool, documents=None):
     """(peak bytes, bytes kept for the backward) of one causal attention's forward on meta."""
     b, s, heads, d = 1, 2048, 8, 64
     with DeviceStandIn() as device, device.keeping_activations(), (gpu_attention() if patched else contextlib.nullcontext()):
@@ -22,7 +22,7 @@ def _attention_memory(dtype, groups: int, patched: bool):
         device.in_setup = False        # q, k, v count as model states: what follows is attention's
         base = sum(device.live.values())
         with torch.enable_grad():
-            out = core_attention(q, k, v)
+            out = core_attention(q, k, v, documents=documents)
         kept = device.live["activations"]
         out.sum().backward()
     return device.peak - base, kept, out
@@ -40,6 +40,20 @@ def test_attention_on_meta_keeps_what_the_flash_kernel_keeps():
     # The math path (what meta picks by itself) keeps the fp32 probabilities.
     math_peak, math_kept, _ = _attention_memory(torch.bfloat16, 2, patched=False)
     assert math_kept >= b * heads * s * s * 4 and math_peak > 4 * peak
+
+
+def test_packed_documents_on_a_simulated_gpu_keep_what_the_causal_flash_call_keeps():
+    """--reset-attention-mask on CUDA runs a varlen kernel (FlashAttention's, FlexAttention's), which
+    keeps the output and one log-sum-exp per query, as one causal flash call over the sequence:
+    the simulated GPU counts that call's memory, not the CPU's per-document calls'.
+    Planted (meta running the per-document calls): kept differs (less: the calls are recomputed)."""
+    from megazero.models.documents import DocumentMasking, pack_documents
+    tokens = torch.randint(2, 50, (1, 2048), generator=torch.Generator().manual_seed(0))
+    tokens[0, [99, 700, 1500]] = 1
+    documents, _ = pack_documents(tokens, DocumentMasking(1, True, True, True))
+    whole_peak, whole_kept, _ = _attention_memory(torch.bfloat16, 2, patched=True)
+    peak, kept, out = _attention_memory(torch.bfloat16, 2, patched=True, documents=documents.to(lambda t: t.to("meta")))
+    assert out.shape == (1, 2048, 8 * 64) and (peak, kept) == (whole_peak, whole_kept)
 
 
 def test_kernel_choice_follows_cudas_rules():
