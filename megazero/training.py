@@ -28,6 +28,7 @@ from megazero.housekeeping import Housekeeping
 from megazero.stragglers import StragglerWatch, find_stragglers
 from megazero.out_of_memory import mark_phase
 from megazero.moe_stats import begin_moe_step, end_moe_step
+from megazero.muon_matrices import muon_matrix_of
 from megazero.data.sampler import MicrobatchSource
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
@@ -104,7 +105,8 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
                         isolated=summed_across_stages, streams=streams,
                         lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
                         expert_groups=expert_zero_groups(groups) if experts_apart(groups.topology) else None,
-                        expert_parallel=groups.ep)
+                        expert_parallel=groups.ep, muon=cfg.optimizer.muon,
+                        muon_matrix=muon_matrix_of(cfg.model, cfg.optimizer.muon) if cfg.optimizer.muon else None)
     for chunk in chunks:
         chunk.train()
     p2p = None

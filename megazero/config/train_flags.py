@@ -24,6 +24,7 @@ from megazero.config import batch_flags
 from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
 from megazero.config.moe_flags import expert_parallel_size
+from megazero.config.muon_flags import check_muon, muon_config
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.run_flags import batch_ramp, run_options
 from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, TrainConfig
@@ -170,6 +171,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         # refused by nobody (a recipe's smoke test with few --train-iters is normal), but never silent
         notes.append(f"the lr warmup ({warmup_steps} iterations) is longer than the run (--train-iters "
                      f"{train_iters}): the rate never reaches --lr {optimizer.lr}")
+    check_muon(optimizer.muon, zero)
     if optimizer.decoupled_lr is not None and zero.zenflow is not None:
         raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
                          "CPU Adam steps one learning rate): drop one of them")
@@ -412,4 +414,5 @@ def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_it
     return OptimizerConfig(lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay_iters,
                            from_train_iters=derived,
                            decay_style=args.lr_decay_style, adam=adam, clip_grad=merged["clip_grad"],
-                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples)
+                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples,
+                           muon=muon_config(args, ds, merged))

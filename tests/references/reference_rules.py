@@ -42,6 +42,15 @@ def megatron_decays(name: str, param: torch.Tensor) -> bool:
     return not (name.endswith(".bias") or param.ndim == 1)
 
 
+def muon_matrix_names(model: torch.nn.Module) -> set[str]:
+    """The parameters Muon steps, by torch.optim.Muon's documentation and Megatron-LM's rule: the 2-D
+    weights of the hidden layers; the embeddings and the output layer (2-D too) take AdamW, as do
+    biases and norm scales (1-D), and a MoE router."""
+    excluded = ("embedding.word.weight", "embedding.position.weight", "output_head.weight")
+    return {name for name, p in model.named_parameters()
+            if p.ndim == 2 and name not in excluded and not name.endswith("router.weight")}
+
+
 def plain_gpt(cfg: GPTConfig, seed: int) -> GPT:
     """The pure single-device GPT of models/ with its layout-independent initial weights."""
     model = GPT(cfg)
