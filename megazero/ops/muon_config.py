@@ -2,7 +2,7 @@
 record apart from the math (muon.py), so that it imports without torch.
 
 Which parameters Muon steps (every weight matrix but the embeddings, the output layer and the MoE
-router) is not a hyperparameter: megazero.muon_matrices decides it from the model, and every other
+router) is not a hyperparameter: megazero.training.muon_matrices decides it from the model, and every other
 parameter takes Adam(W) with the run's AdamConfig.
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ others own and, back, the pieces of its own matrices that others hold, 2 P (n - 
 owners are balanced; the TP all-to-alls send 2 P (t - 1) / (t n). docs/zero.md has the exact count,
 which tests/zero/test_muon_distributed.py checks against the comm log.
 
-A matrix is described from outside (megazero.muon_matrices) as a `MuonMatrix`; this module knows no
+A matrix is described from outside (megazero.training.muon_matrices) as a `MuonMatrix`; this module knows no
 TP layer, only how to join the TP ranks' tensors and split the full one again.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 
 from megazero.data.sampler import MicrobatchSource
 from megazero.data.synthetic import ArithmeticTokens
-from megazero.lr_schedule import step_learning_rate
+from megazero.training.lr_schedule import step_learning_rate
 from megazero.ops.muon_config import MuonConfig
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.training import setup, train_step
