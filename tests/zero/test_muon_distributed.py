@@ -1,6 +1,7 @@
-"""Muon under ZeRO 1-3, tensor, pipeline and expert parallelism and an offloaded optimizer reproduces
-the single-process Muon run (fp32 Newton-Schulz, split QKV, quintic coefficients, Nesterov) over 10
-steps: loss curve, gradient norms and final parameters at rtol 1e-5 (tests/layouts.py's bars).
+"""Muon under ZeRO 1-3, tensor, pipeline and expert parallelism and an offloaded optimizer (half in host
+memory; swapped to nvme files) reproduces the single-process Muon run (fp32 Newton-Schulz, split QKV,
+quintic coefficients, Nesterov) over 10 steps: loss curve, gradient norms and final parameters at
+rtol 1e-5 (tests/layouts.py's bars).
 
 Each layout also reports which parameters Muon steps and how often: the same names as the one
 process (DeepSpeed's first bug: Muon silently off for a zero.Init-built model, whose stage-3
@@ -96,7 +97,10 @@ DENSE_LAYOUTS = [
     ("zero 3 tp 2 dp 2", 2, dict(stage=3, tp=2)),
     ("zero 3 dp 4", 4, dict(stage=3)),
     ("zero 1 pp 2 tp 2", 1, dict(stage=1, pp=2, tp=2)),
-    ("zero 2 dp 4 offloaded optimizer", 4, dict(stage=2, zero_extra={"offload_optimizer": {"device": "cpu"}})),
+    # the optimizer half on the device, half in host memory (a piece may cross the split)
+    ("zero 3 dp 4 half offloaded", 4, dict(stage=3, zero_extra={"offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                                                                 "sub_group_size": 300})),
+    ("zero 3 tp 2 nvme", 2, dict(stage=3, tp=2, zero_extra={"sub_group_size": 300})),   # + the swap folder
 ]
 MOE_LAYOUTS = [
     ("ep 2 zero 1 dp 4", 4, dict(ep=2, stage=1)),
@@ -124,8 +128,17 @@ def references():
     return {key: reference_of(config) for key, config in (("dense", DENSE), ("moe", SMALL_MOE))}
 
 
-def test_distributed_muon_matches_single_process(dist_pool, references):
-    layouts = [(with_muon(small_config(**DENSE, **config)), dp) for _, dp, config in DENSE_LAYOUTS]
+def with_swap_folder(what: str, config: dict, folder) -> dict:
+    """An nvme layout's config with its swap folder under `folder`; other layouts as they are."""
+    if "nvme" not in what:
+        return config
+    extra = dict(config["zero_extra"], offload_optimizer={"device": "nvme", "nvme_path": str(folder)})
+    return dict(config, zero_extra=extra)
+
+
+def test_distributed_muon_matches_single_process(dist_pool, references, tmp_path):
+    layouts = [(with_muon(small_config(**DENSE, **with_swap_folder(what, config, tmp_path))), dp)
+               for what, dp, config in DENSE_LAYOUTS]
     layouts += [(with_muon(small_config(**SMALL_MOE, **config)), dp) for _, dp, config in MOE_LAYOUTS]
     results = per_layout(dist_pool(4).run(muon_worker, layouts))
     for (what, dp, config), result in zip(DENSE_LAYOUTS, results):
