@@ -119,13 +119,7 @@ class ZeroEngine:
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
         group_of = (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group
-        if muon is not None and zero.zenflow is not None:
-            raise ValueError("Muon with ZenFlow is not supported: ZenFlow's selection is Adam's")
-        self.muon = None if muon is None else Muon(
-            self.storages(), lambda p, shape: muon_matrix(self.names[id(p)], p, shape), muon,
-            tensor_of=lambda s: (self.expert_groups if self.is_expert_storage(s) else groups).tensor,
-            ns_device="cpu" if zero.offloads_optimizer else self.device, weight_decay_of=self._weight_decay_of,
-            lr_group_of=group_of)
+        self.muon = None if muon is None else Muon.for_engine(self, muon, muon_matrix, group_of)
         for storage in self.storages():
             storage.plan(self._weight_decay_of, counts_in_norm, group_of,
                          self.muon.steps if self.muon is not None else _never)

@@ -260,6 +260,16 @@ class Muon:
                       if part is not None]
         self.params = {id(part.storage.params[e.index]) for part in self.parts for e in part.entries}
 
+    @classmethod
+    def for_engine(cls, engine, config: MuonConfig, muon_matrix, lr_group_of) -> "Muon":
+        """The Muon of a ZeroEngine's storages; `muon_matrix(name, param, shape)` as the engine's."""
+        if engine.zero.zenflow is not None:
+            raise ValueError("Muon with ZenFlow is not supported: ZenFlow's selection is Adam's")
+        return cls(engine.storages(), lambda p, shape: muon_matrix(engine.names[id(p)], p, shape), config,
+                   tensor_of=lambda s: (engine.expert_groups if engine.is_expert_storage(s) else engine.groups).tensor,
+                   ns_device="cpu" if engine.zero.offloads_optimizer else engine.device,
+                   weight_decay_of=engine._weight_decay_of, lr_group_of=lr_group_of)
+
     def steps(self, param) -> bool:
         """Whether Muon steps `param` (the storages' Adam then leaves it alone)."""
         return id(param) in self.params
