@@ -33,12 +33,13 @@ DEEPSPEED_PARAMS = {"lr", "momentum", "weight_decay", "betas", "eps", "ns_method
 
 def add_muon_flags(g, add) -> None:
     """The flags of this module, added to argument group `g` with `add` (flags._add)."""
-    add(g, "--optimizer", choices=["adam", "muon"], default=None,
-        help="adam: Adam(W) for every parameter; muon: Muon for the weight matrices, AdamW for the embeddings, "
-             "output layer, norms, biases and MoE router; a DeepSpeed config may set it instead", shown="adam")
+    add(g, "--optimizer", choices=["adam", "muon"], default=None, type=_optimizer_name,
+        help="adam: Adam(W) for every parameter; muon (or Megatron-LM's dist_muon, the same updates): Muon for "
+             "the weight matrices, AdamW for the embeddings, output layer, norms, biases and MoE router; a "
+             "DeepSpeed config may set it instead", shown="adam")
     add(g, "--muon-momentum", type=float, default=None, help="Muon's momentum, in [0, 1)",
         shown="0.9; DeepSpeed's Muon: 0.95")
-    add(g, "--muon-nesterov", action="store_true", default=None,
+    add(g, "--muon-use-nesterov", "--muon-nesterov", dest="muon_nesterov", action="store_true", default=None,
         help="Nesterov momentum in Muon", shown="off; DeepSpeed's Muon: on")
     add(g, "--muon-num-ns-steps", type=int, default=None, help="Newton-Schulz iterations, in [1, 100)", shown=5)
     add(g, "--muon-coefficient-type", default=None,
@@ -63,6 +64,12 @@ def add_muon_flags(g, add) -> None:
         help="what steps the parameters Muon does not: adam", shown="adam")
 
 
+def _optimizer_name(value: str) -> str:
+    """Megatron-LM's dist_muon shards Muon's work layer by layer over the data-parallel ranks; here
+    every matrix has an owner rank anyway, so it is muon."""
+    return "muon" if value == "dist_muon" else value
+
+
 def _choice(args, name: str, allowed, default: str) -> str:
     value = getattr(args, name)
     if value is None:
@@ -79,7 +86,7 @@ def _choice(args, name: str, allowed, default: str) -> str:
 
 def muon_config(args, ds, merged: dict) -> MuonConfig | None:
     """The run's Muon settings (None: --optimizer adam), flags over a DeepSpeed Muon block's defaults."""
-    given = [f"--{n.replace('_', '-')}" for n in ("muon_nesterov", "muon_num_ns_steps", "muon_coefficient_type",
+    given = [f"--{n.replace('_', '-')}".replace("-muon-nesterov", "-muon-use-nesterov") for n in ("muon_nesterov", "muon_num_ns_steps", "muon_coefficient_type",
                                                   "muon_scale_mode", "muon_extra_scale_factor",
                                                   "muon_fp32_matmul_prec", "muon_tp_mode", "muon_scalar_optimizer")
              if getattr(args, n) is not None]

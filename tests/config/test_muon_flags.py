@@ -38,7 +38,7 @@ def test_adam_by_default_and_megatron_defaults_for_muon():
 
 
 def test_megatron_flags_reach_the_config():
-    muon = _config("--optimizer muon --muon-momentum 0.8 --muon-nesterov --muon-num-ns-steps 6 "
+    muon = _config("--optimizer dist_muon --muon-momentum 0.8 --muon-use-nesterov --muon-num-ns-steps 6 "
                    "--muon-coefficient-type simple --muon-scale-mode unit_rms_norm --muon-extra-scale-factor 0.2 "
                    "--muon-fp32-matmul-prec high --muon-no-split-qkv --muon-tp-mode distributed "
                    "--muon-scalar-optimizer adam").optimizer.muon
@@ -55,6 +55,7 @@ def test_deepspeed_muon_block_gives_deepspeeds_defaults_and_flags_win(tmp_path):
                                             coefficient_type="simple", split_qkv=False)
     assert (cfg.optimizer.lr, cfg.optimizer.adam.weight_decay, cfg.optimizer.adam.beta2) == (0.02, 0.1, 0.95)
     assert _config("--muon-num-ns-steps 7", ds, tmp_path).optimizer.muon.ns_steps == 7
+    assert _config("--optimizer muon --muon-nesterov").optimizer.muon.nesterov      # the spelling
     assert _config("--optimizer muon", {"zero_optimization": {"stage": 3, "save_muon_momentum_buffer_in_memory":
                                                               False}}, tmp_path).optimizer.muon == MuonConfig()
 
@@ -62,6 +63,7 @@ def test_deepspeed_muon_block_gives_deepspeeds_defaults_and_flags_win(tmp_path):
 @pytest.mark.parametrize("line, ds, words", [
     ("--muon-momentum 0.5", None, "--muon-momentum needs --optimizer muon"),
     ("--muon-no-split-qkv", None, "--muon-no-split-qkv needs --optimizer muon"),
+    ("--muon-use-nesterov", None, "--muon-use-nesterov needs --optimizer muon"),
     ("--optimizer muon --muon-momentum 1", None, "--muon-momentum must be in [0, 1), got 1.0"),
     ("--optimizer muon --muon-num-ns-steps 0", None, "--muon-num-ns-steps must be in [1, 100), got 0"),
     ("--optimizer muon --muon-extra-scale-factor 0", None, "--muon-extra-scale-factor must be > 0"),
