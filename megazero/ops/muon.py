@@ -70,8 +70,12 @@ def scale_factor(rows: int, cols: int, mode: str) -> float:
 
 def orthogonalized(matrix: torch.Tensor, config: MuonConfig, transposed: bool = False) -> torch.Tensor:
     """NS(matrix) times its shape's scale and the extra factor (fp32). `transposed`: the matrix is
-    stored (in, out), as x @ W uses it, so its rows are the input features."""
-    rows, cols = (matrix.size(1), matrix.size(0)) if transposed else (matrix.size(0), matrix.size(1))
+    stored (in, out), as x @ W uses it; it is orthogonalised as its (out, in) transpose, the form of a
+    linear's weight, so that a square one rounds in bf16 as that weight does (NS(X^T) = NS(X)^T only in
+    exact arithmetic; newton_schulz puts a non-square one in its wide form either way)."""
+    if transposed:
+        return orthogonalized(matrix.T, config).T
+    rows, cols = matrix.size(0), matrix.size(1)
     return newton_schulz(matrix, config).mul_(scale_factor(rows, cols, config.scale_mode) * config.extra_scale_factor)
 
 
