@@ -116,11 +116,17 @@ def muon_config(args, ds, merged: dict) -> MuonConfig | None:
         split_qkv=base.split_qkv if args.muon_split_qkv is None else args.muon_split_qkv)
 
 
-def check_muon(muon: MuonConfig | None, zero) -> None:
-    """Combinations with other settings Muon does not take."""
-    if muon is not None and zero.zenflow is not None:
+def check_muon(muon: MuonConfig | None, zero, tp: int, tp_mode: str | None) -> list[str]:
+    """Combinations with other settings Muon does not take, and the notes a run gets."""
+    if muon is None:
+        return []
+    if zero.zenflow is not None:
         raise UsageError("--optimizer muon with zero_optimization.zenflow is not supported (ZenFlow selects "
                          "the columns Adam steps on the device); drop one of them")
+    if tp > 1 and tp_mode is None:      # never silent: a Megatron-LM recipe would run blockwise
+        return ["--optimizer muon with tensor parallelism: each matrix is orthogonalised whole (Megatron-LM's "
+                "--muon-tp-mode duplicated); Megatron-LM's default, blockwise, orthogonalises each shard apart"]
+    return []
 
 
 def read_deepspeed_muon(params: dict, where: str, put: dict, notes: list[str]) -> None:

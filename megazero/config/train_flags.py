@@ -171,7 +171,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         # refused by nobody (a recipe's smoke test with few --train-iters is normal), but never silent
         notes.append(f"the lr warmup ({warmup_steps} iterations) is longer than the run (--train-iters "
                      f"{train_iters}): the rate never reaches --lr {optimizer.lr}")
-    check_muon(optimizer.muon, zero)
+    notes += check_muon(optimizer.muon, zero, topology.tp, args.muon_tp_mode)
     if optimizer.decoupled_lr is not None and zero.zenflow is not None:
         raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
                          "CPU Adam steps one learning rate): drop one of them")

@@ -37,6 +37,13 @@ def test_adam_by_default_and_megatron_defaults_for_muon():
                                                                                               "spectral")
 
 
+def test_tensor_parallel_muon_notes_megatrons_other_default():
+    cfg = _config("--optimizer muon --tensor-model-parallel-size 2")
+    assert any("Megatron-LM's default, blockwise" in n for n in cfg.notes), cfg.notes
+    assert not any("blockwise" in n for n in _config("--optimizer muon --tensor-model-parallel-size 2 "
+                                                     "--muon-tp-mode duplicated").notes)
+
+
 def test_megatron_flags_reach_the_config():
     muon = _config("--optimizer dist_muon --muon-momentum 0.8 --muon-use-nesterov --muon-num-ns-steps 6 "
                    "--muon-coefficient-type simple --muon-scale-mode unit_rms_norm --muon-extra-scale-factor 0.2 "
