@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megazero.config.deepspeed_blocks import (DeepSpeedSettings, as_bool, as_number, read_activation_checkpointing,
                                          read_monitors, read_scheduler)
+from megazero.config.muon_flags import DEEPSPEED_PARAMS, read_deepspeed_muon
 from megazero.core.errors import UsageError
 from megazero.zero.config import as_json, design_notes, parse_zero_config, unknown_key_error
 
@@ -229,14 +230,17 @@ def _read_optimizer(block, where: str, settings: DeepSpeedSettings) -> None:
         if key not in OPTIMIZER_KEYS:
             raise unknown_key_error(key, OPTIMIZER_KEYS, f"{where}: optimizer")
     kind = str(block.get("type", "")).lower()
-    if kind not in ("adam", "adamw"):
-        raise UsageError(f"{where}: optimizer type {block.get('type')!r} is not supported; use Adam or AdamW")
+    if kind not in ("adam", "adamw", "muon"):
+        raise UsageError(f"{where}: optimizer type {block.get('type')!r} is not supported; use Adam, AdamW or Muon")
     params, put = block.get("params", {}), settings.values
     if not isinstance(params, dict):
         raise UsageError(f"{where}: optimizer.params must be an object like {{\"lr\": 0.001}}")
+    known = OPTIMIZER_PARAMS | (DEEPSPEED_PARAMS if kind == "muon" else set())
     for key in params:
-        if key not in OPTIMIZER_PARAMS:
-            raise unknown_key_error(key, OPTIMIZER_PARAMS, f"{where}: optimizer.params")
+        if key not in known:
+            raise unknown_key_error(key, known, f"{where}: optimizer.params")
+    if kind == "muon":      # the Adam keys below serve the parameters Muon leaves to AdamW
+        read_deepspeed_muon(params, where, put, settings.notes)
     w_mode = as_bool(params.get("adam_w_mode", True), "optimizer.params.adam_w_mode", where)
     if kind == "adamw" and not w_mode:
         raise UsageError(f"{where}: optimizer type AdamW always decouples weight decay, but "

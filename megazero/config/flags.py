@@ -14,6 +14,7 @@ import math
 from megazero.core.errors import UsageError
 from megazero.config.moe_flags import add_moe_flags
 from megazero.config.optimizer_state_flags import add_optimizer_state_flags
+from megazero.config.muon_flags import add_muon_flags
 from megazero.config.run_flags import add_run_flags
 from megazero.config.zero_flags import add_zero_flags
 
@@ -28,6 +29,7 @@ MERGED = {
     "loss_scale_window": ("--loss-scale-window", 1000), "hysteresis": ("--hysteresis", 2),
     "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
     "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
+    "optimizer": ("--optimizer", "adam"), "muon_momentum": ("--muon-momentum", None),
 }
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
@@ -40,7 +42,7 @@ MEGATRON_ONLY = frozenset("""
 --data-impl --mmap-warmup --dataloader-type
 --checkpoint-activations
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
---cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt
+--cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt --muon-use-syrk
 """.split())
 
 
@@ -286,6 +288,7 @@ def _training_flags(p) -> None:
     _merged(g, "adam_eps", "Adam epsilon, > 0", type=float)
     _merged(g, "clip_grad", "clip the global gradient norm to this; 0: no clipping", type=float)
     add_optimizer_state_flags(g, _add)
+    add_muon_flags(g, _add)
     _merged(g, "seed", "random seed", type=int)
     _merged(g, "bf16", "compute in bf16 with fp32 master weights", action="store_true", default=None)
     _merged(g, "fp16", "compute in fp16 with fp32 master weights and loss scaling", action="store_true",

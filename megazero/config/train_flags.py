@@ -24,6 +24,7 @@ from megazero.config import batch_flags
 from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
 from megazero.config.moe_flags import expert_parallel_size
+from megazero.config.muon_flags import check_muon, muon_config
 from megazero.config.monitor_flags import monitor_config
 from megazero.config.optimizer_state_flags import optimizer_state_dtypes
 from megazero.config.run_flags import batch_ramp, run_options
@@ -177,6 +178,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         raise UsageError("bf16 Adam moments with zero_optimization.zenflow are not supported yet (ZenFlow's "
                          "CPU Adam keeps fp32 moments): drop --exp-avg-dtype / --exp-avg-sq-dtype bf16 "
                          "(or bf16.bf16_optimizer_states) or zenflow")
+    notes += check_muon(optimizer.muon, zero, topology.tp, args.muon_tp_mode)
     if optimizer.decoupled_lr is not None and zero.zenflow is not None:
         raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
                          "CPU Adam steps one learning rate): drop one of them")
@@ -421,4 +423,5 @@ def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_it
     return OptimizerConfig(lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay_iters,
                            from_train_iters=derived,
                            decay_style=args.lr_decay_style, adam=adam, clip_grad=merged["clip_grad"],
-                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples)
+                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples,
+                           muon=muon_config(args, ds, merged))

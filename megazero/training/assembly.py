@@ -11,6 +11,7 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.training.model_builder import build_model_chunks, make_init_fn
+from megazero.training.muon_matrices import muon_matrix_of
 from megazero.parallel.finalize import counts_in_norm, summed_across_stages
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
@@ -109,7 +110,8 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None
                         isolated=summed_across_stages, streams=streams,
                         lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
                         expert_groups=expert_zero_groups(groups) if experts_apart(groups.topology) else None,
-                        expert_parallel=groups.ep)
+                        expert_parallel=groups.ep, muon=cfg.optimizer.muon,
+                        muon_matrix=muon_matrix_of(cfg.model, cfg.optimizer.muon) if cfg.optimizer.muon else None)
     for chunk in chunks:
         chunk.train()
     p2p = None

@@ -24,13 +24,9 @@ from .config_blocks import (LeafModuleConfig, OffloadConfig, OffloadOptimizerCon
 # Keys DeepSpeed accepts whose features have not landed here; each maps to its do-nothing value.
 NOT_SUPPORTED_YET = {
     "zero_quantized_nontrainable_weights": False, "zeropp_loco_param": None,
-    "save_muon_momentum_buffer_in_memory": False,
 }
 # Why, where a reason helps the user more than the key's name does.
-NOT_SUPPORTED_WHY = {
-    "save_muon_momentum_buffer_in_memory": "megazero has no Muon optimizer, whose momentum buffer the "
-                                           "key keeps off NVMe",
-}
+NOT_SUPPORTED_WHY: dict[str, str] = {}
 
 # DeepSpeed's older spellings of the offload blocks: key -> (what it maps to, its value when on).
 LEGACY_OFFLOAD_KEYS = {
@@ -83,6 +79,8 @@ FIXED_BY_DESIGN = {
     "stage3_allgather_sequential": (False, "parameter all-gathers are never serialised"),
     "partition_stream_chunk_size": (0, _ONE_AT_A_TIME),
     "stage3_partition_stream_chunk_size": (0, _ONE_AT_A_TIME),
+    "save_muon_momentum_buffer_in_memory": (False, "Muon's momentum lives in the slot of Adam's first moment "
+                                                   "and moves with the other optimizer states (to NVMe too)"),
 }
 
 # ZeroConfig fields that act only at some stages: field -> those stages.

@@ -328,12 +328,13 @@ class PartitionedStorage:
         self._fresh = [True] * len(self.layout.buckets)
 
     # --- optimizer ----------------------------------------------------------------------------
-    def plan(self, weight_decay_of, counts_in_norm, lr_group_of=lambda param: 0) -> None:
+    def plan(self, weight_decay_of, counts_in_norm, lr_group_of=lambda param: 0, muon=lambda param: False) -> None:
         """Cuts each bucket's chunk into runs of equal weight decay and lr group (padding joins a
-        neighbour) for the step, and into counted / not-counted runs for the gradient norm."""
+        neighbour) for the step, and into counted / not-counted runs for the gradient norm.
+        The parameters `muon(param)` says Muon steps (megazero.zero.muon) are left out of the runs."""
         self.runs, self.norm_runs = [], []
         for b, bucket in enumerate(self.layout.buckets):
-            cursor, runs = 0, []
+            cursor, runs, after_muon = 0, [], False
             for i in bucket.slots:
                 piece = self.layout.local_piece(i)
                 if piece is None:
@@ -342,11 +343,14 @@ class PartitionedStorage:
                 hi = lo + piece.length
                 wd = weight_decay_of(self.params[i], self.full_shape(i))
                 group = lr_group_of(self.params[i])
-                if runs and runs[-1].weight_decay == wd and runs[-1].lr_group == group:
+                skipped = bool(muon(self.params[i]))
+                if skipped:
+                    pass
+                elif runs and not after_muon and runs[-1].weight_decay == wd and runs[-1].lr_group == group:
                     runs[-1] = runs[-1]._replace(hi=hi)
                 else:
                     runs.append(Run(b, cursor, hi, wd, group))
-                cursor = hi
+                cursor, after_muon = hi, skipped
                 counted = bool(counts_in_norm(self.params[i]))
                 last = self.norm_runs[-1] if self.norm_runs else None
                 if last is not None and last.bucket == b and last.hi == lo and last.counted == counted:
@@ -354,10 +358,10 @@ class PartitionedStorage:
                 else:
                     self.norm_runs.append(NormRun(b, lo, hi, counted))
             if cursor < bucket.chunk:          # padding: zero gradients, updates stay zero
-                if runs:
+                if runs and not after_muon:
                     runs[-1] = runs[-1]._replace(hi=bucket.chunk)
                 else:
-                    runs.append(Run(b, 0, bucket.chunk, 0.0))
+                    runs.append(Run(b, cursor, bucket.chunk, 0.0))
             self.runs.extend(runs)
 
     def grad_sumsq(self) -> torch.Tensor:
