@@ -179,6 +179,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                          "CPU Adam keeps fp32 moments): drop --exp-avg-dtype / --exp-avg-sq-dtype bf16 "
                          "(or bf16.bf16_optimizer_states) or zenflow")
     notes += check_muon(optimizer.muon, zero, topology.tp, args.muon_tp_mode)
+    if optimizer.muon is not None and "bf16" in (precision.exp_avg_dtype, precision.exp_avg_sq_dtype):
+        raise UsageError("bf16 optimizer states (bf16.bf16_optimizer_states, --exp-avg-dtype) are Adam's "
+                         "(Megatron-LM's precision-aware optimizer); Muon keeps its momentum in fp32: drop one")
     if optimizer.decoupled_lr is not None and zero.zenflow is not None:
         raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
                          "CPU Adam steps one learning rate): drop one of them")

@@ -91,6 +91,8 @@ def test_deepspeed_muon_block_gives_deepspeeds_defaults_and_flags_win(tmp_path):
     ("--optimizer muon --zero-stage 2", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                                                "zenflow": {"topk_ratio": 0.1}}},
      "--optimizer muon with zero_optimization.zenflow is not supported"),
+    ("--bf16", {"optimizer": {"type": "Muon"}, "bf16": {"enabled": True, "bf16_optimizer_states": True}},
+     "Muon keeps its momentum in fp32"),
 ])
 def test_bad_muon_settings_are_one_line(tmp_path, line, ds, words):
     message = _error(lambda: _config(line, ds, tmp_path))
