@@ -17,6 +17,12 @@ kernels exist for both, forward and backward, and autograd knows their derivativ
 - the math path (the real function, unchanged) for what neither takes, as on CUDA.
 Other devices go to the real function untouched.
 
+Packed documents (--reset-attention-mask, models/attention.py's `varlen_attention`): on CUDA the
+varlen kernels (FlashAttention's, FlexAttention's) keep what the causal kernel over the whole
+sequence keeps, the output and one log-sum-exp per query, and no (s x s) mask; `gpu_attention()`
+runs meta's varlen call as that one causal call (through the SDPA stand-in above). A simulated CPU
+runs the CPU's own path, one SDPA call per document, each its flash kernel.
+
 The same holds for `F.rms_norm`: on CUDA it runs the fused kernel (`aten._fused_rms_norm`), which
 keeps its input and one fp32 reciprocal RMS per row; on meta it decomposes into an fp32 copy of the
 input, its square and products, each kept for the backward. `gpu_attention()` also makes meta's
@@ -126,11 +132,23 @@ def _fused_route(real):
     return route
 
 
+def _varlen_on_meta(real):
+    from megazero.models.attention import causal_attention
+
+    def varlen_attention(q, k, v, documents, dropout_p=0.0, backend="auto"):
+        if q.device.type != "meta":
+            return real(q, k, v, documents, dropout_p, backend)
+        return causal_attention(q, k, v, dropout_p, backend)       # what the varlen kernels keep
+    return varlen_attention
+
+
 def gpu_attention():
     """A context in which attention, RMSNorm and the optimizer step on meta tensors allocate what
     CUDA's kernels do (Adam: torch's fused multi-tensor kernel, as `adam_step` picks on a GPU)."""
+    from megazero.models import attention
     from megazero.ops import adam
     stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(attention, "varlen_attention", _varlen_on_meta(attention.varlen_attention)))
     stack.enter_context(mock.patch.object(adam, "_route", _fused_route(adam._route)))
     stack.enter_context(mock.patch.object(F, "rms_norm", _rms_norm_on_meta(F.rms_norm)))
     stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
@@ -203,13 +221,15 @@ def _cpu_route(real):
 
 
 def cpu_kernels():
-    """A context in which attention, the fp32 weight gradient and the collectives on meta allocate
-    what the CPU's (and gloo's) do."""
+    """A context in which attention, the fp32 weight gradient, the collectives and the quantization
+    kernels (the C++ path's row copies and staging, not Triton's) on meta allocate what the CPU's
+    (and gloo's) do."""
     from megazero.core import comm
     from megazero.models import loss, weight_grad
-    from megazero.ops import adam
+    from megazero.ops import adam, quantize
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(adam, "_route", _cpu_route(adam._route)))
+    stack.enter_context(mock.patch.object(quantize, "_route", _cpu_route(quantize._route)))
     stack.enter_context(mock.patch.object(adam, "adam_update", _kernel_adam_on_meta(adam.adam_update)))
     stack.enter_context(mock.patch.object(comm, "_reduce_scatter_single",
                                           _with_gloo_copy(comm._reduce_scatter_single, of_output=False)))

@@ -52,7 +52,9 @@ class Launch:
         self.world = int(env.get("WORLD_SIZE", "1"))
         self.rank = int(env.get("RANK", "0"))
         # Older launchers (the deepspeed launcher, torch.distributed.launch) pass --local_rank instead.
-        self.local_rank = int(env.get("LOCAL_RANK", _local_rank_flag(argv or []) or "0"))
+        # A value that is no number is left to the flag parser, which names it in one line.
+        flag = _local_rank_flag(argv or [])
+        self.local_rank = int(env.get("LOCAL_RANK", flag if flag and flag.isdigit() else "0"))
         self.local_world = int(env.get("LOCAL_WORLD_SIZE", str(self.world)))
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
         self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix

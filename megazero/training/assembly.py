@@ -11,12 +11,14 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.training.model_builder import build_model_chunks, make_init_fn
+from megazero.training.muon_matrices import muon_matrix_of
 from megazero.parallel.finalize import counts_in_norm, summed_across_stages
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers
 from megazero.training.stragglers import StragglerWatch
+from megazero.models.documents import DocumentMasking
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
 
@@ -34,6 +36,7 @@ class TrainState:
     timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
     stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
+    documents: DocumentMasking | None = None   # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
 
     @property
     def phase_timers(self) -> tuple:
@@ -77,8 +80,23 @@ def expert_zero_groups(groups: ProcessGroups) -> ZeroGroups:
                       tensor=groups.tp)
 
 
-def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
+def document_masking(data, eod: int | None) -> DocumentMasking | None:
+    """Megatron's document flags of a DataConfig with the tokenizer's end-of-document id (the data
+    knows it: megazero.data.run_data); None when no flag is on."""
+    flags = dict(reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+                 eod_mask_loss=data.eod_mask_loss)
+    if not any(flags.values()):
+        return None
+    if eod is None:
+        raise ValueError("document masking needs the end-of-document id (setup's eod)")
+    return DocumentMasking(eod=eod, **flags)
+
+
+def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None = None) -> TrainState:
+    """The run's state on this rank; `eod`: the tokenizer's end-of-document id, which document
+    masking (cfg.data's flags) needs."""
     device = torch.device(device)
+    documents = document_masking(cfg.data, eod)
     par = cfg.parallel
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
@@ -92,7 +110,8 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
                         isolated=summed_across_stages, streams=streams,
                         lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
                         expert_groups=expert_zero_groups(groups) if experts_apart(groups.topology) else None,
-                        expert_parallel=groups.ep)
+                        expert_parallel=groups.ep, muon=cfg.optimizer.muon,
+                        muon_matrix=muon_matrix_of(cfg.model, cfg.optimizer.muon) if cfg.optimizer.muon else None)
     for chunk in chunks:
         chunk.train()
     p2p = None
@@ -103,4 +122,5 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     timers = Timers(device) if cfg.wall_clock_breakdown else None
     threshold = cfg.run.straggler_threshold
     watch = StragglerWatch(threshold, groups.dp.device, groups.log) if threshold > 0 else None
-    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch)
+    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch,
+                      documents=documents)

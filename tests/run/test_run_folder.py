@@ -5,6 +5,7 @@ jobs never draw the same default run folder.
 
 One 2-rank torchrun job runs throughout; the second jobs (in-process, and a 2-rank torchrun) and the
 resume after the first is killed check against it. Timeouts only catch hangs."""
+import fcntl
 import hashlib
 import json
 import os
@@ -35,17 +36,23 @@ def _kill(job):
         os.kill(pid, signal.SIGKILL)
     os.killpg(job.proc.pid, signal.SIGKILL)
     job.proc.communicate()
+
+
+def _wait_until_unlocked(path):
+    """Until the killed holder's threads are all gone and the kernel has dropped its lock (a zombie
+    group leader may show while its other threads still hold the open file)."""
     deadline = time.monotonic() + 60
-    while any(_alive(pid) for pid in ranks):
-        assert time.monotonic() < deadline, "a killed rank lives on"
-        time.sleep(0.1)
-
-
-def _alive(pid):
+    fd = os.open(path, os.O_RDONLY)
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "a killed rank holds its lock on"
+                time.sleep(0.1)
+    finally:
+        os.close(fd)                # lets the probe's lock go, the file (A's) stays
 
 
 def _records(path):
@@ -92,6 +99,7 @@ def test_a_second_job_on_a_folder_refuses_in_one_line_and_changes_nothing(tmp_pa
     assert _sha256(tmp_path / "ck" / "iter_0000002") == before
     assert {CheckpointReader(tmp_path / "ck" / name).run_id for name in saved} == {run_a}
     assert (tmp_path / "ck" / ".lock").exists()                 # A's, left by the kill
+    _wait_until_unlocked(tmp_path / "ck" / ".lock")
     leftover = tmp_path / "ck" / ".tmp-0123-iter_0999999"
     leftover.mkdir(exist_ok=True)
     (leftover / "rank_00000.safetensors").write_bytes(b"x" * 2**20)
