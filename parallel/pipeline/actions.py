@@ -87,6 +87,19 @@ class ListSchedule:
         """Each rank's actions, one line per rank (chunk.microbatch; & joins an overlapped pair)."""
         return "\n".join(f"rank {r}: " + " ".join(str(a) for a in actions) for r, actions in enumerate(self.ranks))
 
+    def describe(self) -> str:
+        """`format`, then the ideal timeline's idle fraction (T_F = T_B = T_W) and each stage's peak
+        of activations and waiting W inputs (`holdings`): what tools/dry_run.py prints."""
+        peaks = [max((h + d for h, d in rank), default=0.0) for rank in holdings(self)]
+        waiting = [max((d for _, d in rank), default=0.0) for rank in holdings(self)]
+        return (f"pipeline schedule {self.name}: {self.layout.pp} stages x {self.layout.chunks} chunks "
+                f"({'V' if self.layout.v_shape else 'looped'}), {self.microbatches} microbatches; "
+                f"F<chunk>.<microbatch>, B input gradient, W weight gradient, BW both, & overlapped\n"
+                + self.format() + "\n"
+                f"ideal idle fraction {simulate(self).idle_fraction():.3f}; peak held per stage (microbatches "
+                f"of a stage's activations, waiting W inputs included): "
+                + " ".join(f"{p:g}" for p in peaks) + "; most W inputs waiting: " + " ".join(f"{w:g}" for w in waiting))
+
 
 @dataclasses.dataclass(frozen=True)
 class Durations:
