@@ -169,8 +169,10 @@ def cp_transient_bytes(cfg: TrainConfig) -> float:
 def zero_bubble_in_flight(schedule: str, pp: int, virtual: int, microbatches: int) -> list[float]:
     """Per stage, the microbatches' worth of the stage's layers a zero-bubble schedule has it hold at
     once: the activations of forwards whose B has not run, plus the saved inputs of Bs whose W waits,
-    each counted as a whole microbatch's (an upper bound: W keeps only its GEMMs' inputs), on the
-    ideal timeline of the schedule's list (parallel/pipeline/actions.py `holdings`)."""
+    each counted as a whole microbatch's activations, on the ideal timeline of the schedule's list
+    (parallel/pipeline/actions.py `holdings`). That undercounts: a waiting W keeps its GEMMs' inputs
+    and their outputs' gradients, which the dry run measured at about 2x a microbatch's activations
+    at 70B (docs/dry_run.md, "Zero-bubble pipeline schedules")."""
     lists = zero_bubble_schedule(schedule, pp, virtual, microbatches)
     return [max(held + deferred for held, deferred in rank) for rank in holdings(lists)]
 

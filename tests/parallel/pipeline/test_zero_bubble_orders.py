@@ -85,7 +85,7 @@ def test_idle_fractions_are_the_papers(pp, microbatches):
 
 
 def test_zb_h1_holds_what_1f1b_holds():
-    """ZB-H1's activations plus deferred W inputs (counted as whole microbatches, an upper bound)
+    """ZB-H1's activations plus deferred W inputs (each counted as a whole microbatch)
     peak at p microbatches, on every stage: 1F1B's peak (its first stage's); stage r keeps r Ws
     waiting, plus the one its last B just made."""
     pp, microbatches = 4, 8
