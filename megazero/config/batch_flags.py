@@ -7,6 +7,7 @@ from __future__ import annotations
 from megazero.config.deepspeed_blocks import DeepSpeedSettings
 from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology
+from megazero.parallel.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES, check_shape
 
 DEFAULT_TRAIN_ITERS = 200
 
@@ -92,6 +93,9 @@ def check_pipeline(args, topology: Topology, virtual: int, microbatches: int) ->
     schedule = args.pipeline_schedule
     if topology.pp == 1 and schedule in ("gpipe", "1f1b", "interleaved"):
         raise UsageError(f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size > 1")
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        check_zero_bubble(args, topology, virtual, microbatches)
+        return
     if args.overlap_p2p_communication and topology.pp == 1:
         raise UsageError("--overlap-p2p-communication overlaps pipeline transfers, and "
                          "--pipeline-model-parallel-size 1 has none; remove it")
@@ -106,3 +110,17 @@ def check_pipeline(args, topology: Topology, virtual: int, microbatches: int) ->
             raise UsageError(f"the interleaved schedule needs the number of microbatches ({microbatches} "
                              f"= global batch / (micro batch x dp)) to be a multiple of the pipeline "
                              f"size {topology.pp}; raise --global-batch-size")
+
+
+def check_zero_bubble(args, topology: Topology, virtual: int, microbatches: int) -> None:
+    """The zero-bubble schedules' shapes (parallel/pipeline/zero_bubble.py), and what they do not
+    combine with: their split backward is not traced by --compile, and they exchange their messages
+    in their own batches (--overlap-p2p-communication is 1f1b's and interleaved's)."""
+    schedule = args.pipeline_schedule
+    check_shape(schedule, topology.pp, virtual, microbatches)
+    if args.compile:
+        raise UsageError(f"--pipeline-schedule {schedule} splits each backward in two, which torch.compile "
+                         f"does not trace; drop --compile or choose another --pipeline-schedule")
+    if args.overlap_p2p_communication:
+        raise UsageError(f"--overlap-p2p-communication works with the 1f1b and interleaved schedules; "
+                         f"--pipeline-schedule {schedule} batches its transfers by its own timeline; remove it")

@@ -218,8 +218,10 @@ def _parallel_flags(p) -> None:
          help="Megatron-DeepSpeed's Ulysses: --context-parallel-size N --cp-comm-type a2a", shown="off")
     _add(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=0,
          help="layers per model chunk of the interleaved schedule; 0: one chunk per stage")
-    _add(g, "--pipeline-schedule", choices=["auto", "1f1b", "gpipe", "interleaved"], default="auto",
-         help="pipeline schedule")
+    _add(g, "--pipeline-schedule",
+         choices=["auto", "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "interleaved-zb", "dualpipev"],
+         default="auto", help="pipeline schedule; zb-h1, zbv, interleaved-zb and dualpipev split each "
+                              "backward and defer the weight gradients into the bubble")
     _add(g, "--pipeline-layer-split", type=int, nargs="+", default=None,
          help="layers per pipeline chunk, for uneven splits", shown="even")
     _add(g, "--overlap-p2p-communication", action="store_true",
