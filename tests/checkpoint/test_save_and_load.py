@@ -194,6 +194,9 @@ def test_bad_checkpoints_name_the_file(saved, tmp_path):
     (work / "latest").write_text("iter_0000009\n")
     with pytest.raises(CheckpointError, match="latest names 'iter_0000009'"):
         CheckpointReader(work)
+    (work / "latest").write_bytes(b"\x89\xffiter_\x00\n\x9c")        # garbage: not UTF-8, not a name
+    with pytest.raises(CheckpointError, match=r"latest holds no directory name \(damaged\).*echo iter_0000002 >"):
+        CheckpointReader(work)
     (work / "latest").unlink()
     with pytest.raises(CheckpointError, match="no `latest`"):
         CheckpointReader(work)

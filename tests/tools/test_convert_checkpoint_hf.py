@@ -218,3 +218,21 @@ def test_inexact_transformers_configs_are_refused_on_import(tmp_path, what):
     with pytest.raises(UsageError, match=named):
         convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "bad-header"])
+def test_a_damaged_safetensors_file_is_refused_on_import_in_one_line(tmp_path, capsys, damage):
+    """A model.safetensors cut short, replaced by other bytes, or with a header that is no JSON: one line
+    naming the file and the fix, exit 2, nothing written. (Planted: safe_open unguarded, as before,
+    ends every case in a SafetensorError traceback.)"""
+    _transformers_model("gpt2").save_pretrained(str(tmp_path / "hf"))
+    weights = tmp_path / "hf" / "model.safetensors"
+    data = weights.read_bytes()
+    capsys.readouterr()                 # transformers' progress bar
+    weights.write_bytes({"truncated": data[:len(data) // 2], "garbage": b"\x00\xff" * 4096,
+                         "bad-header": data[:8] + b"{not json" + data[17:]}[damage])
+    assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {weights}: not a readable safetensors file (") and "download it again" in line
+    assert not (tmp_path / "ckpt").exists()
+
