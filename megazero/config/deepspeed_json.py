@@ -30,6 +30,7 @@ TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
              "gradient_predivide_factor", "communication_data_type", "data_types", "seed", "dump_state"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "min_loss_scale", "auto_cast", "consecutive_hysteresis"}
+BF16_KEYS = {"enabled", "bf16_optimizer_states", "bf16_master_weights_and_grads"}
 DATA_TYPES_KEYS = {"grad_accum_dtype"}
 OPTIMIZER_KEYS = {"type", "params"}
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"}
@@ -186,8 +187,9 @@ def _read_precision(data: dict, where: str, settings: DeepSpeedSettings) -> None
         if key not in FP16_KEYS:
             raise unknown_key_error(key, FP16_KEYS, f"{where}: fp16")
     for key in bf16:
-        if key != "enabled":
-            raise unknown_key_error(key, {"enabled"}, f"{where}: bf16")
+        if key not in BF16_KEYS:
+            raise unknown_key_error(key, BF16_KEYS, f"{where}: bf16")
+    _read_bf16_states(bf16, where, put)
     # Both blocks' "enabled" are recorded, false included, so that a flag they contradict is reported.
     for block, name in ((fp16, "fp16"), (bf16, "bf16")):
         if "enabled" in block:
@@ -203,6 +205,19 @@ def _read_precision(data: dict, where: str, settings: DeepSpeedSettings) -> None
     if as_bool(fp16.get("auto_cast", False), "fp16.auto_cast", where):
         settings.notes.append(f"{where}: fp16.auto_cast = true has no effect: the model's inputs are "
                               f"token ids and it computes in its parameter dtype")
+
+
+def _read_bf16_states(bf16: dict, where: str, put: dict) -> None:
+    """bf16_optimizer_states: Adam's moments in bf16 (megazero's --exp-avg-dtype / --exp-avg-sq-dtype
+    bf16). DeepSpeed pairs it with bf16_master_weights_and_grads (bf16 master weights), which is not
+    supported yet: megazero keeps fp32 master weights, and takes bf16_optimizer_states alone."""
+    key = "bf16.bf16_master_weights_and_grads"
+    if as_bool(bf16.get("bf16_master_weights_and_grads", False), key, where):
+        raise UsageError(f"{where}: {key} is not supported yet (megazero keeps fp32 master weights); remove "
+                         f"it (bf16.bf16_optimizer_states works without it here)")
+    key = "bf16.bf16_optimizer_states"
+    if as_bool(bf16.get("bf16_optimizer_states", False), key, where):
+        put["exp_avg_dtype"] = put["exp_avg_sq_dtype"] = ("bf16", key)
 
 
 def _read_optimizer(block, where: str, settings: DeepSpeedSettings) -> None:

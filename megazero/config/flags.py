@@ -13,6 +13,7 @@ import math
 
 from megazero.core.errors import UsageError
 from megazero.config.moe_flags import add_moe_flags
+from megazero.config.optimizer_state_flags import add_optimizer_state_flags
 from megazero.config.run_flags import add_run_flags
 from megazero.config.zero_flags import add_zero_flags
 
@@ -285,6 +286,7 @@ def _training_flags(p) -> None:
     _merged(g, "adam_beta2", "Adam beta2, in [0, 1)", type=float)
     _merged(g, "adam_eps", "Adam epsilon, > 0", type=float)
     _merged(g, "clip_grad", "clip the global gradient norm to this; 0: no clipping", type=float)
+    add_optimizer_state_flags(g, _add)
     _merged(g, "seed", "random seed", type=int)
     _merged(g, "bf16", "compute in bf16 with fp32 master weights", action="store_true", default=None)
     _merged(g, "fp16", "compute in fp16 with fp32 master weights and loss scaling", action="store_true",

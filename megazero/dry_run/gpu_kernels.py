@@ -203,13 +203,15 @@ def _cpu_route(real):
 
 
 def cpu_kernels():
-    """A context in which attention, the fp32 weight gradient and the collectives on meta allocate
-    what the CPU's (and gloo's) do."""
+    """A context in which attention, the fp32 weight gradient, the collectives and the quantization
+    kernels (the C++ path's row copies and staging, not Triton's) on meta allocate what the CPU's
+    (and gloo's) do."""
     from megazero.core import comm
     from megazero.models import loss, weight_grad
-    from megazero.ops import adam
+    from megazero.ops import adam, quantize
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(adam, "_route", _cpu_route(adam._route)))
+    stack.enter_context(mock.patch.object(quantize, "_route", _cpu_route(quantize._route)))
     stack.enter_context(mock.patch.object(adam, "adam_update", _kernel_adam_on_meta(adam.adam_update)))
     stack.enter_context(mock.patch.object(comm, "_reduce_scatter_single",
                                           _with_gloo_copy(comm._reduce_scatter_single, of_output=False)))

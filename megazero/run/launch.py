@@ -47,6 +47,8 @@ class Launch:
     def __init__(self, argv=None):
         env = os.environ
         # Older launchers (the deepspeed launcher, torch.distributed.launch) pass --local_rank instead.
+        # A --local_rank that is no number reads as unset here and is left to the flag parser, which
+        # names it in one line.
         place = rendezvous.place_of(env, _local_rank_flag(argv or []))
         self.world, self.rank, self.local_rank, self.local_world = place.numbers
         self.environment_problem = place.problem      # said first thing (_main), before any flag is read

@@ -96,6 +96,7 @@ STAGE_SCOPED = {
 
 
 DType = Literal["fp32", "bf16", "fp16"]
+StateDType = Literal["fp32", "bf16"]
 
 
 class PrecisionConfig(Record):
@@ -123,6 +124,12 @@ class PrecisionConfig(Record):
     """16-bit weights with fp32 accumulation: the layers sum each weight gradient in fp32 for the fp32
     buffers instead of autograd rounding it to 16 bits first (Megatron-LM's gradient-accumulation
     fusion; --no-gradient-accumulation-fusion turns it off). Not inside --compile'd layers."""
+    exp_avg_dtype: StateDType = "fp32"
+    """dtype Adam's first moment is stored in (Megatron-LM's --exp-avg-dtype with
+    --use-precision-aware-optimizer; DeepSpeed's bf16.bf16_optimizer_states). The step computes in
+    fp32 and stores it rounded to nearest even."""
+    exp_avg_sq_dtype: StateDType = "fp32"
+    """dtype Adam's second moment is stored in (--exp-avg-sq-dtype), as exp_avg_dtype."""
 
 
 class ZeroConfig(Record):

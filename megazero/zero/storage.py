@@ -13,7 +13,8 @@ and gradients live (`param_chunk`, `grad_chunk`) and when full weights exist (th
 FlatParamGroup keeps them full, UnitStorage gathers units on demand.
 
 Kinds: "param" (the low-precision weights the model computes with), "fp32" (master), "grad",
-"exp_avg", "exp_avg_sq". In fp32 runs without a separate master the "fp32" kind *is* "param".
+"exp_avg", "exp_avg_sq" (fp32, or bf16 with the precision-aware optimizer's --exp-avg-dtype /
+--exp-avg-sq-dtype). In fp32 runs without a separate master the "fp32" kind *is* "param".
 With `offload_optimizer` the "fp32", "exp_avg" and "exp_avg_sq" kinds live off the device, in an
 `OptimizerOffload` (offload.py: host memory or swap files), which also runs the step; the master is
 then a separate host copy in fp32 runs too.
@@ -122,11 +123,13 @@ class PartitionedStorage:
         n = layout.partition_size
         # Offloaded optimizer states are made on the host from the start: a model that needs
         # offload may not have room on the device for them even for a moment.
-        f32 = dict(dtype=torch.float32, device=torch.device(state_device or self.device))
+        where = torch.device(state_device or self.device)
         # fp32 runs: the weights are the master (None), 16-bit runs keep a separate fp32 copy.
-        self.master = torch.zeros(n, **f32) if precision.mixed else None
-        self.exp_avg = torch.zeros(n, **f32)
-        self.exp_avg_sq = torch.zeros(n, **f32)
+        self.master = torch.zeros(n, dtype=torch.float32, device=where) if precision.mixed else None
+        # The moments in fp32 or bf16 (--exp-avg-dtype, --exp-avg-sq-dtype): megazero.ops.adam
+        # steps them in fp32 and stores them rounded.
+        self.exp_avg = torch.zeros(n, dtype=precision.exp_avg_dtype, device=where)
+        self.exp_avg_sq = torch.zeros(n, dtype=precision.exp_avg_sq_dtype, device=where)
         self.offload: OptimizerOffload | None = None     # offload_optimizer: states off the device
         self.params: list[nn.Parameter] = []
         self.index_of: dict[int, int] = {}
