@@ -71,9 +71,12 @@ def global_batch(args, micro: int, glob: int | None, dp: int, ds: DeepSpeedSetti
                          f"{named('gradient_accumulation_steps', '', accumulation)} x data-parallel size {dp}; "
                          f"DeepSpeed's rule: train_batch_size = micro batch x accumulation x data-parallel size")
     if glob % (micro * dp):
+        fits = [m for m in range(glob // dp, 0, -1) if (glob // dp) % m == 0][:3] if glob % dp == 0 else []
+        fix = (f"; a micro batch of {' or '.join(map(str, fits))} fits it" if fits else
+               f"; no micro batch fits it at this data-parallel size: choose a global batch divisible by {dp}")
         raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)} is not divisible by "
                          f"{named('micro_batch_size', '--micro-batch-size', micro)} x data-parallel size "
-                         f"{dp} = {micro * dp}")
+                         f"{dp} = {micro * dp}{fix}")
     return glob
 
 

@@ -230,7 +230,8 @@ def _parallel_flags(p) -> None:
     _add(g, "--distributed-backend", choices=["gloo", "nccl"], default=None, help="process-group backend",
          shown="nccl when CUDA is available, else gloo")
     _add(g, "--distributed-timeout-minutes", type=float, default=10.0,
-         help="how long a collective waits for a silent rank before the job ends naming it (fractions allowed)")
+         help="how long a collective waits for a silent rank, and the ranks at start-up for each other, "
+              "before the job ends naming it (fractions allowed)")
     _add(g, "--heartbeat-timeout-minutes", type=float, default=None,
          help="how long a rank may miss its heartbeats (stopped, killed, host lost) before the job ends "
               "naming it, whatever the backend; below --distributed-timeout-minutes (0: off)",

@@ -20,7 +20,7 @@ import torch
 
 
 from megazero.checkpoint.resume import Resume, check_resume, start as start_checkpoint
-from megazero.config.train_config import TrainConfig
+from megazero.config.train_config import TrainConfig, topology_of
 from megazero.config.train_flags import config_from_args, parse_args
 from megazero.core.comm import CommLog
 from megazero.data.run_data import run_data
@@ -70,7 +70,8 @@ def configure(argv, env: RunEnvironment) -> Configured:
         cfg = cfg.replace(zero=cfg.zero.model_copy(update={"cpu_optimizer_threads": env.cpu_optimizer_threads()}))
     device, threads = env.device(cfg)
     env.check_machine(cfg, device)
-    resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters)
+    resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters,
+                          (cfg.micro_batch_size, topology_of(cfg, env.world).dp))
     # the schedule may be the checkpoint's
     return Configured(cfg.replace(optimizer=resume.optimizer), device, resume, threads)
 

@@ -23,7 +23,7 @@ from megazero.core.streams import copy_to_device
 from megazero.training.housekeeping import Housekeeping
 from megazero.training.stragglers import find_stragglers
 from megazero.training.out_of_memory import mark_phase
-from megazero.training.moe_stats import begin_moe_step, end_moe_step
+from megazero.training.moe_stats import begin_moe_step, collapse_line, end_moe_step
 from megazero.data.sampler import MicrobatchSource
 from megazero.models.documents import pack_documents
 from megazero.training.assembly import TrainState
@@ -243,6 +243,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     # The schedule counts applied optimizer steps (Megatron's scheduler does not advance on a skipped
     # step; a checkpoint loaded without its optimizer restarts it), and in samples their samples.
     applied = cfg.consumed_before(state.engine.step_count)
+    moe_said = set()                        # MoE layers already named for sending every token to one expert
     try:
         for it in range(start_iteration, cfg.train_iters):
             housekeeping.before_step(it + 1)
@@ -268,6 +269,9 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                 record.update(moe_aux_loss=step.moe["aux"], moe_z_loss=step.moe["z"],
                               moe_dropped=step.moe["dropped"],
                               moe_load={str(i): list(v) for i, v in step.moe["load"].items()})
+                collapsed = collapse_line(step.moe, cfg.model, it + 1, moe_said)
+                if collapsed and metrics is not None:
+                    metrics.say(f" {collapsed}")
             if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
                 record["mfu"] = record["tflops_per_device"] / peak
                 record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak
