@@ -27,24 +27,18 @@ from .attention import RotaryTables, core_attention, rotate
 from .config import GPTConfig
 from .loss import linear_cross_entropy
 from .moe import MoELayer
-from .weight_grad import Embedding as Table, Linear, linear
+from .weight_grad import Embedding as Table, LayerNorm, Linear, RMSNorm, linear
 
 
-class ZeroCenteredLayerNorm(nn.LayerNorm):
+class ZeroCenteredLayerNorm(LayerNorm):
     """LayerNorm scaling by weight + 1, weight initialised at 0 (Megatron's --apply-layernorm-1p):
     weight decay then pulls the scale towards 1 rather than 0."""
     zero_centered_gamma = True
 
-    def forward(self, x):
-        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
-
-class ZeroCenteredRMSNorm(nn.RMSNorm):
+class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaling by weight + 1 (Transformer Engine's zero_centered_gamma, as Megatron uses it)."""
     zero_centered_gamma = True
-
-    def forward(self, x):
-        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -52,7 +46,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
     if config.apply_layernorm_1p:
         kind = ZeroCenteredRMSNorm if rms else ZeroCenteredLayerNorm
     else:
-        kind = nn.RMSNorm if rms else nn.LayerNorm
+        kind = RMSNorm if rms else LayerNorm
     return kind(config.hidden_size, eps=config.norm_epsilon)
 
 

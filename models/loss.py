@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .split_backward import deferred_to
 from .weight_grad import deposit, marked, matmul_fp32, zero_grad_for
 
 # One chunk's fp32 logits may take this much memory (and its gradient, in the weights' dtype, beside
@@ -74,7 +75,7 @@ def keeps_softmax(tokens: int, chunk_tokens: int) -> bool:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, labels, vocab_size: int, shard: VocabShard, chunk_tokens: int):
+    def forward(ctx, x, weight, labels, vocab_size: int, shard: VocabShard, chunk_tokens: int, work):
         real = max(0, min(weight.shape[0], vocab_size - shard.start))   # rows of real words held here
         w = weight[:real]
         x2, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
@@ -90,7 +91,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if keep and real:
                 kept = exp
         ctx.save_for_backward(x, weight, local_labels, in_range, maxes, sums, kept)
-        ctx.real, ctx.chunk_tokens = real, chunk_tokens
+        ctx.real, ctx.chunk_tokens, ctx.work, ctx.param = real, chunk_tokens, work, weight
         return losses.view(labels.shape)
 
     @staticmethod
@@ -101,30 +102,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         n = x2.shape[0]
         grad_flat = grad_losses.reshape(-1, 1).float()
-        want_w = ctx.needs_input_grad[1]
+        want_w = ctx.needs_input_grad[1] and ctx.work is None
         grad_x = x2.new_zeros(x2.shape) if not real else x2.new_empty(x2.shape)     # contiguous
         grad_w = None          # fp32 sum over the chunks; a 16-bit weight's is rounded once at the end
         for lo in range(0, n if real else 0, chunk):
             hi = min(n, lo + chunk)
             # the kept exp is used once, scaled in place (a second backward through it raises)
-            exp = (kept if kept is not None
-                   else F.linear(x2[lo:hi], w).float().sub_(maxes[lo:hi, None]).exp_())
-            grad_logits = _logits_gradient(exp, sums[lo:hi], grad_flat[lo:hi], local_labels[lo:hi],
-                                           in_range[lo:hi])
-            grad_logits = grad_logits.to(x.dtype)
+            grad_logits = _chunk_logits_gradient(x2, w, kept, maxes, sums, grad_flat, local_labels, in_range, lo, hi)
             torch.matmul(grad_logits, w, out=grad_x[lo:hi])
             if want_w:
                 part = matmul_fp32(grad_logits.t(), x2[lo:hi])
                 grad_w = part if grad_w is None else grad_w.add_(part)
             del grad_logits
-        if want_w:
-            grad_w = _pad_rows(grad_w, weight)
-        if want_w and marked(weight):
-            deposit(weight, grad_w)
-            grad_w = zero_grad_for(weight)
+        if ctx.needs_input_grad[1] and ctx.work is not None:
+            param = ctx.param
+            ctx.work.add(lambda _: [(param, _deferred_weight_grad(param, x2, real, chunk, maxes, sums, grad_flat,
+                                                                  local_labels, in_range))])
         elif want_w:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_x.view(x.shape), grad_w, None, None, None, None
+            grad_w = _weight_grad_for_autograd(weight, _pad_rows(grad_w, weight))
+        return grad_x.view(x.shape), grad_w, None, None, None, None, None
+
+
+def _chunk_logits_gradient(x2, w, kept, maxes, sums, grad_flat, local_labels, in_range, lo: int, hi: int):
+    """Tokens [lo, hi)'s logits gradient in x's dtype: from the kept exp(logits - max), or the logits
+    recomputed from x and w (the same ops as the forward's, so the same values)."""
+    exp = (kept if kept is not None
+           else F.linear(x2[lo:hi], w).float().sub_(maxes[lo:hi, None]).exp_())
+    return _logits_gradient(exp, sums[lo:hi], grad_flat[lo:hi], local_labels[lo:hi], in_range[lo:hi]).to(x2.dtype)
+
+
+def _deferred_weight_grad(weight, x2, real: int, chunk: int, maxes, sums, grad_flat, local_labels, in_range):
+    """The output weight's gradient at a split backward's W: each chunk's logits recomputed (one more
+    GEMM than the plain backward) instead of holding a vocabulary-wide tensor from B to W."""
+    grad_w, w = None, weight[:real]
+    for lo in range(0, x2.shape[0] if real else 0, chunk):
+        hi = min(x2.shape[0], lo + chunk)
+        grad_logits = _chunk_logits_gradient(x2, w, None, maxes, sums, grad_flat, local_labels, in_range, lo, hi)
+        part = matmul_fp32(grad_logits.t(), x2[lo:hi])
+        grad_w = part if grad_w is None else grad_w.add_(part)
+    return _weight_grad_for_autograd(weight, _pad_rows(grad_w, weight))
+
+
+def _weight_grad_for_autograd(weight, grad_w):
+    """An fp32 gradient as autograd gets it: deposited for a marked weight (zeros returned), else cast."""
+    if marked(weight):
+        deposit(weight, grad_w)
+        return zero_grad_for(weight)
+    return grad_w.to(weight.dtype)
 
 
 def _chunk_statistics(x, w, local_labels, in_range, shard: VocabShard, real: int, maxes, sums, losses):
@@ -179,4 +203,4 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     tokens = labels.numel()
     if chunk_tokens is None:
         chunk_tokens = chunk_tokens_for(tokens, weight.shape[0])
-    return _LinearCrossEntropy.apply(x, weight, labels, vocab_size, shard, max(1, chunk_tokens))
+    return _LinearCrossEntropy.apply(x, weight, labels, vocab_size, shard, max(1, chunk_tokens), deferred_to(weight))

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import GPTConfig
+from .split_backward import deferred_to
+from .weight_grad import linear
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -81,7 +83,8 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype or x.dtype
-        return F.linear(x.to(dtype), self.weight.to(dtype)).float()
+        # weight_grad.linear for a split backward's W; its gradient in autograd's dtype as F.linear's
+        return linear(x.to(dtype), self.weight.to(dtype), sum_in_fp32=False).float()
 
     def forward(self, x: torch.Tensor, sequences: int, reduce_stats=_identity_stats, stats=None):
         logits = self.logits(x)
@@ -238,13 +241,53 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
                    sizes: list[int] | None = None) -> torch.Tensor:
     """Rows of x (n, a) times weight[e] (E, a, b) for the counts[e] rows of each expert e, in order:
     one torch._grouped_mm where it runs, else a loop of matmuls (the same products). `sizes`: the
-    counts as the host already read them (the loop needs them there), if it has."""
+    counts as the host already read them (the loop needs them there), if it has. In a split
+    backward (models/split_backward.py) the experts' weight gradient waits for W."""
+    work = deferred_to(weight)
+    if work is not None:
+        use_grouped = grouped and grouped_mm_usable(x, weight)
+        if not use_grouped and sizes is None:
+            sizes = counts.tolist()
+        return _DeferredGroupedMatmul.apply(x, weight, counts, use_grouped, sizes, work)
     if grouped and grouped_mm_usable(x, weight):
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=offsets))
-    pieces = x.split(sizes if sizes is not None else counts.tolist())
+    return _looped_matmul(x, weight, sizes if sizes is not None else counts.tolist())
+
+
+def _looped_matmul(x, weight, sizes: list[int]) -> torch.Tensor:
+    pieces = x.split(sizes)
     return torch.cat([piece @ weight[e] for e, piece in enumerate(pieces)]) if pieces else x.new_zeros(
         0, weight.shape[-1])
+
+
+class _DeferredGroupedMatmul(torch.autograd.Function):
+    """grouped_matmul in a split backward: B gives the rows' gradient, W each expert's weight
+    gradient x_e^T g_e, from the rows and their gradient held until then; the same products as
+    autograd's backward of either form (grouped: torch._grouped_mm; looped: one matmul per expert)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, grouped: bool, sizes, work):
+        ctx.save_for_backward(x, weight, counts)
+        ctx.grouped, ctx.sizes, ctx.work, ctx.param = grouped, sizes, work, weight
+        if grouped:
+            return torch._grouped_mm(x, weight, offs=torch.cumsum(counts, 0).to(torch.int32))
+        return _looped_matmul(x, weight, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, counts = ctx.saved_tensors
+        grad, param, sizes = grad.contiguous(), ctx.param, ctx.sizes
+        if ctx.grouped:
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            grad_x = torch._grouped_mm(grad, weight.transpose(-2, -1), offs=offsets)
+            ctx.work.add(lambda _: [(param, torch._grouped_mm(x.t(), grad, offs=offsets))])
+        else:
+            grad_x = torch.cat([g @ weight[e].t() for e, g in enumerate(grad.split(sizes))]) if sizes else \
+                torch.zeros_like(x)
+            ctx.work.add(lambda _: [(param, torch.stack([
+                p.t() @ g for p, g in zip(x.split(sizes), grad.split(sizes))]))])
+        return grad_x, None, None, None, None, None
 
 
 class GroupedExperts(nn.Module):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .param_info import param_info, set_param_info
+from .split_backward import deferred_to, wanted
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -94,10 +95,13 @@ def linear_param_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 
 class _Linear(torch.autograd.Function):
+    """F.linear whose weight gradient is summed in fp32 (`fp32`), and/or deferred to `work`'s W
+    (models/split_backward.py), which then holds x and y's gradient."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, fp32, work):
         ctx.save_for_backward(x, weight)
-        ctx.params = (weight, bias)
+        ctx.params, ctx.fp32, ctx.work = (weight, bias), fp32, work
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -105,58 +109,142 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         param, bias = ctx.params
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = linear_param_grads(grad, x, param, bias, True, *ctx.needs_input_grad[1:3])
-        return grad_x, grad_w, grad_b
+        wants = ctx.needs_input_grad[1:3]
+        if ctx.work is not None:
+            fp32 = ctx.fp32
+            ctx.work.add(lambda _: wanted(zip((param, bias), linear_param_grads(grad, x, param, bias, fp32, *wants))))
+            return grad_x, None, None, None, None
+        grad_w, grad_b = linear_param_grads(grad, x, param, bias, ctx.fp32, *wants)
+        return grad_x, grad_w, grad_b, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; a marked 16-bit weight (and its bias) get their gradients summed in fp32."""
-    if wants_fp32_grad(weight):
-        return _Linear.apply(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           sum_in_fp32: bool = True) -> torch.Tensor:
+    """F.linear; a marked 16-bit weight (and its bias) get their gradients summed in fp32 (unless
+    `sum_in_fp32` is off: autograd's dtype, as F.linear), and in a split backward both are deferred
+    to W."""
+    fp32, work = sum_in_fp32 and wants_fp32_grad(weight), deferred_to(weight, bias)
+    if fp32 or work is not None:
+        return _Linear.apply(x, weight, bias, fp32, work)
     return F.linear(x, weight, bias)
 
 
 class _Embedding(torch.autograd.Function):
+    """F.embedding whose table gradient is summed in fp32 (`fp32`), and/or deferred to `work`'s W,
+    which then holds the ids and the output's gradient."""
+
     @staticmethod
-    def forward(ctx, ids, weight):
+    def forward(ctx, ids, weight, fp32, work):
         ctx.save_for_backward(ids)
-        ctx.param = weight
+        ctx.param, ctx.fp32, ctx.work = weight, fp32, work
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        weight = ctx.param
-        grad32 = torch.zeros(weight.shape, dtype=torch.float32, device=grad.device)
-        grad32.index_add_(0, ids.reshape(-1), _rows(grad).float())
-        deposit(weight, grad32)
-        return None, zero_grad_for(weight)
+        weight, fp32 = ctx.param, ctx.fp32
+        if ctx.work is not None:
+            ctx.work.add(lambda _: [(weight, _embedding_grad(ids, grad, weight, fp32))])
+            return None, None, None, None
+        return None, _embedding_grad(ids, grad, weight, fp32), None, None
+
+
+def _embedding_grad(ids, grad, weight, fp32: bool) -> torch.Tensor:
+    """The table's gradient for autograd: with `fp32` summed in fp32 and deposited (zeros returned),
+    else F.embedding's own backward kernel."""
+    if not fp32:
+        return torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], -1, False)
+    summed = torch.zeros(weight.shape, dtype=torch.float32, device=grad.device)
+    summed.index_add_(0, ids.reshape(-1), _rows(grad).float())
+    deposit(weight, summed)
+    return zero_grad_for(weight)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding (no padding row); a marked 16-bit table gets its gradient summed in fp32."""
-    if wants_fp32_grad(weight):
-        return _Embedding.apply(ids, weight)
+    """F.embedding (no padding row); a marked 16-bit table gets its gradient summed in fp32, and in
+    a split backward deferred to W."""
+    fp32, work = wants_fp32_grad(weight), deferred_to(weight)
+    if fp32 or work is not None:
+        return _Embedding.apply(ids, weight, fp32, work)
     return F.embedding(ids, weight)
 
 
 class _AddBias(torch.autograd.Function):
+    """y + bias whose gradient is summed in fp32 (`fp32`); in a split backward B sums it (a vector:
+    cheaper to keep than the output's gradient) and W hands it over."""
+
     @staticmethod
-    def forward(ctx, y, bias):
-        ctx.param = bias
+    def forward(ctx, y, bias, fp32, work):
+        ctx.param, ctx.fp32, ctx.work = bias, fp32, work
         return y + bias
 
     @staticmethod
     def backward(ctx, grad):
-        deposit(ctx.param, _rows(grad).float().sum(dim=0))
-        return grad, zero_grad_for(ctx.param)
+        bias = ctx.param
+        summed = _rows(grad).float().sum(dim=0) if ctx.fp32 else _rows(grad).sum(dim=0)
+        if ctx.work is None:
+            return grad, _bias_grad(bias, summed, ctx.fp32), None, None
+        fp32 = ctx.fp32
+        ctx.work.add(lambda _: [(bias, _bias_grad(bias, summed, fp32))])
+        return grad, None, None, None
+
+
+def _bias_grad(bias, summed, fp32: bool) -> torch.Tensor:
+    if not fp32:
+        return summed
+    deposit(bias, summed)
+    return zero_grad_for(bias)
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """y + bias (bias broadcast over the leading dims); a marked 16-bit bias gets an fp32 gradient."""
-    if wants_fp32_grad(bias):
-        return _AddBias.apply(y, bias)
+    """y + bias (bias broadcast over the leading dims); a marked 16-bit bias gets an fp32 gradient,
+    and in a split backward its gradient is handed over at W."""
+    fp32, work = wants_fp32_grad(bias), deferred_to(bias)
+    if fp32 or work is not None:
+        return _AddBias.apply(y, bias, fp32, work)
     return y + bias
+
+
+class _Norm(torch.autograd.Function):
+    """A LayerNorm / RMSNorm of a split backward: B recomputes the norm from its saved input and
+    takes every gradient from autograd, the very ops and values of the plain backward, and keeps the
+    weight's and bias's (vectors, cheaper to keep than their inputs) for W to hand over. Saves its
+    input only (the plain norm saves more)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec, work):
+        ctx.save_for_backward(x)
+        ctx.params, ctx.spec, ctx.work = (weight, bias), spec, work
+        return _plain_norm(x, weight, bias, *spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        params = [p for p in ctx.params if p is not None]
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_()] + [p.detach().requires_grad_() for p in params]
+            weight, bias = inputs[1], inputs[2] if len(inputs) > 2 else None
+            grads = torch.autograd.grad(_plain_norm(inputs[0], weight, bias, *ctx.spec), inputs, grad)
+        pairs = list(zip(params, grads[1:]))
+        ctx.work.add(lambda _: pairs)
+        return grads[0], None, None, None, None
+
+
+def _plain_norm(x, weight, bias, kind: str, shape, eps: float, plus_one: bool):
+    scale = weight + 1 if plus_one else weight
+    if kind == "rmsnorm":
+        return F.rms_norm(x, shape, scale, eps)
+    return F.layer_norm(x, shape, scale, bias, eps)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, shape, eps: float,
+         plus_one: bool = False) -> torch.Tensor:
+    """F.layer_norm / F.rms_norm (kind "layernorm" / "rmsnorm") scaled by weight (+ 1 with
+    `plus_one`, a zero-centred norm); in a split backward its weight's and bias's gradients go to W."""
+    work = deferred_to(weight, bias)
+    if work is None:
+        return _plain_norm(x, weight, bias, kind, tuple(shape), eps, plus_one)
+    return _Norm.apply(x, weight, bias, (kind, tuple(shape), eps, plus_one), work)
 
 
 class Linear(nn.Linear):
@@ -171,3 +259,20 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids):
         return embedding(ids, self.weight)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose weight and bias gradients a split backward defers to W (module `norm`);
+    `zero_centered_gamma` scales by weight + 1 (Megatron's --apply-layernorm-1p)."""
+    zero_centered_gamma = False
+
+    def forward(self, x):
+        return norm(x, self.weight, self.bias, "layernorm", self.normalized_shape, self.eps, self.zero_centered_gamma)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose weight gradient a split backward defers to W (module `norm`)."""
+    zero_centered_gamma = False
+
+    def forward(self, x):
+        return norm(x, self.weight, None, "rmsnorm", self.normalized_shape, self.eps, self.zero_centered_gamma)

@@ -3,7 +3,8 @@ calls finalize_model_grads). ZeRO reduces over data parallelism only; what tenso
 parallelism add to a gradient lives here, once per step rather than once per microbatch:
 
 - a tied embedding held by the first and the last pipeline stage: the two stages' gradients are
-  summed over the embedding group;
+  summed over the embedding group (or on the stage itself, where a V schedule puts the first and
+  the last virtual stage both on stage 0);
 - sequence-parallel parameters (norm weights and biases, row-parallel biases) see only this rank's
   sequence shard: their gradients are summed over the tensor-parallel group;
 - which copy of a replicated parameter counts in the global gradient norm: a TP-replicated
@@ -31,7 +32,8 @@ def counts_in_norm(param: nn.Parameter, groups: ProcessGroups) -> bool:
     info = param_info(param)
     if not (info.tensor_parallel or info.expert_parallel) and groups.coords.tp != 0:
         return False
-    if param_info(param).shared_embedding and not groups.is_first_stage:
+    # the input embedding's copy counts (the first stage holds it), the output layer's never
+    if info.shared_embedding and (not groups.is_first_stage or info.init_name is not None):
         return False
     return True
 
@@ -53,7 +55,11 @@ def finalize_model_grads(params: list[nn.Parameter], grad_pieces: Callable[[list
 
 def sum_tied_embedding_grads(params, grad_pieces, embedding_group: comm.Group) -> None:
     tied = [p for p in params if param_info(p).shared_embedding]
-    if tied and embedding_group.size > 1:
+    if len(tied) == 2:                 # a V schedule: both copies here, laid out alike (ZeRO's isolated)
+        pieces = grad_pieces(tied)
+        pieces[0].add_(pieces[1])
+        pieces[1].copy_(pieces[0])
+    elif tied and embedding_group.size > 1:
         _all_reduce_coalesced(grad_pieces(tied), embedding_group)
 
 

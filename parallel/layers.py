@@ -16,10 +16,11 @@ from torch import nn
 from megazero.models.param_info import set_param_info
 from megazero.core.comm import Group
 from megazero.models.gpt import token_positions
-from megazero.models.weight_grad import add_bias, embedding, linear, linear_param_grads, wants_fp32_grad
+from megazero.models.split_backward import deferred_to, wanted
+from megazero.models.weight_grad import add_bias, embedding, linear, linear_param_grads, norm, wants_fp32_grad
 from .cross_entropy import vocab_parallel_linear_cross_entropy
-from .mappings import (SEQ_DIM, _gather, copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
-                       reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
+from .mappings import (SEQ_DIM, _gather, _reduce_scatter, copy_to_tp_region, gather_from_sequence_region,
+                       gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
                        start_gather, start_reduce_scatter)
 
 
@@ -75,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         if self.sequence_parallel and self.group.size > 1:
             y = _SequenceGatheredLinear.apply(x, self.weight, self.bias, self.group,
-                                              wants_fp32_grad(self.weight))
+                                              wants_fp32_grad(self.weight), deferred_to(self.weight, self.bias))
         else:
             y = linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
@@ -88,11 +89,16 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     that gradient's reduce-scatter runs while it computes the weight's. Kept whole, the gathered
     inputs of a layer's two column-parallel GEMMs would cost 4 s b h bytes on every rank, not
     4 s b h / tp. `fp32`: the weight is marked for an fp32 gradient sum (models/weight_grad.py),
-    decided by the caller, since grad mode is off in here."""
+    decided by the caller, since grad mode is off in here.
+
+    In a split backward (`work`, models/split_backward.py) B computes the input's gradient and its
+    reduce-scatter only, and W gathers the shard again for the weight's: W starts that gather
+    before the previous deferred GEMM runs, so it still moves during a GEMM. W holds the shard
+    and the output's gradient, not the gathered input."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, fp32):
-        ctx.group, ctx.params, ctx.fp32 = group, (weight, bias), fp32
+    def forward(ctx, x, weight, bias, group, fp32, work):
+        ctx.group, ctx.params, ctx.fp32, ctx.work = group, (weight, bias), fp32, work
         ctx.save_for_backward(x, weight)
         return F.linear(_gather(x, SEQ_DIM, group), weight, bias)
 
@@ -100,17 +106,24 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         param, bias = ctx.params
-        wants_weight = ctx.needs_input_grad[1]
+        wants_weight, wants_bias = ctx.needs_input_grad[1:3]
+        if ctx.work is not None:
+            grad_x = _reduce_scatter(grad @ weight, SEQ_DIM, ctx.group) if ctx.needs_input_grad[0] else None
+            group, fp32 = ctx.group, ctx.fp32
+            ctx.work.add(lambda gathered: wanted(zip((param, bias), linear_param_grads(
+                grad, gathered() if wants_weight else None, param, bias, fp32, wants_weight, wants_bias))),
+                prepare=lambda: start_gather(x, SEQ_DIM, group) if wants_weight else None)
+            return grad_x, None, None, None, None, None
         gathered = start_gather(x, SEQ_DIM, ctx.group) if wants_weight else None
         reducing = grad_x = None
         if ctx.needs_input_grad[0]:
             reducing, grad_x = start_reduce_scatter(grad @ weight, SEQ_DIM, ctx.group)
         full = gathered() if wants_weight else None
-        grad_w, grad_b = linear_param_grads(grad, full, param, bias, ctx.fp32, wants_weight, ctx.needs_input_grad[2])
+        grad_w, grad_b = linear_param_grads(grad, full, param, bias, ctx.fp32, wants_weight, wants_bias)
         del full
         if reducing is not None:
             reducing.wait()
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class RowParallelLinear(nn.Module):
@@ -223,7 +236,4 @@ class SequenceParallelNorm(nn.Module):
                 set_param_info(p, sequence_parallel=True)
 
     def forward(self, x):
-        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
-        if self.kind == "rmsnorm":
-            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
-        return F.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+        return norm(x, self.weight, self.bias, self.kind, self.normalized_shape, self.eps, self.zero_centered_gamma)

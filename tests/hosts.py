@@ -187,6 +187,27 @@ def wait_all(jobs, timeout: float) -> list[tuple[int | None, float]]:
     return [ended.get(i, (None, time.monotonic() - start)) for i in range(len(jobs))]
 
 
+def wait_said(jobs, logs, timeout: float) -> list[tuple[int | None, float, float | None]]:
+    """(exit code, seconds from now to its end, seconds from now to the first "error: " line of its
+    log) of each job; None for one still running, or still without a line, after `timeout`. The line
+    is the job's verdict as the user reads it; the end adds torchrun's teardown, which a loaded
+    machine stretches."""
+    start, ended, said, read = time.monotonic(), {}, {}, {i: 0 for i in range(len(jobs))}
+    while (len(ended) < len(jobs) or len(said) < len(jobs)) and time.monotonic() - start < timeout:
+        for i, (job, log) in enumerate(zip(jobs, logs)):
+            if i not in said:
+                with open(log, "rb") as handle:
+                    handle.seek(max(0, read[i] - 200))        # a line may straddle two reads
+                    text = handle.read().decode(errors="replace")
+                    read[i] = handle.tell()
+                if any(line.startswith("error: ") for line in text.splitlines()):
+                    said[i] = time.monotonic() - start
+            if i not in ended and job.poll() is not None:
+                ended[i] = (job.returncode, time.monotonic() - start)
+        time.sleep(0.1)
+    return [(*ended.get(i, (None, time.monotonic() - start)), said.get(i)) for i in range(len(jobs))]
+
+
 def children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):

@@ -72,13 +72,14 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None, dataset
     dataset = dataset or ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3)
     source = MicrobatchSource(dataset, cfg.global_batch_size, cfg.micro_batch_size,
                               groups.coords.dp, groups.topology.dp, ramp=cfg.rampup)
-    losses, norms, in_flight, moe = [], [], [], []
+    losses, norms, in_flight, moe, deferred = [], [], [], [], []
     for it in range(cfg.train_iters):
         lr = step_learning_rate(cfg.optimizer, it + 1, cfg.train_iters, cfg.consumed_before(it))
         step = train_step(state, source.batch(it), lr)
         losses.append(step.loss)
         norms.append(step.grad_norm)
         in_flight.append(step.max_in_flight)
+        deferred.append(step.max_deferred_w)
         moe.append(step.moe)
     params = {}
     for chunk in state.chunks:
@@ -87,7 +88,8 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None, dataset
     return {"coords": tuple(groups.coords), "losses": losses, "norms": norms, "params": params, "moe": moe,
             "ep_rank": groups.topology.ep_of(groups.rank), "edp_rank": groups.edp.rank,
             "cp_rank": groups.topology.cp_of(groups.rank),
-            "in_flight": max(in_flight, default=0), "memory": state.engine.memory.report(),
+            "in_flight": max(in_flight, default=0), "deferred_w": max(deferred, default=0),
+            "memory": state.engine.memory.report(),
             "comm": dict(groups.log.last_step)}
 
 

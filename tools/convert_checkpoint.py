@@ -35,7 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megazero.checkpoint import CheckpointReader, write_full_checkpoint
@@ -126,8 +126,13 @@ def read_hf_directory(path) -> tuple[dict, dict]:
     for file in files:
         if not file.is_file():
             raise UsageError(f"{index}: names {file.name}, which is missing; the download is incomplete")
-        with safe_open(str(file), framework="pt") as f:
-            state.update({key: f.get_tensor(key) for key in f.keys()})
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                state.update({key: f.get_tensor(key) for key in f.keys()})
+        except (SafetensorError, OSError) as err:      # a cut download, another format renamed, a bad disk
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise UsageError(f"{file}: not a readable safetensors file ({reason}); it is damaged or incomplete: "
+                             f"download it again, or re-save the model with save_pretrained") from None
     return config, state
 
 

@@ -15,6 +15,8 @@ kernels and memory the meta device stands for; default cuda). Each simulated ran
 recipe with the meta device for its GPU, torch's fake process group for NCCL and the stream layer
 in its checking mode (megazero.dry_run.job); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
+Under a zero-bubble --pipeline-schedule the table is followed by the schedule's list of actions per
+stage, its ideal idle fraction and each stage's peak of held microbatches.
 
 Exit 0: every check passed; 2: a flag mistake, a disagreement, a misplaced tensor or a stream race,
 each one line.
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
     from megazero.dry_run.job import check_flags, job_config, simulate
     from megazero.dry_run.roles import representatives
     from megazero.dry_run.cross_rank_checks import check_all
-    from megazero.dry_run.report import report, table
+    from megazero.dry_run.report import report, schedule_text, table
     world, local = opts.world_size, min(opts.world_size, opts.ranks_per_node_sim)
     mistake = check_flags(train_argv, world, local)
     if mistake is None and opts.ranks is not None:
@@ -87,6 +89,9 @@ def main(argv=None) -> int:
         print()
     else:
         print(table(result))
+        lists = schedule_text(job_config(train_argv, world, local), world)
+        if lists is not None:
+            print("\n" + lists)
         if opts.json:
             with open(opts.json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -24,7 +24,7 @@ import torch
 
 from megazero.core import comm, host_read
 from megazero.core.errors import AgreedStop
-from .files import LATEST
+from .files import latest_iteration_name
 
 MARGIN_FRACTION = 0.01
 MARGIN_BYTES = 1 << 20
@@ -73,11 +73,9 @@ def mib(nbytes: int) -> str:
 
 def what_is_kept(save_dir: Path) -> str:
     """The end of a failed save's line: which checkpoint `latest` still names."""
-    try:
-        name = (Path(save_dir) / LATEST).read_text().strip()
-    except OSError:
-        return "no checkpoint was saved before"
-    return f"latest still names {name}"
+    name = latest_iteration_name(save_dir)
+    return "no checkpoint was saved before" if name is None else (
+        f"latest still names {name if name.isprintable() else repr(name)}")
 
 
 def check_room(reports: list[RankReport], save_dir: Path, iteration: int) -> None:

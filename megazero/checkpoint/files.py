@@ -109,18 +109,23 @@ def latest_iteration_dir(save_dir: Path) -> Path | None:
     latest = save_dir / LATEST
     if not latest.is_file():
         return None
-    name = latest.read_text().strip()
-    target = save_dir / name
-    if not name.startswith("iter_") or not target.is_dir():
-        raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory in "
-                              f"{save_dir}; point it at an existing iter_* directory")
+    name = latest_iteration_name(save_dir)
+    target = save_dir / name if name else None
+    if not name or not name.isprintable() or not name.startswith("iter_") or not target.is_dir():
+        what = f"names {name!r}" if name and name.isprintable() else "holds no directory name (damaged)"
+        newest = sorted(p.name for p in save_dir.glob("iter_*") if p.is_dir())
+        fix = f"echo {newest[-1]} > {latest}" if newest else "point it at an existing iter_* directory"
+        raise CheckpointError(f"{latest} {what}, which is not a checkpoint directory in {save_dir}; "
+                              f"write the one to resume from into it ({fix})")
     return target
 
 
 def latest_iteration_name(save_dir: Path) -> str | None:
-    """What `latest` says, unchecked (None when there is none or it cannot be read)."""
+    """What `latest` says, unchecked (None when there is none or it cannot be read; bytes that are
+    not UTF-8, as a damaged file holds, read as U+FFFD, so that the name is never a directory)."""
     try:
-        return (Path(save_dir) / LATEST).read_text().strip()
+        with open(Path(save_dir) / LATEST, "rb") as handle:
+            return handle.read(256).decode("utf-8", "replace").strip()      # a name is ~15 bytes
     except OSError:
         return None
 

@@ -190,22 +190,36 @@ class CheckpointReader:
         return self._read(rank, f"rng/{key}", self.indexes[rank]["rng"][key])
 
     def check_model(self, model_config, where: str = "--load", extend_positions: bool = False) -> None:
-        """Refuses a checkpoint of another model shape, naming the first differing field; a learned
+        """Refuses a checkpoint of another model shape, naming every differing setting at once by the
+        flags that give it (the checkpoint's and this run's), and the flags to pass for it; a learned
         position table of another size too, unless `extend_positions` grows a smaller one
         (--extend-position-embeddings, by EXTEND_RULE)."""
         saved = self.metadata["model"]
-        self._check_positions(model_config, where, extend_positions)
-        for field in ARCHITECTURE_FIELDS:
-            mine = getattr(model_config, field)
-            if field in saved and saved[field] != mine:
-                fix = "load a checkpoint of the same model"
-                record = self.metadata.get("tokenizer")
-                if field == "vocab_size" and record:      # most often: the tokenizer flags left out
-                    fix = (f"the checkpoint keeps the tokenizer it was trained with ({record['type']}, "
-                           f"vocab {record['vocab_size']}): pass "
-                           f"{tokenizer_flags(record, self.path / TOKENIZER_DIR)}")
-                raise CheckpointError(f"{where} {self.path}: saved model has {field}={saved.get(field)!r}, "
-                                      f"this run has {mine!r}; {fix}")
+        ours = {f: getattr(model_config, f, None) for f in saved}
+        # a width both models derive from the others (no flag gave it) follows once those are passed
+        differing = [f for f in ARCHITECTURE_FIELDS if f in saved and saved[f] != ours[f]
+                     and not (saved[f] == _derived(f, saved) and ours[f] == _derived(f, ours))]
+        if not differing:
+            self._check_positions(model_config, where, extend_positions)    # the table's rows, last
+            return
+        record = self.metadata.get("tokenizer")
+        shown, wanted = [], []
+        for field in differing:
+            theirs, mine = model_flag(field, saved[field], saved), model_flag(field, ours[field], ours)
+            if field == "vocab_size" and record:      # most often: the tokenizer flags left out
+                theirs = (f"the checkpoint keeps the tokenizer it was trained with ({record['type']}, "
+                          f"vocab {record['vocab_size']})")
+                mine = f"vocab {ours[field]}"
+                wanted.append(tokenizer_flags(record, self.path / TOKENIZER_DIR))
+            else:
+                wanted.append(theirs)
+            shown.append(f"{theirs} (this run: {mine})")
+        count = f"{len(differing)} settings" if len(differing) > 1 else "a setting"
+        add = " ".join(w for w in wanted if not w.startswith("no "))
+        drop = " ".join(w[3:] for w in wanted if w.startswith("no "))
+        fix = " and ".join(([f"pass {add}"] if add else []) + ([f"leave out {drop}"] if drop else []))
+        raise CheckpointError(f"{where} {self.path}: the saved model differs from this run's in {count}: "
+                              f"{'; '.join(shown)}; {fix} (or load a checkpoint of this model)")
 
     def _check_positions(self, model_config, where: str, extend: bool) -> None:
         saved = self.metadata["model"]
@@ -220,3 +234,44 @@ class CheckpointReader:
                                   f"uses its first rows)")
         raise CheckpointError(f"{head}; pass --max-position-embeddings {rows} with a --seq-length up to {rows}, "
                               f"or --extend-position-embeddings to grow the table ({EXTEND_RULE.format(rows=rows)})")
+
+
+def _derived(field: str, model: dict):
+    """What a model's other fields make of `field` when no flag gives it (models.config.GPTConfig's
+    defaults: Megatron's head width and MLP width), None for a field without such a default."""
+    hidden, heads = model.get("hidden_size"), model.get("num_attention_heads")
+    if field == "kv_channels" and hidden and heads:
+        return hidden // heads
+    if field == "ffn_hidden_size" and hidden:
+        return 64 * ((8 * hidden // 3 + 63) // 64) if model.get("activation") == "swiglu" else 4 * hidden
+    return None
+
+
+def model_flag(field: str, value, model: dict) -> str:
+    """The pretrain_gpt.py flags that give architecture field `field` the value `value` (`model`:
+    the other fields of the same model, where a flag depends on them), "no --FLAG" where leaving a
+    flag out does."""
+    simple = {"hidden_size": "--hidden-size", "num_layers": "--num-layers", "ffn_hidden_size": "--ffn-hidden-size",
+              "num_attention_heads": "--num-attention-heads", "norm_epsilon": "--norm-epsilon",
+              "rotary_base": "--rotary-base", "rotary_percent": "--rotary-percent", "vocab_size": "--vocab-size",
+              "max_position_embeddings": "--max-position-embeddings"}
+    switches = {"apply_layernorm_1p": ("--apply-layernorm-1p", True), "add_qkv_bias": ("--add-qkv-bias", True),
+                "tie_embeddings": ("--untie-embeddings-and-output-weights", False),
+                "add_bias_linear": ("--disable-bias-linear", False), "activation": ("--swiglu", "swiglu"),
+                "gelu_approximate": ("--no-bias-gelu-fusion", "none")}
+    if field in simple:
+        return f"{simple[field]} {value:g}" if isinstance(value, float) else f"{simple[field]} {value}"
+    if field in switches:
+        flag, on = switches[field]
+        return flag if value == on else f"no {flag}"
+    if field == "num_query_groups":
+        heads = model.get("num_attention_heads")
+        return ("no --group-query-attention" if value == heads or value is None
+                else f"--group-query-attention --num-query-groups {value}")
+    if field == "kv_channels":
+        return f"--kv-channels {value}" if value else "no --kv-channels"
+    if field == "position_embedding":
+        return f"--position-embedding-type {'rope' if value == 'rope' else 'learned_absolute'}"
+    if field == "normalization":
+        return f"--normalization {'RMSNorm' if value == 'rmsnorm' else 'LayerNorm'}"
+    return f"{field}={value!r}"

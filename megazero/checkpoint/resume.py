@@ -119,11 +119,30 @@ def _check_same_optimizer(ck: CheckpointConfig, optimizer: OptimizerConfig, read
                          f"fresh optimizer states")
 
 
+def batch_mismatch(saved: int, glob: int, micro: int | None = None, dp: int | None = None) -> str:
+    """The line refusing a resume at global batch `glob` (micro batch `micro` at data-parallel size
+    `dp`) of a checkpoint saved at global batch `saved`, naming every flag the resume needs at once:
+    the global batch, and the micro batch where `saved` does not split into this one x `dp`."""
+    line = (f"--global-batch-size {glob} differs from the checkpoint's {saved}; resuming reads samples "
+            f"where it stopped only with the same global batch: ")
+    if micro is None or dp is None or saved % (micro * dp) == 0:
+        return line + f"pass --global-batch-size {saved} (or use --finetune)"
+    if saved % dp:
+        return line + (f"no micro batch splits {saved} samples over data-parallel size {dp}: resume at a "
+                       f"data-parallel size dividing {saved} with --global-batch-size {saved} (or use --finetune)")
+    fits = [m for m in range(saved // dp, 0, -1) if (saved // dp) % m == 0][:3]
+    return line + (f"pass --global-batch-size {saved} with --micro-batch-size {' or '.join(map(str, fits))} "
+                   f"(--micro-batch-size {micro} x data-parallel size {dp} = {micro * dp} does not divide "
+                   f"{saved}) (or use --finetune)")
+
+
 def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig,
-                 train_iters: int | None = None, seed: int | None = None, writer: bool = False) -> Resume:
-    """Validates --load and --save: the checkpoint to load and the schedule to resume with. `writer`
-    (rank 0): also takes the --save folder's lock for the job (a UsageError naming the job that holds
-    it) and removes leftovers there; nothing else is written."""
+                 train_iters: int | None = None, micro_and_dp: tuple[int, int] | None = None,
+                 seed: int | None = None, writer: bool = False) -> Resume:
+    """Validates --load and --save: the checkpoint to load and the schedule to resume with.
+    `micro_and_dp`: this run's micro batch and data-parallel size, for the line refusing another
+    global batch. `writer` (rank 0): also takes the --save folder's lock for the job (a UsageError
+    naming the job that holds it) and removes leftovers there; nothing else is written."""
     reader, notices = None, []
     same = ck.save is not None and ck.load is not None and Path(ck.save).resolve() == Path(ck.load).resolve()
     if ck.load is not None:
@@ -138,9 +157,7 @@ def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, opt
             reader.check_model(model_config, f"--load {ck.load}:", ck.extend_positions)
             saved_batch = reader.metadata.get("global_batch_size")
             if not ck.finetune and saved_batch not in (None, global_batch_size):
-                raise UsageError(f"--global-batch-size {global_batch_size} differs from the checkpoint's "
-                                 f"{saved_batch}; resuming reads samples where it stopped only with the "
-                                 f"same global batch (or use --finetune)")
+                raise UsageError(batch_mismatch(saved_batch, global_batch_size, *(micro_and_dp or ())))
             _check_same_optimizer(ck, optimizer, reader)
             optimizer, notice = schedule_on_resume(ck, optimizer, reader, train_iters)
             notices += [notice] if notice else []

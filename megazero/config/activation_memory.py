@@ -9,7 +9,8 @@ recomputation; the MLP's terms at its real width (SwiGLU keeps more), no dropout
 probability 0; the attention's and the MLP's inputs and the norms' inputs whole on every tensor
 parallel rank without sequence parallelism, the rest split (`layer_activation_split`); for the
 microbatches a pipeline stage holds at once (the pipeline size under 1F1B, all of them under GPipe,
-the interleaved schedule's longer warm-up: `interleaved_in_flight`). The dry run
+the interleaved schedule's longer warm-up: `interleaved_in_flight`; a zero-bubble schedule's stages,
+read off its list of actions: `zero_bubble_in_flight`). The dry run
 (tools/dry_run.py, docs/dry_run.md) measures what these formulas predict at scale. Full recomputation keeps only the input
 of each checkpointed layer group. The fused output layer and loss (models/loss.py, chunked by its
 memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when the weights are 16-bit,
@@ -35,6 +36,8 @@ import math
 
 from megazero.config.train_config import TrainConfig
 from megazero.config.attention_memory import math_kernel_bytes
+from megazero.parallel.pipeline.actions import holdings
+from megazero.parallel.pipeline.zero_bubble import zero_bubble_schedule
 from megazero.config.moe_memory import moe_layer_activation_extra, stage_moe_layers
 from megazero.models.loss import chunk_tokens_for, keeps_softmax
 
@@ -197,6 +200,17 @@ def cp_transient_bytes(cfg: TrainConfig) -> float:
     if par.cp_comm_type == "allgather":
         return 2 * 2 * m.seq_length * micro * groups * m.head_dim * weight_bytes
     return 8 * local * heads * m.head_dim * weight_bytes
+
+
+def zero_bubble_in_flight(schedule: str, pp: int, virtual: int, microbatches: int) -> list[float]:
+    """Per stage, the microbatches' worth of the stage's layers a zero-bubble schedule has it hold at
+    once: the activations of forwards whose B has not run, plus the saved inputs of Bs whose W waits,
+    each counted as a whole microbatch's activations, on the ideal timeline of the schedule's list
+    (parallel/pipeline/actions.py `holdings`). That undercounts: a waiting W keeps its GEMMs' inputs
+    and their outputs' gradients, which the dry run measured at about 2x a microbatch's activations
+    at 70B (docs/dry_run.md, "Zero-bubble pipeline schedules")."""
+    lists = zero_bubble_schedule(schedule, pp, virtual, microbatches)
+    return [max(held + deferred for held, deferred in rank) for rank in holdings(lists)]
 
 
 def interleaved_in_flight(pp: int, virtual: int, microbatches: int) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from megazero.config.deepspeed_blocks import DeepSpeedSettings
 from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology
+from megazero.parallel.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES, check_shape
 
 DEFAULT_TRAIN_ITERS = 200
 
@@ -70,9 +71,12 @@ def global_batch(args, micro: int, glob: int | None, dp: int, ds: DeepSpeedSetti
                          f"{named('gradient_accumulation_steps', '', accumulation)} x data-parallel size {dp}; "
                          f"DeepSpeed's rule: train_batch_size = micro batch x accumulation x data-parallel size")
     if glob % (micro * dp):
+        fits = [m for m in range(glob // dp, 0, -1) if (glob // dp) % m == 0][:3] if glob % dp == 0 else []
+        fix = (f"; a micro batch of {' or '.join(map(str, fits))} fits it" if fits else
+               f"; no micro batch fits it at this data-parallel size: choose a global batch divisible by {dp}")
         raise UsageError(f"{named('global_batch_size', '--global-batch-size', glob)} is not divisible by "
                          f"{named('micro_batch_size', '--micro-batch-size', micro)} x data-parallel size "
-                         f"{dp} = {micro * dp}")
+                         f"{dp} = {micro * dp}{fix}")
     return glob
 
 
@@ -92,6 +96,9 @@ def check_pipeline(args, topology: Topology, virtual: int, microbatches: int) ->
     schedule = args.pipeline_schedule
     if topology.pp == 1 and schedule in ("gpipe", "1f1b", "interleaved"):
         raise UsageError(f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size > 1")
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        check_zero_bubble(args, topology, virtual, microbatches)
+        return
     if args.overlap_p2p_communication and topology.pp == 1:
         raise UsageError("--overlap-p2p-communication overlaps pipeline transfers, and "
                          "--pipeline-model-parallel-size 1 has none; remove it")
@@ -106,3 +113,17 @@ def check_pipeline(args, topology: Topology, virtual: int, microbatches: int) ->
             raise UsageError(f"the interleaved schedule needs the number of microbatches ({microbatches} "
                              f"= global batch / (micro batch x dp)) to be a multiple of the pipeline "
                              f"size {topology.pp}; raise --global-batch-size")
+
+
+def check_zero_bubble(args, topology: Topology, virtual: int, microbatches: int) -> None:
+    """The zero-bubble schedules' shapes (parallel/pipeline/zero_bubble.py), and what they do not
+    combine with: their split backward is not traced by --compile, and they exchange their messages
+    in their own batches (--overlap-p2p-communication is 1f1b's and interleaved's)."""
+    schedule = args.pipeline_schedule
+    check_shape(schedule, topology.pp, virtual, microbatches)
+    if args.compile:
+        raise UsageError(f"--pipeline-schedule {schedule} splits each backward in two, which torch.compile "
+                         f"does not trace; drop --compile or choose another --pipeline-schedule")
+    if args.overlap_p2p_communication:
+        raise UsageError(f"--overlap-p2p-communication works with the 1f1b and interleaved schedules; "
+                         f"--pipeline-schedule {schedule} batches its transfers by its own timeline; remove it")

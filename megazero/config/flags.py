@@ -218,8 +218,10 @@ def _parallel_flags(p) -> None:
          help="Megatron-DeepSpeed's Ulysses: --context-parallel-size N --cp-comm-type a2a", shown="off")
     _add(g, "--num-layers-per-virtual-pipeline-stage", type=int, default=0,
          help="layers per model chunk of the interleaved schedule; 0: one chunk per stage")
-    _add(g, "--pipeline-schedule", choices=["auto", "1f1b", "gpipe", "interleaved"], default="auto",
-         help="pipeline schedule")
+    _add(g, "--pipeline-schedule",
+         choices=["auto", "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "interleaved-zb", "dualpipev"],
+         default="auto", help="pipeline schedule; zb-h1, zbv, interleaved-zb and dualpipev split each "
+                              "backward and defer the weight gradients into the bubble")
     _add(g, "--pipeline-layer-split", type=int, nargs="+", default=None,
          help="layers per pipeline chunk, for uneven splits", shown="even")
     _add(g, "--overlap-p2p-communication", action="store_true",
@@ -228,7 +230,8 @@ def _parallel_flags(p) -> None:
     _add(g, "--distributed-backend", choices=["gloo", "nccl"], default=None, help="process-group backend",
          shown="nccl when CUDA is available, else gloo")
     _add(g, "--distributed-timeout-minutes", type=float, default=10.0,
-         help="how long a collective waits for a silent rank before the job ends naming it (fractions allowed)")
+         help="how long a collective waits for a silent rank, and the ranks at start-up for each other, "
+              "before the job ends naming it (fractions allowed)")
     _add(g, "--heartbeat-timeout-minutes", type=float, default=None,
          help="how long a rank may miss its heartbeats (stopped, killed, host lost) before the job ends "
               "naming it, whatever the backend; below --distributed-timeout-minutes (0: off)",

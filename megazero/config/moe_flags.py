@@ -82,6 +82,8 @@ def layer_freq(text: str):
     """--moe-layer-freq's value: an int, or a list expression of 0/1 (Megatron-LM's form)."""
     try:
         value = ast.literal_eval(text) if "*" not in text else _list_expression(text)
+    except UsageError:
+        raise
     except (ValueError, SyntaxError):
         raise UsageError(f"--moe-layer-freq {text!r} is neither an int nor a list of 0/1 such as "
                          f"([1]*3+[0])*2") from None
@@ -92,14 +94,40 @@ def layer_freq(text: str):
     raise UsageError(f"--moe-layer-freq {text!r} is neither an int nor a list of 0/1")
 
 
+LAYER_PATTERN_LIMIT = 100_000       # entries of a --moe-layer-freq list: one per layer, far below this
+
+
 def _list_expression(text: str):
-    """Evaluates [..]*n + [..] expressions of int literals only (no names, no calls)."""
-    tree = ast.parse(text, mode="eval")
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Expression, ast.BinOp, ast.List, ast.Tuple, ast.Constant, ast.Add,
-                                 ast.Mult, ast.Load)):
-            raise ValueError(text)
-    return eval(compile(tree, "--moe-layer-freq", "eval"), {"__builtins__": {}})
+    """Evaluates [..]*n + [..] expressions of int literals only (no names, no calls), refusing one
+    longer than LAYER_PATTERN_LIMIT before building it (`[1]*9999999999999999999` would overflow or
+    exhaust memory)."""
+    def value(node):
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [value(element) for element in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and type(left) is type(right):
+                return _bounded(text, left + right if isinstance(left, int) else len(left) + len(right),
+                                lambda: left + right)
+            if isinstance(node.op, ast.Mult):
+                items, count = (left, right) if isinstance(left, list) else (right, left)
+                if isinstance(items, list) and isinstance(count, int):
+                    return _bounded(text, len(items) * max(count, 0), lambda: items * count)
+                if isinstance(left, int) and isinstance(right, int):
+                    return _bounded(text, left * right, lambda: left * right)
+        raise ValueError(text)
+    return value(ast.parse(text, mode="eval"))
+
+
+def _bounded(text: str, size: int, build):
+    if size > LAYER_PATTERN_LIMIT:
+        raise UsageError(f"--moe-layer-freq {text!r} counts up to {size}, beyond any layer count; it needs one "
+                         f"0/1 per layer (as many as --num-layers), e.g. ([1]*3+[0])*2 for 8 layers")
+    return build()
 
 
 def moe_fields(args) -> dict:

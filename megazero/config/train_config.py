@@ -28,7 +28,7 @@ class ParallelConfig(Record):
     Ulysses all-to-all over heads (a2a) or all-gathered keys and values (allgather)."""
     virtual_stages: int = 1                      # interleaved pipeline: model chunks per stage
     layer_split: Optional[list[int]] = None      # uneven pipeline split: layers per chunk
-    schedule: Literal["auto", "1f1b", "gpipe", "interleaved"] = "auto"
+    schedule: Literal["auto", "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "interleaved-zb", "dualpipev"] = "auto"
     overlap_p2p_comm: bool = False               # 1F1B/interleaved: p2p transfers move during compute
     ranks_per_node: int = 0                      # 0: LOCAL_WORLD_SIZE
     distributed_backend: Literal["gloo", "nccl"] = "gloo"

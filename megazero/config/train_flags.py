@@ -138,6 +138,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     glob = batch_flags.global_batch(args, micro, glob, topology.dp, ds)
     microbatches = glob // (micro * topology.dp)
     batch_flags.check_pipeline(args, topology, virtual, microbatches)
+    if args.sequence_parallel and topology.tp == 1:
+        notes.append("--sequence-parallel has no effect at --tensor-model-parallel-size 1: it splits the "
+                     "sequence over the tensor-parallel ranks (Megatron-LM turns it off there too)")
     if args.sequence_parallel and args.seq_length % topology.tp:
         raise UsageError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
                          f"--tensor-model-parallel-size {topology.tp}")

@@ -34,7 +34,6 @@ Tensors this module creates itself are created on the group's device.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections import defaultdict
 import time
@@ -43,7 +42,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.core import host_read, streams
+from megazero.core import host_read, source_paths, streams
 
 ReduceOp = dist.ReduceOp
 
@@ -135,23 +134,17 @@ def _reduce_name(op) -> str | None:
     return str(op)
 
 
-_HERE = __file__.removesuffix("c")
-_WRAPPERS = (_HERE, _HERE.replace("core/comm.py", "zero/quantized_comm.py"))
+_WRAPPERS = (__name__, "megazero.zero.quantized_comm")     # modules whose frames a call site skips
 
 
 def _call_site() -> str:
     """file:line of the code that asked for the op (the first frame outside the comm wrappers)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in _WRAPPERS:
+    while frame is not None and frame.f_globals.get("__name__") in _WRAPPERS:
         frame = frame.f_back
     if frame is None:
         return "?"
-    name = frame.f_code.co_filename
-    for root in ("/megazero/", "/parallel/", "/models/"):
-        if root in name:
-            name = name[name.rindex(root) + 1:]
-            break
-    return f"{os.path.basename(name) if name.startswith('/') else name}:{frame.f_lineno}"
+    return f"{source_paths.shown(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 @dataclasses.dataclass(eq=False)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import sys
 
 import torch
 
-from megazero.core import streams
+from megazero.core import source_paths, streams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,19 +71,12 @@ def _note(tensor: torch.Tensor, what: str) -> None:
     host waits there for the current stream, as a GPU's copy to the host makes it."""
     if _Reads.recording is not None:
         frame = sys._getframe(2)
-        site = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        site = f"{source_paths.shown(frame.f_code.co_filename)}:{frame.f_lineno}"
         _Reads.recording.append(HostRead(what, site, tensor.numel()))
     if tensor.device.type == "meta":
         checker = streams.checker_for(tensor.device)
         if checker is not None:
             checker.op([tensor], [], [], host_sync=True)
-
-
-def _short(filename: str) -> str:
-    for root in ("/megazero/", "/parallel/", "/models/", "/tests/"):
-        if root in filename:
-            return filename[filename.rindex(root) + 1:]
-    return os.path.basename(filename)
 
 
 @contextlib.contextmanager

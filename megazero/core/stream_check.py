@@ -55,14 +55,13 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.core import streams as _streams
+from megazero.core import source_paths, streams as _streams
 
 MAIN = 0
 STASH, RECORD_STREAM = "stash", "record_stream"       # how NCCL keeps collective tensors alive (nccl_semantics)
 _SKIPPED_FILES = tuple(str(Path(p).resolve()) for p in (
     Path(torch.__file__).parent, Path(__file__), Path(_streams.__file__),
     Path(_streams.__file__).with_name("comm.py"), Path(contextlib.__file__)))
-_ROOT = Path(__file__).resolve().parents[2]   # the repository root (megazero/core/ is two below)
 
 
 def nccl_semantics(version: str | None = None) -> str:
@@ -139,17 +138,7 @@ def _call_site() -> str:
         frame = frame.f_back
     if frame is None:             # e.g. a backend's thread dropped a tensor's last reference
         return f"(thread {threading.current_thread().name})"
-    return f"{_shown(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
-
-
-@functools.lru_cache(maxsize=None)
-def _shown(filename: str) -> str:
-    """A file's path as a call site names it: from the repository's root where it is inside it
-    (cached: resolving a path per op was 40% of a dry-run rank's time)."""
-    path = Path(filename)
-    with contextlib.suppress(ValueError):
-        path = path.resolve().relative_to(_ROOT)
-    return str(path)
+    return f"{source_paths.shown(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 class _Plan:

@@ -151,22 +151,44 @@ def collect_stdlib_corpus(output_path, stdlib_dir=None, progress=True):
     return output_path
 
 
+def not_utf8(path) -> UsageError:
+    """The one-line refusal of a file whose bytes are not UTF-8, naming the first bad byte's line
+    (read again in binary: the text reader decodes ahead of the lines it has returned)."""
+    with open(path, "rb") as raw:
+        for line_number, line in enumerate(raw, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return UsageError(f"{path}:{line_number}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+                                  f"{err.start + 1}); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) "
+                                  f"or leave it out of --input")
+    return UsageError(f"{path}: not UTF-8 text; convert the file to UTF-8 or leave it out of --input")
+
+
+def utf8_lines(path, newline=None):
+    """The lines of the text file `path` (numbered from 1); a byte that is not UTF-8 raises `not_utf8`."""
+    with open(path, encoding="utf-8", newline=newline) as handle:
+        try:
+            yield from enumerate(handle, start=1)
+        except UnicodeDecodeError:
+            raise not_utf8(path) from None
+
+
 def iter_jsonl_records(path, keys=("text",)):
     """Yields `{key: obj[key]}` for each line of a JSONL file; bad lines raise UsageError naming the line."""
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UsageError(f"{path}:{line_number}: not valid JSON ({exc.msg}); "
-                                 "expected one JSON object per line") from None
-            for key in keys:
-                if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-                    raise UsageError(f"{path}:{line_number}: no string field '{key}'; "
-                                     "pick the field with --json-key/--json-keys")
-            yield {key: obj[key] for key in keys}
+    for line_number, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{line_number}: not valid JSON ({exc.msg}); "
+                             "expected one JSON object per line") from None
+        for key in keys:
+            if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+                raise UsageError(f"{path}:{line_number}: no string field '{key}'; "
+                                 "pick the field with --json-key/--json-keys")
+        yield {key: obj[key] for key in keys}
 
 
 def iter_jsonl_texts(path, key="text"):
@@ -193,8 +215,7 @@ def iter_documents(paths, keys=("text",)):
             yield from iter_jsonl_records(path, keys)
         elif len(keys) == 1:
             # newline="": keep "\r\n" as written; the tokens must reproduce the file exactly.
-            with open(path, encoding="utf-8", newline="") as handle:
-                yield {keys[0]: handle.read()}
+            yield {keys[0]: "".join(line for _, line in utf8_lines(path, newline=""))}
         else:
             raise UsageError(f"{path} is plain text but {len(keys)} --json-keys were given; "
                              "use JSONL input for several fields")

@@ -23,6 +23,7 @@ Owns sampling only; the file format is indexed_dataset.py's, blending is blended
 import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -120,21 +121,63 @@ class GPTDataset:
         self.needs_indices = self.built_indices = not all(p.is_file() for p in self.cache_paths.values())
         if not build:
             return
+        damage = None if self.built_indices else self._load_cached()
+        if damage is not None:      # a killed copy, a full disk, another tool's file: built again
+            print(f"megazero: the {split_name} sample index {damage}; rebuilding the split's indices", file=sys.stderr,
+                  flush=True)
+            self.built_indices = True
         if self.built_indices:
             try:
                 self._build_and_save(seed, split_name, folder, progress)
             except OSError as err:
                 raise UsageError(f"cannot write the {split_name} sample indices to {folder} ({err.strerror}); "
                                  "pass --data-cache-path DIR in a writable place") from None
-        self.doc_idx, self.sample_idx, self.shuffle_idx = (
-            np.load(self.cache_paths[name], mmap_mode="r") for name in ("doc_idx", "sample_idx", "shuffle_idx"))
+            damage = self._load_cached()
+            if damage is not None:        # what was just written does not read back: the disk's fault
+                raise UsageError(f"the {split_name} sample index {damage} right after being written; check "
+                                 f"the disk of {folder}, or pass --data-cache-path DIR elsewhere")
+
+    def _load_cached(self) -> str | None:
+        """Memory-maps the three cached arrays after checking them as the sampler reads them (dtype,
+        shape, every index in range: what a damaged or foreign file would break later in a traceback);
+        returns what is wrong with the first bad one (its path and why), or None."""
+        arrays = {}
+        for name, path in self.cache_paths.items():
+            try:
+                arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError, EOFError) as err:
+                return f"{path} is damaged (no .npy array: {str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        doc, sample, shuffle = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
+        sizes, first, last = self.indexed.sizes, self.sequence_ids[0], self.sequence_ids[-1]
+        problems = {
+            "doc_idx": (doc.dtype != np.int64 or doc.ndim != 1 or len(doc) != self.num_epochs * len(self.sequence_ids)
+                        or (len(doc) and (doc.min() < first or doc.max() > last))),
+            "sample_idx": (sample.dtype != np.int64 or sample.shape != (self.num_samples + 1, 2)),
+            "shuffle_idx": (shuffle.dtype != np.int64 or shuffle.shape != (self.num_samples,)
+                            or shuffle.min() < 0 or shuffle.max() >= self.num_samples),
+        }
+        if not problems["doc_idx"] and not problems["sample_idx"]:
+            positions, offsets = sample[:, 0], sample[:, 1]
+            problems["sample_idx"] = bool(
+                positions.min() < 0 or positions.max() >= len(doc) or np.any(np.diff(positions) < 0)
+                or offsets.min() < 0 or np.any(offsets >= sizes[doc[positions]]))
+        for name, bad in problems.items():
+            if bad:
+                return (f"{self.cache_paths[name]} is damaged (not the {self.num_samples}-sample index of this "
+                        f"split: dtype, shape or an index out of range)")
+        self.doc_idx, self.sample_idx, self.shuffle_idx = doc, sample, shuffle
+        return None
+
+    @property
+    def num_epochs(self) -> int:
+        """Passes over the split the samples need: one more token than num_samples * seq_length (the
+        last sample's shifted label)."""
+        return -(-(self.num_samples * self.seq_length + 1) // self.tokens_per_epoch)
 
     def _build_and_save(self, seed, split_name, folder, progress):
         meter = Progress(f"building {split_name} indices ({self.num_samples} samples)", enabled=progress)
         meter.begin()
-        # One more token than num_samples * seq_length: the last sample's shifted label.
-        needed = self.num_samples * self.seq_length + 1
-        num_epochs = -(-needed // self.tokens_per_epoch)
+        num_epochs = self.num_epochs
         rng = np.random.RandomState(seed)
         doc_idx = build_document_index(self.sequence_ids, num_epochs, rng)
         sample_idx = build_sample_index(self.indexed.sizes, doc_idx, self.num_samples, self.seq_length)

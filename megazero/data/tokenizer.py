@@ -31,7 +31,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from megazero.data.corpus import Progress, is_jsonl, iter_jsonl_texts, write_atomically
+from megazero.data.corpus import Progress, is_jsonl, iter_jsonl_texts, utf8_lines, write_atomically
 from megazero.core.errors import UsageError
 
 EOD_PIECE = "<|endoftext|>"
@@ -158,9 +158,8 @@ def iter_training_lines(input_files, json_key="text"):
             for text in iter_jsonl_texts(path, json_key):
                 yield from text.split("\n")
         else:
-            with open(path, encoding="utf-8") as handle:
-                for line in handle:
-                    yield line.rstrip("\n")
+            for _, line in utf8_lines(path):
+                yield line.rstrip("\n")
 
 
 def _explain_training_failure(message, vocab_size):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from megazero.core import source_paths
+
 
 def describe(entry) -> str:
     """An op as a finding names it: `all_reduce float32 x1024 (sum) at engine.py:268`."""
@@ -91,6 +93,9 @@ _DEVICE_MIX = re.compile(r"(Expected all tensors to be on the same device|is not
 _HOST_READ = re.compile(r"(cannot be called on meta tensors|Cannot copy out of meta tensor|torch.nonzero\(\)"
                         r"|data-dependent)")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+# The layers a traceback passes through on its way from the code that asked (the site) to torch.
+_WRAPPERS = ("megazero/core/comm.py", "megazero/zero/quantized_comm.py", "megazero/core/stream_check.py",
+             "megazero/core/host_read.py")
 
 
 def _site_of(detail: str) -> str:
@@ -98,11 +103,9 @@ def _site_of(detail: str) -> str:
     standing for them (their device check is where a host tensor meets the group's device)."""
     site = "?"
     for path, line in _FRAME.findall(detail or ""):
-        if path.endswith(("/core/comm.py", "/zero/quantized_comm.py", "/core/stream_check.py", "/core/host_read.py")):
-            continue
-        for root in ("/megazero/", "/parallel/", "/models/", "/tests/"):
-            if root in path and "/megazero/dry_run/" not in path:     # the simulator itself
-                site = f"{path[path.rindex(root) + 1:]}:{line}"
+        inside = source_paths.repository_path(path)
+        if inside is not None and inside not in _WRAPPERS and not inside.startswith("megazero/dry_run/"):
+            site = f"{inside}:{line}"       # the simulator itself (megazero/dry_run/) is no site
     return site
 
 

@@ -40,7 +40,7 @@ def _is(t, kind: str) -> bool:
 
 
 OWNERS = ("model states", "activations", "backward", "communication", "workspace")
-_COMM_FILES = ("/core/comm.py", "/zero/quantized_comm.py", "/zero/stage3/param_gather.py")
+_COMM_MODULES = ("megazero.core.comm", "megazero.zero.quantized_comm", "megazero.zero.stage3.param_gather")
 
 
 def meta_value(config, name: str, full_shape, seed: int) -> torch.Tensor:
@@ -55,12 +55,12 @@ def _owner() -> str:
     for _ in range(40):
         if frame is None:
             break
-        name = frame.f_code.co_filename
-        if name.endswith(_COMM_FILES):
+        module = frame.f_globals.get("__name__", "")       # the module, not its path (source_paths)
+        if module in _COMM_MODULES:
             return "communication"
-        if "/megazero/zero/" in name:
+        if module.startswith("megazero.zero."):
             zero = True
-        elif "/models/" in name and torch.is_grad_enabled() and not zero:
+        elif module.startswith("megazero.models.") and torch.is_grad_enabled() and not zero:
             return "activations"
         frame = frame.f_back
     return "model states" if zero else "workspace"

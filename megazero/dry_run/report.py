@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from megazero.parallel.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES, zero_bubble_schedule
+
 SCHEMA = "megazero.dry_run/1"
 
 _ITEMSIZE = {}
@@ -90,3 +92,15 @@ def table(result: dict) -> str:
         lines.append(f"{r['rank']:>6}  {len(r['ops']):>6}  {streams['side_ops']:>10}  {streams['violations']:>5}  "
                      f"{r['skipped_steps'] if r['skipped_steps'] is not None else '-':>7}  {groups or '-'}")
     return "\n".join(lines)
+
+
+def schedule_text(cfg, world: int) -> str | None:
+    """A zero-bubble pipeline schedule's lists of actions per stage for the job's step, with the ideal
+    timeline's idle fraction and each stage's peak of activations and waiting W inputs
+    (ListSchedule.describe); None under the other schedules."""
+    par = cfg.parallel
+    if par.schedule not in ZERO_BUBBLE_SCHEDULES or par.pipeline_parallel < 2:
+        return None
+    dp = world // (par.tensor_parallel * par.pipeline_parallel * par.context_parallel)
+    lists = zero_bubble_schedule(par.schedule, par.pipeline_parallel, par.virtual_stages, cfg.num_microbatches(dp))
+    return lists.describe()

@@ -32,8 +32,6 @@ from pathlib import Path
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
-_COMM_FILE = os.path.join("megazero", "core", "comm.py")
-_TORCH_DISTRIBUTED = os.path.join("torch", "distributed", "")
 
 
 class Interrupts:
@@ -100,10 +98,10 @@ def collective_in(tb) -> Collective | None:
     comm_frame, torch_name = None, None
     while tb is not None:
         frame = tb.tb_frame
-        filename = frame.f_code.co_filename
-        if filename.endswith(_COMM_FILE) and frame.f_code.co_name not in ("<lambda>", "_issue"):
+        module = frame.f_globals.get("__name__", "")       # the module, not its path (source_paths)
+        if module == "megazero.core.comm" and frame.f_code.co_name not in ("<lambda>", "_issue"):
             comm_frame = frame          # the comm layer's collective, not the helper issuing it
-        elif _TORCH_DISTRIBUTED in filename and torch_name is None and frame.f_code.co_name != "wrapper":
+        elif f"{module}.".startswith("torch.distributed.") and torch_name is None and frame.f_code.co_name != "wrapper":
             torch_name = frame.f_code.co_name
         tb = tb.tb_next
     if comm_frame is not None:

@@ -12,16 +12,14 @@ the verdict for all. Once the ranks run, the first rank to end (a bug, a lost or
 says so in the store: it prints its line (megazero.run.failures words it) and the others, cut off
 mid-collective, leave quietly with the same line in torchrun's error file.
 
-Restarts (torchrun --max-restarts): every key of an attempt, the process group's own included, lives
-under that attempt's prefix of the rendezvous store, numbered by the ranks' joins (each rank adds one
-to a counter, so attempt = (joins - 1) // world), which agree across hosts where torchrun's restart
-counts do not (a host that came back counts from 0). torchrun's static rendezvous keeps one store for
-all attempts and torch prefixes nothing, so a restarted attempt would otherwise read the dead
-attempt's addresses (gloo's connectFullMesh then fails, or hangs on a stale barrier count).
+Ranks find each other in megazero.run.rendezvous: the launcher's variables checked against each other
+before anything else, the store, and every rank registered within --distributed-timeout-minutes;
+each restarted attempt (torchrun --max-restarts) under its own prefix of the store.
 
 It is the one module that reads the launcher's environment (WORLD_SIZE, RANK, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_ERROR_FILE, OMP_NUM_THREADS,
-CUDA_VISIBLE_DEVICES); what the runtime needs of it travels on in `Launch` and `TrainConfig`.
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_ERROR_FILE,
+OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES; the rendezvous reads what it hands in); what the runtime needs
+of it travels on in `Launch` and `TrainConfig`.
 """
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from megazero.run import failures
-from megazero.config.train_flags import flag_error
+from megazero.run import failures, rendezvous
 from megazero.core.errors import AgreedStop, UsageError
 from megazero.run.heartbeat import Heartbeat, describe_activity
 
@@ -49,30 +46,27 @@ class Launch:
 
     def __init__(self, argv=None):
         env = os.environ
-        self.world = int(env.get("WORLD_SIZE", "1"))
-        self.rank = int(env.get("RANK", "0"))
         # Older launchers (the deepspeed launcher, torch.distributed.launch) pass --local_rank instead.
-        # A value that is no number is left to the flag parser, which names it in one line.
-        flag = _local_rank_flag(argv or [])
-        self.local_rank = int(env.get("LOCAL_RANK", flag if flag and flag.isdigit() else "0"))
-        self.local_world = int(env.get("LOCAL_WORLD_SIZE", str(self.world)))
+        # A --local_rank that is no number reads as unset here and is left to the flag parser, which
+        # names it in one line.
+        place = rendezvous.place_of(env, _local_rank_flag(argv or []))
+        self.world, self.rank, self.local_rank, self.local_world = place.numbers
+        self.environment_problem = place.problem      # said first thing (_main), before any flag is read
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
+        self.timeout_minutes = 10.0                   # the rendezvous's: --distributed-timeout-minutes, once read
         self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
         self.address = None                           # the address this rank's process group offers its peers
         self.spanning = False                         # whether ranks of this job run on other hosts
         self.cuda_available = None                    # the flags are read as torch.cuda finds this machine
 
     def connect(self) -> None:
-        """Joins the rendezvous store (no process group yet) when there is a launch to coordinate."""
+        """Joins the rendezvous (no process group yet) when there is a launch to coordinate: the store,
+        then every rank registered in it, within --distributed-timeout-minutes (megazero.run.rendezvous:
+        a waiting rank says whom it waits for every 30 s; rendezvous.NeverJoined at the deadline)."""
         if self.world > 1 and self.store is None and "MASTER_ADDR" in os.environ:
-            import torch.distributed as dist
-            self.rendezvous_store, _, _ = next(dist.rendezvous("env://", self.rank, self.world,
-                                                               timeout=datetime.timedelta(minutes=30)))
-            # The attempt from the ranks' joins, not TORCHELASTIC_RESTART_COUNT: a host whose torchrun
-            # joined later (an elastic job's host come back) counts its restarts from 0.
-            attempt = (self.rendezvous_store.add("megazero/joined", 1) - 1) // self.world
-            self.store = dist.PrefixStore(f"megazero/attempt{attempt}", self.rendezvous_store)
-            self.store.set(f"process/{self.rank}", failures.process_identity(self.address))
+            self.rendezvous_store, self.store = rendezvous.join(
+                os.environ, self.rank, self.world, self.timeout_minutes, failures.process_identity(self.address),
+                say=_say_waiting if self.local_rank == 0 else None)
 
     def address_problem(self, backend: str) -> str | None:
         """The line refusing this rank's process-group address where other hosts cannot reach it
@@ -253,6 +247,10 @@ def default_threads(cores: int, local_world: int, load: float) -> int:
     return max(1, idle // max(1, local_world))
 
 
+def _say_waiting(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _local_rank_flag(argv) -> str | None:
     """The value of --local_rank / --local-rank in `argv`, as older launchers pass it."""
     for i, arg in enumerate(argv):
@@ -362,6 +360,11 @@ def main(argv=None) -> int:
 def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
     run = None
     try:
+        if launch.environment_problem is not None:      # this process's own: every such rank says it
+            print(f"error: {launch.environment_problem}", file=sys.stderr, flush=True)
+            failures.write_error_file(launch.error_file, launch.environment_problem)
+            return failures.EXIT_USAGE
+        from megazero.config.train_flags import flag_error, parse_args     # imported once the environment passed
         mistake = flag_error(argv, launch.world, launch.local_world)
         if mistake is not None:       # the same flags on every rank, so the same mistake: said once
             if launch.rank == 0:
@@ -370,6 +373,7 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
                 time.sleep(1.0)
             failures.write_error_file(launch.error_file, mistake)
             return failures.EXIT_USAGE
+        launch.timeout_minutes = parse_args(argv).distributed_timeout_minutes    # checked: the rendezvous's
         from megazero.run import pretrain                 # the runtime: torch and everything on it
         from megazero.core import stream_check
         error = None
@@ -381,15 +385,16 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             error = launch.address_problem(run.cfg.parallel.distributed_backend)
         try:
             verdict = launch.agree("preflight", error)
+        except rendezvous.NeverJoined as never:      # this rank's own line: no one to agree with
+            print(f"error: {never}", file=sys.stderr, flush=True)
+            failures.write_error_file(launch.error_file, str(never))
+            return failures.EXIT_FAILURE
         except (RuntimeError, ValueError) as err:      # no rendezvous: nothing to agree with
             print(f"error: cannot join the launch's rendezvous ({str(err).splitlines()[0]}); start the "
                   f"ranks with torchrun", file=sys.stderr)
             return failures.EXIT_USAGE
         if verdict:
             return _end_agreed(launch, verdict, failures.EXIT_USAGE)
-        if launch.world > 1 and "MASTER_ADDR" not in os.environ:
-            return _end_agreed(launch, f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the "
-                                       f"ranks with torchrun (or set MASTER_ADDR and MASTER_PORT)", failures.EXIT_USAGE)
         unreachable = launch.reach_problem(run.cfg.parallel.distributed_backend)
         if unreachable:
             return _end_agreed(launch, unreachable, failures.EXIT_USAGE)

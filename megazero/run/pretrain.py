@@ -24,7 +24,7 @@ import torch
 
 
 from megazero.checkpoint.resume import Resume, check_resume, start as start_checkpoint
-from megazero.config.train_config import TrainConfig
+from megazero.config.train_config import TrainConfig, topology_of
 from megazero.config.train_flags import config_from_args, parse_args
 from megazero.core.comm import CommLog
 from megazero.data.run_data import run_data
@@ -77,7 +77,7 @@ def configure(argv, env: RunEnvironment) -> Configured:
     env.check_machine(cfg, device)
     writer = env.rank == 0         # holds the job's locks (megazero.run.run_folder says why rank 0)
     resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters,
-                          cfg.seed, writer=writer)
+                          (cfg.micro_batch_size, topology_of(cfg, env.world).dp), cfg.seed, writer=writer)
     if writer and metrics_named_by_flag(cfg):
         try:
             resume.locks.append(lock_metrics(cfg, resume.run_id))

@@ -15,6 +15,7 @@ from megazero.training.muon_matrices import muon_matrix_of
 from megazero.parallel.finalize import counts_in_norm, summed_across_stages
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
+from megazero.parallel.pipeline.zero_bubble import V_SHAPED
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers
 from megazero.training.stragglers import StragglerWatch
@@ -102,7 +103,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None
     chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
                                 virtual_stages=par.virtual_stages, layer_split=par.layer_split,
                                 compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type,
-                                moe_dispatcher=par.moe_dispatcher)
+                                moe_dispatcher=par.moe_dispatcher, v_shape=par.schedule in V_SHAPED)
     streams = Streams(device)
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), groups=zero_groups(groups), zero=cfg.zero,
                         adam=cfg.optimizer.adam, precision=cfg.precision, clip_grad=cfg.optimizer.clip_grad,

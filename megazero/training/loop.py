@@ -17,13 +17,14 @@ from megazero.training.flops import peak_tflops, recompute_flops, step_flops
 from megazero.parallel.context_parallel import local_chunks
 from megazero.parallel.finalize import finalize_model_grads
 from megazero.parallel.pipeline.split import stage_layer_ranges
-from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward
+from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward, make_split_backward
+from megazero.parallel.pipeline.zero_bubble import V_SHAPED
 from megazero.core.streams import copy_to_device
 from megazero.training.divergence import Diverged, DivergenceWatch
 from megazero.training.housekeeping import Housekeeping
 from megazero.training.stragglers import find_stragglers
 from megazero.training.out_of_memory import mark_phase
-from megazero.training.moe_stats import begin_moe_step, end_moe_step
+from megazero.training.moe_stats import begin_moe_step, collapse_line, end_moe_step
 from megazero.data.sampler import MicrobatchSource
 from megazero.models.documents import pack_documents
 from megazero.training.assembly import TrainState
@@ -75,9 +76,26 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()
         with _Timed(timers, "backward"):
             engine_backward(output, output_grad, last)
 
+    split_input, split_weight = make_split_backward(state.engine.backward_input, state.engine.backward_weight)
+
+    def backward_input(output, output_grad, ticket) -> None:
+        with _Timed(timers, "backward"):
+            split_input(output, output_grad, ticket)
+
+    def backward_weight(run_w, ticket, last: bool) -> None:
+        with _Timed(timers, "backward"):
+            split_weight(run_w, ticket, last)
+
     return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
                        stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
-                       backward=backward, p2p=state.p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm)
+                       backward=backward, p2p=state.p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm,
+                       backward_input=backward_input, backward_weight=backward_weight)
+
+
+def loss_stage(state: TrainState) -> int:
+    """The pipeline stage whose last chunk computes the loss: the last, or the first under a V
+    schedule (zbv, dualpipev), whose last virtual stage is stage 0's second chunk."""
+    return 0 if state.cfg.parallel.schedule in V_SHAPED else state.groups.topology.pp - 1
 
 
 def _packed_documents(state: TrainState, microbatches: list[torch.Tensor], normalizer):
@@ -115,7 +133,8 @@ def _global_loss(state: TrainState, losses: list[torch.Tensor],
     add zeros, which leaves its float64 sum bitwise as it was) and the flags add up as counts."""
     groups = state.groups
     total = torch.zeros(1 + len(flags), dtype=torch.float64, device=state.device)
-    counts_loss = groups.is_last_stage and (not flags or groups.coords.tp == 0)
+    at_loss = groups.coords.pp == loss_stage(state)
+    counts_loss = at_loss and (not flags or groups.coords.tp == 0)
     if counts_loss and losses:
         total[:1] += torch.stack(losses).double().sum()
     if flags:
@@ -125,9 +144,9 @@ def _global_loss(state: TrainState, losses: list[torch.Tensor],
         comm.all_reduce(total, groups.dp)
         comm.all_reduce(total, groups.mp)
     else:
-        if groups.is_last_stage:
+        if at_loss:
             comm.all_reduce(total, groups.dp)
-        comm.broadcast(total, groups.topology.pp - 1, groups.pp)
+        comm.broadcast(total, loss_stage(state), groups.pp)
     values = host_read.read(total, "loss and stop flags", healthy=lambda: [1.0] + [float(f) for f in flags])
     return values[0], tuple(v > 0 for v in values[1:])
 
@@ -142,6 +161,7 @@ class StepResult:
     stop_flags: tuple[bool, ...] = ()     # stop_flags()'s values, each agreed over the layout
     num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad
     moe: dict | None = None               # mixture of experts: moe_stats.end_moe_step's record
+    max_deferred_w: int = 0               # zero-bubble schedules: most Ws waiting at once
 
 
 def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
@@ -151,7 +171,7 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
     --exit-duration-in-mins, a signal came), agreed over the whole layout in the loss's reduction
     (`_global_loss`)."""
     par = state.cfg.parallel
-    schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
+    schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages, len(microbatches))
     state.engine.begin_step()
     moe = state.cfg.model.num_experts > 0
     if moe:
@@ -174,7 +194,7 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
     if run.empty_unused_memory_level >= 2:
         empty_cache(state.device)
     return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight, agreed,
-                      zeros, moe_record)
+                      zeros, moe_record, result.max_deferred_w)
 
 
 def empty_cache(device: torch.device) -> None:
@@ -187,11 +207,11 @@ def empty_cache(device: torch.device) -> None:
 def evaluate(state: TrainState, batches: list[list[torch.Tensor]]) -> float:
     """Mean token loss over the given global batches (forward only)."""
     par = state.cfg.parallel
-    schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages)
     for chunk in state.chunks:
         chunk.eval()
     total = 0.0
     for microbatches in batches:
+        schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages, len(microbatches))
         total += _global_loss(state, schedule(_job(state, microbatches), forward_only=True).losses)[0]
     for chunk in state.chunks:
         chunk.train()
@@ -226,6 +246,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     # step; a checkpoint loaded without its optimizer restarts it), and in samples their samples.
     applied = cfg.consumed_before(state.engine.step_count)
     watch = DivergenceWatch.for_config(cfg, state.engine.loss_scaler.dynamic)
+    moe_said = set()                        # MoE layers already named for sending every token to one expert
     try:
         for it in range(start_iteration, cfg.train_iters):
             housekeeping.before_step(it + 1)
@@ -251,6 +272,9 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                 record.update(moe_aux_loss=step.moe["aux"], moe_z_loss=step.moe["z"],
                               moe_dropped=step.moe["dropped"],
                               moe_load={str(i): list(v) for i, v in step.moe["load"].items()})
+                collapsed = collapse_line(step.moe, cfg.model, it + 1, moe_said)
+                if collapsed and metrics is not None:
+                    metrics.say(f" {collapsed}")
             if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
                 record["mfu"] = record["tflops_per_device"] / peak
                 record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak

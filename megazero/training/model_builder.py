@@ -12,6 +12,7 @@ from megazero.models.gpt import GPT, initial_value
 from megazero.parallel.context_parallel import apply_context_parallel
 from megazero.parallel.moe import apply_expert_parallel
 from megazero.parallel.parallelize import parallelize
+from megazero.parallel.pipeline.actions import PipelineLayout
 from megazero.parallel.pipeline.split import split_for_stage, stage_layer_ranges
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.random import RNGTracker
@@ -21,12 +22,15 @@ from megazero.models.param_info import param_info
 def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,
                        sequence_parallel: bool = False, virtual_stages: int = 1,
                        layer_split: list[int] | None = None, compile_backend: str | None = None,
-                       cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall") -> list[GPT]:
+                       cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall",
+                       v_shape: bool = False) -> list[GPT]:
     """One GPT chunk per virtual pipeline stage owned by this rank, on the meta device; with
     `compile_backend`, each transformer layer compiled (compile_layers). Context parallelism (over
-    groups.cp, `cp_comm_type`) swaps the attention cores after the tensor-parallel swap."""
+    groups.cp, `cp_comm_type`) swaps the attention cores after the tensor-parallel swap. `v_shape`:
+    the two chunks of a stage sit in a V (zbv, dualpipev: parallel/pipeline/actions.py)."""
     topo = groups.topology
     ranges = stage_layer_ranges(config.num_layers, topo.pp, virtual_stages, layer_split)
+    layout = PipelineLayout(topo.pp, virtual_stages, v_shape)
     chunks = []
     for v in range(virtual_stages):
         with torch.device("meta"):
@@ -37,9 +41,8 @@ def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTra
                                   sequence_parallel=sequence_parallel, dispatcher=moe_dispatcher,
                                   whole_experts=topo.experts_fold_tp)
         apply_context_parallel(model, groups.cp, cp_comm_type)
-        layers = ranges[v * topo.pp + groups.coords.pp]
-        first = v == 0 and groups.is_first_stage
-        last = v == virtual_stages - 1 and groups.is_last_stage
+        layers = ranges[layout.virtual_stage(groups.coords.pp, v)]
+        first, last = layout.is_first(groups.coords.pp, v), layout.is_last(groups.coords.pp, v)
         chunks.append(split_for_stage(model, layers, first, last))
         if compile_backend is not None:
             compile_layers(chunks[-1], compile_backend)

@@ -67,3 +67,25 @@ def end_moe_step(chunks, groups, config, microbatches: int, sequence_parallel: b
     return {"aux": aux / total_microbatches, "z": z / total_microbatches, "dropped": dropped,
             "load": {i: (max(row), sum(row) / len(row))
                      for i, row in zip(moe_indices, host_read.read(loads, "moe expert loads"))}}
+
+
+def collapse_line(record: dict, config, iteration: int, said: set) -> str | None:
+    """The line, once per layer and run, saying that MoE layers routed every token of the step to one
+    expert while nothing balances them (no aux loss: Megatron's default coefficient 0, and no expert
+    bias): the other experts then get no gradient and the router has no reason to change. From the
+    step's loads (`end_moe_step`'s record): a layer's largest load equals its tokens (choices / top-k)."""
+    balanced = (config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type != "none"
+                or config.moe_router_enable_expert_bias)
+    e, k = config.num_experts, config.moe_router_topk
+    if balanced or e <= k:          # every expert takes every token: nothing to balance
+        return None
+    collapsed = [i for i, (most, mean) in record["load"].items()
+                 if i not in said and mean > 0 and most >= mean * e / k]
+    if not collapsed:
+        return None
+    said.update(collapsed)
+    return (f"iteration {iteration}: MoE layer{'s' if len(collapsed) > 1 else ''} "
+            f"{', '.join(map(str, collapsed))} routed every token to one expert, and no balancing acts "
+            f"(--moe-aux-loss-coeff {config.moe_aux_loss_coeff:g}, no expert bias): the other experts get no "
+            f"gradient; set --moe-aux-loss-coeff (e.g. 1e-2) with --moe-router-load-balancing-type aux_loss, "
+            f"or --moe-router-enable-expert-bias with --moe-router-score-function sigmoid")

@@ -12,7 +12,6 @@ memory. The driver (megazero.run.launch) prints it; this module reads no environ
 """
 from __future__ import annotations
 
-import os
 import re
 import resource
 from pathlib import Path
@@ -24,8 +23,10 @@ _CUDA = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
 _UNITS = {"GiB": 2 ** 30, "MiB": 2 ** 20, "KiB": 2 ** 10, "B": 1}
 _PHASES = {"forward": "forward", "backward": "backward", "reduce": "gradient reduction", "step": "optimizer step"}
 # (file's tail, function) -> phase, innermost first wins, for failures outside the timed phases
-_FRAMES = ((os.path.join("megazero", "checkpoint", ""), None, "checkpoint"),
-           ("training.py", "evaluate", "evaluation"), ("training.py", "setup", "set-up (model and ZeRO engine)"))
+# (module, or a package's name and a dot; function, None: any; phase), matched by the frame's module
+# name, not its file's path (megazero.core.source_paths)
+_FRAMES = (("megazero.checkpoint.", None, "checkpoint"), ("megazero.training.loop", "evaluate", "evaluation"),
+           ("megazero.training.assembly", "setup", "set-up (model and ZeRO engine)"))
 
 
 def mark_phase(err: BaseException | None, name: str) -> None:
@@ -53,10 +54,9 @@ def phase_of(err: BaseException) -> str:
     marked = getattr(err, "megazero_phase", None)
     found, tb = None, err.__traceback__
     while tb is not None:                       # outermost to innermost: the last match is the innermost
-        code = tb.tb_frame.f_code
-        for tail, function, phase in _FRAMES:
-            if (tail in code.co_filename if tail.endswith(os.sep) else code.co_filename.endswith(tail)) and (
-                    function is None or code.co_name == function):
+        module, name = tb.tb_frame.f_globals.get("__name__", ""), tb.tb_frame.f_code.co_name
+        for where, function, phase in _FRAMES:
+            if (module.startswith(where) if where.endswith(".") else module == where) and function in (None, name):
                 found = phase
         tb = tb.tb_next
     if marked and found == "evaluation":

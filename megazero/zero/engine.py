@@ -17,6 +17,9 @@ A training step, as the loop drives it:
     engine.begin_step()
     for each microbatch: forward, then engine.backward(loss | tensors+grads, last_microbatch=...)
     stats = engine.step(lr)           # reduces what is left, clips, updates, regathers
+
+A zero-bubble pipeline schedule runs each microbatch's backward in two passes instead,
+`backward_input` (B) and `backward_weight` (W): split_backward.py.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
 from .stage3.leaves import find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStorage
+from .split_backward import SplitBackward
 from .storage import PartitionedStorage, ReductionQueue
 from megazero.models.param_info import param_info, set_param_info
 
@@ -67,7 +71,7 @@ def _no_group(param) -> int:
     return 0
 
 
-class ZeroEngine:
+class ZeroEngine(SplitBackward):
     def __init__(self, modules: list[nn.Module], init_fn, *, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
@@ -130,16 +134,18 @@ class ZeroEngine:
         self.has_grads = False
         me = weakref.ref(self)
         fuse = self.precision.fp32_weight_grads
+        self._input_pass = False               # inside backward_input (B): no gradient may arrive
+        self._leaves_of_pass: dict = {}        # ticket -> leaves whose backward B ran, in order
         for group in self.flat_groups:
             for p in group.params:
                 set_param_info(p, zero_storage=group, zero_engine=me, fp32_grad=fuse and not group.grads_are_views)
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(group.on_grad_ready)
+                    p.register_post_accumulate_grad_hook(self._outside_input_pass(group.on_grad_ready, group))
         for units in self._unit_storages():
             for p in units.params:
                 set_param_info(p, zero_storage=units, zero_engine=me, fp32_grad=fuse)
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._on_unit_grad)
+                    p.register_post_accumulate_grad_hook(self._outside_input_pass(self._on_unit_grad, units))
 
     # --- construction -----------------------------------------------------------------------
     def _weight_decay_of(self, param, full_shape) -> float:
@@ -214,6 +220,7 @@ class ZeroEngine:
     # --- microbatches -----------------------------------------------------------------------
     def begin_step(self) -> None:
         self.memory.check_states_home()
+        self._leaves_of_pass.clear()
         for gather in self._gathers():
             gather.begin_pass("train")
 
@@ -221,6 +228,17 @@ class ZeroEngine:
         """Backward of one microbatch from `loss` (scaled for fp16 here), or by calling `loss` when it
         is a function (a pipeline stage backpropagating a received gradient, already scaled).
         Stage 0/1 reduce after the last microbatch, stage 2/3 after each."""
+        self._begin_gradients(last_microbatch)
+        self._backprop(loss)
+        self._end_gradients()
+
+    def _backprop(self, loss) -> None:
+        if callable(loss):
+            loss()
+        else:
+            (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
+
+    def _begin_gradients(self, last_microbatch: bool) -> None:
         for group in self.flat_groups:
             group.start_backward(reduce=last_microbatch)
         if self.unit_storage is not None:
@@ -228,10 +246,8 @@ class ZeroEngine:
         if self.expert_units is not None:
             self.expert_units.start_backward()
         self.has_grads = True
-        if callable(loss):
-            loss()
-        else:
-            (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
+
+    def _end_gradients(self) -> None:
         for group in self.flat_groups:
             group.end_backward()
         if self.unit_storage is not None:
@@ -259,7 +275,11 @@ class ZeroEngine:
 
     def _leaf_backward_done(self, module) -> None:
         """Reduces the leaf's units with the gradients that came (zeros for parameters this rank's
-        data did not use), in unit order on every rank, as DeepSpeed does for its leaf modules."""
+        data did not use), in unit order on every rank, as DeepSpeed does for its leaf modules. In
+        B of a split backward no gradient has come yet: the leaf waits for its W."""
+        if self._input_pass:
+            self._leaves_of_pass.setdefault(self.gather.ticket, []).append(module)
+            return
         for unit in self.leaf_units[module]:
             if unit.grad_pending != -1 or unit.grad_staging is not None:
                 self.unit_storage.reduce_grads(unit)

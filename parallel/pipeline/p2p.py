@@ -78,6 +78,20 @@ class PipelineP2P:
         """`start_exchange`, waited in full. Returns (input or None, output gradient or None)."""
         return self.start_exchange(send_forward, send_backward, recv_forward, recv_backward).wait()
 
+    def exchange_with(self, sends: list[tuple[torch.Tensor, int]], recv_from: list[tuple[int, str]]):
+        """One batch with any stages (the list schedules, action_runner.py): `sends` are (tensor,
+        stage), `recv_from` (stage, what); waited in full, returns the received tensors in that
+        order (requiring grad). The caller lists each pair's messages in the order both sides agree
+        on (rule 2 above, generalised: by kind, virtual stage and microbatch)."""
+        got = [self._empty(what) for _, what in recv_from]
+        ops_out = [(t.detach().contiguous(), peer) for t, peer in sends]
+        ops_in = [(t, peer) for t, (peer, _) in zip(got, recv_from)]
+        if ops_out or ops_in:
+            self._start(ops_out, ops_in).wait()
+        for t in got:
+            t.requires_grad_()
+        return got
+
 
 class PendingExchange:
     """One batch in flight. Keeps the sent tensors alive (their memory must not be reused before the

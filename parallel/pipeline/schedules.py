@@ -9,6 +9,10 @@
                   (PipeDream-Flush, Narayanan et al. 2021): at most pp microbatches in flight
   interleaved     1F1B over v model chunks per stage (Narayanan et al. 2021, SC'21), shrinking the
                   bubble by v at the cost of v times the point-to-point traffic
+  zb-h1, zbv, interleaved-zb, dualpipev
+                  the zero-bubble schedules: each backward split into B (input gradient) and W
+                  (weight gradient, deferred to fill the bubble); written as lists of actions per
+                  rank (zero_bubble.py) and run by action_runner.py
 
 The job carries the model-specific steps; the schedules only order them and move tensors. Each
 `p2p.exchange` call is one batch, and messages carry no tags: the order of the calls on neighbouring
@@ -23,11 +27,14 @@ direction (which is all the matching sees), so the results are bitwise the same.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
 
+from .action_runner import run_list_schedule
 from .p2p import PipelineP2P, backward_from_freed, free_output
+from .zero_bubble import ZERO_BUBBLE_SCHEDULES, zero_bubble_schedule
 
 
 @dataclasses.dataclass
@@ -44,6 +51,11 @@ class PipelineJob:
     # 1F1B and interleaved: point-to-point batches stay in flight while the stage computes, waited
     # only when their tensors are needed (Megatron's overlap_p2p_comm); same ops, same order.
     overlap_p2p: bool = False
+    # The zero-bubble schedules' split backward (models/split_backward.py, action_runner.py):
+    # backward_input(output or loss, output grad or None, ticket) is B, which defers the weights'
+    # gradients; backward_weight(run_w, ticket, last backward of the step) is W, which calls run_w.
+    backward_input: Callable | None = None
+    backward_weight: Callable | None = None
 
     def is_loss_chunk(self, chunk: int) -> bool:
         return self.stage == self.num_stages - 1 and chunk == self.num_chunks - 1
@@ -56,6 +68,7 @@ class PipelineJob:
 class ScheduleResult:
     losses: list[torch.Tensor]           # per microbatch, on the stage that computes the loss
     max_in_flight: int                   # most microbatches whose activations were held at once
+    max_deferred_w: int = 0              # most Bs whose W waited at once (zero-bubble schedules)
 
 
 class _Runner:
@@ -312,13 +325,39 @@ def _run_interleaved_overlapped(job: PipelineJob, forward_only: bool) -> Schedul
     return ScheduleResult(run.losses, run.max_in_flight)
 
 
-def get_schedule(name: str, num_stages: int, num_chunks: int):
-    """The schedule function for a run; 'auto' picks no-pipelining, 1F1B or interleaved."""
+def get_schedule(name: str, num_stages: int, num_chunks: int, microbatches: int | None = None):
+    """The schedule function for a run; 'auto' picks no-pipelining, 1F1B or interleaved. The
+    zero-bubble schedules (zero_bubble.py) are lists of actions per rank, made for `microbatches`
+    (the step's count; evaluation runs their forwards)."""
     if name == "auto":
         name = "none" if num_stages == 1 else "interleaved" if num_chunks > 1 else "1f1b"
+    if name in ZERO_BUBBLE_SCHEDULES:
+        return functools.partial(run_zero_bubble, schedule=zero_bubble_schedule(name, num_stages, num_chunks,
+                                                                                microbatches))
     schedules = {"none": run_no_pipelining, "gpipe": run_gpipe, "1f1b": run_1f1b,
                  "interleaved": run_interleaved}
     return schedules[name]
+
+
+def run_zero_bubble(job: PipelineJob, forward_only: bool = False, *, schedule) -> ScheduleResult:
+    """A zero-bubble schedule's lists of actions (zero_bubble.py), run by action_runner.py."""
+    return ScheduleResult(*run_list_schedule(job, schedule, forward_only))
+
+
+def make_split_backward(engine_backward_input, engine_backward_weight):
+    """(backward_input, backward_weight) of a PipelineJob from the ZeRO engine's split backward:
+    B from the loss, or from the (possibly freed) output with its gradient; W as the engine runs it."""
+
+    def backward_input(output: torch.Tensor, output_grad: torch.Tensor | None, ticket) -> None:
+        if output_grad is None:
+            engine_backward_input(output, ticket)
+        else:
+            engine_backward_input(lambda: backward_from_freed([output], [output_grad]), ticket)
+
+    def backward_weight(run_w, ticket, last: bool) -> None:
+        engine_backward_weight(run_w, ticket, last_microbatch=last)
+
+    return backward_input, backward_weight
 
 
 def make_backward(engine_backward):

@@ -29,7 +29,8 @@ def saved(tmp_path_factory):
 
 def _check(argv):
     cfg = config_from_args(parse_args(argv))
-    return check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters, cfg.seed)
+    return check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters,
+                        seed=cfg.seed)
 
 
 def test_another_position_table_is_refused_unless_extended_by_its_rule(saved, tmp_path, capsys, monkeypatch):

@@ -189,10 +189,13 @@ def test_bad_checkpoints_name_the_file(saved, tmp_path):
     with pytest.raises(CheckpointError, match="checksum|corrupted"):
         load_checkpoint(_single_state(stage=1), work)
     data.write_bytes(original)
-    with pytest.raises(CheckpointError, match="hidden_size=32.*this run has 64"):
+    with pytest.raises(CheckpointError, match=r"--hidden-size 32 \(this run: --hidden-size 64\); pass --hidden-size 32"):
         load_checkpoint(_single_state(stage=1, model_extra={"hidden_size": 64}), work)
     (work / "latest").write_text("iter_0000009\n")
     with pytest.raises(CheckpointError, match="latest names 'iter_0000009'"):
+        CheckpointReader(work)
+    (work / "latest").write_bytes(b"\x89\xffiter_\x00\n\x9c")        # garbage: not UTF-8, not a name
+    with pytest.raises(CheckpointError, match=r"latest holds no directory name \(damaged\).*echo iter_0000002 >"):
         CheckpointReader(work)
     (work / "latest").unlink()
     with pytest.raises(CheckpointError, match="no `latest`"):

@@ -51,16 +51,23 @@ def test_save_resume_exit_interval_and_keep_last(tmp_path, capsys, monkeypatch):
     (["--save", "other"], "--save other holds checkpoints of another run"),
     (["--save-interval", "2"], "need --save FOLDER"),
     (["--finetune"], "--finetune needs --load FOLDER"),
-    (["--load", "other", "--hidden-size", "32"], "hidden_size=64, this run has 32"),
+    (["--load", "other", "--hidden-size", "32"], "differs from this run's in a setting: --hidden-size 64 (this run: "
+     "--hidden-size 32); pass --hidden-size 64"),
     # the tokenizer flags left out: the checkpoint's own tokenizer is named, with the flags for it
     (["--load", "other", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"],
-     "the checkpoint keeps the tokenizer it was trained with (SentencePieceTokenizer, vocab 8192): pass "
+     "the checkpoint keeps the tokenizer it was trained with (SentencePieceTokenizer, vocab 8192) (this run: vocab "
+     "300); pass "
      "--tokenizer-type SentencePieceTokenizer --tokenizer-model other/iter_0000001/tokenizer/tokenizer.model"),
     # a longer run: the flag the user changed is named, not the decay it derives
     (["--load", "other", "--train-iters", "3"], "--train-iters 3 differs from the checkpoint's run (1), and "
      "the lr schedule follows it (decay over 3 iterations (checkpoint: 1))"),
     (["--load", "other", "--lr-decay-iters", "3"], "the lr schedule differs from the checkpoint's: "
      "--lr-decay-iters 3 (checkpoint: 1)"),
+    # another micro batch (as at another layout): the global batch and the micro batch in one line
+    # (planted: naming only the global batch, as before, fails)
+    (["--load", "other", "--micro-batch-size", "3"], "--global-batch-size 3 differs from the checkpoint's 8; "
+     "resuming reads samples where it stopped only with the same global batch: pass --global-batch-size 8 with "
+     "--micro-batch-size 8 or 4 or 2 (--micro-batch-size 3 x data-parallel size 1 = 3 does not divide 8)"),
 ])
 def test_bad_checkpoint_flags_fail_in_one_line(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
@@ -116,3 +123,18 @@ def test_torchrun_save_then_load_at_another_layout(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     assert "loaded weights and optimizer from ck/iter_0000002" in one.stdout
     assert _iterations(tmp_path / "m.jsonl") == [3, 4]
+
+
+def test_a_resume_at_another_data_parallel_size_names_every_batch_flag_it_needs():
+    """The checkpoint's global batch 8 at data-parallel size 4 with micro batch 4 (its 2 ranks' run
+    resumed on 4): one line with both flags; at data-parallel size 3 no micro batch fits 8. And the
+    flags' own check (the global batch given, not divisible) names the micro batches that fit."""
+    from megazero.checkpoint.resume import batch_mismatch
+    from megazero.config.train_flags import config_from_args, parse_args
+    from megazero.core.errors import UsageError
+    line = batch_mismatch(8, 16, 4, 4)
+    assert "pass --global-batch-size 8 with --micro-batch-size 2 or 1 (--micro-batch-size 4 x data-parallel" in line
+    assert "no micro batch splits 8 samples over data-parallel size 3" in batch_mismatch(8, 6, 2, 3)
+    assert batch_mismatch(8, 16, 2, 4).endswith("pass --global-batch-size 8 (or use --finetune)")
+    with pytest.raises(UsageError, match="= 16; a micro batch of 2 or 1 fits it"):
+        config_from_args(parse_args(["--global-batch-size", "8", "--micro-batch-size", "4"]), world_size=4)

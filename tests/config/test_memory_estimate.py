@@ -213,3 +213,21 @@ def test_stage2_staging_replays_the_reduction_queue(sizes, max_staged, overlap):
         stagings.append(torch.zeros(size))
         queue.push(comm.Handle(), stagings[-1])
     assert queue_held(sizes, max_staged, overlap) == real
+
+
+def test_zero_bubble_schedules_plan_their_lists_peak():
+    """A zero-bubble schedule's stage s holds its list's peak (activations plus waiting W inputs) of
+    its layers, the output layer (one microbatch's) only on the loss's stage: ZB-H1's last stage
+    holds pp microbatches (1F1B's: one) with the head, however many microbatches the step has;
+    DualPipeV half a microbatch more than ZB-V (pp + 1/2 against pp)."""
+    from megazero.config.train_flags import config_from_args, parse_args
+
+    def activations(schedule, global_batch, *more):
+        flags = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", schedule,
+                         "--global-batch-size", str(global_batch), *more]
+        return plan_bytes(config_from_args(parse_args(flags), world_size=4), 4)["activations"]
+
+    assert activations("zb-h1", 8) > activations("1f1b", 8)
+    assert activations("zb-h1", 8) == activations("zb-h1", 32)
+    v = ["--num-layers-per-virtual-pipeline-stage", "1"]
+    assert activations("dualpipev", 16, *v) > activations("zbv", 16, *v) == activations("zbv", 32, *v)

@@ -49,6 +49,7 @@ def test_megatron_deepspeed_aliases():
     ("--num-experts 4 --moe-router-pre-softmax --moe-router-score-function sigmoid", "--moe-router-pre-softmax"),
     ("--num-experts 4 --moe-layer-freq [1,0]", "one 0 (dense) or 1 (MoE) per layer: 4 entries"),
     ("--num-experts 4 --moe-layer-freq __import__('os')", "--moe-layer-freq"),
+    ("--num-experts 4 --moe-layer-freq [1]*9999999999999999999", "counts up to 9999999999999999999, beyond any"),
     ("--num-experts 4 --tensor-model-parallel-size 4 --expert-tensor-parallel-size 2",
      "--expert-tensor-parallel-size 2 must be 1 or --tensor-model-parallel-size 4"),
     ("--num-experts 8 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 1 --expert-model-parallel-size 8",

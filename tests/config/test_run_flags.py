@@ -340,6 +340,14 @@ def test_accepted_flags_and_their_settings():
     assert cfg.wall_clock_breakdown and cfg.run.manual_gc_interval == 3 and cfg.run.empty_unused_memory_level == 2
 
 
+def test_sequence_parallel_at_tensor_parallel_1_is_noted():
+    """(Planted: no note, as before, fails the first check.)"""
+    notes = config_from_args(parse_args(["--sequence-parallel"]), world_size=2).notes
+    assert [n for n in notes if n.startswith("--sequence-parallel has no effect at --tensor-model-parallel-size 1")]
+    cfg = config_from_args(parse_args(["--sequence-parallel", "--tensor-model-parallel-size", "2"]), world_size=2)
+    assert cfg.parallel.sequence_parallel and not any("--sequence-parallel" in n for n in cfg.notes)
+
+
 @pytest.mark.parametrize("home", ["device", "nvme"])
 def test_logged_norms_and_zeros_are_the_models(home, tmp_path):
     """--log-params-norm is the L2 norm of every parameter; --log-num-zeros-in-grad counts the zeros of

@@ -351,20 +351,23 @@ def unrecorded_races_worker(ctx):
     found = {}
     for name, stage, extra in layouts:
         cfg = with_padded_vocab(_grid_config(stage, dp=2, zero_extra=extra))
+        found[name] = []
         with _handles_record_nothing():
-            try:
-                checked_layout(ctx, name, 2, {}, cfg, None)
-                found[name] = None
-            except StreamOrderError as err:
-                found[name] = str(err)
+            checked_layout(ctx, name, 2, {}, cfg, None, found=found[name])
     return found
 
 
 def test_races_torch_2_8_nccl_leaves_are_fixed_by_the_handle(dist_pool):
     """With the Handle's recording taken out, each path's buffer is freed back to the stream that made
     it while the communicator may still read it; the message names the buffer, the free and the
-    collective. The grid below runs the same layouts clean with it."""
-    found = dist_pool(2).run(unrecorded_races_worker)[0]
+    collective. The grid below runs the same layouts clean with it. Each rank collects its violations
+    and trains every layout to its end: where gloo's thread drops a buffer's last reference decides
+    on which rank (and whether at the host's free or the thread's) the race shows, so a rank that
+    stopped at its first one would leave its peer mid-collective and the next layout's collectives
+    paired with the wrong ones (seen under load: ZeRO-3's 'ranks of the shard group diverge'). A path
+    is caught when either rank names it."""
+    per_rank = dist_pool(2).run(unrecorded_races_worker)
+    found = {name: "\n".join(m for rank in per_rank for m in rank[name]) or None for name in per_rank[0]}
     # Freed where the handle lets its tensors go, or where gloo's own thread drops its last reference.
     free_site = r"freed at (megazero/zero/stage3/units.py:\d+ \(wait_gather\)|\(thread [^)]*\))"
     assert re.search(r"use-after-free of a float32 tensor of shape \(\d+,\) \(stage-3 unit '.*': this rank's "
@@ -462,10 +465,11 @@ def grid(tmp: str) -> list:
     ]
 
 
-def checked_layout(ctx, name, world, topology, cfg, save_dir):
+def checked_layout(ctx, name, world, topology, cfg, save_dir, found: list | None = None):
     """Trains `cfg` under the checker on the first `world` ranks; returns (name, side-stream ops,
     losses) or None off the layout. With `save_dir`, an async checkpoint save follows step 1 and is
-    committed after step 2."""
+    committed after step 2. With `found`, violations are collected there and training goes on (every
+    rank ends the layout at the same collective), else the first one raises."""
     from megazero.checkpoint import CheckpointSaver
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.data.sampler import MicrobatchSource
@@ -481,7 +485,7 @@ def checked_layout(ctx, name, world, topology, cfg, save_dir):
             return None
     cfg = with_padded_vocab(cfg)
     losses = []
-    with checking() as checker:
+    with checking(collect=found is not None) as checker:
         state = setup(cfg, groups)
         source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
                                   cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp,
@@ -493,6 +497,8 @@ def checked_layout(ctx, name, world, topology, cfg, save_dir):
                 saver.save(state, cfg.global_batch_size)
         if saver is not None:
             saver.finalize()
+    if found is not None:
+        found.extend(checker.found)
     return name, checker.side_ops, losses
 
 

@@ -80,3 +80,31 @@ def test_index_cache_is_reused(tmp_path):
     assert other.built_indices and set(other.cache_paths.values()).isdisjoint(mtimes)
     elsewhere = GPTDataset(indexed, "train", (0, 2), 9, 3, 1, cache_dir=tmp_path / "cache")
     assert elsewhere.built_indices and (tmp_path / "cache").is_dir()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "out-of-range", "wrong-shape"])
+def test_a_damaged_index_cache_is_named_and_rebuilt(tmp_path, capsys, damage):
+    """A cached index cut short (a killed copy), overwritten with garbage, holding an index past the
+    data, or of another shape: one line naming the file, then the same samples as a fresh build.
+    (Planted: np.load without the checks, as before, fails every case in a traceback: ValueError,
+    UnpicklingError-like ValueError, IndexError at a sample; the wrong shape reads other samples.)"""
+    indexed = IndexedDataset(write_dataset(tmp_path / "k", [[1, 2, 3], [4, 5, 6, 7], [8, 9]]))
+    fresh = GPTDataset(indexed, "train", (0, 3), num_samples=9, seq_length=3, seed=1)
+    expected = [fresh[i]["tokens"].tolist() for i in range(9)]
+    name = {"truncated": "doc_idx", "garbage": "shuffle_idx", "out-of-range": "sample_idx",
+            "wrong-shape": "sample_idx"}[damage]
+    path = fresh.cache_paths[name]
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-9])
+    elif damage == "garbage":
+        path.write_bytes(b"\x93NUMPY\x01\x00garbage" * 5)
+    else:
+        rows = np.load(path)
+        rows = rows[:-1] if damage == "wrong-shape" else rows + [0, 100]
+        np.save(path, rows)
+    capsys.readouterr()
+    again = GPTDataset(indexed, "train", (0, 3), num_samples=9, seq_length=3, seed=1)
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "damaged" in x]     # beside the progress line
+    assert line.startswith(f"megazero: the train sample index {path} is damaged"), line
+    assert again.built_indices and [again[i]["tokens"].tolist() for i in range(9)] == expected
+    assert not GPTDataset(indexed, "train", (0, 3), num_samples=9, seq_length=3, seed=1).built_indices

@@ -49,8 +49,10 @@ def test_bad_flags_exit_2_with_one_line(capsys, argv, expected):
 
 
 def test_bad_flags_in_a_world_of_8(capsys, monkeypatch):
-    """Checked against the torchrun world before any process group exists."""
-    monkeypatch.setenv("WORLD_SIZE", "8")
+    """Checked against the torchrun world before any process group exists (rank 0 of 8 as torchrun
+    starts it: a WORLD_SIZE alone is refused first, megazero.run.rendezvous)."""
+    for name, value in (("WORLD_SIZE", "8"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
     argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
             "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "1"]
     assert launch.main(argv) == 2

@@ -84,3 +84,23 @@ def test_every_rank_that_runs_out_says_so(tmp_path):
     assert len(set(ranks)) == len(ranks) and set(ranks) <= {" rank 0", " rank 1"}, said
     assert all("out of host memory in the forward: asked for 512.0 MiB" in line for line in said), said
     assert "megazero" + os.sep not in done.stderr.replace(str(REPO), ""), done.stderr[-3000:]   # no worker frames
+
+
+class _Exhausted:
+    """Any attribute read asks for more memory than the machine has."""
+
+    def __getattr__(self, name):
+        torch.empty(TOO_MUCH, dtype=torch.uint8)
+
+
+def test_the_phase_is_the_module_and_function_the_allocation_failed_in():
+    """Named by the frame's module (megazero.core.source_paths says why), not by a file name: the
+    names of the training room's files moved once already ("training.py" matched nothing since)."""
+    from megazero.checkpoint.resume import check_resume
+    from megazero.training import assembly, loop, out_of_memory
+    for call, phase in ((lambda: loop.evaluate(_Exhausted(), []), "evaluation"),
+                        (lambda: assembly.setup(_Exhausted(), None), "set-up (model and ZeRO engine)"),
+                        (lambda: check_resume(_Exhausted(), None, 1, None), "checkpoint")):
+        with pytest.raises(RuntimeError) as caught:
+            call()
+        assert out_of_memory.is_out_of_memory(caught.value) and out_of_memory.phase_of(caught.value) == phase

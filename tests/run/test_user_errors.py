@@ -81,6 +81,8 @@ class Files:
 
 
 # (id, launch line from Files, environment, what the line must contain, what it must not).
+# Rank 0 of 2 as a user starts it by hand (megazero.run.rendezvous refuses a WORLD_SIZE without the rest)
+HAND_STARTED_RANK_0 = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 ROWS = [
     # offload and ZeRO++ settings
     ("nvme-swap-folder-is-a-file", lambda f: ["--zero-stage", "2", "--zero-offload-optimizer", "nvme",
@@ -172,11 +174,12 @@ ROWS = [
     ("vocab-divisor-zero", lambda f: ["--make-vocab-size-divisible-by", "0"], {},
      ["--make-vocab-size-divisible-by must be >= 1"], []),
     # each names what the user wrote (the file, the flag as typed) and the way out
+    # (a 2-rank world's flags, checked before anything connects)
     ("layers-not-divisible-by-pp", lambda f: ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
-     {"WORLD_SIZE": "2"}, ["--num-layers 3 is not divisible", "--pipeline-layer-split with 2 counts"], []),
+     HAND_STARTED_RANK_0, ["--num-layers 3 is not divisible", "--pipeline-layer-split with 2 counts"], []),
     ("layer-split-not-summing", lambda f: ["--num-layers", "3", "--pipeline-model-parallel-size", "2",
                                            "--pipeline-layer-split", "1", "1"],
-     {"WORLD_SIZE": "2"}, ["--pipeline-layer-split [1, 1]", "summing to --num-layers 3"], []),
+     HAND_STARTED_RANK_0, ["--pipeline-layer-split [1, 1]", "summing to --num-layers 3"], []),
     ("deepspeed-batch-not-divisible", lambda f: ["--deepspeed_config", f.ds({"train_batch_size": 7,
                                                                            "train_micro_batch_size_per_gpu": 4})],
      {}, ["train_batch_size = 7 (", "ds.json)", "train_micro_batch_size_per_gpu = 4"], ["--global-batch-size"]),

@@ -218,3 +218,46 @@ def test_inexact_transformers_configs_are_refused_on_import(tmp_path, what):
     with pytest.raises(UsageError, match=named):
         convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "bad-header"])
+def test_a_damaged_safetensors_file_is_refused_on_import_in_one_line(tmp_path, capsys, damage):
+    """A model.safetensors cut short, replaced by other bytes, or with a header that is no JSON: one line
+    naming the file and the fix, exit 2, nothing written. (Planted: safe_open unguarded, as before,
+    ends every case in a SafetensorError traceback.)"""
+    _transformers_model("gpt2").save_pretrained(str(tmp_path / "hf"))
+    weights = tmp_path / "hf" / "model.safetensors"
+    data = weights.read_bytes()
+    capsys.readouterr()                 # transformers' progress bar
+    weights.write_bytes({"truncated": data[:len(data) // 2], "garbage": b"\x00\xff" * 4096,
+                         "bad-header": data[:8] + b"{not json" + data[17:]}[damage])
+    assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {weights}: not a readable safetensors file (") and "download it again" in line
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_finetuning_an_imported_llama_names_every_flag_it_needs_at_once(tmp_path, capsys, monkeypatch):
+    """pretrain_gpt.py --finetune --load on an imported Llama with only the sizes given: one line naming
+    every differing setting by its flags, and the flags it says to pass make the next run start (one
+    rerun, not one per setting). (Planted: the former check, naming the first field by its internal
+    name, fails: one setting per line, num_query_groups=2.)"""
+    from tests.driver import run_main
+    _transformers_model("llama").save_pretrained(str(tmp_path / "hf"))
+    convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--finetune", "--load", "ckpt", "--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "6",
+            "--seq-length", "16", "--max-position-embeddings", "24", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "61", "--train-iters", "1", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--eval-iters", "0", "--num-workers", "0"]
+    capsys.readouterr()
+    code, out = run_main(argv, capsys)
+    [line] = out.err.strip().splitlines()
+    assert code == 2 and "the saved model differs from this run's in" in line, out.err
+    for flags in ("--group-query-attention --num-query-groups 2", "--kv-channels 12", "--ffn-hidden-size 80",
+                  "--position-embedding-type rope", "--swiglu", "--normalization RMSNorm", "--disable-bias-linear"):
+        assert f"{flags} (this run: " in line, (flags, line)
+    assert "num_query_groups" not in line, line
+    given = line.split("; pass ")[1].split(" (or load")[0].split()
+    code, out = run_main(argv + given, capsys)
+    assert code == 0, out.err[-3000:]

@@ -17,7 +17,11 @@ Hardening, after DeepSpeed's stage-3 bugs:
   caught (that would cost a collective per use on every step).
 - Units are reference-counted: every running forward of a module that uses a unit holds one reference,
   and the backward holds one from the first module backward that needs it until its gradients are all
-  in, so a unit shared by nested or interleaved users is released only when the last is done.
+  in, so a unit shared by nested or interleaved users is released only when the last is done. A split
+  backward (zero-bubble schedules: B now, W later) holds one per `ticket` (its chunk and microbatch):
+  B's module backwards take it, and it is let go when that ticket's W has brought the gradients
+  (`grads_done`) or ended (`end_ticket`), so a unit B gathered stays gathered until its W ran, however
+  many other microbatches' passes run in between.
 - A module's outputs may be any nesting of tuples, lists, dicts and namedtuples with non-tensors
   inside: every tensor that requires grad gets the backward re-gather. A leaf that is neither a tensor
   nor a plain value (a custom class) is refused at the module's first forward that builds a graph.
@@ -85,7 +89,9 @@ class GatherCoordinator:
         self.pass_key: object = None                 # "train", or ("eval", root) per evaluation forward
         self.position = 0
         self.refs: dict[int, int] = {}               # unit index -> running users (see docstring)
-        self.backward_holds: set[int] = set()        # units the current backward holds a reference on
+        # ticket -> units that backward holds a reference on (ticket None: a plain backward)
+        self.backward_holds: dict[object, set[int]] = {}
+        self.ticket: object = None                   # the split backward's pass running now
         self.keep_all = config.keep_params_gathered_across_microbatches
         self.max_gathers_in_flight = MAX_GATHERS_IN_FLIGHT
         self.peak_gathers_in_flight = 0
@@ -188,19 +194,27 @@ class GatherCoordinator:
     def before_backward(self, module: nn.Module) -> None:
         """A module's backward is about to run: its units are held until their gradients are in."""
         units = self.units_of(module)
+        holds = self.backward_holds.setdefault(self.ticket, set())
         for unit in units:
-            if unit.index not in self.backward_holds:
-                self.backward_holds.add(unit.index)
+            if unit.index not in holds:
+                holds.add(unit.index)
                 self.refs[unit.index] = self.refs.get(unit.index, 0) + 1
         self._use(module, units)
 
     def grads_done(self, unit: Unit) -> None:
         """The unit's gradients are all in: its last use in this backward is over."""
-        if unit.index in self.backward_holds:
-            self.backward_holds.discard(unit.index)
+        holds = self.backward_holds.get(self.ticket, set())
+        if unit.index in holds:
+            holds.discard(unit.index)
             self._drop(unit)
         elif not self.keep_all and unit.index not in self.refs:
             self.maybe_release(unit)
+
+    def end_ticket(self, ticket) -> None:
+        """A split backward's W for `ticket` is over: the units its B held and no gradient let go
+        (none of theirs came) are let go now."""
+        for index in sorted(self.backward_holds.pop(ticket, ())):
+            self._drop(self.unit_storage.units[index])
 
     def _drop(self, unit: Unit) -> None:
         count = self.refs.get(unit.index, 0) - 1
