@@ -80,7 +80,8 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None,
                "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
                "cpu_optimizer_threads": (1, True, None, False),
                "distributed_timeout_minutes": (0, False, None, False),
-               "heartbeat_timeout_minutes": (0, True, None, False)}
+               "heartbeat_timeout_minutes": (0, True, None, False),
+               "num_dataset_builder_threads": (1, True, None, False)}
 
 
 def range_text(bounds) -> str:
@@ -321,7 +322,16 @@ def _data_flags(p) -> None:
          shown="the embedded standard-library corpus")
     _add(g, "--mock-data", action="store_true",
          help="train on random tokens of the tokenizer's vocabulary (no data files)")
-    _add(g, "--split", default="949,50,1", help="train,valid,test weights")
+    _add(g, "--split", default=None, help="train,valid,test weights cutting --data-path's sequences, as "
+         "megatron-core does", shown="949,50,1")
+    for split in ("train", "valid", "test"):
+        _add(g, f"--{split}-data-path", nargs="+", default=None,
+             help=f"the {split} split's own prefix or 'weight prefix ...' blend, whole (instead of --data-path "
+                  f"and --split)", shown="none")
+    _add(g, "--num-dataset-builder-threads", type=int, default=1,
+         help="threads building a blend's datasets (their sample indices) at once")
+    _add(g, "--object-storage-cache-path", default=None,
+         help="refused: megazero reads data from local files only", shown="none")
     _add(g, "--tokenizer-model", default=None,
          help="sentencepiece .model, or Hugging Face tokenizer folder/tokenizer.json, the data was tokenized with",
          shown="the embedded corpus's")

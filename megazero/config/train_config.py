@@ -72,6 +72,14 @@ class DataConfig(Record):
     mock_data: bool = False                      # random tokens of the vocabulary, no files
     mmap_bin_files: bool = True                  # False: .bin files read with plain reads
     tiktoken_pattern: Optional[str] = None       # TikTokenizer: "v1" or "v2"
+    split_paths: Optional[list[Optional[list[str]]]] = None
+    """[train, valid, test] of --train-data-path / --valid-data-path / --test-data-path, each split's
+    own blend taken whole (data_path and split unused); None: data_path cut by split."""
+    builder_threads: int = 1                     # --num-dataset-builder-threads
+
+    def reads_files(self) -> bool:
+        """Whether the run reads the user's .bin/.idx files (else mock data or the embedded corpus)."""
+        return not self.mock_data and (self.data_path is not None or self.split_paths is not None)
 
 
 class CheckpointConfig(Record):

@@ -325,6 +325,11 @@ def test_resume_mid_ramp_is_exact(tmp_path, capsys):
     (["--profile", "--profile-step-start", "4", "--profile-step-end", "4"], "--profile-step-start 4 must be"),
     (["--profile", "--profile-ranks", "0", "3"], "--profile-ranks 3 is not a rank of this 2-rank run"),
     (["--mock-data", "--data-path", "x"], "--mock-data and --data-path are both set"),
+    (["--data-path", "x", "--train-data-path", "y"], "--data-path and --train-data-path are both set"),
+    (["--valid-data-path", "y"], "--valid-data-path needs --train-data-path"),
+    (["--mock-data", "--test-data-path", "y"], "--mock-data and --test-data-path are both set"),
+    (["--object-storage-cache-path", "/tmp/c"], "megazero reads data from local files only"),
+    (["--num-dataset-builder-threads", "0"], "--num-dataset-builder-threads"),
 ])
 def test_bad_run_flags_are_one_line(flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
