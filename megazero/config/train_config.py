@@ -10,6 +10,7 @@ from megazero.config.batch_ramp import BatchRamp
 from megazero.core.records import Record
 from megazero.models.config import GPTConfig
 from megazero.ops.adam_config import AdamConfig
+from megazero.ops.muon_config import MuonConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.config import PrecisionConfig
 
@@ -36,7 +37,7 @@ class ParallelConfig(Record):
     init_process_group's and every group's timeout; under gloo it bounds each op."""
     heartbeat_minutes: float = 5.0
     """How long a rank may miss its heartbeats through the launch's store before the job ends naming
-    it (megazero.heartbeat); below timeout_minutes so that the line comes before NCCL's watchdog
+    it (megazero.run.heartbeat); below timeout_minutes so that the line comes before NCCL's watchdog
     aborts the process naming no one. 0: off."""
 
 
@@ -47,6 +48,9 @@ class OptimizerConfig(Record):
     decay_iters: Optional[int] = None            # None: train_iters
     decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
     adam: AdamConfig = Field(default_factory=AdamConfig)
+    muon: Optional[MuonConfig] = None
+    """--optimizer muon: Muon steps the weight matrices (megazero.training.muon_matrices), Adam the rest;
+    None: Adam steps every parameter."""
     clip_grad: float = 1.0
     decoupled_lr: Optional[float] = None
     """Megatron's --decoupled-lr: the input embedding and the output layer follow the same schedule
@@ -72,6 +76,12 @@ class DataConfig(Record):
     mock_data: bool = False                      # random tokens of the vocabulary, no files
     mmap_bin_files: bool = True                  # False: .bin files read with plain reads
     tiktoken_pattern: Optional[str] = None       # TikTokenizer: "v1" or "v2"
+    # Megatron-LM's document masking of packed samples, at the tokenizer's end-of-document id
+    # (models/documents.py): positions restart after it, attention stays inside each document, no
+    # loss where the input token is it.
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
     split_paths: Optional[list[Optional[list[str]]]] = None
     """[train, valid, test] of --train-data-path / --valid-data-path / --test-data-path, each split's
     own blend taken whole (data_path and split unused); None: data_path cut by split."""
@@ -104,7 +114,7 @@ class CheckpointConfig(Record):
 
 
 class MonitorConfig(Record):
-    """Where the logging rank also sends its metrics records (see megazero.monitor)."""
+    """Where the logging rank also sends its metrics records (see megazero.training.monitor)."""
     wandb_project: Optional[str] = None          # None: no wandb run
     wandb_exp_name: Optional[str] = None         # None: wandb picks a name
     wandb_save_dir: Optional[str] = None         # wandb writes <this>/wandb/<run>; the edge sets run_dir
@@ -177,3 +187,13 @@ class TrainConfig(Record):
         if self.rampup is None:
             return iteration * self.global_batch_size
         return self.rampup.consumed_before(iteration)
+
+
+def topology_of(cfg: TrainConfig, world: int):
+    """The rank grid `cfg` lays `world` ranks out on (megazero.parallel.topology.Topology)."""
+    from megazero.parallel.topology import Topology      # here: the flags are checked before torch loads
+    par = cfg.parallel
+    return Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
+                    cp=par.context_parallel, ep=par.expert_parallel, etp=par.expert_tensor_parallel,
+                    mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
+                    hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)

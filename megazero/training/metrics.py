@@ -1,0 +1,108 @@
+"""Training logs for people (one line per logged iteration) and for tools (JSON lines).
+
+Only the logging rank (last pipeline stage, TP rank 0, DP rank 0: the one that holds the loss) writes.
+Each logged iteration appends one object with at least iteration, loss, lr, grad_norm and
+tokens_per_s (on a GPU with a known peak also mfu, from model FLOPs, and hfu, counting recomputation);
+evaluations append objects with "split": "valid". The same records go to the monitors
+(megazero.training.monitor: wandb, TensorBoard) the driver attaches with `add_monitors`; `close` ends them.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from megazero.training.stragglers import describe
+
+
+# Fields a record carries when a flag asks for them (--decoupled-lr, --rampup-batch-size,
+# --log-params-norm, --log-num-zeros-in-grad).
+OPTIONAL_FIELDS = ("decoupled_lr", "global_batch_size", "consumed_samples", "params_norm", "num_zeros_in_grad",
+                   "moe_aux_loss", "moe_z_loss", "moe_dropped")
+
+
+class MetricsLogger:
+    def __init__(self, path: str | None, enabled: bool = True, stream=None, total_iters: int = 0):
+        self.enabled, self._stream, self.total_iters = enabled, stream, total_iters
+        self.path = Path(path) if path else None
+        if self.enabled and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.monitors: list = []
+
+    def add_monitors(self, monitors: list) -> None:
+        """Writers with log(record) and close(), fed every record written here."""
+        if self.enabled:
+            self.monitors.extend(monitors)
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close()
+        self.monitors = []
+
+    def _append(self, record: dict) -> None:
+        if self.enabled and self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.enabled:
+            for monitor in self.monitors:
+                monitor.log(record)
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            # sys.stdout as it is now (a caller may have redirected it since this logger was made)
+            print(text, file=self._stream or sys.stdout, flush=True)
+
+    def log_train(self, window: list[dict], comm_log=None) -> None:
+        """Averages loss, speed and time over the iterations since the last log line."""
+        if not window:
+            return
+        last = window[-1]
+        record = {
+            "iteration": last["iteration"], "split": "train",
+            "loss": sum(r["loss"] for r in window) / len(window),
+            "lr": last["lr"], "grad_norm": last["grad_norm"],
+            "tokens_per_s": sum(r["tokens_per_s"] for r in window) / len(window),
+            "ms_per_iter": sum(r["ms_per_iter"] for r in window) / len(window),
+            "tflops_per_device": sum(r.get("tflops_per_device", 0.0) for r in window) / len(window),
+            "memory_mib": last["memory_mib"], "skipped": sum(bool(r["skipped"]) for r in window),
+            "loss_scale": last["loss_scale"], "skipped_total": last.get("skipped_total", 0),
+        }
+        for key in ("mfu", "hfu"):     # model-FLOP and hardware-FLOP (with recomputation) utilisation
+            if key in last:
+                record[key] = sum(r[key] for r in window) / len(window)
+        for key in OPTIONAL_FIELDS:    # flags' fields: the last iteration's
+            if key in last:
+                record[key] = last[key]
+        if "time_ms" in last:          # wall_clock_breakdown: mean ms per phase per iteration
+            phases = {k for r in window for k in r.get("time_ms", {})}
+            record["time_ms"] = {k: sum(r.get("time_ms", {}).get(k, 0.0) for r in window) / len(window)
+                                 for k in sorted(phases)}
+        if "straggler" in last:        # --straggler-threshold: the slowest rank over it, this interval
+            record["straggler"] = last["straggler"]
+        if "moe_load" in last:
+            record["moe_load"] = last["moe_load"]
+        self._append(record)
+        self.say(f" iteration {record['iteration']:>6}/{self.total_iters} | loss {record['loss']:.4f} | "
+                 f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
+                 f"tokens/s {record['tokens_per_s']:,.0f} | ms/iter {record['ms_per_iter']:.1f} | "
+                 f"TFLOP/s/device {record['tflops_per_device']:.3g} | "
+                 + (f"MFU {record['mfu']:.1%} | " if "mfu" in record else "")
+                 + (f"HFU {record['hfu']:.1%} | " if "hfu" in record else "") +
+                 f"mem {record['memory_mib']:.0f} MiB"
+                 + (f" | skipped {record['skipped']}" if record["skipped"] else ""))
+        extra = [f"{key.replace('_', ' ')} {record[key]:.4g}" for key in OPTIONAL_FIELDS if key in record]
+        if extra:
+            self.say("   " + " | ".join(extra))
+        if "moe_load" in record:       # tokens per expert of each MoE layer: max / mean
+            self.say("   expert load (max/mean tokens): " + " ".join(
+                f"layer {i} {mx:.0f}/{mean:.0f}" for i, (mx, mean) in record["moe_load"].items()))
+        if "time_ms" in record:
+            self.say("   time/iter (ms): " + " ".join(f"{k}={v:.1f}" for k, v in record["time_ms"].items()))
+        if comm_log is not None and comm_log.last_step:
+            self.say("   " + comm_log.summary())
+        if "straggler" in record:
+            self.say(describe(record["straggler"]))
+
+    def log_eval(self, record: dict) -> None:
+        self._append(record)
+        self.say(f" validation at iteration {record['iteration']} | loss {record['loss']:.4f}")
