@@ -8,6 +8,9 @@
 Input, by file extension:
 - `.jsonl` / `.json`: one JSON object per line; each `--json-keys` field is one document and
   goes to its own output pair (`out/mydata_text_document.bin/.idx`);
+- Hugging Face `datasets` files on disk: `.parquet`, `.arrow` (the IPC stream `datasets` writes, or
+  the IPC file format) or a `save_to_disk` folder; each row's `--json-keys` column (one) is a
+  document (needs pyarrow: `pip install -e '.[hf-data]'`; nothing is downloaded);
 - anything else: plain UTF-8 text, the WHOLE file is one document (source code has blank
   lines inside documents, so blank lines cannot separate them); give many files to --input.
 
@@ -31,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from megazero.data.corpus import Progress, iter_documents
+from megazero.data.hf_files import is_saved_dataset
 from megazero.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megazero.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megazero.core.errors import UsageError, check_writable_dir
@@ -69,7 +73,8 @@ def _encode_in_worker(document):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help="JSONL files (.jsonl/.json, one object per line) or text files (one document each)")
+                        help="JSONL files (.jsonl/.json, one object per line), Parquet / Arrow files or a datasets "
+                             "save_to_disk folder (a text column), or text files (one document each)")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize (default: text)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer",
@@ -111,7 +116,7 @@ def preprocess(args):
         raise UsageError(f"--workers ({args.workers}) and --chunksize ({args.chunksize}) must be at least 1")
     tokenizer = build_tokenizer(**tokenizer_spec(args))  # fail here, not in every worker
     for path in args.input:
-        if not Path(path).is_file():
+        if not Path(path).is_file() and not is_saved_dataset(path):
             raise UsageError(f"input file {path} not found; check the --input paths")
     folder = Path(args.output_prefix).parent
     check_writable_dir(folder, f"--output-prefix {args.output_prefix}: its folder {folder}",

@@ -1,7 +1,9 @@
 """Megatron-LM's data flags that arguments.py reads beyond the paths: the tokenizer type a GPT-3
 launch line implies (--vocab-file and --merge-file without --tokenizer-type mean the GPT-2 BPE, as
-Megatron's own GPT-3 recipe writes it), the TikTokenizer's pattern, --mock-data, and the notes on
-the data flags accepted without effect. Part of the edge: raises UsageError before any group exists.
+Megatron's own GPT-3 recipe writes it), the TikTokenizer's pattern, --mock-data, a path per split
+(--train-data-path / --valid-data-path / --test-data-path instead of --data-path and --split),
+object storage (refused), and the notes on the data flags accepted without effect. Part of the edge:
+raises UsageError before any group exists.
 """
 from __future__ import annotations
 
@@ -16,6 +18,72 @@ def infer_tokenizer_type(args) -> None:
         args.tokenizer_type = "GPT2BPETokenizer" if gpt2 else "SentencePieceTokenizer"
 
 
+SPLIT_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+DEFAULT_SPLIT = "949,50,1"
+
+
+def tokenizer_vocab_size(args) -> int:
+    """The vocabulary of the tokenizer the flags name (the embedded corpus's without --data-path)."""
+    from megazero.data.default_data import DEFAULT_VOCAB_SIZE
+    check_object_storage(args)
+    split_paths = per_split_paths(args)
+    if args.mock_data:       # random tokens of the named tokenizer's vocabulary, else the default corpus's
+        from megazero.data.tokenizer import build_tokenizer
+        named = args.tokenizer_model or args.vocab_file or args.vocab_size is not None
+        if not named and args.tokenizer_type == "SentencePieceTokenizer":
+            return DEFAULT_VOCAB_SIZE
+        return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                               merge_file=args.merge_file, vocab_size=args.vocab_size,
+                               tiktoken_pattern=args.tiktoken_pattern).vocab_size
+    if args.data_path is None and split_paths is None:
+        given = [flag for flag, value in (("--tokenizer-model", args.tokenizer_model),
+                                          ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
+                                          ("--vocab-size", args.vocab_size)) if value is not None]
+        if args.tokenizer_type != "SentencePieceTokenizer":
+            given.insert(0, f"--tokenizer-type {args.tokenizer_type}")
+        if given:
+            raise UsageError(f"{given[0]} needs --data-path (the default corpus brings its own tokenizer)")
+        return DEFAULT_VOCAB_SIZE
+    from megazero.data.builders import parse_data_path
+    from megazero.data.tokenizer import build_tokenizer
+    if split_paths is None:
+        parse_data_path(args.data_path)
+    for flag, paths in zip(SPLIT_PATH_FLAGS, split_paths or ()):
+        if paths is not None:
+            parse_data_path(paths, flag)
+    if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
+        flag = "--data-path" if split_paths is None else "--train-data-path"
+        raise UsageError(f"{flag} needs --tokenizer-model (the sentencepiece model the data was "
+                         "tokenized with), or another --tokenizer-type")
+    return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, vocab_size=args.vocab_size,
+                           tiktoken_pattern=args.tiktoken_pattern).vocab_size
+
+
+def per_split_paths(args) -> list | None:
+    """[train, valid, test] of --train-data-path / --valid-data-path / --test-data-path (each a
+    --data-path-style list or None), or None when none of them is given."""
+    paths = [getattr(args, flag[2:].replace("-", "_")) for flag in SPLIT_PATH_FLAGS]
+    if all(p is None for p in paths):
+        return None
+    given = next(flag for flag, p in zip(SPLIT_PATH_FLAGS, paths) if p is not None)
+    if args.data_path is not None:
+        raise UsageError(f"--data-path and {given} are both set; choose one: --data-path with --split cuts "
+                         "one blend into train/valid/test, the per-split flags give each split its own")
+    if args.mock_data:
+        raise UsageError(f"--mock-data and {given} are both set; choose one (mock data reads no files)")
+    if paths[0] is None:
+        raise UsageError(f"{given} needs --train-data-path (the data to train on) beside it")
+    return paths
+
+
+def check_object_storage(args) -> None:
+    if args.object_storage_cache_path is not None:
+        raise UsageError(f"--object-storage-cache-path {args.object_storage_cache_path}: megazero reads data "
+                         "from local files only (no S3 or multi-storage client); copy the .bin/.idx files to a "
+                         "local or mounted filesystem, give their prefixes to --data-path and remove this flag")
+
+
 def data_notes(args) -> list[str]:
     """One note per data flag that has no effect with the others given."""
     notes = []
@@ -24,6 +92,9 @@ def data_notes(args) -> list[str]:
                      f"pattern and the tokenizer is {args.tokenizer_type}")
     if args.mock_data and args.data_path is not None:
         raise UsageError("--mock-data and --data-path are both set; choose one (mock data reads no files)")
+    if args.split is not None and per_split_paths(args) is not None:
+        notes.append(f"--split {args.split} has no effect: --train-data-path (and --valid-data-path, "
+                     f"--test-data-path) give each split the whole of its own data, as in Megatron-LM")
     if args.mock_data and args.no_mmap_bin_files:
         notes.append("--no-mmap-bin-files has no effect: --mock-data reads no .bin files")
     if args.ckpt_format is not None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import math
+from pathlib import Path
 
 from megazero.core.errors import UsageError
 from megazero.config.moe_flags import add_moe_flags
@@ -31,19 +33,29 @@ MERGED = {
     "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
     "optimizer": ("--optimizer", "adam"), "muon_momentum": ("--muon-momentum", None),
 }
-# Megatron-LM flags megazero does not have; named as such instead of "did you mean".
-MEGATRON_ONLY = frozenset("""
---use-flash-attn --transformer-impl --tokenizer-model-type
---use-checkpoint-args
---use-cpu-initialization --attention-softmax-in-fp32
---accumulate-allreduce-grads-in-fp32
---no-bias-dropout-fusion --apply-query-key-layer-scaling
---use-rotary-position-embeddings
---data-impl --mmap-warmup --dataloader-type
---checkpoint-activations
---deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
---cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt --muon-use-syrk
-""".split())
+# Megatron-LM's flags, by argument group (megatron_flags.txt, written from Megatron-LM's own parser by
+# tools/megatron_flag_list.py): one megazero lacks is named as such instead of "did you mean".
+MEGATRON_FLAGS_FILE = Path(__file__).with_name("megatron_flags.txt")
+
+
+@functools.cache
+def megatron_flag_groups() -> dict[str, tuple[str, ...]]:
+    """{Megatron-LM argument group: (--flag, ...)}, as megatron_flags.txt lists them."""
+    groups: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in MEGATRON_FLAGS_FILE.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            current = groups.setdefault(line[1:-1], [])
+        elif line and not line.startswith("#"):
+            current.append(line)
+    return {title: tuple(flags) for title, flags in groups.items()}
+
+
+def megatron_flags_megazero_lacks() -> set[str]:
+    """Megatron-LM's flags that megazero's parser does not take."""
+    taken = build_parser()._option_string_actions
+    return {flag for flags in megatron_flag_groups().values() for flag in flags if flag not in taken}
 
 
 # Ranges of settings that a flag or a DeepSpeed key may give: name -> (lowest, lowest allowed,
@@ -71,7 +83,8 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None,
                "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
                "cpu_optimizer_threads": (1, True, None, False),
                "distributed_timeout_minutes": (0, False, None, False),
-               "heartbeat_timeout_minutes": (0, True, None, False)}
+               "heartbeat_timeout_minutes": (0, True, None, False),
+               "num_dataset_builder_threads": (1, True, None, False)}
 
 
 def range_text(bounds) -> str:
@@ -325,7 +338,16 @@ def _data_flags(p) -> None:
          shown="the embedded standard-library corpus")
     _add(g, "--mock-data", action="store_true",
          help="train on random tokens of the tokenizer's vocabulary (no data files)")
-    _add(g, "--split", default="949,50,1", help="train,valid,test weights")
+    _add(g, "--split", default=None, help="train,valid,test weights cutting --data-path's sequences, as "
+         "megatron-core does", shown="949,50,1")
+    for split in ("train", "valid", "test"):
+        _add(g, f"--{split}-data-path", nargs="+", default=None,
+             help=f"the {split} split's own prefix or 'weight prefix ...' blend, whole (instead of --data-path "
+                  f"and --split)", shown="none")
+    _add(g, "--num-dataset-builder-threads", type=int, default=1,
+         help="threads building a blend's datasets (their sample indices) at once")
+    _add(g, "--object-storage-cache-path", default=None,
+         help="refused: megazero reads data from local files only", shown="none")
     _add(g, "--tokenizer-model", default=None,
          help="sentencepiece .model, or Hugging Face tokenizer folder/tokenizer.json, the data was tokenized with",
          shown="the embedded corpus's")
@@ -411,7 +433,7 @@ def _unknown_flag_error(parser: argparse.ArgumentParser, extras: list[str]) -> U
     if not flags:
         return UsageError(f"unexpected argument {extras[0]!r}; every value follows its --flag")
     flag = flags[0]
-    if flag in MEGATRON_ONLY:
+    if any(flag in flags for flags in megatron_flag_groups().values()):
         return UsageError(f"{flag} is a Megatron-LM flag megazero does not have; remove it "
                           f"(python pretrain_gpt.py --help lists what megazero takes)")
     near = difflib.get_close_matches(flag, parser._option_string_actions, n=1, cutoff=0.6)

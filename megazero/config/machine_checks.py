@@ -46,7 +46,8 @@ def check_data(cfg: TrainConfig) -> None:
     data = cfg.data
     if data.mock_data:          # random tokens: nothing to open
         return
-    if data.data_path is None:
+    embedded = not data.reads_files()
+    if embedded:
         if not default_data_ready(data.cache_dir):
             # The embedded corpus will be built (or repaired) into the cache by rank 0.
             check_writable_dir(default_data_dir(data.cache_dir), cache_origin(data.cache_dir),
@@ -57,11 +58,11 @@ def check_data(cfg: TrainConfig) -> None:
     else:
         data_path, vocab_source = data.data_path, _tokenizer_named(data)
     folders = check_datasets(data_path, data.split, cfg.model.seq_length, cfg.seed, cfg.sample_counts(),
-                             data.cache_dir, cfg.model.vocab_size, vocab_source)
+                             data.cache_dir, cfg.model.vocab_size, vocab_source, per_split=data.split_paths)
     for folder in folders:
         if data.cache_dir:
             what = f"--data-cache-path {folder}"
-        elif data.data_path is None:
+        elif embedded:
             what = f"{cache_origin()} (its folder {folder} holds the sample indices)"
         else:
             what = f"the data folder {folder} (sample indices are cached beside --data-path)"

@@ -82,6 +82,14 @@ class DataConfig(Record):
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    split_paths: Optional[list[Optional[list[str]]]] = None
+    """[train, valid, test] of --train-data-path / --valid-data-path / --test-data-path, each split's
+    own blend taken whole (data_path and split unused); None: data_path cut by split."""
+    builder_threads: int = 1                     # --num-dataset-builder-threads
+
+    def reads_files(self) -> bool:
+        """Whether the run reads the user's .bin/.idx files (else mock data or the embedded corpus)."""
+        return not self.mock_data and (self.data_path is not None or self.split_paths is not None)
 
 
 class CheckpointConfig(Record):

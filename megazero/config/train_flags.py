@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from megazero.config.deepspeed_json import load_deepspeed_config
-from megazero.config.data_flags import data_notes, infer_tokenizer_type
+from megazero.config.data_flags import (DEFAULT_SPLIT, data_notes, infer_tokenizer_type, per_split_paths,
+                                        tokenizer_vocab_size)
 from megazero.config.deepspeed_blocks import DeepSpeedSettings, flags_from_config
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_problem
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
@@ -154,14 +155,16 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                              dispatcher=args.moe_token_dispatcher_type, seq_length=model.seq_length)
 
     from megazero.data.gpt_dataset import parse_split
-    parse_split(args.split)
-    data = DataConfig(data_path=args.data_path, split=args.split, tokenizer_model=args.tokenizer_model,
+    split = args.split or DEFAULT_SPLIT
+    parse_split(split)
+    data = DataConfig(data_path=args.data_path, split=split, tokenizer_model=args.tokenizer_model,
                       tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size,
                       cache_dir=args.data_cache_path, mock_data=args.mock_data,
                       mmap_bin_files=not args.no_mmap_bin_files, tiktoken_pattern=args.tiktoken_pattern,
                       reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-                      eod_mask_loss=args.eod_mask_loss)
+                      eod_mask_loss=args.eod_mask_loss,
+                      split_paths=per_split_paths(args), builder_threads=args.num_dataset_builder_threads)
     notes += data_notes(args)
     ramp = batch_ramp(args, glob, micro, topology.dp)
     if ramp is not None and (virtual > 1 or args.pipeline_schedule == "interleaved"):
@@ -345,39 +348,8 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
     return precision, notes
 
 
-def _tokenizer_vocab_size(args) -> int:
-    """The vocabulary of the tokenizer the flags name (the embedded corpus's without --data-path)."""
-    from megazero.data.default_data import DEFAULT_VOCAB_SIZE
-    if args.mock_data:       # random tokens of the named tokenizer's vocabulary, else the default corpus's
-        from megazero.data.tokenizer import build_tokenizer
-        named = args.tokenizer_model or args.vocab_file or args.vocab_size is not None
-        if not named and args.tokenizer_type == "SentencePieceTokenizer":
-            return DEFAULT_VOCAB_SIZE
-        return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                               merge_file=args.merge_file, vocab_size=args.vocab_size,
-                               tiktoken_pattern=args.tiktoken_pattern).vocab_size
-    if args.data_path is None:
-        given = [flag for flag, value in (("--tokenizer-model", args.tokenizer_model),
-                                          ("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
-                                          ("--vocab-size", args.vocab_size)) if value is not None]
-        if args.tokenizer_type != "SentencePieceTokenizer":
-            given.insert(0, f"--tokenizer-type {args.tokenizer_type}")
-        if given:
-            raise UsageError(f"{given[0]} needs --data-path (the default corpus brings its own tokenizer)")
-        return DEFAULT_VOCAB_SIZE
-    from megazero.data.builders import parse_data_path
-    from megazero.data.tokenizer import build_tokenizer
-    parse_data_path(args.data_path)
-    if args.tokenizer_type == "SentencePieceTokenizer" and not args.tokenizer_model:
-        raise UsageError("--data-path needs --tokenizer-model (the sentencepiece model the data was "
-                         "tokenized with), or another --tokenizer-type")
-    return build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-                           merge_file=args.merge_file, vocab_size=args.vocab_size,
-                           tiktoken_pattern=args.tiktoken_pattern).vocab_size
-
-
 def _model_config(args, topology: Topology, notes: list[str]) -> GPTConfig:
-    vocab = _tokenizer_vocab_size(args)
+    vocab = tokenizer_vocab_size(args)
     if args.max_position_embeddings and args.max_position_embeddings < args.seq_length:
         raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
                          f"--seq-length {args.seq_length}")

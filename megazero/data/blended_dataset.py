@@ -1,9 +1,11 @@
 """Blending several datasets by weight into one, deterministically.
 
 Sample i goes to the dataset that is furthest behind its quota: the k maximising
-`weight_k * (i + 1) - count_k` (ties to the lowest k). This greedy rule keeps every dataset's
-count within one sample of `weight_k * n` after every prefix of n samples, so even a short run
-sees the intended mix. The assignment depends only on the weights and the size, never on a seed.
+`weight_k * max(i, 1) - count_k` (ties to the lowest k), megatron-core's rule (its BlendedDataset's
+build_blending_indices), so a blend draws the same member samples in the same order as
+megatron-core's. This greedy rule keeps every dataset's count within one sample of `weight_k * n`
+after every prefix of n samples, so even a short run sees the intended mix. The assignment depends
+only on the weights and the size, never on a seed.
 
 Owns the assignment only; each member dataset does its own shuffling.
 """
@@ -22,8 +24,8 @@ def normalize_weights(weights, expected_count=None):
         raise UsageError(f"{len(weights)} blend weights for {expected_count} datasets; give one weight per dataset")
     if not weights or any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
         raise UsageError(f"blend weights {weights} must be non-negative with a positive sum")
-    total = sum(weights)
-    return [w / total for w in weights]
+    # As megatron-core normalises (numpy float64 sum), so the blend's arithmetic is bit-equal.
+    return (np.array(weights, dtype=np.float64) / np.sum(np.array(weights, dtype=np.float64))).tolist()
 
 
 def build_blend_indices(weights, size):
@@ -34,7 +36,7 @@ def build_blend_indices(weights, size):
     candidates = range(len(weights))
     # A plain Python loop: a handful of datasets and ~1 µs per sample, built once per run.
     for i in range(size):
-        chosen = max(candidates, key=lambda k: weights[k] * (i + 1) - counts[k])
+        chosen = max(candidates, key=lambda k: weights[k] * max(i, 1) - counts[k])
         dataset_index[i] = chosen
         dataset_sample_index[i] = counts[chosen]
         counts[chosen] += 1

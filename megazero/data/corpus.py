@@ -202,16 +202,20 @@ def is_jsonl(path):
 
 
 def iter_documents(paths, keys=("text",)):
-    """Yields `{key: text}` documents from several files: JSONL (`.jsonl`/`.json`) or plain text.
+    """Yields `{key: text}` documents from several files: JSONL (`.jsonl`/`.json`), Hugging Face
+    `datasets` Parquet / Arrow files and save_to_disk folders (megazero.data.hf_files), or plain text.
 
     A plain text file is ONE document, read whole: our corpora are source code, where blank
     lines are part of the text and cannot serve as document separators. Put many documents in
     one file with JSONL instead. Plain text has a single field, so it takes a single key.
     """
+    from megazero.data.hf_files import is_saved_dataset, is_table, iter_table_records
     for path in paths:
-        if not Path(path).is_file():
+        if not Path(path).is_file() and not is_saved_dataset(path):
             raise UsageError(f"input file {path} not found; check the --input path")
-        if is_jsonl(path):
+        if is_table(path):
+            yield from iter_table_records(path, keys)
+        elif is_jsonl(path):
             yield from iter_jsonl_records(path, keys)
         elif len(keys) == 1:
             # newline="": keep "\r\n" as written; the tokens must reproduce the file exactly.

@@ -1,16 +1,24 @@
 """GPT samples over one IndexedDataset: split strings, document ranges, and the three cached indices.
 
-A split is a contiguous range of documents. Within it, the unit the indices shuffle is the
-sequence (with one sequence per document, as tools/preprocess_data.py writes, that is the
-document). Three arrays turn a sample number into tokens:
+A split is a contiguous range of sequences, as megatron-core cuts it (with one sequence per
+document, as tools/preprocess_data.py writes, that is the document); the sequence is also the unit
+the indices shuffle. Three arrays turn a sample number into tokens:
 
-- document index: the split's sequences, shuffled, once per epoch, for as many epochs as the
-  requested samples need; concatenated they form one token stream;
-- sample index, shape [num_samples + 1, 2]: row i is (position in the document index, token
-  offset) of stream token i * seq_length. Sample i is stream tokens [i*L, (i+1)*L] inclusive,
-  L + 1 tokens (inputs and shifted labels), so consecutive samples share one token and samples
-  run across document boundaries;
-- shuffle index: a permutation of the samples.
+Their construction is megatron-core's GPTDataset's (same seed, same numpy calls, same arithmetic),
+so sample i is the token run megatron-core's GPTDataset gives for sample i on the same files:
+
+- document index: the split's sequences repeated for as many epochs as the requested samples need
+  (int32), shuffled as one array; when the last epoch contributes fewer than 80% of an epoch's
+  samples it is shuffled on its own after the others. Concatenated they form one token stream;
+- sample index, shape [total + 1, 2], total = (epochs * tokens per epoch - 1) // seq_length (every
+  whole sample the epochs hold, not only the requested ones): row i is (position in the document
+  index, token offset) of stream token i * seq_length. Sample i is stream tokens [i*L, (i+1)*L]
+  inclusive, L + 1 tokens (inputs and shifted labels), so consecutive samples share one token and
+  samples run across document boundaries;
+- shuffle index: a permutation of the `total` samples (with a separate last epoch, the samples
+  before it and those in it are permuted apart), drawn from the same random state after the
+  document index. Item i is sample shuffle[i], for every i below `total` (at least the requested
+  `num_samples`).
 
 They are built once, saved as .npy beside the data (or in `cache_dir`) under a name that hashes
 every parameter they depend on, and memory-mapped on later runs. With `build=False` a dataset only
@@ -35,7 +43,9 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def parse_split(split):
-    """'949,50,1' (or '98/1/1', or '0.9,0.1') -> three fractions summing to 1; missing parts are 0."""
+    """'949,50,1' (or '98/1/1', or '0.9,0.1') -> three fractions summing to 1; missing parts are 0.
+    Normalised as megatron-core does (float64 weights over their numpy sum), so the bounds below
+    round the same way."""
     parts = [p.strip() for p in re.split(r"[,/]", str(split))]
     try:
         values = [float(p) for p in parts]
@@ -47,29 +57,65 @@ def parse_split(split):
     if any(v < 0 or not np.isfinite(v) for v in values) or sum(values) <= 0:
         raise UsageError(f"--split '{split}' needs non-negative weights with a positive sum, "
                          "e.g. '949,50,1'")
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
+    weights = np.array(values + [0.0] * (3 - len(values)), dtype=np.float64)
+    return (weights / np.sum(weights)).tolist()
 
 
-def split_document_ranges(fractions, num_documents):
-    """Megatron's rule: [(start, end)] per split over `num_documents` documents.
+def split_document_ranges(fractions, num_sequences):
+    """megatron-core's rule (BlendedMegatronDatasetBuilder): [(start, end)] of sequence numbers per
+    split over `num_sequences` sequences (one per document, as tools/preprocess_data.py writes).
 
-    Boundary k+1 is boundary k plus round(fraction_k * N); if rounding overshoots or undershoots
-    N, every boundary after the first moves by the difference so the last one is exactly N.
-    (Python's round() is half-to-even, the same one Megatron uses, so the splits agree.)
+    The fractions' running sums, added as Python floats from 0, are each split's book-ends (lo, hi);
+    the split takes sequences [round(lo * N), round(hi * N)). A split of weight 0 gets an empty
+    range (megatron-core builds none). Python's round() is half-to-even, as megatron-core's.
     """
-    bounds = [0]
+    ends = [0]
     for fraction in fractions:
-        bounds.append(bounds[-1] + int(round(fraction * float(num_documents))))
-    overshoot = bounds[-1] - num_documents
-    bounds = [bounds[0]] + [b - overshoot for b in bounds[1:]]
-    return [(bounds[k], bounds[k + 1]) for k in range(len(fractions))]
+        ends.append(ends[-1] + fraction)
+    return [(int(round(lo * float(num_sequences))), int(round(hi * float(num_sequences))))
+            for lo, hi in zip(ends[:-1], ends[1:])]
 
 
-def build_document_index(sequence_ids, num_epochs, rng):
-    """The split's sequence ids, each epoch shuffled on its own, epochs back to back."""
-    return np.concatenate([rng.permutation(sequence_ids) for _ in range(num_epochs)]).astype(np.int64)
+INDEX_RULE = "megatron-core-0.16"
+SEPARATE_LAST_EPOCH_BELOW = 0.80    # megatron-core's threshold, a fraction of one epoch's samples
+
+
+def epoch_plan(num_samples, seq_length, tokens_per_epoch):
+    """(epochs, total samples they hold, samples before the last epoch or None when the last epoch is
+    shuffled with the others), by megatron-core's arithmetic (one extra token: the last label)."""
+    num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+    total = (num_epochs * tokens_per_epoch - 1) // seq_length
+    if num_epochs == 1:
+        return num_epochs, total, None
+    before_last = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    separate = num_samples - before_last < int(SEPARATE_LAST_EPOCH_BELOW * per_epoch)
+    return num_epochs, total, before_last if separate else None
+
+
+def build_document_index(sequence_ids, num_epochs, rng, separate_last=False):
+    """The split's sequences for `num_epochs` epochs as one shuffled int32 array (the last epoch
+    shuffled on its own after the others when `separate_last`)."""
+    if separate_last and num_epochs > 1:
+        return np.concatenate([build_document_index(sequence_ids, num_epochs - 1, rng),
+                               build_document_index(sequence_ids, 1, rng)])
+    index = np.tile(np.asarray(sequence_ids, dtype=np.int32), num_epochs)
+    rng.shuffle(index)
+    return index
+
+
+def build_shuffle_index(total, before_last, rng):
+    """A permutation of range(total); with `before_last`, [0, before_last) and [before_last, total)
+    are permuted apart (the first drawn first), in megatron-core's dtype (its draws depend on it)."""
+    dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
+    cut = total if before_last is None else before_last
+    first = np.arange(cut, dtype=dtype)
+    rng.shuffle(first)
+    if cut == total:
+        return first
+    last = np.arange(cut, total, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate([first, last])
 
 
 def build_sample_index(sizes, document_index, num_samples, seq_length):
@@ -79,7 +125,8 @@ def build_sample_index(sizes, document_index, num_samples, seq_length):
     starts = ends - lengths
     positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     # side="right": a position equal to a document's end belongs to the next document, and
-    # empty documents (start == end) are never chosen.
+    # empty documents (start == end) are never chosen. (megatron-core writes such a position as
+    # the end of the document before; the tokens a sample reads are the same.)
     doc_positions = np.searchsorted(ends, positions, side="right")
     return np.stack([doc_positions, positions - starts[doc_positions]], axis=1)
 
@@ -91,27 +138,28 @@ def _save_npy_atomically(path, array):
 
 
 class GPTDataset:
-    """`num_samples` samples of `seq_length + 1` tokens from documents [start, end) of `indexed`."""
+    """At least `num_samples` samples of `seq_length + 1` tokens from sequences [start, end) of
+    `indexed` (its documents, where each is one sequence)."""
 
     def __init__(self, indexed, split_name, document_range, num_samples, seq_length, seed,
                  cache_dir=None, progress=True, build=True):
         start, end = document_range
-        if not 0 <= start < end <= indexed.num_documents:
-            raise UsageError(f"{split_name} split: document range [{start}, {end}) is empty or outside "
-                             f"the {indexed.num_documents} documents of {indexed.prefix}; adjust --split")
+        if not 0 <= start < end <= len(indexed):
+            raise UsageError(f"{split_name} split: sequence range [{start}, {end}) is empty or outside "
+                             f"the {len(indexed)} sequences of {indexed.prefix}; adjust --split")
         if seq_length < 1 or num_samples < 1:
             raise UsageError(f"{split_name} split: seq_length ({seq_length}) and num_samples "
                              f"({num_samples}) must be positive")
         self.indexed = indexed
         self.seq_length = seq_length
         self.num_samples = num_samples
-        first, last = int(indexed.document_indices[start]), int(indexed.document_indices[end])
-        self.sequence_ids = np.arange(first, last, dtype=np.int64)
-        self.tokens_per_epoch = int(indexed.sizes[first:last].sum(dtype=np.int64))
+        self.sequence_ids = np.arange(start, end, dtype=np.int64)
+        self.tokens_per_epoch = int(indexed.sizes[start:end].sum(dtype=np.int64))
         if self.tokens_per_epoch == 0:
             raise UsageError(f"{split_name} split of {indexed.prefix} has no tokens; use more data or "
                              "a different --split")
-        key = (f"{Path(indexed.prefix).name}|{split_name}|{start}:{end}|{num_samples}|{seq_length}"
+        # INDEX_RULE: indices cached by an earlier rule are never read back as this one's.
+        key = (f"{INDEX_RULE}|{Path(indexed.prefix).name}|{split_name}|{start}:{end}|{num_samples}|{seq_length}"
                f"|{seed}|{self.tokens_per_epoch}")
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         folder = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent
@@ -149,12 +197,13 @@ class GPTDataset:
                 return f"{path} is damaged (no .npy array: {str(err).splitlines()[0] if str(err) else type(err).__name__})"
         doc, sample, shuffle = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
         sizes, first, last = self.indexed.sizes, self.sequence_ids[0], self.sequence_ids[-1]
+        num_epochs, total, _ = epoch_plan(self.num_samples, self.seq_length, self.tokens_per_epoch)
         problems = {
-            "doc_idx": (doc.dtype != np.int64 or doc.ndim != 1 or len(doc) != self.num_epochs * len(self.sequence_ids)
+            "doc_idx": (not np.issubdtype(doc.dtype, np.integer) or doc.ndim != 1 or len(doc) != num_epochs * len(self.sequence_ids)
                         or (len(doc) and (doc.min() < first or doc.max() > last))),
-            "sample_idx": (sample.dtype != np.int64 or sample.shape != (self.num_samples + 1, 2)),
-            "shuffle_idx": (shuffle.dtype != np.int64 or shuffle.shape != (self.num_samples,)
-                            or shuffle.min() < 0 or shuffle.max() >= self.num_samples),
+            "sample_idx": (not np.issubdtype(sample.dtype, np.integer) or sample.shape != (total + 1, 2)),
+            "shuffle_idx": (not np.issubdtype(shuffle.dtype, np.integer) or shuffle.shape != (total,)
+                            or shuffle.min() < 0 or shuffle.max() >= total),
         }
         if not problems["doc_idx"] and not problems["sample_idx"]:
             positions, offsets = sample[:, 0], sample[:, 1]
@@ -172,23 +221,24 @@ class GPTDataset:
     def num_epochs(self) -> int:
         """Passes over the split the samples need: one more token than num_samples * seq_length (the
         last sample's shifted label)."""
-        return -(-(self.num_samples * self.seq_length + 1) // self.tokens_per_epoch)
+        return epoch_plan(self.num_samples, self.seq_length, self.tokens_per_epoch)[0]
 
     def _build_and_save(self, seed, split_name, folder, progress):
         meter = Progress(f"building {split_name} indices ({self.num_samples} samples)", enabled=progress)
         meter.begin()
-        num_epochs = self.num_epochs
+        num_epochs, total, before_last = epoch_plan(self.num_samples, self.seq_length, self.tokens_per_epoch)
         rng = np.random.RandomState(seed)
-        doc_idx = build_document_index(self.sequence_ids, num_epochs, rng)
-        sample_idx = build_sample_index(self.indexed.sizes, doc_idx, self.num_samples, self.seq_length)
-        shuffle_idx = rng.permutation(self.num_samples).astype(np.int64)
+        doc_idx = build_document_index(self.sequence_ids, num_epochs, rng, separate_last=before_last is not None)
+        sample_idx = build_sample_index(self.indexed.sizes, doc_idx, total, self.seq_length)
+        shuffle_idx = build_shuffle_index(total, before_last, rng).astype(np.int64)
         folder.mkdir(parents=True, exist_ok=True)
         for name, array in (("doc_idx", doc_idx), ("sample_idx", sample_idx), ("shuffle_idx", shuffle_idx)):
             _save_npy_atomically(self.cache_paths[name], array)
         meter.finish(self.num_samples, f"samples, {num_epochs} epochs,")
 
     def __len__(self):
-        return self.num_samples
+        """Every whole sample of the epochs built (at least `num_samples`), as megatron-core's."""
+        return len(self.shuffle_idx)
 
     def sample_tokens(self, sample):
         """Tokens of sample `sample` in stream order (before the shuffle index), as int64."""
@@ -202,6 +252,6 @@ class GPTDataset:
         return np.concatenate(pieces).astype(np.int64)
 
     def __getitem__(self, index):
-        if not -self.num_samples <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} out of range for {len(self)} samples")
         return {"tokens": self.sample_tokens(int(self.shuffle_idx[index]))}

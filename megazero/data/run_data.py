@@ -87,13 +87,14 @@ def datasets(cfg, say, first, eod: int | None = None):
 
     def build(progress: bool):
         data_path = cfg.data.data_path
-        if data_path is None:
+        if not cfg.data.reads_files():
             prefix, _ = prepare_default_data(cfg.data.cache_dir, progress=progress)
             say(f" data: embedded corpus (Python standard library sources) at {prefix}")
             data_path = [prefix]
         train, valid, _ = build_train_valid_test_datasets(
             data_path, cfg.data.split, cfg.model.seq_length, cfg.seed, cfg.sample_counts(), cfg.data.cache_dir,
-            progress, mmap=cfg.data.mmap_bin_files)
+            progress, mmap=cfg.data.mmap_bin_files, per_split=cfg.data.split_paths,
+            threads=cfg.data.builder_threads)
         return train, valid
     return first(build)
 
@@ -106,7 +107,7 @@ def tokenizer_record(data) -> dict | None:
     from megazero.data.tokenizer import build_tokenizer, load_tokenizer, saved_form
     if data.mock_data and not _names_a_tokenizer(data):
         return None                        # random tokens of the default vocabulary: no tokenizer to keep
-    if data.data_path is None and not data.mock_data:
+    if not data.reads_files() and not data.mock_data:
         return saved_form(load_tokenizer(default_data_files(data.cache_dir)[1]))
     tokenizer = build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model,
                                 vocab_file=data.vocab_file, merge_file=data.merge_file,

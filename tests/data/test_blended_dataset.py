@@ -21,8 +21,9 @@ def test_blend_counts_within_one_of_target_at_every_prefix(weights):
 def test_blended_dataset_items_and_bad_weights():
     a, b = [("a", i) for i in range(10)], [("b", i) for i in range(10)]
     blend = BlendedDataset([a, b], [3, 1], 8)
-    # By hand, lag = w*(i+1) - count: i=0 (.75,.25) a; i=1 (.5,.5) tie -> a; i=2 (.25,.75) b; i=3 (1,0) a
-    assert [blend[i] for i in range(4)] == [("a", 0), ("a", 1), ("b", 0), ("a", 2)]
+    # By hand, megatron-core's lag w*max(i, 1) - count: i=0 (.75,.25) a; i=1 (-.25,.25) b;
+    # i=2 (.5,-.5) a; i=3 (.25,-.25) a; i=4 (0,0) tie -> a
+    assert [blend[i] for i in range(5)] == [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("a", 3)]
     for weights in ([-1, 2], [0, 0], [1]):
         with pytest.raises(UsageError, match="weight"):
             BlendedDataset([a, b], weights, 8)

@@ -39,12 +39,13 @@ def test_build_train_valid_test_single_and_blended(tmp_path):
     low = write_dataset(tmp_path / "low", [[i % 50 + 1] * 7 for i in range(20)])
     high = write_dataset(tmp_path / "high", [[100 + i] * 5 for i in range(20)])
     train, valid, test = build_train_valid_test_datasets([low], "8,2,0", 4, 1234, (30, 6, 5), progress=False)
-    assert test is None and len(train) == 30 and len(valid) == 6
+    # Every whole sample of the epochs the request needs, as megatron-core: 30 * 4 + 1 tokens of 112-token epochs
+    assert test is None and len(train) == (2 * 112 - 1) // 4 and len(valid) >= 6
     assert {t for i in range(6) for t in valid[i]["tokens"].tolist()} <= set(range(17, 21))  # docs 16..19
     train, valid, test = build_train_valid_test_datasets(["3", low, "1", high], "8,1,1", 4, 1234,
                                                          (40, 8, 0), progress=False)
-    assert test is None and len(train) == 40 and len(valid) == 8
+    assert test is None and len(train) == 30 + 10 and len(valid) == 6 + 2   # sum of ceil(n * weight)
     from_high = [bool(train[i]["tokens"][0] >= 100) for i in range(40)]
     assert sum(from_high) == 10  # 1/4 of 40, exactly, by the greedy blend
-    with pytest.raises(UsageError, match="0 of the 20 documents"):
+    with pytest.raises(UsageError, match="0 of the 20 sequences"):
         build_train_valid_test_datasets([low], "1000,1,0", 4, 1, (10, 10, 0), progress=False)

@@ -1,4 +1,4 @@
-"""megazero/data/gpt_dataset.py: Megatron's split rule, the golden sample index, samples across
+"""megazero/data/gpt_dataset.py: megatron-core's split rule, the golden sample index, samples across
 document boundaries, document ranges, and the index cache reused."""
 import numpy as np
 import pytest
@@ -15,12 +15,12 @@ def test_parse_split_and_megatron_split_rule():
     for bad in ["a,b", "1,2,3,4", "0,0,0", "-1,2", ""]:
         with pytest.raises(UsageError, match="split"):
             parse_split(bad)
-    # Worked by hand: boundaries 0, +round(f*N) each, then shifted so the last is N.
+    # Worked by hand, megatron-core's rule: running sums of the fractions, each bound round(sum * N).
     assert split_document_ranges(parse_split("949,50,1"), 1000) == [(0, 949), (949, 999), (999, 1000)]
-    assert split_document_ranges([1 / 3] * 3, 10) == [(0, 4), (4, 7), (7, 10)]   # 0,3,6,9 -> +1
+    assert split_document_ranges([1 / 3] * 3, 10) == [(0, 3), (3, 7), (7, 10)]   # 3.33, 6.67
     assert split_document_ranges(parse_split("949,50,1"), 3) == [(0, 3), (3, 3), (3, 3)]
-    # round(2.5) == 2 (half to even): 0,2,4,4 -> shifted by +1 -> 0,3,5,5
-    assert split_document_ranges(parse_split("1,1"), 5) == [(0, 3), (3, 5), (5, 5)]
+    # round(2.5) == 2 (half to even)
+    assert split_document_ranges(parse_split("1,1"), 5) == [(0, 2), (2, 5), (5, 5)]
 
 
 def test_golden_sample_index_single_document(tmp_path):
@@ -44,18 +44,18 @@ def test_samples_cross_document_boundaries_and_skip_empty_documents(tmp_path):
     docs = [[1, 2], [3, 4, 5, 6, 7], [], [8], [9, 10, 11]]
     indexed = IndexedDataset(write_dataset(tmp_path / "x", docs))
     ds = GPTDataset(indexed, "train", (0, 5), num_samples=6, seq_length=4, seed=3)
-    # 6 * 4 + 1 = 25 tokens from 11-token epochs: 3 epochs, each its own permutation.
-    assert len(ds.doc_idx) == 15
-    for epoch in range(3):
-        assert sorted(ds.doc_idx[epoch * 5:(epoch + 1) * 5].tolist()) == [0, 1, 2, 3, 4]
+    # 6 * 4 + 1 = 25 tokens from 11-token epochs: 3 epochs shuffled as one (megatron-core's rule: the
+    # last epoch's 1 sample is not below 80% of an epoch's 2), holding (33 - 1) // 4 = 8 samples.
+    assert sorted(ds.doc_idx.tolist()) == sorted([0, 1, 2, 3, 4] * 3)
+    assert len(ds) == 8 and sorted(ds.shuffle_idx.tolist()) == list(range(8))
     # The stream written out independently: documents in doc_idx order, back to back.
     stream = [t for d in ds.doc_idx for t in docs[d]]
-    for j in range(6):
+    for j in range(8):
         assert ds.sample_tokens(j).tolist() == stream[4 * j:4 * j + 5]
     for position, offset in ds.sample_idx.tolist():  # never points into the empty document
         assert offset < len(docs[ds.doc_idx[position]])
     owners = [{next(i for i, d in enumerate(docs) if t in d) for t in ds.sample_tokens(j).tolist()}
-              for j in range(6)]
+              for j in range(8)]
     assert max(len(o) for o in owners) >= 3  # some 5-token sample spans three documents
 
 

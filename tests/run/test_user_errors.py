@@ -131,6 +131,8 @@ ROWS = [
      ["did you mean", "corpus_text_document"], []),
     ("megatron-flag-megazero-lacks", lambda f: ["--use-flash-attn"], {},
      ["--use-flash-attn is a Megatron-LM flag"], []),
+    ("megatron-flag-near-a-megazero-one", lambda f: ["--fp8-format", "e4m3"], {},
+     ["--fp8-format is a Megatron-LM flag"], ["did you mean"]),
     # more mistakes
     ("config-wrong-json-type", lambda f: ["--zero-config", f.ds({"train_micro_batch_size_per_gpu": "4"})], {},
      ["train_micro_batch_size_per_gpu must be a number", "ds.json"], []),
