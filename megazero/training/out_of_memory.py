@@ -29,7 +29,7 @@ _FRAMES = ((os.path.join("megazero", "checkpoint", ""), None, "checkpoint"),
 
 
 def mark_phase(err: BaseException | None, name: str) -> None:
-    """Records on `err` the innermost timed phase (training._Timed's name) it left."""
+    """Records on `err` the innermost step phase (training.phases' name) it left."""
     if err is not None and is_out_of_memory(err) and getattr(err, "megazero_phase", None) is None:
         try:
             err.megazero_phase = _PHASES.get(name, name)
