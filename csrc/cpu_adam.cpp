@@ -1,5 +1,5 @@
 // megazero._C: the fused CPU Adam(W) step for flat fp32 partitions, with an optional bf16/fp16
-// copy of the updated parameter written in the same pass.
+// copy of the updated parameter written in the same pass, and Adam moments kept in fp32 or bf16.
 //
 // This file owns the kernel's entry point `adam_update` (scalars, instruction-set dispatch, OpenMP
 // threads), the scalar copy of the loop, and the pybind11 module. The SIMD copies of the loop live
@@ -26,7 +26,11 @@
 // bitwise equality against the reference with a correctly rounded sqrt). torch's
 // DEFAULT-capability (non-AVX2) kernels fuse nothing; against those every fma step differs by one
 // rounding. The 16-bit copy is the updated fp32 parameter rounded to nearest even, as
-// `param.to(torch.bfloat16)` / `.to(torch.float16)` round it.
+// `param.to(torch.bfloat16)` / `.to(torch.float16)` round it. A bf16 moment is widened exactly,
+// the step runs in fp32 as above (the parameter update reads this step's fp32 moments), and the
+// moment is stored rounded to nearest even, as `.to(torch.bfloat16)` rounds: deterministic and
+// independent of the layout, so every ZeRO partitioning stores the same bits (stochastic rounding
+// would need a random stream keyed by each element's global position to be).
 //
 // Instruction sets. No -march flag is used: the cluster image is built once and runs on many CPU
 // models. Each SIMD copy is compiled with a per-function target attribute and chosen at run time
@@ -109,11 +113,15 @@ std::string adam_update(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_a
                         uintptr_t exp_avg_sq_ptr, int64_t numel, int grad_dtype, int64_t step,
                         double lr, double beta1, double beta2, double eps, double weight_decay,
                         bool decoupled, double grad_scale, int num_threads,
-                        uintptr_t param_copy_ptr, int copy_dtype, const std::string& isa_name) {
+                        uintptr_t param_copy_ptr, int copy_dtype, const std::string& isa_name,
+                        int exp_avg_dtype, int exp_avg_sq_dtype) {
   if (grad_dtype != kFloat32 && grad_dtype != kBFloat16 && grad_dtype != kFloat16)
     throw std::invalid_argument("megazero._C.adam_update: unknown grad dtype code");
   if (copy_dtype != kNone && copy_dtype != kBFloat16 && copy_dtype != kFloat16)
     throw std::invalid_argument("megazero._C.adam_update: the param copy must be bf16 (1) or fp16 (2)");
+  for (const int state_dtype : {exp_avg_dtype, exp_avg_sq_dtype})
+    if (state_dtype != kFloat32 && state_dtype != kBFloat16)
+      throw std::invalid_argument("megazero._C.adam_update: a moment must be fp32 (0) or bf16 (1)");
   if ((copy_dtype == kNone) != (param_copy_ptr == 0))
     throw std::invalid_argument("megazero._C.adam_update: give param_copy_ptr and copy_dtype together");
   if (numel < 0 || step < 1)
@@ -121,8 +129,9 @@ std::string adam_update(uintptr_t param_ptr, uintptr_t grad_ptr, uintptr_t exp_a
   const Isa& isa = choose_isa(isa_name);
   const StepScalars s = make_scalars(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale);
   const Buffers b{reinterpret_cast<float*>(param_ptr), reinterpret_cast<const void*>(grad_ptr),
-                  reinterpret_cast<float*>(exp_avg_ptr), reinterpret_cast<float*>(exp_avg_sq_ptr),
-                  reinterpret_cast<uint16_t*>(param_copy_ptr), grad_dtype, copy_dtype};
+                  reinterpret_cast<void*>(exp_avg_ptr), reinterpret_cast<void*>(exp_avg_sq_ptr),
+                  reinterpret_cast<uint16_t*>(param_copy_ptr), grad_dtype, copy_dtype,
+                  exp_avg_dtype, exp_avg_sq_dtype};
 
   // Python's other threads (comm hooks, data loading) keep running while we stream memory.
   py::gil_scoped_release no_gil;
@@ -152,8 +161,9 @@ PYBIND11_MODULE(_C, m) {
   using namespace megazero_adam;
   m.doc() = "megazero C++ kernels: fused CPU Adam(W) on flat fp32 partitions (csrc/cpu_adam.cpp).";
   m.def("adam_update", &adam_update,
-        "One Adam(W) step in place on contiguous 1-D CPU buffers given by address. param, exp_avg and "
-        "exp_avg_sq are fp32; grad_dtype is 0 fp32, 1 bf16, 2 fp16. If param_copy_ptr is not 0 the "
+        "One Adam(W) step in place on contiguous 1-D CPU buffers given by address. param is fp32, "
+        "exp_avg and exp_avg_sq fp32 or bf16 (exp_avg_dtype / exp_avg_sq_dtype 0 fp32, 1 bf16: computed "
+        "in fp32, stored rounded to nearest even); grad_dtype is 0 fp32, 1 bf16, 2 fp16. If param_copy_ptr is not 0 the "
         "updated param, rounded to nearest even, is also written there as copy_dtype (1 bf16, 2 fp16; "
         "-1 with no copy). isa '' picks the best path, else one of supported_isas(). Returns the "
         "path that ran. Matches megazero.ops.adam.adam_update_reference; callers validate buffers.",
@@ -161,7 +171,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("numel"), py::arg("grad_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"),
         py::arg("grad_scale"), py::arg("num_threads"), py::arg("param_copy_ptr") = 0,
-        py::arg("copy_dtype") = kNone, py::arg("isa") = "");
+        py::arg("copy_dtype") = kNone, py::arg("isa") = "", py::arg("exp_avg_dtype") = static_cast<int>(kFloat32),
+        py::arg("exp_avg_sq_dtype") = static_cast<int>(kFloat32));
   m.def("supported_isas", &supported_isas,
         "The loop copies this CPU and build can run, best first: 'avx512', 'avx2', 'scalar'.");
   m.def("compiled_isas", [] {

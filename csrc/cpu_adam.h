@@ -22,7 +22,8 @@ using megazero_dtype::float_from_bits;
 using megazero_dtype::float_to_bf16;
 
 // Dtype codes shared with megazero/ops/adam.py. Gradients may be any of the three; the fused
-// low-precision copy of the parameter is bf16 or fp16, and kNone means no copy is written.
+// low-precision copy of the parameter is bf16 or fp16, and kNone means no copy is written. Each
+// Adam moment is stored in fp32 or bf16 (Megatron-LM's --exp-avg-dtype / --exp-avg-sq-dtype).
 enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 constexpr int kNone = -1;
 
@@ -46,12 +47,21 @@ struct StepScalars {
 struct Buffers {
   float* param;
   const void* grad;        // Dtype grad_dtype
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* exp_avg;           // Dtype exp_avg_dtype: kFloat32 or kBFloat16
+  void* exp_avg_sq;        // Dtype exp_avg_sq_dtype: kFloat32 or kBFloat16
   uint16_t* param_copy;    // bf16 or fp16 bits, or nullptr
   int grad_dtype;
   int copy_dtype;          // kBFloat16, kFloat16 or kNone
+  int exp_avg_dtype;
+  int exp_avg_sq_dtype;
 };
+
+// Which moments are bf16, as one template argument of the SIMD loops: bit 0 exp_avg, bit 1 exp_avg_sq.
+constexpr int kStatesFp32 = 0, kExpAvgBf16 = 1, kExpAvgSqBf16 = 2;
+MEGAZERO_INLINE int state_code(const Buffers& b) {
+  return (b.exp_avg_dtype == kBFloat16 ? kExpAvgBf16 : 0) |
+         (b.exp_avg_sq_dtype == kBFloat16 ? kExpAvgSqBf16 : 0);
+}
 
 // Updates elements [begin, end) of `b`, one definition per instruction set. The SIMD copies are
 // compiled with GCC/Clang target attributes on x86 only; elsewhere the scalar copy serves alone.
@@ -105,6 +115,19 @@ MEGAZERO_INLINE uint16_t float_to_fp16(float value) {
   return sign | static_cast<uint16_t>(rebiased >> 13);
 }
 
+// A moment is read widened to fp32 (exact for bf16) and written back rounded to nearest even:
+// the step computes in fp32 whatever the storage, as Transformer Engine's FusedAdam does with
+// its exp_avg_dtype / exp_avg_sq_dtype.
+MEGAZERO_INLINE float load_state(const void* base, int dtype, int64_t i) {
+  if (dtype == kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  return static_cast<const float*>(base)[i];
+}
+
+MEGAZERO_INLINE void store_state(void* base, int dtype, int64_t i, float value) {
+  if (dtype == kBFloat16) static_cast<uint16_t*>(base)[i] = float_to_bf16(value);
+  else static_cast<float*>(base)[i] = value;
+}
+
 MEGAZERO_INLINE float load_grad(const Buffers& b, int64_t i) {
   if (b.grad_dtype == kBFloat16) return bf16_to_float(static_cast<const uint16_t*>(b.grad)[i]);
   if (b.grad_dtype == kFloat16) return fp16_to_float(static_cast<const uint16_t*>(b.grad)[i]);
@@ -112,19 +135,21 @@ MEGAZERO_INLINE float load_grad(const Buffers& b, int64_t i) {
 }
 
 // The whole step for one element: torch.optim.AdamW's ops, one for one, rounded where torch
-// rounds them (the fma's are the multiply-adds torch's vectorised CPU kernels fuse).
+// rounds them (the fma's are the multiply-adds torch's vectorised CPU kernels fuse). The parameter
+// update reads this step's fp32 moments; only what is stored is rounded to a bf16 moment's dtype.
 MEGAZERO_INLINE void step_element(const Buffers& b, int64_t i, const StepScalars& s) {
   float g = load_grad(b, i) * s.grad_scale;
   float p = b.param[i];
   if (s.decay_param) p = p * s.decay;
   if (s.l2_grad) g = __builtin_fmaf(p, s.l2, g);
-  const float m_old = b.exp_avg[i];
+  const float m_old = load_state(b.exp_avg, b.exp_avg_dtype, i);
   const float m = __builtin_fmaf(s.lerp_coeff, g - m_old, s.lerp_from_grad ? g : m_old);
-  const float v = __builtin_fmaf(s.one_minus_beta2 * g, g, b.exp_avg_sq[i] * s.beta2);
+  const float v = __builtin_fmaf(s.one_minus_beta2 * g, g,
+                                 load_state(b.exp_avg_sq, b.exp_avg_sq_dtype, i) * s.beta2);
   const float denom = __builtin_sqrtf(v) / s.bias2_sqrt + s.eps;
   p = p + (s.neg_step_size * m) / denom;
-  b.exp_avg[i] = m;
-  b.exp_avg_sq[i] = v;
+  store_state(b.exp_avg, b.exp_avg_dtype, i, m);
+  store_state(b.exp_avg_sq, b.exp_avg_sq_dtype, i, v);
   b.param[i] = p;
   if (b.copy_dtype == kBFloat16) b.param_copy[i] = float_to_bf16(p);
   if (b.copy_dtype == kFloat16) b.param_copy[i] = float_to_fp16(p);

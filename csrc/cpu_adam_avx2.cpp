@@ -1,4 +1,5 @@
-// The AVX2+FMA copy of the CPU Adam loop (cpu_adam.h's step_element, 8 floats at a time).
+// The AVX2+FMA copy of the CPU Adam loop (cpu_adam.h's step_element, 8 floats at a time), one
+// instantiation per gradient dtype, parameter-copy dtype and moment dtypes (fp32 / bf16 each).
 //
 // Compiled with a per-function target attribute (no -m flags in the build); cpu_adam.cpp calls it
 // only where the CPU reports avx2, fma and f16c. AVX2 has no masked 16-bit loads, so the last
@@ -61,40 +62,69 @@ MEGAZERO_AVX2_INLINE void store_copy(uint16_t* dst, __m256 p) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
 }
 
-template <int GradDtype, int CopyDtype>
+// A moment's 8 lanes: fp32 as they are, bf16 widened on load and rounded on store (load_state /
+// store_state of cpu_adam.h).
+template <bool Bf16>
+MEGAZERO_AVX2_INLINE __m256 load_state8(const void* base, int64_t i) {
+  if constexpr (Bf16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  }
+}
+
+template <bool Bf16>
+MEGAZERO_AVX2_INLINE void store_state8(void* base, int64_t i, __m256 x) {
+  if constexpr (Bf16) store_copy<kBFloat16>(static_cast<uint16_t*>(base) + i, x);
+  else _mm256_storeu_ps(static_cast<float*>(base) + i, x);
+}
+
+template <int GradDtype, int CopyDtype, int States>
 MEGAZERO_AVX2_INLINE void step8(const Buffers& b, int64_t i, const Constants256& c,
                                 bool decay_param, bool l2_grad) {
   __m256 g = _mm256_mul_ps(load_grad<GradDtype>(b.grad, i), c.grad_scale);
   __m256 p = _mm256_loadu_ps(b.param + i);
   if (decay_param) p = _mm256_mul_ps(p, c.decay);
   if (l2_grad) g = _mm256_fmadd_ps(p, c.l2, g);
-  const __m256 m_old = _mm256_loadu_ps(b.exp_avg + i);
+  constexpr bool m_bf16 = (States & kExpAvgBf16) != 0, v_bf16 = (States & kExpAvgSqBf16) != 0;
+  const __m256 m_old = load_state8<m_bf16>(b.exp_avg, i);
   const __m256 base = _mm256_blendv_ps(m_old, g, c.lerp_from_grad);
   const __m256 m = _mm256_fmadd_ps(c.lerp_coeff, _mm256_sub_ps(g, m_old), base);
-  const __m256 v_scaled = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq + i), c.beta2);
+  const __m256 v_scaled = _mm256_mul_ps(load_state8<v_bf16>(b.exp_avg_sq, i), c.beta2);
   const __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, g), g, v_scaled);
   const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bias2_sqrt), c.eps);
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.neg_step_size, m), denom));
-  _mm256_storeu_ps(b.exp_avg + i, m);
-  _mm256_storeu_ps(b.exp_avg_sq + i, v);
+  store_state8<m_bf16>(b.exp_avg, i, m);
+  store_state8<v_bf16>(b.exp_avg_sq, i, v);
   _mm256_storeu_ps(b.param + i, p);
   if constexpr (CopyDtype != kNone) store_copy<CopyDtype>(b.param_copy + i, p);
 }
 
-template <int GradDtype, int CopyDtype>
+template <int GradDtype, int CopyDtype, int States>
 MEGAZERO_AVX2_TARGET void range_typed(const Buffers& b, int64_t begin, int64_t end,
                                       const StepScalars& s) {
   const Constants256 c = broadcast(s);
   int64_t i = begin;
-  for (; i + 8 <= end; i += 8) step8<GradDtype, CopyDtype>(b, i, c, s.decay_param, s.l2_grad);
+  for (; i + 8 <= end; i += 8) step8<GradDtype, CopyDtype, States>(b, i, c, s.decay_param, s.l2_grad);
   for (; i < end; ++i) step_element(b, i, s);
+}
+
+template <int GradDtype, int CopyDtype>
+void range_states_typed(const Buffers& b, int64_t begin, int64_t end, const StepScalars& s) {
+  switch (state_code(b)) {
+    case kStatesFp32: return range_typed<GradDtype, CopyDtype, kStatesFp32>(b, begin, end, s);
+    case kExpAvgBf16: return range_typed<GradDtype, CopyDtype, kExpAvgBf16>(b, begin, end, s);
+    case kExpAvgSqBf16: return range_typed<GradDtype, CopyDtype, kExpAvgSqBf16>(b, begin, end, s);
+    default: return range_typed<GradDtype, CopyDtype, kExpAvgBf16 | kExpAvgSqBf16>(b, begin, end, s);
+  }
 }
 
 template <int GradDtype>
 void range_grad_typed(const Buffers& b, int64_t begin, int64_t end, const StepScalars& s) {
-  if (b.copy_dtype == kBFloat16) range_typed<GradDtype, kBFloat16>(b, begin, end, s);
-  else if (b.copy_dtype == kFloat16) range_typed<GradDtype, kFloat16>(b, begin, end, s);
-  else range_typed<GradDtype, kNone>(b, begin, end, s);
+  if (b.copy_dtype == kBFloat16) range_states_typed<GradDtype, kBFloat16>(b, begin, end, s);
+  else if (b.copy_dtype == kFloat16) range_states_typed<GradDtype, kFloat16>(b, begin, end, s);
+  else range_states_typed<GradDtype, kNone>(b, begin, end, s);
 }
 
 }  // namespace

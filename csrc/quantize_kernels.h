@@ -14,10 +14,11 @@
 //               q = clamp(round((x - mn) / scale), 0, qmax);  x' = q * scale + mn
 // with lo/hi the block's min/max, qmax 127/7 (symmetric int8/int4) or 255/15 (asymmetric), round
 // half to even. The rounding adds and subtracts 1.5 * 2^23, exact round-half-even for |v| < 2^22,
-// and v is at most ~qmax here. Inputs, and each block's max - min, must be finite: otherwise that
-// block's codes are meaningless, as in the reference.
+// and v is at most ~qmax here. A block holding a NaN or an infinity, or whose max - min overflows,
+// gets scale NaN (min NaN), codes 0: it dequantizes to NaN (megazero/ops/quantize.py's rule).
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "dtype_helpers.h"
 #include "quantize.h"
@@ -106,11 +107,13 @@ void quantize_blocks(const Args& a, int64_t block_begin, int64_t block_end) {
     const int64_t start = b * a.block_size;
     const int64_t count = start + a.block_size <= a.numel ? a.block_size : a.numel - start;
     float lo = load<D>(x, start), hi = lo;
-#pragma omp simd reduction(min : lo) reduction(max : hi)
+    int bad = 0;  // a NaN or an infinity in the block (v - v is NaN exactly for those)
+#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(| : bad)
     for (int64_t i = 0; i < count; ++i) {
       const float v = load<D>(x, start + i);
       lo = v < lo ? v : lo;
       hi = v > hi ? v : hi;
+      bad |= !(v - v == 0.0f);
     }
     float mn = 0.0f, scale;
     if (Sym) {
@@ -121,9 +124,17 @@ void quantize_blocks(const Args& a, int64_t block_begin, int64_t block_end) {
       scale = (hi - mn) / Levels<Bits, Sym>::qmax;
     }
     if (scale == 0.0f) scale = 1.0f;  // a constant block (or underflow): every code is exact/0
+    uint8_t* codes = a.codes + b * bytes_per_block;
+    if (bad || !(scale - scale == 0.0f)) {
+      // Non-finite input (or an asymmetric range that overflows): scale NaN, codes 0, so the block
+      // dequantizes to NaN and an overflowed gradient stays visible to the step's check.
+      a.scales[b] = std::numeric_limits<float>::quiet_NaN();
+      if (!Sym) a.mins[b] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t j = 0; j < bytes_per_block; ++j) codes[j] = 0;
+      continue;
+    }
     a.scales[b] = scale;
     if (!Sym) a.mins[b] = mn;
-    uint8_t* codes = a.codes + b * bytes_per_block;
     if constexpr (Bits == 8) {
 #pragma omp simd
       for (int64_t i = 0; i < count; ++i)

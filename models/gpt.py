@@ -7,7 +7,9 @@ parameters. To keep those swaps possible, the forward infers local head counts f
 rather than from the config, and layers live in a ModuleDict keyed by their global index so that a
 parameter's name is the same in every layout.
 
-Shapes are batch-first: tokens (b, s), hidden states (b, s, h).
+Shapes are batch-first: tokens (b, s), hidden states (b, s, h). Packed samples
+(models/documents.py) come in as one more input, `documents`, handed to the embedding (positions)
+and to every layer's attention (positions, and attention kept inside each document).
 """
 from __future__ import annotations
 
@@ -56,14 +58,14 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 class CoreAttention(nn.Module):
     """Causal attention over already-projected q (b,s,nq,d), k/v (b,s,ng,d): models.attention's
-    core_attention with this layer's dropout and backend."""
+    core_attention with this layer's dropout and backend (and `documents`' boundaries)."""
 
     def __init__(self, dropout: float, backend: str = "auto"):
         super().__init__()
         self.dropout, self.backend = dropout, backend
 
-    def forward(self, q, k, v):
-        return core_attention(q, k, v, self.dropout if self.training else 0.0, self.backend)
+    def forward(self, q, k, v, documents=None):
+        return core_attention(q, k, v, self.dropout if self.training else 0.0, self.backend, documents)
 
 
 class Attention(nn.Module):
@@ -89,7 +91,7 @@ class Attention(nn.Module):
         # outside the model (context parallelism sets it); None: 0 .. length-1
         self.positions = None
 
-    def forward(self, x, rotary=None):
+    def forward(self, x, rotary=None, documents=None):
         qkv = self.qkv(x)
         # groups are inferred from the width, so a tensor-parallel slice of whole groups works too
         qkv = rearrange(qkv, "b s (g r d) -> b s g r d", r=self.q_per_group + 2, d=self.head_dim)
@@ -99,14 +101,17 @@ class Attention(nn.Module):
         if rotary is not None:                     # q and k rotate together, in one expression
             # qkv's length: under sequence parallelism x holds a shard, qkv the whole local sequence
             positions = self.positions(qkv.shape[1], x.device) if self.positions is not None else None
-            qk = rotate(qk, *rotary, positions=positions)
+            if documents is not None and documents.positions is not None:    # positions restart per document
+                qk = rotate(qk, *documents.rotary_tables(*rotary, positions))
+            else:
+                qk = rotate(qk, *rotary, positions=positions)
         q, k = qk.split([self.q_per_group, 1], dim=3)
         q = rearrange(q, "b s g r d -> b s (g r) d")
         k, v = k.squeeze(3), v.squeeze(3)
         if self.recompute_core is not None and self.training:
-            out = self.recompute_core(self.core, q, k, v)
+            out = self.recompute_core(self.core, q, k, v, documents)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, documents)
         return self.proj(out)
 
 
@@ -169,8 +174,8 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config)
         self.mlp_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x, rotary=None):
-        x = x + self.attention_dropout(self.attention(self.input_norm(x), rotary))
+    def forward(self, x, rotary=None, documents=None):
+        x = x + self.attention_dropout(self.attention(self.input_norm(x), rotary, documents))
         return x + self.mlp_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -183,19 +188,21 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.positions = None           # as Attention.positions
 
-    def forward(self, tokens):
+    def forward(self, tokens, documents=None):
         x = self.word(tokens)
         if self.position is not None:
-            x = x + self.position(token_positions(self.positions, tokens))
+            x = x + self.position(token_positions(self.positions, tokens, documents))
         return self.dropout(x)
 
 
-def token_positions(positions, tokens: torch.Tensor) -> torch.Tensor:
+def token_positions(positions, tokens: torch.Tensor, documents=None) -> torch.Tensor:
     """The positions of `tokens` (b, s) in their sequences: `positions(s, device)` when the sequence
-    is split outside the model, else 0 .. s-1."""
-    if positions is not None:
-        return positions(tokens.shape[1], tokens.device)
-    return torch.arange(tokens.shape[1], device=tokens.device)
+    is split outside the model, else 0 .. s-1; (b, s) positions in their documents when `documents`
+    restart them."""
+    index = positions(tokens.shape[1], tokens.device) if positions is not None else None
+    if documents is not None and documents.positions is not None:
+        return documents.token_positions(index)
+    return index if index is not None else torch.arange(tokens.shape[1], device=tokens.device)
 
 
 class LMHead(nn.Module):
@@ -220,9 +227,12 @@ class LMHead(nn.Module):
 
 
 class GPT(nn.Module):
-    """forward(tokens | hidden, labels=None) -> per-token losses (b, s) | logits | hidden states.
+    """forward(tokens | hidden, labels=None, documents=None) -> per-token losses (b, s) | logits |
+    hidden states.
 
     A pipeline stage without the embedding takes hidden states; one without the head returns them.
+    `documents` (models.documents.Documents): the packed microbatch's documents, whole; positions
+    restart and attention stays inside each document as it says.
     """
 
     def __init__(self, config: GPTConfig):
@@ -246,20 +256,22 @@ class GPT(nn.Module):
         for layer in self.layers.values():
             layer.attention.recompute_core = checkpoint_fn if selective else None
 
-    def forward(self, inputs, labels=None):
-        x = self.embedding(inputs) if self.embedding is not None else inputs
+    def forward(self, inputs, labels=None, documents=None):
+        if documents is not None:       # what its layers derive from it lives as long as this forward's graph
+            documents = documents.fresh()
+        x = self.embedding(inputs, documents) if self.embedding is not None else inputs
         rotary = None
         if self.rotary is not None:     # every position of a sequence, even if inputs hold a part of it
             length = max(self.config.max_position_embeddings, self.config.seq_length, inputs.shape[1])
             rotary = self.rotary.get(length, x.device, x.dtype)
-        x = self._run_layers(x, rotary)
+        x = self._run_layers(x, rotary, documents)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.output_head is None:
             return x
         return self.output_head(x, labels)
 
-    def _run_layers(self, x, rotary):
+    def _run_layers(self, x, rotary, documents=None):
         """This chunk's layers, with full recomputation as Megatron-LM counts it: per model chunk
         (pipeline stage), "uniform" checkpoints groups of recompute_num_layers consecutive layers,
         "block" the first recompute_num_layers layers one by one."""
@@ -267,15 +279,17 @@ class GPT(nn.Module):
         cfg = self.config
         if cfg.recompute_granularity != "full" or not self.training:
             for layer in layers:
-                x = layer(x, rotary)
+                x = layer(x, rotary, documents)
             return x
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":
             for lo in range(0, len(layers), n):
-                x = self.checkpoint_fn(_Recomputed(_Sequence(layers[lo:lo + n]), layers[lo:lo + n]), x, rotary)
+                x = self.checkpoint_fn(_Recomputed(_Sequence(layers[lo:lo + n]), layers[lo:lo + n]), x, rotary,
+                                       documents)
             return x
         for i, layer in enumerate(layers):
-            x = self.checkpoint_fn(_Recomputed(layer, [layer]), x, rotary) if i < n else layer(x, rotary)
+            x = (self.checkpoint_fn(_Recomputed(layer, [layer]), x, rotary, documents) if i < n
+                 else layer(x, rotary, documents))
         return x
 
 
@@ -308,9 +322,9 @@ class _Sequence:
     def __init__(self, layers):
         self.layers = layers
 
-    def __call__(self, x, rotary):
+    def __call__(self, x, rotary, documents=None):
         for layer in self.layers:
-            x = layer(x, rotary)
+            x = layer(x, rotary, documents)
         return x
 
 

@@ -19,6 +19,12 @@ The three ways attention sees the whole sequence:
   back. Needs heads and query groups divisible by N (x tp).
 - `allgather`: K and V are all-gathered (their gradient reduce-scattered back) and the local queries
   attend with a mask built from true positions. The simple reference the other two are tested against.
+
+Packed documents (models.documents.Documents, Megatron's --reset-attention-mask): every rank holds
+the whole sample's tokens, so each builds the whole sample's Documents itself; nothing about them
+is sent. Each core reads them in its own order: the ring masks each block by the document numbers of
+the two ranks' chunks (`ring_document_ids`), Ulysses runs the varlen kernel over the gathered,
+true-ordered sequence with the sample's own boundaries, allgather adds the documents to its mask.
 """
 from __future__ import annotations
 
@@ -138,13 +144,14 @@ class _GatherSequence(torch.autograd.Function):
 
 # --- the attention cores --------------------------------------------------------------------------
 
-def ulysses_attention(q, k, v, group: Group, dropout_p: float = 0.0, backend: str = "auto"):
-    """a2a: heads scattered, sequence gathered, causal attention in true order, and back."""
+def ulysses_attention(q, k, v, group: Group, dropout_p: float = 0.0, backend: str = "auto", documents=None):
+    """a2a: heads scattered, sequence gathered, causal attention in true order (inside each of
+    `documents`' documents, whole-sample boundaries), and back."""
     local = q.shape[1]
     order = ring_positions(local, group.size, q.device)     # gathered index -> true position
     to_true = torch.argsort(order)
     q, k, v = (_SeqToHeads.apply(t, group).index_select(1, to_true) for t in (q, k, v))
-    out = core_attention(q, k, v, dropout_p, backend)         # (b, S, heads/N * d), true order
+    out = core_attention(q, k, v, dropout_p, backend, documents)     # (b, S, heads/N * d), true order
     out = out.index_select(1, order).unflatten(2, (q.shape[2], q.shape[3]))
     return _HeadsToSeq.apply(out, group).flatten(2)
 
@@ -164,9 +171,38 @@ def _visible_bias(local_length: int, cp_rank: int, cp: int, device: torch.device
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
-def allgather_attention(q, k, v, group: Group, dropout_p: float = 0.0):
-    """allgather: local queries over all-gathered K/V, masked by true positions."""
-    bias = _visible_bias(q.shape[1], group.rank, group.size, q.device, q.dtype)
+def _document_bias(documents, local_length: int, cp_rank: int, cp: int, dtype) -> torch.Tensor:
+    """(b, 1, local, N*local) additive mask of this rank's queries over the gathered keys for packed
+    documents: 0 where the key is in the query's document at or before it. Built once per microbatch
+    (the record's memo) and shared by every layer, as `_visible_bias` is."""
+    key = ("allgather_bias", local_length, cp_rank, cp, dtype)
+    if key not in documents.memo:
+        ids = documents.doc_ids
+        query_pos = local_positions(local_length, cp_rank, cp, ids.device)
+        key_pos = ring_positions(local_length, cp, ids.device)
+        other = ids.index_select(1, query_pos).unsqueeze(-1) != ids.index_select(1, key_pos).unsqueeze(-2)
+        hidden = (key_pos.unsqueeze(0) > query_pos.unsqueeze(1)) | other
+        documents.memo[key] = torch.zeros(hidden.shape, dtype=dtype, device=ids.device).masked_fill_(
+            hidden, float("-inf")).unsqueeze(1)
+    return documents.memo[key]
+
+
+def ring_document_ids(documents, local_length: int, cp: int) -> torch.Tensor:
+    """(cp, b, local): the document numbers of each CP rank's tokens (its two chunks), for the ring's
+    blocks; once per microbatch."""
+    key = ("ring_ids", local_length, cp)
+    if key not in documents.memo:
+        documents.memo[key] = torch.stack([documents.doc_ids.index_select(1, local_positions(
+            local_length, r, cp, documents.doc_ids.device)) for r in range(cp)])
+    return documents.memo[key]
+
+
+def allgather_attention(q, k, v, group: Group, dropout_p: float = 0.0, documents=None):
+    """allgather: local queries over all-gathered K/V, masked by true positions (and documents)."""
+    if documents is not None and documents.separates_attention:
+        bias = _document_bias(documents, q.shape[1], group.rank, group.size, q.dtype)
+    else:
+        bias = _visible_bias(q.shape[1], group.rank, group.size, q.device, q.dtype)
     k, v = (_GatherSequence.apply(t, group) for t in (k, v))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if k.shape[1] != q.shape[1] and not SDPA_HAS_GQA:
@@ -183,15 +219,17 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.group, self.comm_type, self.dropout, self.backend = group, comm_type, dropout, backend
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, documents=None):
         dropout = self.dropout if self.training else 0.0
         if self.comm_type == "p2p":
             if dropout:
                 raise ValueError("ring attention (cp_comm_type p2p) has no attention dropout")
-            return ring_attention(q, k, v, self.group)
+            separate = documents is not None and documents.separates_attention
+            ids = ring_document_ids(documents, q.shape[1], self.group.size) if separate else None
+            return ring_attention(q, k, v, self.group, ids)
         if self.comm_type == "a2a":
-            return ulysses_attention(q, k, v, self.group, dropout, self.backend)
-        return allgather_attention(q, k, v, self.group, dropout)
+            return ulysses_attention(q, k, v, self.group, dropout, self.backend, documents)
+        return allgather_attention(q, k, v, self.group, dropout, documents)
 
 
 def apply_context_parallel(model: GPT, group: Group, comm_type: str) -> GPT:

@@ -169,16 +169,16 @@ class ParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         self.positions = None           # as models.gpt.Embedding.positions (context parallelism)
 
-    def forward(self, tokens):
+    def forward(self, tokens, documents=None):
         x = self.word(tokens)
         if self.sequence_parallel:
             x = reduce_scatter_to_sequence_region(x, self.group)
         else:
             x = reduce_from_tp_region(x, self.group)
         if self.position is not None:
-            pos = self.position(token_positions(self.positions, tokens))
-            if self.sequence_parallel:
-                pos = scatter_to_sequence_region(pos, self.group, dim=0)
+            pos = self.position(token_positions(self.positions, tokens, documents))
+            if self.sequence_parallel:      # (s, h), or (b, s, h) with packed documents' positions
+                pos = scatter_to_sequence_region(pos, self.group, dim=pos.dim() - 2)
             x = x + pos
         return self.dropout(x)
 

@@ -60,14 +60,16 @@ def with_padded_vocab(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict:
+def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None, dataset=None, eod=None) -> dict:
     """Trains cfg.train_iters steps; returns losses, grad norms and this rank's full parameters.
-    `on_setup(state)` may look at the built model (register hooks) before the first step."""
+    `on_setup(state)` may look at the built model (register hooks) before the first step; `dataset`:
+    the samples (default ArithmeticTokens); `eod`: the end-of-document id cfg.data's document flags
+    look for."""
     cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
+    state = setup(cfg, groups, eod=eod)
     if on_setup is not None:
         on_setup(state)
-    dataset = ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3)
+    dataset = dataset or ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3)
     source = MicrobatchSource(dataset, cfg.global_batch_size, cfg.micro_batch_size,
                               groups.coords.dp, groups.topology.dp, ramp=cfg.rampup)
     losses, norms, in_flight, moe = [], [], [], []
@@ -89,8 +91,9 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None) -> dict
             "comm": dict(groups.log.last_step)}
 
 
-def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None):
-    """Pool entry: runs `cfg` on the first tp*cp*pp*dp ranks of the pool's world."""
+def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None, **data):
+    """Pool entry: runs `cfg` on the first tp*cp*pp*dp ranks of the pool's world (`data`: run_training's
+    dataset and eod)."""
     par = cfg.parallel
     world = par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp
     groups = ctx.groups(Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
@@ -99,7 +102,7 @@ def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None):
                                  mics_shard_size=cfg.zero.mics_shard_size))
     if groups is None:
         return None
-    return run_training(cfg, groups, on_setup)
+    return run_training(cfg, groups, on_setup, **data)
 
 
 def run_layouts(ctx, layouts):

@@ -3,8 +3,11 @@
 For every parameter this rank's ZeRO storage holds, the reader assembles the saved full value of
 each kind (fp32 master, and unless told otherwise exp_avg and exp_avg_sq), this rank's TP slice is
 taken and the storage writes its own piece (`write_full`, which also refreshes the low-precision
-weights). One parameter at a time, no communication: every layout reads every other. Vocabulary
-padding (it depends on the TP degree) is cut or zero-filled. The model's buffers (the routers'
+weights). Adam moments load into whatever dtype this run keeps them in, whatever the saving run's:
+a bf16 moment into an fp32 one exactly, an fp32 moment into a bf16 one rounded to nearest even (the
+rounding a step stores with), so fp32 -> bf16 -> fp32 loses what bf16 cannot hold and
+bf16 -> fp32 -> bf16 is bitwise. One parameter at a time, no communication: every layout reads
+every other. Vocabulary padding (it depends on the TP degree) is cut or zero-filled. The model's buffers (the routers'
 expert biases) are set from the checkpoint, by name, whatever layout saved them. The loss scaler, Adam's step count and,
 for the same rank of the same layout on the same device type, the RNG states follow.
 """

@@ -91,6 +91,18 @@ def schedule_on_resume(ck: CheckpointConfig, optimizer: OptimizerConfig, reader:
     return kept, f"lr schedule of the checkpoint (--use-checkpoint-opt_param-scheduler); the flags gave {described}"
 
 
+def _check_same_optimizer(ck: CheckpointConfig, optimizer: OptimizerConfig, reader: CheckpointReader) -> None:
+    """An Adam checkpoint's first moments are no Muon momentum (nor the reverse): refused."""
+    saved = reader.metadata.get("optimizer")
+    if saved is None or ck.finetune or not ck.load_optim:
+        return
+    was, now = ("muon" if saved.get("muon") else "adam"), ("muon" if optimizer.muon else "adam")
+    if was != now:
+        raise UsageError(f"--load {ck.load}: the checkpoint's optimizer is {was}, this run's {now}, whose "
+                         f"states differ; resume with --optimizer {was}, or pass --no-load-optim to start "
+                         f"fresh optimizer states")
+
+
 def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig,
                  train_iters: int | None = None) -> Resume:
     """Validates --load and --save (no file is written): the checkpoint to load and the schedule to
@@ -112,6 +124,7 @@ def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, opt
                 raise UsageError(f"--global-batch-size {global_batch_size} differs from the checkpoint's "
                                  f"{saved_batch}; resuming reads samples where it stopped only with the "
                                  f"same global batch (or use --finetune)")
+            _check_same_optimizer(ck, optimizer, reader)
             optimizer, notice = schedule_on_resume(ck, optimizer, reader, train_iters)
     if ck.save is not None:
         check_writable_dir(ck.save, f"--save {ck.save}", "choose a folder you can write to")

@@ -1,9 +1,9 @@
 """Saving a training run: every rank writes its own shard, rank 0 commits the directory.
 
 What a rank writes is its ZeRO storage's own state, read through the storage interface: for every
-parameter piece it holds (`local_pieces`) the fp32 master, exp_avg and exp_avg_sq, under the
-parameter's model name, with where the piece sits in the (TP-local) parameter and how that
-parameter is split over TP. Copies held elsewhere too are written once: by the rank that counts the
+parameter piece it holds (`local_pieces`) the fp32 master, exp_avg and exp_avg_sq (each moment in
+the dtype the run keeps it in, fp32 or bf16), under the parameter's model name, with where the
+piece sits in the (TP-local) parameter and how that parameter is split over TP. Copies held elsewhere too are written once: by the rank that counts the
 parameter in the gradient norm (TP rank 0 for replicated ones, the first stage for a tied
 embedding), and by the first MiCS replica (DP rank 0 at stage 0). Also per rank: its RNG states;
 and by the first DP and TP rank of each stage, the model's buffers (the routers' expert biases).
@@ -42,6 +42,9 @@ from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, TOKENIZER_DIR, apply_u
                     write_json_atomic)
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+# Written in the dtype the storage keeps them in (bf16 under --exp-avg-dtype / --exp-avg-sq-dtype
+# bf16: half the bytes); every other kind in fp32. The reader widens each piece exactly.
+LOW_PRECISION_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 def canonical_name(param, engine) -> str:
@@ -78,11 +81,12 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
                      "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
             for kind in storage.checkpoint_kinds():
                 view = storage.local_view(param, kind).detach()
+                dtype = view.dtype if kind in LOW_PRECISION_KINDS else torch.float32
                 if view.is_meta:      # the dry run's device: no values to copy, sizes still count
-                    tensors[f"{name}/{kind}"] = view.to(torch.float32)
+                    tensors[f"{name}/{kind}"] = view.to(dtype)
                     entry["crc"][kind] = 0
                     continue
-                host = view.to("cpu", torch.float32, copy=True)
+                host = view.to("cpu", dtype, copy=True)
                 tensors[f"{name}/{kind}"] = host
                 entry["crc"][kind] = crc32(host)
             pieces[name] = entry

@@ -21,6 +21,13 @@ buffers, which run inside a layer and count as far as they exceed the output lay
 Context parallelism (cp ranks) divides every token count by cp and adds what its attention saves
 (`cp_saved_per_layer`, and allgather's mask once, `cp_mask_bytes`) and, to the comm buffers, its
 transient blocks (`cp_transient_bytes`).
+Document masking (--reset-position-ids, --reset-attention-mask, --eod-mask-loss; models/documents.py)
+keeps what its kernels keep (`document_bytes`): the attention is counted as one causal call over the
+sequence (flash: the output and one log-sum-exp per query; the math kernel the whole sequence's
+s x s), which bounds what the varlen kernels and the CPU's per-document calls, recomputed in the
+backward, keep, plus the step's document tensors and,
+per forward in flight, the rotary tables read at the documents' positions and the masks of the
+written-out math and of allgather.
 """
 from __future__ import annotations
 
@@ -78,7 +85,7 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
                      weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
                      sequence_parallel: bool = False, with_head: bool = True, ep: int = 1,
-                     kernel: str = "unknown") -> float:
+                     kernel: str = "unknown", documents=None, microbatches: int = 1) -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
     `kernel`: the attention kernel the device runs (config/attention_memory.py); SDPA's math kernel
     adds its (b, heads, s, s) tensors, kept per layer and at one layer's peak.
@@ -87,7 +94,8 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     full set while it is recomputed; selective recomputation saves the attention scores, which only
     the written-out attention (--attention-backend local/unfused) keeps. Context parallelism keeps
     seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`). MoE layers add
-    config/moe_memory.py's term, spread over the stage's layers in their proportion."""
+    config/moe_memory.py's term, spread over the stage's layers in their proportion. `documents`: a
+    DataConfig with document masking on (`document_bytes`), over the step's `microbatches`."""
     m = model_cfg
     tokens, hidden = seq * micro // cp, m.hidden_size
     whole, split = layer_activation_split(m, sequence_parallel and tp > 1)
@@ -116,7 +124,35 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     else:
         per_micro = layers * full_layer
     head = output_layer_bytes(tokens, m, tp, weight_bytes, in_flight) if with_head else 0.0
-    return per_micro * in_flight + workspace + head + cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
+    separate = documents is not None and documents.reset_attention_mask
+    mask = 0.0 if separate else cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
+    if documents is not None:
+        mask += document_bytes(seq, micro, m, cp, cp_comm_type, weight_bytes, documents,
+                               in_flight * len(chunk_layers), microbatches)
+    return per_micro * in_flight + workspace + head + mask
+
+
+def document_bytes(seq: int, micro: int, model_cfg, cp: int, cp_comm_type: str, weight_bytes: int,
+                   documents, forwards: float, microbatches: int) -> float:
+    """What document masking adds (models/documents.py, `documents` a DataConfig's flags): every
+    microbatch of the step's positions (int64), document numbers (int32) and this rank's loss mask
+    (fp32), copied to the device up front as its tokens are; and per chunk forward in flight
+    (`forwards`), what the layers share: RoPE's cos and sin read at each local token's position, the
+    written-out math's (b, 1, s, s) bool mask, allgather's (b, 1, s/cp, s) additive mask (in place
+    of its one (s/cp, s) mask: `cp_mask_bytes`). The attention kernels keep what the unmasked ones
+    keep (one causal call per document)."""
+    m, local = model_cfg, seq * micro / cp
+    step = microbatches * seq * micro * ((8 if documents.reset_position_ids else 0)
+                                         + (4 if documents.reset_attention_mask else 0))
+    step += microbatches * local * (4 if documents.eod_mask_loss else 0)
+    shared = 0.0
+    if documents.reset_position_ids and m.position_embedding == "rope":
+        shared += 2 * local * m.head_dim * weight_bytes
+    if documents.reset_attention_mask:
+        written_out = m.attention_backend in ("local", "unfused") and not (cp > 1 and cp_comm_type != "a2a")
+        shared += micro * seq * seq if written_out else 0.0
+        shared += local * seq * weight_bytes if cp > 1 and cp_comm_type == "allgather" else 0.0
+    return step + forwards * shared
 
 
 def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
@@ -155,9 +191,9 @@ def cp_transient_bytes(cfg: TrainConfig) -> float:
     local = m.seq_length * micro / cp
     heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
     weight_bytes = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
-    if par.cp_comm_type == "p2p":
+    if par.cp_comm_type == "p2p":     # (and a block's document mask, bool, under document masking)
         return (4 * 2 * local * groups * m.head_dim * 4 + 3 * local * heads * m.head_dim * 4
-                + 3 * heads * local * local / micro * 4)
+                + 3 * heads * local * local / micro * 4 + cfg.data.reset_attention_mask * local * local / micro)
     if par.cp_comm_type == "allgather":
         return 2 * 2 * m.seq_length * micro * groups * m.head_dim * weight_bytes
     return 8 * local * heads * m.head_dim * weight_bytes

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megazero.config.deepspeed_blocks import (DeepSpeedSettings, as_bool, as_number, read_activation_checkpointing,
                                          read_monitors, read_scheduler)
+from megazero.config.muon_flags import DEEPSPEED_PARAMS, read_deepspeed_muon
 from megazero.core.errors import UsageError
 from megazero.zero.config import as_json, design_notes, parse_zero_config, unknown_key_error
 
@@ -30,6 +31,7 @@ TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_acc
              "gradient_predivide_factor", "communication_data_type", "data_types", "seed", "dump_state"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "min_loss_scale", "auto_cast", "consecutive_hysteresis"}
+BF16_KEYS = {"enabled", "bf16_optimizer_states", "bf16_master_weights_and_grads"}
 DATA_TYPES_KEYS = {"grad_accum_dtype"}
 OPTIMIZER_KEYS = {"type", "params"}
 OPTIMIZER_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "bias_correction"}
@@ -186,8 +188,9 @@ def _read_precision(data: dict, where: str, settings: DeepSpeedSettings) -> None
         if key not in FP16_KEYS:
             raise unknown_key_error(key, FP16_KEYS, f"{where}: fp16")
     for key in bf16:
-        if key != "enabled":
-            raise unknown_key_error(key, {"enabled"}, f"{where}: bf16")
+        if key not in BF16_KEYS:
+            raise unknown_key_error(key, BF16_KEYS, f"{where}: bf16")
+    _read_bf16_states(bf16, where, put)
     # Both blocks' "enabled" are recorded, false included, so that a flag they contradict is reported.
     for block, name in ((fp16, "fp16"), (bf16, "bf16")):
         if "enabled" in block:
@@ -205,6 +208,19 @@ def _read_precision(data: dict, where: str, settings: DeepSpeedSettings) -> None
                               f"token ids and it computes in its parameter dtype")
 
 
+def _read_bf16_states(bf16: dict, where: str, put: dict) -> None:
+    """bf16_optimizer_states: Adam's moments in bf16 (megazero's --exp-avg-dtype / --exp-avg-sq-dtype
+    bf16). DeepSpeed pairs it with bf16_master_weights_and_grads (bf16 master weights), which is not
+    supported yet: megazero keeps fp32 master weights, and takes bf16_optimizer_states alone."""
+    key = "bf16.bf16_master_weights_and_grads"
+    if as_bool(bf16.get("bf16_master_weights_and_grads", False), key, where):
+        raise UsageError(f"{where}: {key} is not supported yet (megazero keeps fp32 master weights); remove "
+                         f"it (bf16.bf16_optimizer_states works without it here)")
+    key = "bf16.bf16_optimizer_states"
+    if as_bool(bf16.get("bf16_optimizer_states", False), key, where):
+        put["exp_avg_dtype"] = put["exp_avg_sq_dtype"] = ("bf16", key)
+
+
 def _read_optimizer(block, where: str, settings: DeepSpeedSettings) -> None:
     if block is None:
         return
@@ -214,14 +230,17 @@ def _read_optimizer(block, where: str, settings: DeepSpeedSettings) -> None:
         if key not in OPTIMIZER_KEYS:
             raise unknown_key_error(key, OPTIMIZER_KEYS, f"{where}: optimizer")
     kind = str(block.get("type", "")).lower()
-    if kind not in ("adam", "adamw"):
-        raise UsageError(f"{where}: optimizer type {block.get('type')!r} is not supported; use Adam or AdamW")
+    if kind not in ("adam", "adamw", "muon"):
+        raise UsageError(f"{where}: optimizer type {block.get('type')!r} is not supported; use Adam, AdamW or Muon")
     params, put = block.get("params", {}), settings.values
     if not isinstance(params, dict):
         raise UsageError(f"{where}: optimizer.params must be an object like {{\"lr\": 0.001}}")
+    known = OPTIMIZER_PARAMS | (DEEPSPEED_PARAMS if kind == "muon" else set())
     for key in params:
-        if key not in OPTIMIZER_PARAMS:
-            raise unknown_key_error(key, OPTIMIZER_PARAMS, f"{where}: optimizer.params")
+        if key not in known:
+            raise unknown_key_error(key, known, f"{where}: optimizer.params")
+    if kind == "muon":      # the Adam keys below serve the parameters Muon leaves to AdamW
+        read_deepspeed_muon(params, where, put, settings.notes)
     w_mode = as_bool(params.get("adam_w_mode", True), "optimizer.params.adam_w_mode", where)
     if kind == "adamw" and not w_mode:
         raise UsageError(f"{where}: optimizer type AdamW always decouples weight decay, but "

@@ -13,6 +13,8 @@ import math
 
 from megazero.core.errors import UsageError
 from megazero.config.moe_flags import add_moe_flags
+from megazero.config.optimizer_state_flags import add_optimizer_state_flags
+from megazero.config.muon_flags import add_muon_flags
 from megazero.config.run_flags import add_run_flags
 from megazero.config.zero_flags import add_zero_flags
 
@@ -27,6 +29,7 @@ MERGED = {
     "loss_scale_window": ("--loss-scale-window", 1000), "hysteresis": ("--hysteresis", 2),
     "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
     "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
+    "optimizer": ("--optimizer", "adam"), "muon_momentum": ("--muon-momentum", None),
 }
 # Megatron-LM flags megazero does not have; named as such instead of "did you mean".
 MEGATRON_ONLY = frozenset("""
@@ -36,10 +39,10 @@ MEGATRON_ONLY = frozenset("""
 --accumulate-allreduce-grads-in-fp32
 --no-bias-dropout-fusion --apply-query-key-layer-scaling
 --use-rotary-position-embeddings
---data-impl --mmap-warmup --dataloader-type --eod-mask-loss --reset-position-ids --reset-attention-mask
+--data-impl --mmap-warmup --dataloader-type
 --checkpoint-activations
 --deepspeed-activation-checkpointing --zero-reduce-bucket-size --zero-allgather-bucket-size
---cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt
+--cpu-optimizer --cpu-torch-adam --no-pipeline-parallel --use-dist-ckpt --muon-use-syrk
 """.split())
 
 
@@ -284,6 +287,8 @@ def _training_flags(p) -> None:
     _merged(g, "adam_beta2", "Adam beta2, in [0, 1)", type=float)
     _merged(g, "adam_eps", "Adam epsilon, > 0", type=float)
     _merged(g, "clip_grad", "clip the global gradient norm to this; 0: no clipping", type=float)
+    add_optimizer_state_flags(g, _add)
+    add_muon_flags(g, _add)
     _merged(g, "seed", "random seed", type=int)
     _merged(g, "bf16", "compute in bf16 with fp32 master weights", action="store_true", default=None)
     _merged(g, "fp16", "compute in fp16 with fp32 master weights and loss scaling", action="store_true",
@@ -322,6 +327,11 @@ def _data_flags(p) -> None:
     _add(g, "--num-workers", type=int, default=2,
          help="0: batches read in the training loop; >0: read ahead by a background thread")
     _add(g, "--no-mmap-bin-files", action="store_true", help="read .bin files with plain reads instead of mmap")
+    _add(g, "--reset-position-ids", action="store_true",
+         help="packed samples: positions restart at 0 after each end-of-document token")
+    _add(g, "--reset-attention-mask", action="store_true",
+         help="packed samples: attention stays inside each document (block-diagonal causal)")
+    _add(g, "--eod-mask-loss", action="store_true", help="no loss where the input token is the end-of-document token")
     _add(g, "--no-create-attention-mask-in-dataloader", action="store_true",
          help="accepted: megazero never builds attention masks")
     _add(g, "--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json", shown="none")

@@ -8,10 +8,11 @@ Model states, per parameter of this rank's model shard (Psi), with N the ZeRO sh
 (data-parallel size, or the MiCS shard size), as megazero's ZeRO storage allocates them:
 p = weight bytes (2 in bf16/fp16, 4 in fp32); g = gradient accumulation bytes (4 unless
 data_types.grad_accum_dtype is 16-bit); m = the separate fp32 master (4 with 16-bit weights, 0 in
-fp32, where this rank's fp32 partition *is* its chunk of the weights); 8 = Adam's two fp32 moments.
+fp32, where this rank's fp32 partition *is* its chunk of the weights); s = Adam's two moments (8 in
+fp32; 2 less for each one --exp-avg-dtype / --exp-avg-sq-dtype keeps in bf16: 4 with both).
 
-    stage 0: p + g + m + 8    stage 1: p + g + (m + 8)/N    stage 2: p + (g + m + 8)/N
-    stage 3: (p + g + m + 8)/N
+    stage 0: p + g + m + s    stage 1: p + g + (m + s)/N    stage 2: p + (g + m + s)/N
+    stage 3: (p + g + m + s)/N
 
 (tests/zero/test_engine_accounting.py checks the engine's own report against the same table, and
 tests/config/test_memory_estimate.py each of its categories, params/grads/master/optimizer_states,
@@ -68,20 +69,22 @@ CATEGORIES = DEVICE_CATEGORIES + OFFLOAD_CATEGORIES
 
 
 def model_state_bytes_by_kind(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
-                              separate_master: bool) -> dict[str, float]:
+                              separate_master: bool, state_bytes: int = 8) -> dict[str, float]:
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks, by
-    kind: stage 1 partitions the master and moments, stage 2 also gradients, stage 3 also weights."""
+    kind: stage 1 partitions the master and moments, stage 2 also gradients, stage 3 also weights.
+    `state_bytes`: both Adam moments' (8 in fp32, 4 in bf16)."""
     master = 4 if separate_master else 0
     return {"params": weight_bytes / shards if stage >= 3 else weight_bytes,
             "grads": grad_bytes / shards if stage >= 2 else grad_bytes,
             "master": master / shards if stage >= 1 else master,
-            "optimizer_states": 8 / shards if stage >= 1 else 8}
+            "optimizer_states": state_bytes / shards if stage >= 1 else state_bytes}
 
 
 def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
-                                separate_master: bool) -> float:
+                                separate_master: bool, state_bytes: int = 8) -> float:
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks."""
-    return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master).values())
+    return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master,
+                                         state_bytes).values())
 
 
 def _one_layer_model(model_cfg):
@@ -131,6 +134,7 @@ class RankLayout(Record):
     expert_shards: int = 1     # ZeRO partitions of the experts (the expert-data-parallel size)
     weight_bytes: int
     grad_bytes: int
+    state_bytes: int = 8       # both Adam moments per parameter (4 with both in bf16)
     shards: int                # ZeRO partitions (data-parallel size, or the MiCS shard size)
     layers_per_stage: int
     in_flight: int             # microbatches a stage holds activations for at once
@@ -175,6 +179,7 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         persistent_parameters=math.ceil(persistent / tp),
         weight_bytes=2 if prec.bf16 or prec.fp16 else 4,
         grad_bytes=2 if prec.grad_accum_dtype != "fp32" else 4,
+        state_bytes=sum(2 if dtype == "bf16" else 4 for dtype in (prec.exp_avg_dtype, prec.exp_avg_sq_dtype)),
         shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp * cp,   # ZeRO: dp x cp
         layers_per_stage=layers_per_stage,
         in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches), microbatches=microbatches)
@@ -184,6 +189,8 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
     """The activations of the largest stage; with `device_type`, what its attention kernel allocates."""
     m, par = cfg.model, cfg.parallel
     kernel = kernel_for(cfg, device_type)
+    data = cfg.data
+    documents = data if data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss else None
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     in_flight, layers = r.in_flight, r.layers_per_stage
     if par.virtual_stages > 1 and par.schedule != "gpipe":
@@ -197,12 +204,13 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
         stages = [(n, min(pp - s, r.microbatches), s == pp - 1) for s, n in enumerate(split)]
         return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
                                     r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
-                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel)
+                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel,
+                                    documents=documents, microbatches=r.microbatches)
                    for n, held, last in stages)
     return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
                             par.tensor_parallel, in_flight, r.weight_bytes, chunks,
                             par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel,
-                            kernel=kernel)
+                            kernel=kernel, documents=documents, microbatches=r.microbatches)
 
 
 def largest_param(model_cfg, tp: int) -> int:
@@ -269,19 +277,20 @@ def resident_fraction(zero, partition: float) -> float:
 def offloaded_bytes(cfg: TrainConfig, r: RankLayout) -> dict[str, float]:
     """OFFLOAD_CATEGORIES (zero where nothing is offloaded). The optimizer's host staging holds one
     sub-group (at most `sub_group_size` elements) of gradients and, in 16-bit runs, weights; nvme
-    adds `buffer_count` sub-groups of the three fp32 states in host buffers."""
+    adds `buffer_count` sub-groups of the three states (fp32 master, the moments) in host buffers."""
     z = cfg.zero
     out = dict.fromkeys(OFFLOAD_CATEGORIES, 0.0)
     partition = r.rank_parameters / r.shards          # optimizer-state elements on this rank
     if z.offloads_optimizer:
         where = "host" if z.offload_optimizer.device == "cpu" else "nvme"
         away = partition * (1 - resident_fraction(z, partition))
-        out[f"{where}_master"], out[f"{where}_optimizer_states"] = 4 * away, 8 * away
+        out[f"{where}_master"], out[f"{where}_optimizer_states"] = 4 * away, r.state_bytes * away
         group = min(z.sub_group_size, partition)
         out["host_offload_buffers"] = group * (r.grad_bytes + (r.weight_bytes if r.weight_bytes == 2 else 0))
         if where == "nvme":
             sub_groups = math.ceil(partition / z.sub_group_size)
-            out["host_offload_buffers"] += min(z.offload_optimizer.buffer_count, sub_groups) * 3 * 4 * group
+            out["host_offload_buffers"] += min(z.offload_optimizer.buffer_count, sub_groups) * (
+                4 + r.state_bytes) * group
         if z.zenflow is not None:     # the accumulator(s), the gradients' copy, the CPU Adam's output
             accumulators = 2 if z.zenflow.overlap_step else 1
             out["host_offload_buffers"] += partition * (4 * accumulators + r.grad_bytes + (
@@ -297,11 +306,12 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     and disk), for the largest pipeline stage."""
     r = rank_layout(cfg, world_size)
     by_kind = lambda stage: model_state_bytes_by_kind(  # noqa: E731
-        stage, r.shards, r.weight_bytes, r.grad_bytes, separate_master=r.weight_bytes == 2)
+        stage, r.shards, r.weight_bytes, r.grad_bytes, separate_master=r.weight_bytes == 2,
+        state_bytes=r.state_bytes)
     # Stage 3 keeps its persistent parameters in a stage-2 group: weights whole, the rest partitioned.
     partitioned, persistent = by_kind(cfg.zero.stage), by_kind(2)
     experts = model_state_bytes_by_kind(cfg.zero.stage, r.expert_shards, r.weight_bytes, r.grad_bytes,
-                                        separate_master=r.weight_bytes == 2)
+                                        separate_master=r.weight_bytes == 2, state_bytes=r.state_bytes)
     out = {kind: (r.rank_parameters - r.persistent_parameters) * partitioned[kind]
            + r.persistent_parameters * persistent[kind] + r.expert_parameters * experts[kind]
            for kind in MODEL_STATE_KINDS}
@@ -311,7 +321,7 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     if cfg.zero.offloads_optimizer:       # a separate fp32 master for the part kept on the device
         partition = r.rank_parameters / r.shards
         resident = partition * resident_fraction(cfg.zero, partition)
-        out["master"], out["optimizer_states"] = 4 * resident, 8 * resident
+        out["master"], out["optimizer_states"] = 4 * resident, r.state_bytes * resident
         if cfg.zero.zenflow is not None:  # the selected columns' states and indices (two int64 each)
             selected = partition * cfg.zero.zenflow.topk_ratio
             moments = 0 if cfg.zero.zenflow.offload else 8 * selected      # offload: in host memory
@@ -349,10 +359,10 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
 
     def per_param(shards: int) -> float:
         kinds = model_state_bytes_by_kind(cfg.zero.stage, shards, r.weight_bytes, r.grad_bytes,
-                                          separate_master=r.weight_bytes == 2)
+                                          separate_master=r.weight_bytes == 2, state_bytes=r.state_bytes)
         if cfg.zero.offloads_optimizer and cfg.zero.offload_optimizer.device in away:
             kept = resident_fraction(cfg.zero, r.rank_parameters / r.shards) / shards
-            kinds["master"], kinds["optimizer_states"] = 4 * kept, 8 * kept
+            kinds["master"], kinds["optimizer_states"] = 4 * kept, r.state_bytes * kept
         if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
             kinds["params"] = 0.0
         return sum(kinds.values())

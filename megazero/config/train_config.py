@@ -10,6 +10,7 @@ from megazero.config.batch_ramp import BatchRamp
 from megazero.core.records import Record
 from megazero.models.config import GPTConfig
 from megazero.ops.adam_config import AdamConfig
+from megazero.ops.muon_config import MuonConfig
 from megazero.zero.config import ZeroConfig
 from megazero.zero.config import PrecisionConfig
 
@@ -47,6 +48,9 @@ class OptimizerConfig(Record):
     decay_iters: Optional[int] = None            # None: train_iters
     decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
     adam: AdamConfig = Field(default_factory=AdamConfig)
+    muon: Optional[MuonConfig] = None
+    """--optimizer muon: Muon steps the weight matrices (megazero.training.muon_matrices), Adam the rest;
+    None: Adam steps every parameter."""
     clip_grad: float = 1.0
     decoupled_lr: Optional[float] = None
     """Megatron's --decoupled-lr: the input embedding and the output layer follow the same schedule
@@ -72,6 +76,12 @@ class DataConfig(Record):
     mock_data: bool = False                      # random tokens of the vocabulary, no files
     mmap_bin_files: bool = True                  # False: .bin files read with plain reads
     tiktoken_pattern: Optional[str] = None       # TikTokenizer: "v1" or "v2"
+    # Megatron-LM's document masking of packed samples, at the tokenizer's end-of-document id
+    # (models/documents.py): positions restart after it, attention stays inside each document, no
+    # loss where the input token is it.
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
 
 
 class CheckpointConfig(Record):

@@ -24,7 +24,9 @@ from megazero.config import batch_flags
 from megazero.config.checkpoint_flags import checkpoint_config
 from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
 from megazero.config.moe_flags import expert_parallel_size
+from megazero.config.muon_flags import check_muon, muon_config
 from megazero.config.monitor_flags import monitor_config
+from megazero.config.optimizer_state_flags import optimizer_state_dtypes
 from megazero.config.run_flags import batch_ramp, run_options
 from megazero.config.train_config import DataConfig, OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.zero.config import PrecisionConfig
@@ -154,7 +156,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                       tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
                       merge_file=args.merge_file, vocab_size=args.vocab_size,
                       cache_dir=args.data_cache_path, mock_data=args.mock_data,
-                      mmap_bin_files=not args.no_mmap_bin_files, tiktoken_pattern=args.tiktoken_pattern)
+                      mmap_bin_files=not args.no_mmap_bin_files, tiktoken_pattern=args.tiktoken_pattern,
+                      reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+                      eod_mask_loss=args.eod_mask_loss)
     notes += data_notes(args)
     ramp = batch_ramp(args, glob, micro, topology.dp)
     if ramp is not None and (virtual > 1 or args.pipeline_schedule == "interleaved"):
@@ -170,6 +174,14 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         # refused by nobody (a recipe's smoke test with few --train-iters is normal), but never silent
         notes.append(f"the lr warmup ({warmup_steps} iterations) is longer than the run (--train-iters "
                      f"{train_iters}): the rate never reaches --lr {optimizer.lr}")
+    if zero.zenflow is not None and "bf16" in (precision.exp_avg_dtype, precision.exp_avg_sq_dtype):
+        raise UsageError("bf16 Adam moments with zero_optimization.zenflow are not supported yet (ZenFlow's "
+                         "CPU Adam keeps fp32 moments): drop --exp-avg-dtype / --exp-avg-sq-dtype bf16 "
+                         "(or bf16.bf16_optimizer_states) or zenflow")
+    notes += check_muon(optimizer.muon, zero, topology.tp, args.muon_tp_mode)
+    if optimizer.muon is not None and "bf16" in (precision.exp_avg_dtype, precision.exp_avg_sq_dtype):
+        raise UsageError("bf16 optimizer states (bf16.bf16_optimizer_states, --exp-avg-dtype) are Adam's "
+                         "(Megatron-LM's precision-aware optimizer); Muon keeps its momentum in fp32: drop one")
     if optimizer.decoupled_lr is not None and zero.zenflow is not None:
         raise UsageError("--decoupled-lr with zero_optimization.zenflow is not supported yet (ZenFlow's "
                          "CPU Adam steps one learning rate): drop one of them")
@@ -298,6 +310,7 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
         raise UsageError(f"{_origin(args, ds, 'bf16', '--bf16')} and {_origin(args, ds, 'fp16', '--fp16')} "
                          f"are both set; choose one")
     run = "bf16" if merged["bf16"] else "fp16" if merged["fp16"] else "fp32"
+    states = optimizer_state_dtypes(args, ds, run, merged)      # and --main-grads-dtype into merged
     for name in ("grad_accum_dtype", "reduce_dtype"):
         value = merged[name]
         if value != "fp32" and value != run:
@@ -322,7 +335,8 @@ def _precision_config(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple
         initial_scale_power=merged["initial_scale_power"], loss_scale_window=merged["loss_scale_window"],
         hysteresis=merged["hysteresis"], min_loss_scale=merged["min_loss_scale"],
         consecutive_hysteresis=merged["consecutive_hysteresis"], grad_accum_dtype=merged["grad_accum_dtype"],
-        reduce_dtype=merged["reduce_dtype"], gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+        reduce_dtype=merged["reduce_dtype"], gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        **states)
     return precision, notes
 
 
@@ -412,4 +426,5 @@ def _optimizer_config(args, ds: DeepSpeedSettings | None, merged: dict, train_it
     return OptimizerConfig(lr=lr, min_lr=min_lr, warmup_iters=warmup, decay_iters=decay_iters,
                            from_train_iters=derived,
                            decay_style=args.lr_decay_style, adam=adam, clip_grad=merged["clip_grad"],
-                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples)
+                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=decoupled_min, in_samples=in_samples,
+                           muon=muon_config(args, ds, merged))

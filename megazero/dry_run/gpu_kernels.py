@@ -18,6 +18,15 @@ kernels exist for both, forward and backward, and autograd knows their derivativ
 - the math path (the real function, unchanged) for what neither takes, as on CUDA.
 Other devices go to the real function untouched.
 
+Packed documents (--reset-attention-mask, models/attention.py's `varlen_attention`): on CUDA the
+varlen kernels (FlashAttention's, FlexAttention's) keep what the causal kernel over the whole
+sequence keeps, the output and one log-sum-exp per query, and no (s x s) mask; `gpu_attention()`
+runs meta's varlen call as that one causal call (models/attention.py takes meta for a GPU's
+stand-in there, as models/weight_grad.py's matmul_fp32 does; the call goes through the SDPA stand-in
+above). A simulated CPU counts the same call: the CPU's own path (one SDPA call per document,
+recomputed in the backward) keeps the output alone, so there the dry run counts one fp32
+log-sum-exp per query and head more than the CPU keeps.
+
 The same holds for `F.rms_norm`: on CUDA it runs the fused kernel (`aten._fused_rms_norm`), which
 keeps its input and one fp32 reciprocal RMS per row; on meta it decomposes into an fp32 copy of the
 input, its square and products, each kept for the backward. `gpu_attention()` also makes meta's
@@ -54,7 +63,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from megazero.core import comm, kernels
-from megazero.ops import adam
+from megazero.ops import adam, quantize
 
 aten = torch.ops.aten
 FLASH_MAX_HEAD_DIM = 256
@@ -219,11 +228,12 @@ def _cpu_route(real):
 
 
 def cpu_kernels():
-    """A context in which attention, the fp32 weight gradient and the collectives on meta allocate
-    what the CPU's (and gloo's) do."""
+    """A context in which attention, the fp32 weight gradient, the collectives and the quantization
+    kernels (the C++ path's row copies and staging, not Triton's) on meta allocate what the CPU's
+    (and gloo's) do."""
     stack = contextlib.ExitStack()
     stack.enter_context(kernels.swapped(
-        (adam.route, _cpu_route), (adam.adam_update, _kernel_adam_on_meta),
+        (adam.route, _cpu_route), (quantize.route, _cpu_route), (adam.adam_update, _kernel_adam_on_meta),
         (comm.reduce_scatter_single, lambda real: _with_gloo_copy(real, of_output=False)),
         (comm.all_gather_single, lambda real: _with_gloo_copy(real, of_output=True))))
     stack.enter_context(_TorchFunctions({

@@ -1,5 +1,14 @@
 """Adam / AdamW on flat fp32 partitions: the optimizer math every ZeRO stage shares.
 
+The moments (exp_avg, exp_avg_sq) are fp32 or bf16, each on its own (Megatron-LM's precision-aware
+optimizer, --exp-avg-dtype / --exp-avg-sq-dtype). A bf16 moment is widened exactly, the step is the
+fp32 step below (the parameter update reads this step's fp32 moments), and the new moment is stored
+rounded to nearest even, as `.to(torch.bfloat16)` rounds and Transformer Engine's FusedAdam stores
+its bf16 states. Round to nearest even rather than stochastic rounding: it is deterministic and
+needs nothing from the layout, so every ZeRO partitioning and every implementation below stores
+the same bits (a stochastic rounding would need a random stream keyed by each element's global
+position to stay layout-invariant). The parameter stays fp32.
+
 Three implementations of one update, all in place:
 
 - `adam_update_reference`: torch ops in torch.optim.AdamW's exact order, so a single-process run
@@ -51,6 +60,7 @@ except ImportError as error:  # not built (no compiler at install time): the tor
 # Must match the Dtype enum in csrc/cpu_adam.h; the fused parameter copy takes the 16-bit ones.
 _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _COPY_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # the Adam moments' dtypes, and their codes
 _NO_COPY = -1
 ISA_ENV = "MEGAZERO_CPU_ADAM_ISA"
 
@@ -113,7 +123,7 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                      int(num_threads or torch.get_num_threads()),
                      0 if fused_copy is None else fused_copy.data_ptr(),
                      _NO_COPY if fused_copy is None else _COPY_DTYPE_CODES[fused_copy.dtype],
-                     selected_isa())
+                     selected_isa(), STATE_DTYPES[exp_avg.dtype], STATE_DTYPES[exp_avg_sq.dtype])
     # The kernel writes through raw pointers, which autograd cannot see; bump the version
     # counters as torch's in-place ops would, so a stale saved tensor is still caught.
     written = (param, exp_avg, exp_avg_sq)
@@ -164,7 +174,9 @@ def _kernel_accepts(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     So do updates autograd would record (grad mode on, a state requiring grad): its checks and
     graph then behave exactly as with torch's in-place ops."""
     states = (param, exp_avg, exp_avg_sq)
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in states):
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in states) or param.dtype != torch.float32:
+        return False
+    if exp_avg.dtype not in STATE_DTYPES or exp_avg_sq.dtype not in STATE_DTYPES:
         return False
     if grad.device.type != "cpu" or grad.dtype not in _GRAD_DTYPE_CODES or not grad.is_contiguous():
         return False
@@ -178,8 +190,19 @@ def adam_update_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torc
                           weight_decay: float, grad_scale: float = 1.0, sqrt=torch.sqrt) -> None:
     """The torch reference for `adam_update`, op for op torch.optim.AdamW (or Adam with L2 when
     `config.decoupled_weight_decay` is False). It allocates temporaries the size of its input
-    (the fp32 grad, the denominator); the kernel allocates none. `sqrt` is replaceable so a test
-    can swap in a correctly rounded one and show it is the only difference from the kernel."""
+    (the fp32 grad, the denominator, an fp32 copy of a bf16 moment); the kernel allocates none.
+    `sqrt` is replaceable so a test can swap in a correctly rounded one and show it is the only
+    difference from the kernel. bf16 moments: widened, stepped in fp32, stored rounded (module
+    docstring)."""
+    wide = [t if t.dtype == torch.float32 else t.float() for t in (exp_avg, exp_avg_sq)]
+    _fp32_step(param, grad, *wide, step=step, lr=lr, config=config, weight_decay=weight_decay,
+               grad_scale=grad_scale, sqrt=sqrt)
+    for state, value in zip((exp_avg, exp_avg_sq), wide):
+        if state is not value:
+            state.copy_(value)           # round to nearest even
+
+
+def _fp32_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, config, weight_decay, grad_scale, sqrt):
     if grad.dtype != torch.float32 or grad_scale != 1.0:
         grad = grad.float().mul_(grad_scale) if grad.dtype != torch.float32 else grad * grad_scale
     if weight_decay != 0.0:
@@ -216,8 +239,9 @@ def lr_of(lr, group: int) -> float:
     return float(lr) if isinstance(lr, (int, float)) else float(lr[group])
 
 
-# Gradients in another dtype than fp32 are widened for torch's fused kernel in slices of this many
-# elements (its lists take one dtype), so the step never holds an fp32 copy of a whole partition.
+# Gradients and moments in another dtype than fp32 are widened for torch's fused kernel in slices of
+# this many elements (its lists take one dtype, and it refuses bf16 moments beside an fp32
+# parameter), so the step never holds an fp32 copy of a whole partition: at most three slices.
 WIDEN_SLICE = 1 << 24
 
 
@@ -295,11 +319,8 @@ def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, conf
         for seg in group:
             for start, end in _slices(seg):
                 piece = [t[start:end] for t in seg[:4]]
-                if piece[1].dtype != torch.float32:
-                    piece[1] = piece[1].float()  # a WIDEN_SLICE temporary, stepped at once
-                    if multiply:
-                        piece[1].mul_(grad_scale)
-                    fused(*([t] for t in piece), [], [steps], **kw)
+                if any(t.dtype != torch.float32 for t in piece[1:]):
+                    _fused_widened(fused, piece, steps, grad_scale if multiply else 1.0, kw)
                     continue
                 for items, t in zip(lists, piece):
                     items.append(t)
@@ -311,9 +332,21 @@ def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, conf
                   [s.param for s in group if s.param_copy is not None])
 
 
+def _fused_widened(fused, piece: list[torch.Tensor], steps: torch.Tensor, multiply: float, kw: dict) -> None:
+    """The fused kernel on one slice whose gradient or moments are not fp32: each of those widened
+    to a WIDEN_SLICE temporary, stepped at once, and the moments stored back rounded."""
+    wide = [piece[0]] + [t if t.dtype == torch.float32 else t.float() for t in piece[1:]]
+    if multiply != 1.0:
+        wide[1].mul_(multiply)          # in place on an fp32 gradient, as the multi-tensor path does
+    fused(*([t] for t in wide), [], [steps], **kw)
+    for state, value in zip(piece[2:], wide[2:]):
+        if state is not value:
+            state.copy_(value)          # round to nearest even
+
+
 def _slices(seg: AdamSegment) -> list[tuple[int, int]]:
     n = seg.param.numel()
-    if seg.grad.dtype == torch.float32:
+    if all(t.dtype == torch.float32 for t in seg[1:4]):
         return [(0, n)]
     return [(s, min(s + WIDEN_SLICE, n)) for s in range(0, n, WIDEN_SLICE)]
 

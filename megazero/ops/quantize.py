@@ -1,5 +1,7 @@
 """Block-wise int8 / int4 quantization for ZeRO++'s quantized weight gathers (qwZ) and gradient
-reductions (qgZ): `quantize`, `dequantize`, `dequantize_reduce`, and a pure-torch reference of each.
+reductions (qgZ): `quantize`, `dequantize`, `dequantize_reduce`, their row forms for the collectives
+(`quantize_rows`, `dequantize_rows`: many rows at once, from strided views and into a packed send or
+receive buffer, `packed_rows`), and a pure-torch reference of each.
 
 This module owns the format, the argument checks and the choice of implementation. It does not
 decide what gets quantized or when (that is the ZeRO engine's business) and moves no data between
@@ -18,18 +20,32 @@ for a block whose range is 0. Codes are bytes (`torch.uint8`): int8 one per byte
 when symmetric), int4 two per byte, element 2j in the low nibble and 2j+1 in the high one. A block
 always takes block_size (int8) or block_size / 2 (int4) bytes, so int4 needs an even block size;
 codes past numel are 0. Inputs are fp32 or bf16 and outputs fp32 or bf16, converted directly
-(bf16 widens exactly; results round to nearest even). Inputs must be finite, and so must each
-block's max - min (below ~3.4e38); otherwise that block's codes and values are meaningless.
+(bf16 widens exactly; results round to nearest even). A row of `quantize_rows` is quantized as its
+own tensor (its last block may be short), and a packed buffer holds per row its codes, then its fp32
+scales (`packed_rows`).
+
+Non-finite values. A block holding a NaN or an infinity, or whose max - min overflows (asymmetric),
+gets scale NaN (and min NaN), codes 0: every value it dequantizes to is NaN, so a gradient that
+overflowed reaches the step's non-finite check through qgZ's reduction (before this rule a NaN was
+skipped by the min and max and came out finite, -max|block|). Which NaN (sign, payload) is not part
+of the format.
 
 Error: |x - x'| <= scale / 2 from the rounding of the code, plus fp32 rounding of the ops above
 (a few ulps of the block's largest magnitude) and, for a bf16 output, the bf16 rounding of x'.
 
-Implementations. CPU tensors go to the C++ extension `megazero._quant` (csrc/quantize*.cpp:
-AVX-512, AVX2 or scalar loops picked at run time, `torch.get_num_threads()` OpenMP threads); its
-codes, scales and values are bitwise equal to the references here. When it is not built, asking
-for quantization of a CPU tensor is an error naming the build command, never a silent slow path.
-Tensors on other devices (GPUs) run the torch reference on their own device until CUDA kernels
-exist. `MEGAZERO_QUANT_ISA=avx512|avx2|scalar` (or the `isa` argument) forces one CPU loop.
+Implementations, by the tensors' device (`route`, a declared seam: the dry run simulating a CPU takes the C++ path's), all bitwise equal to the references here:
+- CPU: the C++ extension `megazero._quant` (csrc/quantize*.cpp: AVX-512, AVX2 or scalar loops picked
+  at run time, `torch.get_num_threads()` OpenMP threads). When it is not built, asking for
+  quantization of a CPU tensor is an error naming the build command, never a silent slow path.
+  `MEGAZERO_QUANT_ISA=avx512|avx2|scalar` (or the `isa` argument) forces one loop. Its row forms
+  copy strided rows and gather codes into packed buffers around the kernels.
+- any other device (a GPU): the Triton kernels of megazero/ops/quantize_triton.py, which read the
+  strided rows and write the packed buffers in place and allocate nothing of their own. Triton is an
+  optional dependency (`pip install megazero[triton]`); without it, a GPU tensor is an error naming
+  that command.
+- the meta device (the dry run's GPU): the Triton route with nothing to compute, so its launches are
+  skipped and the memory is what the callers allocate (the dry run simulating a CPU routes meta to
+  the CPU's path, whose C++ calls are skipped alike).
 """
 from __future__ import annotations
 
@@ -39,11 +55,13 @@ import os
 
 import torch
 
+from megazero.core import kernels
 from megazero.core.errors import UsageError
 
 ISA_ENV = "MEGAZERO_QUANT_ISA"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 BUILD_HINT = "build it with `pip install --no-deps -e .` in the megazero checkout (needs a C++ compiler)"
+TRITON_HINT = "install Triton with `pip install megazero[triton]` (torch's CUDA wheels bring it)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +69,9 @@ class QuantizedTensor:
     """Codes and per-block parameters of `numel` quantized values (see the module docstring).
 
     `quantize` gives 1-D fields. `dequantize_reduce` takes k such tensors stacked (`stack`), or a
-    receive buffer laid out the same way: codes [k, bytes], scales and mins [k, num_blocks]."""
+    receive buffer laid out the same way: codes [k, bytes], scales and mins [k, num_blocks]. The row
+    forms take [rows, ...] fields whose rows are contiguous, at any distance (`packed_rows`), with
+    `numel` the length of one row."""
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
@@ -86,19 +106,42 @@ def stack(quantized: list[QuantizedTensor]) -> QuantizedTensor:
                                scales=torch.stack([q.scales for q in quantized]), mins=mins)
 
 
+def packed_row_bytes(numel: int, bits: int, block_size: int) -> int:
+    """Bytes of one row of a packed buffer: the row's codes, then its fp32 scales."""
+    blocks = -(-numel // block_size)
+    return blocks * (block_size if bits == 8 else block_size // 2) + 4 * blocks
+
+
+def packed_rows(buffer: torch.Tensor, numel: int, bits: int, block_size: int) -> QuantizedTensor:
+    """The symmetric QuantizedTensor whose rows are those of `buffer` (uint8 [rows, packed_row_bytes],
+    contiguous): views, so quantizing into it fills the buffer, and one collective moves both codes
+    and scales. The codes' bytes of a row are a multiple of 4, so its scales are aligned fp32."""
+    _check_format(bits, block_size)
+    blocks = -(-numel // block_size)
+    nbytes = blocks * (block_size if bits == 8 else block_size // 2)
+    if (buffer.dtype != torch.uint8 or buffer.dim() != 2 or not buffer.is_contiguous()
+            or buffer.shape[1] != nbytes + 4 * blocks or nbytes % 4):
+        raise UsageError(f"packed_rows: buffer is {buffer.dtype} {tuple(buffer.shape)}; expected contiguous "
+                         f"uint8 [rows, {nbytes + 4 * blocks}] for numel={numel}, bits={bits}, "
+                         f"block_size={block_size} (codes a multiple of 4 bytes)")
+    scales = buffer.view(torch.float32)[:, nbytes // 4:]
+    return QuantizedTensor(buffer[:, :nbytes], scales, None, numel, bits, block_size)
+
+
 def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, symmetric: bool = True,
              isa: str | None = None) -> QuantizedTensor:
     """Block-quantizes the flattened fp32 or bf16 tensor `x`; the result lives on x's device."""
     _check_format(bits, block_size)
     if x.dtype not in _DTYPE_CODES:
         raise UsageError(f"quantize: x is {x.dtype}; pass fp32 or bf16 (convert with .float())")
-    flat = x.reshape(-1).contiguous()
-    if flat.device.type != "cpu":
-        return quantize_reference(flat, bits, block_size, symmetric)
+    flat = x.reshape(-1)
     out = _empty_quantized(flat.numel(), bits, block_size, symmetric, (), flat.device)
-    _extension().quantize(flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(),
-                          out.codes.data_ptr(), out.scales.data_ptr(), _ptr(out.mins), bits,
-                          block_size, symmetric, torch.get_num_threads(), _isa(isa))
+    if route(flat.device) == "triton":
+        _triton("quantize_rows", flat.view(1, 1, -1), _as_rows(out), out.num_blocks)
+        return out
+    flat = flat.contiguous()
+    _cpp("quantize", flat, flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(), out.codes.data_ptr(),
+         out.scales.data_ptr(), _ptr(out.mins), bits, block_size, symmetric, torch.get_num_threads(), _isa(isa))
     return out
 
 
@@ -110,29 +153,76 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, out: torc
     if dtype not in _DTYPE_CODES:
         raise UsageError(f"dequantize: dtype {dtype} is not supported; use torch.float32 or torch.bfloat16")
     out = _check_out(out, q.numel, dtype, q.codes.device, "dequantize")
-    if q.codes.device.type != "cpu":
-        return out.copy_(dequantize_reference(q, dtype))
-    _extension().dequantize(q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.mins), q.numel, q.bits,
-                            q.block_size, q.symmetric, out.data_ptr(), _DTYPE_CODES[dtype],
-                            torch.get_num_threads(), _isa(isa))
+    if route(out.device) == "triton":
+        _triton("dequantize_rows", _as_rows(q), out.view(1, -1), q.num_blocks, False)
+        return out
+    _cpp("dequantize", out, q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.mins), q.numel, q.bits,
+         q.block_size, q.symmetric, out.data_ptr(), _DTYPE_CODES[dtype], torch.get_num_threads(), _isa(isa))
     return out
 
 
 def dequantize_reduce(q: QuantizedTensor, out: torch.Tensor | None = None,
                       isa: str | None = None) -> torch.Tensor:
-    """Sum over k of the dequantized chunks of the stacked `q` (codes [k, bytes]), in fp32, added in
-    chunk order: ((0 + x'_0) + x'_1) + ...; the reduction step of a quantized reduce-scatter."""
+    """Sum over k of the dequantized chunks of the stacked `q` (codes [k, bytes]: rows contiguous, at
+    any distance), in fp32, added in chunk order: ((0 + x'_0) + x'_1) + ...; the reduction step of a
+    quantized reduce-scatter. `out` (default: new fp32) may be fp32 or bf16: the sum rounded once."""
     if q.codes.dim() != 2:
         raise UsageError(f"dequantize_reduce: codes must be [k, bytes], got shape {tuple(q.codes.shape)}; "
                          f"stack the chunks first (megazero.ops.quantize.stack)")
     chunks = q.codes.shape[0]
-    _check_quantized(q, chunks=chunks)
-    out = _check_out(out, q.numel, torch.float32, q.codes.device, "dequantize_reduce")
-    if q.codes.device.type != "cpu" or chunks == 0:
-        return out.copy_(dequantize_reduce_reference(q))
-    _extension().dequantize_reduce(q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.mins), chunks,
-                                   q.numel, q.bits, q.block_size, q.symmetric, out.data_ptr(),
-                                   torch.get_num_threads(), _isa(isa))
+    _check_quantized(q, chunks=chunks, rows=True)
+    dtype = torch.float32 if out is None else out.dtype
+    if dtype not in _DTYPE_CODES:
+        raise UsageError(f"dequantize_reduce: out is {dtype}; pass fp32 or bf16")
+    out = _check_out(out, q.numel, dtype, q.codes.device, "dequantize_reduce")
+    if chunks == 0:
+        return out.zero_()
+    if route(out.device) == "triton":
+        _triton("dequantize_rows", q, out.view(1, -1), q.num_blocks, True)
+        return out
+    q = dataclasses.replace(q, codes=q.codes.contiguous(), scales=q.scales.contiguous(),
+                            mins=None if q.symmetric else q.mins.contiguous())
+    total = out if dtype == torch.float32 else torch.empty(q.numel, dtype=torch.float32, device=out.device)
+    _cpp("dequantize_reduce", total, q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.mins), chunks, q.numel,
+         q.bits, q.block_size, q.symmetric, total.data_ptr(), torch.get_num_threads(), _isa(isa))
+    return out if total is out else out.copy_(total)
+
+
+def quantize_rows(rows: torch.Tensor, out: QuantizedTensor) -> QuantizedTensor:
+    """Quantizes each row of `rows` ([R, segments, elements], any strides: row r is rows[r] read in
+    order, out.numel = segments x elements values) into row r of `out` (codes [R, bytes], scales
+    [R, blocks], rows contiguous: a `packed_rows` view, or `quantize`'s fields stacked)."""
+    if rows.dim() != 3 or rows.shape[1] * rows.shape[2] != out.numel or rows.dtype not in _DTYPE_CODES:
+        raise UsageError(f"quantize_rows: rows is {rows.dtype} {tuple(rows.shape)}; give fp32 or bf16 "
+                         f"[rows, segments, elements] with segments x elements = {out.numel}")
+    _check_quantized(out, chunks=rows.shape[0], rows=True)
+    if route(rows.device) == "triton":
+        _triton("quantize_rows", rows, out, out.num_blocks)
+        return out
+    for r in range(rows.shape[0]):      # each row quantized as its own tensor, then placed
+        q = quantize(rows[r].reshape(-1), out.bits, out.block_size, out.symmetric)
+        out.codes[r].copy_(q.codes)
+        out.scales[r].copy_(q.scales)
+        if not out.symmetric:
+            out.mins[r].copy_(q.mins)
+    return out
+
+
+def dequantize_rows(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
+    """out[r] = the values of row r of `q` (codes [R, bytes], rows contiguous: a `packed_rows` view
+    of a receive buffer); `out` fp32 or bf16 [R, q.numel], its rows contiguous."""
+    if (out.dim() != 2 or out.shape != (q.codes.shape[0], q.numel) or out.dtype not in _DTYPE_CODES
+            or out.stride(1) != 1):
+        raise UsageError(f"dequantize_rows: out is {out.dtype} {tuple(out.shape)}; give fp32 or bf16 "
+                         f"[{q.codes.shape[0]}, {q.numel}] with contiguous rows")
+    _check_quantized(q, chunks=q.codes.shape[0], rows=True)
+    if route(out.device) == "triton":
+        _triton("dequantize_rows", q, out, q.num_blocks, False)
+        return out
+    for r in range(out.shape[0]):
+        row = dataclasses.replace(q, codes=q.codes[r], scales=q.scales[r],
+                                  mins=None if q.symmetric else q.mins[r])
+        out[r].copy_(dequantize(row, out.dtype))
     return out
 
 
@@ -142,7 +232,16 @@ def kernel_info() -> dict:
     return {"isas": list(ext.supported_isas()), "openmp": ext.built_with_openmp()}
 
 
-# ---- the torch references (test oracles; also the path for non-CPU tensors) ----
+def triton_info(device) -> dict:
+    """What the Triton path needs on `device`: a UsageError naming the install when Triton is missing
+    (checked where the engine is built rather than at the first reduction)."""
+    if torch.device(device).type in ("cpu", "meta"):
+        return {}
+    module = _triton_module()
+    return {"triton": module.triton.__version__}
+
+
+# ---- the torch references (test oracles) ----
 
 def _qmax(bits: int, symmetric: bool) -> int:
     return (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
@@ -159,19 +258,21 @@ def quantize_reference(x: torch.Tensor, bits: int, block_size: int, symmetric: b
     # Pad with a value of the last block itself, so its min and max do not change.
     pad = flat[(blocks - 1) * block_size].expand(blocks * block_size - numel)
     padded = torch.cat([flat, pad]).view(blocks, block_size)
+    finite = torch.isfinite(padded)
+    padded = torch.where(finite, padded, 0.0)          # a non-finite block's values do not matter
     lo, hi = padded.amin(dim=1), padded.amax(dim=1)
     qmax = _qmax(bits, symmetric)
-    if symmetric:
-        scale = torch.maximum(-lo, hi) / qmax
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        codes = torch.round(padded / scale[:, None]).to(torch.int32).clamp(-qmax, qmax)
-    else:
-        mn = lo + 0.0  # -0 becomes +0, as in the kernel
-        scale = (hi - mn) / qmax
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        codes = torch.round((padded - mn[:, None]) / scale[:, None]).to(torch.int32).clamp(0, qmax)
-        out.mins.copy_(mn)
-    out.scales.copy_(scale)
+    mn = torch.zeros_like(lo) if symmetric else lo + 0.0     # -0 becomes +0, as in the kernel
+    scale = (torch.maximum(-lo, hi) if symmetric else hi - mn) / qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    bad = ~finite.all(dim=1) | ~torch.isfinite(scale)
+    safe = torch.where(bad, torch.ones_like(scale), scale)
+    shifted = padded if symmetric else padded - mn[:, None]
+    codes = torch.round(shifted / safe[:, None]).to(torch.int32).clamp(-qmax if symmetric else 0, qmax)
+    codes = torch.where(bad[:, None], 0, codes)
+    out.scales.copy_(torch.where(bad, torch.nan, scale))
+    if not symmetric:
+        out.mins.copy_(torch.where(bad, torch.nan, mn))
     codes = codes.view(-1)
     codes[numel:] = 0
     if bits == 8:
@@ -213,7 +314,43 @@ def dequantize_reduce_reference(q: QuantizedTensor) -> torch.Tensor:
     return total
 
 
-# ---- checks and plumbing ----
+# ---- routes, checks and plumbing ----
+
+@kernels.kernel("quantize route")
+def route(device: torch.device) -> str:
+    """Which kernels run on `device`: "cpu" (the C++ loops) or "triton" (any other device; on meta, the
+    dry run's GPU, launches are skipped)."""
+    return "cpu" if device.type == "cpu" else "triton"
+
+
+def _cpp(kernel: str, written: torch.Tensor, *args) -> None:
+    """megazero._quant's `kernel` writing into `written`'s device; on meta (the dry run simulating a
+    CPU) nothing is computed: the loops write in place and allocate nothing."""
+    ext = _extension()
+    if written.device.type != "meta":
+        getattr(ext, kernel)(*args)
+
+
+def _triton_module():
+    try:
+        return importlib.import_module("megazero.ops.quantize_triton")
+    except ImportError as err:
+        raise UsageError(f"quantization of GPU tensors runs Triton kernels, and Triton is not importable "
+                         f"({err}); {TRITON_HINT}") from None
+
+
+def _triton(kernel: str, *args) -> None:
+    """quantize_triton's `kernel`; on meta skipped without importing Triton (nothing to compute)."""
+    if all(t.device.type == "meta" for t in args if isinstance(t, torch.Tensor)):
+        return
+    getattr(_triton_module(), kernel)(*args)
+
+
+def _as_rows(q: QuantizedTensor) -> QuantizedTensor:
+    """1-D q as one row."""
+    return dataclasses.replace(q, codes=q.codes.view(1, -1), scales=q.scales.view(1, -1),
+                               mins=None if q.symmetric else q.mins.view(1, -1))
+
 
 def _extension():
     try:
@@ -250,7 +387,8 @@ def _empty_quantized(numel: int, bits: int, block_size: int, symmetric: bool, le
     return QuantizedTensor(codes, scales, mins, numel, bits, block_size)
 
 
-def _check_quantized(q: QuantizedTensor, chunks: int | None) -> None:
+def _check_quantized(q: QuantizedTensor, chunks: int | None, rows: bool = False) -> None:
+    """q's fields have the format's shapes; contiguous, or with `rows` each row contiguous."""
     _check_format(q.bits, q.block_size)
     lead = () if chunks is None else (chunks,)
     want = {"codes": ((*lead, q.num_blocks * q.bytes_per_block), torch.uint8),
@@ -259,8 +397,8 @@ def _check_quantized(q: QuantizedTensor, chunks: int | None) -> None:
         want["mins"] = want["scales"]
     for name, (shape, dtype) in want.items():
         tensor = getattr(q, name)
-        if (tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous()
-                or tensor.device != q.codes.device):
+        laid_out = tensor.is_contiguous() or (rows and tensor.dim() == 2 and tensor.stride(1) == 1)
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not laid_out or tensor.device != q.codes.device:
             raise UsageError(f"quantized {name} is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}; "
                              f"expected contiguous {dtype} {shape} on {q.codes.device} for numel={q.numel}, "
                              f"bits={q.bits}, block_size={q.block_size} (pass what quantize() returned)")

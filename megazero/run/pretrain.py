@@ -95,7 +95,7 @@ class Pretraining:
         metrics = _open_metrics(cfg, groups, self.device, self.threads)
         data = run_data(cfg, groups.coords.dp, groups.topology.dp, metrics.say, first=env.first("data"),
                         keep_tokenizer=env.rank == 0 and cfg.checkpoint.save is not None)
-        state = self.state = setup(cfg, groups, self.device)
+        state = self.state = setup(cfg, groups, self.device, eod=data.eod)
         _say_setup(state, self.resume, metrics.say)
         start_iteration, policy = start_checkpoint(state, cfg.checkpoint, self.resume.reader if self.resume else None,
                                                    metrics.say, data.tokenizer)

@@ -11,6 +11,7 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.training.model_builder import build_model_chunks, make_init_fn
+from megazero.training.muon_matrices import muon_matrix_of
 from megazero.parallel.finalize import counts_in_norm, summed_across_stages
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
@@ -18,6 +19,7 @@ from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers
 from megazero.training.phases import Phases, Timed
 from megazero.training.stragglers import StragglerWatch
+from megazero.models.documents import DocumentMasking
 from megazero.zero.engine import ZeroEngine
 from megazero.zero.zero_groups import ZeroGroups
 
@@ -35,6 +37,7 @@ class TrainState:
     timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
     stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
+    documents: DocumentMasking | None = None   # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
     phases: Phases = dataclasses.field(default_factory=Phases)   # who hears the run's phases
 
 
@@ -74,8 +77,23 @@ def expert_zero_groups(groups: ProcessGroups) -> ZeroGroups:
                       tensor=groups.tp)
 
 
-def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
+def document_masking(data, eod: int | None) -> DocumentMasking | None:
+    """Megatron's document flags of a DataConfig with the tokenizer's end-of-document id (the data
+    knows it: megazero.data.run_data); None when no flag is on."""
+    flags = dict(reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+                 eod_mask_loss=data.eod_mask_loss)
+    if not any(flags.values()):
+        return None
+    if eod is None:
+        raise ValueError("document masking needs the end-of-document id (setup's eod)")
+    return DocumentMasking(eod=eod, **flags)
+
+
+def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None = None) -> TrainState:
+    """The run's state on this rank; `eod`: the tokenizer's end-of-document id, which document
+    masking (cfg.data's flags) needs."""
     device = torch.device(device)
+    documents = document_masking(cfg.data, eod)
     par = cfg.parallel
     timers = Timers(device) if cfg.wall_clock_breakdown else None
     threshold = cfg.run.straggler_threshold
@@ -95,7 +113,8 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
                         isolated=summed_across_stages, streams=streams,
                         lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
                         expert_groups=expert_zero_groups(groups) if experts_apart(groups.topology) else None,
-                        expert_parallel=groups.ep)
+                        expert_parallel=groups.ep, muon=cfg.optimizer.muon,
+                        muon_matrix=muon_matrix_of(cfg.model, cfg.optimizer.muon) if cfg.optimizer.muon else None)
     for chunk in chunks:
         chunk.train()
     p2p = None
@@ -104,7 +123,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
                           engine.precision.param_dtype, device)
     return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch,
-                      phases=phases)
+                      documents=documents, phases=phases)
 
 
 def _in_phase(phases: Phases, name: str, fn):

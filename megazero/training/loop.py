@@ -25,6 +25,7 @@ from megazero.training.stragglers import find_stragglers
 from megazero.training.phases import Phases
 from megazero.training.moe_stats import begin_moe_step, end_moe_step
 from megazero.data.sampler import MicrobatchSource
+from megazero.models.documents import pack_documents
 from megazero.training.assembly import TrainState
 
 
@@ -41,6 +42,7 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], phases: Phases | N
     cp = groups.cp     # CP ranks' token sums add up to the same count
     # Pinned, non-blocking copies on the copy stream, issued for the whole batch up front.
     tokens_on_device = [copy_to_device(mb, state.device, state.streams) for mb in microbatches]
+    documents, loss_masks, normalizer = _packed_documents(state, microbatches, normalizer)
     engine_backward = make_backward(state.engine.backward)
 
     def forward(chunk_index: int, input_tensor, mb: int):
@@ -50,8 +52,12 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], phases: Phases | N
             # Context parallelism: this rank's chunks of every sample (inputs and labels alike)
             inputs = local_chunks(tokens[:, :-1], cp.rank, cp.size) if chunk.embedding is not None else input_tensor
             labels = local_chunks(tokens[:, 1:], cp.rank, cp.size) if chunk.output_head is not None else None
-            out = chunk(inputs, labels)
-            return out.float().sum() / normalizer if labels is not None else out
+            out = chunk(inputs, labels, documents[mb])
+            if labels is None:
+                return out
+            if loss_masks[mb] is not None:
+                return (out.float() * loss_masks[mb]).sum() / normalizer
+            return out.float().sum() / normalizer
 
     def backward(output, output_grad, last: bool) -> None:
         with phases("backward"):
@@ -60,6 +66,31 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], phases: Phases | N
     return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
                        stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
                        backward=backward, p2p=state.p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm)
+
+
+def _packed_documents(state: TrainState, microbatches: list[torch.Tensor], normalizer):
+    """Document masking's inputs for each microbatch: the Documents the model takes (whole samples,
+    on every stage and CP rank alike: each holds the whole microbatch's tokens and builds them on the
+    host from those; models/documents.py), this rank's loss masks (its CP chunks), and the loss
+    normalizer: with --eod-mask-loss the global batch's unmasked tokens, summed over dp x cp on the
+    last stage (a one-element all-reduce per step), so every layout divides by the same count."""
+    masking, n = state.documents, len(microbatches)
+    if masking is None:
+        return [None] * n, [None] * n, normalizer
+    groups, device, streams = state.groups, state.device, state.streams
+    packed = [pack_documents(mb[:, :-1], masking) for mb in microbatches]
+    documents = [None if d is None else d.to(lambda t: copy_to_device(t, device, streams)) for d, _ in packed]
+    if not masking.eod_mask_loss:
+        return documents, [None] * n, normalizer
+    cp = groups.cp
+    local = [local_chunks(mask, cp.rank, cp.size) for _, mask in packed]
+    masks = [copy_to_device(mask, device, streams) for mask in local]
+    if groups.is_last_stage:
+        count = torch.full((1,), float(sum(int(mask.sum()) for mask in local)), dtype=torch.float64,
+                           device=groups.dp.device)
+        comm.all_reduce(count, groups.dp)
+        normalizer = count.clamp_min(1.0).float().squeeze(0)
+    return documents, masks, normalizer
 
 
 def _global_loss(state: TrainState, losses: list[torch.Tensor],

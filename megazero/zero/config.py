@@ -24,13 +24,9 @@ from .config_blocks import (LeafModuleConfig, OffloadConfig, OffloadOptimizerCon
 # Keys DeepSpeed accepts whose features have not landed here; each maps to its do-nothing value.
 NOT_SUPPORTED_YET = {
     "zero_quantized_nontrainable_weights": False, "zeropp_loco_param": None,
-    "save_muon_momentum_buffer_in_memory": False,
 }
 # Why, where a reason helps the user more than the key's name does.
-NOT_SUPPORTED_WHY = {
-    "save_muon_momentum_buffer_in_memory": "megazero has no Muon optimizer, whose momentum buffer the "
-                                           "key keeps off NVMe",
-}
+NOT_SUPPORTED_WHY: dict[str, str] = {}
 
 # DeepSpeed's older spellings of the offload blocks: key -> (what it maps to, its value when on).
 LEGACY_OFFLOAD_KEYS = {
@@ -83,6 +79,8 @@ FIXED_BY_DESIGN = {
     "stage3_allgather_sequential": (False, "parameter all-gathers are never serialised"),
     "partition_stream_chunk_size": (0, _ONE_AT_A_TIME),
     "stage3_partition_stream_chunk_size": (0, _ONE_AT_A_TIME),
+    "save_muon_momentum_buffer_in_memory": (False, "Muon's momentum lives in the slot of Adam's first moment "
+                                                   "and moves with the other optimizer states (to NVMe too)"),
 }
 
 # ZeroConfig fields that act only at some stages: field -> those stages.
@@ -96,6 +94,7 @@ STAGE_SCOPED = {
 
 
 DType = Literal["fp32", "bf16", "fp16"]
+StateDType = Literal["fp32", "bf16"]
 
 
 class PrecisionConfig(Record):
@@ -123,6 +122,12 @@ class PrecisionConfig(Record):
     """16-bit weights with fp32 accumulation: the layers sum each weight gradient in fp32 for the fp32
     buffers instead of autograd rounding it to 16 bits first (Megatron-LM's gradient-accumulation
     fusion; --no-gradient-accumulation-fusion turns it off). Not inside --compile'd layers."""
+    exp_avg_dtype: StateDType = "fp32"
+    """dtype Adam's first moment is stored in (Megatron-LM's --exp-avg-dtype with
+    --use-precision-aware-optimizer; DeepSpeed's bf16.bf16_optimizer_states). The step computes in
+    fp32 and stores it rounded to nearest even."""
+    exp_avg_sq_dtype: StateDType = "fp32"
+    """dtype Adam's second moment is stored in (--exp-avg-sq-dtype), as exp_avg_dtype."""
 
 
 class ZeroConfig(Record):

@@ -30,10 +30,12 @@ from torch import nn
 from megazero.core import comm, host_read
 from megazero.core.streams import Streams
 from megazero.ops.adam_config import AdamConfig
+from megazero.ops.muon_config import MuonConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
 from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
+from .muon import Muon
 from .engine_memory import EngineMemory
 from .experts import ExpertUnits, is_expert
 from .placement import optimizer_placement
@@ -69,7 +71,8 @@ class ZeroEngine:
     def __init__(self, modules: list[nn.Module], init_fn, *, groups: ZeroGroups, zero: ZeroConfig,
                  adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
-                 lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None):
+                 lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None,
+                 muon: MuonConfig | None = None, muon_matrix=None):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -83,7 +86,8 @@ class ZeroEngine:
         the modules) takes when `step` is given one per group (default: 0 for every parameter).
         `expert_groups`: ZeRO's groups for mixture-of-experts weights (their expert-data-parallel
         ranks), `expert_parallel` the group holding the other experts (zero/experts.py); None:
-        expert weights are sharded as the others."""
+        expert weights are sharded as the others. `muon`: Muon steps the parameters for which
+        `muon_matrix(name, param, shape)` gives a MuonMatrix (megazero.zero.muon), Adam the rest."""
         precision = precision if precision is not None else PrecisionConfig()
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = Precision.from_config(precision), clip_grad, torch.device(device)
@@ -114,9 +118,11 @@ class ZeroEngine:
                                               isolated))
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
+        group_of = (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group
+        self.muon = None if muon is None else Muon.for_engine(self, muon, muon_matrix, group_of)
         for storage in self.storages():
-            storage.plan(self._weight_decay_of, counts_in_norm,
-                         (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group)
+            storage.plan(self._weight_decay_of, counts_in_norm, group_of,
+                         self.muon.steps if self.muon is not None else _never)
         self.placement = optimizer_placement(zero, groups, counts_in_norm)
         for i, storage in enumerate(self.storages()):
             self.placement.place(storage, "units" if storage is self.unit_storage else f"group{i}")
@@ -347,6 +353,8 @@ class ZeroEngine:
             coef *= self.clip_grad / (norm + 1e-6)
         self.step_count += 1
         self.placement.before_step(self.storages(), self.step_count, coef)
+        if self.muon is not None:
+            self.muon.step(lr, coef)
         for storage in self.storages():
             storage.step(self.step_count, lr, self.adam, coef)
         self.loss_scaler.update(False)

@@ -42,9 +42,9 @@ def sub_group_bounds(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
 
 
 def partition_range(storage, kind: str, start: int, end: int) -> torch.Tensor:
-    """A host copy of partition elements [start, end) of `kind`, assembled from the bucket chunks
-    (stage 0/1 chunks are not contiguous in the flat buffer)."""
-    out = torch.empty(end - start, dtype=torch.float32, device="cpu")
+    """A host copy of partition elements [start, end) of `kind`, in the kind's dtype, assembled from
+    the bucket chunks (stage 0/1 chunks are not contiguous in the flat buffer)."""
+    out = torch.empty(end - start, dtype=storage.precision.state_dtype(kind), device="cpu")
     for b, bucket in enumerate(storage.layout.buckets):
         lo, hi = max(start, bucket.local_offset), min(end, bucket.local_offset + bucket.chunk)
         if lo < hi:
@@ -78,6 +78,8 @@ class OptimizerOffload:
         self.split = self.bounds[self.resident][0] if self.resident < len(self.bounds) else size
         pin = config.pin_memory and storage.device.type == "cuda"
         longest = max(e - s for s, e in self.bounds)
+        # Each kind keeps its dtype in every tier: the moments may be bf16 (--exp-avg-dtype ...).
+        self.dtypes = {kind: storage.precision.state_dtype(kind) for kind in OFFLOADED_KINDS}
         # Host staging of one sub-group: the reduced gradients in, the updated 16-bit weights out.
         host = dict(device="cpu", pin_memory=pin)
         self.grad_buffer = torch.empty(longest, dtype=storage.precision.grad_accum_dtype, **host)
@@ -92,7 +94,7 @@ class OptimizerOffload:
         self._cache: tuple[int, int, dict[str, torch.Tensor]] | None = None
         offloaded = [(s - self.split, e - self.split) for s, e in self.bounds[self.resident:]]
         if self.device_kind == "cpu":
-            self.host = {kind: torch.empty(size - self.split, dtype=torch.float32, pin_memory=pin, device="cpu")
+            self.host = {kind: torch.empty(size - self.split, dtype=self.dtypes[kind], pin_memory=pin, device="cpu")
                          for kind in OFFLOADED_KINDS}
             for s, e in offloaded:
                 for kind in OFFLOADED_KINDS:
@@ -100,7 +102,8 @@ class OptimizerOffload:
         elif offloaded:
             self.swapper = SubGroupSwapper(
                 folder, name, OFFLOADED_KINDS, offloaded, buffer_count=config.buffer_count,
-                pipeline_read=config.pipeline_read, pipeline_write=config.pipeline_write, pin_memory=pin)
+                pipeline_read=config.pipeline_read, pipeline_write=config.pipeline_write, pin_memory=pin,
+                dtypes=self.dtypes)
             for k, (s, e) in enumerate(offloaded):
                 self.swapper.write_initial(k, {kind: partition_range(storage, kind, s + self.split, e + self.split)
                                                for kind in OFFLOADED_KINDS})
@@ -112,7 +115,7 @@ class OptimizerOffload:
         a host copy of the covering sub-groups; writes reach the states when the cache is flushed
         (before the next step, or when another range is asked for), so use it at once."""
         if length == 0:
-            return torch.empty(0, dtype=torch.float32, device="cpu")
+            return torch.empty(0, dtype=self.dtypes[kind], device="cpu")
         end = start + length
         direct = None
         if end <= self.split:
@@ -135,7 +138,7 @@ class OptimizerOffload:
     def _load_cache(self, start: int, end: int) -> None:
         ks = self._covering(start, end)
         lo, hi = self.bounds[ks[0]][0], self.bounds[ks[-1]][1]
-        cache = {kind: torch.empty(hi - lo, dtype=torch.float32, device="cpu") for kind in OFFLOADED_KINDS}
+        cache = {kind: torch.empty(hi - lo, dtype=self.dtypes[kind], device="cpu") for kind in OFFLOADED_KINDS}
         for k in ks:
             s, e = self.bounds[k]
             for kind in OFFLOADED_KINDS:
@@ -244,15 +247,17 @@ class OptimizerOffload:
         """Bytes of the states by where they are: the resident part's on the device ("master",
         "optimizer_states"), the offloaded part's in host memory or swap files, and the host
         staging buffers."""
-        resident, offloaded = self.split * 4, (self.bounds[-1][1] - self.split) * 4
+        size = {kind: torch.empty(0, dtype=dtype).element_size() for kind, dtype in self.dtypes.items()}
+        resident, offloaded = self.split, self.bounds[-1][1] - self.split
+        moments = size["exp_avg"] + size["exp_avg_sq"]
         buffers = _nbytes(self.grad_buffer) + _nbytes(self.lp_buffer)
         if self._cache is not None:
             buffers += sum(_nbytes(t) for t in self._cache[2].values())
         if self.swapper is not None:
             buffers += self.swapper.buffer_bytes()
         where = "host" if self.device_kind == "cpu" else "nvme"
-        return {"master": resident, "optimizer_states": 2 * resident, f"{where}_master": offloaded,
-                f"{where}_optimizer_states": 2 * offloaded, "host_offload_buffers": buffers}
+        return {"master": 4 * resident, "optimizer_states": moments * resident, f"{where}_master": 4 * offloaded,
+                f"{where}_optimizer_states": moments * offloaded, "host_offload_buffers": buffers}
 
     def close(self) -> None:
         if self.swapper is not None:

@@ -1,4 +1,5 @@
-"""The numerics every ZeRO storage shares: the dtypes a run's precision settings mean (`Precision`,
+"""The numerics every ZeRO storage shares: the dtypes a run's precision settings mean (`Precision`:
+weights, gradient accumulation and reduction, the Adam moments' storage,
 made from `megazero.zero.config.PrecisionConfig`, the record the engine is built from), the float64
 sum of squares the gradient norm is built from, and which parameters get weight decay.
 
@@ -33,6 +34,13 @@ class Precision:
     gradient_accumulation_fusion: bool = True
     """16-bit weights with fp32 accumulation: the layers sum weight gradients in fp32 straight for
     the fp32 buffers (`take_grad`), not rounded to 16 bits first (Megatron-LM's default)."""
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """The Adam moments' storage (fp32 or bf16: megazero.ops.adam steps them in fp32 either way)."""
+
+    def state_dtype(self, kind: str) -> torch.dtype:
+        """The dtype of an optimizer-state kind: "fp32" (the master), "exp_avg" or "exp_avg_sq"."""
+        return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype}.get(kind, torch.float32)
 
     @property
     def mixed(self) -> bool:
@@ -57,7 +65,8 @@ class Precision:
             if _DTYPES[value] not in (torch.float32, param):
                 raise ValueError(f"{name} in {value} needs {value} parameters (or fp32)")
         return cls(param, _DTYPES[config.grad_accum_dtype], _DTYPES[config.reduce_dtype],
-                   config.gradient_accumulation_fusion)
+                   config.gradient_accumulation_fusion, _DTYPES[config.exp_avg_dtype],
+                   _DTYPES[config.exp_avg_sq_dtype])
 
 
 def take_grad(param: torch.Tensor) -> torch.Tensor | None:

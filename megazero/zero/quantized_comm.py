@@ -22,6 +22,12 @@ Formats (the ZeRO++ paper's choices):
   blocks than qwZ's because int4 has 16x fewer levels: the error per element is half a step of
   max|block| / 7.
 
+Memory: the kernels read each hop's chunks where they lie (the first hop's rows are strided views of
+the bucket) and write codes and scales straight into the packed send buffer, and the sums go straight
+into their destination; so a reduction holds its send and receive buffers (int4 codes and scales,
+~0.53 bytes an element) and, over several nodes, the first hop's fp32 sum over the node (1/L of the
+bucket), never an fp32 or int32 copy of the bucket.
+
 Error (per block, from megazero.ops.quantize): |x - x'| <= scale / 2 plus a few fp32 ulps of the
 block's largest magnitude, scale = max|block| / 127 (int8) or / 7 (int4); a bf16 output adds its own
 rounding. qgZ's result carries one such error per hop: the intra-node hop's on each rank's
@@ -36,13 +42,12 @@ rank the partial of chunk (p, l); summing gives chunk s = p * L + l over all N r
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megazero.core import comm, streams
 from megazero.core.errors import UsageError
-from megazero.ops.quantize import QuantizedTensor, dequantize, dequantize_reduce, kernel_info, quantize
+from megazero.ops.quantize import (dequantize_reduce, dequantize_rows, kernel_info, packed_row_bytes, packed_rows,
+                                   quantize_rows, triton_info)
 from .config import ZeroConfig
 from .zero_groups import ZeroGroups
 
@@ -67,38 +72,26 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
     if group.size == 1 or chunk.numel() == 0:
         out.view(-1).copy_(chunk.reshape(-1))      # nothing moves, so nothing is quantized
         return comm.local_handle(group, async_op)
-    q = quantize(chunk, bits, block_size, symmetric=True)
+    n = chunk.numel()
+    row_bytes = packed_row_bytes(n, bits, block_size)
     # Made on the issuing stream (stage 3's prefetch), freed after the wait on the compute stream:
-    # comm's Handle records both buffers there (torch's NCCL records none).
-    send = streams.label(_pack(q, 1), "qwZ send buffer (int8 codes and scales)")
-    received = streams.label(torch.empty((group.size, send.shape[1]), dtype=torch.uint8, device=group.device),
+    # comm's Handle records both buffers there (torch's NCCL records none). The kernels write the
+    # codes and scales straight into the send buffer and read them from the receive buffer.
+    send = streams.label(torch.empty((1, row_bytes), dtype=torch.uint8, device=group.device),
+                         "qwZ send buffer (int8 codes and scales)")
+    quantize_rows(chunk.reshape(1, 1, n), packed_rows(send, n, bits, block_size))
+    received = streams.label(torch.empty((group.size, row_bytes), dtype=torch.uint8, device=group.device),
                              "qwZ receive buffer (int8 codes and scales)")
     work = comm.all_gather(received, send, group, async_op=True)
-    rows = out.view(group.size, chunk.numel())
 
-    def dequantize_rows():
-        _dequantize_rows(_unpack(received, q), rows)
+    def dequantize_received():
+        dequantize_rows(packed_rows(received, n, bits, block_size), out.view(group.size, n))
 
-    handle = comm.Handle([work], then=dequantize_rows)
+    handle = comm.Handle([work], then=dequantize_received)
     if async_op:
         return handle
     handle.wait()
     return None
-
-
-def _dequantize_rows(gathered: QuantizedTensor, rows: torch.Tensor) -> None:
-    """rows[i] = the values of received row i, for every row in one dequantize. A row's codes and
-    scales fill whole blocks, and the codes past its values are 0 (what zeros quantize to, and a
-    block's scale ignores zeros), so the rows back to back are one valid quantized tensor of
-    k x (whole blocks) values: one kernel (or one torch op on a GPU), bitwise the row-by-row result."""
-    k, numel = rows.shape
-    padded = gathered.num_blocks * gathered.block_size
-    flat = dataclasses.replace(gathered, codes=gathered.codes.view(-1), scales=gathered.scales.view(-1),
-                               numel=k * padded)
-    if padded == numel:
-        dequantize(flat, rows.dtype, out=rows.view(-1))
-    else:
-        rows.copy_(dequantize(flat, rows.dtype).view(k, padded)[:, :numel])
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, shard: comm.Group,
@@ -133,11 +126,15 @@ def _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_si
         output.copy_(input.view_as(output))
         return comm.local_handle(shard, async_op)
     locals_, nodes, chunk = node_local.size, cross_node.size, output.numel()
-    # Row j (for local peer j): chunks (p, j) of every node p, node after node.
-    rows = input.reshape(nodes, locals_, chunk).transpose(0, 1).reshape(locals_, nodes * chunk)
-    node_sums = _QuantizedAllToAll(rows, node_local, bits, block_size).reduced()   # chunks (p, l)
-    inter = _QuantizedAllToAll(node_sums.view(nodes, chunk), cross_node, bits, block_size)
-    output.copy_(inter.reduced().view_as(output))
+    # Row j (for local peer j): chunks (p, j) of every node p, node after node, read where they lie.
+    rows = input.reshape(nodes, locals_, chunk).transpose(0, 1)
+    intra = _QuantizedAllToAll(rows, node_local, bits, block_size)
+    if nodes == 1:                     # one node: the first hop's sum is the result
+        intra.reduce_into(output.view(-1))
+        return comm.local_handle(shard, async_op)
+    node_sums = torch.empty(nodes * chunk, dtype=torch.float32, device=input.device)   # chunks (p, l)
+    intra.reduce_into(node_sums)
+    _QuantizedAllToAll(node_sums.view(nodes, 1, chunk), cross_node, bits, block_size).reduce_into(output.view(-1))
     return comm.local_handle(shard, async_op)
 
 
@@ -147,8 +144,8 @@ def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_s
     C++ kernels' build, are checked now rather than at the first reduction."""
     shard = groups.shard
     node_local, cross_node = _check_node_groups(shard, groups.node_local, groups.cross_node)
-    if shard.device.type == "cpu":
-        kernel_info()        # a UsageError naming the build command when megazero._quant is missing
+    # A UsageError naming the build command (CPU) or Triton's install (GPU) when the kernels are missing.
+    kernel_info() if shard.device.type == "cpu" else triton_info(shard.device)
 
     def reduce(output: torch.Tensor, input: torch.Tensor) -> comm.Handle:
         # Once per bucket and microbatch, on the reduce stream: the groups were checked above.
@@ -157,46 +154,29 @@ def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_s
 
 
 class _QuantizedAllToAll:
-    """Row j of `rows` ([group.size, m]) quantized and sent to the group's rank j; `reduced()` is
-    the fp32 sum of the m-element rows received from every rank, in rank order. A group of one
-    sends nothing and quantizes nothing."""
+    """Row j of `rows` ([group.size, segments, elements], any strides: row j is rows[j] in order, m
+    values) quantized straight into row j of a packed send buffer and sent to the group's rank j;
+    `reduce_into(out)` waits, then writes the fp32 sum of the rows received from every rank, in rank
+    order, into `out` (m elements, fp32 or bf16, rounded once). A group of one sends nothing and
+    quantizes nothing. Each row is quantized as its own tensor: its last block may be short."""
 
     def __init__(self, rows: torch.Tensor, group: comm.Group, bits: int, block_size: int):
-        self.group, self.m = group, rows.shape[1]
+        self.group, self.m = group, rows.shape[1] * rows.shape[2]
+        self.format = (self.m, bits, block_size)
         if group.size == 1:
             self.local, self.handle = rows[0], comm.local_handle(group)
             return
-        # Rows padded to whole blocks (zeros leave a symmetric block's scale unchanged), so row j's
-        # codes and scales are contiguous rows of the quantized buffer.
-        padded = -(-self.m // block_size) * block_size
-        if padded != self.m or not rows.is_contiguous():
-            staged = torch.zeros((group.size, padded), dtype=rows.dtype, device=rows.device)
-            staged[:, :self.m] = rows
-            rows = staged
-        self.row_format = QuantizedTensor(None, None, None, padded, bits, block_size)
-        send = _pack(quantize(rows, bits, block_size, symmetric=True), group.size)
+        send = torch.empty((group.size, packed_row_bytes(*self.format)), dtype=torch.uint8, device=rows.device)
+        quantize_rows(rows, packed_rows(send, *self.format))
         self.received = torch.empty_like(send)
         self.handle = comm.all_to_all(self.received, send, group, async_op=True)
 
-    def reduced(self) -> torch.Tensor:
+    def reduce_into(self, out: torch.Tensor) -> None:
         self.handle.wait()
         if self.group.size == 1:
-            return self.local.float()
-        return dequantize_reduce(_unpack(self.received, self.row_format))[:self.m]
-
-
-def _pack(q: QuantizedTensor, rows: int) -> torch.Tensor:
-    """q (`rows` equal rows of whole blocks) as one byte buffer [rows, codes + scales]: one
-    collective moves both."""
-    scales = q.scales.view(rows, -1).view(torch.uint8)
-    return torch.cat([q.codes.view(rows, -1), scales], dim=1)
-
-
-def _unpack(packed: torch.Tensor, row: QuantizedTensor) -> QuantizedTensor:
-    """Received [k, codes + scales] rows of the format `row` as one stacked QuantizedTensor."""
-    nbytes = row.num_blocks * row.bytes_per_block
-    return dataclasses.replace(row, codes=packed[:, :nbytes].contiguous(), mins=None,
-                               scales=packed[:, nbytes:].contiguous().view(torch.float32))
+            out.view(self.local.shape).copy_(self.local)
+            return
+        dequantize_reduce(packed_rows(self.received, *self.format), out=out)
 
 
 def _check_node_groups(shard: comm.Group, node_local: comm.Group | None,

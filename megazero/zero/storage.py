@@ -13,7 +13,8 @@ and gradients live (`param_chunk`, `grad_chunk`) and when full weights exist (th
 FlatParamGroup keeps them full, UnitStorage gathers units on demand.
 
 Kinds: "param" (the low-precision weights the model computes with), "fp32" (master), "grad",
-"exp_avg", "exp_avg_sq". In fp32 runs without a separate master the "fp32" kind *is* "param".
+"exp_avg", "exp_avg_sq" (fp32, or bf16 with the precision-aware optimizer's --exp-avg-dtype /
+--exp-avg-sq-dtype). In fp32 runs without a separate master the "fp32" kind *is* "param".
 With `offload_optimizer` the "fp32", "exp_avg" and "exp_avg_sq" kinds live off the device, in an
 `OptimizerOffload` (offload.py: host memory or swap files), which also runs the step; the master is
 then a separate host copy in fp32 runs too.
@@ -122,11 +123,13 @@ class PartitionedStorage:
         n = layout.partition_size
         # Offloaded optimizer states are made on the host from the start: a model that needs
         # offload may not have room on the device for them even for a moment.
-        f32 = dict(dtype=torch.float32, device=torch.device(state_device or self.device))
+        where = torch.device(state_device or self.device)
         # fp32 runs: the weights are the master (None), 16-bit runs keep a separate fp32 copy.
-        self.master = torch.zeros(n, **f32) if precision.mixed else None
-        self.exp_avg = torch.zeros(n, **f32)
-        self.exp_avg_sq = torch.zeros(n, **f32)
+        self.master = torch.zeros(n, dtype=torch.float32, device=where) if precision.mixed else None
+        # The moments in fp32 or bf16 (--exp-avg-dtype, --exp-avg-sq-dtype): megazero.ops.adam
+        # steps them in fp32 and stores them rounded.
+        self.exp_avg = torch.zeros(n, dtype=precision.exp_avg_dtype, device=where)
+        self.exp_avg_sq = torch.zeros(n, dtype=precision.exp_avg_sq_dtype, device=where)
         self.offload: OptimizerOffload | None = None     # offload_optimizer: states off the device
         self.params: list[nn.Parameter] = []
         self.index_of: dict[int, int] = {}
@@ -325,12 +328,13 @@ class PartitionedStorage:
         self._fresh = [True] * len(self.layout.buckets)
 
     # --- optimizer ----------------------------------------------------------------------------
-    def plan(self, weight_decay_of, counts_in_norm, lr_group_of=lambda param: 0) -> None:
+    def plan(self, weight_decay_of, counts_in_norm, lr_group_of=lambda param: 0, muon=lambda param: False) -> None:
         """Cuts each bucket's chunk into runs of equal weight decay and lr group (padding joins a
-        neighbour) for the step, and into counted / not-counted runs for the gradient norm."""
+        neighbour) for the step, and into counted / not-counted runs for the gradient norm.
+        The parameters `muon(param)` says Muon steps (megazero.zero.muon) are left out of the runs."""
         self.runs, self.norm_runs = [], []
         for b, bucket in enumerate(self.layout.buckets):
-            cursor, runs = 0, []
+            cursor, runs, after_muon = 0, [], False
             for i in bucket.slots:
                 piece = self.layout.local_piece(i)
                 if piece is None:
@@ -339,11 +343,14 @@ class PartitionedStorage:
                 hi = lo + piece.length
                 wd = weight_decay_of(self.params[i], self.full_shape(i))
                 group = lr_group_of(self.params[i])
-                if runs and runs[-1].weight_decay == wd and runs[-1].lr_group == group:
+                skipped = bool(muon(self.params[i]))
+                if skipped:
+                    pass
+                elif runs and not after_muon and runs[-1].weight_decay == wd and runs[-1].lr_group == group:
                     runs[-1] = runs[-1]._replace(hi=hi)
                 else:
                     runs.append(Run(b, cursor, hi, wd, group))
-                cursor = hi
+                cursor, after_muon = hi, skipped
                 counted = bool(counts_in_norm(self.params[i]))
                 last = self.norm_runs[-1] if self.norm_runs else None
                 if last is not None and last.bucket == b and last.hi == lo and last.counted == counted:
@@ -351,10 +358,10 @@ class PartitionedStorage:
                 else:
                     self.norm_runs.append(NormRun(b, lo, hi, counted))
             if cursor < bucket.chunk:          # padding: zero gradients, updates stay zero
-                if runs:
+                if runs and not after_muon:
                     runs[-1] = runs[-1]._replace(hi=bucket.chunk)
                 else:
-                    runs.append(Run(b, 0, bucket.chunk, 0.0))
+                    runs.append(Run(b, cursor, bucket.chunk, 0.0))
             self.runs.extend(runs)
 
     def grad_sumsq(self) -> torch.Tensor:

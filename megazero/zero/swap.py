@@ -124,7 +124,8 @@ class SubGroupSwapper:
     overlap is lost (one set: fully synchronous)."""
 
     def __init__(self, folder: Path, prefix: str, kinds: tuple[str, ...], bounds: list[tuple[int, int]],
-                 *, buffer_count: int, pipeline_read: bool, pipeline_write: bool, pin_memory: bool):
+                 *, buffer_count: int, pipeline_read: bool, pipeline_write: bool, pin_memory: bool,
+                 dtypes: dict | None = None):
         folder = Path(folder)
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -133,11 +134,12 @@ class SubGroupSwapper:
                              f"point nvme_path at a writable directory") from None
         numel = bounds[-1][1] if bounds else 0
         self.kinds, self.bounds = kinds, bounds
-        self.files = {kind: SwapFile(folder / f"{prefix}.{kind}.swp", numel, bounds) for kind in kinds}
+        dtypes = {kind: (dtypes or {}).get(kind, torch.float32) for kind in kinds}    # fp32 unless named
+        self.files = {kind: SwapFile(folder / f"{prefix}.{kind}.swp", numel, bounds, dtypes[kind]) for kind in kinds}
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         longest = max((e - s for s, e in bounds), default=0)
         sets = max(1, min(buffer_count, len(bounds)))
-        self.sets = [{kind: torch.empty(longest, dtype=torch.float32, pin_memory=pin_memory, device="cpu")
+        self.sets = [{kind: torch.empty(longest, dtype=dtypes[kind], pin_memory=pin_memory, device="cpu")
                       for kind in kinds} for _ in range(sets)]
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for buffers in self.sets:

@@ -192,8 +192,6 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
      "offload_optimizer needs ZeRO stage 1-3"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, [],
      "offload_optimizer.ratio = 0.5: partial offload splits stage 3's sub-groups"),
-    ({"zero_optimization": {"stage": 1, "save_muon_momentum_buffer_in_memory": True}}, [],
-     "save_muon_momentum_buffer_in_memory = true is not supported yet (megazero has no Muon optimizer"),
     ({"zero_optimization": {"stage": 3, "compute_grad_norm": False}}, [],
      "compute_grad_norm = false is supported only at ZeRO stage 1 or 2"),
     ({"zero_optimization": {"stage": 2, "zenflow": {}}}, [], "zenflow works on optimizer offload to host"),

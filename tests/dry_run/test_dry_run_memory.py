@@ -12,7 +12,7 @@ from megazero.dry_run.device_stand_in import DeviceStandIn
 from megazero.models.attention import core_attention
 
 
-def _attention_memory(dtype, groups: int, patched: bool):
+def _attention_memory(dtype, groups: int, patched: bool, documents=None):
     """(peak bytes, bytes kept for the backward) of one causal attention's forward on meta."""
     b, s, heads, d = 1, 2048, 8, 64
     with DeviceStandIn() as device, device.keeping_activations(), (gpu_attention() if patched else contextlib.nullcontext()):
@@ -22,7 +22,7 @@ def _attention_memory(dtype, groups: int, patched: bool):
         device.in_setup = False        # q, k, v count as model states: what follows is attention's
         base = sum(device.live.values())
         with torch.enable_grad():
-            out = core_attention(q, k, v)
+            out = core_attention(q, k, v, documents=documents)
         kept = device.live["activations"]
         out.sum().backward()
     return device.peak - base, kept, out
@@ -40,6 +40,20 @@ def test_attention_on_meta_keeps_what_the_flash_kernel_keeps():
     # The math path (what meta picks by itself) keeps the fp32 probabilities.
     math_peak, math_kept, _ = _attention_memory(torch.bfloat16, 2, patched=False)
     assert math_kept >= b * heads * s * s * 4 and math_peak > 4 * peak
+
+
+def test_packed_documents_on_a_simulated_gpu_keep_what_the_causal_flash_call_keeps():
+    """--reset-attention-mask on CUDA runs a varlen kernel (FlashAttention's, FlexAttention's), which
+    keeps the output and one log-sum-exp per query, as one causal flash call over the sequence:
+    the simulated GPU counts that call's memory, not the CPU's per-document calls'.
+    Planted (meta running the per-document calls): kept differs (less: the calls are recomputed)."""
+    from megazero.models.documents import DocumentMasking, pack_documents
+    tokens = torch.randint(2, 50, (1, 2048), generator=torch.Generator().manual_seed(0))
+    tokens[0, [99, 700, 1500]] = 1
+    documents, _ = pack_documents(tokens, DocumentMasking(1, True, True, True))
+    whole_peak, whole_kept, _ = _attention_memory(torch.bfloat16, 2, patched=True)
+    peak, kept, out = _attention_memory(torch.bfloat16, 2, patched=True, documents=documents.to(lambda t: t.to("meta")))
+    assert out.shape == (1, 2048, 8 * 64) and (peak, kept) == (whole_peak, whole_kept)
 
 
 def test_kernel_choice_follows_cudas_rules():
@@ -202,3 +216,65 @@ def test_gloo_copy_lives_as_long_as_the_async_work_simulating_the_cpu():
         assert device.process_live == held + 1024 * 4 and work.wait()
         del work
         assert device.process_live == held
+
+
+SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--zero-stage", "1", "--bf16"]
+BF16_MOMENTS = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+
+
+def test_bf16_moments_take_4_bytes_per_parameter_less_in_the_dry_run_and_the_planner():
+    """--exp-avg-dtype / --exp-avg-sq-dtype bf16 (Megatron-LM's precision-aware optimizer) at ZeRO-1 over 2
+    ranks: the engine's report, the dry run's device (the allocations of set-up) and the planner each
+    hold 2 bytes less per moment, 4 per parameter of this rank's partition; nothing else changes."""
+    from megazero.dry_run.job import simulate
+    fp32, bf16 = (simulate(SMALL + extra, 2, ranks=[0], processes=1, stream_check=False, save=False)[0]
+                  for extra in ([], BF16_MOMENTS))
+    assert fp32.error is None and bf16.error is None, (fp32.detail, bf16.detail)
+    partition = fp32.model_states["master"] / 4            # the fp32 master: 4 bytes an element
+    report = {k: fp32.model_states[k] - bf16.model_states[k] for k in fp32.model_states}
+    assert report["optimizer_states"] == report["model_states"] == 4 * partition > 0, report
+    setup = fp32.memory["phases"]["setup"]["allocated"] - bf16.memory["phases"]["setup"]["allocated"]
+    assert abs(setup - 4 * partition) <= 4 * 512, (setup, partition)      # the allocator's 512-byte blocks
+    planned = fp32.memory["planner"]["model_states"] - bf16.memory["planner"]["model_states"]
+    assert abs(planned - 4 * partition) <= 1e-6 * partition, (planned, partition)
+
+
+def test_qgz_adds_nothing_to_the_simulated_gpu_peak():
+    """ZeRO-3 over 2 nodes of 2 with and without qgZ (--zero-quantized-gradients) on the simulated GPU:
+    the quantized reduction (Triton's kernels: strided rows read in place, codes and scales written
+    into the packed send buffer) holds no fp32 or int32 copy of a bucket, so the peak does not grow.
+    Before them, a GPU ran the torch reference: 66.3 MiB against 51.2 MiB, this test's failure."""
+    from megazero.dry_run.job import simulate
+    argv = SMALL[:SMALL.index("--zero-stage")] + ["--hidden-size", "512", "--num-attention-heads", "8",
+                                                   "--global-batch-size", "4", "--zero-stage", "3", "--bf16",
+                                                   "--ranks-per-node", "2"]
+    plain, qgz = (simulate(argv + extra, 4, ranks=[0], processes=1, stream_check=False, save=False)[0]
+                  for extra in ([], ["--zero-quantized-gradients"]))
+    assert plain.error is None and qgz.error is None, (plain.detail, qgz.detail)
+    assert qgz.memory["peak"] <= plain.memory["peak"], (qgz.memory["peak_by_owner"], plain.memory["peak_by_owner"])
+
+
+def test_quantized_reduction_on_meta_allocates_what_each_simulated_device_runs():
+    """qgZ's first hop (strided rows quantized into a packed send buffer, then the reduce into bf16):
+    on a simulated GPU the Triton kernels allocate nothing; simulating the CPU, the C++ path's
+    staging is counted (each strided row copied before its kernel: at least one row's fp32 copy).
+    Planted (cpu_kernels without quantize's route): the CPU's staging went uncounted, this fails."""
+    from megazero.dry_run.gpu_kernels import cpu_kernels, gpu_attention
+    from megazero.ops.quantize import dequantize_reduce, packed_row_bytes, packed_rows, quantize_rows
+    nodes, locals_, chunk, bits, block = 2, 2, 4096, 4, 64
+    m = nodes * chunk
+    peaks = {}
+    for kind, kernels in (("cuda", gpu_attention), ("cpu", cpu_kernels)):
+        with DeviceStandIn(device=kind) as device, kernels():
+            bucket = torch.empty(nodes * locals_ * chunk, device="meta")
+            send = torch.empty(locals_, packed_row_bytes(m, bits, block), dtype=torch.uint8, device="meta")
+            out = torch.empty(m, dtype=torch.bfloat16, device="meta")
+            device.in_setup = False
+            before = device.peak
+            packed = packed_rows(send, m, bits, block)
+            quantize_rows(bucket.view(nodes, locals_, chunk).transpose(0, 1), packed)
+            dequantize_reduce(packed, out=out)
+            peaks[kind] = device.peak - before
+    assert peaks["cuda"] == 0 and peaks["cpu"] >= 4 * m, peaks

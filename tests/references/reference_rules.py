@@ -42,6 +42,16 @@ def megatron_decays(name: str, param: torch.Tensor) -> bool:
     return not (name.endswith(".bias") or param.ndim == 1)
 
 
+def muon_matrix_names(model: torch.nn.Module) -> set[str]:
+    """The parameters Muon steps, by torch.optim.Muon's documentation and Megatron-LM's rule: the 2-D
+    weights of the hidden layers, and a grouped-experts weight (one (in, out) matrix per expert); the
+    embeddings and the output layer (2-D too) take AdamW, as do biases and norm scales (1-D), a MoE
+    router and the shared expert's gate (a 1 x hidden vector)."""
+    excluded = ("embedding.word.weight", "embedding.position.weight", "output_head.weight")
+    return {name for name, p in model.named_parameters()
+            if p.ndim in (2, 3) and name not in excluded and not name.endswith(("router.weight", "gate_weight"))}
+
+
 def plain_gpt(cfg: GPTConfig, seed: int) -> GPT:
     """The pure single-device GPT of models/ with its layout-independent initial weights."""
     model = GPT(cfg)

@@ -1,9 +1,9 @@
 """qwZ's and qgZ's GPU-minded paths against the ones they replaced, bitwise.
 
-- qwZ's receive side dequantizes every rank's row in one call (`_dequantize_rows`: the rows back to
-  back are one quantized tensor) instead of a Python loop over ranks: bitwise the row-by-row C++
-  result and the row-by-row torch reference, int8 and int4, rows of whole blocks and with a tail,
-  fp32 and bf16 out. Planted: reading the flat result without dropping each row's padding fails.
+- qwZ's receive side dequantizes every rank's row of the packed receive buffer in one call
+  (`dequantize_rows`, reading codes and scales where they lie) instead of unpacking each: bitwise
+  the row-by-row C++ result and the row-by-row torch reference, int8 and int4, rows of whole blocks
+  and with a tail, fp32 and bf16 out.
 - qgZ queues both hops and their sums on the current stream at once: bitwise the previous schedule
   (second hop issued when the handle was waited), at nodes of 2 over 4 ranks.
 - In a stage-3 qgZ step under the stream checker every all-to-all of the reduction is issued from
@@ -17,10 +17,11 @@ import torch
 from tests.layouts import run_training, small_config
 from megazero.core import comm, streams
 from megazero.core.stream_check import checking
-from megazero.ops.quantize import dequantize, dequantize_reference, quantize
+from megazero.ops.quantize import (dequantize, dequantize_reference, dequantize_rows, packed_row_bytes,
+                                   packed_rows, quantize, quantize_rows)
 from megazero.parallel.topology import Topology
 from megazero.zero import quantized_comm
-from megazero.zero.quantized_comm import QGZ_BLOCK, _dequantize_rows, _pack, _QuantizedAllToAll, _unpack
+from megazero.zero.quantized_comm import QGZ_BLOCK, _QuantizedAllToAll
 from tests.zero.test_quantized_comm import node_groups, rank_input
 
 
@@ -29,13 +30,17 @@ from tests.zero.test_quantized_comm import node_groups, rank_input
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rows_dequantized_at_once_equal_row_by_row(bits, block, numel, dtype):
     ranks = 4
-    qs = [quantize(rank_input(r, numel, torch.float32), bits, block) for r in range(ranks)]
-    received = torch.stack([_pack(q, 1)[0] for q in qs])        # what the all-gather delivers
-    gathered = _unpack(received, qs[0])
+    received = torch.empty(ranks, packed_row_bytes(numel, bits, block), dtype=torch.uint8)
+    for r in range(ranks):                                       # what the all-gather delivers
+        quantize_rows(rank_input(r, numel, torch.float32).view(1, 1, -1),
+                      packed_rows(received[r:r + 1], numel, bits, block))
+    gathered = packed_rows(received, numel, bits, block)
     rows = torch.empty(ranks, numel, dtype=dtype)
-    _dequantize_rows(gathered, rows)
-    for r, q in enumerate(qs):
-        row = dataclasses.replace(q, codes=gathered.codes[r], scales=gathered.scales[r])
+    dequantize_rows(gathered, rows)
+    for r in range(ranks):
+        row = dataclasses.replace(gathered, codes=gathered.codes[r].contiguous(),
+                                  scales=gathered.scales[r].contiguous())
+        assert torch.equal(row.codes, quantize(rank_input(r, numel, torch.float32), bits, block).codes)
         assert torch.equal(rows[r], dequantize(row, dtype)), f"row {r}: C++ kernel"
         assert torch.equal(rows[r], dequantize_reference(row, dtype)), f"row {r}: torch reference"
 
@@ -44,13 +49,13 @@ def lazy_reduce_scatter(output, input, shard, node_local, cross_node, bits=4, bl
     """qgZ's previous schedule, the one this test compares with: the first hop issued at once, the
     second hop and both sums when the handle is waited."""
     locals_, nodes, chunk = node_local.size, cross_node.size, output.numel()
-    rows = input.reshape(nodes, locals_, chunk).transpose(0, 1).reshape(locals_, nodes * chunk)
+    rows = input.reshape(nodes, locals_, chunk).transpose(0, 1)
     intra = _QuantizedAllToAll(rows, node_local, bits, block_size)
 
     def reduce_across_nodes():
-        node_sums = intra.reduced()
-        inter = _QuantizedAllToAll(node_sums.view(nodes, chunk), cross_node, bits, block_size)
-        output.copy_(inter.reduced().view_as(output))
+        node_sums = torch.empty(nodes * chunk)
+        intra.reduce_into(node_sums)
+        _QuantizedAllToAll(node_sums.view(nodes, 1, chunk), cross_node, bits, block_size).reduce_into(output)
     comm.Handle([intra.handle], then=reduce_across_nodes).wait()
 
 

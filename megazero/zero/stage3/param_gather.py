@@ -56,9 +56,10 @@ class ParamGather:
         self.generation = 0                              # partition writes so far
         self.secondary_ready = Event(device)             # the last secondary write, on its stream
         self.gathered_numel: collections.Counter = collections.Counter()  # elements, by "primary"/"secondary"
-        if zero.zero_quantized_weights and torch.device(device).type == "cpu":
-            from megazero.ops.quantize import kernel_info
-            kernel_info()      # a missing megazero._quant build fails here, naming the build command
+        if zero.zero_quantized_weights:
+            from megazero.ops.quantize import kernel_info, triton_info
+            # A missing megazero._quant build (CPU) or Triton (GPU) fails here, naming the fix.
+            kernel_info() if torch.device(device).type == "cpu" else triton_info(device)
 
     # --- the one entry point ------------------------------------------------------------------
     def start(self, unit, chunk: torch.Tensor) -> comm.Handle:
