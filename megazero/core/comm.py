@@ -42,13 +42,16 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megazero.core import host_read, source_paths, streams
+from megazero.core import host_read, kernels, source_paths, streams
 
 ReduceOp = dist.ReduceOp
 
 # torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Declared seams: the dry run simulating gloo gives them gloo's flat copies.
+all_gather_single = kernels.declare(
+    "all-gather into one tensor", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+reduce_scatter_single = kernels.declare(
+    "reduce-scatter of one tensor", getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
 
 
 class CommLog:
@@ -323,7 +326,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         def then():
             target.copy_(output)
     # Flat views: backends disagree on how they match multi-dimensional shapes.
-    work, done = _issue(group, [input], [output], lambda: _reduce_scatter_single(
+    work, done = _issue(group, [input], [output], lambda: reduce_scatter_single(
         output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op), async_op)
     return _finish(work, done, async_op, [input, output], then, group.log)
 
@@ -339,7 +342,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         output.view_as(input).copy_(input)
         return local_handle(group, async_op)
     group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output), output)
-    work, done = _issue(group, [input], [output], lambda: _all_gather_single(
+    work, done = _issue(group, [input], [output], lambda: all_gather_single(
         output.view(-1), input.view(-1), group=group.pg, async_op=async_op), async_op)
     return _finish(work, done, async_op, [input, output], log=group.log)
 

@@ -55,13 +55,13 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.core import source_paths, streams as _streams
+from megazero.core import kernels, source_paths, streams as _streams
 
 MAIN = 0
 STASH, RECORD_STREAM = "stash", "record_stream"       # how NCCL keeps collective tensors alive (nccl_semantics)
 _SKIPPED_FILES = tuple(str(Path(p).resolve()) for p in (
     Path(torch.__file__).parent, Path(__file__), Path(_streams.__file__),
-    Path(_streams.__file__).with_name("comm.py"), Path(contextlib.__file__)))
+    Path(_streams.__file__).with_name("comm.py"), Path(kernels.__file__), Path(contextlib.__file__)))
 
 
 def nccl_semantics(version: str | None = None) -> str:
@@ -132,9 +132,10 @@ def _skipped(filename: str) -> bool:
 
 
 def _call_site() -> str:
-    """file:line (function) of the first frame outside torch and the stream/comm modules."""
+    """file:line (function) of the first frame outside torch, the stream/comm modules and a torch
+    function mode's handler (the dry run's kernel choices: the call site is the model's line)."""
     frame = sys._getframe(1)
-    while frame is not None and _skipped(frame.f_code.co_filename):
+    while frame is not None and (_skipped(frame.f_code.co_filename) or frame.f_code.co_name == "__torch_function__"):
         frame = frame.f_back
     if frame is None:             # e.g. a backend's thread dropped a tensor's last reference
         return f"(thread {threading.current_thread().name})"
@@ -243,22 +244,24 @@ class StreamChecker:
         if _streams.checker_for("cpu") is not None:
             raise RuntimeError("a stream checker is already on")
         self._previous_backend = _streams.use_cpu_backend(self)
-        self._resize = torch.UntypedStorage.resize_
-        checker, original = self, self._resize
+        checker = self
 
-        def resize_(storage, size):
-            checker.before_resize(storage)
-            result = original(storage, size)
-            checker.after_resize(storage)
-            return result
-        torch.UntypedStorage.resize_ = resize_
+        def watched(real):
+            def resize(storage, nbytes):
+                checker.before_resize(storage)
+                result = real(storage, nbytes)
+                checker.after_resize(storage)
+                return result
+            return resize
+        self._resize = kernels.swapped((kernels.resize_storage, watched))
+        self._resize.__enter__()
         self.active = True
         self._mode.__enter__()
         return self
 
     def __exit__(self, kind, value, tb) -> None:
         self._mode.__exit__(kind, value, tb)
-        torch.UntypedStorage.resize_ = self._resize
+        self._resize.__exit__(None, None, None)
         _streams.use_cpu_backend(self._previous_backend)
         self.active = False
         if kind is None:

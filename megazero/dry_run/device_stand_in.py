@@ -88,78 +88,63 @@ class DeviceStandIn(TorchDispatchMode):
         self._host_values: set[int] = set()   # storages of initial values: host data on a GPU
         self.read_marks: list[tuple[int, int]] = []
         self.counting = True           # off while the model chunks are built on meta (as on a GPU)
+        self.initializing = False      # an initial value is being made: host data on a GPU
+        self._reads, self._step_reads_start = None, 0
         self.in_setup = True           # until the first step: the model and ZeRO's storages
         self.backward_started = False  # in this step: the first backward allocation notes "forward"
 
     def phase_hooks(self, reads: list | None = None):
-        """Patches that note the phases of every training step: "setup" before the first, "forward"
-        at the step's first backward allocation (with pipelining: after the warm-up forwards),
-        "backward" before the optimizer step, "step" after it. The last step's notes are kept.
-        `reads` (host_read's open recording): each step's (first, end) positions in it go to `read_marks`."""
+        """A context in which this stand-in hears the run's phases (megazero.training.phases) and
+        notes the phases of every training step: "setup" before the first, "forward" at the step's
+        first backward allocation (with pipelining: after the warm-up forwards), "backward" before
+        the optimizer step, "step" after it. The last step's notes are kept. `reads` (host_read's
+        open recording): each step's (first, end) positions in it go to `read_marks`. It also takes
+        the declared seams it needs: initial values as shapes (`model_builder.initial_value`) and
+        stage 3's storage resizes (`kernels.resize_storage`)."""
         import contextlib
-        from unittest import mock
-        from megazero.training import assembly, loop, model_builder
-        from megazero.zero.engine import ZeroEngine
-        real_step, real_engine_step = loop.train_step, ZeroEngine.step
+        from megazero.core import kernels
+        from megazero.training import model_builder, phases
 
-        def train_step(*args, **kwargs):
+        def resize_storage(real):
+            def resize(storage, size):
+                out = real(storage, size)
+                self.resized(storage)
+                return out
+            return resize
+        self._reads = reads
+        stack = contextlib.ExitStack()
+        stack.enter_context(kernels.swapped((kernels.resize_storage, resize_storage),
+                                            (model_builder.initial_value, lambda real: meta_value)))
+        stack.enter_context(phases.listening(self))
+        return stack
+
+    # --- the run's phases (megazero.training.phases' listener) ---------------------------------------
+    def phase_started(self, name: str) -> None:
+        if name == "train step":
             if self.in_setup:
                 self.snapshot("setup")
                 self.in_setup = False
             self.backward_started = False
-            start = len(reads) if reads is not None else 0
-            out = real_step(*args, **kwargs)
-            self.snapshot("step")
-            if reads is not None:
-                self.read_marks.append((start, len(reads)))
-            return out
-
-        def engine_step(engine, *args, **kwargs):
+            self._step_reads_start = len(self._reads) if self._reads is not None else 0
+        elif name == "step":
             self.snapshot("backward")
-            return real_engine_step(engine, *args, **kwargs)
-        real_build = assembly.build_model_chunks
-
-        def build_model_chunks(*args, **kwargs):
-            # On a GPU these chunks are meta tensors too (materialised later by the engine): no memory.
+        elif name in ("build", "initial value"):
+            # On a GPU the chunks are meta tensors too (materialised later by the engine), and each
+            # parameter's initial value is drawn on the host, one full tensor at a time, and this
+            # rank's piece copied to the device: no device memory. Drawing a 70B model's full tensors
+            # on this CPU would take minutes: the value is a meta tensor of its shape (meta_value),
+            # made and cut with counting off and marked as host data, so that its copies into host
+            # buffers (offloaded master weights) are no device reads.
             self.counting = False
-            try:
-                return real_build(*args, **kwargs)
-            finally:
-                self.counting = True
-        real_init_fn = assembly.make_init_fn
+            self.initializing = name == "initial value"
 
-        def make_init_fn(*args, **kwargs):
-            # A GPU job draws each parameter's initial value on the host, one full tensor at a time,
-            # and copies this rank's piece to the device. Values do not matter here, and drawing a
-            # 70B model's full tensors on this CPU takes minutes: the value is a meta tensor of its
-            # shape, made and cut with counting off (host memory on a GPU) and marked as host data,
-            # so that its copies into host buffers (offloaded master weights) are no device reads.
-            real = real_init_fn(*args, **kwargs)
-
-            def init(name, param):
-                self.counting = False
-                try:
-                    with mock.patch.object(model_builder, "initial_value", meta_value):
-                        value = real(name, param)
-                finally:
-                    self.counting = True
-                self._host_values.add(id(value.untyped_storage()))
-                weakref.finalize(value.untyped_storage(), self._host_values.discard, id(value.untyped_storage()))
-                return value
-            return init
-        real_resize = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            out = real_resize(storage, size)
-            self.resized(storage)
-            return out
-        stack = contextlib.ExitStack()
-        stack.enter_context(mock.patch.object(torch.UntypedStorage, "resize_", resize_))
-        stack.enter_context(mock.patch.object(assembly, "make_init_fn", make_init_fn))
-        stack.enter_context(mock.patch.object(assembly, "build_model_chunks", build_model_chunks))
-        stack.enter_context(mock.patch.object(loop, "train_step", train_step))
-        stack.enter_context(mock.patch.object(ZeroEngine, "step", engine_step))
-        return stack
+    def phase_ended(self, name: str, error) -> None:
+        if name == "train step" and error is None:
+            self.snapshot("step")
+            if self._reads is not None:
+                self.read_marks.append((self._step_reads_start, len(self._reads)))
+        elif name in ("build", "initial value"):
+            self.counting, self.initializing = True, False
 
     def snapshot(self, phase: str) -> None:
         self.phases[phase] = {"allocated": sum(self.live.values()), "peak": self.peak,
@@ -175,6 +160,8 @@ class DeviceStandIn(TorchDispatchMode):
 
     def _track(self, out) -> None:
         if not self.counting:
+            if self.initializing:
+                self._mark_host_values(out)
             return
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if not isinstance(t, torch.Tensor):
@@ -185,6 +172,14 @@ class DeviceStandIn(TorchDispatchMode):
             storage = t.untyped_storage()
             if id(storage) not in self._held and storage.nbytes():
                 self._account(storage, kind == "cpu")
+
+    def _mark_host_values(self, out) -> None:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                key = id(t.untyped_storage())
+                if key not in self._host_values:
+                    self._host_values.add(key)
+                    weakref.finalize(t.untyped_storage(), self._host_values.discard, key)
 
     def resized(self, storage) -> None:
         """After `UntypedStorage.resize_`: stage 3 frees a gathered unit's memory by resizing its

@@ -7,7 +7,8 @@ into the math path, which casts to fp32 and keeps the (batch, heads, sequence, s
 probabilities. A dry run on meta would then count, per layer, a sequence-squared tensor the GPU
 never allocates (at sequence 8192 that is most of the activations).
 
-`gpu_attention()` patches `F.scaled_dot_product_attention` so that on meta tensors it runs the
+`gpu_attention()` takes over `F.scaled_dot_product_attention` (through torch's TorchFunctionMode:
+the models call torch's functions and import nothing of megazero's) so that on meta tensors it runs the
 kernel CUDA's dispatcher would choose for the same inputs, through the kernel's own aten op (meta
 kernels exist for both, forward and backward, and autograd knows their derivatives):
 - flash (`aten._scaled_dot_product_flash_attention`): half precision, head dim <= 256, no mask,
@@ -20,8 +21,11 @@ Other devices go to the real function untouched.
 Packed documents (--reset-attention-mask, models/attention.py's `varlen_attention`): on CUDA the
 varlen kernels (FlashAttention's, FlexAttention's) keep what the causal kernel over the whole
 sequence keeps, the output and one log-sum-exp per query, and no (s x s) mask; `gpu_attention()`
-runs meta's varlen call as that one causal call (through the SDPA stand-in above). A simulated CPU
-runs the CPU's own path, one SDPA call per document, each its flash kernel.
+runs meta's varlen call as that one causal call (models/attention.py takes meta for a GPU's
+stand-in there, as models/weight_grad.py's matmul_fp32 does; the call goes through the SDPA stand-in
+above). A simulated CPU counts the same call: the CPU's own path (one SDPA call per document,
+recomputed in the backward) keeps the output alone, so there the dry run counts one fp32
+log-sum-exp per query and head more than the CPU keeps.
 
 The same holds for `F.rms_norm`: on CUDA it runs the fused kernel (`aten._fused_rms_norm`), which
 keeps its input and one fp32 reciprocal RMS per row; on meta it decomposes into an fp32 copy of the
@@ -32,7 +36,8 @@ backward the gradients of the input and the weight. And for the optimizer step: 
 launch, nothing allocated but a widened fp32 slice of a 16-bit gradient, `WIDEN_SLICE` elements at
 a time); meta has no such kernel registered as supported, so its segments would take the torch
 reference ops and a partition-sized denominator. `gpu_attention()` routes meta segments to the
-fused kernel, whose meta implementation allocates nothing.
+fused kernel, whose meta implementation allocates nothing (ops/adam.py's declared `route` seam,
+megazero.core.kernels).
 
 `cpu_kernels()` is the same for a simulated CPU (the dry run's `--simulate-device cpu`, to compare
 with a real CPU run's measured memory): SDPA on the CPU runs its flash kernel
@@ -53,10 +58,12 @@ ops, whose denominator (and scaled gradient) are temporaries the size of the par
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
-
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from megazero.core import comm, kernels
+from megazero.ops import adam, quantize
 
 aten = torch.ops.aten
 FLASH_MAX_HEAD_DIM = 256
@@ -132,27 +139,26 @@ def _fused_route(real):
     return route
 
 
-def _varlen_on_meta(real):
-    from megazero.models.attention import causal_attention
+class _TorchFunctions(TorchFunctionMode):
+    """Runs `replacements[f]` for each call of torch function `f` (the models' attention, RMSNorm
+    and fp32 GEMM), everything else as it is."""
 
-    def varlen_attention(q, k, v, documents, dropout_p=0.0, backend="auto"):
-        if q.device.type != "meta":
-            return real(q, k, v, documents, dropout_p, backend)
-        return causal_attention(q, k, v, dropout_p, backend)       # what the varlen kernels keep
-    return varlen_attention
+    def __init__(self, replacements: dict):
+        super().__init__()
+        self.replacements = replacements
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.replacements.get(func, func)(*args, **(kwargs or {}))
 
 
 def gpu_attention():
     """A context in which attention, RMSNorm and the optimizer step on meta tensors allocate what
     CUDA's kernels do (Adam: torch's fused multi-tensor kernel, as `adam_step` picks on a GPU)."""
-    from megazero.models import attention
-    from megazero.ops import adam
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(attention, "varlen_attention", _varlen_on_meta(attention.varlen_attention)))
-    stack.enter_context(mock.patch.object(adam, "_route", _fused_route(adam._route)))
-    stack.enter_context(mock.patch.object(F, "rms_norm", _rms_norm_on_meta(F.rms_norm)))
-    stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
-                                          _on_meta(F.scaled_dot_product_attention)))
+    stack.enter_context(kernels.swapped((adam.route, _fused_route)))
+    stack.enter_context(_TorchFunctions({
+        F.rms_norm: _rms_norm_on_meta(F.rms_norm),
+        F.scaled_dot_product_attention: _on_meta(F.scaled_dot_product_attention)}))
     return stack
 
 
@@ -175,12 +181,15 @@ def _on_meta_as_cpu(real):
     return sdpa
 
 
-def _widened_matmul_fp32(real):
-    def matmul_fp32(a, b):
-        if a.device.type == "meta":
+def _widened_fp32_mm(real):
+    """models/weight_grad.matmul_fp32 on meta: the CPU's path (both inputs widened to fp32 copies)
+    instead of the `mm(..., out_dtype=float32)` it takes on CUDA and meta."""
+    def mm(a, b, *args, out_dtype=None, **kwargs):
+        if out_dtype == torch.float32 and a.device.type == "meta":
             return a.float() @ b.float()
-        return real(a, b)
-    return matmul_fp32
+        extra = {} if out_dtype is None else {"out_dtype": out_dtype}
+        return real(a, b, *args, **extra, **kwargs)
+    return mm
 
 
 class _WorkHoldingCopy:
@@ -205,8 +214,6 @@ def _with_gloo_copy(real, of_output: bool):
 
 
 def _kernel_adam_on_meta(real):
-    from megazero.ops import adam
-
     def adam_update(param, grad, exp_avg, exp_avg_sq, **kwargs):
         if param.device.type == "meta" and adam.kernel_available():
             return None        # the C++ kernel: in place through raw pointers, nothing allocated
@@ -224,21 +231,14 @@ def cpu_kernels():
     """A context in which attention, the fp32 weight gradient, the collectives and the quantization
     kernels (the C++ path's row copies and staging, not Triton's) on meta allocate what the CPU's
     (and gloo's) do."""
-    from megazero.core import comm
-    from megazero.models import loss, weight_grad
-    from megazero.ops import adam, quantize
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(adam, "_route", _cpu_route(adam._route)))
-    stack.enter_context(mock.patch.object(quantize, "_route", _cpu_route(quantize._route)))
-    stack.enter_context(mock.patch.object(adam, "adam_update", _kernel_adam_on_meta(adam.adam_update)))
-    stack.enter_context(mock.patch.object(comm, "_reduce_scatter_single",
-                                          _with_gloo_copy(comm._reduce_scatter_single, of_output=False)))
-    stack.enter_context(mock.patch.object(comm, "_all_gather_single",
-                                          _with_gloo_copy(comm._all_gather_single, of_output=True)))
-    stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
-                                          _on_meta_as_cpu(F.scaled_dot_product_attention)))
-    for module in (weight_grad, loss):        # loss.py imported the function by name
-        stack.enter_context(mock.patch.object(module, "matmul_fp32", _widened_matmul_fp32(module.matmul_fp32)))
+    stack.enter_context(kernels.swapped(
+        (adam.route, _cpu_route), (quantize.route, _cpu_route), (adam.adam_update, _kernel_adam_on_meta),
+        (comm.reduce_scatter_single, lambda real: _with_gloo_copy(real, of_output=False)),
+        (comm.all_gather_single, lambda real: _with_gloo_copy(real, of_output=True))))
+    stack.enter_context(_TorchFunctions({
+        F.scaled_dot_product_attention: _on_meta_as_cpu(F.scaled_dot_product_attention),
+        torch.mm: _widened_fp32_mm(torch.mm)}))
     return stack
 
 

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from megazero.core import kernels
 from megazero.core.errors import UsageError
 from megazero.ops.adam_config import AdamConfig
 
@@ -90,6 +91,7 @@ def selected_isa() -> str:
     return name
 
 
+@kernels.kernel("adam update")
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, *, step: int, lr: float, config: AdamConfig,
                 weight_decay: float, grad_scale: float = 1.0,
@@ -255,7 +257,8 @@ def fused_available(device) -> bool:
         return kind == "cuda"
 
 
-def _route(device: torch.device) -> str:
+@kernels.kernel("adam route")
+def route(device: torch.device) -> str:
     """Which implementation `adam_step` uses for segments on `device`: "cpu" (adam_update: the C++
     kernel or the reference), "fused" (torch's kernel) or "reference"."""
     if device.type == "cpu":
@@ -268,15 +271,15 @@ def adam_step(segments: list[AdamSegment], *, step: int, lr: float, config: Adam
     """One Adam(W) step on every segment (see the module docstring for who computes it)."""
     by_route: dict[str, list[AdamSegment]] = {}
     for seg in segments:
-        by_route.setdefault(_route(seg.param.device), []).append(seg)
-    for route, group in by_route.items():
-        if route == "fused":
+        by_route.setdefault(route(seg.param.device), []).append(seg)
+    for way, group in by_route.items():
+        if way == "fused":
             adam_update_fused(group, step=step, lr=lr, config=config, grad_scale=grad_scale)
             continue
         for seg in group:
             kw = dict(step=step, lr=lr if seg.lr is None else seg.lr, config=config,
                       weight_decay=seg.weight_decay, grad_scale=grad_scale)
-            if route == "cpu":
+            if way == "cpu":
                 adam_update(*seg[:4], param_copy=seg.param_copy, **kw)
             else:
                 adam_update_reference(*seg[:4], **kw)

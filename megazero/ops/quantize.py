@@ -33,7 +33,7 @@ of the format.
 Error: |x - x'| <= scale / 2 from the rounding of the code, plus fp32 rounding of the ops above
 (a few ulps of the block's largest magnitude) and, for a bf16 output, the bf16 rounding of x'.
 
-Implementations, by the tensors' device (`_route`), all bitwise equal to the references here:
+Implementations, by the tensors' device (`route`, a declared seam: the dry run simulating a CPU takes the C++ path's), all bitwise equal to the references here:
 - CPU: the C++ extension `megazero._quant` (csrc/quantize*.cpp: AVX-512, AVX2 or scalar loops picked
   at run time, `torch.get_num_threads()` OpenMP threads). When it is not built, asking for
   quantization of a CPU tensor is an error naming the build command, never a silent slow path.
@@ -55,6 +55,7 @@ import os
 
 import torch
 
+from megazero.core import kernels
 from megazero.core.errors import UsageError
 
 ISA_ENV = "MEGAZERO_QUANT_ISA"
@@ -135,7 +136,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, symmetric: 
         raise UsageError(f"quantize: x is {x.dtype}; pass fp32 or bf16 (convert with .float())")
     flat = x.reshape(-1)
     out = _empty_quantized(flat.numel(), bits, block_size, symmetric, (), flat.device)
-    if _route(flat.device) == "triton":
+    if route(flat.device) == "triton":
         _triton("quantize_rows", flat.view(1, 1, -1), _as_rows(out), out.num_blocks)
         return out
     flat = flat.contiguous()
@@ -152,7 +153,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, out: torc
     if dtype not in _DTYPE_CODES:
         raise UsageError(f"dequantize: dtype {dtype} is not supported; use torch.float32 or torch.bfloat16")
     out = _check_out(out, q.numel, dtype, q.codes.device, "dequantize")
-    if _route(out.device) == "triton":
+    if route(out.device) == "triton":
         _triton("dequantize_rows", _as_rows(q), out.view(1, -1), q.num_blocks, False)
         return out
     _cpp("dequantize", out, q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.mins), q.numel, q.bits,
@@ -176,7 +177,7 @@ def dequantize_reduce(q: QuantizedTensor, out: torch.Tensor | None = None,
     out = _check_out(out, q.numel, dtype, q.codes.device, "dequantize_reduce")
     if chunks == 0:
         return out.zero_()
-    if _route(out.device) == "triton":
+    if route(out.device) == "triton":
         _triton("dequantize_rows", q, out.view(1, -1), q.num_blocks, True)
         return out
     q = dataclasses.replace(q, codes=q.codes.contiguous(), scales=q.scales.contiguous(),
@@ -195,7 +196,7 @@ def quantize_rows(rows: torch.Tensor, out: QuantizedTensor) -> QuantizedTensor:
         raise UsageError(f"quantize_rows: rows is {rows.dtype} {tuple(rows.shape)}; give fp32 or bf16 "
                          f"[rows, segments, elements] with segments x elements = {out.numel}")
     _check_quantized(out, chunks=rows.shape[0], rows=True)
-    if _route(rows.device) == "triton":
+    if route(rows.device) == "triton":
         _triton("quantize_rows", rows, out, out.num_blocks)
         return out
     for r in range(rows.shape[0]):      # each row quantized as its own tensor, then placed
@@ -215,7 +216,7 @@ def dequantize_rows(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
         raise UsageError(f"dequantize_rows: out is {out.dtype} {tuple(out.shape)}; give fp32 or bf16 "
                          f"[{q.codes.shape[0]}, {q.numel}] with contiguous rows")
     _check_quantized(q, chunks=q.codes.shape[0], rows=True)
-    if _route(out.device) == "triton":
+    if route(out.device) == "triton":
         _triton("dequantize_rows", q, out, q.num_blocks, False)
         return out
     for r in range(out.shape[0]):
@@ -315,7 +316,8 @@ def dequantize_reduce_reference(q: QuantizedTensor) -> torch.Tensor:
 
 # ---- routes, checks and plumbing ----
 
-def _route(device: torch.device) -> str:
+@kernels.kernel("quantize route")
+def route(device: torch.device) -> str:
     """Which kernels run on `device`: "cpu" (the C++ loops) or "triton" (any other device; on meta, the
     dry run's GPU, launches are skipped)."""
     return "cpu" if device.type == "cpu" else "triton"

@@ -18,6 +18,7 @@ from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.zero_bubble import V_SHAPED
 from megazero.parallel.random import RNGTracker, seed_everything
 from megazero.core.streams import Streams, Timers
+from megazero.training.phases import Phases, Timed
 from megazero.training.stragglers import StragglerWatch
 from megazero.models.documents import DocumentMasking
 from megazero.zero.engine import ZeroEngine
@@ -38,11 +39,7 @@ class TrainState:
     iteration: int = 0
     stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
     documents: DocumentMasking | None = None   # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
-
-    @property
-    def phase_timers(self) -> tuple:
-        """What times the phases: wall_clock_breakdown's Timers, the straggler watch (start/stop)."""
-        return tuple(t for t in (self.timers, self.stragglers) if t is not None)
+    phases: Phases = dataclasses.field(default_factory=Phases)   # who hears the run's phases
 
 
 # Megatron's is_embedding_or_output_parameter: the parameters --decoupled-lr gives their own rate.
@@ -99,13 +96,19 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None
     device = torch.device(device)
     documents = document_masking(cfg.data, eod)
     par = cfg.parallel
+    timers = Timers(device) if cfg.wall_clock_breakdown else None
+    threshold = cfg.run.straggler_threshold
+    watch = StragglerWatch(threshold, groups.dp.device, groups.log) if threshold > 0 else None
+    phases = Phases(*(Timed(t) for t in (timers, watch) if t is not None))
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
-    chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
-                                virtual_stages=par.virtual_stages, layer_split=par.layer_split,
-                                compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type,
-                                moe_dispatcher=par.moe_dispatcher, v_shape=par.schedule in V_SHAPED)
+    with phases("build"):
+        chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
+                                    virtual_stages=par.virtual_stages, layer_split=par.layer_split,
+                                    compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type,
+                                    moe_dispatcher=par.moe_dispatcher, v_shape=par.schedule in V_SHAPED)
     streams = Streams(device)
-    engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), groups=zero_groups(groups), zero=cfg.zero,
+    engine = ZeroEngine(chunks, _in_phase(phases, "initial value", make_init_fn(cfg.model, cfg.seed)),
+                        groups=zero_groups(groups), zero=cfg.zero,
                         adam=cfg.optimizer.adam, precision=cfg.precision, clip_grad=cfg.optimizer.clip_grad,
                         device=device, counts_in_norm=lambda p: counts_in_norm(p, groups),
                         isolated=summed_across_stages, streams=streams,
@@ -120,8 +123,13 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None
         seq = cfg.model.seq_length // groups.topology.cp // (groups.topology.tp if par.sequence_parallel else 1)
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
                           engine.precision.param_dtype, device)
-    timers = Timers(device) if cfg.wall_clock_breakdown else None
-    threshold = cfg.run.straggler_threshold
-    watch = StragglerWatch(threshold, groups.dp.device, groups.log) if threshold > 0 else None
     return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch,
-                      documents=documents)
+                      documents=documents, phases=phases)
+
+
+def _in_phase(phases: Phases, name: str, fn):
+    """`fn` whose every call is the phase `name`."""
+    def called(*args, **kwargs):
+        with phases(name):
+            return fn(*args, **kwargs)
+    return called

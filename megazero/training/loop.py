@@ -7,6 +7,7 @@ evaluation. Builds nothing from flags: it gets a TrainConfig, process groups and
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -23,32 +24,20 @@ from megazero.core.streams import copy_to_device
 from megazero.training.divergence import Diverged, DivergenceWatch
 from megazero.training.housekeeping import Housekeeping
 from megazero.training.stragglers import find_stragglers
-from megazero.training.out_of_memory import mark_phase
+from megazero.training.phases import Phases
 from megazero.training.moe_stats import begin_moe_step, collapse_line, end_moe_step
 from megazero.data.sampler import MicrobatchSource
 from megazero.models.documents import pack_documents
 from megazero.training.assembly import TrainState
 
 
-class _Timed:
-    """`with _Timed(timers, name):` times a phase on each of `timers` (wall_clock_breakdown's, the
-    straggler watch's; none: nothing is timed)."""
-
-    def __init__(self, timers: tuple, name: str):
-        self.timers, self.name = timers, name
-
-    def __enter__(self):
-        for timers in self.timers:
-            timers.start(self.name)
-
-    def __exit__(self, kind, err, tb):
-        mark_phase(err, self.name)          # an out-of-memory error's line names the phase
-        for timers in self.timers:
-            timers.stop(self.name)
+def _unheard(name: str):
+    return contextlib.nullcontext()
 
 
-def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()) -> PipelineJob:
+def _job(state: TrainState, microbatches: list[torch.Tensor], phases: Phases | None = None) -> PipelineJob:
     cfg, groups = state.cfg, state.groups
+    phases = phases if phases is not None else _unheard     # evaluation: nothing listens
     # Every microbatch's summed token losses over the tokens of the whole global batch (Megatron's
     # --calculate-per-token-loss; every token counts, so it is also the mean of the per-sample means).
     normalizer = len(microbatches) * cfg.micro_batch_size * groups.topology.dp * cfg.model.seq_length
@@ -59,7 +48,7 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()
     engine_backward = make_backward(state.engine.backward)
 
     def forward(chunk_index: int, input_tensor, mb: int):
-        with _Timed(timers, "forward"):
+        with phases("forward"):
             chunk = state.chunks[chunk_index]
             tokens = tokens_on_device[mb]
             # Context parallelism: this rank's chunks of every sample (inputs and labels alike)
@@ -73,17 +62,17 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], timers: tuple = ()
             return out.float().sum() / normalizer
 
     def backward(output, output_grad, last: bool) -> None:
-        with _Timed(timers, "backward"):
+        with phases("backward"):
             engine_backward(output, output_grad, last)
 
     split_input, split_weight = make_split_backward(state.engine.backward_input, state.engine.backward_weight)
 
     def backward_input(output, output_grad, ticket) -> None:
-        with _Timed(timers, "backward"):
+        with phases("backward"):
             split_input(output, output_grad, ticket)
 
     def backward_weight(run_w, ticket, last: bool) -> None:
-        with _Timed(timers, "backward"):
+        with phases("backward"):
             split_weight(run_w, ticket, last)
 
     return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
@@ -170,21 +159,26 @@ def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
     (called after the optimizer step) gives this rank's stop conditions (e.g. the wall clock is past
     --exit-duration-in-mins, a signal came), agreed over the whole layout in the loss's reduction
     (`_global_loss`)."""
+    with state.phases("train step"):
+        return _train_step(state, microbatches, lr, stop_flags)
+
+
+def _train_step(state: TrainState, microbatches: list[torch.Tensor], lr, stop_flags) -> StepResult:
     par = state.cfg.parallel
     schedule = get_schedule(par.schedule, state.groups.topology.pp, par.virtual_stages, len(microbatches))
     state.engine.begin_step()
     moe = state.cfg.model.num_experts > 0
     if moe:
         begin_moe_step(state.chunks, len(microbatches), state.groups.topology.dp, state.engine.loss_scaler.scale)
-    result = schedule(_job(state, microbatches, state.phase_timers), forward_only=False)
-    with _Timed(state.phase_timers, "reduce"):
+    result = schedule(_job(state, microbatches, state.phases), forward_only=False)
+    with state.phases("reduce"):
         state.engine.finish_gradients()
         finalize_model_grads(state.engine.parameters(), state.engine.grad_pieces, state.groups)
     run = state.cfg.run
     if run.empty_unused_memory_level >= 1:
         empty_cache(state.device)
     zeros = state.engine.counted_stats("grad")[1] if run.log_num_zeros_in_grad else None
-    with _Timed(state.phase_timers, "step"):
+    with state.phases("step"):
         stats = state.engine.step(lr)
     state.iteration += 1
     moe_record = end_moe_step(state.chunks, state.groups, state.cfg.model, len(microbatches),

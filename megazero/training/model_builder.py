@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 from megazero.models.config import GPTConfig
-from megazero.models.gpt import GPT, initial_value
+from megazero.core import kernels
+from megazero.models import gpt
+from megazero.models.gpt import GPT
 from megazero.parallel.context_parallel import apply_context_parallel
 from megazero.parallel.moe import apply_expert_parallel
 from megazero.parallel.parallelize import parallelize
@@ -17,6 +19,9 @@ from megazero.parallel.pipeline.split import split_for_stage, stage_layer_ranges
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.random import RNGTracker
 from megazero.models.param_info import param_info
+
+# Declared seam: the dry run takes each initial value's shape without drawing it (megazero.core.kernels).
+initial_value = kernels.declare("initial value", gpt.initial_value)
 
 
 def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,

@@ -30,7 +30,7 @@ _FRAMES = (("megazero.checkpoint.", None, "checkpoint"), ("megazero.training.loo
 
 
 def mark_phase(err: BaseException | None, name: str) -> None:
-    """Records on `err` the innermost timed phase (training._Timed's name) it left."""
+    """Records on `err` the innermost step phase (training.phases' name) it left."""
     if err is not None and is_out_of_memory(err) and getattr(err, "megazero_phase", None) is None:
         try:
             err.megazero_phase = _PHASES.get(name, name)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megazero.core.errors import UsageError
+from megazero.core.kernels import resize_storage
 from megazero.core.streams import Event
 from megazero.ops.adam import adam_update, lr_of
 from .config import ZeroConfig
@@ -336,7 +337,7 @@ class HostCopies:
     def reload(self, non_blocking: bool) -> None:
         for name, entries in self.moved.items():
             for t, host, nbytes in entries:
-                t.untyped_storage().resize_(nbytes)
+                resize_storage(t.untyped_storage(), nbytes)
                 t.copy_(host, non_blocking=non_blocking and host.is_pinned())
         self.moved = {}
 

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from megazero.core.kernels import resize_storage
+
 
 def drop_storage(t: torch.Tensor) -> None:
     """Frees a tensor's memory but keeps the tensor (and views of it) for `ensure_storage`."""
-    t.untyped_storage().resize_(0)
+    resize_storage(t.untyped_storage(), 0)
 
 
 def ensure_storage(t: torch.Tensor) -> None:
     """Gives a tensor emptied by `drop_storage` its memory back, zero-filled."""
     if t.untyped_storage().nbytes() == 0 and t.numel() > 0:
-        t.untyped_storage().resize_(t.numel() * t.element_size())
+        resize_storage(t.untyped_storage(), t.numel() * t.element_size())
         t.zero_()

@@ -70,7 +70,7 @@ def test_reduce_scatter_takes_the_path_of_the_backend_a_stand_in_group_names(mon
     share storage only when they do."""
     monkeypatch.setattr(comm.dist, "get_backend", lambda pg=None: "fake")      # what the fake backend says
     handed = []
-    monkeypatch.setattr(comm, "_reduce_scatter_single", lambda out, inp, **kw: handed.append((out, inp)))
+    monkeypatch.setattr(comm.reduce_scatter_single, "impl", lambda out, inp, **kw: handed.append((out, inp)))
 
     def buffer_of(stands_for, in_place=True):
         group = comm.Group("dp", (0, 1), 0, object(), True, comm.CommLog(), torch.device("meta"), stands_for)

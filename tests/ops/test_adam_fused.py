@@ -130,7 +130,7 @@ def test_adam_step_routes_cpu_segments_to_adam_update_and_others_to_the_fused_ke
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert torch.equal(copy, a[0].to(torch.bfloat16))
     calls = []
-    monkeypatch.setattr(adam_module, "_route", lambda device: "fused")
+    monkeypatch.setattr(adam_module.route, "impl", lambda device: "fused")
     monkeypatch.setattr(adam_module, "adam_update_fused", lambda segs, **kw: calls.append(len(segs)))
     adam_step([AdamSegment(p, g, m, v, 0.0) for (p, m, v), g in zip(_states(4), grads)],
               step=1, lr=LR, config=config)
@@ -143,7 +143,7 @@ def test_a_zero_run_on_the_fused_kernel_tracks_the_default_run(monkeypatch, stag
     so the clipping scale is multiplied in; bf16 runs refresh the 16-bit weights by copy)."""
     default = run_training(small_config(stage=stage, steps=6, bf16=bf16), ProcessGroups.single())
     routed = []
-    monkeypatch.setattr(adam_module, "_route", lambda device: routed.append(device) or "fused")
+    monkeypatch.setattr(adam_module.route, "impl", lambda device: routed.append(device) or "fused")
     fused = run_training(small_config(stage=stage, steps=6, bf16=bf16), ProcessGroups.single())
     assert routed, "the engine's step did not go through adam_step"
     torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(default["losses"]), rtol=RTOL, atol=0)

@@ -43,9 +43,8 @@ class WireTap:
         for name in self.RING:
             if hasattr(dist, name):
                 self._wrap(dist, name, getattr(dist, name))
-        for alias in ("_all_gather_single", "_reduce_scatter_single"):
-            original = getattr(comm, alias)
-            self._wrap(comm, alias, original, original.__name__)
+        for seam in (comm.all_gather_single, comm.reduce_scatter_single):   # the comm layer's own names
+            self._wrap(seam, "impl", seam.impl, seam.impl.__name__)
         self._wrap(dist, "batch_isend_irecv", dist.batch_isend_irecv)
 
     def _wrap(self, module, attr, original, name=None):

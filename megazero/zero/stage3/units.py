@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from megazero.core import comm
+from megazero.core.kernels import resize_storage
 from megazero.core.streams import Event, label
 from ..config import ZeroConfig
 from ..flat import Bucket, FlatLayout
@@ -58,7 +59,7 @@ class Unit:
         self.part_offset = bucket.local_offset
         self.full = label(torch.empty(self.total, dtype=dtype, device=device),
                           f"stage-3 unit {name!r}, gathered parameters")
-        self.full.untyped_storage().resize_(0)
+        resize_storage(self.full.untyped_storage(), 0)
         self.status = ParamStatus.NOT_AVAILABLE
         self.handle: comm.Handle | None = None
         self.grad_staging: torch.Tensor | None = None
@@ -203,7 +204,7 @@ class UnitStorage(PartitionedStorage):
             raise RuntimeError(f"unit {unit.name} is {unit.status.name}; a second gather was requested")
         with self.streams.prefetch:
             self.partition_ready.wait()
-            unit.full.untyped_storage().resize_(unit.total * unit.full.element_size())
+            resize_storage(unit.full.untyped_storage(), unit.total * unit.full.element_size())
             # The backend's writes bump the buffer's version counter; autograd saved views of it
             # during forward must not see that as an in-place change, so it is restored after.
             keep_version = torch.autograd._unsafe_preserve_version_counter(unit.full)
@@ -232,7 +233,7 @@ class UnitStorage(PartitionedStorage):
         self.wait_gather(unit)
         for p in unit.params:
             p.data = self.placeholder
-        unit.full.untyped_storage().resize_(0)
+        resize_storage(unit.full.untyped_storage(), 0)
         unit.status = ParamStatus.NOT_AVAILABLE
         self.live_numel -= unit.total
 
