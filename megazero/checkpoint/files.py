@@ -101,7 +101,7 @@ def latest_iteration_dir(save_dir: Path) -> Path | None:
         return None
     name = latest.read_text().strip()
     target = save_dir / name
-    if not name.startswith("iter_") or not target.is_dir():
+    if not (name.startswith("iter_") or (target / METADATA).is_file()) or not target.is_dir():
         raise CheckpointError(f"{latest} names {name!r}, which is not a checkpoint directory in "
                               f"{save_dir}; point it at an existing iter_* directory")
     return target
