@@ -7,7 +7,9 @@ a meta tensor is logged (`torch.utils._python_dispatch.TorchDispatchMode`). Ever
 construction (buffers, rotary tables, Python state) runs for real, as it would outside. A random op
 on a meta tensor saves the CPU generator's state and advances the generator exactly as the eager op
 would (by running it on a scratch tensor of the same size, strides and dtype, freed at once), so the
-draws of the ops that do run eagerly, and of later modules, stay where they would be.
+draws of the ops that do run eagerly, and of later modules, stay where they would be. The few
+torch.nn.init functions that skip a meta tensor without dispatching anything (SKIPS_META) are
+recorded as one call each, the same way.
 
 `replay(log, keep)` then runs the log on real CPU tensors. A parameter's storage is materialised at
 its last complete overwrite (its last `normal_`, `uniform_`, `fill_`, `zero_`, `copy_` of the whole
@@ -22,12 +24,24 @@ Owns the log and the replay; where the values go (shards) is init.py's.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megazero.core.errors import UsageError
+
+# torch.nn.init functions that return at once on a meta tensor ("sampling is a no-op") instead of
+# dispatching ops: recorded as one call each, replayed whole. Each overwrites its tensor completely.
+# trunc_normal_ is reached through its helper (what torch's public function calls at call time, so
+# a copy imported early is caught too); the others by their public names, in torch.nn.init and in
+# transformers' table of them when it is loaded.
+SKIPS_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+
+# Ops that turn a tensor's value into a Python number (a meta tensor has none: refused).
+READS_VALUE = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+               torch.ops.aten.equal.default}
 
 # In-place ops that write every element of their first argument without reading it.
 OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_",
@@ -46,6 +60,7 @@ class Op:
     out: object
     rng: torch.Tensor | None = None          # the generator's state before a random op
     dead: bool = False
+    overwrites: bool = False                 # a whole-tensor initialiser call (SKIPS_META)
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -89,16 +104,49 @@ class Recorder(TorchDispatchMode):
         self.pending_value[storage_key(meta)] = len(self.log)
         self.log.append(op)
 
+    def __enter__(self):
+        self._patched = []
+        tables = [vars(torch.nn.init)]
+        if "transformers.initialization" in sys.modules:
+            tables.append(sys.modules["transformers.initialization"].TORCH_INIT_FUNCTIONS)
+        for name in SKIPS_META:
+            real = getattr(torch.nn.init, name)
+            for table in tables:
+                for key, value in list(table.items()):
+                    if value is real:
+                        self._patched.append((table, key, real))
+                        table[key] = self._recording_call(real)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for table, key, real in reversed(self._patched):
+            table[key] = real
+        return super().__exit__(*exc)
+
+    def _recording_call(self, real):
+        """`real` (an initialiser in SKIPS_META) logged as one op when its tensor is meta: run once on
+        a scratch tensor now for its random draws, and for real on the value at the replay."""
+        def call(tensor, *args, **kwargs):
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_meta):
+                return real(tensor, *args, **kwargs)
+            rng = torch.get_rng_state()
+            real(torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype), *args, **kwargs)
+            op = Op(lambda t: real(t, *args, **kwargs), (tensor,), {}, tensor, rng=rng, overwrites=True)
+            self._drop_overwritten(op)
+            self.log.append(op)
+            return tensor
+        return call
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         inputs = _tensors((args, kwargs))
-        if not any(t.is_meta for t in inputs + _tensors(out)):
-            return out
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func in READS_VALUE and any(t.is_meta for t in inputs):
             raise UsageError("zero.Init: the model's construction reads a value of a parameter (.item(), or a "
                              "Python condition on it), which has no value yet under zero.Init; build the model "
                              "outside zero.Init, or compute that value from the config")
+        out = func(*args, **kwargs)
+        if not any(t.is_meta for t in inputs + _tensors(out)):
+            return out
         op = Op(func, args, kwargs, out)
         if _random(func):
             op.rng = torch.get_rng_state()
@@ -123,9 +171,9 @@ class Recorder(TorchDispatchMode):
 
 def _full_overwrite(op: Op) -> torch.Tensor | None:
     """The meta tensor the op overwrites whole without reading it, if it does."""
-    name = op.func.__name__.split(".")[0]
+    name = getattr(op.func, "__name__", "").split(".")[0]
     target = op.args[0] if op.args else None
-    if name in OVERWRITES and isinstance(target, torch.Tensor) and target.is_meta and _covers(target):
+    if (op.overwrites or name in OVERWRITES) and isinstance(target, torch.Tensor) and target.is_meta and _covers(target):
         sources = [t for t in _tensors((op.args[1:], op.kwargs)) if t.is_meta]
         if all(storage_key(t) != storage_key(target) for t in sources):
             return target
@@ -136,7 +184,8 @@ def _effects(op: Op) -> tuple[set[int], set[int]]:
     """(meta storages the op reads, meta storages it writes or creates)."""
     inputs = {storage_key(t) for t in _tensors((op.args, op.kwargs)) if t.is_meta}
     outputs = {storage_key(t) for t in _tensors(op.out) if t.is_meta}
-    return inputs, {storage_key(t) for t in _written(op) if t.is_meta} | (outputs - inputs)
+    written = _tensors(op.args[0]) if op.overwrites else _written(op)
+    return inputs, {storage_key(t) for t in written if t.is_meta} | (outputs - inputs)
 
 
 def _escapes(op: Op) -> set[int]:

@@ -19,6 +19,8 @@ DeepSpeed users do), it is kept on the parameter and applied when megazero.initi
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -39,7 +41,7 @@ class GatheredParameters:
         for p in self.params:
             info = param_info(p)
             if info.init_shard is not None:
-                p.data = info.init_shard.full().to(p.dtype)
+                _swap(p, info.init_shard.full().to(p.dtype))
                 continue
             if info.zero_unit is not None and info.zero_unit.status is ParamStatus.NOT_AVAILABLE:
                 info.zero_storage.start_gather(info.zero_unit)
@@ -58,7 +60,7 @@ class GatheredParameters:
                     value = p.data.to(shard.group.device)
                     comm.broadcast(value, self.modifier_rank, shard.group)
                     shard.reslice(value)
-                p.data = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                _swap(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
         if self.modifier_rank is not None and exc[0] is None:
             for p in self.params:
                 info = param_info(p)
@@ -70,6 +72,15 @@ class GatheredParameters:
             storage.release(unit)
         self._gathered = []
         return False
+
+
+def _swap(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Makes `param` (the same object the model holds) hold `value` on value's device: a meta
+    parameter's data cannot be set to a real tensor, so the tensors are swapped whole, and the
+    parameter's record (kept in its __dict__, which the swap moves) is put back."""
+    info = param_info(param)
+    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    set_param_info(param, **{f.name: getattr(info, f.name) for f in dataclasses.fields(info)})
 
 
 def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
