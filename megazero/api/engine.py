@@ -48,6 +48,10 @@ class Engine(nn.Module):
         return self.device.index or 0
 
     @property
+    def global_rank(self) -> int:
+        return self.groups.rank
+
+    @property
     def world_size(self) -> int:
         return self.groups.dp.size
 

@@ -83,10 +83,23 @@ def torch_reference(kind: str, dp: int, steps: int = STEPS) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def client_optimizer(model):
+    """The torch optimizer a user passes as optimizer= (the config then has no optimizer block)."""
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def client_config(stage: int, **zero) -> dict:
+    """ds_config without its optimizer block, for a run given client_optimizer."""
+    config = ds_config(stage, **zero)
+    del config["optimizer"]
+    return config
+
+
 def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra=None, build=None,
-                        steps: int = STEPS) -> dict | None:
+                        steps: int = STEPS, client: bool = False) -> dict | None:
     """Pool entry: the first `dp` ranks train `kind` through megazero.initialize; rank 0 returns the
-    global losses and the full final parameters. `build()` makes the model (default tiny_model)."""
+    global losses and the full final parameters. `build()` makes the model (default tiny_model);
+    `client`: the model's torch AdamW given as optimizer= (the config without an optimizer block)."""
     import megazero
     from megazero.parallel.topology import Topology
     from megazero.utils import safe_get_full_fp32_param
@@ -96,29 +109,55 @@ def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra
     if groups is None:
         return None
     model = build() if build is not None else tiny_model(kind)
-    engine, *_ = megazero.initialize(model=model, config=config, process_groups=groups)
-    losses = []
-    for batch in global_batches(dp, steps):
-        total = torch.zeros(1, dtype=torch.float64)
-        for m in range(ACCUMULATION):
-            tokens = micro_batch(batch, groups.dp.rank, dp, m)
-            loss = engine(input_ids=tokens, labels=tokens).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / (ACCUMULATION * dp)
-        torch.distributed.all_reduce(total, group=groups.dp.pg)
-        losses.append(total.item())
+    optimizer = client_optimizer(model) if client else None
+    engine, *_ = megazero.initialize(model=model, config=config, optimizer=optimizer, process_groups=groups)
+    losses = train_loop(engine, dp, groups.dp.rank, groups.dp.pg, steps)
     params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
     return {"losses": losses, "params": params, "steps": engine.global_steps} if groups.rank == 0 else None
 
 
-def assert_matches(result: dict, reference: dict, what: str) -> None:
+def train_with_deepspeed(ctx, kind: str, config: dict, steps: int = STEPS) -> dict | None:
+    """Pool entry: DeepSpeed's own engine (deepspeed.initialize on its CPU accelerator, every pool
+    rank data parallel) trains `kind` with client_optimizer and `config` (no optimizer block: its
+    Adam types are JIT-built extensions); rank 0 returns what train_with_megazero does."""
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(ctx.rank)            # one machine: the launcher would set it
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    model = tiny_model(kind)
+    config = {**config, "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 31}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=client_optimizer(model), config=config,
+                                      dist_init_required=False)
+    losses = train_loop(engine, ctx.world_size, ctx.rank, None, steps)
+    params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    return {"losses": losses, "params": params, "steps": engine.global_steps} if ctx.rank == 0 else None
+
+
+def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int) -> list[float]:
+    """DeepSpeed's loop: engine(batch), engine.backward(loss), engine.step() per micro batch; the
+    global batch's mean loss of every step."""
+    losses = []
+    for batch in global_batches(dp, steps):
+        total = torch.zeros(1, dtype=torch.float64)
+        for m in range(ACCUMULATION):
+            tokens = micro_batch(batch, dp_rank, dp, m)
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / (ACCUMULATION * dp)
+        torch.distributed.all_reduce(total, group=dp_pg)
+        losses.append(total.item())
+    return losses
+
+
+def assert_matches(result: dict, reference: dict, what: str, rtol: float = RTOL) -> None:
     got, want = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=0, msg=lambda m: f"{what}: losses\n{m}")
+    torch.testing.assert_close(got, want, rtol=rtol, atol=0, msg=lambda m: f"{what}: losses\n{m}")
     for name, value in reference["params"].items():
         mine = result["params"][name]
         if name.endswith("attn.c_attn.bias"):          # GPT-2's key bias third: see the docstring
             third = value.numel() // 3
             value, mine = torch.cat([value[:third], value[2 * third:]]), torch.cat([mine[:third], mine[2 * third:]])
         gap = ((mine - value).norm() / value.norm()).item()
-        assert gap <= RTOL, f"{what}: parameter {name} off by {gap:.2e} (relative L2)"
+        assert gap <= rtol, f"{what}: parameter {name} off by {gap:.2e} (relative L2)"
