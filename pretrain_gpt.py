@@ -7,14 +7,14 @@ Flags follow Megatron-LM's names (see --help). A run goes: flags -> config -> ch
 machine and files -> process groups -> data -> model chunks -> ZeRO engine -> training loop.
 
 Where to read next (docs/design.md draws the whole map):
-  megazero/launch.py         the driver: rendezvous, one agreed error line, the order above
-  megazero/training.py       a training step: microbatches through the pipeline schedule, then ZeRO's step
+  megazero/run/launch.py         the driver: rendezvous, one agreed error line, the order above
+  megazero/training/loop.py       a training step: microbatches through the pipeline schedule, then ZeRO's step
   megazero/zero/engine.py    the ZeRO engine: stages 0-3 behind one interface
   megazero/zero/storage.py   the partitioned storage every stage keeps its parameters and states in
 """
 import sys
 
-from megazero.launch import main
+from megazero.run.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,10 +19,10 @@ global batch, and take one `loss.item()` per step. Attention is SDPA's flash ker
 (forced on CUDA: a device where it cannot run fails the bench). Dropout is off.
 
 Default shape: 24 layers, hidden 2048, 16 heads, seq 2048, vocab 50304 (tied), micro batch 8, one
-microbatch per step. FLOPs per step are megazero.flops.step_flops (Megatron's count, what the
+microbatch per step. FLOPs per step are megazero.training.flops.step_flops (Megatron's count, what the
 training loop's MFU uses); MFU = TFLOP/s / --peak-tflops (default: the device's dense bf16 peak from
-megazero.flops, 989 for the H100/H200); HFU beside it also counts the FLOPs recomputation adds
-(megazero.flops.recompute_flops; `--recompute selective|full` turns Megatron's recomputation on for
+megazero.training.flops, 989 for the H100/H200); HFU beside it also counts the FLOPs recomputation adds
+(megazero.training.flops.recompute_flops; `--recompute selective|full` turns Megatron's recomputation on for
 both sides, the peer's through torch.utils.checkpoint; without it HFU = MFU). The goals, MFU >= 0.50 and ours' step time <= the peer's
 / 0.95, are noted beside those figures, not checked. Step time is the median over the timed steps
 (CUDA events between steps, after warm-up); peak memory is torch.cuda.max_memory_allocated of each side, measured
@@ -54,7 +54,7 @@ import torch
 
 from megazero.config.train_config import OptimizerConfig, ParallelConfig, PrecisionConfig, TrainConfig
 from megazero.data.synthetic import ArithmeticTokens
-from megazero.flops import peak_tflops, recompute_flops, step_flops
+from megazero.training.flops import peak_tflops, recompute_flops, step_flops
 from megazero.config.memory_estimate import device_bytes, plan_bytes
 from megazero.models.config import GPTConfig
 from megazero.parallel.process_groups import ProcessGroups
@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="dense bf16 peak of the device (default: megazero.flops' table, else 989)")
+                   help="dense bf16 peak of the device (default: megazero.training.flops' table, else 989)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,peer")
     p.add_argument("--json", default=None, help="write the figures here (bench/gpu_check.py's step format)")

@@ -38,7 +38,7 @@ import torch
 
 from megazero.config.train_config import OptimizerConfig, TrainConfig
 from megazero.data.synthetic import SyntheticTokens
-from megazero.model_builder import compile_layers
+from megazero.training.model_builder import compile_layers
 from megazero.models.config import GPTConfig
 from megazero.ops.adam_config import AdamConfig
 from megazero.parallel.process_groups import ProcessGroups

@@ -91,7 +91,7 @@ def worker(ctx, args, side, data_prefix, start=None, save=None):
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.checkpoint.loader import load_checkpoint
     from megazero.checkpoint.saver import CheckpointSaver
-    from megazero.lr_schedule import step_learning_rate
+    from megazero.training.lr_schedule import step_learning_rate
     from megazero.models.config import GPTConfig
     from megazero.ops.adam_config import AdamConfig
     from megazero.parallel.topology import Topology

@@ -92,7 +92,7 @@ def trainer(cfg, groups, device):
     """megazero.training set up on `device`: a function running step `it` (0-based), returning the
     global loss."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step
     state = setup(cfg, groups, device)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from megazero.model_builder import make_init_fn
+from megazero.training.model_builder import make_init_fn
 from megazero.models import hf_adapter
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT

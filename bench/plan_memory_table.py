@@ -260,7 +260,7 @@ def dry_run_peaks(layouts, model=PEAK_MODEL, vocab: int = PEAK_VOCAB, steps: int
     """[(layout, the dry run's largest process peak over its ranks)]: tools/dry_run.py's simulation
     of a CPU (megazero.dry_run.simulate, device_kind "cpu": the CPU's kernels, device and host bytes
     as one memory, plain bytes; no checkpoint save, which the measured run does not do)."""
-    from megazero.dry_run import simulate
+    from megazero.dry_run.job import simulate
     rows = []
     with tempfile.TemporaryDirectory(prefix="megazero-plan-dry-") as workdir:
         for layout in layouts:

@@ -1,8 +1,8 @@
 """megazero: GPT training with tensor x pipeline x ZeRO data parallelism.
 
-The rooms and the way their imports run are drawn in docs/design.md: launch.py (the driver) and
-training.py at this level; core/ (comm, streams, errors) at the bottom; config/ (the command-line
-edge), api/ (DeepSpeed's API for any nn.Module), zero/, ops/, data/, checkpoint/ between;
+The rooms and the way their imports run are drawn in docs/design.md: run/ (the driver and the
+recipe), dry_run/ and training/ at the top; core/ (comm, streams, errors) at the bottom; config/
+(the command-line edge), api/ (DeepSpeed's API for any nn.Module), zero/, ops/, data/, checkpoint/ between;
 megazero.models and megazero.parallel installed from the repository's models/ and parallel/.
 
 DeepSpeed's top-level names are answered here, imported on first use (flags are checked before

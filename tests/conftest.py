@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 # the two workers' ends close together (longest-processing-time-first). The other files follow in
 # collection order. A file moved or renamed without this list following fails the session's start.
 SLOWEST_FIRST = [
-    "launch/test_cli.py", "launch/test_hosts.py", "zero/test_engine_exactness.py", "launch/test_operations.py",
+    "run/test_cli.py", "run/test_hosts.py", "zero/test_engine_exactness.py", "run/test_operations.py",
     "checkpoint/test_save_and_load.py", "parallel/pipeline/test_schedules.py",
 ]
 TESTS = Path(__file__).resolve().parent

@@ -2,7 +2,7 @@
 interpreter and torch start-up), the same code path as `python pretrain_gpt.py`."""
 from pathlib import Path
 
-from megazero import launch
+from megazero.run import launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -12,6 +12,6 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--eva
 
 
 def run_main(argv, capsys):
-    """megazero.launch.main(argv) -> (exit code, captured stdout/stderr)."""
+    """megazero.run.launch.main(argv) -> (exit code, captured stdout/stderr)."""
     code = launch.main(argv)
     return code, capsys.readouterr()

@@ -10,7 +10,7 @@ import torch
 
 from megazero.config.train_config import OptimizerConfig, ParallelConfig, TrainConfig
 from megazero.data.synthetic import ArithmeticTokens
-from megazero.lr_schedule import step_learning_rate
+from megazero.training.lr_schedule import step_learning_rate
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import TransformerLayer
 from megazero.parallel.process_groups import ProcessGroups

@@ -4,7 +4,7 @@ Every module of megazero/, models/ and parallel/ (installed as megazero.models a
 parsed with ast, and every import in it counts: at module level or inside a function, absolute or
 relative, and `importlib.import_module("megazero...")` with a literal name. The modules fall into rooms:
 a package directly under megazero (core, config, zero, ops, ...) is a room with all its subpackages
-(zero/stage3 is zero's), the top-level modules (launch.py, training.py, ...) are the room `megazero`,
+(zero/stage3 is zero's), the modules left at the top (testing.py) are the room `megazero`,
 and the compiled extensions setup.py builds (megazero._C, megazero._quant) are ops', whose modules load
 them. The table of what each room may import is read from docs/design.md, so the page and this test
 cannot drift apart.
@@ -194,8 +194,31 @@ def test_no_cycle_between_modules():
     assert cycle is None, "modules import each other: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("module,expected", [("megazero.launch", "megazero"), ("megazero.core.comm", "core"),
+@pytest.mark.parametrize("module,expected", [("megazero.run.launch", "run"), ("megazero.testing", "megazero"),
+                                             ("megazero.dry_run.job", "dry_run"), ("megazero.core.comm", "core"),
                                              ("megazero.zero.stage3.units", "zero"), ("megazero._C", "ops"),
                                              ("megazero.parallel.pipeline.p2p", "parallel")])
 def test_rooms_are_what_the_page_says(module, expected):
     assert module in KNOWN and room(module) == expected
+
+
+DRIVER = "megazero.run.launch"
+
+
+def test_the_simulator_reaches_the_recipe_and_not_the_driver():
+    """The dry run runs the recipe (megazero.run.pretrain) in an environment of its own: no module it
+    reaches, directly or through others, is the driver it stands in for. (Planted: `from
+    megazero.run.launch import Launch` in dry_run/job.py fails it, naming the chain.)"""
+    graph: dict[str, set[str]] = {}
+    for m, _, _, target in EDGES:
+        if target in MODULES:
+            graph.setdefault(m, set()).add(target)
+    chains = {m: [m] for m in MODULES if room(m) == "dry_run"}
+    todo = list(chains)
+    while todo:
+        module = todo.pop()
+        for nxt in sorted(graph.get(module, ())):
+            if nxt not in chains:
+                chains[nxt] = chains[module] + [nxt]
+                todo.append(nxt)
+    assert DRIVER not in chains, "the dry run reaches the driver: " + " -> ".join(chains[DRIVER])

@@ -7,13 +7,13 @@ meet receives, does every tensor sit on the device (docs/dry_run.md).
     python tools/dry_run.py --world-size 8 --ranks 0,7 --json report.json ...
 
 Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simulate only these;
-default all up to 64 ranks, above that one rank per role: megazero.dry_run_roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
+default all up to 64 ranks, above that one rank per role: megazero.dry_run.roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
 default the CPU count), --json PATH ('-': stdout), --force-overflow STEPS (the gradient norm reads
 inf in these training steps, from 1: every rank walks the step-skip path), --no-stream-check (the
 stream layer unchecked: about 40% less time) and --simulate-device cuda|cpu (the device whose
 kernels and memory the meta device stands for; default cuda). Each simulated rank runs the real
 recipe with the meta device for its GPU, torch's fake process group for NCCL and the stream layer
-in its checking mode (megazero.dry_run); mock data
+in its checking mode (megazero.dry_run.job); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
 
 Exit 0: every check passed; 2: a flag mistake, a disagreement, a misplaced tensor or a stream race,
@@ -46,10 +46,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
     opts, train_argv = parse(sys.argv[1:] if argv is None else argv)
-    from megazero.dry_run import check_flags, job_config, simulate
-    from megazero.dry_run_roles import representatives
-    from megazero.dry_run_checks import check_all
-    from megazero.dry_run_report import report, table
+    from megazero.dry_run.job import check_flags, job_config, simulate
+    from megazero.dry_run.roles import representatives
+    from megazero.dry_run.cross_rank_checks import check_all
+    from megazero.dry_run.report import report, table
     world, local = opts.world_size, min(opts.world_size, opts.ranks_per_node_sim)
     mistake = check_flags(train_argv, world, local)
     if mistake is None and opts.ranks is not None:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         print(f"error: {mistake}", file=sys.stderr)
         return 2
     stands_for = None
-    if opts.ranks is None and world > ALL_RANKS_UP_TO:      # one rank per role (megazero.dry_run_roles)
+    if opts.ranks is None and world > ALL_RANKS_UP_TO:      # one rank per role (megazero.dry_run.roles)
         stands_for = representatives(job_config(train_argv, world, local), world)
         ranks = sorted(stands_for)
     elif opts.ranks is None:

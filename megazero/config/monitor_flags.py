@@ -1,6 +1,6 @@
 """The wandb and TensorBoard flags as a `MonitorConfig`, checked at the edge before any process group:
 a flag that needs another, a monitor whose package is missing (one line naming the extra that installs
-it), a save directory that cannot be written. The writers themselves are megazero.monitor's.
+it), a save directory that cannot be written. The writers themselves are megazero.training.monitor's.
 """
 from __future__ import annotations
 

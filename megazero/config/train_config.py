@@ -36,7 +36,7 @@ class ParallelConfig(Record):
     init_process_group's and every group's timeout; under gloo it bounds each op."""
     heartbeat_minutes: float = 5.0
     """How long a rank may miss its heartbeats through the launch's store before the job ends naming
-    it (megazero.heartbeat); below timeout_minutes so that the line comes before NCCL's watchdog
+    it (megazero.run.heartbeat); below timeout_minutes so that the line comes before NCCL's watchdog
     aborts the process naming no one. 0: off."""
 
 
@@ -96,7 +96,7 @@ class CheckpointConfig(Record):
 
 
 class MonitorConfig(Record):
-    """Where the logging rank also sends its metrics records (see megazero.monitor)."""
+    """Where the logging rank also sends its metrics records (see megazero.training.monitor)."""
     wandb_project: Optional[str] = None          # None: no wandb run
     wandb_exp_name: Optional[str] = None         # None: wandb picks a name
     wandb_save_dir: Optional[str] = None         # wandb writes <this>/wandb/<run>; the edge sets run_dir
@@ -169,3 +169,13 @@ class TrainConfig(Record):
         if self.rampup is None:
             return iteration * self.global_batch_size
         return self.rampup.consumed_before(iteration)
+
+
+def topology_of(cfg: TrainConfig, world: int):
+    """The rank grid `cfg` lays `world` ranks out on (megazero.parallel.topology.Topology)."""
+    from megazero.parallel.topology import Topology      # here: the flags are checked before torch loads
+    par = cfg.parallel
+    return Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
+                    cp=par.context_parallel, ep=par.expert_parallel, etp=par.expert_tensor_parallel,
+                    mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
+                    hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)

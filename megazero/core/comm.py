@@ -66,7 +66,7 @@ class CommLog:
         self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
         # host seconds blocked in collectives (a synchronous op's call, an async op's wait), in total:
-        # where a rank waits for slower peers (megazero.stragglers)
+        # where a rank waits for slower peers (megazero.training.stragglers)
         self.wait_s = 0.0
         self.last_step: dict[tuple[str, str, str], float] = {}
         self.issued = 0                       # collectives issued so far (groups of one excluded)

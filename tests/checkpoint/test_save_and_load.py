@@ -19,7 +19,7 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
     spans train_iters), saving after step `save_at` and stopping after `stop_after`; returns
     {iteration: (loss, loss scale)} and whether the RNG states were restored."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step
@@ -365,7 +365,7 @@ def test_mock_data_saves_and_resumes_without_a_tokenizer(tmp_path, capsys):
     """--mock-data (no tokenizer named) with --save, then --load: the resumed run logs what the unbroken
     run logs, and the checkpoint keeps no tokenizer (there is none to keep)."""
     import json
-    from megazero import launch
+    from megazero.run import launch
     common = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
               "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0"]

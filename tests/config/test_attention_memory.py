@@ -2,7 +2,7 @@
 the allocator's own events (torch.profiler's memory profile: every allocation and free of the CPU
 allocator, kernels' internal buffers included) over one attention's forward and backward, against
 config/attention_memory.py's kept and peak bytes; the kernel the check assumes against torch's own
-pick; and a run whose only large term is that kernel's refused at start-up (tests/launch/test_user_errors.py
+pick; and a run whose only large term is that kernel's refused at start-up (tests/run/test_user_errors.py
 holds the one-line refusal), while the same flags with the flash kernel are accepted."""
 import pytest
 import torch

@@ -26,7 +26,7 @@ import torch
 
 from tests.layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
                            run_training, small_config, strip_padding)
-from megazero import launch
+from megazero.run import launch
 from megazero.config.train_flags import config_from_args, parse_args
 from megazero.config.batch_ramp import BatchRamp
 from megazero.config.flags import MEGATRON_ONLY
@@ -128,20 +128,20 @@ def test_recipes_train_unedited_on_one_rank(tmp_path, gpt2_data, capsys):
 
 
 def _train_recipe(ctx, argv: list[str], store_prefix: str):
-    """The recipe on the pool's process group: megazero.pretrain's checks, then its run."""
-    from megazero import pretrain
+    """The recipe on the pool's process group: megazero.run.pretrain's checks, then its run."""
+    from megazero.run import pretrain
     import torch.distributed as dist
     me = launch.Launch()
     me.rendezvous_store = dist.distributed_c10d._get_default_store()
     me.store = dist.PrefixStore(store_prefix, me.rendezvous_store)
     try:
-        cfg, device, checkpoint = pretrain.configure(argv, me)
+        configured = pretrain.configure(argv, me)
     finally:
         torch.set_num_threads(1)
-    par = cfg.parallel
+    par = configured.cfg.parallel
     groups = ctx.groups(Topology(world_size=2, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                                 mics_shard_size=cfg.zero.mics_shard_size))
-    pretrain.pretrain(cfg, me, device, checkpoint, launch.Progress(), groups=groups)
+                                 mics_shard_size=configured.cfg.zero.mics_shard_size))
+    pretrain.Pretraining(configured, me).run(groups)
     return groups.coords
 
 
@@ -209,7 +209,7 @@ def test_decoupled_lr_and_per_token_loss_are_their_meaning():
     whose rate follows the schedule from --decoupled-lr, on the float64 cross entropy of the logits
     summed over every token of the step's global batch (which the ramp changes) over its token count."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.models.gpt import GPT
     from megazero.zero.state_access import safe_get_full_fp32_param
     cfg = _ramped(_decoupled(small_config(steps=6, lr=2e-3)))

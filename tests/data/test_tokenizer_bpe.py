@@ -163,7 +163,7 @@ def _write_megatron_pair(prefix, documents):
 
 
 def test_megatron_gpt2_data_trains_as_it_is(gpt2_files, tmp_path, capsys):
-    from megazero import launch
+    from megazero.run import launch
     vocab, merges = gpt2_files
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     documents = [np.array(tok.encode(t) + [tok.eod]) for t in (TRAIN_LINES + TEXTS[:4]) * 2]

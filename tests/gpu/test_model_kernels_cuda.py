@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megazero.model_builder import compile_layers
+from megazero.training.model_builder import compile_layers
 from megazero.models.attention import attention_reference, core_attention
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, initial_value

@@ -27,7 +27,7 @@ from tests.layouts import (assert_close, assert_params_match, last_stage_result,
                            VOCAB)
 from megazero.config.memory_estimate import plan_bytes, rank_layout
 from megazero.parallel.topology import Topology
-from megazero.moe_stats import moe_layers
+from megazero.training.moe_stats import moe_layers
 from megazero.parallel.moe import ExpertShard
 
 # Mixtral's linears have no biases: with them the attention key bias (a true gradient of zero, which

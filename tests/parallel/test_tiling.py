@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from tests.layouts import RTOL, assert_close, run_training, small_config
-from megazero import training
+from megazero.training import assembly
 from megazero.core.errors import UsageError
-from megazero.model_builder import make_init_fn
+from megazero.training.model_builder import make_init_fn
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 from megazero.parallel.tiling import TiledLinear, check_patterns_matched, tile_linears
@@ -108,7 +108,7 @@ def _stage3_config(steps: int):
 
 def tiled_training_worker(ctx, tiled: bool, steps: int):
     groups = ctx.groups(Topology(world_size=2))
-    original = training.build_model_chunks
+    original = assembly.build_model_chunks
 
     def build_tiled(*args, **kwargs):
         chunks = original(*args, **kwargs)
@@ -117,11 +117,11 @@ def tiled_training_worker(ctx, tiled: bool, steps: int):
         return chunks
 
     # setup() has no tiling option yet; swap the builder for this call only.
-    training.build_model_chunks = build_tiled if tiled else original
+    assembly.build_model_chunks = build_tiled if tiled else original
     try:
         result = run_training(_stage3_config(steps), groups)
     finally:
-        training.build_model_chunks = original
+        assembly.build_model_chunks = original
     if tiled:
         result["params"] = _untile(result["params"])
     return result

@@ -138,7 +138,7 @@ def test_comm_log_counts_what_torch_distributed_was_handed(dist_pool):
 
 @pytest.mark.parametrize("activation,query_groups", [("gelu", 4), ("swiglu", 2)])
 def test_step_flops_match_torch_flop_counter_on_the_math_attention_kernel(activation, query_groups):
-    """megazero.flops' count of a training step (the MFU numerator) equals what torch's
+    """megazero.training.flops' count of a training step (the MFU numerator) equals what torch's
     FlopCounterMode counts over a real forward and backward of the GPT, attention included: on the
     math SDPA backend attention runs as matmuls the counter sees (the CPU flash kernel it does not
     see). Causal attention is counted in full on both sides (the math kernel masks after the matmul).
@@ -146,7 +146,7 @@ def test_step_flops_match_torch_flop_counter_on_the_math_attention_kernel(activa
     Kills: attention FLOPs halved for causality."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
-    from megazero.flops import forward_flops_per_token, step_flops
+    from megazero.training.flops import forward_flops_per_token, step_flops
     # No vocabulary padding: flops.py counts the padded vocabulary (Megatron's convention) while the
     # fused loss multiplies only the real rows on one device.
     cfg = GPTConfig(vocab_size=128, padded_vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,

@@ -115,7 +115,7 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     the decay over the wrong period."""
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.process_groups import ProcessGroups
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train
     steps, power, window = 14, 21, 2

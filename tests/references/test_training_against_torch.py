@@ -136,12 +136,12 @@ def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monk
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
 def test_lr_schedule_is_megatrons_at_every_step(style):
-    """megazero.lr_schedule.learning_rate(cfg, n, train_iters), the rate of the n-th applied step,
+    """megazero.training.lr_schedule.learning_rate(cfg, n, train_iters), the rate of the n-th applied step,
     equals Megatron's rule after n - 1 steps for every step of several warmup / decay / length
     settings (decay_iters unset means train_iters, as Megatron's --lr-decay-iters), constant
     included, which no training test here runs."""
     from megazero.config.train_config import OptimizerConfig
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     for warmup, decay, train in [(0, None, 10), (3, None, 12), (4, 8, 12), (1, 2, 5), (5, 20, 30)]:
         cfg = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_iters=warmup, decay_iters=decay, decay_style=style)
         for step in range(1, train + 1):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.driver import REPO
-from megazero import launch
+from megazero.run import launch
 from megazero.checkpoint import CheckpointReader, write_full_checkpoint
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig

@@ -1,13 +1,13 @@
 """The FLOP count behind TFLOP/s and MFU: torch's own counter of the forward's matmuls (FlopCounterMode)
 plus the attention matmuls counted by hand (the CPU SDPA kernel is not seen by the counter) must give
-megazero.flops' number; a training step is 3 forwards (model FLOPs, what MFU counts); recomputation adds
+megazero.training.flops' number; a training step is 3 forwards (model FLOPs, what MFU counts); recomputation adds
 what it reruns (hardware FLOPs, HFU), counted by hand here for each of Megatron's recompute settings.
 Planted: counting block's layers over the whole model instead of per chunk fails the block cases."""
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megazero.flops import forward_flops_per_token, layer_flops_per_token, recompute_flops, step_flops
+from megazero.training.flops import forward_flops_per_token, layer_flops_per_token, recompute_flops, step_flops
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 
@@ -63,9 +63,10 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
     from megazero import training
     from megazero.data.sampler import MicrobatchSource
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.metrics import MetricsLogger
+    from megazero.training.metrics import MetricsLogger
     from megazero.parallel.process_groups import ProcessGroups
-    monkeypatch.setattr(training, "peak_tflops", lambda device: 1e-3)
+    from megazero.training import loop
+    monkeypatch.setattr(loop, "peak_tflops", lambda device: 1e-3)
     cfg = with_padded_vocab(small_config(steps=2, layers=2, model_extra={
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}))
     cfg.log_interval = 1

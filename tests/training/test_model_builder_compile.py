@@ -16,7 +16,7 @@ leaves the eager curve.
 import torch
 
 from tests.layouts import assemble_params, assert_close, assert_params_match, layout_worker, small_config, strip_padding
-from megazero.model_builder import compile_layers
+from megazero.training.model_builder import compile_layers
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, initial_value
 

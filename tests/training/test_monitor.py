@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero import launch
+from megazero.run import launch
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--log-interval", "1"]
@@ -193,7 +193,7 @@ def test_bad_monitor_flags_are_one_line(tmp_path, capsys, monkeypatch, argv, mes
 def test_wandb_without_network_falls_back_to_an_offline_run(tmp_path, monkeypatch):
     import wandb
     from megazero.config.train_config import MonitorConfig
-    from megazero.monitor import WandbMonitor
+    from megazero.training.monitor import WandbMonitor
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-home"))
     real_init = wandb.init

@@ -16,7 +16,7 @@ import pytest
 from megazero.config.flags import parse_args
 from megazero.config.train_flags import config_from_args
 from megazero.core.errors import UsageError
-from megazero.stragglers import describe, find_stragglers
+from megazero.training.stragglers import describe, find_stragglers
 
 SLEEP_S = 0.4           # per forward, on the slowed rank: 0.05 s was hidden once at load 22 (work ~80 ms)
 STEPS, INTERVAL = 10, 5
@@ -47,7 +47,7 @@ def _train(ctx, tp: int, pp: int, slow_rank: int | None):
     from megazero import training
     from megazero.data.sampler import MicrobatchSource
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.metrics import MetricsLogger
+    from megazero.training.metrics import MetricsLogger
     from megazero.parallel.topology import Topology
     from tests.layouts import small_config, with_padded_vocab
     cfg = with_padded_vocab(small_config(tp=tp, pp=pp, steps=STEPS, global_batch=4, micro=2, layers=2))

@@ -34,7 +34,7 @@ def test_fp16_overflow_skips_and_lowers_the_scale(dist_pool):
 def fp16_worker(ctx, cfg):
     from tests.layouts import with_padded_vocab
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step

@@ -23,7 +23,7 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
     (directory, step) saves a checkpoint after that step; `load` resumes from a directory."""
     from megazero.checkpoint import CheckpointSaver, load_checkpoint
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step
@@ -207,7 +207,7 @@ def test_the_cpu_adam_gets_the_cores_per_local_rank_unless_told(tmp_path, capsys
     (torchrun's default, and this suite's), on --cpu-optimizer-threads N when given, else on
     MEGAZERO_CPU_OPTIMIZER_THREADS; a bad value of that variable is one line, exit 2."""
     import os
-    from megazero import launch
+    from megazero.run import launch
     from megazero.zero import offload
     seen = []
 

@@ -19,7 +19,7 @@ def train(ctx, cfg, dp):
     """Trains cfg on the first dp ranks: (loss curve, full parameters, memory report, the unit
     store's partition size, where the states are)."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step

@@ -96,7 +96,7 @@ def nonfinite_worker(ctx, cfg, tp, pp, inject_rank, inject_step, value):
     """Trains cfg; on `inject_step` rank `inject_rank` poisons one replicated norm weight's
     gradient with `value`. Returns per step: skipped, loss scale, weights unchanged, loss."""
     from megazero.data.synthetic import ArithmeticTokens
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step

@@ -175,7 +175,7 @@ def corpus_worker(ctx, prefix: str, index_dir: str, runs: list):
     their last step's bytes by op."""
     from tests.layouts import with_padded_vocab
     from megazero.data.builders import build_train_valid_test_datasets
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step

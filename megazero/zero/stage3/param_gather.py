@@ -133,7 +133,7 @@ def _worth_two_hops(groups: ZeroGroups) -> bool:
     cross, local, shard = groups.cross_node, groups.node_local, groups.shard_gather
     if cross is None or local is None:
         raise UsageError("mics_hierarchical_params_gather needs ZeroGroups.node_local and cross_node "
-                         "(megazero.training.zero_groups builds them from the process groups)")
+                         "(megazero.training.assembly.zero_groups builds them from the process groups)")
     if cross.size * local.size != shard.size:
         raise UsageError(f"mics_hierarchical_params_gather needs the shard group {list(shard.ranks)} to "
                          f"have the same number of ranks on every node it spans; change ranks_per_node "

@@ -46,7 +46,8 @@ def test_overlap_flag_reaches_the_schedule_and_refuses_what_it_cannot_overlap():
     from megazero.core.errors import UsageError
     from megazero.config.flags import parse_args
     from megazero.parallel.process_groups import ProcessGroups
-    from megazero.training import _job, setup
+    from megazero.training.assembly import setup
+    from megazero.training.loop import _job
 
     pipeline = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--overlap-p2p-communication"]
     assert config_from_args(parse_args(pipeline), world_size=2).parallel.overlap_p2p_comm

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from megazero.parallel.topology import Topology
-from megazero.training import zero_groups
+from megazero.training.assembly import zero_groups
 from megazero.zero.config import ZeroConfig
 from megazero.ops.adam_config import AdamConfig
 from megazero.zero.engine import ZeroEngine

@@ -13,7 +13,7 @@ from torch import nn
 
 from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology
-from megazero.training import zero_groups
+from megazero.training.assembly import zero_groups
 from megazero.zero.stage3 import coordinator as stage3_gather
 from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig

@@ -20,7 +20,7 @@ from megazero.core.errors import UsageError
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
-from megazero.training import zero_groups
+from megazero.training.assembly import zero_groups
 from megazero.zero.config import ZeroConfig
 from megazero.zero.stage3.param_gather import ParamGather
 

@@ -11,7 +11,7 @@ import torch
 from tests.layouts import (assert_matches_reference, last_stage_result, reference_fixture, run_layouts, small_config,
                            with_padded_vocab)
 from megazero.data.synthetic import ArithmeticTokens
-from megazero.lr_schedule import learning_rate
+from megazero.training.lr_schedule import learning_rate
 from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
 from megazero.data.sampler import MicrobatchSource

@@ -1,4 +1,4 @@
-"""The driver behind pretrain_gpt.py: it runs the recipe (megazero.pretrain: flags -> config ->
+"""The driver behind pretrain_gpt.py: it runs the recipe (megazero.run.pretrain: flags -> config ->
 checks -> process groups -> data -> model chunks -> ZeRO engine -> loop) on every rank, with what
 surrounds it: the rendezvous, the error line the ranks agree on, heartbeats, signals and the exit code.
 
@@ -9,7 +9,7 @@ not after torch's and the runtime's imports. The runtime is imported only after 
 Errors end a launch with one line. Those found before the process group starts (flags, paths, data,
 memory) are found on every rank and agreed through the launch's rendezvous store, and rank 0 prints
 the verdict for all. Once the ranks run, the first rank to end (a bug, a lost or silent peer, Ctrl-C)
-says so in the store: it prints its line (megazero.failures words it) and the others, cut off
+says so in the store: it prints its line (megazero.run.failures words it) and the others, cut off
 mid-collective, leave quietly with the same line in torchrun's error file.
 
 Restarts (torchrun --max-restarts): every key of an attempt, the process group's own included, lives
@@ -25,7 +25,6 @@ CUDA_VISIBLE_DEVICES); what the runtime needs of it travels on in `Launch` and `
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -33,34 +32,35 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from megazero import failures
+from megazero.run import failures
 from megazero.config.train_flags import flag_error
 from megazero.core.errors import AgreedStop, UsageError
-from megazero.heartbeat import Heartbeat, describe_activity
+from megazero.run.heartbeat import Heartbeat, describe_activity
+
+if TYPE_CHECKING:      # the runtime is imported only once the flags are checked
+    from megazero.run.pretrain import Pretraining
 
 
 class Launch:
     """This process's place in a launch (torchrun, the deepspeed launcher, or none) and the
     rendezvous store its ranks share before and after the process group exists."""
 
-    def __init__(self):
+    def __init__(self, argv=None):
         env = os.environ
         self.world = int(env.get("WORLD_SIZE", "1"))
         self.rank = int(env.get("RANK", "0"))
-        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        # Older launchers (the deepspeed launcher, torch.distributed.launch) pass --local_rank instead.
+        # A value that is no number is left to the flag parser, which names it in one line.
+        flag = _local_rank_flag(argv or [])
+        self.local_rank = int(env.get("LOCAL_RANK", flag if flag and flag.isdigit() else "0"))
         self.local_world = int(env.get("LOCAL_WORLD_SIZE", str(self.world)))
-        self._local_rank_from_env = "LOCAL_RANK" in env
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
         self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
-        self.threads = ""                             # the start-up line's thread count (device() sets it)
         self.address = None                           # the address this rank's process group offers its peers
         self.spanning = False                         # whether ranks of this job run on other hosts
-
-    def adopt_local_rank(self, flag_value: int | None) -> None:
-        """Older launchers pass --local_rank instead of setting LOCAL_RANK."""
-        if flag_value is not None and not self._local_rank_from_env:
-            self.local_rank = flag_value
+        self.cuda_available = None                    # the flags are read as torch.cuda finds this machine
 
     def connect(self) -> None:
         """Joins the rendezvous store (no process group yet) when there is a launch to coordinate."""
@@ -76,10 +76,10 @@ class Launch:
 
     def address_problem(self, backend: str) -> str | None:
         """The line refusing this rank's process-group address where other hosts cannot reach it
-        (megazero.addresses), checked before anything connects; None when it is fine."""
+        (megazero.run.addresses), checked before anything connects; None when it is fine."""
         if self.world <= 1:
             return None
-        from megazero import addresses
+        from megazero.run import addresses
         env = os.environ
         spanning = self.spanning = addresses.spans_hosts(self.world, self.local_world, env.get("MASTER_ADDR"))
         problem, self.address = addresses.address_error(
@@ -88,10 +88,10 @@ class Launch:
 
     def reach_problem(self, backend: str) -> str | None:
         """The agreed line naming a peer host whose process-group address does not answer (gloo, in a
-        job spanning hosts; megazero.addresses.check_reach), None when every host answers."""
+        job spanning hosts; megazero.run.addresses.check_reach), None when every host answers."""
         if self.store is None or not self.spanning or backend == "nccl":
             return None
-        from megazero import addresses
+        from megazero.run import addresses
         listener, error = addresses.check_reach(self.store, self.rank, self.world, self.local_rank, self.address,
                                                 os.environ.get("GLOO_SOCKET_IFNAME"))
         try:
@@ -156,7 +156,7 @@ class Launch:
             return False, line, code
 
     def peers(self) -> dict[int, str | None]:
-        """Every other rank's registered identity (see megazero.failures.process_identity)."""
+        """Every other rank's registered identity (see megazero.run.failures.process_identity)."""
         found = {}
         for rank in range(self.world):
             if rank == self.rank:
@@ -186,24 +186,29 @@ class Launch:
         return run
 
     def device(self, cfg):
-        """This rank's device: its GPU under NCCL (set as torch's current one), else the CPU; and
-        its thread count (`default_threads` unless OMP_NUM_THREADS says), said in `self.threads`."""
+        """This rank's device (its GPU under NCCL, set as torch's current one, else the CPU) and the
+        start-up line's words on its thread count (`default_threads` unless OMP_NUM_THREADS says)."""
         import torch
         if os.environ.get("OMP_NUM_THREADS"):      # torch already took the user's (or torchrun's) count
-            self.threads = f"threads={torch.get_num_threads()} (OMP_NUM_THREADS)"
+            threads = f"threads={torch.get_num_threads()} (OMP_NUM_THREADS)"
         else:
             cores, load = usable_cores(), os.getloadavg()[0]
             torch.set_num_threads(default_threads(cores, self.local_world, load))
-            self.threads = (f"threads={torch.get_num_threads()} (of {cores} cores, load {load:.1f}, "
-                            f"{self.local_world} rank{'s' if self.local_world > 1 else ''} here; "
-                            f"OMP_NUM_THREADS sets it)")
+            threads = (f"threads={torch.get_num_threads()} (of {cores} cores, load {load:.1f}, "
+                       f"{self.local_world} rank{'s' if self.local_world > 1 else ''} here; "
+                       f"OMP_NUM_THREADS sets it)")
         if cfg.parallel.distributed_backend != "nccl":
-            return torch.device("cpu")
+            return torch.device("cpu"), threads
         if not torch.cuda.is_available():
             raise UsageError("--distributed-backend nccl needs CUDA GPUs; use gloo on CPU")
         index = cuda_index(self.local_rank, self.local_world, torch.cuda.device_count())
         torch.cuda.set_device(index)
-        return torch.device("cuda", index)
+        return torch.device("cuda", index), threads
+
+    def check_machine(self, cfg, device) -> None:
+        """Paths, memory and data against this machine (megazero.config.machine_checks)."""
+        from megazero.config.machine_checks import check_machine
+        check_machine(cfg, self.world, self.local_world, device)
 
     def process_groups(self, cfg, device, log):
         """The process groups of the rank grid, on `device`, counting their bytes in `log`. Every
@@ -211,6 +216,7 @@ class Launch:
         --distributed-timeout-minutes for a silent rank (gloo: each op's timeout); then it raises,
         and the rank names whom it waited for."""
         import torch.distributed as dist
+        from megazero.config.train_config import topology_of
         from megazero.parallel.process_groups import GroupFactory, ProcessGroups
         par = cfg.parallel
         timeout = datetime.timedelta(minutes=par.timeout_minutes)
@@ -247,14 +253,13 @@ def default_threads(cores: int, local_world: int, load: float) -> int:
     return max(1, idle // max(1, local_world))
 
 
-def topology_of(cfg, world: int):
-    """The rank grid `cfg` lays `world` ranks out on."""
-    from megazero.parallel.topology import Topology
-    par = cfg.parallel
-    return Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                    cp=par.context_parallel, ep=par.expert_parallel, etp=par.expert_tensor_parallel,
-                    mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
-                    hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
+def _local_rank_flag(argv) -> str | None:
+    """The value of --local_rank / --local-rank in `argv`, as older launchers pass it."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--local_rank", "--local-rank"):
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
 
 
 def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
@@ -269,33 +274,14 @@ def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
     return local_rank
 
 
-@dataclasses.dataclass
-class Progress:
-    """How far the run got, for the line that ends it early, and what its heartbeat reports."""
-    cfg: object = None                   # the TrainConfig once checked
-    state: object = None                 # the TrainState once set up
-    comm_log: object = None              # the groups' CommLog once they exist
-
-    def interrupted_line(self) -> str:
-        if self.cfg is None:
-            return "interrupted before training started"
-        from megazero.checkpoint.files import latest_iteration_name
-        iteration = self.state.iteration if self.state is not None else 0
-        save = self.cfg.checkpoint.save
-        latest = latest_iteration_name(save) if save is not None else None
-        kept = ("none (no --save)" if save is None else f"{save}/{latest} (resume with --load {save})"
-                if latest else f"none yet in {save}")
-        return f"interrupted at iteration {iteration}; last checkpoint: {kept}"
-
-
-def _heartbeat(progress: Progress, launch: Launch) -> Heartbeat | None:
-    """This rank's heartbeat and watch (megazero.heartbeat) where ranks share a store."""
-    minutes = progress.cfg.parallel.heartbeat_minutes
+def _heartbeat(run: "Pretraining", launch: Launch) -> Heartbeat | None:
+    """This rank's heartbeat and watch (megazero.run.heartbeat) where ranks share a store."""
+    minutes = run.cfg.parallel.heartbeat_minutes
     if launch.store is None or minutes <= 0:
         return None
     flag = f" (--heartbeat-timeout-minutes {minutes:g})"
     return Heartbeat(launch.store, launch.rank, launch.world, 60 * minutes,
-                     lambda: describe_activity(progress.comm_log), launch.end_first, launch.peers,
+                     lambda: describe_activity(run.comm_log), launch.end_first, launch.peers,
                      launch.error_file, timeout_flag=flag, host_speaker=launch.local_rank == 0).start()
 
 
@@ -316,23 +302,25 @@ def _end_agreed(launch: Launch, line: str, code: int) -> int:
     return code
 
 
-def _end_on(err: BaseException, launch: Launch, progress: Progress, interrupts: failures.Interrupts) -> int:
+def _end_on(err: BaseException, launch: Launch, run: "Pretraining | None", interrupts: failures.Interrupts) -> int:
     """The end of a run cut short on this rank: its line (printed by the first rank to end), exit code
     and torchrun's error file. An error that is none of ours (a bug) keeps its traceback."""
     if isinstance(err, KeyboardInterrupt) or interrupts.received:
-        line, code = progress.interrupted_line(), failures.EXIT_INTERRUPTED
+        line = run.interrupted_line() if run is not None else "interrupted before training started"
+        code = failures.EXIT_INTERRUPTED
     elif isinstance(err, UsageError):
         line, code = str(err) if launch.world == 1 else f"rank {launch.rank}: {err}", failures.EXIT_USAGE
     elif _out_of_memory(err):      # said by every rank it happens on
-        from megazero import out_of_memory
-        device = progress.state.device if progress.state is not None else None
-        line = out_of_memory.out_of_memory_line(err, launch.rank if launch.world > 1 else None, progress.cfg, device)
+        from megazero.training import out_of_memory
+        device = run.device if run is not None else None
+        line = out_of_memory.out_of_memory_line(err, launch.rank if launch.world > 1 else None,
+                                                run.cfg if run is not None else None, device)
         launch.end_first(line, failures.EXIT_FAILURE)
         print(f"error: {line}", file=sys.stderr, flush=True)
         failures.write_error_file(launch.error_file, line)
         return failures.EXIT_FAILURE
     else:
-        timeout = progress.cfg.parallel.timeout_minutes if progress.cfg else 0
+        timeout = run.cfg.parallel.timeout_minutes if run is not None else 0
         peers = launch.peers() if launch.store is not None else {}
         line, code = failures.peer_failure_line(err, launch.rank, peers, timeout), failures.EXIT_FAILURE
     bug = line is None
@@ -347,7 +335,7 @@ def _end_on(err: BaseException, launch: Launch, progress: Progress, interrupts: 
 
 
 def _out_of_memory(err: BaseException) -> bool:
-    from megazero.out_of_memory import is_out_of_memory      # torch: loaded by now
+    from megazero.training.out_of_memory import is_out_of_memory      # torch: loaded by now
     return is_out_of_memory(err)
 
 
@@ -368,11 +356,11 @@ def _with_signals_restored(body):
 
 
 def main(argv=None) -> int:
-    return _with_signals_restored(lambda interrupts: _main(argv, Launch(), interrupts))
+    return _with_signals_restored(lambda interrupts: _main(argv, Launch(argv), interrupts))
 
 
 def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
-    progress = Progress()
+    run = None
     try:
         mistake = flag_error(argv, launch.world, launch.local_world)
         if mistake is not None:       # the same flags on every rank, so the same mistake: said once
@@ -382,15 +370,15 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
                 time.sleep(1.0)
             failures.write_error_file(launch.error_file, mistake)
             return failures.EXIT_USAGE
-        from megazero import pretrain                 # the runtime: torch and everything on it
+        from megazero.run import pretrain                 # the runtime: torch and everything on it
         from megazero.core import stream_check
         error = None
         try:
-            progress.cfg, device, resume = pretrain.configure(argv, launch)
+            run = pretrain.Pretraining(pretrain.configure(argv, launch), launch)
         except UsageError as err:
             error = str(err)
-        if error is None and progress.cfg is not None:
-            error = launch.address_problem(progress.cfg.parallel.distributed_backend)
+        if error is None:
+            error = launch.address_problem(run.cfg.parallel.distributed_backend)
         try:
             verdict = launch.agree("preflight", error)
         except (RuntimeError, ValueError) as err:      # no rendezvous: nothing to agree with
@@ -402,14 +390,14 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
         if launch.world > 1 and "MASTER_ADDR" not in os.environ:
             return _end_agreed(launch, f"WORLD_SIZE={launch.world} is set but MASTER_ADDR is not; start the "
                                        f"ranks with torchrun (or set MASTER_ADDR and MASTER_PORT)", failures.EXIT_USAGE)
-        unreachable = launch.reach_problem(progress.cfg.parallel.distributed_backend)
+        unreachable = launch.reach_problem(run.cfg.parallel.distributed_backend)
         if unreachable:
             return _end_agreed(launch, unreachable, failures.EXIT_USAGE)
-        beat = _heartbeat(progress, launch)
+        beat = _heartbeat(run, launch)
         try:
-            with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", device,
+            with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", run.device,
                                          launch.store, launch.rank, launch.world):
-                pretrain.pretrain(progress.cfg, launch, device, resume, progress)
+                run.run()
         finally:
             if beat is not None:
                 beat.stop()
@@ -422,4 +410,4 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
         raise
     except BaseException as err:
         interrupts.ending = True
-        return _end_on(err, launch, progress, interrupts)
+        return _end_on(err, launch, run, interrupts)

@@ -1,12 +1,12 @@
-"""The process-group address a rank offers, checked before it connects (megazero.addresses), and the
-line for a connection gloo could not make (megazero.failures): a loopback address in a job spanning
+"""The process-group address a rank offers, checked before it connects (megazero.run.addresses), and the
+line for a connection gloo could not make (megazero.run.failures): a loopback address in a job spanning
 hosts is refused naming the address, the host and the variable to set; a refused connection is named
 as such, with the rank and address, not as the timeout gloo's words suggest."""
 import json
 import os
 import socket
 
-from megazero import addresses, failures
+from megazero.run import addresses, failures
 
 GLOO_REFUSED = ("Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
                 "pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:16285$0")

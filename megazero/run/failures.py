@@ -6,7 +6,7 @@ or stopped answering (SIGSTOP, a hang; gloo's op timeout is --distributed-timeou
 errors, and naming that peer and the collective waited on; Ctrl-C without --exit-signal-handler; and
 torchrun's error file (torch.distributed.elastic's mechanism: the worker writes
 TORCHELASTIC_ERROR_FILE, torchrun prints it as the failure's "traceback"), so that the root cause is
-the last thing a user reads. The driver (megazero.launch) hands in the paths and the store; this
+the last thing a user reads. The driver (megazero.run.launch) hands in the paths and the store; this
 module reads no environment variable and knows no flag.
 
 Peers are named from facts, not guesses: each rank registers its host, PID namespace and PID in the

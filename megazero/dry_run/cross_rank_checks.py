@@ -101,7 +101,7 @@ def _site_of(detail: str) -> str:
         if path.endswith(("/core/comm.py", "/zero/quantized_comm.py", "/core/stream_check.py", "/core/host_read.py")):
             continue
         for root in ("/megazero/", "/parallel/", "/models/", "/tests/"):
-            if root in path and "/dry_run" not in path:
+            if root in path and "/megazero/dry_run/" not in path:     # the simulator itself
                 site = f"{path[path.rindex(root) + 1:]}:{line}"
     return site
 

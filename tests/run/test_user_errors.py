@@ -3,7 +3,7 @@
 One table: each row is a launch line (and the files or environment it meets) that must end with
 exit code 2, a single `error: ...` line on stderr naming what the user wrote and the fix, no
 traceback, and every file written before it left as it was. Rows run in-process through
-megazero.launch.main; a process boundary is crossed only where it is the point (one plain process,
+megazero.run.launch.main; a process boundary is crossed only where it is the point (one plain process,
 two torchrun launches of 2 ranks). Beside the table: the spellings that must be accepted, --help,
 the agreement between ranks and the memory formulas.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from megazero import launch
+from megazero.run import launch
 from megazero.data.tokenizer import train_tokenizer
 from tests.data.tiny_data import write_dataset
 
@@ -452,7 +452,7 @@ def test_memory_check_counts_the_experts_states():
 def test_a_flag_mistake_is_reported_before_torch_loads(argv, line):
     """pretrain_gpt.py checks the flags (the parse and every check between them, under either
     answer to "is there a GPU") before the runtime imports torch: with torch made unimportable the
-    mistake is still its one line and exit 2. (Planted: importing megazero.pretrain at the top of
+    mistake is still its one line and exit 2. (Planted: importing megazero.run.pretrain at the top of
     launch.py fails this with torch's import refused.) The time it saves is torch's and dynamo's
     import: measured at load ~3, 7.3-8.3 s before, 0.7-0.9 s after."""
     blocker = ("import sys, runpy\n"

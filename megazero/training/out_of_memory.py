@@ -8,7 +8,7 @@ optimizer step; else set-up, evaluation or a checkpoint, from the traceback's fr
 (from the error) and the bytes free when it is caught (the GPU: torch.cuda.mem_get_info; the host: the
 tightest of /proc/meminfo's MemAvailable, the cgroup's memory.max less memory.current, and the
 address-space limit, RLIMIT_AS, less this process's size), and the flags that lower that phase's
-memory. The driver (megazero.launch) prints it; this module reads no environment variable.
+memory. The driver (megazero.run.launch) prints it; this module reads no environment variable.
 """
 from __future__ import annotations
 

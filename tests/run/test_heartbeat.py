@@ -1,4 +1,4 @@
-"""megazero.heartbeat's watch, in one process on a HashStore (the torchrun case, a SIGSTOPped rank
+"""megazero.run.heartbeat's watch, in one process on a HashStore (the torchrun case, a SIGSTOPped rank
 under a backend timeout longer than the heartbeat's, is in test_operations.py): a rank whose count
 stops moving for the timeout is named with both ranks' last collectives; a rank not started yet, one
 that said it is done, and one that keeps beating are not; a line another rank posted is taken up;
@@ -10,7 +10,7 @@ import time
 import torch.distributed as dist
 
 from megazero.core import comm
-from megazero.heartbeat import Heartbeat, describe_activity
+from megazero.run.heartbeat import Heartbeat, describe_activity
 
 
 def _pair(store, timeout=0.3):

@@ -29,9 +29,9 @@ import sys
 import threading
 import time
 
-from megazero import failures
+from megazero.run import failures
 
-_ENDING = "ending/line"            # megazero.launch.Launch.end_first's key
+_ENDING = "ending/line"            # megazero.run.launch.Launch.end_first's key
 
 
 class Heartbeat:

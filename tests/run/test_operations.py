@@ -346,7 +346,7 @@ def test_the_lr_schedule_on_resume_follows_megatron(tmp_path, capsys, monkeypatc
     --use-checkpoint-opt_param-scheduler (the checkpoint's) says which; both at once are refused.
     (Planted: schedule_on_resume returning the flags' settings unchecked lets the first resume run.)"""
     from megazero.config.train_flags import config_from_args, parse_args
-    from megazero.lr_schedule import learning_rate
+    from megazero.training.lr_schedule import learning_rate
     monkeypatch.chdir(tmp_path)
     assert _main(TINY + ["--train-iters", "6", "--exit-interval", "3", "--save", "ck"], capsys)[0] == 0
     resume = TINY + ["--train-iters", "12", "--save", "ck", "--load", "ck", "--exit-interval", "4"]
@@ -423,7 +423,7 @@ def test_edge_flags_fail_in_one_line(capsys, argv, expected):
 def test_help_opens_with_one_line_per_flag_group(capsys):
     """The first screen: a one-line usage, then one line per flag group, then the flags (argparse's
     85-line synopsis is gone). (Planted: dropping usage= from the parser fails the first check.)"""
-    from megazero import launch
+    from megazero.run import launch
     from megazero.config.flags import GROUPS
     with pytest.raises(SystemExit):
         launch.main(["--help"])
@@ -439,7 +439,7 @@ def test_torchrun_shows_the_error_file_line_as_the_root_cause(tmp_path):
     """The error file megazero writes is read back by torch's own ProcessFailure: torchrun's summary
     shows the line where it would show a traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-    from megazero import failures
+    from megazero.run import failures
     path = tmp_path / "error.json"
     failures.write_error_file(str(path), "rank 0: lost rank 1 (its process ended) during all_reduce")
     summary = ChildFailedError("pretrain_gpt.py", {0: ProcessFailure(0, 123, 1, str(path))}).format_msg()
@@ -451,7 +451,7 @@ def test_one_visible_gpu_per_rank_is_cuda_0(monkeypatch):
     rank takes cuda:0, not cuda:LOCAL_RANK; with the node's GPUs all visible, its local rank; fewer
     GPUs than the node's ranks is one line naming both counts."""
     from megazero.core.errors import UsageError
-    from megazero.launch import cuda_index
+    from megazero.run.launch import cuda_index
     assert [cuda_index(r, 8, 1) for r in range(8)] == [0] * 8
     assert [cuda_index(r, 8, 8) for r in range(8)] == list(range(8))
     assert cuda_index(1, 2, 8) == 1

@@ -33,7 +33,7 @@ def _position(index: int, size: int) -> str:
 
 def roles(cfg, world: int) -> dict[tuple, list[int]]:
     """role -> its ranks (ascending), for `world` ranks of the job `cfg` lays out."""
-    from megazero.launch import topology_of
+    from megazero.config.train_config import topology_of
     from megazero.parallel.pipeline.split import stage_layer_ranges
     topology = topology_of(cfg, world)
     par = cfg.parallel

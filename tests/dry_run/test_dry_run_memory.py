@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from megazero.dry_run_attention import gpu_attention, kernel_for
-from megazero.dry_run_device import DeviceStandIn
+from megazero.dry_run.gpu_kernels import gpu_attention, kernel_for
+from megazero.dry_run.device_stand_in import DeviceStandIn
 from megazero.models.attention import core_attention
 
 
@@ -57,7 +57,7 @@ def test_kernel_choice_follows_cudas_rules():
 
 
 def test_caching_allocator_model_places_requests_in_segments_as_cuda_does():
-    from megazero.dry_run_allocator import CachingAllocator
+    from megazero.dry_run.caching_allocator import CachingAllocator
     MiB = 1 << 20
     a = CachingAllocator()
     small = [a.malloc(100) for _ in range(4096)]          # 4096 x 512 bytes: one 2 MiB segment
@@ -109,7 +109,7 @@ def test_planner_predicts_the_dry_runs_peak_on_a_mid_size_layout():
     """A Llama-shaped layer stack (SwiGLU, GQA, RoPE, RMSNorm) at sequence 2048, tp 2 x dp 2: the
     planner's device total within 10% of the dry run's peak (measured: 1.06, the fused loss's
     buffers counted at their most), its model states equal to what the device holds."""
-    from megazero.dry_run import simulate
+    from megazero.dry_run.job import simulate
     run, = simulate(MID, 4, ranks=[0], processes=1)
     assert run.error is None, run.detail
     memory = run.memory
@@ -121,7 +121,7 @@ def test_planner_predicts_the_dry_runs_peak_on_a_mid_size_layout():
 def _cpu_attention_kept(device_type: str, dropout_p: float, dtype) -> int:
     """Bytes of the storages alive after one causal attention's forward (inputs aside): on the
     real CPU, torch's own; on meta, the dry run's simulating the CPU (cpu_kernels)."""
-    from megazero.dry_run_attention import cpu_kernels
+    from megazero.dry_run.gpu_kernels import cpu_kernels
     b, s, heads, d = 1, 128, 2, 16
     saved = {}
 
@@ -157,7 +157,7 @@ def test_the_optimizer_step_on_a_simulated_gpu_allocates_what_the_fused_kernel_d
     """On a GPU adam_step runs torch's fused Adam(W): nothing allocated for fp32 gradients, one
     widened fp32 slice (WIDEN_SLICE elements at most) at a time for 16-bit ones. torch's reference
     ops (meta's own route) would allocate a denominator the size of the partition."""
-    from megazero.dry_run_attention import gpu_attention
+    from megazero.dry_run.gpu_kernels import gpu_attention
     from megazero.core.errors import UsageError
     from megazero.ops import adam
     from megazero.ops.adam_config import AdamConfig
@@ -184,7 +184,7 @@ def test_gloo_copy_lives_as_long_as_the_async_work_simulating_the_cpu():
     """torch's gloo reduce-scatters a flat copy of its input, which an async op's work holds until it
     is let go after its wait (the comm layer's Handle drops its works then); a sync op's dies with
     the call. Freed at the call's end, the pp 2 ZeRO-2 layout's dry run was 0.88 of its measured peak."""
-    from megazero.dry_run_attention import _with_gloo_copy
+    from megazero.dry_run.gpu_kernels import _with_gloo_copy
 
     class Work:
         def wait(self):

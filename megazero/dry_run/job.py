@@ -1,5 +1,5 @@
 """The dry run: every rank of an N-GPU job, each in a process of its own on this CPU, running the
-real recipe (megazero.pretrain: flags -> config -> process groups -> data -> model chunks -> ZeRO
+real recipe (megazero.run.pretrain: flags -> config -> process groups -> data -> model chunks -> ZeRO
 engine -> training steps with the optimizer step -> a checkpoint save) with the `meta` device
 standing in for its GPU and torch's fake process group for NCCL.
 
@@ -8,7 +8,7 @@ so a 70B model's step takes seconds and no memory of the model's size, and a ten
 meeting one fails exactly as it would meeting a CUDA tensor. The fake backend completes every
 collective at once without moving anything; what each rank issued is recorded by its CommLog's trace
 (megazero.core.comm.CommEntry) and compared across the members of every group afterwards
-(megazero.dry_run_checks). Values the host reads back (the loss, the gradient norm, agreement
+(megazero.dry_run.cross_rank_checks). Values the host reads back (the loss, the gradient norm, agreement
 tables) come from megazero.core.host_read, which answers meta tensors with the value a healthy run
 would agree on.
 
@@ -28,8 +28,8 @@ import torch
 
 from megazero.core import host_read
 from megazero.core.comm import CommLog
-from megazero.dry_run_attention import device_kernels
-from megazero.dry_run_device import DeviceStandIn
+from megazero.dry_run.gpu_kernels import device_kernels
+from megazero.dry_run.device_stand_in import DeviceStandIn
 
 DEFAULT_RANKS_PER_NODE = 8     # a GPU node's ranks, for the intra/inter-node split of the groups
 
@@ -51,13 +51,31 @@ class RankRun:
 
 
 class SimulatedLaunch:
-    """What the recipe asks of a launch, for one rank of a world simulated without a store: every
-    rank prepares its own data (mock data writes no files), nothing is agreed through a store."""
+    """The recipe's RunEnvironment (megazero.run.pretrain) for one rank of a world simulated without a
+    store: the flags read as on the simulated device's machine, meta for its device, its groups from
+    `factory` over the fake process group, no memory check (what the simulated device holds is the
+    dry run's finding), every rank preparing its own data (mock data writes no files)."""
 
-    def __init__(self, rank: int, world: int, local_world: int):
+    def __init__(self, rank: int, world: int, local_world: int, factory, cuda: bool, device="meta"):
         self.rank, self.world, self.local_world = rank, world, local_world
+        self.factory, self.cuda_available, self._device = factory, cuda, torch.device(device)
         self.store = None
-        self.threads = ""            # the start-up line's thread count: not this machine's to say
+
+    def device(self, cfg):
+        return self._device, ""      # the thread count is not this machine's to say
+
+    def cpu_optimizer_threads(self) -> int:
+        return 1
+
+    def check_machine(self, cfg, device) -> None:
+        from megazero.config.machine_checks import check_data, check_output_paths
+        check_output_paths(cfg)
+        check_data(cfg)
+
+    def process_groups(self, cfg, device, log):
+        from megazero.config.train_config import topology_of
+        from megazero.parallel.process_groups import ProcessGroups
+        return ProcessGroups.build(topology_of(cfg, self.world), self.rank, self.factory, log=log, device=device)
 
     def first(self, step: str):
         return lambda build: build(True)
@@ -80,39 +98,28 @@ def dry_argv(argv: list[str], workdir: str, save: bool = True) -> list[str]:
 
 
 def run_rank(argv: list[str], world: int, rank: int, device, factory, local_world: int | None = None,
-             on_groups=None, cuda: bool = False) -> RankRun | None:
-    """Runs the recipe for `rank` of `world` with `argv` (pretrain_gpt.py's flags) on `device`,
-    its groups made by `factory` (a GroupFactory over an initialised default group); returns the
-    rank's trace, or None for a process outside `world`. `on_groups(groups)` may look at them first;
-    `cuda`: the flags are read as on a GPU machine (the default backend is nccl)."""
-    from megazero import pretrain
-    from megazero.checkpoint.resume import check_resume
-    from megazero.config.train_flags import config_from_args, parse_args
-    from megazero.launch import Progress, topology_of
-    from megazero.parallel.process_groups import ProcessGroups
-    local_world = local_world or min(world, DEFAULT_RANKS_PER_NODE)
-    args = parse_args(argv)
-    cfg = config_from_args(args, world, local_world, cuda_available=cuda)
+             cuda: bool = False) -> RankRun | None:
+    """Runs the recipe (megazero.run.pretrain: configure, then the run) for `rank` of `world` with
+    `argv` (pretrain_gpt.py's flags) on `device` (meta, standing in for a GPU), its groups made by `factory` (a GroupFactory
+    over an initialised default group); returns the rank's trace, or None for a process outside
+    `world`. `cuda`: the flags are read as on a GPU machine (the default backend is nccl)."""
+    from megazero.run import pretrain
+    env = SimulatedLaunch(rank, world, local_world or min(world, DEFAULT_RANKS_PER_NODE), factory, cuda, device)
+    recipe = pretrain.Pretraining(pretrain.configure(argv, env), env)
     log = CommLog(trace=True)
-    groups = ProcessGroups.build(topology_of(cfg, world), rank, factory, log=log, device=device)
+    groups = env.process_groups(recipe.cfg, recipe.device, log)
     if groups is None:
         return None
-    if on_groups is not None:
-        on_groups(groups)
-    resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer)
-    cfg = cfg.replace(optimizer=resume.optimizer)
-    progress = Progress(cfg=cfg)
     run = RankRun(rank, coords=tuple(groups.coords))
     try:
-        pretrain.pretrain(cfg, SimulatedLaunch(rank, world, local_world), torch.device(device), resume,
-                          progress, groups=groups)
+        recipe.run(groups)
     except Exception as err:        # noqa: BLE001 - a rank's failure is a finding, reported per rank
         run.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         run.detail = traceback.format_exc()
     run.entries, run.step_ends = log.entries, log.step_ends
-    if progress.state is not None:
-        run.model_states = {k: float(v) for k, v in progress.state.engine.memory.report().items()}
-        run.skipped_steps = progress.state.engine.skipped_steps
+    if recipe.state is not None:
+        run.model_states = {k: float(v) for k, v in recipe.state.engine.memory.report().items()}
+        run.skipped_steps = recipe.state.engine.skipped_steps
     return run
 
 
@@ -125,11 +132,9 @@ def job_config(argv: list[str], world: int, local_world: int | None = None):
 
 def check_flags(argv: list[str], world: int, local_world: int | None = None) -> str | None:
     """The flags' first mistake for a `world`-rank GPU job, as pretrain_gpt.py would say it."""
-    from megazero.config.train_flags import config_from_args, parse_args
     from megazero.core.errors import UsageError
     try:
-        config_from_args(parse_args(dry_argv(argv, "/nonexistent")), world,
-                         local_world or min(world, DEFAULT_RANKS_PER_NODE), cuda_available=True)
+        job_config(argv, world, local_world)
     except UsageError as err:
         return str(err)
     return None
@@ -139,10 +144,7 @@ def planner_figures(argv: list[str], world: int, local_world: int | None) -> dic
     """The memory planner's figures (megazero.config.memory_estimate.plan_bytes) for a GPU rank of
     this job (its largest stage): model states, activations, comm buffers on the device, their sum."""
     from megazero.config.memory_estimate import MODEL_STATE_KINDS, device_bytes, plan_bytes
-    from megazero.config.train_flags import config_from_args, parse_args
-    cfg = config_from_args(parse_args(argv), world, local_world or min(world, DEFAULT_RANKS_PER_NODE),
-                           cuda_available=True)
-    plan = plan_bytes(cfg, world)
+    plan = plan_bytes(job_config(argv, world, local_world), world)
     return {"model_states": sum(plan[k] for k in MODEL_STATE_KINDS), "activations": plan["activations"],
             "comm_buffers": plan["comm_buffers"], "total": device_bytes(plan)}
 
@@ -194,7 +196,7 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
         dist.destroy_process_group()
 
 
-PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "megazero.pretrain"]
+PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "megazero.run.pretrain"]
 
 
 def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,

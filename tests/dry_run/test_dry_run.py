@@ -23,8 +23,8 @@ from unittest import mock
 import pytest
 import torch
 
-from megazero.dry_run import dry_argv, run_rank, simulate
-from megazero.dry_run_checks import check_all
+from megazero.dry_run.job import dry_argv, run_rank, simulate
+from megazero.dry_run.cross_rank_checks import check_all
 from tests.driver import REPO
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -206,7 +206,7 @@ def test_planted_bugs_fail_with_their_line():
         "group mp [0, 1, 2, 3]: collective #2 differs: rank 0 issued all_reduce float64 x1 (sum) at "
         "megazero/zero/engine.py:"), skipped
     # rank 1's next op on the group: the log iteration's straggler gather (--straggler-threshold)
-    assert "; rank 1 issued all_gather float64 x20 at megazero/stragglers.py:" in skipped[0], skipped
+    assert "; rank 1 issued all_gather float64 x20 at megazero/training/stragglers.py:" in skipped[0], skipped
     host = check_all(simulate(BASE, 2, processes=2, prepare=host_tensor_in_the_gradient_norm))
     assert len(host) == 2 and all("a tensor made on the host meets a device tensor at megazero/zero/engine.py:" in line
                                   for line in host), host
@@ -244,9 +244,9 @@ def _steady_state_reads(run) -> list[tuple[str, str]]:
 def test_an_extra_host_read_in_the_step_fails_with_its_line_and_a_forced_overflow_skips_the_step():
     planted = simulate(BASE, 2, processes=2, prepare=an_extra_host_read_in_the_step)
     extra = [r for r in _steady_state_reads(planted[0]) if r not in _documented_host_reads()]
-    assert extra == [("a planted flag", "tests/tools/test_dry_run.py")], _steady_state_reads(planted[0])
+    assert extra == [("a planted flag", "tests/dry_run/test_dry_run.py")], _steady_state_reads(planted[0])
     problems = check_all(planted)
-    assert any(line.startswith("rank 1: the host reads a device value at tests/tools/test_dry_run.py:")
+    assert any(line.startswith("rank 1: the host reads a device value at tests/dry_run/test_dry_run.py:")
                and "without megazero.core.host_read" in line for line in problems), problems
     # the gradient norm reads inf in step 1: every rank skips it, and they still agree on every op
     forced = simulate(BASE + ["--zero-stage", "2"], 2, processes=2, overflow_steps=(1,))
@@ -307,7 +307,7 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
 
 
 def test_meta_allocations_are_counted_as_the_caching_allocator_rounds_them():
-    from megazero.dry_run_device import DeviceStandIn
+    from megazero.dry_run.device_stand_in import DeviceStandIn
     with DeviceStandIn() as device:
         a = torch.empty(1, device="meta")                  # 4 bytes -> one 512-byte block
         b = torch.empty(129, device="meta")                # 516 bytes -> two blocks
@@ -357,8 +357,8 @@ def _peak(run) -> int:
 ], ids=["tp4 pp4 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 dp8 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"])
 def test_one_rank_per_role_stands_for_all_ranks_at_16(flags, merged):
     from megazero.config.train_flags import config_from_args, parse_args
-    from megazero.dry_run_roles import roles
-    from megazero.launch import topology_of
+    from megazero.dry_run.roles import roles
+    from megazero.config.train_config import topology_of
     argv = BASE + ["--num-layers", "8"] + flags
     runs = {r.rank: r for r in simulate(argv, 16, processes=2)}
     assert check_all(list(runs.values())) == []

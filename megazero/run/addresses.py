@@ -10,7 +10,7 @@ interface, leaving out loopback unless NCCL_SOCKET_IFNAME names it.
 
 A job spans hosts when this host runs fewer ranks than the world and the launch's master is not a
 loopback address (a loopback master can only be reached from its own host). The driver
-(megazero.launch) reads the environment and hands it in; this module only looks at sockets (and,
+(megazero.run.launch) reads the environment and hands it in; this module only looks at sockets (and,
 for the reachability probe, the launch's store that the driver hands in).
 
 A peer host's address can be routable yet unreachable (a firewall dropping packets, a route to a

@@ -4,7 +4,7 @@ Only the logging rank (last pipeline stage, TP rank 0, DP rank 0: the one that h
 Each logged iteration appends one object with at least iteration, loss, lr, grad_norm and
 tokens_per_s (on a GPU with a known peak also mfu, from model FLOPs, and hfu, counting recomputation);
 evaluations append objects with "split": "valid". The same records go to the monitors
-(megazero.monitor: wandb, TensorBoard) the driver attaches with `add_monitors`; `close` ends them.
+(megazero.training.monitor: wandb, TensorBoard) the driver attaches with `add_monitors`; `close` ends them.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from megazero.stragglers import describe
+from megazero.training.stragglers import describe
 
 
 # Fields a record carries when a flag asks for them (--decoupled-lr, --rampup-batch-size,

@@ -5,7 +5,7 @@ it trains, logs the MoE lines, and its losses are finite."""
 import json
 import math
 
-from tests.launch.test_cli import _torchrun
+from tests.run.test_cli import _torchrun
 
 MODEL = """--use-mcore-models --disable-bias-linear --seq-length 256 --max-position-embeddings 2048 --num-layers 2
 --hidden-size 256 --ffn-hidden-size 896 --num-attention-heads 2 --init-method-std 0.01 --attention-dropout 0.0

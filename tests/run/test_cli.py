@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megazero import launch
+from megazero.run import launch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,8 +113,8 @@ def test_threads_are_the_idle_cores_per_local_rank_unless_omp_num_threads_says(m
     start-up line says which. (Planted: ignoring the variable fails the last check; ignoring the
     load fails the second.)"""
     import torch
-    from megazero import pretrain
-    monkeypatch.setattr(pretrain, "check_machine", lambda *args: None)      # the world is not real here
+    from megazero.run import pretrain
+    monkeypatch.setattr(launch.Launch, "check_machine", lambda *args: None)      # the world is not real here
     monkeypatch.setattr(launch, "usable_cores", lambda: 8)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -123,15 +123,13 @@ def test_threads_are_the_idle_cores_per_local_rank_unless_omp_num_threads_says(m
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         for load, threads in ((0.2, 2), (4.3, 1)):
             monkeypatch.setattr(launch.os, "getloadavg", lambda: (load, load, load))
-            run = launch.Launch()
-            pretrain.configure(argv, run)
+            configured = pretrain.configure(argv, launch.Launch())
             assert torch.get_num_threads() == threads
-            assert run.threads.startswith(f"threads={threads} (of 8 cores, load {load:.1f}, 4 ranks here")
+            assert configured.threads.startswith(f"threads={threads} (of 8 cores, load {load:.1f}, 4 ranks here")
         monkeypatch.setenv("OMP_NUM_THREADS", "3")
         torch.set_num_threads(3)
-        run = launch.Launch()
-        pretrain.configure(argv, run)
-        assert torch.get_num_threads() == 3 and run.threads == "threads=3 (OMP_NUM_THREADS)"
+        configured = pretrain.configure(argv, launch.Launch())
+        assert torch.get_num_threads() == 3 and configured.threads == "threads=3 (OMP_NUM_THREADS)"
     finally:
         torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ Every such copy is counted (`d2h_copies`, `d2h_bytes`): host traffic the step pa
 It also keeps the device's memory as CUDA's caching allocator would hand it out: every meta storage
 an op creates is one allocation, rounded up to the allocator's 512-byte blocks, held until torch
 frees the storage (a finalizer on it: storages keep one Python object for their lifetime), and
-placed in the allocator's segments by `megazero.dry_run_allocator` (reserved beside allocated).
+placed in the allocator's segments by `megazero.dry_run.caching_allocator` (reserved beside allocated).
 Each allocation gets an owner from what allocated it: the collectives' buffers (`communication`:
 made inside megazero's comm layer, the stage-3 gathers, the quantized collectives), autograd's
 backward (`backward`: gradients of activations and weight gradients before ZeRO takes them), the
@@ -29,8 +29,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.dry_run_allocator import CachingAllocator, rounded
-from megazero.dry_run_memo import MetaMemo
+from megazero.dry_run.caching_allocator import CachingAllocator, rounded
+from megazero.dry_run.meta_memo import MetaMemo
 
 aten = torch.ops.aten
 
@@ -98,9 +98,9 @@ class DeviceStandIn(TorchDispatchMode):
         `reads` (host_read's open recording): each step's (first, end) positions in it go to `read_marks`."""
         import contextlib
         from unittest import mock
-        from megazero import model_builder, training
+        from megazero.training import assembly, loop, model_builder
         from megazero.zero.engine import ZeroEngine
-        real_step, real_engine_step = training.train_step, ZeroEngine.step
+        real_step, real_engine_step = loop.train_step, ZeroEngine.step
 
         def train_step(*args, **kwargs):
             if self.in_setup:
@@ -117,7 +117,7 @@ class DeviceStandIn(TorchDispatchMode):
         def engine_step(engine, *args, **kwargs):
             self.snapshot("backward")
             return real_engine_step(engine, *args, **kwargs)
-        real_build = training.build_model_chunks
+        real_build = assembly.build_model_chunks
 
         def build_model_chunks(*args, **kwargs):
             # On a GPU these chunks are meta tensors too (materialised later by the engine): no memory.
@@ -126,7 +126,7 @@ class DeviceStandIn(TorchDispatchMode):
                 return real_build(*args, **kwargs)
             finally:
                 self.counting = True
-        real_init_fn = training.make_init_fn
+        real_init_fn = assembly.make_init_fn
 
         def make_init_fn(*args, **kwargs):
             # A GPU job draws each parameter's initial value on the host, one full tensor at a time,
@@ -155,9 +155,9 @@ class DeviceStandIn(TorchDispatchMode):
             return out
         stack = contextlib.ExitStack()
         stack.enter_context(mock.patch.object(torch.UntypedStorage, "resize_", resize_))
-        stack.enter_context(mock.patch.object(training, "make_init_fn", make_init_fn))
-        stack.enter_context(mock.patch.object(training, "build_model_chunks", build_model_chunks))
-        stack.enter_context(mock.patch.object(training, "train_step", train_step))
+        stack.enter_context(mock.patch.object(assembly, "make_init_fn", make_init_fn))
+        stack.enter_context(mock.patch.object(assembly, "build_model_chunks", build_model_chunks))
+        stack.enter_context(mock.patch.object(loop, "train_step", train_step))
         stack.enter_context(mock.patch.object(ZeroEngine, "step", engine_step))
         return stack
 
