@@ -6,7 +6,8 @@ usually an untouched `torch.empty`, kept only until something overwrites it), an
 a meta tensor is logged (`torch.utils._python_dispatch.TorchDispatchMode`). Everything else of the
 construction (buffers, rotary tables, Python state) runs for real, as it would outside. A random op
 on a meta tensor saves the CPU generator's state and advances the generator exactly as the eager op
-would (by running it on a scratch tensor of the same size, strides and dtype, freed at once), so the
+would (by running it on a scratch tensor of the same size, strides and dtype, in one buffer reused
+by every such op: fresh buffers, freed at once, left the allocator holding most of a model), so the
 draws of the ops that do run eagerly, and of later modules, stay where they would be. The few
 torch.nn.init functions that skip a meta tensor without dispatching anything (SKIPS_META) are
 recorded as one call each, the same way.
@@ -97,6 +98,16 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.log: list[Op] = []
         self.pending_value: dict[int, int] = {}      # storage key -> log index of its initial value
+        self._scratch = torch.UntypedStorage(0)
+
+    def scratch_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor with `t`'s size, strides, offset and dtype over the reused scratch buffer
+        (grown to the largest storage asked for)."""
+        nbytes = t.untyped_storage().nbytes()
+        if self._scratch.nbytes() < nbytes:
+            self._scratch = torch.UntypedStorage(0)        # the old one goes before the new one comes
+            self._scratch = torch.UntypedStorage(nbytes)
+        return torch.empty(0, dtype=t.dtype).set_(self._scratch, t.storage_offset(), t.size(), t.stride())
 
     def initial_value(self, meta: torch.Tensor, value: torch.Tensor) -> None:
         """Records that `meta`'s storage starts as `value` (a parameter's real tensor, swapped out)."""
@@ -121,6 +132,7 @@ class Recorder(TorchDispatchMode):
     def __exit__(self, *exc):
         for table, key, real in reversed(self._patched):
             table[key] = real
+        self._scratch = torch.UntypedStorage(0)
         return super().__exit__(*exc)
 
     def _recording_call(self, real):
@@ -130,7 +142,7 @@ class Recorder(TorchDispatchMode):
             if not (isinstance(tensor, torch.Tensor) and tensor.is_meta):
                 return real(tensor, *args, **kwargs)
             rng = torch.get_rng_state()
-            real(torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype), *args, **kwargs)
+            real(self.scratch_like(tensor), *args, **kwargs)
             op = Op(lambda t: real(t, *args, **kwargs), (tensor,), {}, tensor, rng=rng, overwrites=True)
             self._drop_overwritten(op)
             self.log.append(op)
@@ -150,7 +162,9 @@ class Recorder(TorchDispatchMode):
         op = Op(func, args, kwargs, out)
         if _random(func):
             op.rng = torch.get_rng_state()
-            scratch = {id(t): torch.empty_strided(t.size(), t.stride(), dtype=t.dtype) for t in inputs if t.is_meta}
+            metas = [t for t in inputs if t.is_meta]
+            scratch = {id(t): self.scratch_like(t) if i == 0 else
+                       torch.empty_strided(t.size(), t.stride(), dtype=t.dtype) for i, t in enumerate(metas)}
             swap = lambda t: scratch.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
             func(*pytree.tree_map(swap, args), **{k: (torch.device("cpu") if k == "device" else swap(v))
                                                    for k, v in kwargs.items()})
@@ -173,7 +187,8 @@ def _full_overwrite(op: Op) -> torch.Tensor | None:
     """The meta tensor the op overwrites whole without reading it, if it does."""
     name = getattr(op.func, "__name__", "").split(".")[0]
     target = op.args[0] if op.args else None
-    if (op.overwrites or name in OVERWRITES) and isinstance(target, torch.Tensor) and target.is_meta and _covers(target):
+    overwrites = op.overwrites or name in OVERWRITES
+    if overwrites and isinstance(target, torch.Tensor) and target.is_meta and _covers(target):
         sources = [t for t in _tensors((op.args[1:], op.kwargs)) if t.is_meta]
         if all(storage_key(t) != storage_key(target) for t in sources):
             return target
