@@ -67,7 +67,7 @@ def torch_reference(kind: str, dp: int, steps: int = STEPS) -> dict:
     model = tiny_model(kind)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = []
+    losses, norms = [], []
     for batch in global_batches(dp, steps):
         total = 0.0
         for m in range(ACCUMULATION):
@@ -76,11 +76,11 @@ def torch_reference(kind: str, dp: int, steps: int = STEPS) -> dict:
                 loss = model(input_ids=tokens, labels=tokens).loss / (ACCUMULATION * dp)
                 loss.backward()
                 total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def client_optimizer(model):
@@ -111,9 +111,10 @@ def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra
     model = build() if build is not None else tiny_model(kind)
     optimizer = client_optimizer(model) if client else None
     engine, *_ = megazero.initialize(model=model, config=config, optimizer=optimizer, process_groups=groups)
-    losses = train_loop(engine, dp, groups.dp.rank, groups.dp.pg, steps)
+    losses, norms = train_loop(engine, dp, groups.dp.rank, groups.dp.pg, steps)
     params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "params": params, "steps": engine.global_steps} if groups.rank == 0 else None
+    return {"losses": losses, "norms": norms, "params": params, "steps": engine.global_steps} \
+        if groups.rank == 0 else None
 
 
 def train_with_deepspeed(ctx, kind: str, config: dict, steps: int = STEPS) -> dict | None:
@@ -129,15 +130,16 @@ def train_with_deepspeed(ctx, kind: str, config: dict, steps: int = STEPS) -> di
     config = {**config, "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 31}
     engine, *_ = deepspeed.initialize(model=model, optimizer=client_optimizer(model), config=config,
                                       dist_init_required=False)
-    losses = train_loop(engine, ctx.world_size, ctx.rank, None, steps)
+    losses, norms = train_loop(engine, ctx.world_size, ctx.rank, None, steps)
     params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "params": params, "steps": engine.global_steps} if ctx.rank == 0 else None
+    return {"losses": losses, "norms": norms, "params": params, "steps": engine.global_steps} \
+        if ctx.rank == 0 else None
 
 
-def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int) -> list[float]:
+def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int) -> tuple[list[float], list[float]]:
     """DeepSpeed's loop: engine(batch), engine.backward(loss), engine.step() per micro batch; the
-    global batch's mean loss of every step."""
-    losses = []
+    global batch's mean loss and the gradient norm before clipping (get_global_grad_norm) of every step."""
+    losses, norms = [], []
     for batch in global_batches(dp, steps):
         total = torch.zeros(1, dtype=torch.float64)
         for m in range(ACCUMULATION):
@@ -148,12 +150,16 @@ def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int) -> list[float]:
             total += loss.item() / (ACCUMULATION * dp)
         torch.distributed.all_reduce(total, group=dp_pg)
         losses.append(total.item())
-    return losses
+        norms.append(float(engine.get_global_grad_norm()))
+    return losses, norms
 
 
 def assert_matches(result: dict, reference: dict, what: str, rtol: float = RTOL) -> None:
     got, want = torch.tensor(result["losses"]), torch.tensor(reference["losses"])
     torch.testing.assert_close(got, want, rtol=rtol, atol=0, msg=lambda m: f"{what}: losses\n{m}")
+    # the gradient norm before clipping: clipping and Adam hide a gradient's scale from the weights
+    got, want = torch.tensor(result["norms"]), torch.tensor(reference["norms"])
+    torch.testing.assert_close(got, want, rtol=rtol, atol=0, msg=lambda m: f"{what}: gradient norms\n{m}")
     for name, value in reference["params"].items():
         mine = result["params"][name]
         if name.endswith("attn.c_attn.bias"):          # GPT-2's key bias third: see the docstring

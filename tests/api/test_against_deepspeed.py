@@ -3,8 +3,8 @@
 - The same tiny transformers Llama, config (ZeRO-2 and ZeRO-3, gradient clipping, 2 accumulation
   steps, DeepSpeed's bucket keys), client torch AdamW optimizer, data and loop (engine(batch),
   engine.backward(loss), engine.step()) on 2 gloo ranks, through megazero.initialize and through
-  deepspeed.initialize (DeepSpeed 0.19 on its CPU accelerator): loss curves and final parameters
-  agree to 1e-6 (measured over 10 steps: losses equal, parameters 7.5e-8 / 5.9e-7 relative L2 at
+  deepspeed.initialize (DeepSpeed 0.19 on its CPU accelerator): loss curves, gradient norms
+  (get_global_grad_norm) and final parameters agree to 1e-6 (measured over 10 steps: losses equal, parameters 7.5e-8 / 5.9e-7 relative L2 at
   stages 2 / 3). Skipped, with a line, when deepspeed is not installed.
 - examples/deepspeed_loop.py (DeepSpeed's tutorial loop with `import megazero as deepspeed`) runs on
   the same 2 ranks as torchrun would start it, with examples/ds_config.json, and its loss falls.
@@ -12,7 +12,8 @@
 The pool is this file's own: DeepSpeed's import and engine leave state in the processes they ran in.
 
 Planted to see them fail: the user's AdamW read as L2-decay Adam (decoupled_weight_decay False for
-torch.optim.AdamW): both stages fail; the engine's step applied on every micro step.
+torch.optim.AdamW): both stages fail; the backward without the 1 / data-parallel-ranks factor:
+the gradient norms differ.
 """
 import contextlib
 import importlib.util
