@@ -11,8 +11,9 @@ L2). The norms are what sees a gradient's scale: clipping on every step and Adam
 losses and weights (the factor below went unseen while only those were compared).
 
 Planted to see them fail: the engine's backward without the 1 / data-parallel-ranks factor (every
-kind fails on its gradient norms, as does tests/api/test_against_deepspeed.py), weight decay left at Megatron's rule (>= 2-D only) instead of the param group's
-(the norms' and biases' decay: Llama's norm weights), the lr scheduler stepped on every micro step.
+kind fails on its gradient norms, as does tests/api/test_against_deepspeed.py); weight decay left
+at Megatron's rule (>= 2-D only) instead of the param group's (Llama fails on its norm weights).
+The schedulers are checked in test_schedulers.py and test_precision.py (these configs have none).
 """
 import pytest
 
