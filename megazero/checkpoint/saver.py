@@ -177,15 +177,19 @@ class CheckpointSaver:
     a run without one)."""
 
     def __init__(self, save_dir: str | Path, run_id: str, keep_last: int = 0, async_save: bool = False,
-                 tokenizer: dict | None = None, say=None):
+                 tokenizer: dict | None = None, say=None, metadata=None):
+        """`metadata(state, run_id, consumed_samples) -> dict`: rank 0's metadata.json (default
+        run_metadata, a pretraining run's; megazero.initialize's engine gives its own)."""
         self.save_dir, self.run_id = Path(save_dir), run_id
+        self.metadata = metadata or run_metadata
         self.keep_last, self.async_save = keep_last, async_save
         self.tokenizer = tokenizer
         self.say = say or (lambda line: None)      # the run's log: a line per committed checkpoint
         self._pending: dict | None = None
 
-    def save(self, state, consumed_samples: int, why: str = "") -> None:
-        """Saves the state after `state.iteration` steps (collective over the layout). Raises SaveError
+    def save(self, state, consumed_samples: int, why: str = "", dir_name: str | None = None) -> None:
+        """Saves the state after `state.iteration` steps (collective over the layout), into the
+        directory `dir_name` (default iter_<iteration>; `latest` names it). Raises SaveError
         on every rank alike when the filesystem has no room for it (before anything is written) or a
         rank fails to write; the previous checkpoint stays as it was either way. `why` (periodic,
         final, ...) goes into the line said once it is committed."""
@@ -194,7 +198,7 @@ class CheckpointSaver:
         groups, iteration = state.groups, state.iteration
         tensors, index = collect_rank_state(state)
         index["run_id"] = self.run_id
-        metadata = run_metadata(state, self.run_id, consumed_samples) if groups.rank == 0 else None
+        metadata = self.metadata(state, self.run_id, consumed_samples) if groups.rank == 0 else None
         if metadata is not None and self.tokenizer is not None:
             metadata["tokenizer"] = {**self.tokenizer, "files": sorted(self.tokenizer["files"])}
         need = self._bytes_to_write(tensors, index, metadata)
@@ -202,7 +206,8 @@ class CheckpointSaver:
         free = free_bytes(self.save_dir) if state.device.type != "meta" else 2**62
         room = agree(RankReport(need, free), groups)
         check_room(room, self.save_dir, iteration)
-        tmp = self.save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
+        name = dir_name or iteration_dir_name(iteration)
+        tmp = self.save_dir / f"{TMP_PREFIX}{name}"
         code = 0
         if groups.rank == 0:
             try:
@@ -213,7 +218,7 @@ class CheckpointSaver:
         # also the barrier after which the directory exists for everyone
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "create the temporary directory")
-        pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0,
+        pending = {"tmp": tmp, "iteration": iteration, "name": name, "groups": groups, "metadata": metadata, "errno": 0,
                    "started": started, "bytes": sum(r.bytes_needed for r in room), "why": why,
                    "written": state.device.type != "meta"}
         if not pending["written"]:
@@ -267,7 +272,7 @@ class CheckpointSaver:
             return
         if "thread" in pending:
             pending["thread"].join()
-        groups, tmp, iteration = pending["groups"], pending["tmp"], pending["iteration"]
+        groups, tmp, iteration, name = pending["groups"], pending["tmp"], pending["iteration"], pending["name"]
         reports = agree(RankReport(errno=pending["errno"]), groups)
         if any(r.errno for r in reports):
             if groups.rank == 0:
@@ -275,7 +280,7 @@ class CheckpointSaver:
             check_written(reports, self.save_dir, iteration, "write its shard of the checkpoint")
         code = 0
         if groups.rank == 0 and pending["written"]:
-            code = self._commit(tmp, iteration, pending["metadata"])
+            code = self._commit(tmp, name, pending["metadata"])
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "commit the checkpoint")      # also: committed before anyone goes on
         if groups.rank == 0:
@@ -286,12 +291,12 @@ class CheckpointSaver:
         took = time.monotonic() - pending["started"]
         took = f"committed {took:.1f} s after its step" if "thread" in pending else f"{took:.1f} s"
         self.say(f" saved checkpoint{why} of iteration {iteration}: "
-                 f"{self.save_dir / iteration_dir_name(iteration)} ({pending['bytes'] / 2**20:.1f} MiB, {took})")
+                 f"{self.save_dir / name} ({pending['bytes'] / 2**20:.1f} MiB, {took})")
 
-    def _commit(self, tmp: Path, iteration: int, metadata: dict) -> int:
+    def _commit(self, tmp: Path, name: str, metadata: dict) -> int:
         """Rank 0: metadata.json, then the directory into place and `latest` at it; 0 or the errno of
         a failure, after which the new directory is gone and `latest` names what it named before."""
-        final = self.save_dir / iteration_dir_name(iteration)
+        final = self.save_dir / name
         existed = final.exists()
         try:
             write_json_atomic(tmp / METADATA, merge_rank_indexes(tmp, metadata))
