@@ -31,6 +31,10 @@ Fields, by the room that sets them:
   `zero_engine`    a weak reference to the engine (call it for the engine)
   `fp32_grad`      the backward writes this parameter's gradient in fp32 (models.weight_grad)
   `zero_unit`, `zero_index`, `zero_full_shape`  stage 3: its unit, its place there, its full shape
+  `init_shard`     zero.Init (zero/init.py): this rank's slice of a parameter built on the meta
+                   device, until megazero.initialize hands it to the engine
+  `external_users` modules that use this parameter without owning it (register_external_parameter
+                   before the engine exists; the engine gathers it around them at stage 3)
 - models.weight_grad (the backward), taken by the engine (zero/precision.take_grad):
   `pending_fp32_grad` the fp32 gradient the layers summed since the engine last took it
 """
@@ -54,6 +58,8 @@ class ParamInfo:
     zero_unit: object = None
     zero_index: int | None = None
     zero_full_shape: tuple | None = None
+    init_shard: object = None
+    external_users: tuple = ()
     pending_fp32_grad: object = None
 
 

@@ -111,7 +111,9 @@ def latest_iteration_dir(save_dir: Path) -> Path | None:
         return None
     name = latest_iteration_name(save_dir)
     target = save_dir / name if name else None
-    if not name or not name.isprintable() or not name.startswith("iter_") or not target.is_dir():
+    # an iter_N folder of a run, or a tag of engine.save_checkpoint (megazero.initialize's engine)
+    named = bool(name) and name.isprintable() and (name.startswith("iter_") or (target / METADATA).is_file())
+    if not named or not target.is_dir():
         what = f"names {name!r}" if name and name.isprintable() else "holds no directory name (damaged)"
         newest = sorted(p.name for p in save_dir.glob("iter_*") if p.is_dir())
         fix = f"echo {newest[-1]} > {latest}" if newest else "point it at an existing iter_* directory"

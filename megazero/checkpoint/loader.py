@@ -67,19 +67,7 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
     reader.check_model(state.cfg.model, extend_positions=extend_positions)
     engine = state.engine
-    for storage in engine.storages():
-        kinds = storage.checkpoint_kinds() if load_optim and not finetune else ("fp32",)
-        for i, param in enumerate(storage.params):
-            if not storage.weights_always_full and storage.layout.local_piece(i) is None:
-                continue              # stage 3: this rank holds none of it
-            name = canonical_name(param, engine)
-            shard = param_info(param).tp_shard
-            local_shape = tuple(storage.full_shape(i))
-            full_shape = shard.full_shape(local_shape) if shard is not None else local_shape
-            for kind in kinds:
-                full = _fit(reader.full_tensor(name, kind), full_shape, name, reader.path, extend_positions)
-                value = shard.local_from_full(full) if shard is not None else full
-                storage.write_full(param, kind, value.to(storage.device))
+    load_engine_states(engine, reader, load_optim and not finetune, extend_positions)
     _load_buffers(state, reader)
     meta = reader.metadata
     if finetune:
@@ -93,6 +81,26 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     state.iteration = meta["iteration"]
     rng = load_rng and _restore_rng(state, reader)
     return LoadResult(meta["iteration"], meta["consumed_samples"], reader.run_id, rng)
+
+
+def load_engine_states(engine, reader: CheckpointReader, load_optim: bool = True,
+                       extend_positions: bool = False) -> None:
+    """Every parameter piece the engine's storages hold on this rank, from the checkpoint: the fp32
+    master, and with `load_optim` the optimizer states (the storage's checkpoint kinds);
+    `extend_positions`: a smaller learned position table grows (see _fit)."""
+    for storage in engine.storages():
+        kinds = storage.checkpoint_kinds() if load_optim else ("fp32",)
+        for i, param in enumerate(storage.params):
+            if not storage.weights_always_full and storage.layout.local_piece(i) is None:
+                continue              # stage 3: this rank holds none of it
+            name = canonical_name(param, engine)
+            shard = param_info(param).tp_shard
+            local_shape = tuple(storage.full_shape(i))
+            full_shape = shard.full_shape(local_shape) if shard is not None else local_shape
+            for kind in kinds:
+                full = _fit(reader.full_tensor(name, kind), full_shape, name, reader.path, extend_positions)
+                value = shard.local_from_full(full) if shard is not None else full
+                storage.write_full(param, kind, value.to(storage.device))
 
 
 def _load_buffers(state, reader: CheckpointReader) -> None:

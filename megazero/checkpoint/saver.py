@@ -131,14 +131,19 @@ def layout_key(state) -> list:
             state.device.type] + ([topo.cp] if topo.cp > 1 else [])
 
 
-def run_metadata(state, run_id: str, consumed_samples: int, loss: float | None = None) -> dict:
-    """`loss`: the training loss of the iteration saved (None: no step ran in this job)."""
+def loss_fields(loss: float | None) -> dict:
+    """The metadata's record of the iteration's training loss (None: no step ran in this job):
+    retention keeps the newest checkpoint whose loss was finite."""
+    return {"loss": loss if loss is not None and math.isfinite(loss) else None,
+            "loss_finite": None if loss is None else math.isfinite(loss)}
+
+
+def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
     cfg, topo, engine = state.cfg, state.groups.topology, state.engine
     return {
         "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
         "run_id": run_id, "iteration": state.iteration, "consumed_samples": consumed_samples,
-        "loss": loss if loss is not None and math.isfinite(loss) else None,
-        "loss_finite": None if loss is None else math.isfinite(loss), "seed": cfg.seed,
+        **loss_fields(None), "seed": cfg.seed,
         "model": dataclasses.asdict(cfg.model),
         "layout": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp,
                    "virtual_stages": cfg.parallel.virtual_stages, "layer_split": cfg.parallel.layer_split,
@@ -187,8 +192,12 @@ class CheckpointSaver:
     a run without one)."""
 
     def __init__(self, save_dir: str | Path, run_id: str, keep_last: int = 0, async_save: bool = False,
-                 tokenizer: dict | None = None, say=None, warn=None):
+                 tokenizer: dict | None = None, say=None, warn=None, metadata=None):
+        """`metadata(state, run_id, consumed_samples) -> dict`: rank 0's metadata.json (default
+        run_metadata, a pretraining run's; megazero.initialize's engine gives its own), to which
+        `save` adds the iteration's loss; `warn`: rank 0's own warning lines."""
         self.save_dir, self.run_id = Path(save_dir), run_id
+        self.metadata = metadata or run_metadata
         self.keep_last, self.async_save = keep_last, async_save
         self.tokenizer = tokenizer
         self.say = say or (lambda line: None)      # the run's log: a line per committed checkpoint
@@ -201,8 +210,10 @@ class CheckpointSaver:
         self.confirmed = latest_iteration_name(self.save_dir)    # the newest a finite loss followed
         self._retention_due = self._writer = False
 
-    def save(self, state, consumed_samples: int, why: str = "", loss: float | None = None) -> None:
-        """Saves the state after `state.iteration` steps (collective over the layout). Raises SaveError
+    def save(self, state, consumed_samples: int, why: str = "", dir_name: str | None = None,
+             loss: float | None = None) -> None:
+        """Saves the state after `state.iteration` steps (collective over the layout), into the
+        directory `dir_name` (default iter_<iteration>; `latest` names it). Raises SaveError
         on every rank alike when the filesystem has no room for it (before anything is written) or a
         rank fails to write; the previous checkpoint stays as it was either way. `why` (periodic,
         final, ...) goes into the line said once it is committed; `loss`, the iteration's training
@@ -212,7 +223,9 @@ class CheckpointSaver:
         groups, iteration = state.groups, state.iteration
         tensors, index = collect_rank_state(state)
         index["run_id"] = self.run_id
-        metadata = run_metadata(state, self.run_id, consumed_samples, loss) if groups.rank == 0 else None
+        metadata = self.metadata(state, self.run_id, consumed_samples) if groups.rank == 0 else None
+        if metadata is not None:
+            metadata.update(loss_fields(loss))
         if metadata is not None and self.tokenizer is not None:
             metadata["tokenizer"] = {**self.tokenizer, "files": sorted(self.tokenizer["files"])}
         need = self._bytes_to_write(tensors, index, metadata)
@@ -220,7 +233,8 @@ class CheckpointSaver:
         free = free_bytes(self.save_dir) if state.device.type != "meta" else 2**62
         room = agree(RankReport(need, free), groups)
         check_room(room, self.save_dir, iteration)
-        tmp = self.save_dir / temporary_name(self.run_id, iteration_dir_name(iteration))
+        name = dir_name or iteration_dir_name(iteration)
+        tmp = self.save_dir / temporary_name(self.run_id, name)
         code = 0
         if groups.rank == 0:
             try:
@@ -231,7 +245,7 @@ class CheckpointSaver:
         # also the barrier after which the directory exists for everyone
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "create the temporary directory")
-        pending = {"tmp": tmp, "iteration": iteration, "groups": groups, "metadata": metadata, "errno": 0,
+        pending = {"tmp": tmp, "iteration": iteration, "name": name, "groups": groups, "metadata": metadata, "errno": 0,
                    "started": started, "bytes": sum(r.bytes_needed for r in room), "why": why,
                    "written": state.device.type != "meta"}
         if not pending["written"]:
@@ -285,7 +299,7 @@ class CheckpointSaver:
             return
         if "thread" in pending:
             pending["thread"].join()
-        groups, tmp, iteration = pending["groups"], pending["tmp"], pending["iteration"]
+        groups, tmp, iteration, name = pending["groups"], pending["tmp"], pending["iteration"], pending["name"]
         reports = agree(RankReport(errno=pending["errno"]), groups)
         if any(r.errno for r in reports):
             if groups.rank == 0:
@@ -293,7 +307,7 @@ class CheckpointSaver:
             check_written(reports, self.save_dir, iteration, "write its shard of the checkpoint")
         code = 0
         if groups.rank == 0 and pending["written"]:
-            code = self._commit(pending)
+            code = self._commit(tmp, name, pending["metadata"])
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "commit the checkpoint")      # also: committed before anyone goes on
         if not pending["written"]:
@@ -302,8 +316,8 @@ class CheckpointSaver:
         took = time.monotonic() - pending["started"]
         took = f"committed {took:.1f} s after its step" if "thread" in pending else f"{took:.1f} s"
         self.say(f" saved checkpoint{why} of iteration {iteration}: "
-                 f"{self.save_dir / iteration_dir_name(iteration)} ({pending['bytes'] / 2**20:.1f} MiB, {took})")
-        self.committed, self._retention_due, self._writer = iteration_dir_name(iteration), True, groups.rank == 0
+                 f"{self.save_dir / name} ({pending['bytes'] / 2**20:.1f} MiB, {took})")
+        self.committed, self._retention_due, self._writer = name, True, groups.rank == 0
 
     def confirm(self) -> None:
         """A step with a finite loss followed the newest commit (or the run ended as planned): that
@@ -334,14 +348,13 @@ class CheckpointSaver:
                     f"({self.committed} was saved as the run diverged; resume with --load {save})")
         return f"last checkpoint: {save / self.confirmed} (resume with --load {save})"
 
-    def _commit(self, pending: dict) -> int:
+    def _commit(self, tmp: Path, name: str, metadata: dict) -> int:
         """Rank 0: metadata.json, then the directory into place and `latest` at it; 0 or the errno of
         a failure, after which the new directory is gone and `latest` names what it named before."""
-        tmp = pending["tmp"]
-        final = self.save_dir / iteration_dir_name(pending["iteration"])
+        final = self.save_dir / name
         existed = final.exists()
         try:
-            write_json_atomic(tmp / METADATA, merge_rank_indexes(tmp, pending["metadata"]))
+            write_json_atomic(tmp / METADATA, merge_rank_indexes(tmp, metadata))
             commit_directory(tmp, final, self.run_id)    # a replaced directory left over: retention's
             return 0
         except OSError as err:

@@ -52,13 +52,8 @@ def lr_group(name: str) -> int:
 
 
 def zero_groups(groups: ProcessGroups) -> ZeroGroups:
-    """ZeRO's groups from the grid's; the stage-3 gathers' node-local, cross-node and hpZ groups are
-    on the gather communicators (hpZ only where the topology was built with a partition size)."""
-    hpz = groups.hpz if groups.topology.hpz_partition_size > 1 else None
-    return ZeroGroups(dp=groups.dp, shard=groups.mics_shard, replica=groups.mics_replica,
-                      model_parallel=groups.mp, gather=groups.mics_shard_gather,
-                      node_local=groups.shard_node_local, cross_node=groups.shard_cross_node, hpz=hpz,
-                      tensor=groups.tp)
+    """ZeRO's groups from the grid's (ZeroGroups.from_grid)."""
+    return ZeroGroups.from_grid(groups)
 
 
 def experts_apart(topology) -> bool:

@@ -76,7 +76,7 @@ class ZeroEngine(SplitBackward):
                  adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
                  lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None,
-                 muon: MuonConfig | None = None, muon_matrix=None):
+                 muon: MuonConfig | None = None, muon_matrix=None, weight_decay_of=None):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -91,7 +91,10 @@ class ZeroEngine(SplitBackward):
         `expert_groups`: ZeRO's groups for mixture-of-experts weights (their expert-data-parallel
         ranks), `expert_parallel` the group holding the other experts (zero/experts.py); None:
         expert weights are sharded as the others. `muon`: Muon steps the parameters for which
-        `muon_matrix(name, param, shape)` gives a MuonMatrix (megazero.zero.muon), Adam the rest."""
+        `muon_matrix(name, param, shape)` gives a MuonMatrix (megazero.zero.muon), Adam the rest.
+        `weight_decay_of(name, full_shape) -> float`: a parameter's weight decay (default: Megatron's
+        rule, adam.weight_decay on >= 2-D weights only; megazero.initialize gives the user's param
+        groups' values)."""
         precision = precision if precision is not None else PrecisionConfig()
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = Precision.from_config(precision), clip_grad, torch.device(device)
@@ -99,6 +102,7 @@ class ZeroEngine(SplitBackward):
         self.step_count = 0
         self.skipped_steps = 0
         self.counts_in_norm = counts_in_norm
+        self.weight_decay_rule = weight_decay_of
         self.expert_groups, self.expert_parallel = expert_groups, expert_parallel
         expert = (lambda p: is_expert(p)) if expert_groups is not None else _never
         self.grads_ready = False
@@ -149,6 +153,8 @@ class ZeroEngine(SplitBackward):
 
     # --- construction -----------------------------------------------------------------------
     def _weight_decay_of(self, param, full_shape) -> float:
+        if self.weight_decay_rule is not None:
+            return self.weight_decay_rule(self.names[id(param)], tuple(full_shape))
         return self.adam.weight_decay if uses_weight_decay(full_shape) else 0.0
 
     def _unit_storages(self) -> list[UnitStorage]:

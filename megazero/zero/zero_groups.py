@@ -27,6 +27,17 @@ class ZeroGroups:
     # parallelism splits by the whole matrix's norms, as one process would.
     tensor: Group | None = None
 
+    @classmethod
+    def from_grid(cls, groups) -> "ZeroGroups":
+        """ZeRO's groups from the rank grid's (parallel.process_groups.ProcessGroups, read by its
+        attributes): the stage-3 gathers' node-local, cross-node and hpZ groups are on the gather
+        communicators (hpZ only where the topology was built with a partition size)."""
+        hpz = groups.hpz if groups.topology.hpz_partition_size > 1 else None
+        return cls(dp=groups.dp, shard=groups.mics_shard, replica=groups.mics_replica,
+                   model_parallel=groups.mp, gather=groups.mics_shard_gather,
+                   node_local=groups.shard_node_local, cross_node=groups.shard_cross_node, hpz=hpz,
+                   tensor=groups.tp)
+
     @property
     def shard_gather(self) -> Group:
         return self.gather if self.gather is not None else self.shard
