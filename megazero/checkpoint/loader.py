@@ -54,7 +54,8 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     directory, or a save directory whose `latest` names one). `finetune`: weights only, iteration 0."""
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
     reader.check_model(state.cfg.model)
-    load_engine_states(state.engine, reader, load_optim and not finetune)
+    engine = state.engine
+    load_engine_states(engine, reader, load_optim and not finetune)
     _load_buffers(state, reader)
     meta = reader.metadata
     if finetune:
