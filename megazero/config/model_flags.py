@@ -91,6 +91,23 @@ def _recompute(args, pp: int) -> tuple[str, str | None, int]:
     return granularity or "none", args.recompute_method, layers
 
 
+def offloaded_layers(args, chunk_layers: int) -> int:
+    """The layers of each model chunk whose saved activations --cpu-offloading moves to the host (the
+    first ones): --cpu-offloading-num-layers, or all `chunk_layers` of the smallest chunk without it
+    (DeepSpeed's cpu_checkpointing: every checkpoint's input); 0 without --cpu-offloading."""
+    layers = args.cpu_offloading_num_layers
+    if not args.cpu_offloading:
+        if layers is not None:
+            raise UsageError(f"--cpu-offloading-num-layers {layers} needs --cpu-offloading; add it or remove both")
+        return 0
+    if layers is None:
+        return chunk_layers
+    if layers > chunk_layers:
+        raise UsageError(f"--cpu-offloading-num-layers {layers} is more than the {chunk_layers} layers of a "
+                         f"pipeline stage's model chunk; give 1..{chunk_layers}")
+    return layers
+
+
 def compile_backend(args, cuda: bool) -> str | None:
     """The torch.compile backend --compile asks for (None without it), checked to be usable here."""
     if not args.compile:

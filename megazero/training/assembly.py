@@ -11,6 +11,7 @@ import torch
 
 from megazero.config.train_config import TrainConfig
 from megazero.training.model_builder import build_model_chunks, make_init_fn
+from megazero.parallel.activation_offload import ActivationOffload
 from megazero.parallel.finalize import counts_in_norm, summed_across_stages
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
@@ -34,6 +35,7 @@ class TrainState:
     timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
     stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
+    offload: ActivationOffload | None = None   # --cpu-offloading
 
     @property
     def phase_timers(self) -> tuple:
@@ -86,6 +88,11 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
                                 compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type,
                                 moe_dispatcher=par.moe_dispatcher)
     streams = Streams(device)
+    offload = None
+    if par.cpu_offloading_num_layers:     # hooks on the pure chunks, before ZeRO's (they skip parameters)
+        offload = ActivationOffload(device, streams, par.cpu_offloading_num_layers)
+        for chunk in chunks:
+            offload.apply(chunk)
     engine = ZeroEngine(chunks, make_init_fn(cfg.model, cfg.seed), groups=zero_groups(groups), zero=cfg.zero,
                         adam=cfg.optimizer.adam, precision=cfg.precision, clip_grad=cfg.optimizer.clip_grad,
                         device=device, counts_in_norm=lambda p: counts_in_norm(p, groups),
@@ -103,4 +110,5 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu") -> TrainState:
     timers = Timers(device) if cfg.wall_clock_breakdown else None
     threshold = cfg.run.straggler_threshold
     watch = StragglerWatch(threshold, groups.dp.device, groups.log) if threshold > 0 else None
-    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch)
+    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch,
+                      offload=offload)
