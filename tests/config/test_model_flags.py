@@ -9,7 +9,8 @@
 - The flags map as Megatron maps them: --num-query-groups counts only with --group-query-attention
   (which defaults it to 1), --recompute-activations is selective recomputation, full recomputation
   takes a method and a layer count within a pipeline stage, --cross-entropy-loss-fusion and
-  --attention-backend fused on CPU are accepted with a note.
+  --attention-backend fused on CPU are accepted with a note; --cpu-offloading-num-layers counts within
+  a model chunk and needs --cpu-offloading.
 Planted bugs: SequenceParallelNorm without the `+ 1` fails the layernorm-1p tp 2 layout; the
 attention scale 1/sqrt(hidden / heads) instead of 1/sqrt(kv_channels) fails the written-out check.
 """
@@ -134,6 +135,10 @@ def test_recompute_flags_take_megatrons_meaning():
     (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3",
       "--pipeline-model-parallel-size", "2"], "--recompute-num-layers 3 is more than the 2 layers of a pipeline"),
+    (["--cpu-offloading-num-layers", "1"], "--cpu-offloading-num-layers 1 needs --cpu-offloading; add it"),
+    (["--cpu-offloading", "--cpu-offloading-num-layers", "0"], "--cpu-offloading-num-layers must be >= 1"),
+    (["--cpu-offloading", "--cpu-offloading-num-layers", "3", "--num-layers", "4", "--pipeline-model-parallel-size",
+      "2"], "--cpu-offloading-num-layers 3 is more than the 2 layers of a pipeline stage's model chunk"),
     (["--kv-channels", "0"], "--kv-channels must be >= 1"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5 needs --position-embedding-type rope"),
     (["--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1]"),
