@@ -20,7 +20,9 @@ import torch
 from megazero.core.stream_check import StreamOrderError, checking
 from megazero.parallel import activation_offload
 from megazero.parallel.process_groups import ProcessGroups
-from tests.layouts import assemble_params, last_stage_result, layout_worker, run_training, small_config
+from megazero.config.memory_estimate import plan_bytes
+from tests.layouts import (assemble_params, last_stage_result, layout_worker, run_training, small_config,
+                           with_padded_vocab)
 
 STEPS = 3
 FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -66,6 +68,22 @@ def test_offload_is_bitwise_invisible_in_the_loss_curve(dist_pool):
         for result in filter(None, offloaded):
             peak, left = result["host"]
             assert peak > 0 and left == 0, (name, result["coords"], peak, left)
+
+
+@pytest.mark.parametrize("model,rtol", [(FULL_UNIFORM, 0.0), ({}, 0.15)], ids=["checkpoints", "layers"])
+def test_the_planner_counts_what_leaves_the_device(model, rtol):
+    """The planner's host bytes against what the offload held at its peak (a checkpoint's input exactly;
+    a whole layer's saved set by Korthikanti's count), and its device activations fall by as much, less
+    what the two units the backward brings back at a time add beyond the layer above them."""
+    plain = small_config(steps=1, layers=4, global_batch=2, model_extra=model)
+    cfg = _offloaded(small_config(steps=1, layers=4, global_batch=2, model_extra=model), 3)
+    held = {}
+    run_training(cfg, ProcessGroups.single(), on_setup=lambda state: held.update(offload=state.offload))
+    measured = held["offload"].peak_host_bytes
+    before, after = plan_bytes(with_padded_vocab(plain), 1), plan_bytes(cfg, 1)
+    assert after["host_activations"] == pytest.approx(measured, rel=rtol) and before["host_activations"] == 0
+    fall, host, unit = before["activations"] - after["activations"], after["host_activations"], measured / 3
+    assert host - unit <= fall <= host and (fall == host or model != FULL_UNIFORM), (fall, host, unit)
 
 
 def _checked_step(layers: int, **model):
