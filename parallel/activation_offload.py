@@ -47,6 +47,7 @@ class _Group:
         self.index: dict[int, int] = {}     # id of a saved tensor -> its slot (saved twice: one copy)
         self.uses: list[int] = []           # unpacks left per slot: the slot is let go at the last
         self.host: list[torch.Tensor] | None = None
+        self.devices: list[torch.device] = []     # where each came from (and goes back to)
         self.back: list[torch.Tensor] | None = None
         self.stored: Event | None = None
         self.fetched: Event | None = None
@@ -125,7 +126,7 @@ class ActivationOffload:
             self._store(state["last"])
 
     def _pack(self, group: _Group, t: torch.Tensor):
-        if t.device != self.device or _is_parameter(t):
+        if t.device.type != self.device.type or _is_parameter(t):
             return t
         slot = group.index.get(id(t))
         if slot is None:
@@ -140,7 +141,7 @@ class ActivationOffload:
         copy = self.streams.copy
         copy.wait_current()
         with copy:
-            group.host = []
+            group.host, group.devices = [], [t.device for t in group.saved]
             for t in group.saved:
                 host = torch.empty_like(t, device="cpu", pin_memory=self.pin)
                 host.copy_(t, non_blocking=self.pin)
@@ -174,7 +175,8 @@ class ActivationOffload:
             return
         copy = self.streams.copy
         with copy:
-            group.back = [host.to(self.device, non_blocking=self.pin, copy=True) for host in group.host]
+            group.back = [host.to(device, non_blocking=self.pin, copy=True)
+                          for host, device in zip(group.host, group.devices)]
             for t in group.back:
                 copy.keep_alive(t)
         group.fetched = Event(self.device).record(copy)
