@@ -6,7 +6,9 @@
   recomputation (dp 2, every layer's checkpointed input offloaded: DeepSpeed's cpu_checkpointing); the
   host held something, and nothing once each backward was done.
 - Under the stream sanitizer a step runs clean (the copies to the host and back on the copy stream,
-  each ordered by an event), and a fetch the compute stream does not wait for is caught.
+  each ordered by an event; also beside ZeRO-3's gathers with selective recomputation), and a fetch
+  the compute stream does not wait for is caught.
+- The planner's host bytes are what the offload held, and the device's activations fall by them.
 Planted to see them fail: a host copy off by one part in 2^20 fails the bitwise test (the tp 2 x pp 2
 layout's parameters); dropping the compute stream's wait for a fetch (Event.wait a no-op, kept as a test)
 and dropping the copy stream's wait for the forward before the copies to the host (read-after-write on
@@ -86,16 +88,17 @@ def test_the_planner_counts_what_leaves_the_device(model, rtol):
     assert host - unit <= fall <= host and (fall == host or model != FULL_UNIFORM), (fall, host, unit)
 
 
-def _checked_step(layers: int, **model):
-    cfg = _offloaded(small_config(steps=1, layers=3, global_batch=4, model_extra=model), layers)
+def _checked_step(layers: int, stage: int = 0, **model):
+    cfg = _offloaded(small_config(steps=1, layers=3, global_batch=4, stage=stage, model_extra=model), layers)
     with checking() as checker:
         result = run_training(cfg, ProcessGroups.single())
     return result, checker
 
 
-@pytest.mark.parametrize("model", [{}, FULL_UNIFORM], ids=["layers", "checkpoints"])
-def test_a_step_runs_clean_under_the_stream_sanitizer(model):
-    result, checker = _checked_step(2, **model)
+@pytest.mark.parametrize("stage,model", [(0, {}), (0, FULL_UNIFORM), (3, {"recompute_granularity": "selective"})],
+                         ids=["layers", "checkpoints", "zero-3 selective"])
+def test_a_step_runs_clean_under_the_stream_sanitizer(stage, model):
+    result, checker = _checked_step(2, stage, **model)
     assert checker.side_ops > 0 and torch.isfinite(torch.tensor(result["losses"])).all()
 
 
