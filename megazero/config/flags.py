@@ -195,7 +195,7 @@ def _model_flags(p) -> None:
          help="full: layers per group (uniform) or layers recomputed per pipeline stage (block)", shown="none")
     _add(g, "--cpu-offloading", action="store_true",
          help="activation offload: the first --cpu-offloading-num-layers layers of each pipeline stage keep "
-              "their saved activations in host memory between forward and backward (docs/memory.md)")
+              "their saved activations in host memory between forward and backward (docs/flags.md)")
     _add(g, "--cpu-offloading-num-layers", type=int, default=None,
          help="--cpu-offloading: layers offloaded per pipeline stage (model chunk)", shown="all of them")
     _add(g, "--cross-entropy-loss-fusion", action="store_true",
