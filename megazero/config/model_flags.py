@@ -92,16 +92,16 @@ def _recompute(args, pp: int) -> tuple[str, str | None, int]:
 
 
 def offloaded_layers(args, chunk_layers: int) -> int:
-    """The layers of each model chunk whose saved activations --cpu-offloading moves to the host (the
-    first ones): --cpu-offloading-num-layers, or all `chunk_layers` of the smallest chunk without it
-    (DeepSpeed's cpu_checkpointing: every checkpoint's input); 0 without --cpu-offloading."""
+    """The layers of each model chunk whose saved activations go to the host (the first ones). As in
+    Megatron-LM, --cpu-offloading-num-layers N > 0 turns offload on by itself (0, its default: off);
+    --cpu-offloading without a count offloads all `chunk_layers` of the smallest chunk (DeepSpeed's
+    cpu_checkpointing: every checkpoint's input)."""
     layers = args.cpu_offloading_num_layers
-    if not args.cpu_offloading:
-        if layers is not None:
-            raise UsageError(f"--cpu-offloading-num-layers {layers} needs --cpu-offloading; add it or remove both")
-        return 0
     if layers is None:
-        return chunk_layers
+        return chunk_layers if args.cpu_offloading else 0
+    if layers == 0 and args.cpu_offloading:
+        raise UsageError("--cpu-offloading with --cpu-offloading-num-layers 0 offloads nothing; give 1..."
+                         f"{chunk_layers} layers or remove --cpu-offloading")
     if layers > chunk_layers:
         raise UsageError(f"--cpu-offloading-num-layers {layers} is more than the {chunk_layers} layers of a "
                          f"pipeline stage's model chunk; give 1..{chunk_layers}")
