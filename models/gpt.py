@@ -292,7 +292,7 @@ class _Recomputed:
     it do not gather their routing statistics (loads, losses) a second time then."""
 
     def __init__(self, function, layers):
-        self.function, self.calls = function, 0
+        self.function, self.calls, self.layers = function, 0, layers
         self.moe = [layer.mlp for layer in layers if isinstance(layer.mlp, MoELayer)]
 
     def __call__(self, *args):

@@ -38,7 +38,8 @@ LABELS = {"params": "parameters", "grads": "gradients", "master": "fp32 master",
           "optimizer_states": "optimizer states", "activations": "activations",
           "comm_buffers": "buffers (comm, transient)", "host_params": "parameters", "nvme_params": "parameters",
           "host_master": "fp32 master", "host_optimizer_states": "optimizer states", "nvme_master": "fp32 master",
-          "nvme_optimizer_states": "optimizer states", "host_offload_buffers": "offload staging"}
+          "nvme_optimizer_states": "optimizer states", "host_offload_buffers": "offload staging",
+          "host_activations": "activations (offload)"}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -88,7 +88,8 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
 def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
                      weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
                      sequence_parallel: bool = False, with_head: bool = True, ep: int = 1,
-                     kernel: str = "unknown", documents=None, microbatches: int = 1) -> float:
+                     kernel: str = "unknown", documents=None, microbatches: int = 1, offloaded: int = 0,
+                     host: bool = False) -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
     `kernel`: the attention kernel the device runs (config/attention_memory.py); SDPA's math kernel
     adds its (b, heads, s, s) tensors, kept per layer and at one layer's peak.
@@ -98,7 +99,12 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     the written-out attention (--attention-backend local/unfused) keeps. Context parallelism keeps
     seq / cp tokens per rank, plus what its attention saves (`cp_saved_per_layer`). MoE layers add
     config/moe_memory.py's term, spread over the stage's layers in their proportion. `documents`: a
-    DataConfig with document masking on (`document_bytes`), over the step's `microbatches`."""
+    DataConfig with document masking on (`document_bytes`), over the step's `microbatches`.
+
+    Activation offload (--cpu-offloading, the first `offloaded` layers of each chunk): what those
+    layers save (their checkpointed inputs, under full recomputation) leaves the device for every
+    microbatch in flight; the backward brings back two units at a time (the one running, the one
+    fetched ahead), beyond what the layers above them held. `host`: the bytes in host memory instead."""
     m = model_cfg
     tokens, hidden = seq * micro // cp, m.hidden_size
     whole, split = layer_activation_split(m, sequence_parallel and tp > 1)
@@ -126,6 +132,14 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
         per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
     else:
         per_micro = layers * full_layer
+    away, unit = offloaded_per_micro(m, chunk_layers, offloaded, full_layer, kept_input)
+    if host:
+        return away * in_flight
+    if away:
+        # the backward's two units back at a time (the one running, the one fetched ahead) come after
+        # the layers above them let their own go: they add only what exceeds those
+        per_micro -= away
+        workspace += max(0.0, min(2, offloaded) * unit - per_micro)
     head = output_layer_bytes(tokens, m, tp, weight_bytes, in_flight) if with_head else 0.0
     separate = documents is not None and documents.reset_attention_mask
     mask = 0.0 if separate else cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
@@ -156,6 +170,27 @@ def document_bytes(seq: int, micro: int, model_cfg, cp: int, cp_comm_type: str, 
         shared += micro * seq * seq if written_out else 0.0
         shared += local * seq * weight_bytes if cp > 1 and cp_comm_type == "allgather" else 0.0
     return step + forwards * shared
+
+
+def offloaded_per_micro(model_cfg, chunk_layers: list[int], offloaded: int, full_layer: float,
+                        kept_input: float) -> tuple[float, float]:
+    """(bytes, largest unit): what the first `offloaded` layers of each chunk save for one microbatch,
+    and the most one unit (a layer, or a checkpointed group) saves: a recomputed layer its group's
+    input (parallel/activation_offload.py: the checkpoint call is the unit), any other its full set."""
+    m, total, unit = model_cfg, 0.0, 0.0
+    for n in chunk_layers:
+        k = min(offloaded, n)
+        if k == 0:
+            continue
+        if m.recompute_granularity == "full" and m.recompute_method == "uniform":
+            total, unit = total + math.ceil(k / min(m.recompute_num_layers, n)) * kept_input, max(unit, kept_input)
+        elif m.recompute_granularity == "full":
+            recomputed = min(m.recompute_num_layers, k)
+            total += recomputed * kept_input + (k - recomputed) * full_layer
+            unit = max(unit, full_layer if k > recomputed else kept_input)
+        else:
+            total, unit = total + k * full_layer, max(unit, full_layer)
+    return total, unit
 
 
 def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,

@@ -29,7 +29,8 @@ DS_DEFAULT = " (DeepSpeed's default)"    # marks a setting a flag may override w
 # activation_checkpointing keys -> (the value that asks for nothing, why another value has no effect).
 # The block asks for DeepSpeed's (and Megatron-DeepSpeed's) recomputation: each transformer layer keeps
 # its input and is recomputed whole in backward, i.e. --recompute-granularity full --recompute-method
-# uniform --recompute-num-layers 1.
+# uniform --recompute-num-layers 1. cpu_checkpointing moves each checkpoint's input (the only tensor a
+# recomputed layer keeps) to host memory: --cpu-offloading over every layer.
 ACTIVATION_KEYS = {
     "partition_activations": (False, "each layer's saved input is not split across tensor-parallel "
                                      "ranks (--sequence-parallel splits it along the sequence)"),
@@ -37,7 +38,7 @@ ACTIVATION_KEYS = {
     "number_checkpoints": (None, "every transformer layer is a checkpoint"),
     "synchronize_checkpoint_boundary": (False, "recomputation never synchronises the device"),
     "profile": (False, "wall_clock_breakdown times forward and backward"),
-    "cpu_checkpointing": (False, None),       # None: not supported yet (activation offload)
+    "cpu_checkpointing": (False, None),       # None: read below (activation offload)
 }
 MONITOR_KEYS = {"wandb": {"enabled", "project", "team", "group"},
                 "tensorboard": {"enabled", "output_path", "job_name"},
@@ -48,7 +49,7 @@ FLAG_SETTINGS = {"recompute_granularity": "--recompute-granularity", "recompute_
                  "recompute_num_layers": "--recompute-num-layers", "lr_warmup_iters": "--lr-warmup-iters",
                  "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
                  "min_lr": "--min-lr", "wandb_project": "--wandb-project", "wandb_entity": "--wandb-entity",
-                 "tensorboard_dir": "--tensorboard-dir"}
+                 "tensorboard_dir": "--tensorboard-dir", "cpu_offloading": "--cpu-offloading"}
 # Where the monitors write: about the console and the dashboards, not the training, so a flag that
 # says otherwise wins (with a note) instead of contradicting the config.
 COSMETIC_SETTINGS = {"wandb_project", "wandb_entity", "tensorboard_dir"}
@@ -56,7 +57,7 @@ COSMETIC_SETTINGS = {"wandb_project", "wandb_entity", "tensorboard_dir"}
 SAME_SETTING = {"lr_warmup_iters": ("lr_warmup_fraction", "lr_warmup_samples"),
                 "lr_decay_iters": ("lr_decay_samples",)}
 # Parser defaults that are not None: a flag at this value counts as not given.
-FLAG_DEFAULTS = {"lr_decay_style": "cosine"}
+FLAG_DEFAULTS = {"lr_decay_style": "cosine", "cpu_offloading": False}
 
 
 class DeepSpeedSettings(Record):
@@ -235,9 +236,9 @@ def read_activation_checkpointing(block, where: str, settings: DeepSpeedSettings
         if value is None or value == nothing:
             continue
         name = f"activation_checkpointing.{key}"
-        if why is None:
-            raise UsageError(f"{where}: {name} = {as_json(value)} is not supported yet (activation offload); "
-                             f"remove it or set it to {as_json(nothing)}")
+        if key == "cpu_checkpointing":
+            settings.values["cpu_offloading"] = (as_bool(value, name, where), name)
+            continue
         settings.notes.append(f"{where}: {name} = {as_json(value)} has no effect: {why}")
 
 

@@ -77,7 +77,7 @@ FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None,
                "context_parallel_size": (1, True, None, False), "ds_sequence_parallel_size": (1, True, None, False),
                "num_query_groups": (1, True, None, False), "ffn_hidden_size": (0, True, None, False),
                "kv_channels": (1, True, None, False), "rotary_percent": (0, False, 1, True),
-               "recompute_num_layers": (1, True, None, False),
+               "recompute_num_layers": (1, True, None, False), "cpu_offloading_num_layers": (0, True, None, False),
                "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
                "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
                "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
@@ -208,6 +208,12 @@ def _model_flags(p) -> None:
               "--recompute-num-layers layers of each pipeline stage (block)", shown="none")
     _add(g, "--recompute-num-layers", type=int, default=None,
          help="full: layers per group (uniform) or layers recomputed per pipeline stage (block)", shown="none")
+    _add(g, "--cpu-offloading", action="store_true",
+         help="activation offload: the first --cpu-offloading-num-layers layers of each pipeline stage keep "
+              "their saved activations in host memory between forward and backward (docs/flags.md)")
+    _add(g, "--cpu-offloading-num-layers", type=int, default=None,
+         help="activation offload of the first N layers of each pipeline stage (model chunk); N > 0 turns "
+              "it on, as in Megatron-LM", shown="0, or all layers with --cpu-offloading")
     _add(g, "--cross-entropy-loss-fusion", action="store_true",
          help="accepted: the output layer and cross entropy always run fused, chunk by chunk")
     _add(g, "--compile", action="store_true", help="torch.compile each transformer layer")

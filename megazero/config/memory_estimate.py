@@ -65,7 +65,7 @@ MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")   # the en
 # weights, offload_optimizer the fp32 master and Adam moments (a master of their own even in fp32
 # runs) plus host staging for one sub-group's gradients and updated 16-bit weights.
 OFFLOAD_CATEGORIES = ("host_params", "nvme_params", "host_master", "host_optimizer_states", "nvme_master",
-                      "nvme_optimizer_states", "host_offload_buffers")
+                      "nvme_optimizer_states", "host_offload_buffers", "host_activations")
 DEVICE_CATEGORIES = MODEL_STATE_KINDS + ("activations", "comm_buffers")
 CATEGORIES = DEVICE_CATEGORIES + OFFLOAD_CATEGORIES
 
@@ -187,9 +187,11 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches), microbatches=microbatches)
 
 
-def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None) -> float:
-    """The activations of the largest stage; with `device_type`, what its attention kernel allocates."""
+def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None, host: bool = False) -> float:
+    """The activations of the largest stage; with `device_type`, what its attention kernel allocates;
+    `host`: what activation offload keeps in host memory instead."""
     m, par = cfg.model, cfg.parallel
+    away = dict(offloaded=par.cpu_offloading_num_layers, host=host)
     kernel = kernel_for(cfg, device_type)
     data = cfg.data
     documents = data if data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss else None
@@ -221,12 +223,12 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
         return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
                                     r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
                                     par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel,
-                                    documents=documents, microbatches=r.microbatches)
+                                    documents=documents, microbatches=r.microbatches, **away)
                    for n, held, last in stages)
     return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
                             par.tensor_parallel, in_flight, r.weight_bytes, chunks,
                             par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel,
-                            kernel=kernel, documents=documents, microbatches=r.microbatches)
+                            kernel=kernel, documents=documents, microbatches=r.microbatches, **away)
 
 
 def largest_param(model_cfg, tp: int) -> int:
@@ -344,6 +346,7 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
             out["master"], out["optimizer_states"] = 4 * selected, 16 * selected + moments
             offloaded["host_optimizer_states"] += 8 * selected - moments
     out["params"] -= offloaded["host_params"] + offloaded["nvme_params"]
+    offloaded["host_activations"] = _activations(cfg, r, host=True) if cfg.parallel.cpu_offloading_num_layers else 0.0
     return {**out, **offloaded}
 
 

@@ -91,6 +91,30 @@ def _recompute(args, pp: int) -> tuple[str, str | None, int]:
     return granularity or "none", args.recompute_method, layers
 
 
+def offloaded_layers(args, chunk_layers: int) -> int:
+    """The layers of each model chunk whose saved activations go to the host (the first ones). As in
+    Megatron-LM, --cpu-offloading-num-layers N > 0 turns offload on by itself (0, its default: off);
+    --cpu-offloading without a count offloads all `chunk_layers` of the smallest chunk (DeepSpeed's
+    cpu_checkpointing: every checkpoint's input)."""
+    layers = args.cpu_offloading_num_layers
+    if layers is None:
+        return chunk_layers if args.cpu_offloading else 0
+    if layers == 0 and args.cpu_offloading:
+        raise UsageError("--cpu-offloading with --cpu-offloading-num-layers 0 offloads nothing; give 1..."
+                         f"{chunk_layers} layers or remove --cpu-offloading")
+    schedule = getattr(args, "pipeline_schedule", "auto")
+    if (layers or args.cpu_offloading) and schedule in ("zb-h1", "zbv", "interleaved-zb", "dualpipev"):
+        # the split backward reads a layer's saved tensors again in its deferred weight pass, after
+        # the offload has let them go; the two were never run together
+        raise UsageError(f"activation offload (--cpu-offloading) with --pipeline-schedule {schedule} is not "
+                         "supported yet (the deferred weight-gradient pass reads what the offload releases): "
+                         "drop one of them")
+    if layers > chunk_layers:
+        raise UsageError(f"--cpu-offloading-num-layers {layers} is more than the {chunk_layers} layers of a "
+                         f"pipeline stage's model chunk; give 1..{chunk_layers}")
+    return layers
+
+
 def compile_backend(args, cuda: bool) -> str | None:
     """The torch.compile backend --compile asks for (None without it), checked to be usable here."""
     if not args.compile:

@@ -27,6 +27,9 @@ class ParallelConfig(Record):
     """How attention sees the whole sequence under context parallelism: ring attention (p2p),
     Ulysses all-to-all over heads (a2a) or all-gathered keys and values (allgather)."""
     virtual_stages: int = 1                      # interleaved pipeline: model chunks per stage
+    cpu_offloading_num_layers: int = 0
+    """Activation offload (--cpu-offloading): the first N transformer layers of each model chunk keep
+    their saved activations in host memory between forward and backward (parallel/activation_offload.py)."""
     layer_split: Optional[list[int]] = None      # uneven pipeline split: layers per chunk
     schedule: Literal["auto", "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "interleaved-zb", "dualpipev"] = "auto"
     overlap_p2p_comm: bool = False               # 1F1B/interleaved: p2p transfers move during compute

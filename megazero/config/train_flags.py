@@ -23,7 +23,7 @@ from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_prob
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
 from megazero.config import batch_flags
 from megazero.config.checkpoint_flags import checkpoint_config
-from megazero.config.model_flags import check_attention_precision, compile_backend, model_config
+from megazero.config.model_flags import check_attention_precision, compile_backend, model_config, offloaded_layers
 from megazero.config.moe_flags import expert_parallel_size
 from megazero.config.muon_flags import check_muon, muon_config
 from megazero.config.monitor_flags import monitor_config
@@ -205,6 +205,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     if args.deepspeed:
         notes.append("--deepspeed has no effect: megazero's own ZeRO engine always runs (its settings "
                      "come from --deepspeed_config / --zero-config)")
+    chunk_layers = min(args.pipeline_layer_split or [model.num_layers // (topology.pp * virtual)])
     return TrainConfig(
         model=model, zero=zero, optimizer=optimizer, data=data,
         parallel=ParallelConfig(tensor_parallel=topology.tp, pipeline_parallel=topology.pp,
@@ -212,6 +213,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                                 context_parallel=cp, cp_comm_type=cp_comm_type, expert_parallel=topology.ep,
                                 expert_tensor_parallel=topology.etp,
                                 moe_dispatcher=args.moe_token_dispatcher_type, virtual_stages=virtual, layer_split=args.pipeline_layer_split,
+                                cpu_offloading_num_layers=offloaded_layers(args, chunk_layers),
                                 schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
                                 distributed_backend=backend, overlap_p2p_comm=args.overlap_p2p_communication,
                                 timeout_minutes=args.distributed_timeout_minutes,

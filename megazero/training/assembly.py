@@ -12,6 +12,7 @@ import torch
 from megazero.config.train_config import TrainConfig
 from megazero.training.model_builder import build_model_chunks, make_init_fn
 from megazero.training.muon_matrices import muon_matrix_of
+from megazero.parallel.activation_offload import ActivationOffload
 from megazero.parallel.finalize import counts_in_norm, summed_across_stages
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.pipeline.p2p import PipelineP2P
@@ -40,6 +41,7 @@ class TrainState:
     stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
     documents: DocumentMasking | None = None   # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
     phases: Phases = dataclasses.field(default_factory=Phases)   # who hears the run's phases
+    offload: ActivationOffload | None = None   # --cpu-offloading
 
 
 # Megatron's is_embedding_or_output_parameter: the parameters --decoupled-lr gives their own rate.
@@ -102,6 +104,11 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None
                                     compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type,
                                     moe_dispatcher=par.moe_dispatcher, v_shape=par.schedule in V_SHAPED)
     streams = Streams(device)
+    offload = None
+    if par.cpu_offloading_num_layers:     # hooks on the pure chunks, before ZeRO's (they skip parameters)
+        offload = ActivationOffload(device, streams, par.cpu_offloading_num_layers)
+        for chunk in chunks:
+            offload.apply(chunk)
     engine = ZeroEngine(chunks, _in_phase(phases, "initial value", make_init_fn(cfg.model, cfg.seed)),
                         groups=zero_groups(groups), zero=cfg.zero,
                         adam=cfg.optimizer.adam, precision=cfg.precision, clip_grad=cfg.optimizer.clip_grad,
@@ -119,7 +126,7 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None
         p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
                           engine.precision.param_dtype, device)
     return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch,
-                      documents=documents, phases=phases)
+                      documents=documents, phases=phases, offload=offload)
 
 
 def _in_phase(phases: Phases, name: str, fn):

@@ -185,8 +185,7 @@ def test_schedulers_become_the_lr_schedule(tmp_path, scheduler, flags, expected)
      "unknown key 'total_num_steps' in {path}: scheduler.params"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.5}}}, ["--lr", "0.1"],
      "gives a final learning rate 0.5 above the peak 0.1"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}}, [],
-     "activation_checkpointing.cpu_checkpointing = true is not supported yet"),
+    ({"activation_checkpointing": {"cpu_checkpointing": "yes"}}, [], "cpu_checkpointing"),
     ({"activation_checkpointing": {"partition_activation": True}}, [], "did you mean 'partition_activations'"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, [],
      "offload_optimizer needs ZeRO stage 1-3"),
@@ -248,6 +247,18 @@ def test_activation_checkpointing_turns_recomputation_on(tmp_path):
     message = _error(lambda: _config(tmp_path, ACTIVATION, "--recompute-granularity", "selective"))
     assert message == (f"--recompute-granularity selective contradicts activation_checkpointing = \"full\" in "
                        f"{tmp_path / 'ds.json'}; remove one")
+
+
+def test_cpu_checkpointing_offloads_every_checkpointed_input(tmp_path):
+    """DeepSpeed's cpu_checkpointing: each checkpoint's input (every layer's, the block recomputing
+    each layer whole) kept in host memory, i.e. --cpu-offloading over all layers of a stage."""
+    offloaded = {**ACTIVATION, "activation_checkpointing": {**ACTIVATION["activation_checkpointing"],
+                                                            "cpu_checkpointing": True}}
+    cfg = _config(tmp_path, offloaded, "--num-layers", "4")
+    assert cfg.model.recompute_granularity == "full" and cfg.parallel.cpu_offloading_num_layers == 4
+    assert _config(tmp_path, ACTIVATION).parallel.cpu_offloading_num_layers == 0
+    assert _config(tmp_path, offloaded, "--cpu-offloading").parallel.cpu_offloading_num_layers > 0
+    assert _config(tmp_path, offloaded, "--cpu-offloading-num-layers", "1").parallel.cpu_offloading_num_layers == 1
 
 
 def test_monitors_map_onto_the_monitor_flags():

@@ -9,7 +9,9 @@
 - The flags map as Megatron maps them: --num-query-groups counts only with --group-query-attention
   (which defaults it to 1), --recompute-activations is selective recomputation, full recomputation
   takes a method and a layer count within a pipeline stage, --cross-entropy-loss-fusion and
-  --attention-backend fused on CPU are accepted with a note.
+  --attention-backend fused on CPU are accepted with a note; --cpu-offloading-num-layers N > 0 turns
+  activation offload on by itself (Megatron's validate_args), counts within a model chunk, and
+  --cpu-offloading alone offloads every layer.
 Planted bugs: SequenceParallelNorm without the `+ 1` fails the layernorm-1p tp 2 layout; the
 attention scale 1/sqrt(hidden / heads) instead of 1/sqrt(kv_channels) fails the written-out check.
 """
@@ -117,6 +119,17 @@ def test_query_groups_take_megatrons_meaning():
                      "grouped-query attention"]
 
 
+def test_cpu_offloading_flags_take_megatrons_meaning():
+    offloaded = lambda *flags: config_from_args(parse_args(["--num-layers", "4", *flags]), world_size=2  # noqa: E731
+                                                ).parallel.cpu_offloading_num_layers
+    assert offloaded() == offloaded("--cpu-offloading-num-layers", "0") == 0
+    assert offloaded("--cpu-offloading-num-layers", "3") == 3 and offloaded("--cpu-offloading") == 4
+    assert offloaded("--cpu-offloading", "--pipeline-model-parallel-size", "2") == 2
+    with pytest.raises(UsageError, match="--pipeline-schedule zb-h1 is not supported yet"):
+        offloaded("--cpu-offloading-num-layers", "1", "--pipeline-model-parallel-size", "2",
+                  "--pipeline-schedule", "zb-h1", "--global-batch-size", "8")
+
+
 def test_recompute_flags_take_megatrons_meaning():
     model, _ = _model_config("--recompute-activations")
     assert (model.recompute_granularity, model.recompute_method) == ("selective", None)
@@ -134,6 +147,11 @@ def test_recompute_flags_take_megatrons_meaning():
     (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations is selective"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3",
       "--pipeline-model-parallel-size", "2"], "--recompute-num-layers 3 is more than the 2 layers of a pipeline"),
+    (["--cpu-offloading-num-layers", "-1"], "--cpu-offloading-num-layers must be >= 0"),
+    (["--cpu-offloading", "--cpu-offloading-num-layers", "0"], "--cpu-offloading with --cpu-offloading-num-layers 0 "
+     "offloads nothing"),
+    (["--cpu-offloading", "--cpu-offloading-num-layers", "3", "--num-layers", "4", "--pipeline-model-parallel-size",
+      "2"], "--cpu-offloading-num-layers 3 is more than the 2 layers of a pipeline stage's model chunk"),
     (["--kv-channels", "0"], "--kv-channels must be >= 1"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5 needs --position-embedding-type rope"),
     (["--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1]"),
