@@ -2,7 +2,7 @@
 
     python tools/convert_checkpoint.py consolidate --load runs/ckpt --output out/model [--with-optimizer]
     python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama|mixtral|qwen2_moe]
-                                             [--without-tokenizer]
+                                             [--without-tokenizer] [--overwrite]
     python tools/convert_checkpoint.py import-hf --input path/to/hf_model --save runs/imported
 
 `consolidate` writes the full fp32 model of a sharded checkpoint (any layout) as
@@ -17,7 +17,8 @@ refused, naming the option. The run's tokenizer (which every checkpoint keeps) g
 form transformers loads (megazero/data/tokenizer_export.py), its bos/eos/pad ids in config.json and
 generation_config.json, so `AutoTokenizer`, `generate` and `pipeline("text-generation")` work from
 the folder alone; a checkpoint without a tokenizer, or one transformers cannot load exactly, is
-refused unless --without-tokenizer asks for the weights alone. `import-hf` reads such a directory
+refused unless --without-tokenizer asks for the weights alone. A non-empty output folder is refused
+unless --overwrite (files of the names export-hf writes are replaced, others stay). `import-hf` reads such a directory
 (local files only; safetensors, one file or sharded with its index) into a one-rank megazero
 checkpoint that `--load`/`--finetune` accept at any layout, with the folder's tokenizer (tokenizer.json,
 a sentencepiece tokenizer.model, or GPT-2's vocab.json + merges.txt) kept as the checkpoint's. Names,
@@ -64,9 +65,16 @@ def checkpoint_tokenizer(reader: CheckpointReader, without: bool = False) -> HFT
         raise UsageError(f"export-hf {reader.path}: {err}") from None
 
 
-def export_hf(load, output, fmt: str = "auto", without_tokenizer: bool = False) -> dict:
+def export_hf(load, output, fmt: str = "auto", without_tokenizer: bool = False, overwrite: bool = False) -> dict:
     """Writes the checkpoint at `load` in a Hugging Face format, with its tokenizer; returns the
-    format, the tensor count and the tokenizer's type (None without one)."""
+    format, the tensor count and the tokenizer's type (None without one). A non-empty `output` is
+    refused unless `overwrite` (its files of the same names are then replaced, others left)."""
+    out = Path(output)
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        names = sorted(p.name for p in out.iterdir())
+        raise UsageError(f"export-hf --output {out}: the folder is not empty ({', '.join(names[:3])}"
+                         f"{', ...' if len(names) > 3 else ''}); choose a new or empty folder, or pass "
+                         f"--overwrite to replace the files export-hf writes there")
     reader = CheckpointReader(load)
     config = GPTConfig(**reader.metadata["model"])
 
@@ -75,7 +83,6 @@ def export_hf(load, output, fmt: str = "auto", without_tokenizer: bool = False) 
         reader.close()                 # files are memory-mapped: keep only what was read
         return tensor
 
-    out = Path(output)
     try:
         fmt = hf_adapter.choose_format(config, fmt)
         check_writable_dir(out, f"--output {out}", "choose a writable directory")
@@ -176,6 +183,8 @@ def parse_args(argv=None):
     e.add_argument("--output", required=True, help="directory for config.json and model.safetensors")
     e.add_argument("--format", default="auto", choices=["auto", *hf_adapter.FORMATS],
                    help="target format; auto: gpt2 for learned positions, qwen2_moe for rope with experts and a shared expert, mixtral for rope with experts, llama for rope")
+    e.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --output folder, replacing the files of the same names")
     e.add_argument("--without-tokenizer", action="store_true",
                    help="export the weights alone, without the checkpoint's tokenizer")
     i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model as a megazero checkpoint")
@@ -187,7 +196,7 @@ def parse_args(argv=None):
 def run(args) -> str:
     """Runs one subcommand; returns what it wrote, in words."""
     if args.command == "export-hf":
-        written = export_hf(args.load, args.output, args.format, args.without_tokenizer)
+        written = export_hf(args.load, args.output, args.format, args.without_tokenizer, args.overwrite)
         tokenizer = f" and its {written['tokenizer']}" if written["tokenizer"] else " (no tokenizer)"
         return (f"wrote {written['format']} config.json and model.safetensors "
                 f"({written['tensors']} tensors){tokenizer} to {args.output}")

@@ -10,8 +10,9 @@ is encoded with the tokenizer the checkpoint keeps (or given as ids with --promp
 the model once over the prompt and then one position per token against a key/value cache
 (megazero/models/generation.py). --temperature 0 (the default) is greedy: the ids equal transformers'
 greedy `generate` on the folder `convert_checkpoint.py export-hf` writes. Generation stops at the
-tokenizer's end-of-document id (included in `ids`) or after --max-new-tokens; `ids` and `text` are the
-continuation only.
+tokenizer's end-of-document id (included in `ids`) or after --max-new-tokens, or, with learned
+positions, where the position table ends (a line on stderr and `note` in the JSON say so); `ids` and
+`text` are the continuation only.
 """
 from __future__ import annotations
 
@@ -97,9 +98,15 @@ def run(args) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     ids = generate(model, prompt, args.max_new_tokens, stop=tokenizer.eod if tokenizer else None,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=generator)
-    shown = ids[:-1] if tokenizer is not None and ids and ids[-1] == tokenizer.eod else ids
+    ended = tokenizer is not None and ids and ids[-1] == tokenizer.eod
+    shown = ids[:-1] if ended else ids
     text = tokenizer.decode(shown) if tokenizer is not None else None
-    return {"prompt_ids": list(prompt), "ids": ids, "text": text}
+    note = None
+    if not ended and len(ids) < args.max_new_tokens:        # generate() stops only at the table's end
+        note = (f"stopped at the model's position limit: {len(ids)} of --max-new-tokens {args.max_new_tokens} "
+                f"new tokens (the prompt's {len(prompt)} tokens and the continuation use all {positions} "
+                f"learned positions)")
+    return {"prompt_ids": list(prompt), "ids": ids, "text": text, "note": note}
 
 
 def main(argv=None) -> int:
@@ -109,6 +116,8 @@ def main(argv=None) -> int:
     except (UsageError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if out["note"]:
+        print(f"note: {out['note']}", file=sys.stderr)
     if args.json:
         print(json.dumps(out))
     else:

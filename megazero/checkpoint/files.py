@@ -1,6 +1,7 @@
 """The checkpoint directory on disk: names, atomic writes, checksums, `latest`.
 
     SAVE_DIR/
+      .lock                        while a job writes here: its lock (megazero.core.writer_lock)
       latest                       the newest complete iteration directory's name, one line
       iter_0000100/
         metadata.json              run, model, layout, iteration, consumed samples, lr schedule, and
@@ -8,9 +9,11 @@
         rank_00003.safetensors     rank 3's tensors (no pickle anywhere); its header names run and rank
         tokenizer/                 the files that rebuild the run's tokenizer (metadata.json says which)
 
-A save writes into a hidden temporary directory beside the final one, fsyncs every file and the
-directory, then renames it into place and replaces `latest` the same way: a process killed at any
-moment leaves the previous checkpoint loadable and `latest` pointing at it. Every file gets the mode
+A save writes into a hidden temporary directory beside the final one (`.tmp-<run id>-iter_...`),
+fsyncs every file and the directory, then renames it into place and replaces `latest` the same way:
+a process killed at any moment leaves the previous checkpoint loadable and `latest` pointing at it,
+and at most `.tmp-*` leftovers, which the next job that holds the folder's lock removes
+(retention.py). Every file gets the mode
 the user's umask gives a new file (0644 by default), whatever the library that wrote it chose.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megazero.core.errors import UsageError
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
+LOCK = ".lock"
 TMP_PREFIX = ".tmp-"
 TOKENIZER_DIR = "tokenizer"
 
@@ -35,6 +39,12 @@ class CheckpointError(UsageError):
 
 def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+def temporary_name(run_id: str, name: str) -> str:
+    """The hidden name `name` is written under before it is committed: it carries the run id, so
+    that no two runs ever share one, and the next owner of the folder knows it for a leftover."""
+    return f"{TMP_PREFIX}{run_id}-{name}"
 
 
 def rank_file_names(rank: int) -> tuple[str, str]:
@@ -135,27 +145,34 @@ def complete_iteration_dirs(save_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: p.name)
 
 
-def commit_directory(tmp: Path, final: Path) -> None:
+def commit_directory(tmp: Path, final: Path, run_id: str) -> str | None:
     """Renames a fully written temporary directory into place (replacing an older one of the same
-    iteration only after the new one is complete), then points `latest` at it."""
+    iteration only after the new one is complete), then points `latest` at it. Returns why the
+    replaced directory could not be removed (it stays as a `.tmp-*` leftover), else None."""
     fsync_path(tmp)
     trash = None
     if final.exists():
-        trash = final.with_name(f"{TMP_PREFIX}old-{final.name}")
-        shutil.rmtree(trash, ignore_errors=True)
+        trash = final.with_name(temporary_name(run_id, f"old-{final.name}"))
+        remove_tree(trash)
         os.replace(final, trash)
     os.replace(tmp, final)
     fsync_path(final.parent)
     write_file_atomic(final.parent / LATEST, (final.name + "\n").encode())
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    return remove_tree(trash) if trash is not None else None
 
 
-def remove_old(save_dir: Path, keep_last: int) -> list[Path]:
-    """Deletes complete checkpoints beyond the newest `keep_last` (0 keeps all); returns them."""
-    if keep_last <= 0:
-        return []
-    old = complete_iteration_dirs(save_dir)[:-keep_last]
-    for path in old:
-        shutil.rmtree(path, ignore_errors=True)
-    return old
+def remove_tree(path: Path) -> str | None:
+    """Removes a file or directory tree (gone already is fine); returns why a part of it could not be
+    removed ("Permission denied: <file>"), else None."""
+    failures = []
+
+    def failed(function, name, info):
+        failures.append(f"{info[1].strerror or info[1]}: {name}")
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, onerror=failed)
+    else:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as err:
+            failures.append(f"{err.strerror}: {path}")
+    return failures[0] if failures else None

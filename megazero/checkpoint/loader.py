@@ -7,9 +7,12 @@ weights). Adam moments load into whatever dtype this run keeps them in, whatever
 a bf16 moment into an fp32 one exactly, an fp32 moment into a bf16 one rounded to nearest even (the
 rounding a step stores with), so fp32 -> bf16 -> fp32 loses what bf16 cannot hold and
 bf16 -> fp32 -> bf16 is bitwise. One parameter at a time, no communication: every layout reads
-every other. Vocabulary padding (it depends on the TP degree) is cut or zero-filled. The model's buffers (the routers'
-expert biases) are set from the checkpoint, by name, whatever layout saved them. The loss scaler, Adam's step count and,
-for the same rank of the same layout on the same device type, the RNG states follow.
+every other. Vocabulary padding of the word embedding and output head (it depends on the TP
+degree) is cut or zero-filled; no other tensor may change shape, but for the learned position table
+grown on purpose (--extend-position-embeddings: row p starts from the saved row p mod its rows, Adam
+moments alike). The model's buffers (the routers' expert biases) are set from the checkpoint, by
+name, whatever layout saved them. The loss scaler, Adam's step count and, for the same rank of the
+same layout on the same device type, the RNG states follow.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import dataclasses
 import torch
 
 from .files import CheckpointError
-from .reader import CheckpointReader
+from .reader import POSITION_TABLE, CheckpointReader
 from .saver import canonical_name, layout_key
 from megazero.models.param_info import param_info
 
@@ -31,12 +34,20 @@ class LoadResult:
     rng_restored: bool
 
 
-def _fit(full: torch.Tensor, shape: tuple[int, ...], name: str, where) -> torch.Tensor:
+# The tensors whose rows are the padded vocabulary (padding depends on the TP degree).
+VOCAB_PADDED = ("embedding.word.weight", "output_head.weight")
+
+
+def _fit(full: torch.Tensor, shape: tuple[int, ...], name: str, where, extend_positions: bool = False) -> torch.Tensor:
     """The saved value in the target's full shape: equal, or differing only in vocabulary padding
-    rows (dimension 0 of the embedding and output head), which are zero."""
+    rows (dimension 0 of the embedding and output head), which are zero, or a position table grown
+    by `extend_positions` (its rows repeated)."""
     if tuple(full.shape) == tuple(shape):
         return full
-    if full.dim() == len(shape) and tuple(full.shape[1:]) == tuple(shape[1:]):
+    same_rows = full.dim() == len(shape) and tuple(full.shape[1:]) == tuple(shape[1:])
+    if same_rows and name == POSITION_TABLE and extend_positions and shape[0] > full.shape[0]:
+        return full[torch.arange(shape[0]) % full.shape[0]]
+    if same_rows and name in VOCAB_PADDED:
         out = torch.zeros(shape, dtype=full.dtype)
         rows = min(shape[0], full.shape[0])
         if full[rows:].abs().sum() != 0:
@@ -49,13 +60,14 @@ def _fit(full: torch.Tensor, shape: tuple[int, ...], name: str, where) -> torch.
 
 
 def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = True,
-                    finetune: bool = False) -> LoadResult:
+                    finetune: bool = False, extend_positions: bool = False) -> LoadResult:
     """Fills `state` (from megazero.training.setup) from the checkpoint at `path` (an iter_*
-    directory, or a save directory whose `latest` names one). `finetune`: weights only, iteration 0."""
+    directory, or a save directory whose `latest` names one). `finetune`: weights only, iteration 0;
+    `extend_positions`: a smaller learned position table grows (--extend-position-embeddings)."""
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
-    reader.check_model(state.cfg.model)
+    reader.check_model(state.cfg.model, extend_positions=extend_positions)
     engine = state.engine
-    load_engine_states(engine, reader, load_optim and not finetune)
+    load_engine_states(engine, reader, load_optim and not finetune, extend_positions)
     _load_buffers(state, reader)
     meta = reader.metadata
     if finetune:
@@ -71,9 +83,11 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
     return LoadResult(meta["iteration"], meta["consumed_samples"], reader.run_id, rng)
 
 
-def load_engine_states(engine, reader: CheckpointReader, load_optim: bool = True) -> None:
+def load_engine_states(engine, reader: CheckpointReader, load_optim: bool = True,
+                       extend_positions: bool = False) -> None:
     """Every parameter piece the engine's storages hold on this rank, from the checkpoint: the fp32
-    master, and with `load_optim` the optimizer states (the storage's checkpoint kinds)."""
+    master, and with `load_optim` the optimizer states (the storage's checkpoint kinds);
+    `extend_positions`: a smaller learned position table grows (see _fit)."""
     for storage in engine.storages():
         kinds = storage.checkpoint_kinds() if load_optim else ("fp32",)
         for i, param in enumerate(storage.params):
@@ -84,7 +98,7 @@ def load_engine_states(engine, reader: CheckpointReader, load_optim: bool = True
             local_shape = tuple(storage.full_shape(i))
             full_shape = shard.full_shape(local_shape) if shard is not None else local_shape
             for kind in kinds:
-                full = _fit(reader.full_tensor(name, kind), full_shape, name, reader.path)
+                full = _fit(reader.full_tensor(name, kind), full_shape, name, reader.path, extend_positions)
                 value = shard.local_from_full(full) if shard is not None else full
                 storage.write_full(param, kind, value.to(storage.device))
 

@@ -1,7 +1,8 @@
 """Reading a checkpoint written by any layout, one whole parameter at a time.
 
 `CheckpointReader(dir)` checks what can be checked without reading tensors (metadata present and of
-this format, every rank file present with the size its index records, indexes of the same run) and
+this format, its iteration that of the directory's name and of the optimizer's step counts, every
+rank file present with the size its index records, indexes of the same run) and
 then assembles any parameter's full fp32 value of a kind ("fp32", "exp_avg", "exp_avg_sq") from the
 pieces the saving ranks wrote: each TP rank's flat (TP-local) value from its ZeRO pieces, then the
 full tensor from the TP ranks (`TPShard.full_from_locals`). Only the files holding pieces of that
@@ -11,6 +12,7 @@ rank ever holds more than one parameter of the checkpoint. Nothing here runs pic
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -39,6 +41,10 @@ ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention
                        "activation", "gelu_approximate", "normalization", "norm_epsilon",
                        "apply_layernorm_1p", "rotary_base", "rotary_percent", "tie_embeddings",
                        "add_bias_linear", "add_qkv_bias")
+# The learned position table's rows (max_position_embeddings, by default --seq-length): compared when
+# both models learn positions (rotary ones have no table), and only ever grown on purpose.
+POSITION_TABLE = "embedding.position.weight"
+EXTEND_RULE = "position p starts from the checkpoint's row p mod {rows}"
 
 
 def resolve(path: str | Path) -> Path:
@@ -63,6 +69,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path / METADATA}: format version {version!r}, this megazero "
                                   f"reads {FORMAT_VERSION}")
         self.run_id = self.metadata["run_id"]
+        self._check_iteration()
         self.indexes = self.metadata["ranks"]
         self._open: dict[int, object] = {}          # rank -> open safetensors file
         for rank, data_name in enumerate(self.metadata["rank_files"]):
@@ -74,6 +81,24 @@ class CheckpointReader:
                 self.where.setdefault(name, []).append((index["rank"], entry))
             for name, entry in index.get("buffers", {}).items():
                 self.buffers.setdefault(name, (index["rank"], entry))
+
+    def _check_iteration(self) -> None:
+        """The iteration metadata.json records is its directory's (iter_N) and the one the optimizer's
+        step counts give (steps applied and skipped since the iteration its state began at): an
+        edited iteration would resume the lr schedule and the data elsewhere than the weights are."""
+        where, iteration = self.path / METADATA, self.metadata.get("iteration")
+        named = re.fullmatch(r"iter_(\d+)", self.path.name)
+        if named and int(named.group(1)) != iteration:
+            raise CheckpointError(f"{where}: iteration {iteration}, but its directory is {self.path.name}; "
+                                  f"the metadata was edited or the directory renamed: restore it")
+        engine = self.metadata.get("engine") or {}
+        steps, skipped = engine.get("step_count", 0), engine.get("skipped_steps", 0)
+        first = engine.get("first_iteration")
+        if not isinstance(iteration, int) or (first + steps + skipped != iteration if first is not None
+                                              else steps + skipped > iteration):
+            since = f" since iteration {first}" if first is not None else ""
+            raise CheckpointError(f"{where}: iteration {iteration} does not match the optimizer's {steps} "
+                                  f"steps and {skipped} skipped{since}; the metadata was edited: restore it")
 
     def _check_rank_file(self, rank: int, data_name: str) -> None:
         """Present, of the recorded size, and (its own header says) of this run and rank."""
@@ -164,15 +189,18 @@ class CheckpointReader:
         """RNG state `key` ("cpu", "cuda", "tracker/<stream>") of the saving rank `rank`."""
         return self._read(rank, f"rng/{key}", self.indexes[rank]["rng"][key])
 
-    def check_model(self, model_config, where: str = "--load") -> None:
+    def check_model(self, model_config, where: str = "--load", extend_positions: bool = False) -> None:
         """Refuses a checkpoint of another model shape, naming every differing setting at once by the
-        flags that give it (the checkpoint's and this run's), and the flags to pass for it."""
+        flags that give it (the checkpoint's and this run's), and the flags to pass for it; a learned
+        position table of another size too, unless `extend_positions` grows a smaller one
+        (--extend-position-embeddings, by EXTEND_RULE)."""
         saved = self.metadata["model"]
         ours = {f: getattr(model_config, f, None) for f in saved}
         # a width both models derive from the others (no flag gave it) follows once those are passed
         differing = [f for f in ARCHITECTURE_FIELDS if f in saved and saved[f] != ours[f]
                      and not (saved[f] == _derived(f, saved) and ours[f] == _derived(f, ours))]
         if not differing:
+            self._check_positions(model_config, where, extend_positions)    # the table's rows, last
             return
         record = self.metadata.get("tokenizer")
         shown, wanted = [], []
@@ -192,6 +220,20 @@ class CheckpointReader:
         fix = " and ".join(([f"pass {add}"] if add else []) + ([f"leave out {drop}"] if drop else []))
         raise CheckpointError(f"{where} {self.path}: the saved model differs from this run's in {count}: "
                               f"{'; '.join(shown)}; {fix} (or load a checkpoint of this model)")
+
+    def _check_positions(self, model_config, where: str, extend: bool) -> None:
+        saved = self.metadata["model"]
+        rows, mine = saved.get("max_position_embeddings"), model_config.max_position_embeddings
+        learned = saved.get("position_embedding") == model_config.position_embedding == "learned"
+        if not learned or rows in (None, mine) or (extend and mine > rows):
+            return
+        head = (f"{where} {self.path}: the checkpoint's learned position table has {rows} rows, this run's "
+                f"{mine} (--max-position-embeddings, else --seq-length)")
+        if mine < rows:
+            raise CheckpointError(f"{head}; pass --max-position-embeddings {rows} (a --seq-length up to {rows} "
+                                  f"uses its first rows)")
+        raise CheckpointError(f"{head}; pass --max-position-embeddings {rows} with a --seq-length up to {rows}, "
+                              f"or --extend-position-embeddings to grow the table ({EXTEND_RULE.format(rows=rows)})")
 
 
 def _derived(field: str, model: dict):

@@ -3,8 +3,16 @@ exists, then loading and the save policy once the model is set up.
 
     --save D --load D     the resume idiom: with no checkpoint in D yet the run starts from scratch
                           (one line says so); a --load directory that does not exist otherwise fails
-    --save D              refuses a D holding another run's checkpoints (never mixes runs)
+    --save D              refuses a D holding another run's checkpoints (never mixes runs), and a D
+                          another job is writing (its lock, taken here by rank 0 for the whole job:
+                          the refusal names that job; megazero.core.writer_lock); the lock's owner
+                          then removes the `.tmp-*` leftovers of interrupted saves (retention.py)
     --finetune            weights only: iteration 0, fresh optimizer, a new run
+
+A resume refuses another model (reader.check_model: every architecture field, and the learned
+position table's rows unless --extend-position-embeddings grows it). A different --seed is accepted
+with a line, as Megatron-LM accepts it (silently there): the RNG states still come from the
+checkpoint where the layout allows, but the sample order from here on follows the new seed.
 
 The lr schedule on resume follows Megatron-LM: the checkpoint's schedule (peak and final lr, warmup,
 decay iterations and style, weight decay) must equal the flags' unless --override-opt_param-scheduler
@@ -18,15 +26,14 @@ import dataclasses
 import uuid
 from pathlib import Path
 
-import torch
-
-from megazero.core import comm, host_read
 from megazero.config.train_config import CheckpointConfig, OptimizerConfig
 from megazero.core.errors import UsageError, check_writable_dir
-from .files import METADATA, latest_iteration_dir, read_json
+from megazero.core.writer_lock import FolderLock
+from .files import LOCK, METADATA, latest_iteration_dir, read_json
 from .loader import load_checkpoint
 from .policy import SavePolicy
 from .reader import CheckpointReader
+from .retention import remove_leftovers
 from .saver import CheckpointSaver
 
 
@@ -37,10 +44,19 @@ def _has_checkpoint(path: Path) -> bool:
 @dataclasses.dataclass
 class Resume:
     """What --load and --save found before any process group: the checkpoint to load (or None), lines
-    to print once the run logs, and the optimizer settings (the lr schedule may be the checkpoint's)."""
+    to print once the run logs, the optimizer settings (the lr schedule may be the checkpoint's), the
+    run id this rank proposes (the checkpoint's on a resume, else a new one: rank 0's becomes the
+    run's), and what only the writing rank holds and says: its folder locks, and what it removed."""
     reader: CheckpointReader | None
     notices: list[str]
     optimizer: OptimizerConfig
+    run_id: str = ""
+    locks: list[FolderLock] = dataclasses.field(default_factory=list)
+    writer_lines: list[str] = dataclasses.field(default_factory=list)
+
+    def release(self) -> None:
+        for lock in self.locks:
+            lock.release()
 
 
 # The lr schedule's settings: OptimizerConfig field -> the flag that sets it.
@@ -121,11 +137,13 @@ def batch_mismatch(saved: int, glob: int, micro: int | None = None, dp: int | No
 
 
 def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, optimizer: OptimizerConfig,
-                 train_iters: int | None = None, micro_and_dp: tuple[int, int] | None = None) -> Resume:
-    """Validates --load and --save (no file is written): the checkpoint to load and the schedule to
-    resume with. `micro_and_dp`: this run's micro batch and data-parallel size, for the line
-    refusing another global batch."""
-    reader, notice = None, None
+                 train_iters: int | None = None, micro_and_dp: tuple[int, int] | None = None,
+                 seed: int | None = None, writer: bool = False) -> Resume:
+    """Validates --load and --save: the checkpoint to load and the schedule to resume with.
+    `micro_and_dp`: this run's micro batch and data-parallel size, for the line refusing another
+    global batch. `writer` (rank 0): also takes the --save folder's lock for the job (a UsageError
+    naming the job that holds it) and removes leftovers there; nothing else is written."""
+    reader, notices = None, []
     same = ck.save is not None and ck.load is not None and Path(ck.save).resolve() == Path(ck.load).resolve()
     if ck.load is not None:
         path = Path(ck.load)
@@ -133,50 +151,69 @@ def check_resume(ck: CheckpointConfig, model_config, global_batch_size: int, opt
             if not same:
                 raise UsageError(f"--load {ck.load}: {'no such directory' if not path.exists() else 'holds no checkpoint'}"
                                  f"; give a --save directory of an earlier run (or drop --load)")
-            notice = f"--load {ck.load}: no checkpoint there yet; training starts from scratch"
+            notices.append(f"--load {ck.load}: no checkpoint there yet; training starts from scratch")
         else:
             reader = CheckpointReader(path)
-            reader.check_model(model_config, f"--load {ck.load}:")
+            reader.check_model(model_config, f"--load {ck.load}:", ck.extend_positions)
             saved_batch = reader.metadata.get("global_batch_size")
             if not ck.finetune and saved_batch not in (None, global_batch_size):
                 raise UsageError(batch_mismatch(saved_batch, global_batch_size, *(micro_and_dp or ())))
             _check_same_optimizer(ck, optimizer, reader)
             optimizer, notice = schedule_on_resume(ck, optimizer, reader, train_iters)
+            notices += [notice] if notice else []
+            notices += _seed_notice(reader, seed) if not ck.finetune else []
+    run_id = reader.run_id if reader is not None and not ck.finetune else uuid.uuid4().hex
+    resume = Resume(reader, notices, optimizer, run_id)
     if ck.save is not None:
         check_writable_dir(ck.save, f"--save {ck.save}", "choose a folder you can write to")
-        save = Path(ck.save)
-        mine = reader.run_id if reader is not None and not ck.finetune else None
-        latest = latest_iteration_dir(save) if save.is_dir() else None
-        if latest is not None:
-            theirs = read_json(latest / METADATA)
-            if theirs.get("run_id") != mine:
-                raise UsageError(f"--save {ck.save} holds checkpoints of another run (iteration "
-                                 f"{theirs.get('iteration')}); resume it with --load {ck.save}, or "
-                                 f"save into an empty folder")
-    return Resume(reader, [notice] if notice else [], optimizer)
+        try:
+            _check_save_folder(ck, resume, writer)
+        except BaseException:
+            resume.release()
+            raise
+    return resume
 
 
-def agreed_run_id(groups) -> str:
-    """A new run id, the same on every rank: global rank 0's, broadcast over DP and then over
-    TP x PP (together they reach the whole layout)."""
-    value = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=groups.dp.device)
-    comm.broadcast(value, 0, groups.dp)
-    comm.broadcast(value, 0, groups.mp)
-    return bytes(host_read.read(value, "run id")).hex()
+def _seed_notice(reader: CheckpointReader, seed: int | None) -> list[str]:
+    saved = reader.metadata.get("seed")
+    if seed is None or saved is None or saved == seed:
+        return []
+    return [f"--seed {seed} differs from the checkpoint's {saved} (accepted, as Megatron-LM does): the "
+            f"samples from here on come in the order --seed {seed} gives, the RNG states (dropout) come from "
+            f"the checkpoint where the layout allows; pass --seed {saved} to keep its order"]
 
 
-def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say,
+def _check_save_folder(ck: CheckpointConfig, resume: Resume, writer: bool) -> None:
+    """The --save folder holds no other run's checkpoints and no other job writes it (`writer`: the
+    lock is taken, and held, first, so that the job writing there is named whatever it has written)."""
+    save = Path(ck.save)
+    flag = f"--save {ck.save}"
+    if writer:
+        lock = FolderLock.take(save / LOCK, resume.run_id, flag)
+        resume.locks.append(lock)
+    mine = resume.reader.run_id if resume.reader is not None and not ck.finetune else None
+    latest = latest_iteration_dir(save) if save.is_dir() else None
+    if latest is not None:
+        theirs = read_json(latest / METADATA)
+        if theirs.get("run_id") != mine:
+            raise UsageError(f"--save {ck.save} holds checkpoints of another run (iteration "
+                             f"{theirs.get('iteration')}); resume it with --load {ck.save}, or "
+                             f"save into an empty folder")
+    if writer:
+        line = remove_leftovers(save, flag)
+        resume.writer_lines += [line] if line else []
+
+
+def start(state, ck: CheckpointConfig, reader: CheckpointReader | None, say, run_id: str,
           tokenizer: dict | None = None) -> tuple[int, SavePolicy]:
     """Loads the checkpoint (if any) into the set-up state; returns the iteration to start from and
-    the save policy of the run (whose checkpoints keep `tokenizer`, see CheckpointSaver)."""
-    run_id = agreed_run_id(state.groups)
+    the save policy of the run `run_id` (the same on every rank: the checkpoint's on a resume), whose
+    checkpoints keep `tokenizer` (see CheckpointSaver)."""
     start_iteration = 0
     if reader is not None:
         result = load_checkpoint(state, reader, load_optim=ck.load_optim, load_rng=ck.load_rng,
-                                 finetune=ck.finetune)
+                                 finetune=ck.finetune, extend_positions=ck.extend_positions)
         start_iteration = result.iteration
-        if not ck.finetune:
-            run_id = result.run_id
         what = "weights (finetune)" if ck.finetune else "weights and optimizer" if ck.load_optim else "weights"
         rng = "" if ck.finetune else "; RNG states restored" if result.rng_restored else \
             "; RNG states not restored: another layout or device type, or --no-load-rng"

@@ -7,8 +7,10 @@ piece sits in the (TP-local) parameter and how that parameter is split over TP. 
 parameter in the gradient norm (TP rank 0 for replicated ones, the first stage for a tied
 embedding), and by the first MiCS replica (DP rank 0 at stage 0). Also per rank: its RNG states;
 and by the first DP and TP rank of each stage, the model's buffers (the routers' expert biases).
-Rank 0 adds metadata.json: model, layout, iteration, consumed samples, loss scaler, Adam step,
-lr schedule, and the run's tokenizer (its files go into tokenizer/).
+Rank 0 adds metadata.json: model, layout, iteration, consumed samples, the loss of the iteration (and
+whether it was finite), the seed, loss scaler, Adam step, lr schedule, and the run's tokenizer (its
+files go into tokenizer/). Rank 0 holds the folder's lock for the whole job (checkpoint.resume), so
+it alone commits, applies --ckpt-keep-last and removes leftovers (retention.py).
 
 Before anything is written the ranks agree that the filesystem has room for the whole checkpoint;
 a write that fails anyway (ENOSPC, EIO) is agreed the same way: every rank raises the same one-line
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import shutil
 import threading
@@ -37,9 +40,10 @@ from megazero.models.param_info import param_info
 from megazero.parallel.moe import ExpertShard
 from megazero.core import comm, host_read
 from .agreement import RankReport, agree, check_room, check_written, errno_of, free_bytes
-from .files import (FORMAT_VERSION, METADATA, TMP_PREFIX, TOKENIZER_DIR, apply_umask, commit_directory,
-                    copy_tokenizer, iteration_dir_name, latest_iteration_name, rank_file_names, remove_old,
+from .files import (FORMAT_VERSION, LATEST, METADATA, TOKENIZER_DIR, apply_umask, commit_directory, copy_tokenizer,
+                    iteration_dir_name, latest_iteration_name, rank_file_names, temporary_name, write_file_atomic,
                     write_json_atomic)
+from .retention import apply_keep_last
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 # Written in the dtype the storage keeps them in (bf16 under --exp-avg-dtype / --exp-avg-sq-dtype
@@ -127,18 +131,29 @@ def layout_key(state) -> list:
             state.device.type] + ([topo.cp] if topo.cp > 1 else [])
 
 
+def loss_fields(loss: float | None) -> dict:
+    """The metadata's record of the iteration's training loss (None: no step ran in this job):
+    retention keeps the newest checkpoint whose loss was finite."""
+    return {"loss": loss if loss is not None and math.isfinite(loss) else None,
+            "loss_finite": None if loss is None else math.isfinite(loss)}
+
+
 def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
     cfg, topo, engine = state.cfg, state.groups.topology, state.engine
     return {
         "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
         "run_id": run_id, "iteration": state.iteration, "consumed_samples": consumed_samples,
+        **loss_fields(None), "seed": cfg.seed,
         "model": dataclasses.asdict(cfg.model),
         "layout": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp,
                    "virtual_stages": cfg.parallel.virtual_stages, "layer_split": cfg.parallel.layer_split,
                    "zero_stage": cfg.zero.stage, "mics_shard_size": cfg.zero.mics_shard_size},
         "precision": {"bf16": cfg.precision.bf16, "fp16": cfg.precision.fp16},
         "global_batch_size": cfg.global_batch_size, "train_iters": cfg.train_iters,
-        "engine": {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps},
+        # the iteration this optimizer state began at (0, or a resume's without its optimizer): with
+        # the step counts it must give the iteration back (checked by the reader)
+        "engine": {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps,
+                   "first_iteration": state.iteration - engine.step_count - engine.skipped_steps},
         "loss_scaler": engine.loss_scaler.state_dict(),
         "optimizer": cfg.optimizer.model_dump(),   # with the iteration: the lr schedule
         "rank_files": [rank_file_names(r)[0] for r in range(topo.world_size)],
@@ -177,28 +192,40 @@ class CheckpointSaver:
     a run without one)."""
 
     def __init__(self, save_dir: str | Path, run_id: str, keep_last: int = 0, async_save: bool = False,
-                 tokenizer: dict | None = None, say=None, metadata=None):
+                 tokenizer: dict | None = None, say=None, warn=None, metadata=None):
         """`metadata(state, run_id, consumed_samples) -> dict`: rank 0's metadata.json (default
-        run_metadata, a pretraining run's; megazero.initialize's engine gives its own)."""
+        run_metadata, a pretraining run's; megazero.initialize's engine gives its own), to which
+        `save` adds the iteration's loss; `warn`: rank 0's own warning lines."""
         self.save_dir, self.run_id = Path(save_dir), run_id
         self.metadata = metadata or run_metadata
         self.keep_last, self.async_save = keep_last, async_save
         self.tokenizer = tokenizer
         self.say = say or (lambda line: None)      # the run's log: a line per committed checkpoint
+        # rank 0's own line (it alone knows what retention could not remove; it may not be the logging rank)
+        self.warn = warn or (lambda line: print(f" warning: {line}", flush=True))
         self._pending: dict | None = None
+        # --ckpt-keep-last deletes only once a step with a finite loss followed the newest commit
+        # (`confirm`): a checkpoint saved as the run diverged never costs the healthy one before it
+        self.committed: str | None = None        # the newest checkpoint this job committed
+        self.confirmed = latest_iteration_name(self.save_dir)    # the newest a finite loss followed
+        self._retention_due = self._writer = False
 
-    def save(self, state, consumed_samples: int, why: str = "", dir_name: str | None = None) -> None:
+    def save(self, state, consumed_samples: int, why: str = "", dir_name: str | None = None,
+             loss: float | None = None) -> None:
         """Saves the state after `state.iteration` steps (collective over the layout), into the
         directory `dir_name` (default iter_<iteration>; `latest` names it). Raises SaveError
         on every rank alike when the filesystem has no room for it (before anything is written) or a
         rank fails to write; the previous checkpoint stays as it was either way. `why` (periodic,
-        final, ...) goes into the line said once it is committed."""
+        final, ...) goes into the line said once it is committed; `loss`, the iteration's training
+        loss, into the metadata."""
         self.finalize()
         started = time.monotonic()
         groups, iteration = state.groups, state.iteration
         tensors, index = collect_rank_state(state)
         index["run_id"] = self.run_id
         metadata = self.metadata(state, self.run_id, consumed_samples) if groups.rank == 0 else None
+        if metadata is not None:
+            metadata.update(loss_fields(loss))
         if metadata is not None and self.tokenizer is not None:
             metadata["tokenizer"] = {**self.tokenizer, "files": sorted(self.tokenizer["files"])}
         need = self._bytes_to_write(tensors, index, metadata)
@@ -207,7 +234,7 @@ class CheckpointSaver:
         room = agree(RankReport(need, free), groups)
         check_room(room, self.save_dir, iteration)
         name = dir_name or iteration_dir_name(iteration)
-        tmp = self.save_dir / f"{TMP_PREFIX}{name}"
+        tmp = self.save_dir / temporary_name(self.run_id, name)
         code = 0
         if groups.rank == 0:
             try:
@@ -283,8 +310,6 @@ class CheckpointSaver:
             code = self._commit(tmp, name, pending["metadata"])
         check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
                       "commit the checkpoint")      # also: committed before anyone goes on
-        if groups.rank == 0:
-            remove_old(self.save_dir, self.keep_last)
         if not pending["written"]:
             return
         why = f" ({pending['why']})" if pending["why"] else ""
@@ -292,6 +317,36 @@ class CheckpointSaver:
         took = f"committed {took:.1f} s after its step" if "thread" in pending else f"{took:.1f} s"
         self.say(f" saved checkpoint{why} of iteration {iteration}: "
                  f"{self.save_dir / name} ({pending['bytes'] / 2**20:.1f} MiB, {took})")
+        self.committed, self._retention_due, self._writer = name, True, groups.rank == 0
+
+    def confirm(self) -> None:
+        """A step with a finite loss followed the newest commit (or the run ended as planned): that
+        checkpoint is the one to go back to, and --ckpt-keep-last applies now (rank 0, which also
+        retries what could not be removed before; no collective)."""
+        if self.committed is not None:
+            self.confirmed = self.committed
+        if not self._retention_due:
+            return
+        self._retention_due = False
+        if self._writer:
+            flag = f"--ckpt-keep-last {self.keep_last}" if self.keep_last else f"--save {self.save_dir}"
+            problem = apply_keep_last(self.save_dir, self.keep_last, self.run_id, flag)
+            if problem:
+                self.warn(problem)
+
+    def rewind(self) -> str:
+        """After the run diverged: `latest` names the newest confirmed checkpoint again if one was
+        committed since (rank 0 writes it); returns the words naming what is kept."""
+        save = self.save_dir
+        if self.confirmed is None:
+            return f"no checkpoint saved yet in {save}" if self.committed is None else \
+                f"last checkpoint: {save / self.committed}, saved as the run diverged (there is no earlier one)"
+        if self.committed not in (None, self.confirmed) and (save / self.confirmed / METADATA).is_file():
+            if self._writer:
+                write_file_atomic(save / LATEST, (self.confirmed + "\n").encode())
+            return (f"latest names {save / self.confirmed} again, the last checkpoint a finite loss followed "
+                    f"({self.committed} was saved as the run diverged; resume with --load {save})")
+        return f"last checkpoint: {save / self.confirmed} (resume with --load {save})"
 
     def _commit(self, tmp: Path, name: str, metadata: dict) -> int:
         """Rank 0: metadata.json, then the directory into place and `latest` at it; 0 or the errno of
@@ -300,7 +355,7 @@ class CheckpointSaver:
         existed = final.exists()
         try:
             write_json_atomic(tmp / METADATA, merge_rank_indexes(tmp, metadata))
-            commit_directory(tmp, final)
+            commit_directory(tmp, final, self.run_id)    # a replaced directory left over: retention's
             return 0
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -317,7 +372,7 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
     tokenizer described as CheckpointSaver's `tokenizer`. Like any checkpoint it loads at every layout
     (`--load`, `--finetune`). Returns the iteration directory."""
     save_dir = Path(save_dir)
-    tmp = save_dir / f"{TMP_PREFIX}{iteration_dir_name(iteration)}"
+    tmp = save_dir / temporary_name(run_id, iteration_dir_name(iteration))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     data, pieces = {}, {}
@@ -338,7 +393,8 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
         "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
         "run_id": run_id, "iteration": iteration, "consumed_samples": 0,
         "model": dataclasses.asdict(model_config), "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1},
-        "precision": {}, "global_batch_size": None, "engine": {"step_count": 0, "skipped_steps": 0},
+        "precision": {}, "global_batch_size": None, "loss": None, "loss_finite": None,
+        "engine": {"step_count": 0, "skipped_steps": 0, "first_iteration": iteration},
         "loss_scaler": None, "rank_files": [data_name], "ranks": [index],
     }
     if tokenizer is not None:
@@ -346,5 +402,5 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
         metadata["tokenizer"] = {**tokenizer, "files": sorted(tokenizer["files"])}
     write_json_atomic(tmp / METADATA, metadata)
     final = save_dir / iteration_dir_name(iteration)
-    commit_directory(tmp, final)
+    commit_directory(tmp, final, run_id)
     return final

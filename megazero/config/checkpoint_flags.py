@@ -21,6 +21,9 @@ def checkpoint_config(args) -> CheckpointConfig:
         raise UsageError("--save-interval, --ckpt-keep-last and --async-save need --save FOLDER")
     # --no-load-optim and --no-load-rng without --load skip nothing (Megatron-LM's recipes pass them so,
     # their --load commented out); --finetune asks for weights it would not get
+    if args.extend_position_embeddings and args.load is None:
+        raise UsageError("--extend-position-embeddings needs --load FOLDER (the checkpoint whose position "
+                         "table grows)")
     if args.finetune and args.load is None:
         raise UsageError("--finetune needs --load FOLDER (the weights to start from)")
     if args.exit_on_save_failure and args.save is None:
@@ -38,4 +41,5 @@ def checkpoint_config(args) -> CheckpointConfig:
         exit_interval=args.exit_interval, exit_duration_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler, exit_signal=args.exit_signal, keep_last=args.ckpt_keep_last,
         async_save=args.async_save, exit_on_save_failure=args.exit_on_save_failure,
+        extend_positions=args.extend_position_embeddings,
         scheduler_on_load="flags" if override else "checkpoint" if keep else "check")

@@ -322,6 +322,14 @@ def _training_flags(p) -> None:
     _merged(g, "min_loss_scale", "fp16 dynamic scale floor", type=float)
     _merged(g, "loss_scale_window", "fp16 steps without overflow before the scale doubles", type=int)
     _merged(g, "hysteresis", "fp16 overflows tolerated before the scale halves", type=int)
+    _add(g, "--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
+         default=True, help="end the run (exit 3) at a non-finite loss, or a non-finite gradient no fp16 "
+                            "dynamic loss scale accounts for (Megatron-LM's check)", shown="on")
+    _add(g, "--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
+         help="skip such steps instead (the step is not applied)", shown="off")
+    _add(g, "--max-consecutive-skipped-steps", type=int, default=50,
+         help="end the run (exit 3) when this many steps in a row were skipped for non-finite gradients; "
+              "0: never (the most an fp16 dynamic scale skips in a row, from 2^32 down to 1, is 33)")
     _merged(g, "reduce_dtype", "reduce gradients in bf16 (needs --bf16)", dest="reduce_dtype",
             action="store_const", const="bf16", default=None)
     _add(g, "--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
@@ -374,7 +382,7 @@ def _data_flags(p) -> None:
     _add(g, "--eval-interval", type=int, default=100, help="steps between evaluations")
     _add(g, "--eval-iters", type=int, default=10, help="batches per evaluation; 0: none")
     _merged(g, "log_interval", "steps between log lines", type=int)
-    _add(g, "--run-dir", default=None, help="folder for this run's outputs", shown="runs/gpt-<date>-<time>")
+    _add(g, "--run-dir", default=None, help="folder for this run's outputs", shown="runs/gpt-<date>-<time>-<6 hex>")
     _add(g, "--metrics-file", default=None, help="JSON lines of the logged metrics",
          shown="<run-dir>/metrics.jsonl")
     g = p.add_argument_group("checkpoints")
@@ -396,7 +404,11 @@ def _data_flags(p) -> None:
          help="the signal --exit-signal-handler acts on")
     _add(g, "--exit-on-save-failure", action="store_true",
          help="stop the run when a save fails (a full disk); otherwise it trains on and says so")
-    _add(g, "--ckpt-keep-last", type=int, default=0, help="keep only the newest K checkpoints", shown="0: all")
+    _add(g, "--ckpt-keep-last", type=int, default=0,
+         help="keep only the newest K checkpoints, and the newest whose loss was finite", shown="0: all")
+    _add(g, "--extend-position-embeddings", action="store_true",
+         help="load a checkpoint whose learned position table is smaller than this run's: position p "
+              "starts from its row p mod its rows (weights and Adam moments)")
     _add(g, "--async-save", action="store_true", help="write checkpoints in the background")
     _add(g, "--ckpt-format", choices=["torch", "torch_dist"], default=None,
          help="accepted: megazero writes its own sharded format (each rank its shard, loadable into any "

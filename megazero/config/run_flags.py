@@ -69,6 +69,9 @@ def run_options(args, world_size: int, notes: list[str]) -> RunOptions:
     if not 0 <= args.straggler_threshold < float("inf"):
         raise UsageError(f"--straggler-threshold must be a fraction >= 0 (0.2: 20% slower than the median; "
                          f"0: off), got {args.straggler_threshold}")
+    if args.max_consecutive_skipped_steps < 0:
+        raise UsageError(f"--max-consecutive-skipped-steps must be >= 0 (0: never stop for skipped steps), "
+                         f"got {args.max_consecutive_skipped_steps}")
     if args.num_workers < 0:
         raise UsageError(f"--num-workers must be >= 0, got {args.num_workers}")
     for attr, note in NOTED.items():
@@ -80,7 +83,9 @@ def run_options(args, world_size: int, notes: list[str]) -> RunOptions:
                       log_timers_to_tensorboard=args.log_timers_to_tensorboard, profile=args.profile,
                       profile_step_start=args.profile_step_start, profile_step_end=args.profile_step_end,
                       profile_ranks=list(args.profile_ranks), num_workers=args.num_workers,
-                      straggler_threshold=args.straggler_threshold)
+                      straggler_threshold=args.straggler_threshold,
+                      check_for_nan=args.check_for_nan_in_loss_and_grad,
+                      max_consecutive_skipped_steps=args.max_consecutive_skipped_steps)
 
 
 def batch_ramp(args, global_batch: int, micro: int, dp: int) -> BatchRamp | None:

@@ -107,9 +107,10 @@ class CheckpointConfig(Record):
     exit_duration_mins: float = 0.0
     exit_signal_handler: bool = False            # exit_signal or SIGINT: finish the step, save, exit 0
     exit_signal: str = "SIGTERM"                 # SIGTERM, SIGINT, SIGUSR1 or SIGUSR2
-    keep_last: int = 0                           # keep the newest K checkpoints (0: all)
+    keep_last: int = 0                           # keep the newest K checkpoints (0: all), and the newest healthy one
     async_save: bool = False
     exit_on_save_failure: bool = False           # a failed save stops the run (else it trains on)
+    extend_positions: bool = False               # a smaller learned position table grows on load
     scheduler_on_load: Literal["check", "flags", "checkpoint"] = "check"
     """What --load does with the checkpoint's lr schedule (Megatron): "check" refuses a schedule that
     differs from the flags', "flags" (--override-opt_param-scheduler) and "checkpoint"
@@ -126,7 +127,8 @@ class MonitorConfig(Record):
 
 
 class RunOptions(Record):
-    """Megatron's housekeeping, logging and profiling flags (none changes the math)."""
+    """Megatron's housekeeping, logging and profiling flags (none changes the math), and when a run
+    that diverged stops (megazero.training.divergence)."""
     manual_gc: bool = False                      # Python's automatic GC off, collected every interval
     manual_gc_interval: int = 0                  # 0: only Megatron's collections around evaluation
     empty_unused_memory_level: int = 0           # 1: release the allocator cache after backward; 2: also after the step
@@ -139,6 +141,8 @@ class RunOptions(Record):
     profile_ranks: list[int] = Field(default_factory=lambda: [0])
     num_workers: int = 0                         # >0: batches prepared by a background thread
     straggler_threshold: float = 0.2             # name a rank this fraction slower than the median; 0: off
+    check_for_nan: bool = True                   # a non-finite loss or unexplained gradient ends the run
+    max_consecutive_skipped_steps: int = 50      # so many skipped steps in a row end the run; 0: never
 
 
 class TrainConfig(Record):
@@ -158,6 +162,9 @@ class TrainConfig(Record):
     log_interval: int = 10
     seed: int = 1234
     run_dir: str = "runs/latest"
+    default_run_dir: bool = False
+    """run_dir is this rank's draw of the default name (no --run-dir): rank 0's replaces it once the
+    process groups exist (megazero.run.run_folder)."""
     metrics_file: Optional[str] = None           # None: <run_dir>/metrics.jsonl
     wall_clock_breakdown: bool = False
     """Time the phases of each step (forward, backward, reduction, optimizer) and log them with the

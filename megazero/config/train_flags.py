@@ -198,7 +198,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
                      f"DeepSpeed's steps every microbatch and replaces the accumulation by update_interval. "
                      f"For DeepSpeed's arithmetic set --global-batch-size to micro batch x data-parallel size")
     run_opts = run_options(args, world_size, notes)
-    run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S")
+    # this rank's draw; rank 0's becomes the run's (megazero.run.run_folder): unique per run, not per second
+    run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S-") + os.urandom(3).hex()
     backend = args.distributed_backend or ("nccl" if args.cuda_available else "gloo")
     compile_layers = compile_backend(args, _uses_cuda(args))
     if args.deepspeed:
@@ -222,7 +223,8 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         batch_from=batch_flags.batch_from(args, ds),
         eval_interval=batch_flags.positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
         log_interval=batch_flags.positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
-        run_dir=run_dir, metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
+        run_dir=run_dir, default_run_dir=args.run_dir is None,
+        metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
         wall_clock_breakdown=merged["wall_clock_breakdown"] or args.log_timers_to_tensorboard,
         compile_backend=compile_layers, notes=notes, checkpoint=checkpoint_config(args),
         monitor=monitor_config(args, run_dir), rampup=ramp, run=run_opts)

@@ -156,8 +156,9 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
     (megazero.core.stream_check, modelling meta as a device and the CPU as the host; violations
     collected, not raised). `prepare(rank)`, a context manager, is held open around the rank (the
     tests plant bugs with it); in `overflow_steps` (1-based training steps) the gradient norm reads
-    inf, walking the step-skip path; `streams` False: no stream check; `save`: end with a
-    checkpoint save's collectives."""
+    inf, walking the step-skip path (with --no-check-for-nan-in-loss-and-grad, which would end the
+    run there instead); `streams` False: no stream check; `save`: end with a checkpoint save's
+    collectives."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megazero.core import stream_check
@@ -166,6 +167,8 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
     # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
     argv = dry_argv(argv, os.path.join(workdir, f"rank{rank}"), save=save)
+    if overflow_steps and "--no-check-for-nan-in-loss-and-grad" not in argv:
+        argv.append("--no-check-for-nan-in-loss-and-grad")
     # The comm layer takes the path of the backend the flags name (NCCL's in-place reduce-scatter),
     # not the fake one's; a simulated CPU runs gloo's.
     backend = "gloo" if device_kind == "cpu" else job_config(argv, world, local_world).parallel.distributed_backend

@@ -1,7 +1,9 @@
 """The recipe of a pretraining run, top to bottom in the order it runs on every rank:
 
-    flags -> config -> checks       configure(): the machine, its files, the checkpoint to resume
-    process groups                  env.process_groups(): the rank grid's groups, on the device
+    flags -> config -> checks       configure(): the machine, its files, the checkpoint to resume, and
+                                    rank 0's locks on the --save folder and the metrics file
+    process groups                  env.process_groups(): the rank grid's groups, on the device; then
+                                    the run id and run folder, rank 0's (megazero.run.run_folder)
     data                            megazero.data.run_data: datasets, sampler, read-ahead, tokenizer
     model chunks and ZeRO engine    megazero.training.setup
     checkpoint                      megazero.checkpoint.resume.start: load, or start a new run
@@ -10,10 +12,12 @@
 It runs in a `RunEnvironment`: the launch (megazero.run.launch, with the rendezvous, the error line
 every rank agrees on, heartbeats and signals around it) or the dry run's simulated one
 (megazero.dry_run.job). Neither reads anything back from the recipe but through `Pretraining`.
+The locks are let go when `Pretraining.run` ends (or with the process: `release` for the rest).
 """
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Callable, Protocol
 
 import torch
@@ -25,6 +29,7 @@ from megazero.config.train_flags import config_from_args, parse_args
 from megazero.core.comm import CommLog
 from megazero.data.run_data import run_data
 from megazero.parallel.process_groups import ProcessGroups
+from megazero.run.run_folder import agree_identity, lock_metrics, metrics_named_by_flag, with_run_dir
 from megazero.training.lr_schedule import step_learning_rate
 from megazero.training.metrics import MetricsLogger
 from megazero.training.monitor import open_monitors
@@ -70,8 +75,15 @@ def configure(argv, env: RunEnvironment) -> Configured:
         cfg = cfg.replace(zero=cfg.zero.model_copy(update={"cpu_optimizer_threads": env.cpu_optimizer_threads()}))
     device, threads = env.device(cfg)
     env.check_machine(cfg, device)
+    writer = env.rank == 0         # holds the job's locks (megazero.run.run_folder says why rank 0)
     resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters,
-                          (cfg.micro_batch_size, topology_of(cfg, env.world).dp))
+                          (cfg.micro_batch_size, topology_of(cfg, env.world).dp), cfg.seed, writer=writer)
+    if writer and metrics_named_by_flag(cfg):
+        try:
+            resume.locks.append(lock_metrics(cfg, resume.run_id))
+        except BaseException:
+            resume.release()
+            raise
     # the schedule may be the checkpoint's
     return Configured(cfg.replace(optimizer=resume.optimizer), device, resume, threads)
 
@@ -86,20 +98,32 @@ class Pretraining:
         self.comm_log: CommLog | None = None
         self.state = None
 
+    def release(self) -> None:
+        """Lets go of the locks this rank holds for the job (idempotent)."""
+        if self.resume is not None:
+            self.resume.release()
+
     def run(self, groups: ProcessGroups | None = None) -> None:
         """Trains on this rank; `groups`: process groups already built (else the environment builds them)."""
+        try:
+            self._run(groups)
+        finally:
+            self.release()
+
+    def _run(self, groups: ProcessGroups | None) -> None:
         cfg, env = self.cfg, self.env
         self.comm_log = groups.log if groups is not None else CommLog()
         groups = groups or env.process_groups(cfg, self.device, self.comm_log)
         if groups is None:
             return
-        metrics = _open_metrics(cfg, groups, self.device, self.threads)
+        cfg, run_id = self._agree_identity(groups)
+        metrics = _open_metrics(cfg, groups, self.device, self.threads, run_id)
         data = run_data(cfg, groups.coords.dp, groups.topology.dp, metrics.say, first=env.first("data"),
                         keep_tokenizer=env.rank == 0 and cfg.checkpoint.save is not None)
         state = self.state = setup(cfg, groups, self.device, eod=data.eod)
         _say_setup(state, self.resume, metrics.say)
         start_iteration, policy = start_checkpoint(state, cfg.checkpoint, self.resume.reader if self.resume else None,
-                                                   metrics.say, data.tokenizer)
+                                                   metrics.say, run_id, data.tokenizer)
         if start_iteration >= cfg.train_iters:
             metrics.say(f" the checkpoint is at iteration {start_iteration}: --train-iters {cfg.train_iters} "
                         f"is done; raise --train-iters to train on")
@@ -116,6 +140,21 @@ class Pretraining:
         metrics.say(f" done: metrics appended to {cfg.metrics_file}"
                     + (f"; checkpoints in {saved} (go on with --load {saved})" if saved else ""))
 
+    def _agree_identity(self, groups) -> tuple[TrainConfig, str]:
+        """The run id and (default) run folder of rank 0 on every rank; rank 0 locks the default
+        folder's metrics file and says what its locks found (leftovers removed, no locks there)."""
+        cfg, resume = self.cfg, self.resume
+        proposed = resume.run_id if resume is not None and resume.run_id else uuid.uuid4().hex
+        run_id, run_dir = agree_identity(groups, proposed, cfg.run_dir if cfg.default_run_dir else "")
+        if cfg.default_run_dir:
+            cfg = self.cfg = with_run_dir(cfg, run_dir)
+        if groups.rank == 0 and resume is not None:
+            if not metrics_named_by_flag(cfg):
+                resume.locks.append(lock_metrics(cfg, run_id))
+            for line in [lock.note for lock in resume.locks if lock.note] + resume.writer_lines:
+                print(f" {line}", flush=True)
+        return cfg, run_id
+
     def interrupted_line(self) -> str:
         from megazero.checkpoint.files import latest_iteration_name
         iteration = self.state.iteration if self.state is not None else 0
@@ -126,11 +165,11 @@ class Pretraining:
         return f"interrupted at iteration {iteration}; last checkpoint: {kept}"
 
 
-def _open_metrics(cfg, groups, device, threads: str = "") -> MetricsLogger:
+def _open_metrics(cfg, groups, device, threads: str = "", run_id: str | None = None) -> MetricsLogger:
     """The log lines and metrics.jsonl (one rank: the first of the last stage), wandb / TensorBoard."""
     topology = groups.topology
     logging_rank = groups.rank == topology.rank_of(0, 0, topology.pp - 1)
-    metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters)
+    metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters, run_id=run_id)
     metrics.say(f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "
                 f"precision={'bf16' if cfg.precision.bf16 else 'fp16' if cfg.precision.fp16 else 'fp32'}"
                 + (f" {threads}" if threads else ""))

@@ -21,6 +21,7 @@ from megazero.parallel.pipeline.split import stage_layer_ranges
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule, make_backward, make_split_backward
 from megazero.parallel.pipeline.zero_bubble import V_SHAPED
 from megazero.core.streams import copy_to_device
+from megazero.training.divergence import Diverged, DivergenceWatch
 from megazero.training.housekeeping import Housekeeping
 from megazero.training.stragglers import find_stragglers
 from megazero.training.phases import Phases
@@ -224,7 +225,8 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     """Runs steps start_iteration+1 .. cfg.train_iters; returns one record per step (and per
     evaluation). `lr_at(n, done_samples)` is the rate(s) of the n-th applied optimizer step, after
     applied steps that consumed `done_samples` samples (megazero.training.lr_schedule.step_learning_rate).
-    `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early."""
+    `policy` (megazero.checkpoint.SavePolicy) saves when due and may stop early. A run that
+    diverged raises Diverged on every rank at the same iteration (megazero.training.divergence)."""
     cfg = state.cfg
     history, window = [], []
     par = cfg.parallel
@@ -237,6 +239,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     # The schedule counts applied optimizer steps (Megatron's scheduler does not advance on a skipped
     # step; a checkpoint loaded without its optimizer restarts it), and in samples their samples.
     applied = cfg.consumed_before(state.engine.step_count)
+    watch = DivergenceWatch.for_config(cfg, state.engine.loss_scaler.dynamic)
     moe_said = set()                        # MoE layers already named for sending every token to one expert
     try:
         for it in range(start_iteration, cfg.train_iters):
@@ -281,6 +284,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
             if metrics is not None and ((it + 1) % cfg.log_interval == 0 or it == start_iteration):
                 metrics.log_train(window, state.groups.log)
                 window = []
+            _check_divergence(watch, state, it + 1, step, metrics, window, policy)
             last = it + 1 == cfg.train_iters
             if valid_batches and ((it + 1) % cfg.eval_interval == 0 or last):
                 housekeeping.around_evaluation()
@@ -290,7 +294,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                 if metrics is not None:
                     metrics.log_eval(eval_record)
             housekeeping.after_step(it + 1)
-            stop = policy.after_step(state, consumed, step.stop_flags) if policy else None
+            stop = policy.after_step(state, consumed, step.stop_flags, step.loss) if policy else None
             if stop:
                 if metrics is not None:
                     metrics.say(f" stopping after iteration {it + 1} ({stop})")
@@ -300,6 +304,22 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     if policy is not None:
         policy.finish(state, consumed)
     return history
+
+
+def _check_divergence(watch: DivergenceWatch, state: TrainState, iteration: int, step: StepResult, metrics,
+                      window: list[dict], policy) -> None:
+    """Says the divergence watch's warning; when it stops the run: the step's record logged, a
+    pending save committed, then Diverged (the same on every rank: the watch reads agreed values)."""
+    stop, warning = watch.after_step(iteration, step.loss, step.grad_norm, step.skipped)
+    if warning is not None and metrics is not None:
+        metrics.say(f" warning: {warning}")
+    if stop is None:
+        return
+    if metrics is not None and window:
+        metrics.log_train(window, state.groups.log)
+    kept = policy.stop_without_saving() if policy is not None else "no checkpoint: no --save"
+    what, fix = stop
+    raise Diverged(f"{what}: the run diverged and stops, saving nothing of this state; {kept}; {fix}")
 
 
 def _watch_stragglers(state: TrainState, record: dict, at_interval: bool, first: bool) -> None:

@@ -1,9 +1,10 @@
 """Training logs for people (one line per logged iteration) and for tools (JSON lines).
 
 Only the logging rank (last pipeline stage, TP rank 0, DP rank 0: the one that holds the loss) writes.
-Each logged iteration appends one object with at least iteration, loss, lr, grad_norm and
-tokens_per_s (on a GPU with a known peak also mfu, from model FLOPs, and hfu, counting recomputation);
-evaluations append objects with "split": "valid". The same records go to the monitors
+Every object carries the run's `run_id` (the same across resumes: the checkpoint's), so that records
+of several runs in one file stay apart. Each logged iteration appends one object with at least
+iteration, loss, lr, grad_norm and tokens_per_s (on a GPU with a known peak also mfu, from model
+FLOPs, and hfu, counting recomputation); evaluations append objects with "split": "valid". The same records go to the monitors
 (megazero.training.monitor: wandb, TensorBoard) the driver attaches with `add_monitors`; `close` ends them.
 """
 from __future__ import annotations
@@ -22,8 +23,9 @@ OPTIONAL_FIELDS = ("decoupled_lr", "global_batch_size", "consumed_samples", "par
 
 
 class MetricsLogger:
-    def __init__(self, path: str | None, enabled: bool = True, stream=None, total_iters: int = 0):
-        self.enabled, self._stream, self.total_iters = enabled, stream, total_iters
+    def __init__(self, path: str | None, enabled: bool = True, stream=None, total_iters: int = 0,
+                 run_id: str | None = None):
+        self.enabled, self._stream, self.total_iters, self.run_id = enabled, stream, total_iters, run_id
         self.path = Path(path) if path else None
         if self.enabled and self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,6 +42,8 @@ class MetricsLogger:
         self.monitors = []
 
     def _append(self, record: dict) -> None:
+        if self.run_id is not None:
+            record = {**record, "run_id": self.run_id}
         if self.enabled and self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

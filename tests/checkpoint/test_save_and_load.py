@@ -347,21 +347,25 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
 
 
 def run_id_worker(ctx, directory):
+    import uuid
     from megazero.checkpoint.resume import start
     from megazero.config.train_config import CheckpointConfig
     from megazero.parallel.topology import Topology
+    from megazero.run.run_folder import agree_identity
     from megazero.training import setup
     groups = ctx.groups(Topology(world_size=4, tp=2))
+    run_id, run_dir = agree_identity(groups, uuid.uuid4().hex, f"runs/gpt-rank{groups.rank}")
     state = setup(with_padded_vocab(small_config(stage=3, tp=2, steps=1)), groups)
-    _, policy = start(state, CheckpointConfig(save=directory), None, lambda line: None)
+    _, policy = start(state, CheckpointConfig(save=directory), None, lambda line: None, run_id)
     policy.save(state, 0)
-    return policy.saver.run_id
+    return policy.saver.run_id, run_dir
 
 
-def test_a_new_run_has_one_run_id_on_every_rank(dist_pool, tmp_path):
+def test_a_new_run_has_one_run_id_and_run_folder_on_every_rank(dist_pool, tmp_path):
+    """Every rank draws its own; rank 0's id and default run folder become every rank's."""
     ids = dist_pool(4).run(run_id_worker, str(tmp_path))
-    assert len(set(ids)) == 1, ids
-    assert CheckpointReader(tmp_path).run_id == ids[0]
+    assert len(set(ids)) == 1 and ids[0][1] == "runs/gpt-rank0", ids
+    assert CheckpointReader(tmp_path).run_id == ids[0][0]
 
 
 def test_mock_data_saves_and_resumes_without_a_tokenizer(tmp_path, capsys):

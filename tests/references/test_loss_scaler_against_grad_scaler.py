@@ -79,7 +79,7 @@ class StepSnapshots:
     def stop_flags(self) -> tuple:
         return ()                         # no stop condition to agree on
 
-    def after_step(self, state, consumed_samples, agreed=None):
+    def after_step(self, state, consumed_samples, agreed=None, loss=None):
         self.snapshots.append(self.take(state))
 
     def finish(self, state, consumed_samples):

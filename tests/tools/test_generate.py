@@ -238,3 +238,34 @@ def test_a_qwen2_moe_checkpoint_generates_what_transformers_does(tmp_path, capsy
     theirs = model.generate(torch.tensor([[3, 17, 40, 2]]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, 4:].tolist()
     assert out["ids"] == theirs and len(set(theirs)) > 1
+
+
+def test_the_position_limit_is_said_and_export_hf_keeps_a_full_folder(tmp_path, capsys):
+    """A learned-position model of 16 positions asked for 100 tokens after a 4-token prompt gives 13
+    and says why (stderr and `note`); 10 tokens come without a note. export-hf refuses a folder that
+    holds a file, naming it, unless --overwrite, and leaves the file as it was. (Planted: no note;
+    export_hf without the emptiness check replaces config.json.)"""
+    config = GPTConfig(vocab_size=61, hidden_size=32, num_layers=1, num_attention_heads=4, seq_length=16,
+                       position_embedding="learned", hidden_dropout=0.0, attention_dropout=0.0)
+    generator = torch.Generator().manual_seed(4)
+    with torch.device("meta"):
+        names = {n: p.shape for n, p in GPT(config).named_parameters()}
+    write_full_checkpoint(tmp_path / "ck", config, {n: torch.randn(s, generator=generator) * 0.3
+                                                    for n, s in names.items()}, "learned")
+    prompt = ["--load", tmp_path / "ck", "--prompt-ids", 3, 17, 40, 2]
+    assert generate.main([*map(str, prompt), "--max-new-tokens", "100", "--json"]) == 0
+    out = capsys.readouterr()
+    note = ("stopped at the model's position limit: 13 of --max-new-tokens 100 new tokens (the prompt's 4 tokens "
+            "and the continuation use all 16 learned positions)")
+    assert out.err == f"note: {note}\n" and json.loads(out.out)["note"] == note, out
+    assert len(json.loads(out.out)["ids"]) == 13
+    assert _generate(capsys, *prompt, "--max-new-tokens", "10")["note"] is None
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("mine\n")
+    export = ["export-hf", "--load", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"), "--without-tokenizer"]
+    assert convert_checkpoint.main(export) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the folder is not empty (config.json); " in err and "--overwrite" in err, err
+    assert (tmp_path / "hf" / "config.json").read_text() == "mine\n"
+    assert convert_checkpoint.main(export + ["--overwrite"]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_positions"] == 16
