@@ -51,7 +51,7 @@ from megazero.ops.adam_config import AdamConfig
 try:
     # Import after torch: the extension's OpenMP runtime then resolves to the libgomp torch already
     # loaded, so the process keeps one thread pool instead of two competing ones.
-    from megazero import _C as _cpp
+    import megazero._C as _cpp
     CPP_IMPORT_ERROR = ""
 except ImportError as error:  # not built (no compiler at install time): the torch reference serves
     _cpp = None
