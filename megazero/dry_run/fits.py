@@ -1,8 +1,8 @@
 """Does the job fit the GPU: each simulated rank's reserved peak (the caching allocator's segments, what
 the GPU must hold) against the memory of a named GPU (gpus.toml, each figure from its vendor's
 datasheet), and for the rank that needs the most one line saying by how much it fits or misses and the
-flags that would lower it (megazero.training.out_of_memory's, for the owner holding the most at the
-peak). Reads the report (megazero.dry_run.report); touches nothing of the simulation."""
+flags that would lower it (megazero.training.out_of_memory's, for each owner holding a quarter or more
+of its peak). Reads the report (megazero.dry_run.report); touches nothing of the simulation."""
 from __future__ import annotations
 
 import tomllib
@@ -43,8 +43,9 @@ def verdict(result: dict, key: str, cfg) -> dict:
     worst = max(rows, key=lambda row: row["reserved"])
     out["worst_rank"] = worst["rank"]
     record = next(r for r in result["ranks"] if r["rank"] == worst["rank"])
-    owners = record["memory"].get("peak_by_owner") or {}
-    owner = max(owners, key=owners.get) if owners else "activations"
+    owners = record["memory"].get("peak_by_owner") or {"activations": 1}
+    # the owners holding a quarter of the peak or more, the largest first: their lowering flags
+    large = sorted((o for o in owners if owners[o] >= sum(owners.values()) / 4), key=owners.get, reverse=True)
     gap = (capacity - worst["reserved"]) / MiB
     ranks_over = sum(row["stands_for"] for row in rows if not row["fits"])
     ranks_all = sum(row["stands_for"] for row in rows)
@@ -52,10 +53,12 @@ def verdict(result: dict, key: str, cfg) -> dict:
     if worst["fits"]:
         out["advice"] = f"{where}: every rank fits, {gap:,.0f} MiB to spare on the fullest"
     else:
-        flags = lowering_flags(_PHASE_OF_OWNER.get(owner, "training step"), cfg, on_host=False,
-                               math_attention=False)
-        out["advice"] = (f"{where}: {-gap:,.0f} MiB over ({ranks_over} of {ranks_all} ranks do not fit; "
-                         f"most of it {owner}); lower it with {', '.join(flags)}")
+        flags = []
+        for owner in large:
+            flags += [f for f in lowering_flags(_PHASE_OF_OWNER.get(owner, "training step"), cfg, on_host=False,
+                                                math_attention=False) if f not in flags]
+        out["advice"] = (f"{where}: {-gap:,.0f} MiB over ({ranks_over} of the {ranks_all} ranks checked do not "
+                         f"fit; most of it {' and '.join(large)}); lower it with {', '.join(flags)}")
     return out
 
 
