@@ -10,8 +10,10 @@ Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simu
 default all up to 64 ranks, above that one rank per role: megazero.dry_run.roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
 default the CPU count), --json PATH ('-': stdout), --force-overflow STEPS (the gradient norm reads
 inf in these training steps, from 1: every rank walks the step-skip path), --no-stream-check (the
-stream layer unchecked: about 40% less time) and --simulate-device cuda|cpu (the device whose
-kernels and memory the meta device stands for; default cuda). Each simulated rank runs the real
+stream layer unchecked: about 40% less time), --simulate-device cuda|cpu (the device whose
+kernels and memory the meta device stands for; default cuda) and --gpu a100|h100|h200 (after the
+table, whether each rank's reserved peak fits that GPU's memory, and for the fullest rank by how
+much and the flags that lower it: megazero.dry_run.fits). Each simulated rank runs the real
 recipe with the meta device for its GPU, torch's fake process group for NCCL and the stream layer
 in its checking mode (megazero.dry_run.job); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
@@ -27,13 +29,19 @@ import argparse
 import json
 import sys
 import time
+import tomllib
+from pathlib import Path
 
 
 ALL_RANKS_UP_TO = 64
+GPUS = Path(__file__).resolve().parents[1] / "megazero" / "dry_run" / "gpus.toml"
 
 
-def parse(argv):
-    ours = argparse.ArgumentParser(add_help=False)
+def parser() -> argparse.ArgumentParser:
+    # add_help=False: every flag it does not know is pretrain_gpt.py's; --help is answered in main
+    ours = argparse.ArgumentParser(prog="tools/dry_run.py", add_help=False, description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="Every other flag is pretrain_gpt.py's (python pretrain_gpt.py --help).")
     ours.add_argument("--world-size", type=int, required=True)
     ours.add_argument("--ranks", default=None, help="comma-separated ranks to simulate (default: all)")
     ours.add_argument("--ranks-per-node-sim", type=int, default=8)
@@ -43,11 +51,19 @@ def parse(argv):
     ours.add_argument("--force-overflow", default=None,
                       help="comma-separated training steps (from 1) whose gradient norm reads inf")
     ours.add_argument("--simulate-device", choices=["cuda", "cpu"], default="cuda")
-    return ours.parse_known_args(argv)
+    with GPUS.open("rb") as f:
+        names = sorted(tomllib.load(f))
+    ours.add_argument("--gpu", choices=names, default=None,
+                      help="after the table: does each rank's reserved peak fit this GPU's memory")
+    return ours
 
 
 def main(argv=None) -> int:
-    opts, train_argv = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(parser().format_help())
+        return 0
+    opts, train_argv = parser().parse_known_args(argv)
     from megazero.dry_run.job import check_flags, job_config, simulate
     from megazero.dry_run.roles import representatives
     from megazero.dry_run.cross_rank_checks import check_all
@@ -69,6 +85,8 @@ def main(argv=None) -> int:
             overflow = (0,)
         if any(s < 1 for s in overflow):
             mistake = f"--force-overflow {opts.force_overflow}: give comma-separated training steps, from 1"
+    if mistake is None and opts.gpu is not None and opts.simulate_device != "cuda":
+        mistake = f"--gpu {opts.gpu} with --simulate-device {opts.simulate_device}: a GPU's fit needs the simulated GPU (drop --simulate-device)"
     if mistake is not None:
         print(f"error: {mistake}", file=sys.stderr)
         return 2
@@ -84,11 +102,16 @@ def main(argv=None) -> int:
                     device_kind=opts.simulate_device)
     problems = check_all(runs)
     result = report(runs, problems, world, time.perf_counter() - started, stands_for)
+    if opts.gpu is not None:
+        from megazero.dry_run.fits import verdict, verdict_text
+        result["gpu"] = verdict(result, opts.gpu, job_config(train_argv, world, local))
     if opts.json == "-":
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
         print(table(result))
+        if result["gpu"] is not None:
+            print("\n" + verdict_text(result["gpu"]))
         lists = schedule_text(job_config(train_argv, world, local), world)
         if lists is not None:
             print("\n" + lists)

@@ -37,7 +37,11 @@ launch, nothing allocated but a widened fp32 slice of a 16-bit gradient, `WIDEN_
 a time); meta has no such kernel registered as supported, so its segments would take the torch
 reference ops and a partition-sized denominator. `gpu_attention()` routes meta segments to the
 fused kernel, whose meta implementation allocates nothing (ops/adam.py's declared `route` seam,
-megazero.core.kernels).
+megazero.core.kernels). And for dropout: on CUDA `F.dropout` in training (0 < p < 1) runs the fused
+kernel (`aten.native_dropout`), which keeps a bool (1-byte) mask for the backward; on meta (as on the
+CPU) it multiplies by a noise tensor of the input's dtype (2 bytes in bf16) and keeps that.
+`gpu_attention()` makes meta's dropout CUDA's kernel: `aten.native_dropout` has a meta kernel and
+autograd keeps its bool mask.
 
 `cpu_kernels()` is the same for a simulated CPU (the dry run's `--simulate-device cpu`, to compare
 with a real CPU run's measured memory): SDPA on the CPU runs its flash kernel
@@ -133,6 +137,14 @@ def _rms_norm_on_meta(real):
     return rms_norm
 
 
+def _dropout_on_meta(real):
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if input.device.type != "meta" or not training or inplace or not 0 < p < 1 or input.numel() == 0:
+            return real(input, p, training, inplace)
+        return aten.native_dropout(input, p, True)[0]      # what at::dropout runs on CUDA
+    return dropout
+
+
 def _fused_route(real):
     def route(device):
         return "fused" if torch.device(device).type == "meta" else real(device)
@@ -140,8 +152,8 @@ def _fused_route(real):
 
 
 class _TorchFunctions(TorchFunctionMode):
-    """Runs `replacements[f]` for each call of torch function `f` (the models' attention, RMSNorm
-    and fp32 GEMM), everything else as it is."""
+    """Runs `replacements[f]` for each call of torch function `f` (the models' attention, RMSNorm,
+    dropout and fp32 GEMM), everything else as it is."""
 
     def __init__(self, replacements: dict):
         super().__init__()
@@ -152,12 +164,12 @@ class _TorchFunctions(TorchFunctionMode):
 
 
 def gpu_attention():
-    """A context in which attention, RMSNorm and the optimizer step on meta tensors allocate what
+    """A context in which attention, RMSNorm, dropout and the optimizer step on meta tensors allocate what
     CUDA's kernels do (Adam: torch's fused multi-tensor kernel, as `adam_step` picks on a GPU)."""
     stack = contextlib.ExitStack()
     stack.enter_context(kernels.swapped((adam.route, _fused_route)))
     stack.enter_context(_TorchFunctions({
-        F.rms_norm: _rms_norm_on_meta(F.rms_norm),
+        F.rms_norm: _rms_norm_on_meta(F.rms_norm), F.dropout: _dropout_on_meta(F.dropout),
         F.scaled_dot_product_attention: _on_meta(F.scaled_dot_product_attention)}))
     return stack
 

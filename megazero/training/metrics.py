@@ -57,23 +57,31 @@ class MetricsLogger:
             print(text, file=self._stream or sys.stdout, flush=True)
 
     def log_train(self, window: list[dict], comm_log=None) -> None:
-        """Averages loss, speed and time over the iterations since the last log line."""
+        """Averages loss and time over the iterations since the last log line; the rates (tokens/s,
+        TFLOP/s, MFU, HFU) are the interval's totals over its total time, as ms/iter is its mean time
+        (a mean of per-iteration rates would weigh a fast iteration as much as a slow one)."""
         if not window:
             return
         last = window[-1]
+        seconds = [r["ms_per_iter"] for r in window]
+
+        def rate(key):     # sum of (rate x time) = the interval's total, over the total time
+            if not sum(seconds):
+                return sum(r.get(key, 0.0) for r in window) / len(window)
+            return sum(r.get(key, 0.0) * t for r, t in zip(window, seconds)) / sum(seconds)
         record = {
             "iteration": last["iteration"], "split": "train",
             "loss": sum(r["loss"] for r in window) / len(window),
             "lr": last["lr"], "grad_norm": last["grad_norm"],
-            "tokens_per_s": sum(r["tokens_per_s"] for r in window) / len(window),
+            "tokens_per_s": rate("tokens_per_s"),
             "ms_per_iter": sum(r["ms_per_iter"] for r in window) / len(window),
-            "tflops_per_device": sum(r.get("tflops_per_device", 0.0) for r in window) / len(window),
+            "tflops_per_device": rate("tflops_per_device"),
             "memory_mib": last["memory_mib"], "skipped": sum(bool(r["skipped"]) for r in window),
             "loss_scale": last["loss_scale"], "skipped_total": last.get("skipped_total", 0),
         }
         for key in ("mfu", "hfu"):     # model-FLOP and hardware-FLOP (with recomputation) utilisation
             if key in last:
-                record[key] = sum(r[key] for r in window) / len(window)
+                record[key] = rate(key)
         for key in OPTIONAL_FIELDS:    # flags' fields: the last iteration's
             if key in last:
                 record[key] = last[key]

@@ -7,7 +7,8 @@ bugs its cross-rank checks exist for.
   gloo run of the same flags (CommLog's trace; the experts' routed row counts compared by width);
 - planted bugs: a collective skipped on one rank, a host-made tensor in the gradient norm, a pipeline
   receive one row off: each fails with its one line naming the group or the pair and the code line;
-- the CLI: `--json -` parsed against its documented schema; exit 2 and one line on a flag mistake.
+- the CLI: `--json -` parsed against its documented schema; exit 2 and one line on a flag mistake;
+  `--help` prints the help and exits 0; torch's notice at the fake group's end does not reach stderr.
 
 One gloo pool runs every layout of the grid (one call); the dry runs share one forkserver.
 """
@@ -272,10 +273,14 @@ def _documented_host_reads() -> list[tuple[str, str]]:
 
 def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
     tool = [sys.executable, str(REPO / "tools" / "dry_run.py")]
-    got = subprocess.run(tool + ["--world-size", "2", "--processes", "1", "--json", "-"] + BASE,
+    got = subprocess.run(tool + ["--world-size", "2", "--processes", "1", "--json", "-", "--gpu", "h100"] + BASE,
                          capture_output=True, text=True, timeout=600)
     assert got.returncode == 0, got.stderr[-3000:]
+    assert "No backend of type" not in got.stderr and "Warning" not in got.stderr, got.stderr[-3000:]
     result = json.loads(got.stdout)
+    fit = result["gpu"]        # megazero.dry_run.fits' verdict: a small job fits an H100
+    assert list(fit) == _documented_fields("gpu") and fit["fits"] and fit["capacity"] == 80 * 10 ** 9
+    assert [row["rank"] for row in fit["ranks"]] == [0, 1] and "every rank fits" in fit["advice"]
     assert list(result) == _documented_fields("top") and result["schema"] == "megazero.dry_run/1"
     assert result["ok"] is True and result["problems"] == [] and result["world_size"] == 2
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
@@ -376,3 +381,26 @@ def test_one_rank_per_role_stands_for_all_ranks_at_16(flags, merged):
             # (what the first one left cached); every rank now has a process of its own.
             assert _peak(runs[other]) == _peak(first), \
                 f"rank {other}'s peak {_peak(runs[other])} differs from rank {members[0]}'s {_peak(first)}"
+
+
+def test_help_prints_the_flags_and_exits_0(capsys):
+    """Planted (no --help branch: argparse's "--world-size is required", exit 2) fails it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dry_run_tool", REPO / "tools" / "dry_run.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--world-size" in out and "--gpu {a100,h100,h200}" in out and "pretrain_gpt.py" in out
+
+
+def test_torchs_fake_group_notice_is_dropped_and_everything_else_shown(capfd):
+    """What fd 2 gets inside `stderr_without` comes back after it, but for the notice's lines (torch's
+    C++ side writes there, below Python's warnings). Planted (every line dropped, or none) fails it."""
+    import os
+    from megazero.dry_run.job import FAKE_GROUP_NOTICE, stderr_without
+    with stderr_without(FAKE_GROUP_NOTICE):
+        os.write(2, b"[rank0]:[W ProcessGroup.hpp:1006] Warning: " + FAKE_GROUP_NOTICE + b" with name undefined.\n")
+        os.write(2, b"RuntimeError: a real error\n")
+    err = capfd.readouterr().err
+    assert err == "RuntimeError: a real error\n", err

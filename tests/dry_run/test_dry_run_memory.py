@@ -297,3 +297,36 @@ def test_activation_offload_lowers_the_simulated_gpu_peak_by_what_goes_to_the_ho
     assert before["host"]["peak"] == 0 and after["host"]["peak"] == pytest.approx(fall, rel=0.1), after["host"]
     planned = before["planner"]["activations"] - after["planner"]["activations"]
     assert planned == pytest.approx(fall, rel=0.1), (planned, fall)
+
+
+def _layer_activations(hidden_dropout: float) -> int:
+    """Activation bytes one transformer layer keeps after its forward on the simulated GPU."""
+    from megazero.models.config import GPTConfig
+    from models.gpt import TransformerLayer
+    cfg = GPTConfig(vocab_size=128, hidden_size=256, num_layers=1, num_attention_heads=4, seq_length=512,
+                    hidden_dropout=hidden_dropout, attention_dropout=0.0)
+    with DeviceStandIn() as device, device.keeping_activations(), gpu_attention():
+        with torch.device("meta"):
+            layer = TransformerLayer(cfg, 0).to(torch.bfloat16)
+        x = torch.empty(2, cfg.seq_length, cfg.hidden_size, device="meta", dtype=torch.bfloat16,
+                        requires_grad=True)
+        device.in_setup = False
+        with torch.enable_grad():
+            out = layer(x)
+        kept = device.live["activations"]
+        out.sum().backward()
+    return kept
+
+
+def test_dropout_on_a_simulated_gpu_keeps_cudas_one_byte_mask():
+    """CUDA's dropout (aten.native_dropout) keeps a bool mask; meta's own keeps noise in the input's
+    dtype. A layer at dropout 0.1 keeps exactly its two 1-byte masks (b x s x h each) more than at 0,
+    and the planner's mask term says the same. Planted (meta's 2-byte noise): twice the difference."""
+    from megazero.config.activation_memory import layer_activation_split
+    from megazero.models.config import GPTConfig
+    tokens, h = 2 * 512, 256
+    assert _layer_activations(0.1) - _layer_activations(0.0) == 2 * tokens * h
+    planned = [sum(layer_activation_split(GPTConfig(vocab_size=128, hidden_size=h, num_layers=1,
+                                                    num_attention_heads=4, hidden_dropout=p))) * h * tokens
+               for p in (0.1, 0.0)]
+    assert planned[0] - planned[1] == 2 * tokens * h

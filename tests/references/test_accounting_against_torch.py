@@ -140,9 +140,10 @@ def test_step_flops_match_torch_flop_counter_on_the_math_attention_kernel(activa
     """megazero.training.flops' count of a training step (the MFU numerator) equals what torch's
     FlopCounterMode counts over a real forward and backward of the GPT, attention included: on the
     math SDPA backend attention runs as matmuls the counter sees (the CPU flash kernel it does not
-    see). Causal attention is counted in full on both sides (the math kernel masks after the matmul).
+    see). Causal attention is counted in full on both sides (the math kernel masks after the matmul: the
+    older count, causal_at_half=False; MFU counts it at half, as Megatron-LM now does).
 
-    Kills: attention FLOPs halved for causality."""
+    Kills: the older count (causal_at_half=False) halving the attention anyway."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from megazero.training.flops import forward_flops_per_token, step_flops
@@ -159,11 +160,11 @@ def test_step_flops_match_torch_flop_counter_on_the_math_attention_kernel(activa
             loss = model(tokens[:, :-1], tokens[:, 1:]).sum()
         with FlopCounterMode(display=False) as backward:
             loss.backward()
-    assert forward.get_total_flops() == forward_flops_per_token(cfg) * count
+    assert forward.get_total_flops() == forward_flops_per_token(cfg, causal_at_half=False) * count
     # The fused loss (models/loss.py) runs these 96 tokens' head as one chunk and keeps its softmax
     # from the forward: the backward recomputes no logits, so the step is exactly the model FLOPs.
     # (A head cut into chunks recomputes each chunk's logits: one more output-layer matmul.)
-    assert forward.get_total_flops() + backward.get_total_flops() == step_flops(cfg, count)
+    assert forward.get_total_flops() + backward.get_total_flops() == step_flops(cfg, count, causal_at_half=False)
     from megazero.models.loss import linear_cross_entropy
     x = torch.randn(count, cfg.hidden_size, requires_grad=True)
     weight = torch.randn(cfg.padded_vocab_size, cfg.hidden_size, requires_grad=True)

@@ -2,7 +2,10 @@
 plus the attention matmuls counted by hand (the CPU SDPA kernel is not seen by the counter) must give
 megazero.training.flops' number; a training step is 3 forwards (model FLOPs, what MFU counts); recomputation adds
 what it reruns (hardware FLOPs, HFU), counted by hand here for each of Megatron's recompute settings.
-Planted: counting block's layers over the whole model instead of per chunk fails the block cases."""
+The count follows Megatron-LM's current formula (causal attention at half), written out here from
+its source; the older full count stays available (causal_at_half=False).
+Planted: counting block's layers over the whole model instead of per chunk fails the block cases;
+the attention counted in full by default fails the Megatron comparison."""
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -22,7 +25,9 @@ def test_forward_flops_match_torch_counter_plus_attention(activation, groups):
         GPT(cfg)(torch.randint(0, 100, (batch, seq)))
     # QK^T and attention x V: 2 matmuls of seq x head_dim per head and token, 2 FLOPs per MAC.
     attention = cfg.num_layers * batch * seq * 2 * 2 * seq * cfg.hidden_size
-    assert forward_flops_per_token(cfg) * batch * seq == counter.get_total_flops() + attention
+    assert forward_flops_per_token(cfg, causal_at_half=False) * batch * seq == counter.get_total_flops() + attention
+    # Megatron-LM's current count: the causal attention's two matmuls at half
+    assert forward_flops_per_token(cfg) * batch * seq == counter.get_total_flops() + attention / 2
 
 
 def test_step_counts_backward_and_recompute():
@@ -39,7 +44,7 @@ def test_wider_heads_and_groups_count_as_written_by_hand():
     cfg = GPTConfig(**BASE_FIELDS)
     q, k, v, out = 64 * 96, 64 * 48, 64 * 48, 96 * 64          # 96 = 4 heads x 24, 48 = 2 groups x 24
     mlp = 3 * 64 * 96
-    attention = 2 * 32 * 96                                     # QK^T and AV: seq x head width, all heads
+    attention = 2 * 32 * 96 / 2              # QK^T and AV: seq x head width, all heads; causal: half
     per_layer = 2 * (q + k + v + out + mlp + attention)
     assert forward_flops_per_token(cfg) == 3 * per_layer + 2 * 128 * 64
     assert step_flops(cfg, 7) == 3 * 7 * (3 * per_layer + 2 * 128 * 64)
@@ -84,3 +89,32 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
         assert record["hfu"] == pytest.approx((model + extra) / elapsed / 1e12 / 1e-3, rel=1e-9)
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all({"mfu", "hfu"} <= set(r) for r in logged)
+
+
+def megatron_step_flops(batch, seq, h, layers, heads, groups, kv_channels, ffn, swiglu, vocab):
+    """Megatron-LM's num_floating_point_operations (megatron/training/training.py, transformer_flops)
+    for a dense GPT, written from its source: 3 (forward, wgrad, dgrad) x 2 (FMA) per term; the core
+    attention's query width x seq / 2 (causal) x 2 (QK^T and (QK^T)V)."""
+    q, kv = kv_channels * heads, kv_channels * groups
+    attention = 3 * 2 * (h * (q + 2 * kv) + q * seq / 2 * 2 + q * h)
+    mlp = 3 * 2 * h * ffn * (3 if swiglu else 2)
+    return batch * seq * ((mlp + attention) * layers + 3 * 2 * h * vocab)
+
+
+@pytest.mark.parametrize("shape", [
+    # GPT-3 175B (Megatron's recipe), Llama-3 8B at 8192, and BASE_FIELDS' odd widths
+    dict(h=12288, layers=96, heads=96, groups=96, kv_channels=128, ffn=49152, swiglu=False, vocab=51200, seq=2048),
+    dict(h=4096, layers=32, heads=32, groups=8, kv_channels=128, ffn=14336, swiglu=True, vocab=128256, seq=8192),
+    dict(h=64, layers=3, heads=4, groups=2, kv_channels=24, ffn=96, swiglu=True, vocab=128, seq=32)])
+def test_step_flops_equal_megatrons_current_count(shape):
+    cfg = GPTConfig(vocab_size=shape["vocab"], padded_vocab_size=shape["vocab"], hidden_size=shape["h"],
+                    num_layers=shape["layers"], num_attention_heads=shape["heads"],
+                    num_query_groups=shape["groups"], kv_channels=shape["kv_channels"],
+                    ffn_hidden_size=shape["ffn"], seq_length=shape["seq"],
+                    activation="swiglu" if shape["swiglu"] else "gelu")
+    batch = 5
+    expected = megatron_step_flops(batch, **shape)
+    assert step_flops(cfg, batch * shape["seq"]) == pytest.approx(expected, rel=1e-12)
+    # the older count: the attention's two matmuls in full, more by exactly that half
+    half = 3 * batch * shape["seq"] * shape["layers"] * 2 * shape["seq"] * shape["heads"] * shape["kv_channels"]
+    assert step_flops(cfg, batch * shape["seq"], causal_at_half=False) == pytest.approx(expected + half, rel=1e-12)
