@@ -11,8 +11,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 
 class ReadAhead:
-    def __init__(self, source, workers: int, depth: int = 2):
-        self.source, self.depth = source, max(1, depth)
+    def __init__(self, source, workers: int, depth: int = 2, end: int | None = None):
+        """`end`: the first batch index the run never asks for (its --train-iters): nothing is read
+        from there on (a dataset of whole epochs holds more samples than the run trains on)."""
+        self.source, self.depth, self.end = source, max(1, depth), end
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="megazero-data")
         self.pending: dict[int, Future] = {}
 
@@ -21,6 +23,8 @@ class ReadAhead:
 
     def batch(self, i: int):
         for j in range(i, i + 1 + self.depth):         # this batch and the next `depth` ones in flight
+            if j != i and self.end is not None and j >= self.end:
+                break
             if j not in self.pending:
                 self.pending[j] = self.pool.submit(self.source.batch, j)
         for j in [j for j in self.pending if j < i]:     # a jump back or forward drops stale reads

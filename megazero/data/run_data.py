@@ -44,7 +44,7 @@ def run_data(cfg, dp_rank: int, dp_size: int, say, *, first=None, keep_tokenizer
     train = MicrobatchSource(train_set, cfg.global_batch_size, cfg.micro_batch_size, dp_rank, dp_size,
                              ramp=cfg.rampup)
     if cfg.run.num_workers > 0:
-        train = ReadAhead(train, cfg.run.num_workers)
+        train = ReadAhead(train, cfg.run.num_workers, end=cfg.train_iters)
     valid = []
     if valid_set is not None and cfg.eval_iters > 0:
         source = MicrobatchSource(valid_set, cfg.global_batch_size, cfg.micro_batch_size, dp_rank, dp_size)

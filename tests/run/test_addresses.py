@@ -46,7 +46,7 @@ def test_the_host_name_address_is_the_one_gloo_binds():
 
 def _raised_in_init_process_group(message: str) -> RuntimeError:
     """The error as it reaches the launch: raised inside torch.distributed's init_process_group."""
-    scope = {}
+    scope = {"__name__": "torch.distributed.distributed_c10d"}     # failures reads a frame's module
     source = "def init_process_group(message):\n    raise RuntimeError(message)\n"
     exec(compile(source, os.path.join("site-packages", "torch", "distributed", "distributed_c10d.py"), "exec"), scope)
     try:
