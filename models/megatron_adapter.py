@@ -17,6 +17,8 @@ Facts the mapping honours:
 - Norm names: the Transformer Engine spec fuses the layer norms into the next linear
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), the local spec keeps
   `input_layernorm` / `pre_mlp_layernorm`; both are read; torch_dist always uses the fused names.
+- GELU: Megatron's fused bias-GELU (its default with biases) and --openai-gelu are the tanh form,
+  its plain GELU the exact one; exports name the form with --openai-gelu, fusion off.
 - A zero-centred norm (--apply-layernorm-1p) stores the offset weight on both sides.
 """
 from __future__ import annotations
@@ -55,6 +57,9 @@ def gpt_config(args: dict) -> GPTConfig:
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     padded = args.get("padded_vocab_size") or args["vocab_size"]
     seq = args.get("seq_length") or args.get("max_position_embeddings")
+    # Megatron's fused bias-GELU (on by default; validate_args turns it off without biases) and
+    # --openai-gelu compute the tanh form; plain GELU is torch's exact erf form
+    tanh = args.get("openai_gelu") or (args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True))
     return GPTConfig(
         vocab_size=padded, hidden_size=args["hidden_size"], num_layers=args["num_layers"],
         num_attention_heads=heads, num_query_groups=groups or heads, kv_channels=args.get("kv_channels") or 0,
@@ -62,7 +67,7 @@ def gpt_config(args: dict) -> GPTConfig:
         max_position_embeddings=args.get("max_position_embeddings") or seq,
         position_embedding="rope" if position == "rope" else "learned",
         rotary_base=float(args.get("rotary_base", 10000)), rotary_percent=float(args.get("rotary_percent", 1.0)),
-        activation="swiglu" if args.get("swiglu") else "gelu",
+        activation="swiglu" if args.get("swiglu") else "gelu", gelu_approximate="tanh" if tanh else "none",
         normalization="rmsnorm" if args.get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
         norm_epsilon=args.get("norm_epsilon", 1e-5), apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
@@ -84,7 +89,8 @@ def megatron_args(config: GPTConfig, rotary_interleaved: bool = False) -> dict:
         vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size,
         position_embedding_type="rope" if config.position_embedding == "rope" else "learned_absolute",
         rotary_base=config.rotary_base, rotary_percent=config.rotary_percent, rotary_interleaved=rotary_interleaved,
-        swiglu=config.activation == "swiglu", normalization="RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
+        swiglu=config.activation == "swiglu", bias_gelu_fusion=False,
+        openai_gelu=config.activation == "gelu" and config.gelu_approximate == "tanh", normalization="RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
         norm_epsilon=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
         untie_embeddings_and_output_weights=not config.tie_embeddings, add_bias_linear=config.add_bias_linear,
         add_qkv_bias=config.add_qkv_bias, hidden_dropout=config.hidden_dropout,

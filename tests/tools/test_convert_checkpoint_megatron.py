@@ -1,9 +1,14 @@
 """Megatron-LM conversion (tools/convert_checkpoint.py import-megatron / export-megatron,
-models/megatron_adapter.py, megazero/checkpoint/megatron_files.py), against megatron-core itself: a tiny
-GPTModel (rope, GQA, SwiGLU, RMSNorm, untied head) built at tensor-parallel degree 2 on two gloo ranks
-and saved by megatron-core's dist_checkpointing (torch_dist) and as legacy per-rank pickles imports
-into megazero and gives megatron-core's logits (fp32, rtol 1e-5); the export loads back into a fresh
-megatron-core model at TP 2 and gives them again. Skips without megatron-core."""
+models/megatron_adapter.py, megazero/checkpoint/megatron_files.py), against megatron-core itself: two
+tiny GPTModels (Llama-like: rope, GQA, SwiGLU, RMSNorm, untied head; GPT-like: learned positions,
+LayerNorm, exact GELU, biases, tied head) built at tensor-parallel degree 2 on two gloo ranks and saved
+by megatron-core's dist_checkpointing (torch_dist) and as legacy per-rank pickles import into megazero
+and give megatron-core's logits and per-token losses (fp32, rtol 1e-5); the exports load back into
+fresh megatron-core models at TP 2 and give them again. Skips without megatron-core.
+
+Planted, each failed: legacy SwiGLU fc1 shards concatenated plainly (abs diff 2.3e-2); the rotary row
+permutation on q heads but not k (1.4e-3); GELU always the tanh form (4.6e-4, GPT-like model); the
+local spec's input and pre-MLP norm names swapped (2.9)."""
 import argparse
 import contextlib
 
@@ -19,12 +24,19 @@ mcore = pytest.importorskip("megatron.core", reason="megatron-core is not instal
 
 RTOL = 1e-5
 TOKENS = torch.tensor([[3, 17, 40, 2, 59, 11, 0, 33, 60, 7, 8, 1], [1, 5, 9, 58, 21, 44, 12, 6, 30, 49, 3, 3]])
-ARGS = dict(num_layers=2, hidden_size=32, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
-            kv_channels=8, ffn_hidden_size=48, seq_length=16, max_position_embeddings=16, vocab_size=64,
-            padded_vocab_size=64, position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
-            rotary_interleaved=False, swiglu=True, normalization="RMSNorm", norm_epsilon=1e-5,
-            untie_embeddings_and_output_weights=True, add_bias_linear=False, hidden_dropout=0.0,
-            attention_dropout=0.0)
+LABELS = TOKENS.roll(-1, dims=1)
+COMMON = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, seq_length=16,
+              max_position_embeddings=16, vocab_size=64, padded_vocab_size=64, norm_epsilon=1e-5,
+              hidden_dropout=0.0, attention_dropout=0.0)
+# Megatron-LM argument records (megatron/training/arguments.py names) of the two families tested
+VARIANTS = {
+    "llama": dict(COMMON, group_query_attention=True, num_query_groups=2, kv_channels=8,
+                  position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
+                  swiglu=True, normalization="RMSNorm", untie_embeddings_and_output_weights=True,
+                  add_bias_linear=False),
+    "gpt": dict(COMMON, position_embedding_type="learned_absolute", swiglu=False, normalization="LayerNorm",
+                untie_embeddings_and_output_weights=False, add_bias_linear=True, bias_gelu_fusion=False),
+}
 
 
 @contextlib.contextmanager
@@ -55,95 +67,117 @@ def _megatron_on_cpu():
         config["daemon"], filesystem_async._results_queue = daemon, None
 
 
-def _model(seed):
+def _model(variant, seed):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+    args = VARIANTS[variant]
+    llama = variant == "llama"
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
-        use_cpu_initialization=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, params_dtype=torch.float32, tensor_model_parallel_size=2)
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2 if llama else None,
+        ffn_hidden_size=48, use_cpu_initialization=True, gated_linear_unit=llama,
+        activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
+        normalization=args["normalization"], add_bias_linear=args["add_bias_linear"], hidden_dropout=0.0,
+        attention_dropout=0.0, bias_activation_fusion=False, params_dtype=torch.float32,
+        tensor_model_parallel_size=2)
     torch.manual_seed(seed)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64,
-                     max_sequence_length=16, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
-    with torch.no_grad():              # norms away from 1, so a misplaced one shows
+    model = GPTModel(config, get_gpt_layer_local_spec(normalization=args["normalization"]), vocab_size=64,
+                     max_sequence_length=16, position_embedding_type=args["position_embedding_type"],
+                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"])
+    with torch.no_grad():   # norms away from 1, biases from 0, activations O(1): a wrong one shows
         for name, p in model.named_parameters():
-            if "layernorm" in name:
+            if "layernorm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.2)
+            else:
+                p.mul_(8)
     return model.eval()
 
 
-def _logits(model) -> torch.Tensor:
-    """The full-vocabulary logits (b, s, v): each rank holds a vocabulary slice; gathered."""
+def _logits(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full-vocabulary logits (b, s, v; each rank holds a vocabulary slice: gathered) and the
+    per-token losses of LABELS (b, s)."""
     s = TOKENS.shape[1]
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
+    inputs = TOKENS, torch.arange(s).expand_as(TOKENS), torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1)
     with torch.no_grad():
-        local = model(TOKENS, torch.arange(s).expand_as(TOKENS), mask)
+        local, losses = model(*inputs), model(*inputs, labels=LABELS)
     parts = [torch.empty_like(local) for _ in range(2)]
     torch.distributed.all_gather(parts, local.contiguous())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=-1), losses
 
 
-def _save_with_megatron(ctx, torch_dist_dir, legacy_dir):
-    """Rank job: megatron-core builds and saves the model both ways; returns its logits."""
+def _save_with_megatron(ctx, root):
+    """Rank job: megatron-core builds each variant and saves it both ways (ROOT/<variant>_torch_dist,
+    ROOT/<variant>_legacy); returns {variant: (logits, per-token losses)}."""
     from megatron.core import dist_checkpointing, parallel_state
+    out = {}
     with _megatron_on_cpu():
         parallel_state.initialize_model_parallel(2, 1)
         try:
-            model = _model(seed=1)
-            common = {"args": argparse.Namespace(**ARGS), "iteration": 7, "checkpoint_version": 3.0}
-            if ctx.rank == 0:
-                for root in (torch_dist_dir, legacy_dir):
-                    (root / "iter_0000007").mkdir(parents=True)
-                    (root / "latest_checkpointed_iteration.txt").write_text("7")
-            torch.distributed.barrier()
-            dist_checkpointing.save({**model.sharded_state_dict(), **common}, str(torch_dist_dir / "iter_0000007"))
-            rank_dir = legacy_dir / "iter_0000007" / f"mp_rank_{ctx.rank:02d}"
-            rank_dir.mkdir()
-            torch.save({**common, "model": model.state_dict()}, rank_dir / "model_optim_rng.pt")
-            return _logits(model)
+            for variant, args in VARIANTS.items():
+                model = _model(variant, seed=1)
+                common = {"args": argparse.Namespace(**args), "iteration": 7, "checkpoint_version": 3.0}
+                torch_dist, legacy = root / f"{variant}_torch_dist", root / f"{variant}_legacy"
+                if ctx.rank == 0:
+                    for save in (torch_dist, legacy):
+                        (save / "iter_0000007").mkdir(parents=True)
+                        (save / "latest_checkpointed_iteration.txt").write_text("7")
+                torch.distributed.barrier()
+                dist_checkpointing.save({**model.sharded_state_dict(), **common}, str(torch_dist / "iter_0000007"))
+                rank_dir = legacy / "iter_0000007" / f"mp_rank_{ctx.rank:02d}"
+                rank_dir.mkdir()
+                torch.save({**common, "model": model.state_dict()}, rank_dir / "model_optim_rng.pt")
+                out[variant] = _logits(model)
+            return out
         finally:
             parallel_state.destroy_model_parallel()
 
 
-def _load_with_megatron(ctx, directory):
-    """Rank job: a fresh megatron-core model (other weights) loads `directory`; returns its logits."""
+def _load_with_megatron(ctx, directories):
+    """Rank job: a fresh megatron-core model (other weights) of each variant loads its directory;
+    returns {variant: (logits, per-token losses, iteration, args)}."""
     from megatron.core import dist_checkpointing, parallel_state
+    out = {}
     with _megatron_on_cpu():
         parallel_state.initialize_model_parallel(2, 1)
         try:
-            model = _model(seed=2)
-            loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
-            common = {key: loaded.pop(key) for key in ("args", "iteration", "checkpoint_version")}
-            model.load_state_dict(loaded)
-            return _logits(model), common["iteration"], vars(common["args"])
+            for variant, directory in directories.items():
+                model = _model(variant, seed=2)
+                loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+                common = {key: loaded.pop(key) for key in ("args", "iteration", "checkpoint_version")}
+                model.load_state_dict(loaded)
+                out[variant] = (*_logits(model), common["iteration"], vars(common["args"]))
+            return out
         finally:
             parallel_state.destroy_model_parallel()
 
 
-def _megazero_logits(directory) -> torch.Tensor:
+def _megazero_logits(directory) -> tuple[torch.Tensor, torch.Tensor]:
     reader = CheckpointReader(directory)
     config = GPTConfig(**reader.metadata["model"])
     model = GPT(config).eval()
-    model.load_state_dict({name: reader.full_tensor(name, "fp32") for name in reader.where})
+    model.load_state_dict({name: reader.full_tensor(name, "fp32") for name in reader.where}, strict=False)
     with torch.no_grad():
-        return model(TOKENS)
+        return model(TOKENS), model(TOKENS, LABELS)
+
+
+def _assert_close(ours, theirs):
+    for a, b in zip(ours, theirs):         # logits, per-token losses
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=RTOL)
 
 
 def test_megatron_checkpoints_round_trip_through_megatron_core(dist_pool, tmp_path):
     pool = dist_pool(2)
-    torch_dist, legacy = tmp_path / "torch_dist", tmp_path / "legacy"
-    expected = pool.run(_save_with_megatron, torch_dist, legacy)[0]
-    for source in (torch_dist, legacy):
-        directory, iteration = convert.import_megatron(source, tmp_path / f"mz_{source.name}")
-        assert iteration == 7
-        torch.testing.assert_close(_megazero_logits(directory), expected, rtol=RTOL, atol=RTOL)
-    exported = convert.export_megatron(tmp_path / "mz_torch_dist", tmp_path / "back")
-    logits, iteration, args = pool.run(_load_with_megatron, exported)[0]
-    torch.testing.assert_close(logits, expected, rtol=RTOL, atol=RTOL)
-    assert iteration == 0 and {k: args[k] for k in ARGS} == ARGS
+    expected = pool.run(_save_with_megatron, tmp_path)[0]
+    exported = {}
+    for variant in VARIANTS:
+        for kind in ("torch_dist", "legacy"):
+            directory, iteration = convert.import_megatron(tmp_path / f"{variant}_{kind}", tmp_path / f"mz_{variant}_{kind}")
+            assert iteration == 7
+            _assert_close(_megazero_logits(directory), expected[variant])
+        exported[variant] = convert.export_megatron(tmp_path / f"mz_{variant}_torch_dist", tmp_path / f"back_{variant}")
+    for variant, (*outputs, iteration, args) in pool.run(_load_with_megatron, exported)[0].items():
+        _assert_close(outputs, expected[variant])
+        assert iteration == 0 and {k: args[k] for k in VARIANTS[variant]} == VARIANTS[variant]
 
 
 def test_pickles_load_weights_only(tmp_path):
@@ -151,7 +185,7 @@ def test_pickles_load_weights_only(tmp_path):
     rank_dir = tmp_path / "iter_0000001" / "mp_rank_00"
     rank_dir.mkdir(parents=True)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
-    torch.save({"args": argparse.Namespace(**ARGS), "model": {}, "hook": contextlib.ExitStack()},
+    torch.save({"args": argparse.Namespace(**VARIANTS["gpt"]), "model": {}, "hook": contextlib.ExitStack()},
                rank_dir / "model_optim_rng.pt")
     with pytest.raises(convert.UsageError, match="weights-only"):
         convert.import_megatron(tmp_path, tmp_path / "out")
