@@ -4,11 +4,13 @@ tiny GPTModels (Llama-like: rope, GQA, SwiGLU, RMSNorm, untied head; GPT-like: l
 LayerNorm, exact GELU, biases, tied head) built at tensor-parallel degree 2 on two gloo ranks and saved
 by megatron-core's dist_checkpointing (torch_dist) and as legacy per-rank pickles import into megazero
 and give megatron-core's logits and per-token losses (fp32, rtol 1e-5); the exports load back into
-fresh megatron-core models at TP 2 and give them again. Skips without megatron-core.
+fresh megatron-core models at TP 2 and give them again. Legacy files of pipeline degree 2 import to
+the weights of megatron-core's own torch_dist save of that model. Skips without megatron-core.
 
 Planted, each failed: legacy SwiGLU fc1 shards concatenated plainly (abs diff 2.3e-2); the rotary row
 permutation on q heads but not k (1.4e-3); GELU always the tanh form (4.6e-4, GPT-like model); the
-local spec's input and pre-MLP norm names swapped (2.9)."""
+local spec's input and pre-MLP norm names swapped (2.9); legacy pipeline stages not renumbered (the
+import refused: no decoder.layers.1)."""
 import argparse
 import contextlib
 
@@ -67,7 +69,8 @@ def _megatron_on_cpu():
         config["daemon"], filesystem_async._results_queue = daemon, None
 
 
-def _model(variant, seed):
+def _model(variant, seed, tp=2, pp=1):
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -79,11 +82,13 @@ def _model(variant, seed):
         activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
         normalization=args["normalization"], add_bias_linear=args["add_bias_linear"], hidden_dropout=0.0,
         attention_dropout=0.0, bias_activation_fusion=False, params_dtype=torch.float32,
-        tensor_model_parallel_size=2)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     torch.manual_seed(seed)
     model = GPTModel(config, get_gpt_layer_local_spec(normalization=args["normalization"]), vocab_size=64,
                      max_sequence_length=16, position_embedding_type=args["position_embedding_type"],
-                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"])
+                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"],
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     with torch.no_grad():   # norms away from 1, biases from 0, activations O(1): a wrong one shows
         for name, p in model.named_parameters():
             if "layernorm" in name or name.endswith("bias"):
@@ -105,6 +110,34 @@ def _logits(model) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(parts, dim=-1), losses
 
 
+def _save_both_formats(ctx, model, args, torch_dist, legacy, rank_dir_name):
+    from megatron.core import dist_checkpointing
+    common = {"args": argparse.Namespace(**args), "iteration": 7, "checkpoint_version": 3.0}
+    if ctx.rank == 0:
+        for save in (torch_dist, legacy):
+            (save / "iter_0000007").mkdir(parents=True)
+            (save / "latest_checkpointed_iteration.txt").write_text("7")
+    torch.distributed.barrier()
+    dist_checkpointing.save({**model.sharded_state_dict(), **common}, str(torch_dist / "iter_0000007"))
+    rank_dir = legacy / "iter_0000007" / rank_dir_name
+    rank_dir.mkdir()
+    torch.save({**common, "model": model.state_dict()}, rank_dir / "model_optim_rng.pt")
+
+
+def _save_pipelined(ctx, root):
+    """Rank job: megatron-core builds the Llama-like model at pipeline degree 2 and saves it both ways
+    (untied: a tied head across stages makes megatron-core move the embedding to CUDA)."""
+    from megatron.core import parallel_state
+    with _megatron_on_cpu():
+        parallel_state.initialize_model_parallel(1, 2)
+        try:
+            model = _model("llama", seed=3, tp=1, pp=2)
+            _save_both_formats(ctx, model, dict(VARIANTS["llama"], pipeline_model_parallel_size=2),
+                               root / "pp_torch_dist", root / "pp_legacy", f"mp_rank_00_{ctx.rank:03d}")
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
 def _save_with_megatron(ctx, root):
     """Rank job: megatron-core builds each variant and saves it both ways (ROOT/<variant>_torch_dist,
     ROOT/<variant>_legacy); returns {variant: (logits, per-token losses)}."""
@@ -115,17 +148,8 @@ def _save_with_megatron(ctx, root):
         try:
             for variant, args in VARIANTS.items():
                 model = _model(variant, seed=1)
-                common = {"args": argparse.Namespace(**args), "iteration": 7, "checkpoint_version": 3.0}
-                torch_dist, legacy = root / f"{variant}_torch_dist", root / f"{variant}_legacy"
-                if ctx.rank == 0:
-                    for save in (torch_dist, legacy):
-                        (save / "iter_0000007").mkdir(parents=True)
-                        (save / "latest_checkpointed_iteration.txt").write_text("7")
-                torch.distributed.barrier()
-                dist_checkpointing.save({**model.sharded_state_dict(), **common}, str(torch_dist / "iter_0000007"))
-                rank_dir = legacy / "iter_0000007" / f"mp_rank_{ctx.rank:02d}"
-                rank_dir.mkdir()
-                torch.save({**common, "model": model.state_dict()}, rank_dir / "model_optim_rng.pt")
+                _save_both_formats(ctx, model, args, root / f"{variant}_torch_dist", root / f"{variant}_legacy",
+                                   f"mp_rank_{ctx.rank:02d}")
                 out[variant] = _logits(model)
             return out
         finally:
@@ -178,6 +202,17 @@ def test_megatron_checkpoints_round_trip_through_megatron_core(dist_pool, tmp_pa
     for variant, (*outputs, iteration, args) in pool.run(_load_with_megatron, exported)[0].items():
         _assert_close(outputs, expected[variant])
         assert iteration == 0 and {k: args[k] for k in VARIANTS[variant]} == VARIANTS[variant]
+
+
+def test_legacy_pipeline_stages_join_as_megatron_core_numbers_them(dist_pool, tmp_path):
+    """Legacy files of pipeline degree 2 (each stage numbering its layers from 0) import to the same
+    weights as megatron-core's torch_dist save of the same model, which holds global layer numbers."""
+    dist_pool(2).run(_save_pipelined, tmp_path)
+    imported = [CheckpointReader(convert.import_megatron(tmp_path / f"pp_{kind}", tmp_path / f"mz_{kind}")[0])
+                for kind in ("torch_dist", "legacy")]
+    assert sorted(imported[0].where) == sorted(imported[1].where)
+    for name in imported[0].where:
+        assert torch.equal(imported[0].full_tensor(name, "fp32"), imported[1].full_tensor(name, "fp32")), name
 
 
 def test_pickles_load_weights_only(tmp_path):
