@@ -10,17 +10,20 @@ Two formats, both under `SAVE/latest_checkpointed_iteration.txt` and `SAVE/iter_
   tensor-parallel axis, pipeline stages renumbered into global layers.
 
 Every pickle (`common.pt`, `model_optim_rng.pt`) is read with torch.load(weights_only=True) and an
-explicit allow-list (argparse.Namespace, and Megatron's enums read as plain values): no code from the
-file runs; anything else is refused naming the type. Mapping names to megazero's is
+explicit allow-list, megatron-core's own (argparse.Namespace, SimpleNamespace, PosixPath, signals,
+numpy arrays for the RNG states; Megatron's enums read as their values and its records as attribute
+bags, without importing megatron): no code from the file runs; anything else is refused naming it. Mapping names to megazero's is
 models/megatron_adapter.py's job; this module must not know megazero's parameter names.
 """
 from __future__ import annotations
 
 import argparse
-import enum
 import json
+import pathlib
 import pickle
 import re
+import signal
+import types
 from pathlib import Path
 
 import torch
@@ -33,8 +36,13 @@ from .files import apply_umask
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)")
-_MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.AttnMaskType",
-                   "megatron.core.enums.ModelType", "megatron.core.transformer.enums.CudaGraphScope")
+# What megatron-core itself allows in its pickles (megatron/core/safe_globals.py) and megazero reads
+# without importing it: its enums, as their values, and its records, as plain attribute bags.
+_MEGATRON_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphScope",
+                   "megatron.core.enums.ModelType", "megatron.core.rerun_state_machine.RerunDiagnostic",
+                   "megatron.core.rerun_state_machine.RerunMode")
+_MEGATRON_RECORDS = ("megatron.core.optimizer.OptimizerConfig", "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+                     "megatron.core.rerun_state_machine.RerunState")
 
 
 class MegatronCheckpointError(ValueError):
@@ -46,15 +54,33 @@ def _stand_in(qualified: str) -> type:
     return type(qualified.rsplit(".", 1)[1], (), {"__new__": lambda cls, value: value})
 
 
+def _record_stand_in(qualified: str) -> type:
+    """A class standing in for one of Megatron's dataclasses: its fields become attributes."""
+    return type(qualified.rsplit(".", 1)[1], (types.SimpleNamespace,), {})
+
+
+def _numpy_globals() -> list:
+    """What a numpy array's pickle names (Megatron keeps numpy's RNG state): its reconstructor, the
+    array and dtype classes; they build arrays from bytes and run nothing else."""
+    import numpy
+    core = getattr(numpy, "_core", None) or numpy.core
+    return [core.multiarray._reconstruct, numpy.ndarray, numpy.dtype,
+            *(getattr(numpy.dtypes, name) for name in dir(numpy.dtypes) if name.endswith("DType"))]
+
+
 def safe_load(path: Path):
-    """A Megatron pickle, weights-only: tensors, containers, argparse.Namespace, Megatron's enums."""
-    allowed = [argparse.Namespace, enum.Enum] + [(_stand_in(name), name) for name in _MEGATRON_ENUMS]
+    """A Megatron pickle, weights-only: tensors, containers, argparse.Namespace, Megatron's enums (as
+    their values), numpy arrays (the RNG states)."""
+    allowed = ([argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals]
+               + [(_stand_in(name), name) for name in _MEGATRON_ENUMS]
+               + [(_record_stand_in(name), name) for name in _MEGATRON_RECORDS] + _numpy_globals())
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).split("\n")[0]
-        raise MegatronCheckpointError(f"{path}: refused to unpickle it ({first}); megazero loads Megatron "
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f"it names {found.group(1)}, outside the allow-list" if found else str(err).split("\n")[0]
+        raise MegatronCheckpointError(f"{path}: refused to unpickle it ({what}); megazero loads Megatron "
                                       f"pickles weights-only, never running code from the file") from None
 
 

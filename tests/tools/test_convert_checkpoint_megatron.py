@@ -10,9 +10,14 @@ the weights of megatron-core's own torch_dist save of that model. Skips without 
 Planted, each failed: legacy SwiGLU fc1 shards concatenated plainly (abs diff 2.3e-2); the rotary row
 permutation on q heads but not k (1.4e-3); GELU always the tanh form (4.6e-4, GPT-like model); the
 local spec's input and pre-MLP norm names swapped (2.9); legacy pipeline stages not renumbered (the
-import refused: no decoder.layers.1)."""
+import refused: no decoder.layers.1); numpy left out of the pickle allow-list (the legacy import refused:
+megatron-core's own allow-list, registered when it is imported, is cleared for these tests)."""
 import argparse
 import contextlib
+import random
+import signal
+
+import numpy
 
 import pytest
 import torch
@@ -39,6 +44,16 @@ VARIANTS = {
     "gpt": dict(COMMON, position_embedding_type="learned_absolute", swiglu=False, normalization="LayerNorm",
                 untie_embeddings_and_output_weights=False, add_bias_linear=True, bias_gelu_fusion=False),
 }
+
+
+@pytest.fixture(autouse=True)
+def megazero_allow_list_alone():
+    """Importing megatron.core allow-lists its classes for every torch.load of the process; cleared
+    here, so the files are read with megazero's own allow-list alone."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.add_safe_globals(saved)
 
 
 @contextlib.contextmanager
@@ -121,7 +136,15 @@ def _save_both_formats(ctx, model, args, torch_dist, legacy, rank_dir_name):
     dist_checkpointing.save({**model.sharded_state_dict(), **common}, str(torch_dist / "iter_0000007"))
     rank_dir = legacy / "iter_0000007" / rank_dir_name
     rank_dir.mkdir()
-    torch.save({**common, "model": model.state_dict()}, rank_dir / "model_optim_rng.pt")
+    # as Megatron-LM's legacy files: enums and a signal among the arguments, numpy's and torch's RNG
+    # states, the rerun state machine's mode
+    from megatron.core.rerun_state_machine import RerunMode
+    from megatron.core.transformer.enums import AttnBackend
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(),
+           "torch_rng_state": torch.get_rng_state()}
+    megatron_args = argparse.Namespace(**args, attention_backend=AttnBackend.auto, exit_signal=signal.SIGTERM)
+    torch.save({**common, "args": megatron_args, "model": model.state_dict(), "rng_state": [rng],
+                "rerun_state_machine": {"mode": RerunMode.DISABLED}}, rank_dir / "model_optim_rng.pt")
 
 
 def _save_pipelined(ctx, root):
@@ -222,5 +245,5 @@ def test_pickles_load_weights_only(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     torch.save({"args": argparse.Namespace(**VARIANTS["gpt"]), "model": {}, "hook": contextlib.ExitStack()},
                rank_dir / "model_optim_rng.pt")
-    with pytest.raises(convert.UsageError, match="weights-only"):
+    with pytest.raises(convert.UsageError, match="contextlib.ExitStack, outside the allow-list.*weights-only"):
         convert.import_megatron(tmp_path, tmp_path / "out")
