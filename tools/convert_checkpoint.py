@@ -4,6 +4,8 @@
     python tools/convert_checkpoint.py export-hf --load runs/ckpt --output out/hf [--format auto|gpt2|llama|mixtral|qwen2_moe]
                                              [--without-tokenizer] [--overwrite]
     python tools/convert_checkpoint.py import-hf --input path/to/hf_model --save runs/imported
+    python tools/convert_checkpoint.py import-megatron --input megatron/save_dir --save runs/imported
+    python tools/convert_checkpoint.py export-megatron --load runs/ckpt --output megatron/save_dir
 
 `consolidate` writes the full fp32 model of a sharded checkpoint (any layout) as
 OUT/model.safetensors + OUT/config.json, loadable by megazero.models.GPT with strict=True, reading
@@ -23,7 +25,10 @@ unless --overwrite (files of the names export-hf writes are replaced, others sta
 checkpoint that `--load`/`--finetune` accept at any layout, with the folder's tokenizer (tokenizer.json,
 a sentencepiece tokenizer.model, or GPT-2's vocab.json + merges.txt) kept as the checkpoint's. Names,
 shapes and configs are mapped in models/hf_adapter.py (megazero.models.hf_adapter); this file only
-reads and writes. Every file gets the umask's mode (0644 by default).
+reads and writes. `import-megatron` reads a Megatron-LM checkpoint (`--ckpt-format torch_dist`, or
+the legacy per-rank `model_optim_rng.pt` files at any TP/PP) into a one-rank megazero checkpoint;
+`export-megatron` writes one as `--ckpt-format torch_dist` that megatron-core loads at any layout
+(megazero/checkpoint/megatron_files.py reads and writes, models/megatron_adapter.py maps). Every file gets the umask's mode (0644 by default).
 """
 from __future__ import annotations
 
@@ -40,12 +45,13 @@ from safetensors.torch import save_file
 
 from megazero.checkpoint import CheckpointReader, write_full_checkpoint
 from megazero.checkpoint.consolidate import consolidate
+from megazero.checkpoint import megatron_files
 from megazero.checkpoint.files import LATEST, TOKENIZER_DIR, apply_umask
 from megazero.core.errors import UsageError, check_writable_dir
 from megazero.data.tokenizer_export import HFTokenizer
 from megazero.data.tokenizer import load_tokenizer, saved_form, tokenizer_from_saved
 from megazero.data.tokenizer_bpe import GPT2BPETokenizer, HuggingFaceTokenizer
-from megazero.models import hf_adapter
+from megazero.models import hf_adapter, megatron_adapter
 from megazero.models.config import GPTConfig
 
 
@@ -171,6 +177,46 @@ def import_hf(input_dir, save, run_id: str | None = None) -> tuple[Path, str | N
     return directory, tokenizer and tokenizer.tokenizer_type
 
 
+def import_megatron(input_dir, save, run_id: str | None = None) -> tuple[Path, int]:
+    """Writes the Megatron-LM checkpoint at `input_dir` (either format) as a megazero checkpoint in `save`
+    (weights only, iteration 0); returns its iteration directory and the Megatron iteration it held."""
+    save = Path(save)
+    check_writable_dir(save, f"--save {save}", "choose a writable directory")
+    if (save / LATEST).exists():
+        raise UsageError(f"--save {save} already holds a checkpoint ({LATEST}); import into a new directory")
+    try:
+        record, state = megatron_files.read_checkpoint(input_dir)
+        args = record["args"]
+        config = megatron_adapter.gpt_config(args)
+        params = megatron_adapter.from_megatron(config, state, bool(args.get("rotary_interleaved")))
+    except ValueError as err:          # unreadable files, a model megazero cannot match, GPTConfig refusing
+        raise UsageError(f"import-megatron {input_dir}: {err}") from None
+    directory = write_full_checkpoint(save, config, params, run_id or f"import-megatron-{uuid.uuid4().hex[:12]}")
+    return directory, record["iteration"]
+
+
+def export_megatron(load, output) -> Path:
+    """Writes the checkpoint at `load` as a Megatron-LM torch_dist checkpoint under `output`."""
+    reader = CheckpointReader(load)
+    config = GPTConfig(**reader.metadata["model"])
+    out = Path(output)
+    check_writable_dir(out, f"--output {out}", "choose a writable directory")
+    if (out / megatron_files.TRACKER).exists():
+        raise UsageError(f"--output {out} already holds a Megatron-LM checkpoint; export into a new directory")
+
+    def read(name):
+        tensor = reader.full_tensor(name, "fp32")
+        reader.close()
+        return tensor
+
+    try:
+        args = megatron_adapter.megatron_args(config)
+        state = megatron_adapter.to_megatron(config, read)
+    except megatron_adapter.ConversionError as err:
+        raise UsageError(f"export-megatron {reader.path}: {err}") from None
+    return megatron_files.write_torch_dist(out, {"args": args}, state, reader.metadata["iteration"])
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +236,12 @@ def parse_args(argv=None):
     i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model as a megazero checkpoint")
     i.add_argument("--input", required=True, help="directory with config.json and model.safetensors")
     i.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
+    m = sub.add_parser("import-megatron", help="a Megatron-LM checkpoint (torch_dist or legacy) as a megazero checkpoint")
+    m.add_argument("--input", required=True, help="a Megatron-LM --save directory or one of its iter_* directories")
+    m.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
+    x = sub.add_parser("export-megatron", help="a checkpoint as a Megatron-LM --ckpt-format torch_dist checkpoint")
+    x.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
+    x.add_argument("--output", required=True, help="new directory: Megatron-LM's --load for it")
     return parser.parse_args(argv)
 
 
@@ -207,6 +259,12 @@ def run(args) -> str:
         flag = "--tokenizer-model" if tokenizer != "GPT2BPETokenizer" else "--vocab-file/--merge-file"
         return (f"wrote checkpoint {directory} with its {tokenizer} in {directory / TOKENIZER_DIR} (for "
                 f"preprocess_data.py and pretrain_gpt.py: --tokenizer-type {tokenizer} {flag} from there)")
+    if args.command == "import-megatron":
+        directory, iteration = import_megatron(args.input, args.save)
+        return (f"wrote checkpoint {directory} (the weights of Megatron-LM iteration {iteration}; pickles "
+                f"read weights-only, no code from them ran)")
+    if args.command == "export-megatron":
+        return f"wrote Megatron-LM torch_dist checkpoint {export_megatron(args.load, args.output)}"
     written = consolidate(args.load, args.output, args.with_optimizer)
     files = ", ".join(f"{name} ({count} tensors)" for name, count in written.items())
     return f"wrote {files} to {args.output}"

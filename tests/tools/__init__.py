@@ -1,1 +1,1 @@
-"""Tests of tools/: generate, and convert_checkpoint's Hugging Face export and import."""
+"""Tests of tools/: generate, and convert_checkpoint's Hugging Face and Megatron-LM export and import."""

@@ -1,0 +1,170 @@
+"""Name, shape and config mapping between megazero's GPT and megatron-core's GPTModel (Megatron-LM's
+checkpoints, both the legacy per-rank files and `--ckpt-format torch_dist`).
+
+Owns: which GPTConfig a Megatron-LM argument record (the `args` every Megatron-LM checkpoint keeps)
+describes and back, which options cannot be matched exactly (refused naming the flag), and how every
+parameter maps, per layer, on full (tensor-parallel merged) tensors. Reading and writing files is
+megazero/checkpoint/megatron_files.py's job; like the rest of `models`, this imports nothing of
+megazero's outside `models`. Refusals are ConversionError (a ValueError).
+
+Facts the mapping honours:
+- megatron-core's fused linear_qkv runs query group by query group, [q heads of g, k_g, v_g], as
+  megazero's qkv does: the weights map unchanged (and a TP shard holds whole groups of both).
+- SwiGLU's linear_fc1 is [gate; up] in the full tensor, as megazero's fc1.
+- Rotary layout: Megatron rotates halves of the rotated dims (x[i], x[i + r/2]) unless
+  --rotary-interleaved; megazero rotates interleaved pairs (x[2i], x[2i+1]). The q and k rows of
+  every head are permuted between the two (q.k is unchanged since both move alike).
+- Norm names: the Transformer Engine spec fuses the layer norms into the next linear
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`), the local spec keeps
+  `input_layernorm` / `pre_mlp_layernorm`; both are read; torch_dist always uses the fused names.
+- GELU: Megatron's fused bias-GELU (its default with biases) and --openai-gelu are the tanh form,
+  its plain GELU the exact one; exports name the form with --openai-gelu, fusion off.
+- A zero-centred norm (--apply-layernorm-1p) stores the offset weight on both sides.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .config import GPTConfig
+
+
+class ConversionError(ValueError):
+    """A model or argument record one side cannot express exactly; the message names the flag."""
+
+
+# Megatron-LM arguments that change the model's function and that megazero has no match for.
+_UNSUPPORTED = (("num_experts", None, "--num-experts (mixtures of experts are not converted yet)"),
+                ("qk_layernorm", False, "--qk-layernorm"),
+                ("multi_latent_attention", False, "--multi-latent-attention"),
+                ("rotary_scaling_factor", 1.0, "--rotary-scaling-factor"),
+                ("use_rope_scaling", False, "--use-rope-scaling"),
+                ("squared_relu", False, "--squared-relu"),
+                ("group_query_attention_in_fp32", False, "--group-query-attention-in-fp32"))
+
+
+def gpt_config(args: dict) -> GPTConfig:
+    """The GPTConfig of a Megatron-LM argument record; refuses options megazero cannot match."""
+    for key, neutral, flag in _UNSUPPORTED:
+        if args.get(key, neutral) not in (neutral, None, 0):
+            raise ConversionError(f"the checkpoint was trained with {flag}, which megazero's GPT does not "
+                                  f"have; it cannot be converted exactly")
+    position = args.get("position_embedding_type", "learned_absolute")
+    if position not in ("learned_absolute", "rope"):
+        raise ConversionError(f"--position-embedding-type {position}: megazero has learned_absolute and rope")
+    heads = args["num_attention_heads"]
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    padded = args.get("padded_vocab_size") or args["vocab_size"]
+    seq = args.get("seq_length") or args.get("max_position_embeddings")
+    # Megatron's fused bias-GELU (on by default; validate_args turns it off without biases) and
+    # --openai-gelu compute the tanh form; plain GELU is torch's exact erf form
+    tanh = args.get("openai_gelu") or (args.get("bias_gelu_fusion", True) and args.get("add_bias_linear", True))
+    return GPTConfig(
+        vocab_size=padded, hidden_size=args["hidden_size"], num_layers=args["num_layers"],
+        num_attention_heads=heads, num_query_groups=groups or heads, kv_channels=args.get("kv_channels") or 0,
+        ffn_hidden_size=args.get("ffn_hidden_size") or 0, seq_length=seq,
+        max_position_embeddings=args.get("max_position_embeddings") or seq,
+        position_embedding="rope" if position == "rope" else "learned",
+        rotary_base=float(args.get("rotary_base", 10000)), rotary_percent=float(args.get("rotary_percent", 1.0)),
+        activation="swiglu" if args.get("swiglu") else "gelu", gelu_approximate="tanh" if tanh else "none",
+        normalization="rmsnorm" if args.get("normalization", "LayerNorm") == "RMSNorm" else "layernorm",
+        norm_epsilon=args.get("norm_epsilon", 1e-5), apply_layernorm_1p=bool(args.get("apply_layernorm_1p")),
+        tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
+        add_bias_linear=args.get("add_bias_linear", True), add_qkv_bias=bool(args.get("add_qkv_bias")),
+        hidden_dropout=args.get("hidden_dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.1),
+        init_method_std=args.get("init_method_std", 0.02))
+
+
+def megatron_args(config: GPTConfig, rotary_interleaved: bool = False) -> dict:
+    """The Megatron-LM arguments that rebuild `config`'s model (names of megatron/training/arguments.py)."""
+    if config.num_experts:
+        raise ConversionError(f"--num-experts {config.num_experts}: mixtures of experts are not converted yet")
+    return dict(
+        num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        group_query_attention=config.num_query_groups != config.num_attention_heads,
+        num_query_groups=config.num_query_groups, kv_channels=config.head_dim,
+        ffn_hidden_size=config.ffn_hidden_size, seq_length=config.seq_length,
+        max_position_embeddings=config.max_position_embeddings,
+        vocab_size=config.vocab_size, padded_vocab_size=config.padded_vocab_size,
+        position_embedding_type="rope" if config.position_embedding == "rope" else "learned_absolute",
+        rotary_base=config.rotary_base, rotary_percent=config.rotary_percent, rotary_interleaved=rotary_interleaved,
+        swiglu=config.activation == "swiglu", bias_gelu_fusion=False,
+        openai_gelu=config.activation == "gelu" and config.gelu_approximate == "tanh", normalization="RMSNorm" if config.normalization == "rmsnorm" else "LayerNorm",
+        norm_epsilon=config.norm_epsilon, apply_layernorm_1p=config.apply_layernorm_1p,
+        untie_embeddings_and_output_weights=not config.tie_embeddings, add_bias_linear=config.add_bias_linear,
+        add_qkv_bias=config.add_qkv_bias, hidden_dropout=config.hidden_dropout,
+        attention_dropout=config.attention_dropout, init_method_std=config.init_method_std)
+
+
+def _rotary_rows(config: GPTConfig, t: torch.Tensor, to_megatron: bool) -> torch.Tensor:
+    """Reorders the q and k rows of every head of a fused qkv tensor between megazero's interleaved
+    rotary pairs and Megatron's halves; v rows and unrotated dims stay."""
+    d, r = config.head_dim, config.rotary_dim
+    order = torch.arange(d, device=t.device)
+    order[:r] = torch.cat([torch.arange(0, r, 2, device=t.device), torch.arange(1, r, 2, device=t.device)])
+    if not to_megatron:
+        order = torch.argsort(order)
+    per_group = config.num_attention_heads // config.num_query_groups + 2
+    heads = t.unflatten(0, (config.num_query_groups, per_group, d)).clone()
+    heads[:, :-1] = heads[:, :-1, order]            # q heads and k; not v
+    return heads.flatten(0, 2).contiguous()
+
+
+Entry = tuple[str, str, Callable, Callable]     # ours, theirs, ours -> theirs, theirs -> ours
+
+
+def _layer_map(config: GPTConfig, i: int, rotary_interleaved: bool) -> list[Entry]:
+    ours, theirs = f"layers.{i}.", f"decoder.layers.{i}."
+    same = (lambda t: t), (lambda t: t)
+    qkv = same
+    if config.position_embedding == "rope" and not rotary_interleaved:
+        qkv = (lambda t: _rotary_rows(config, t, True)), (lambda t: _rotary_rows(config, t, False))
+    norm = ["weight"] + (["bias"] if config.normalization == "layernorm" else [])
+    linear = ["weight"] + (["bias"] if config.add_bias_linear else [])
+    entries = [(f"{ours}input_norm.{k}", f"{theirs}self_attention.linear_qkv.layer_norm_{k}", *same) for k in norm]
+    entries += [(f"{ours}mlp_norm.{k}", f"{theirs}mlp.linear_fc1.layer_norm_{k}", *same) for k in norm]
+    qkv_keys = ["weight"] + (["bias"] if config.add_bias_linear or config.add_qkv_bias else [])
+    entries += [(f"{ours}attention.qkv.{k}", f"{theirs}self_attention.linear_qkv.{k}", *qkv) for k in qkv_keys]
+    entries += [(f"{ours}attention.proj.{k}", f"{theirs}self_attention.linear_proj.{k}", *same) for k in linear]
+    entries += [(f"{ours}mlp.fc1.{k}", f"{theirs}mlp.linear_fc1.{k}", *same) for k in linear]
+    entries += [(f"{ours}mlp.fc2.{k}", f"{theirs}mlp.linear_fc2.{k}", *same) for k in linear]
+    return entries
+
+
+def parameter_map(config: GPTConfig, rotary_interleaved: bool = False) -> list[Entry]:
+    """Every megazero parameter with its megatron-core name (Transformer Engine spec) and conversions."""
+    same = (lambda t: t), (lambda t: t)
+    entries = [("embedding.word.weight", "embedding.word_embeddings.weight", *same)]
+    if config.position_embedding == "learned":
+        entries.append(("embedding.position.weight", "embedding.position_embeddings.weight", *same))
+    for i in range(config.num_layers):
+        entries += _layer_map(config, i, rotary_interleaved)
+    norm = ["weight"] + (["bias"] if config.normalization == "layernorm" else [])
+    entries += [(f"final_norm.{k}", f"decoder.final_layernorm.{k}", *same) for k in norm]
+    if not config.tie_embeddings:
+        entries.append(("output_head.weight", "output_layer.weight", *same))
+    return entries
+
+
+def local_spec_name(name: str) -> str:
+    """The local (non Transformer Engine) spec's name for a fused-norm parameter name."""
+    return (name.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
+            .replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+
+
+def from_megatron(config: GPTConfig, state: dict, rotary_interleaved: bool = False) -> dict:
+    """megazero's full parameters from a megatron-core GPTModel state dict of full tensors (either spec)."""
+    out = {}
+    for ours, theirs, _, back in parameter_map(config, rotary_interleaved):
+        tensor = state.get(theirs, state.get(local_spec_name(theirs)))
+        if tensor is None:
+            raise ConversionError(f"the checkpoint has no {theirs} (nor {local_spec_name(theirs)}); it is not "
+                                  f"a GPT of the shape its arguments describe")
+        out[ours] = back(tensor.to(torch.float32))
+    return out
+
+
+def to_megatron(config: GPTConfig, read: Callable[[str], torch.Tensor], rotary_interleaved: bool = False) -> dict:
+    """megatron-core's full state dict (Transformer Engine names) from `read(our name)`."""
+    return {theirs: there(read(ours)) for ours, theirs, there, _ in parameter_map(config, rotary_interleaved)}
