@@ -174,9 +174,9 @@ def main(argv=None) -> None:
     print("chunk: the fused path's tokens per chunk (= tokens: one chunk, kept from the forward); "
           "ratios < 1: fused faster; loss gap: largest relative difference from the unfused loss")
     if args.memory:
-        print(f"\npeak resident growth of one forward + backward (MiB), fresh process per side; planned: the "
-              f"planner's output-layer term + the input gradient")
-        print(f"| vocab | tokens | planned | " + " | ".join(sides) + " | fused / planned |")
+        print("\npeak resident growth of one forward + backward (MiB), fresh process per side; planned: the "
+              "planner's output-layer term + the input gradient")
+        print("| vocab | tokens | planned | " + " | ".join(sides) + " | fused / planned |")
         print("|---|---|---|" + "---|" * len(sides) + "---|")
         for tokens, vocab in points:
             grown = {s: measure_memory(s, tokens, vocab, args.hidden) for s in sides

@@ -26,7 +26,7 @@ from megazero.zero.stage3.gathered import register_external_parameter
 from megazero.zero.zero_groups import ZeroGroups
 from megazero.models.param_info import param_info
 from .engine import Engine
-from .groups import build_groups, check_mpu, init_distributed, rank_device, world
+from .groups import build_groups, check_mpu, init_distributed, rank_device
 from .modules import check_model, leaf_config, move_buffers
 from .optimizer import GroupSpec, ZeroOptimizer, from_client_optimizer, groups_from_parameters
 from .schedulers import scheduler_from_config

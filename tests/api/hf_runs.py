@@ -22,7 +22,6 @@ RTOL = 1e-5
 
 def tiny_model(kind: str, seed: int = SEED, **extra):
     """A tiny `kind` model ("llama", "gpt2", "mixtral") built with torch's generator at `seed`."""
-    import transformers as tf
     torch.manual_seed(seed)
     return kind_class(kind)(tiny_config(kind, **extra))
 

@@ -164,7 +164,7 @@ def _save_pipelined(ctx, root):
 def _save_with_megatron(ctx, root):
     """Rank job: megatron-core builds each variant and saves it both ways (ROOT/<variant>_torch_dist,
     ROOT/<variant>_legacy); returns {variant: (logits, per-token losses)}."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing, parallel_state  # noqa: F401  (loads its checkpointing)
     out = {}
     with _megatron_on_cpu():
         parallel_state.initialize_model_parallel(2, 1)

@@ -18,7 +18,6 @@ differ), torch.nn.init's meta no-ops left unrecorded (SKIPS_META empty: the trun
 of `Mixed` keeps garbage and the generator lags), the dead-value elimination treating a partial
 overwrite (the padding row) as a complete one (`Mixed` differs).
 """
-import math
 
 import pytest
 import torch

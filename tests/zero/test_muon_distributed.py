@@ -22,7 +22,7 @@ from megazero.ops.muon_config import MuonConfig
 from megazero.parallel.process_groups import ProcessGroups
 from tests.layouts import (VOCAB, assemble_params, assert_matches_reference, layout_worker, per_layout,
                            run_training, small_config, strip_padding)
-from tests.parallel.test_expert_parallel import MOE, assemble, check
+from tests.parallel.test_expert_parallel import MOE, check
 
 MUON = MuonConfig(momentum=0.9, nesterov=True, matmul_precision="high")   # fp32: layout-invariant
 DENSE = dict(layers=2, lr=1e-2)

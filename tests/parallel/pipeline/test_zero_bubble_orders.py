@@ -16,7 +16,7 @@ import re
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from megazero.parallel.pipeline.actions import Action, Durations, ListSchedule, check, holdings, simulate
+from megazero.parallel.pipeline.actions import Action, ListSchedule, check, holdings, simulate
 from megazero.parallel.pipeline.zero_bubble import one_f_one_b, zero_bubble_schedule
 
 TORCH = {"zb-h1": torch_schedules.ScheduleInterleavedZeroBubble, "zbv": torch_schedules.ScheduleZBVZeroBubble,
