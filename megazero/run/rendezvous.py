@@ -171,27 +171,36 @@ class Rendezvous:
     def wait_for_ranks(self, store) -> None:
         """Returns once every rank has registered `process/<rank>` in `store` (this attempt's) and counted
         itself in its "arrived"; raises NeverJoined at the deadline, naming the ranks still missing."""
+        # rank 0 started first: its deadline, and the end of its store, may come a little before ours
+        near = self.deadline - max(5.0, 0.1 * 60 * self.minutes)
+        known, arrived = None, 0           # the missing ranks as last read near the deadline
         while True:
             try:
                 arrived = store.add("arrived", 0)
                 if arrived >= self.world:
                     return
-                late = time.monotonic() >= self.deadline
-                missing = self._missing(store) if late or self._line_due() else None
+                now = time.monotonic()
+                late = now >= self.deadline
+                missing = self._missing(store) if late or now >= near or self._line_due() else None
+                known = missing if now >= near and missing is not None else known
             except RuntimeError as err:       # rank 0 ended (its store with it), or the network went
+                if known is not None:         # at its deadline: the same line as rank 0's
+                    raise NeverJoined(self._never_joined(known)) from None
                 raise NeverJoined(f"rank {self.rank}: the rendezvous store at {self.host}:{self.port} stopped "
                                   f"answering while {self.world - arrived} of {self.world} ranks had not joined "
                                   f"({str(err).splitlines()[0]}); see rank 0's line") from None
             if late:
-                raise NeverJoined(f"rank {self.rank}: {ranks_text(missing)} never joined the rendezvous at "
-                                  f"{self.host}:{self.port} within {self.flag} ({self.world - len(missing)} of "
-                                  f"{self.world} joined); start them with WORLD_SIZE={self.world} and the same "
-                                  f"MASTER_ADDR and MASTER_PORT, or give every rank a WORLD_SIZE of the ranks "
-                                  f"you start")
+                raise NeverJoined(self._never_joined(missing))
             if missing is not None:
                 self._waiting(f"{ranks_text(missing)} to join the rendezvous at {self.host}:{self.port} "
                               f"({self.world - len(missing)} of {self.world} here)")
             time.sleep(POLL_S)
+
+    def _never_joined(self, missing: list[int]) -> str:
+        return (f"rank {self.rank}: {ranks_text(missing)} never joined the rendezvous at {self.host}:{self.port} "
+                f"within {self.flag} ({self.world - len(missing)} of {self.world} joined); start them with "
+                f"WORLD_SIZE={self.world} and the same MASTER_ADDR and MASTER_PORT, or give every rank a "
+                f"WORLD_SIZE of the ranks you start")
 
     def _missing(self, store) -> list[int]:
         return [r for r in range(self.world) if not store.check([f"process/{r}"])]
