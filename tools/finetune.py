@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -114,9 +115,9 @@ def check_packing(cls) -> None:
     from transformers import masking_utils
     module = importlib.import_module(cls.__module__)
     if getattr(module, "create_causal_mask", None) is not masking_utils.create_causal_mask:
-        raise UsageError(f"--pack: {cls.__name__} builds its attention mask without transformers' masking_utils, "
-                         f"so position ids restarting at each record would not keep records apart; run "
-                         f"without --pack (one record a row)")
+        raise UsageError(f"--pack: {cls.__name__} does not build its masks with transformers' masking_utils "
+                         f"(which reads position ids restarting at each record as separate records), so packed "
+                         f"records would see each other; run without --pack (one record a row)")
 
 
 def prepare(args, dp: int) -> Plan:
@@ -183,7 +184,9 @@ def run(args, process_groups=None) -> Finetuned:
     pad = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
     batches = SFTBatches(plan.rows, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
                          groups.dp.size, args.seed, pad, args.pack)
-    metrics = MetricsLogger(str(plan.run_dir / "metrics.jsonl"), enabled=groups.rank == 0, total_iters=plan.iters)
+    # only rank 0 writes metrics.jsonl, so its own id is the run's: records of several runs stay apart
+    metrics = MetricsLogger(str(plan.run_dir / "metrics.jsonl"), enabled=groups.rank == 0, total_iters=plan.iters,
+                            run_id=uuid.uuid4().hex)
     metrics.say(f" megazero finetune: {plan.model_class.__name__} ({n_params:,} parameters) from {args.hf_model}; "
                 f"{groups.dp.size} data-parallel ranks, zero_stage={engine.zero_optimization_stage()}")
     metrics.say(f" data: {plan.records} records of {args.data} -> {len(plan.rows)} rows of at most "

@@ -240,7 +240,7 @@ def test_bad_records_and_flags_say_one_line(job, tmp_path, lines, extra, expecte
         finetune.prepare(finetune.parse_args(_argv(tmp_path, folder, data, *extra)), dp=1)
 
 
-def test_messages_without_a_chat_template_and_a_model_that_is_no_causal_lm(job, tmp_path, capsys):
+def test_no_chat_template_no_causal_lm_and_packing_a_recurrent_model_are_refused(job, tmp_path, capsys):
     import transformers
     root, folder, _ = job
     data = tmp_path / "sft.jsonl"
@@ -260,5 +260,10 @@ def test_messages_without_a_chat_template_and_a_model_that_is_no_causal_lm(job, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --hf-model") and "a GPT2Model model, not a causal language model" in err, err
     assert len(err.splitlines()) == 1
+    mamba = tmp_path / "mamba"
+    transformers.MambaConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1,
+                             architectures=["MambaForCausalLM"]).save_pretrained(mamba)
+    with pytest.raises(UsageError, match=r"--pack: MambaForCausalLM does not build its masks with transformers' masking_utils"):
+        finetune.prepare(finetune.parse_args(_argv(tmp_path, mamba, data, "--pack", "--seq-length", "8")), dp=1)
     import torch.distributed as dist
     assert not dist.is_initialized()
