@@ -61,6 +61,9 @@ def parse_args(argv=None):
     for name in ("epochs", "log_interval"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    for name in ("save_interval", "ckpt_keep_last"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 0 or more")
     for name in ("train_iters", "seq_length"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
@@ -139,6 +142,9 @@ def prepare(args, dp: int) -> Plan:
     if args.pack:
         check_packing(cls)
     settings = api_settings(args.deepspeed_config, dp)
+    if args.save is not None and (Path(args.save) / "latest").exists():
+        # this job resumes nothing, so what is there is another run's (--ckpt-keep-last would delete it)
+        raise UsageError(f"--save {args.save} holds checkpoints of another run; save into an empty folder")
     if args.export_hf is not None and Path(args.export_hf).is_dir() and any(Path(args.export_hf).iterdir()):
         raise UsageError(f"--export-hf {args.export_hf}: the folder is not empty; choose a new one")
     try:

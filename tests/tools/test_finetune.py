@@ -231,11 +231,14 @@ def _argv(root: Path, folder: Path, data: Path, *extra: str) -> list[str]:
     (['{"prompt": "w1", "response": "w3"}'], ["--seq-length", "33"], r"--seq-length 33 is above the model's 32"),
     (['not json'], [], r"sft\.jsonl:1: not a JSON object"),
     (['{"messages": [{"role": "user", "content": "w1"}]}'], [], r"sft\.jsonl:1: no \"assistant\" message"),
+    (['{"prompt": "w1", "response": "w3"}'], ["--save", "{tmp}"], r"--save .* holds checkpoints of another run"),
 ])
 def test_bad_records_and_flags_say_one_line(job, tmp_path, lines, extra, expected):
     root, folder, _ = job
     data = tmp_path / "sft.jsonl"
     data.write_text("\n".join(lines) + "\n")
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    extra = [str(tmp_path) if e == "{tmp}" else e for e in extra]
     with pytest.raises(UsageError, match=expected):
         finetune.prepare(finetune.parse_args(_argv(tmp_path, folder, data, *extra)), dp=1)
 
