@@ -218,15 +218,16 @@ def train(engine, batches, iters: int, metrics, args, n_params: int) -> list[dic
     for it in range(iters):
         started = time.perf_counter()
         lr, skipped_before = engine.get_lr()[0], engine.skipped_steps
-        # the micro batches' losses summed, and the tokens computed, over this rank's micro batches
-        sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        losses, tokens = [], 0          # this rank's micro-batch losses, and the tokens it computed
         for micro in range(batches.accumulation):
             batch = {k: v.to(engine.device) for k, v in batches.micro_batch(it, micro, dp.rank).items()}
+            # use_cache=False: with a cache, transformers' masking would not read packed records
             loss = engine(**batch, use_cache=False).loss
             engine.backward(loss)
             engine.step()
-            sums += torch.stack([loss.detach().double(), torch.tensor(batch["input_ids"].numel(),
-                                                                       dtype=torch.float64, device=engine.device)])
+            losses.append(loss.detach().double())
+            tokens += batch["input_ids"].numel()
+        sums = torch.stack([torch.stack(losses).sum(), torch.tensor(tokens, dtype=torch.float64, device=engine.device)])
         comm.all_reduce(sums, dp)
         loss_sum, tokens = host_read.read(sums, "the step's loss")
         elapsed = time.perf_counter() - started
