@@ -3,6 +3,7 @@
     python tools/finetune.py --hf-model DIR --data sft.jsonl --deepspeed_config ds.json --save ck
     torchrun --nproc-per-node 8 tools/finetune.py --hf-model DIR --data sft.jsonl \\
         --deepspeed_config ds.json --seq-length 2048 --pack --save ck --export-hf out/hf
+    python tools/finetune.py --hf-model DIR --load ck --export-hf out/hf     # a checkpoint, exported
 
 DIR is a transformers model folder (save_pretrained's: config.json, the safetensors, the tokenizer);
 nothing is downloaded. The records are {"prompt", "response"} or {"messages": [...]} (rendered by
@@ -17,7 +18,8 @@ Logs as pretrain_gpt.py: a line per --log-interval iterations and metrics.jsonl 
 (megazero.training.metrics). --save writes megazero's sharded checkpoints (engine.save_checkpoint:
 iter_<N>/, `latest`) every --save-interval iterations and at the end, --ckpt-keep-last K keeps the
 newest K; --export-hf OUT writes the fine-tuned model as a transformers folder (model + tokenizer)
-that AutoModelForCausalLM.from_pretrained loads. Bad input (the folder, the records with their line
+that AutoModelForCausalLM.from_pretrained loads; --load CK --export-hf OUT (no --data) exports a
+checkpoint of the job afterwards, in one process, one parameter at a time. Bad input (the folder, the records with their line
 numbers, --seq-length against the model's positions, the config) is one line, before any process
 group.
 """
@@ -43,7 +45,7 @@ from megazero.core.errors import UsageError
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf-model", required=True, help="a transformers causal-LM folder (config, weights, tokenizer)")
-    p.add_argument("--data", required=True, help="JSON-lines SFT records: {prompt, response} or {messages}")
+    p.add_argument("--data", help="JSON-lines SFT records: {prompt, response} or {messages}")
     p.add_argument("--seq-length", type=int, default=None,
                    help="tokens a row holds at most; records are truncated to it (default: the model's positions)")
     p.add_argument("--pack", action="store_true", help="several records a row, each attending to itself only")
@@ -56,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, default=0, help="save every N iterations too (default: at the end)")
     p.add_argument("--ckpt-keep-last", type=int, default=0, help="keep only the newest K checkpoints (default: all)")
     p.add_argument("--export-hf", default=None, help="at the end, the model as a transformers folder here")
+    p.add_argument("--load", default=None, help="with --export-hf and no --data: export this checkpoint "
+                   "(a --save folder or its iter_<N>) of --hf-model's architecture, and train nothing")
     add_config_arguments(p)
     args = p.parse_args(argv)
     for name in ("epochs", "log_interval"):
@@ -67,6 +71,13 @@ def parse_args(argv=None):
     for name in ("train_iters", "seq_length"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    if args.load is not None:
+        if args.export_hf is None or args.data is not None:
+            raise UsageError("--load exports a checkpoint: give --hf-model, --load and --export-hf, without --data "
+                             "(this tool resumes no training)")
+        return args
+    if args.data is None:
+        raise UsageError("--data sft.jsonl is needed: the records to fine-tune on")
     if args.deepspeed_config is None:
         raise UsageError("--deepspeed_config ds.json is needed: it says the batch, optimizer and ZeRO stage "
                          "(examples/ds_config.json is one)")
@@ -145,8 +156,7 @@ def prepare(args, dp: int) -> Plan:
     if args.save is not None and (Path(args.save) / "latest").exists():
         # this job resumes nothing, so what is there is another run's (--ckpt-keep-last would delete it)
         raise UsageError(f"--save {args.save} holds checkpoints of another run; save into an empty folder")
-    if args.export_hf is not None and Path(args.export_hf).is_dir() and any(Path(args.export_hf).iterdir()):
-        raise UsageError(f"--export-hf {args.export_hf}: the folder is not empty; choose a new one")
+    check_export_folder(args.export_hf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -261,31 +271,69 @@ def keep_last(save: str, k: int) -> None:
         print(f" warning: {problem}", flush=True)
 
 
+def check_export_folder(out) -> None:
+    if out is not None and Path(out).is_dir() and any(Path(out).iterdir()):
+        raise UsageError(f"--export-hf {out}: the folder is not empty; choose a new one")
+
+
 def export_hf(engine, plan: Plan, out) -> None:
-    """The trained weights (gathered whole: collective) into a transformers folder on rank 0, written by
-    save_pretrained with the tokenizer beside them. The model is made on meta and takes the gathered
-    tensors, so rank 0 holds the model once, not twice."""
+    """The trained weights (gathered whole: collective) into a transformers folder, on rank 0."""
     state = engine.module_state_dict()
-    if engine.global_rank != 0:
-        return
+    if engine.global_rank == 0:
+        write_hf(plan.model_class, plan.config, plan.tokenizer, state, out)
+
+
+def export_checkpoint(args) -> None:
+    """--load CK --export-hf OUT: a checkpoint of --hf-model's architecture (any world size and
+    stage) read one whole parameter at a time into a transformers folder."""
+    from transformers import AutoTokenizer
+    from megazero.checkpoint.reader import CheckpointReader, resolve
+    folder = Path(args.hf_model)
+    config, cls = model_class(folder)
+    check_export_folder(args.export_hf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if not (Path(args.load) / "latest").is_file() and not (Path(args.load) / "metadata.json").is_file():
+        raise UsageError(f"--load {args.load}: no checkpoint there (no latest, no metadata.json)")
+    reader = CheckpointReader(resolve(Path(args.load)))
     with torch.device("meta"):
-        model = plan.model_class(plan.config)
+        names = [name for name, _ in cls(config).named_parameters()]
+    missing = [name for name in names if name not in reader.where]
+    if missing:
+        raise UsageError(f"--load {reader.path}: no parameter {missing[0]!r} ({len(missing)} of {cls.__name__}'s "
+                         f"are missing): export a checkpoint of the --hf-model's architecture")
+    state = {}
+    for name in names:
+        state[name] = reader.full_tensor(name, "fp32")
+        reader.close()              # files are memory-mapped: keep only what was read
+    write_hf(cls, config, tokenizer, state, args.export_hf)
+
+
+def write_hf(cls, config, tokenizer, state: dict, out) -> None:
+    """save_pretrained of `cls` holding `state`'s tensors, with the tokenizer beside. The model is
+    made on meta and takes the tensors, so the weights are in memory once, not twice."""
+    with torch.device("meta"):
+        model = cls(config)
     buffers = {name for name, _ in model.named_buffers()}
     model.load_state_dict({k: v for k, v in state.items() if k not in buffers}, strict=False, assign=True)
     model.tie_weights()
-    for name, _ in list(model.named_buffers()):      # rotary inv_freq & co.: not in a state dict
+    for name in buffers & set(state):       # rotary inv_freq & co. (non-persistent: not in a state dict)
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = state[name]
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    saved = model.state_dict()
+    left = [name for name, tensor in saved.items() if tensor.is_meta]
     if left:
         raise RuntimeError(f"export-hf: {left[0]} was not among the trained tensors ({len(left)} missing)")
     model.save_pretrained(out)
-    plan.tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def main(argv=None) -> int:
     try:
-        run(parse_args(argv))
+        args = parse_args(argv)
+        if args.load is not None:
+            export_checkpoint(args)
+        else:
+            run(args)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -11,8 +11,9 @@ trains the same folder with the model's own loss, torch.optim.AdamW and clip_gra
 - 2 ranks under torchrun, one launch: examples/deepspeed_loop.py, then tools/finetune.py --pack at
   ZeRO-3. The losses equal the plain loop's on the same records unpacked (each record its own padded
   row, the records a packed micro batch held together), so the packed rows kept the records apart;
-  metrics.jsonl and the progress lines are pretrain_gpt.py's; the --export-hf folder loads with
-  AutoModelForCausalLM and its logits equal the engine's within 1e-5.
+  metrics.jsonl and the progress lines are pretrain_gpt.py's; the --export-hf folder, and the last
+  checkpoint exported afterwards (--load), load with AutoModelForCausalLM and their logits equal the
+  engine's within 1e-5.
 - Bad input: one line each, before any process group.
 
 Planted to see them fail: the loss on the prompt tokens too (sft.tokenize labelling every piece):
@@ -212,11 +213,15 @@ def test_two_ranks_under_torchrun_pack_and_export(job, tmp_path):
     ref_losses, _ = reference_losses(folder, recs, 4, 1, 2, 2, pack=True)
     assert_close([r["loss"] for r in logged], ref_losses, "2 ranks, packed")
     assert sorted(p.name for p in (tmp_path / "ck").glob("iter_*")) == ["iter_0000004"]   # keep-last 1
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    with torch.no_grad():
-        theirs = exported(input_ids=probe).logits
     ours = torch.load(tmp_path / "ours.pt")
-    assert torch.allclose(theirs, ours, rtol=0, atol=1e-5), float((theirs - ours).abs().max())
+    # the export at the end, and the last checkpoint exported afterwards in this one process
+    assert finetune.main(["--hf-model", str(folder), "--load", str(tmp_path / "ck"),
+                          "--export-hf", str(tmp_path / "from_ck")]) == 0
+    for out in ("hf", "from_ck"):
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / out).eval()
+        with torch.no_grad():
+            theirs = exported(input_ids=probe).logits
+        assert torch.allclose(theirs, ours, rtol=0, atol=1e-5), (out, float((theirs - ours).abs().max()))
 
 
 def _argv(root: Path, folder: Path, data: Path, *extra: str) -> list[str]:
