@@ -277,9 +277,19 @@ def check_export_folder(out) -> None:
 
 
 def export_hf(engine, plan: Plan, out) -> None:
-    """The trained weights (gathered whole: collective) into a transformers folder, on rank 0."""
-    state = engine.module_state_dict()
-    if engine.global_rank == 0:
+    """The trained weights into a transformers folder, on rank 0. Gathered one parameter at a time
+    (collective: every rank takes part); rank 0 keeps each in host memory, the others drop it, so no
+    device ever holds the whole model."""
+    from megazero.utils import safe_get_full_fp32_param
+    rank0 = engine.global_rank == 0
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        if rank0:
+            state[name] = full.cpu()
+        del full
+    if rank0:
+        state.update({name: b.detach().cpu() for name, b in engine.module.named_buffers()})
         write_hf(plan.model_class, plan.config, plan.tokenizer, state, out)
 
 
