@@ -21,6 +21,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -123,14 +124,23 @@ def _step_ms(result) -> float:
     raise TypeError(f"predict returned {type(result).__name__} without a step time (step_ms, step_s or ranks)")
 
 
+def calibration_header(text: str) -> str:
+    """'<date>, <machine>, load <before> / <after>' from calibrate_cpu.py's header comment."""
+    found = re.search(r"calibrate_cpu\.py on (.+?) on (.+?),\n", text)
+    load = re.search(r"load average ([\d.]+) before, ([\d.]+) after", text)
+    if not found or not load:
+        return "a calibration without calibrate_cpu.py's header"
+    return f"{found[1]}, {found[2]}, load average {load[1]} before / {load[2]} after it"
+
+
 def table(rows: list[dict], calibration: str) -> str:
     lines = [f"Measured with {calibration}.", "",
-             "| layout | ranks | flags | measured ms/step | predicted ms/step | predicted / measured |",
-             "|---|---|---|---|---|---|"]
+             "| layout | ranks | flags | measured ms/step | predicted ms/step | predicted / measured | load |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         pred = f"{r['predicted']:.1f}" if r.get("predicted") is not None else "-"
         ratio = f"{r['predicted'] / r['measured']:.2f}" if r.get("predicted") is not None else "-"
-        lines.append(f"| {r['name']} | {r['ranks']} | `{' '.join(r['flags'])}` | {r['measured']:.1f} | {pred} | {ratio} |")
+        lines.append(f"| {r['name']} | {r['ranks']} | `{' '.join(r['flags'])}` | {r['measured']:.1f} | {pred} | {ratio} | {r['load']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -159,7 +169,7 @@ def main(argv=None) -> int:
     calibration = args.calibration or calibrate_cpu.DEFAULT_OUTPUT
     if not args.skip_calibration:
         calibrate_cpu.main(["--output", str(calibration)])
-    header = next(line for line in calibration.read_text().splitlines() if " on 20" in line).lstrip("# ")
+    header = calibration_header(calibration.read_text())
     predict = predictor()
     if predict is None:
         print("megazero.dry_run.timeline (its predict) is absent: measured step times only", flush=True)
@@ -170,15 +180,16 @@ def main(argv=None) -> int:
             continue
         argv = layout_argv(extra, args.steps)
         with tempfile.TemporaryDirectory(prefix=f"cpu_layout_{name}_") as folder:
-            row = dict(name=name, ranks=ranks, flags=extra, measured=measure_layout(ranks, argv, Path(folder)))
+            row = dict(name=name, ranks=ranks, flags=extra, measured=measure_layout(ranks, argv, Path(folder)),
+                       load=os.getloadavg()[0])
         if predict is not None:
             row["predicted"] = predicted_ms(predict, ranks, argv)
         rows.append(row)
         ratio = f" | predicted {row['predicted']:.1f} ms | ratio {row['predicted'] / row['measured']:.2f}" \
             if predict is not None else ""
         print(f"{name:<20} {ranks} ranks | measured {row['measured']:.1f} ms/step{ratio} | "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
-    text = table(rows, f"calibration {calibration.name} ({header})")
+              f"load {row['load']:.1f}", flush=True)
+    text = table(rows, f"{calibration.name} calibrated in the same run ({header})")
     print(text)
     if args.table:
         args.table.write_text(text)

@@ -63,3 +63,10 @@ def test_predict_is_told_the_world_as_it_takes_it():
     assert cpu_layouts.predicted_ms(with_world, 4, ["--zero-stage"]) == 500.0
     assert cpu_layouts.predicted_ms(flag_only, 2, ["--zero-stage"]) == 7.0
     assert seen == [(["--zero-stage"], "cpu", 4), (["--world-size", "2"], "cpu")]
+
+
+def test_the_table_names_the_calibration_it_ran_with():
+    import calibrate_cpu
+    from tests.bench.test_calibrate_cpu import _measurement
+    header = cpu_layouts.calibration_header(calibrate_cpu.render(_measurement()))
+    assert header == "2026-12-07 15:00 UTC, a CPU (2 cores), load average 1.0 before / 2.0 after it"
