@@ -76,8 +76,8 @@ def fit_alpha_beta(wire: list[float], seconds: list[float]) -> tuple[float, floa
 
 def _seconds_per_call(fn, min_seconds: float = 0.02, batches: int = 5) -> float:
     """Median over batches of (batch time / calls), each batch at least min_seconds long."""
-    fn()
-    calls, t0 = 1, time.perf_counter()
+    fn()                                  # warm: first-call allocations and dispatch caches
+    t0 = time.perf_counter()
     fn()
     once = max(time.perf_counter() - t0, 1e-7)
     calls = max(1, int(min_seconds / once))
