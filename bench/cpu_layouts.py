@@ -12,7 +12,10 @@ sequence 64, vocabulary 8192, micro batch 1, global batch 8, fp32, no dropout), 
 `ms_per_iter` rank 0 logs to metrics.jsonl over the steps after the first two (the first builds
 buffers and the stage-3 trace). Predicted, when `megazero.dry_run.timeline` (or `.speed`) has
 `predict`: `predict(argv, "cpu", world=N)` (or `predict(["--world-size", N, *argv], "cpu")`), its step
-time beside the measured one and their ratio, and a markdown table (--table). Without it, the measured column and one line saying so.
+time beside the measured one and their ratio, and a markdown table (--table). Without it, the measured column and one line saying so. Beside each
+layout: the load average as it ended, and the host's cost per op measured just before it
+(calibrate_cpu.step_op_us, the calibration's launch_us): how far the machine's load had moved since
+the calibration.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -135,12 +140,12 @@ def calibration_header(text: str) -> str:
 
 def table(rows: list[dict], calibration: str) -> str:
     lines = [f"Measured with {calibration}.", "",
-             "| layout | ranks | flags | measured ms/step | predicted ms/step | predicted / measured | load |",
-             "|---|---|---|---|---|---|---|"]
+             "| layout | ranks | flags | measured ms/step | predicted ms/step | predicted / measured | load | host us/op |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pred = f"{r['predicted']:.1f}" if r.get("predicted") is not None else "-"
         ratio = f"{r['predicted'] / r['measured']:.2f}" if r.get("predicted") is not None else "-"
-        lines.append(f"| {r['name']} | {r['ranks']} | `{' '.join(r['flags'])}` | {r['measured']:.1f} | {pred} | {ratio} | {r['load']:.1f} |")
+        lines.append(f"| {r['name']} | {r['ranks']} | `{' '.join(r['flags'])}` | {r['measured']:.1f} | {pred} | {ratio} | {r['load']:.1f} | {r['host_us']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,6 +172,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "bench"))
     calibrate_cpu = importlib.import_module("calibrate_cpu")
     calibration = args.calibration or calibrate_cpu.DEFAULT_OUTPUT
+    torch.set_num_threads(1)                          # as the ranks run (and the calibration measures)
     if not args.skip_calibration:
         calibrate_cpu.main(["--output", str(calibration)])
     header = calibration_header(calibration.read_text())
@@ -179,9 +185,10 @@ def main(argv=None) -> int:
         if chosen and name not in chosen:
             continue
         argv = layout_argv(extra, args.steps)
+        host_us = calibrate_cpu.step_op_us()[0]       # the load now, as the calibration's launch_us saw it
         with tempfile.TemporaryDirectory(prefix=f"cpu_layout_{name}_") as folder:
             row = dict(name=name, ranks=ranks, flags=extra, measured=measure_layout(ranks, argv, Path(folder)),
-                       load=os.getloadavg()[0])
+                       load=os.getloadavg()[0], host_us=host_us)
         if predict is not None:
             row["predicted"] = predicted_ms(predict, ranks, argv)
         rows.append(row)

@@ -70,3 +70,12 @@ def test_the_table_names_the_calibration_it_ran_with():
     from tests.bench.test_calibrate_cpu import _measurement
     header = cpu_layouts.calibration_header(calibrate_cpu.render(_measurement()))
     assert header == "2026-12-07 15:00 UTC, a CPU (2 cores), load average 1.0 before / 2.0 after it"
+
+
+def test_the_table_has_a_row_per_layout_and_the_ratio_where_predicted():
+    rows = [dict(name="tp2", ranks=2, flags=["--tensor-model-parallel-size", "2"], measured=200.0, load=3.0,
+                 host_us=20.0, predicted=180.0),
+            dict(name="cp2", ranks=2, flags=["--context-parallel-size", "2"], measured=100.0, load=3.5, host_us=21.0)]
+    lines = cpu_layouts.table(rows, "a calibration").splitlines()
+    assert lines[-2] == "| tp2 | 2 | `--tensor-model-parallel-size 2` | 200.0 | 180.0 | 0.90 | 3.0 | 20.0 |"
+    assert lines[-1] == "| cp2 | 2 | `--context-parallel-size 2` | 100.0 | - | - | 3.5 | 21.0 |"
