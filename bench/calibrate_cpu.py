@@ -1,0 +1,361 @@
+"""Measures this CPU as the dry run's timeline models a device, and writes the measured device
+model (default megazero/dry_run/cpu_measured.toml; docs/dry_run.md, "Calibrating a machine").
+
+    python bench/calibrate_cpu.py                      # ~3-6 min on 2 shared cores
+    python bench/calibrate_cpu.py --quick --output /tmp/cpu.toml
+
+What it measures, every figure at one torch thread per process (as torchrun's ranks run: OMP_NUM_THREADS=1):
+- matmul: fp32 `torch.mm` of the GEMM shapes the CPU grid's layers run (the small GPT of
+  bench/cpu_layouts.py: hidden, ffn, vocabulary and attention GEMMs, forward and backward, at tp 1 / 2
+  and cp 1 / 2) and a few larger ones; GFLOP/s = 2mnk / (time per call - a 1x1x1 mm's), the
+  time a GEMM adds to the host's per-op cost (the time per call is kept beside it);
+- memory bandwidth: `copy_` (2 bytes moved per byte) and `add` (3) over buffers of 64-256 MiB, past
+  the last-level cache; the median of those;
+- host cost per op: `bare_op_us`, a 1-element `add` out of autograd; `launch_us`, a tiny GPT's
+  forward + backward (megazero's own model, hidden 8) over the number of aten ops it dispatches: what
+  each op of a training step costs the host, autograd included;
+- gloo collectives at 2, 4 and 8 ranks: all_reduce, all_gather (into one tensor), reduce_scatter (of
+  one tensor), send/recv (ranks in pairs, every pair at once), over message sizes 1 KiB - 16 MiB.
+  One process group per world size (megazero.testing's pool: spawned once, every size swept); an
+  op's time is the slowest rank's, a batch of back-to-back calls over their count, the median of
+  batches. alpha and beta are fitted by least squares on relative error (fit_alpha_beta).
+
+Ranks beyond the cores share them: 4 and 8 gloo ranks on 2 cores are measured as they run (the
+figures include the sharing) and `cores` records how many there were.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import platform
+import statistics
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUTPUT = REPO / "megazero" / "dry_run" / "cpu_measured.toml"
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+WORLDS = (2, 4, 8)
+SIZES = tuple(1024 * 4 ** i for i in range(8))          # 1 KiB .. 16 MiB
+MEMORY_SIZES = (64 << 20, 128 << 20, 256 << 20)
+
+
+def wire_bytes(op: str, ranks: int, buffer_bytes: float) -> float:
+    """Bytes each rank puts on the wire by the ring algorithm: all_reduce 2(n-1)/n B, all_gather and
+    reduce_scatter (n-1)/n B (B the full buffer: the gather's output, the scatter's input), send_recv B."""
+    n = ranks
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "send_recv": 1.0}[op]
+    return factor * buffer_bytes
+
+
+def fit_alpha_beta(wire: list[float], seconds: list[float]) -> tuple[float, float]:
+    """time = alpha + wire / beta, fitted by least squares on relative error (each residual over its
+    own time, so the small messages that fix alpha count as much as the large ones that fix beta).
+    Returns (alpha in microseconds, beta in GB/s). A negative intercept (latency below the noise) is
+    refitted as alpha = 0."""
+    if len(wire) != len(seconds) or len(wire) < 2:
+        raise ValueError(f"fit_alpha_beta needs at least 2 (bytes, time) points, got {len(wire)}")
+    w = torch.tensor([1.0 / t for t in seconds], dtype=torch.float64)
+    x = torch.tensor(wire, dtype=torch.float64)
+    y = torch.tensor(seconds, dtype=torch.float64)
+    design = torch.stack([torch.ones_like(x), x], dim=1) * w[:, None]
+    alpha, inv_beta = torch.linalg.lstsq(design, (y * w)[:, None]).solution[:, 0].tolist()
+    if alpha < 0:
+        alpha = 0.0
+        inv_beta = float(((x * w) @ (y * w)) / ((x * w) @ (x * w)))
+    if inv_beta <= 0:
+        raise ValueError("the times do not grow with the message size: no bandwidth to fit")
+    return alpha * 1e6, 1e-9 / inv_beta
+
+
+def _seconds_per_call(fn, min_seconds: float = 0.02, batches: int = 5) -> float:
+    """Median over batches of (batch time / calls), each batch at least min_seconds long."""
+    fn()                                  # warm: first-call allocations and dispatch caches
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    calls = max(1, int(min_seconds / once))
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def bare_op_us() -> float:
+    a, b = torch.ones(1), torch.ones(1)
+    return _seconds_per_call(lambda: torch.add(a, b)) * 1e6
+
+
+def step_op_us() -> tuple[float, int]:
+    """A tiny GPT's forward + backward time over its aten op count: the host's cost per op of a step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from megazero.models.config import GPTConfig
+    from megazero.models.gpt import GPT
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, hidden_size=8, num_layers=2, num_attention_heads=2, ffn_hidden_size=16,
+                    seq_length=8, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPT(cfg)
+    tokens = torch.randint(0, 64, (1, 8))
+
+    def step():
+        model(tokens, tokens).sum().backward()
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+    with Count():
+        step()
+    return _seconds_per_call(step, min_seconds=0.1) / Count.ops * 1e6, Count.ops
+
+
+def gemm_shapes() -> list[tuple[int, int, int]]:
+    """(m, n, k) of C[m, n] = A[m, k] B[k, n]: bench/cpu_layouts.py's GPT (hidden 64, ffn 256, vocabulary
+    8192, 4 heads, sequence 64, micro batch 1) at tp 1 / 2 and cp 1 / 2, forward (tokens x out x in),
+    input gradient (tokens x in x out) and weight gradient (out x in x tokens); attention's scores and
+    values per head; then larger squares and the vocabulary GEMM at more tokens."""
+    hidden, ffn, vocab, head = 64, 256, 8192, 16
+    shapes = set()
+    for tp in (1, 2):
+        for tokens in (64, 32):
+            for out, inp in ((3 * hidden // tp, hidden), (hidden, hidden // tp), (ffn // tp, hidden),
+                             (hidden, ffn // tp), (vocab // tp, hidden)):
+                shapes |= {(tokens, out, inp), (tokens, inp, out), (out, inp, tokens)}
+    shapes |= {(64, 64, head), (64, head, 64), (head, 64, 64), (32, 64, head), (32, head, 64)}
+    shapes |= {(s, s, s) for s in (128, 256, 512, 1024, 2048)}
+    shapes |= {(t, vocab, hidden) for t in (256, 1024)} | {(1024, 4 * 1024, 1024)}
+    return sorted(shapes)
+
+
+def matmul_gflops(shapes) -> tuple[list[list[float]], list[list[float]]]:
+    """-> (rows [m, n, k, GFLOP/s net of the call's own cost], rows [m, n, k, microseconds per call]).
+    The call's own cost is a 1x1x1 `torch.mm`'s, measured just before each shape (the load drifts)."""
+    rows, calls = [], []
+    one_a, one_b, one_out = torch.ones(1, 1), torch.ones(1, 1), torch.empty(1, 1)
+    for m, n, k in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out = torch.empty(m, n)
+        t0 = _seconds_per_call(lambda: torch.mm(one_a, one_b, out=one_out))
+        t = _seconds_per_call(lambda: torch.mm(a, b, out=out))
+        device_s = max(t - t0, t * 0.1)      # noise guard: a GEMM's own work is never under 10% of its call
+        rows.append([m, n, k, round(2 * m * n * k / device_s / 1e9, 3)])
+        calls.append([m, n, k, round(t * 1e6, 2)])
+    return rows, calls
+
+
+def _bandwidths(size: int) -> dict:
+    a, b, c = torch.ones(size // 4), torch.ones(size // 4), torch.empty(size // 4)
+    return {f"copy {size >> 20} MiB": 2 * size / _seconds_per_call(lambda: c.copy_(a), 0.1, 3) / 1e9,
+            f"add {size >> 20} MiB": 3 * size / _seconds_per_call(lambda: torch.add(a, b, out=c), 0.1, 3) / 1e9}
+
+
+def memory_gbps(sizes=MEMORY_SIZES) -> tuple[float, dict]:
+    """Median GB/s of copy (read + write) and add (2 reads + write) over sizes past the cache."""
+    found = {}
+    for size in sizes:
+        found.update(_bandwidths(size))
+    return statistics.median(found.values()), found
+
+
+def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05) -> dict:
+    """On every rank of the default gloo group (a megazero.testing pool's worker): seconds per call
+    of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}."""
+    import torch.distributed as dist
+    from megazero.core.comm import all_gather_single, reduce_scatter_single     # the calls megazero makes
+    n, rank = ctx.world_size, ctx.rank
+    peer = rank ^ 1                      # send_recv: ranks in pairs (0, 1), (2, 3), ...; evens send
+
+    def calls_for(size):
+        full, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
+        return {"all_reduce": lambda: dist.all_reduce(full),
+                "all_gather": lambda: all_gather_single(full, shard),
+                "reduce_scatter": lambda: reduce_scatter_single(shard, full),
+                "send_recv": (lambda: dist.send(full, peer)) if rank % 2 == 0 else (lambda: dist.recv(full, peer))}
+
+    def slowest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    found = {op: [] for op in OPS}
+    for size in sizes:
+        for op, call in calls_for(size).items():
+            call()
+            dist.barrier()
+            t0 = time.perf_counter()
+            call()
+            count = int(min(200, max(1, min_seconds / slowest(time.perf_counter() - t0))))
+            per_batch = []
+            for _ in range(batches):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(count):
+                    call()
+                per_batch.append(slowest((time.perf_counter() - t0) / count))
+            found[op].append(statistics.median(per_batch))
+    return found
+
+
+def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5) -> dict:
+    """{op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}} from one pool per world size."""
+    from megazero.testing import DistributedPool
+    sweep = importlib.import_module("calibrate_cpu").sweep_collectives    # by module name: the workers import it
+    out = {op: {"ranks": [], "alpha_us": [], "beta_gbps": [], "measured_us": []} for op in OPS}
+    for n in worlds:
+        pool = DistributedPool(n)
+        try:
+            found = pool.run(sweep, list(sizes), batches, timeout=1800)[0]
+        finally:
+            pool.close()
+        for op in OPS:
+            alpha, beta = fit_alpha_beta([wire_bytes(op, n, s) for s in sizes], found[op])
+            entry = out[op]
+            entry["ranks"].append(n)
+            entry["alpha_us"].append(round(alpha, 2))
+            entry["beta_gbps"].append(round(beta, 4))
+            entry["measured_us"].append([round(t * 1e6, 1) for t in found[op]])
+        print(f"  {n} ranks: " + ", ".join(f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta "
+                                          f"{out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS), flush=True)
+    return out
+
+
+def machine_name() -> str:
+    model = platform.processor() or "cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def memory_gb() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) * 1024 / 1e9, 1)
+    except OSError:
+        pass
+    return 0.0
+
+
+REQUIRED = {"name": str, "memory_gb": (int, float), "source": str, "cores": int, "launch_us": (int, float),
+            "memory_gbps": (int, float), "matmul": list}
+
+
+def check_schema(doc: dict) -> None:
+    """Raises ValueError naming the first key of the agreed schema that is missing or malformed."""
+    cpu = doc.get("cpu")
+    if not isinstance(cpu, dict):
+        raise ValueError("no [cpu] table")
+    for key, kind in REQUIRED.items():
+        if not isinstance(cpu.get(key), kind) or isinstance(cpu.get(key), bool):
+            raise ValueError(f"[cpu] {key}: missing or not {kind}")
+    for row in cpu["matmul"]:
+        if len(row) != 4 or not all(isinstance(v, (int, float)) and v > 0 for v in row):
+            raise ValueError(f"[cpu] matmul row {row}: want [m, n, k, gflops], all positive")
+    for op in OPS:
+        table = cpu.get("collectives", {}).get(op)
+        if not isinstance(table, dict):
+            raise ValueError(f"no [cpu.collectives.{op}] table")
+        ranks = table.get("ranks")
+        if not ranks or any(len(table.get(k, [])) != len(ranks) for k in ("alpha_us", "beta_gbps")):
+            raise ValueError(f"[cpu.collectives.{op}]: ranks, alpha_us and beta_gbps must have one entry per size of world")
+        if any(a < 0 for a in table["alpha_us"]) or any(b <= 0 for b in table["beta_gbps"]):
+            raise ValueError(f"[cpu.collectives.{op}]: alpha_us >= 0 and beta_gbps > 0")
+
+
+def _array(rows) -> str:
+    return "[\n" + "".join(f"  {row},\n" for row in rows) + "]"
+
+
+def render(m: dict) -> str:
+    """The TOML text of a measurement (the dict main builds)."""
+    lines = [
+        "# This CPU as the dry run's timeline models it (the device `cpu`), measured by",
+        f"# bench/calibrate_cpu.py on {m['date']} on {m['name']},",
+        f"# torch {torch.__version__}, one torch thread per process; 1-minute load average {m['load'][0]:.1f} "
+        f"before, {m['load'][1]:.1f} after",
+        "# (a loaded machine slows every figure alike; bench/cpu_layouts.py measures its layouts in the same run).",
+        "# Times: a GEMM costs launch_us (host, per op) + 2*m*n*k / (gflops * 1e3) us; an op moving B bytes",
+        "# launch_us + B / (memory_gbps * 1e3) us. A collective of a B-byte buffer over n ranks costs",
+        "# alpha_us + bytes_on_wire / (beta_gbps * 1e3) us, bytes_on_wire by the ring algorithm:",
+        "# all_reduce 2(n-1)/n*B, all_gather and reduce_scatter (n-1)/n*B of the full buffer, send_recv B.",
+        f"# Ranks share `cores` cores: {m['cores']} here, so at 4 and 8 ranks the collectives' figures include",
+        "# the sharing, and a GEMM's figure is one process alone on a core.",
+        f"# memory: {', '.join(f'{k} {v:.2f} GB/s' for k, v in m['memory_detail'].items())}",
+        f"# launch_us: a tiny GPT's forward + backward over its {m['step_ops']} aten ops; bare_op_us: one",
+        "# 1-element add out of autograd. A GEMM's gflops are net of its call's own cost (a 1x1x1 mm's).",
+        "",
+        "[cpu]",
+        f'name = "{m["name"]}"',
+        f"memory_gb = {m['memory_gb']}",
+        f'source = "measured by bench/calibrate_cpu.py, {m["date"]}"',
+        f"cores = {m['cores']}",
+        "threads_per_rank = 1",
+        f"launch_us = {m['launch_us']:.2f}",
+        f"bare_op_us = {m['bare_op_us']:.2f}",
+        f"memory_gbps = {m['memory_gbps']:.2f}",
+        f"matmul = {_array(m['matmul'])}",
+        f"matmul_call_us = {_array(m['matmul_calls'])}   # [m, n, k, microseconds per torch.mm call, its host cost included]",
+    ]
+    for op, table in m["collectives"].items():
+        lines += ["", f"[cpu.collectives.{op}]",
+                  f"ranks = {table['ranks']}", f"alpha_us = {table['alpha_us']}", f"beta_gbps = {table['beta_gbps']}",
+                  f"sizes_bytes = {m['sizes']}",
+                  f"measured_us = {_array(table['measured_us'])}   # one row per entry of ranks, by sizes_bytes"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="the TOML to write")
+    p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and batches (a smoke run)")
+    p.add_argument("--ranks", default="2,4,8", help="sizes of world for gloo, comma-separated")
+    return p.parse_args(argv)
+
+
+def measure(args) -> dict:
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
+    shapes = gemm_shapes()[:6] if args.quick else gemm_shapes()
+    sizes = SIZES[::2] if args.quick else SIZES
+    bare = bare_op_us()
+    launch, ops = step_op_us()
+    print(f"host per op: {launch:.1f} us in a step ({ops} ops), {bare:.1f} us bare", flush=True)
+    gbps, detail = memory_gbps(MEMORY_SIZES[:1] if args.quick else MEMORY_SIZES)
+    print(f"memory: {gbps:.2f} GB/s", flush=True)
+    matmul, matmul_calls = matmul_gflops(shapes)
+    print("matmul GFLOP/s: " + ", ".join(f"{m}x{n}x{k} {g:.1f}" for m, n, k, g in matmul), flush=True)
+    worlds = [int(n) for n in args.ranks.split(",")]
+    collectives = measure_collectives(worlds, sizes, batches=3 if args.quick else 5)
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
+                launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps, memory_detail=detail,
+                matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes), collectives=collectives)
+
+
+def main(argv=None) -> Path:
+    args = parse_args(argv)
+    text = render(measure(args))
+    check_schema(tomllib.loads(text))
+    args.output.write_text(text)
+    print(f"wrote {args.output}", flush=True)
+    return args.output
+
+
+if __name__ == "__main__":
+    main()

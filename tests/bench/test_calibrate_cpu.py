@@ -1,0 +1,91 @@
+"""bench/calibrate_cpu.py: the alpha-beta fit recovers a made-up line (exactly, and through noise
+that an unweighted fit lets the large messages turn into a wrong latency), the ring formulas' bytes
+on the wire, the collective sweep on two pool ranks, and the committed measured file in the schema
+the timeline reads (megazero/dry_run/cpu_measured.toml)."""
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+import calibrate_cpu  # noqa: E402
+
+SIZES = [1024 * 4 ** i for i in range(8)]
+
+
+def _line(op, n, alpha_us, beta_gbps, noise=()):
+    wire = [calibrate_cpu.wire_bytes(op, n, s) for s in SIZES]
+    times = [alpha_us * 1e-6 + w / (beta_gbps * 1e9) for w in wire]
+    return wire, [t * (1 + (noise[i % len(noise)] if noise else 0)) for i, t in enumerate(times)]
+
+
+@pytest.mark.parametrize("op,n", [("all_reduce", 2), ("all_gather", 4), ("reduce_scatter", 8), ("send_recv", 2)])
+def test_fit_recovers_a_made_up_line(op, n):
+    wire, times = _line(op, n, alpha_us=85.0, beta_gbps=1.7)
+    alpha, beta = calibrate_cpu.fit_alpha_beta(wire, times)
+    assert alpha == pytest.approx(85.0, rel=1e-9) and beta == pytest.approx(1.7, rel=1e-9)
+
+
+def test_fit_keeps_the_latency_through_noise_on_large_messages():
+    """+-3% on every point: the relative fit keeps alpha within 10% where a plain least-squares fit is
+    ruled by the 16 MiB point's 3% (~0.7 ms, 15x alpha). Planted: the weights dropped (plain least
+    squares) returns alpha 78 us, and fails here."""
+    wire, times = _line("all_reduce", 4, alpha_us=50.0, beta_gbps=1.0, noise=(0.03, -0.03, 0.02, -0.02))
+    alpha, beta = calibrate_cpu.fit_alpha_beta(wire, times)
+    assert alpha == pytest.approx(50.0, rel=0.1) and beta == pytest.approx(1.0, rel=0.05)
+
+
+def test_fit_refuses_what_is_no_line():
+    with pytest.raises(ValueError, match="at least 2"):
+        calibrate_cpu.fit_alpha_beta([1.0], [1.0])
+    with pytest.raises(ValueError, match="do not grow"):
+        calibrate_cpu.fit_alpha_beta([1e3, 1e6], [2e-3, 1e-3])
+
+
+def test_wire_bytes_follow_the_ring_algorithm():
+    """Planted: all_reduce at (n-1)/n B (a reduce-scatter's) fails the first line."""
+    assert calibrate_cpu.wire_bytes("all_reduce", 4, 1000) == 1500
+    assert calibrate_cpu.wire_bytes("all_gather", 8, 1000) == 875
+    assert calibrate_cpu.wire_bytes("reduce_scatter", 2, 1000) == 500
+    assert calibrate_cpu.wire_bytes("send_recv", 8, 1000) == 1000
+
+
+def test_sweep_times_every_op_on_two_pool_ranks(dist_pool):
+    found = dist_pool(2).run(calibrate_cpu.sweep_collectives, [1024, 65536], 1, 0.001)
+    assert found[0] == found[1]                       # the slowest rank's, agreed
+    assert set(found[0]) == set(calibrate_cpu.OPS)
+    assert all(len(times) == 2 and min(times) > 0 for times in found[0].values()), found[0]
+
+
+def _measurement():
+    table = {"ranks": [2, 4, 8], "alpha_us": [10.0, 20.0, 40.0], "beta_gbps": [1.0, 0.5, 0.25],
+             "measured_us": [[1.0, 2.0]] * 3}
+    return dict(date="2026-12-07 15:00 UTC", name="a CPU (2 cores)", memory_gb=25.3, cores=2, load=(1.0, 2.0),
+                launch_us=16.0, bare_op_us=3.0, step_ops=287, memory_gbps=10.0, memory_detail={"copy 64 MiB": 9.0},
+                matmul=[[64, 64, 64, 30.0]], matmul_calls=[[64, 64, 64, 20.0]], sizes=[1024, 4096],
+                collectives={op: dict(table) for op in calibrate_cpu.OPS})
+
+
+def test_render_parses_in_the_schema_and_the_schema_refuses_a_gap():
+    doc = tomllib.loads(calibrate_cpu.render(_measurement()))
+    calibrate_cpu.check_schema(doc)
+    assert doc["cpu"]["collectives"]["send_recv"]["beta_gbps"] == [1.0, 0.5, 0.25]
+    del doc["cpu"]["collectives"]["all_gather"]["beta_gbps"]
+    with pytest.raises(ValueError, match="all_gather"):
+        calibrate_cpu.check_schema(doc)
+    doc = tomllib.loads(calibrate_cpu.render(_measurement()))
+    doc["cpu"]["matmul"].append([64, 64, 64])
+    with pytest.raises(ValueError, match="matmul row"):
+        calibrate_cpu.check_schema(doc)
+
+
+def test_the_committed_measurement_is_in_the_schema_and_covers_the_layouts_gemms():
+    text = calibrate_cpu.DEFAULT_OUTPUT.read_text()
+    doc = tomllib.loads(text)
+    calibrate_cpu.check_schema(doc)
+    cpu = doc["cpu"]
+    assert all(cpu["collectives"][op]["ranks"] == [2, 4, 8] for op in calibrate_cpu.OPS)
+    assert {tuple(row[:3]) for row in cpu["matmul"]} >= set(calibrate_cpu.gemm_shapes())
+    assert "load average" in text.split("[cpu]")[0] and cpu["cores"] >= 1
