@@ -95,5 +95,5 @@ def leaf_config(model: nn.Module, zero: ZeroConfig) -> ZeroConfig:
     if not marked:
         return zero
     names = list(zero.leaf_module.names) + [n for n in marked if n not in zero.leaf_module.names]
-    leaf = zero.leaf_module.model_copy(update={"names": names})
-    return zero.model_copy(update={"leaf_module": leaf})
+    leaf = zero.leaf_module.replace(names=names)
+    return zero.replace(leaf_module=leaf)

@@ -9,6 +9,37 @@ from megazero.config.train_config import CheckpointConfig
 from megazero.core.errors import UsageError
 
 
+def add_checkpoint_flags(g, add) -> None:
+    """The flags of this module, added to argument group `g` with `add` (flags._add)."""
+    add(g, "--save", default=None, help="folder to save checkpoints into", shown="none")
+    add(g, "--load", default=None, help="checkpoint folder (its latest) or iter_* directory to load",
+        shown="none")
+    add(g, "--save-interval", type=int, default=0, help="save every N iterations (and at the end)",
+        shown="0: only at the end")
+    add(g, "--no-load-optim", action="store_true", help="load weights only; fresh Adam states")
+    add(g, "--no-load-rng", action="store_true", help="do not restore RNG states")
+    add(g, "--finetune", action="store_true", help="load weights only and start at iteration 0")
+    add(g, "--exit-interval", type=int, default=0, help="stop after an iteration that is a multiple of N",
+        shown="0: never")
+    add(g, "--exit-duration-in-mins", type=float, default=0.0, help="stop (and save) after this many minutes",
+        shown="0: never")
+    add(g, "--exit-signal-handler", action="store_true",
+        help="on --exit-signal (and Ctrl-C) finish the step, save and exit 0 (Slurm preemption)")
+    add(g, "--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
+        help="the signal --exit-signal-handler acts on")
+    add(g, "--exit-on-save-failure", action="store_true",
+        help="stop the run when a save fails (a full disk); otherwise it trains on and says so")
+    add(g, "--ckpt-keep-last", type=int, default=0,
+        help="keep only the newest K checkpoints, and the newest whose loss was finite", shown="0: all")
+    add(g, "--extend-position-embeddings", action="store_true",
+        help="load a checkpoint whose learned position table is smaller than this run's: position p "
+             "starts from its row p mod its rows (weights and Adam moments)")
+    add(g, "--async-save", action="store_true", help="write checkpoints in the background")
+    add(g, "--ckpt-format", choices=["torch", "torch_dist"], default=None,
+        help="accepted: megazero writes its own sharded format (each rank its shard, loadable into any "
+             "layout), which serves torch_dist's purpose", shown="megazero's sharded format")
+
+
 def checkpoint_config(args) -> CheckpointConfig:
     """The checkpoint flags as a CheckpointConfig; flags that need another, or exclude one, fail here."""
     for flag, value in (("--save-interval", args.save_interval), ("--exit-interval", args.exit_interval),

@@ -76,6 +76,17 @@ class DeepSpeedSettings(Record):
         return self.values[name][1]
 
 
+def setting_origin(args, ds: DeepSpeedSettings | None, name: str, flag: str | None, attr: str = "",
+                   with_file: bool = True) -> str | None:
+    """Where a setting came from, as the user wrote it: its flag (args attribute `attr`, else
+    `name`), else its DeepSpeed key (and file); None when neither set it."""
+    if flag and getattr(args, attr or name, None) is not None:
+        return flag
+    if ds and name in ds.values:
+        return f"{ds.source(name)} in {args.zero_config}" if with_file else ds.source(name)
+    return None
+
+
 def as_number(value, key: str, where: str):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UsageError(f"{where}: {key} must be a number, got {as_json(value)}")

@@ -1,5 +1,8 @@
 """The command line's shape: every flag of pretrain_gpt.py with a one-line help that ends in its
 default, the launcher flags other tools add (`--local_rank`, `--deepspeed_config`), and the parse.
+The areas with a *_flags module of their own (precision, optimizer and its states, Muon, ZeRO, MoE,
+checkpoints, monitors, housekeeping) add their flags here through `_add` and `_merged`, in the
+order --help lists them.
 
 The parse turns every argparse complaint into one UsageError line: a misspelled flag gets the
 nearest real one, a Megatron-LM flag megazero lacks is named as such. What the flags mean together
@@ -14,9 +17,13 @@ import math
 from pathlib import Path
 
 from megazero.core.errors import UsageError
+from megazero.config.checkpoint_flags import add_checkpoint_flags
 from megazero.config.moe_flags import add_moe_flags
+from megazero.config.monitor_flags import add_monitor_flags
+from megazero.config.optimizer_flags import add_optimizer_flags
 from megazero.config.optimizer_state_flags import add_optimizer_state_flags
 from megazero.config.muon_flags import add_muon_flags
+from megazero.config.precision_flags import add_precision_flags
 from megazero.config.run_flags import add_run_flags
 from megazero.config.zero_flags import add_zero_flags
 
@@ -282,60 +289,11 @@ def _training_flags(p) -> None:
     _add(g, "--train-iters", type=int, default=None, help="optimizer steps", shown=200)
     _add(g, "--train-samples", type=int, default=None, help="samples to train on (instead of --train-iters)",
          shown="none")
-    _merged(g, "lr", "peak learning rate", type=float)
-    _add(g, "--min-lr", type=float, default=None, help="learning rate at the end of decay", shown="lr / 10")
-    _add(g, "--decoupled-lr", type=float, default=None,
-         help="peak learning rate of the input embedding and the output layer (same schedule)", shown="--lr")
-    _add(g, "--decoupled-min-lr", type=float, default=None,
-         help="their learning rate at the end of decay, with --decoupled-lr", shown="--min-lr")
-    _add(g, "--calculate-per-token-loss", action="store_true",
-         help="normalise the loss by the tokens of the whole global batch (megazero always does: every "
-              "token counts)")
-    _add(g, "--lr-warmup-iters", type=int, default=None, help="linear warmup steps",
-         shown="min(20, train iters / 10)")
-    _add(g, "--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay steps",
-         shown="none")
-    _add(g, "--lr-warmup-samples", type=int, default=None, help="warmup in samples", shown="none")
-    _add(g, "--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
-         default="cosine", help="learning-rate decay after warmup")
-    _add(g, "--lr-decay-iters", type=int, default=None, help="steps to decay over", shown="train iters")
-    _add(g, "--lr-decay-samples", type=int, default=None, help="samples to decay over", shown="none")
-    _add(g, "--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
-         help="on --load, the flags' lr schedule replaces the checkpoint's")
-    _add(g, "--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
-         help="on --load, keep the checkpoint's lr schedule whatever the flags say")
-    _merged(g, "weight_decay", "AdamW weight decay", type=float)
-    _merged(g, "adam_beta1", "Adam beta1, in [0, 1)", type=float)
-    _merged(g, "adam_beta2", "Adam beta2, in [0, 1)", type=float)
-    _merged(g, "adam_eps", "Adam epsilon, > 0", type=float)
-    _merged(g, "clip_grad", "clip the global gradient norm to this; 0: no clipping", type=float)
+    add_optimizer_flags(g, _add, _merged)
     add_optimizer_state_flags(g, _add)
     add_muon_flags(g, _add)
     _merged(g, "seed", "random seed", type=int)
-    _merged(g, "bf16", "compute in bf16 with fp32 master weights", action="store_true", default=None)
-    _merged(g, "fp16", "compute in fp16 with fp32 master weights and loss scaling", action="store_true",
-            default=None)
-    _merged(g, "loss_scale", "fp16 static loss scale; 0: dynamic", type=float)
-    _add(g, "--initial-loss-scale", type=float, default=None,
-         help="fp16 dynamic scale to start from, a power of 2",
-         shown="2^16")
-    _merged(g, "min_loss_scale", "fp16 dynamic scale floor", type=float)
-    _merged(g, "loss_scale_window", "fp16 steps without overflow before the scale doubles", type=int)
-    _merged(g, "hysteresis", "fp16 overflows tolerated before the scale halves", type=int)
-    _add(g, "--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
-         default=True, help="end the run (exit 3) at a non-finite loss, or a non-finite gradient no fp16 "
-                            "dynamic loss scale accounts for (Megatron-LM's check)", shown="on")
-    _add(g, "--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
-         help="skip such steps instead (the step is not applied)", shown="off")
-    _add(g, "--max-consecutive-skipped-steps", type=int, default=50,
-         help="end the run (exit 3) when this many steps in a row were skipped for non-finite gradients; "
-              "0: never (the most an fp16 dynamic scale skips in a row, from 2^32 down to 1, is 33)")
-    _merged(g, "reduce_dtype", "reduce gradients in bf16 (needs --bf16)", dest="reduce_dtype",
-            action="store_const", const="bf16", default=None)
-    _add(g, "--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-         default=True, help="with 16-bit weights, let autograd round each weight gradient to 16 bits "
-                            "before it is accumulated in fp32 (default: the layers sum weight gradients "
-                            "in fp32, Megatron's gradient-accumulation fusion)", shown="off")
+    add_precision_flags(g, _add, _merged)
 
 
 def _data_flags(p) -> None:
@@ -385,42 +343,8 @@ def _data_flags(p) -> None:
     _add(g, "--run-dir", default=None, help="folder for this run's outputs", shown="runs/gpt-<date>-<time>-<6 hex>")
     _add(g, "--metrics-file", default=None, help="JSON lines of the logged metrics",
          shown="<run-dir>/metrics.jsonl")
-    g = p.add_argument_group("checkpoints")
-    _add(g, "--save", default=None, help="folder to save checkpoints into", shown="none")
-    _add(g, "--load", default=None, help="checkpoint folder (its latest) or iter_* directory to load",
-         shown="none")
-    _add(g, "--save-interval", type=int, default=0, help="save every N iterations (and at the end)",
-         shown="0: only at the end")
-    _add(g, "--no-load-optim", action="store_true", help="load weights only; fresh Adam states")
-    _add(g, "--no-load-rng", action="store_true", help="do not restore RNG states")
-    _add(g, "--finetune", action="store_true", help="load weights only and start at iteration 0")
-    _add(g, "--exit-interval", type=int, default=0, help="stop after an iteration that is a multiple of N",
-         shown="0: never")
-    _add(g, "--exit-duration-in-mins", type=float, default=0.0, help="stop (and save) after this many minutes",
-         shown="0: never")
-    _add(g, "--exit-signal-handler", action="store_true",
-         help="on --exit-signal (and Ctrl-C) finish the step, save and exit 0 (Slurm preemption)")
-    _add(g, "--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
-         help="the signal --exit-signal-handler acts on")
-    _add(g, "--exit-on-save-failure", action="store_true",
-         help="stop the run when a save fails (a full disk); otherwise it trains on and says so")
-    _add(g, "--ckpt-keep-last", type=int, default=0,
-         help="keep only the newest K checkpoints, and the newest whose loss was finite", shown="0: all")
-    _add(g, "--extend-position-embeddings", action="store_true",
-         help="load a checkpoint whose learned position table is smaller than this run's: position p "
-              "starts from its row p mod its rows (weights and Adam moments)")
-    _add(g, "--async-save", action="store_true", help="write checkpoints in the background")
-    _add(g, "--ckpt-format", choices=["torch", "torch_dist"], default=None,
-         help="accepted: megazero writes its own sharded format (each rank its shard, loadable into any "
-              "layout), which serves torch_dist's purpose", shown="megazero's sharded format")
-    g = p.add_argument_group("monitoring")
-    _add(g, "--wandb-project", default=None, help="Weights & Biases project to log to", shown="none: no wandb")
-    _add(g, "--wandb-exp-name", default=None, help="wandb run name", shown="chosen by wandb")
-    _add(g, "--wandb-save-dir", default=None, help="folder wandb writes its wandb/ run folders into",
-         shown="--run-dir")
-    _add(g, "--wandb-entity", default=None, help="wandb team or user", shown="the account's default")
-    _add(g, "--tensorboard-dir", default=None, help="folder for TensorBoard event files",
-         shown="none: no TensorBoard")
+    add_checkpoint_flags(p.add_argument_group("checkpoints"), _add)
+    add_monitor_flags(p.add_argument_group("monitoring"), _add)
     add_run_flags(p.add_argument_group("housekeeping, logging and profiling"), _add)
     add_moe_flags(p.add_argument_group("mixture of experts"), _add)
 

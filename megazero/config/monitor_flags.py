@@ -10,6 +10,17 @@ from megazero.core.errors import UsageError, check_writable_dir
 _EXTRAS = {"wandb": ("wandb", "--wandb-project"), "tensorboard": ("tensorboard", "--tensorboard-dir")}
 
 
+def add_monitor_flags(g, add) -> None:
+    """The flags of this module, added to argument group `g` with `add` (flags._add)."""
+    add(g, "--wandb-project", default=None, help="Weights & Biases project to log to", shown="none: no wandb")
+    add(g, "--wandb-exp-name", default=None, help="wandb run name", shown="chosen by wandb")
+    add(g, "--wandb-save-dir", default=None, help="folder wandb writes its wandb/ run folders into",
+        shown="--run-dir")
+    add(g, "--wandb-entity", default=None, help="wandb team or user", shown="the account's default")
+    add(g, "--tensorboard-dir", default=None, help="folder for TensorBoard event files",
+        shown="none: no TensorBoard")
+
+
 def check_monitors_installed(cfg: MonitorConfig) -> None:
     """A monitor asked for without its package is one line naming the extra that installs it."""
     wanted = [name for name, on in (("wandb", cfg.wandb_project), ("tensorboard", cfg.tensorboard_dir)) if on]

@@ -60,10 +60,10 @@ def zero_config(args, ds) -> tuple[ZeroConfig, list[str]]:
         if stage_in_json and zero.stage != args.zero_stage:
             raise UsageError(f"--zero-stage {args.zero_stage} contradicts zero_optimization.stage = "
                              f"{zero.stage} in {args.zero_config}; remove one")
-        zero = zero.model_copy(update={"stage": args.zero_stage})
+        zero = zero.replace(stage=args.zero_stage)
     if args.use_distributed_optimizer:       # Megatron's distributed optimizer is ZeRO-1
         if args.zero_stage is None and not stage_in_json:
-            zero = zero.model_copy(update={"stage": 1})
+            zero = zero.replace(stage=1)
         elif zero.stage == 0:
             origin = "--zero-stage 0" if args.zero_stage is not None else \
                 f"zero_optimization.stage = 0 in {args.zero_config}"
@@ -72,7 +72,7 @@ def zero_config(args, ds) -> tuple[ZeroConfig, list[str]]:
         if zero.overlap_comm is False:
             raise UsageError(f"--overlap-grad-reduce contradicts zero_optimization.overlap_comm = false "
                              f"in {args.zero_config}; remove one")
-        zero = zero.model_copy(update={"overlap_comm": True})
+        zero = zero.replace(overlap_comm=True)
     notes = []
     if args.overlap_param_gather and zero.stage < 3:
         notes.append(f"--overlap-param-gather has no effect at ZeRO stage {zero.stage}: updated parameters "
@@ -95,7 +95,7 @@ def _merge_flag(args, zero: ZeroConfig, value, field: str, flag: str) -> ZeroCon
     if field in zero.model_fields_set and getattr(zero, field) != value:
         raise UsageError(f"{flag} {value} contradicts zero_optimization.{field} = "
                          f"{as_json(getattr(zero, field))} in {args.zero_config}; remove one")
-    return zero.model_copy(update={field: value})
+    return zero.replace(**{field: value})
 
 
 def _offload_flags(args, zero: ZeroConfig) -> tuple[ZeroConfig, dict[str, str]]:
@@ -118,11 +118,10 @@ def _offload_flags(args, zero: ZeroConfig) -> tuple[ZeroConfig, dict[str, str]]:
                 raise UsageError(f"--zero-{key.replace('_', '-')} {device} contradicts "
                                  f"zero_optimization.{key}.device = {as_json(block.device)} in "
                                  f"{args.zero_config}; remove one")
-            block = (block or type(zero).model_fields[key].annotation.__args__[0]()).model_copy(
-                update={"device": device})
+            block = (block or type(zero).model_fields[key].annotation.__args__[0]()).replace(device=device)
         if args.zero_nvme_path and block is not None and block.device == "nvme":
-            block = block.model_copy(update={"nvme_path": args.zero_nvme_path})
-        zero = zero.model_copy(update={key: block})
+            block = block.replace(nvme_path=args.zero_nvme_path)
+        zero = zero.replace(**{key: block})
     if args.zero_nvme_path and not (zero.offload_optimizer and zero.offload_optimizer.device == "nvme") \
             and not (zero.offload_param and zero.offload_param.device == "nvme"):
         raise UsageError("--zero-nvme-path is only used with nvme offload; add --zero-offload-optimizer "

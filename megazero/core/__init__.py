@@ -2,6 +2,10 @@
 
 - `comm`: every collective, behind `Group`, with its byte accounting (intra- and inter-node);
 - `streams`: side streams, the events between them and step timers (a no-op on CPU, with the CPU
-  stream sanitizer that enforces CUDA's ordering rules in the tests);
+  stream sanitizer that enforces CUDA's ordering rules in the tests); `cuda_backends`: the CUDA
+  calls behind them;
+- `stream_check`: that sanitizer (`op_access`: what each op reads and writes; `stream_check_report`:
+  a launched run's line);
+- `records`: `Record`, the one kind of configuration record, copied one way (`replace`, checked);
 - `errors`: `UsageError`, the one-line error for bad input, and the checks that raise it.
 """

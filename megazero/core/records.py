@@ -19,5 +19,10 @@ class Record(BaseModel):
                               arbitrary_types_allowed=True)
 
     def replace(self, **changes):
-        """A copy with `changes` applied and checked (dataclasses.replace's meaning)."""
-        return type(self).model_validate({**self.__dict__, **changes})
+        """A copy with `changes` applied and checked (dataclasses.replace's meaning): the one way a
+        record is copied (pydantic's model_copy(update=...) checks nothing). The copy's
+        model_fields_set is this record's plus the changed fields, as model_copy's is: the flag
+        merges ask it which keys a DeepSpeed file gave."""
+        copy = type(self).model_validate({**self.__dict__, **changes})
+        object.__setattr__(copy, "__pydantic_fields_set__", self.model_fields_set | changes.keys())
+        return copy

@@ -8,8 +8,8 @@ Owns the model of streams on CPU while checking is on. Streams are ids, each wit
 its own work; an event captures the recording stream's view of every stream (a vector clock); a wait
 merges the event's view into the waiting stream's. An access on stream B is ordered after one on
 stream A at position p when B's view of A has reached p (B waited on an event recorded after it), or
-when the host synchronized on such an event. A `TorchDispatchMode` attributes every aten op to the
-current stream: its inputs are read, the arguments its schema marks mutated and its fresh outputs
+when the host synchronized on such an event. A `TorchDispatchMode` (megazero.core.op_access)
+attributes every aten op to the current stream: its inputs are read, the arguments its schema marks mutated and its fresh outputs
 are written (views touch no data). Collectives are declared by megazero.core.comm (`collective`), and
 run as torch's ProcessGroupNCCL runs them (`nccl_semantics` picks the model by torch version):
 
@@ -38,7 +38,8 @@ On CPU every op runs when it is issued, so a checked run computes exactly what a
 does; the check says what a GPU would have raced on. The dry run (megazero.dry_run) checks its
 ranks with `devices=("cpu", "meta")`: meta, its GPU, is modelled as a device too (a storage's bytes
 are known without its values) and violations are collected (`collect`) instead of raised. Buffers get readable names through
-`megazero.core.streams.label`. Must not touch: the engine's tensors (only their metadata is read), CUDA
+`megazero.core.streams.label`. A launched run's line (counts summed over the ranks) is
+megazero.core.stream_check_report's. Must not touch: the engine's tensors (only their metadata is read), CUDA
 devices (they keep their CUDA backends; torch's own sanitizer, TORCH_CUDA_SANITIZER=1, checks those).
 """
 from __future__ import annotations
@@ -52,16 +53,15 @@ import weakref
 from pathlib import Path
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from megazero.core import kernels, source_paths, streams as _streams
+from megazero.core import kernels, op_access, source_paths, streams as _streams
 
 MAIN = 0
 STASH, RECORD_STREAM = "stash", "record_stream"       # how NCCL keeps collective tensors alive (nccl_semantics)
 _SKIPPED_FILES = tuple(str(Path(p).resolve()) for p in (
     Path(torch.__file__).parent, Path(__file__), Path(_streams.__file__),
-    Path(_streams.__file__).with_name("comm.py"), Path(kernels.__file__), Path(contextlib.__file__)))
+    Path(_streams.__file__).with_name("comm.py"), Path(kernels.__file__), Path(op_access.__file__),
+    Path(contextlib.__file__)))
 
 
 def nccl_semantics(version: str | None = None) -> str:
@@ -142,80 +142,9 @@ def _call_site() -> str:
     return f"{source_paths.shown(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
-class _Plan:
-    """What an op's schema says of its arguments, worked out once per op: which positions and
-    keywords it reads, which it writes, which returns are fresh memory (not views, not in place)."""
-    __slots__ = ("passthrough", "reads", "writes", "read_names", "write_names", "fresh")
-
-    def __init__(self, func):
-        schema = func._schema
-        self.passthrough = func.namespace == "c10d" or torch.Tag.inplace_view in func.tags or func in _NO_DATA
-        kinds = ["read" if a.alias_info is None else "write" if a.alias_info.is_write else None
-                 for a in schema.arguments]
-        self.reads = tuple(i for i, k in enumerate(kinds) if k == "read")
-        self.writes = tuple(i for i, k in enumerate(kinds) if k == "write")
-        self.read_names = {a.name: i for i, a in enumerate(schema.arguments) if kinds[i] == "read"}
-        self.write_names = {a.name: i for i, a in enumerate(schema.arguments) if kinds[i] == "write"}
-        self.fresh = tuple(i for i, r in enumerate(schema.returns) if r.alias_info is None)
-
-    def split(self, args, kwargs):
-        """(tensors read, tensors written) by a call with `args` and `kwargs`."""
-        reads = [t for i in self.reads if i < len(args) for t in _tensors(args[i])]
-        writes = [t for i in self.writes if i < len(args) for t in _tensors(args[i])]
-        for name, value in kwargs.items():
-            index = self.read_names.get(name)
-            if index is not None and index >= len(args):
-                reads.extend(_tensors(value))
-            index = self.write_names.get(name)
-            if index is not None and index >= len(args):
-                writes.extend(_tensors(value))
-        return reads, writes
-
-
-_PLANS: dict = {}
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if value is None or isinstance(value, (int, float, bool, str, torch.dtype, torch.device)):
-        return []
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in ((v,) if isinstance(v, torch.Tensor) else _tensors(v))]
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-class _AccessMode(TorchDispatchMode):
-    """Every aten op, attributed to the current modelled stream (see the module docstring)."""
-
-    def __init__(self, checker: "StreamChecker"):
-        super().__init__()
-        self.checker = checker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        plan = _PLANS.get(func)
-        if plan is None:
-            plan = _PLANS[func] = _Plan(func)
-        if plan.passthrough:
-            return func(*args, **kwargs)     # collectives are declared by megazero.core.comm
-        reads, writes = plan.split(args, kwargs)
-        out = func(*args, **kwargs)
-        results = out if isinstance(out, tuple) else (out,)
-        fresh = [t for i in plan.fresh if i < len(results) for t in _tensors(results[i])]
-        self.checker.op(reads, writes, fresh, host_sync=func is _SCALAR)
-        return out
-
-
-_SCALAR = torch.ops.aten._local_scalar_dense.default          # .item(): the host waits for the stream
-_NO_DATA = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
-            torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Tensor,
-            torch.ops.aten.set_.default}
-
-
 class StreamChecker:
     """The backend of megazero.core.streams for CPU devices while checking (same interface as
-    streams.TorchCudaBackend), and the record of every storage's accesses."""
+    cuda_backends.TorchCudaBackend), and the record of every storage's accesses."""
     name = "stream-check"
 
     def __init__(self, semantics: str | None = None, devices: tuple[str, ...] = ("cpu",), collect: bool = False):
@@ -234,7 +163,7 @@ class StreamChecker:
         self.pending: list[str] = []                   # found where raising is not possible (a free)
         self._communicators: dict[object, _Stream] = {}
         self._names: dict[str, int] = {}
-        self._mode = _AccessMode(self)
+        self._mode = op_access.AccessMode(self)
         self._previous_backend = None
         self._resize = None
         self.active = False
@@ -514,39 +443,3 @@ def checking(semantics: str | None = None, devices: tuple[str, ...] = ("cpu",), 
     without values); `collect`: violations are kept in `checker.found` instead of raised."""
     with StreamChecker(semantics, devices, collect) as checker:
         yield checker
-
-
-def summed(checker: StreamChecker, store=None, rank: int = 0, world: int = 1) -> str | None:
-    """The run's line: the checker's counts, summed over the launch's ranks through its rendezvous
-    `store` (a torch.distributed Store). Rank 0 returns it, the other ranks None."""
-    if store is None or world == 1:
-        return checker.summary()
-    store.set(f"stream_check/{rank}", f"{checker.side_ops} {checker.violations}")
-    if rank != 0:
-        return None
-    counts = [[int(x) for x in store.get(f"stream_check/{r}").decode().split()] for r in range(world)]
-    return (f"stream check ({checker.describe_semantics()}): {sum(c[0] for c in counts)} side-stream ops "
-            f"checked on {world} ranks, {sum(c[1] for c in counts)} violations")
-
-
-@contextlib.contextmanager
-def for_launch(enabled: bool, device, store=None, rank: int = 0, world: int = 1, say=print):
-    """A pretrain_gpt.py run under MEGAZERO_STREAM_CHECK=1: the whole run is checked and one line
-    says at its end how many side-stream ops were checked and how many violations were found; a
-    violation fails the run with its message (after this rank's line)."""
-    if not enabled:
-        yield
-        return
-    if torch.device(device).type != "cpu":
-        from megazero.core.errors import UsageError
-        raise UsageError(f"MEGAZERO_STREAM_CHECK=1 models the streams of CPU runs, not {device}; on GPUs "
-                         f"run torch's own sanitizer (TORCH_CUDA_SANITIZER=1 with --distributed-backend nccl)")
-    with checking() as checker:
-        try:
-            yield
-        except StreamOrderError:
-            say(f"{checker.summary()} (rank {rank})", flush=True)
-            raise
-    line = summed(checker, store, rank, world)
-    if line is not None:
-        say(line, flush=True)

@@ -95,7 +95,7 @@ _HOST_READ = re.compile(r"(cannot be called on meta tensors|Cannot copy out of m
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 # The layers a traceback passes through on its way from the code that asked (the site) to torch.
 _WRAPPERS = ("megazero/core/comm.py", "megazero/zero/quantized_comm.py", "megazero/core/stream_check.py",
-             "megazero/core/host_read.py")
+             "megazero/core/op_access.py", "megazero/core/host_read.py")
 
 
 def _site_of(detail: str) -> str:

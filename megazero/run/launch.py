@@ -375,7 +375,7 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             return failures.EXIT_USAGE
         launch.timeout_minutes = parse_args(argv).distributed_timeout_minutes    # checked: the rendezvous's
         from megazero.run import pretrain                 # the runtime: torch and everything on it
-        from megazero.core import stream_check
+        from megazero.core import stream_check_report
         error = None
         try:
             run = pretrain.Pretraining(pretrain.configure(argv, launch), launch)
@@ -400,8 +400,8 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             return _end_agreed(launch, unreachable, failures.EXIT_USAGE)
         beat = _heartbeat(run, launch)
         try:
-            with stream_check.for_launch(os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0", run.device,
-                                         launch.store, launch.rank, launch.world):
+            checked = os.environ.get("MEGAZERO_STREAM_CHECK", "0") != "0"
+            with stream_check_report.for_launch(checked, run.device, launch.store, launch.rank, launch.world):
                 run.run()
         finally:
             if beat is not None:

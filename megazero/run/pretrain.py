@@ -72,7 +72,7 @@ def configure(argv, env: RunEnvironment) -> Configured:
     """Flags -> config -> checks against this machine and the checkpoint; every error a UsageError."""
     cfg = config_from_args(parse_args(argv), env.world, env.local_world, cuda_available=env.cuda_available)
     if cfg.zero.cpu_optimizer_threads is None:
-        cfg = cfg.replace(zero=cfg.zero.model_copy(update={"cpu_optimizer_threads": env.cpu_optimizer_threads()}))
+        cfg = cfg.replace(zero=cfg.zero.replace(cpu_optimizer_threads=env.cpu_optimizer_threads()))
     device, threads = env.device(cfg)
     env.check_machine(cfg, device)
     writer = env.rank == 0         # holds the job's locks (megazero.run.run_folder says why rank 0)

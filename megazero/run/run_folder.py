@@ -60,5 +60,5 @@ def with_run_dir(cfg: TrainConfig, run_dir: str) -> TrainConfig:
     if cfg.metrics_file == str(Path(old) / "metrics.jsonl"):
         update["metrics_file"] = str(Path(run_dir) / "metrics.jsonl")
     if cfg.monitor.wandb_save_dir == old:
-        update["monitor"] = cfg.monitor.model_copy(update={"wandb_save_dir": run_dir})
+        update["monitor"] = cfg.monitor.replace(wandb_save_dir=run_dir)
     return cfg.replace(**update)

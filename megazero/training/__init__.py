@@ -6,7 +6,7 @@ a flag, the environment or argv.
     loop.py           a step (`train_step`: microbatches through the pipeline schedule, then the
                       optimizer step), evaluation and the loop (`train`)
     lr_schedule.py    Megatron's learning-rate rules
-    metrics.py        the log line and metrics.jsonl; monitor.py: wandb and TensorBoard behind it
+    metrics.py        a step's record, the log line and metrics.jsonl; monitor.py: wandb and TensorBoard behind it
     flops.py          model FLOPs, MFU and HFU
     moe_stats.py      a step's mixture-of-experts bookkeeping summed over the layout
     stragglers.py     per-rank phase times at each log line; the slow rank named

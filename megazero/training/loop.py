@@ -25,6 +25,7 @@ from megazero.training.divergence import Diverged, DivergenceWatch
 from megazero.training.housekeeping import Housekeeping
 from megazero.training.stragglers import find_stragglers
 from megazero.training.phases import Phases
+from megazero.training.metrics import train_record
 from megazero.training.moe_stats import begin_moe_step, collapse_line, end_moe_step
 from megazero.data.sampler import MicrobatchSource
 from megazero.models.documents import pack_documents
@@ -255,25 +256,14 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
             elapsed = time.perf_counter() - started
             consumed += batch
             applied += 0 if step.skipped else batch
-            record = {"iteration": it + 1, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
-                      "skipped": step.skipped, "loss_scale": step.loss_scale,
-                      "tokens_per_s": tokens_per_step / elapsed, "ms_per_iter": 1000 * elapsed,
-                      "tflops_per_device": flops_per_step / elapsed / world / 1e12,
-                      "memory_mib": peak_memory_mib(state.device),
-                      "skipped_total": state.engine.skipped_steps}
-            record.update(_optional_fields(state, rates, batch, consumed, step))
-            if step.moe is not None:
-                record.update(moe_aux_loss=step.moe["aux"], moe_z_loss=step.moe["z"],
-                              moe_dropped=step.moe["dropped"],
-                              moe_load={str(i): list(v) for i, v in step.moe["load"].items()})
-                collapsed = collapse_line(step.moe, cfg.model, it + 1, moe_said)
-                if collapsed and metrics is not None:
-                    metrics.say(f" {collapsed}")
-            if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
-                record["mfu"] = record["tflops_per_device"] / peak
-                record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak
-            if state.timers is not None:
-                record["time_ms"] = state.timers.elapsed_ms()
+            record = train_record(it + 1, step, lr, elapsed, tokens=tokens_per_step, flops=flops_per_step,
+                                  hardware_flops=hardware_flops, world=world, peak=peak,
+                                  memory_mib=peak_memory_mib(state.device), skipped_total=state.engine.skipped_steps,
+                                  flagged=_optional_fields(state, rates, batch, consumed, step),
+                                  time_ms=state.timers.elapsed_ms() if state.timers is not None else None)
+            collapsed = collapse_line(step.moe, cfg.model, it + 1, moe_said) if step.moe is not None else None
+            if collapsed and metrics is not None:
+                metrics.say(f" {collapsed}")
             if step.skipped and metrics is not None:
                 metrics.say(f" iteration {it + 1}: non-finite gradient norm ({step.grad_norm}), step skipped "
                             f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")

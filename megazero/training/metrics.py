@@ -6,6 +6,8 @@ of several runs in one file stay apart. Each logged iteration appends one object
 iteration, loss, lr, grad_norm and tokens_per_s (on a GPU with a known peak also mfu, from model
 FLOPs, and hfu, counting recomputation); evaluations append objects with "split": "valid". The same records go to the monitors
 (megazero.training.monitor: wandb, TensorBoard) the driver attaches with `add_monitors`; `close` ends them.
+A step's record is built here (`train_record`, from the numbers the loop hands it), so that what a
+record holds is read in one file.
 """
 from __future__ import annotations
 
@@ -20,6 +22,31 @@ from megazero.training.stragglers import describe
 # --log-params-norm, --log-num-zeros-in-grad).
 OPTIONAL_FIELDS = ("decoupled_lr", "global_batch_size", "consumed_samples", "params_norm", "num_zeros_in_grad",
                    "moe_aux_loss", "moe_z_loss", "moe_dropped")
+
+
+def train_record(iteration: int, step, lr: float, elapsed: float, *, tokens: int, flops: float,
+                 hardware_flops: float, world: int, peak: float | None, memory_mib: float, skipped_total: int,
+                 flagged: dict, time_ms: dict | None) -> dict:
+    """The record of one training step (megazero.training.loop's StepResult `step`, which took
+    `elapsed` seconds on `world` devices and computed `tokens` tokens and `flops` model FLOPs,
+    `hardware_flops` with recomputation): what `train` returns and `log_train` averages. MFU and HFU
+    when the device's `peak` TFLOP/s is known; `flagged`: the fields flags ask for (OPTIONAL_FIELDS);
+    `time_ms`: the phase timers' (wall_clock_breakdown)."""
+    record = {"iteration": iteration, "loss": step.loss, "lr": lr, "grad_norm": step.grad_norm,
+              "skipped": step.skipped, "loss_scale": step.loss_scale,
+              "tokens_per_s": tokens / elapsed, "ms_per_iter": 1000 * elapsed,
+              "tflops_per_device": flops / elapsed / world / 1e12,
+              "memory_mib": memory_mib, "skipped_total": skipped_total}
+    record.update(flagged)
+    if step.moe is not None:
+        record.update(moe_aux_loss=step.moe["aux"], moe_z_loss=step.moe["z"], moe_dropped=step.moe["dropped"],
+                      moe_load={str(i): list(v) for i, v in step.moe["load"].items()})
+    if peak is not None:       # model FLOPs (MFU) and with recomputation (hardware FLOPs, HFU)
+        record["mfu"] = record["tflops_per_device"] / peak
+        record["hfu"] = hardware_flops / elapsed / world / 1e12 / peak
+    if time_ms is not None:
+        record["time_ms"] = time_ms
+    return record
 
 
 class MetricsLogger:

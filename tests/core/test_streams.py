@@ -1,5 +1,5 @@
 """megazero.core.streams without a GPU: a fake backend checks stream priorities and the order of event
-records and waits; a fake cuda-python runtime checks status handling; the CPU path is a no-op with
+records and waits; a fake cuda-python runtime checks status handling (megazero.core.cuda_backends); the CPU path is a no-op with
 working timers. The same module on real CUDA is checked by tests/gpu/test_streams_cuda.py."""
 import time
 import types
@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from megazero.core import streams as st
+from megazero.core import cuda_backends as cb, streams as st
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -161,7 +161,7 @@ def _fake_runtime(fail=None, **values):
 
 def test_cudart_backend_checks_every_status_and_names_the_function():
     rt, log = _fake_runtime()
-    backend = st.CudartBackend(rt)
+    backend = cb.CudartBackend(rt)
     assert backend.priority_range(0) == (0, -5)
     assert backend.create_event(0, timing=False) == 77
     assert ("cudaEventCreateWithFlags", (2,)) in log
@@ -173,26 +173,26 @@ def test_cudart_backend_checks_every_status_and_names_the_function():
     for name, call in [("cudaDeviceGetStreamPriorityRange", lambda b: b.priority_range(0)),
                        ("cudaEventCreateWithFlags", lambda b: b.create_event(0, True)),
                        ("cudaStreamWaitEvent", lambda b: b.wait_event(stream, 77))]:
-        with pytest.raises(st.CudaError, match=f"{name} failed: cudaErrorInvalidValue \\(1\\)"):
-            call(st.CudartBackend(_fake_runtime(fail=name)[0]))
+        with pytest.raises(cb.CudaError, match=f"{name} failed: cudaErrorInvalidValue \\(1\\)"):
+            call(cb.CudartBackend(_fake_runtime(fail=name)[0]))
 
 
 def test_cudart_backend_restores_the_callers_device():
     rt, log = _fake_runtime(device=1)
-    st.CudartBackend(rt).priority_range(0)
+    cb.CudartBackend(rt).priority_range(0)
     sets = [args for name, args in log if name == "cudaSetDevice"]
     assert sets == [(0,), (1,)]
 
 
 def test_real_cuda_python_reports_errors_without_a_device():
     """With cuda-python installed on a machine without a usable GPU, calls fail loudly by name."""
-    runtime = st.import_cudart()
+    runtime = cb.import_cudart()
     if runtime is None:
         pytest.skip("cuda-python not installed (pip install 'megazero[cuda]')")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: tests/gpu checks the real path")
-    with pytest.raises(st.CudaError, match="cudaGetDevice failed|cudaDeviceGetStreamPriorityRange failed"):
-        st.CudartBackend(runtime).priority_range(0)
+    with pytest.raises(cb.CudaError, match="cudaGetDevice failed|cudaDeviceGetStreamPriorityRange failed"):
+        cb.CudartBackend(runtime).priority_range(0)
 
 
 def test_cpu_path_is_a_no_op():
@@ -252,30 +252,30 @@ def test_timers_on_a_cuda_backend_read_events_only_when_asked():
 
 
 def test_without_cuda_python_cuda_falls_back_to_torch_with_one_log_line(monkeypatch, caplog):
-    monkeypatch.setattr(st, "import_cudart", lambda: None)
-    st.default_cuda_backend.cache_clear()
+    monkeypatch.setattr(cb, "import_cudart", lambda: None)
+    cb.default_cuda_backend.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="megazero.core.streams"):
+        with caplog.at_level("WARNING", logger="megazero.core.cuda_backends"):
             first, second = st.backend_for(CUDA0), st.backend_for(CUDA0)
-        assert isinstance(first, st.TorchCudaBackend) and first is second
+        assert isinstance(first, cb.TorchCudaBackend) and first is second
         assert len(caplog.records) == 1 and "cuda-python is not installed" in caplog.text
         assert st.backend_for(torch.device("cpu")) is None
     finally:
-        st.default_cuda_backend.cache_clear()
+        cb.default_cuda_backend.cache_clear()
 
 
 def test_cuda_python_that_cannot_use_the_driver_falls_back_to_torch(monkeypatch, caplog):
-    monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime(fail="cudaGetDeviceCount")[0])
-    st.default_cuda_backend.cache_clear()
+    monkeypatch.setattr(cb, "import_cudart", lambda: _fake_runtime(fail="cudaGetDeviceCount")[0])
+    cb.default_cuda_backend.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="megazero.core.streams"):
+        with caplog.at_level("WARNING", logger="megazero.core.cuda_backends"):
             backend = st.backend_for(CUDA0)
-        assert type(backend) is st.TorchCudaBackend and "cannot use this driver" in caplog.text
-        monkeypatch.setattr(st, "import_cudart", lambda: _fake_runtime()[0])
-        st.default_cuda_backend.cache_clear()
-        assert isinstance(st.backend_for(CUDA0), st.CudartBackend)
+        assert type(backend) is cb.TorchCudaBackend and "cannot use this driver" in caplog.text
+        monkeypatch.setattr(cb, "import_cudart", lambda: _fake_runtime()[0])
+        cb.default_cuda_backend.cache_clear()
+        assert isinstance(st.backend_for(CUDA0), cb.CudartBackend)
     finally:
-        st.default_cuda_backend.cache_clear()
+        cb.default_cuda_backend.cache_clear()
 
 
 def test_gpu_step_bench_runs_on_cpu_with_a_tiny_model(capsys):

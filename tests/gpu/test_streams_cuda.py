@@ -4,9 +4,9 @@ on the copy stream, timers."""
 import pytest
 import torch
 
-from megazero.core import streams as st
+from megazero.core import cuda_backends, streams as st
 
-BACKENDS = {"default": None, "torch": st.TorchCudaBackend()}
+BACKENDS = {"default": None, "torch": cuda_backends.TorchCudaBackend()}
 
 
 @pytest.fixture(params=list(BACKENDS))
