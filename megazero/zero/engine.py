@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -79,7 +80,8 @@ class ZeroEngine(SplitBackward):
                  adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
                  lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None,
-                 muon: MuonConfig | None = None, muon_matrix=None, weight_decay_of=None):
+                 domains: Sequence[ShardDomain] = (), muon: MuonConfig | None = None, muon_matrix=None,
+                 weight_decay_of=None):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -93,8 +95,10 @@ class ZeroEngine(SplitBackward):
         the modules) takes when `step` is given one per group (default: 0 for every parameter).
         `expert_groups`: ZeRO's groups for mixture-of-experts weights (their expert-data-parallel
         ranks), `expert_parallel` the group holding the other experts (zero/experts.py); None:
-        expert weights are sharded as the others. `muon`: Muon steps the parameters for which
-        `muon_matrix(name, param, shape)` gives a MuonMatrix (megazero.zero.muon), Adam the rest.
+        expert weights are sharded as the others. `domains`: further families of parameters, each a
+        ShardDomain with the rule that claims its parameters and its own groups (shard_domain.py).
+        `muon`: Muon steps the parameters for which `muon_matrix(name, param, shape)` gives a
+        MuonMatrix (megazero.zero.muon), Adam the rest.
         `weight_decay_of(name, full_shape) -> float`: a parameter's weight decay (default: Megatron's
         rule, adam.weight_decay on >= 2-D weights only; megazero.initialize gives the user's param
         groups' values)."""
@@ -114,6 +118,7 @@ class ZeroEngine(SplitBackward):
         self.domains = [ShardDomain("dense", groups, ReduceWhenComplete(), units_label="units")]
         if expert_groups is not None:
             self.domains.append(expert_domain(expert_groups, expert_parallel))
+        self.domains += list(domains)
         self._input_pass = False               # inside backward_input (B): no gradient may arrive
         self._leaves_of_pass: dict = {}        # ticket -> (domain, leaf) whose backward B ran, in order
         named = _unique_named_parameters(modules)
