@@ -143,9 +143,11 @@ class ShardDomain:
 
     def build_units(self, modules, params: list[nn.Parameter], init_fn, isolated, shared: Shared,
                     leaf_done) -> dict[int, nn.Parameter]:
-        """Stage 3: a UnitStorage of `params` and its gather coordinator, hooked on `modules`; a
-        claimed family builds them only when it has such parameters. `leaf_done(module)` is called
-        when a leaf module's backward is over (the engine then calls `leaf_backward_done`)."""
+        """Stage 3: a UnitStorage of `params` and its gather coordinator, hooked on `modules`. A
+        claimed family builds them only when it has such parameters; the catch-all always does, so a
+        run whose every parameter is persistent keeps the (empty) unit storage, its place among the
+        storages and its coordinator's hooks, as it always had. `leaf_done(module)` is called when a
+        leaf module's backward is over (the engine then calls `leaf_backward_done`)."""
         if not params and self.claims is not None:
             return {}
         leaves = self.policy.leaves(modules, shared.zero, self.groups.model_parallel)
