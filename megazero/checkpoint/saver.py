@@ -66,10 +66,10 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict] = {}
     for storage in engine.storages():
-        # stage 0 keeps whole copies on the data-parallel ranks (experts: the expert-data-parallel ones)
-        experts = engine.expert_groups is not None and engine.is_expert_storage(storage)
-        copy_index = (groups.edp.rank if experts else groups.dp.rank) if storage.shard is None else \
-            (engine.expert_groups if experts else engine.groups).replica.rank
+        # stage 0 keeps whole copies on its domain's data-parallel ranks (experts: the expert-data-
+        # parallel ones), the other stages on its MiCS replicas
+        domain_groups = engine.domain_of(storage).groups
+        copy_index = domain_groups.dp.rank if storage.shard is None else domain_groups.replica.rank
         if copy_index != 0:
             continue
         for param, offset, length in storage.local_pieces():

@@ -4,7 +4,9 @@ Owns the model's parameters once built: it replaces every (meta) parameter of th
 one it allocated, and from then on drives backward hooks, gradient reduction, the global gradient
 norm and clipping, loss scaling and the Adam step. It knows nothing of tensor- or pipeline-parallel
 layers: it gets modules, an `init_fn(name, param) -> full fp32 tensor`, process groups and
-per-parameter flags.
+per-parameter flags. Its parameters fall into shard domains (shard_domain.py: the dense weights, and
+the MoE expert weights with groups of their own, experts.py), each with its storages, stage-3 gather
+coordinator and norm chain; every phase below runs over the domains alike.
 
 Built from its records, keyword by keyword:
     engine = ZeroEngine(modules, init_fn, groups=zero_groups, zero=zero_config, adam=adam_config,
@@ -24,13 +26,15 @@ A zero-bubble pipeline schedule runs each microbatch's backward in two passes in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from megazero.core import comm, host_read
+from megazero.core import host_read
 from megazero.core.streams import Streams
 from megazero.ops.adam_config import AdamConfig
 from megazero.ops.muon_config import MuonConfig
@@ -40,13 +44,13 @@ from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .muon import Muon
 from .engine_memory import EngineMemory
-from .experts import ExpertUnits, is_expert
+from .experts import expert_domain
 from .placement import optimizer_placement
 from .config import PrecisionConfig
 from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
-from .stage3.leaves import find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStorage
+from .shard_domain import ReduceWhenComplete, ShardDomain, Shared, owner, summed_over_domains
 from .split_backward import SplitBackward
 from .storage import PartitionedStorage, ReductionQueue
 from megazero.models.param_info import param_info, set_param_info
@@ -76,7 +80,8 @@ class ZeroEngine(SplitBackward):
                  adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
                  lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None,
-                 muon: MuonConfig | None = None, muon_matrix=None, weight_decay_of=None):
+                 domains: Sequence[ShardDomain] = (), muon: MuonConfig | None = None, muon_matrix=None,
+                 weight_decay_of=None):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -90,8 +95,10 @@ class ZeroEngine(SplitBackward):
         the modules) takes when `step` is given one per group (default: 0 for every parameter).
         `expert_groups`: ZeRO's groups for mixture-of-experts weights (their expert-data-parallel
         ranks), `expert_parallel` the group holding the other experts (zero/experts.py); None:
-        expert weights are sharded as the others. `muon`: Muon steps the parameters for which
-        `muon_matrix(name, param, shape)` gives a MuonMatrix (megazero.zero.muon), Adam the rest.
+        expert weights are sharded as the others. `domains`: further families of parameters, each a
+        ShardDomain with the rule that claims its parameters and its own groups (shard_domain.py).
+        `muon`: Muon steps the parameters for which `muon_matrix(name, param, shape)` gives a
+        MuonMatrix (megazero.zero.muon), Adam the rest.
         `weight_decay_of(name, full_shape) -> float`: a parameter's weight decay (default: Megatron's
         rule, adam.weight_decay on >= 2-D weights only; megazero.initialize gives the user's param
         groups' values)."""
@@ -103,29 +110,24 @@ class ZeroEngine(SplitBackward):
         self.skipped_steps = 0
         self.counts_in_norm = counts_in_norm
         self.weight_decay_rule = weight_decay_of
-        self.expert_groups, self.expert_parallel = expert_groups, expert_parallel
-        expert = (lambda p: is_expert(p)) if expert_groups is not None else _never
         self.grads_ready = False
         self.queue = ReductionQueue(zero.reduce_bucket_size, zero.overlap)
         self.streams = streams if streams is not None else Streams(self.device)
+        # The families of parameters, each sharded over its own groups (shard_domain.py); the first
+        # takes every parameter no other claims.
+        self.domains = [ShardDomain("dense", groups, ReduceWhenComplete(), units_label="units")]
+        if expert_groups is not None:
+            self.domains.append(expert_domain(expert_groups, expert_parallel))
+        self.domains += list(domains)
+        self._input_pass = False               # inside backward_input (B): no gradient may arrive
+        self._leaves_of_pass: dict = {}        # ticket -> (domain, leaf) whose backward B ran, in order
         named = _unique_named_parameters(modules)
         self.names = {id(p): n for n, p in named}
         user_init = init_fn
-        init_fn = lambda p: user_init(self.names[id(p)], p)  # noqa: E731  (old params, by name)
-        persistent = [(n, p) for n, p in named if zero.stage < 3 or p.numel() <= zero.param_persistence_threshold]
-        self.flat_groups = self._build_flat_groups(persistent, init_fn, isolated, expert)
-        replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
-        self.unit_storage, self.gather, self.expert_units = None, None, None
-        if zero.stage == 3:
-            experts = [p for n, p in named if expert(p) and id(p) not in replaced]
-            if experts:
-                self.expert_units = ExpertUnits(modules, experts, expert_groups, self.precision, self.device,
-                                                self.queue, zero, self.streams, init_fn)
-                replaced.update(self.expert_units.replaced)
-            replaced.update(self._build_units(modules, persistent + [(None, p) for p in experts], init_fn,
-                                              isolated))
+        replaced = self._build_storages(named, lambda p: user_init(self.names[id(p)], p), isolated)
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
+        self._domain_of = {id(s): d for d in self.domains for s in d.flat_groups + [d.units] if s is not None}
         group_of = (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group
         self.muon = None if muon is None else Muon.for_engine(self, muon, muon_matrix, group_of)
         for storage in self.storages():
@@ -133,95 +135,69 @@ class ZeroEngine(SplitBackward):
                          self.muon.steps if self.muon is not None else _never)
         self.placement = optimizer_placement(zero, groups, counts_in_norm)
         for i, storage in enumerate(self.storages()):
-            self.placement.place(storage, "units" if storage is self.unit_storage else f"group{i}")
+            self.placement.place(storage, self.domain_of(storage).label(storage, i))
         self.memory = EngineMemory(self)
         self.has_grads = False
+        self._hook_gradients()
+
+    # --- construction -----------------------------------------------------------------------
+    def _build_storages(self, named, init_fn, isolated) -> dict[int, nn.Parameter]:
+        """Every domain's storages over its parameters (init_fn(old parameter): its full fp32 value);
+        returns id(old parameter) -> its replacement."""
+        shared = Shared(self.zero, self.precision, self.device, self.queue, self.streams)
+        of = {id(p): owner(self.domains, p) for _, p in named}
+        persistent = [p for _, p in named if self.zero.stage < 3 or p.numel() <= self.zero.param_persistence_threshold]
+        replaced = {}
+        for domain in self.domains:
+            replaced.update(domain.build_flat_groups([p for p in persistent if of[id(p)] is domain],
+                                                     init_fn, isolated, shared))
+        if self.zero.stage == 3:
+            # The catch-all builds last (the domains claiming a family hook their gathers first).
+            for domain in reversed(self.domains):
+                params = [p for _, p in named if of[id(p)] is domain and id(p) not in replaced]
+                replaced.update(domain.build_units(self.modules, params, init_fn, isolated, shared,
+                                                   functools.partial(self._leaf_backward_done, domain)))
+        return replaced
+
+    def _hook_gradients(self) -> None:
         me = weakref.ref(self)
         fuse = self.precision.fp32_weight_grads
-        self._input_pass = False               # inside backward_input (B): no gradient may arrive
-        self._leaves_of_pass: dict = {}        # ticket -> leaves whose backward B ran, in order
-        for group in self.flat_groups:
+        for group in self._flat_groups():
             for p in group.params:
                 set_param_info(p, zero_storage=group, zero_engine=me, fp32_grad=fuse and not group.grads_are_views)
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._outside_input_pass(group.on_grad_ready, group))
-        for units in self._unit_storages():
-            for p in units.params:
-                set_param_info(p, zero_storage=units, zero_engine=me, fp32_grad=fuse)
+        for domain in self._unit_domains():
+            for p in domain.units.params:
+                set_param_info(p, zero_storage=domain.units, zero_engine=me, fp32_grad=fuse)
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._outside_input_pass(self._on_unit_grad, units))
+                    p.register_post_accumulate_grad_hook(self._outside_input_pass(domain.on_unit_grad,
+                                                                                  domain.units))
 
-    # --- construction -----------------------------------------------------------------------
     def _weight_decay_of(self, param, full_shape) -> float:
         if self.weight_decay_rule is not None:
             return self.weight_decay_rule(self.names[id(param)], tuple(full_shape))
         return self.adam.weight_decay if uses_weight_decay(full_shape) else 0.0
 
-    def _unit_storages(self) -> list[UnitStorage]:
-        return [u for u in (self.unit_storage, self.expert_units and self.expert_units.storage) if u is not None]
+    def _flat_groups(self) -> list[FlatParamGroup]:
+        return [g for d in self.domains for g in d.flat_groups]
 
-    def _build_flat_groups(self, named, init_fn, isolated, expert) -> list[FlatParamGroup]:
-        buckets: dict[tuple[bool, bool, bool], list] = {}
-        for name, p in named:
-            key = (bool(expert(p)), uses_weight_decay(p.shape), bool(isolated(p)))
-            buckets.setdefault(key, []).append(p)
-        stage = 2 if self.zero.stage == 3 else self.zero.stage
-        # parameter_alignment (stages 1-2): each parameter's view starts 16-byte aligned.
-        align = 16 // self.precision.param_dtype.itemsize if self.zero.parameter_alignment and \
-            self.zero.stage in (1, 2) else 1
-        groups, self._flat_olds = [], []
-        for (experts, *_), params in sorted(buckets.items()):
-            g = self.expert_groups if experts else self.groups
-            group = FlatParamGroup(
-                params, stage=stage, dp=g.dp, shard=g.shard if stage > 0 else None, replica=g.replica,
-                precision=self.precision, bucket_size=self.zero.reduce_bucket_size,
-                device=self.device, queue=self.queue, allgather_bucket_size=self.zero.allgather_bucket_size,
-                reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
-                state_device="cpu" if self.zero.offloads_optimizer else None, param_align=align)
-            self._flat_olds.append((group, params))
-            group.materialize(init_fn)
-            groups.append(group)
-        return groups
+    def _unit_domains(self) -> list[ShardDomain]:
+        return [d for d in self.domains if d.units is not None]
 
-    def _build_units(self, modules, persistent, init_fn, isolated) -> dict[int, nn.Parameter]:
-        # A module's unit is its own non-persistent parameters; a parameter registered in two
-        # modules (a tied head) belongs to the first and is external to the second. A leaf module's
-        # unit takes the parameters of all its submodules too, so one gather serves the whole leaf
-        # and nothing inside it is hooked. An isolated parameter stays a unit of its own, so its
-        # partition matches its copy on other ranks.
-        taken = {id(p) for _, p in persistent}
-        leaves = find_leaf_modules(modules, self.zero, self.groups.model_parallel)
-        units_params: list[tuple[str, list]] = []
-        inside, leaf_of_unit = set(), {}
-        for root in modules:
-            for mod_name, module in root.named_modules():
-                if module in inside:
-                    continue
-                is_leaf = module is not root and module in leaves
-                if is_leaf:
-                    inside.update(m for m in module.modules() if m is not module)
-                params = [p for p in module.parameters(recurse=is_leaf) if id(p) not in taken]
-                taken.update(id(p) for p in params)
-                alone = [p for p in params if is_leaf and isolated(p)]
-                name = mod_name or type(module).__name__
-                rest = [p for p in params if not any(p is q for q in alone)]
-                for group in [[p] for p in alone] + ([rest] if rest else []):
-                    if is_leaf:
-                        leaf_of_unit[len(units_params)] = module
-                    units_params.append((name, group))
-        self.unit_storage = UnitStorage(units_params, self.groups, self.precision, self.device, self.queue,
-                               reduce_scatter=self.zero.reduce_scatter, streams=self.streams,
-                               zero=self.zero)
-        replaced = self.unit_storage.materialize(init_fn)
-        self.gather = GatherCoordinator(self.unit_storage, self.zero)
-        self.gather.attach(modules, {old_id: param_info(new).zero_unit for old_id, new in replaced.items()},
-                           blocks=[m for m in leaves if not any(m is root for root in modules)])
-        self.leaf_units: dict[nn.Module, list] = {}
-        for index, leaf in leaf_of_unit.items():
-            self.leaf_units.setdefault(leaf, []).append(self.unit_storage.units[index])
-        self.leaf_unit_indices = set(leaf_of_unit)
-        on_leaf_backward(self.leaf_units, self._leaf_backward_done)
-        return replaced
+    def domain_of(self, storage) -> ShardDomain:
+        """The domain a storage of this engine belongs to (its groups: `.groups`)."""
+        return self._domain_of[id(storage)]
+
+    @property
+    def unit_storage(self) -> UnitStorage | None:
+        """Stage 3: the catch-all (dense) domain's unit storage (tests and benches read it)."""
+        return self.domains[0].units
+
+    @property
+    def gather(self) -> GatherCoordinator | None:
+        """Stage 3: the catch-all (dense) domain's gather coordinator."""
+        return self.domains[0].gather
 
     # --- microbatches -----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -245,51 +221,28 @@ class ZeroEngine(SplitBackward):
             (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
 
     def _begin_gradients(self, last_microbatch: bool) -> None:
-        for group in self.flat_groups:
+        for group in self._flat_groups():
             group.start_backward(reduce=last_microbatch)
-        if self.unit_storage is not None:
-            self.unit_storage.start_backward()
-        if self.expert_units is not None:
-            self.expert_units.start_backward()
+        for domain in self.domains:
+            domain.start_backward()
         self.has_grads = True
 
     def _end_gradients(self) -> None:
-        for group in self.flat_groups:
+        for group in self._flat_groups():
             group.end_backward()
-        if self.unit_storage is not None:
-            for unit in self.unit_storage.units:
-                # Some but not all of its gradients arrived (unused parameters): reduce what came.
-                if unit.grad_staging is not None:
-                    self.unit_storage.reduce_grads(unit)
-                    self.gather.grads_done(unit)
-        if self.expert_units is not None:
-            self.expert_units.end_backward()
+        for domain in self.domains:
+            domain.end_backward()
 
     def _gathers(self) -> list[GatherCoordinator]:
-        return [g for g in (self.gather, self.expert_units and self.expert_units.gather) if g is not None]
+        return [d.gather for d in self._unit_domains()]
 
-    def _on_unit_grad(self, param: nn.Parameter) -> None:
-        # A leaf's units are reduced when the leaf's backward is done (_leaf_backward_done): which of
-        # its parameters get gradients may differ between ranks (an expert one rank's tokens skip),
-        # the order of the reductions must not.
-        if self.expert_units is not None and param_info(param).zero_storage is self.expert_units.storage:
-            return self.expert_units.add_grad(param)
-        unit = param_info(param).zero_unit
-        if self.unit_storage.add_grad(param) and unit.index not in self.leaf_unit_indices:
-            self.unit_storage.reduce_grads(unit)
-            self.gather.grads_done(unit)
-
-    def _leaf_backward_done(self, module) -> None:
-        """Reduces the leaf's units with the gradients that came (zeros for parameters this rank's
-        data did not use), in unit order on every rank, as DeepSpeed does for its leaf modules. In
-        B of a split backward no gradient has come yet: the leaf waits for its W."""
+    def _leaf_backward_done(self, domain: ShardDomain, module) -> None:
+        """A leaf module's backward is over: its domain reduces its units. In B of a split backward
+        no gradient has come yet: the leaf waits for its W."""
         if self._input_pass:
-            self._leaves_of_pass.setdefault(self.gather.ticket, []).append(module)
+            self._leaves_of_pass.setdefault(domain.gather.ticket, []).append((domain, module))
             return
-        for unit in self.leaf_units[module]:
-            if unit.grad_pending != -1 or unit.grad_staging is not None:
-                self.unit_storage.reduce_grads(unit)
-                self.gather.grads_done(unit)
+        domain.leaf_backward_done(module)
 
     def finish_gradients(self) -> None:
         """Completes every reduction of the step (MiCS replicas included). Afterwards, and until
@@ -308,7 +261,8 @@ class ZeroEngine(SplitBackward):
 
     # --- step -------------------------------------------------------------------------------
     def storages(self) -> list[PartitionedStorage]:
-        return list(self.flat_groups) + self._unit_storages()
+        """Every domain's flat groups, then every domain's unit storage."""
+        return self._flat_groups() + [d.units for d in self._unit_domains()]
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) gradients over DP shards, TP and PP; inf or nan when
@@ -329,37 +283,12 @@ class ZeroEngine(SplitBackward):
 
     def _summed(self, of_storage, size: int) -> torch.Tensor:
         """`of_storage(storage)` (float64 of `size`) summed over every storage and rank, each element
-        once. Stage 0 ranks hold identical all-reduced gradients (a NaN anywhere reached every rank);
-        partitions are summed over the shard group (MiCS replicas already hold the same sums); expert
-        storages over their own shard group, then over the ranks holding the other experts."""
-        total = torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0)
-        experts = torch.zeros_like(total) if self.expert_groups is not None else None
+        once: over each domain's storages, then along its norm chain (shard_domain.py)."""
+        sums = {domain: torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0)
+                for domain in self.domains}
         for storage in self.storages():
-            if experts is not None and self.is_expert_storage(storage):
-                experts += of_storage(storage)
-            else:
-                total += of_storage(storage)
-        if self.zero.stage > 0:
-            comm.all_reduce(total, self.groups.shard)
-        if experts is not None:
-            if self.zero.stage > 0:
-                comm.all_reduce(experts, self.expert_groups.shard)
-            comm.all_reduce(experts, self.expert_parallel)
-            if self.expert_groups.model_parallel is not self.groups.model_parallel:
-                # whole experts (etp 1): the expert groups spanned the tensor-parallel ranks already
-                comm.all_reduce(experts, self.expert_groups.model_parallel)
-                comm.all_reduce(total, self.groups.model_parallel)
-                return total + experts
-            total += experts
-        comm.all_reduce(total, self.groups.model_parallel)
-        return total
-
-    def is_expert_storage(self, storage) -> bool:
-        if self.expert_groups is None:
-            return False
-        if self.expert_units is not None and storage is self.expert_units.storage:
-            return True
-        return storage in self.flat_groups and is_expert(storage.params[0])
+            sums[self.domain_of(storage)] += of_storage(storage)
+        return summed_over_domains(self.domains, sums, self.zero.stage)
 
     def step(self, lr) -> StepStats:
         """Clips and applies the step's gradients with learning rate `lr` (a float, or one per lr

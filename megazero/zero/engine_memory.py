@@ -3,8 +3,8 @@ where each category lives (device, host, nvme), and `offload_states` / `reload_s
 `empty_partition_cache` between steps.
 
 An object the engine holds (`engine.memory`); it owns the states offload_states moved (`HostCopies`),
-reads the engine's storages, stage-3 unit storage and gather coordinator, and never decides when
-anything is gathered or stepped.
+reads the engine's storages and shard domains (their stage-3 units, gather coordinators and
+offloaded-parameter homes), and never decides when anything is gathered or stepped.
 """
 from __future__ import annotations
 
@@ -41,25 +41,23 @@ class EngineMemory:
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every state moved by offload_states back to the device, bitwise."""
         self.host_copies.reload(non_blocking)
-        if self.engine.unit_storage is not None:
-            # Stage-3 gathers run on the prefetch stream after this event: after the copies back.
-            self.engine.unit_storage.partition_ready.record()
+        for domain in self.engine.domains:
+            domain.states_reloaded()
 
     def empty_partition_cache(self) -> None:
         """Releases every gathered stage-3 unit (each keeps only its partition), writes back and
         drops the host cache of swapped optimizer states, and frees the device's cached blocks."""
         engine = self.engine
-        if engine.gather is not None:
-            if engine.gather.pass_key is not None:
-                raise UsageError("empty_partition_cache() was called during a forward/backward pass; "
-                                 "call it between training steps")
-            for unit in engine.unit_storage.units:
-                engine.unit_storage.release(unit)
+        if any(domain.in_pass() for domain in engine.domains):
+            raise UsageError("empty_partition_cache() was called during a forward/backward pass; "
+                             "call it between training steps")
+        for domain in engine.domains:
+            domain.release_gathered()
         for storage in engine.storages():
             if storage.offload is not None:
                 storage.offload.flush_cache()
-        if engine.unit_storage is not None and engine.unit_storage.home is not None:
-            engine.unit_storage.home.drop_cache()          # offload_param nvme: host buffers written back
+        for domain in engine.domains:
+            domain.drop_param_cache()
         if engine.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -95,9 +93,9 @@ class EngineMemory:
         for storage in engine.storages():
             for key, value in storage.memory_bytes().items():
                 report[key] = report.get(key, 0) + value
-        units = engine.unit_storage
-        if units is not None:
-            report["peak_live_params"] = units.peak_live_numel * units.partition.element_size()
+        units = [d.units for d in engine.domains if d.units is not None]
+        if units:        # each domain's own peak: their sum bounds the peak of what is live together
+            report["peak_live_params"] = sum(u.peak_live_numel * u.partition.element_size() for u in units)
         # Module buffers, and gradient staging buckets alive right now (in flight or filling).
         report["buffers"] = sum(b.numel() * b.element_size() for m in engine.modules for b in m.buffers())
         report["buffers"] += sum(s.staging_bytes() for s in engine.storages()) + engine.queue.staged_bytes()

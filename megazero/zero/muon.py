@@ -266,7 +266,7 @@ class Muon:
         if engine.zero.zenflow is not None:
             raise ValueError("Muon with ZenFlow is not supported: ZenFlow's selection is Adam's")
         return cls(engine.storages(), lambda p, shape: muon_matrix(engine.names[id(p)], p, shape), config,
-                   tensor_of=lambda s: (engine.expert_groups if engine.is_expert_storage(s) else engine.groups).tensor,
+                   tensor_of=lambda s: engine.domain_of(s).groups.tensor,
                    ns_device="cpu" if engine.zero.offloads_optimizer else engine.device,
                    weight_decay_of=engine._weight_decay_of, lr_group_of=lr_group_of)
 

@@ -36,8 +36,8 @@ class SplitBackward:
         try:
             self._begin_gradients(last_microbatch)
             run()
-            for leaf in self._leaves_of_pass.pop(ticket, ()):
-                self._leaf_backward_done(leaf)
+            for domain, leaf in self._leaves_of_pass.pop(ticket, ()):
+                self._leaf_backward_done(domain, leaf)
             self._end_gradients()
         finally:
             for gather in self._gathers():

@@ -134,7 +134,7 @@ def test_dry_run_issues_what_the_gloo_run_issues_on_every_rank(dist_pool, tmp_pa
 def skip_model_parallel_norm_sum_on_rank_1(rank):
     """Rank 1 skips the gradient norm's all-reduce over the model-parallel group."""
     from megazero.core import comm
-    from megazero.zero import engine
+    from megazero.zero import shard_domain
     real = comm.all_reduce
 
     def all_reduce(tensor, group, *args, **kwargs):
@@ -143,7 +143,7 @@ def skip_model_parallel_norm_sum_on_rank_1(rank):
         return real(tensor, group, *args, **kwargs)
     fake_comm = mock.Mock(wraps=comm)
     fake_comm.all_reduce = all_reduce
-    with mock.patch.object(engine, "comm", fake_comm) if rank == 1 else contextlib.nullcontext():
+    with mock.patch.object(shard_domain, "comm", fake_comm) if rank == 1 else contextlib.nullcontext():
         yield
 
 
@@ -205,12 +205,12 @@ def test_planted_bugs_fail_with_their_line():
     skipped = check_all(simulate(tp2pp2, 4, processes=2, prepare=skip_model_parallel_norm_sum_on_rank_1))
     assert skipped == [skipped[0]] and skipped[0].startswith(
         "group mp [0, 1, 2, 3]: collective #2 differs: rank 0 issued all_reduce float64 x1 (sum) at "
-        "megazero/zero/engine.py:"), skipped
+        "megazero/zero/shard_domain.py:"), skipped
     # rank 1's next op on the group: the log iteration's straggler gather (--straggler-threshold)
     assert "; rank 1 issued all_gather float64 x20 at megazero/training/stragglers.py:" in skipped[0], skipped
     host = check_all(simulate(BASE, 2, processes=2, prepare=host_tensor_in_the_gradient_norm))
-    assert len(host) == 2 and all("a tensor made on the host meets a device tensor at megazero/zero/engine.py:" in line
-                                  for line in host), host
+    where = "a tensor made on the host meets a device tensor at megazero/zero/shard_domain.py:"
+    assert len(host) == 2 and all(where in line for line in host), host
     off = check_all(simulate(tp2pp2, 4, processes=2, prepare=pipeline_receive_one_row_off_on_rank_3))
     p2p = [line for line in off if line.startswith("p2p ")]
     assert p2p and p2p[0].startswith(

@@ -7,5 +7,6 @@ a module that uses them runs.
 - `param_offload`: where the partition lives when offloaded (host memory, per-unit files);
 - `gathered`: `GatheredParameters` and external parameters, for whole parameters outside training.
 
-Imports zero's shared rooms (storage, groups, config, quantized_comm); zero/engine.py builds it.
+Imports zero's shared rooms (storage, groups, config, quantized_comm); zero/shard_domain.py builds it
+(one unit storage and coordinator per shard domain).
 """

@@ -91,4 +91,4 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
             set_param_info(param, external_users=info.external_users + (module,))
         return
     if info.zero_unit is not None:
-        info.zero_engine().gather.register_external(module, info.zero_unit)
+        info.zero_engine().domain_of(info.zero_storage).gather.register_external(module, info.zero_unit)
