@@ -134,8 +134,8 @@ def _build_engine(model, settings: ApiSettings, adam, groups: list[GroupSpec], p
     move_buffers(model, device)
 
     def init_fn(name, param):
-        if by_init:
-            return torch.zeros(param.shape, dtype=torch.float32)    # values follow: adopt_initial_values
+        if by_init:   # values follow (adopt_initial_values); a zero of no size stands for the whole
+            return torch.zeros(1, dtype=torch.float32).expand(param.numel())
         return param.detach().to("cpu", torch.float32)
 
     engine = ZeroEngine([model], init_fn, groups=ZeroGroups.from_grid(pgroups), zero=zero_cfg, adam=adam,
