@@ -45,7 +45,7 @@ from .placement import optimizer_placement
 from .config import PrecisionConfig
 from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
-from .stage3.leaves import find_leaf_modules, on_leaf_backward
+from .stage3.leaves import LAYER_CLASS, find_leaf_modules, on_leaf_backward
 from .stage3.units import UnitStorage
 from .split_backward import SplitBackward
 from .storage import PartitionedStorage, ReductionQueue
@@ -112,7 +112,16 @@ class ZeroEngine(SplitBackward):
         self.names = {id(p): n for n, p in named}
         user_init = init_fn
         init_fn = lambda p: user_init(self.names[id(p)], p)  # noqa: E731  (old params, by name)
-        persistent = [(n, p) for n, p in named if zero.stage < 3 or p.numel() <= zero.param_persistence_threshold]
+        # A leaf module's parameters, small ones included, are gathered and reduced with the leaf
+        # (its units, in unit order on every rank): kept persistent, the few an idle expert left
+        # without gradients on one rank would be reduced in another order there than elsewhere.
+        # A transformer layer ("layer" granularity) runs all of its modules on every rank: its
+        # small parameters stay persistent.
+        leaves = find_leaf_modules(modules, zero, groups.model_parallel) if zero.stage == 3 else []
+        in_leaf = {id(p) for leaf in leaves if type(leaf).__name__ != LAYER_CLASS
+                   and not any(leaf is root for root in modules) for p in leaf.parameters()}
+        persistent = [(n, p) for n, p in named if zero.stage < 3
+                      or (p.numel() <= zero.param_persistence_threshold and id(p) not in in_leaf)]
         self.flat_groups = self._build_flat_groups(persistent, init_fn, isolated, expert)
         replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
         self.unit_storage, self.gather, self.expert_units = None, None, None
@@ -123,7 +132,7 @@ class ZeroEngine(SplitBackward):
                                                 self.queue, zero, self.streams, init_fn)
                 replaced.update(self.expert_units.replaced)
             replaced.update(self._build_units(modules, persistent + [(None, p) for p in experts], init_fn,
-                                              isolated))
+                                              isolated, leaves))
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
         group_of = (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group
@@ -183,14 +192,13 @@ class ZeroEngine(SplitBackward):
             groups.append(group)
         return groups
 
-    def _build_units(self, modules, persistent, init_fn, isolated) -> dict[int, nn.Parameter]:
+    def _build_units(self, modules, persistent, init_fn, isolated, leaves) -> dict[int, nn.Parameter]:
         # A module's unit is its own non-persistent parameters; a parameter registered in two
         # modules (a tied head) belongs to the first and is external to the second. A leaf module's
         # unit takes the parameters of all its submodules too, so one gather serves the whole leaf
         # and nothing inside it is hooked. An isolated parameter stays a unit of its own, so its
         # partition matches its copy on other ranks.
         taken = {id(p) for _, p in persistent}
-        leaves = find_leaf_modules(modules, self.zero, self.groups.model_parallel)
         units_params: list[tuple[str, list]] = []
         inside, leaf_of_unit = set(), {}
         for root in modules:
