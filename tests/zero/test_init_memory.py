@@ -93,6 +93,20 @@ def planned_mib(numel: int, largest: int) -> float:
     return (numel * model_state_bytes_per_param(3, WORLD, 4, 4, False) + 3 * largest * 4) / MiB
 
 
+def can_reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        ctypes.CDLL("libc.so.6").mallopt
+    except OSError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not can_reset_peak(), reason="needs Linux with glibc and a writable "
+                                                            "/proc/self/clear_refs (the peak RSS is reset there)")
+
+
 @pytest.fixture(scope="module")
 def pool():
     pool = DistributedPool(WORLD)
