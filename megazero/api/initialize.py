@@ -142,7 +142,8 @@ def _build_engine(model, settings: ApiSettings, adam, groups: list[GroupSpec], p
                         precision=settings.precision, clip_grad=settings.clip_grad, device=device,
                         lr_group=(lambda name: group_of.get(name, 0)) if len(groups) > 1 else None,
                         weight_decay_of=lambda name, shape: decay.get(name, 0.0),
-                        muon=settings.muon, muon_matrix=muon_matrix if settings.muon is not None else None)
+                        muon=settings.muon, muon_matrix=muon_matrix if settings.muon is not None else None,
+                        uneven_gradients=True)
     if by_init:
         adopt_initial_values(model, engine)
     for param in engine.parameters():          # declared before the engine existed

@@ -36,6 +36,7 @@ from megazero.ops.adam_config import AdamConfig
 from megazero.ops.muon_config import MuonConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
+from .in_order import InOrderReductions
 from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .muon import Muon
@@ -76,7 +77,8 @@ class ZeroEngine(SplitBackward):
                  adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
                  lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None,
-                 muon: MuonConfig | None = None, muon_matrix=None, weight_decay_of=None):
+                 muon: MuonConfig | None = None, muon_matrix=None, weight_decay_of=None,
+                 uneven_gradients: bool = False):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -94,7 +96,8 @@ class ZeroEngine(SplitBackward):
         `muon_matrix(name, param, shape)` gives a MuonMatrix (megazero.zero.muon), Adam the rest.
         `weight_decay_of(name, full_shape) -> float`: a parameter's weight decay (default: Megatron's
         rule, adam.weight_decay on >= 2-D weights only; megazero.initialize gives the user's param
-        groups' values)."""
+        groups' values). `uneven_gradients`: some parameters may get no gradient on some ranks (a
+        user's model); stages 0-2 then reduce in one order on every rank (in_order.py)."""
         precision = precision if precision is not None else PrecisionConfig()
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = Precision.from_config(precision), clip_grad, torch.device(device)
@@ -123,6 +126,10 @@ class ZeroEngine(SplitBackward):
         persistent = [(n, p) for n, p in named if zero.stage < 3
                       or (p.numel() <= zero.param_persistence_threshold and id(p) not in in_leaf)]
         self.flat_groups = self._build_flat_groups(persistent, init_fn, isolated, expert)
+        self.in_order = InOrderReductions(self._flat_olds, [p for _, p in named]) \
+            if uneven_gradients and zero.stage <= 2 else None
+        for group in self.flat_groups:
+            group.sequencer = self.in_order
         replaced = {id(old): new for g, olds in self._flat_olds for old, new in zip(olds, g.params)}
         self.unit_storage, self.gather, self.expert_units = None, None, None
         if zero.stage == 3:
@@ -253,6 +260,8 @@ class ZeroEngine(SplitBackward):
             (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
 
     def _begin_gradients(self, last_microbatch: bool) -> None:
+        if self.in_order is not None:
+            self.in_order.start()
         for group in self.flat_groups:
             group.start_backward(reduce=last_microbatch)
         if self.unit_storage is not None:
@@ -264,6 +273,8 @@ class ZeroEngine(SplitBackward):
     def _end_gradients(self) -> None:
         for group in self.flat_groups:
             group.end_backward()
+        if self.in_order is not None:
+            self.in_order.flush()
         if self.unit_storage is not None:
             for unit in self.unit_storage.units:
                 # Some but not all of its gradients arrived (unused parameters): reduce what came.
