@@ -11,8 +11,14 @@ scheduler's state_dict and `client_state`, which must be JSON (megazero's checkp
 pickle). Parameters are saved under the model's own names (`named_parameters()`), so a checkpoint
 loads into the same model built anywhere, at another stage or world size.
 
-Owns the engine's metadata; the files, the agreement between ranks and the reading are
-megazero.checkpoint's.
+One writer per folder, as pretrain_gpt.py's --save: rank 0 takes the folder's lock (`.lock`,
+megazero.core.writer_lock) at the engine's first save into it and holds it while the engine lives;
+a second job saving there is refused on every rank in one line naming the first. No keep-last:
+DeepSpeed's engine has no such setting (its `checkpoint` block has none; the HF Trainer's
+save_total_limit prunes outside the engine), so every tag saved stays.
+
+Owns the engine's metadata and its locks; the files, the agreement between ranks and the reading
+are megazero.checkpoint's.
 """
 from __future__ import annotations
 
@@ -21,15 +27,18 @@ import importlib.metadata
 import json
 import types
 import uuid
+import weakref
 from pathlib import Path
 
 import torch
 
-from megazero.checkpoint.files import FORMAT_VERSION, rank_file_names
+from megazero.checkpoint.files import FORMAT_VERSION, LOCK, rank_file_names
 from megazero.checkpoint.loader import load_engine_states
 from megazero.checkpoint.reader import CheckpointReader, resolve
+from megazero.checkpoint.retention import remove_leftovers
 from megazero.checkpoint.saver import CheckpointSaver
 from megazero.core.errors import UsageError
+from megazero.core.writer_lock import FolderLock, describe_holder
 
 
 class _NoTracker:
@@ -97,9 +106,44 @@ def save_checkpoint(engine, save_dir, tag, client_state: dict, save_latest: bool
     if "/" in name or name.startswith("."):
         raise UsageError(f"save_checkpoint: tag {name!r} must be a plain directory name")
     run_id = engine._run_id = getattr(engine, "_run_id", None) or _agreed_run_id(engine)
+    _lock_folder(engine, Path(save_dir), run_id)
     saver = CheckpointSaver(save_dir, run_id, metadata=_metadata(engine, client_state))
     saver.save(_state(engine), engine.global_samples, dir_name=name)
     return True
+
+
+def _lock_folder(engine, save_dir: Path, run_id: str) -> None:
+    """Rank 0 takes the folder's lock (megazero.core.writer_lock, as pretrain_gpt.py's --save) at the
+    engine's first save into it and holds it while the engine lives; a folder another job holds
+    is refused on every rank alike, before anything is written. The lock's first holder removes what
+    interrupted saves left there (.tmp-* entries), with a line."""
+    locks = engine.__dict__.setdefault("_folder_locks", {})
+    key = str(save_dir.resolve())
+    what = f"engine.save_checkpoint({str(save_dir)!r})"
+    refused = None
+    if engine.groups.rank == 0 and key not in locks:
+        try:
+            lock = FolderLock.take(save_dir / LOCK, run_id, what)
+        except UsageError as err:
+            refused = err
+        else:
+            locks[key] = lock
+            weakref.finalize(engine, lock.release)
+            for line in filter(None, [lock.note, remove_leftovers(save_dir, what)]):
+                print(f"megazero: note: {line}", flush=True)
+    if _any_rank(engine, refused is not None):
+        raise refused or UsageError(f"{what}: another job writes there ({describe_holder(save_dir / LOCK)}); "
+                                    f"let it finish, or choose another folder")
+
+
+def _any_rank(engine, flag: bool) -> bool:
+    """Whether `flag` holds on some rank (collective over the data-parallel group)."""
+    from megazero.core import comm
+    if engine.groups.dp.size == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=engine.groups.dp.device)
+    comm.all_reduce(value, engine.groups.dp)
+    return bool(value.item())
 
 
 def _agreed_run_id(engine) -> str:

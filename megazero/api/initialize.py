@@ -28,7 +28,7 @@ from megazero.models.param_info import param_info
 from .engine import Engine
 from .groups import build_groups, check_mpu, init_distributed, rank_device
 from .modules import check_model, leaf_config, move_buffers
-from .optimizer import GroupSpec, ZeroOptimizer, from_client_optimizer, groups_from_parameters
+from .optimizer import GroupSpec, ZeroOptimizer, from_client_optimizer, groups_from_parameters, muon_matrix
 from .schedulers import scheduler_from_config
 from .settings import ApiSettings, api_settings
 
@@ -134,14 +134,16 @@ def _build_engine(model, settings: ApiSettings, adam, groups: list[GroupSpec], p
     move_buffers(model, device)
 
     def init_fn(name, param):
-        if by_init:
-            return torch.zeros(param.shape, dtype=torch.float32)    # values follow: adopt_initial_values
+        if by_init:   # values follow (adopt_initial_values); a zero of no size stands for the whole
+            return torch.zeros(1, dtype=torch.float32).expand(param.numel())
         return param.detach().to("cpu", torch.float32)
 
     engine = ZeroEngine([model], init_fn, groups=ZeroGroups.from_grid(pgroups), zero=zero_cfg, adam=adam,
                         precision=settings.precision, clip_grad=settings.clip_grad, device=device,
                         lr_group=(lambda name: group_of.get(name, 0)) if len(groups) > 1 else None,
-                        weight_decay_of=lambda name, shape: decay.get(name, 0.0))
+                        weight_decay_of=lambda name, shape: decay.get(name, 0.0),
+                        muon=settings.muon, muon_matrix=muon_matrix if settings.muon is not None else None,
+                        uneven_gradients=True)
     if by_init:
         adopt_initial_values(model, engine)
     for param in engine.parameters():          # declared before the engine existed

@@ -118,3 +118,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the engine's partitions, zeroed after each optimizer step."""
+
+
+def muon_matrix(name: str, param, shape: tuple):
+    """DeepSpeed's rule for which parameters its Muon steps (deepspeed.set_optimizer_flags): the
+    matrices (2-D by the layer's shape) whose names hold neither "embed" nor "lm_head"; AdamW steps
+    the rest. A parameter of more dimensions (a convolution's) is refused: megazero's Muon
+    orthogonalises matrices only."""
+    from megazero.zero.muon import MuonMatrix
+    if len(shape) < 2 or any(word in name.lower() for word in ("embed", "lm_head")):
+        return None
+    if len(shape) > 2:
+        raise UsageError(f"optimizer.type Muon: parameter {name!r} has shape {tuple(shape)}; megazero's Muon "
+                         f"steps 2-D matrices only (use AdamW, or reshape the weight to 2-D)")
+    return MuonMatrix(tuple(shape))

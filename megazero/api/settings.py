@@ -16,8 +16,10 @@ from typing import Any
 
 from megazero.config.deepspeed_blocks import DeepSpeedSettings
 from megazero.config.deepspeed_json import load_deepspeed_config, parse_deepspeed_config
+from megazero.config.muon_flags import DEEPSPEED_MUON
 from megazero.core.errors import UsageError
 from megazero.ops.adam_config import AdamConfig
+from megazero.ops.muon_config import MuonConfig
 from megazero.zero.config import PrecisionConfig, ZeroConfig
 
 # DeepSpeed's FusedAdam defaults (the optimizer block's params it does not give).
@@ -40,6 +42,7 @@ class ApiSettings:
     zero: ZeroConfig
     precision: PrecisionConfig
     adam: AdamConfig | None                 # None: no optimizer block (the client's or none)
+    muon: MuonConfig | None                 # an optimizer block of type Muon (Adam steps the rest)
     clip_grad: float
     micro_batch: int
     accumulation: int
@@ -75,6 +78,7 @@ def api_settings(config, dp: int) -> ApiSettings:
         if name in values:
             notes.append(f"{where}: {values[name][1]} has no effect here: {why}")
     return ApiSettings(zero=settings.zero, precision=_precision(settings), adam=_adam(data, settings),
+                       muon=_muon(settings, where),
                        clip_grad=float(settings.get("clip_grad", 0.0)), micro_batch=micro,
                        accumulation=accumulation, global_batch=global_batch,
                        scheduler=data.get("scheduler"), seed=settings.get("seed"), notes=notes, where=where)
@@ -136,3 +140,16 @@ def _adam(data: dict, settings: DeepSpeedSettings) -> AdamConfig | None:
     return AdamConfig(lr=float(values["lr"]), beta1=values["adam_beta1"], beta2=values["adam_beta2"],
                       eps=values["adam_eps"], weight_decay=values["weight_decay"],
                       decoupled_weight_decay=settings.get("decoupled_weight_decay", True))
+
+
+def _muon(settings: DeepSpeedSettings, where: str) -> MuonConfig | None:
+    """DeepSpeed's Muon (an optimizer block of type Muon): its fixed choices, the block's momentum."""
+    if settings.get("optimizer") != "muon":
+        return None
+    if settings.zero.zenflow is not None:
+        raise UsageError(f"{where}: optimizer.type Muon with zero_optimization.zenflow is not supported "
+                         f"(ZenFlow selects the columns Adam steps); drop one of them")
+    momentum = settings.get("muon_momentum", DEEPSPEED_MUON["momentum"])
+    if not 0 <= momentum < 1:
+        raise UsageError(f"{where}: optimizer.params.momentum must be in [0, 1), got {momentum}")
+    return MuonConfig(**{**DEEPSPEED_MUON, "momentum": momentum})

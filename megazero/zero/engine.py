@@ -40,6 +40,7 @@ from megazero.ops.adam_config import AdamConfig
 from megazero.ops.muon_config import MuonConfig
 from .config import ZeroConfig
 from .flat_group import FlatParamGroup
+from .in_order import InOrderReductions
 from .zero_groups import ZeroGroups
 from .loss_scaler import LossScaler
 from .muon import Muon
@@ -49,6 +50,7 @@ from .placement import optimizer_placement
 from .config import PrecisionConfig
 from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
+from .stage3.leaves import LAYER_CLASS, find_leaf_modules
 from .stage3.units import UnitStorage
 from .shard_domain import ReduceWhenComplete, ShardDomain, Shared, owner, summed_over_domains
 from .split_backward import SplitBackward
@@ -81,7 +83,7 @@ class ZeroEngine(SplitBackward):
                  device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
                  lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None,
                  domains: Sequence[ShardDomain] = (), muon: MuonConfig | None = None, muon_matrix=None,
-                 weight_decay_of=None):
+                 weight_decay_of=None, uneven_gradients: bool = False):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -101,7 +103,8 @@ class ZeroEngine(SplitBackward):
         MuonMatrix (megazero.zero.muon), Adam the rest.
         `weight_decay_of(name, full_shape) -> float`: a parameter's weight decay (default: Megatron's
         rule, adam.weight_decay on >= 2-D weights only; megazero.initialize gives the user's param
-        groups' values)."""
+        groups' values). `uneven_gradients`: some parameters may get no gradient on some ranks (a
+        user's model); stages 0-2 then reduce in one order on every rank (in_order.py)."""
         precision = precision if precision is not None else PrecisionConfig()
         self.modules, self.groups, self.zero, self.adam = modules, groups, zero, adam
         self.precision, self.clip_grad, self.device = Precision.from_config(precision), clip_grad, torch.device(device)
@@ -125,6 +128,11 @@ class ZeroEngine(SplitBackward):
         self.names = {id(p): n for n, p in named}
         user_init = init_fn
         replaced = self._build_storages(named, lambda p: user_init(self.names[id(p)], p), isolated)
+        old_of = {id(replaced[id(p)]): p for _, p in named if id(p) in replaced}
+        self.in_order = InOrderReductions([(g, [old_of[id(q)] for q in g.params]) for g in self._flat_groups()],
+                                          [p for _, p in named]) if uneven_gradients and zero.stage <= 2 else None
+        for group in self._flat_groups():
+            group.sequencer = self.in_order
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
         self._domain_of = {id(s): d for d in self.domains for s in d.flat_groups + [d.units] if s is not None}
@@ -146,7 +154,16 @@ class ZeroEngine(SplitBackward):
         returns id(old parameter) -> its replacement."""
         shared = Shared(self.zero, self.precision, self.device, self.queue, self.streams)
         of = {id(p): owner(self.domains, p) for _, p in named}
-        persistent = [p for _, p in named if self.zero.stage < 3 or p.numel() <= self.zero.param_persistence_threshold]
+        # A leaf module's parameters, small ones included, are gathered and reduced with the leaf
+        # (its units, in unit order on every rank): kept persistent, the few an idle expert left
+        # without gradients on one rank would be reduced in another order there than elsewhere.
+        # A transformer layer ("layer" granularity) runs all of its modules on every rank: its
+        # small parameters stay persistent. (find_leaf_modules is collective: called once.)
+        leaves = find_leaf_modules(self.modules, self.zero, self.groups.model_parallel) if self.zero.stage == 3 else []
+        in_leaf = {id(p) for leaf in leaves if type(leaf).__name__ != LAYER_CLASS
+                   and not any(leaf is root for root in self.modules) for p in leaf.parameters()}
+        persistent = [p for _, p in named if self.zero.stage < 3
+                      or (p.numel() <= self.zero.param_persistence_threshold and id(p) not in in_leaf)]
         replaced = {}
         for domain in self.domains:
             replaced.update(domain.build_flat_groups([p for p in persistent if of[id(p)] is domain],
@@ -156,7 +173,7 @@ class ZeroEngine(SplitBackward):
             for domain in reversed(self.domains):
                 params = [p for _, p in named if of[id(p)] is domain and id(p) not in replaced]
                 replaced.update(domain.build_units(self.modules, params, init_fn, isolated, shared,
-                                                   functools.partial(self._leaf_backward_done, domain)))
+                                                   functools.partial(self._leaf_backward_done, domain), leaves))
         return replaced
 
     def _hook_gradients(self) -> None:
@@ -221,6 +238,8 @@ class ZeroEngine(SplitBackward):
             (loss * self.loss_scaler.scale if self.loss_scaler.scale != 1.0 else loss).backward()
 
     def _begin_gradients(self, last_microbatch: bool) -> None:
+        if self.in_order is not None:
+            self.in_order.start()
         for group in self._flat_groups():
             group.start_backward(reduce=last_microbatch)
         for domain in self.domains:
@@ -230,6 +249,8 @@ class ZeroEngine(SplitBackward):
     def _end_gradients(self) -> None:
         for group in self._flat_groups():
             group.end_backward()
+        if self.in_order is not None:
+            self.in_order.flush()
         for domain in self.domains:
             domain.end_backward()
 

@@ -60,6 +60,7 @@ class FlatParamGroup(PartitionedStorage):
         self._pending = [0] * len(L.buckets)
         self._reduced = [False] * len(L.buckets)
         self._reducing = False
+        self.sequencer = None      # an InOrderReductions (in_order.py): buckets reduced in its order
 
     # --- where things live --------------------------------------------------------------------
     def _slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -132,7 +133,10 @@ class FlatParamGroup(PartitionedStorage):
         self._pending[b] -= 1
         # Stage 2 reduces a full bucket at once even without overlap, so that staging stays bounded.
         if self._pending[b] == 0 and (self.queue.overlap or self.stage == 2):
-            self._reduce(b)
+            if self.sequencer is not None:
+                self.sequencer.ready(self, b)
+            else:
+                self._reduce(b)
 
     def _stage_grad(self, i: int, param: nn.Parameter) -> None:
         b = self.layout.slots[i].bucket
@@ -145,11 +149,23 @@ class FlatParamGroup(PartitionedStorage):
         """Reduces buckets still waiting. Stage 0/1: every bucket (the buffer holds the whole step's
         gradients). Stage 2: buckets that got some gradients this backward (unused parameters, or a
         pipeline chunk that shares the buffer with chunks this backward did not run)."""
-        if not self._reducing:
+        if not self._reducing or self.sequencer is not None:    # the sequencer's flush ends it
             return
         for b in range(len(self.layout.buckets)):
             if not self._reduced[b] and (self.stage <= 1 or b in self._staging):
                 self._reduce(b)
+        self._reducing = False
+
+    def reduce_in_turn(self, b: int) -> None:
+        """The sequencer's call: reduces bucket b (zeros where no gradient came: at the backward's
+        end every rank reduces every bucket)."""
+        if not self._reducing or self._reduced[b]:
+            return
+        if self.stage == 2 and b not in self._staging:
+            self._staging[b] = self.new_staging(b)
+        self._reduce(b)
+
+    def end_in_order(self) -> None:
         self._reducing = False
 
     def _reduce(self, b: int) -> None:

@@ -185,6 +185,11 @@ def adopt_initial_values(model: nn.Module, engine) -> None:
         info = param_info(p)
         if info.init_shard is None:
             continue
-        full = info.init_shard.full().to(engine.device, torch.float32)
+        shard = info.init_shard
+        full = shard.full().to(engine.device, torch.float32)
         info.zero_storage.write_full(p, "fp32", full)
+        del full
+        # The engine's parameter took the record of the zero.Init one, slice included, and that one
+        # lives on wherever the user's code keeps it: the slice's memory goes here, not with either.
+        shard.values = shard.values.new_empty(0)
         set_param_info(p, init_shard=None)

@@ -44,7 +44,7 @@ from .config import ZeroConfig
 from .flat_group import FlatParamGroup
 from .precision import Precision, uses_weight_decay
 from .stage3.coordinator import GatherCoordinator
-from .stage3.leaves import find_leaf_modules, on_leaf_backward
+from .stage3.leaves import on_leaf_backward
 from .stage3.units import Unit, UnitStorage
 from .storage import ReductionQueue
 from .zero_groups import ZeroGroups
@@ -67,8 +67,8 @@ class ReduceWhenComplete:
     ranks, the order of the reductions must not. At the end of the backward, a unit that got some
     but not all of its gradients (unused parameters) reduces what came."""
 
-    def leaves(self, modules, zero: ZeroConfig, group: comm.Group) -> list[nn.Module]:
-        return find_leaf_modules(modules, zero, group)
+    def leaves(self, found: list[nn.Module]) -> list[nn.Module]:
+        return found
 
     def holds(self, unit: Unit, domain: "ShardDomain") -> bool:
         return unit.index in domain.leaf_unit_indices
@@ -83,7 +83,7 @@ class ReduceAtBackwardEnd:
     (expert units: see zero/experts.py). It has no leaves: a leaf only delays a unit's reduction to
     the leaf's end, and these wait for the end of the whole backward anyway."""
 
-    def leaves(self, modules, zero: ZeroConfig, group: comm.Group) -> list[nn.Module]:
+    def leaves(self, found: list[nn.Module]) -> list[nn.Module]:
         return []
 
     def holds(self, unit: Unit, domain: "ShardDomain") -> bool:
@@ -142,15 +142,17 @@ class ShardDomain:
         return replaced
 
     def build_units(self, modules, params: list[nn.Parameter], init_fn, isolated, shared: Shared,
-                    leaf_done) -> dict[int, nn.Parameter]:
+                    leaf_done, leaves: list[nn.Module]) -> dict[int, nn.Parameter]:
         """Stage 3: a UnitStorage of `params` and its gather coordinator, hooked on `modules`. A
         claimed family builds them only when it has such parameters; the catch-all always does, so a
         run whose every parameter is persistent keeps the (empty) unit storage, its place among the
         storages and its coordinator's hooks, as it always had. `leaf_done(module)` is called when a
-        leaf module's backward is over (the engine then calls `leaf_backward_done`)."""
+        leaf module's backward is over (the engine then calls `leaf_backward_done`); `leaves`: the
+        model's leaf modules (stage3/leaves.py find_leaf_modules, found once by the engine: it is
+        collective), which the policy keeps or drops."""
         if not params and self.claims is not None:
             return {}
-        leaves = self.policy.leaves(modules, shared.zero, self.groups.model_parallel)
+        leaves = self.policy.leaves(leaves)
         units_params, leaf_of_unit = _units_of(modules, params, leaves, isolated)
         self.units = UnitStorage(units_params, self.groups, shared.precision, shared.device, shared.queue,
                                  reduce_scatter=shared.zero.reduce_scatter, streams=shared.streams,

@@ -21,9 +21,45 @@ RTOL = 1e-5
 
 
 def tiny_model(kind: str, seed: int = SEED, **extra):
-    """A tiny `kind` model ("llama", "gpt2", "mixtral") built with torch's generator at `seed`."""
+    """A tiny `kind` model ("llama", "gpt2", "mixtral"; "tiled": TiledLM, "experts": ExpertsLM)
+    built with torch's generator at `seed`."""
     torch.manual_seed(seed)
+    if kind == "tiled":
+        return TiledLM()
+    if kind == "experts":
+        return ExpertsLM()
     return kind_class(kind)(tiny_config(kind, **extra))
+
+
+class Gate(torch.nn.Module):
+    """A gated two-layer block of a user's model (a stage-3 leaf when set_z3_leaf_modules marks it)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.gate, self.down = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x):
+        return self.down(self.up(x) * torch.sigmoid(self.gate(x)))
+
+
+class TiledLM(torch.nn.Module):
+    """A user's own language model: an embedding, megazero.zero.TiledLinear (2 x 3 tiles, initialised
+    here: the tiles are torch.empty), a Gate block, an output layer; kwargs-only forward, `.loss`."""
+
+    def __init__(self, width: int = 24):
+        super().__init__()
+        from megazero.zero import TiledLinear
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.tiled = TiledLinear(16, width, bias=True, in_splits=2, out_splits=3)
+        for p in self.tiled.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        self.block = Gate(width)
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        import types
+        logits = self.head(self.block(torch.tanh(self.tiled(self.embed(input_ids)))))
+        return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
 def kind_class(kind: str):
@@ -43,9 +79,51 @@ def tiny_config(kind: str, **extra):
     return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **shape)
 
 
-def global_batches(dp: int, steps: int = STEPS, seed: int = 3) -> list[torch.Tensor]:
+class Experts(torch.nn.Module):
+    """A mixture-of-experts block as many users write it (and transformers did before its fused
+    experts): a router, one module per expert, top-1, an expert that gets no token is not run."""
+
+    def __init__(self, width: int, count: int = 4):
+        super().__init__()
+        self.router = torch.nn.Linear(width, count, bias=False)
+        self.experts = torch.nn.ModuleList(Gate(width) for _ in range(count))
+
+    def forward(self, x):
+        flat = x.flatten(0, -2)
+        weight, choice = torch.softmax(self.router(flat), dim=-1).max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, expert(flat[rows]) * weight[rows, None])
+        return out.view_as(x)
+
+
+class ExpertsLM(torch.nn.Module):
+    """A user's own language model around an Experts block; kwargs-only forward, `.loss`."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.moe = Experts(width)
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels):
+        import types
+        x = self.embed(input_ids)
+        logits = self.head(x + self.moe(x))
+        return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+def global_batches(dp: int, steps: int = STEPS, seed: int = 3, skew: bool = False) -> list[torch.Tensor]:
+    """`skew`: data-parallel rank 0's rows hold one token repeated, so every token of its micro
+    batches takes the same experts (a mixture-of-experts model's others get none there)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (MICRO * ACCUMULATION * dp, SEQ), generator=g) for _ in range(steps)]
+    batches = [torch.randint(0, VOCAB, (MICRO * ACCUMULATION * dp, SEQ), generator=g) for _ in range(steps)]
+    for batch in batches if skew else []:
+        for m in range(ACCUMULATION):
+            micro_batch(batch, 0, dp, m).fill_(7)
+    return batches
 
 
 def micro_batch(batch: torch.Tensor, dp_rank: int, dp: int, micro: int) -> torch.Tensor:
@@ -61,13 +139,13 @@ def ds_config(stage: int, **zero) -> dict:
                                   "reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 4000, **zero}}
 
 
-def torch_reference(kind: str, dp: int, steps: int = STEPS) -> dict:
+def torch_reference(kind: str, dp: int, steps: int = STEPS, skew: bool = False) -> dict:
     """The plain loop: the whole global batch, AdamW on every parameter, clip_grad_norm_."""
     model = tiny_model(kind)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
-    for batch in global_batches(dp, steps):
+    for batch in global_batches(dp, steps, skew=skew):
         total = 0.0
         for m in range(ACCUMULATION):
             for r in range(dp):
@@ -95,10 +173,11 @@ def client_config(stage: int, **zero) -> dict:
 
 
 def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra=None, build=None,
-                        steps: int = STEPS, client: bool = False) -> dict | None:
+                        steps: int = STEPS, client: bool = False, skew: bool = False) -> dict | None:
     """Pool entry: the first `dp` ranks train `kind` through megazero.initialize; rank 0 returns the
     global losses and the full final parameters. `build()` makes the model (default tiny_model);
-    `client`: the model's torch AdamW given as optimizer= (the config without an optimizer block)."""
+    `client`: the model's torch AdamW given as optimizer= (the config without an optimizer block);
+    `skew`: global_batches'."""
     import megazero
     from megazero.parallel.topology import Topology
     from megazero.utils import safe_get_full_fp32_param
@@ -110,7 +189,7 @@ def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra
     model = build() if build is not None else tiny_model(kind)
     optimizer = client_optimizer(model) if client else None
     engine, *_ = megazero.initialize(model=model, config=config, optimizer=optimizer, process_groups=groups)
-    losses, norms = train_loop(engine, dp, groups.dp.rank, groups.dp.pg, steps)
+    losses, norms = train_loop(engine, dp, groups.dp.rank, groups.dp.pg, steps, skew)
     params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
     return {"losses": losses, "norms": norms, "params": params, "steps": engine.global_steps} \
         if groups.rank == 0 else None
@@ -135,11 +214,12 @@ def train_with_deepspeed(ctx, kind: str, config: dict, steps: int = STEPS) -> di
         if ctx.rank == 0 else None
 
 
-def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int) -> tuple[list[float], list[float]]:
+def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int,
+               skew: bool = False) -> tuple[list[float], list[float]]:
     """DeepSpeed's loop: engine(batch), engine.backward(loss), engine.step() per micro batch; the
     global batch's mean loss and the gradient norm before clipping (get_global_grad_norm) of every step."""
     losses, norms = [], []
-    for batch in global_batches(dp, steps):
+    for batch in global_batches(dp, steps, skew=skew):
         total = torch.zeros(1, dtype=torch.float64)
         for m in range(ACCUMULATION):
             tokens = micro_batch(batch, dp_rank, dp, m)

@@ -2,8 +2,13 @@
 before any process group exists (in one process, torch.distributed never initialised), and the
 engine's misuse refused at the call.
 
+A parameter on another device is a CUDA one made by torch's FakeTensorMode (this machine has no
+GPU); a model wrapped in DistributedDataParallel is wrapped on 2 pool ranks, which then each refuse
+it. zero.Init with a stage below 3 is refused in tests/zero/test_init.py.
+
 Planted to see it fail: the check that the model's parameters are those the engine was built with
-removed from engine.forward (a parameter added after initialize trains outside ZeRO, silently).
+removed from engine.forward (a parameter added after initialize trains outside ZeRO, silently); the
+device check accepting every device (the fake CUDA parameter reaches the engine).
 """
 import pytest
 import torch
@@ -72,3 +77,29 @@ def test_engine_misuse_is_refused_at_the_call():
     with pytest.raises(UsageError, match="already belongs to a megazero engine"):
         del engine.module.extra
         megazero.initialize(model=engine.module, config=CONFIG)
+
+
+def test_a_parameter_on_another_device_is_refused():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    m = model()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        m[2].weight = nn.Parameter(torch.empty(1, 4, device="cuda"))
+    with pytest.raises(UsageError, match=r"model parameter '2.weight' is on cuda:0: keep the model on the CPU"):
+        megazero.initialize(model=m, config=CONFIG)
+    assert not dist.is_initialized()
+
+
+def wrap_in_ddp(ctx) -> str:
+    """Pool entry: a model wrapped in DDP over the pool's ranks, given to initialize: the refusal."""
+    from torch.nn.parallel import DistributedDataParallel
+    try:
+        megazero.initialize(model=DistributedDataParallel(model()), config=CONFIG)
+    except UsageError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_a_model_wrapped_in_ddp_is_refused(dist_pool):
+    lines = dist_pool(2).run(wrap_in_ddp)
+    assert all(line.startswith("model is wrapped in DistributedDataParallel: pass the model itself")
+               for line in lines), lines

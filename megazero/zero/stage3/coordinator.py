@@ -275,7 +275,9 @@ class GatherCoordinator:
                 f"ZeRO-3: ranks of the shard group diverge at use {self.position} of "
                 f"{_pass_name(self.pass_key)}: this rank (shard rank {shard.rank}) "
                 f"{self._describe(unit_index, module_id)}, shard rank {other} {self._describe(*uses[other])}; "
-                f"every rank must run the same modules in the same order (rank-dependent control flow?)")
+                f"every rank must run the same modules in the same order (rank-dependent control flow? a "
+                f"mixture-of-experts block whose experts may get no tokens on a rank must be a leaf module: "
+                f"zero_optimization.leaf_module, or set_z3_leaf_modules for your own model)")
 
     def _describe(self, unit_index: int, module_id: int) -> str:
         if unit_index == _END_OF_PASS:
