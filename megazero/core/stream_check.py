@@ -131,6 +131,16 @@ def _skipped(filename: str) -> bool:
     return str(Path(filename).resolve()).startswith(_SKIPPED_FILES) or filename.startswith("<")
 
 
+def skip_frames_of(filename: str) -> None:
+    """Call sites skip the frames of `filename` too: a module that extends the checker (the dry
+    run's trace, megazero/dry_run/trace.py) is no more a call site than the checker itself."""
+    global _SKIPPED_FILES
+    path = str(Path(filename).resolve())
+    if path not in _SKIPPED_FILES:
+        _SKIPPED_FILES = (*_SKIPPED_FILES, path)
+        _skipped.cache_clear()
+
+
 def _call_site() -> str:
     """file:line (function) of the first frame outside torch, the stream/comm modules and a torch
     function mode's handler (the dry run's kernel choices: the call site is the model's line)."""

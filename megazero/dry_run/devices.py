@@ -47,6 +47,9 @@ _RING = {
 }
 
 
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
 @dataclasses.dataclass
 class Device:
     key: str
@@ -72,8 +75,10 @@ class Device:
 
     # --- compute ------------------------------------------------------------------------------------
     def peak(self, dtype: str) -> float:
-        """FLOP/s of a matmul in `dtype` at the datasheet's peak (fp32 for what it does not list)."""
+        """FLOP/s of a matmul in `dtype` (the datasheet's name or torch's: bf16 or bfloat16) at the
+        datasheet's peak (fp32's for a dtype it does not list)."""
         table = self.peak_tflops
+        dtype = _DTYPE_NAMES.get(dtype, dtype)
         return 1e12 * table.get(dtype, table.get("fp32", max(table.values())))
 
     def gemm_efficiency(self, dims) -> float:

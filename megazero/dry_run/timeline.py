@@ -122,7 +122,7 @@ class Simulation:
                 lane.add(lane.host, lane.host + seconds, HOST, rec[2])
                 lane.host += seconds
         elif kind == "x":
-            lane.run(rec[1], dev.copy_seconds(rec[2]), COMM, "host<->device copy")
+            lane.run(rec[1], dev.copy_seconds(rec[2]), COMM, "host<->device copy", rec[3])
         elif kind == "c":
             return self._collective(lane, rec)
         elif kind == "p":

@@ -171,5 +171,24 @@ def test_gpu_models_cite_each_number():
         cited = set(dev.sources)
         assert {"peak_tflops", "memory_gbps", "link_gbps", "net_gbps", "launch_us", "gpus_per_node"} <= cited, key
         assert all("datasheet" in text or text.startswith("assumption") for text in dev.sources.values()), key
-    assert devices.gpu("h100").peak("bf16") == pytest.approx(989.5e12)
+    assert devices.gpu("h100").peak("bf16") == devices.gpu("h100").peak("bfloat16") == pytest.approx(989.5e12)
+    assert devices.gpu("h100").peak("float32") == pytest.approx(67e12)
     assert devices.gpu("a100").peak("bf16") == pytest.approx(312e12)
+
+
+def test_predict_times_a_real_dry_run_on_the_cpu_model():
+    """predict(): a 2-rank data-parallel job simulated as this CPU, timed by the fixture's model: one
+    host thread (compute and host time never overlap communication's wait), gloo's gradient
+    all-reduce exposed, the four parts summing to the step, MFU against the best measured matmul."""
+    from megazero.dry_run.speed import predict
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--zero-stage", "1"]
+    cpu = devices.cpu(FIXTURE, cores=2)
+    result = predict(argv, cpu, world=2, processes=1)
+    assert result["device"] == "cpu" and result["dtype"] == "fp32" and result["note"] is None
+    assert [r["rank"] for r in result["ranks"]] == [0, 1] and result["step_s"] > 0
+    for r in result["ranks"]:
+        assert r["compute_s"] + r["exposed_comm_s"] + r["bubble_s"] + r["host_s"] == pytest.approx(result["step_s"])
+        assert r["host_s"] > 0 and r["exposed_comm_s"] > 0 and 0 < r["mfu"] < 1
+        assert any(op["op"].startswith(("all_reduce", "reduce_scatter")) for op in r["top_exposed"])
