@@ -5,9 +5,10 @@ marked so); this CPU's are cpu_measured.toml's, written by bench/calibrate_cpu.p
 shape, memory bandwidth, per-op host overhead, gloo's alpha-beta per collective at 2, 4 and 8 ranks).
 `Device` holds one of them and answers the costs the timeline (megazero.dry_run.timeline) asks for:
 
-- a GEMM or attention kernel: a roofline, max(FLOPs / (peak x efficiency), bytes / bandwidth), the
-  efficiency by shape (a GPU: gemm_max x d / (d + gemm_half_dim), d the smallest of m, n, k; the
-  CPU: the measured GFLOP/s of the nearest measured shape, by log distance);
+- a GEMM or attention kernel: a GPU, a roofline, max(FLOPs / (peak x efficiency), bytes /
+  bandwidth), the efficiency by shape gemm_max x d / (d + gemm_half_dim), d the smallest of m, n,
+  k; the CPU: FLOPs at the measured GFLOP/s of the nearest measured shape (by log distance), which
+  includes that shape's memory traffic;
 - any other kernel: its bytes at the memory bandwidth;
 - a collective of n ranks: a ring's alpha-beta, the bytes on the wire by the ring's formula
   (all-reduce 2(n-1)/n of the buffer, all-gather / reduce-scatter / all-to-all / broadcast (n-1)/n,
@@ -97,11 +98,10 @@ class Device:
     def matmul_seconds(self, flops: float, nbytes: float, dtype: str, dims) -> float:
         if flops <= 0:
             return self.memory_seconds(nbytes)
-        if self.kind == "cpu":
-            rate = 1e9 * self.cpu_gflops(dims)
-        else:
-            rate = self.peak(dtype) * self.gemm_efficiency(dims)
-        return max(flops / rate, self.memory_seconds(nbytes)) * self.cpu_share()
+        if self.kind == "cpu":     # the measured rate of that shape already includes its memory traffic
+            return flops / (1e9 * self.cpu_gflops(dims)) * self.cpu_share()
+        rate = self.peak(dtype) * self.gemm_efficiency(dims)
+        return max(flops / rate, self.memory_seconds(nbytes))
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / (1e9 * self.memory_gbps * self.efficiency.get("memory", 1.0)) * self.cpu_share()
