@@ -20,6 +20,7 @@ for a peer: a pipeline stage for its p2p, a collective for its slowest member). 
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import defaultdict
 
@@ -87,6 +88,7 @@ class Simulation:
         self.posted: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> ready
         self.pending: dict[int, tuple] = {}                               # rank -> (key, ready) of its blocked op
         self.p2p: dict[tuple, float] = {}                                 # (src, dst, k, side) -> ready
+        self.seconds: dict[tuple, float] = {}                             # a kernel's numbers -> its duration
 
     def run(self) -> dict[int, RankTimeline]:
         live = set(self.lanes)
@@ -112,7 +114,11 @@ class Simulation:
         if kind == "k":
             _, stream, op, flops, nbytes, dtype, dims, site = rec
             lane.out.flops += flops
-            seconds = dev.matmul_seconds(flops, nbytes, dtype, dims) if flops else dev.memory_seconds(nbytes)
+            key = (flops, nbytes, dtype, dims)
+            seconds = self.seconds.get(key)
+            if seconds is None:          # a step repeats its kernels' shapes: each costed once
+                seconds = self.seconds[key] = (dev.matmul_seconds(flops, nbytes, dtype, dims) if flops
+                                               else dev.memory_seconds(nbytes))
             lane.run(stream, seconds, COMPUTE, op, site)
         elif kind == "h":
             seconds = dev.memory_seconds(rec[3]) if lane.cpu else dev.host_seconds(rec[3])
@@ -223,9 +229,11 @@ def _length(spans) -> float:
     return sum(e - s for s, e in spans)
 
 
-def _minus(a, b) -> list:
-    """The parts of the (sorted, disjoint) spans `a` outside the (sorted, disjoint) spans `b`."""
-    out, j = [], 0
+def _minus(a, b, ends=None) -> list:
+    """The parts of the (sorted, disjoint) spans `a` outside the (sorted, disjoint) spans `b`
+    (`ends`: b's ends, to start at the first span of b that ends after a's first start)."""
+    out = []
+    j = bisect.bisect_right(ends, a[0][0]) if ends is not None and a else 0
     for s, e in a:
         while j < len(b) and b[j][1] <= s:
             j += 1
@@ -247,13 +255,14 @@ def breakdown(line: RankTimeline, step: float, top: int = 5) -> dict:
     for s, e, kind, _, _ in line.intervals:
         by[kind].append((s, e))
     compute = _union(by[COMPUTE])
+    ends = [e for _, e in compute]
     exposed = _minus(_union(by[COMM]), compute)
     host = _minus(_minus(_union(by[HOST]), compute), _union(by[COMM]))
     busy = _length(compute) + _length(exposed) + _length(host)
     worst: dict[tuple, list] = defaultdict(lambda: [0.0, 0])
     for s, e, kind, label, site in line.intervals:
         if kind == COMM:
-            hidden = _length(_minus([[s, e]], compute))
+            hidden = _length(_minus([[s, e]], compute, ends))
             row = worst[(label, site)]
             row[0] += hidden
             row[1] += 1
