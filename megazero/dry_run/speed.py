@@ -46,7 +46,11 @@ def timeline_of(runs, cfg, world: int, device, ranks_on_host: int | None = None)
         out["note"] = "no rank has a traced training step (the timeline needs the stream check: drop --no-stream-check)"
         return out
     tokens = cfg.global_batch_size * cfg.model.seq_length
-    result = timeline.schedule(traces, device, step_flops(cfg.model, tokens) / world, device.peak(dtype))
+    try:
+        result = timeline.schedule(traces, device, step_flops(cfg.model, tokens) / world, device.peak(dtype))
+    except timeline.TimelineStuck as err:      # the trace orders ops so that no rank can go on
+        out["note"] = f"the timeline cannot place the step: {err}"
+        return out
     out["step_s"], out["ranks"] = result["step_s"], result["ranks"]
     out["tokens_per_s_per_device"] = tokens / out["step_s"] / world if out["step_s"] else None
     return out

@@ -165,6 +165,17 @@ def test_cpu_model_reads_the_calibration_schema():
     assert cpu.matmul_seconds(2 * 512 ** 3, 0, "float32", (512, 512, 500)) == pytest.approx(2 * 2 * 512 ** 3 / 60e9)
 
 
+def test_a_missing_cpu_model_says_how_to_make_it(tmp_path):
+    from megazero.core.errors import UsageError
+    with pytest.raises(UsageError, match=r"--gpu cpu needs the CPU's measured model cpu_measured.toml: run "
+                                         r"python bench/calibrate_cpu.py first"):
+        devices.cpu(tmp_path / "cpu_measured.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text(FIXTURE.read_text().split("[cpu.collectives.send_recv]")[0])
+    with pytest.raises(UsageError, match=r"broken.toml lacks collectives.send_recv: rerun bench/calibrate_cpu.py"):
+        devices.cpu(broken)
+
+
 def test_gpu_models_cite_each_number():
     for key in ("a100", "h100", "h200"):
         dev = devices.gpu(key)
