@@ -192,7 +192,7 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
         if checker is not None:
             run.stream_check = {"semantics": checker.semantics, "side_ops": checker.side_ops,
                                 "violations": checker.violations, "found": list(checker.found)}
-            run.trace = checker.result()
+            run.trace = checker.result(run.entries)
         run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
         step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
         run.host_reads = [{"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)}

@@ -11,7 +11,7 @@ nobody. Owns the joining of traces and the report's `timeline` field; touches no
 """
 from __future__ import annotations
 
-from megazero.dry_run import devices, timeline, trace
+from megazero.dry_run import devices, timeline
 
 ITEMS = ("compute_s", "exposed_comm_s", "bubble_s", "host_s")
 
@@ -22,13 +22,8 @@ def _dtype(cfg) -> str:
 
 def step_traces(runs) -> dict[int, dict]:
     """rank -> its last training step's records (collectives joined) and host-thread streams."""
-    out = {}
-    for run in runs:
-        if run.trace is None or run.error is not None:
-            continue
-        records = trace.last_step(trace.joined(run.trace["records"], run.entries))
-        out[run.rank] = {"records": records, "threads": run.trace["threads"]}
-    return out
+    return {run.rank: run.trace for run in runs
+            if run.trace is not None and run.error is None and run.trace["records"]}
 
 
 def timeline_of(runs, cfg, world: int, device, ranks_on_host: int | None = None) -> dict:

@@ -195,16 +195,20 @@ class TracingChecker(stream_check.StreamChecker):
         if event.clock is not None:
             self.records.append(("e", self._events.get(id(event), 0)))
 
-    def result(self) -> dict:
-        """What the rank sends back: its records (collectives not yet joined), host-thread streams
-        and stream names."""
-        return {"records": [tuple(r) for r in self.records], "threads": sorted(self.threads),
-                "streams": {s.id: s.name for s in self.streams}}
+    def result(self, entries: list) -> dict:
+        """What the rank sends back: its last training step's records (collectives joined with the
+        rank's CommLog `entries`; the earlier steps and the setup are left here: a large job's
+        trace is mostly them), host-thread streams and stream names."""
+        try:
+            records = last_step(joined([tuple(r) for r in self.records], entries))
+        except ValueError:          # a rank that stopped mid-op: no step to time (its error says why)
+            records = []
+        return {"records": records, "threads": sorted(self.threads), "streams": {s.id: s.name for s in self.streams}}
 
 
 @contextlib.contextmanager
 def tracing(reads: list | None = None, **kwargs):
-    """stream_check.checking's block with the trace written (`checker.result()` at the end)."""
+    """stream_check.checking's block with the trace written (`checker.result(entries)` at the end)."""
     with TracingChecker(reads=reads, **kwargs) as checker:
         yield checker
 
