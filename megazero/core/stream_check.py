@@ -132,13 +132,10 @@ def _skipped(filename: str) -> bool:
 
 
 def skip_frames_of(filename: str) -> None:
-    """Call sites skip the frames of `filename` too: a module that extends the checker (the dry
-    run's trace, megazero/dry_run/trace.py) is no more a call site than the checker itself."""
+    """Call sites skip `filename`'s frames too (a module extending the checker: dry_run/trace.py)."""
     global _SKIPPED_FILES
-    path = str(Path(filename).resolve())
-    if path not in _SKIPPED_FILES:
-        _SKIPPED_FILES = (*_SKIPPED_FILES, path)
-        _skipped.cache_clear()
+    _SKIPPED_FILES = (*_SKIPPED_FILES, str(Path(filename).resolve()))
+    _skipped.cache_clear()
 
 
 def _call_site() -> str:

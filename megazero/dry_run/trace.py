@@ -28,11 +28,17 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from megazero.core import source_paths, stream_check
-from megazero.core.stream_check import STASH, _PLANS, _Plan, _tensors
+from megazero.core.stream_check import STASH
 from megazero.training import phases
+
+try:        # what an op reads and writes, by its schema: its own module since core/op_access.py
+    from megazero.core.op_access import _PLANS, _SCALAR, _Plan, _tensors
+except ImportError:
+    from megazero.core.stream_check import _PLANS, _SCALAR, _Plan, _tensors
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
@@ -90,7 +96,13 @@ def _flops(packet, args, kwargs, out) -> float:
     return flops / 2 if causal is True else flops
 
 
-class _TracingMode(stream_check._AccessMode):
+class _TracingMode(TorchDispatchMode):
+    """The checker's dispatch mode (every aten op to `checker.op`, as core's) that also traces it."""
+
+    def __init__(self, checker):
+        super().__init__()
+        self.checker = checker
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plan = _PLANS.get(func)
@@ -103,7 +115,7 @@ class _TracingMode(stream_check._AccessMode):
         out = func(*args, **kwargs)
         results = out if isinstance(out, tuple) else (out,)
         fresh = [t for i in plan.fresh if i < len(results) for t in _tensors(results[i])]
-        checker.op(reads, writes, fresh, host_sync=func is stream_check._SCALAR)
+        checker.op(reads, writes, fresh, host_sync=func is _SCALAR)
         if (writes or fresh) and func not in _NO_KERNEL:
             checker.kernel(func, args, kwargs, out, reads, writes + fresh)
         return out
