@@ -11,9 +11,12 @@ default all up to 64 ranks, above that one rank per role: megazero.dry_run.roles
 default the CPU count), --json PATH ('-': stdout), --force-overflow STEPS (the gradient norm reads
 inf in these training steps, from 1: every rank walks the step-skip path), --no-stream-check (the
 stream layer unchecked: about 40% less time), --simulate-device cuda|cpu (the device whose
-kernels and memory the meta device stands for; default cuda) and --gpu a100|h100|h200 (after the
-table, whether each rank's reserved peak fits that GPU's memory, and for the fullest rank by how
-much and the flags that lower it: megazero.dry_run.fits). Each simulated rank runs the real
+kernels and memory the meta device stands for; default cuda, cpu under --gpu cpu) and
+--gpu a100|h100|h200|cpu (after the table, whether each rank's reserved peak fits that GPU's memory,
+and for the fullest rank by how much and the flags that lower it: megazero.dry_run.fits; then the
+timeline of the last training step on that device: per rank the step time, MFU, compute / exposed
+communication / bubble / host time and the most exposed ops with their call sites,
+megazero.dry_run.speed; cpu: this CPU as bench/calibrate_cpu.py measured it). Each simulated rank runs the real
 recipe with the meta device for its GPU, torch's fake process group for NCCL and the stream layer
 in its checking mode (megazero.dry_run.job); mock data
 is used unless --data-path is given, and a checkpoint is saved (its collectives only) at the end.
@@ -50,11 +53,12 @@ def parser() -> argparse.ArgumentParser:
     ours.add_argument("--no-stream-check", action="store_true")
     ours.add_argument("--force-overflow", default=None,
                       help="comma-separated training steps (from 1) whose gradient norm reads inf")
-    ours.add_argument("--simulate-device", choices=["cuda", "cpu"], default="cuda")
+    ours.add_argument("--simulate-device", choices=["cuda", "cpu"], default=None)
     with GPUS.open("rb") as f:
-        names = sorted(tomllib.load(f))
+        names = sorted(tomllib.load(f)) + ["cpu"]
     ours.add_argument("--gpu", choices=names, default=None,
-                      help="after the table: does each rank's reserved peak fit this GPU's memory")
+                      help="after the table: does each rank's reserved peak fit this GPU's memory, and the "
+                           "step's timeline on it (cpu: this CPU's measured model)")
     return ours
 
 
@@ -85,8 +89,18 @@ def main(argv=None) -> int:
             overflow = (0,)
         if any(s < 1 for s in overflow):
             mistake = f"--force-overflow {opts.force_overflow}: give comma-separated training steps, from 1"
-    if mistake is None and opts.gpu is not None and opts.simulate_device != "cuda":
-        mistake = f"--gpu {opts.gpu} with --simulate-device {opts.simulate_device}: a GPU's fit needs the simulated GPU (drop --simulate-device)"
+    simulated = opts.simulate_device or ("cpu" if opts.gpu == "cpu" else "cuda")
+    if mistake is None and opts.gpu is not None and simulated != ("cpu" if opts.gpu == "cpu" else "cuda"):
+        mistake = (f"--gpu {opts.gpu} with --simulate-device {opts.simulate_device}: the timeline needs the "
+                   f"device it times simulated (drop --simulate-device)")
+    device = None
+    if mistake is None and opts.gpu is not None:
+        from megazero.core.errors import UsageError
+        from megazero.dry_run.devices import device as device_model
+        try:
+            device = device_model(opts.gpu)
+        except UsageError as err:
+            mistake = str(err)
     if mistake is not None:
         print(f"error: {mistake}", file=sys.stderr)
         return 2
@@ -99,19 +113,26 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes,
                     overflow_steps=overflow, stream_check=not opts.no_stream_check,
-                    device_kind=opts.simulate_device)
+                    device_kind=simulated)
     problems = check_all(runs)
     result = report(runs, problems, world, time.perf_counter() - started, stands_for)
-    if opts.gpu is not None:
-        from megazero.dry_run.fits import verdict, verdict_text
+    if opts.gpu is not None and opts.gpu != "cpu":
+        from megazero.dry_run.fits import verdict
         result["gpu"] = verdict(result, opts.gpu, job_config(train_argv, world, local))
+    if device is not None:
+        from megazero.dry_run.speed import timeline_of
+        result["timeline"] = timeline_of(runs, job_config(train_argv, world, local), world, device)
     if opts.json == "-":
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
         print(table(result))
         if result["gpu"] is not None:
+            from megazero.dry_run.fits import verdict_text
             print("\n" + verdict_text(result["gpu"]))
+        if result.get("timeline") is not None:
+            from megazero.dry_run.speed import timeline_text
+            print("\n" + timeline_text(result["timeline"]))
         lists = schedule_text(job_config(train_argv, world, local), world)
         if lists is not None:
             print("\n" + lists)

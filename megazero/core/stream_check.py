@@ -131,6 +131,13 @@ def _skipped(filename: str) -> bool:
     return str(Path(filename).resolve()).startswith(_SKIPPED_FILES) or filename.startswith("<")
 
 
+def skip_frames_of(filename: str) -> None:
+    """Call sites skip `filename`'s frames too (a module extending the checker: dry_run/trace.py)."""
+    global _SKIPPED_FILES
+    _SKIPPED_FILES = (*_SKIPPED_FILES, str(Path(filename).resolve()))
+    _skipped.cache_clear()
+
+
 def _call_site() -> str:
     """file:line (function) of the first frame outside torch, the stream/comm modules and a torch
     function mode's handler (the dry run's kernel choices: the call site is the model's line)."""

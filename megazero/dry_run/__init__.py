@@ -9,4 +9,9 @@ torch's fake process group for NCCL (tools/dry_run.py; docs/dry_run.md).
     meta_memo.py          meta kernels' results remembered across a step's repeated calls
     cross_rank_checks.py  what would hang or fail on a cluster, found from every rank's trace
     report.py             the JSON document and the table printed from it
+    fits.py, gpus.toml    --gpu: does each rank's reserved peak fit the GPU
+    trace.py              each rank's ops in issue order (streams, FLOPs, bytes, events, syncs)
+    devices.py            the device model: gpus.toml's datasheets, this CPU's measurements
+    timeline.py           the traces placed on a device's streams: step time and its parts
+    speed.py              --gpu's timeline (timeline_of) and predict(argv, device, world)
 """

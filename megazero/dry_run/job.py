@@ -47,6 +47,7 @@ class RankRun:
     model_states: dict | None = None   # the engine's own report (engine.memory.report()), bytes
     stream_check: dict | None = None   # the stream checker's counts and distinct violations
     skipped_steps: int | None = None   # optimizer steps skipped for a non-finite gradient norm
+    trace: dict | None = None          # the op trace for the timeline (megazero.dry_run.trace)
     error: str | None = None       # one line: where a rank stopped (a misplaced tensor, a bug)
     detail: str | None = None      # its traceback
 
@@ -162,7 +163,7 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
     collectives."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from megazero.core import stream_check
+    from megazero.dry_run import trace
     from megazero.parallel.process_groups import GroupFactory
     torch.set_num_threads(1)
     # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
@@ -182,7 +183,7 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
         with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
                 host_read.forcing({"gradient norm": gradient_norm} if overflow_steps else {}), device, \
                 device.phase_hooks(reads), device.keeping_activations(), device_kernels(device_kind), \
-                (stream_check.checking(devices=("cpu", "meta"), collect=True) if streams
+                (trace.tracing(reads, devices=("cpu", "meta"), collect=True) if streams
                  else contextlib.nullcontext()) as checker, \
                 contextlib.redirect_stdout(io.StringIO()):
             # (each rank's log lines are not the report's)
@@ -191,6 +192,7 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
         if checker is not None:
             run.stream_check = {"semantics": checker.semantics, "side_ops": checker.side_ops,
                                 "violations": checker.violations, "found": list(checker.found)}
+            run.trace = checker.result(run.entries)
         run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
         step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
         run.host_reads = [{"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)}

@@ -61,7 +61,8 @@ def report(runs, problems: list[str], world: int, seconds: float, stands_for: di
     """`stands_for`: simulated rank -> ranks of the job it represents (its role's; None: itself)."""
     return {"schema": SCHEMA, "world_size": world, "seconds": round(seconds, 2), "ok": not problems,
             "problems": list(problems),
-            "ranks": [rank_record(r, (stands_for or {}).get(r.rank, 1)) for r in runs], "gpu": None}
+            "ranks": [rank_record(r, (stands_for or {}).get(r.rank, 1)) for r in runs], "gpu": None,
+            "timeline": None}
 
 
 def _mib(x) -> str:

@@ -271,6 +271,24 @@ def _documented_host_reads() -> list[tuple[str, str]]:
     return [(line.split("`")[1], line.split("(")[1].split(")")[0]) for line in block.splitlines() if line.startswith("- ")]
 
 
+def _check_timeline(line):
+    """The timeline of the step on the H100 (megazero.dry_run.speed): its documented fields, its four
+    parts summing to the step, and the trace's kernel FLOPs (torch's per-op formulas) against
+    megazero's count of the job (Megatron-LM's formula) over the 2 ranks."""
+    from megazero.dry_run.job import job_config
+    from megazero.training.flops import step_flops
+    cfg = job_config(BASE, 2)
+    assert list(line) == _documented_fields("timeline") and line["device"] == "h100" and line["note"] is None
+    assert [r["rank"] for r in line["ranks"]] == [0, 1] and line["step_s"] > 0
+    for r in line["ranks"]:
+        assert list(r) == _documented_fields("timeline rank")
+        parts = r["compute_s"] + r["exposed_comm_s"] + r["bubble_s"] + r["host_s"]
+        assert parts == pytest.approx(line["step_s"]) and 0 < r["mfu"] < 1
+        assert r["top_exposed"] and all(":" in op["site"] for op in r["top_exposed"])
+        model = step_flops(cfg.model, cfg.global_batch_size * cfg.model.seq_length) / 2
+        assert r["trace_tflop"] * 1e12 == pytest.approx(model, rel=0.01), (r["trace_tflop"], model)
+
+
 def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
     tool = [sys.executable, str(REPO / "tools" / "dry_run.py")]
     got = subprocess.run(tool + ["--world-size", "2", "--processes", "1", "--json", "-", "--gpu", "h100"] + BASE,
@@ -281,6 +299,7 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
     fit = result["gpu"]        # megazero.dry_run.fits' verdict: a small job fits an H100
     assert list(fit) == _documented_fields("gpu") and fit["fits"] and fit["capacity"] == 80 * 10 ** 9
     assert [row["rank"] for row in fit["ranks"]] == [0, 1] and "every rank fits" in fit["advice"]
+    _check_timeline(result["timeline"])
     assert list(result) == _documented_fields("top") and result["schema"] == "megazero.dry_run/1"
     assert result["ok"] is True and result["problems"] == [] and result["world_size"] == 2
     assert [r["rank"] for r in result["ranks"]] == [0, 1]
@@ -391,7 +410,7 @@ def test_help_prints_the_flags_and_exits_0(capsys):
     spec.loader.exec_module(tool)
     assert tool.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "--world-size" in out and "--gpu {a100,h100,h200}" in out and "pretrain_gpt.py" in out
+    assert "--world-size" in out and "--gpu {a100,h100,h200,cpu}" in out and "pretrain_gpt.py" in out
 
 
 def test_torchs_fake_group_notice_is_dropped_and_everything_else_shown(capfd):
