@@ -83,3 +83,11 @@ class AccessMode(TorchDispatchMode):
         fresh = [t for i in plan.fresh if i < len(results) for t in _tensors(results[i])]
         self.checker.op(reads, writes, fresh, host_sync=func is _SCALAR)
         return out
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor (or view) can touch: [lo, hi)."""
+    size = t.element_size()
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    lo = t.storage_offset() * size
+    return lo, lo + (extent + 1) * size

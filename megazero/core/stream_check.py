@@ -114,14 +114,6 @@ def _merge(into: dict[int, int], clock: dict[int, int]) -> None:
             into[sid] = pos
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage a tensor (or view) can touch: [lo, hi)."""
-    size = t.element_size()
-    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    lo = t.storage_offset() * size
-    return lo, lo + (extent + 1) * size
-
-
 def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} tensor of shape {tuple(t.shape)}"
 
@@ -353,7 +345,7 @@ class StreamChecker:
         tracked = self._tracked(t, new)
         if tracked is None:
             return
-        lo, hi = _span(t)
+        lo, hi = op_access.span(t)
         kept = []
         for record in tracked.accesses:
             was_write, sid, pos, rlo, rhi, rsite = record

@@ -35,10 +35,7 @@ from megazero.core import source_paths, stream_check
 from megazero.core.stream_check import STASH
 from megazero.training import phases
 
-try:        # what an op reads and writes, by its schema: its own module since core/op_access.py
-    from megazero.core.op_access import _PLANS, _SCALAR, _Plan, _tensors
-except ImportError:
-    from megazero.core.stream_check import _PLANS, _SCALAR, _Plan, _tensors
+from megazero.core.op_access import _PLANS, _SCALAR, _Plan, _tensors    # an op's reads and writes, by its schema
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
