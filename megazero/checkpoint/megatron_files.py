@@ -23,6 +23,7 @@ models/megatron_adapter.py's job; this module must not know megazero's parameter
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import pathlib
 import pickle
@@ -33,8 +34,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .files import apply_umask
 from . import megatron_optim
@@ -75,15 +76,16 @@ def _numpy_globals() -> list:
             *(getattr(numpy.dtypes, name) for name in dir(numpy.dtypes) if name.endswith("DType"))]
 
 
-def safe_load(path: Path):
-    """A Megatron pickle, weights-only: tensors, containers, argparse.Namespace, Megatron's enums (as
-    their values), numpy arrays (the RNG states)."""
+def safe_load(path: Path, data=None):
+    """A Megatron pickle (the file `path`, or `data`, its bytes as a file object, named by `path`),
+    weights-only: tensors, containers, argparse.Namespace, Megatron's enums (as their values), numpy
+    arrays (the RNG states)."""
     allowed = ([argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals]
                + [(_stand_in(name), name) for name in _MEGATRON_ENUMS]
                + [(_record_stand_in(name), name) for name in _MEGATRON_RECORDS] + _numpy_globals())
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path if data is None else data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         what = f"it names {found.group(1)}, outside the allow-list" if found else str(err).split("\n")[0]
@@ -163,8 +165,76 @@ def _read_torch_dist(directory: Path, optimizer: bool) -> tuple[dict, dict, dict
     stacked = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in metadata.items()
                if isinstance(meta, TensorStorageMetadata) and (optimizer or not name.startswith("optimizer."))}
     dcp.load(stacked, storage_reader=reader, no_dist=True)
-    model, states = megatron_optim.split_torch_dist(stacked, megatron_optim.torch_dist_kind(common), directory)
-    return record, _unstack(model), {kind: _unstack(tensors) for kind, tensors in states.items()}
+    model, states, buckets = megatron_optim.split_torch_dist(stacked, directory)
+    if buckets and record["progress"]["adam_step"] is None:     # dp_reshardable: the groups are an object
+        objects = _read_objects(reader, metadata, r"^optimizer\.distributed\.dp_group_idx_0\.optimizer/", directory)
+        groups = objects[0] if objects else None
+        record["progress"].update(adam_step=megatron_optim.adam_step(groups), adam=megatron_optim.adam_hyper(groups))
+    model, states = _unstack(model), {kind: _unstack(tensors) for kind, tensors in states.items()}
+    if buckets and not states:
+        states = _bucket_states(model, buckets, record["args"], directory)
+    return record, model, states
+
+
+class _RawBytes(DefaultLoadPlanner):
+    """Keeps the objects DCP reads as their bytes (its default planner unpickles them unrestricted)."""
+
+    objects: dict
+
+    def load_bytes(self, read_item, value) -> None:
+        self.objects[read_item.dest_index.fqn] = io.BytesIO(value.read())
+
+
+def _read_objects(reader, metadata: dict, pattern: str, directory: Path) -> list:
+    """The objects of a torch_dist checkpoint whose names match `pattern`, unpickled weights-only."""
+    names = sorted(name for name, meta in metadata.items() if isinstance(meta, BytesStorageMetadata)
+                   and re.match(pattern, name))
+    planner = _RawBytes(flatten_state_dict=False)
+    planner.objects = {}
+    dcp.load({name: None for name in names}, storage_reader=reader, planner=planner, no_dist=True)
+    return [safe_load(directory / name, planner.objects[name]) for name in names]
+
+
+def _split_tp(name: str, full: torch.Tensor, tp: int, swiglu: bool) -> list[torch.Tensor]:
+    """One parameter's tensor-parallel shards (rank order): _merge_tp's inverse."""
+    if _ROW.search(name):
+        return list(full.chunk(tp, dim=1))
+    if not _COLUMN.search(name):
+        return [full] * tp
+    if swiglu and "linear_fc1." in name:
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))]
+    return list(full.chunk(tp, dim=0))
+
+
+def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
+    """Full states from torch_dist's dp_reshardable buckets: per model-parallel domain (its index is
+    the tensor-parallel rank at pipeline degree 1) the buckets joined make the legacy buffer; the
+    parameter order is megatron-core's registration order of the spec whose masters match."""
+    tp, swiglu = args.get("tensor_model_parallel_size") or 1, bool(args.get("swiglu"))
+    if (args.get("pipeline_model_parallel_size") or 1) > 1 or sorted(buckets) != list(range(tp)):
+        raise MegatronCheckpointError(
+            f"{where}: dp_reshardable optimizer state of pipeline degree {args.get('pipeline_model_parallel_size')} "
+            f"({len(buckets)} model-parallel domains); megazero reads it at pipeline degree 1: re-save with "
+            f"--dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the weights alone")
+    shards = {name: _split_tp(name, full, tp, swiglu) for name, full in model.items()}
+    for spec in megatron_optim.LAYER_ORDERS:
+        order = megatron_optim.registration_order(model, spec)
+        if order is None:
+            continue
+        try:
+            ranks = [megatron_optim.bucket_rank_states(
+                buckets[t], {name: shards[name][t] for name in order}, args, where) for t in range(tp)]
+            states = {kind: {name: _merge_tp(name, [rank[kind][name] for rank in ranks], swiglu) for name in order}
+                      for kind in megatron_optim.STATES}
+            megatron_optim.check_masters(model, states, where)
+            return states
+        except MegatronOptimizerError:
+            continue
+    raise MegatronCheckpointError(
+        f"{where}: the dp_reshardable optimizer buckets match no parameter order megazero knows (megatron-core's "
+        f"local and Transformer Engine layer specs); re-save with --dist-ckpt-optim-fully-reshardable, or pass "
+        f"--weights-only to import the weights alone")
 
 
 def _stack(state: dict, layers: list[int]) -> dict:

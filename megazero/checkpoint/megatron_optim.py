@@ -5,9 +5,12 @@ megatron-core parameter name; megatron_files.py calls it. Must not know megazero
 Where megatron-core keeps the states:
 - torch_dist, sharding type `fully_reshardable` (Megatron-LM's --dist-ckpt-optim-fully-reshardable):
   one tensor per parameter and state, `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, of
-  the model key's global shape (layers stacked like the model's). Read here. `dp_reshardable` keeps
-  the optimizer's flat buckets instead (`optimizer.distributed.dp_group_idx_*`), whose parameter
-  order the file does not record: refused, naming the flag that re-saves it readably.
+  the model key's global shape (layers stacked like the model's). `dp_reshardable` (Megatron-LM's
+  default) keeps the optimizer's flat buckets instead, `optimizer.distributed.dp_group_idx_<d>.
+  gbuf_idx_<g>.dtype_<..>.bucket_idx_<b>.<state>` per model-parallel domain d (the tensor-parallel
+  rank at pipeline degree 1), each bucket without its end padding: joined, the legacy buffer below.
+  The file does not record the parameter order: megatron-core's registration order is tried for the
+  local and the Transformer Engine layer specs, and kept where every master is its weight.
 - legacy (`--ckpt-format torch`): `distrib_optim.pt` beside each `model_optim_rng.pt`, holding per
   grad buffer and dtype the flat fp32 `param`, `exp_avg`, `exp_avg_sq` of the whole data-parallel
   group, buckets concatenated without their end padding. Positions follow megatron-core's buffer
@@ -61,33 +64,55 @@ def adam_hyper(optimizer: dict | list | None) -> dict:
     return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(groups[0].get("eps", 1e-8))}
 
 
-def torch_dist_kind(common: dict) -> str | None:
-    """The distributed optimizer's sharding type a torch_dist checkpoint was saved with (None: no
-    optimizer state in it)."""
-    optimizer = common.get("optimizer")
-    if isinstance(optimizer, dict) and "param_state_sharding_type" in optimizer:
-        return optimizer["param_state_sharding_type"]
-    return (common.get("content_metadata") or {}).get("distrib_optim_sharding_type") if optimizer else None
+_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+                     r"(param|exp_avg|exp_avg_sq)$")
 
 
-def split_torch_dist(stacked: dict, kind: str | None, where: Path) -> tuple[dict, dict]:
-    """(model tensors, {state: {model key: tensor}}) from a torch_dist checkpoint's tensors."""
-    model, states = {}, {state: {} for state in STATES}
-    buckets = False
+def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
+    """(model tensors, {state: {model key: tensor}} of the fully_reshardable format, {model-parallel
+    domain: [{state: tensor} per bucket]} of the dp_reshardable one) from a torch_dist checkpoint's
+    tensors."""
+    model, states, buckets, buffers = {}, {state: {} for state in STATES}, {}, set()
     for name, tensor in stacked.items():
-        match = _FULL.match(name)
-        if match:
-            states[match.group(1)][match.group(2)] = tensor
-        elif name.startswith("optimizer."):
-            buckets = True
-        else:
+        full, bucket = _FULL.match(name), _BUCKET.match(name)
+        if full:
+            states[full.group(1)][full.group(2)] = tensor
+        elif bucket:
+            domain, buffer, dtype, index, state = bucket.groups()
+            buffers.add((buffer, dtype))
+            buckets.setdefault(int(domain), {}).setdefault(int(index), {})[state] = tensor
+        elif not name.startswith("optimizer."):
             model[name] = tensor
-    if buckets and not states["param"]:
-        raise MegatronOptimizerError(
-            f"{where}: the distributed optimizer's state is saved as {kind or 'dp_reshardable'} (flat buckets "
-            f"whose parameter order the checkpoint does not record); re-save it from Megatron-LM with "
-            f"--dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the weights alone")
-    return model, (states if states["param"] else {})
+    if len(buffers) > 1:
+        raise MegatronOptimizerError(f"{where}: the optimizer has {len(buffers)} grad buffers or dtypes; megazero reads "
+                                     f"one (no experts, one parameter dtype); pass --weights-only to import the weights alone")
+    return (model, states if states["param"] else {},
+            {domain: [per[i] for i in sorted(per)] for domain, per in buckets.items()})
+
+
+# The order megatron-core's TransformerLayer registers its parameters in (its grad buffer's order,
+# reversed), by torch_dist name, for the local spec and the Transformer Engine one (the norms fused
+# into the next linear); a dp_reshardable import tries each, keeping the one the masters confirm.
+_LINEARS = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_NORM1 = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
+_NORM2 = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
+_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+LAYER_ORDERS = {"local": _NORM1 + _LINEARS + _QKV + _NORM2 + _MLP,
+                "transformer_engine": _LINEARS + _NORM1 + _QKV + _NORM2 + _MLP}
+
+
+def registration_order(names, spec: str) -> list[str] | None:
+    """The model's parameter names in megatron-core's registration order under `spec` (None when a
+    name falls outside what that order knows)."""
+    names = set(names)
+    order = [n for n in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight") if n in names]
+    layers = sorted({int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, names) if m})
+    for i in layers:
+        order += [f"decoder.layers.{i}.{rest}" for rest in LAYER_ORDERS[spec] if f"decoder.layers.{i}.{rest}" in names]
+    order += [n for n in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+              if n in names]
+    return order if set(order) == names else None
 
 
 def _pad(n: int, divisor: int) -> int:
@@ -125,6 +150,13 @@ def _bucket_size(args: dict, pp_rank: int) -> int | None:
     return max(40_000_000, 1_000_000 * dp)
 
 
+def bucket_rank_states(buckets: list[dict], model: dict, args: dict, where: Path) -> dict:
+    """{state: {name: shard}} of one model-parallel domain's dp_reshardable buckets (joined they are
+    the legacy buffer), laid out over `model` (the domain's shards in registration order)."""
+    world = {state: torch.cat([bucket[state] for bucket in buckets]) for state in STATES}
+    return _place(world, model, args, 0, 1, where, len(world["param"]))
+
+
 def legacy_rank_states(file: Path, loaded: dict, model: dict, args: dict, pp_rank: int, pp: int) -> dict:
     """{state: {name: this rank's (tensor-parallel shard) tensor}} from one distrib_optim.pt, laid out
     over `model` (the rank's model_optim_rng.pt tensors, in their order)."""
@@ -134,14 +166,20 @@ def legacy_rank_states(file: Path, loaded: dict, model: dict, args: dict, pp_ran
         raise MegatronOptimizerError(f"{file}: {len(buffers)} grad buffers of {len(dtypes)} dtypes; megazero reads "
                                      f"one buffer of one dtype (no experts, one parameter dtype)")
     world = next(iter(dtypes.values()))
+    return _place(world, model, args, pp_rank, pp, file, world["numel_unpadded"])
+
+
+def _place(world: dict, model: dict, args: dict, pp_rank: int, pp: int, where: Path, length_saved: int) -> dict:
+    """{state: {name: tensor shaped as the model's}} out of flat buffers `world` laid out over `model`
+    (a rank's tensors in registration order), refused when the layout's length is not the saved one."""
     params = [(name, t.numel()) for name, t in model.items() if not name.endswith("_extra_state")]
     tied = not args.get("untie_embeddings_and_output_weights", False)
     shared = set()
     if tied and pp > 1:
         shared = {"embedding.word_embeddings.weight"} if pp_rank == 0 else {"output_layer.weight"} if pp_rank == pp - 1 else set()
     layout, length = buffer_layout(params, _bucket_size(args, pp_rank), shared)
-    if length != world["numel_unpadded"]:
-        raise MegatronOptimizerError(f"{file}: its buffer holds {world['numel_unpadded']} elements, megatron-core's "
+    if length != length_saved:
+        raise MegatronOptimizerError(f"{where}: its buffer holds {length_saved} elements, megatron-core's "
                                      f"layout of the model file gives {length}; pass --weights-only to import the "
                                      f"weights alone")
     return {state: {name: world[state][start:end].view_as(model[name]).clone()

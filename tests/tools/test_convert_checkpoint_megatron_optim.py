@@ -3,15 +3,20 @@ distributed optimizer's states, megazero/checkpoint/megatron_optim.py), against 
 megatron-core trains a tiny Llama-like GPT three steps on two gloo ranks (data-parallel 2) with its
 own DistributedDataParallel (one bucket), DistributedOptimizer (Adam,
 weight decay, clipping) and OptimizerParamScheduler (warmup, cosine decay), saves it as torch_dist
-(fully_reshardable) and as legacy files (model_optim_rng.pt + distrib_optim.pt), then takes its
+(fully_reshardable, and dp_reshardable: Megatron-LM's default) and as legacy files
+(model_optim_rng.pt + distrib_optim.pt), then takes its
 fourth and fifth steps. Each save imports into megazero, which resumes it at ZeRO-3 over two
 data-parallel ranks and takes the same two steps on the same batches: the losses and every updated
 weight equal megatron-core's (fp32, rtol 1e-5), and the imported schedule is the one the flags give (no
-difference reported). Skips without megatron-core.
+difference reported). Back: megatron-core loads the export of the import and continues it the same.
+The legacy layout of a buffer of several buckets equals megatron-core's own. Skips without
+megatron-core.
 
 Planted, each failed: exp_avg and exp_avg_sq swapped on import; Adam's step count off by one (the
 bias correction moves every weight); legacy buckets laid out without the 64-element alignment (the
-buffer's length check refused it)."""
+buffer's length check refused it); the local spec's registration order wrong (the dp_reshardable
+import refused: no order's masters matched the weights); the export's scheduler one batch behind
+(the second continued loss off by 4.7e-5 relative)."""
 import argparse
 
 import pytest
@@ -221,12 +226,15 @@ def _save(ctx, root, model, optimizer, scheduler):
             (save / name / "mp_rank_00").mkdir(parents=True)
             (save / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
     torch.distributed.barrier()
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
     common = {"args": argparse.Namespace(**ARGS), "iteration": STEPS, "checkpoint_version": 3.0,
               "opt_param_scheduler": scheduler.state_dict()}
-    model_state = model.sharded_state_dict()
-    dist_checkpointing.save({**model_state, **common, "optimizer": optimizer.sharded_state_dict(
-        model_state, metadata=metadata)}, str(root / "torch_dist" / name), content_metadata=metadata)
+    for kind, folder in (("fully_reshardable", "torch_dist"), ("dp_reshardable", "torch_dist_dp")):
+        metadata = {"distrib_optim_sharding_type": kind}
+        (root / folder / name).mkdir(parents=True, exist_ok=True)
+        (root / folder / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+        model_state = model.sharded_state_dict()
+        dist_checkpointing.save({**model_state, **common, "optimizer": optimizer.sharded_state_dict(
+            model_state, metadata=metadata)}, str(root / folder / name), content_metadata=metadata)
     rank_dir = root / "legacy" / name / "mp_rank_00"
     optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
     if ctx.rank == 0:
@@ -273,7 +281,7 @@ def test_megatron_run_resumes_in_megazero(dist_pool, tmp_path):
     expected_losses, expected, (layout, length, params) = pool.run(_train_with_megatron, tmp_path)[0]
     assert megatron_optim.buffer_layout(params, BUCKET, set()) == (layout, length)
     directories = []
-    for kind in ("torch_dist", "legacy"):
+    for kind in ("torch_dist", "torch_dist_dp", "legacy"):
         directory, iteration, resumable = convert.import_megatron(tmp_path / kind, tmp_path / f"mz_{kind}")
         assert (iteration, resumable) == (STEPS, True)
         directories.append(directory)
@@ -291,13 +299,13 @@ def test_megatron_run_resumes_in_megazero(dist_pool, tmp_path):
         torch.testing.assert_close(tensor, expected[name], rtol=RTOL, atol=RTOL, msg=name)
 
 
-def test_dp_reshardable_optimizer_refused_with_its_fix(tmp_path):
-    """A torch_dist checkpoint whose optimizer state is flat buckets is refused naming the flag that
-    re-saves it readably and --weights-only; nothing is written."""
-    stacked = {"embedding.word_embeddings.weight": torch.zeros(2, 2),
-               "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exp_avg": torch.zeros(8)}
+def test_pipelined_dp_reshardable_optimizer_refused_with_its_fix(tmp_path):
+    """dp_reshardable buckets of pipeline degree 2 are refused naming the flag that re-saves them
+    readably and --weights-only."""
+    from megazero.checkpoint import megatron_files
+    args = dict(ARGS, pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="--dist-ckpt-optim-fully-reshardable, or pass --weights-only"):
-        megatron_optim.split_torch_dist(stacked, "dp_reshardable", tmp_path)
+        megatron_files._bucket_states({}, {0: [], 1: []}, args, tmp_path)
 
 
 def test_misplaced_master_weights_refused():
