@@ -316,3 +316,19 @@ def test_misplaced_master_weights_refused():
     with pytest.raises(ValueError, match="master of w is not the model's weight.*--weights-only"):
         megatron_optim.check_masters({"w": weight}, states, "ckpt")
     megatron_optim.check_masters({"w": weight.to(torch.bfloat16)}, {**states, "param": {"w": weight}}, "ckpt")
+
+
+@pytest.mark.parametrize("what", ["experts", "virtual_pipeline"])
+def test_unsupported_megatron_runs_refused_in_one_line(tmp_path, what):
+    """Mixtures of experts and virtual-pipeline legacy files (model0, model1) are refused in one line
+    naming what megazero does not read; nothing is written."""
+    rank_dir = tmp_path / "iter_0000003" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    args = dict(ARGS, num_experts=4) if what == "experts" else ARGS
+    model = {"model": {}} if what == "experts" else {"model0": {}, "model1": {}}
+    torch.save({"args": argparse.Namespace(**args), "iteration": 3, **model}, rank_dir / "model_optim_rng.pt")
+    expected = "--num-experts" if what == "experts" else "virtual-pipeline checkpoint keeps model0, model1"
+    with pytest.raises(convert.UsageError, match=expected) as refused:
+        convert.import_megatron(tmp_path, tmp_path / "out")
+    assert "\n" not in str(refused.value) and not (tmp_path / "out" / "latest").exists()
