@@ -195,16 +195,13 @@ def _read_objects(reader, metadata: dict, pattern: str, directory: Path) -> list
     return [safe_load(directory / name, planner.objects[name]) for name in names]
 
 
-def _split_tp(name: str, full: torch.Tensor, tp: int, swiglu: bool) -> list[torch.Tensor]:
-    """One parameter's tensor-parallel shards (rank order): _merge_tp's inverse."""
+def _shard_shapes(name: str, full: torch.Tensor, tp: int) -> list[torch.Size]:
+    """One parameter's tensor-parallel shard shapes (rank order), as _merge_tp joins them."""
     if _ROW.search(name):
-        return list(full.chunk(tp, dim=1))
-    if not _COLUMN.search(name):
-        return [full] * tp
-    if swiglu and "linear_fc1." in name:
-        gate, up = full.chunk(2, dim=0)
-        return [torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp))]
-    return list(full.chunk(tp, dim=0))
+        return [t.shape for t in full.chunk(tp, dim=1)]
+    if _COLUMN.search(name):
+        return [t.shape for t in full.chunk(tp, dim=0)]
+    return [full.shape] * tp
 
 
 def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
@@ -217,7 +214,7 @@ def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
             f"{where}: dp_reshardable optimizer state of pipeline degree {args.get('pipeline_model_parallel_size')} "
             f"({len(buckets)} model-parallel domains); megazero reads it at pipeline degree 1: re-save with "
             f"--dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the weights alone")
-    shards = {name: _split_tp(name, full, tp, swiglu) for name, full in model.items()}
+    shards = {name: [torch.empty(shape) for shape in _shard_shapes(name, full, tp)] for name, full in model.items()}
     for spec in megatron_optim.LAYER_ORDERS:
         order = megatron_optim.registration_order(model, spec)
         if order is None:

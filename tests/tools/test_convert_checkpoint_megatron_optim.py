@@ -76,9 +76,9 @@ class _CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _megatron_config():
+def _megatron_config(tp=1):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(
+    return TransformerConfig(tensor_model_parallel_size=tp,
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
         use_cpu_initialization=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
@@ -104,9 +104,10 @@ def _megatron_run(config):
     return model, ddp, optimizer, scheduler
 
 
-def _megatron_step(ctx, ddp, optimizer, scheduler, tokens) -> float:
-    """One Megatron-LM training step on this rank's rows of the global batch; the global mean loss."""
-    rows = tokens[ctx.rank * MICRO:(ctx.rank + 1) * MICRO]
+def _megatron_step(ctx, ddp, optimizer, scheduler, tokens, rows=None) -> float:
+    """One Megatron-LM training step on this rank's rows of the global batch (`rows`: data-parallel
+    rank ctx.rank of 2 by default); the global mean loss."""
+    rows = tokens[rows if rows is not None else slice(ctx.rank * MICRO, (ctx.rank + 1) * MICRO)]
     inputs, labels = rows[:, :-1], rows[:, 1:]
     s = inputs.shape[1]
     ddp.zero_grad_buffer()
@@ -217,30 +218,45 @@ def _continue_with_megatron(ctx, directory):
             parallel_state.destroy_model_parallel()
 
 
-def _save(ctx, root, model, optimizer, scheduler):
-    """As Megatron-LM saves: torch_dist with the fully reshardable optimizer, and legacy files."""
-    from megatron.core import dist_checkpointing
+def _save(ctx, root, model, optimizer, scheduler, args=ARGS):
+    """As Megatron-LM saves: torch_dist with either optimizer format, and legacy files (one folder per
+    tensor-parallel rank, written by its first data-parallel rank)."""
+    from megatron.core import dist_checkpointing, parallel_state
     name = f"iter_{STEPS:07d}"
-    if ctx.rank == 0:
-        for save in (root / "torch_dist", root / "legacy"):
-            (save / name / "mp_rank_00").mkdir(parents=True)
-            (save / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
-    torch.distributed.barrier()
-    common = {"args": argparse.Namespace(**ARGS), "iteration": STEPS, "checkpoint_version": 3.0,
+    common = {"args": argparse.Namespace(**args), "iteration": STEPS, "checkpoint_version": 3.0,
               "opt_param_scheduler": scheduler.state_dict()}
-    for kind, folder in (("fully_reshardable", "torch_dist"), ("dp_reshardable", "torch_dist_dp")):
-        metadata = {"distrib_optim_sharding_type": kind}
+    for folder in ("torch_dist", "torch_dist_dp", "legacy"):
         (root / folder / name).mkdir(parents=True, exist_ok=True)
         (root / folder / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+    for kind, folder in (("fully_reshardable", "torch_dist"), ("dp_reshardable", "torch_dist_dp")):
+        metadata = {"distrib_optim_sharding_type": kind}
         model_state = model.sharded_state_dict()
         dist_checkpointing.save({**model_state, **common, "optimizer": optimizer.sharded_state_dict(
             model_state, metadata=metadata)}, str(root / folder / name), content_metadata=metadata)
-    rank_dir = root / "legacy" / name / "mp_rank_00"
+    rank_dir = root / "legacy" / name / f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    rank_dir.mkdir(exist_ok=True)
     optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
-    if ctx.rank == 0:
+    if parallel_state.get_data_parallel_rank() == 0:
         torch.save({**common, "model": model.state_dict(), "optimizer": optimizer.state_dict()},
                    rank_dir / "model_optim_rng.pt")
     torch.distributed.barrier()
+
+
+def _train_at_tp2(ctx, root):
+    """Rank job: megatron-core trains the model STEPS steps at tensor-parallel degree 2 (one
+    data-parallel rank) and saves it in the three forms."""
+    from megatron.core import parallel_state
+    with _megatron_on_cpu(), _CudaOnCpu():
+        parallel_state.initialize_model_parallel(2, 1)
+        try:
+            torch.manual_seed(1)
+            model, ddp, optimizer, scheduler = _megatron_run(_megatron_config(tp=2))
+            for tokens in _batches()[:STEPS]:
+                _megatron_step(ctx, ddp, optimizer, scheduler, tokens, rows=slice(None))
+            _save(ctx, root, model, optimizer, scheduler,
+                  dict(ARGS, tensor_model_parallel_size=2, data_parallel_size=1))
+        finally:
+            parallel_state.destroy_model_parallel()
 
 
 def _megazero_config(model: GPTConfig) -> TrainConfig:
@@ -297,6 +313,22 @@ def test_megatron_run_resumes_in_megazero(dist_pool, tmp_path):
     assert losses == pytest.approx(expected_losses, rel=RTOL)
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, expected[name], rtol=RTOL, atol=RTOL, msg=name)
+
+
+def test_tensor_parallel_states_agree_in_every_format(dist_pool, tmp_path):
+    """At tensor-parallel degree 2 the three forms megatron-core saves (legacy distrib_optim.pt per
+    rank, dp_reshardable buckets per domain, fully_reshardable tensors it merges itself) import to
+    the same full weights and Adam states."""
+    dist_pool(2).run(_train_at_tp2, tmp_path)
+    readers = [CheckpointReader(convert.import_megatron(tmp_path / kind, tmp_path / f"mz_{kind}")[0])
+               for kind in ("torch_dist", "torch_dist_dp", "legacy")]
+    assert readers[0].metadata["engine"]["step_count"] == STEPS
+    for name in readers[0].where:
+        for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+            ours = [reader.full_tensor(name, kind) for reader in readers]
+            assert ours[0].abs().sum() > 0, (name, kind)
+            for other in ours[1:]:
+                assert torch.equal(ours[0], other), (name, kind)
 
 
 def test_pipelined_dp_reshardable_optimizer_refused_with_its_fix(tmp_path):
