@@ -168,3 +168,74 @@ def from_megatron(config: GPTConfig, state: dict, rotary_interleaved: bool = Fal
 def to_megatron(config: GPTConfig, read: Callable[[str], torch.Tensor], rotary_interleaved: bool = False) -> dict:
     """megatron-core's full state dict (Transformer Engine names) from `read(our name)`."""
     return {theirs: there(read(ours)) for ours, theirs, there, _ in parameter_map(config, rotary_interleaved)}
+
+
+# Adam's states as megazero names them, from megatron-core's distributed optimizer's
+MEGATRON_STATES = {"param": "fp32", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+def optimizer_from_megatron(config: GPTConfig, states: dict, rotary_interleaved: bool = False) -> dict:
+    """megazero's {fp32 | exp_avg | exp_avg_sq: {name: full tensor}} from megatron-core's distributed
+    optimizer states ({param | exp_avg | exp_avg_sq: {megatron-core name: full tensor}}); the
+    mapping is the weights' (pure reorderings, so it holds for the moments too)."""
+    return {MEGATRON_STATES[kind]: from_megatron(config, tensors, rotary_interleaved) for kind, tensors in states.items()}
+
+
+def schedule(args: dict, progress: dict) -> dict:
+    """OptimizerConfig's fields (lr schedule, Adam, clipping) of a Megatron-LM run, from its argument
+    record and its scheduler's saved state; refuses what megazero's schedule cannot follow exactly."""
+    sched = progress.get("scheduler") or {}
+    style = sched.get("lr_decay_style", args.get("lr_decay_style", "linear"))
+    if style not in _DECAY_STYLES:
+        raise ConversionError(f"--lr-decay-style {style}: megazero's schedule has {', '.join(_DECAY_STYLES)}")
+    if args.get("lr_warmup_init"):
+        raise ConversionError(f"--lr-warmup-init {args['lr_warmup_init']}: megazero's warmup starts at 0")
+    start_wd, end_wd = sched.get("start_wd", args.get("weight_decay", 0.01)), sched.get("end_wd", args.get("weight_decay", 0.01))
+    if start_wd != end_wd and sched.get("wd_incr_style", "constant") != "constant":
+        raise ConversionError(f"--start-weight-decay {start_wd} --end-weight-decay {end_wd}: megazero's weight "
+                              f"decay is constant")
+    batch = args.get("global_batch_size") or 1
+    warmup, decay = int(sched.get("lr_warmup_steps", 0)), int(sched.get("lr_decay_steps", 0))
+    # Megatron counts the schedule in samples; megazero in iterations unless the batch size ramps
+    in_samples = bool(args.get("rampup_batch_size")) or warmup % batch != 0 or decay % batch != 0
+    unit = 1 if in_samples else batch
+    adam = {"weight_decay": float(start_wd), "lr": float(sched.get("max_lr", args.get("lr") or 0.0)),
+            **progress.get("adam", {})}
+    return {"lr": float(sched.get("max_lr", args.get("lr") or 0.0)), "min_lr": float(sched.get("min_lr", args.get("min_lr", 0.0))),
+            "warmup_iters": warmup // unit, "decay_iters": decay // unit or None, "decay_style": style,
+            "adam": adam, "clip_grad": float(args.get("clip_grad", 1.0)), "in_samples": in_samples,
+            "decoupled_lr": args.get("decoupled_lr"), "decoupled_min_lr": args.get("decoupled_min_lr")}
+
+
+def megatron_progress(optimizer: dict, progress: dict) -> dict:
+    """What Megatron-LM keeps of a run to continue it: its arguments (schedule, Adam, batch, consumed
+    samples), `opt_param_scheduler`'s state (in samples) and the distributed optimizer's param
+    groups (one per weight-decay multiplier and decoupled-lr flag, as megatron-core matches them),
+    from megazero's OptimizerConfig record and `progress` (step_count, consumed_samples,
+    train_iters, global_batch_size)."""
+    batch, train_iters = progress["global_batch_size"], progress["train_iters"]
+    unit = 1 if optimizer.get("in_samples") else batch
+    adam = optimizer.get("adam", {})
+    args = dict(train_iters=train_iters, global_batch_size=batch, consumed_train_samples=progress["consumed_samples"],
+                lr=optimizer["lr"], min_lr=optimizer["min_lr"], lr_decay_style=optimizer["decay_style"],
+                lr_warmup_iters=optimizer["warmup_iters"], lr_decay_iters=optimizer.get("decay_iters") or train_iters,
+                weight_decay=adam.get("weight_decay", 0.01), start_weight_decay=adam.get("weight_decay", 0.01),
+                end_weight_decay=adam.get("weight_decay", 0.01), weight_decay_incr_style="constant",
+                clip_grad=optimizer.get("clip_grad", 1.0), adam_beta1=adam.get("beta1", 0.9),
+                adam_beta2=adam.get("beta2", 0.999), adam_eps=adam.get("eps", 1e-8), optimizer="adam",
+                use_distributed_optimizer=True, decoupled_lr=optimizer.get("decoupled_lr"),
+                decoupled_min_lr=optimizer.get("decoupled_min_lr"), ckpt_format="torch_dist",
+                dist_ckpt_optim_fully_reshardable=True)
+    decay = (optimizer.get("decay_iters") or train_iters) * unit
+    scheduler = dict(max_lr=optimizer["lr"], min_lr=optimizer["min_lr"], lr_warmup_steps=optimizer["warmup_iters"] * unit,
+                     num_steps=progress["consumed_samples"] if unit == 1 else progress["step_count"] * batch,
+                     lr_decay_style=optimizer["decay_style"], lr_decay_steps=decay, start_wd=args["weight_decay"],
+                     end_wd=args["weight_decay"], wd_incr_style="constant", wd_incr_steps=train_iters * batch)
+    group = dict(lr_mult=1.0, is_expert_parallel=False, betas=(args["adam_beta1"], args["adam_beta2"]),
+                 eps=args["adam_eps"], amsgrad=False, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=True, step=float(progress["step_count"]),
+                 max_lr=optimizer["lr"], min_lr=optimizer["min_lr"], lr=optimizer["lr"])
+    groups = [dict(group, wd_mult=wd_mult, weight_decay=args["weight_decay"] * wd_mult, is_decoupled_lr=decoupled,
+                   default_config=True) for decoupled in (False, True) for wd_mult in (1.0, 0.0)]
+    return {"args": args, "opt_param_scheduler": scheduler, "param_groups": groups}

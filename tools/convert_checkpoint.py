@@ -26,9 +26,14 @@ checkpoint that `--load`/`--finetune` accept at any layout, with the folder's to
 a sentencepiece tokenizer.model, or GPT-2's vocab.json + merges.txt) kept as the checkpoint's. Names,
 shapes and configs are mapped in models/hf_adapter.py (megazero.models.hf_adapter); this file only
 reads and writes. `import-megatron` reads a Megatron-LM checkpoint (`--ckpt-format torch_dist`, or
-the legacy per-rank `model_optim_rng.pt` files at any TP/PP) into a one-rank megazero checkpoint;
-`export-megatron` writes one as `--ckpt-format torch_dist` that megatron-core loads at any layout
-(megazero/checkpoint/megatron_files.py reads and writes, models/megatron_adapter.py maps). Every file gets the umask's mode (0644 by default).
+the legacy per-rank `model_optim_rng.pt` files at any TP/PP) into a one-rank megazero checkpoint:
+with the distributed optimizer's Adam states where it holds them (torch_dist `fully_reshardable`, or
+legacy `distrib_optim.pt`), the iteration, Adam's step, the lr schedule and the consumed samples, so
+`pretrain_gpt.py --load` continues the run at any layout; else, or with --weights-only, the weights
+at iteration 0. `export-megatron` writes one as `--ckpt-format torch_dist` that megatron-core loads
+at any layout, with the Adam states (as `fully_reshardable`), step and schedule when the checkpoint
+has taken a step (megazero/checkpoint/megatron_files.py and megatron_optim.py read and write,
+models/megatron_adapter.py maps). Every file gets the umask's mode (0644 by default).
 """
 from __future__ import annotations
 
@@ -177,44 +182,75 @@ def import_hf(input_dir, save, run_id: str | None = None) -> tuple[Path, str | N
     return directory, tokenizer and tokenizer.tokenizer_type
 
 
-def import_megatron(input_dir, save, run_id: str | None = None) -> tuple[Path, int]:
-    """Writes the Megatron-LM checkpoint at `input_dir` (either format) as a megazero checkpoint in `save`
-    (weights only, iteration 0); returns its iteration directory and the Megatron iteration it held."""
+def import_megatron(input_dir, save, run_id: str | None = None, weights_only: bool = False) -> tuple[Path, int, bool]:
+    """Writes the Megatron-LM checkpoint at `input_dir` (either format) as a megazero checkpoint in `save`;
+    returns its iteration directory, the Megatron iteration it held, and whether the run goes on from
+    there (the distributed optimizer's Adam states, Adam's step, the lr schedule and the consumed
+    samples carried over; else, or with `weights_only`, the weights alone at iteration 0)."""
     save = Path(save)
     check_writable_dir(save, f"--save {save}", "choose a writable directory")
     if (save / LATEST).exists():
         raise UsageError(f"--save {save} already holds a checkpoint ({LATEST}); import into a new directory")
     try:
-        record, state = megatron_files.read_checkpoint(input_dir)
-        args = record["args"]
+        record, state, states = megatron_files.read_checkpoint(input_dir, optimizer=not weights_only)
+        args, progress = record["args"], record["progress"]
         config = megatron_adapter.gpt_config(args)
-        params = megatron_adapter.from_megatron(config, state, bool(args.get("rotary_interleaved")))
+        interleaved = bool(args.get("rotary_interleaved"))
+        params = megatron_adapter.from_megatron(config, state, interleaved)
+        resume = None
+        if states and progress["adam_step"] is not None:
+            states = megatron_adapter.optimizer_from_megatron(config, states, interleaved)
+            params = states.pop("fp32")        # Adam's fp32 master weights are the run's weights
+            resume = {"step_count": progress["adam_step"], "consumed_samples": progress["consumed_samples"],
+                      "optimizer": megatron_adapter.schedule(args, progress), "train_iters": args.get("train_iters"),
+                      "global_batch_size": args.get("global_batch_size")}
     except ValueError as err:          # unreadable files, a model megazero cannot match, GPTConfig refusing
         raise UsageError(f"import-megatron {input_dir}: {err}") from None
-    directory = write_full_checkpoint(save, config, params, run_id or f"import-megatron-{uuid.uuid4().hex[:12]}")
-    return directory, record["iteration"]
+    run_id = run_id or f"import-megatron-{uuid.uuid4().hex[:12]}"
+    iteration = record["iteration"] if resume else 0
+    directory = write_full_checkpoint(save, config, params, run_id, iteration, states=states if resume else None,
+                                      resume=resume)
+    return directory, record["iteration"], resume is not None
 
 
-def export_megatron(load, output) -> Path:
-    """Writes the checkpoint at `load` as a Megatron-LM torch_dist checkpoint under `output`."""
+def export_megatron(load, output, weights_only: bool = False) -> tuple[Path, bool]:
+    """Writes the checkpoint at `load` as a Megatron-LM torch_dist checkpoint under `output`; returns its
+    directory and whether the run goes on from there in Megatron-LM (a checkpoint with Adam states:
+    the fp32 masters, exp_avg and exp_avg_sq as the distributed optimizer's fully_reshardable state,
+    Adam's step, the lr schedule and the consumed samples; else, or with `weights_only`, the weights
+    alone at the checkpoint's iteration)."""
     reader = CheckpointReader(load)
-    config = GPTConfig(**reader.metadata["model"])
+    meta = reader.metadata
+    config = GPTConfig(**meta["model"])
     out = Path(output)
     check_writable_dir(out, f"--output {out}", "choose a writable directory")
     if (out / megatron_files.TRACKER).exists():
         raise UsageError(f"--output {out} already holds a Megatron-LM checkpoint; export into a new directory")
+    optimizer = meta.get("optimizer")
+    with_states = (not weights_only and meta["engine"]["step_count"] > 0 and optimizer is not None
+                   and not optimizer.get("muon"))
 
-    def read(name):
-        tensor = reader.full_tensor(name, "fp32")
-        reader.close()
-        return tensor
+    def read(kind):
+        def one(name):
+            tensor = reader.full_tensor(name, kind)
+            reader.close()
+            return tensor
+        return one
 
     try:
-        args = megatron_adapter.megatron_args(config)
-        state = megatron_adapter.to_megatron(config, read)
+        record = {"args": megatron_adapter.megatron_args(config)}
+        state = megatron_adapter.to_megatron(config, read("fp32"))
+        states = None
+        if with_states:
+            progress = {"step_count": meta["engine"]["step_count"], "consumed_samples": meta["consumed_samples"],
+                        "train_iters": meta["train_iters"], "global_batch_size": meta["global_batch_size"]}
+            extra = megatron_adapter.megatron_progress(optimizer, progress)
+            record = {**extra, "args": {**record["args"], **extra["args"]}}
+            states = {theirs: megatron_adapter.to_megatron(config, read(ours))
+                      for theirs, ours in megatron_adapter.MEGATRON_STATES.items()}
     except megatron_adapter.ConversionError as err:
         raise UsageError(f"export-megatron {reader.path}: {err}") from None
-    return megatron_files.write_torch_dist(out, {"args": args}, state, reader.metadata["iteration"])
+    return megatron_files.write_torch_dist(out, record, state, meta["iteration"], states), with_states
 
 
 def parse_args(argv=None):
@@ -239,9 +275,13 @@ def parse_args(argv=None):
     m = sub.add_parser("import-megatron", help="a Megatron-LM checkpoint (torch_dist or legacy) as a megazero checkpoint")
     m.add_argument("--input", required=True, help="a Megatron-LM --save directory or one of its iter_* directories")
     m.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
+    m.add_argument("--weights-only", action="store_true",
+                   help="import the weights alone at iteration 0 (no Adam states, schedule or progress)")
     x = sub.add_parser("export-megatron", help="a checkpoint as a Megatron-LM --ckpt-format torch_dist checkpoint")
     x.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     x.add_argument("--output", required=True, help="new directory: Megatron-LM's --load for it")
+    x.add_argument("--weights-only", action="store_true",
+                   help="export the weights alone (no Adam states, schedule or progress)")
     return parser.parse_args(argv)
 
 
@@ -260,11 +300,15 @@ def run(args) -> str:
         return (f"wrote checkpoint {directory} with its {tokenizer} in {directory / TOKENIZER_DIR} (for "
                 f"preprocess_data.py and pretrain_gpt.py: --tokenizer-type {tokenizer} {flag} from there)")
     if args.command == "import-megatron":
-        directory, iteration = import_megatron(args.input, args.save)
-        return (f"wrote checkpoint {directory} (the weights of Megatron-LM iteration {iteration}; pickles "
-                f"read weights-only, no code from them ran)")
+        directory, iteration, resumable = import_megatron(args.input, args.save, weights_only=args.weights_only)
+        what = (f"Megatron-LM iteration {iteration} with its Adam states, step, lr schedule and consumed samples: "
+                f"--load resumes it" if resumable else f"the weights of Megatron-LM iteration {iteration}, at iteration 0")
+        return f"wrote checkpoint {directory} ({what}; pickles read weights-only, no code from them ran)"
     if args.command == "export-megatron":
-        return f"wrote Megatron-LM torch_dist checkpoint {export_megatron(args.load, args.output)}"
+        directory, resumable = export_megatron(args.load, args.output, args.weights_only)
+        what = ("with the distributed optimizer's Adam states (fully_reshardable), step, lr schedule and consumed "
+                "samples" if resumable else "the weights alone")
+        return f"wrote Megatron-LM torch_dist checkpoint {directory} ({what})"
     written = consolidate(args.load, args.output, args.with_optimizer)
     files = ", ".join(f"{name} ({count} tensors)" for name, count in written.items())
     return f"wrote {files} to {args.output}"

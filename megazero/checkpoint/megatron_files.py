@@ -9,7 +9,12 @@ Two formats, both under `SAVE/latest_checkpointed_iteration.txt` and `SAVE/iter_
   tensor/pipeline rank, each with the rank's shard of the model; merged here along each parameter's
   tensor-parallel axis, pipeline stages renumbered into global layers.
 
-Every pickle (`common.pt`, `model_optim_rng.pt`) is read with torch.load(weights_only=True) and an
+The distributed optimizer's Adam states (fp32 masters, exp_avg, exp_avg_sq) come too where the
+checkpoint holds them, full and by the same names (megatron_optim.py knows their layouts); they are
+checked against the weights (each master rounds to its weight) before anything is written. Exports
+write them as torch_dist's `fully_reshardable` optimizer state.
+
+Every pickle (`common.pt`, `model_optim_rng.pt`, `distrib_optim.pt`) is read with torch.load(weights_only=True) and an
 explicit allow-list, megatron-core's own (argparse.Namespace, SimpleNamespace, PosixPath, signals,
 numpy arrays for the RNG states; Megatron's enums read as their values and its records as attribute
 bags, without importing megatron): no code from the file runs; anything else is refused naming it. Mapping names to megazero's is
@@ -18,6 +23,7 @@ models/megatron_adapter.py's job; this module must not know megazero's parameter
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import pathlib
 import pickle
@@ -28,10 +34,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .files import apply_umask
+from . import megatron_optim
+from .megatron_optim import OPTIM_FILE, MegatronOptimizerError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
@@ -68,15 +76,16 @@ def _numpy_globals() -> list:
             *(getattr(numpy.dtypes, name) for name in dir(numpy.dtypes) if name.endswith("DType"))]
 
 
-def safe_load(path: Path):
-    """A Megatron pickle, weights-only: tensors, containers, argparse.Namespace, Megatron's enums (as
-    their values), numpy arrays (the RNG states)."""
+def safe_load(path: Path, data=None):
+    """A Megatron pickle (the file `path`, or `data`, its bytes as a file object, named by `path`),
+    weights-only: tensors, containers, argparse.Namespace, Megatron's enums (as their values), numpy
+    arrays (the RNG states)."""
     allowed = ([argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals]
                + [(_stand_in(name), name) for name in _MEGATRON_ENUMS]
                + [(_record_stand_in(name), name) for name in _MEGATRON_RECORDS] + _numpy_globals())
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path if data is None else data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         what = f"it names {found.group(1)}, outside the allow-list" if found else str(err).split("\n")[0]
@@ -99,18 +108,27 @@ def iteration_dir(path: str | Path) -> Path:
     raise MegatronCheckpointError(f"{path}: no such directory")
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict, dict]:
-    """(the non-tensor record: args as a dict, iteration, ...; the model's full tensors by megatron-core
-    name) of a Megatron-LM checkpoint in either format."""
+def read_checkpoint(path: str | Path, optimizer: bool = True) -> tuple[dict, dict, dict]:
+    """(the non-tensor record: args as a dict, iteration, and `progress` (megatron_optim.progress); the
+    model's full tensors by megatron-core name; the distributed optimizer's full states,
+    {param|exp_avg|exp_avg_sq: {name: tensor}}, empty when the checkpoint holds none or `optimizer`
+    is False) of a Megatron-LM checkpoint in either format."""
     directory = iteration_dir(path)
-    if (directory / "metadata.json").is_file():
-        return _read_torch_dist(directory)
     ranks = sorted(directory.glob(f"mp_rank_*/{LEGACY_FILE}"))
-    if ranks:
-        return _read_legacy(directory, ranks)
-    raise MegatronCheckpointError(f"{directory}: neither a torch_dist checkpoint (metadata.json) nor a legacy "
-                                  f"one (mp_rank_*/{LEGACY_FILE}); give a Megatron-LM --save directory or "
-                                  f"one of its iter_* directories")
+    if not (directory / "metadata.json").is_file() and not ranks:
+        raise MegatronCheckpointError(f"{directory}: neither a torch_dist checkpoint (metadata.json) nor a legacy "
+                                      f"one (mp_rank_*/{LEGACY_FILE}); give a Megatron-LM --save directory or "
+                                      f"one of its iter_* directories")
+    try:
+        if (directory / "metadata.json").is_file():
+            record, state, states = _read_torch_dist(directory, optimizer)
+        else:
+            record, state, states = _read_legacy(directory, ranks, optimizer)
+        if states:
+            megatron_optim.check_masters(state, states, directory)
+    except MegatronOptimizerError as err:
+        raise MegatronCheckpointError(str(err)) from None
+    return record, state, states
 
 
 def _record(common: dict, where: Path) -> dict:
@@ -118,20 +136,13 @@ def _record(common: dict, where: Path) -> dict:
     if args is None:
         raise MegatronCheckpointError(f"{where}: no `args` record; megazero needs Megatron-LM's arguments to "
                                       f"know the model's shape (checkpoints saved by Megatron-LM keep them)")
-    return {"args": dict(vars(args)), "iteration": common.get("iteration", 0),
-            "checkpoint_version": common.get("checkpoint_version")}
+    args = dict(vars(args))
+    return {"args": args, "iteration": common.get("iteration", 0),
+            "checkpoint_version": common.get("checkpoint_version"), "progress": megatron_optim.progress(common, args)}
 
 
-def _read_torch_dist(directory: Path) -> tuple[dict, dict]:
-    backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
-    if backend != "torch_dist":
-        raise MegatronCheckpointError(f"{directory}: sharded backend {backend!r}; megazero reads torch_dist "
-                                      f"(re-save with --ckpt-format torch_dist)")
-    reader = dcp.FileSystemReader(str(directory))
-    metadata = reader.read_metadata().state_dict_metadata
-    stacked = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in metadata.items()
-               if isinstance(meta, TensorStorageMetadata) and not name.startswith("optimizer.")}
-    dcp.load(stacked, storage_reader=reader, no_dist=True)
+def _unstack(stacked: dict) -> dict:
+    """Per-layer tensors from torch_dist's stacked ones (`decoder.layers.<rest>`, a leading layer axis)."""
     state = {}
     for name, tensor in stacked.items():
         if _STACKED.match(name):
@@ -139,16 +150,92 @@ def _read_torch_dist(directory: Path) -> tuple[dict, dict]:
             state.update({f"decoder.layers.{i}.{rest}": layer for i, layer in enumerate(tensor.unbind(0))})
         else:
             state[name] = tensor
-    return _record(safe_load(directory / "common.pt"), directory), state
+    return state
 
 
-def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int) -> Path:
-    """Writes full megatron-core tensors (per-layer names) as a torch_dist checkpoint at `iteration`
-    under `save`, with its tracker file; `record` is what goes into common.pt. Returns the directory."""
-    save = Path(save)
-    directory = save / f"iter_{iteration:07d}"
-    directory.mkdir(parents=True)
-    layers = sorted({int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, state) if m})
+def _read_torch_dist(directory: Path, optimizer: bool) -> tuple[dict, dict, dict]:
+    backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
+    if backend != "torch_dist":
+        raise MegatronCheckpointError(f"{directory}: sharded backend {backend!r}; megazero reads torch_dist "
+                                      f"(re-save with --ckpt-format torch_dist)")
+    common = safe_load(directory / "common.pt")
+    record = _record(common, directory)
+    reader = dcp.FileSystemReader(str(directory))
+    metadata = reader.read_metadata().state_dict_metadata
+    stacked = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in metadata.items()
+               if isinstance(meta, TensorStorageMetadata) and (optimizer or not name.startswith("optimizer."))}
+    dcp.load(stacked, storage_reader=reader, no_dist=True)
+    model, states, buckets = megatron_optim.split_torch_dist(stacked, directory)
+    if buckets and record["progress"]["adam_step"] is None:     # dp_reshardable: the groups are an object
+        objects = _read_objects(reader, metadata, r"^optimizer\.distributed\.dp_group_idx_0\.optimizer/", directory)
+        groups = objects[0] if objects else None
+        record["progress"].update(adam_step=megatron_optim.adam_step(groups), adam=megatron_optim.adam_hyper(groups))
+    model, states = _unstack(model), {kind: _unstack(tensors) for kind, tensors in states.items()}
+    if buckets and not states:
+        states = _bucket_states(model, buckets, record["args"], directory)
+    return record, model, states
+
+
+class _RawBytes(DefaultLoadPlanner):
+    """Keeps the objects DCP reads as their bytes (its default planner unpickles them unrestricted)."""
+
+    objects: dict
+
+    def load_bytes(self, read_item, value) -> None:
+        self.objects[read_item.dest_index.fqn] = io.BytesIO(value.read())
+
+
+def _read_objects(reader, metadata: dict, pattern: str, directory: Path) -> list:
+    """The objects of a torch_dist checkpoint whose names match `pattern`, unpickled weights-only."""
+    names = sorted(name for name, meta in metadata.items() if isinstance(meta, BytesStorageMetadata)
+                   and re.match(pattern, name))
+    planner = _RawBytes(flatten_state_dict=False)
+    planner.objects = {}
+    dcp.load({name: None for name in names}, storage_reader=reader, planner=planner, no_dist=True)
+    return [safe_load(directory / name, planner.objects[name]) for name in names]
+
+
+def _shard_shapes(name: str, full: torch.Tensor, tp: int) -> list[torch.Size]:
+    """One parameter's tensor-parallel shard shapes (rank order), as _merge_tp joins them."""
+    if _ROW.search(name):
+        return [t.shape for t in full.chunk(tp, dim=1)]
+    if _COLUMN.search(name):
+        return [t.shape for t in full.chunk(tp, dim=0)]
+    return [full.shape] * tp
+
+
+def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
+    """Full states from torch_dist's dp_reshardable buckets: per model-parallel domain (its index is
+    the tensor-parallel rank at pipeline degree 1) the buckets joined make the legacy buffer; the
+    parameter order is megatron-core's registration order of the spec whose masters match."""
+    tp, swiglu = args.get("tensor_model_parallel_size") or 1, bool(args.get("swiglu"))
+    if (args.get("pipeline_model_parallel_size") or 1) > 1 or sorted(buckets) != list(range(tp)):
+        raise MegatronCheckpointError(
+            f"{where}: dp_reshardable optimizer state of pipeline degree {args.get('pipeline_model_parallel_size')} "
+            f"({len(buckets)} model-parallel domains); megazero reads it at pipeline degree 1: re-save with "
+            f"--dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the weights alone")
+    shards = {name: [torch.empty(shape) for shape in _shard_shapes(name, full, tp)] for name, full in model.items()}
+    for spec in megatron_optim.LAYER_ORDERS:
+        order = megatron_optim.registration_order(model, spec)
+        if order is None:
+            continue
+        try:
+            ranks = [megatron_optim.bucket_rank_states(
+                buckets[t], {name: shards[name][t] for name in order}, args, where) for t in range(tp)]
+            states = {kind: {name: _merge_tp(name, [rank[kind][name] for rank in ranks], swiglu) for name in order}
+                      for kind in megatron_optim.STATES}
+            megatron_optim.check_masters(model, states, where)
+            return states
+        except MegatronOptimizerError:
+            continue
+    raise MegatronCheckpointError(
+        f"{where}: the dp_reshardable optimizer buckets match no parameter order megazero knows (megatron-core's "
+        f"local and Transformer Engine layer specs); re-save with --dist-ckpt-optim-fully-reshardable, or pass "
+        f"--weights-only to import the weights alone")
+
+
+def _stack(state: dict, layers: list[int]) -> dict:
+    """torch_dist's stacked tensors (`decoder.layers.<rest>`, a leading layer axis) from per-layer ones."""
     stacked = {}
     for name, tensor in state.items():
         match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
@@ -157,6 +244,22 @@ def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int
         elif int(match.group(1)) == 0:
             rest = match.group(2)
             stacked[f"decoder.layers.{rest}"] = torch.stack([state[f"decoder.layers.{i}.{rest}"] for i in layers])
+    return stacked
+
+
+def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int, states: dict | None = None) -> Path:
+    """Writes full megatron-core tensors (per-layer names) as a torch_dist checkpoint at `iteration`
+    under `save`, with its tracker file; `record` is what goes into common.pt besides the iteration
+    (args, and with `states` the scheduler's state and the optimizer's param groups). `states`:
+    the distributed optimizer's {param | exp_avg | exp_avg_sq: {name: tensor}}, written as its
+    `fully_reshardable` sharding type. Returns the directory."""
+    save = Path(save)
+    directory = save / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True)
+    layers = sorted({int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, state) if m})
+    stacked = _stack(state, layers)
+    for kind, tensors in (states or {}).items():
+        stacked.update({f"optimizer.state.{kind}.{name}": t for name, t in _stack(tensors, layers).items()})
     # megatron-core's local-spec linear layers keep an empty extra state, one object per layer, stored
     # as megatron-core stores objects: a pickled list of the object's values
     for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
@@ -165,8 +268,13 @@ def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int
     # unflattened: the planner pickles each object value whole, as megatron-core's does
     dcp.save(stacked, storage_writer=dcp.FileSystemWriter(str(directory)),
              planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
-    torch.save({"args": argparse.Namespace(**record["args"]), "iteration": iteration,
-                "checkpoint_version": 3.0}, directory / "common.pt")
+    common = {"args": argparse.Namespace(**record["args"]), "iteration": iteration, "checkpoint_version": 3.0}
+    if states:
+        common.update(opt_param_scheduler=record["opt_param_scheduler"],
+                      optimizer={"optimizer": {"param_groups": record["param_groups"]},
+                                 "param_state_sharding_type": "fully_reshardable"},
+                      content_metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps({
         "sharded_backend": "torch_dist", "sharded_backend_version": 1,
         "common_backend": "torch", "common_backend_version": 1}))
@@ -192,7 +300,8 @@ def _merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tens
     return torch.cat(shards, dim=0)
 
 
-def _read_legacy(directory: Path, files: list[Path]) -> tuple[dict, dict]:
+def _legacy_files(directory: Path, files: list[Path]) -> tuple[dict, int, int]:
+    """{(pp rank, tp rank): file}, the tensor and the pipeline degree; refuses an incomplete copy."""
     by_rank = {}
     for file in files:
         match = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", file.parent.name)
@@ -205,7 +314,13 @@ def _read_legacy(directory: Path, files: list[Path]) -> tuple[dict, dict]:
                if (p, t) not in by_rank]
     if missing:
         raise MegatronCheckpointError(f"{directory}: {missing[0]}/{LEGACY_FILE} is missing; the copy is incomplete")
-    record, state, offset = None, {}, 0
+    return by_rank, tp, pp
+
+
+def _read_legacy(directory: Path, files: list[Path], optimizer: bool) -> tuple[dict, dict, dict]:
+    by_rank, tp, pp = _legacy_files(directory, files)
+    with_states = optimizer and all((file.parent / OPTIM_FILE).is_file() for file in by_rank.values())
+    record, state, states, offset = None, {}, {}, 0
     for p in range(pp):
         loaded = [safe_load(by_rank[(p, t)]) for t in range(tp)]
         if "model" not in loaded[0]:
@@ -214,12 +329,20 @@ def _read_legacy(directory: Path, files: list[Path]) -> tuple[dict, dict]:
         record = record or _record(loaded[0], by_rank[(p, 0)])
         swiglu = bool(record["args"].get("swiglu"))
         models = [{k: v for k, v in one["model"].items() if isinstance(v, torch.Tensor)} for one in loaded]
+        shards = [models]
+        if with_states:
+            ranks = [megatron_optim.legacy_rank_states(by_rank[(p, t)].parent / OPTIM_FILE,
+                                                       safe_load(by_rank[(p, t)].parent / OPTIM_FILE),
+                                                       models[t], record["args"], p, pp) for t in range(tp)]
+            shards += [[rank[kind] for rank in ranks] for kind in megatron_optim.STATES]
         layers = {int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, models[0]) if m}
-        for name in models[0]:
-            full = _merge_tp(name, [m[name] for m in models], swiglu)
-            match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
-            if match:
-                name = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
-            state.setdefault(name, full)
+        outs = [state] + ([states.setdefault(kind, {}) for kind in megatron_optim.STATES] if with_states else [])
+        for per_rank, out in zip(shards, outs):
+            for name in per_rank[0]:
+                full = _merge_tp(name, [m[name] for m in per_rank], swiglu)
+                match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+                if match:
+                    name = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
+                out.setdefault(name, full)
         offset += len(layers)
-    return record, state
+    return record, state, states

@@ -366,11 +366,15 @@ class CheckpointSaver:
 
 
 def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str, torch.Tensor],
-                          run_id: str, iteration: int = 0, tokenizer: dict | None = None) -> Path:
+                          run_id: str, iteration: int = 0, tokenizer: dict | None = None,
+                          states: dict | None = None, resume: dict | None = None) -> Path:
     """A one-rank checkpoint from full fp32 tensors under the model's parameter names (e.g. a model
-    imported from another format): zero Adam states, no RNG states, iteration `iteration`, and the
-    tokenizer described as CheckpointSaver's `tokenizer`. Like any checkpoint it loads at every layout
-    (`--load`, `--finetune`). Returns the iteration directory."""
+    imported from another format): zero Adam states unless `states` gives them ({"exp_avg" |
+    "exp_avg_sq": {name: full tensor}}), no RNG states, iteration `iteration`, and the tokenizer
+    described as CheckpointSaver's `tokenizer`. `resume` makes it a run to continue: its
+    "step_count" (Adam's steps), "consumed_samples", "optimizer" (the lr schedule and Adam, as
+    OptimizerConfig's fields), "train_iters" and "global_batch_size". Like any checkpoint it loads
+    at every layout (`--load`, `--finetune`). Returns the iteration directory."""
     save_dir = Path(save_dir)
     tmp = save_dir / temporary_name(run_id, iteration_dir_name(iteration))
     shutil.rmtree(tmp, ignore_errors=True)
@@ -381,7 +385,11 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
         flat = value.reshape(-1)
         entry = {"shape": list(value.shape), "offset": 0, "length": flat.numel(), "tp": None, "crc": {}}
         for kind in KINDS:
-            data[f"{name}/{kind}"] = flat.clone() if kind == "fp32" else torch.zeros_like(flat)
+            given = (states or {}).get(kind, {}).get(name)
+            if given is not None and tuple(given.shape) != tuple(value.shape):
+                raise ValueError(f"{name}: its {kind} has shape {tuple(given.shape)}, the weight {tuple(value.shape)}")
+            data[f"{name}/{kind}"] = (flat.clone() if kind == "fp32" else torch.zeros_like(flat) if given is None
+                                      else given.detach().to("cpu", torch.float32).reshape(-1).clone())
             entry["crc"][kind] = crc32(data[f"{name}/{kind}"])
         pieces[name] = entry
     data_name = rank_file_names(0)[0]
@@ -397,6 +405,11 @@ def write_full_checkpoint(save_dir: str | Path, model_config, tensors: dict[str,
         "engine": {"step_count": 0, "skipped_steps": 0, "first_iteration": iteration},
         "loss_scaler": None, "rank_files": [data_name], "ranks": [index],
     }
+    if resume is not None:
+        steps = resume["step_count"]
+        metadata.update(consumed_samples=resume["consumed_samples"], optimizer=resume["optimizer"],
+                        train_iters=resume["train_iters"], global_batch_size=resume["global_batch_size"],
+                        engine={"step_count": steps, "skipped_steps": 0, "first_iteration": iteration - steps})
     if tokenizer is not None:
         copy_tokenizer(tokenizer["files"], tmp / TOKENIZER_DIR)
         metadata["tokenizer"] = {**tokenizer, "files": sorted(tokenizer["files"])}

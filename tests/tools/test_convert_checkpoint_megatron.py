@@ -218,10 +218,10 @@ def test_megatron_checkpoints_round_trip_through_megatron_core(dist_pool, tmp_pa
     exported = {}
     for variant in VARIANTS:
         for kind in ("torch_dist", "legacy"):
-            directory, iteration = convert.import_megatron(tmp_path / f"{variant}_{kind}", tmp_path / f"mz_{variant}_{kind}")
+            directory, iteration, _ = convert.import_megatron(tmp_path / f"{variant}_{kind}", tmp_path / f"mz_{variant}_{kind}")
             assert iteration == 7
             _assert_close(_megazero_logits(directory), expected[variant])
-        exported[variant] = convert.export_megatron(tmp_path / f"mz_{variant}_torch_dist", tmp_path / f"back_{variant}")
+        exported[variant] = convert.export_megatron(tmp_path / f"mz_{variant}_torch_dist", tmp_path / f"back_{variant}")[0]
     for variant, (*outputs, iteration, args) in pool.run(_load_with_megatron, exported)[0].items():
         _assert_close(outputs, expected[variant])
         assert iteration == 0 and {k: args[k] for k in VARIANTS[variant]} == VARIANTS[variant]

@@ -1,0 +1,209 @@
+"""Reading megatron-core's distributed-optimizer state (Adam's fp32 master weights, exp_avg and
+exp_avg_sq) and its training progress out of a Megatron-LM checkpoint, as full tensors by
+megatron-core parameter name; megatron_files.py calls it. Must not know megazero's names.
+
+Where megatron-core keeps the states:
+- torch_dist, sharding type `fully_reshardable` (Megatron-LM's --dist-ckpt-optim-fully-reshardable):
+  one tensor per parameter and state, `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, of
+  the model key's global shape (layers stacked like the model's). `dp_reshardable` (Megatron-LM's
+  default) keeps the optimizer's flat buckets instead, `optimizer.distributed.dp_group_idx_<d>.
+  gbuf_idx_<g>.dtype_<..>.bucket_idx_<b>.<state>` per model-parallel domain d (the tensor-parallel
+  rank at pipeline degree 1), each bucket without its end padding: joined, the legacy buffer below.
+  The file does not record the parameter order: megatron-core's registration order is tried for the
+  local and the Transformer Engine layer specs, and kept where every master is its weight.
+- legacy (`--ckpt-format torch`): `distrib_optim.pt` beside each `model_optim_rng.pt`, holding per
+  grad buffer and dtype the flat fp32 `param`, `exp_avg`, `exp_avg_sq` of the whole data-parallel
+  group, buckets concatenated without their end padding. Positions follow megatron-core's buffer
+  layout (distributed/param_and_grad_buffer.py): the parameters in reverse registration order, each
+  starting at a multiple of 64 elements from its bucket's start; a bucket closes once it holds
+  `bucket_size` elements (only with --overlap-grad-reduce, and on the first pipeline stage), and a
+  tied embedding shared across pipeline stages takes a bucket of its own. The layout is rebuilt
+  from the model file's parameter order and checked against the buffer's recorded length.
+
+Progress: the iteration, Adam's step (the optimizer's param_groups), the lr scheduler's state
+(`opt_param_scheduler`: num_steps, warmup and decay in samples, peak and final lr, weight decay) and
+the consumed samples (`args.consumed_train_samples`).
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+STATES = ("param", "exp_avg", "exp_avg_sq")
+OPTIM_FILE = "distrib_optim.pt"
+_FULL = re.compile(r"^optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.+)$")
+
+
+class MegatronOptimizerError(ValueError):
+    """Optimizer state megazero cannot read exactly; the message names what and the way out."""
+
+
+def adam_step(optimizer: dict | list | None) -> int | None:
+    """Adam's step count from a megatron-core optimizer state dict (a chained optimizer's is a list);
+    None when it holds none (a checkpoint saved without its optimizer)."""
+    parts = optimizer if isinstance(optimizer, list) else [optimizer]
+    steps = set()
+    for part in parts:
+        inner = (part or {}).get("optimizer", part) or {}
+        steps |= {int(g["step"]) for g in inner.get("param_groups", []) if g.get("step") is not None}
+    if len(steps) > 1:
+        raise MegatronOptimizerError(f"the optimizer's parameter groups are at different steps {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def adam_hyper(optimizer: dict | list | None) -> dict:
+    """betas and eps of the first parameter group ({} when there is none)."""
+    part = optimizer[0] if isinstance(optimizer, list) and optimizer else optimizer
+    groups = ((part or {}).get("optimizer", part) or {}).get("param_groups", [])
+    if not groups:
+        return {}
+    beta1, beta2 = groups[0].get("betas", (0.9, 0.999))
+    return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(groups[0].get("eps", 1e-8))}
+
+
+_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+                     r"(param|exp_avg|exp_avg_sq)$")
+
+
+def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
+    """(model tensors, {state: {model key: tensor}} of the fully_reshardable format, {model-parallel
+    domain: [{state: tensor} per bucket]} of the dp_reshardable one) from a torch_dist checkpoint's
+    tensors."""
+    model, states, buckets, buffers = {}, {state: {} for state in STATES}, {}, set()
+    for name, tensor in stacked.items():
+        full, bucket = _FULL.match(name), _BUCKET.match(name)
+        if full:
+            states[full.group(1)][full.group(2)] = tensor
+        elif bucket:
+            domain, buffer, dtype, index, state = bucket.groups()
+            buffers.add((buffer, dtype))
+            buckets.setdefault(int(domain), {}).setdefault(int(index), {})[state] = tensor
+        elif not name.startswith("optimizer."):
+            model[name] = tensor
+    if len(buffers) > 1:
+        raise MegatronOptimizerError(f"{where}: the optimizer has {len(buffers)} grad buffers or dtypes; megazero reads "
+                                     f"one (no experts, one parameter dtype); pass --weights-only to import the weights alone")
+    return (model, states if states["param"] else {},
+            {domain: [per[i] for i in sorted(per)] for domain, per in buckets.items()})
+
+
+# The order megatron-core's TransformerLayer registers its parameters in (its grad buffer's order,
+# reversed), by torch_dist name, for the local spec and the Transformer Engine one (the norms fused
+# into the next linear); a dp_reshardable import tries each, keeping the one the masters confirm.
+_LINEARS = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+_NORM1 = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
+_NORM2 = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
+_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+LAYER_ORDERS = {"local": _NORM1 + _LINEARS + _QKV + _NORM2 + _MLP,
+                "transformer_engine": _LINEARS + _NORM1 + _QKV + _NORM2 + _MLP}
+
+
+def registration_order(names, spec: str) -> list[str] | None:
+    """The model's parameter names in megatron-core's registration order under `spec` (None when a
+    name falls outside what that order knows)."""
+    names = set(names)
+    order = [n for n in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight") if n in names]
+    layers = sorted({int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, names) if m})
+    for i in layers:
+        order += [f"decoder.layers.{i}.{rest}" for rest in LAYER_ORDERS[spec] if f"decoder.layers.{i}.{rest}" in names]
+    order += [n for n in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+              if n in names]
+    return order if set(order) == names else None
+
+
+def _pad(n: int, divisor: int) -> int:
+    return math.ceil(n / divisor) * divisor
+
+
+def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, shared: set[str]) -> tuple[dict, int]:
+    """Where each parameter's elements sit in a legacy distrib_optim.pt buffer (buckets joined without
+    their end padding): ({name: (start, end)}, the buffer's length). `params`: (name, numel) in
+    registration order; `shared`: the tied embedding that takes a bucket of its own."""
+    where, base, at, end, filled = {}, 0, 0, 0, False
+    for name, numel in reversed(params):
+        at = _pad(at, 64)
+        if name in shared and filled:           # the open bucket closes here, its padding included
+            base, at, filled = base + at, 0, False
+        where[name] = (base + at, base + at + numel)
+        end, filled = at + numel, True
+        if (bucket_size is not None and end >= bucket_size) or name in shared:
+            base, at, filled = base + end, 0, False
+        else:
+            at = end
+    return where, base + (end if filled else 0)
+
+
+def _bucket_size(args: dict, pp_rank: int) -> int | None:
+    if args.get("ddp_num_buckets"):
+        raise MegatronOptimizerError("the run set --ddp-num-buckets, whose bucket boundaries the checkpoint does "
+                                     "not record; pass --weights-only to import the weights alone")
+    if not args.get("overlap_grad_reduce") or pp_rank > 0:
+        return None
+    if args.get("ddp_bucket_size"):
+        return int(args["ddp_bucket_size"])
+    model_parallel = (args.get("tensor_model_parallel_size") or 1) * (args.get("pipeline_model_parallel_size") or 1)
+    dp = args.get("data_parallel_size") or args.get("world_size", model_parallel) // model_parallel
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def bucket_rank_states(buckets: list[dict], model: dict, args: dict, where: Path) -> dict:
+    """{state: {name: shard}} of one model-parallel domain's dp_reshardable buckets (joined they are
+    the legacy buffer), laid out over `model` (the domain's shards in registration order)."""
+    world = {state: torch.cat([bucket[state] for bucket in buckets]) for state in STATES}
+    return _place(world, model, args, 0, 1, where, len(world["param"]))
+
+
+def legacy_rank_states(file: Path, loaded: dict, model: dict, args: dict, pp_rank: int, pp: int) -> dict:
+    """{state: {name: this rank's (tensor-parallel shard) tensor}} from one distrib_optim.pt, laid out
+    over `model` (the rank's model_optim_rng.pt tensors, in their order)."""
+    buffers = [key for key in loaded if isinstance(key, int)]
+    dtypes = loaded[buffers[0]] if len(buffers) == 1 else {}
+    if len(buffers) != 1 or len(dtypes) != 1:
+        raise MegatronOptimizerError(f"{file}: {len(buffers)} grad buffers of {len(dtypes)} dtypes; megazero reads "
+                                     f"one buffer of one dtype (no experts, one parameter dtype)")
+    world = next(iter(dtypes.values()))
+    return _place(world, model, args, pp_rank, pp, file, world["numel_unpadded"])
+
+
+def _place(world: dict, model: dict, args: dict, pp_rank: int, pp: int, where: Path, length_saved: int) -> dict:
+    """{state: {name: tensor shaped as the model's}} out of flat buffers `world` laid out over `model`
+    (a rank's tensors in registration order), refused when the layout's length is not the saved one."""
+    params = [(name, t.numel()) for name, t in model.items() if not name.endswith("_extra_state")]
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    shared = set()
+    if tied and pp > 1:
+        shared = {"embedding.word_embeddings.weight"} if pp_rank == 0 else {"output_layer.weight"} if pp_rank == pp - 1 else set()
+    layout, length = buffer_layout(params, _bucket_size(args, pp_rank), shared)
+    if length != length_saved:
+        raise MegatronOptimizerError(f"{where}: its buffer holds {length_saved} elements, megatron-core's "
+                                     f"layout of the model file gives {length}; pass --weights-only to import the "
+                                     f"weights alone")
+    return {state: {name: world[state][start:end].view_as(model[name]).clone()
+                    for name, (start, end) in layout.items()} for state in STATES}
+
+
+def progress(common: dict, args: dict) -> dict:
+    """The run's progress as a Megatron-LM checkpoint records it: iteration, Adam step (None without
+    optimizer state), the lr scheduler's state, consumed samples, Adam's betas and eps."""
+    return {"iteration": int(common.get("iteration", 0) or 0), "adam_step": adam_step(common.get("optimizer")),
+            "scheduler": common.get("opt_param_scheduler"), "adam": adam_hyper(common.get("optimizer")),
+            "consumed_samples": int(args.get("consumed_train_samples") or 0)}
+
+
+def check_masters(model: dict, states: dict, where: Path) -> None:
+    """Every weight has its states, and its fp32 master rounds to the weight itself (megatron-core
+    copies the masters into the model after each step): a misplaced state refuses the import."""
+    for name, weight in model.items():
+        master = states["param"].get(name)
+        if master is None or any(name not in states[kind] for kind in STATES):
+            raise MegatronOptimizerError(f"{where}: the optimizer holds no state for {name}; pass --weights-only to "
+                                         f"import the weights alone")
+        if tuple(master.shape) != tuple(weight.shape) or not torch.equal(master.to(weight.dtype), weight):
+            raise MegatronOptimizerError(
+                f"{where}: the optimizer's fp32 master of {name} is not the model's weight (misplaced states: "
+                f"megatron-core 0.16's fully_reshardable save with several buckets per buffer writes them so); "
+                f"re-save with one bucket or in the legacy format, or pass --weights-only to import the weights alone")
