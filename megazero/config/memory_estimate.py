@@ -51,7 +51,7 @@ from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe
                                         moe_transient_bytes, stage_moe_layers)
 from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
     activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
-    zero_bubble_in_flight,
+    weight_grad_bytes, zero_bubble_in_flight, zero_bubble_peaks,
     layer_activation_split, layer_activation_units, output_layer_bytes)
 from megazero.config.staging_memory import stage2_staging_bytes
 from megazero.parallel.pipeline.zero_bubble import V_SHAPED, ZERO_BUBBLE_SCHEDULES
@@ -198,19 +198,27 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     in_flight, layers = r.in_flight, r.layers_per_stage
     if par.schedule in ZERO_BUBBLE_SCHEDULES and par.pipeline_parallel > 1:
-        # stage s holds its list's peak (activations and waiting W inputs) of its own layers; the
-        # output layer only where the loss is (the last stage, or stage 0 in a V), for one
-        # microbatch: its B frees the logits (its W recomputes them, models/split_backward.py)
+        # stage s holds its list's peak of activations and waiting Ws' GEMM inputs and output
+        # gradients (zero_bubble_peaks) of its own layers; the output layer only where the loss is
+        # (the last stage, or stage 0 in a V), for one microbatch: its B frees the logits (its W
+        # recomputes them from its input, which each waiting W of that stage keeps, with fp32 maxes,
+        # sums and loss gradients: models/loss.py)
         pp, v = par.pipeline_parallel, par.virtual_stages
         loss_stage = 0 if par.schedule in V_SHAPED else pp - 1
+        tokens = m.seq_length * cfg.micro_batch_size // par.context_parallel
 
         def acts(held, head):
             return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers, par.tensor_parallel, held,
                                     r.weight_bytes, chunks, par.context_parallel, par.cp_comm_type,
                                     par.sequence_parallel, with_head=head, ep=par.expert_parallel, kernel=kernel)
-        head = acts(1, True) - acts(1, False)
-        held = zero_bubble_in_flight(par.schedule, pp, v, r.microbatches)
-        return max(acts(h, False) + (head if s == loss_stage else 0.0) for s, h in enumerate(held))
+        fixed, head = acts(0, False), acts(1, True) - acts(1, False)
+        inputs, grads = weight_grad_bytes(tokens, m, layers, par.tensor_parallel, r.weight_bytes,
+                                          par.sequence_parallel, par.expert_parallel)
+        head_inputs = tokens * (m.hidden_size * r.weight_bytes + 12)
+        per_micro = acts(1, False) - fixed
+        plain = zero_bubble_peaks(par.schedule, pp, v, r.microbatches, per_micro, inputs, grads)
+        with_loss = zero_bubble_peaks(par.schedule, pp, v, r.microbatches, per_micro, inputs + head_inputs, grads)
+        return fixed + max(max(plain[s] for s in range(pp) if s != loss_stage), with_loss[loss_stage] + head)
     if par.virtual_stages > 1 and par.schedule != "gpipe":
         in_flight = interleaved_in_flight(par.pipeline_parallel, par.virtual_stages, r.microbatches)
     elif par.pipeline_parallel > 1 and par.schedule != "gpipe":
