@@ -275,23 +275,31 @@ def weight_grad_bytes(tokens: int, model_cfg, layers: int, tp: int, weight_bytes
 
 
 def zero_bubble_peaks(schedule: str, pp: int, virtual: int, microbatches: int, activations: float,
-                      waiting_inputs: float, waiting_grads: float) -> list[float]:
+                      waiting_inputs: float, waiting_grads: float, w_transient: float = 0.0,
+                      loss_transient: float = 0.0, loss_stage: int | None = None) -> list[float]:
     """Per stage, the most bytes a zero-bubble schedule has it hold on the ideal timeline of its list
     (parallel/pipeline/actions.py `holdings`): `activations` (one microbatch of the stage's layers)
     per forward whose B has not run, `waiting_inputs + waiting_grads` (weight_grad_bytes) per B whose
-    W waits, and while a B runs, beside what was held before it, the output gradients it makes for its
-    W (its chunk's share): they are made layer by layer above activations the B frees only as it goes
-    down the layers."""
+    W waits; while a B runs, beside what was held before it, the output gradients it makes for its W
+    (its chunk's share: they are made layer by layer above activations the B frees only as it goes
+    down the layers); while a W runs, beside what was held before it, `w_transient` (a chunk's: the
+    gradients it makes before handing them over at once, models/split_backward.py `run`); while the
+    loss's chunk (the last chunk of `loss_stage`) runs its B or its W, `loss_transient` (the output
+    layer's logits and their gradient, made again in each: models/loss.py)."""
     lists = zero_bubble_schedule(schedule, pp, virtual, microbatches)
     share, wait = 1.0 / lists.layout.chunks, waiting_inputs + waiting_grads
     peaks = []
-    for actions, series in zip(lists.ranks, holdings(lists)):
-        before, peak = (0.0, 0.0), 0.0
+    for stage, (actions, series) in enumerate(zip(lists.ranks, holdings(lists))):
+        before, peak = 0.0, 0.0
         for action, (held, deferred) in zip(actions, series):
-            peak = max(peak, held * activations + deferred * wait)
+            now = held * activations + deferred * wait
+            loss = loss_transient if stage == loss_stage and action.chunk == lists.layout.chunks - 1 else 0.0
             if action.kind in ("B", "BW"):
-                peak = max(peak, before[0] * activations + before[1] * wait + share * waiting_grads)
-            before = (held, deferred)
+                peak = max(peak, before + share * waiting_grads + loss)
+            if action.kind in ("W", "BW"):
+                during = before if action.kind == "W" else now + share * wait
+                peak = max(peak, during + w_transient + loss)
+            peak, before = max(peak, now), now
         peaks.append(peak)
     return peaks
 
