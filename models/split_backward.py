@@ -65,17 +65,21 @@ class WeightGradWork:
             raise RuntimeError("this W has already run")
         items, self._items, self.done = self._items, [], True
         tensors: dict[int, list] = {}
-        ahead = items[0][1]() if items and items[0][1] is not None else None
-        for k, (compute, _) in enumerate(items):
-            state, ahead = ahead, None
-            if k + 1 < len(items) and items[k + 1][1] is not None:
-                ahead = items[k + 1][1]()          # the next item's communication, during this GEMM
-            for tensor, grad in compute(state):
-                held = tensors.get(id(tensor))
-                if held is None:
-                    tensors[id(tensor)] = [tensor, grad]
-                else:                              # a weight used twice in the chunk: one handover
-                    held[1] = held[1] + grad
+        # Without a graph, as autograd's own backward computes: the saved inputs and the weights
+        # require grad, so with grad mode on each GEMM would record one and keep what it read
+        # (the output layer's recomputed logits, its fp32 copy and exp) until the handover.
+        with torch.no_grad():
+            ahead = items[0][1]() if items and items[0][1] is not None else None
+            for k, (compute, _) in enumerate(items):
+                state, ahead = ahead, None
+                if k + 1 < len(items) and items[k + 1][1] is not None:
+                    ahead = items[k + 1][1]()          # the next item's communication, during this GEMM
+                for tensor, grad in compute(state):
+                    held = tensors.get(id(tensor))
+                    if held is None:
+                        tensors[id(tensor)] = [tensor, grad]
+                    else:                              # a weight used twice in the chunk: one handover
+                        held[1] = held[1] + grad
         if tensors:
             torch.autograd.backward([t for t, _ in tensors.values()], [g for _, g in tensors.values()])
 

@@ -10,7 +10,8 @@ probability 0; the attention's and the MLP's inputs and the norms' inputs whole 
 parallel rank without sequence parallelism, the rest split (`layer_activation_split`); for the
 microbatches a pipeline stage holds at once (the pipeline size under 1F1B, all of them under GPipe,
 the interleaved schedule's longer warm-up: `interleaved_in_flight`; a zero-bubble schedule's stages,
-read off its list of actions: `zero_bubble_in_flight`). The dry run
+read off its list of actions, each waiting weight-gradient pass weighed by what its GEMMs keep:
+`zero_bubble_peaks`, `weight_grad_bytes`). The dry run
 (tools/dry_run.py, docs/dry_run.md) measures what these formulas predict at scale. Full recomputation keeps only the input
 of each checkpointed layer group. The fused output layer and loss (models/loss.py, chunked by its
 memory budget) add one chunk of fp32 logits, their gradient's 16-bit copy when the weights are 16-bit,
@@ -38,7 +39,7 @@ from megazero.config.train_config import TrainConfig
 from megazero.config.attention_memory import math_kernel_bytes
 from megazero.parallel.pipeline.actions import holdings
 from megazero.parallel.pipeline.zero_bubble import zero_bubble_schedule
-from megazero.config.moe_memory import moe_layer_activation_extra, stage_moe_layers
+from megazero.config.moe_memory import moe_layer_activation_extra, routed_rows, stage_moe_layers
 from megazero.models.loss import chunk_tokens_for, keeps_softmax
 
 
@@ -237,13 +238,76 @@ def cp_transient_bytes(cfg: TrainConfig) -> float:
     return 8 * local * heads * m.head_dim * weight_bytes
 
 
+def weight_grad_bytes(tokens: int, model_cfg, layers: int, tp: int, weight_bytes: int,
+                      sequence_parallel: bool = False, ep: int = 1) -> tuple[float, float]:
+    """(inputs, output gradients): what one waiting W of `layers` layers holds for one microbatch of
+    `tokens` tokens (seq x micro / cp) on a rank: each deferred GEMM keeps its input and its output's
+    gradient until W (models/weight_grad.py `_Linear`, parallel/layers.py), in the activations'
+    dtype. Per token of a dense layer: qkv's input (h, or h / tp under sequence parallelism: its
+    shard, gathered again at W) and its output's gradient ((heads + 2 groups) x head size / tp); the
+    projection's input (heads x head size / tp) and its output's gradient (h, whole: the
+    reduce-scatter's backward gathers it); fc1's input as qkv's, its output's gradient (ffn / tp, 2 ffn
+    under SwiGLU); fc2's input (ffn / tp) and its output's gradient (h). A MoE layer's experts keep
+    their routed rows' (moe_memory.routed_rows) inputs and output gradients at the experts' width, the
+    router its input and its fp32 logits' gradient, a shared expert what a dense MLP of its width
+    keeps, in place of the dense MLP. Norms and biases keep parameter-sized sums (left out)."""
+    m, h = model_cfg, model_cfg.hidden_size
+    mult = 2 if m.activation == "swiglu" else 1
+    col_in = h / tp if sequence_parallel and tp > 1 else h
+    width, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    attn_in, attn_grad = col_in + width / tp, (width + 2 * kv) / tp + h
+
+    def mlp(ffn):
+        return col_in + ffn / tp, mult * ffn / tp + h
+    dense_in, dense_grad = mlp(m.ffn_hidden_size)
+    moe_layers = stage_moe_layers(m, range(layers)) if m.num_experts else 0
+    inputs = (layers * attn_in + (layers - moe_layers) * dense_in) * tokens * weight_bytes
+    grads = (layers * attn_grad + (layers - moe_layers) * dense_grad) * tokens * weight_bytes
+    if moe_layers:
+        rows, ffn = routed_rows(m, tokens, 1), m.moe_ffn_hidden_size
+        inputs += moe_layers * (rows * (h + ffn / tp) + tokens * h) * weight_bytes
+        grads += moe_layers * (rows * (mult * ffn / tp + h) * weight_bytes + tokens * m.num_experts * 4)
+        if m.moe_shared_expert_intermediate_size:
+            shared_in, shared_grad = mlp(m.moe_shared_expert_intermediate_size)
+            inputs += moe_layers * shared_in * tokens * weight_bytes
+            grads += moe_layers * shared_grad * tokens * weight_bytes
+    return inputs, grads
+
+
+def zero_bubble_peaks(schedule: str, pp: int, virtual: int, microbatches: int, activations: float,
+                      waiting_inputs: float, waiting_grads: float, w_transient: float = 0.0,
+                      loss_transient: float = 0.0, loss_stage: int | None = None) -> list[float]:
+    """Per stage, the most bytes a zero-bubble schedule has it hold on the ideal timeline of its list
+    (parallel/pipeline/actions.py `holdings`): `activations` (one microbatch of the stage's layers)
+    per forward whose B has not run, `waiting_inputs + waiting_grads` (weight_grad_bytes) per B whose
+    W waits; while a B runs, beside what was held before it, the output gradients it makes for its W
+    (its chunk's share: they are made layer by layer above activations the B frees only as it goes
+    down the layers); while a W runs, beside what was held before it, `w_transient` (a chunk's: the
+    gradients it makes before handing them over at once, models/split_backward.py `run`); while the
+    loss's chunk (the last chunk of `loss_stage`) runs its B or its W, `loss_transient` (the output
+    layer's logits and their gradient, made again in each: models/loss.py)."""
+    lists = zero_bubble_schedule(schedule, pp, virtual, microbatches)
+    share, wait = 1.0 / lists.layout.chunks, waiting_inputs + waiting_grads
+    peaks = []
+    for stage, (actions, series) in enumerate(zip(lists.ranks, holdings(lists))):
+        before, peak = 0.0, 0.0
+        for action, (held, deferred) in zip(actions, series):
+            now = held * activations + deferred * wait
+            loss = loss_transient if stage == loss_stage and action.chunk == lists.layout.chunks - 1 else 0.0
+            if action.kind in ("B", "BW"):
+                peak = max(peak, before + share * waiting_grads + loss)
+            if action.kind in ("W", "BW"):
+                during = before if action.kind == "W" else now + share * wait
+                peak = max(peak, during + w_transient + loss)
+            peak, before = max(peak, now), now
+        peaks.append(peak)
+    return peaks
+
+
 def zero_bubble_in_flight(schedule: str, pp: int, virtual: int, microbatches: int) -> list[float]:
-    """Per stage, the microbatches' worth of the stage's layers a zero-bubble schedule has it hold at
-    once: the activations of forwards whose B has not run, plus the saved inputs of Bs whose W waits,
-    each counted as a whole microbatch's activations, on the ideal timeline of the schedule's list
-    (parallel/pipeline/actions.py `holdings`). That undercounts: a waiting W keeps its GEMMs' inputs
-    and their outputs' gradients, which the dry run measured at about 2x a microbatch's activations
-    at 70B (docs/dry_run.md, "Zero-bubble pipeline schedules")."""
+    """Per stage, the list's peak of microbatches held (activations and waiting Ws alike, each as a
+    microbatch of the stage): the count tools/dry_run.py prints; the planner weighs the two apart
+    (`zero_bubble_peaks`)."""
     lists = zero_bubble_schedule(schedule, pp, virtual, microbatches)
     return [max(held + deferred for held, deferred in rank) for rank in holdings(lists)]
 

@@ -51,7 +51,7 @@ from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe
                                         moe_transient_bytes, stage_moe_layers)
 from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
     activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
-    zero_bubble_in_flight,
+    weight_grad_bytes, zero_bubble_in_flight, zero_bubble_peaks,
     layer_activation_split, layer_activation_units, output_layer_bytes)
 from megazero.config.staging_memory import stage2_staging_bytes
 from megazero.parallel.pipeline.zero_bubble import V_SHAPED, ZERO_BUBBLE_SCHEDULES
@@ -149,10 +149,12 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     dp = world_size // (tp * pp * cp)
     embedding, layer, head = parameter_counts(model)
     layers_per_stage = math.ceil(model.num_layers / pp)
-    # A tied output layer on its own last stage keeps a copy of the word embedding.
-    tied_copy = model.padded_vocab_size * model.hidden_size if model.tie_embeddings and pp > 1 else 0
-    first = embedding + layers_per_stage * layer + (head if pp == 1 else 0)
-    last = layers_per_stage * layer + head + tied_copy
+    # A tied output layer on its own last stage keeps a copy of the word embedding; a V schedule
+    # (zbv, dualpipev) runs the first and the last virtual stage on stage 0, which holds both.
+    v_shaped = par.schedule in V_SHAPED and pp > 1
+    tied_copy = model.padded_vocab_size * model.hidden_size if model.tie_embeddings and pp > 1 and not v_shaped else 0
+    first = embedding + layers_per_stage * layer + (head if pp == 1 or v_shaped else 0)
+    last = layers_per_stage * layer + (0 if v_shaped else head + tied_copy)
     extra, experts = moe_layer_extra(model)
     moe_first = stage_moe_layers(model, range(layers_per_stage))
     moe_last = stage_moe_layers(model, range(model.num_layers - layers_per_stage, model.num_layers))
@@ -169,7 +171,7 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
         p_tied = tied_copy if tied_copy // tp <= cfg.zero.param_persistence_threshold else 0
         p_moe = moe_layer_persistent_extra(model, tp, cfg.zero.param_persistence_threshold)
-        persistent = (p_embedding + layers_per_stage * p_layer + moe_first * p_moe + (p_head if pp == 1 else 0)
+        persistent = (p_embedding + layers_per_stage * p_layer + moe_first * p_moe + (p_head if pp == 1 or v_shaped else 0)
                       if first >= last else layers_per_stage * p_layer + moe_last * p_moe + p_head + p_tied)
     microbatches = cfg.num_microbatches(dp)
     return RankLayout(
@@ -198,19 +200,7 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
     chunks = [math.ceil(r.layers_per_stage / par.virtual_stages)] * par.virtual_stages
     in_flight, layers = r.in_flight, r.layers_per_stage
     if par.schedule in ZERO_BUBBLE_SCHEDULES and par.pipeline_parallel > 1:
-        # stage s holds its list's peak (activations and waiting W inputs) of its own layers; the
-        # output layer only where the loss is (the last stage, or stage 0 in a V), for one
-        # microbatch: its B frees the logits (its W recomputes them, models/split_backward.py)
-        pp, v = par.pipeline_parallel, par.virtual_stages
-        loss_stage = 0 if par.schedule in V_SHAPED else pp - 1
-
-        def acts(held, head):
-            return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers, par.tensor_parallel, held,
-                                    r.weight_bytes, chunks, par.context_parallel, par.cp_comm_type,
-                                    par.sequence_parallel, with_head=head, ep=par.expert_parallel, kernel=kernel)
-        head = acts(1, True) - acts(1, False)
-        held = zero_bubble_in_flight(par.schedule, pp, v, r.microbatches)
-        return max(acts(h, False) + (head if s == loss_stage else 0.0) for s, h in enumerate(held))
+        return _zero_bubble_activations(cfg, r, kernel, chunks)
     if par.virtual_stages > 1 and par.schedule != "gpipe":
         in_flight = interleaved_in_flight(par.pipeline_parallel, par.virtual_stages, r.microbatches)
     elif par.pipeline_parallel > 1 and par.schedule != "gpipe":
@@ -229,6 +219,39 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
                             par.tensor_parallel, in_flight, r.weight_bytes, chunks,
                             par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel,
                             kernel=kernel, documents=documents, microbatches=r.microbatches, **away)
+
+
+def _zero_bubble_activations(cfg: TrainConfig, r: RankLayout, kernel: str, chunks: list[int]) -> float:
+    """The largest stage's activations under a zero-bubble schedule: stage s holds its list's peak
+    of activations and waiting Ws' GEMM inputs and output gradients (zero_bubble_peaks) of its own
+    layers. Where the loss is (the last stage, or stage 0 in a V) each waiting W also keeps the
+    output layer's input (with fp32 maxes, sums and loss gradients: models/loss.py), and the loss
+    chunk's B and its W each make the logits and their gradient again (output_layer_bytes). A W makes
+    its chunk's weight gradients (fp32 sums deposited, and the 16-bit zeros autograd gets for them)
+    before handing them over at once; under sequence parallelism it gathers a GEMM's input again."""
+    m, par = cfg.model, cfg.parallel
+    pp, v, tp, layers = par.pipeline_parallel, par.virtual_stages, par.tensor_parallel, r.layers_per_stage
+    loss_stage = 0 if par.schedule in V_SHAPED else pp - 1
+    tokens = m.seq_length * cfg.micro_batch_size // par.context_parallel
+
+    def acts(held):
+        return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers, tp, held, r.weight_bytes, chunks,
+                                par.context_parallel, par.cp_comm_type, par.sequence_parallel, with_head=False,
+                                ep=par.expert_parallel, kernel=kernel)
+    fixed = acts(0)
+    inputs, grads = weight_grad_bytes(tokens, m, layers, tp, r.weight_bytes, par.sequence_parallel,
+                                      par.expert_parallel)
+    head_inputs = tokens * (m.hidden_size * r.weight_bytes + 12)
+    w_transient = parameter_counts(m)[1] / tp * layers / v * (4 + r.weight_bytes if r.weight_bytes < 4 else 4)
+    if par.sequence_parallel and tp > 1:
+        w_transient += tokens * m.hidden_size * r.weight_bytes
+    loss = output_layer_bytes(tokens, m, tp, r.weight_bytes)
+
+    def peaks(w_inputs):
+        return zero_bubble_peaks(par.schedule, pp, v, r.microbatches, acts(1) - fixed, w_inputs, grads,
+                                 w_transient, loss, loss_stage)
+    plain, at_loss = peaks(inputs), peaks(inputs + head_inputs)
+    return fixed + max(at_loss[s] if s == loss_stage else plain[s] for s in range(pp))
 
 
 def largest_param(model_cfg, tp: int) -> int:

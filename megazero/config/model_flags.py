@@ -102,13 +102,6 @@ def offloaded_layers(args, chunk_layers: int) -> int:
     if layers == 0 and args.cpu_offloading:
         raise UsageError("--cpu-offloading with --cpu-offloading-num-layers 0 offloads nothing; give 1..."
                          f"{chunk_layers} layers or remove --cpu-offloading")
-    schedule = getattr(args, "pipeline_schedule", "auto")
-    if (layers or args.cpu_offloading) and schedule in ("zb-h1", "zbv", "interleaved-zb", "dualpipev"):
-        # the split backward reads a layer's saved tensors again in its deferred weight pass, after
-        # the offload has let them go; the two were never run together
-        raise UsageError(f"activation offload (--cpu-offloading) with --pipeline-schedule {schedule} is not "
-                         "supported yet (the deferred weight-gradient pass reads what the offload releases): "
-                         "drop one of them")
     if layers > chunk_layers:
         raise UsageError(f"--cpu-offloading-num-layers {layers} is more than the {chunk_layers} layers of a "
                          f"pipeline stage's model chunk; give 1..{chunk_layers}")

@@ -2,8 +2,8 @@
 linear, embedding, bias and norms, loss.py's output layer, moe.py's experts and router): a whole
 GPT's B then W equals its plain backward (every gradient bitwise, or to 1e-6 where a MoE layer's
 input sums its uses' gradients in another order), and B hands no parameter a gradient. Against autograd (the plain backward of the same model), not a second copy of our code.
-Planted: a linear's W computed in B (its weight's gradient arrives in B) and a norm's gradient never
-handed over both fail.
+Planted: a linear's W computed in B (its weight's gradient arrives in B), a norm's gradient never
+handed over, and W run with grad mode on (recording a graph that keeps its GEMMs' inputs) all fail.
 """
 import pytest
 import torch
@@ -79,6 +79,8 @@ def test_a_16_bit_weight_deposits_its_fp32_sum_at_w():
     work.run()
     expected = torch.ones(5, 6).t() @ x.detach().float()
     assert torch.equal(param_info(weight).pending_fp32_grad, expected)
+    # W records no graph (x requires grad): one would keep what each W's GEMMs read until the handover
+    assert param_info(weight).pending_fp32_grad.grad_fn is None
     assert torch.equal(weight.grad, torch.zeros_like(weight))
     with pytest.raises(RuntimeError, match="already run"):
         work.run()

@@ -2,7 +2,10 @@
 
 - The loss curve and the final parameters are bitwise those of the same layout without offload (the
   tensors come back as they left), under a pipeline with microbatches in flight, tensor and sequence
-  parallelism (tp 2 x pp 2, one of each chunk's two layers offloaded), and under ZeRO-3 with full
+  parallelism (tp 2 x pp 2, one of each chunk's two layers offloaded; again under the zero-bubble
+  zb-h1 schedule, whose deferred weight-gradient pass W reads the fetched copies of its GEMMs' inputs
+  after B: exact against one process through tests/parallel/pipeline/test_zero_bubble.py's zb-h1
+  layouts), and under ZeRO-3 with full
   recomputation (dp 2, every layer's checkpointed input offloaded: DeepSpeed's cpu_checkpointing); the
   host held something, and nothing once each backward was done.
 - Under the stream sanitizer a step runs clean (the copies to the host and back on the copy stream,
@@ -39,8 +42,11 @@ def _layouts():
     """(name, config, dp) pairs: each layout without offload, then with it."""
     pipeline = dict(tp=2, pp=2, sequence_parallel=True, steps=STEPS, global_batch=8)
     zero3 = dict(stage=3, steps=STEPS, global_batch=8, model_extra=FULL_UNIFORM)
+    zero_bubble = dict(pipeline, schedule="zb-h1")
     return [("tp2 pp2 sp", small_config(**pipeline), 1),
             ("tp2 pp2 sp, offload 1", _offloaded(small_config(**pipeline), 1), 1),
+            ("tp2 pp2 sp zb-h1", small_config(**zero_bubble), 1),
+            ("tp2 pp2 sp zb-h1, offload 1", _offloaded(small_config(**zero_bubble), 1), 1),
             ("zero-3 full recompute", small_config(**zero3), 2),
             ("zero-3 full recompute, offload 4", _offloaded(small_config(**zero3), 4), 2)]
 
