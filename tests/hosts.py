@@ -17,11 +17,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.launching import torchrun_command
 
 SUBNET = "10.77.0"
 REPO = Path(__file__).resolve().parents[1]
@@ -161,9 +162,8 @@ class Hosts:
         else:
             launch = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                       f"{self.address(0)}:{port}", "--rdzv-id", self.tag]
-        argv = [sys.executable, "-m", "torch.distributed.run", *launch, "--nproc-per-node", str(nproc),
-                *extra, "pretrain_gpt.py", *flags]
-        return self.run_on(k, argv, log, env)
+        return self.run_on(k, torchrun_command(nproc, ["pretrain_gpt.py", *flags], launch=launch, extra=extra),
+                           log, env)
 
     def kill(self, k: int) -> None:
         """SIGKILL of host k's whole process tree (its PID namespace's first process)."""

@@ -60,18 +60,38 @@ def with_padded_vocab(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def microbatches(cfg: TrainConfig, groups: ProcessGroups | None = None, *, dp_rank: int | None = None,
+                 dp: int | None = None, seed: int = 3, dataset=None) -> MicrobatchSource:
+    """This rank's microbatches of cfg's global batches (and its batch ramp, if any) from `dataset`
+    (default: ArithmeticTokens of cfg's vocabulary and sequence length, seeded by `seed`). The DP
+    position is the groups' (groups None: the one process's); `dp_rank` and `dp` override it (a
+    peer's rank that has no groups)."""
+    if dataset is None:
+        dataset = ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=seed)
+    if dp_rank is None:
+        dp_rank = groups.coords.dp if groups is not None else 0
+    if dp is None:
+        dp = groups.topology.dp if groups is not None else 1
+    return MicrobatchSource(dataset, cfg.global_batch_size, cfg.micro_batch_size, dp_rank, dp, ramp=cfg.rampup)
+
+
+def setup_training(cfg: TrainConfig, groups: ProcessGroups, *, seed: int = 3, dataset=None, **setup_options):
+    """The prologue of a hand-written training loop: cfg's vocabulary padded (in place, as the
+    launch pads it), the model and engine built by training.setup, and microbatches(...). Returns
+    (state, source)."""
+    cfg = with_padded_vocab(cfg)
+    state = setup(cfg, groups, **setup_options)
+    return state, microbatches(cfg, groups, seed=seed, dataset=dataset)
+
+
 def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None, dataset=None, eod=None) -> dict:
     """Trains cfg.train_iters steps; returns losses, grad norms and this rank's full parameters.
     `on_setup(state)` may look at the built model (register hooks) before the first step; `dataset`:
     the samples (default ArithmeticTokens); `eod`: the end-of-document id cfg.data's document flags
     look for."""
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups, eod=eod)
+    state, source = setup_training(cfg, groups, dataset=dataset, eod=eod)     # pads cfg's vocabulary
     if on_setup is not None:
         on_setup(state)
-    dataset = dataset or ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3)
-    source = MicrobatchSource(dataset, cfg.global_batch_size, cfg.micro_batch_size,
-                              groups.coords.dp, groups.topology.dp, ramp=cfg.rampup)
     losses, norms, in_flight, moe, deferred = [], [], [], [], []
     for it in range(cfg.train_iters):
         lr = step_learning_rate(cfg.optimizer, it + 1, cfg.train_iters, cfg.consumed_before(it))

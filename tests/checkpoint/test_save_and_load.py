@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from tests.layouts import assert_close, small_config, with_padded_vocab
+from tests.layouts import assert_close, microbatches, setup_training, small_config, with_padded_vocab
+from tests.metrics_reading import split_records
 from megazero.checkpoint import CheckpointError, CheckpointReader, CheckpointSaver, SaveError, load_checkpoint
 from megazero.models.param_info import param_info
 
@@ -18,21 +19,16 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
     """Trains up to cfg.train_iters steps (from a checkpoint when `load`; the lr schedule always
     spans train_iters), saving after step `save_at` and stopping after `stop_after`; returns
     {iteration: (loss, loss scale)} and whether the RNG states were restored."""
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     par = cfg.parallel
     groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp,
                                  tp=par.tensor_parallel, pp=par.pipeline_parallel, cp=par.context_parallel,
                                  ep=par.expert_parallel, mics_shard_size=cfg.zero.mics_shard_size))
     if groups is None:
         return None
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, dp)
+    state, source = setup_training(cfg, groups)
     start, rng = 0, None
     if load is not None:
         result = load_checkpoint(state, load)
@@ -261,17 +257,14 @@ def save_then_die(directory, point):
 
     import megazero.checkpoint.files as files
     import megazero.checkpoint.saver as saver_module
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.process_groups import ProcessGroups
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
 
-    cfg = with_padded_vocab(small_config(stage=1, steps=4))
-    state = setup(cfg, ProcessGroups.single())
-    source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    cfg = small_config(stage=1, steps=4)
+    state, source = setup_training(cfg, ProcessGroups.single())
     saver = CheckpointSaver(directory, "kill-run")
     train_step(state, source.batch(0), 1e-3)
     saver.save(state, cfg.global_batch_size)                    # iteration 1: complete
@@ -325,12 +318,10 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
     import errno
 
     import megazero.checkpoint.saver as saver_module
-    from megazero.data.synthetic import ArithmeticTokens
-    from megazero.data.sampler import MicrobatchSource
     from megazero.training import train_step
     state = _single_state(stage=2, steps=3)
     cfg = state.cfg
-    source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    source = microbatches(cfg)
     saver = CheckpointSaver(tmp_path, "disk-run")
     train_step(state, source.batch(0), 1e-3)
     saver.save(state, cfg.global_batch_size)
@@ -371,15 +362,13 @@ def test_a_new_run_has_one_run_id_and_run_folder_on_every_rank(dist_pool, tmp_pa
 def test_mock_data_saves_and_resumes_without_a_tokenizer(tmp_path, capsys):
     """--mock-data (no tokenizer named) with --save, then --load: the resumed run logs what the unbroken
     run logs, and the checkpoint keeps no tokenizer (there is none to keep)."""
-    import json
     from megazero.run import launch
     common = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
               "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0"]
 
     def losses(run_dir):
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-        return [(r["iteration"], r["loss"]) for r in map(json.loads, lines) if "loss" in r and r.get("split", "train") == "train"]
+        return [(r["iteration"], r["loss"]) for r in split_records(run_dir)]
 
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert launch.main(common + ["--run-dir", str(whole)]) == 0, capsys.readouterr().err

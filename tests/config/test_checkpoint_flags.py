@@ -1,6 +1,5 @@
 """pretrain_gpt.py's checkpoint flags: save and resume, --exit-interval, SIGTERM (Slurm preemption),
 --ckpt-keep-last, and the one-line refusals (before any process group) of bad --save/--load."""
-import json
 import signal
 import subprocess
 import sys
@@ -11,10 +10,12 @@ import pytest
 
 from tests.driver import REPO, TINY
 from tests.driver import run_main as _main
+from tests.launching import run_torchrun
+from tests.metrics_reading import metrics_records
 
 
 def _iterations(metrics: Path) -> list[int]:
-    return [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+    return [r["iteration"] for r in metrics_records(metrics)]
 
 
 def test_save_resume_exit_interval_and_keep_last(tmp_path, capsys, monkeypatch):
@@ -108,14 +109,9 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path):
 
 def test_torchrun_save_then_load_at_another_layout(tmp_path):
     """2 ranks (tp 2, ZeRO-3) save through the driver; one process (ZeRO-1) loads and goes on."""
-    import os
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    port = __import__("megazero.testing", fromlist=["free_port"]).free_port()
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(port), str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "2",
-                          "--lr-decay-iters", "4",        # the schedule of the 4-iteration run that resumes
-                          "--tensor-model-parallel-size", "2", "--zero-stage", "3", "--save", "ck"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+    two = run_torchrun(2, [str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "2",
+                           "--lr-decay-iters", "4",        # the schedule of the 4-iteration run that resumes
+                           "--tensor-model-parallel-size", "2", "--zero-stage", "3", "--save", "ck"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     one = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *TINY, "--train-iters", "4",
                           "--zero-stage", "1", "--load", "ck", "--save", "ck", "--metrics-file", "m.jsonl"],

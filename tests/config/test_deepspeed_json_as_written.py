@@ -14,6 +14,7 @@ from megazero.core.errors import UsageError
 
 from tests.driver import TINY as DRIVER_TINY
 from tests.driver import run_main as _main
+from tests.metrics_reading import metrics_records
 
 TINY = DRIVER_TINY + ["--micro-batch-size", "2"]
 
@@ -278,9 +279,6 @@ def test_monitors_map_onto_the_monitor_flags():
     assert off.values == {} and off.notes == []
 
 
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
 
 def test_a_trainer_style_config_runs_on_the_flags_schedule(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -288,7 +286,7 @@ def test_a_trainer_style_config_runs_on_the_flags_schedule(tmp_path, capsys, mon
     code, out = _main(TINY + ["--train-iters", "3", "--zero-config", path, "--lr", "1e-3", "--min-lr", "1e-4",
                               "--lr-warmup-iters", "1", "--metrics-file", "m.jsonl"], capsys)
     assert code == 0, out.err
-    lrs = [r["lr"] for r in _records(tmp_path / "m.jsonl")]
+    lrs = [r["lr"] for r in metrics_records(tmp_path / "m.jsonl")]
     # Megatron's schedule after 0, 1, 2 steps: warmup from 0 to --lr, then WarmupDecayLR's linear
     # decay, halfway to --min-lr after 2 of its 3 steps
     assert lrs == pytest.approx([0.0, 1e-3, 5.5e-4])
@@ -301,4 +299,4 @@ def test_an_activation_checkpointing_config_runs_with_recomputation(tmp_path, ca
     code, out = _main(TINY + ["--train-iters", "1", "--zero-config", path, "--metrics-file", "m.jsonl"], capsys)
     assert code == 0, out.err
     assert "partition_activations = true has no effect" in out.out + out.err
-    assert [r["iteration"] for r in _records(tmp_path / "m.jsonl")] == [1]
+    assert [r["iteration"] for r in metrics_records(tmp_path / "m.jsonl")] == [1]

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.metrics_reading import split_records
 from tests.layouts import (assemble_params, assert_close, assert_params_match, last_stage_result, layout_worker,
-                           run_training, small_config, strip_padding)
+                           microbatches, run_training, small_config, strip_padding)
 from megazero.run import launch
 from megazero.config.train_flags import config_from_args, parse_args
 from megazero.config.batch_ramp import BatchRamp
@@ -79,11 +80,6 @@ def recipe_argv(text: str, **values) -> list[str]:
     return argv
 
 
-def records(run_dir, split="train"):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("split", "train") == split and "loss" in r]
-
-
 @pytest.fixture(scope="module")
 def gpt2_data(tmp_path_factory):
     """GPT-2 BPE vocab.json / merges.txt trained here, and a .bin/.idx of text tokenized with them."""
@@ -113,7 +109,7 @@ def test_recipes_train_unedited_on_one_rank(tmp_path, gpt2_data, capsys):
     out = capsys.readouterr().out
     assert "note: --use-mcore-models has no effect" in out and "note: --ckpt-format torch_dist" in out
     assert "note: --tiktoken-pattern v2 has no effect" in out
-    train = records(tmp_path / "llama")
+    train = split_records(tmp_path / "llama")
     assert [r["iteration"] for r in train] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in train)
     assert all(r["decoupled_lr"] > r["lr"] for r in train[1:])
     assert (tmp_path / "llama" / "profile" / "rank0.pt.trace.json").is_file()
@@ -123,7 +119,7 @@ def test_recipes_train_unedited_on_one_rank(tmp_path, gpt2_data, capsys):
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.rampup == BatchRamp(start=2, increment=2, samples=8, global_batch=8)
     assert launch.main(gpt3) == 0, capsys.readouterr().err
     assert "--rampup-batch-size with --train-iters" in capsys.readouterr().out
-    train = records(tmp_path / "gpt3")
+    train = split_records(tmp_path / "gpt3")
     assert train[0]["iteration"] == 1 and math.isfinite(train[0]["loss"]) and train[0]["global_batch_size"] == 2
     assert (tmp_path / "gpt3" / "ckpt" / "latest").read_text().strip() == "iter_0000004"
 
@@ -151,7 +147,7 @@ def test_recipes_train_unedited_on_two_ranks(dist_pool, tmp_path, gpt2_data):
     pool = dist_pool(2)
     llama = recipe_argv(LLAMA3, tp=2, dir=tmp_path / "llama") + ["--run-dir", str(tmp_path / "llama")]
     pool.run(_train_recipe, llama, f"llama-{uuid.uuid4().hex}")
-    train = records(tmp_path / "llama")
+    train = split_records(tmp_path / "llama")
     assert [r["iteration"] for r in train] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in train)
     traces = sorted(p.name for p in (tmp_path / "llama" / "profile").iterdir())
     assert traces == ["rank0.pt.trace.json"]               # --profile-ranks defaults to rank 0
@@ -161,7 +157,7 @@ def test_recipes_train_unedited_on_two_ranks(dist_pool, tmp_path, gpt2_data):
 
     gpt3 = recipe_argv(GPT3, pp=2, dir=tmp_path / "gpt3", **gpt2_data) + ["--run-dir", str(tmp_path / "gpt3")]
     pool.run(_train_recipe, gpt3, f"gpt3-{uuid.uuid4().hex}")
-    assert math.isfinite(records(tmp_path / "gpt3")[0]["loss"])
+    assert math.isfinite(split_records(tmp_path / "gpt3")[0]["loss"])
     assert (tmp_path / "gpt3" / "ckpt" / "latest").read_text().strip() == "iter_0000004"
 
 
@@ -301,7 +297,7 @@ def test_resume_mid_ramp_is_exact(tmp_path, capsys):
     assert launch.main(stop) == 0, capsys.readouterr().err
     resume = common + ["--run-dir", str(part), "--load", str(part / "ckpt")]
     assert launch.main(resume) == 0, capsys.readouterr().err
-    expected, got = records(whole), records(part)
+    expected, got = split_records(whole), split_records(part)
     assert [r["global_batch_size"] for r in expected] == [2, 2, 4, 6, 8, 8, 8]
     assert [r["iteration"] for r in got] == [r["iteration"] for r in expected]
     for a, b in zip(got, expected):
@@ -360,9 +356,7 @@ def test_logged_norms_and_zeros_are_the_models(home, tmp_path):
     the step's gradients as plain autograd on the same model and batch gives them (the vocabulary's
     padding rows, never used, are among them). Also with stage 3's weights in swap files, two held
     in host memory at a time: the norm reads every unit's chunk through the home."""
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.models.gpt import GPT
-    from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     nvme = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2},
@@ -377,7 +371,7 @@ def test_logged_norms_and_zeros_are_the_models(home, tmp_path):
     # The engine's norms are fp32 norms of slices summed in float64 (zero/precision.py): ~1e-7 off.
     assert norm == pytest.approx(math.sqrt(sum(float(v.double().square().sum()) for v in initial.values())),
                                  rel=1e-6)
-    batch = MicrobatchSource(ArithmeticTokens(VOCAB, 16, seed=3), 4, 2, 0, 1).batch(0)
+    batch = microbatches(cfg).batch(0)
     zeros = train_step(state, batch, 1e-3).num_zeros_in_grad
     model = GPT(cfg.model)
     model.load_state_dict(initial, strict=False)

@@ -38,7 +38,7 @@ import weakref
 import pytest
 import torch
 
-from tests.layouts import run_training, small_config, with_padded_vocab
+from tests.layouts import run_training, setup_training, small_config, with_padded_vocab
 from megazero.core import comm, kernels, streams
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.parallel.topology import Topology
@@ -471,9 +471,7 @@ def checked_layout(ctx, name, world, topology, cfg, save_dir, found: list | None
     committed after step 2. With `found`, violations are collected there and training goes on (every
     rank ends the layout at the same collective), else the first one raises."""
     from megazero.checkpoint import CheckpointSaver
-    from megazero.data.synthetic import ArithmeticTokens
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     par = cfg.parallel
     if ctx is None:
         groups = ProcessGroups.single()
@@ -486,10 +484,7 @@ def checked_layout(ctx, name, world, topology, cfg, save_dir, found: list | None
     cfg = with_padded_vocab(cfg)
     losses = []
     with checking(collect=found is not None) as checker:
-        state = setup(cfg, groups)
-        source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                                  cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp,
-                                  groups.topology.dp)
+        state, source = setup_training(cfg, groups)
         saver = CheckpointSaver(save_dir, "grid", async_save=True) if save_dir else None
         for it in range(cfg.train_iters):
             losses.append(train_step(state, source.batch(it), 1e-3).loss)

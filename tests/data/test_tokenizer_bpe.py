@@ -15,6 +15,7 @@ from megazero.config.train_flags import config_from_args, parse_args
 from megazero.data.indexed_dataset import IndexedDataset
 from megazero.data.tokenizer import build_tokenizer
 from megazero.core.errors import UsageError
+from tests.metrics_reading import metrics_records
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -175,7 +176,7 @@ def test_megatron_gpt2_data_trains_as_it_is(gpt2_files, tmp_path, capsys):
             "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
             "--eval-iters", "0", "--log-interval", "1", "--run-dir", str(run_dir)]
     assert launch.main(argv) == 0, capsys.readouterr().err
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(run_dir / "metrics.jsonl")
     assert len([r for r in records if "loss" in r]) == 2
     assert config_from_args(parse_args(argv)).model.vocab_size == tok.vocab_size
 

@@ -4,15 +4,16 @@ Every test collected here gets the `gpu` marker; `@pytest.mark.gpu(n)` asks for 
 1). Where there are fewer, each test is skipped with the reason, which `-ra` prints: a CPU run
 reports these as skipped, never as passed. `trainer` runs pretrain_gpt.py as users launch it.
 """
-import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.launching import torchrun_command, worker_env
+from tests.metrics_reading import metrics_records
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -46,16 +47,12 @@ class Trainer:
         self.cwd = cwd
 
     def run(self, argv: list[str], run_dir: str, nproc: int = 1, timeout: int = 300) -> list[float]:
-        from megazero.testing import free_port
         script = [str(REPO / "pretrain_gpt.py"), *argv, "--run-dir", run_dir]
-        if nproc > 1:
-            script = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                      "--master-port", str(free_port()), *script]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, *script], cwd=self.cwd, capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        command = torchrun_command(nproc, script) if nproc > 1 else [sys.executable, *script]
+        proc = subprocess.run(command, cwd=self.cwd, capture_output=True, text=True, timeout=timeout,
+                              env=worker_env())
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        records = [json.loads(line) for line in (self.cwd / run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = metrics_records(self.cwd / run_dir / "metrics.jsonl")
         losses = [r["loss"] for r in records if r.get("split", "train") == "train"]
         assert losses and all(math.isfinite(x) for x in losses), losses
         return losses

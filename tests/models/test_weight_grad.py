@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.layouts import ProcessGroups, small_config, with_padded_vocab
+from tests.layouts import ProcessGroups, setup_training, small_config, with_padded_vocab
 from megazero.models.loss import linear_cross_entropy
 from megazero.models.weight_grad import add_bias, embedding, linear
 from megazero.zero.precision import take_grad
@@ -131,15 +131,12 @@ FUSED = ("qkv.", "proj.", "fc1.", "fc2.", "embedding.word.")    # linear layers 
 
 def _accumulated_grads(stage: int, micro: int, fusion: bool) -> dict[str, torch.Tensor]:
     """The engine's fp32 gradients of the fused parameters after one step's backward of 8 samples."""
-    from megazero.data.synthetic import ArithmeticTokens
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup
     from megazero.zero.state_access import safe_get_full_grad
     cfg = with_padded_vocab(small_config(bf16=True, stage=stage, micro=micro, global_batch=8, layers=2))
     cfg.precision.gradient_accumulation_fusion = fusion
-    state = setup(cfg, ProcessGroups.single())
+    state, source = setup_training(cfg, ProcessGroups.single())
     engine, model = state.engine, state.chunks[0]
-    batches = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), 8, micro, 0, 1).batch(0)
+    batches = source.batch(0)
     engine.begin_step()
     for k, tokens in enumerate(batches):
         loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean() / len(batches)

@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.layouts import small_config, with_padded_vocab
+from tests.layouts import setup_training, small_config, with_padded_vocab
 from megazero.models.config import GPTConfig
 from tests.references.reference_rules import plain_gpt
 
@@ -207,13 +207,11 @@ def live_tensor_bytes(root) -> int:
 def memory_worker(ctx, stage: int, bf16: bool) -> list:
     """Pool entry (2 ranks): 2 steps at ZeRO `stage`; at each step's peak of model states (gradients
     reduced, before the optimizer) the bytes alive under the engine and its memory report."""
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     groups = ctx.groups(Topology(world_size=2))
     cfg = with_padded_vocab(small_config(stage=stage, steps=2, layers=2, bf16=bf16))
-    state = setup(cfg, groups)
+    state, source = setup_training(cfg, groups)
     engine, measured = state.engine, []
     step = engine.step
 
@@ -223,8 +221,6 @@ def memory_worker(ctx, stage: int, bf16: bool) -> list:
         return step(lr)
 
     engine.step = measuring_step
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, 2)
     for i in range(2):
         train_step(state, source.batch(i), 1e-3)
     return measured

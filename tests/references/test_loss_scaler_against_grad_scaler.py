@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.layouts import small_config, with_padded_vocab
+from tests.layouts import setup_training, small_config, with_padded_vocab
 from megazero.models.gpt import GPT
 from tests.references.reference_rules import megatron_lr
 
@@ -113,11 +113,9 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     Kills: the loss scale never growing; every overflow halving (hysteresis ignored); a step
     applied despite an overflow; the lr schedule counting skipped steps; the warmup off by one;
     the decay over the wrong period."""
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.process_groups import ProcessGroups
     from megazero.training.lr_schedule import learning_rate
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train
+    from megazero.training import train
     steps, power, window = 14, 21, 2
     cfg = with_padded_vocab(small_config(steps=steps, layers=2, global_batch=8, clip=1.0, lr=1e-3))
     prec = cfg.precision
@@ -126,9 +124,7 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     # The oracle is the plain fp16 GPT's fp16 gradients (GradScaler's and DeepSpeed's view); with
     # gradient-accumulation fusion the weight gradients are fp32 sums, which overflow later.
     prec.gradient_accumulation_fusion = False
-    state = setup(cfg, ProcessGroups.single())
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    state, source = setup_training(cfg, ProcessGroups.single())
     spy = StepSnapshots(state)
     records = train(state, source, [], lambda n, _samples: learning_rate(cfg.optimizer, n, steps), policy=spy)
     skipped = [r["skipped"] for r in records]

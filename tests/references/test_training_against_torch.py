@@ -10,7 +10,6 @@ catch (planted by hand, one at a time; tests/README.md lists them all).
 from __future__ import annotations
 
 import contextlib
-import json
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from megazero.models.config import GPTConfig
 from tests.references.reference_rules import (adamw, assert_same_losses, assert_same_params, megatron_lr, plain_gpt,
                                               without_key_bias)
 from megazero.models.param_info import param_info
+from tests.metrics_reading import metrics_records
 
 
 # --- 1. pretrain_gpt.py, one process, fp32, against a plain torch loop --------------------------
@@ -113,7 +113,7 @@ def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monk
     monkeypatch.setattr(sampler.MicrobatchSource, "batch", recording)
     code, out = run_main(pretrain_argv(tmp_path, style), capsys)
     assert code == 0, out.err
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(tmp_path / "metrics.jsonl")
     seen = [seen_at[i] for i in sorted(seen_at)]
     assert sorted(seen_at) == list(range(STEPS)) and all(len(mbs) == GLOBAL // MICRO for mbs in seen)
 
@@ -168,10 +168,8 @@ def peer_lr(done: int) -> float:
 
 
 def peer_batches(cfg, dp_rank: int, dp: int) -> list[list[torch.Tensor]]:
-    from megazero.data.synthetic import ArithmeticTokens
-    from megazero.data.sampler import MicrobatchSource
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, dp_rank, dp)
+    from tests.layouts import microbatches
+    source = microbatches(cfg, dp_rank=dp_rank, dp=dp)
     return [source.batch(i) for i in range(PEER_STEPS)]
 
 

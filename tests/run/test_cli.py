@@ -2,7 +2,6 @@
 torchrun launches (tp 4; TP x PP x ZeRO-3; ZeRO-3 with every offload and ZeRO++ flag) follow the
 single-process loss curve."""
 import json
-import os
 import re
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from megazero.run import launch
+from tests.launching import run_torchrun
+from tests.metrics_reading import split_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -169,11 +170,6 @@ def test_overlap_help_says_the_default_the_engine_takes(capsys):
     assert all(config_from_args(parse_args(["--zero-stage", str(stage)])).zero.overlap for stage in range(4))
 
 
-def _losses(metrics: Path, split="train"):
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r for r in records if r.get("split", "train") == split]
-
-
 def test_default_run_learns(tmp_path):
     """`python pretrain_gpt.py` with every default but the length (the README's main job runs 200
     steps: ~4 minutes alone on 2 quiet cores, its validation loss 52% below the first loss at step 100):
@@ -185,22 +181,14 @@ def test_default_run_learns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "metrics appended to" in proc.stdout
     metrics = next(tmp_path.glob("runs/*/metrics.jsonl"))
-    first = _losses(metrics)[0]
+    first = split_records(metrics, with_loss=False)[0]
     assert first["iteration"] == 1 and {"loss", "lr", "grad_norm", "tokens_per_s"} <= first.keys()
-    final_valid = _losses(metrics, "valid")[-1]["loss"]
+    final_valid = split_records(metrics, "valid", with_loss=False)[-1]["loss"]
     assert final_valid <= 0.8 * first["loss"], (first["loss"], final_valid)
 
 
 def _torchrun(nproc: int, argv: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), str(REPO / "pretrain_gpt.py"), *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
-
-
-def _free_port():
-    from megazero.testing import free_port
-    return free_port()
+    return run_torchrun(nproc, [str(REPO / "pretrain_gpt.py"), *argv], cwd, env=env)
 
 
 # 4 steps of 4 samples: every launch below runs the same global batches as the one-process run
@@ -219,13 +207,14 @@ def one_process(tmp_path_factory):
     with contextlib.redirect_stdout(out):
         code = launch.main(SHORT + ["--run-dir", str(root / "r")])
     assert code == 0, out.getvalue()
-    return {split: [r["loss"] for r in _losses(root / "r" / "metrics.jsonl", split)] for split in ("train", "valid")}
+    return {split: [r["loss"] for r in split_records(root / "r", split, with_loss=False)]
+            for split in ("train", "valid")}
 
 
 def _assert_matches_one_process(run_dir: Path, one_process: dict, what: str) -> None:
     """Train and validation losses at 1e-5 relative, step by step."""
     for split in ("train", "valid"):
-        got = [r["loss"] for r in _losses(run_dir / "metrics.jsonl", split)]
+        got = [r["loss"] for r in split_records(run_dir / "metrics.jsonl", split, with_loss=False)]
         assert len(got) == len(one_process[split]) >= 1, (split, got)
         for step, (a, b) in enumerate(zip(got, one_process[split])):
             assert abs(a - b) <= 1e-5 * abs(b), f"{split} {step + 1}: {what} {a} vs 1 process {b}"
@@ -254,7 +243,7 @@ def test_torchrun_zero3_with_every_offload_and_zeropp_flag(tmp_path, one_process
     checked = [line for line in proc.stdout.splitlines() if line.startswith("stream check")]
     assert len(checked) == 1 and re.fullmatch(r"stream check \(NCCL as torch >= 2.8: .*\): [1-9]\d* side-stream "
                                               r"ops checked on 4 ranks, 0 violations", checked[0]), proc.stdout[-2000:]
-    losses = [r["loss"] for r in _losses(tmp_path / "r" / "metrics.jsonl")]
+    losses = [r["loss"] for r in split_records(tmp_path / "r" / "metrics.jsonl", with_loss=False)]
     assert len(losses) == len(one_process["train"]) == 4
     gaps = [abs(a - b) / abs(b) for a, b in zip(losses, one_process["train"])]
     print("qwZ + qgZ against the unquantized run, relative loss gaps:", gaps)

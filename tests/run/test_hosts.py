@@ -7,7 +7,6 @@ ends, no socket closes) is named on the other host within --distributed-timeout-
 naming the lost host and its ranks, the job ends, and the checkpoint saved before still loads; with
 --max-restarts 1 and c10d a worker killed on one host restarts both hosts, which resume exactly, and
 with --nnodes 1:2 a host lost for good leaves the other to resume alone, resharded."""
-import json
 import os
 import signal
 import time
@@ -17,6 +16,7 @@ import torch
 
 from megazero.checkpoint import CheckpointReader
 from tests.hosts import Hosts, wait_all, wait_said, workers
+from tests.metrics_reading import split_records
 
 TIMEOUT_MINUTES = 0.5                 # the heartbeat's is half: 15 s
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "2",
@@ -39,9 +39,7 @@ def hosts(made):
 
 
 def _losses(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)
-            if "loss" in r and r.get("split", "train") == "train"]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in split_records(run_dir)]
 
 
 def _errors(log) -> list[str]:

@@ -2,10 +2,10 @@
 down (2 layers, hidden 256, 2 experts, ep 2 on 2 ranks, 7 iterations), its flags unedited but for
 the tokenizer and data path (--mock-data and the default tokenizer in their place), under torchrun:
 it trains, logs the MoE lines, and its losses are finite."""
-import json
 import math
 
 from tests.run.test_cli import _torchrun
+from tests.metrics_reading import metrics_records
 
 MODEL = """--use-mcore-models --disable-bias-linear --seq-length 256 --max-position-embeddings 2048 --num-layers 2
 --hidden-size 256 --ffn-hidden-size 896 --num-attention-heads 2 --init-method-std 0.01 --attention-dropout 0.0
@@ -26,6 +26,6 @@ def test_megatron_mixtral_recipe_runs_under_torchrun(tmp_path):
     proc = _torchrun(2, argv, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     assert "expert load (max/mean tokens): layer 0" in proc.stdout
-    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(tmp_path / "r" / "metrics.jsonl")
     train = [r for r in records if r.get("split") == "train"]
     assert len(train) == 7 and all(math.isfinite(r["loss"]) and r["moe_aux_loss"] > 0 for r in train)

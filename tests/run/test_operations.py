@@ -12,90 +12,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from tests.driver import REPO, TINY
 from tests.driver import run_main as _main
+from tests.launching import Torchrun
+from tests.metrics_reading import loss_curve, metrics_records
 from megazero.checkpoint import CheckpointReader
+from tests.layouts import setup_training
 
 sys.path.insert(0, str(REPO))
 from tools import convert_checkpoint  # noqa: E402
 
 TORCHRUN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                   "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1"]
-
-
-# --- torchrun helpers -----------------------------------------------------------------------------
-
-class Torchrun:
-    """A 2-rank torchrun launch in its own session (so Ctrl-C can reach the whole group), each rank's
-    output in its own log file (--redirects 3), per restart attempt."""
-
-    def __init__(self, cwd: Path, argv: list[str], *launcher: str):
-        from megazero.testing import free_port
-        port = free_port()
-        self.cwd, self.logs = cwd, cwd / f"logs-{port}"          # one folder per launch
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(port), "--log-dir", str(self.logs), "--redirects", "3", *launcher,
-               str(REPO / "pretrain_gpt.py"), *argv]
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-
-    def rank_pid(self, rank: int) -> int:
-        """The worker process of `rank` (a child of torchrun whose environment says RANK=rank)."""
-        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            for child in Path(f"/proc/{self.proc.pid}/task/{task}/children").read_text().split():
-                try:
-                    environ = Path(f"/proc/{child}/environ").read_bytes()
-                except OSError:             # a worker that has just ended
-                    continue
-                if f"RANK={rank}".encode() in environ.split(b"\0"):
-                    return int(child)
-        raise AssertionError(f"no worker of rank {rank}")
-
-    def wait_for(self, what, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
-        while not what():
-            assert self.proc.poll() is None, self.proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "hang"
-            time.sleep(0.1)
-
-    def finish(self, timeout: float = 900) -> tuple[int, str]:
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise
-        return self.proc.returncode, err
-
-    def wait_until_blocked(self, rank: int, quiet: float = 1.0) -> None:
-        """Until `rank` has used no CPU for `quiet` seconds: blocked in a collective (a stopped peer
-        leaves it nothing else to wait for), not writing a shard or computing."""
-        def cpu_time():
-            fields = Path(f"/proc/{self.rank_pid(rank)}/stat").read_text().rsplit(")", 1)[1].split()
-            return int(fields[11]) + int(fields[12])          # utime + stime
-        last, since = cpu_time(), time.monotonic()
-        while time.monotonic() - since < quiet:
-            assert self.proc.poll() is None, "the launch ended"
-            time.sleep(0.1)
-            now = cpu_time()
-            if now != last:
-                last, since = now, time.monotonic()
-
-    def log(self, attempt: int, rank: int, stream: str = "stderr") -> str:
-        return next(self.logs.rglob(f"attempt_{attempt}/{rank}/{stream}.log")).read_text()
-
-
-def _records(metrics: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-
-
-def _curve(metrics: Path) -> dict[int, float]:
-    """Iteration -> loss, the last record of each iteration winning (a restarted attempt repeats some)."""
-    return {r["iteration"]: r["loss"] for r in _records(metrics) if "loss" in r and r.get("split") != "valid"}
 
 
 def _error_lines(text: str) -> list[str]:
@@ -120,7 +51,7 @@ def test_a_run_killed_once_restarts_to_the_straight_curve(tmp_path):
     killed = Torchrun(tmp_path, common + ["--save", "ck", "--load", "ck", "--save-interval", "2",
                                           "--metrics-file", "killed.jsonl", "--run-dir", "b"],
                       "--max-restarts", "1", "--monitor-interval", "5")
-    killed.wait_for(lambda: len(_records(tmp_path / "killed.jsonl")) >= 5)
+    killed.wait_for(lambda: len(metrics_records(tmp_path / "killed.jsonl", missing_ok=True)) >= 5)
     victim = killed.rank_pid(1)
     os.kill(victim, signal.SIGSTOP)
     killed.wait_until_blocked(0)           # rank 0 now waits for rank 1 in a collective
@@ -133,8 +64,8 @@ def test_a_run_killed_once_restarts_to_the_straight_curve(tmp_path):
     assert "Connection reset" not in first + err and "Traceback" not in first, first
     resumed = killed.log(1, 0, "stdout")
     assert "loaded weights and optimizer from ck/iter_" in resumed and "RNG states restored" in resumed, resumed
-    assert _curve(tmp_path / "killed.jsonl") == _curve(tmp_path / "straight.jsonl")
-    assert sorted(_curve(tmp_path / "straight.jsonl")) == list(range(1, 11))
+    assert loss_curve(tmp_path / "killed.jsonl") == loss_curve(tmp_path / "straight.jsonl")
+    assert sorted(loss_curve(tmp_path / "straight.jsonl")) == list(range(1, 11))
 
 
 def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
@@ -147,17 +78,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "3000", "--distributed-timeout-minutes", "0.2",
                                                "--heartbeat-timeout-minutes", "0", "--metrics-file", "m.jsonl",
                                                "--run-dir", "r"])
-    try:
-        run.wait_for(lambda: len(_records(tmp_path / "m.jsonl")) >= 3)
-        os.kill(run.rank_pid(1), signal.SIGSTOP)
-        stopped = time.monotonic()
-        run.wait_for(lambda: "error:" in run.log(0, 0), timeout=12 + 120)
-        waited = time.monotonic() - stopped
-        os.kill(run.rank_pid(1), signal.SIGKILL)
-        code, err = run.finish(timeout=300)
-    finally:
-        if run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGKILL)
+    waited, code, err = run.stop_rank_until_said(
+        1, lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3, timeout=12 + 120)
     line = next(x for x in run.log(0, 0).splitlines() if x.startswith("error:"))
     assert line.startswith("error: rank 0: no answer within --distributed-timeout-minutes 0.2 during "), line
     assert "(rank 1: its process is stopped" in line and "Traceback" not in run.log(0, 0), line
@@ -174,17 +96,8 @@ def test_a_stopped_rank_is_named_by_its_heartbeat_before_the_backend_times_out(t
     run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "3000", "--distributed-timeout-minutes", "10",
                                                "--heartbeat-timeout-minutes", "0.25", "--metrics-file", "m.jsonl",
                                                "--run-dir", "r"])
-    try:
-        run.wait_for(lambda: len(_records(tmp_path / "m.jsonl")) >= 3)
-        os.kill(run.rank_pid(1), signal.SIGSTOP)
-        stopped = time.monotonic()
-        run.wait_for(lambda: "error:" in run.log(0, 0), timeout=15 + 120)
-        waited = time.monotonic() - stopped
-        os.kill(run.rank_pid(1), signal.SIGKILL)
-        code, err = run.finish(timeout=300)
-    finally:
-        if run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGKILL)
+    waited, code, err = run.stop_rank_until_said(
+        1, lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3, timeout=15 + 120)
     line = next(x for x in run.log(0, 0).splitlines() if x.startswith("error:"))
     assert line.startswith("error: rank 0: rank 1 went silent (its process is stopped (SIGSTOP, or a debugger)): "
                            "no heartbeat for "), line
@@ -207,12 +120,12 @@ def test_ctrl_c_under_torchrun(tmp_path, handler):
     argv = TORCHRUN_FLAGS + ["--train-iters", "3000", "--save", "ck", "--save-interval", "2",
                              "--metrics-file", "m.jsonl", "--run-dir", "r"]
     run = Torchrun(tmp_path, argv + (["--exit-signal-handler"] if handler else []))
-    run.wait_for(lambda: len(_records(tmp_path / "m.jsonl")) >= 3)
+    run.wait_for(lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3)
     os.killpg(run.proc.pid, signal.SIGINT)
     run.finish(timeout=600)            # torchrun itself ends with its own SignalException report
     ranks = [run.log(0, rank) for rank in (0, 1)]
     assert not any("KeyboardInterrupt" in text or "Traceback" in text for text in ranks), ranks
-    last = max(_curve(tmp_path / "m.jsonl"))
+    last = max(loss_curve(tmp_path / "m.jsonl"))
     latest = (tmp_path / "ck" / "latest").read_text().strip()
     if handler:
         assert latest == f"iter_{last:07d}" and not any(_error_lines(text) for text in ranks), ranks
@@ -241,7 +154,7 @@ def test_a_full_disk_keeps_training_and_the_last_checkpoint(tmp_path):
                                                    "--run-dir", "r"])
         code, err = run.finish()
         assert code != 0, err[-3000:]
-        assert sorted(_curve(tmp_path / "m.jsonl")) == [1, 2, 3, 4, 5, 6], "training went on"
+        assert sorted(loss_curve(tmp_path / "m.jsonl")) == [1, 2, 3, 4, 5, 6], "training went on"
         warning = next(x for x in run.log(0, 0, "stdout").splitlines() if "warning:" in x)
         assert f"--save {disk / 'ck'}: no room for the checkpoint of iteration 4: it needs " in warning, warning
         assert "MiB are free there; nothing was written and latest still names iter_0000002" in warning
@@ -261,18 +174,14 @@ def test_a_full_disk_keeps_training_and_the_last_checkpoint(tmp_path):
 def failing_save_worker(ctx, directory, fail_rank, phase, code):
     """Two ranks save at iteration 1, then at iteration 2 rank `fail_rank` fails with errno `code`
     while writing its shard ("write") or rank 0 while committing ("commit"); returns the error."""
-    from tests.layouts import small_config, with_padded_vocab
+    from tests.layouts import small_config
     from megazero.checkpoint import CheckpointSaver, SaveError
     import megazero.checkpoint.saver as saver_module
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     groups = ctx.groups(Topology(world_size=2, tp=1))
-    cfg = with_padded_vocab(small_config(stage=2, steps=2))
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size,
-                              groups.coords.dp, 2)
+    cfg = small_config(stage=2, steps=2)
+    state, source = setup_training(cfg, groups)
     saver = CheckpointSaver(directory, "disk-run")
     train_step(state, source.batch(0), 1e-3)
     saver.save(state, cfg.global_batch_size)
@@ -326,7 +235,7 @@ def test_a_failed_save_keeps_training_unless_asked_to_stop(tmp_path, capsys, mon
     monkeypatch.setattr(saver_module, "free_bytes", room)
     argv = TINY + ["--train-iters", "6", "--save", "ck", "--save-interval", "2"]
     code, out = _main(argv + ["--metrics-file", "a.jsonl"], capsys)
-    assert code == 1 and sorted(_curve(tmp_path / "a.jsonl")) == [1, 2, 3, 4, 5, 6]
+    assert code == 1 and sorted(loss_curve(tmp_path / "a.jsonl")) == [1, 2, 3, 4, 5, 6]
     warnings = [x for x in out.out.splitlines() if "warning:" in x]
     assert len(warnings) == 1 and "no room for the checkpoint of iteration 4" in warnings[0], out.out
     # (progress lines, "building train indices ...", may come first when the indices are not cached)
@@ -335,7 +244,7 @@ def test_a_failed_save_keeps_training_unless_asked_to_stop(tmp_path, capsys, mon
                                                      "iteration 6"), out.err
     saves.clear()
     code, out = _main(argv + ["--save", "ck2", "--exit-on-save-failure", "--metrics-file", "b.jsonl"], capsys)
-    assert code == 1 and sorted(_curve(tmp_path / "b.jsonl")) == [1, 2, 3, 4], out.err
+    assert code == 1 and sorted(loss_curve(tmp_path / "b.jsonl")) == [1, 2, 3, 4], out.err
     assert out.err.startswith("error: --save ck2: no room for the checkpoint of iteration 4") and "warning" not in out.out
     assert (tmp_path / "ck2" / "latest").read_text().strip() == "iter_0000002"
 
@@ -361,7 +270,7 @@ def test_the_lr_schedule_on_resume_follows_megatron(tmp_path, capsys, monkeypatc
     for flag, iters in (("--use-checkpoint-opt_param-scheduler", 6), ("--override-opt_param-scheduler", 12)):
         code, out = _main(resume + [flag, "--metrics-file", f"m{iters}.jsonl", "--save", f"ck{iters}"], capsys)
         assert code == 0 and "lr schedule of the " in out.out, out.err
-        lrs[flag] = _records(tmp_path / f"m{iters}.jsonl")[0]["lr"]
+        lrs[flag] = metrics_records(tmp_path / f"m{iters}.jsonl")[0]["lr"]
         optimizer = config_from_args(parse_args(TINY + ["--train-iters", str(iters)])).optimizer
         assert lrs[flag] == pytest.approx(learning_rate(optimizer, 4, iters), rel=1e-12), (flag, lrs)
     assert lrs["--use-checkpoint-opt_param-scheduler"] != lrs["--override-opt_param-scheduler"]

@@ -14,6 +14,7 @@ import torch
 from megazero.models import gpt
 from megazero.zero.engine import ZeroEngine
 from tests.driver import REPO, TINY, run_main
+from tests.launching import torchrun_command, worker_env
 
 TOO_MUCH = 2 ** 50          # 1 PiB: no machine's allocator grants it, none refuses it for another reason
 
@@ -72,11 +73,9 @@ def test_every_rank_that_runs_out_says_so(tmp_path):
     """Two torchrun ranks, each beyond its limit in the same forward: one line from each rank that
     gets there (torchrun stops the other when the first one's process ends: on a busy machine the
     second may not reach its allocation first)."""
-    from megazero.testing import free_port
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), str(REPO / "pretrain_gpt.py")] + LONG + ["--global-batch-size", "16"]
+    argv = torchrun_command(2, [str(REPO / "pretrain_gpt.py")] + LONG + ["--global-batch-size", "16"])
     limit = 2 * 2 ** 30
-    done = subprocess.run(argv, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+    done = subprocess.run(argv, cwd=tmp_path, env=worker_env(), capture_output=True,
                           text=True, timeout=600, preexec_fn=_limited(limit))
     said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 1 and len(said) in (1, 2), done.stderr[-3000:]

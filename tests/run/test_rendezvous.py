@@ -2,7 +2,6 @@
 one job end in one line before torch loads (a process, within 5 s); a rank waiting for peers says
 whom it waits for, and a missing peer (or a store that never opens) ends the wait at
 --distributed-timeout-minutes, in-process and as a hand-started rank 0 whose rank 1 never comes."""
-import socket
 import subprocess
 import sys
 import threading
@@ -12,17 +11,12 @@ from pathlib import Path
 import pytest
 
 from megazero.run import rendezvous
+from megazero.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "1",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
          "--global-batch-size", "2", "--train-iters", "1", "--eval-iters", "0", "--num-workers", "0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**names) -> dict:
@@ -80,7 +74,7 @@ def test_a_waiting_rank_names_whom_it_waits_for_and_ends_at_the_timeout(monkeypa
     rank as missing fails on the lines.)"""
     monkeypatch.setattr(rendezvous, "WAITING_LINE_EVERY_S", 0.3)
     monkeypatch.setattr(rendezvous, "POLL_S", 0.05)
-    port, minutes = _free_port(), 0.04
+    port, minutes = free_port(), 0.04
     lines = {0: [], 2: []}
     ended = {}
 
@@ -110,7 +104,7 @@ def test_a_rank_whose_store_never_opens_says_so_and_ends_at_the_timeout(monkeypa
     monkeypatch.setattr(rendezvous, "WAITING_LINE_EVERY_S", 0.3)
     monkeypatch.setattr(rendezvous, "POLL_S", 0.05)
     lines = []
-    meeting = _waiting(2, 1, 0.02, False, _free_port(), lines)
+    meeting = _waiting(2, 1, 0.02, False, free_port(), lines)
     started = time.monotonic()
     with pytest.raises(rendezvous.NeverJoined) as never:
         meeting.open_store()
@@ -121,7 +115,7 @@ def test_a_rank_whose_store_never_opens_says_so_and_ends_at_the_timeout(monkeypa
 
 
 def test_every_rank_joins_and_the_attempts_are_numbered_by_joins():
-    port, world = _free_port(), 2
+    port, world = free_port(), 2
     stores = {}
 
     def rank(r):
@@ -142,7 +136,7 @@ def test_a_hand_started_rank_whose_peer_never_comes_ends_within_the_flags_timeou
     """pretrain_gpt.py as rank 0 of 2 started by hand, rank 1 never started, --distributed-timeout-minutes
     0.05: one line naming rank 1 once the 3 s have passed. (Planted: launch.py's former hard-coded 30
     minutes fails on the subprocess's timeout.)"""
-    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *MODEL,
                            "--distributed-timeout-minutes", "0.05"], cwd=tmp_path, env=env,

@@ -14,7 +14,9 @@ import time
 
 from tests.driver import TINY
 from tests.driver import run_main as _main
-from tests.run.test_operations import TORCHRUN_FLAGS, Torchrun
+from tests.launching import Torchrun
+from tests.metrics_reading import metrics_records
+from tests.run.test_operations import TORCHRUN_FLAGS
 from megazero.checkpoint import CheckpointReader
 from megazero.config.train_flags import config_from_args, parse_args
 
@@ -53,10 +55,6 @@ def _wait_until_unlocked(path):
                 time.sleep(0.1)
     finally:
         os.close(fd)                # lets the probe's lock go, the file (A's) stays
-
-
-def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_a_second_job_on_a_folder_refuses_in_one_line_and_changes_nothing(tmp_path, capsys, monkeypatch):
@@ -109,8 +107,8 @@ def test_a_second_job_on_a_folder_refuses_in_one_line_and_changes_nothing(tmp_pa
     assert code == 0, out.err
     assert " --save ck: removed what interrupted saves left there: " in out.out and ".tmp-0123-iter_0999999" in out.out
     assert not list((tmp_path / "ck").glob(".tmp-*")) and not (tmp_path / "ck" / ".lock").exists()
-    assert {r.get("run_id") for r in _records(tmp_path / "ra" / "metrics.jsonl")} == {run_a}
-    assert {r.get("run_id") for r in _records(tmp_path / "rc" / "metrics.jsonl")} == {run_a}
+    assert {r.get("run_id") for r in metrics_records(tmp_path / "ra" / "metrics.jsonl")} == {run_a}
+    assert {r.get("run_id") for r in metrics_records(tmp_path / "rc" / "metrics.jsonl")} == {run_a}
 
 
 def test_default_run_folders_differ_within_a_second():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megazero.run import launch
 from megazero.data.tokenizer import train_tokenizer
 from tests.data.tiny_data import write_dataset
+from tests.launching import run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -293,12 +294,9 @@ def test_mistake_in_a_real_process_ends_in_one_line(tmp_path):
 def _torchrun(tmp_path, argv, env=()):
     """A 2-rank torchrun launch; returns the launcher's process (with rank 0's stdout) and the ranks'
     stderr, one file each: [rank 0's, rank 1's]."""
-    from megazero.testing import free_port
     logs = tmp_path / "logs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "--log-dir", str(logs), "--redirects", "3", str(REPO / "pretrain_gpt.py"), *argv]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **dict(env)))
+    proc = run_torchrun(2, [str(REPO / "pretrain_gpt.py"), *argv], tmp_path, timeout=300, env=dict(env),
+                        log_dir=logs)
     ranks = [next(logs.rglob(f"attempt_0/{r}/stderr.log")).read_text() for r in range(2)]
     proc.stdout = next(logs.rglob("attempt_0/0/stdout.log")).read_text()
     return proc, ranks

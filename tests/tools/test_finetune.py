@@ -22,8 +22,6 @@ across a row): the torchrun losses differ at step 1; the forward without use_cac
 makes a cache, and transformers reads no packed records from the position ids): the same.
 """
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +29,8 @@ import pytest
 import torch
 
 from tests.driver import REPO
+from tests.launching import run_torchrun
+from tests.metrics_reading import metrics_records
 from megazero.core.errors import UsageError
 
 sys.path.insert(0, str(REPO))
@@ -199,16 +199,13 @@ def test_two_ranks_under_torchrun_pack_and_export(job, tmp_path):
             "--deepspeed_config", str(ds_config(tmp_path / "ds3.json", 1, 2, 3)), "--seed", str(SEED),
             "--run-dir", str(tmp_path / "run"), "--save", str(tmp_path / "ck"), "--save-interval", "2",
             "--ckpt-keep-last", "1", "--export-hf", str(tmp_path / "hf")]
-    from megazero.testing import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(REPO / "tests" / "tools" / "finetune_torchrun.py"), str(tmp_path), *argv]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_torchrun(2, [str(REPO / "tests" / "tools" / "finetune_torchrun.py"), str(tmp_path), *argv], tmp_path,
+                        timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     example = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(example) == 4 and example[-1] < 0.9 * example[0], proc.stdout
     assert " iteration      4/4 | loss " in proc.stdout, proc.stdout
-    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_records(tmp_path / "run")
     assert [r["iteration"] for r in logged] == [1, 2, 3, 4] and all(r["split"] == "train" for r in logged)
     ref_losses, _ = reference_losses(folder, recs, 4, 1, 2, 2, pack=True)
     assert_close([r["loss"] for r in logged], ref_losses, "2 ranks, packed")

@@ -19,6 +19,7 @@ from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
 from megazero.models.generation import KVCache, forward_cached, sampling_logits
 from megazero.models.gpt import GPT
+from tests.layouts import setup_training
 
 sys.path.insert(0, str(REPO))
 from tools import convert_checkpoint, generate, preprocess_data  # noqa: E402
@@ -129,17 +130,13 @@ def test_greedy_ids_equal_transformers_and_the_folder_works_alone(runs, capsys, 
 
 def layout_checkpoint_worker(ctx, directory):
     """Trains 2 steps at tp 2 x pp 2 (tied embedding across the stages) and saves."""
-    from tests.layouts import small_config, with_padded_vocab
+    from tests.layouts import small_config
     from megazero.checkpoint import CheckpointSaver
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     groups = ctx.groups(Topology(world_size=4, tp=2, pp=2))
-    cfg = with_padded_vocab(small_config(tp=2, pp=2, stage=1, steps=2, layers=2))
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(61, 16, seed=3), cfg.global_batch_size, cfg.micro_batch_size,
-                              groups.coords.dp, 1)
+    cfg = small_config(tp=2, pp=2, stage=1, steps=2, layers=2)
+    state, source = setup_training(cfg, groups)
     for it in range(2):
         train_step(state, source.batch(it), 1e-2)
     CheckpointSaver(directory, "layout-run").save(state, 2 * cfg.global_batch_size)

@@ -10,13 +10,11 @@ from tests.driver import TINY
 from tests.driver import run_main as _main
 from megazero.checkpoint import CheckpointReader
 from megazero.training.divergence import EXIT_DIVERGED, DivergenceWatch
+from tests.metrics_reading import metrics_records
 
 DIVERGING = TINY + ["--train-iters", "12", "--lr", "1e6", "--save", "ck", "--save-interval", "1",
                     "--ckpt-keep-last", "1"]
 
-
-def _records(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _checkpoints(folder):
@@ -44,7 +42,7 @@ def test_lr_1e6_stops_in_one_line_and_keeps_the_last_healthy_checkpoint(tmp_path
     assert err.startswith(f"error: iteration {last}: {why}"), out.err
     assert ("latest names ck/iter_0000001 again, the last checkpoint a finite loss followed (iter_0000002 was "
             "saved as the run diverged; resume with --load ck); lower --lr (now 1e+06)") in out.err, out.err
-    assert [r["iteration"] for r in _records(tmp_path / "m.jsonl")] == list(range(1, last + 1))
+    assert [r["iteration"] for r in metrics_records(tmp_path / "m.jsonl")] == list(range(1, last + 1))
     assert _checkpoints(tmp_path / "ck") == {"iter_0000001": True, "iter_0000002": True}
     assert CheckpointReader(tmp_path / "ck").metadata["iteration"] == 1
     if check == "off":

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from megazero.training.flops import forward_flops_per_token, layer_flops_per_token, recompute_flops, step_flops
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
+from tests.metrics_reading import metrics_records
 
 
 @pytest.mark.parametrize("activation,groups", [("gelu", 4), ("swiglu", 2)])
@@ -62,12 +63,8 @@ def test_wider_heads_and_groups_count_as_written_by_hand():
 def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monkeypatch):
     """With a known peak, each record's mfu is model FLOPs / time / peak and hfu counts the recomputed
     FLOPs too (full, block, 1 layer: one of the two layers reruns), in the log line and metrics.jsonl."""
-    import json
-
-    from tests.layouts import small_config, with_padded_vocab
+    from tests.layouts import setup_training, small_config, with_padded_vocab
     from megazero import training
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.metrics import MetricsLogger
     from megazero.parallel.process_groups import ProcessGroups
     from megazero.training import loop
@@ -75,9 +72,7 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
     cfg = with_padded_vocab(small_config(steps=2, layers=2, model_extra={
         "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}))
     cfg.log_interval = 1
-    state = training.setup(cfg, ProcessGroups.single())
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                                       cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    state, source = setup_training(cfg, ProcessGroups.single())
     metrics = MetricsLogger(str(tmp_path / "metrics.jsonl"), total_iters=2)
     history = training.train(state, source, None, lambda it, _samples: 1e-3, metrics)
     tokens = cfg.global_batch_size * cfg.model.seq_length
@@ -87,7 +82,7 @@ def test_log_reports_mfu_from_model_flops_and_hfu_with_recompute(tmp_path, monke
         elapsed = record["ms_per_iter"] / 1000
         assert record["mfu"] == pytest.approx(model / elapsed / 1e12 / 1e-3, rel=1e-9)
         assert record["hfu"] == pytest.approx((model + extra) / elapsed / 1e12 / 1e-3, rel=1e-9)
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = metrics_records(tmp_path / "metrics.jsonl")
     assert all({"mfu", "hfu"} <= set(r) for r in logged)
 
 

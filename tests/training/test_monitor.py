@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megazero.run import launch
+from tests.metrics_reading import metrics_records
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--log-interval", "1"]
@@ -45,7 +46,7 @@ def monitored_run(tmp_path_factory):
                 TINY + ["--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1", "--run-dir", "run",
                         "--wandb-project", "mz-test", "--wandb-exp-name", "tiny", "--tensorboard-dir", "tb"])
     assert code == 0, out.getvalue()
-    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = metrics_records(root / "run" / "metrics.jsonl")
     return root, records, out.getvalue()
 
 

@@ -8,7 +8,6 @@ Planted: comparing each rank's compute with the median of the comm waits (the wr
 the hand-written cases, the TP case and the unslowed run (a rank named); leaving the watch out of
 the forward's timers names nobody in the slowed runs."""
 import io
-import json
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from megazero.config.flags import parse_args
 from megazero.config.train_flags import config_from_args
 from megazero.core.errors import UsageError
 from megazero.training.stragglers import describe, find_stragglers
+from tests.metrics_reading import metrics_records
 
 SLEEP_S = 0.4           # per forward, on the slowed rank: 0.05 s was hidden once at load 22 (work ~80 ms)
 STEPS, INTERVAL = 10, 5
@@ -45,15 +45,13 @@ def test_the_slowest_rank_over_the_median_is_named():
 
 def _train(ctx, tp: int, pp: int, slow_rank: int | None):
     from megazero import training
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.metrics import MetricsLogger
     from megazero.parallel.topology import Topology
-    from tests.layouts import small_config, with_padded_vocab
+    from tests.layouts import setup_training, small_config, with_padded_vocab
     cfg = with_padded_vocab(small_config(tp=tp, pp=pp, steps=STEPS, global_batch=4, micro=2, layers=2))
     cfg.log_interval, cfg.run.straggler_threshold = INTERVAL, 0.5
     groups = ctx.groups(Topology(world_size=2, tp=tp, pp=pp))
-    state = training.setup(cfg, groups)
+    state, source = setup_training(cfg, groups)
     if groups.rank == slow_rank:
         for chunk in state.chunks:
             forward = chunk.forward
@@ -62,16 +60,13 @@ def _train(ctx, tp: int, pp: int, slow_rank: int | None):
                 time.sleep(SLEEP_S)
                 return _forward(*args, **kwargs)
             chunk.forward = slowed
-    dp = groups.topology.dp
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, dp)
     out = io.StringIO()
     path = ctx.tmp / f"metrics-{tp}-{pp}-{slow_rank}.jsonl"
     metrics = MetricsLogger(str(path), enabled=groups.rank == 0, stream=out, total_iters=STEPS)
     training.train(state, source, None, lambda it, _samples: 1e-3, metrics)
     if groups.rank != 0:
         return None
-    return out.getvalue(), [json.loads(line) for line in path.read_text().splitlines()]
+    return out.getvalue(), metrics_records(path)
 
 
 @pytest.mark.parametrize("tp,pp,slow_rank", [(1, 1, 1), (2, 1, 0), (1, 2, 1)])

@@ -13,24 +13,15 @@ step's loss reduction (megazero.training._global_loss) instead of two reductions
 """
 import torch
 
-from tests.layouts import small_config, with_padded_vocab
+from tests.layouts import setup_training, small_config, with_padded_vocab
 from megazero.checkpoint.policy import SavePolicy
 from megazero.checkpoint.saver import agree_on_failure
 from megazero.core import comm
-from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.topology import Topology
-from megazero.data.sampler import MicrobatchSource
-from megazero.training import setup, train, train_step
+from megazero.training import train, train_step
 
 LAYOUTS = [("tp 2 x pp 2", dict(tp=2, pp=2)), ("dp 2 x pp 2", dict(pp=2))]
 STEPS = 3
-
-
-def _state(groups, cfg):
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)
-    return state, source
 
 
 class Counts:
@@ -64,8 +55,8 @@ class Counts:
 def stop_worker(ctx, topology):
     groups = ctx.groups(Topology(world_size=4, **topology))
     cfg = with_padded_vocab(small_config(steps=STEPS, global_batch=8, **topology))
-    plain_state, plain_source = _state(groups, cfg)
-    state, source = _state(groups, cfg)
+    plain_state, plain_source = setup_training(cfg, groups)
+    state, source = setup_training(cfg, groups)
     policy = SavePolicy(exit_duration_mins=30.0)
     steps = []
     for it in range(STEPS):
@@ -83,7 +74,7 @@ def stop_worker(ctx, topology):
                           extra_collectives=flagged.collectives - plain.collectives,
                           extra_syncs=flagged.syncs - plain.syncs))
     # train() itself: one rank signalled before the first step; every rank stops after it.
-    state, source = _state(groups, cfg)
+    state, source = setup_training(cfg, groups)
     signalled = SavePolicy(exit_duration_mins=30.0)
     signalled.signalled = ctx.rank == 2
     history = train(state, source, None, lambda it, _samples: 1e-3, policy=signalled)

@@ -3,11 +3,9 @@ against 2Psi / 3Psi, and the inspection APIs (set, then get) for every stage."""
 import pytest
 import torch
 
-from tests.layouts import small_config, with_padded_vocab
-from megazero.data.synthetic import ArithmeticTokens
+from tests.layouts import setup_training, small_config, with_padded_vocab
 from megazero.parallel.topology import Topology
-from megazero.data.sampler import MicrobatchSource
-from megazero.training import setup, train_step
+from megazero.training import train_step
 from megazero.zero import state_access as zi
 from megazero.models.param_info import param_info
 
@@ -46,12 +44,10 @@ def accounting_worker(ctx, stage, bf16, grads="fp32"):
     dp = 4
     groups = ctx.groups(Topology(world_size=dp))
     cfg = _config(stage, dp, bf16, grads)
-    state = setup(cfg, groups)
+    state, source = setup_training(cfg, groups, seed=0)
     psi = sum(param_info(p).zero_full_shape.numel() if param_info(p).zero_full_shape is not None else p.numel()
               for p in state.engine.parameters())
     report = state.engine.memory.report()
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.global_batch_size,
-                              cfg.micro_batch_size, groups.coords.dp, dp)
     train_step(state, source.batch(0), 1e-3)
     zero_bytes = sum(b for (op, group, _), b in groups.log.last_step.items() if group in ZERO_GROUPS)
     return psi, report, zero_bytes
@@ -84,11 +80,9 @@ def test_comm_bytes_per_step(dist_pool, grads, grad_bytes):
 def inspection_worker(ctx, stage):
     groups = ctx.groups(Topology(world_size=4, tp=2))
     cfg = with_padded_vocab(small_config(stage=stage, tp=2, global_batch=4))
-    state = setup(cfg, groups)
+    state, source = setup_training(cfg, groups, seed=0)
     engine, chunk = state.engine, state.chunks[0]
     gen = torch.Generator().manual_seed(5)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length), 4, 2,
-                              groups.coords.dp, 2)
     engine.begin_step()
     tokens = source.batch(0)[0]
     engine.backward(chunk(tokens[:, :-1], tokens[:, 1:]).sum())

@@ -2,7 +2,7 @@
 optimizer states untouched) and lowers the scale; clean steps train and track the fp32 curve."""
 import torch
 
-from tests.layouts import run_training, small_config
+from tests.layouts import run_training, setup_training, small_config
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.zero.loss_scaler import LossScaler
 from megazero.zero.config import PrecisionConfig
@@ -32,18 +32,12 @@ def test_fp16_overflow_skips_and_lowers_the_scale(dist_pool):
 
 
 def fp16_worker(ctx, cfg):
-    from tests.layouts import with_padded_vocab
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     groups = ctx.groups(Topology(world_size=2))
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, 2)
+    state, source = setup_training(cfg, groups)
     probe = next(state.chunks[0].parameters())
     skipped, scales, unchanged, losses = [], [], [], []
     for it in range(cfg.train_iters):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.layouts import assemble_params, assert_close, assert_params_match, small_config, with_padded_vocab
+from tests.layouts import assemble_params, assert_close, assert_params_match, setup_training, small_config
 from megazero.models.param_info import param_info
 
 STEPS = 4
@@ -22,11 +22,9 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
     this rank damages its own swap file before that step and returns the error met. `save` =
     (directory, step) saves a checkpoint after that step; `load` resumes from a directory."""
     from megazero.checkpoint import CheckpointSaver, load_checkpoint
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     from megazero.zero.swap import SwapFileError
     par = cfg.parallel
@@ -34,11 +32,8 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
                                  tp=par.tensor_parallel, pp=par.pipeline_parallel))
     if groups is None:
         return None
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
+    state, source = setup_training(cfg, groups)
     engine = state.engine
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, dp)
     start = load_checkpoint(state, load).iteration if load else 0
     out = {"coords": tuple(groups.coords), "curve": {}}
     for it in range(start, cfg.train_iters):

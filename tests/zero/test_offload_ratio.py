@@ -10,7 +10,8 @@ fails the bytes.
 """
 import pytest
 
-from tests.layouts import assert_close, assert_params_match, assemble_params, small_config, with_padded_vocab
+from tests.layouts import (assemble_params, assert_close, assert_params_match, setup_training, small_config,
+                           with_padded_vocab)
 
 STEPS = 4
 
@@ -18,19 +19,14 @@ STEPS = 4
 def train(ctx, cfg, dp):
     """Trains cfg on the first dp ranks: (loss curve, full parameters, memory report, the unit
     store's partition size, where the states are)."""
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     groups = ctx.groups(Topology(world_size=dp))
     if groups is None:
         return None
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, dp)
+    state, source = setup_training(cfg, groups)
     curve = [train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, STEPS)).loss
              for it in range(STEPS)]
     params = {n: (safe_get_full_fp32_param(p), None) for n, p in state.chunks[0].named_parameters()}

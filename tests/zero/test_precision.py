@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from tests.layouts import last_stage_result, layout_worker, run_training, small_config, with_padded_vocab
+from tests.layouts import (last_stage_result, layout_worker, run_training, setup_training, small_config,
+                           with_padded_vocab)
 from megazero.parallel.process_groups import ProcessGroups
 
 STEPS = 6
@@ -95,18 +96,12 @@ def test_gradients_accumulate_in_fp32(monkeypatch):
 def nonfinite_worker(ctx, cfg, tp, pp, inject_rank, inject_step, value):
     """Trains cfg; on `inject_step` rank `inject_rank` poisons one replicated norm weight's
     gradient with `value`. Returns per step: skipped, loss scale, weights unchanged, loss."""
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
-    dp = ctx.world_size // (tp * pp)
     groups = ctx.groups(Topology(world_size=ctx.world_size, tp=tp, pp=pp))
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, dp)
+    state, source = setup_training(cfg, groups)
     # A TP-replicated norm weight: on TP rank 1 it does not count in the norm, the hard case.
     target = next(p for n, p in state.chunks[0].named_parameters() if "norm" in n)
     probe = next(state.chunks[0].parameters())

@@ -20,6 +20,7 @@ from megazero.core import comm
 from megazero.zero.config import ZeroConfig
 from megazero.zero.quantized_comm import (QGZ_BLOCK, QWZ_BLOCK, quantized_all_gather, quantized_reduce_scatter,
                                           stage3_inter_node_bytes)
+from tests.layouts import setup_training
 
 SLACK_ULPS = 8
 
@@ -177,8 +178,7 @@ def corpus_worker(ctx, prefix: str, index_dir: str, runs: list):
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     groups = ctx.groups(Topology(world_size=4, ranks_per_node=2))
     if groups is None:
         return None
@@ -188,8 +188,7 @@ def corpus_worker(ctx, prefix: str, index_dir: str, runs: list):
         train, _, _ = build_train_valid_test_datasets([prefix], "1,0,0", cfg.model.seq_length, cfg.seed,
                                                       (steps * cfg.global_batch_size, 0, 0), index_dir,
                                                       progress=False)
-        state = setup(cfg, groups)
-        source = MicrobatchSource(train, cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, 4)
+        state, source = setup_training(cfg, groups, dataset=train)
         curve = [train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, steps)).loss
                  for it in range(steps)]
         by_op = {}
@@ -263,18 +262,14 @@ def nodes_config(keys: dict):
 
 def nodes_worker(ctx, rows: list):
     """Each row's inter-node bytes of its second step, and this rank's partition elements."""
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.parallel.topology import Topology
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     out = []
     for keys in rows:
         cfg = nodes_config(keys)
         groups = ctx.groups(Topology(world_size=8, ranks_per_node=4,
                                      hpz_partition_size=cfg.zero.zero_hpz_partition_size))
-        state = setup(cfg, groups)
-        source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                                  cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, 8)
+        state, source = setup_training(cfg, groups)
         losses = [train_step(state, source.batch(it), 1e-3).loss for it in range(cfg.train_iters)]
         inter = sum(b for (_, _, loc), b in groups.log.last_step.items() if loc == "inter")
         out.append((inter, state.engine.unit_storage.partition_size, losses))

@@ -15,7 +15,7 @@ writing the moments as fp32 (the checkpoint test's dtype check fails).
 """
 import torch
 
-from tests.layouts import assemble_params, assert_close, assert_params_match, small_config, with_padded_vocab
+from tests.layouts import assemble_params, assert_close, assert_params_match, setup_training, small_config
 from megazero.models.param_info import param_info
 
 STEPS, LAYERS = 4, 2
@@ -33,27 +33,22 @@ def states_run(ctx, cfg, dp, save=None, load=None):
     as loaded beside the checkpoint's own."""
     from megazero.checkpoint import CheckpointReader, CheckpointSaver, load_checkpoint
     from megazero.checkpoint.saver import canonical_name
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.data.synthetic import ArithmeticTokens
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
     par = cfg.parallel
     groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.pipeline_parallel * dp,
                                  tp=par.tensor_parallel, pp=par.pipeline_parallel))
     if groups is None:
         return None
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
+    state, source = setup_training(cfg, groups)
     engine, start, loaded = state.engine, 0, None
     if load is not None:
         start, reader = load_checkpoint(state, load).iteration, CheckpointReader(load)
         loaded = {(name := canonical_name(p, engine), key): (safe_get_full_optimizer_state(p, key),
                                                              reader.full_tensor(name, key))
                   for chunk in state.chunks for p in chunk.parameters() for key in ("exp_avg", "exp_avg_sq")}
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, dp)
     curve = {}
     for it in range(start, cfg.train_iters):
         curve[it + 1] = train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, cfg.train_iters)).loss

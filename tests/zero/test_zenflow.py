@@ -26,7 +26,8 @@ report is checked.
 """
 import torch
 
-from tests.layouts import assemble_params, assert_close, assert_params_match, small_config, with_padded_vocab
+from tests.layouts import (assemble_params, assert_close, assert_params_match, microbatches, small_config,
+                           with_padded_vocab)
 from megazero.checkpoint.reader import CheckpointReader
 from tests.zero.test_offload import many
 
@@ -254,8 +255,6 @@ class DeepSpeedZenFlow:
 
 def deepspeed_zenflow_run(cfg, flow: dict) -> dict:
     """The GPT of `cfg` trained by DeepSpeedZenFlow on the batches the engine's runs see."""
-    from megazero.data.synthetic import ArithmeticTokens
-    from megazero.data.sampler import MicrobatchSource
     from tests.references.reference_rules import megatron_lr, plain_gpt
     cfg = with_padded_vocab(cfg)
     model, opt, adam = plain_gpt(cfg.model, cfg.seed), cfg.optimizer, cfg.optimizer.adam
@@ -263,8 +262,7 @@ def deepspeed_zenflow_run(cfg, flow: dict) -> dict:
                            overlap=flow["overlap_step"], select_every=flow["select_interval"],
                            weight_decay=adam.weight_decay, betas=(adam.beta1, adam.beta2), eps=adam.eps,
                            auto_ratio=flow.get("auto_ratio", 0.99))
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
+    source = microbatches(cfg)
     curve = {}
     for done in range(cfg.train_iters):
         loss_sum = 0.0

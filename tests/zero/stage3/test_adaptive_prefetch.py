@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from tests.layouts import small_config
+from tests.layouts import setup_training, small_config
 from megazero.core import comm
 from megazero.parallel.topology import Topology
 from megazero.zero.config import ZeroConfig
@@ -102,17 +102,11 @@ def test_the_shard_group_agrees_on_the_largest_wait(dist_pool):
 
 def budget_worker(ctx, configs):
     """Trains each config on 2 ranks: losses, grad norms, and the adaptive budget and ratios."""
-    from tests.layouts import with_padded_vocab
-    from megazero.data.synthetic import ArithmeticTokens
-    from megazero.data.sampler import MicrobatchSource
-    from megazero.training import setup, train_step
+    from megazero.training import train_step
     groups = ctx.groups(Topology(world_size=2))
     out = []
     for cfg in configs:
-        cfg = with_padded_vocab(cfg)
-        state = setup(cfg, groups)
-        source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                                  cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, 2)
+        state, source = setup_training(cfg, groups)
         steps = [train_step(state, source.batch(it), 1e-3) for it in range(cfg.train_iters)]
         adaptive = state.engine.gather.adaptive
         out.append({"losses": [s.loss for s in steps], "norms": [s.grad_norm for s in steps],

@@ -8,12 +8,10 @@ units, in fewer, larger all-gathers.
 """
 import pytest
 
-from tests.layouts import (assert_matches_reference, layout_worker, reference_fixture, small_config,
+from tests.layouts import (assert_matches_reference, layout_worker, reference_fixture, setup_training, small_config,
                            with_padded_vocab)
-from megazero.data.synthetic import ArithmeticTokens
 from megazero.parallel.process_groups import ProcessGroups
-from megazero.data.sampler import MicrobatchSource
-from megazero.training import setup, train_step
+from megazero.training import train_step
 from megazero.zero.stage3.units import ParamStatus
 from megazero.models.param_info import param_info
 
@@ -93,8 +91,7 @@ def test_a_layer_unit_is_gathered_before_the_layer_and_released_after_it():
     unit, and with no reuse the unit is gone as soon as the layer's forward returns."""
     cfg = with_padded_vocab(small_config(stage=3, steps=1, global_batch=4,
                                          zero_extra={**LAYER, "max_reuse_distance": 0}))
-    groups = ProcessGroups.single()
-    state = setup(cfg, groups)
+    state, source = setup_training(cfg, ProcessGroups.single())
     gather = state.engine.gather
     hooked = {gather.module_name(m) for m in gather.module_units}
     assert hooked == {"embedding.word", "embedding.position", "output_head", *(f"layers.{i}" for i in range(4))}, hooked
@@ -105,8 +102,6 @@ def test_a_layer_unit_is_gathered_before_the_layer_and_released_after_it():
     for sub in (layer.input_norm, layer.attention.qkv, layer.mlp.fc2):
         sub.register_forward_pre_hook(lambda m, args: statuses.append(unit.status))
     layer.register_forward_hook(lambda m, args, out: statuses.append(unit.status))
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, 0, 1)
     train_step(state, source.batch(0), 1e-3)
     during, after = ParamStatus.AVAILABLE, ParamStatus.NOT_AVAILABLE
     assert statuses == [during, during, during, after] * source.num_microbatches, statuses

@@ -8,14 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.layouts import (assert_matches_reference, last_stage_result, reference_fixture, run_layouts, small_config,
-                           with_padded_vocab)
-from megazero.data.synthetic import ArithmeticTokens
+from tests.layouts import (assert_matches_reference, last_stage_result, reference_fixture, run_layouts, setup_training,
+                           small_config)
 from megazero.training.lr_schedule import learning_rate
 from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
-from megazero.data.sampler import MicrobatchSource
-from megazero.training import setup, train_step
+from megazero.training import train_step
 from megazero.zero.config import OffloadParamConfig
 from megazero.zero.stage3.param_offload import GatherOrder, NvmeParams, SwapFileError
 
@@ -78,10 +76,7 @@ def truncated_swap_file(ctx, cfg):
     groups = ctx.groups(Topology(world_size=2))
     if groups is None:
         return None
-    cfg = with_padded_vocab(cfg)
-    state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)
+    state, source = setup_training(cfg, groups)
     train_step(state, source.batch(0), learning_rate(cfg.optimizer, 1, cfg.train_iters))
     store = state.engine.unit_storage
     victim = store.home.path(len(store.units) - 1)
