@@ -51,3 +51,36 @@ def test_transformers_models_match_a_plain_torch_loop(dist_pool, references, kin
         result = pool.run(train_with_megazero, kind, dp, ds_config(stage, **extra))[0]
         assert result["steps"] == 10
         assert_matches(result, references(kind, dp), f"{kind} dp {dp} stage {stage} {extra}")
+
+
+
+LAYER_FORWARDS = [0]     # forward calls of the first decoder layer's MLP in this pool worker
+
+
+def checkpointed_llama():
+    """The tiny Llama with transformers' own activation checkpointing on (each decoder layer's
+    forward rerun in its backward, under ZeRO-3 a second gather of its parameters)."""
+    from tests.api.hf_runs import tiny_model
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    LAYER_FORWARDS[0] = 0
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: LAYER_FORWARDS.__setitem__(0, LAYER_FORWARDS[0] + 1))
+    return model
+
+
+def train_counting_forwards(ctx, *args, **kwargs):
+    result = train_with_megazero(ctx, *args, **kwargs)
+    return result and {**result, "layer_forwards": LAYER_FORWARDS[0]}
+
+
+def test_gradient_checkpointing_enable_matches_the_plain_loop(dist_pool, references):
+    """model.gradient_checkpointing_enable() (item 3 of the own-model API): the recomputed forward
+    changes no value, so the curve is the plain loop's without checkpointing; under ZeRO-3 the
+    rerun forward gathers the layer's parameters again inside the backward. The layer runs twice
+    per micro batch (planted: checkpointing left off gives 20 forwards for 40)."""
+    pool = dist_pool(4)
+    for dp, stage in ((2, 2), (2, 3)):
+        result = pool.run(train_counting_forwards, "llama", dp, ds_config(stage), build=checkpointed_llama)[0]
+        assert result["steps"] == 10 and result["layer_forwards"] == 2 * 10 * 2, result.get("layer_forwards")
+        assert_matches(result, references("llama", dp), f"llama checkpointed dp {dp} stage {stage}")
