@@ -10,7 +10,9 @@ Takes pretrain_gpt.py's flags plus --world-size (the job's ranks), --ranks (simu
 default all up to 64 ranks, above that one rank per role: megazero.dry_run.roles), --ranks-per-node-sim (a node's GPUs; default 8), --processes (worker processes;
 default the CPU count), --json PATH ('-': stdout), --force-overflow STEPS (the gradient norm reads
 inf in these training steps, from 1: every rank walks the step-skip path), --no-stream-check (the
-stream layer unchecked: about 40% less time), --simulate-device cuda|cpu (the device whose
+stream layer unchecked: about 40% less time), --every-microbatch (simulate every microbatch of the
+step; by default a step of many microbatches is simulated at two small counts and its steady state
+counted as often as the schedule repeats it: megazero.dry_run.steady_state), --simulate-device cuda|cpu (the device whose
 kernels and memory the meta device stands for; default cuda, cpu under --gpu cpu) and
 --gpu a100|h100|h200|cpu (after the table, whether each rank's reserved peak fits that GPU's memory,
 and for the fullest rank by how much and the flags that lower it: megazero.dry_run.fits; then the
@@ -54,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     ours.add_argument("--force-overflow", default=None,
                       help="comma-separated training steps (from 1) whose gradient norm reads inf")
     ours.add_argument("--simulate-device", choices=["cuda", "cpu"], default=None)
+    ours.add_argument("--every-microbatch", action="store_true",
+                      help="simulate every microbatch of the step (default: the steady state's once, counted "
+                           "as often as the schedule runs it: megazero.dry_run.steady_state)")
     with GPUS.open("rb") as f:
         names = sorted(tomllib.load(f)) + ["cpu"]
     ours.add_argument("--gpu", choices=names, default=None,
@@ -110,12 +115,22 @@ def main(argv=None) -> int:
         ranks = sorted(stands_for)
     elif opts.ranks is None:
         ranks = None
+    from megazero.dry_run.steady_state import Plan, plan
+    cfg = job_config(train_argv, world, local)
+    steps = plan(cfg, world, train_argv)
+    if opts.every_microbatch:
+        steps = Plan(steps.microbatches, steps.schedule, note=f"every one of its {steps.microbatches} "
+                                                              f"microbatches a step simulated (--every-microbatch)")
+    elif device is not None and steps.simulated is not None:
+        # the timeline times the step's own ops: a reduced step's trace would be timed as the whole
+        steps = Plan(steps.microbatches, steps.schedule, note=f"every one of its {steps.microbatches} "
+                                                              f"microbatches a step simulated (--gpu's timeline)")
     started = time.perf_counter()
     runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes,
                     overflow_steps=overflow, stream_check=not opts.no_stream_check,
-                    device_kind=simulated)
+                    device_kind=simulated, plan=steps)
     problems = check_all(runs)
-    result = report(runs, problems, world, time.perf_counter() - started, stands_for)
+    result = report(runs, problems, world, time.perf_counter() - started, stands_for, steps.record())
     if opts.gpu is not None and opts.gpu != "cpu":
         from megazero.dry_run.fits import verdict
         result["gpu"] = verdict(result, opts.gpu, job_config(train_argv, world, local))

@@ -3,6 +3,7 @@ torch's fake process group for NCCL (tools/dry_run.py; docs/dry_run.md).
 
     job.py                every rank's real recipe (megazero.run.pretrain) in a process of its own
     roles.py              which ranks a large job simulates: one per role
+    steady_state.py       a step of many microbatches from two small ones: the steady state counted
     device_stand_in.py    the meta device as a GPU: device-to-host copies, the memory a step holds
     caching_allocator.py  CUDA's caching allocator: reserved memory beside allocated
     gpu_kernels.py        attention, norms, Adam and collectives as a GPU (or this CPU) runs them

@@ -48,6 +48,7 @@ class RankRun:
     stream_check: dict | None = None   # the stream checker's counts and distinct violations
     skipped_steps: int | None = None   # optimizer steps skipped for a non-finite gradient norm
     trace: dict | None = None          # the op trace for the timeline (megazero.dry_run.trace)
+    steady_state: dict | None = None   # how its step's microbatches were counted (steady_state.extend)
     error: str | None = None       # one line: where a rank stopped (a misplaced tensor, a bug)
     detail: str | None = None      # its traceback
 
@@ -234,28 +235,66 @@ PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "
 
 def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,
              processes: int | None = None, prepare=None, overflow_steps=(), stream_check: bool = True,
-             device_kind: str = "cuda", save: bool = True) -> list[RankRun]:
+             device_kind: str = "cuda", save: bool = True, plan=None) -> list[RankRun]:
     """Runs `ranks` (all of them by default) of a `world`-rank job of pretrain_gpt.py's `argv`.
     `processes` ranks run at once, each in a fresh process forked from a server that imported torch
     and megazero once, in a default group of its own.
     `overflow_steps`: training steps (1-based) whose gradient norm reads inf (the skip path);
     `stream_check` False: the stream layer runs unchecked (about 40% less time); `device_kind`: the
     device simulated, "cuda" or "cpu" (its kernels, memory without the caching allocator); `save`:
-    end with a checkpoint save's collectives."""
+    end with a checkpoint save's collectives. `plan` (megazero.dry_run.steady_state.plan) with
+    reduced counts: each rank runs at both and its record is extended to the step's microbatches (a
+    third run one block further where a peak differs between them); a rank whose runs are not one
+    steady block apart is simulated in full (its `steady_state` says why)."""
+    ranks = list(range(world)) if ranks is None else list(ranks)
+    options = (local_world, prepare, tuple(overflow_steps), stream_check, device_kind, save)
+    if plan is None or plan.simulated is None:
+        return _in_processes([(argv, r) for r in ranks], world, options, processes)
+    from megazero.config.train_config import topology_of
+    from megazero.dry_run import steady_state
+    cfg = job_config(argv, world, local_world)
+    stage = {r: topology_of(cfg, world).coords(r).pp for r in ranks}
+    tasks = [(steady_state.reduced_argv(argv, cfg, world, m), r) for r in ranks for m in plan.counts(stage[r])]
+    both = _in_processes(tasks, world, options, processes)
+    planner = planner_figures(argv, world, local_world)
+    done, again, third = {}, {}, {}
+    for a, b in zip(both[::2], both[1::2]):
+        try:
+            done[a.rank] = steady_state.extend(a, b, plan, stage[a.rank])
+        except steady_state.ThirdRunNeeded:
+            third[a.rank] = (a, b)
+        except steady_state.NotPeriodic as why:
+            again[a.rank] = f"every microbatch simulated: {why}"
+    tasks = [(steady_state.reduced_argv(argv, cfg, world, plan.counts(stage[r])[1] + plan.period), r) for r in third]
+    for c in _in_processes(tasks, world, options, processes) if third else []:
+        try:
+            done[c.rank] = steady_state.extend(*third[c.rank], plan, stage[c.rank], c)
+        except steady_state.NotPeriodic as why:
+            again[c.rank] = f"every microbatch simulated: {why}"
+    for run in _in_processes([(argv, r) for r in again], world, options, processes) if again else []:
+        run.steady_state = {"simulated": None, "why": again[run.rank]}
+        done[run.rank] = run
+    for run in done.values():
+        run.memory["planner"] = planner
+    return [done[r] for r in ranks]
+
+
+def _in_processes(tasks: list[tuple], world: int, options: tuple, processes: int | None) -> list[RankRun]:
+    """Each (argv, rank) of `tasks` simulated in a fresh process, `processes` at once."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
-    ranks = list(range(world)) if ranks is None else list(ranks)
-    processes = processes or max(1, min(len(ranks), os.cpu_count() or 1))
+    processes = processes or max(1, min(len(tasks), os.cpu_count() or 1))
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
     else:
         context = multiprocessing.get_context("spawn")
+    local_world, prepare, overflow_steps, stream_check, device_kind, save = options
     with tempfile.TemporaryDirectory(prefix="megazero-dry-run-") as workdir:
         # One process per rank (max_tasks_per_child=1): nothing a rank caches (a module-level table,
         # a compiled kernel) carries over to the next rank a worker would run.
         with ProcessPoolExecutor(processes, mp_context=context, max_tasks_per_child=1) as pool:
-            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, workdir, prepare,
-                                   tuple(overflow_steps), stream_check, device_kind, save)
-                       for r in ranks]
+            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, os.path.join(workdir, f"{i:06d}"),
+                                   prepare, overflow_steps, stream_check, device_kind, save)
+                       for i, (argv, r) in enumerate(tasks)]
             return [f.result() for f in futures]

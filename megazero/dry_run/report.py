@@ -54,13 +54,16 @@ def rank_record(run, stands_for: int = 1) -> dict:
         "engine_model_states": run.model_states,
         "stream_check": None if run.stream_check is None else {
             k: run.stream_check[k] for k in ("semantics", "side_ops", "violations")},
+        "steady_state": run.steady_state,
     }
 
 
-def report(runs, problems: list[str], world: int, seconds: float, stands_for: dict | None = None) -> dict:
-    """`stands_for`: simulated rank -> ranks of the job it represents (its role's; None: itself)."""
+def report(runs, problems: list[str], world: int, seconds: float, stands_for: dict | None = None,
+           microbatches: dict | None = None) -> dict:
+    """`stands_for`: simulated rank -> ranks of the job it represents (its role's; None: itself);
+    `microbatches`: how the step's microbatches were simulated (steady_state.Plan.record)."""
     return {"schema": SCHEMA, "world_size": world, "seconds": round(seconds, 2), "ok": not problems,
-            "problems": list(problems),
+            "problems": list(problems), "microbatches": microbatches,
             "ranks": [rank_record(r, (stands_for or {}).get(r.rank, 1)) for r in runs], "gpu": None,
             "timeline": None}
 
@@ -72,10 +75,15 @@ def _mib(x) -> str:
 def table(result: dict) -> str:
     verdict = "all checks passed" if result["ok"] else f"{len(result['problems'])} problem(s)"
     lines = [f"dry run: {len(result['ranks'])} of {result['world_size']} ranks in {result['seconds']:.1f} s; "
-             f"{verdict}", "",
-             f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'x':>4} {'peak MiB':>10} {'reserved':>10} {'planner':>10} "
-             f"{'ratio':>6} {'host MiB':>9}  "
-             f"at the peak (MiB): model states / activations / backward / communication / workspace"]
+             f"{verdict}"]
+    steps = result.get("microbatches")
+    if steps:
+        lines.append(f"microbatches: {steps['note']}")
+    lines += [f"rank {r['rank']}: {r['steady_state']['why']}" for r in result["ranks"]
+              if (r.get("steady_state") or {}).get("why")]
+    lines += ["", f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'x':>4} {'peak MiB':>10} {'reserved':>10} "
+                  f"{'planner':>10} {'ratio':>6} {'host MiB':>9}  "
+                  f"at the peak (MiB): model states / activations / backward / communication / workspace"]
     for r in result["ranks"]:
         c = r["coords"] or {"tp": "-", "dp": "-", "pp": "-"}
         m = r["memory"] or {}

@@ -1,0 +1,302 @@
+"""A pipeline schedule's steady state, simulated once and counted as often as the step runs it.
+
+A step of m microbatches runs a warm-up, a steady state and a cool-down; past the warm-up every
+microbatch (under the interleaved schedules: every group of pp microbatches) issues the same ops in
+the same order with the same shapes and frees what it allocated, so a rank's record of a step at m
+microbatches is its record at m0 with one block repeated. Megatron's GPT-3 175B recipe runs 192
+microbatches a step; simulated one by one, its 60 roles take over half an hour on two cores.
+
+So the dry run simulates each rank twice, at m0 and m0 + p microbatches (p: the schedule's period),
+both far enough past the warm-up that every stage reaches its peak and runs at least one steady
+block, and `extend` reads the block off their difference and counts it k = (m - m0) / p times:
+
+- sequences (each step's collectives and p2p ops, its host reads): the second run's is the first's
+  with one block inserted at one place (their longest common prefix, then the rest equal); the
+  step at m holds it k times there. Ops outside the steps (the save) must be equal in both;
+- counts (allocations, device-to-host copies and bytes, the stream check's ops and violations):
+  linear in the blocks, a + k (b - a);
+- peaks (allocated, reserved, per owner, per phase, host, the engine's model states): equal in both
+  runs, else the steady state still grows (GPipe holds every microbatch) and the rank is simulated
+  in full.
+
+Whatever does not fit (an error in either run, a sequence that is not one insertion, a peak that
+differs) makes `extend` raise NotPeriodic, and job.simulate simulates that rank with every
+microbatch instead, saying so. A per-rank trace of any other kind (an op trace with durations, a
+FLOPs count per op) extends the same way: its per-step list through `repeated`, its totals through
+`linear`. tests/dry_run/test_steady_state.py proves the result equal to the full simulation's.
+
+Owns the choice of the reduced counts (`plan`) and the merge (`extend`); runs nothing itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megazero.parallel.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES, one_f_one_b, zero_bubble_schedule
+
+
+class NotPeriodic(Exception):
+    """The two reduced runs do not differ by one repeated block (the message says where)."""
+
+
+class ThirdRunNeeded(Exception):
+    """A peak differs between the two reduced runs: a third, one block further, must show it linear."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a job's step is simulated: `simulated` None (every microbatch) or the two reduced counts
+    (stage 0's; `by_stage`: each pipeline stage's first count, where they differ)."""
+    microbatches: int
+    schedule: str
+    simulated: tuple[int, int] | None = None
+    period: int = 1
+    note: str = ""
+    by_stage: tuple[int, ...] | None = None
+
+    def counts(self, stage: int) -> tuple[int, int]:
+        """The two microbatch counts a rank of pipeline stage `stage` is simulated at."""
+        m0 = self.by_stage[stage] if self.by_stage else self.simulated[0]
+        return m0, m0 + self.period
+
+    def repeats_at(self, stage: int) -> int:
+        return (self.microbatches - self.counts(stage)[0]) // self.period
+
+    @property
+    def repeats(self) -> int:
+        return self.repeats_at(0) if self.simulated else 0
+
+    def record(self) -> dict:
+        return {"per_step": self.microbatches, "schedule": self.schedule,
+                "simulated": list(self.simulated) if self.simulated else None,
+                "by_stage": list(self.by_stage) if self.by_stage else None,
+                "period": self.period, "repeats": self.repeats, "note": self.note}
+
+
+def schedule_name(par) -> str:
+    """The schedule the step runs (parallel/pipeline/schedules.py's get_schedule picks 'auto')."""
+    if par.pipeline_parallel == 1 and par.schedule not in ZERO_BUBBLE_SCHEDULES:
+        return "none"
+    if par.schedule == "auto":
+        return "interleaved" if par.virtual_stages > 1 else "1f1b"
+    return par.schedule
+
+
+def _starts(name: str, pp: int) -> tuple[list[int], int] | None:
+    """(each stage's first count m0, the period): past its warm-up and at its peak. 1F1B: stage 0
+    runs pp - 1 warm-up forwards and holds pp microbatches at its peak, so pp (at least 3: a first, a
+    steady and a last backward) gives every stage a steady pair. (Stage s at pp - s, its own peak's
+    count, was tried: in the test's pp 4 layout stage 1's peak still grew from 3 to 4 microbatches.)
+    Interleaved at 2 pp (at pp its whole step is warm-up), a block of pp microbatches; the
+    zero-bubble lists from 2 pp."""
+    if name == "none":
+        return [3], 1
+    if name == "1f1b":
+        return [max(pp, 3)] * pp, 1
+    if name in ("interleaved", "interleaved-zb"):
+        return [2 * pp] * pp, pp
+    if name in ZERO_BUBBLE_SCHEDULES:
+        return [2 * pp] * pp, 1
+    return None          # gpipe: every forward before any backward, its peak grows with m
+
+
+def _kinds(actions) -> list[tuple]:
+    return [(a.kind, a.chunk, a.overlapped) for a in actions]
+
+
+def _list_repeats(name: str, pp: int, chunks: int, starts: list[int], period: int, m: int) -> bool:
+    """Does each stage's list of actions at m microbatches equal its list at its m0 with the block
+    its list at m0 + period adds repeated (microbatch numbers aside)? 1F1B by its list form."""
+    def lists(count):
+        made = one_f_one_b(pp, count) if name == "1f1b" else zero_bubble_schedule(name, pp, chunks, count)
+        return [_kinds(actions) for actions in made.ranks]
+    full, made = lists(m), {}
+    for stage, m0 in enumerate(starts):
+        for count in (m0, m0 + period):
+            if count not in made:
+                made[count] = lists(count)
+        try:
+            if repeated(made[m0][stage], made[m0 + period][stage], (m - m0) // period, "actions") != full[stage]:
+                return False
+        except NotPeriodic:
+            return False
+    return True
+
+
+def plan(cfg, world: int, argv: list[str]) -> Plan:
+    """The reduced microbatch counts for this job's step, or why every microbatch is simulated."""
+    par = cfg.parallel
+    dp = world // (par.tensor_parallel * par.pipeline_parallel * par.context_parallel)
+    m, name = cfg.num_microbatches(dp), schedule_name(par)
+    full = f"every one of its {m} microbatches a step simulated"
+    why = None
+    if cfg.rampup is not None:
+        why = "--rampup-batch-size changes the microbatches from step to step"
+    elif "--global-batch-size" not in argv or cfg.batch_from is not None or "--train-samples" in argv:
+        why = "the reduced runs set --global-batch-size, and this job's batch or step count comes from elsewhere"
+    found = _starts(name, par.pipeline_parallel)
+    if why is None and found is None:
+        why = f"the {name} schedule holds every microbatch before its first backward (no steady state)"
+    if why is not None:
+        return Plan(m, name, note=f"{full}: {why}")
+    starts, period = found
+    starts = [m0 + (m - m0) % period for m0 in starts]
+    m0 = starts[0]
+    if 2 * m0 + period >= m:
+        return Plan(m, name, period=period, note=f"{full} (no fewer than the shortcut's {m0} + {m0 + period})")
+    if (name == "1f1b" or name in ZERO_BUBBLE_SCHEDULES) and \
+            not _list_repeats(name, par.pipeline_parallel, par.virtual_stages, starts, period, m):
+        return Plan(m, name, period=period, note=f"{full}: the {name} lists of actions at {m0} and "
+                                                 f"{m0 + period} microbatches do not extend to its list at {m}")
+    by_stage = tuple(starts) if len(set(starts)) > 1 else None
+    stages = " (per stage: by_stage)" if by_stage else ""
+    return Plan(m, name, (m0, m0 + period), period,
+                f"{m} microbatches a step ({name}): {m0} and {m0 + period} simulated{stages}, the steady "
+                f"state's block of {period} repeated {(m - m0) // period} times (megazero/dry_run/steady_state.py)",
+                by_stage)
+
+
+def reduced_argv(argv: list[str], cfg, world: int, microbatches: int) -> list[str]:
+    """`argv` with the global batch that makes `microbatches` a step."""
+    par = cfg.parallel
+    dp = world // (par.tensor_parallel * par.pipeline_parallel * par.context_parallel)
+    out = list(argv)
+    i = out.index("--global-batch-size")
+    out[i + 1] = str(microbatches * cfg.micro_batch_size * dp)
+    return out
+
+
+# --- the merge ----------------------------------------------------------------------------------------
+def repeated(a: list, b: list, k: int, what: str) -> list:
+    """`a` with the block `b` inserts into it repeated k times where b has it: b must be a with one
+    contiguous block inserted (found at their longest common prefix; empty when a == b)."""
+    extra = len(b) - len(a)
+    if extra < 0:
+        raise NotPeriodic(f"{what}: the run with more microbatches has fewer ({len(b)} < {len(a)})")
+    i = 0
+    while i < len(a) and a[i] == b[i]:
+        i += 1
+    if a[i:] != b[i + extra:]:
+        raise NotPeriodic(f"{what}: the runs differ past one inserted block (at #{i + 1})")
+    return a[:i] + b[i:i + extra] * k + a[i:]
+
+
+def linear(a, b, k: int):
+    return a + k * (b - a)
+
+
+def _same(a, b, what: str):
+    if a != b:
+        raise NotPeriodic(f"{what} differs between the reduced runs ({a} against {b})")
+    return a
+
+
+def _steps(entries: list, ends: list[int]) -> tuple[list[list], list]:
+    """Each step's entries (the first step's with the setup before it) and those after the last."""
+    cuts = [0] + list(ends)
+    return [entries[lo:hi] for lo, hi in zip(cuts, cuts[1:])], entries[cuts[-1]:]
+
+
+def _extend_entries(a, b, k: int) -> tuple[list, list[int], list[int]]:
+    steps_a, tail_a = _steps(a.entries, a.step_ends)
+    steps_b, tail_b = _steps(b.entries, b.step_ends)
+    _same(len(steps_a), len(steps_b), "the number of steps")
+    _same(tail_a, tail_b, "the ops after the last step")
+    entries, ends, blocks = [], [], []
+    for n, (x, y) in enumerate(zip(steps_a, steps_b)):
+        entries += repeated(x, y, k, f"step {n + 1}'s ops")
+        ends.append(len(entries))
+        blocks.append(len(y) - len(x))
+    return entries + tail_a, ends, blocks
+
+
+def _runs_of_step(reads: list[dict]) -> list[tuple]:
+    """The reads cut where their step changes: (step, its reads), in order."""
+    out = []
+    for r in reads:
+        if out and out[-1][0] == r["step"]:
+            out[-1][1].append(r)
+        else:
+            out.append((r["step"], [r]))
+    return out
+
+
+def _extend_reads(a: list[dict], b: list[dict], k: int) -> list[dict]:
+    runs_a, runs_b = _runs_of_step(a), _runs_of_step(b)
+    _same([s for s, _ in runs_a], [s for s, _ in runs_b], "the steps of the host reads")
+    out = []
+    for (step, x), (_, y) in zip(runs_a, runs_b):
+        out += repeated(x, y, k, f"step {step}'s host reads") if step is not None else _same(x, y, "a host read outside the steps")
+    return out
+
+
+_COUNTS = ("allocations", "d2h_copies", "d2h_bytes")       # grow with every block
+
+
+def _affine(a, b, k: int, what: str, linear_ok: bool):
+    """Numbers a + k (b - a) (a peak only when `linear_ok`: else it must be equal in both runs, or a
+    third run must show it linear), nested dicts key by key, anything else equal in both runs."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        _same(sorted(a), sorted(b), f"{what}'s keys")
+        return {key: _affine(a[key], b[key], k, f"{what} {key!r}", linear_ok) for key in a}
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        if a != b and not linear_ok:
+            raise ThirdRunNeeded(f"{what} differs between the reduced runs ({a} against {b})")
+        return linear(a, b, k)
+    return _same(a, b, what)
+
+
+def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool) -> dict:
+    # (the planner's figures are the job's own: the caller puts job.planner_figures there)
+    return {key: a[key] if key == "planner" else
+            _affine(a[key], b[key], k, f"memory {key!r}", peaks_linear or key in _COUNTS) for key in a}
+
+
+def _extend_streams(a: dict | None, b: dict | None, k: int) -> dict | None:
+    if a is None or b is None:
+        return _same(a, b, "the stream check")
+    return {"semantics": _same(a["semantics"], b["semantics"], "the stream check's semantics"),
+            "side_ops": linear(a["side_ops"], b["side_ops"], k),
+            "violations": linear(a["violations"], b["violations"], k),
+            "found": list(a["found"]) + [m for m in b["found"] if m not in a["found"]]}
+
+
+def _merge(a, b, k: int, peaks_linear: bool):
+    entries, ends, blocks = _extend_entries(a, b, k)
+    return dataclasses.replace(
+        a, entries=entries, step_ends=ends,
+        host_reads=_extend_reads(a.host_reads, b.host_reads, k),
+        memory=_extend_memory(a.memory, b.memory, k, peaks_linear),
+        model_states=_same(a.model_states, b.model_states, "the engine's model states"),
+        stream_check=_extend_streams(a.stream_check, b.stream_check, k),
+        skipped_steps=_same(a.skipped_steps, b.skipped_steps, "the skipped steps"),
+        steady_state={"ops_per_block": blocks})
+
+
+def _what_differs(x, y) -> str | None:
+    for field in ("entries", "step_ends", "host_reads", "stream_check", "model_states", "skipped_steps"):
+        if getattr(x, field) != getattr(y, field):
+            return field
+    for key in x.memory:
+        if key != "planner" and x.memory[key] != y.memory[key]:
+            return f"memory {key!r}"
+    return None
+
+
+def extend(a, b, plan: Plan, stage: int = 0, c=None):
+    """The record (job.RankRun) of a rank of pipeline stage `stage` at plan.microbatches from its
+    runs at plan.counts(stage) (`a`, `b`); NotPeriodic when they are not one steady block apart;
+    ThirdRunNeeded when a peak differs between them, unless `c`, its run one block further, equals
+    what a and b predict for it (then every figure is counted a + k (b - a))."""
+    for run in (a, b, c):
+        if run is not None and run.error:
+            raise NotPeriodic(f"a reduced run stopped ({run.error})")
+    _same(a.coords, b.coords, "the rank's coordinates")
+    if c is not None:
+        differs = _what_differs(_merge(a, b, 2, True), c)
+        if differs:
+            raise NotPeriodic(f"{differs}: the third run is not the first with two blocks")
+    k = plan.repeats_at(stage)
+    run = _merge(a, b, k, c is not None)
+    run.steady_state = {"simulated": list(plan.counts(stage)) + ([plan.counts(stage)[1] + plan.period] if c else []),
+                        "repeats": k, **run.steady_state}
+    return run

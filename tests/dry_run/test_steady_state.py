@@ -1,0 +1,121 @@
+"""megazero/dry_run/steady_state.py: a step of many microbatches simulated at two small counts, its
+steady state counted as often as the schedule runs it, equals the simulation of every microbatch.
+
+- 1F1B (pp 4 x tp 2 x dp 2, 16 microbatches, dropout 0.1: simulated at 4 and 5, and 6 where a
+  peak moved, through job.simulate's plan) and interleaved (pp 2 x 2 chunks x dp 2, 12 microbatches: at 4 and 6): every
+  rank's collectives and p2p ops (sequence, group, ranks, dtype, size, call site), host reads, memory
+  (peak, reserved, per owner, per phase, allocations), stream-check counts and the report's per-rank
+  record (its per-group totals included) equal the full simulation's, and the cross-rank checks pass;
+- planted: the steady block counted once too few makes them differ (the ops, the totals);
+- the plan: GPipe and a batch ramp fall back to every microbatch with the line saying why, the
+  zero-bubble schedules' lists extend (their lists at the full count are the reduced ones' with the
+  block repeated), Megatron's GPT-3 175B recipe at global batch 1536 runs 16 and 17 of its 192.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megazero.config.train_config import topology_of
+from megazero.dry_run import steady_state
+from megazero.dry_run.cross_rank_checks import check_all
+from megazero.dry_run.job import job_config, simulate
+from megazero.dry_run.report import rank_record
+
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "1", "--train-iters", "2", "--log-interval", "1",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "101", "--lr", "1e-3", "--bf16", "--zero-stage", "1"]
+
+
+def _record(run) -> dict:
+    out = rank_record(run)
+    out.pop("steady_state")
+    return out
+
+
+def _assert_equal(full, fast) -> None:
+    assert [r.rank for r in full] == [r.rank for r in fast]
+    for f, s in zip(full, fast):
+        assert f.error is None and s.error is None, (f.error, s.error)
+        assert s.entries == f.entries, f"rank {f.rank}: the ops differ"
+        assert s.step_ends == f.step_ends and s.host_reads == f.host_reads
+        assert s.memory == f.memory, f"rank {f.rank}: the memory differs"
+        assert s.stream_check == f.stream_check and s.model_states == f.model_states
+        assert _record(s) == _record(f), f"rank {f.rank}: the report's record differs"
+    assert check_all(fast) == []
+
+
+def _one_per_stage(argv, world) -> list[int]:
+    topology = topology_of(job_config(argv, world), world)
+    return [r for r in range(world) if topology.coords(r).tp == 0 and topology.coords(r).dp == 0]
+
+
+def test_1f1b_counted_from_4_and_5_microbatches_equals_every_microbatch_simulated():
+    argv = BASE + ["--global-batch-size", "32", "--tensor-model-parallel-size", "2",
+                   "--pipeline-model-parallel-size", "4"]
+    plan = steady_state.plan(job_config(argv, 16), 16, argv)
+    assert (plan.microbatches, plan.schedule, plan.simulated, plan.repeats) == (16, "1f1b", (4, 5), 12)
+    assert plan.by_stage is None
+    ranks = _one_per_stage(argv, 16) + [13]          # and the last stage's other tensor-parallel rank
+    fast = simulate(argv, 16, ranks, processes=2, plan=plan)
+    # (a step's losses stay until its end, 512 bytes a microbatch: where that moves a peak, a third
+    # run at 6 shows it linear)
+    assert all(r.steady_state["simulated"][:2] == [4, 5] for r in fast), [r.steady_state for r in fast]
+    _assert_equal(simulate(argv, 16, ranks, processes=2), fast)
+
+
+def test_interleaved_counted_from_4_and_6_equals_every_microbatch_and_a_wrong_count_differs():
+    argv = BASE + ["--global-batch-size", "24", "--pipeline-model-parallel-size", "2",
+                   "--num-layers-per-virtual-pipeline-stage", "1", "--attention-dropout", "0", "--hidden-dropout", "0"]
+    cfg = job_config(argv, 4)
+    plan = steady_state.plan(cfg, 4, argv)
+    assert (plan.microbatches, plan.schedule, plan.simulated, plan.period, plan.repeats) == (12, "interleaved", (4, 6), 2, 4)
+    ranks = _one_per_stage(argv, 4)
+    # (a peak moves by 512 bytes a microbatch here: the third run, one block further, shows it linear)
+    a, b, c = (simulate(steady_state.reduced_argv(argv, cfg, 4, m), 4, ranks, processes=2) for m in (4, 6, 8))
+    with pytest.raises(steady_state.ThirdRunNeeded, match="memory"):
+        steady_state.extend(a[0], b[0], plan)
+    full = simulate(argv, 4, ranks, processes=2)
+    _assert_equal(full, [steady_state.extend(x, y, plan, 0, z) for x, y, z in zip(a, b, c)])
+    # planted: the block counted once too few (a wrong repetition count)
+    short = dataclasses.replace(plan, microbatches=10)
+    wrong = [steady_state.extend(x, y, short, 0, z) for x, y, z in zip(a, b, c)]
+    with pytest.raises(AssertionError, match="the ops differ"):
+        _assert_equal(full, wrong)
+    assert [_record(w)["step_comm"] for w in wrong] != [_record(f)["step_comm"] for f in full]
+
+
+def test_plan_falls_back_where_the_steady_state_does_not_repeat_and_the_lists_extend():
+    def plan_of(flags, world=8):
+        argv = BASE + ["--num-layers", "8"] + flags
+        return steady_state.plan(job_config(argv, world), world, argv)
+    gpipe = plan_of(["--global-batch-size", "64", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "gpipe"])
+    assert gpipe.simulated is None and "holds every microbatch before its first backward" in gpipe.note
+    ramp = plan_of(["--global-batch-size", "64", "--rampup-batch-size", "16", "16", "64", "--pipeline-model-parallel-size", "4"])
+    assert ramp.simulated is None and "--rampup-batch-size" in ramp.note
+    few = plan_of(["--global-batch-size", "16", "--pipeline-model-parallel-size", "4"])     # 8: 4 + 5 is more
+    assert few.simulated is None and "every one of its 8 microbatches" in few.note
+    for name, chunks, expected in (("zb-h1", [], (8, 9)), ("zbv", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 9)),
+                                   ("dualpipev", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 9)),
+                                   ("interleaved-zb", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 12))):
+        got = plan_of(["--global-batch-size", "96", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", name] + chunks)
+        assert (got.schedule, got.simulated) == (name, expected), got.note
+    # the lists' check can fail: below stage 0's warm-up (3 forwards) 1F1B's list has no steady pair
+    assert steady_state._list_repeats("1f1b", 4, 1, [4, 4, 4, 4], 1, 16)
+    assert not steady_state._list_repeats("1f1b", 4, 1, [2, 2, 2, 2], 1, 16)
+    # Megatron's GPT-3 175B recipe as written: global batch 1536 at dp 8, 192 microbatches a step
+    gpt3 = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+            "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "1536",
+            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257"]
+    big = steady_state.plan(job_config(gpt3, 1024), 1024, gpt3)
+    assert (big.microbatches, big.simulated, big.repeats) == (192, (16, 17), 176)
+    assert big.by_stage is None
+
+
+def test_repeated_inserts_the_block_where_the_runs_part_and_refuses_two_blocks():
+    assert steady_state.repeated(list("wFBc"), list("wFBFBc"), 3, "x") == list("wFBFBFBFBc")
+    assert steady_state.repeated(list("abc"), list("abc"), 5, "x") == list("abc")
+    with pytest.raises(steady_state.NotPeriodic, match="differ past one inserted block"):
+        steady_state.repeated(list("aXbY"), list("aXXbYY"), 2, "x")          # two places grow
