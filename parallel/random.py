@@ -16,6 +16,7 @@ import contextlib
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 
 MODEL_PARALLEL = "model-parallel"
 # Offset of the model-parallel stream from the base seed (any constant works; it only has to differ).
@@ -115,6 +116,10 @@ def make_checkpoint_fn(tracker: RNGTracker):
 
     def checkpoint(function, *args):
         snapshot = tracker.get_states()
+        # The backward runs with no torch function mode on (autograd does not carry Python's mode
+        # stack), so the recomputation re-enters the forward's: it must run the functions the
+        # forward ran (the dry run's kernel stand-ins are such modes, dry_run/gpu_kernels.py).
+        modes = _get_current_function_mode_stack()
         calls = [0]
 
         def run(*inner_args):
@@ -124,7 +129,10 @@ def make_checkpoint_fn(tracker: RNGTracker):
             current = tracker.get_states()
             tracker.set_states(snapshot)
             try:
-                return function(*inner_args)
+                with contextlib.ExitStack() as stack:
+                    for mode in modes:
+                        stack.enter_context(mode)
+                    return function(*inner_args)
             finally:
                 tracker.set_states(current)
 

@@ -49,6 +49,11 @@ def grid(path) -> dict[str, tuple[int, list[str]]]:
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "1", "--bf16"]),
         "dp 2, ZeRO-0": (2, ["--zero-stage", "0"]),
+        # the recomputed forward runs the simulated GPU's kernels as its forward did (they are torch
+        # function modes, which autograd's backward does not carry: parallel/random.py re-enters them)
+        "tp 2, full recomputation, RMSNorm, bf16": (2, [
+            "--tensor-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
+            "uniform", "--recompute-num-layers", "1", "--normalization", "RMSNorm", "--bf16"]),
         "dp 4, ZeRO-2, optimizer offloaded to nvme": (4, _zero_config(path, "nvme", {
             "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}})),
         # (persistence threshold 0: this small model's parameters would all stay whole otherwise)

@@ -82,3 +82,31 @@ def test_what_runs_twice_is_what_megatron_says(runs):
                 cores = 1.5                                # one of the stage's two layers
             assert r["calls"]["core"] == cores * len(stage_layers[stage]) * per_micro, \
                 f"{name}: core attention ran {r['calls']['core'] / per_micro:g} times per microbatch"
+
+
+def test_the_recomputation_runs_under_the_forwards_torch_function_modes():
+    """Autograd runs the backward with no torch function mode on, so a recomputation left alone
+    would run other functions than its forward did wherever a mode replaces them (the dry run's
+    GPU kernels: the checkpoint then stops, "a different number of tensors was saved"). The
+    checkpoint re-enters the forward's modes. Planted: recomputing without them counts 1 call."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    from megazero.parallel.random import RNGTracker, make_checkpoint_fn
+
+    calls = []
+
+    class CountingGelu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.gelu:
+                calls.append(1)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    with CountingGelu():
+        out = make_checkpoint_fn(RNGTracker(torch.device("cpu")))(lambda a: F.gelu(a @ w), x)
+    out.sum().backward()
+    assert len(calls) == 2, f"the recomputation ran {len(calls) - 1} gelu calls under the mode, not 1"
+    expected = torch.autograd.grad(F.gelu(x @ w).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
