@@ -130,18 +130,19 @@ def split_by_fit(valid, world: int, capacity: float) -> tuple[list, list]:
 
 def first_estimate(layout: Layout, cfg, world: int, device) -> float:
     """A closed-form step time (seconds) to rank layouts before any dry run: the rank's model FLOPs
-    (a third more under full recomputation) at the device's GEMM rate for the layer's GEMM shape,
+    with what recomputation adds (megazero.training.flops) at the device's GEMM rate for the layer's GEMM shape,
     stretched by the pipeline bubble (pp - 1) / (microbatches x chunks); plus, counted exposed, the
     tensor-parallel collectives (4 a layer a microbatch, 6 recomputed), context parallelism's key and
     value gathers, and the data-parallel gradient reduction (ZeRO-3: with two parameter gathers a
     microbatch). Only an order: the dry run's timeline is the prediction."""
-    from megazero.training.flops import step_flops
+    from megazero.training.flops import recompute_flops, step_flops
     from megazero.dry_run.speed import _dtype
     m = cfg.model
     dtype = _dtype(cfg)
     width = 2 if dtype in ("bf16", "fp16") else 4
     tokens = cfg.global_batch_size * m.seq_length
-    flops = step_flops(m, tokens) / world * (4 / 3 if layout.recompute == "full" else 1.0)
+    chunks = [m.num_layers // (layout.pp * layout.vpp)] * (layout.pp * layout.vpp)
+    flops = (step_flops(m, tokens) + recompute_flops(m, tokens, chunks)) / world
     rows = layout.mbs * m.seq_length // layout.cp
     compute = device.matmul_seconds(flops, 0.0, dtype, (rows, m.hidden_size // layout.tp, m.hidden_size))
     micro = cfg.global_batch_size // (layout.mbs * layout.dp)
@@ -166,6 +167,20 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
         if layout.zero == 3:
             comm += 2 * micro * device.collective_seconds("all_gather", grads, group)
     return compute + comm
+
+
+def ranked(fitting, world: int, device) -> list:
+    """`fitting` by the first estimate, the least memory first among equal estimates, and of those
+    only that one: layouts the estimate cannot tell apart (a ZeRO stage at dp 1, selective
+    recomputation where attention is cheap) would spend the dry runs on one answer."""
+    keyed = sorted(((first_estimate(layout, cfg, world, device), total, i) for i, (layout, cfg, total)
+                    in enumerate(fitting)))
+    out, seen = [], set()
+    for estimate, _, i in keyed:
+        if round(estimate, 12) not in seen:
+            seen.add(round(estimate, 12))
+            out.append(fitting[i])
+    return out
 
 
 def predicted(argv: list[str], world: int, device, local_world: int, processes: int | None = None) -> dict:
@@ -202,9 +217,8 @@ def search(argv: list[str], world: int, device, top_k: int = 3, local_world: int
                          f"--num-attention-heads, --seq-length, --global-batch-size); change one or --world-size")
     capacity = capacity_bytes(device, world)
     fitting, dropped = split_by_fit(valid, world, capacity)
-    ranked = sorted(fitting, key=lambda item: first_estimate(item[0], item[1], world, device))
     rows = []
-    for layout, cfg, total in ranked[:top_k]:
+    for layout, cfg, total in ranked(fitting, world, device)[:top_k]:
         flags = list(argv) + layout.flags(args.num_layers)
         found = predicted(flags, world, device, local, processes)
         tl = found.get("timeline") or {}
