@@ -25,7 +25,8 @@ SPACE = {"zero_stages": ("--zero-stages", "0,1,2,3", int), "recompute": ("--reco
 
 
 def parser() -> argparse.ArgumentParser:
-    ours = argparse.ArgumentParser(prog="tools/search_layouts.py", add_help=False, description=__doc__,
+    # allow_abbrev=False: pretrain_gpt.py's --zero-stage must not read as our --zero-stages
+    ours = argparse.ArgumentParser(prog="tools/search_layouts.py", add_help=False, allow_abbrev=False, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog="Every other flag is pretrain_gpt.py's (python pretrain_gpt.py --help).")
     ours.add_argument("--world-size", type=int, required=True)

@@ -98,3 +98,14 @@ def test_search_times_the_best_by_estimate_and_orders_by_prediction():
     assert rows[0]["peak"] > 0 and 0 < rows[0]["mfu"] < 1
     text = ls.search_text(result)
     assert text.splitlines()[1].startswith("1. " + rows[0]["layout"].text())
+
+
+def test_tool_refuses_a_layout_flag_in_one_line(capsys):
+    """pretrain_gpt.py's --zero-stage is refused by name, not read as the tool's --zero-stages
+    (argparse's prefix matching did so; planted back, the search ran)."""
+    import runpy
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "search_layouts.py"))
+    assert tool["main"](["--world-size", "8", "--gpu", "h100", "--zero-stage", "1"] + TINY) == 2
+    assert capsys.readouterr().err.strip() == ("error: --zero-stage: the search chooses the layout; "
+                                               "drop --zero-stage from the flags")
+    assert tool["main"](["--world-size", "8", "--gpu", "h100", "--recompute", "some"] + TINY) == 2
