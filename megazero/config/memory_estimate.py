@@ -90,10 +90,19 @@ def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad
 
 
 def _one_layer_model(model_cfg):
-    """A one-layer model of `model_cfg`'s dense layer (config/moe_memory.py adds what MoE layers hold)."""
+    """A one-layer model of `model_cfg`'s dense layer (config/moe_memory.py adds what MoE layers hold);
+    the last few kept, read only: a layout search plans thousands of layouts of one model."""
     from megazero.models.gpt import GPT
-    with torch.device("meta"):      # shapes only: nothing is allocated
-        return GPT(dataclasses.replace(dense_layer_config(model_cfg), num_layers=1))
+    layer = dataclasses.replace(dense_layer_config(model_cfg), num_layers=1)
+    if repr(layer) not in _ONE_LAYER:
+        with torch.device("meta"):      # shapes only: nothing is allocated
+            _ONE_LAYER[repr(layer)] = GPT(layer)
+        while len(_ONE_LAYER) > 16:
+            _ONE_LAYER.pop(next(iter(_ONE_LAYER)))
+    return _ONE_LAYER[repr(layer)]
+
+
+_ONE_LAYER: dict[str, object] = {}
 
 
 def parameter_counts(model_cfg) -> tuple[int, int, int]:
