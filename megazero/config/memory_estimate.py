@@ -38,7 +38,6 @@ Activations: megazero/config/activation_memory.py (re-exported here).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -47,13 +46,15 @@ import torch
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
 from megazero.config.attention_memory import kernel_for
-from megazero.config.moe_memory import (dense_layer_config, moe_layer_extra, moe_layer_persistent_extra,
+from megazero.config.moe_memory import (moe_layer_extra, moe_layer_persistent_extra,
                                         moe_transient_bytes, stage_moe_layers)
 from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
     activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
     weight_grad_bytes, zero_bubble_in_flight, zero_bubble_peaks,
     layer_activation_split, layer_activation_units, output_layer_bytes)
 from megazero.config.staging_memory import stage2_staging_bytes
+from megazero.config.parameter_counts import (  # noqa: F401 - re-exported: the planner's names
+    largest_module_params, largest_param, parameter_counts, persistent_counts)
 from megazero.parallel.pipeline.zero_bubble import V_SHAPED, ZERO_BUBBLE_SCHEDULES
 from megazero.zero.offload import resident_sub_groups
 
@@ -87,53 +88,6 @@ def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks."""
     return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master,
                                          state_bytes).values())
-
-
-def _one_layer_model(model_cfg):
-    """A one-layer model of `model_cfg`'s dense layer (config/moe_memory.py adds what MoE layers hold);
-    the last few kept, read only: a layout search plans thousands of layouts of one model."""
-    from megazero.models.gpt import GPT
-    layer = dataclasses.replace(dense_layer_config(model_cfg), num_layers=1)
-    if repr(layer) not in _ONE_LAYER:
-        with torch.device("meta"):      # shapes only: nothing is allocated
-            _ONE_LAYER[repr(layer)] = GPT(layer)
-        while len(_ONE_LAYER) > 16:
-            _ONE_LAYER.pop(next(iter(_ONE_LAYER)))
-    return _ONE_LAYER[repr(layer)]
-
-
-_ONE_LAYER: dict[str, object] = {}
-
-
-def parameter_counts(model_cfg) -> tuple[int, int, int]:
-    """(embedding, one transformer layer, final norm + untied output layer) parameter counts."""
-    model = _one_layer_model(model_cfg)
-    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    head = count(model.final_norm) + (0 if model_cfg.tie_embeddings else model.output_head.weight.numel())
-    return count(model.embedding), count(model.layers["0"]), head
-
-
-def persistent_counts(model_cfg, tp: int, threshold: int) -> tuple[int, int, int]:
-    """parameter_counts' three parts, counting only the parameters stage 3 keeps whole (at most
-    `threshold` elements on a rank). 2-D weights split over TP (the position table excepted)."""
-    model = _one_layer_model(model_cfg)
-
-    def count(module) -> int:
-        total = 0
-        for name, p in module.named_parameters():
-            local = p.numel() // tp if p.dim() == 2 and "position" not in name else p.numel()
-            total += p.numel() if local <= threshold else 0
-        return total
-
-    head = model.output_head.weight.numel() if not model_cfg.tie_embeddings else 0
-    head = head if head // tp <= threshold else 0
-    return count(model.embedding), count(model.layers["0"]), count(model.final_norm) + head
-
-
-def largest_module_params(model_cfg) -> int:
-    """Parameters of the largest single module (stage 3's largest unit, before the TP split)."""
-    model = _one_layer_model(model_cfg)
-    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
 
 class RankLayout(Record):
@@ -261,15 +215,6 @@ def _zero_bubble_activations(cfg: TrainConfig, r: RankLayout, kernel: str, chunk
                                  w_transient, loss, loss_stage)
     plain, at_loss = peaks(inputs), peaks(inputs + head_inputs)
     return fixed + max(at_loss[s] if s == loss_stage else plain[s] for s in range(pp))
-
-
-def largest_param(model_cfg, tp: int) -> int:
-    """Elements of the largest single parameter on a rank (2-D weights split over TP, as in
-    persistent_counts): autograd hands each gradient over as a tensor of its own before it is
-    added to (or staged in) ZeRO's buffers."""
-    model = _one_layer_model(model_cfg)
-    return max(p.numel() // tp if p.dim() == 2 and "position" not in name else p.numel()
-               for name, p in model.named_parameters())
 
 
 def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> float:
