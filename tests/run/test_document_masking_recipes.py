@@ -8,7 +8,8 @@ import math
 
 from megazero.run import launch
 from megazero.data.tokenizer import build_tokenizer
-from tests.config.test_run_flags import GPT3, LLAMA3, gpt2_data, recipe_argv, records  # noqa: F401 (a fixture)
+from tests.config.test_run_flags import GPT3, LLAMA3, gpt2_data, recipe_argv  # noqa: F401 (a fixture)
+from tests.metrics_reading import split_records
 
 DOCUMENT_FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 
@@ -17,7 +18,7 @@ def test_recipes_with_document_masking_train_on_mock_data(tmp_path, gpt2_data, c
     llama = recipe_argv(LLAMA3, tp=1, dir=tmp_path / "llama") + DOCUMENT_FLAGS + ["--run-dir", str(tmp_path / "llama")]
     assert launch.main(llama) == 0, capsys.readouterr().err
     assert "each ending with the end-of-document id 511" in capsys.readouterr().out
-    train = records(tmp_path / "llama")
+    train = split_records(tmp_path / "llama")
     assert [r["iteration"] for r in train] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in train)
 
     text = GPT3.replace("--data-path {data}", "--mock-data")
@@ -26,5 +27,5 @@ def test_recipes_with_document_masking_train_on_mock_data(tmp_path, gpt2_data, c
     assert launch.main(gpt3) == 0, capsys.readouterr().err
     eod = build_tokenizer("GPT2BPETokenizer", vocab_file=gpt2_data["vocab"], merge_file=gpt2_data["merges"]).eod
     assert f"each ending with the end-of-document id {eod})" in capsys.readouterr().out
-    train = records(tmp_path / "gpt3")
+    train = split_records(tmp_path / "gpt3")
     assert train[0]["iteration"] == 1 and all(math.isfinite(r["loss"]) for r in train)
