@@ -8,8 +8,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("megazero", "models", "parallel")
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 80
-# "path:function" of the argparse tables allowed past MAX_FUNCTION_LINES (none is today).
-ARGPARSE_TABLES: set[str] = set()
+# "path:function" of the argparse tables allowed past MAX_FUNCTION_LINES: one flag per call, which the
+# formatter writes one argument per line where a call passes 120 characters.
+ARGPARSE_TABLES: set[str] = {
+    "megazero/config/model_flags.py:add_model_flags", "megazero/config/parallel_flags.py:add_parallel_flags",
+    "megazero/config/data_flags.py:add_data_flags", "megazero/config/moe_flags.py:add_moe_flags",
+    "megazero/config/zero_flags.py:add_zero_flags",
+}
 
 
 def _is_argparse_table(node: ast.FunctionDef) -> bool:

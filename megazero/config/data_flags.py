@@ -1,13 +1,67 @@
-"""Megatron-LM's data flags that arguments.py reads beyond the paths: the tokenizer type a GPT-3
-launch line implies (--vocab-file and --merge-file without --tokenizer-type mean the GPT-2 BPE, as
-Megatron's own GPT-3 recipe writes it), the TikTokenizer's pattern, --mock-data, a path per split
-(--train-data-path / --valid-data-path / --test-data-path instead of --data-path and --split),
-object storage (refused), and the notes on the data flags accepted without effect. Part of the edge:
-raises UsageError before any group exists.
+"""The data and logging flags' parser entries (add_data_flags), and Megatron-LM's data flags that
+arguments.py reads beyond the paths: the tokenizer type a GPT-3 launch line implies (--vocab-file and
+--merge-file without --tokenizer-type mean the GPT-2 BPE, as Megatron's own GPT-3 recipe writes it),
+the TikTokenizer's pattern, --mock-data, a path per split (--train-data-path / --valid-data-path /
+--test-data-path instead of --data-path and --split), object storage (refused), and the notes on the
+data flags accepted without effect. Part of the edge: raises UsageError before any group exists.
 """
 from __future__ import annotations
 
 from megazero.core.errors import UsageError
+
+
+def add_data_flags(g, add, merged) -> None:
+    """The "data and logging" group: data paths, tokenizer, packing, evaluation, log cadence, the run
+    folder (`add` and `merged` are flags._add and flags._merged)."""
+    add(g, "--data-path", nargs="+", default=None, help="prefix of a .bin/.idx pair, or 'weight prefix ...'",
+        shown="the embedded standard-library corpus")
+    add(g, "--mock-data", action="store_true",
+        help="train on random tokens of the tokenizer's vocabulary (no data files)")
+    add(g, "--split", default=None, help="train,valid,test weights cutting --data-path's sequences, as "
+        "megatron-core does", shown="949,50,1")
+    _add_split_path_flags(g, add)
+    add(g, "--num-dataset-builder-threads", type=int, default=1,
+        help="threads building a blend's datasets (their sample indices) at once")
+    add(g, "--object-storage-cache-path", default=None,
+        help="refused: megazero reads data from local files only", shown="none")
+    add(g, "--tokenizer-model", default=None,
+        help="sentencepiece .model, or Hugging Face tokenizer folder/tokenizer.json, the data was tokenized with",
+        shown="the embedded corpus's")
+    add(g, "--tokenizer-type", choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                                        "NullTokenizer", "TikTokenizer"],
+        default=None, help="tokenizer kind",
+        shown="GPT2BPETokenizer with --vocab-file and --merge-file, else SentencePieceTokenizer")
+    add(g, "--tiktoken-pattern", choices=["v1", "v2"], default=None,
+        help="TikTokenizer's pre-tokenization pattern (needs the tiktoken package)", shown="v2")
+    add(g, "--num-workers", type=int, default=2,
+        help="0: batches read in the training loop; >0: read ahead by a background thread")
+    add(g, "--no-mmap-bin-files", action="store_true", help="read .bin files with plain reads instead of mmap")
+    add(g, "--reset-position-ids", action="store_true",
+        help="packed samples: positions restart at 0 after each end-of-document token")
+    add(g, "--reset-attention-mask", action="store_true",
+        help="packed samples: attention stays inside each document (block-diagonal causal)")
+    add(g, "--eod-mask-loss", action="store_true", help="no loss where the input token is the end-of-document token")
+    add(g, "--no-create-attention-mask-in-dataloader", action="store_true",
+        help="accepted: megazero never builds attention masks")
+    add(g, "--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json", shown="none")
+    add(g, "--merge-file", default=None, help="GPT2BPETokenizer's merges.txt", shown="none")
+    add(g, "--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary, eod = vocab-size - 1",
+        shown="none")
+    add(g, "--data-cache-path", default=None, help="folder for sample indices and the embedded corpus",
+        shown="beside the data; $MEGAZERO_CACHE or ~/.cache/megazero")
+    add(g, "--eval-interval", type=int, default=100, help="steps between evaluations")
+    add(g, "--eval-iters", type=int, default=10, help="batches per evaluation; 0: none")
+    merged(g, "log_interval", "steps between log lines", type=int)
+    add(g, "--run-dir", default=None, help="folder for this run's outputs", shown="runs/gpt-<date>-<time>-<6 hex>")
+    add(g, "--metrics-file", default=None, help="JSON lines of the logged metrics",
+        shown="<run-dir>/metrics.jsonl")
+
+
+def _add_split_path_flags(g, add) -> None:
+    for split in ("train", "valid", "test"):
+        add(g, f"--{split}-data-path", nargs="+", default=None,
+            help=f"the {split} split's own prefix or 'weight prefix ...' blend, whole (instead of --data-path "
+                 f"and --split)", shown="none")
 
 
 def infer_tokenizer_type(args) -> None:

@@ -1,5 +1,5 @@
-"""The model flags -> GPTConfig, with Megatron-LM's meaning where its flags interact, and the
-`--compile` check. Part of the edge (megazero.config): raises UsageError before any group exists.
+"""The model flags: their parser entries (add_model_flags), and the flags -> GPTConfig with
+Megatron-LM's meaning where its flags interact, and the `--compile` check. Part of the edge (megazero.config): raises UsageError before any group exists.
 
 Megatron-LM's rules kept here: --num-query-groups counts only with --group-query-attention (which
 defaults it to 1); --recompute-activations is --recompute-granularity selective; full recomputation
@@ -13,6 +13,69 @@ import shutil
 from megazero.config.moe_flags import moe_fields
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig, padded_vocab_size
+
+
+def add_model_flags(g, add) -> None:
+    """The transformer's shape flags (`add` is flags._add: it records each flag's shown default)."""
+    add(g, "--num-layers", type=int, default=4, help="transformer layers")
+    add(g, "--hidden-size", type=int, default=256, help="model width")
+    add(g, "--num-attention-heads", type=int, default=4, help="attention heads")
+    add(g, "--group-query-attention", action="store_true",
+        help="grouped-query attention with --num-query-groups key/value heads")
+    add(g, "--num-query-groups", type=int, default=None,
+        help="key/value head groups of --group-query-attention (ignored without it, as in Megatron-LM)",
+        shown="1 with --group-query-attention")
+    add(g, "--kv-channels", type=int, default=None, help="width of each attention head",
+        shown="hidden size / attention heads")
+    add(g, "--ffn-hidden-size", type=int, default=0, help="MLP width; 0: 4 x hidden (8/3 x for SwiGLU)")
+    add(g, "--seq-length", type=int, default=256, help="tokens per sample")
+    add(g, "--max-position-embeddings", type=int, default=0, help="rows of the position table; 0: seq length")
+    add(g, "--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute",
+        help="position encoding")
+    add(g, "--no-position-embedding", action="store_true", help="no learned position table (with rope)")
+    add(g, "--rotary-base", type=float, default=10000.0, help="RoPE frequency base")
+    add(g, "--rotary-percent", type=float, default=1.0,
+        help="fraction of each head's dims RoPE rotates (the leading ones), in (0, 1]")
+    add(g, "--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+        help="attention kernels: SDPA's choice, its flash or fused (cuDNN/memory-efficient) kernels, or the "
+             "math written out (unfused, local)")
+    add(g, "--swiglu", action="store_true", help="SwiGLU MLP instead of GELU")
+    add(g, "--openai-gelu", action="store_true", help="tanh-approximated GELU (GPT-2's; the default)")
+    add(g, "--no-bias-gelu-fusion", action="store_true",
+        help="exact (erf) GELU, as Megatron's unfused GELU, unless --openai-gelu")
+    add(g, "--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="norm layers")
+    add(g, "--norm-epsilon", type=float, default=1e-5, help="epsilon of the norm layers")
+    add(g, "--apply-layernorm-1p", action="store_true",
+        help="zero-centred norm scale: the norms multiply by weight + 1, weight starts at 0")
+    add(g, "--untie-embeddings-and-output-weights", action="store_true",
+        help="separate output layer instead of the input embedding")
+    add(g, "--disable-bias-linear", action="store_true", help="no biases in linear layers")
+    add(g, "--add-qkv-bias", action="store_true", help="biases in the QKV projection, whatever --disable-bias-linear")
+    add(g, "--hidden-dropout", type=float, default=0.1, help="dropout on hidden states, in [0, 1)")
+    add(g, "--attention-dropout", type=float, default=0.1, help="dropout on attention weights, in [0, 1)")
+    add(g, "--recompute-activations", action="store_true",
+        help="selective recomputation: each layer's core attention is recomputed in backward "
+             "(= --recompute-granularity selective, as in Megatron-LM)")
+    add(g, "--recompute-granularity", choices=["full", "selective"], default=None,
+        help="recompute whole layers (full) or the core attention (selective) in backward", shown="none")
+    add(g, "--recompute-method", choices=["uniform", "block"], default=None,
+        help="full: checkpoint groups of --recompute-num-layers layers (uniform), or only the first "
+             "--recompute-num-layers layers of each pipeline stage (block)", shown="none")
+    add(g, "--recompute-num-layers", type=int, default=None,
+        help="full: layers per group (uniform) or layers recomputed per pipeline stage (block)", shown="none")
+    add(g, "--cpu-offloading", action="store_true",
+        help="activation offload: the first --cpu-offloading-num-layers layers of each pipeline stage keep "
+             "their saved activations in host memory between forward and backward (docs/flags.md)")
+    add(g, "--cpu-offloading-num-layers", type=int, default=None,
+        help="activation offload of the first N layers of each pipeline stage (model chunk); N > 0 turns "
+             "it on, as in Megatron-LM", shown="0, or all layers with --cpu-offloading")
+    add(g, "--cross-entropy-loss-fusion", action="store_true",
+        help="accepted: the output layer and cross entropy always run fused, chunk by chunk")
+    add(g, "--compile", action="store_true", help="torch.compile each transformer layer")
+    add(g, "--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    add(g, "--init-method-std", type=float, default=0.02, help="std of the normal weight init")
+    add(g, "--make-vocab-size-divisible-by", type=int, default=128,
+        help="pad the vocabulary to a multiple of this x tensor-parallel size")
 
 
 def model_config(args, vocab: int, tp: int, pp: int, cuda: bool) -> tuple[GPTConfig, list[str]]:
