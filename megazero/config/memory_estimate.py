@@ -19,22 +19,9 @@ tests/config/test_memory_estimate.py each of its categories, params/grads/master
 against the split `model_state_bytes_by_kind` makes of it; the planner also counts stage 3's persistent
 parameters, under param_persistence_threshold, which stay whole in a stage-2 group.)
 
-Communication and transient buffers ("comm_buffers": what the peak holds beside model states and
-activations), from the buffers the engine makes: stage 3's gathered (live) weights, this stage's
-whole unpartitioned shard while max_reuse_distance and max_live_parameters allow keeping them
-(DeepSpeed's defaults, for models of this size), otherwise about the largest module plus one
-prefetch bucket; plus the largest of the step's phases. Backward: stage 3 stages two gradient
-buckets (a unit's) in the reduction dtype, stage 2 the bucket filling beside the reductions its queue
-still holds (config/staging_memory.py: the previous microbatch's whole-stage bucket, under a
-pipeline or gradient accumulation), and autograd hands each parameter's gradient over as a tensor of
-its own (the largest one counts), beside the activations. Reduction: the staged buckets plus, on
-gloo, a copy of the reduce-scatter's input (and stage 1's chunk temporary; stage 2: a copy per
-reduction in flight, and the reduced chunk of each after the step's first), beside the activations
-of the other microbatches a pipeline holds; stage 0/1 reduce the full gradient buffer in place. Weight gather after a stage 1/2 step: gloo's copy of
-an allgather_bucket_size bucket. Set-up: one parameter's full fp32 initial value and its slice.
-(bench/plan_memory_table.py compares the planned total with the processes' measured peak.)
-
-Activations: megazero/config/activation_memory.py (re-exported here).
+Communication and transient buffers ("comm_buffers"): megazero/config/comm_memory.py; what offload
+moves off the device: megazero/config/offload_memory.py. Activations: megazero/config/activation_memory.py
+(re-exported here).
 """
 from __future__ import annotations
 
@@ -46,27 +33,22 @@ import torch
 from megazero.config.train_config import TrainConfig
 from megazero.core.records import Record
 from megazero.config.attention_memory import kernel_for
-from megazero.config.moe_memory import (moe_layer_extra, moe_layer_persistent_extra,
-                                        moe_transient_bytes, stage_moe_layers)
+from megazero.config.comm_memory import comm_buffer_bytes
+from megazero.config.moe_memory import moe_layer_extra, moe_layer_persistent_extra, stage_moe_layers
+from megazero.config.offload_memory import (  # noqa: F401 - OFFLOAD_CATEGORIES re-exported: the planner's names
+    OFFLOAD_CATEGORIES, offloaded_bytes, resident_fraction)
 from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
     activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
     weight_grad_bytes, zero_bubble_in_flight, zero_bubble_peaks,
     layer_activation_split, layer_activation_units, output_layer_bytes)
-from megazero.config.staging_memory import stage2_staging_bytes
 from megazero.config.parameter_counts import (  # noqa: F401 - re-exported: the planner's names
     largest_module_params, largest_param, parameter_counts, persistent_counts)
 from megazero.parallel.pipeline.zero_bubble import V_SHAPED, ZERO_BUBBLE_SCHEDULES
-from megazero.zero.offload import resident_sub_groups
 
 GIB = 2 ** 30
 
 
 MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")   # the engine's memory.report() keys
-# Off the device (the engine's memory.report() keys too): offload_param moves stage 3's partitioned
-# weights, offload_optimizer the fp32 master and Adam moments (a master of their own even in fp32
-# runs) plus host staging for one sub-group's gradients and updated 16-bit weights.
-OFFLOAD_CATEGORIES = ("host_params", "nvme_params", "host_master", "host_optimizer_states", "nvme_master",
-                      "nvme_optimizer_states", "host_offload_buffers", "host_activations")
 DEVICE_CATEGORIES = MODEL_STATE_KINDS + ("activations", "comm_buffers")
 CATEGORIES = DEVICE_CATEGORIES + OFFLOAD_CATEGORIES
 
@@ -215,85 +197,6 @@ def _zero_bubble_activations(cfg: TrainConfig, r: RankLayout, kernel: str, chunk
                                  w_transient, loss, loss_stage)
     plain, at_loss = peaks(inputs), peaks(inputs + head_inputs)
     return fixed + max(at_loss[s] if s == loss_stage else plain[s] for s in range(pp))
-
-
-def comm_buffer_bytes(cfg: TrainConfig, r: RankLayout, activations: float) -> float:
-    """What the rank's peak holds beside its model states and activations (see the module notes):
-    stage 3's gathered weights, plus the largest of: the backward's buffers (gradient staging and
-    one parameter's fresh gradient, beside the activations), the reduction's (after a microbatch's
-    backward: only the other microbatches' activations are left) or the weight gather's (after the
-    step), and set-up's (one parameter's full fp32 initial value and its tensor-parallel slice)."""
-    z, par = cfg.zero, cfg.parallel
-    reduce_bytes = 2 if cfg.precision.reduce_dtype != "fp32" else 4
-    bucket = min(z.reduce_bucket_size, r.rank_parameters)
-    if z.stage == 3:        # a unit's gradients are one bucket
-        bucket = min(bucket, math.ceil(largest_module_params(cfg.model) / par.tensor_parallel))
-    # Stage 0/1 reduce the full gradient buffer where it lies (a temporary only to change dtype);
-    # stage 3 stages a unit's bucket while the previous one is reduced.
-    in_place = z.stage <= 1 and reduce_bytes == r.grad_bytes
-    staging = 0 if in_place else min(2 * bucket, r.rank_parameters) * reduce_bytes
-    fresh_grad = largest_param(cfg.model, par.tensor_parallel) * r.weight_bytes
-    live = 0
-    if z.stage == 3:
-        if z.max_reuse_distance >= r.rank_parameters and z.max_live_parameters >= r.rank_parameters:
-            live = r.rank_parameters - r.persistent_parameters
-        else:
-            largest = math.ceil(largest_module_params(cfg.model) / par.tensor_parallel)
-            live = min(r.rank_parameters, largest + z.prefetch_bucket_size)
-    # gloo runs a reduce-scatter on a copy of its input and an all-gather into a copy of its output
-    # (NCCL works in place); stage 1's in-place reduce-scatter also goes through a chunk temporary.
-    reduction, gather = staging, 0
-    if par.distributed_backend == "gloo" and z.stage > 0 and r.shards > 1:
-        reduction += bucket * reduce_bytes * (1 + (1 / r.shards if z.stage == 1 else 0))
-        if z.stage in (1, 2):
-            gather = min(z.allgather_bucket_size, r.rank_parameters) * r.weight_bytes
-    if z.stage == 3:        # reduced after every microbatch, while a pipeline holds the others'
-        reduction += activations * (r.in_flight - 1) / r.in_flight
-    elif z.stage == 2:      # the reductions the queue holds, whole-stage buckets of earlier microbatches
-        staging, reduction = stage2_staging_bytes(cfg, r, reduce_bytes, activations)  # included
-    initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
-    head = output_layer_bytes(cfg.model.seq_length * cfg.micro_batch_size // par.context_parallel, cfg.model,
-                              par.tensor_parallel, r.weight_bytes, r.in_flight)
-    # a MoE layer's dispatch buffers run in the backward while the staged buckets fill: the larger counts
-    moe = moe_transient_bytes(cfg, r.weight_bytes, head)
-    peak = max(activations + max(staging, moe) + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)
-    return float(live * r.weight_bytes + peak - activations)
-
-
-def resident_fraction(zero, partition: float) -> float:
-    """The fraction of a partition whose optimizer states stay on the device under offload_optimizer:
-    none, or with stage 3's partial offload (`ratio`) the first sub-groups DeepSpeed's rule keeps."""
-    if not zero.offloads_optimizer or zero.offload_optimizer.ratio == 1.0 or partition <= 0:
-        return 0.0
-    count = max(1, math.ceil(partition / zero.sub_group_size))
-    return min(partition, resident_sub_groups(count, zero.offload_optimizer.ratio) * zero.sub_group_size) / partition
-
-
-def offloaded_bytes(cfg: TrainConfig, r: RankLayout) -> dict[str, float]:
-    """OFFLOAD_CATEGORIES (zero where nothing is offloaded). The optimizer's host staging holds one
-    sub-group (at most `sub_group_size` elements) of gradients and, in 16-bit runs, weights; nvme
-    adds `buffer_count` sub-groups of the three states (fp32 master, the moments) in host buffers."""
-    z = cfg.zero
-    out = dict.fromkeys(OFFLOAD_CATEGORIES, 0.0)
-    partition = r.rank_parameters / r.shards          # optimizer-state elements on this rank
-    if z.offloads_optimizer:
-        where = "host" if z.offload_optimizer.device == "cpu" else "nvme"
-        away = partition * (1 - resident_fraction(z, partition))
-        out[f"{where}_master"], out[f"{where}_optimizer_states"] = 4 * away, r.state_bytes * away
-        group = min(z.sub_group_size, partition)
-        out["host_offload_buffers"] = group * (r.grad_bytes + (r.weight_bytes if r.weight_bytes == 2 else 0))
-        if where == "nvme":
-            sub_groups = math.ceil(partition / z.sub_group_size)
-            out["host_offload_buffers"] += min(z.offload_optimizer.buffer_count, sub_groups) * (
-                4 + r.state_bytes) * group
-        if z.zenflow is not None:     # the accumulator(s), the gradients' copy, the CPU Adam's output
-            accumulators = 2 if z.zenflow.overlap_step else 1
-            out["host_offload_buffers"] += partition * (4 * accumulators + r.grad_bytes + (
-                r.weight_bytes if r.weight_bytes == 2 else 0))
-    if z.stage == 3 and z.offloads_params:
-        moved = (r.rank_parameters - r.persistent_parameters) / r.shards * r.weight_bytes
-        out["host_params" if z.offload_param.device == "cpu" else "nvme_params"] = moved
-    return out
 
 
 def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
