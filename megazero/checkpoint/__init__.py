@@ -4,7 +4,8 @@ from .agreement import SaveError
 from .files import CheckpointError
 from .loader import LoadResult, load_checkpoint
 from .reader import CheckpointReader
-from .saver import CheckpointSaver, write_full_checkpoint
+from .full_checkpoint import write_full_checkpoint
+from .saver import CheckpointSaver
 
 __all__ = ["CheckpointError", "CheckpointReader", "CheckpointSaver", "LoadResult", "SaveError", "load_checkpoint",
            "write_full_checkpoint"]
