@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from megazero.run import failures, rendezvous
 from megazero.core.errors import AgreedStop, UsageError
 from megazero.run.heartbeat import Heartbeat, describe_activity
+from megazero.run.threads import default_threads, usable_cores
 
 if TYPE_CHECKING:      # the runtime is imported only once the flags are checked
     from megazero.run.pretrain import Pretraining
@@ -228,23 +229,6 @@ class Launch:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, as Slurm and containers restrict it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:              # not on Linux
-        return os.cpu_count() or 1
-
-
-def default_threads(cores: int, local_world: int, load: float) -> int:
-    """torch's threads per rank when OMP_NUM_THREADS is unset: the cores other work leaves idle (the
-    1-minute load average off the count) shared by the node's ranks, at least 1. On a busy machine
-    all-core OpenMP regions wait on their descheduled threads: a tiny step measured 253-2541 ms on
-    two busy cores against 38-92 ms on one thread."""
-    idle = min(cores, cores - int(load + 0.5)) if load > 0 else cores
-    return max(1, idle // max(1, local_world))
 
 
 def _say_waiting(line: str) -> None:
