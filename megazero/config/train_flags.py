@@ -57,11 +57,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     is left as parsed (what the DeepSpeed config gives for flags is read into a copy)."""
     machine = Machine.of(world_size, local_world_size, cuda_available)
     args, ds, merged = _settings(args)
-    zero, zero_notes = zero_config(args, ds)
-    precision, notes = precision_config(args, ds, merged)
-    if ds:
-        notes = ds.notes + stage_notes(zero, f"{args.zero_config}: zero_optimization") + notes
-    notes += zero_notes
+    zero, precision, notes = _zero_and_precision(args, ds, merged)
     topology, cp_comm_type = _topology(args, machine, zero)
     model = _model_config(args, topology, notes, machine)
     check_attention_precision(model, precision.bf16 or precision.fp16, machine.uses_cuda(args.distributed_backend))
@@ -106,6 +102,16 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         wall_clock_breakdown=merged["wall_clock_breakdown"] or args.log_timers_to_tensorboard,
         compile_backend=compile_layers, notes=notes, checkpoint=checkpoint_config(args),
         monitor=monitor_config(args, run_dir), rampup=ramp, run=run_opts)
+
+
+def _zero_and_precision(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple:
+    """The ZeroConfig and PrecisionConfig the flags and the DeepSpeed config give, and the notes so far:
+    the config's own, its stage's, the precision flags', then the ZeRO flags'."""
+    zero, zero_notes = zero_config(args, ds)
+    precision, notes = precision_config(args, ds, merged)
+    if ds:
+        notes = ds.notes + stage_notes(zero, f"{args.zero_config}: zero_optimization") + notes
+    return zero, precision, notes + zero_notes
 
 
 def _settings(parsed: argparse.Namespace) -> tuple[argparse.Namespace, DeepSpeedSettings | None, dict]:
