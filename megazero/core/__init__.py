@@ -1,6 +1,7 @@
 """The foundation every other room of megazero imports, and that imports nothing of megazero's:
 
-- `comm`: every collective, behind `Group`, with its byte accounting (intra- and inter-node);
+- `comm`: every collective, behind `Group`, with its byte accounting (`comm_log`: intra- and
+  inter-node bytes, the trace);
 - `streams`: side streams, the events between them and step timers (a no-op on CPU, with the CPU
   stream sanitizer that enforces CUDA's ordering rules in the tests); `cuda_backends`: the CUDA
   calls behind them;

@@ -1,13 +1,10 @@
 """The comm layer: every collective of the project goes through the functions here.
 
-It owns two things: the `Group` handle (a torch process group plus the facts the accounting needs:
-its global ranks, this rank's index, whether it spans nodes) and the `CommLog`, which counts per step
-the bytes each op moves per rank, by op, group and intra/inter-node. It must not know what the bytes
-are (parameters, gradients, activations): callers decide that.
-
-Byte convention (per rank, as DeepSpeed's comms logger and the ring algorithms): reduce-scatter,
-all-gather and all-to-all move (n-1)/n of the full buffer; all-reduce moves 2(n-1)/n; point-to-point
-moves the tensor's bytes; broadcast counts (n-1)/n of the tensor.
+It owns the `Group` handle (a torch process group plus the facts the accounting needs: its global
+ranks, this rank's index, whether it spans nodes) and the ops; each op counts its bytes in the
+group's `CommLog` (megazero/core/comm_log.py, re-exported here: bytes per step by op, group and
+intra/inter-node, and the trace the dry run compares). It must not know what the bytes are
+(parameters, gradients, activations): callers decide that.
 
 A group of one rank short-circuits every op (nothing moves, nothing is counted), so single-process
 runs need no torch.distributed at all.
@@ -34,15 +31,14 @@ Tensors this module creates itself are created on the group's device.
 from __future__ import annotations
 
 import dataclasses
-import sys
-from collections import defaultdict
 import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from megazero.core import host_read, kernels, source_paths, streams
+from megazero.core import host_read, kernels, streams
+from megazero.core.comm_log import CommEntry, CommLog, _call_site
 
 ReduceOp = dist.ReduceOp
 
@@ -52,102 +48,6 @@ all_gather_single = kernels.declare(
     "all-gather into one tensor", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
 reduce_scatter_single = kernels.declare(
     "reduce-scatter of one tensor", getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
-
-
-class CommLog:
-    """Bytes moved per rank, keyed by (op, group name, 'intra'|'inter'), for the current step and in total.
-
-    With `trace=True` it also keeps every op in issue order (`entries`, `CommEntry`): what ranks must
-    agree on (op, dtype, element count, reduce op, root; a p2p's peer and shape) and where the code
-    issued it, which the dry run (megazero.dry_run) compares across the members of each group."""
-
-    def __init__(self, trace: bool = False):
-        self.entries: list[CommEntry] | None = [] if trace else None
-        self.step_ends: list[int] = []        # len(entries) at each end_step
-        self.step_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
-        self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
-        self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
-        # host seconds blocked in collectives (a synchronous op's call, an async op's wait), in total:
-        # where a rank waits for slower peers (megazero.training.stragglers)
-        self.wait_s = 0.0
-        self.last_step: dict[tuple[str, str, str], float] = {}
-        self.issued = 0                       # collectives issued so far (groups of one excluded)
-        # (op, group name, its ranks, count) of the last one: what a heartbeat reports (another
-        # thread reads it, so it is replaced whole, never changed in place)
-        self.last_issued: tuple[str, str, tuple[int, ...], int] | None = None
-
-    def record(self, op: str, group: "Group", nbytes: float, tensor: torch.Tensor | None = None,
-               reduce_op=None, root: int | None = None, peer: int | None = None) -> None:
-        key = (op, group.name, "intra" if group.intra_node else "inter")
-        if self.entries is not None:
-            self.entries.append(CommEntry(
-                op, group.name, tuple(group.ranks), str(tensor.dtype).removeprefix("torch."),
-                tensor.numel(), tuple(tensor.shape), _reduce_name(reduce_op), root, peer, _call_site()))
-        self.issued += 1
-        self.last_issued = (op, group.name, tuple(group.ranks), self.issued)
-        self.step_bytes[key] += nbytes
-        self.step_calls[key] += 1
-        self.total_bytes[key] += nbytes
-
-    def end_step(self) -> dict[tuple[str, str, str], float]:
-        """Closes the step: returns its byte counts and starts a new one."""
-        self.last_step = dict(self.step_bytes)
-        if self.entries is not None:
-            self.step_ends.append(len(self.entries))
-        self.step_bytes.clear()
-        self.step_calls.clear()
-        return self.last_step
-
-    def summary(self, counts: dict | None = None) -> str:
-        counts = self.last_step if counts is None else counts
-        parts = [f"{op}[{g},{loc}]={b / 2**20:.2f}MiB" for (op, g, loc), b in sorted(counts.items())]
-        return "comm/rank: " + (" ".join(parts) if parts else "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class CommEntry:
-    """One traced op as this rank issued it. `root`: a broadcast's source, `peer`: a send's or
-    receive's other end (global ranks); `site`: file:line of the first caller outside this module."""
-    op: str
-    group: str
-    ranks: tuple[int, ...]
-    dtype: str
-    numel: int
-    shape: tuple[int, ...]
-    reduce_op: str | None = None
-    root: int | None = None
-    peer: int | None = None
-    site: str = ""
-
-    def signature(self) -> tuple:
-        """What every member of the group must issue alike (p2p: what the peer's side must mirror)."""
-        if self.op in ("send", "recv"):
-            return (self.op, self.dtype, self.shape)
-        if self.op == "all_to_allv":      # each rank's row counts are its own: the row's width is shared
-            return (self.op, self.dtype, self.shape[1:])
-        return (self.op, self.dtype, self.numel, self.reduce_op, self.root)
-
-
-def _reduce_name(op) -> str | None:
-    if op is None:
-        return None
-    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
-        if op == getattr(ReduceOp, name, None):
-            return name.lower()
-    return str(op)
-
-
-_WRAPPERS = (__name__, "megazero.zero.quantized_comm")     # modules whose frames a call site skips
-
-
-def _call_site() -> str:
-    """file:line of the code that asked for the op (the first frame outside the comm wrappers)."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__") in _WRAPPERS:
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    return f"{source_paths.shown(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 @dataclasses.dataclass(eq=False)
