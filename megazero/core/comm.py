@@ -161,7 +161,7 @@ def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.T
            async_op: bool):
     """Runs `call()` (the torch.distributed op); returns (its work, the event that ends it or None).
     Under the CPU stream checker the op reads `reads` and writes `writes` as NCCL would run it
-    (megazero.core.stream_check.nccl_semantics); elsewhere the backend's work orders the streams
+    (megazero.core.nccl_semantics); elsewhere the backend's work orders the streams
     (NCCL) or the host (gloo)."""
     checker = streams.checker_for(group.device)
     started = time.perf_counter()

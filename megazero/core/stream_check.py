@@ -11,18 +11,10 @@ stream A at position p when B's view of A has reached p (B waited on an event re
 when the host synchronized on such an event. A `TorchDispatchMode` (megazero.core.op_access)
 attributes every aten op to the current stream: its inputs are read, the arguments its schema marks mutated and its fresh outputs
 are written (views touch no data). Collectives are declared by megazero.core.comm (`collective`), and
-run as torch's ProcessGroupNCCL runs them (`nccl_semantics` picks the model by torch version):
-
-- torch >= 2.8 (pytorch PR #148590, relanded as #150398; the GPU image's 2.11): an asynchronous
-  collective or batched p2p runs on its communicator's modelled stream after the work queued on the
-  issuing stream; no stream is recorded on its tensors: the comm layer's Handle holds them ("the
-  stash") until its wait, which orders only the waiting stream after the op (the event recorded on
-  the communicator's stream). A synchronous collective runs on the current stream itself.
-- before 2.8: every collective ran on the communicator's stream with its tensors record_stream'ed
-  there, a synchronous one waited for by the current stream.
-
-A host thread (ZenFlow's CPU Adam) is declared the same way
-(`host_thread`), on a stream of its own that is ordered only after what the host synchronized on.
+run as torch's ProcessGroupNCCL runs them (megazero.core.nccl_semantics picks the model by torch
+version: from 2.8 an async op's tensors are stashed until its wait, before that record_stream'ed).
+A host thread (ZenFlow's CPU Adam) is declared the same way (`host_thread`), on a stream of its own
+that is ordered only after what the host synchronized on.
 
 Violations (StreamOrderError, naming the tensor's shape, dtype and label, both streams and both call
 sites, the first frames outside torch and the stream and comm modules):
@@ -55,24 +47,14 @@ from pathlib import Path
 import torch
 
 from megazero.core import kernels, op_access, source_paths, streams as _streams
+from megazero.core.nccl_semantics import (  # noqa: F401 - re-exported: the tests and the dry run take them from here
+    RECORD_STREAM, STASH, describe_semantics, nccl_semantics)
 
 MAIN = 0
-STASH, RECORD_STREAM = "stash", "record_stream"       # how NCCL keeps collective tensors alive (nccl_semantics)
 _SKIPPED_FILES = tuple(str(Path(p).resolve()) for p in (
     Path(torch.__file__).parent, Path(__file__), Path(_streams.__file__),
     Path(_streams.__file__).with_name("comm.py"), Path(kernels.__file__), Path(op_access.__file__),
     Path(contextlib.__file__)))
-
-
-def nccl_semantics(version: str | None = None) -> str:
-    """How torch's ProcessGroupNCCL orders a collective's tensors, for torch `version` (default: this
-    one's). STASH from 2.8 on: pytorch PR #148590 (relanded as #150398) removed every record_stream; an
-    async op holds its tensors on the host until work.wait(), the wait orders only the waiting stream
-    after NCCL's work, and a sync op runs on the current stream (TORCH_NCCL_AVOID_RECORD_STREAMS is
-    ignored, and was removed by PR #194701). RECORD_STREAM before: every tensor was recorded on
-    NCCL's stream, where sync ops ran too, joined back to the current stream."""
-    release = torch.torch_version.TorchVersion(version if version is not None else torch.__version__)
-    return STASH if release >= (2, 8) else RECORD_STREAM
 
 
 class StreamOrderError(RuntimeError):
@@ -427,11 +409,6 @@ def _storage_died(checker_ref, key: int, _ref) -> None:
     tracked = checker.storages.pop(key, None)
     if tracked is not None and checker.active:
         checker._free(tracked, _call_site(), now=False)
-
-
-def describe_semantics(semantics: str) -> str:
-    return ("NCCL as torch >= 2.8: async ops' tensors stashed until wait" if semantics == STASH
-            else "NCCL as torch < 2.8: tensors recorded on its stream")
 
 
 @contextlib.contextmanager
