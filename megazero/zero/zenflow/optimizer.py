@@ -61,8 +61,7 @@ from megazero.core import comm, host_read
 from megazero.core.streams import Event, host_thread_work
 from megazero.ops.adam import adam_update
 from ..offload import OFFLOADED_KINDS, OptimizerOffload, _nbytes
-from .columns import chosen_in_split, column_abs_sums, top_columns
-from megazero.models.param_info import param_info
+from .columns import column_abs_sums, first_columns, matrix_splits, selection_mask
 
 ZENFLOW_KINDS = ("zenflow_acc", "zenflow_selected", "zenflow_pending")
 # The selected columns' device moments, at their elements of the partition (zero elsewhere).
@@ -83,18 +82,10 @@ class ZenFlowOffload(OptimizerOffload):
         # Tensor parallelism: the matrices it splits (their shard, else None), whose column norms
         # and "auto" sums are taken over the whole matrix, on every tensor-parallel rank alike.
         self.tensor = tensor if tensor is not None and tensor.size > 1 else None
-        self.tp_split = [param_info(p).tp_shard if self.tensor is not None and len(storage.full_shape(i)) >= 2
-                      else None for i, p in enumerate(storage.params)]
-        self.columns_split = [s is not None and s.dim % len(storage.full_shape(i)) == len(storage.full_shape(i)) - 1
-                              for i, s in enumerate(self.tp_split)]
+        # and the matrices "auto" counts (columns.matrix_splits; `counted`: the gradient norm's rule)
+        self.tp_split, self.columns_split, self.matrices = matrix_splits(storage, self.tensor,
+                                                                         counted or (lambda p: True))
         self.split_rows = torch.tensor([s is not None for s in self.tp_split], device=storage.device).unsqueeze(1)
-        # "auto" counts each matrix once: one pipeline stage's copy of a tied one, one
-        # tensor-parallel rank's of a split or replicated one (`counted`: the gradient norm's rule).
-        counted = counted or (lambda p: True)
-        first = self.tensor is None or self.tensor.rank == 0
-        self.matrices = torch.tensor([len(storage.full_shape(i)) >= 2 and counted(p) and (first or not split)
-                                      for i, (p, split) in enumerate(zip(storage.params, self.tp_split))],
-                                     device=storage.device)
         n = storage.layout.partition_size
         pin = config.pin_memory and storage.device.type == "cuda"
         host = dict(device="cpu", pin_memory=pin)
@@ -178,36 +169,10 @@ class ZenFlowOffload(OptimizerOffload):
             per_rank = torch.empty(self.tensor.size * len(flat), dtype=flat.dtype, device=flat.device)
             comm.all_gather(per_rank, flat, self.tensor)
             per_rank = per_rank.view(self.tensor.size, -1)
-        mask = torch.zeros(storage.layout.partition_size, dtype=torch.bool, device=storage.device)
-        at = 0
-        for (piece, columns), split, by_columns in zip(pieces, self.tp_split, self.columns_split):
-            if split is None:
-                chosen = top_columns(flat[at:at + columns], self.flow.topk_ratio)
-            elif not by_columns:              # rows split: each rank's sums are partial (L1 adds up)
-                chosen = top_columns(per_rank[:, at:at + columns].sum(0), self.flow.topk_ratio)
-            else:
-                chosen = chosen_in_split(split, per_rank[:, at:at + columns], self.flow.topk_ratio)
-            at += columns
-            if piece is None or len(chosen) == 0:
-                continue
-            cols = torch.arange(piece.param_offset, piece.param_offset + piece.length,
-                                device=storage.device) % columns
-            start = piece.partition_offset
-            mask[start:start + piece.length] = torch.isin(cols, chosen)
-        host_read.copy_into(self.mask, mask, "zenflow selection", healthy=lambda: self._first_columns(pieces))
-
-    def _first_columns(self, pieces) -> torch.Tensor:
-        """A selection of the size `_select` makes (top_columns' count of every matrix's columns; a
-        vector whole), of each matrix's first columns: what the dry run's meta tensors select."""
-        mask = torch.zeros_like(self.mask)
-        for piece, columns in pieces:
-            if piece is None:
-                continue
-            ratio = self.flow.topk_ratio
-            count = 0 if ratio <= 0 else max(1, int(ratio * columns))
-            cols = torch.arange(piece.param_offset, piece.param_offset + piece.length) % columns
-            mask[piece.partition_offset:piece.partition_offset + piece.length] = (cols < count).float()
-        return mask
+        mask = selection_mask(pieces, flat, per_rank, self.tp_split, self.columns_split, self.flow.topk_ratio,
+                              storage.layout.partition_size)
+        host_read.copy_into(self.mask, mask, "zenflow selection",
+                            healthy=lambda: first_columns(pieces, self.flow.topk_ratio, self.mask))
 
     def _take_selection(self, storage) -> None:
         """The device states of the selected elements (per weight decay): the master from the host
