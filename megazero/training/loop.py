@@ -230,9 +230,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     diverged raises Diverged on every rank at the same iteration (megazero.training.divergence)."""
     cfg = state.cfg
     history, window = [], []
-    par = cfg.parallel
-    chunk_layers = [len(r) for r in stage_layer_ranges(cfg.model.num_layers, par.pipeline_parallel,
-                                                       par.virtual_stages, par.layer_split)]
+    chunk_layers = _chunk_layers(cfg)
     peak = peak_tflops(state.device)
     world = state.groups.topology.world_size
     housekeeping = Housekeeping(cfg.run, state.groups.rank, state.device, cfg.run_dir)
@@ -261,12 +259,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                                   memory_mib=peak_memory_mib(state.device), skipped_total=state.engine.skipped_steps,
                                   flagged=_optional_fields(state, rates, batch, consumed, step),
                                   time_ms=state.timers.elapsed_ms() if state.timers is not None else None)
-            collapsed = collapse_line(step.moe, cfg.model, it + 1, moe_said) if step.moe is not None else None
-            if collapsed and metrics is not None:
-                metrics.say(f" {collapsed}")
-            if step.skipped and metrics is not None:
-                metrics.say(f" iteration {it + 1}: non-finite gradient norm ({step.grad_norm}), step skipped "
-                            f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")
+            _say_step_notes(state, step, it + 1, moe_said, metrics)
             history.append(record)
             window.append(record)
             if state.stragglers is not None:
@@ -275,14 +268,8 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
                 metrics.log_train(window, state.groups.log)
                 window = []
             _check_divergence(watch, state, it + 1, step, metrics, window, policy)
-            last = it + 1 == cfg.train_iters
-            if valid_batches and ((it + 1) % cfg.eval_interval == 0 or last):
-                housekeeping.around_evaluation()
-                eval_record = {"iteration": it + 1, "split": "valid", "loss": evaluate(state, valid_batches)}
-                housekeeping.around_evaluation()
-                history.append(eval_record)
-                if metrics is not None:
-                    metrics.log_eval(eval_record)
+            if valid_batches and ((it + 1) % cfg.eval_interval == 0 or it + 1 == cfg.train_iters):
+                history.append(_evaluation(state, valid_batches, it + 1, housekeeping, metrics))
             housekeeping.after_step(it + 1)
             stop = policy.after_step(state, consumed, step.stop_flags, step.loss) if policy else None
             if stop:
@@ -294,6 +281,35 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     if policy is not None:
         policy.finish(state, consumed)
     return history
+
+
+def _chunk_layers(cfg) -> list[int]:
+    """Layers of every model chunk (pipeline stages x virtual stages, in pipeline order), which
+    recompute_flops counts "block" recomputation in."""
+    par = cfg.parallel
+    return [len(r) for r in stage_layer_ranges(cfg.model.num_layers, par.pipeline_parallel, par.virtual_stages,
+                                               par.layer_split)]
+
+
+def _say_step_notes(state: TrainState, step: StepResult, iteration: int, moe_said: set, metrics) -> None:
+    """The step's lines beside its record: MoE layers that sent every token to one expert (each named
+    once, `moe_said`), and a step skipped for a non-finite gradient norm."""
+    collapsed = collapse_line(step.moe, state.cfg.model, iteration, moe_said) if step.moe is not None else None
+    if collapsed and metrics is not None:
+        metrics.say(f" {collapsed}")
+    if step.skipped and metrics is not None:
+        metrics.say(f" iteration {iteration}: non-finite gradient norm ({step.grad_norm}), step skipped "
+                    f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")
+
+
+def _evaluation(state: TrainState, valid_batches, iteration: int, housekeeping: Housekeeping, metrics) -> dict:
+    """The validation loss after `iteration`, as a record (logged), inside housekeeping's pause."""
+    housekeeping.around_evaluation()
+    record = {"iteration": iteration, "split": "valid", "loss": evaluate(state, valid_batches)}
+    housekeeping.around_evaluation()
+    if metrics is not None:
+        metrics.log_eval(record)
+    return record
 
 
 def _check_divergence(watch: DivergenceWatch, state: TrainState, iteration: int, step: StepResult, metrics,
