@@ -124,31 +124,43 @@ class ZeroEngine(SplitBackward):
         self.domains += list(domains)
         self._input_pass = False               # inside backward_input (B): no gradient may arrive
         self._leaves_of_pass: dict = {}        # ticket -> (domain, leaf) whose backward B ran, in order
+        self._replace_parameters(init_fn, isolated, uneven_gradients)
+        self._plan_optimizer(lr_group, muon, muon_matrix)
+        self.memory = EngineMemory(self)
+        self.has_grads = False
+        self._hook_gradients()
+
+    # --- construction -----------------------------------------------------------------------
+    def _replace_parameters(self, init_fn, isolated, uneven_gradients: bool) -> None:
+        """The modules' parameters replaced by the storages' (`names` follows them), with the order
+        of reductions fixed where gradients may be uneven, and each storage's domain known."""
+        modules = self.modules
         named = _unique_named_parameters(modules)
         self.names = {id(p): n for n, p in named}
         user_init = init_fn
         replaced = self._build_storages(named, lambda p: user_init(self.names[id(p)], p), isolated)
         old_of = {id(replaced[id(p)]): p for _, p in named if id(p) in replaced}
         self.in_order = InOrderReductions([(g, [old_of[id(q)] for q in g.params]) for g in self._flat_groups()],
-                                          [p for _, p in named]) if uneven_gradients and zero.stage <= 2 else None
+                                          [p for _, p in named]) if uneven_gradients and self.zero.stage <= 2 else None
         for group in self._flat_groups():
             group.sequencer = self.in_order
         _swap_parameters(modules, replaced)
         self.names = {id(replaced[k]): n for k, n in self.names.items()}
         self._domain_of = {id(s): d for d in self.domains for s in d.flat_groups + [d.units] if s is not None}
+
+    def _plan_optimizer(self, lr_group, muon: MuonConfig | None, muon_matrix) -> None:
+        """Each storage's optimizer plan (weight decay, norm counting, lr group, Muon or Adam) and
+        where its optimizer states live (the placement: device, offload, ZenFlow)."""
+        counts_in_norm = self.counts_in_norm
         group_of = (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group
         self.muon = None if muon is None else Muon.for_engine(self, muon, muon_matrix, group_of)
         for storage in self.storages():
             storage.plan(self._weight_decay_of, counts_in_norm, group_of,
                          self.muon.steps if self.muon is not None else _never)
-        self.placement = optimizer_placement(zero, groups, counts_in_norm)
+        self.placement = optimizer_placement(self.zero, self.groups, counts_in_norm)
         for i, storage in enumerate(self.storages()):
             self.placement.place(storage, self.domain_of(storage).label(storage, i))
-        self.memory = EngineMemory(self)
-        self.has_grads = False
-        self._hook_gradients()
 
-    # --- construction -----------------------------------------------------------------------
     def _build_storages(self, named, init_fn, isolated) -> dict[int, nn.Parameter]:
         """Every domain's storages over its parameters (init_fn(old parameter): its full fp32 value);
         returns id(old parameter) -> its replacement."""
