@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # The grid and its pool worker live with the bench table that prints them; the pool's workers import
 # the worker by module name, so bench/ joins sys.path here, at collection, before any pool starts.
 sys.path.insert(0, str(ROOT / "bench"))
-from plan_memory_table import (GRID, MOE_PEAK_GRID, MOE_PEAK_MODEL, compare, compare_peaks,  # noqa: E402
-                               dry_run_peaks, format_dry_peaks, format_peaks, format_rows)
+from plan_memory_table import (  # noqa: E402
+    GRID, MOE_PEAK_GRID, MOE_PEAK_MODEL, compare, compare_peaks, dry_run_peaks, format_dry_peaks, format_peaks,
+    format_rows)
 
 
 def _tool():

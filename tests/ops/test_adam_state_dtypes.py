@@ -27,8 +27,8 @@ import torch
 from megazero.ops import adam as adam_module
 from megazero.ops.adam import AdamSegment, adam_update, adam_update_fused, adam_update_reference
 from megazero.ops.adam_config import AdamConfig
-from tests.ops.test_adam import (FUSED, assert_bitwise, kernel_on, make_grad, run_kernel,  # noqa: F401
-                                 special_floats, supported_isas)
+from tests.ops.test_adam import (  # noqa: F401
+    FUSED, assert_bitwise, kernel_on, make_grad, run_kernel, special_floats, supported_isas)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MOMENTS = [(BF16, BF16), (BF16, FP32), (FP32, BF16)]
