@@ -49,7 +49,7 @@ def _modules() -> dict[str, Path]:
 
 def _extensions() -> set[str]:
     """The compiled modules setup.py builds from csrc/ (no Python source to parse)."""
-    return set(re.findall(r'Extension\("(megazero\.[\w.]+)"', (REPO / "setup.py").read_text()))
+    return set(re.findall(r'Extension\(\s*"(megazero\.[\w.]+)"', (REPO / "setup.py").read_text()))  # any layout
 
 
 MODULES = _modules()
