@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .files import apply_umask
-from . import megatron_optim
+from . import megatron_optim, megatron_stages
 from .megatron_optim import OPTIM_FILE, MegatronOptimizerError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -205,25 +205,33 @@ def _shard_shapes(name: str, full: torch.Tensor, tp: int) -> list[torch.Size]:
 
 
 def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
-    """Full states from torch_dist's dp_reshardable buckets: per model-parallel domain (its index is
-    the tensor-parallel rank at pipeline degree 1) the buckets joined make the legacy buffer; the
-    parameter order is megatron-core's registration order of the spec whose masters match."""
-    tp, swiglu = args.get("tensor_model_parallel_size") or 1, bool(args.get("swiglu"))
-    if (args.get("pipeline_model_parallel_size") or 1) > 1 or sorted(buckets) != list(range(tp)):
+    """Full states from torch_dist's dp_reshardable buckets: per model-parallel domain (pipeline rank
+    x tensor degree + tensor rank, as megatron-core numbers its model-parallel group) and grad buffer
+    (a virtual-pipeline chunk) the buckets joined make the legacy buffer of that chunk; the parameter
+    order is megatron-core's registration order of the spec whose masters match."""
+    tp, pp, vp = megatron_stages.degrees(args)
+    if sorted(buckets) != list(range(tp * pp)) or any(sorted(b) != list(range(vp)) for b in buckets.values()):
         raise MegatronCheckpointError(
-            f"{where}: dp_reshardable optimizer state of pipeline degree {args.get('pipeline_model_parallel_size')} "
-            f"({len(buckets)} model-parallel domains); megazero reads it at pipeline degree 1: re-save with "
-            f"--dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the weights alone")
+            f"{where}: dp_reshardable optimizer state of {len(buckets)} model-parallel domains where the run's "
+            f"arguments give {tp * pp} of {vp} grad buffers each; re-save with --dist-ckpt-optim-fully-reshardable, "
+            f"or pass --weights-only to import the weights alone")
+    swiglu = bool(args.get("swiglu"))
     shards = {name: [torch.empty(shape) for shape in _shard_shapes(name, full, tp)] for name, full in model.items()}
+    if megatron_stages.shared_embedding(args, pp - 1, vp - 1, pp, vp):        # the last stage's copy of a tied head
+        shards.setdefault("output_layer.weight", shards.get("embedding.word_embeddings.weight"))
     for spec in megatron_optim.LAYER_ORDERS:
-        order = megatron_optim.registration_order(model, spec)
-        if order is None:
-            continue
+        states = {kind: {} for kind in megatron_optim.STATES}
         try:
-            ranks = [megatron_optim.bucket_rank_states(
-                buckets[t], {name: shards[name][t] for name in order}, args, where) for t in range(tp)]
-            states = {kind: {name: _merge_tp(name, [rank[kind][name] for rank in ranks], swiglu) for name in order}
-                      for kind in megatron_optim.STATES}
+            for p, v in ((p, v) for p in range(pp) for v in range(vp)):
+                order = megatron_optim.registration_order(megatron_stages.chunk_names(shards, args, p, v), spec)
+                if order is None:
+                    raise MegatronOptimizerError(f"{where}: no {spec} order")
+                chunk = megatron_optim.Chunk(p, v, frozenset(megatron_stages.shared_embedding(args, p, v, pp, vp)))
+                ranks = [megatron_optim.bucket_rank_states(buckets[p * tp + t][v], {n: shards[n][t] for n in order},
+                                                           args, where, chunk) for t in range(tp)]
+                for kind in megatron_optim.STATES:
+                    states[kind].update({n: _merge_tp(n, [rank[kind][n] for rank in ranks], swiglu) for n in order
+                                         if n in model})
             megatron_optim.check_masters(model, states, where)
             return states
         except MegatronOptimizerError:
@@ -317,32 +325,52 @@ def _legacy_files(directory: Path, files: list[Path]) -> tuple[dict, int, int]:
     return by_rank, tp, pp
 
 
+def _chunks(loaded: dict, file: Path) -> list[dict]:
+    """A legacy file's model chunks: `model`, or a virtual pipeline's model0, model1, ... in order."""
+    if "model" in loaded:
+        return [loaded["model"]]
+    keys = sorted((k for k in loaded if re.fullmatch(r"model\d+", str(k))), key=lambda k: int(k[5:]))
+    if not keys:
+        raise MegatronCheckpointError(f"{file}: no `model` (nor model0, model1, ...); not a Megatron-LM checkpoint")
+    return [loaded[k] for k in keys]
+
+
 def _read_legacy(directory: Path, files: list[Path], optimizer: bool) -> tuple[dict, dict, dict]:
+    """Every rank's chunks merged along tensor parallelism, placed by chunk: megatron-core deals a
+    virtual pipeline's chunks in rounds (chunk v of stage p after every chunk of rounds before v and
+    of stages before p in round v), each chunk numbering its layers from 0."""
     by_rank, tp, pp = _legacy_files(directory, files)
     with_states = optimizer and all((file.parent / OPTIM_FILE).is_file() for file in by_rank.values())
-    record, state, states, offset = None, {}, {}, 0
+    record, merged = None, {}
     for p in range(pp):
         loaded = [safe_load(by_rank[(p, t)]) for t in range(tp)]
-        if "model" not in loaded[0]:
-            raise MegatronCheckpointError(f"{by_rank[(p, 0)]}: no `model` (a virtual-pipeline checkpoint keeps "
-                                          f"model0, model1, ...; megazero reads plain pipelines only)")
         record = record or _record(loaded[0], by_rank[(p, 0)])
-        swiglu = bool(record["args"].get("swiglu"))
-        models = [{k: v for k, v in one["model"].items() if isinstance(v, torch.Tensor)} for one in loaded]
-        shards = [models]
-        if with_states:
-            ranks = [megatron_optim.legacy_rank_states(by_rank[(p, t)].parent / OPTIM_FILE,
-                                                       safe_load(by_rank[(p, t)].parent / OPTIM_FILE),
-                                                       models[t], record["args"], p, pp) for t in range(tp)]
-            shards += [[rank[kind] for rank in ranks] for kind in megatron_optim.STATES]
-        layers = {int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, models[0]) if m}
-        outs = [state] + ([states.setdefault(kind, {}) for kind in megatron_optim.STATES] if with_states else [])
-        for per_rank, out in zip(shards, outs):
-            for name in per_rank[0]:
-                full = _merge_tp(name, [m[name] for m in per_rank], swiglu)
-                match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
-                if match:
-                    name = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
-                out.setdefault(name, full)
-        offset += len(layers)
+        args = record["args"]
+        chunks = [_chunks(one, by_rank[(p, t)]) for t, one in enumerate(loaded)]
+        vp = len(chunks[0])
+        buffers = [megatron_optim.legacy_buffers(by_rank[(p, t)].parent / OPTIM_FILE,
+                                                 safe_load(by_rank[(p, t)].parent / OPTIM_FILE)) if with_states else []
+                   for t in range(tp)]
+        for v in range(vp):
+            models = [{k: x for k, x in chunks[t][v].items() if isinstance(x, torch.Tensor)} for t in range(tp)]
+            shards = [models]
+            if with_states:
+                if any(len(b) != vp for b in buffers):
+                    raise MegatronCheckpointError(f"{by_rank[(p, 0)].parent / OPTIM_FILE}: {len(buffers[0])} grad "
+                                                  f"buffers for {vp} model chunks; pass --weights-only to import the "
+                                                  f"weights alone")
+                chunk = megatron_optim.Chunk(p, v, frozenset(megatron_stages.shared_embedding(args, p, v, pp, vp)))
+                ranks = [megatron_optim.legacy_rank_states(by_rank[(p, t)].parent / OPTIM_FILE, buffers[t][v],
+                                                           models[t], args, chunk) for t in range(tp)]
+                shards += [[rank[kind] for rank in ranks] for kind in megatron_optim.STATES]
+            merged[(v, p)] = [{name: _merge_tp(name, [m[name] for m in per_rank], bool(args.get("swiglu")))
+                               for name in per_rank[0]} for per_rank in shards]
+    state, states, offset = {}, {}, 0
+    for key in sorted(merged):          # rounds first, stages within a round
+        parts = merged[key]
+        for part, out in zip(parts, [state] + [states.setdefault(k, {}) for k in megatron_optim.STATES[:len(parts) - 1]]):
+            for name, tensor in megatron_stages.renumbered(part, offset).items():
+                out.setdefault(name, tensor)
+        offset += megatron_stages.layer_count(parts[0])
     return record, state, states
+

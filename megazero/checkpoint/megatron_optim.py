@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -70,24 +71,26 @@ _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d
 
 def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
     """(model tensors, {state: {model key: tensor}} of the fully_reshardable format, {model-parallel
-    domain: [{state: tensor} per bucket]} of the dp_reshardable one) from a torch_dist checkpoint's
-    tensors."""
-    model, states, buckets, buffers = {}, {state: {} for state in STATES}, {}, set()
+    domain: {grad buffer (a virtual-pipeline chunk): [{state: tensor} per bucket]}} of the
+    dp_reshardable one) from a torch_dist checkpoint's tensors."""
+    model, states, buckets, dtypes = {}, {state: {} for state in STATES}, {}, set()
     for name, tensor in stacked.items():
         full, bucket = _FULL.match(name), _BUCKET.match(name)
         if full:
             states[full.group(1)][full.group(2)] = tensor
         elif bucket:
             domain, buffer, dtype, index, state = bucket.groups()
-            buffers.add((buffer, dtype))
-            buckets.setdefault(int(domain), {}).setdefault(int(index), {})[state] = tensor
+            dtypes.add(dtype)
+            per = buckets.setdefault(int(domain), {}).setdefault(int(buffer), {})
+            per.setdefault(int(index), {})[state] = tensor
         elif not name.startswith("optimizer."):
             model[name] = tensor
-    if len(buffers) > 1:
-        raise MegatronOptimizerError(f"{where}: the optimizer has {len(buffers)} grad buffers or dtypes; megazero reads "
-                                     f"one (no experts, one parameter dtype); pass --weights-only to import the weights alone")
+    if len(dtypes) > 1:
+        raise MegatronOptimizerError(f"{where}: the optimizer's grad buffers have {len(dtypes)} dtypes; megazero reads "
+                                     f"one parameter dtype; pass --weights-only to import the weights alone")
     return (model, states if states["param"] else {},
-            {domain: [per[i] for i in sorted(per)] for domain, per in buckets.items()})
+            {domain: {buffer: [per[i] for i in sorted(per)] for buffer, per in sorted(buffers.items())}
+             for domain, buffers in buckets.items()})
 
 
 # The order megatron-core's TransformerLayer registers its parameters in (its grad buffer's order,
@@ -137,11 +140,12 @@ def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, shared
     return where, base + (end if filled else 0)
 
 
-def _bucket_size(args: dict, pp_rank: int) -> int | None:
+def _bucket_size(args: dict, pp_rank: int, chunk: int) -> int | None:
     if args.get("ddp_num_buckets"):
         raise MegatronOptimizerError("the run set --ddp-num-buckets, whose bucket boundaries the checkpoint does "
                                      "not record; pass --weights-only to import the weights alone")
-    if not args.get("overlap_grad_reduce") or pp_rank > 0:
+    # megatron-core buckets the first chunk of the first stage alone (the others reduce in one go)
+    if not args.get("overlap_grad_reduce") or pp_rank > 0 or chunk > 0:
         return None
     if args.get("ddp_bucket_size"):
         return int(args["ddp_bucket_size"])
@@ -150,34 +154,47 @@ def _bucket_size(args: dict, pp_rank: int) -> int | None:
     return max(40_000_000, 1_000_000 * dp)
 
 
-def bucket_rank_states(buckets: list[dict], model: dict, args: dict, where: Path) -> dict:
-    """{state: {name: shard}} of one model-parallel domain's dp_reshardable buckets (joined they are
-    the legacy buffer), laid out over `model` (the domain's shards in registration order)."""
+class Chunk(NamedTuple):
+    """One grad buffer's place: the model chunk's pipeline stage and virtual chunk, and the tied
+    embedding's copy it keeps in a bucket of its own (megatron_stages.shared_embedding)."""
+    pp_rank: int = 0
+    vp_stage: int = 0
+    shared: frozenset = frozenset()
+
+
+def bucket_rank_states(buckets: list[dict], model: dict, args: dict, where: Path, chunk: Chunk = Chunk()) -> dict:
+    """{state: {name: shard}} of one model-parallel domain's dp_reshardable buckets of one grad
+    buffer (joined they are the legacy buffer), laid out over `model` (the chunk's shards in
+    registration order)."""
     world = {state: torch.cat([bucket[state] for bucket in buckets]) for state in STATES}
-    return _place(world, model, args, 0, 1, where, len(world["param"]))
+    return _place(world, model, args, chunk, where, len(world["param"]))
 
 
-def legacy_rank_states(file: Path, loaded: dict, model: dict, args: dict, pp_rank: int, pp: int) -> dict:
-    """{state: {name: this rank's (tensor-parallel shard) tensor}} from one distrib_optim.pt, laid out
-    over `model` (the rank's model_optim_rng.pt tensors, in their order)."""
-    buffers = [key for key in loaded if isinstance(key, int)]
-    dtypes = loaded[buffers[0]] if len(buffers) == 1 else {}
-    if len(buffers) != 1 or len(dtypes) != 1:
-        raise MegatronOptimizerError(f"{file}: {len(buffers)} grad buffers of {len(dtypes)} dtypes; megazero reads "
-                                     f"one buffer of one dtype (no experts, one parameter dtype)")
-    world = next(iter(dtypes.values()))
-    return _place(world, model, args, pp_rank, pp, file, world["numel_unpadded"])
+def legacy_buffers(file: Path, loaded: dict | list) -> list[dict]:
+    """The flat fp32 buffers of one distrib_optim.pt, one per grad buffer (virtual-pipeline chunk);
+    a mixture of experts' file is a list: the dense optimizer's first, then the experts'."""
+    parts = loaded if isinstance(loaded, list) else [loaded]
+    out = []
+    for part in parts:
+        for key in sorted(k for k in (part or {}) if isinstance(k, int)):
+            if len(part[key]) != 1:
+                raise MegatronOptimizerError(f"{file}: grad buffer {key} holds {len(part[key])} dtypes; megazero "
+                                             f"reads one parameter dtype; pass --weights-only to import the weights alone")
+            out.append(next(iter(part[key].values())))
+    return out
 
 
-def _place(world: dict, model: dict, args: dict, pp_rank: int, pp: int, where: Path, length_saved: int) -> dict:
+def legacy_rank_states(file: Path, world: dict, model: dict, args: dict, chunk: Chunk) -> dict:
+    """{state: {name: this rank's (tensor-parallel shard) tensor}} from one grad buffer of a
+    distrib_optim.pt, laid out over `model` (the chunk's model_optim_rng.pt tensors, in their order)."""
+    return _place(world, model, args, chunk, file, world["numel_unpadded"])
+
+
+def _place(world: dict, model: dict, args: dict, chunk: Chunk, where: Path, length_saved: int) -> dict:
     """{state: {name: tensor shaped as the model's}} out of flat buffers `world` laid out over `model`
-    (a rank's tensors in registration order), refused when the layout's length is not the saved one."""
+    (a chunk's tensors in registration order), refused when the layout's length is not the saved one."""
     params = [(name, t.numel()) for name, t in model.items() if not name.endswith("_extra_state")]
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    shared = set()
-    if tied and pp > 1:
-        shared = {"embedding.word_embeddings.weight"} if pp_rank == 0 else {"output_layer.weight"} if pp_rank == pp - 1 else set()
-    layout, length = buffer_layout(params, _bucket_size(args, pp_rank), shared)
+    layout, length = buffer_layout(params, _bucket_size(args, chunk.pp_rank, chunk.vp_stage), set(chunk.shared))
     if length != length_saved:
         raise MegatronOptimizerError(f"{where}: its buffer holds {length_saved} elements, megatron-core's "
                                      f"layout of the model file gives {length}; pass --weights-only to import the "

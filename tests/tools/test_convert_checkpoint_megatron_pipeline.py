@@ -1,0 +1,172 @@
+"""Pipelined Megatron-LM runs continued in megazero (tools/convert_checkpoint.py import-megatron,
+megazero/checkpoint/megatron_stages.py), against megatron-core itself: on two gloo ranks megatron-core
+trains a 4-layer Llama-like GPT at pipeline degree 2, plainly and interleaved (2 virtual chunks per
+stage, one layer each), with its own pipeline schedules, DistributedDataParallel, DistributedOptimizer
+(Adam, weight decay, clipping) and OptimizerParamScheduler; after 3 steps it saves torch_dist with the
+optimizer's dp_reshardable buckets (Megatron-LM's default format: one bucket set per stage and chunk)
+and legacy files (model_optim_rng.pt with model0/model1 when interleaved, distrib_optim.pt with a grad
+buffer per chunk), computes its logits, then takes 2 more steps. Each save imports into megazero:
+the logits equal megatron-core's (fp32, rtol 1e-5) and, resumed at ZeRO-3 over two data-parallel
+ranks, the next 2 losses equal megatron-core's. Skips without megatron-core.
+
+Planted, each failed: the dp_reshardable domain of a stage taken from the other stage (refused: the
+masters do not match the weights); the interleaved legacy chunks placed in stage order instead of
+rounds (layers 1 and 2 swapped: logits off by 1e-1); the virtual chunks' grad buffers swapped
+(refused: the buffer lengths differ / the masters do not match)."""
+import argparse
+
+import pytest
+import torch
+
+from tests.tools.test_convert_checkpoint_hf import convert
+from tests.tools.test_convert_checkpoint_megatron import TOKENS, _megatron_on_cpu, _megazero_logits
+from tests.tools.test_convert_checkpoint_megatron_optim import (ARGS, BATCH, CLIP, LR, MICRO, MIN_LR, SEQ, STEPS,
+                                                                 TRAIN_ITERS, WARMUP, WD, _batches, _CudaOnCpu,
+                                                                 _resume_in_megazero)
+
+mcore = pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+RTOL = 1e-5
+LAYERS = 4
+LAYOUTS = {"pipeline": None, "interleaved": 2}      # virtual chunks per stage
+
+
+def _config(vp):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+        use_cpu_initialization=True, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, params_dtype=torch.float32, pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=vp, pipeline_dtype=torch.float32)
+
+
+def _run(config, vp):
+    """megatron-core's model chunks of this stage, wrapped as Megatron-LM wraps them, its optimizer
+    and scheduler."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    chunks = []
+    for v in range(vp or 1):
+        where = dict(ignore_virtual=False, vp_stage=v) if vp else {}
+        chunks.append(GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64,
+                               max_sequence_length=SEQ, position_embedding_type="rope",
+                               share_embeddings_and_output_weights=False,
+                               pre_process=parallel_state.is_pipeline_first_stage(**where),
+                               post_process=parallel_state.is_pipeline_last_stage(**where),
+                               **(dict(vp_stage=v) if vp else {})))
+    ddps = [DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), chunk,
+                                    disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True,
+        params_dtype=torch.float32), ddps)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * BATCH,
+        lr_decay_steps=TRAIN_ITERS * BATCH, lr_decay_style="cosine", start_wd=WD, end_wd=WD,
+        wd_incr_steps=TRAIN_ITERS * BATCH, wd_incr_style="constant")
+    return chunks, ddps, optimizer, scheduler
+
+
+def _forward(rows, model, labels=True):
+    inputs = rows[:, :-1] if labels else rows
+    s = inputs.shape[1]
+    out = model(inputs, torch.arange(s).expand_as(inputs), torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), 1),
+                labels=rows[:, 1:] if labels else None)
+    return out, (lambda o, non_loss_data=False: o if non_loss_data else (o.mean(), {"loss": o.mean().detach()}))
+
+
+def _schedule(ddps, batch, forward_only=False, size=MICRO):
+    """megatron-core's pipeline schedule over `batch` in micro-batches of `size` rows; what the last
+    stage collected (empty elsewhere)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    micro = [batch[i:i + size] for i in range(0, len(batch), size)]
+    step = ((lambda it, model: _forward(next(it), model, labels=False)) if forward_only
+            else (lambda it, model: _forward(next(it), model)))
+    iterators = [iter(micro) for _ in ddps]          # each chunk reads its own copy of the batch
+    return get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iterators if len(ddps) > 1 else iterators[0],
+        model=ddps if len(ddps) > 1 else ddps[0], num_microbatches=len(micro),
+        seq_length=micro[0].shape[1] - (0 if forward_only else 1), micro_batch_size=size,
+        forward_only=forward_only, collect_non_loss_data=forward_only)
+
+
+def _step(ddps, optimizer, scheduler, batch):
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = _schedule(ddps, batch)
+    for ddp in ddps:
+        ddp.finish_grad_sync()
+    optimizer.step()
+    scheduler.step(increment=BATCH)
+    return sum(loss["loss"].item() for loss in losses) / len(losses) if losses else None
+
+
+def _save(ctx, root, chunks, optimizer, scheduler, vp):
+    """As Megatron-LM saves: torch_dist with dp_reshardable optimizer buckets, and legacy files (one
+    folder per pipeline rank, a model per chunk)."""
+    from megatron.core import dist_checkpointing
+    name = f"iter_{STEPS:07d}"
+    args = dict(ARGS, num_layers=LAYERS, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=vp,
+                data_parallel_size=1)
+    common = {"args": argparse.Namespace(**args), "iteration": STEPS, "checkpoint_version": 3.0,
+              "opt_param_scheduler": scheduler.state_dict()}
+    for folder in ("torch_dist", "legacy"):
+        (root / folder / name).mkdir(parents=True, exist_ok=True)
+        (root / folder / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
+    models = ({f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)} if vp
+              else chunks[0].sharded_state_dict())
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+    dist_checkpointing.save({**models, **common, "optimizer": optimizer.sharded_state_dict(models, metadata=metadata)},
+                            str(root / "torch_dist" / name), content_metadata=metadata)
+    rank_dir = root / "legacy" / name / f"mp_rank_00_{ctx.rank:03d}"
+    rank_dir.mkdir()
+    optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
+    models = {f"model{v}": chunk.state_dict() for v, chunk in enumerate(chunks)} if vp else {"model": chunks[0].state_dict()}
+    torch.save({**common, **models, "optimizer": optimizer.state_dict()}, rank_dir / "model_optim_rng.pt")
+    torch.distributed.barrier()
+
+
+def _train_pipelined(ctx, root):
+    """Rank job: per layout, megatron-core trains STEPS steps, saves (ROOT/<layout>/...), computes its
+    logits of TOKENS, takes MORE steps; {layout: (logits, the MORE losses)} (on the last stage)."""
+    from megatron.core import parallel_state
+    batches = _batches()
+    out = {}
+    with _megatron_on_cpu(), _CudaOnCpu():
+        for layout, vp in LAYOUTS.items():
+            parallel_state.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=vp)
+            try:
+                torch.manual_seed(1)
+                chunks, ddps, optimizer, scheduler = _run(_config(vp), vp)
+                for batch in batches[:STEPS]:
+                    _step(ddps, optimizer, scheduler, batch)
+                _save(ctx, root / layout, chunks, optimizer, scheduler, vp)
+                with torch.no_grad():
+                    logits = _schedule(ddps, TOKENS, forward_only=True, size=1)   # interleaving needs 2
+                losses = [_step(ddps, optimizer, scheduler, batch) for batch in batches[STEPS:]]
+                out[layout] = (torch.cat(logits) if logits else None, losses)
+            finally:
+                parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_pipelined_megatron_runs_resume_in_megazero(dist_pool, tmp_path):
+    pool = dist_pool(2)
+    expected = pool.run(_train_pipelined, tmp_path)[1]
+    directories, losses = [], []
+    for layout in LAYOUTS:
+        for kind in ("torch_dist", "legacy"):
+            directory, iteration, resumable = convert.import_megatron(tmp_path / layout / kind,
+                                                                      tmp_path / f"mz_{layout}_{kind}")
+            assert (iteration, resumable) == (STEPS, True)
+            logits, _ = _megazero_logits(directory)
+            torch.testing.assert_close(logits, expected[layout][0], rtol=RTOL, atol=RTOL, msg=f"{layout} {kind}")
+            directories.append(directory)
+            losses.append(expected[layout][1])
+    for (ours, _), theirs in zip(pool.run(_resume_in_megazero, directories)[0], losses):
+        assert ours == pytest.approx(theirs, rel=RTOL)
