@@ -5,9 +5,9 @@ Two formats, both under `SAVE/latest_checkpointed_iteration.txt` and `SAVE/iter_
   folder (`.metadata`, `__R_K.distcp`) plus `metadata.json` and `common.pt` (args, iteration). The
   layers are stacked: `decoder.layers.<rest>` has a leading layer axis, split here into
   `decoder.layers.N.<rest>`. Read and written without a process group (one process).
-- legacy (`--ckpt-format torch`): `iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`, one pickle per
-  tensor/pipeline rank, each with the rank's shard of the model; merged here along each parameter's
-  tensor-parallel axis, pipeline stages renumbered into global layers.
+- legacy (`--ckpt-format torch`): `iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`, one
+  pickle per tensor/pipeline/expert rank; megatron_legacy.py merges them (megatron_stages.py knows
+  where each stage's, chunk's and expert rank's parameters go).
 
 The distributed optimizer's Adam states (fp32 masters, exp_avg, exp_avg_sq) come too where the
 checkpoint holds them, full and by the same names (megatron_optim.py knows their layouts); they are
@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .files import apply_umask
-from . import megatron_optim, megatron_stages
-from .megatron_optim import OPTIM_FILE, MegatronOptimizerError
+from . import megatron_legacy, megatron_optim, megatron_stages
+from .megatron_optim import MegatronOptimizerError
 
 TRACKER = "latest_checkpointed_iteration.txt"
-LEGACY_FILE = "model_optim_rng.pt"
+LEGACY_FILE = megatron_legacy.LEGACY_FILE
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)")
 # What megatron-core itself allows in its pickles (megatron/core/safe_globals.py) and megazero reads
 # without importing it: its enums, as their values, and its records, as plain attribute bags.
@@ -123,7 +123,7 @@ def read_checkpoint(path: str | Path, optimizer: bool = True) -> tuple[dict, dic
         if (directory / "metadata.json").is_file():
             record, state, states = _read_torch_dist(directory, optimizer)
         else:
-            record, state, states = _read_legacy(directory, ranks, optimizer)
+            record, state, states = megatron_legacy.read_legacy(directory, ranks, optimizer, safe_load, _record)
         if states:
             megatron_optim.check_masters(state, states, directory)
     except MegatronOptimizerError as err:
@@ -142,12 +142,19 @@ def _record(common: dict, where: Path) -> dict:
 
 
 def _unstack(stacked: dict) -> dict:
-    """Per-layer tensors from torch_dist's stacked ones (`decoder.layers.<rest>`, a leading layer axis)."""
+    """Per-layer tensors from torch_dist's stacked ones (`decoder.layers.<rest>`, a leading layer axis;
+    experts, `mlp.experts.experts.<rest>`, an expert axis next, become per-expert tensors)."""
     state = {}
     for name, tensor in stacked.items():
         if _STACKED.match(name):
             rest = name[len("decoder.layers."):]
-            state.update({f"decoder.layers.{i}.{rest}": layer for i, layer in enumerate(tensor.unbind(0))})
+            for i, layer in enumerate(tensor.unbind(0)):
+                if rest.startswith("mlp.experts.experts."):    # then an expert axis: the local spec's names
+                    tail = rest[len("mlp.experts.experts."):]
+                    state.update({f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{tail}": expert
+                                  for e, expert in enumerate(layer.unbind(0))})
+                else:
+                    state[f"decoder.layers.{i}.{rest}"] = layer
         else:
             state[name] = tensor
     return state
@@ -163,7 +170,7 @@ def _read_torch_dist(directory: Path, optimizer: bool) -> tuple[dict, dict, dict
     reader = dcp.FileSystemReader(str(directory))
     metadata = reader.read_metadata().state_dict_metadata
     stacked = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in metadata.items()
-               if isinstance(meta, TensorStorageMetadata) and (optimizer or not name.startswith("optimizer."))}
+               if isinstance(meta, TensorStorageMetadata) and (optimizer or not megatron_optim.is_optimizer(name))}
     dcp.load(stacked, storage_reader=reader, no_dist=True)
     model, states, buckets = megatron_optim.split_torch_dist(stacked, directory)
     if buckets and record["progress"]["adam_step"] is None:     # dp_reshardable: the groups are an object
@@ -171,6 +178,10 @@ def _read_torch_dist(directory: Path, optimizer: bool) -> tuple[dict, dict, dict
         groups = objects[0] if objects else None
         record["progress"].update(adam_step=megatron_optim.adam_step(groups), adam=megatron_optim.adam_hyper(groups))
     model, states = _unstack(model), {kind: _unstack(tensors) for kind, tensors in states.items()}
+    if buckets and not states and record["args"].get("num_experts"):
+        raise MegatronCheckpointError(f"{directory}: dp_reshardable optimizer state of a mixture of experts; megazero "
+                                      f"reads its experts' states from --dist-ckpt-optim-fully-reshardable or legacy "
+                                      f"checkpoints: re-save so, or pass --weights-only to import the weights alone")
     if buckets and not states:
         states = _bucket_states(model, buckets, record["args"], directory)
     return record, model, states
@@ -195,15 +206,6 @@ def _read_objects(reader, metadata: dict, pattern: str, directory: Path) -> list
     return [safe_load(directory / name, planner.objects[name]) for name in names]
 
 
-def _shard_shapes(name: str, full: torch.Tensor, tp: int) -> list[torch.Size]:
-    """One parameter's tensor-parallel shard shapes (rank order), as _merge_tp joins them."""
-    if _ROW.search(name):
-        return [t.shape for t in full.chunk(tp, dim=1)]
-    if _COLUMN.search(name):
-        return [t.shape for t in full.chunk(tp, dim=0)]
-    return [full.shape] * tp
-
-
 def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
     """Full states from torch_dist's dp_reshardable buckets: per model-parallel domain (pipeline rank
     x tensor degree + tensor rank, as megatron-core numbers its model-parallel group) and grad buffer
@@ -216,7 +218,7 @@ def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
             f"arguments give {tp * pp} of {vp} grad buffers each; re-save with --dist-ckpt-optim-fully-reshardable, "
             f"or pass --weights-only to import the weights alone")
     swiglu = bool(args.get("swiglu"))
-    shards = {name: [torch.empty(shape) for shape in _shard_shapes(name, full, tp)] for name, full in model.items()}
+    shards = {name: [torch.empty(shape) for shape in megatron_stages.shard_shapes(name, full, tp)] for name, full in model.items()}
     if megatron_stages.shared_embedding(args, pp - 1, vp - 1, pp, vp):        # the last stage's copy of a tied head
         shards.setdefault("output_layer.weight", shards.get("embedding.word_embeddings.weight"))
     for spec in megatron_optim.LAYER_ORDERS:
@@ -230,7 +232,7 @@ def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
                 ranks = [megatron_optim.bucket_rank_states(buckets[p * tp + t][v], {n: shards[n][t] for n in order},
                                                            args, where, chunk) for t in range(tp)]
                 for kind in megatron_optim.STATES:
-                    states[kind].update({n: _merge_tp(n, [rank[kind][n] for rank in ranks], swiglu) for n in order
+                    states[kind].update({n: megatron_stages.merge_tp(n, [rank[kind][n] for rank in ranks], swiglu) for n in order
                                          if n in model})
             megatron_optim.check_masters(model, states, where)
             return states
@@ -290,87 +292,3 @@ def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int
     for file in [*directory.iterdir(), save / TRACKER]:
         apply_umask(file)
     return directory
-
-
-_COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias))$")
-_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
-
-
-def _merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    """One parameter's full tensor from its tensor-parallel shards (rank order)."""
-    if _ROW.search(name):
-        return torch.cat(shards, dim=1)
-    if not _COLUMN.search(name):
-        return shards[0]                   # replicated: norms, row-parallel biases, positions
-    if swiglu and "linear_fc1." in name:   # each rank holds [its gate rows; its up rows]
-        halves = [shard.chunk(2, dim=0) for shard in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=0)
-
-
-def _legacy_files(directory: Path, files: list[Path]) -> tuple[dict, int, int]:
-    """{(pp rank, tp rank): file}, the tensor and the pipeline degree; refuses an incomplete copy."""
-    by_rank = {}
-    for file in files:
-        match = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", file.parent.name)
-        if match is None:
-            raise MegatronCheckpointError(f"{file.parent}: not an mp_rank_TT[_PPP] directory")
-        by_rank[(int(match.group(2) or 0), int(match.group(1)))] = file
-    pp = 1 + max(p for p, _ in by_rank)
-    tp = 1 + max(t for _, t in by_rank)
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for p in range(pp) for t in range(tp)
-               if (p, t) not in by_rank]
-    if missing:
-        raise MegatronCheckpointError(f"{directory}: {missing[0]}/{LEGACY_FILE} is missing; the copy is incomplete")
-    return by_rank, tp, pp
-
-
-def _chunks(loaded: dict, file: Path) -> list[dict]:
-    """A legacy file's model chunks: `model`, or a virtual pipeline's model0, model1, ... in order."""
-    if "model" in loaded:
-        return [loaded["model"]]
-    keys = sorted((k for k in loaded if re.fullmatch(r"model\d+", str(k))), key=lambda k: int(k[5:]))
-    if not keys:
-        raise MegatronCheckpointError(f"{file}: no `model` (nor model0, model1, ...); not a Megatron-LM checkpoint")
-    return [loaded[k] for k in keys]
-
-
-def _read_legacy(directory: Path, files: list[Path], optimizer: bool) -> tuple[dict, dict, dict]:
-    """Every rank's chunks merged along tensor parallelism, placed by chunk: megatron-core deals a
-    virtual pipeline's chunks in rounds (chunk v of stage p after every chunk of rounds before v and
-    of stages before p in round v), each chunk numbering its layers from 0."""
-    by_rank, tp, pp = _legacy_files(directory, files)
-    with_states = optimizer and all((file.parent / OPTIM_FILE).is_file() for file in by_rank.values())
-    record, merged = None, {}
-    for p in range(pp):
-        loaded = [safe_load(by_rank[(p, t)]) for t in range(tp)]
-        record = record or _record(loaded[0], by_rank[(p, 0)])
-        args = record["args"]
-        chunks = [_chunks(one, by_rank[(p, t)]) for t, one in enumerate(loaded)]
-        vp = len(chunks[0])
-        buffers = [megatron_optim.legacy_buffers(by_rank[(p, t)].parent / OPTIM_FILE,
-                                                 safe_load(by_rank[(p, t)].parent / OPTIM_FILE)) if with_states else []
-                   for t in range(tp)]
-        for v in range(vp):
-            models = [{k: x for k, x in chunks[t][v].items() if isinstance(x, torch.Tensor)} for t in range(tp)]
-            shards = [models]
-            if with_states:
-                if any(len(b) != vp for b in buffers):
-                    raise MegatronCheckpointError(f"{by_rank[(p, 0)].parent / OPTIM_FILE}: {len(buffers[0])} grad "
-                                                  f"buffers for {vp} model chunks; pass --weights-only to import the "
-                                                  f"weights alone")
-                chunk = megatron_optim.Chunk(p, v, frozenset(megatron_stages.shared_embedding(args, p, v, pp, vp)))
-                ranks = [megatron_optim.legacy_rank_states(by_rank[(p, t)].parent / OPTIM_FILE, buffers[t][v],
-                                                           models[t], args, chunk) for t in range(tp)]
-                shards += [[rank[kind] for rank in ranks] for kind in megatron_optim.STATES]
-            merged[(v, p)] = [{name: _merge_tp(name, [m[name] for m in per_rank], bool(args.get("swiglu")))
-                               for name in per_rank[0]} for per_rank in shards]
-    state, states, offset = {}, {}, 0
-    for key in sorted(merged):          # rounds first, stages within a round
-        parts = merged[key]
-        for part, out in zip(parts, [state] + [states.setdefault(k, {}) for k in megatron_optim.STATES[:len(parts) - 1]]):
-            for name, tensor in megatron_stages.renumbered(part, offset).items():
-                out.setdefault(name, tensor)
-        offset += megatron_stages.layer_count(parts[0])
-    return record, state, states
-

@@ -35,17 +35,27 @@ import torch
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 OPTIM_FILE = "distrib_optim.pt"
-_FULL = re.compile(r"^optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.+)$")
+# a chained optimizer's (the dense parameters' and the experts') names begin chained_<index>.
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
+_FULL = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.+)$")
 
 
 class MegatronOptimizerError(ValueError):
     """Optimizer state megazero cannot read exactly; the message names what and the way out."""
 
 
+def _parts(optimizer: dict | list | None) -> list:
+    """A megatron-core optimizer state dict's parts: a chained optimizer's (the dense parameters' and
+    the experts') is a list, or in torch_dist's common.pt a dict by index."""
+    if isinstance(optimizer, dict) and optimizer and all(isinstance(key, int) for key in optimizer):
+        return [optimizer[key] for key in sorted(optimizer)]
+    return optimizer if isinstance(optimizer, list) else [optimizer]
+
+
 def adam_step(optimizer: dict | list | None) -> int | None:
-    """Adam's step count from a megatron-core optimizer state dict (a chained optimizer's is a list);
-    None when it holds none (a checkpoint saved without its optimizer)."""
-    parts = optimizer if isinstance(optimizer, list) else [optimizer]
+    """Adam's step count from a megatron-core optimizer state dict; None when it holds none (a
+    checkpoint saved without its optimizer)."""
+    parts = _parts(optimizer)
     steps = set()
     for part in parts:
         inner = (part or {}).get("optimizer", part) or {}
@@ -57,7 +67,7 @@ def adam_step(optimizer: dict | list | None) -> int | None:
 
 def adam_hyper(optimizer: dict | list | None) -> dict:
     """betas and eps of the first parameter group ({} when there is none)."""
-    part = optimizer[0] if isinstance(optimizer, list) and optimizer else optimizer
+    part = _parts(optimizer)[0] if optimizer else optimizer
     groups = ((part or {}).get("optimizer", part) or {}).get("param_groups", [])
     if not groups:
         return {}
@@ -65,8 +75,13 @@ def adam_hyper(optimizer: dict | list | None) -> dict:
     return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(groups[0].get("eps", 1e-8))}
 
 
-_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+_BUCKET = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
                      r"(param|exp_avg|exp_avg_sq)$")
+
+
+def is_optimizer(name: str) -> bool:
+    """Whether a torch_dist checkpoint's tensor `name` is the optimizer's (else the model's)."""
+    return _OPTIMIZER.match(name) is not None
 
 
 def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
@@ -83,7 +98,7 @@ def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
             dtypes.add(dtype)
             per = buckets.setdefault(int(domain), {}).setdefault(int(buffer), {})
             per.setdefault(int(index), {})[state] = tensor
-        elif not name.startswith("optimizer."):
+        elif not is_optimizer(name):
             model[name] = tensor
     if len(dtypes) > 1:
         raise MegatronOptimizerError(f"{where}: the optimizer's grad buffers have {len(dtypes)} dtypes; megazero reads "
@@ -170,17 +185,22 @@ def bucket_rank_states(buckets: list[dict], model: dict, args: dict, where: Path
     return _place(world, model, args, chunk, where, len(world["param"]))
 
 
-def legacy_buffers(file: Path, loaded: dict | list) -> list[dict]:
-    """The flat fp32 buffers of one distrib_optim.pt, one per grad buffer (virtual-pipeline chunk);
-    a mixture of experts' file is a list: the dense optimizer's first, then the experts'."""
-    parts = loaded if isinstance(loaded, list) else [loaded]
+def legacy_buffers(file: Path, loaded: dict | list) -> list[list[dict] | None]:
+    """The flat fp32 buffers of one distrib_optim.pt per optimizer (one, or with experts the dense
+    optimizer's then the experts'; None where the file keeps none), each a list per grad buffer
+    (virtual-pipeline chunk)."""
     out = []
-    for part in parts:
-        for key in sorted(k for k in (part or {}) if isinstance(k, int)):
+    for part in loaded if isinstance(loaded, list) else [loaded]:
+        if part is None:
+            out.append(None)
+            continue
+        buffers = []
+        for key in sorted(k for k in part if isinstance(k, int)):
             if len(part[key]) != 1:
                 raise MegatronOptimizerError(f"{file}: grad buffer {key} holds {len(part[key])} dtypes; megazero "
                                              f"reads one parameter dtype; pass --weights-only to import the weights alone")
-            out.append(next(iter(part[key].values())))
+            buffers.append(next(iter(part[key].values())))
+        out.append(buffers)
     return out
 
 

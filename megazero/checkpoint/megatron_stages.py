@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 _FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+
+
+_COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias))$")
+_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 
 class StagesError(ValueError):
@@ -86,3 +93,41 @@ def renumbered(model: dict, offset: int) -> dict:
 
 def layer_count(model: dict) -> int:
     return len({int(m.group(1)) for m in map(_LAYER.match, model) if m})
+
+
+def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """One parameter's full tensor from its tensor-parallel shards (rank order)."""
+    if _ROW.search(name):
+        return torch.cat(shards, dim=1)
+    if not _COLUMN.search(name):
+        return shards[0]                   # replicated: norms, row-parallel biases, positions
+    if swiglu and "linear_fc1." in name:   # each rank holds [its gate rows; its up rows]
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=0)
+
+
+def shard_shapes(name: str, full: torch.Tensor, tp: int) -> list[torch.Size]:
+    """One parameter's tensor-parallel shard shapes (rank order), as merge_tp joins them."""
+    if _ROW.search(name):
+        return [t.shape for t in full.chunk(tp, dim=1)]
+    if _COLUMN.search(name):
+        return [t.shape for t in full.chunk(tp, dim=0)]
+    return [full.shape] * tp
+
+
+def is_expert(name: str) -> bool:
+    """Whether `name` is an expert's parameter (kept by the expert-parallel optimizer, not the dense one)."""
+    return _EXPERT.match(name) is not None
+
+
+def global_experts(state: dict, ep_rank: int, local_experts: int) -> dict:
+    """An expert-parallel rank's tensors with its local expert numbers moved to global ones (rank e
+    holds experts e L .. e L + L - 1)."""
+    out = {}
+    for name, tensor in state.items():
+        match = _EXPERT.match(name)
+        if match:
+            name = f"{match.group(1)}{ep_rank * local_experts + int(match.group(2))}.{name[match.end():]}"
+        out[name] = tensor
+    return out
