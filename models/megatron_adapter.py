@@ -100,12 +100,25 @@ def _moe_fields(args: dict) -> dict:
                 moe_ffn_hidden_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size") or 0)
 
 
+def _moe_args(config: GPTConfig) -> dict:
+    """The --moe-* arguments of `config`'s mixture of experts ({} for a dense model); refuses what
+    the export does not write (megatron-core stacks every layer's experts on one layer axis)."""
+    if not config.num_experts:
+        return {}
+    if not all(config.is_moe_layer(i) for i in range(config.num_layers)):
+        raise ConversionError(f"--moe-layer-freq {config.moe_layer_freq}: export-megatron writes mixtures of experts "
+                              f"in every layer only")
+    if config.moe_shared_expert_intermediate_size or config.moe_router_enable_expert_bias:
+        raise ConversionError("--moe-shared-expert-intermediate-size / --moe-router-enable-expert-bias: "
+                              "export-megatron does not write shared experts or expert biases yet")
+    fields = {key: getattr(config, key) for key in _MOE_FIELDS}
+    return dict(fields, num_experts=config.num_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                moe_grouped_gemm=False)
+
+
 def megatron_args(config: GPTConfig, rotary_interleaved: bool = False) -> dict:
     """The Megatron-LM arguments that rebuild `config`'s model (names of megatron/training/arguments.py)."""
-    if config.num_experts:
-        raise ConversionError(f"--num-experts {config.num_experts}: export-megatron does not write mixtures of experts "
-                              f"yet (import-megatron reads them from legacy checkpoints)")
-    return dict(
+    return dict(**_moe_args(config),
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         num_query_groups=config.num_query_groups, kv_channels=config.head_dim,
@@ -226,8 +239,12 @@ def from_megatron(config: GPTConfig, state: dict, rotary_interleaved: bool = Fal
 
 
 def to_megatron(config: GPTConfig, read: Callable[[str], torch.Tensor], rotary_interleaved: bool = False) -> dict:
-    """megatron-core's full state dict (Transformer Engine names) from `read(our name)`."""
-    return {theirs: there(read(ours)) for ours, theirs, there, _ in parameter_map(config, rotary_interleaved)}
+    """megatron-core's full state dict (Transformer Engine names; experts one by one, global numbers)
+    from `read(our name)`."""
+    out = {theirs: there(read(ours)) for ours, theirs, there, _ in parameter_map(config, rotary_interleaved)}
+    for ours, theirs, split, _ in _expert_entries(config) if config.num_experts else []:
+        out.update(zip(theirs, split(read(ours))))
+    return out
 
 
 # Adam's states as megazero names them, from megatron-core's distributed optimizer's
@@ -298,4 +315,6 @@ def megatron_progress(optimizer: dict, progress: dict) -> dict:
                  max_lr=optimizer["lr"], min_lr=optimizer["min_lr"], lr=optimizer["lr"])
     groups = [dict(group, wd_mult=wd_mult, weight_decay=args["weight_decay"] * wd_mult, is_decoupled_lr=decoupled,
                    default_config=True) for decoupled in (False, True) for wd_mult in (1.0, 0.0)]
-    return {"args": args, "opt_param_scheduler": scheduler, "param_groups": groups}
+    # a mixture of experts' second (chained) optimizer: the same groups over the expert parameters
+    experts = [dict(g, is_expert_parallel=True) for g in groups]
+    return {"args": args, "opt_param_scheduler": scheduler, "param_groups": groups, "expert_param_groups": experts}

@@ -42,6 +42,7 @@ from . import megatron_legacy, megatron_optim, megatron_stages
 from .megatron_optim import MegatronOptimizerError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+_LOCAL_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 LEGACY_FILE = megatron_legacy.LEGACY_FILE
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)")
 # What megatron-core itself allows in its pickles (megatron/core/safe_globals.py) and megazero reads
@@ -248,6 +249,14 @@ def _stack(state: dict, layers: list[int]) -> dict:
     """torch_dist's stacked tensors (`decoder.layers.<rest>`, a leading layer axis) from per-layer ones."""
     stacked = {}
     for name, tensor in state.items():
+        expert = _LOCAL_EXPERT.match(name)
+        if expert:            # then an expert axis: megatron-core's experts.experts.<rest>
+            if expert.group(1) == expert.group(2) == "0":
+                rest, count = expert.group(3), megatron_stages.expert_count(state)
+                stacked[f"decoder.layers.mlp.experts.experts.{rest}"] = torch.stack([torch.stack(
+                    [state[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest}"] for e in range(count)])
+                    for i in layers])
+            continue
         match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
         if match is None:
             stacked[name] = tensor.contiguous()
@@ -268,21 +277,27 @@ def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int
     directory.mkdir(parents=True)
     layers = sorted({int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, state) if m})
     stacked = _stack(state, layers)
+    experts = megatron_stages.expert_count(state)
     for kind, tensors in (states or {}).items():
-        stacked.update({f"optimizer.state.{kind}.{name}": t for name, t in _stack(tensors, layers).items()})
-    # megatron-core's local-spec linear layers keep an empty extra state, one object per layer, stored
-    # as megatron-core stores objects: a pickled list of the object's values
+        # a mixture of experts has two chained optimizers, the dense parameters' and the experts'
+        stacked.update({(f"chained_{int('.experts.experts.' in name)}." if experts else "")
+                        + f"optimizer.state.{kind}.{name}": t for name, t in _stack(tensors, layers).items()})
+    # megatron-core's local-spec linear layers keep an empty extra state, one object per layer (and
+    # expert), stored as megatron-core stores objects: a pickled list of the object's values
     for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
         for i in layers:
             stacked[f"decoder.layers.{module}._extra_state/shard_{i}_{len(layers)}"] = [None]
+    for module, i, e in ((m, i, e) for m in ("linear_fc1", "linear_fc2") for i in layers for e in range(experts)):
+        stacked[f"decoder.layers.mlp.experts.experts.{module}._extra_state/shard_{i}.{e}_{len(layers)}.{experts}"] = [None]
     # unflattened: the planner pickles each object value whole, as megatron-core's does
     dcp.save(stacked, storage_writer=dcp.FileSystemWriter(str(directory)),
              planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
     common = {"args": argparse.Namespace(**record["args"]), "iteration": iteration, "checkpoint_version": 3.0}
     if states:
+        parts = [{"optimizer": {"param_groups": record[key]}, "param_state_sharding_type": "fully_reshardable"}
+                 for key in ("param_groups", "expert_param_groups")[:2 if experts else 1]]
         common.update(opt_param_scheduler=record["opt_param_scheduler"],
-                      optimizer={"optimizer": {"param_groups": record["param_groups"]},
-                                 "param_state_sharding_type": "fully_reshardable"},
+                      optimizer=dict(enumerate(parts)) if experts else parts[0],
                       content_metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps({

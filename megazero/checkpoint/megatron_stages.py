@@ -131,3 +131,8 @@ def global_experts(state: dict, ep_rank: int, local_experts: int) -> dict:
             name = f"{match.group(1)}{ep_rank * local_experts + int(match.group(2))}.{name[match.end():]}"
         out[name] = tensor
     return out
+
+
+def expert_count(state: dict) -> int:
+    """How many experts layer 0 of full megatron-core tensors `state` has (0 for a dense model)."""
+    return len({m.group(2) for m in map(_EXPERT.match, state) if m and m.group(1) == "decoder.layers.0.mlp.experts.local_experts."})

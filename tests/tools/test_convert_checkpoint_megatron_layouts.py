@@ -27,7 +27,8 @@ from tests.tools.test_convert_checkpoint_hf import convert
 from tests.tools.test_convert_checkpoint_megatron import TOKENS, _megatron_on_cpu, _megazero_logits
 from tests.tools.test_convert_checkpoint_megatron_optim import (ARGS, BATCH, CLIP, LR, MICRO, MIN_LR, SEQ, STEPS,
                                                                  TRAIN_ITERS, WARMUP, WD, _batches, _CudaOnCpu,
-                                                                 _megatron_step, _resume_in_megazero)
+                                                                 _fallback_adam_loads, _megatron_step,
+                                                                 _resume_in_megazero, _unshare_steps)
 
 mcore = pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
@@ -193,6 +194,38 @@ def _train_experts(ctx, root):
         parallel_state.destroy_model_parallel()
 
 
+def _continue_experts(ctx, directory):
+    """Rank job: a fresh megatron-core mixture of experts (other weights) at expert degree 2 loads the
+    export as Megatron-LM loads a torch_dist checkpoint (model, both chained optimizers, scheduler)
+    and takes the MORE steps: (their losses, the iteration and Adam steps it loaded)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.transformer.moe import moe_utils
+    moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+    with _megatron_on_cpu(), _CudaOnCpu():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+        try:
+            torch.manual_seed(9)
+            (model,), (ddp,), optimizer, scheduler = _run(_config(moe=True), None, moe=True)
+            for inner in optimizer.chained_optimizers:
+                _fallback_adam_loads(inner)
+            model_state = model.sharded_state_dict()
+            metadata = dist_checkpointing.load_content_metadata(str(directory))
+            loaded = dist_checkpointing.load({**model_state, "optimizer": optimizer.sharded_state_dict(
+                model_state, is_loading=True, metadata=metadata)}, str(directory))
+            optimizer_state, scheduler_state = loaded.pop("optimizer"), loaded.pop("opt_param_scheduler")
+            iteration = loaded.pop("iteration")
+            for key in ("args", "checkpoint_version", "content_metadata"):
+                loaded.pop(key, None)
+            model.load_state_dict(loaded)
+            optimizer.load_state_dict(optimizer_state)
+            scheduler.load_state_dict(scheduler_state)
+            steps = [_unshare_steps(inner) for inner in optimizer.chained_optimizers]
+            losses = [_megatron_step(ctx, ddp, optimizer, scheduler, batch) for batch in _batches()[STEPS:]]
+            return losses, iteration, steps
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
 def _train_with_megatron(ctx, root):
     """Rank job: per layout, megatron-core trains STEPS steps, saves (ROOT/<layout>/...), computes its
     logits of TOKENS, takes MORE steps; {layout: (logits, the MORE losses)} (on the last stage)."""
@@ -233,3 +266,8 @@ def test_megatron_runs_of_every_layout_resume_in_megazero(dist_pool, tmp_path):
             losses.append(expected[layout][1])
     for (ours, _), theirs in zip(pool.run(_resume_in_megazero, directories)[0], losses):
         assert ours == pytest.approx(theirs, rel=RTOL)
+    # and back: megatron-core continues megazero's export of the mixture of experts as its own save
+    exported, resumable = convert.export_megatron(tmp_path / "mz_experts_torch_dist", tmp_path / "back_experts")
+    ours, iteration, steps = pool.run(_continue_experts, exported)[0]
+    assert (resumable, iteration, steps) == (True, STEPS, [STEPS, STEPS])
+    assert ours == pytest.approx(expected["experts"][1], rel=RTOL)
