@@ -194,11 +194,53 @@ def _train_experts(ctx, root):
         parallel_state.destroy_model_parallel()
 
 
+def _load_export(directory, chunks, optimizer, scheduler):
+    """Loads megazero's export as Megatron-LM loads a torch_dist checkpoint (model chunks, optimizer,
+    scheduler; torch's AdamW, megatron-core's CPU fallback, handled as test_convert_checkpoint_
+    megatron_optim does); returns the iteration and the Adam step of every chained optimizer."""
+    from megatron.core import dist_checkpointing
+    for inner in optimizer.chained_optimizers:
+        _fallback_adam_loads(inner)
+    models = ({f"model{v}": chunk.sharded_state_dict() for v, chunk in enumerate(chunks)} if len(chunks) > 1
+              else chunks[0].sharded_state_dict())
+    metadata = dist_checkpointing.load_content_metadata(str(directory))
+    loaded = dist_checkpointing.load({**models, "optimizer": optimizer.sharded_state_dict(
+        models, is_loading=True, metadata=metadata)}, str(directory))
+    optimizer_state, scheduler_state = loaded.pop("optimizer"), loaded.pop("opt_param_scheduler")
+    iteration = loaded.pop("iteration")
+    for key in ("args", "checkpoint_version", "content_metadata"):
+        loaded.pop(key, None)
+    if len(chunks) > 1:
+        for v, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"model{v}"])
+    else:
+        chunks[0].load_state_dict(loaded)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
+    return iteration, [_unshare_steps(inner) for inner in optimizer.chained_optimizers]
+
+
+def _continue_interleaved(ctx, directory):
+    """Rank job: a fresh interleaved megatron-core run (other weights) loads the export and takes the
+    MORE steps: (their losses (on the last stage), the iteration and Adam step it loaded)."""
+    from megatron.core import parallel_state
+    vp = LAYOUTS["interleaved"]
+    with _megatron_on_cpu(), _CudaOnCpu():
+        parallel_state.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=vp)
+        try:
+            torch.manual_seed(9)
+            chunks, ddps, optimizer, scheduler = _run(_config(vp), vp)
+            iteration, steps = _load_export(directory, chunks, optimizer, scheduler)
+            return [_step(ddps, optimizer, scheduler, batch) for batch in _batches()[STEPS:]], iteration, steps
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
 def _continue_experts(ctx, directory):
     """Rank job: a fresh megatron-core mixture of experts (other weights) at expert degree 2 loads the
-    export as Megatron-LM loads a torch_dist checkpoint (model, both chained optimizers, scheduler)
-    and takes the MORE steps: (their losses, the iteration and Adam steps it loaded)."""
-    from megatron.core import dist_checkpointing, parallel_state
+    export (model, both chained optimizers, scheduler) and takes the MORE steps: (their losses, the
+    iteration and Adam steps it loaded)."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe import moe_utils
     moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
     with _megatron_on_cpu(), _CudaOnCpu():
@@ -206,20 +248,7 @@ def _continue_experts(ctx, directory):
         try:
             torch.manual_seed(9)
             (model,), (ddp,), optimizer, scheduler = _run(_config(moe=True), None, moe=True)
-            for inner in optimizer.chained_optimizers:
-                _fallback_adam_loads(inner)
-            model_state = model.sharded_state_dict()
-            metadata = dist_checkpointing.load_content_metadata(str(directory))
-            loaded = dist_checkpointing.load({**model_state, "optimizer": optimizer.sharded_state_dict(
-                model_state, is_loading=True, metadata=metadata)}, str(directory))
-            optimizer_state, scheduler_state = loaded.pop("optimizer"), loaded.pop("opt_param_scheduler")
-            iteration = loaded.pop("iteration")
-            for key in ("args", "checkpoint_version", "content_metadata"):
-                loaded.pop(key, None)
-            model.load_state_dict(loaded)
-            optimizer.load_state_dict(optimizer_state)
-            scheduler.load_state_dict(scheduler_state)
-            steps = [_unshare_steps(inner) for inner in optimizer.chained_optimizers]
+            iteration, steps = _load_export(directory, [model], optimizer, scheduler)
             losses = [_megatron_step(ctx, ddp, optimizer, scheduler, batch) for batch in _batches()[STEPS:]]
             return losses, iteration, steps
         finally:
@@ -266,7 +295,12 @@ def test_megatron_runs_of_every_layout_resume_in_megazero(dist_pool, tmp_path):
             losses.append(expected[layout][1])
     for (ours, _), theirs in zip(pool.run(_resume_in_megazero, directories)[0], losses):
         assert ours == pytest.approx(theirs, rel=RTOL)
-    # and back: megatron-core continues megazero's export of the mixture of experts as its own save
+    # and back: megatron-core continues megazero's exports (interleaved, and the mixture of experts
+    # with its two chained optimizers) as it continued its own saves
+    exported, resumable = convert.export_megatron(tmp_path / "mz_interleaved_torch_dist", tmp_path / "back_interleaved")
+    ours, iteration, steps = pool.run(_continue_interleaved, exported)[1]
+    assert (resumable, iteration, steps) == (True, STEPS, [STEPS])
+    assert ours == pytest.approx(expected["interleaved"][1], rel=RTOL)
     exported, resumable = convert.export_megatron(tmp_path / "mz_experts_torch_dist", tmp_path / "back_experts")
     ours, iteration, steps = pool.run(_continue_experts, exported)[0]
     assert (resumable, iteration, steps) == (True, STEPS, [STEPS, STEPS])
