@@ -40,8 +40,6 @@ _UNSUPPORTED = (("qk_layernorm", False, "--qk-layernorm"),
                  "--moe-shared-expert-intermediate-size (shared experts are not converted yet)"),
                 ("moe_router_enable_expert_bias", False, "--moe-router-enable-expert-bias (not converted yet)"),
                 ("moe_input_jitter_eps", None, "--moe-input-jitter-eps"),
-                ("expert_tensor_parallel_size", None, "--expert-tensor-parallel-size (other than 1 or the "
-                                                      "tensor-parallel degree)"),
                 ("multi_latent_attention", False, "--multi-latent-attention"),
                 ("rotary_scaling_factor", 1.0, "--rotary-scaling-factor"),
                 ("use_rope_scaling", False, "--use-rope-scaling"),
@@ -52,11 +50,14 @@ _UNSUPPORTED = (("qk_layernorm", False, "--qk-layernorm"),
 def gpt_config(args: dict) -> GPTConfig:
     """The GPTConfig of a Megatron-LM argument record; refuses options megazero cannot match."""
     for key, neutral, flag in _UNSUPPORTED:
-        if key == "expert_tensor_parallel_size" and args.get(key) in (1, args.get("tensor_model_parallel_size") or 1):
-            continue
         if args.get(key, neutral) not in (neutral, None, 0):
             raise ConversionError(f"the checkpoint was trained with {flag}, which megazero's GPT does not "
                                   f"have; it cannot be converted exactly")
+    tp, etp = args.get("tensor_model_parallel_size") or 1, args.get("expert_tensor_parallel_size")
+    if args.get("num_experts") and etp not in (None, tp):
+        raise ConversionError(f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}: "
+                              f"megazero merges experts split as the dense layers are; convert a checkpoint "
+                              f"saved with equal degrees")
     position = args.get("position_embedding_type", "learned_absolute")
     if position not in ("learned_absolute", "rope"):
         raise ConversionError(f"--position-embedding-type {position}: megazero has learned_absolute and rope")

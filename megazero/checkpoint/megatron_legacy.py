@@ -128,6 +128,12 @@ def read_legacy(directory: Path, files: list[Path], optimizer: bool, load: Calla
                 for part, out in zip(parts, into):
                     for name, tensor in part.items():
                         out.setdefault(name, tensor)
+    counts = {megatron_stages.layer_count(parts[0]) for parts in merged.values()}
+    uneven = [key for key in megatron_stages.UNEVEN if args.get(key)]
+    if max(v for v, _ in merged) > 0 and (len(counts) > 1 or uneven):
+        what = f"--{uneven[0].replace('_', '-')}" if uneven else f"chunks of {sorted(counts)} layers"
+        raise LegacyFilesError(f"{directory}: a virtual pipeline split unevenly ({what}); megazero places the "
+                               f"chunks of a uniform split only")
     state, states, offset = {}, {}, 0
     for key in sorted(merged):          # rounds first, stages within a round
         parts = merged[key]

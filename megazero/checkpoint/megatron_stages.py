@@ -18,7 +18,7 @@ import re
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 _FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
@@ -46,7 +46,7 @@ def degrees(args: dict) -> tuple[int, int, int]:
 def chunk_layers(args: dict, pp_rank: int, vp_stage: int) -> range:
     """The global layers of chunk `vp_stage` of pipeline stage `pp_rank` (uniform split only)."""
     _, pp, vp = degrees(args)
-    uneven = [key for key in _UNEVEN if args.get(key)]
+    uneven = [key for key in UNEVEN if args.get(key)]
     if uneven or args["num_layers"] % (pp * vp):
         flag = f"--{uneven[0].replace('_', '-')}" if uneven else f"{args['num_layers']} layers over {pp * vp} chunks"
         raise StagesError(f"{flag}: megazero places the optimizer's buffers of uniformly split pipelines only; "

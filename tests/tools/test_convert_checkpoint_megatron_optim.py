@@ -352,17 +352,20 @@ def test_misplaced_master_weights_refused():
     megatron_optim.check_masters({"w": weight.to(torch.bfloat16)}, {**states, "param": {"w": weight}}, "ckpt")
 
 
-@pytest.mark.parametrize("what", ["shared_experts", "no_model"])
+@pytest.mark.parametrize("what", ["shared_experts", "no_model", "uneven_virtual"])
 def test_unsupported_megatron_runs_refused_in_one_line(tmp_path, what):
-    """Shared experts and legacy files without a model are refused in one line naming what megazero
-    does not read; nothing is written."""
+    """Shared experts, legacy files without a model and virtual chunks of unequal layer counts are
+    refused in one line naming what megazero does not read; nothing is written."""
     rank_dir = tmp_path / "iter_0000003" / "mp_rank_00"
     rank_dir.mkdir(parents=True)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
     args = dict(ARGS, num_experts=4, moe_shared_expert_intermediate_size=16) if what == "shared_experts" else ARGS
-    model = {"model": {}} if what == "shared_experts" else {"models": {}}
+    layer = {f"decoder.layers.{i}.mlp.linear_fc2.weight": torch.zeros(2, 2) for i in range(2)}
+    model = {"shared_experts": {"model": {}}, "no_model": {"models": {}},
+             "uneven_virtual": {"model0": dict(list(layer.items())[:1]), "model1": layer}}[what]
     torch.save({"args": argparse.Namespace(**args), "iteration": 3, **model}, rank_dir / "model_optim_rng.pt")
-    expected = "--moe-shared-expert-intermediate-size" if what == "shared_experts" else r"no `model` \(nor model0, model1, ...\)"
+    expected = {"shared_experts": "--moe-shared-expert-intermediate-size", "no_model": r"no `model` \(nor model0, ",
+                "uneven_virtual": r"virtual pipeline split unevenly \(chunks of \[1, 2\] layers\)"}[what]
     with pytest.raises(convert.UsageError, match=expected) as refused:
         convert.import_megatron(tmp_path, tmp_path / "out")
     assert "\n" not in str(refused.value) and not (tmp_path / "out" / "latest").exists()
