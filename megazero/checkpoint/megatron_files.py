@@ -175,16 +175,16 @@ def _read_torch_dist(directory: Path, optimizer: bool) -> tuple[dict, dict, dict
     dcp.load(stacked, storage_reader=reader, no_dist=True)
     model, states, buckets = megatron_optim.split_torch_dist(stacked, directory)
     if buckets and record["progress"]["adam_step"] is None:     # dp_reshardable: the groups are an object
-        objects = _read_objects(reader, metadata, r"^optimizer\.distributed\.dp_group_idx_0\.optimizer/", directory)
+        objects = _read_objects(reader, metadata, r"^(chained_0\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/",
+                                directory)
         groups = objects[0] if objects else None
         record["progress"].update(adam_step=megatron_optim.adam_step(groups), adam=megatron_optim.adam_hyper(groups))
     model, states = _unstack(model), {kind: _unstack(tensors) for kind, tensors in states.items()}
-    if buckets and not states and record["args"].get("num_experts"):
-        raise MegatronCheckpointError(f"{directory}: dp_reshardable optimizer state of a mixture of experts; megazero "
-                                      f"reads its experts' states from --dist-ckpt-optim-fully-reshardable or legacy "
-                                      f"checkpoints: re-save so, or pass --weights-only to import the weights alone")
     if buckets and not states:
-        states = _bucket_states(model, buckets, record["args"], directory)
+        states = _bucket_states(model, buckets[0], record["args"], directory)
+        if record["args"].get("num_experts"):
+            _expert_bucket_states(model, buckets.get(1, {}), record["args"], directory, states)
+            megatron_optim.check_masters(model, states, directory)
     return record, model, states
 
 
@@ -226,7 +226,8 @@ def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
         states = {kind: {} for kind in megatron_optim.STATES}
         try:
             for p, v in ((p, v) for p in range(pp) for v in range(vp)):
-                order = megatron_optim.registration_order(megatron_stages.chunk_names(shards, args, p, v), spec)
+                dense = [n for n in shards if not megatron_stages.is_expert(n)]
+                order = megatron_optim.registration_order(megatron_stages.chunk_names(dense, args, p, v), spec)
                 if order is None:
                     raise MegatronOptimizerError(f"{where}: no {spec} order")
                 chunk = megatron_optim.Chunk(p, v, frozenset(megatron_stages.shared_embedding(args, p, v, pp, vp)))
@@ -235,7 +236,8 @@ def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
                 for kind in megatron_optim.STATES:
                     states[kind].update({n: megatron_stages.merge_tp(n, [rank[kind][n] for rank in ranks], swiglu) for n in order
                                          if n in model})
-            megatron_optim.check_masters(model, states, where)
+            megatron_optim.check_masters({n: w for n, w in model.items() if not megatron_stages.is_expert(n)}, states,
+                                         where)
             return states
         except MegatronOptimizerError:
             continue
@@ -243,6 +245,30 @@ def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
         f"{where}: the dp_reshardable optimizer buckets match no parameter order megazero knows (megatron-core's "
         f"local and Transformer Engine layer specs); re-save with --dist-ckpt-optim-fully-reshardable, or pass "
         f"--weights-only to import the weights alone")
+
+
+def _expert_bucket_states(model: dict, buckets: dict, args: dict, where: Path, states: dict) -> None:
+    """Adds the experts' full states from the experts' optimizer's dp_reshardable buckets: per domain
+    (pipeline rank x expert x tensor degree + expert rank x tensor degree + tensor rank, megatron-core's
+    tp-ep-pp group) and chunk, each expert rank's experts in registration order (layer, expert,
+    linear_fc1 then linear_fc2)."""
+    tp, pp, vp = megatron_stages.degrees(args)
+    ep = args.get("expert_model_parallel_size") or 1
+    local = args["num_experts"] // ep
+    if sorted(buckets) != list(range(tp * ep * pp)):
+        raise MegatronCheckpointError(f"{where}: the experts' dp_reshardable optimizer state has {len(buckets)} domains "
+                                      f"where the run's arguments give {tp * ep * pp}; pass --weights-only to import "
+                                      f"the weights alone")
+    experts = [n for n in model if megatron_stages.is_expert(n)]
+    for p, v, e in ((p, v, e) for p in range(pp) for v in range(vp) for e in range(ep)):
+        order = sorted((n for n in megatron_stages.chunk_names(experts, args, p, v)
+                        if e * local <= megatron_stages.expert_index(n) < (e + 1) * local), key=megatron_stages.expert_key)
+        shards = {n: [torch.empty(shape) for shape in megatron_stages.shard_shapes(n, model[n], tp)] for n in order}
+        ranks = [megatron_optim.bucket_rank_states(buckets[(p * ep + e) * tp + t][v], {n: shards[n][t] for n in order},
+                                                   args, where, megatron_optim.Chunk(p, v)) for t in range(tp)]
+        for kind in megatron_optim.STATES:
+            states[kind].update({n: megatron_stages.merge_tp(n, [rank[kind][n] for rank in ranks], bool(args.get("swiglu")))
+                                 for n in order})
 
 
 def _stack(state: dict, layers: list[int]) -> dict:

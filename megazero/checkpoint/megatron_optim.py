@@ -7,8 +7,10 @@ Where megatron-core keeps the states:
   one tensor per parameter and state, `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, of
   the model key's global shape (layers stacked like the model's). `dp_reshardable` (Megatron-LM's
   default) keeps the optimizer's flat buckets instead, `optimizer.distributed.dp_group_idx_<d>.
-  gbuf_idx_<g>.dtype_<..>.bucket_idx_<b>.<state>` per model-parallel domain d (the tensor-parallel
-  rank at pipeline degree 1), each bucket without its end padding: joined, the legacy buffer below.
+  gbuf_idx_<g>.dtype_<..>.bucket_idx_<b>.<state>` per model-parallel domain d (pipeline rank x TP +
+  tensor rank) and grad buffer g (a virtual-pipeline chunk), each bucket without its end padding:
+  joined, the legacy buffer below. A mixture of experts chains two optimizers, `chained_0.` (dense)
+  and `chained_1.` (experts: domains per pipeline, expert and tensor rank).
   The file does not record the parameter order: megatron-core's registration order is tried for the
   local and the Transformer Engine layer specs, and kept where every master is its weight.
 - legacy (`--ckpt-format torch`): `distrib_optim.pt` beside each `model_optim_rng.pt`, holding per
@@ -75,7 +77,7 @@ def adam_hyper(optimizer: dict | list | None) -> dict:
     return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(groups[0].get("eps", 1e-8))}
 
 
-_BUCKET = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+_BUCKET = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
                      r"(param|exp_avg|exp_avg_sq)$")
 
 
@@ -85,18 +87,19 @@ def is_optimizer(name: str) -> bool:
 
 
 def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
-    """(model tensors, {state: {model key: tensor}} of the fully_reshardable format, {model-parallel
-    domain: {grad buffer (a virtual-pipeline chunk): [{state: tensor} per bucket]}} of the
-    dp_reshardable one) from a torch_dist checkpoint's tensors."""
+    """(model tensors, {state: {model key: tensor}} of the fully_reshardable format, {optimizer (0:
+    the dense parameters', 1: a mixture's experts'): {model-parallel domain: {grad buffer (a
+    virtual-pipeline chunk): [{state: tensor} per bucket]}}} of the dp_reshardable one) from a
+    torch_dist checkpoint's tensors."""
     model, states, buckets, dtypes = {}, {state: {} for state in STATES}, {}, set()
     for name, tensor in stacked.items():
         full, bucket = _FULL.match(name), _BUCKET.match(name)
         if full:
             states[full.group(1)][full.group(2)] = tensor
         elif bucket:
-            domain, buffer, dtype, index, state = bucket.groups()
+            chain, domain, buffer, dtype, index, state = bucket.groups()
             dtypes.add(dtype)
-            per = buckets.setdefault(int(domain), {}).setdefault(int(buffer), {})
+            per = buckets.setdefault(int(chain or 0), {}).setdefault(int(domain), {}).setdefault(int(buffer), {})
             per.setdefault(int(index), {})[state] = tensor
         elif not is_optimizer(name):
             model[name] = tensor
@@ -104,8 +107,8 @@ def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
         raise MegatronOptimizerError(f"{where}: the optimizer's grad buffers have {len(dtypes)} dtypes; megazero reads "
                                      f"one parameter dtype; pass --weights-only to import the weights alone")
     return (model, states if states["param"] else {},
-            {domain: {buffer: [per[i] for i in sorted(per)] for buffer, per in sorted(buffers.items())}
-             for domain, buffers in buckets.items()})
+            {chain: {domain: {buffer: [per[i] for i in sorted(per)] for buffer, per in sorted(buffers.items())}
+                     for domain, buffers in domains.items()} for chain, domains in buckets.items()})
 
 
 # The order megatron-core's TransformerLayer registers its parameters in (its grad buffer's order,
@@ -115,7 +118,8 @@ _LINEARS = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bia
 _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _NORM1 = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _NORM2 = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
-_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+# a mixture of experts' layer registers its router there; its experts sit in the experts' optimizer
+_MLP = ("mlp.router.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
 LAYER_ORDERS = {"local": _NORM1 + _LINEARS + _QKV + _NORM2 + _MLP,
                 "transformer_engine": _LINEARS + _NORM1 + _QKV + _NORM2 + _MLP}
 

@@ -136,3 +136,16 @@ def global_experts(state: dict, ep_rank: int, local_experts: int) -> dict:
 def expert_count(state: dict) -> int:
     """How many experts layer 0 of full megatron-core tensors `state` has (0 for a dense model)."""
     return len({m.group(2) for m in map(_EXPERT.match, state) if m and m.group(1) == "decoder.layers.0.mlp.experts.local_experts."})
+
+
+def expert_index(name: str) -> int:
+    """The global expert number of an expert's parameter name."""
+    return int(_EXPERT.match(name).group(2))
+
+
+def expert_key(name: str) -> tuple:
+    """An expert parameter's place in megatron-core's registration order: layer, expert, then
+    linear_fc1's weight and bias before linear_fc2's."""
+    rest = name[_EXPERT.match(name).end():]
+    order = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+    return int(_LAYER.match(name).group(1)), expert_index(name), order.index(rest) if rest in order else len(order)

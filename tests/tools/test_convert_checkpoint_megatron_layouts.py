@@ -5,8 +5,9 @@ DistributedDataParallel, DistributedOptimizer (Adam, weight decay, clipping) and
 OptimizerParamScheduler, a 4-layer Llama-like GPT at pipeline degree 2, plainly and interleaved (2
 virtual chunks a stage, one layer each), and a 2-layer mixture of experts (4 experts of width 24,
 top-2) at expert-parallel degree 2. After 3 steps each saves torch_dist (the pipelines with the
-optimizer's dp_reshardable buckets, Megatron-LM's default: a bucket set per stage and chunk; the
-experts fully_reshardable, their chained optimizers' states) and legacy files (model0/model1 when
+optimizer's dp_reshardable buckets, Megatron-LM's default: a bucket set per stage and chunk, and
+per expert rank for the experts' optimizer; the experts also fully_reshardable, their chained
+optimizers' states) and legacy files (model0/model1 when
 interleaved, mp_rank_00_<expert rank> with local expert numbers, distrib_optim.pt per chunk, with
 experts the dense and the expert optimizers' buffers), computes its logits, then takes 2 more steps.
 Each save imports into megazero: the logits equal megatron-core's (fp32, rtol 1e-5) and, resumed at
@@ -22,7 +23,9 @@ elements, the layout gives 9856); the expert ranks' local experts numbered from 
 offset (the experts' legacy logits differ); the legacy expert states (not the weights) numbered so
 (refused: the masters are not the weights); torch_dist's expert axis read in reverse (the experts'
 torch_dist logits differ); the export's experts stacked in reverse (megatron-core's continued losses
-off by 4.6e-4 relative)."""
+off by 4.6e-4 relative); the experts' dp_reshardable domains of the two expert ranks swapped, and
+their registration order linear_fc2 before linear_fc1 (each refused: the masters are not the
+weights)."""
 import argparse
 
 import pytest
@@ -160,15 +163,16 @@ def _save_experts(ctx, root, model, optimizer, scheduler):
     first expert-data-parallel rank (here every rank)."""
     from megatron.core import dist_checkpointing
     name = f"iter_{STEPS:07d}"
-    for folder in ("torch_dist", "legacy"):
+    for folder in ("torch_dist", "torch_dist_dp", "legacy"):
         (root / folder / name).mkdir(parents=True, exist_ok=True)
         (root / folder / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
     common = {"args": argparse.Namespace(**MOE_ARGS), "iteration": STEPS, "checkpoint_version": 3.0,
               "opt_param_scheduler": scheduler.state_dict()}
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-    model_state = model.sharded_state_dict()
-    dist_checkpointing.save({**model_state, **common, "optimizer": optimizer.sharded_state_dict(
-        model_state, metadata=metadata)}, str(root / "torch_dist" / name), content_metadata=metadata)
+    for kind, folder in (("fully_reshardable", "torch_dist"), ("dp_reshardable", "torch_dist_dp")):
+        metadata = {"distrib_optim_sharding_type": kind}
+        model_state = model.sharded_state_dict()
+        dist_checkpointing.save({**model_state, **common, "optimizer": optimizer.sharded_state_dict(
+            model_state, metadata=metadata)}, str(root / folder / name), content_metadata=metadata)
     rank_dir = root / "legacy" / name / f"mp_rank_00_{ctx.rank:03d}"
     rank_dir.mkdir()
     optimizer.save_parameter_state(str(rank_dir / "distrib_optim.pt"))
@@ -290,7 +294,7 @@ def test_megatron_runs_of_every_layout_resume_in_megazero(dist_pool, tmp_path):
     expected = pool.run(_train_with_megatron, tmp_path)[1]
     directories, losses = [], []
     for layout in [*LAYOUTS, "experts"]:
-        for kind in ("torch_dist", "legacy"):
+        for kind in ("torch_dist", "legacy") + (("torch_dist_dp",) if layout == "experts" else ()):
             directory, iteration, resumable = convert.import_megatron(tmp_path / layout / kind,
                                                                       tmp_path / f"mz_{layout}_{kind}")
             assert (iteration, resumable) == (STEPS, True)
