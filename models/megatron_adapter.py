@@ -35,8 +35,11 @@ class ConversionError(ValueError):
 
 
 # Megatron-LM arguments that change the model's function and that megazero has no match for.
-_UNSUPPORTED = (("num_experts", None, "--num-experts (mixtures of experts are not converted yet)"),
-                ("qk_layernorm", False, "--qk-layernorm"),
+_UNSUPPORTED = (("qk_layernorm", False, "--qk-layernorm"),
+                ("moe_shared_expert_intermediate_size", None,
+                 "--moe-shared-expert-intermediate-size (shared experts are not converted yet)"),
+                ("moe_router_enable_expert_bias", False, "--moe-router-enable-expert-bias (not converted yet)"),
+                ("moe_input_jitter_eps", None, "--moe-input-jitter-eps"),
                 ("multi_latent_attention", False, "--multi-latent-attention"),
                 ("rotary_scaling_factor", 1.0, "--rotary-scaling-factor"),
                 ("use_rope_scaling", False, "--use-rope-scaling"),
@@ -50,6 +53,11 @@ def gpt_config(args: dict) -> GPTConfig:
         if args.get(key, neutral) not in (neutral, None, 0):
             raise ConversionError(f"the checkpoint was trained with {flag}, which megazero's GPT does not "
                                   f"have; it cannot be converted exactly")
+    tp, etp = args.get("tensor_model_parallel_size") or 1, args.get("expert_tensor_parallel_size")
+    if args.get("num_experts") and etp not in (None, tp):
+        raise ConversionError(f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp}: "
+                              f"megazero merges experts split as the dense layers are; convert a checkpoint "
+                              f"saved with equal degrees")
     position = args.get("position_embedding_type", "learned_absolute")
     if position not in ("learned_absolute", "rope"):
         raise ConversionError(f"--position-embedding-type {position}: megazero has learned_absolute and rope")
@@ -73,14 +81,45 @@ def gpt_config(args: dict) -> GPTConfig:
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
         add_bias_linear=args.get("add_bias_linear", True), add_qkv_bias=bool(args.get("add_qkv_bias")),
         hidden_dropout=args.get("hidden_dropout", 0.1), attention_dropout=args.get("attention_dropout", 0.1),
-        init_method_std=args.get("init_method_std", 0.02))
+        init_method_std=args.get("init_method_std", 0.02), **_moe_fields(args))
+
+
+# Megatron-LM's MoE arguments megazero's GPTConfig takes under the same names, with Megatron-LM's defaults
+_MOE_FIELDS = {"moe_router_topk": 2, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.0,
+               "moe_z_loss_coeff": None, "moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+               "moe_router_topk_scaling_factor": None, "moe_router_dtype": None, "moe_expert_capacity_factor": None,
+               "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs", "moe_layer_freq": 1}
+
+
+def _moe_fields(args: dict) -> dict:
+    """GPTConfig's mixture-of-experts fields of a Megatron-LM argument record ({} for a dense model)."""
+    if not args.get("num_experts"):
+        return {}
+    fields = {key: args.get(key, default) for key, default in _MOE_FIELDS.items()}
+    fields["moe_z_loss_coeff"] = fields["moe_z_loss_coeff"] or 0.0
+    return dict(fields, num_experts=args["num_experts"],
+                moe_ffn_hidden_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size") or 0)
+
+
+def _moe_args(config: GPTConfig) -> dict:
+    """The --moe-* arguments of `config`'s mixture of experts ({} for a dense model); refuses what
+    the export does not write (megatron-core stacks every layer's experts on one layer axis)."""
+    if not config.num_experts:
+        return {}
+    if not all(config.is_moe_layer(i) for i in range(config.num_layers)):
+        raise ConversionError(f"--moe-layer-freq {config.moe_layer_freq}: export-megatron writes mixtures of experts "
+                              f"in every layer only")
+    if config.moe_shared_expert_intermediate_size or config.moe_router_enable_expert_bias:
+        raise ConversionError("--moe-shared-expert-intermediate-size / --moe-router-enable-expert-bias: "
+                              "export-megatron does not write shared experts or expert biases yet")
+    fields = {key: getattr(config, key) for key in _MOE_FIELDS}
+    return dict(fields, num_experts=config.num_experts, moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                moe_grouped_gemm=False)
 
 
 def megatron_args(config: GPTConfig, rotary_interleaved: bool = False) -> dict:
     """The Megatron-LM arguments that rebuild `config`'s model (names of megatron/training/arguments.py)."""
-    if config.num_experts:
-        raise ConversionError(f"--num-experts {config.num_experts}: mixtures of experts are not converted yet")
-    return dict(
+    return dict(**_moe_args(config),
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         num_query_groups=config.num_query_groups, kv_channels=config.head_dim,
@@ -123,13 +162,42 @@ def _layer_map(config: GPTConfig, i: int, rotary_interleaved: bool) -> list[Entr
     norm = ["weight"] + (["bias"] if config.normalization == "layernorm" else [])
     linear = ["weight"] + (["bias"] if config.add_bias_linear else [])
     entries = [(f"{ours}input_norm.{k}", f"{theirs}self_attention.linear_qkv.layer_norm_{k}", *same) for k in norm]
+    # a mixture of experts keeps its norm apart in both specs (local_spec_name's name) but torch_dist
+    # names it as the fused one
     entries += [(f"{ours}mlp_norm.{k}", f"{theirs}mlp.linear_fc1.layer_norm_{k}", *same) for k in norm]
     qkv_keys = ["weight"] + (["bias"] if config.add_bias_linear or config.add_qkv_bias else [])
     entries += [(f"{ours}attention.qkv.{k}", f"{theirs}self_attention.linear_qkv.{k}", *qkv) for k in qkv_keys]
     entries += [(f"{ours}attention.proj.{k}", f"{theirs}self_attention.linear_proj.{k}", *same) for k in linear]
+    if config.is_moe_layer(i):
+        return entries + [(f"{ours}mlp.router.weight", f"{theirs}mlp.router.weight", *same)]
     entries += [(f"{ours}mlp.fc1.{k}", f"{theirs}mlp.linear_fc1.{k}", *same) for k in linear]
     entries += [(f"{ours}mlp.fc2.{k}", f"{theirs}mlp.linear_fc2.{k}", *same) for k in linear]
     return entries
+
+
+def expert_names(config: GPTConfig, i: int, projection: str) -> list[str]:
+    """megatron-core's per-expert names (local spec's SequentialMLP, global expert numbers) of layer
+    i's linear_fc1 or linear_fc2 weights."""
+    return [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{projection}.weight" for e in range(config.num_experts)]
+
+
+def _split_experts(t: torch.Tensor) -> list[torch.Tensor]:
+    return [w.t().contiguous() for w in t.unbind(0)]
+
+
+def _join_experts(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([w.t() for w in tensors]).contiguous()
+
+
+def _expert_entries(config: GPTConfig) -> list[tuple[str, list[str], Callable, Callable]]:
+    """Each MoE layer's experts: megazero's weight1 (E, h, 2f: [gate | up]) and weight2 (E, f, h) are
+    megatron-core's per-expert linear_fc1 (2f, h: [gate; up] rows) and linear_fc2 (h, f) weights
+    transposed and stacked: (ours, their names, ours -> theirs, theirs -> ours)."""
+    if config.add_bias_linear:
+        raise ConversionError("experts with linear biases (no --disable-bias-linear): megazero's experts have none")
+    return [(f"layers.{i}.mlp.experts.weight{n}", expert_names(config, i, projection), _split_experts, _join_experts)
+            for i in range(config.num_layers) if config.is_moe_layer(i)
+            for n, projection in ((1, "linear_fc1"), (2, "linear_fc2"))]
 
 
 def parameter_map(config: GPTConfig, rotary_interleaved: bool = False) -> list[Entry]:
@@ -156,6 +224,12 @@ def local_spec_name(name: str) -> str:
 def from_megatron(config: GPTConfig, state: dict, rotary_interleaved: bool = False) -> dict:
     """megazero's full parameters from a megatron-core GPTModel state dict of full tensors (either spec)."""
     out = {}
+    for ours, theirs, _, join in _expert_entries(config) if config.num_experts else []:
+        missing = [name for name in theirs if name not in state]
+        if missing:
+            raise ConversionError(f"the checkpoint has no {missing[0]}; megazero reads megatron-core's local-spec "
+                                  f"experts (SequentialMLP, not --moe-grouped-gemm) of the number its arguments give")
+        out[ours] = join([state[name].to(torch.float32) for name in theirs])
     for ours, theirs, _, back in parameter_map(config, rotary_interleaved):
         tensor = state.get(theirs, state.get(local_spec_name(theirs)))
         if tensor is None:
@@ -166,8 +240,12 @@ def from_megatron(config: GPTConfig, state: dict, rotary_interleaved: bool = Fal
 
 
 def to_megatron(config: GPTConfig, read: Callable[[str], torch.Tensor], rotary_interleaved: bool = False) -> dict:
-    """megatron-core's full state dict (Transformer Engine names) from `read(our name)`."""
-    return {theirs: there(read(ours)) for ours, theirs, there, _ in parameter_map(config, rotary_interleaved)}
+    """megatron-core's full state dict (Transformer Engine names; experts one by one, global numbers)
+    from `read(our name)`."""
+    out = {theirs: there(read(ours)) for ours, theirs, there, _ in parameter_map(config, rotary_interleaved)}
+    for ours, theirs, split, _ in _expert_entries(config) if config.num_experts else []:
+        out.update(zip(theirs, split(read(ours))))
+    return out
 
 
 # Adam's states as megazero names them, from megatron-core's distributed optimizer's
@@ -238,4 +316,6 @@ def megatron_progress(optimizer: dict, progress: dict) -> dict:
                  max_lr=optimizer["lr"], min_lr=optimizer["min_lr"], lr=optimizer["lr"])
     groups = [dict(group, wd_mult=wd_mult, weight_decay=args["weight_decay"] * wd_mult, is_decoupled_lr=decoupled,
                    default_config=True) for decoupled in (False, True) for wd_mult in (1.0, 0.0)]
-    return {"args": args, "opt_param_scheduler": scheduler, "param_groups": groups}
+    # a mixture of experts' second (chained) optimizer: the same groups over the expert parameters
+    experts = [dict(g, is_expert_parallel=True) for g in groups]
+    return {"args": args, "opt_param_scheduler": scheduler, "param_groups": groups, "expert_param_groups": experts}

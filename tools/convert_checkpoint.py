@@ -26,9 +26,10 @@ checkpoint that `--load`/`--finetune` accept at any layout, with the folder's to
 a sentencepiece tokenizer.model, or GPT-2's vocab.json + merges.txt) kept as the checkpoint's. Names,
 shapes and configs are mapped in models/hf_adapter.py (megazero.models.hf_adapter); this file only
 reads and writes. `import-megatron` reads a Megatron-LM checkpoint (`--ckpt-format torch_dist`, or
-the legacy per-rank `model_optim_rng.pt` files at any TP/PP) into a one-rank megazero checkpoint:
-with the distributed optimizer's Adam states where it holds them (torch_dist `fully_reshardable`, or
-legacy `distrib_optim.pt`), the iteration, Adam's step, the lr schedule and the consumed samples, so
+the legacy per-rank `model_optim_rng.pt` files at any TP/PP/EP, virtual pipelines included; mixtures
+of experts too) into a one-rank megazero checkpoint:
+with the distributed optimizer's Adam states where it holds them (torch_dist `fully_reshardable` or
+`dp_reshardable`, or legacy `distrib_optim.pt`), the iteration, Adam's step, the lr schedule and the consumed samples, so
 `pretrain_gpt.py --load` continues the run at any layout; else, or with --weights-only, the weights
 at iteration 0. `export-megatron` writes one as `--ckpt-format torch_dist` that megatron-core loads
 at any layout, with the Adam states (as `fully_reshardable`), step and schedule when the checkpoint

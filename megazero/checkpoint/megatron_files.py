@@ -5,9 +5,9 @@ Two formats, both under `SAVE/latest_checkpointed_iteration.txt` and `SAVE/iter_
   folder (`.metadata`, `__R_K.distcp`) plus `metadata.json` and `common.pt` (args, iteration). The
   layers are stacked: `decoder.layers.<rest>` has a leading layer axis, split here into
   `decoder.layers.N.<rest>`. Read and written without a process group (one process).
-- legacy (`--ckpt-format torch`): `iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`, one pickle per
-  tensor/pipeline rank, each with the rank's shard of the model; merged here along each parameter's
-  tensor-parallel axis, pipeline stages renumbered into global layers.
+- legacy (`--ckpt-format torch`): `iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`, one
+  pickle per tensor/pipeline/expert rank; megatron_legacy.py merges them (megatron_stages.py knows
+  where each stage's, chunk's and expert rank's parameters go).
 
 The distributed optimizer's Adam states (fp32 masters, exp_avg, exp_avg_sq) come too where the
 checkpoint holds them, full and by the same names (megatron_optim.py knows their layouts); they are
@@ -38,11 +38,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .files import apply_umask
-from . import megatron_optim
-from .megatron_optim import OPTIM_FILE, MegatronOptimizerError
+from . import megatron_legacy, megatron_optim, megatron_stages
+from .megatron_optim import MegatronOptimizerError
 
 TRACKER = "latest_checkpointed_iteration.txt"
-LEGACY_FILE = "model_optim_rng.pt"
+_LOCAL_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+LEGACY_FILE = megatron_legacy.LEGACY_FILE
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d)")
 # What megatron-core itself allows in its pickles (megatron/core/safe_globals.py) and megazero reads
 # without importing it: its enums, as their values, and its records, as plain attribute bags.
@@ -123,7 +124,7 @@ def read_checkpoint(path: str | Path, optimizer: bool = True) -> tuple[dict, dic
         if (directory / "metadata.json").is_file():
             record, state, states = _read_torch_dist(directory, optimizer)
         else:
-            record, state, states = _read_legacy(directory, ranks, optimizer)
+            record, state, states = megatron_legacy.read_legacy(directory, ranks, optimizer, safe_load, _record)
         if states:
             megatron_optim.check_masters(state, states, directory)
     except MegatronOptimizerError as err:
@@ -142,12 +143,19 @@ def _record(common: dict, where: Path) -> dict:
 
 
 def _unstack(stacked: dict) -> dict:
-    """Per-layer tensors from torch_dist's stacked ones (`decoder.layers.<rest>`, a leading layer axis)."""
+    """Per-layer tensors from torch_dist's stacked ones (`decoder.layers.<rest>`, a leading layer axis;
+    experts, `mlp.experts.experts.<rest>`, an expert axis next, become per-expert tensors)."""
     state = {}
     for name, tensor in stacked.items():
         if _STACKED.match(name):
             rest = name[len("decoder.layers."):]
-            state.update({f"decoder.layers.{i}.{rest}": layer for i, layer in enumerate(tensor.unbind(0))})
+            for i, layer in enumerate(tensor.unbind(0)):
+                if rest.startswith("mlp.experts.experts."):    # then an expert axis: the local spec's names
+                    tail = rest[len("mlp.experts.experts."):]
+                    state.update({f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{tail}": expert
+                                  for e, expert in enumerate(layer.unbind(0))})
+                else:
+                    state[f"decoder.layers.{i}.{rest}"] = layer
         else:
             state[name] = tensor
     return state
@@ -163,16 +171,20 @@ def _read_torch_dist(directory: Path, optimizer: bool) -> tuple[dict, dict, dict
     reader = dcp.FileSystemReader(str(directory))
     metadata = reader.read_metadata().state_dict_metadata
     stacked = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in metadata.items()
-               if isinstance(meta, TensorStorageMetadata) and (optimizer or not name.startswith("optimizer."))}
+               if isinstance(meta, TensorStorageMetadata) and (optimizer or not megatron_optim.is_optimizer(name))}
     dcp.load(stacked, storage_reader=reader, no_dist=True)
     model, states, buckets = megatron_optim.split_torch_dist(stacked, directory)
     if buckets and record["progress"]["adam_step"] is None:     # dp_reshardable: the groups are an object
-        objects = _read_objects(reader, metadata, r"^optimizer\.distributed\.dp_group_idx_0\.optimizer/", directory)
+        objects = _read_objects(reader, metadata, r"^(chained_0\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/",
+                                directory)
         groups = objects[0] if objects else None
         record["progress"].update(adam_step=megatron_optim.adam_step(groups), adam=megatron_optim.adam_hyper(groups))
     model, states = _unstack(model), {kind: _unstack(tensors) for kind, tensors in states.items()}
     if buckets and not states:
-        states = _bucket_states(model, buckets, record["args"], directory)
+        states = _bucket_states(model, buckets[0], record["args"], directory)
+        if record["args"].get("num_experts"):
+            _expert_bucket_states(model, buckets.get(1, {}), record["args"], directory, states)
+            megatron_optim.check_masters(model, states, directory)
     return record, model, states
 
 
@@ -195,36 +207,37 @@ def _read_objects(reader, metadata: dict, pattern: str, directory: Path) -> list
     return [safe_load(directory / name, planner.objects[name]) for name in names]
 
 
-def _shard_shapes(name: str, full: torch.Tensor, tp: int) -> list[torch.Size]:
-    """One parameter's tensor-parallel shard shapes (rank order), as _merge_tp joins them."""
-    if _ROW.search(name):
-        return [t.shape for t in full.chunk(tp, dim=1)]
-    if _COLUMN.search(name):
-        return [t.shape for t in full.chunk(tp, dim=0)]
-    return [full.shape] * tp
-
-
 def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
-    """Full states from torch_dist's dp_reshardable buckets: per model-parallel domain (its index is
-    the tensor-parallel rank at pipeline degree 1) the buckets joined make the legacy buffer; the
-    parameter order is megatron-core's registration order of the spec whose masters match."""
-    tp, swiglu = args.get("tensor_model_parallel_size") or 1, bool(args.get("swiglu"))
-    if (args.get("pipeline_model_parallel_size") or 1) > 1 or sorted(buckets) != list(range(tp)):
+    """Full states from torch_dist's dp_reshardable buckets: per model-parallel domain (pipeline rank
+    x tensor degree + tensor rank, as megatron-core numbers its model-parallel group) and grad buffer
+    (a virtual-pipeline chunk) the buckets joined make the legacy buffer of that chunk; the parameter
+    order is megatron-core's registration order of the spec whose masters match."""
+    tp, pp, vp = megatron_stages.degrees(args)
+    if sorted(buckets) != list(range(tp * pp)) or any(sorted(b) != list(range(vp)) for b in buckets.values()):
         raise MegatronCheckpointError(
-            f"{where}: dp_reshardable optimizer state of pipeline degree {args.get('pipeline_model_parallel_size')} "
-            f"({len(buckets)} model-parallel domains); megazero reads it at pipeline degree 1: re-save with "
-            f"--dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the weights alone")
-    shards = {name: [torch.empty(shape) for shape in _shard_shapes(name, full, tp)] for name, full in model.items()}
+            f"{where}: dp_reshardable optimizer state of {len(buckets)} model-parallel domains where the run's "
+            f"arguments give {tp * pp} of {vp} grad buffers each; re-save with --dist-ckpt-optim-fully-reshardable, "
+            f"or pass --weights-only to import the weights alone")
+    swiglu = bool(args.get("swiglu"))
+    shards = {name: [torch.empty(shape) for shape in megatron_stages.shard_shapes(name, full, tp)] for name, full in model.items()}
+    if megatron_stages.shared_embedding(args, pp - 1, vp - 1, pp, vp):        # the last stage's copy of a tied head
+        shards.setdefault("output_layer.weight", shards.get("embedding.word_embeddings.weight"))
     for spec in megatron_optim.LAYER_ORDERS:
-        order = megatron_optim.registration_order(model, spec)
-        if order is None:
-            continue
+        states = {kind: {} for kind in megatron_optim.STATES}
         try:
-            ranks = [megatron_optim.bucket_rank_states(
-                buckets[t], {name: shards[name][t] for name in order}, args, where) for t in range(tp)]
-            states = {kind: {name: _merge_tp(name, [rank[kind][name] for rank in ranks], swiglu) for name in order}
-                      for kind in megatron_optim.STATES}
-            megatron_optim.check_masters(model, states, where)
+            for p, v in ((p, v) for p in range(pp) for v in range(vp)):
+                dense = [n for n in shards if not megatron_stages.is_expert(n)]
+                order = megatron_optim.registration_order(megatron_stages.chunk_names(dense, args, p, v), spec)
+                if order is None:
+                    raise MegatronOptimizerError(f"{where}: no {spec} order")
+                chunk = megatron_optim.Chunk(p, v, frozenset(megatron_stages.shared_embedding(args, p, v, pp, vp)))
+                ranks = [megatron_optim.bucket_rank_states(buckets[p * tp + t][v], {n: shards[n][t] for n in order},
+                                                           args, where, chunk) for t in range(tp)]
+                for kind in megatron_optim.STATES:
+                    states[kind].update({n: megatron_stages.merge_tp(n, [rank[kind][n] for rank in ranks], swiglu) for n in order
+                                         if n in model})
+            megatron_optim.check_masters({n: w for n, w in model.items() if not megatron_stages.is_expert(n)}, states,
+                                         where)
             return states
         except MegatronOptimizerError:
             continue
@@ -234,10 +247,42 @@ def _bucket_states(model: dict, buckets: dict, args: dict, where: Path) -> dict:
         f"--weights-only to import the weights alone")
 
 
+def _expert_bucket_states(model: dict, buckets: dict, args: dict, where: Path, states: dict) -> None:
+    """Adds the experts' full states from the experts' optimizer's dp_reshardable buckets: per domain
+    (pipeline rank x expert x tensor degree + expert rank x tensor degree + tensor rank, megatron-core's
+    tp-ep-pp group) and chunk, each expert rank's experts in registration order (layer, expert,
+    linear_fc1 then linear_fc2)."""
+    tp, pp, vp = megatron_stages.degrees(args)
+    ep = args.get("expert_model_parallel_size") or 1
+    local = args["num_experts"] // ep
+    if sorted(buckets) != list(range(tp * ep * pp)):
+        raise MegatronCheckpointError(f"{where}: the experts' dp_reshardable optimizer state has {len(buckets)} domains "
+                                      f"where the run's arguments give {tp * ep * pp}; pass --weights-only to import "
+                                      f"the weights alone")
+    experts = [n for n in model if megatron_stages.is_expert(n)]
+    for p, v, e in ((p, v, e) for p in range(pp) for v in range(vp) for e in range(ep)):
+        order = sorted((n for n in megatron_stages.chunk_names(experts, args, p, v)
+                        if e * local <= megatron_stages.expert_index(n) < (e + 1) * local), key=megatron_stages.expert_key)
+        shards = {n: [torch.empty(shape) for shape in megatron_stages.shard_shapes(n, model[n], tp)] for n in order}
+        ranks = [megatron_optim.bucket_rank_states(buckets[(p * ep + e) * tp + t][v], {n: shards[n][t] for n in order},
+                                                   args, where, megatron_optim.Chunk(p, v)) for t in range(tp)]
+        for kind in megatron_optim.STATES:
+            states[kind].update({n: megatron_stages.merge_tp(n, [rank[kind][n] for rank in ranks], bool(args.get("swiglu")))
+                                 for n in order})
+
+
 def _stack(state: dict, layers: list[int]) -> dict:
     """torch_dist's stacked tensors (`decoder.layers.<rest>`, a leading layer axis) from per-layer ones."""
     stacked = {}
     for name, tensor in state.items():
+        expert = _LOCAL_EXPERT.match(name)
+        if expert:            # then an expert axis: megatron-core's experts.experts.<rest>
+            if expert.group(1) == expert.group(2) == "0":
+                rest, count = expert.group(3), megatron_stages.expert_count(state)
+                stacked[f"decoder.layers.mlp.experts.experts.{rest}"] = torch.stack([torch.stack(
+                    [state[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{rest}"] for e in range(count)])
+                    for i in layers])
+            continue
         match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
         if match is None:
             stacked[name] = tensor.contiguous()
@@ -258,21 +303,27 @@ def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int
     directory.mkdir(parents=True)
     layers = sorted({int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, state) if m})
     stacked = _stack(state, layers)
+    experts = megatron_stages.expert_count(state)
     for kind, tensors in (states or {}).items():
-        stacked.update({f"optimizer.state.{kind}.{name}": t for name, t in _stack(tensors, layers).items()})
-    # megatron-core's local-spec linear layers keep an empty extra state, one object per layer, stored
-    # as megatron-core stores objects: a pickled list of the object's values
+        # a mixture of experts has two chained optimizers, the dense parameters' and the experts'
+        stacked.update({(f"chained_{int('.experts.experts.' in name)}." if experts else "")
+                        + f"optimizer.state.{kind}.{name}": t for name, t in _stack(tensors, layers).items()})
+    # megatron-core's local-spec linear layers keep an empty extra state, one object per layer (and
+    # expert), stored as megatron-core stores objects: a pickled list of the object's values
     for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
         for i in layers:
             stacked[f"decoder.layers.{module}._extra_state/shard_{i}_{len(layers)}"] = [None]
+    for module, i, e in ((m, i, e) for m in ("linear_fc1", "linear_fc2") for i in layers for e in range(experts)):
+        stacked[f"decoder.layers.mlp.experts.experts.{module}._extra_state/shard_{i}.{e}_{len(layers)}.{experts}"] = [None]
     # unflattened: the planner pickles each object value whole, as megatron-core's does
     dcp.save(stacked, storage_writer=dcp.FileSystemWriter(str(directory)),
              planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
     common = {"args": argparse.Namespace(**record["args"]), "iteration": iteration, "checkpoint_version": 3.0}
     if states:
+        parts = [{"optimizer": {"param_groups": record[key]}, "param_state_sharding_type": "fully_reshardable"}
+                 for key in ("param_groups", "expert_param_groups")[:2 if experts else 1]]
         common.update(opt_param_scheduler=record["opt_param_scheduler"],
-                      optimizer={"optimizer": {"param_groups": record["param_groups"]},
-                                 "param_state_sharding_type": "fully_reshardable"},
+                      optimizer=dict(enumerate(parts)) if experts else parts[0],
                       content_metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     torch.save(common, directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps({
@@ -282,67 +333,3 @@ def write_torch_dist(save: str | Path, record: dict, state: dict, iteration: int
     for file in [*directory.iterdir(), save / TRACKER]:
         apply_umask(file)
     return directory
-
-
-_COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias))$")
-_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
-
-
-def _merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    """One parameter's full tensor from its tensor-parallel shards (rank order)."""
-    if _ROW.search(name):
-        return torch.cat(shards, dim=1)
-    if not _COLUMN.search(name):
-        return shards[0]                   # replicated: norms, row-parallel biases, positions
-    if swiglu and "linear_fc1." in name:   # each rank holds [its gate rows; its up rows]
-        halves = [shard.chunk(2, dim=0) for shard in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(shards, dim=0)
-
-
-def _legacy_files(directory: Path, files: list[Path]) -> tuple[dict, int, int]:
-    """{(pp rank, tp rank): file}, the tensor and the pipeline degree; refuses an incomplete copy."""
-    by_rank = {}
-    for file in files:
-        match = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", file.parent.name)
-        if match is None:
-            raise MegatronCheckpointError(f"{file.parent}: not an mp_rank_TT[_PPP] directory")
-        by_rank[(int(match.group(2) or 0), int(match.group(1)))] = file
-    pp = 1 + max(p for p, _ in by_rank)
-    tp = 1 + max(t for _, t in by_rank)
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for p in range(pp) for t in range(tp)
-               if (p, t) not in by_rank]
-    if missing:
-        raise MegatronCheckpointError(f"{directory}: {missing[0]}/{LEGACY_FILE} is missing; the copy is incomplete")
-    return by_rank, tp, pp
-
-
-def _read_legacy(directory: Path, files: list[Path], optimizer: bool) -> tuple[dict, dict, dict]:
-    by_rank, tp, pp = _legacy_files(directory, files)
-    with_states = optimizer and all((file.parent / OPTIM_FILE).is_file() for file in by_rank.values())
-    record, state, states, offset = None, {}, {}, 0
-    for p in range(pp):
-        loaded = [safe_load(by_rank[(p, t)]) for t in range(tp)]
-        if "model" not in loaded[0]:
-            raise MegatronCheckpointError(f"{by_rank[(p, 0)]}: no `model` (a virtual-pipeline checkpoint keeps "
-                                          f"model0, model1, ...; megazero reads plain pipelines only)")
-        record = record or _record(loaded[0], by_rank[(p, 0)])
-        swiglu = bool(record["args"].get("swiglu"))
-        models = [{k: v for k, v in one["model"].items() if isinstance(v, torch.Tensor)} for one in loaded]
-        shards = [models]
-        if with_states:
-            ranks = [megatron_optim.legacy_rank_states(by_rank[(p, t)].parent / OPTIM_FILE,
-                                                       safe_load(by_rank[(p, t)].parent / OPTIM_FILE),
-                                                       models[t], record["args"], p, pp) for t in range(tp)]
-            shards += [[rank[kind] for rank in ranks] for kind in megatron_optim.STATES]
-        layers = {int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, models[0]) if m}
-        outs = [state] + ([states.setdefault(kind, {}) for kind in megatron_optim.STATES] if with_states else [])
-        for per_rank, out in zip(shards, outs):
-            for name in per_rank[0]:
-                full = _merge_tp(name, [m[name] for m in per_rank], swiglu)
-                match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
-                if match:
-                    name = f"decoder.layers.{offset + int(match.group(1))}.{match.group(2)}"
-                out.setdefault(name, full)
-        offset += len(layers)
-    return record, state, states

@@ -7,8 +7,10 @@ Where megatron-core keeps the states:
   one tensor per parameter and state, `optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`, of
   the model key's global shape (layers stacked like the model's). `dp_reshardable` (Megatron-LM's
   default) keeps the optimizer's flat buckets instead, `optimizer.distributed.dp_group_idx_<d>.
-  gbuf_idx_<g>.dtype_<..>.bucket_idx_<b>.<state>` per model-parallel domain d (the tensor-parallel
-  rank at pipeline degree 1), each bucket without its end padding: joined, the legacy buffer below.
+  gbuf_idx_<g>.dtype_<..>.bucket_idx_<b>.<state>` per model-parallel domain d (pipeline rank x TP +
+  tensor rank) and grad buffer g (a virtual-pipeline chunk), each bucket without its end padding:
+  joined, the legacy buffer below. A mixture of experts chains two optimizers, `chained_0.` (dense)
+  and `chained_1.` (experts: domains per pipeline, expert and tensor rank).
   The file does not record the parameter order: megatron-core's registration order is tried for the
   local and the Transformer Engine layer specs, and kept where every master is its weight.
 - legacy (`--ckpt-format torch`): `distrib_optim.pt` beside each `model_optim_rng.pt`, holding per
@@ -29,22 +31,33 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 OPTIM_FILE = "distrib_optim.pt"
-_FULL = re.compile(r"^optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.+)$")
+# a chained optimizer's (the dense parameters' and the experts') names begin chained_<index>.
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
+_FULL = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(param|exp_avg|exp_avg_sq)\.(.+)$")
 
 
 class MegatronOptimizerError(ValueError):
     """Optimizer state megazero cannot read exactly; the message names what and the way out."""
 
 
+def _parts(optimizer: dict | list | None) -> list:
+    """A megatron-core optimizer state dict's parts: a chained optimizer's (the dense parameters' and
+    the experts') is a list, or in torch_dist's common.pt a dict by index."""
+    if isinstance(optimizer, dict) and optimizer and all(isinstance(key, int) for key in optimizer):
+        return [optimizer[key] for key in sorted(optimizer)]
+    return optimizer if isinstance(optimizer, list) else [optimizer]
+
+
 def adam_step(optimizer: dict | list | None) -> int | None:
-    """Adam's step count from a megatron-core optimizer state dict (a chained optimizer's is a list);
-    None when it holds none (a checkpoint saved without its optimizer)."""
-    parts = optimizer if isinstance(optimizer, list) else [optimizer]
+    """Adam's step count from a megatron-core optimizer state dict; None when it holds none (a
+    checkpoint saved without its optimizer)."""
+    parts = _parts(optimizer)
     steps = set()
     for part in parts:
         inner = (part or {}).get("optimizer", part) or {}
@@ -56,7 +69,7 @@ def adam_step(optimizer: dict | list | None) -> int | None:
 
 def adam_hyper(optimizer: dict | list | None) -> dict:
     """betas and eps of the first parameter group ({} when there is none)."""
-    part = optimizer[0] if isinstance(optimizer, list) and optimizer else optimizer
+    part = _parts(optimizer)[0] if optimizer else optimizer
     groups = ((part or {}).get("optimizer", part) or {}).get("param_groups", [])
     if not groups:
         return {}
@@ -64,30 +77,38 @@ def adam_hyper(optimizer: dict | list | None) -> dict:
     return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(groups[0].get("eps", 1e-8))}
 
 
-_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+_BUCKET = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
                      r"(param|exp_avg|exp_avg_sq)$")
 
 
+def is_optimizer(name: str) -> bool:
+    """Whether a torch_dist checkpoint's tensor `name` is the optimizer's (else the model's)."""
+    return _OPTIMIZER.match(name) is not None
+
+
 def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
-    """(model tensors, {state: {model key: tensor}} of the fully_reshardable format, {model-parallel
-    domain: [{state: tensor} per bucket]} of the dp_reshardable one) from a torch_dist checkpoint's
-    tensors."""
-    model, states, buckets, buffers = {}, {state: {} for state in STATES}, {}, set()
+    """(model tensors, {state: {model key: tensor}} of the fully_reshardable format, {optimizer (0:
+    the dense parameters', 1: a mixture's experts'): {model-parallel domain: {grad buffer (a
+    virtual-pipeline chunk): [{state: tensor} per bucket]}}} of the dp_reshardable one) from a
+    torch_dist checkpoint's tensors."""
+    model, states, buckets, dtypes = {}, {state: {} for state in STATES}, {}, set()
     for name, tensor in stacked.items():
         full, bucket = _FULL.match(name), _BUCKET.match(name)
         if full:
             states[full.group(1)][full.group(2)] = tensor
         elif bucket:
-            domain, buffer, dtype, index, state = bucket.groups()
-            buffers.add((buffer, dtype))
-            buckets.setdefault(int(domain), {}).setdefault(int(index), {})[state] = tensor
-        elif not name.startswith("optimizer."):
+            chain, domain, buffer, dtype, index, state = bucket.groups()
+            dtypes.add(dtype)
+            per = buckets.setdefault(int(chain or 0), {}).setdefault(int(domain), {}).setdefault(int(buffer), {})
+            per.setdefault(int(index), {})[state] = tensor
+        elif not is_optimizer(name):
             model[name] = tensor
-    if len(buffers) > 1:
-        raise MegatronOptimizerError(f"{where}: the optimizer has {len(buffers)} grad buffers or dtypes; megazero reads "
-                                     f"one (no experts, one parameter dtype); pass --weights-only to import the weights alone")
+    if len(dtypes) > 1:
+        raise MegatronOptimizerError(f"{where}: the optimizer's grad buffers have {len(dtypes)} dtypes; megazero reads "
+                                     f"one parameter dtype; pass --weights-only to import the weights alone")
     return (model, states if states["param"] else {},
-            {domain: [per[i] for i in sorted(per)] for domain, per in buckets.items()})
+            {chain: {domain: {buffer: [per[i] for i in sorted(per)] for buffer, per in sorted(buffers.items())}
+                     for domain, buffers in domains.items()} for chain, domains in buckets.items()})
 
 
 # The order megatron-core's TransformerLayer registers its parameters in (its grad buffer's order,
@@ -97,7 +118,8 @@ _LINEARS = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bia
 _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _NORM1 = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _NORM2 = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
-_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+# a mixture of experts' layer registers its router there; its experts sit in the experts' optimizer
+_MLP = ("mlp.router.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
 LAYER_ORDERS = {"local": _NORM1 + _LINEARS + _QKV + _NORM2 + _MLP,
                 "transformer_engine": _LINEARS + _NORM1 + _QKV + _NORM2 + _MLP}
 
@@ -137,11 +159,12 @@ def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, shared
     return where, base + (end if filled else 0)
 
 
-def _bucket_size(args: dict, pp_rank: int) -> int | None:
+def _bucket_size(args: dict, pp_rank: int, chunk: int) -> int | None:
     if args.get("ddp_num_buckets"):
         raise MegatronOptimizerError("the run set --ddp-num-buckets, whose bucket boundaries the checkpoint does "
                                      "not record; pass --weights-only to import the weights alone")
-    if not args.get("overlap_grad_reduce") or pp_rank > 0:
+    # megatron-core buckets the first chunk of the first stage alone (the others reduce in one go)
+    if not args.get("overlap_grad_reduce") or pp_rank > 0 or chunk > 0:
         return None
     if args.get("ddp_bucket_size"):
         return int(args["ddp_bucket_size"])
@@ -150,34 +173,52 @@ def _bucket_size(args: dict, pp_rank: int) -> int | None:
     return max(40_000_000, 1_000_000 * dp)
 
 
-def bucket_rank_states(buckets: list[dict], model: dict, args: dict, where: Path) -> dict:
-    """{state: {name: shard}} of one model-parallel domain's dp_reshardable buckets (joined they are
-    the legacy buffer), laid out over `model` (the domain's shards in registration order)."""
+class Chunk(NamedTuple):
+    """One grad buffer's place: the model chunk's pipeline stage and virtual chunk, and the tied
+    embedding's copy it keeps in a bucket of its own (megatron_stages.shared_embedding)."""
+    pp_rank: int = 0
+    vp_stage: int = 0
+    shared: frozenset = frozenset()
+
+
+def bucket_rank_states(buckets: list[dict], model: dict, args: dict, where: Path, chunk: Chunk = Chunk()) -> dict:
+    """{state: {name: shard}} of one model-parallel domain's dp_reshardable buckets of one grad
+    buffer (joined they are the legacy buffer), laid out over `model` (the chunk's shards in
+    registration order)."""
     world = {state: torch.cat([bucket[state] for bucket in buckets]) for state in STATES}
-    return _place(world, model, args, 0, 1, where, len(world["param"]))
+    return _place(world, model, args, chunk, where, len(world["param"]))
 
 
-def legacy_rank_states(file: Path, loaded: dict, model: dict, args: dict, pp_rank: int, pp: int) -> dict:
-    """{state: {name: this rank's (tensor-parallel shard) tensor}} from one distrib_optim.pt, laid out
-    over `model` (the rank's model_optim_rng.pt tensors, in their order)."""
-    buffers = [key for key in loaded if isinstance(key, int)]
-    dtypes = loaded[buffers[0]] if len(buffers) == 1 else {}
-    if len(buffers) != 1 or len(dtypes) != 1:
-        raise MegatronOptimizerError(f"{file}: {len(buffers)} grad buffers of {len(dtypes)} dtypes; megazero reads "
-                                     f"one buffer of one dtype (no experts, one parameter dtype)")
-    world = next(iter(dtypes.values()))
-    return _place(world, model, args, pp_rank, pp, file, world["numel_unpadded"])
+def legacy_buffers(file: Path, loaded: dict | list) -> list[list[dict] | None]:
+    """The flat fp32 buffers of one distrib_optim.pt per optimizer (one, or with experts the dense
+    optimizer's then the experts'; None where the file keeps none), each a list per grad buffer
+    (virtual-pipeline chunk)."""
+    out = []
+    for part in loaded if isinstance(loaded, list) else [loaded]:
+        if part is None:
+            out.append(None)
+            continue
+        buffers = []
+        for key in sorted(k for k in part if isinstance(k, int)):
+            if len(part[key]) != 1:
+                raise MegatronOptimizerError(f"{file}: grad buffer {key} holds {len(part[key])} dtypes; megazero "
+                                             f"reads one parameter dtype; pass --weights-only to import the weights alone")
+            buffers.append(next(iter(part[key].values())))
+        out.append(buffers)
+    return out
 
 
-def _place(world: dict, model: dict, args: dict, pp_rank: int, pp: int, where: Path, length_saved: int) -> dict:
+def legacy_rank_states(file: Path, world: dict, model: dict, args: dict, chunk: Chunk) -> dict:
+    """{state: {name: this rank's (tensor-parallel shard) tensor}} from one grad buffer of a
+    distrib_optim.pt, laid out over `model` (the chunk's model_optim_rng.pt tensors, in their order)."""
+    return _place(world, model, args, chunk, file, world["numel_unpadded"])
+
+
+def _place(world: dict, model: dict, args: dict, chunk: Chunk, where: Path, length_saved: int) -> dict:
     """{state: {name: tensor shaped as the model's}} out of flat buffers `world` laid out over `model`
-    (a rank's tensors in registration order), refused when the layout's length is not the saved one."""
+    (a chunk's tensors in registration order), refused when the layout's length is not the saved one."""
     params = [(name, t.numel()) for name, t in model.items() if not name.endswith("_extra_state")]
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    shared = set()
-    if tied and pp > 1:
-        shared = {"embedding.word_embeddings.weight"} if pp_rank == 0 else {"output_layer.weight"} if pp_rank == pp - 1 else set()
-    layout, length = buffer_layout(params, _bucket_size(args, pp_rank), shared)
+    layout, length = buffer_layout(params, _bucket_size(args, chunk.pp_rank, chunk.vp_stage), set(chunk.shared))
     if length != length_saved:
         raise MegatronOptimizerError(f"{where}: its buffer holds {length_saved} elements, megatron-core's "
                                      f"layout of the model file gives {length}; pass --weights-only to import the "

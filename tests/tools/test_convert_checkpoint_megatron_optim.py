@@ -331,13 +331,15 @@ def test_tensor_parallel_states_agree_in_every_format(dist_pool, tmp_path):
                 assert torch.equal(ours[0], other), (name, kind)
 
 
-def test_pipelined_dp_reshardable_optimizer_refused_with_its_fix(tmp_path):
-    """dp_reshardable buckets of pipeline degree 2 are refused naming the flag that re-saves them
-    readably and --weights-only."""
+def test_unevenly_pipelined_dp_reshardable_optimizer_refused_with_its_fix(tmp_path):
+    """dp_reshardable buckets of a pipeline split unevenly (whose placement megazero does not rebuild)
+    are refused naming the flag, the one that re-saves them readably and --weights-only."""
     from megazero.checkpoint import megatron_files
-    args = dict(ARGS, pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError, match="--dist-ckpt-optim-fully-reshardable, or pass --weights-only"):
-        megatron_files._bucket_states({}, {0: [], 1: []}, args, tmp_path)
+    args = dict(ARGS, num_layers=3, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1)
+    model = {"decoder.layers.0.mlp.linear_fc1.weight": torch.zeros(2, 2)}
+    with pytest.raises(ValueError, match="--decoder-first-pipeline-num-layers.*--dist-ckpt-optim-fully-reshardable, "
+                                         "or pass --weights-only"):
+        megatron_files._bucket_states(model, {0: {0: []}, 1: {0: []}}, args, tmp_path)
 
 
 def test_misplaced_master_weights_refused():
@@ -350,17 +352,20 @@ def test_misplaced_master_weights_refused():
     megatron_optim.check_masters({"w": weight.to(torch.bfloat16)}, {**states, "param": {"w": weight}}, "ckpt")
 
 
-@pytest.mark.parametrize("what", ["experts", "virtual_pipeline"])
+@pytest.mark.parametrize("what", ["shared_experts", "no_model", "uneven_virtual"])
 def test_unsupported_megatron_runs_refused_in_one_line(tmp_path, what):
-    """Mixtures of experts and virtual-pipeline legacy files (model0, model1) are refused in one line
-    naming what megazero does not read; nothing is written."""
+    """Shared experts, legacy files without a model and virtual chunks of unequal layer counts are
+    refused in one line naming what megazero does not read; nothing is written."""
     rank_dir = tmp_path / "iter_0000003" / "mp_rank_00"
     rank_dir.mkdir(parents=True)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
-    args = dict(ARGS, num_experts=4) if what == "experts" else ARGS
-    model = {"model": {}} if what == "experts" else {"model0": {}, "model1": {}}
+    args = dict(ARGS, num_experts=4, moe_shared_expert_intermediate_size=16) if what == "shared_experts" else ARGS
+    layer = {f"decoder.layers.{i}.mlp.linear_fc2.weight": torch.zeros(2, 2) for i in range(2)}
+    model = {"shared_experts": {"model": {}}, "no_model": {"models": {}},
+             "uneven_virtual": {"model0": dict(list(layer.items())[:1]), "model1": layer}}[what]
     torch.save({"args": argparse.Namespace(**args), "iteration": 3, **model}, rank_dir / "model_optim_rng.pt")
-    expected = "--num-experts" if what == "experts" else "virtual-pipeline checkpoint keeps model0, model1"
+    expected = {"shared_experts": "--moe-shared-expert-intermediate-size", "no_model": r"no `model` \(nor model0, ",
+                "uneven_virtual": r"virtual pipeline split unevenly \(chunks of \[1, 2\] layers\)"}[what]
     with pytest.raises(convert.UsageError, match=expected) as refused:
         convert.import_megatron(tmp_path, tmp_path / "out")
     assert "\n" not in str(refused.value) and not (tmp_path / "out" / "latest").exists()
