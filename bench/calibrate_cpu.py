@@ -1,7 +1,7 @@
 """Measures this CPU as the dry run's timeline models a device, and writes the measured device
 model (default megazero/dry_run/cpu_measured.toml; docs/dry_run.md, "Calibrating a machine").
 
-    python bench/calibrate_cpu.py                      # ~3-6 min on 2 shared cores
+    python bench/calibrate_cpu.py                      # ~4-7 min on 2 quiet cores
     python bench/calibrate_cpu.py --quick --output /tmp/cpu.toml
 
 What it measures, every figure at one torch thread per process (as torchrun's ranks run: OMP_NUM_THREADS=1):
@@ -11,11 +11,16 @@ What it measures, every figure at one torch thread per process (as torchrun's ra
   time a GEMM adds to the host's per-op cost (the time per call is kept beside it);
 - memory bandwidth: `copy_` (2 bytes moved per byte) and `add` (3) over buffers of 64-256 MiB, past
   the last-level cache; the median of those;
-- host cost per op: `bare_op_us`, a 1-element `add` out of autograd; `launch_us`, a tiny GPT's
-  forward + backward (megazero's own model, hidden 8) over the number of aten ops it dispatches: what
-  each op of a training step costs the host, autograd included;
+- host cost per op: `launch_us`, from a real training step of the CPU grid's model on one rank
+  (one_rank_step: measured with torchrun as bench/cpu_layouts.py measures its layouts, minus the
+  device model's time for the dry run's trace of that step, over the ops the trace issues): the
+  loop's, schedule's, optimizer's and autograd's Python and each kernel's cost in a step beyond its
+  back-to-back figure; `bare_op_us`, a 1-element `add` out of autograd; `tiny_step_op_us`, a tiny
+  GPT's forward + backward over every aten op it dispatches (views included: ~2.4x the ops the
+  trace counts), the load probe bench/cpu_layouts.py repeats before each layout;
 - gloo collectives at 2, 4 and 8 ranks: all_reduce, all_gather (into one tensor), reduce_scatter (of
-  one tensor), send/recv (ranks in pairs, every pair at once), over message sizes 1 KiB - 16 MiB.
+  one tensor), send_recv (ranks in pairs, every pair at once, each call an exchange: a send and a
+  receive in one batch_isend_irecv, waited, as a step's p2p runs), over message sizes 1 KiB - 16 MiB.
   One process group per world size (megazero.testing's pool: spawned once, every size swept); an
   op's time is the slowest rank's, a batch of back-to-back calls over their count, the median of
   batches. alpha and beta are fitted by least squares on relative error (fit_alpha_beta).
@@ -168,20 +173,33 @@ def memory_gbps(sizes=MEMORY_SIZES) -> tuple[float, dict]:
     return statistics.median(found.values()), found
 
 
+def exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
+    """One p2p exchange as the step makes it (megazero.core.comm.send_recv: ring attention's K/V,
+    a pipeline stage's activation out and gradient in): both sides post a send and a receive in one
+    batch_isend_irecv and wait for both. Timed one after another, each is a round trip, the latency
+    a step pays; a stream of one-way sends (the earlier figure) overlaps them and shows only the
+    throughput, ~10x less at small sizes."""
+    import torch.distributed as dist
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)])
+    for work in works:
+        work.wait()
+
+
 def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05) -> dict:
     """On every rank of the default gloo group (a megazero.testing pool's worker): seconds per call
     of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}."""
     import torch.distributed as dist
     from megazero.core.comm import all_gather_single, reduce_scatter_single     # the calls megazero makes
     n, rank = ctx.world_size, ctx.rank
-    peer = rank ^ 1                      # send_recv: ranks in pairs (0, 1), (2, 3), ...; evens send
+    peer = rank ^ 1                      # send_recv: ranks in pairs (0, 1), (2, 3), ...
+    received = {size: torch.zeros(size // 4) for size in sizes}
 
     def calls_for(size):
         full, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
         return {"all_reduce": lambda: dist.all_reduce(full),
                 "all_gather": lambda: all_gather_single(full, shard),
                 "reduce_scatter": lambda: reduce_scatter_single(shard, full),
-                "send_recv": (lambda: dist.send(full, peer)) if rank % 2 == 0 else (lambda: dist.recv(full, peer))}
+                "send_recv": lambda: exchange(full, received[size], peer)}
 
     def slowest(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
@@ -282,6 +300,17 @@ def _array(rows) -> str:
     return "[\n" + "".join(f"  {row},\n" for row in rows) + "]"
 
 
+def _launch_lines(m: dict) -> list[str]:
+    tiny = (f"# tiny_step_op_us: a tiny GPT's forward + backward over its {m['step_ops']} aten ops (views "
+            "included), {:.2f} us.".format(m.get("tiny_launch_us", m["launch_us"])))
+    if "one_rank_ms" not in m:
+        return ["# launch_us: the tiny GPT's figure below (no one-rank step measured: --no-step).", tiny]
+    return ["# launch_us: the host's cost per op the timeline issues, from a real one-rank step of the grid's model",
+            f"# (bench/cpu_layouts.py's): measured {m['one_rank_ms']:.1f} ms, the device model's work "
+            f"{m['one_rank_work_ms']:.1f} ms, {m['one_rank_ops']} ops:",
+            "# (measured - work) / ops (megazero.dry_run.speed.fitted_launch_us).", tiny]
+
+
 def render(m: dict) -> str:
     """The TOML text of a measurement (the dict main builds)."""
     lines = [
@@ -297,8 +326,9 @@ def render(m: dict) -> str:
         f"# Ranks share `cores` cores: {m['cores']} here, so at 4 and 8 ranks the collectives' figures include",
         "# the sharing, and a GEMM's figure is one process alone on a core.",
         f"# memory: {', '.join(f'{k} {v:.2f} GB/s' for k, v in m['memory_detail'].items())}",
-        f"# launch_us: a tiny GPT's forward + backward over its {m['step_ops']} aten ops; bare_op_us: one",
-        "# 1-element add out of autograd. A GEMM's gflops are net of its call's own cost (a 1x1x1 mm's).",
+        *_launch_lines(m),
+        "# bare_op_us: one 1-element add out of autograd. A GEMM's gflops are net of its call's own cost",
+        "# (a 1x1x1 mm's). send_recv: a pair's exchange (both send and receive, waited), a round trip.",
         "",
         "[cpu]",
         f'name = "{m["name"]}"',
@@ -308,6 +338,7 @@ def render(m: dict) -> str:
         "threads_per_rank = 1",
         f"launch_us = {m['launch_us']:.2f}",
         f"bare_op_us = {m['bare_op_us']:.2f}",
+        f"tiny_step_op_us = {m.get('tiny_launch_us', m['launch_us']):.2f}",
         f"memory_gbps = {m['memory_gbps']:.2f}",
         f"matmul = {_array(m['matmul'])}",
         f"matmul_call_us = {_array(m['matmul_calls'])}   # [m, n, k, microseconds per torch.mm call, its host cost included]",
@@ -325,6 +356,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="the TOML to write")
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and batches (a smoke run)")
     p.add_argument("--ranks", default="2,4,8", help="sizes of world for gloo, comma-separated")
+    p.add_argument("--no-step", action="store_true",
+                   help="skip the one-rank training step (launch_us stays the tiny GPT's per-op figure)")
     return p.parse_args(argv)
 
 
@@ -348,9 +381,37 @@ def measure(args) -> dict:
                 matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes), collectives=collectives)
 
 
+def one_rank_step(calibration: Path, steps: int = 8) -> dict:
+    """The host's cost per op in a real step: the CPU grid's model (bench/cpu_layouts.py's, one rank,
+    launched with torchrun and timed as the layouts are: the median step after the first two) beside
+    the dry run's trace of the same step timed by the device model in `calibration` at no launch
+    cost; launch_us = (measured - the device's work) / the ops the step issues
+    (megazero.dry_run.speed.fitted_launch_us). One rank only: the layouts the bench reports are
+    predicted with it, none of them is fitted."""
+    import tempfile
+    from megazero.dry_run import devices, speed
+    from megazero.dry_run.job import simulate
+    cpu_layouts = importlib.import_module("cpu_layouts")
+    argv = cpu_layouts.layout_argv([], steps)
+    with tempfile.TemporaryDirectory(prefix="calibrate_one_rank_") as folder:
+        measured_ms = cpu_layouts.measure_layout(1, argv, Path(folder))
+    runs = simulate(argv, 1, local_world=1, device_kind="cpu", save=False)
+    if runs[0].error is not None:
+        raise RuntimeError(f"the dry run of the one-rank step failed: {runs[0].error}")
+    launch, work, ops = speed.fitted_launch_us(speed.step_traces(runs), devices.cpu(calibration), measured_ms / 1e3)
+    print(f"one-rank step: measured {measured_ms:.1f} ms, device work {work * 1e3:.1f} ms, {ops} ops issued: "
+          f"launch_us {launch:.2f}", flush=True)
+    return dict(launch_us=launch, one_rank_ms=measured_ms, one_rank_work_ms=work * 1e3, one_rank_ops=ops)
+
+
 def main(argv=None) -> Path:
     args = parse_args(argv)
-    text = render(measure(args))
+    m = measure(args)
+    m["tiny_launch_us"] = m["launch_us"]
+    args.output.write_text(render(m))          # the device model the one-rank step is timed by
+    if not args.no_step:
+        m.update(one_rank_step(args.output))
+    text = render(m)
     check_schema(tomllib.loads(text))
     args.output.write_text(text)
     print(f"wrote {args.output}", flush=True)

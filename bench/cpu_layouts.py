@@ -105,12 +105,13 @@ def predictor():
     return None
 
 
-def predicted_ms(predict, ranks: int, argv: list[str]) -> float:
-    """predict's step time (ms) for the layout on `ranks` ranks: the world as its `world` argument when it
-    takes one, else as tools/dry_run.py's --world-size flag."""
+def predicted_ms(predict, ranks: int, argv: list[str], device="cpu") -> float:
+    """predict's step time (ms) for the layout on `ranks` ranks on `device` (the calibration just
+    written, as a devices.Device): the world as its `world` argument when it takes one, else as
+    tools/dry_run.py's --world-size flag."""
     if "world" in inspect.signature(predict).parameters:
-        return _step_ms(predict(argv, "cpu", world=ranks))
-    return _step_ms(predict(["--world-size", str(ranks), *argv], "cpu"))
+        return _step_ms(predict(argv, device, world=ranks))
+    return _step_ms(predict(["--world-size", str(ranks), *argv], device))
 
 
 def _step_ms(result) -> float:
@@ -171,6 +172,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO / "bench"))
     calibrate_cpu = importlib.import_module("calibrate_cpu")
+    from megazero.dry_run import devices
     calibration = args.calibration or calibrate_cpu.DEFAULT_OUTPUT
     torch.set_num_threads(1)                          # as the ranks run (and the calibration measures)
     if not args.skip_calibration:
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
             row = dict(name=name, ranks=ranks, flags=extra, measured=measure_layout(ranks, argv, Path(folder)),
                        load=os.getloadavg()[0], host_us=host_us)
         if predict is not None:
-            row["predicted"] = predicted_ms(predict, ranks, argv)
+            row["predicted"] = predicted_ms(predict, ranks, argv, devices.cpu(calibration))
         rows.append(row)
         ratio = f" | predicted {row['predicted']:.1f} ms | ratio {row['predicted'] / row['measured']:.2f}" \
             if predict is not None else ""

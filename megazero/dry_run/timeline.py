@@ -57,7 +57,9 @@ class _Lane:
 
     def issue(self) -> float:
         """The host issues one op (its launch cost); returns when it is issued."""
-        launch = self.device.launch_us * 1e-6
+        # the CPU: the host's per-op cost is its thread's work too, shared like a kernel's when the
+        # host's ranks outnumber its cores (1 on a GPU)
+        launch = self.device.launch_us * 1e-6 * self.device.cpu_share()
         self.add(self.host, self.host + launch, HOST, "launch")
         self.host += launch
         return self.host
