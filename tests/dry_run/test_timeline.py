@@ -241,3 +241,20 @@ def test_cpu_ranks_beyond_the_cores_share_the_hosts_per_op_cost_too():
     assert four["step_s"] == pytest.approx(2 * (5e-6 + kernel))
     cpu.ranks_on_host = 2
     assert schedule(two_ranks(records), cpu)["step_s"] == pytest.approx(5e-6 + kernel)
+
+
+def test_cpu_async_collective_takes_its_time_from_the_host_when_no_core_is_spare():
+    """Two CPU ranks, an all-reduce issued on the communicator's stream, then a GEMM, then the wait:
+    on 2 cores (no core spare for gloo's polling threads) the step is launches + A + G; on 4 cores
+    the all-reduce hides behind the GEMM (launches + G). Planted: the async op free on every CPU
+    (the timeline before this rule) gives launches + G on 2 cores."""
+    cpu = devices.cpu(FIXTURE, cores=2)
+    a = 100e-6 + 2e6 / 2e9                                       # fixture's 2-rank alpha + B / beta
+    g = 2 * 512 ** 3 / 60e9
+    records = [all_reduce(2_000_000), ("k", 0, "mm.default", 2 * 512 ** 3, 0, "float32", (512, 512, 512), "m.py:1"),
+               ("r", 1, 1), ("w", 0, 1)]
+    cpu.ranks_on_host = 2
+    assert schedule(two_ranks(records), cpu)["step_s"] == pytest.approx(2 * 5e-6 + a + g)
+    roomy = devices.cpu(FIXTURE, cores=4)
+    roomy.ranks_on_host = 2
+    assert schedule(two_ranks(records), roomy)["step_s"] == pytest.approx(2 * 5e-6 + g)
