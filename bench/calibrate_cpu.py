@@ -373,23 +373,35 @@ def measure(args) -> dict:
     print(f"memory: {gbps:.2f} GB/s", flush=True)
     matmul, matmul_calls = matmul_gflops(shapes)
     print("matmul GFLOP/s: " + ", ".join(f"{m}x{n}x{k} {g:.1f}" for m, n, k, g in matmul), flush=True)
+    # the one-rank step right after the figures it is timed by (the load drifts; the gloo sweep is long)
+    step = {} if args.no_step else one_rank_step(compute_device(matmul, gbps))
     worlds = [int(n) for n in args.ranks.split(",")]
     collectives = measure_collectives(worlds, sizes, batches=3 if args.quick else 5)
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
-                launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps, memory_detail=detail,
-                matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes), collectives=collectives)
+    found = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
+                 launch_us=launch, tiny_launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps,
+                 memory_detail=detail, matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes),
+                 collectives=collectives)
+    return {**found, **step}            # the fitted launch_us, when the step was measured
 
 
-def one_rank_step(calibration: Path, steps: int = 8) -> dict:
+def compute_device(matmul: list, gbps: float):
+    """The device model of what is measured so far (GEMMs, memory), at no launch cost: what the
+    one-rank step, which makes no collective, is timed by."""
+    from megazero.dry_run.devices import Device
+    return Device(key="cpu", name="calibrating", kind="cpu", memory_gb=0.0, peak_tflops={"fp32": 1.0},
+                  memory_gbps=gbps, launch_us=0.0, matmul=[list(r) for r in matmul], cores=os.cpu_count() or 1)
+
+
+def one_rank_step(device, steps: int = 8) -> dict:
     """The host's cost per op in a real step: the CPU grid's model (bench/cpu_layouts.py's, one rank,
     launched with torchrun and timed as the layouts are: the median step after the first two) beside
-    the dry run's trace of the same step timed by the device model in `calibration` at no launch
-    cost; launch_us = (measured - the device's work) / the ops the step issues
+    the dry run's trace of the same step timed by `device` (compute_device: the GEMMs and memory just
+    measured); launch_us = (measured - the device's work) / the ops the step issues
     (megazero.dry_run.speed.fitted_launch_us). One rank only: the layouts the bench reports are
     predicted with it, none of them is fitted."""
     import tempfile
-    from megazero.dry_run import devices, speed
+    from megazero.dry_run import speed
     from megazero.dry_run.job import simulate
     cpu_layouts = importlib.import_module("cpu_layouts")
     argv = cpu_layouts.layout_argv([], steps)
@@ -398,20 +410,18 @@ def one_rank_step(calibration: Path, steps: int = 8) -> dict:
     runs = simulate(argv, 1, local_world=1, device_kind="cpu", save=False)
     if runs[0].error is not None:
         raise RuntimeError(f"the dry run of the one-rank step failed: {runs[0].error}")
-    launch, work, ops = speed.fitted_launch_us(speed.step_traces(runs), devices.cpu(calibration), measured_ms / 1e3)
+    launch, work, ops = speed.fitted_launch_us(speed.step_traces(runs), device, measured_ms / 1e3)
     print(f"one-rank step: measured {measured_ms:.1f} ms, device work {work * 1e3:.1f} ms, {ops} ops issued: "
           f"launch_us {launch:.2f}", flush=True)
+    if launch == 0.0:
+        print("  the device's work alone exceeds the measured step: the load moved between the GEMM sweep "
+              "and the step; rerun on a quieter machine", flush=True)
     return dict(launch_us=launch, one_rank_ms=measured_ms, one_rank_work_ms=work * 1e3, one_rank_ops=ops)
 
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
-    m = measure(args)
-    m["tiny_launch_us"] = m["launch_us"]
-    args.output.write_text(render(m))          # the device model the one-rank step is timed by
-    if not args.no_step:
-        m.update(one_rank_step(args.output))
-    text = render(m)
+    text = render(measure(args))
     check_schema(tomllib.loads(text))
     args.output.write_text(text)
     print(f"wrote {args.output}", flush=True)
