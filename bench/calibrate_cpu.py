@@ -22,7 +22,8 @@ What it measures, every figure at one torch thread per process (as torchrun's ra
   one tensor), send_recv (ranks in pairs, every pair at once, each call an exchange: a send and a
   receive in one batch_isend_irecv, waited, as a step's p2p runs), over message sizes 1 KiB - 16 MiB.
   One process group per world size (megazero.testing's pool: spawned once, every size swept); an
-  op's time is the slowest rank's, a batch of back-to-back calls over their count, the median of
+  op's time is the slowest rank's, a batch of calls each after --gap-us of small GEMMs (as a step
+  computes between its collectives) less the same GEMMs timed alone, over their count, the median of
   batches. alpha and beta are fitted by least squares on relative error (fit_alpha_beta).
 
 Ranks beyond the cores share them: 4 and 8 gloo ranks on 2 cores are measured as they run (the
@@ -48,6 +49,9 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 WORLDS = (2, 4, 8)
 SIZES = tuple(1024 * 4 ** i for i in range(8))          # 1 KiB .. 16 MiB
 MEMORY_SIZES = (64 << 20, 128 << 20, 256 << 20)
+# A collective in a step follows compute (tp2's all-reduces: ~0.2-0.5 ms of a layer apart): timed so,
+# gloo's per-call cost at 2 ranks was 1.2-1.8 ms against 0.4-1.0 ms back to back at the same moment.
+GAP_US = 200.0
 
 
 def wire_bytes(op: str, ranks: int, buffer_bytes: float) -> float:
@@ -185,9 +189,23 @@ def exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
         work.wait()
 
 
-def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05) -> dict:
+def _compute_between(gap_us: float):
+    """What a step does between two collectives: `gap_us` of small GEMMs (the grid's 64-wide ones)."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    mm_s = _seconds_per_call(lambda: torch.mm(a, b), 0.01, 3)
+    count = round(gap_us * 1e-6 / mm_s)
+
+    def compute():
+        for _ in range(count):
+            torch.mm(a, b)
+    return compute
+
+
+def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05, gap_us: float = 0.0) -> dict:
     """On every rank of the default gloo group (a megazero.testing pool's worker): seconds per call
-    of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}."""
+    of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}.
+    `gap_us` > 0: each call follows that much compute, as in a step, and a batch's time is its
+    calls' with the compute less the same compute timed alone just before."""
     import torch.distributed as dist
     from megazero.core.comm import all_gather_single, reduce_scatter_single     # the calls megazero makes
     n, rank = ctx.world_size, ctx.rank
@@ -206,6 +224,7 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
+    compute = _compute_between(gap_us)
     found = {op: [] for op in OPS}
     for size in sizes:
         for op, call in calls_for(size).items():
@@ -216,16 +235,22 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
             count = int(min(200, max(1, min_seconds / slowest(time.perf_counter() - t0))))
             per_batch = []
             for _ in range(batches):
+                t0 = time.perf_counter()
+                for _ in range(count):
+                    compute()
+                alone = time.perf_counter() - t0
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(count):
+                    compute()
                     call()
-                per_batch.append(slowest((time.perf_counter() - t0) / count))
+                mixed = time.perf_counter() - t0
+                per_batch.append(slowest(max(mixed - alone, 0.05 * mixed) / count))
             found[op].append(statistics.median(per_batch))
     return found
 
 
-def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5) -> dict:
+def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0) -> dict:
     """{op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}} from one pool per world size."""
     from megazero.testing import DistributedPool
     sweep = importlib.import_module("calibrate_cpu").sweep_collectives    # by module name: the workers import it
@@ -233,7 +258,7 @@ def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5) -> dict:
     for n in worlds:
         pool = DistributedPool(n)
         try:
-            found = pool.run(sweep, list(sizes), batches, timeout=1800)[0]
+            found = pool.run(sweep, list(sizes), batches, 0.05, gap_us, timeout=1800)[0]
         finally:
             pool.close()
         for op in OPS:
@@ -356,6 +381,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="the TOML to write")
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and batches (a smoke run)")
     p.add_argument("--ranks", default="2,4,8", help="sizes of world for gloo, comma-separated")
+    p.add_argument("--gap-us", type=float, default=GAP_US,
+                   help=f"compute before each timed collective, as in a step (default {GAP_US:g}; 0: back to back)")
     p.add_argument("--no-step", action="store_true",
                    help="skip the one-rank training step (launch_us stays the tiny GPT's per-op figure)")
     return p.parse_args(argv)
@@ -376,7 +403,7 @@ def measure(args) -> dict:
     # the one-rank step right after the figures it is timed by (the load drifts; the gloo sweep is long)
     step = {} if args.no_step else one_rank_step(compute_device(matmul, gbps))
     worlds = [int(n) for n in args.ranks.split(",")]
-    collectives = measure_collectives(worlds, sizes, batches=3 if args.quick else 5)
+    collectives = measure_collectives(worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us)
     found = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
                  launch_us=launch, tiny_launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps,

@@ -53,7 +53,7 @@ def test_wire_bytes_follow_the_ring_algorithm():
 
 
 def test_sweep_times_every_op_on_two_pool_ranks(dist_pool):
-    found = dist_pool(2).run(calibrate_cpu.sweep_collectives, [1024, 65536], 1, 0.001)
+    found = dist_pool(2).run(calibrate_cpu.sweep_collectives, [1024, 65536], 1, 0.001, 50.0)
     assert found[0] == found[1]                       # the slowest rank's, agreed
     assert set(found[0]) == set(calibrate_cpu.OPS)
     assert all(len(times) == 2 and min(times) > 0 for times in found[0].values()), found[0]
