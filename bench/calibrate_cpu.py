@@ -250,15 +250,36 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
     return found
 
 
-def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0) -> dict:
-    """{op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}} from one pool per world size."""
+def gemm_rate(ctx=None, seconds: float = 1.0) -> float:
+    """Small GEMMs (the grid's 64-wide) a second, one process running them for `seconds`; on a pool's
+    ranks (`ctx`), every rank at once."""
+    if ctx is not None:
+        import torch.distributed as dist
+        dist.barrier()
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b)
+        calls += 1
+    return calls / (time.perf_counter() - t0)
+
+
+def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0) -> tuple[dict, dict]:
+    """({op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}}, {"ranks", "slowdown"}) from one pool
+    per world size: its ranks' GEMM rate all at once against one process's alone just before
+    (`slowdown`: how much slower a rank computes with that many ranks running), then the sweep."""
     from megazero.testing import DistributedPool
-    sweep = importlib.import_module("calibrate_cpu").sweep_collectives    # by module name: the workers import it
+    module = importlib.import_module("calibrate_cpu")     # by module name: the workers import it
     out = {op: {"ranks": [], "alpha_us": [], "beta_gbps": [], "measured_us": []} for op in OPS}
+    shared = {"ranks": [1], "slowdown": [1.0]}
     for n in worlds:
         pool = DistributedPool(n)
         try:
-            found = pool.run(sweep, list(sizes), batches, 0.05, gap_us, timeout=1800)[0]
+            alone = gemm_rate(None)
+            together = pool.run(module.gemm_rate, 1.0, timeout=600)
+            shared["ranks"].append(n)
+            shared["slowdown"].append(round(max(1.0, alone / statistics.mean(together)), 3))
+            found = pool.run(module.sweep_collectives, list(sizes), batches, 0.05, gap_us, timeout=1800)[0]
         finally:
             pool.close()
         for op in OPS:
@@ -268,9 +289,10 @@ def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: fl
             entry["alpha_us"].append(round(alpha, 2))
             entry["beta_gbps"].append(round(beta, 4))
             entry["measured_us"].append([round(t * 1e6, 1) for t in found[op]])
-        print(f"  {n} ranks: " + ", ".join(f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta "
-                                          f"{out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS), flush=True)
-    return out
+        print(f"  {n} ranks: GEMMs {shared['slowdown'][-1]:.2f}x slower than alone; " + ", ".join(
+            f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta {out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS),
+            flush=True)
+    return out, shared
 
 
 def machine_name() -> str:
@@ -354,6 +376,8 @@ def render(m: dict) -> str:
         *_launch_lines(m),
         "# bare_op_us: one 1-element add out of autograd. A GEMM's gflops are net of its call's own cost",
         "# (a 1x1x1 mm's). send_recv: a pair's exchange (both send and receive, waited), a round trip.",
+        "# shared_slowdown: with n ranks running at once each computes this much slower than one alone",
+        "# (the cores, SMT, memory and the machine's other load as they were): the timeline's CPU share.",
         "",
         "[cpu]",
         f'name = "{m["name"]}"',
@@ -364,6 +388,9 @@ def render(m: dict) -> str:
         f"launch_us = {m['launch_us']:.2f}",
         f"bare_op_us = {m['bare_op_us']:.2f}",
         f"tiny_step_op_us = {m.get('tiny_launch_us', m['launch_us']):.2f}",
+        *([f"shared_ranks = {m['shared']['ranks']}",
+           f"shared_slowdown = {m['shared']['slowdown']}   # a rank's GEMMs with that many ranks at once, over one alone"]
+          if m.get("shared") else []),
         f"memory_gbps = {m['memory_gbps']:.2f}",
         f"matmul = {_array(m['matmul'])}",
         f"matmul_call_us = {_array(m['matmul_calls'])}   # [m, n, k, microseconds per torch.mm call, its host cost included]",
@@ -403,12 +430,12 @@ def measure(args) -> dict:
     # the one-rank step right after the figures it is timed by (the load drifts; the gloo sweep is long)
     step = {} if args.no_step else one_rank_step(compute_device(matmul, gbps))
     worlds = [int(n) for n in args.ranks.split(",")]
-    collectives = measure_collectives(worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us)
+    collectives, shared = measure_collectives(worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us)
     found = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
                  launch_us=launch, tiny_launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps,
                  memory_detail=detail, matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes),
-                 collectives=collectives)
+                 collectives=collectives, shared=shared)
     return {**found, **step}            # the fitted launch_us, when the step was measured
 
 

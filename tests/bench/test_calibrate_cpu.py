@@ -97,10 +97,11 @@ def test_the_one_rank_fit_is_written_and_read_back_by_the_layouts_bench():
     figure as launch_us fails the first assertion."""
     import cpu_layouts
     m = dict(_measurement(), tiny_launch_us=16.0, launch_us=23.5, one_rank_ms=81.2, one_rank_work_ms=39.8,
-             one_rank_ops=1763)
+             one_rank_ops=1763, shared={"ranks": [1, 2], "slowdown": [1.0, 1.4]})
     text = calibrate_cpu.render(m)
     doc = tomllib.loads(text)
     calibrate_cpu.check_schema(doc)
     assert doc["cpu"]["launch_us"] == 23.5 and doc["cpu"]["tiny_step_op_us"] == 16.0
+    assert doc["cpu"]["shared_ranks"] == [1, 2] and doc["cpu"]["shared_slowdown"] == [1.0, 1.4]
     assert cpu_layouts.calibration_header(text).endswith(
         "launch_us 23.50 fitted on the one-rank step (81.2 ms measured, 39.8 ms the device's work, 1763 ops)")

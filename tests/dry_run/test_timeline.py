@@ -258,3 +258,19 @@ def test_cpu_async_collective_takes_its_time_from_the_host_when_no_core_is_spare
     roomy = devices.cpu(FIXTURE, cores=4)
     roomy.ranks_on_host = 2
     assert schedule(two_ranks(records), roomy)["step_s"] == pytest.approx(2 * 5e-6 + g)
+
+
+def test_cpu_share_is_the_measured_slowdown_of_ranks_running_at_once(tmp_path):
+    """A calibration with shared_slowdown (2 ranks at once 1.5x slower than one alone, 4 ranks 3x):
+    the CPU share follows it, interpolated between measured counts, where ranks / cores would say
+    1 at 2 ranks. Planted: the table ignored (ranks / cores) fails at 2 ranks."""
+    measured = tmp_path / "cpu.toml"
+    measured.write_text(FIXTURE.read_text().replace("[cpu.collectives.all_reduce]",
+                                                    "shared_ranks = [1, 2, 4]\nshared_slowdown = [1.0, 1.5, 3.0]\n\n"
+                                                    "[cpu.collectives.all_reduce]"))
+    cpu = devices.cpu(measured, cores=2)
+    for ranks, share in ((1, 1.0), (2, 1.5), (3, 2.25), (4, 3.0), (8, 3.0)):
+        cpu.ranks_on_host = ranks
+        assert cpu.cpu_share() == pytest.approx(share), ranks
+    cpu.ranks_on_host = 2
+    assert cpu.matmul_seconds(2 * 512 ** 3, 0, "float32", (512, 512, 512)) == pytest.approx(1.5 * 2 * 512 ** 3 / 60e9)
