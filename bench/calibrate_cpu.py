@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from calibrate_cpu_step import compute_device, one_rank_step, sharing_slowdown
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "megazero" / "dry_run" / "cpu_measured.toml"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -250,35 +252,20 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
     return found
 
 
-def gemm_rate(ctx=None, seconds: float = 1.0) -> float:
-    """Small GEMMs (the grid's 64-wide) a second, one process running them for `seconds`; on a pool's
-    ranks (`ctx`), every rank at once."""
-    if ctx is not None:
-        import torch.distributed as dist
-        dist.barrier()
-    a, b = torch.randn(64, 64), torch.randn(64, 64)
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        torch.mm(a, b)
-        calls += 1
-    return calls / (time.perf_counter() - t0)
-
-
 def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0) -> tuple[dict, dict]:
     """({op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}}, {"ranks", "slowdown"}) from one pool
     per world size: its ranks' GEMM rate all at once against one process's alone just before
     (`slowdown`: how much slower a rank computes with that many ranks running), then the sweep."""
     from megazero.testing import DistributedPool
-    module = importlib.import_module("calibrate_cpu")     # by module name: the workers import it
+    module = importlib.import_module("calibrate_cpu")     # by module name: the workers import them
+    step_module = importlib.import_module("calibrate_cpu_step")
     out = {op: {"ranks": [], "alpha_us": [], "beta_gbps": [], "measured_us": []} for op in OPS}
     shared = {"ranks": [1], "slowdown": [1.0]}
     for n in worlds:
         pool = DistributedPool(n)
         try:
-            alone = gemm_rate(None)
-            together = pool.run(module.gemm_rate, 1.0, timeout=600)
             shared["ranks"].append(n)
-            shared["slowdown"].append(round(max(1.0, alone / statistics.mean(together)), 3))
+            shared["slowdown"].append(round(max(1.0, sharing_slowdown(pool, step_module.gemm_rate)), 3))
             found = pool.run(module.sweep_collectives, list(sizes), batches, 0.05, gap_us, timeout=1800)[0]
         finally:
             pool.close()
@@ -437,40 +424,6 @@ def measure(args) -> dict:
                  memory_detail=detail, matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes),
                  collectives=collectives, shared=shared)
     return {**found, **step}            # the fitted launch_us, when the step was measured
-
-
-def compute_device(matmul: list, gbps: float):
-    """The device model of what is measured so far (GEMMs, memory), at no launch cost: what the
-    one-rank step, which makes no collective, is timed by."""
-    from megazero.dry_run.devices import Device
-    return Device(key="cpu", name="calibrating", kind="cpu", memory_gb=0.0, peak_tflops={"fp32": 1.0},
-                  memory_gbps=gbps, launch_us=0.0, matmul=[list(r) for r in matmul], cores=os.cpu_count() or 1)
-
-
-def one_rank_step(device, steps: int = 8) -> dict:
-    """The host's cost per op in a real step: the CPU grid's model (bench/cpu_layouts.py's, one rank,
-    launched with torchrun and timed as the layouts are: the median step after the first two) beside
-    the dry run's trace of the same step timed by `device` (compute_device: the GEMMs and memory just
-    measured); launch_us = (measured - the device's work) / the ops the step issues
-    (megazero.dry_run.speed.fitted_launch_us). One rank only: the layouts the bench reports are
-    predicted with it, none of them is fitted."""
-    import tempfile
-    from megazero.dry_run import speed
-    from megazero.dry_run.job import simulate
-    cpu_layouts = importlib.import_module("cpu_layouts")
-    argv = cpu_layouts.layout_argv([], steps)
-    with tempfile.TemporaryDirectory(prefix="calibrate_one_rank_") as folder:
-        measured_ms = cpu_layouts.measure_layout(1, argv, Path(folder))
-    runs = simulate(argv, 1, local_world=1, device_kind="cpu", save=False)
-    if runs[0].error is not None:
-        raise RuntimeError(f"the dry run of the one-rank step failed: {runs[0].error}")
-    launch, work, ops = speed.fitted_launch_us(speed.step_traces(runs), device, measured_ms / 1e3)
-    print(f"one-rank step: measured {measured_ms:.1f} ms, device work {work * 1e3:.1f} ms, {ops} ops issued: "
-          f"launch_us {launch:.2f}", flush=True)
-    if launch == 0.0:
-        print("  the device's work alone exceeds the measured step: the load moved between the GEMM sweep "
-              "and the step; rerun on a quieter machine", flush=True)
-    return dict(launch_us=launch, one_rank_ms=measured_ms, one_rank_work_ms=work * 1e3, one_rank_ops=ops)
 
 
 def main(argv=None) -> Path:

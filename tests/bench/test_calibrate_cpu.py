@@ -105,3 +105,10 @@ def test_the_one_rank_fit_is_written_and_read_back_by_the_layouts_bench():
     assert doc["cpu"]["shared_ranks"] == [1, 2] and doc["cpu"]["shared_slowdown"] == [1.0, 1.4]
     assert cpu_layouts.calibration_header(text).endswith(
         "launch_us 23.50 fitted on the one-rank step (81.2 ms measured, 39.8 ms the device's work, 1763 ops)")
+
+
+def test_the_sharing_slowdown_runs_on_pool_ranks(dist_pool):
+    """calibrate_cpu_step.sharing_slowdown: one process's GEMM rate over two pool ranks' at once, a
+    positive ratio (its size is the machine's: not asserted)."""
+    import calibrate_cpu_step
+    assert calibrate_cpu_step.sharing_slowdown(dist_pool(2), calibrate_cpu_step.gemm_rate, rounds=1, seconds=0.05) > 0
