@@ -1,7 +1,7 @@
 """Measures this CPU as the dry run's timeline models a device, and writes the measured device
 model (default megazero/dry_run/cpu_measured.toml; docs/dry_run.md, "Calibrating a machine").
 
-    python bench/calibrate_cpu.py                      # ~3-6 min on 2 shared cores
+    python bench/calibrate_cpu.py                      # ~4-7 min on 2 quiet cores
     python bench/calibrate_cpu.py --quick --output /tmp/cpu.toml
 
 What it measures, every figure at one torch thread per process (as torchrun's ranks run: OMP_NUM_THREADS=1):
@@ -11,13 +11,19 @@ What it measures, every figure at one torch thread per process (as torchrun's ra
   time a GEMM adds to the host's per-op cost (the time per call is kept beside it);
 - memory bandwidth: `copy_` (2 bytes moved per byte) and `add` (3) over buffers of 64-256 MiB, past
   the last-level cache; the median of those;
-- host cost per op: `bare_op_us`, a 1-element `add` out of autograd; `launch_us`, a tiny GPT's
-  forward + backward (megazero's own model, hidden 8) over the number of aten ops it dispatches: what
-  each op of a training step costs the host, autograd included;
+- host cost per op: `launch_us`, from a real training step of the CPU grid's model on one rank
+  (one_rank_step: measured with torchrun as bench/cpu_layouts.py measures its layouts, minus the
+  device model's time for the dry run's trace of that step, over the ops the trace issues): the
+  loop's, schedule's, optimizer's and autograd's Python and each kernel's cost in a step beyond its
+  back-to-back figure; `bare_op_us`, a 1-element `add` out of autograd; `tiny_step_op_us`, a tiny
+  GPT's forward + backward over every aten op it dispatches (views included: ~2.4x the ops the
+  trace counts), the load probe bench/cpu_layouts.py repeats before each layout;
 - gloo collectives at 2, 4 and 8 ranks: all_reduce, all_gather (into one tensor), reduce_scatter (of
-  one tensor), send/recv (ranks in pairs, every pair at once), over message sizes 1 KiB - 16 MiB.
+  one tensor), send_recv (ranks in pairs, every pair at once, each call an exchange: a send and a
+  receive in one batch_isend_irecv, waited, as a step's p2p runs), over message sizes 1 KiB - 16 MiB.
   One process group per world size (megazero.testing's pool: spawned once, every size swept); an
-  op's time is the slowest rank's, a batch of back-to-back calls over their count, the median of
+  op's time is the slowest rank's, a batch of calls each after --gap-us of small GEMMs (as a step
+  computes between its collectives) less the same GEMMs timed alone, over their count, the median of
   batches. alpha and beta are fitted by least squares on relative error (fit_alpha_beta).
 
 Ranks beyond the cores share them: 4 and 8 gloo ranks on 2 cores are measured as they run (the
@@ -37,12 +43,17 @@ from pathlib import Path
 
 import torch
 
+from calibrate_cpu_step import compute_device, one_rank_step, sharing_slowdown
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "megazero" / "dry_run" / "cpu_measured.toml"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 WORLDS = (2, 4, 8)
 SIZES = tuple(1024 * 4 ** i for i in range(8))          # 1 KiB .. 16 MiB
 MEMORY_SIZES = (64 << 20, 128 << 20, 256 << 20)
+# A collective in a step follows compute (tp2's all-reduces: ~0.2-0.5 ms of a layer apart): timed so,
+# gloo's per-call cost at 2 ranks was 1.2-1.8 ms against 0.4-1.0 ms back to back at the same moment.
+GAP_US = 200.0
 
 
 def wire_bytes(op: str, ranks: int, buffer_bytes: float) -> float:
@@ -168,26 +179,54 @@ def memory_gbps(sizes=MEMORY_SIZES) -> tuple[float, dict]:
     return statistics.median(found.values()), found
 
 
-def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05) -> dict:
+def exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
+    """One p2p exchange as the step makes it (megazero.core.comm.send_recv: ring attention's K/V,
+    a pipeline stage's activation out and gradient in): both sides post a send and a receive in one
+    batch_isend_irecv and wait for both. Timed one after another, each is a round trip, the latency
+    a step pays; a stream of one-way sends (the earlier figure) overlaps them and shows only the
+    throughput, ~10x less at small sizes."""
+    import torch.distributed as dist
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)])
+    for work in works:
+        work.wait()
+
+
+def _compute_between(gap_us: float):
+    """What a step does between two collectives: `gap_us` of small GEMMs (the grid's 64-wide ones)."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    mm_s = _seconds_per_call(lambda: torch.mm(a, b), 0.01, 3)
+    count = round(gap_us * 1e-6 / mm_s)
+
+    def compute():
+        for _ in range(count):
+            torch.mm(a, b)
+    return compute
+
+
+def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05, gap_us: float = 0.0) -> dict:
     """On every rank of the default gloo group (a megazero.testing pool's worker): seconds per call
-    of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}."""
+    of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}.
+    `gap_us` > 0: each call follows that much compute, as in a step, and a batch's time is its
+    calls' with the compute less the same compute timed alone just before."""
     import torch.distributed as dist
     from megazero.core.comm import all_gather_single, reduce_scatter_single     # the calls megazero makes
     n, rank = ctx.world_size, ctx.rank
-    peer = rank ^ 1                      # send_recv: ranks in pairs (0, 1), (2, 3), ...; evens send
+    peer = rank ^ 1                      # send_recv: ranks in pairs (0, 1), (2, 3), ...
+    received = {size: torch.zeros(size // 4) for size in sizes}
 
     def calls_for(size):
         full, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
         return {"all_reduce": lambda: dist.all_reduce(full),
                 "all_gather": lambda: all_gather_single(full, shard),
                 "reduce_scatter": lambda: reduce_scatter_single(shard, full),
-                "send_recv": (lambda: dist.send(full, peer)) if rank % 2 == 0 else (lambda: dist.recv(full, peer))}
+                "send_recv": lambda: exchange(full, received[size], peer)}
 
     def slowest(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
+    compute = _compute_between(gap_us)
     found = {op: [] for op in OPS}
     for size in sizes:
         for op, call in calls_for(size).items():
@@ -198,24 +237,36 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
             count = int(min(200, max(1, min_seconds / slowest(time.perf_counter() - t0))))
             per_batch = []
             for _ in range(batches):
+                t0 = time.perf_counter()
+                for _ in range(count):
+                    compute()
+                alone = time.perf_counter() - t0
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(count):
+                    compute()
                     call()
-                per_batch.append(slowest((time.perf_counter() - t0) / count))
+                mixed = time.perf_counter() - t0
+                per_batch.append(slowest(max(mixed - alone, 0.05 * mixed) / count))
             found[op].append(statistics.median(per_batch))
     return found
 
 
-def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5) -> dict:
-    """{op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}} from one pool per world size."""
+def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0) -> tuple[dict, dict]:
+    """({op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}}, {"ranks", "slowdown"}) from one pool
+    per world size: its ranks' GEMM rate all at once against one process's alone just before
+    (`slowdown`: how much slower a rank computes with that many ranks running), then the sweep."""
     from megazero.testing import DistributedPool
-    sweep = importlib.import_module("calibrate_cpu").sweep_collectives    # by module name: the workers import it
+    module = importlib.import_module("calibrate_cpu")     # by module name: the workers import them
+    step_module = importlib.import_module("calibrate_cpu_step")
     out = {op: {"ranks": [], "alpha_us": [], "beta_gbps": [], "measured_us": []} for op in OPS}
+    shared = {"ranks": [1], "slowdown": [1.0]}
     for n in worlds:
         pool = DistributedPool(n)
         try:
-            found = pool.run(sweep, list(sizes), batches, timeout=1800)[0]
+            shared["ranks"].append(n)
+            shared["slowdown"].append(round(max(1.0, sharing_slowdown(pool, step_module.gemm_rate)), 3))
+            found = pool.run(module.sweep_collectives, list(sizes), batches, 0.05, gap_us, timeout=1800)[0]
         finally:
             pool.close()
         for op in OPS:
@@ -225,9 +276,10 @@ def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5) -> dict:
             entry["alpha_us"].append(round(alpha, 2))
             entry["beta_gbps"].append(round(beta, 4))
             entry["measured_us"].append([round(t * 1e6, 1) for t in found[op]])
-        print(f"  {n} ranks: " + ", ".join(f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta "
-                                          f"{out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS), flush=True)
-    return out
+        print(f"  {n} ranks: GEMMs {shared['slowdown'][-1]:.2f}x slower than alone; " + ", ".join(
+            f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta {out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS),
+            flush=True)
+    return out, shared
 
 
 def machine_name() -> str:
@@ -282,6 +334,17 @@ def _array(rows) -> str:
     return "[\n" + "".join(f"  {row},\n" for row in rows) + "]"
 
 
+def _launch_lines(m: dict) -> list[str]:
+    tiny = (f"# tiny_step_op_us: a tiny GPT's forward + backward over its {m['step_ops']} aten ops (views "
+            "included), {:.2f} us.".format(m.get("tiny_launch_us", m["launch_us"])))
+    if "one_rank_ms" not in m:
+        return ["# launch_us: the tiny GPT's figure below (no one-rank step measured: --no-step).", tiny]
+    return ["# launch_us: the host's cost per op the timeline issues, from a real one-rank step of the grid's model",
+            f"# (bench/cpu_layouts.py's): measured {m['one_rank_ms']:.1f} ms, the device model's work "
+            f"{m['one_rank_work_ms']:.1f} ms, {m['one_rank_ops']} ops:",
+            "# (measured - work) / ops (megazero.dry_run.speed.fitted_launch_us).", tiny]
+
+
 def render(m: dict) -> str:
     """The TOML text of a measurement (the dict main builds)."""
     lines = [
@@ -297,8 +360,11 @@ def render(m: dict) -> str:
         f"# Ranks share `cores` cores: {m['cores']} here, so at 4 and 8 ranks the collectives' figures include",
         "# the sharing, and a GEMM's figure is one process alone on a core.",
         f"# memory: {', '.join(f'{k} {v:.2f} GB/s' for k, v in m['memory_detail'].items())}",
-        f"# launch_us: a tiny GPT's forward + backward over its {m['step_ops']} aten ops; bare_op_us: one",
-        "# 1-element add out of autograd. A GEMM's gflops are net of its call's own cost (a 1x1x1 mm's).",
+        *_launch_lines(m),
+        "# bare_op_us: one 1-element add out of autograd. A GEMM's gflops are net of its call's own cost",
+        "# (a 1x1x1 mm's). send_recv: a pair's exchange (both send and receive, waited), a round trip.",
+        "# shared_slowdown: with n ranks running at once each computes this much slower than one alone",
+        "# (the cores, SMT, memory and the machine's other load as they were): the timeline's CPU share.",
         "",
         "[cpu]",
         f'name = "{m["name"]}"',
@@ -308,6 +374,10 @@ def render(m: dict) -> str:
         "threads_per_rank = 1",
         f"launch_us = {m['launch_us']:.2f}",
         f"bare_op_us = {m['bare_op_us']:.2f}",
+        f"tiny_step_op_us = {m.get('tiny_launch_us', m['launch_us']):.2f}",
+        *([f"shared_ranks = {m['shared']['ranks']}",
+           f"shared_slowdown = {m['shared']['slowdown']}   # a rank's GEMMs with that many ranks at once, over one alone"]
+          if m.get("shared") else []),
         f"memory_gbps = {m['memory_gbps']:.2f}",
         f"matmul = {_array(m['matmul'])}",
         f"matmul_call_us = {_array(m['matmul_calls'])}   # [m, n, k, microseconds per torch.mm call, its host cost included]",
@@ -325,6 +395,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="the TOML to write")
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and batches (a smoke run)")
     p.add_argument("--ranks", default="2,4,8", help="sizes of world for gloo, comma-separated")
+    p.add_argument("--gap-us", type=float, default=GAP_US,
+                   help=f"compute before each timed collective, as in a step (default {GAP_US:g}; 0: back to back)")
+    p.add_argument("--no-step", action="store_true",
+                   help="skip the one-rank training step (launch_us stays the tiny GPT's per-op figure)")
     return p.parse_args(argv)
 
 
@@ -340,12 +414,16 @@ def measure(args) -> dict:
     print(f"memory: {gbps:.2f} GB/s", flush=True)
     matmul, matmul_calls = matmul_gflops(shapes)
     print("matmul GFLOP/s: " + ", ".join(f"{m}x{n}x{k} {g:.1f}" for m, n, k, g in matmul), flush=True)
+    # the one-rank step right after the figures it is timed by (the load drifts; the gloo sweep is long)
+    step = {} if args.no_step else one_rank_step(compute_device(matmul, gbps))
     worlds = [int(n) for n in args.ranks.split(",")]
-    collectives = measure_collectives(worlds, sizes, batches=3 if args.quick else 5)
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
-                launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps, memory_detail=detail,
-                matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes), collectives=collectives)
+    collectives, shared = measure_collectives(worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us)
+    found = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
+                 launch_us=launch, tiny_launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps,
+                 memory_detail=detail, matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes),
+                 collectives=collectives, shared=shared)
+    return {**found, **step}            # the fitted launch_us, when the step was measured
 
 
 def main(argv=None) -> Path:

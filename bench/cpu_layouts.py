@@ -1,12 +1,13 @@
 """The CPU grid's layouts: each launched with torchrun, its steady-state step time measured, beside
 the dry run's predicted step time when the timeline is there (docs/dry_run.md, "Calibrating a machine").
 
-    python bench/cpu_layouts.py                        # calibration + 17 layouts: ~20 min on 2 shared cores
+    python bench/cpu_layouts.py                        # calibration + 17 layouts: ~20-25 min on 2 quiet cores
     python bench/cpu_layouts.py --only dp2-zero1,tp2 --skip-calibration
 
 It runs bench/calibrate_cpu.py first, in the same run (a loaded machine then loads the device
 model and the layouts alike), writing megazero/dry_run/cpu_measured.toml unless --calibration says
-elsewhere. Then every layout of LAYOUTS: the small GPT the tests use (4 layers, hidden 64, 4 heads,
+elsewhere; its launch_us is fitted on this model's one-rank step (not one of LAYOUTS: no layout
+reported here is fitted), and every prediction uses that file. Then every layout of LAYOUTS: the small GPT the tests use (4 layers, hidden 64, 4 heads,
 sequence 64, vocabulary 8192, micro batch 1, global batch 8, fp32, no dropout), `--train-iters` steps
 (default 8), one torch thread per rank (torchrun's OMP_NUM_THREADS=1). Measured: the median of the
 `ms_per_iter` rank 0 logs to metrics.jsonl over the steps after the first two (the first builds
@@ -105,12 +106,13 @@ def predictor():
     return None
 
 
-def predicted_ms(predict, ranks: int, argv: list[str]) -> float:
-    """predict's step time (ms) for the layout on `ranks` ranks: the world as its `world` argument when it
-    takes one, else as tools/dry_run.py's --world-size flag."""
+def predicted_ms(predict, ranks: int, argv: list[str], device="cpu") -> float:
+    """predict's step time (ms) for the layout on `ranks` ranks on `device` (the calibration just
+    written, as a devices.Device): the world as its `world` argument when it takes one, else as
+    tools/dry_run.py's --world-size flag."""
     if "world" in inspect.signature(predict).parameters:
-        return _step_ms(predict(argv, "cpu", world=ranks))
-    return _step_ms(predict(["--world-size", str(ranks), *argv], "cpu"))
+        return _step_ms(predict(argv, device, world=ranks))
+    return _step_ms(predict(["--world-size", str(ranks), *argv], device))
 
 
 def _step_ms(result) -> float:
@@ -135,7 +137,11 @@ def calibration_header(text: str) -> str:
     load = re.search(r"load average ([\d.]+) before, ([\d.]+) after", text)
     if not found or not load:
         return "a calibration without calibrate_cpu.py's header"
-    return f"{found[1]}, {found[2]}, load average {load[1]} before / {load[2]} after it"
+    step = re.search(r"measured ([\d.]+) ms, the device model's work ([\d.]+) ms, (\d+) ops", text)
+    launch = re.search(r"^launch_us = ([\d.]+)", text, re.M)
+    fitted = (f"; launch_us {launch[1]} fitted on the one-rank step ({step[1]} ms measured, {step[2]} ms "
+              f"the device's work, {step[3]} ops)") if step and launch else ""
+    return f"{found[1]}, {found[2]}, load average {load[1]} before / {load[2]} after it{fitted}"
 
 
 def table(rows: list[dict], calibration: str) -> str:
@@ -171,6 +177,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO / "bench"))
     calibrate_cpu = importlib.import_module("calibrate_cpu")
+    from megazero.dry_run import devices
     calibration = args.calibration or calibrate_cpu.DEFAULT_OUTPUT
     torch.set_num_threads(1)                          # as the ranks run (and the calibration measures)
     if not args.skip_calibration:
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
             row = dict(name=name, ranks=ranks, flags=extra, measured=measure_layout(ranks, argv, Path(folder)),
                        load=os.getloadavg()[0], host_us=host_us)
         if predict is not None:
-            row["predicted"] = predicted_ms(predict, ranks, argv)
+            row["predicted"] = predicted_ms(predict, ranks, argv, devices.cpu(calibration))
         rows.append(row)
         ratio = f" | predicted {row['predicted']:.1f} ms | ratio {row['predicted'] / row['measured']:.2f}" \
             if predict is not None else ""

@@ -16,7 +16,8 @@ shape, memory bandwidth, per-op host overhead, gloo's alpha-beta per collective 
   the CPU: the measured alpha and beta for that op, interpolated in the rank count.
 
 A CPU "rank" has one stream and runs every op on its host thread; ranks sharing one host share its
-`cores`: with more ranks than cores each op takes ranks / cores longer (`cpu_share`).
+`cores`: each op takes the calibration's measured slowdown at that many ranks running at once
+(`shared_slowdown`), else ranks / cores past the cores, longer (`cpu_share`).
 Owns no simulation: pure functions of the op's numbers and the device's.
 """
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Device:
     matmul: list = dataclasses.field(default_factory=list)          # the CPU: [[m, n, k, gflops], ...]
     collectives: dict = dataclasses.field(default_factory=dict)     # the CPU: op -> {ranks, alpha_us, beta_gbps}
     cores: int = 1
+    shared: dict = dataclasses.field(default_factory=dict)          # the CPU: {ranks, slowdown} measured
     ranks_on_host: int = 1            # set by the timeline: the job's ranks on one host (the CPU)
     sources: dict = dataclasses.field(default_factory=dict)
 
@@ -117,9 +119,13 @@ class Device:
         return nbytes / (1e9 * self.host_link_gbps)
 
     def cpu_share(self) -> float:
-        """How much longer an op takes when the host's ranks outnumber its cores (the CPU only)."""
+        """How much longer an op takes with the host's ranks running at once than one rank alone (the
+        CPU only): the calibration's measured slowdown at that many ranks where it has one, else
+        ranks / cores past the cores."""
         if self.kind != "cpu":
             return 1.0
+        if self.shared:
+            return max(1.0, _interpolate(self.shared["ranks"], self.shared["slowdown"], self.ranks_on_host))
         return max(1.0, self.ranks_on_host / max(1, self.cores))
 
     # --- communication -----------------------------------------------------------------------------
@@ -187,6 +193,8 @@ def cpu(path: Path = CPU_FILE, cores: int | None = None) -> Device:
                   peak_tflops={"fp32": best}, memory_gbps=row["memory_gbps"], launch_us=row["launch_us"],
                   matmul=[list(r) for r in row["matmul"]], collectives=dict(row["collectives"]),
                   cores=int(cores or row.get("cores") or os.cpu_count() or 1),
+                  shared={"ranks": row["shared_ranks"], "slowdown": row["shared_slowdown"]}
+                  if "shared_ranks" in row and "shared_slowdown" in row else {},
                   sources={"cpu": row.get("source", "")})
 
 

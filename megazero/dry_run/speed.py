@@ -11,6 +11,8 @@ nobody. Owns the joining of traces and the report's `timeline` field; touches no
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megazero.dry_run import devices, timeline
 
 ITEMS = ("compute_s", "exposed_comm_s", "bubble_s", "host_s")
@@ -67,6 +69,31 @@ def predict(argv: list[str], device, world: int, ranks: list[int] | None = None,
     if failed:
         raise RuntimeError("the dry run failed: " + "; ".join(failed))
     return timeline_of(runs, cfg, world, model)
+
+
+def issued_ops(records: list) -> int:
+    """How many ops the timeline issues for one rank's step records, each paying the device's
+    launch_us: its kernels, host ops, copies, collectives and p2p batches (not its events, waits and
+    syncs, which cost no issue)."""
+    return sum(1 for r in records if r[0] in ("k", "h", "x", "c", "p"))
+
+
+def fitted_launch_us(traces: dict[int, dict], device, measured_s: float) -> tuple[float, float, int]:
+    """The CPU's host cost per issued op from one real step: the one-rank job whose `traces` (its
+    rank's step, speed.step_traces) measured `measured_s` a step. On the CPU one thread issues and
+    runs every op, so the timeline's step is the device's work (the step timed at launch_us 0) plus
+    launch_us per issued op; the launch_us returned makes it equal the measured step (0 where the
+    device's work alone is slower). -> (launch_us, the device's work in seconds, issued ops).
+    What it holds beyond the kernels' own calibrated time: the Python of the loop, the schedule, the
+    optimizer and the hooks, autograd's engine, the views and metadata ops the trace leaves out, and
+    each kernel's cost in a step beyond its back-to-back calibration (cold caches, fresh outputs)."""
+    if len(traces) != 1 or device.kind != "cpu":
+        raise ValueError(f"fitted_launch_us takes one CPU rank's step, got {len(traces)} rank(s) on {device.kind}")
+    work = timeline.schedule(traces, dataclasses.replace(device, launch_us=0.0))["step_s"]
+    ops = issued_ops(next(iter(traces.values()))["records"])
+    if ops == 0:
+        raise ValueError("the traced step issues no op: nothing to fit launch_us on")
+    return max(0.0, (measured_s - work) / ops * 1e6), work, ops
 
 
 def timeline_text(result: dict) -> str:

@@ -57,7 +57,9 @@ class _Lane:
 
     def issue(self) -> float:
         """The host issues one op (its launch cost); returns when it is issued."""
-        launch = self.device.launch_us * 1e-6
+        # the CPU: the host's per-op cost is its thread's work too, shared like a kernel's when the
+        # host's ranks outnumber its cores (1 on a GPU)
+        launch = self.device.launch_us * 1e-6 * self.device.cpu_share()
         self.add(self.host, self.host + launch, HOST, "launch")
         self.host += launch
         return self.host
@@ -168,6 +170,8 @@ class Simulation:
         lane.free[stream] = end
         if lane.cpu and stream == issuing:
             lane.host = end                    # a synchronous gloo op: the host is in the call
+        else:
+            _poll(lane, end - start)
         lane.add(start, end, COMM, f"{entry.op} {entry.group}[{len(entry.ranks)}]", entry.site)
         return True
 
@@ -184,7 +188,7 @@ class Simulation:
                 keys.append((src, dst, k, kind, peer, nbytes))
             self.pending[lane.rank] = (keys, ready)
         keys, ready = self.pending[lane.rank]
-        ends = []
+        starts, ends = [], []
         for src, dst, k, kind, peer, nbytes in keys:
             other = self.p2p.get((src, dst, k, "recv" if kind == "send" else "send"))
             if other is None and peer in self.lanes:
@@ -192,12 +196,25 @@ class Simulation:
             start = max(ready, other if other is not None else ready)
             seconds = self.device.collective_seconds(kind, nbytes, (src, dst))
             lane.add(start, start + seconds, COMM, f"{kind} {'to' if kind == 'send' else 'from'} {peer}", site)
+            starts.append(start)
             ends.append(start + seconds)
         del self.pending[lane.rank]
         lane.free[stream] = max([ready, *ends])
         if lane.cpu and stream == issuing:
             lane.host = lane.free[stream]
+        elif ends:
+            _poll(lane, max(ends) - min(starts))
         return True
+
+
+def _poll(lane: _Lane, seconds: float) -> None:
+    """An async gloo op beside the host thread: gloo's threads poll for the op's whole duration (in
+    a real step the ranks' processes spend ~1 ms of CPU beyond their main thread per collective or
+    p2p exchange, about the op's time), so with no idle core (the host's ranks at least its cores)
+    that time is taken from the rank's host thread. A GPU's, or a CPU with a core to spare: free."""
+    dev = lane.device
+    if lane.cpu and dev.ranks_on_host >= dev.cores:
+        lane.host += seconds
 
 
 def _describe(rec) -> str:

@@ -53,7 +53,7 @@ def test_wire_bytes_follow_the_ring_algorithm():
 
 
 def test_sweep_times_every_op_on_two_pool_ranks(dist_pool):
-    found = dist_pool(2).run(calibrate_cpu.sweep_collectives, [1024, 65536], 1, 0.001)
+    found = dist_pool(2).run(calibrate_cpu.sweep_collectives, [1024, 65536], 1, 0.001, 50.0)
     assert found[0] == found[1]                       # the slowest rank's, agreed
     assert set(found[0]) == set(calibrate_cpu.OPS)
     assert all(len(times) == 2 and min(times) > 0 for times in found[0].values()), found[0]
@@ -89,3 +89,26 @@ def test_the_committed_measurement_is_in_the_schema_and_covers_the_layouts_gemms
     assert all(cpu["collectives"][op]["ranks"] == [2, 4, 8] for op in calibrate_cpu.OPS)
     assert {tuple(row[:3]) for row in cpu["matmul"]} >= set(calibrate_cpu.gemm_shapes())
     assert "load average" in text.split("[cpu]")[0] and cpu["cores"] >= 1
+
+
+def test_the_one_rank_fit_is_written_and_read_back_by_the_layouts_bench():
+    """render() with a one-rank step's fit: launch_us is the fitted figure, the tiny GPT's kept as
+    tiny_step_op_us, and cpu_layouts' table header names the fit. Planted: render writing the tiny
+    figure as launch_us fails the first assertion."""
+    import cpu_layouts
+    m = dict(_measurement(), tiny_launch_us=16.0, launch_us=23.5, one_rank_ms=81.2, one_rank_work_ms=39.8,
+             one_rank_ops=1763, shared={"ranks": [1, 2], "slowdown": [1.0, 1.4]})
+    text = calibrate_cpu.render(m)
+    doc = tomllib.loads(text)
+    calibrate_cpu.check_schema(doc)
+    assert doc["cpu"]["launch_us"] == 23.5 and doc["cpu"]["tiny_step_op_us"] == 16.0
+    assert doc["cpu"]["shared_ranks"] == [1, 2] and doc["cpu"]["shared_slowdown"] == [1.0, 1.4]
+    assert cpu_layouts.calibration_header(text).endswith(
+        "launch_us 23.50 fitted on the one-rank step (81.2 ms measured, 39.8 ms the device's work, 1763 ops)")
+
+
+def test_the_sharing_slowdown_runs_on_pool_ranks(dist_pool):
+    """calibrate_cpu_step.sharing_slowdown: one process's GEMM rate over two pool ranks' at once, a
+    positive ratio (its size is the machine's: not asserted)."""
+    import calibrate_cpu_step
+    assert calibrate_cpu_step.sharing_slowdown(dist_pool(2), calibrate_cpu_step.gemm_rate, rounds=1, seconds=0.05) > 0

@@ -203,3 +203,74 @@ def test_predict_times_a_real_dry_run_on_the_cpu_model():
         assert r["compute_s"] + r["exposed_comm_s"] + r["bubble_s"] + r["host_s"] == pytest.approx(result["step_s"])
         assert r["host_s"] > 0 and r["exposed_comm_s"] > 0 and 0 < r["mfu"] < 1
         assert any(op["op"].startswith(("all_reduce", "reduce_scatter")) for op in r["top_exposed"])
+
+
+def test_fitted_launch_us_makes_the_one_rank_step_its_measured_time():
+    """speed.fitted_launch_us on a hand-made one-rank CPU step (a GEMM, an add, a host<->device copy,
+    an event recorded and waited): the device's work W is the three ops' calibrated times, the ops
+    issued 3 (events cost no issue), launch_us = (T - W) / 3; timed with it, the step is T exactly.
+    Planted: counting the event records as issued ops (5) fits (T - W) / 5 and the step falls short;
+    counting kernels ("k") only (2) overshoots."""
+    import dataclasses
+
+    from megazero.dry_run.speed import fitted_launch_us
+    cpu = devices.cpu(FIXTURE, cores=2)
+    cpu.ranks_on_host = 1
+    records = [("k", 0, "mm.default", 2 * 512 ** 3, 0, "float32", (512, 512, 512), "model.py:1"),
+               ("k", 0, "add.Tensor", 0.0, 3e6, "float32", None, ""), ("x", 0, 1e6, "loop.py:47"),
+               ("r", 0, 1), ("w", 0, 1)]
+    work = 2 * 512 ** 3 / 60e9 + 3e6 / 10e9 + 1e6 / 10e9
+    measured = work + 3 * 40e-6
+    launch, found_work, ops = fitted_launch_us({0: {"records": records, "threads": []}}, cpu, measured)
+    assert (launch, found_work, ops) == (pytest.approx(40.0), pytest.approx(work), 3)
+    fitted = dataclasses.replace(cpu, launch_us=launch)
+    assert schedule({0: {"records": records, "threads": []}}, fitted)["step_s"] == pytest.approx(measured)
+    assert fitted_launch_us({0: {"records": records, "threads": []}}, cpu, work / 2)[0] == 0.0
+    with pytest.raises(ValueError, match="one CPU rank"):
+        fitted_launch_us(two_ranks(records), cpu, measured)
+
+
+def test_cpu_ranks_beyond_the_cores_share_the_hosts_per_op_cost_too():
+    """4 ranks on 2 cores, each one GEMM: each op (its launch_us and its kernel) takes twice as long
+    as on a rank of its own. Planted: launch_us left unshared gives 5 us + 2 x kernel."""
+    cpu = devices.cpu(FIXTURE, cores=2)
+    kernel = 2 * 512 ** 3 / 60e9
+    records = [("k", 0, "mm.default", 2 * 512 ** 3, 0, "float32", (512, 512, 512), "model.py:1")]
+    cpu.ranks_on_host = 4
+    four = schedule({r: {"records": list(records), "threads": []} for r in range(4)}, cpu)
+    assert four["step_s"] == pytest.approx(2 * (5e-6 + kernel))
+    cpu.ranks_on_host = 2
+    assert schedule(two_ranks(records), cpu)["step_s"] == pytest.approx(5e-6 + kernel)
+
+
+def test_cpu_async_collective_takes_its_time_from_the_host_when_no_core_is_spare():
+    """Two CPU ranks, an all-reduce issued on the communicator's stream, then a GEMM, then the wait:
+    on 2 cores (no core spare for gloo's polling threads) the step is launches + A + G; on 4 cores
+    the all-reduce hides behind the GEMM (launches + G). Planted: the async op free on every CPU
+    (the timeline before this rule) gives launches + G on 2 cores."""
+    cpu = devices.cpu(FIXTURE, cores=2)
+    a = 100e-6 + 2e6 / 2e9                                       # fixture's 2-rank alpha + B / beta
+    g = 2 * 512 ** 3 / 60e9
+    records = [all_reduce(2_000_000), ("k", 0, "mm.default", 2 * 512 ** 3, 0, "float32", (512, 512, 512), "m.py:1"),
+               ("r", 1, 1), ("w", 0, 1)]
+    cpu.ranks_on_host = 2
+    assert schedule(two_ranks(records), cpu)["step_s"] == pytest.approx(2 * 5e-6 + a + g)
+    roomy = devices.cpu(FIXTURE, cores=4)
+    roomy.ranks_on_host = 2
+    assert schedule(two_ranks(records), roomy)["step_s"] == pytest.approx(2 * 5e-6 + g)
+
+
+def test_cpu_share_is_the_measured_slowdown_of_ranks_running_at_once(tmp_path):
+    """A calibration with shared_slowdown (2 ranks at once 1.5x slower than one alone, 4 ranks 3x):
+    the CPU share follows it, interpolated between measured counts, where ranks / cores would say
+    1 at 2 ranks. Planted: the table ignored (ranks / cores) fails at 2 ranks."""
+    measured = tmp_path / "cpu.toml"
+    measured.write_text(FIXTURE.read_text().replace("[cpu.collectives.all_reduce]",
+                                                    "shared_ranks = [1, 2, 4]\nshared_slowdown = [1.0, 1.5, 3.0]\n\n"
+                                                    "[cpu.collectives.all_reduce]"))
+    cpu = devices.cpu(measured, cores=2)
+    for ranks, share in ((1, 1.0), (2, 1.5), (3, 2.25), (4, 3.0), (8, 3.0)):
+        cpu.ranks_on_host = ranks
+        assert cpu.cpu_share() == pytest.approx(share), ranks
+    cpu.ranks_on_host = 2
+    assert cpu.matmul_seconds(2 * 512 ** 3, 0, "float32", (512, 512, 512)) == pytest.approx(1.5 * 2 * 512 ** 3 / 60e9)
