@@ -47,7 +47,7 @@ def compute_device(matmul: list, gbps: float):
 
 
 def one_rank_step(device, steps: int = 8) -> dict:
-    """The host's cost per op in a real step: the CPU grid's model (bench/cpu_layouts.py's, one rank,
+    """The host's cost per op in a real step: the CPU grid's model (bench/cpu_grid.py's, one rank,
     launched with torchrun and timed as the layouts are: the median step after the first two) beside
     the dry run's trace of the same step timed by `device` (compute_device: the GEMMs and memory just
     measured); launch_us = (measured - the device's work) / the ops the step issues
@@ -56,10 +56,10 @@ def one_rank_step(device, steps: int = 8) -> dict:
     import tempfile
     from megazero.dry_run import speed
     from megazero.dry_run.job import simulate
-    cpu_layouts = importlib.import_module("cpu_layouts")
-    argv = cpu_layouts.layout_argv([], steps)
+    cpu_grid = importlib.import_module("cpu_grid")
+    argv = cpu_grid.layout_argv([], steps)
     with tempfile.TemporaryDirectory(prefix="calibrate_one_rank_") as folder:
-        measured_ms = cpu_layouts.measure_layout(1, argv, Path(folder))
+        measured_ms = cpu_grid.measure_layout(1, argv, Path(folder))
     runs = simulate(argv, 1, local_world=1, device_kind="cpu", save=False)
     if runs[0].error is not None:
         raise RuntimeError(f"the dry run of the one-rank step failed: {runs[0].error}")
