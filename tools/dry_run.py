@@ -121,10 +121,6 @@ def main(argv=None) -> int:
     if opts.every_microbatch:
         steps = Plan(steps.microbatches, steps.schedule, note=f"every one of its {steps.microbatches} "
                                                               f"microbatches a step simulated (--every-microbatch)")
-    elif device is not None and steps.simulated is not None:
-        # the timeline times the step's own ops: a reduced step's trace would be timed as the whole
-        steps = Plan(steps.microbatches, steps.schedule, note=f"every one of its {steps.microbatches} "
-                                                              f"microbatches a step simulated (--gpu's timeline)")
     started = time.perf_counter()
     runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes,
                     overflow_steps=overflow, stream_check=not opts.no_stream_check,

@@ -81,8 +81,12 @@ class AccessMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         results = out if isinstance(out, tuple) else (out,)
         fresh = [t for i in plan.fresh if i < len(results) for t in _tensors(results[i])]
-        self.checker.op(reads, writes, fresh, host_sync=func is _SCALAR)
+        self.accessed(func, args, kwargs, out, reads, writes, fresh)
         return out
+
+    def accessed(self, func, args, kwargs, out, reads, writes, fresh) -> None:
+        """An op ran (`out` its result): the hook a subclass extends (the dry run's trace)."""
+        self.checker.op(reads, writes, fresh, host_sync=func is _SCALAR)
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:

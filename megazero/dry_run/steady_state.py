@@ -19,11 +19,17 @@ block, and `extend` reads the block off their difference and counts it k = (m - 
   runs, else the steady state still grows (GPipe holds every microbatch) and the rank is simulated
   in full.
 
+- the op trace of the last step (megazero.dry_run.trace, what --gpu's timeline times): its records
+  grow in more than one place (a slot per microbatch made when the step starts, the steady block,
+  and a kernel over every microbatch's loss whose bytes grow), so `blocks_repeated` takes b as a
+  with a block inserted at two places at most, each repeated k times, and a record alike but for
+  its numbers as a + k (b - a); events are named relative to the step (`_relative`), renumbered
+  after.
+
 Whatever does not fit (an error in either run, a sequence that is not one insertion, a peak that
 differs) makes `extend` raise NotPeriodic, and job.simulate simulates that rank with every
-microbatch instead, saying so. A per-rank trace of any other kind (an op trace with durations, a
-FLOPs count per op) extends the same way: its per-step list through `repeated`, its totals through
-`linear`. tests/dry_run/test_steady_state.py proves the result equal to the full simulation's.
+microbatch instead, saying so. tests/dry_run/test_steady_state.py proves the result equal to the
+full simulation's.
 
 Owns the choice of the reduced counts (`plan`) and the merge (`extend`); runs nothing itself.
 """
@@ -180,6 +186,41 @@ def repeated(a: list, b: list, k: int, what: str) -> list:
     return a[:i] + b[i:i + extra] * k + a[i:]
 
 
+def blocks_repeated(a: list, b: list, k: int, what: str) -> list:
+    """`a` with the blocks `b` inserts into it repeated k times where b has them: b must be a with a
+    block inserted at each of two places at most (a traced step's records grow where the step starts,
+    a slot per microbatch, and by the steady block), found from the two ends: their common start and
+    common end (where a record may differ only in its numbers, counted a + k (b - a): a kernel over
+    every microbatch's loss, its bytes; a wait on an event recorded before the step), and between
+    them a's records in b after the shortest first block."""
+    extra = len(b) - len(a)
+    if extra < 0:
+        raise NotPeriodic(f"{what}: the run with more microbatches has fewer ({len(b)} < {len(a)})")
+    lo = 0
+    while lo < len(a) and (a[lo] == b[lo] or _numbers_apart(a[lo], b[lo])):
+        lo += 1
+    hi = 0
+    while hi < len(a) - lo and (a[-1 - hi] == b[-1 - hi] or _numbers_apart(a[-1 - hi], b[-1 - hi])):
+        hi += 1
+    middle, grown = a[lo:len(a) - hi], b[lo:len(b) - hi]
+    first = next((n for n in range(extra + 1) if grown[n:n + len(middle)] == middle), None)
+    if first is None:
+        raise NotPeriodic(f"{what}: the runs differ past two inserted blocks (at #{lo + 1})")
+    start = [_linear_record(u, v, k) for u, v in zip(a[:lo], b[:lo])]
+    end = [_linear_record(u, v, k) for u, v in zip(a[len(a) - hi:], b[len(b) - hi:])]
+    return start + grown[:first] * k + middle + grown[first + len(middle):] * k + end
+
+
+def _linear_record(u, v, k: int):
+    return u if u == v else tuple(linear(x, y, k) if x != y else x for x, y in zip(u, v))
+
+
+def _numbers_apart(x, y) -> bool:
+    """Two records alike but for some of their numbers."""
+    return type(x) is tuple and type(y) is tuple and len(x) == len(y) and all(
+        u == v or (type(u) in (int, float) and type(v) in (int, float)) for u, v in zip(x, y))
+
+
 def linear(a, b, k: int):
     return a + k * (b - a)
 
@@ -260,6 +301,59 @@ def _extend_streams(a: dict | None, b: dict | None, k: int) -> dict | None:
             "found": list(a["found"]) + [m for m in b["found"] if m not in a["found"]]}
 
 
+# --- the op trace of the last step (megazero.dry_run.trace), for the timeline ------------------------
+def _event_base(records: list) -> int:
+    """The events recorded before the step (its first record's serial - 1; 0 without one)."""
+    return next((r[2] - 1 for r in records if r[0] == "r"), 0)
+
+
+def _relative(records: list) -> list:
+    """The records with each event a wait names counted back: from the step's latest record (0: the
+    latest) for one recorded in the step, from the step's start (-1: the last before it) for one
+    recorded before; None for an event never recorded. A steady block's waits then read alike in
+    every repetition, where their serials grow."""
+    out, last = [], _event_base(records)
+    base = last
+    for r in records:
+        if r[0] == "r":
+            last += 1
+            if r[2] != last:
+                raise NotPeriodic(f"the traced step's events are not numbered in order (#{r[2]} for #{last})")
+            out.append(("r", r[1]))
+        elif r[0] in ("w", "e"):
+            event = r[-1]
+            out.append((*r[:-1], None if event == 0 else last - event if event > base else event - base - 1))
+        else:
+            out.append(r)
+    return out
+
+
+def _absolute(records: list, base: int) -> list:
+    out, last = [], base
+    for r in records:
+        if r[0] == "r":
+            last += 1
+            out.append((*r, last))
+        elif r[0] in ("w", "e"):
+            back = r[-1]
+            out.append((*r[:-1], 0 if back is None else last - back if back >= 0 else base + back + 1))
+        else:
+            out.append(r)
+    return out
+
+
+def _extend_trace(a: dict | None, b: dict | None, k: int) -> dict | None:
+    """The last step's trace with the block the second run inserts repeated k times; its events
+    numbered on from the events before the step, a + k (b - a)."""
+    if a is None or b is None:
+        return _same(a, b, "the op trace")
+    base = linear(_event_base(a["records"]), _event_base(b["records"]), k)
+    records = blocks_repeated(_relative(a["records"]), _relative(b["records"]), k, "the traced step")
+    return {**a, "records": _absolute(records, base),
+            "threads": _same(a["threads"], b["threads"], "the trace's host threads"),
+            "streams": _same(a["streams"], b["streams"], "the trace's streams")}
+
+
 def _merge(a, b, k: int, peaks_linear: bool):
     entries, ends, blocks = _extend_entries(a, b, k)
     return dataclasses.replace(
@@ -268,12 +362,14 @@ def _merge(a, b, k: int, peaks_linear: bool):
         memory=_extend_memory(a.memory, b.memory, k, peaks_linear),
         model_states=_same(a.model_states, b.model_states, "the engine's model states"),
         stream_check=_extend_streams(a.stream_check, b.stream_check, k),
+        trace=_extend_trace(a.trace, b.trace, k),
         skipped_steps=_same(a.skipped_steps, b.skipped_steps, "the skipped steps"),
         steady_state={"ops_per_block": blocks})
 
 
 def _what_differs(x, y) -> str | None:
-    for field in ("entries", "step_ends", "host_reads", "stream_check", "model_states", "skipped_steps"):
+    for field in ("entries", "step_ends", "host_reads", "stream_check", "model_states", "skipped_steps",
+                  "trace"):
         if getattr(x, field) != getattr(y, field):
             return field
     for key in x.memory:

@@ -28,14 +28,13 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from megazero.core import source_paths, stream_check
 from megazero.core.stream_check import STASH
 from megazero.training import phases
 
-from megazero.core.op_access import _PLANS, _SCALAR, _Plan, _tensors    # an op's reads and writes, by its schema
+from megazero.core.op_access import AccessMode    # an op's reads and writes, by its schema
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
@@ -93,29 +92,13 @@ def _flops(packet, args, kwargs, out) -> float:
     return flops / 2 if causal is True else flops
 
 
-class _TracingMode(TorchDispatchMode):
+class _TracingMode(AccessMode):
     """The checker's dispatch mode (every aten op to `checker.op`, as core's) that also traces it."""
 
-    def __init__(self, checker):
-        super().__init__()
-        self.checker = checker
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        plan = _PLANS.get(func)
-        if plan is None:
-            plan = _PLANS[func] = _Plan(func)
-        if plan.passthrough:
-            return func(*args, **kwargs)
-        checker = self.checker
-        reads, writes = plan.split(args, kwargs)
-        out = func(*args, **kwargs)
-        results = out if isinstance(out, tuple) else (out,)
-        fresh = [t for i in plan.fresh if i < len(results) for t in _tensors(results[i])]
-        checker.op(reads, writes, fresh, host_sync=func is _SCALAR)
+    def accessed(self, func, args, kwargs, out, reads, writes, fresh) -> None:
+        super().accessed(func, args, kwargs, out, reads, writes, fresh)
         if (writes or fresh) and func not in _NO_KERNEL:
-            checker.kernel(func, args, kwargs, out, reads, writes + fresh)
-        return out
+            self.checker.kernel(func, args, kwargs, out, reads, writes + fresh)
 
 
 class TracingChecker(stream_check.StreamChecker):

@@ -6,7 +6,11 @@ steady state counted as often as the schedule runs it, equals the simulation of 
   rank's collectives and p2p ops (sequence, group, ranks, dtype, size, call site), host reads, memory
   (peak, reserved, per owner, per phase, allocations), stream-check counts and the report's per-rank
   record (its per-group totals included) equal the full simulation's, and the cross-rank checks pass;
-- planted: the steady block counted once too few makes them differ (the ops, the totals);
+- the op trace of the last step (megazero.dry_run.trace: kernels, collectives, events, waits)
+  equals the full simulation's record for record, and so does the timeline on an H100 (step time,
+  compute / exposed communication / bubble / host time per rank);
+- planted: the steady block counted once too few makes them differ (the ops, the totals, the
+  timeline's step);
 - the plan: GPipe and a batch ramp fall back to every microbatch with the line saying why, the
   zero-bubble schedules' lists extend (their lists at the full count are the reduced ones' with the
   block repeated), Megatron's GPT-3 175B recipe at global batch 1536 runs 16 and 17 of its 192.
@@ -22,6 +26,7 @@ from megazero.dry_run import steady_state
 from megazero.dry_run.cross_rank_checks import check_all
 from megazero.dry_run.job import job_config, simulate
 from megazero.dry_run.report import rank_record
+from megazero.dry_run.speed import timeline_of
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "1", "--train-iters", "2", "--log-interval", "1",
@@ -42,6 +47,7 @@ def _assert_equal(full, fast) -> None:
         assert s.step_ends == f.step_ends and s.host_reads == f.host_reads
         assert s.memory == f.memory, f"rank {f.rank}: the memory differs"
         assert s.stream_check == f.stream_check and s.model_states == f.model_states
+        assert s.trace == f.trace, f"rank {f.rank}: the traced step differs"
         assert _record(s) == _record(f), f"rank {f.rank}: the report's record differs"
     assert check_all(fast) == []
 
@@ -62,7 +68,10 @@ def test_1f1b_counted_from_4_and_5_microbatches_equals_every_microbatch_simulate
     # (a step's losses stay until its end, 512 bytes a microbatch: where that moves a peak, a third
     # run at 6 shows it linear)
     assert all(r.steady_state["simulated"][:2] == [4, 5] for r in fast), [r.steady_state for r in fast]
-    _assert_equal(simulate(argv, 16, ranks, processes=2), fast)
+    full = simulate(argv, 16, ranks, processes=2)
+    _assert_equal(full, fast)
+    cfg = job_config(argv, 16)
+    assert timeline_of(fast, cfg, 16, "h100") == timeline_of(full, cfg, 16, "h100")
 
 
 def test_interleaved_counted_from_4_and_6_equals_every_microbatch_and_a_wrong_count_differs():
@@ -84,6 +93,9 @@ def test_interleaved_counted_from_4_and_6_equals_every_microbatch_and_a_wrong_co
     with pytest.raises(AssertionError, match="the ops differ"):
         _assert_equal(full, wrong)
     assert [_record(w)["step_comm"] for w in wrong] != [_record(f)["step_comm"] for f in full]
+    right = timeline_of(full, cfg, 4, "h100")
+    assert timeline_of([steady_state.extend(x, y, plan, 0, z) for x, y, z in zip(a, b, c)], cfg, 4, "h100") == right
+    assert timeline_of(wrong, cfg, 4, "h100")["step_s"] < right["step_s"]
 
 
 def test_plan_falls_back_where_the_steady_state_does_not_repeat_and_the_lists_extend():
@@ -119,3 +131,27 @@ def test_repeated_inserts_the_block_where_the_runs_part_and_refuses_two_blocks()
     assert steady_state.repeated(list("abc"), list("abc"), 5, "x") == list("abc")
     with pytest.raises(steady_state.NotPeriodic, match="differ past one inserted block"):
         steady_state.repeated(list("aXbY"), list("aXXbYY"), 2, "x")          # two places grow
+
+
+def test_a_traced_step_grows_in_several_places_and_its_events_are_renumbered():
+    # a slot per microbatch where the step starts, the warm-up, the steady block; a kernel over
+    # every microbatch's loss whose bytes grow (8 a microbatch)
+    a = [("s",), ("k", "slot", 8), ("k", "W", 0), ("k", "F", 1), ("k", "B", 2), ("k", "zeros", 8),
+         ("k", "stack", 32), ("e",)]
+    b = [("s",), ("k", "slot", 8), ("k", "slot", 8), ("k", "W", 0), ("k", "F", 1), ("k", "B", 2), ("k", "F", 1),
+         ("k", "B", 2), ("k", "zeros", 8), ("k", "stack", 40), ("e",)]
+    assert steady_state.blocks_repeated(a, b, 2, "x") == [("s",)] + [("k", "slot", 8)] * 3 + [("k", "W", 0)] + [
+        ("k", "F", 1), ("k", "B", 2)] * 3 + [("k", "zeros", 8), ("k", "stack", 48), ("e",)]
+    assert steady_state.blocks_repeated(a, b, 1, "x") == b and steady_state.blocks_repeated(a, b, 0, "x") == a
+    with pytest.raises(steady_state.NotPeriodic, match="past two inserted blocks"):
+        steady_state.blocks_repeated(list("aXbYc"), list("aXXbYYcZ"), 2, "x")       # three places grow
+    # events: a block records one (#n) and waits on it; the wait after the block on the last one;
+    # one recorded before the step (#3) and an unknown one (0) stay as they are
+    def step(blocks: int, base: int):
+        out = [("w", 1, 3)]
+        for n in range(blocks):
+            out += [("r", 0, base + n + 1), ("w", 1, base + n + 1)]
+        return out + [("e", base + blocks), ("w", 1, 0)]
+    trace = {"threads": [], "streams": {0: "default", 1: "side"}}
+    got = steady_state._extend_trace({**trace, "records": step(2, 10)}, {**trace, "records": step(3, 12)}, 5)
+    assert got == {**trace, "records": step(7, 10 + 5 * 2)}
