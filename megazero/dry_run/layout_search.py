@@ -131,8 +131,8 @@ def split_by_fit(valid, world: int, capacity: float) -> tuple[list, list]:
 def first_estimate(layout: Layout, cfg, world: int, device) -> float:
     """A closed-form step time (seconds) to rank layouts before any dry run: the rank's model FLOPs
     with what recomputation adds (megazero.training.flops) at the device's GEMM rate for the layer's GEMM
-    shape, ring attention's core (cp > 1, --cp-comm-type p2p) instead by `ring_attention_seconds`,
-    stretched by the pipeline bubble (pp - 1) / (microbatches x chunks); plus, counted exposed, the
+    shape, the attention core apart: a fused kernel's FLOPs at the rate of its (rows, sequence, head
+    dim) shape, ring attention's (cp > 1, --cp-comm-type p2p) by `ring_attention_seconds`; stretched by the pipeline bubble (pp - 1) / (microbatches x chunks); plus, counted exposed, the
     tensor-parallel collectives (4 a layer a microbatch, 6 recomputed), context parallelism's key and
     value gathers, and the data-parallel gradient reduction (ZeRO-3: with two parameter gathers a
     microbatch). Only an order: the dry run's timeline is the prediction."""
@@ -146,12 +146,14 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
     flops = (step_flops(m, tokens) + recompute_flops(m, tokens, chunks)) / world
     rows = layout.mbs * m.seq_length // layout.cp
     micro = cfg.global_batch_size // (layout.mbs * layout.dp)
-    ring = 0.0
+    forwards = 1 if layout.recompute == "none" else 2       # both recomputations run the core again
+    core_flops = (2 + forwards) * m.num_layers * attention_flops_per_token(m) * tokens / world
     if layout.cp > 1 and cfg.parallel.cp_comm_type == "p2p":
-        forwards = 1 if layout.recompute == "none" else 2       # both recomputations run the core again
-        flops -= (2 + forwards) * m.num_layers * attention_flops_per_token(m) * tokens / world
-        ring = micro * (m.num_layers // layout.pp) * ring_attention_seconds(cfg, layout, device, forwards)
-    compute = device.matmul_seconds(flops, 0.0, dtype, (rows, m.hidden_size // layout.tp, m.hidden_size)) + ring
+        core = micro * (m.num_layers // layout.pp) * ring_attention_seconds(cfg, layout, device, forwards)
+    else:           # a fused (flash) kernel, which the timeline rates by its smallest dim: the head's
+        core = device.matmul_seconds(core_flops, 0.0, dtype, (rows, m.seq_length, m.head_dim))
+    compute = device.matmul_seconds(flops - core_flops, 0.0, dtype, (rows, m.hidden_size // layout.tp, m.hidden_size))
+    compute += core
     compute *= 1 + (layout.pp - 1) / (micro * layout.vpp)
     layers = m.num_layers // layout.pp
     activation = rows * m.hidden_size * width
