@@ -263,9 +263,14 @@ def search(argv: list[str], world: int, device, top_k: int = 3, local_world: int
                      "tokens_per_s_per_device": tl.get("tokens_per_s_per_device"),
                      "mfu": min((r["mfu"] for r in ranks if r["mfu"] is not None), default=None),
                      "peak": found.get("peak"), "error": found.get("error")})
-    rows.sort(key=lambda row: (row["step_s"] is None, row["step_s"] or 0.0))
+    # a layout whose dry-run peak exceeds the device (the planner let it through) goes after those that fit
+    rows.sort(key=lambda row: (row["step_s"] is None, _over(row), row["step_s"] or 0.0))
     return {"device": device.key, "device_name": device.name, "world": world, "considered": len(valid),
             "fitting": len(fitting), "dropped": [(layout, total) for layout, _, total in dropped], "rows": rows}
+
+
+def _over(row: dict) -> bool:
+    return row.get("peak") is not None and row["peak"] > row["capacity"]
 
 
 def search_text(result: dict) -> str:
@@ -287,6 +292,7 @@ def search_text(result: dict) -> str:
         lines.append(f"{i}. {row['layout'].text()}: step {1000 * row['step_s']:,.1f} ms, "
                      f"{row['tokens_per_s_per_device']:,.0f} tokens/s/device, MFU {row['mfu']:.1%}, "
                      f"peak {peak} of {row['capacity'] / GiB:,.2f} GiB (planner {row['planner_bytes'] / GiB:,.2f}); "
-                     f"first estimate {1000 * row['estimate_s']:,.1f} ms")
+                     f"first estimate {1000 * row['estimate_s']:,.1f} ms"
+                     + ("; does NOT fit: the dry run's peak exceeds the device" if _over(row) else ""))
         lines.append("   " + " ".join(row["flags"]))
     return "\n".join(lines)

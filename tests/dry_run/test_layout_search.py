@@ -7,10 +7,14 @@
 - the memory filter keeps exactly the layouts whose planner total (tools/plan_memory.py's formulas)
   is within the capacity, the one at the capacity included;
 - the search's rows are the best K by the first estimate, ordered by the dry run's predicted step,
-  the fastest equal to megazero.dry_run.speed.predict on its flags (a 2-rank job on the CPU fixture).
+  the fastest equal to megazero.dry_run.speed.predict on its flags (a 2-rank job on the CPU fixture);
+  a timed layout whose dry-run peak exceeds the device goes after those that fit, its line saying so;
+- ring attention's closed form (`ring_attention_seconds`) against parallel/ring_attention.py's own
+  block kernels on meta, costed op by op on the H100 model.
 Planted (each failed a test here): context parallelism left out of the enumeration (80 layouts, not
 184); the fit test `<` instead of `<=` (the layout exactly at the capacity dropped); the rows sorted
-slowest first.
+slowest first; the rows sorted by step alone (the over-capacity layout first); the ring's bmm costed
+at the bf16 rate.
 """
 import itertools
 from pathlib import Path
@@ -174,3 +178,27 @@ def test_ring_attention_estimate_is_its_kernels_cost():
     assert ls.ring_attention_seconds(cfg, layout, h100, forwards=2) == pytest.approx(code + forward.seconds, rel=0.05)
     # and the estimate carries it: the whole step's closed form is at least the core's 2 layers x 2 microbatches
     assert ls.first_estimate(layout, cfg, 8, h100) > 4 * code
+
+
+def test_a_layout_whose_dry_run_peak_exceeds_the_device_goes_last_and_says_so(monkeypatch):
+    # the planner let it through, the dry run's reserved peak does not fit: faster, but listed after
+    # the layout that fits (timelines stubbed: this checks the ordering and the line, not a dry run)
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--global-batch-size", "4", "--train-iters", "2", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128"]
+    cpu = devices.cpu(FIXTURE, cores=2)
+    capacity = ls.capacity_bytes(cpu, 2)
+    timed = []
+
+    def stub(flags, world, device, local_world, processes=None):
+        timed.append(flags)
+        over = len(timed) == 1                 # the first timed layout: the faster, over the device
+        ranks = [{"mfu": 0.5}]
+        return {"error": None, "peak": capacity * (1.5 if over else 0.5),
+                "timeline": {"step_s": 1.0 if over else 2.0, "tokens_per_s_per_device": 1.0, "ranks": ranks}}
+    monkeypatch.setattr(ls, "predicted", stub)
+    space = dict(zero_stages=(0, 1), recompute=("none",), micro_batches=(2,), virtual=(1,))
+    rows = ls.search(argv, 2, cpu, top_k=2, processes=1, **space)["rows"]
+    assert [row["step_s"] for row in rows] == [2.0, 1.0]
+    lines = ls.search_text({"considered": 6, "fitting": 6, "world": 2, "device_name": "cpu", "rows": rows}).splitlines()
+    assert "does NOT fit" in lines[3] and "does NOT fit" not in lines[1]
