@@ -39,8 +39,8 @@ JSON's `executed` figure: the rate of the FLOPs a step without recomputation wou
 Ranks: a pipeline's stages at data- and tensor-parallel position 0 (a collective waits only for its
 simulated members, and the other positions are the same op for op), so the critical path through
 the stages and their p2p is in the timeline. Each row takes minutes on 2 shared cores; the rows past
-MAX_WORKS are not run by default (with recomputation the 310.1B row, 3,456, took 508 s; the 1T row
-is 16,384 on 64 ranks): the script says so per row.
+MAX_WORKS are not run by default (with recomputation, on 2 shared cores: the 310.1B row, 3,456,
+508 s; the 529.6B row, 7,350, 530 s; the 1T row, 16,384 on 64 ranks, 698 s): the script says so.
 """
 from __future__ import annotations
 
