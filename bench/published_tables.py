@@ -8,7 +8,7 @@
 Each row runs megazero's dry run of the published layout (`megazero.dry_run.speed.predict`: the
 trace of the last training step placed on the device model's streams) and prints the predicted step
 time, the per-GPU rate beside the published figure and their ratio (ours / published), megazero's
-MFU (its own count: Megatron-LM's current formula, causal attention at half, no recomputation),
+MFU (its own count: Megatron-LM's current formula, causal attention at half, the recomputed forward not counted),
 and, where megazero is predicted slower, the ops the timeline shows most exposed and the flags that
 would change them.
 
@@ -26,20 +26,21 @@ Sources (facts only, cited per row in SOURCES):
   96 GB HBM2e parts at 500 W (between SXM and NVL, its footnote says); we model the H100 SXM. The
   sequence length is not in that file: 8192 is torchtitan's Llama 3 8B training config's seq_len.
 
-Like with like: the dry run cannot simulate activation recomputation today (on the meta device
-torch.utils.checkpoint's recomputation saves a different number of tensors than the forward did:
-CheckpointError, with full and with selective recomputation), so every row runs without it. The
-published Megatron rate is the hardware's FLOP rate over a step that recomputes; ours is the
-hardware's FLOP rate over the step megazero would run, counted by the same paper's formula without
-the recomputed forward, 72 B s l h^2 (1 + s/6h + V/12lh) (EXECUTED_FLOPS): the ratio compares rates
-of executed FLOPs, the recomputed forward assumed to run as fast as the first one. torchtitan's
-figure is tokens/s per GPU, compared as such.
+Like with like: each row runs with its source's recomputation. Table 1's rows with full activation
+recomputation, every layer (FULL_RECOMPUTE), so the paper's rate and ours count the same FLOPs, the
+paper's formula with the recomputed forward (96 B s l h^2 (1 + s/6h + V/16lh), `paper_flops`), over
+the step: ours is that count over megazero's predicted step. torchtitan's rows with megazero's
+selective recomputation (`--recompute-activations`: Megatron's, the attention core recomputed),
+the nearest megazero has to torchtitan's selective activation checkpointing (its "op" policy, which
+also recomputes every second matmul of a layer: more than ours); its figure is tokens/s per GPU,
+compared as such. `executed_flops` (the same count without the recomputed forward) stays for the
+JSON's `executed` figure: the rate of the FLOPs a step without recomputation would need.
 
 Ranks: a pipeline's stages at data- and tensor-parallel position 0 (a collective waits only for its
 simulated members, and the other positions are the same op for op), so the critical path through
 the stages and their p2p is in the timeline. Each row takes minutes on 2 shared cores; the rows past
-MAX_WORKS are not run by default (the 310.1B row, 3,456, took 195 s; the 1T row is 16,384 on 64 ranks): the script says
-so per row.
+MAX_WORKS are not run by default (with recomputation, on 2 shared cores: the 310.1B row, 3,456,
+508 s; the 529.6B row, 7,350, 530 s; the 1T row, 16,384 on 64 ranks, 698 s): the script says so.
 """
 from __future__ import annotations
 
@@ -120,8 +121,12 @@ def executed_flops(batch: int, layers: int, hidden: int, seq: int = SEQ, vocab: 
     return 72 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
+FULL_RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+SELECTIVE_RECOMPUTE = ("--recompute-activations",)
+
+
 def _gpt_argv(r: dict, micro: int) -> tuple:
-    return tuple(
+    return FULL_RECOMPUTE + tuple(
         f"--num-layers {r['layers']} --hidden-size {r['hidden']} --num-attention-heads {r['heads']} "
         f"--seq-length {SEQ} --max-position-embeddings {SEQ} --vocab-size {VOCAB} --tokenizer-type NullTokenizer "
         f"--micro-batch-size {micro} --global-batch-size {r['batch']} --train-iters 1 --fp16 "
@@ -130,7 +135,7 @@ def _gpt_argv(r: dict, micro: int) -> tuple:
 
 
 def _llama8b_argv(dp: int, micro: int) -> tuple:
-    return tuple(
+    return SELECTIVE_RECOMPUTE + tuple(
         "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention "
         "--num-query-groups 8 --ffn-hidden-size 14336 --swiglu --normalization RMSNorm "
         "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear "
@@ -188,8 +193,8 @@ def measure(row: Row) -> dict:
         return out
     step, ranks = result["step_s"], result["ranks"]
     if row.unit == "TFLOP/s":
-        out["predicted"] = executed_flops(row.batch, row.layers, row.hidden) / step / row.world / 1e12
-        out["paper_count"] = paper_flops(row.batch, row.layers, row.hidden) / step / row.world / 1e12
+        out["predicted"] = paper_flops(row.batch, row.layers, row.hidden) / step / row.world / 1e12
+        out["executed"] = executed_flops(row.batch, row.layers, row.hidden) / step / row.world / 1e12
     else:
         out["predicted"] = result["tokens_per_s_per_device"]
     out["ratio"] = out["predicted"] / row.published

@@ -130,12 +130,13 @@ def split_by_fit(valid, world: int, capacity: float) -> tuple[list, list]:
 
 def first_estimate(layout: Layout, cfg, world: int, device) -> float:
     """A closed-form step time (seconds) to rank layouts before any dry run: the rank's model FLOPs
-    with what recomputation adds (megazero.training.flops) at the device's GEMM rate for the layer's GEMM shape,
-    stretched by the pipeline bubble (pp - 1) / (microbatches x chunks); plus, counted exposed, the
+    with what recomputation adds (megazero.training.flops) at the device's GEMM rate for the layer's GEMM
+    shape, the attention core apart: a fused kernel's FLOPs at the rate of its (rows, sequence, head
+    dim) shape, ring attention's (cp > 1, --cp-comm-type p2p) by `ring_attention_seconds`; stretched by the pipeline bubble (pp - 1) / (microbatches x chunks); plus, counted exposed, the
     tensor-parallel collectives (4 a layer a microbatch, 6 recomputed), context parallelism's key and
     value gathers, and the data-parallel gradient reduction (ZeRO-3: with two parameter gathers a
     microbatch). Only an order: the dry run's timeline is the prediction."""
-    from megazero.training.flops import recompute_flops, step_flops
+    from megazero.training.flops import attention_flops_per_token, recompute_flops, step_flops
     from megazero.dry_run.speed import _dtype
     m = cfg.model
     dtype = _dtype(cfg)
@@ -144,8 +145,15 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
     chunks = [m.num_layers // (layout.pp * layout.vpp)] * (layout.pp * layout.vpp)
     flops = (step_flops(m, tokens) + recompute_flops(m, tokens, chunks)) / world
     rows = layout.mbs * m.seq_length // layout.cp
-    compute = device.matmul_seconds(flops, 0.0, dtype, (rows, m.hidden_size // layout.tp, m.hidden_size))
     micro = cfg.global_batch_size // (layout.mbs * layout.dp)
+    forwards = 1 if layout.recompute == "none" else 2       # both recomputations run the core again
+    core_flops = (2 + forwards) * m.num_layers * attention_flops_per_token(m) * tokens / world
+    if layout.cp > 1 and cfg.parallel.cp_comm_type == "p2p":
+        core = micro * (m.num_layers // layout.pp) * ring_attention_seconds(cfg, layout, device, forwards)
+    else:           # a fused (flash) kernel, which the timeline rates by its smallest dim: the head's
+        core = device.matmul_seconds(core_flops, 0.0, dtype, (rows, m.seq_length, m.head_dim))
+    compute = device.matmul_seconds(flops - core_flops, 0.0, dtype, (rows, m.hidden_size // layout.tp, m.hidden_size))
+    compute += core
     compute *= 1 + (layout.pp - 1) / (micro * layout.vpp)
     layers = m.num_layers // layout.pp
     activation = rows * m.hidden_size * width
@@ -167,6 +175,32 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
         if layout.zero == 3:
             comm += 2 * micro * device.collective_seconds("all_gather", grads, group)
     return compute + comm
+
+
+# Ring attention's block kernel (parallel/ring_attention.py) is the attention math written out in
+# fp32 (no fused kernel on any device): per block of E scores (batch x heads x query rows x key
+# columns) the forward runs two fp32 bmm, 4 d E FLOPs, and streams the fp32 scores 7 times (x scale
+# 2, logsumexp 1, minus the LSE 2, exp 2); the backward five bmm, 10 d E, and 11 passes (x scale 2,
+# minus the LSE 2, exp 2, minus delta 2, times the probabilities 3). Counted from the code: what it
+# leaves out (the diagonal block's mask, GQA's K/V copies) is under 20% of the passes and under 5%
+# of the core's time (tests/dry_run/test_layout_search.py times the code's own kernels against it).
+RING_FORWARD = (4, 7)        # (FLOPs / (d E), fp32 passes over E)
+RING_BACKWARD = (10, 11)
+
+
+def ring_attention_seconds(cfg, layout: Layout, device, forwards: int = 1) -> float:
+    """One layer's ring attention core on one rank for one microbatch: `forwards` forwards (2 with
+    recomputation) and one backward. With N = cp and c = seq / 2N, the rank's step 0 is its 2c x 2c
+    diagonal block (masked, computed whole) and each of the N - 1 later steps half a block, 2c x c:
+    E = micro x heads / tp x 2c^2 (N + 1). The bmm at the device's fp32 rate for a (2c, c, d) GEMM."""
+    m = cfg.model
+    n, chunk, d = layout.cp, m.seq_length // (2 * layout.cp), m.head_dim
+    scores = layout.mbs * (m.num_attention_heads // layout.tp) * 2 * chunk * chunk * (n + 1)
+
+    def part(flops_per, passes):
+        return (device.matmul_seconds(flops_per * d * scores, 0.0, "fp32", (2 * chunk, chunk, d))
+                + device.memory_seconds(passes * 4 * scores))
+    return forwards * part(*RING_FORWARD) + part(*RING_BACKWARD)
 
 
 def ranked(fitting, world: int, device) -> list:
@@ -229,9 +263,14 @@ def search(argv: list[str], world: int, device, top_k: int = 3, local_world: int
                      "tokens_per_s_per_device": tl.get("tokens_per_s_per_device"),
                      "mfu": min((r["mfu"] for r in ranks if r["mfu"] is not None), default=None),
                      "peak": found.get("peak"), "error": found.get("error")})
-    rows.sort(key=lambda row: (row["step_s"] is None, row["step_s"] or 0.0))
+    # a layout whose dry-run peak exceeds the device (the planner let it through) goes after those that fit
+    rows.sort(key=lambda row: (row["step_s"] is None, _over(row), row["step_s"] or 0.0))
     return {"device": device.key, "device_name": device.name, "world": world, "considered": len(valid),
             "fitting": len(fitting), "dropped": [(layout, total) for layout, _, total in dropped], "rows": rows}
+
+
+def _over(row: dict) -> bool:
+    return row.get("peak") is not None and row["peak"] > row["capacity"]
 
 
 def search_text(result: dict) -> str:
@@ -253,6 +292,7 @@ def search_text(result: dict) -> str:
         lines.append(f"{i}. {row['layout'].text()}: step {1000 * row['step_s']:,.1f} ms, "
                      f"{row['tokens_per_s_per_device']:,.0f} tokens/s/device, MFU {row['mfu']:.1%}, "
                      f"peak {peak} of {row['capacity'] / GiB:,.2f} GiB (planner {row['planner_bytes'] / GiB:,.2f}); "
-                     f"first estimate {1000 * row['estimate_s']:,.1f} ms")
+                     f"first estimate {1000 * row['estimate_s']:,.1f} ms"
+                     + ("; does NOT fit: the dry run's peak exceeds the device" if _over(row) else ""))
         lines.append("   " + " ".join(row["flags"]))
     return "\n".join(lines)

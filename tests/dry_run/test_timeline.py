@@ -8,11 +8,13 @@ whose numbers make them exact (1 TFLOP/s at any shape, 1 GB/s links, no launch c
 - a collective starts when its last member reaches it: the early rank's wait is bubble;
 - a 4-stage 1F1B pipeline of m microbatches with unit forward and backward, p2p free: step
   (m + p - 1) x 2, every stage's bubble fraction (p - 1) / (m + p - 1).
+One kernel on the H100 model: its FLOPs at its dtype's rate for its shape, after its launch.
 The device model's ring formulas against the alpha-beta closed form (GPU within / across nodes;
 the CPU's measured table from a fixture in the calibration's schema).
 Planted (each fails a test here): the collective run on its issuing stream instead of the
 communicator's; a collective starting at its own rank's readiness, not its last member's; a p2p
-receive not waiting for its send; all-reduce's wire bytes taken as (n-1)/n.
+receive not waiting for its send; all-reduce's wire bytes taken as (n-1)/n; a kernel costed at the
+bf16 peak whatever its dtype (ring attention's fp32 bmm 15x too fast).
 """
 from pathlib import Path
 
@@ -185,6 +187,21 @@ def test_gpu_models_cite_each_number():
     assert devices.gpu("h100").peak("bf16") == devices.gpu("h100").peak("bfloat16") == pytest.approx(989.5e12)
     assert devices.gpu("h100").peak("float32") == pytest.approx(67e12)
     assert devices.gpu("a100").peak("bf16") == pytest.approx(312e12)
+
+
+def test_a_kernel_on_a_gpu_is_its_flops_at_its_dtypes_rate():
+    # one kernel on the H100 model: launch, then FLOPs / (peak of its inputs' dtype x gemm_max x
+    # d / (d + gemm_half_dim)), d its smallest dim; a bf16 GEMM of the layer's shape and ring
+    # attention's fp32 bmm (parallel/ring_attention.py: the scores of a 1024 x 512 block, d 128)
+    h100 = devices.gpu("h100")
+    eff = h100.efficiency
+    for dtype, peak, dims in (("bfloat16", 989.5e12, (8192, 4096, 14336)), ("float32", 67e12, (1024, 512, 128))):
+        flops = 2.0 * dims[0] * dims[1] * dims[2] * 128
+        record = ("k", 0, "mm.default", flops, 0, dtype, dims, "model.py:1")
+        rate = peak * eff["gemm_max"] * min(dims) / (min(dims) + eff["gemm_half_dim"])
+        result = schedule({0: {"records": [record], "threads": []}}, h100)
+        assert result["step_s"] == pytest.approx(h100.launch_us * 1e-6 + flops / rate, rel=1e-9), dtype
+        assert result["ranks"][0]["compute_s"] == pytest.approx(flops / rate, rel=1e-9), dtype
 
 
 def test_predict_times_a_real_dry_run_on_the_cpu_model():
