@@ -12,6 +12,7 @@ Where to read next (docs/design.md draws the whole map):
   megazero/zero/engine.py    the ZeRO engine: stages 0-3 behind one interface
   megazero/zero/storage.py   the partitioned storage every stage keeps its parameters and states in
 """
+
 import sys
 
 from megazero.run.launch import main

@@ -12,6 +12,7 @@ megazero.ops.adam falls back to the torch reference. Build choices:
   target attributes and the kernel picks one at run time from what the CPU reports.
 - OpenMP is tried first; if the compiler lacks it the extension is built single-threaded.
 """
+
 import sys
 
 from setuptools import setup
@@ -20,8 +21,7 @@ from setuptools.command.build_ext import build_ext
 try:
     from setuptools.errors import CCompilerError, CompileError, LinkError, PlatformError
 except ImportError:  # setuptools < 59 only has the distutils spellings
-    from distutils.errors import (CCompilerError, CompileError, LinkError,
-                                  DistutilsPlatformError as PlatformError)
+    from distutils.errors import CCompilerError, CompileError, LinkError, DistutilsPlatformError as PlatformError
 
 BUILD_ERRORS = (CCompilerError, CompileError, LinkError, PlatformError, OSError)
 
@@ -40,16 +40,30 @@ def _extensions() -> list:
         _warn("pybind11 is not importable; building without the C++ extension megazero._C")
         return []
     from setuptools import Extension
+
     sources = ["csrc/cpu_adam.cpp", "csrc/cpu_adam_avx2.cpp", "csrc/cpu_adam_avx512.cpp"]
-    quant_sources = ["csrc/quantize.cpp", "csrc/quantize_scalar.cpp", "csrc/quantize_avx2.cpp",
-                     "csrc/quantize_avx512.cpp"]
-    return [Extension("megazero._C", sources=sources,
-                      depends=["csrc/cpu_adam.h", "csrc/cpu_dispatch.h", "csrc/dtype_helpers.h"],
-                      include_dirs=[pybind11.get_include()], language="c++"),
-            Extension("megazero._quant", sources=quant_sources,
-                      depends=["csrc/quantize.h", "csrc/quantize_kernels.h", "csrc/cpu_dispatch.h",
-                               "csrc/dtype_helpers.h"],
-                      include_dirs=[pybind11.get_include()], language="c++")]
+    quant_sources = [
+        "csrc/quantize.cpp",
+        "csrc/quantize_scalar.cpp",
+        "csrc/quantize_avx2.cpp",
+        "csrc/quantize_avx512.cpp",
+    ]
+    return [
+        Extension(
+            "megazero._C",
+            sources=sources,
+            depends=["csrc/cpu_adam.h", "csrc/cpu_dispatch.h", "csrc/dtype_helpers.h"],
+            include_dirs=[pybind11.get_include()],
+            language="c++",
+        ),
+        Extension(
+            "megazero._quant",
+            sources=quant_sources,
+            depends=["csrc/quantize.h", "csrc/quantize_kernels.h", "csrc/cpu_dispatch.h", "csrc/dtype_helpers.h"],
+            include_dirs=[pybind11.get_include()],
+            language="c++",
+        ),
+    ]
 
 
 class OptionalBuildExt(build_ext):

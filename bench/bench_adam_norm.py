@@ -43,6 +43,7 @@ format: the gaps bounded by GAP_BOUND and EXACT_BOUND, the times and op counts r
     python bench/bench_adam_norm.py                      # CPU: 10M-parameter GPT, ~2 min
     python bench/bench_adam_norm.py --device cuda        # GPU: the ~1.3B GPT of bench_gpu_step.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,10 +65,12 @@ from megazero.ops.adam_config import AdamConfig
 from megazero.zero.precision import sum_of_squares, sum_of_squares_many, uses_weight_decay
 
 CONFIG = AdamConfig(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-GAP_BOUND = 1e-6          # fused vs reference Adam after the timed steps (fp32: a few ulps a step)
-EXACT_BOUND = 2e-6        # the foreach norm against the exact sum (fp32 norms of slices)
-SHAPES = {"cpu": dict(hidden_size=384, num_layers=4, num_attention_heads=6, vocab_size=8192),
-          "cuda": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, vocab_size=50304)}
+GAP_BOUND = 1e-6  # fused vs reference Adam after the timed steps (fp32: a few ulps a step)
+EXACT_BOUND = 2e-6  # the foreach norm against the exact sum (fp32 norms of slices)
+SHAPES = {
+    "cpu": dict(hidden_size=384, num_layers=4, num_attention_heads=6, vocab_size=8192),
+    "cuda": dict(hidden_size=2048, num_layers=24, num_attention_heads=16, vocab_size=50304),
+}
 
 
 class OpCount(TorchDispatchMode):
@@ -114,12 +117,22 @@ class Partition:
         self.copy = torch.empty(n, dtype=torch.bfloat16, device=device) if bf16_copy else None
 
     def segments(self) -> list[AdamSegment]:
-        return [AdamSegment(self.param[lo:hi], self.grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi],
-                            wd, None if self.copy is None else self.copy[lo:hi]) for lo, hi, wd in self.runs]
+        return [
+            AdamSegment(
+                self.param[lo:hi],
+                self.grad[lo:hi],
+                self.exp_avg[lo:hi],
+                self.exp_avg_sq[lo:hi],
+                wd,
+                None if self.copy is None else self.copy[lo:hi],
+            )
+            for lo, hi, wd in self.runs
+        ]
 
 
 def adam_sides(device: torch.device) -> dict[str, Callable]:
     """side -> make(partition) -> step(step number)."""
+
     def reference(p: Partition):
         segments = p.segments()
 
@@ -128,6 +141,7 @@ def adam_sides(device: torch.device) -> dict[str, Callable]:
                 adam_update_reference(*seg[:4], step=k, lr=CONFIG.lr, config=CONFIG, weight_decay=seg.weight_decay)
                 if seg.param_copy is not None:
                     seg.param_copy.copy_(seg.param)
+
         return step
 
     def fused(p: Partition):
@@ -136,15 +150,19 @@ def adam_sides(device: torch.device) -> dict[str, Callable]:
 
     sides = {"reference": reference, "fused": fused}
     if device.type == "cpu":
+
         def cpp(p: Partition):
             segments = p.segments()
             return lambda k: adam_step(segments, step=k, lr=CONFIG.lr, config=CONFIG)
+
         sides["C++ kernel"] = cpp
     return sides
 
 
-NORM_SIDES = {"reference": lambda pieces: sum(sum_of_squares(t) for t in pieces),
-              "foreach": lambda pieces: sum_of_squares_many(pieces, device=pieces[0].device)}
+NORM_SIDES = {
+    "reference": lambda pieces: sum(sum_of_squares(t) for t in pieces),
+    "foreach": lambda pieces: sum_of_squares_many(pieces, device=pieces[0].device),
+}
 
 
 def timed(device, fn: Callable[[int], object], warmup: int, steps: int) -> dict:
@@ -168,8 +186,13 @@ def timed(device, fn: Callable[[int], object], warmup: int, steps: int) -> dict:
         result = fn(warmup + steps + 1)
     if device.type == "cuda":
         extra = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    return {"ms": statistics.median(wall), "cpu_ms": statistics.median(cpu), "ops": ops.count,
-            "extra_mib": extra, "result": result}
+    return {
+        "ms": statistics.median(wall),
+        "cpu_ms": statistics.median(cpu),
+        "ops": ops.count,
+        "extra_mib": extra,
+        "result": result,
+    }
 
 
 def gap(new: torch.Tensor, old: torch.Tensor) -> float:
@@ -177,8 +200,9 @@ def gap(new: torch.Tensor, old: torch.Tensor) -> float:
 
 
 def exact_sum_of_squares(pieces: list[torch.Tensor], slice_elems: int = 1 << 24) -> float:
-    return sum(float(t[s:s + slice_elems].double().square().sum())
-               for t in pieces for s in range(0, t.numel(), slice_elems))
+    return sum(
+        float(t[s : s + slice_elems].double().square().sum()) for t in pieces for s in range(0, t.numel(), slice_elems)
+    )
 
 
 def measure(args, device, sizes, decays) -> dict:
@@ -193,7 +217,8 @@ def measure(args, device, sizes, decays) -> dict:
             for side, make in adam_sides(device).items():
                 part = Partition(sizes, decays, args.bucket_size, device, bf16_copy=mode != "fp32")
                 rounds.setdefault((f"adam, {mode}", side), []).append(
-                    timed(device, make(part), args.warmup, args.steps))
+                    timed(device, make(part), args.warmup, args.steps)
+                )
                 parts[side] = part if last and side in ("reference", "fused") else None
             if last:
                 new, old = parts["fused"], parts["reference"]
@@ -207,7 +232,8 @@ def measure(args, device, sizes, decays) -> dict:
         pieces = [grads[lo:hi] for lo, hi in partition_runs(sizes, decays, args.bucket_size)[1]]
         for side, fn in NORM_SIDES.items():
             rounds.setdefault(("norm", side), []).append(
-                timed(device, lambda k, fn=fn: fn(pieces), args.warmup, args.steps))
+                timed(device, lambda k, fn=fn: fn(pieces), args.warmup, args.steps)
+            )
     exact = exact_sum_of_squares(pieces)
     norms = {side: float(rs[-1]["result"]) for (kind, side), rs in rounds.items() if kind == "norm"}
     agreement["norm: foreach vs reference"] = abs(norms["foreach"] - norms["reference"]) / norms["reference"]
@@ -217,9 +243,16 @@ def measure(args, device, sizes, decays) -> dict:
 
 
 def summarize(rounds: dict) -> dict:
-    return {key: {"ms": statistics.median(r["ms"] for r in rs), "best": min(r["ms"] for r in rs),
-                  "cpu_ms": statistics.median(r["cpu_ms"] for r in rs), "ops": rs[-1]["ops"],
-                  "extra_mib": rs[-1]["extra_mib"]} for key, rs in rounds.items()}
+    return {
+        key: {
+            "ms": statistics.median(r["ms"] for r in rs),
+            "best": min(r["ms"] for r in rs),
+            "cpu_ms": statistics.median(r["cpu_ms"] for r in rs),
+            "ops": rs[-1]["ops"],
+            "extra_mib": rs[-1]["extra_mib"],
+        }
+        for key, rs in rounds.items()
+    }
 
 
 def report(table: dict, agreement: dict, device) -> None:
@@ -230,9 +263,11 @@ def report(table: dict, agreement: dict, device) -> None:
         extra = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.1f}"
         cpu = f"{r['cpu_ms']:.2f}" if device.type == "cpu" else "-"
         cpu_x = f"{old['cpu_ms'] / r['cpu_ms']:.2f}" if device.type == "cpu" else "-"
-        ops = "-" if side == "C++ kernel" else r["ops"]      # called outside the dispatcher
-        print(f"| {kind} | {side} | {r['ms']:.2f} | {r['best']:.2f} | {cpu} | {ops} | {extra} | "
-              f"{old['ms'] / r['ms']:.2f} | {cpu_x} |")
+        ops = "-" if side == "C++ kernel" else r["ops"]  # called outside the dispatcher
+        print(
+            f"| {kind} | {side} | {r['ms']:.2f} | {r['best']:.2f} | {cpu} | {ops} | {extra} | "
+            f"{old['ms'] / r['ms']:.2f} | {cpu_x} |"
+        )
     print("\nagreement (max |new - old| / max |old| after the same steps; norms: relative gap)")
     for name, value in agreement.items():
         print(f"  {name}: {value:.2e}")
@@ -240,16 +275,21 @@ def report(table: dict, agreement: dict, device) -> None:
 
 def figures(table: dict, agreement: dict) -> dict:
     """bench/gpu_check.py's figures: the gaps bounded, times and op counts reported."""
+
     def figure(value, ok, bound, note=""):
         return {"value": value, "ok": bool(ok), "bound": bound, "note": note}
+
     out = {}
     for name, value in agreement.items():
         key = name.replace(": ", "_").replace(" ", "_")
         if name == "norm: reference vs exact":
             out[key] = figure(value, math.isfinite(value), "reported (the old fp32 dots' error)")
         elif name.startswith("norm"):
-            out[key] = figure(value, value <= EXACT_BOUND if "exact" in name else value <= 1e-5,
-                              f"<= {EXACT_BOUND:g}" if "exact" in name else "<= 1e-05")
+            out[key] = figure(
+                value,
+                value <= EXACT_BOUND if "exact" in name else value <= 1e-5,
+                f"<= {EXACT_BOUND:g}" if "exact" in name else "<= 1e-05",
+            )
         else:
             out[key] = figure(value, value <= GAP_BOUND, f"<= {GAP_BOUND:g} of the largest value")
     for (kind, side), r in table.items():
@@ -258,16 +298,19 @@ def figures(table: dict, agreement: dict) -> dict:
         old = table[(kind, "reference")]
         key = kind.replace(", ", "_").replace(" ", "_")
         ratio = old["ms"] / r["ms"]
-        out[f"{key}_{side}_speedup"] = figure(ratio, ratio > 0, "reported (old time / new time)",
-                                              f"{r['ms']:.2f} ms vs {old['ms']:.2f} ms before")
-        out[f"{key}_{side}_ops"] = figure(r["ops"], True, "reported", f"{old['ops']} before; extra MiB "
-                                          f"{r['extra_mib']} vs {old['extra_mib']} before")
+        out[f"{key}_{side}_speedup"] = figure(
+            ratio, ratio > 0, "reported (old time / new time)", f"{r['ms']:.2f} ms vs {old['ms']:.2f} ms before"
+        )
+        out[f"{key}_{side}_ops"] = figure(
+            r["ops"], True, "reported", f"{old['ops']} before; extra MiB {r['extra_mib']} vs {old['extra_mib']} before"
+        )
     return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--hidden-size", type=int, default=None, help="default: 384 on CPU, 2048 on a GPU")
     p.add_argument("--num-layers", type=int, default=None, help="default: 4 on CPU, 24 on a GPU")
@@ -291,8 +334,11 @@ def model_sizes(args, device) -> tuple[list[int], list[float], GPTConfig]:
     cfg = GPTConfig(seq_length=128, hidden_dropout=0.0, attention_dropout=0.0, **shape)
     with torch.device("meta"):
         params = list(GPT(cfg).parameters())
-    return ([p.numel() for p in params],
-            [CONFIG.weight_decay if uses_weight_decay(p.shape) else 0.0 for p in params], cfg)
+    return (
+        [p.numel() for p in params],
+        [CONFIG.weight_decay if uses_weight_decay(p.shape) else 0.0 for p in params],
+        cfg,
+    )
 
 
 def main(argv=None) -> int:
@@ -304,10 +350,13 @@ def main(argv=None) -> int:
     sizes, decays, cfg = model_sizes(args, device)
     runs, norm_runs = partition_runs(sizes, decays, args.bucket_size)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"GPT hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}: {sum(sizes) / 1e6:.1f}M "
-          f"parameters, {len(runs)} Adam runs, {len(norm_runs)} norm runs; device {device}; "
-          f"{args.threads} thread(s); {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds; "
-          f"torch {torch.__version__}; load average {load:.1f}", flush=True)
+    print(
+        f"GPT hidden {cfg.hidden_size}, {cfg.num_layers} layers, vocab {cfg.vocab_size}: {sum(sizes) / 1e6:.1f}M "
+        f"parameters, {len(runs)} Adam runs, {len(norm_runs)} norm runs; device {device}; "
+        f"{args.threads} thread(s); {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds; "
+        f"torch {torch.__version__}; load average {load:.1f}",
+        flush=True,
+    )
     result = measure(args, device, sizes, decays)
     table = summarize(result["rounds"])
     report(table, result["agreement"], device)

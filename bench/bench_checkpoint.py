@@ -17,6 +17,7 @@ and consolidate's peak RSS (a subprocess of tools/convert_checkpoint.py) against
 
     python bench/bench_checkpoint.py            # ~1 min on 2 cores
 """
+
 from __future__ import annotations
 
 import os
@@ -42,10 +43,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _config(stage: int) -> TrainConfig:
-    model = GPTConfig(vocab_size=8192, hidden_size=384, num_layers=6, num_attention_heads=6,
-                      seq_length=128, hidden_dropout=0.0, attention_dropout=0.0)
-    return TrainConfig(model=model, zero=ZeroConfig(stage=stage), optimizer=OptimizerConfig(lr=1e-4),
-                       micro_batch_size=2, global_batch_size=4, train_iters=1000)
+    model = GPTConfig(
+        vocab_size=8192,
+        hidden_size=384,
+        num_layers=6,
+        num_attention_heads=6,
+        seq_length=128,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return TrainConfig(
+        model=model,
+        zero=ZeroConfig(stage=stage),
+        optimizer=OptimizerConfig(lr=1e-4),
+        micro_batch_size=2,
+        global_batch_size=4,
+        train_iters=1000,
+    )
 
 
 def _fsync_tree(path: Path) -> None:
@@ -58,12 +72,12 @@ def _fsync_tree(path: Path) -> None:
 def worker(ctx, stage: int, directory: str) -> dict:
     from megazero.checkpoint import CheckpointSaver, load_checkpoint
     from megazero.checkpoint.saver import collect_rank_state
+
     torch.manual_seed(0)
     groups = ctx.groups(Topology(world_size=2))
     cfg = _config(stage)
     state = setup(cfg, groups)
-    source = MicrobatchSource(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), 4, 2,
-                              groups.coords.dp, 2)
+    source = MicrobatchSource(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), 4, 2, groups.coords.dp, 2)
     it = iter(range(10_000))
 
     def step() -> float:
@@ -114,20 +128,32 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as directory:
                 results = pool.run(worker, stage, directory)
                 worst = {k: max(r[k] for r in results) for k in results[0] if k != "params"}
-                print(f"ZeRO-{stage}: step {worst['step_ms']:.0f} ms | sync save {worst['sync_save_ms']:.0f} ms "
-                      f"(torch.save {worst['peer_save_ms']:.0f} ms, ratio "
-                      f"{worst['sync_save_ms'] / worst['peer_save_ms']:.2f}x) | async save blocks "
-                      f"{worst['async_save_ms']:.0f} ms, steps during the write lost "
-                      f"{max(0.0, worst['async_lost_ms']):.0f} ms | {worst['bytes'] / 2**20:.1f} MiB/rank = "
-                      f"{worst['bytes'] / worst['model_state_bytes']:.2f}x model-state bytes "
-                      f"(torch.save {worst['peer_bytes'] / worst['bytes']:.2f}x ours) | load "
-                      f"{worst['load_ms']:.0f} ms (torch.load {worst['peer_load_ms']:.0f} ms)")
+                print(
+                    f"ZeRO-{stage}: step {worst['step_ms']:.0f} ms | sync save {worst['sync_save_ms']:.0f} ms "
+                    f"(torch.save {worst['peer_save_ms']:.0f} ms, ratio "
+                    f"{worst['sync_save_ms'] / worst['peer_save_ms']:.2f}x) | async save blocks "
+                    f"{worst['async_save_ms']:.0f} ms, steps during the write lost "
+                    f"{max(0.0, worst['async_lost_ms']):.0f} ms | {worst['bytes'] / 2**20:.1f} MiB/rank = "
+                    f"{worst['bytes'] / worst['model_state_bytes']:.2f}x model-state bytes "
+                    f"(torch.save {worst['peer_bytes'] / worst['bytes']:.2f}x ours) | load "
+                    f"{worst['load_ms']:.0f} ms (torch.load {worst['peer_load_ms']:.0f} ms)"
+                )
                 if stage == 1:
                     params = results[0]["params"]
-                    run = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
-                                          "consolidate", "--load", str(Path(directory) / "sync"),
-                                          "--output", str(Path(directory) / "out")],
-                                         capture_output=True, text=True, check=True)
+                    run = subprocess.run(
+                        [
+                            sys.executable,
+                            str(REPO / "tools" / "convert_checkpoint.py"),
+                            "consolidate",
+                            "--load",
+                            str(Path(directory) / "sync"),
+                            "--output",
+                            str(Path(directory) / "out"),
+                        ],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
                     print(f"consolidate ({params * 4 / 2**20:.0f} MiB of fp32 weights): {run.stdout.strip()}")
     finally:
         pool.close()

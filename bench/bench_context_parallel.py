@@ -28,6 +28,7 @@ PLAN_BOUNDS of the measured peak. On the CPU the ring's block kernel is the writ
 (parallel/ring_attention.py), which holds a (local x local) score block per head in fp32: at long
 sequences p2p's memory is that block's, not the activations' (the planner counts it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=128,
-                   help="small beside the hidden size, so that the attention's memory is what the run shows")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=128,
+        help="small beside the hidden size, so that the attention's memory is what the run shows",
+    )
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--quick", action="store_true", help="seq 2k and 4k, cp 1 and 2, one timed step")
@@ -81,13 +86,42 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_config(args, seq: int, cp: int, comm_type: str):
     """The point's TrainConfig, from pretrain_gpt.py's flags (what tools/plan_memory.py plans)."""
-    argv = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--num-attention-heads",
-            str(args.heads), "--ffn-hidden-size", str(4 * args.hidden), "--seq-length", str(seq),
-            "--max-position-embeddings", str(seq), "--position-embedding-type", "rope",
-            "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "1",
-            "--global-batch-size", "1", "--zero-stage", "1", "--lr", "1e-4", "--train-iters", "10",
-            "--context-parallel-size", str(cp), "--cp-comm-type", comm_type,
-            "--make-vocab-size-divisible-by", "8"] + (["--bf16"] if args.bf16 else [])
+    argv = [
+        "--num-layers",
+        str(args.layers),
+        "--hidden-size",
+        str(args.hidden),
+        "--num-attention-heads",
+        str(args.heads),
+        "--ffn-hidden-size",
+        str(4 * args.hidden),
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--position-embedding-type",
+        "rope",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--zero-stage",
+        "1",
+        "--lr",
+        "1e-4",
+        "--train-iters",
+        "10",
+        "--context-parallel-size",
+        str(cp),
+        "--cp-comm-type",
+        comm_type,
+        "--make-vocab-size-divisible-by",
+        "8",
+    ] + (["--bf16"] if args.bf16 else [])
     cfg = config_from_args(build_parser().parse_args(argv), world_size=cp)
     cfg.model.vocab_size = cfg.model.padded_vocab_size = args.vocab
     return cfg
@@ -99,6 +133,7 @@ def point_worker(ctx, args, seq: int, cp: int, comm_type: str):
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step
+
     groups = ctx.groups(Topology(world_size=cp, cp=cp))
     if groups is None:
         return None
@@ -110,7 +145,7 @@ def point_worker(ctx, args, seq: int, cp: int, comm_type: str):
     wall, cpu = [], []
     for it in range(1, args.steps + 1):
         t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(train_step(state, source.batch(it), 1e-4).loss)   # .loss: a host value, synced
+        losses.append(train_step(state, source.batch(it), 1e-4).loss)  # .loss: a host value, synced
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     peak = status_bytes("VmHWM") - base
@@ -120,11 +155,17 @@ def point_worker(ctx, args, seq: int, cp: int, comm_type: str):
 def measure(pool, args, seq: int, cp: int, comm_type: str) -> dict:
     ranks = [r for r in pool.run(point_worker, args, seq, cp, comm_type) if r is not None]
     plan = plan_bytes(run_config(args, seq, cp, comm_type), cp)
-    return {"seq": seq, "cp": cp, "comm": comm_type if cp > 1 else "-", "losses": ranks[0]["losses"],
-            "ms": 1000 * max(statistics.median(r["wall"]) for r in ranks),
-            "cpu_ms": 1000 * max(statistics.median(r["cpu"]) for r in ranks),
-            "measured": max(r["peak"] for r in ranks),
-            "planned": plan["activations"] + plan["comm_buffers"], "planned_activations": plan["activations"]}
+    return {
+        "seq": seq,
+        "cp": cp,
+        "comm": comm_type if cp > 1 else "-",
+        "losses": ranks[0]["losses"],
+        "ms": 1000 * max(statistics.median(r["wall"]) for r in ranks),
+        "cpu_ms": 1000 * max(statistics.median(r["cpu"]) for r in ranks),
+        "measured": max(r["peak"] for r in ranks),
+        "planned": plan["activations"] + plan["comm_buffers"],
+        "planned_activations": plan["activations"],
+    }
 
 
 def points(args) -> list[tuple[int, int, str]]:
@@ -133,7 +174,7 @@ def points(args) -> list[tuple[int, int, str]]:
     out = []
     for seq in args.seqs:
         for cp in args.cps:
-            for comm_type in (args.comm_types if cp > 1 else ["p2p"]):
+            for comm_type in args.comm_types if cp > 1 else ["p2p"]:
                 if comm_type == "a2a" and args.heads % cp:
                     continue
                 out.append((seq, cp, comm_type))
@@ -158,17 +199,21 @@ def _base(rows, seq):
     return next((r for r in rows if r["seq"] == seq and r["cp"] == 1), None)
 
 
-HEADER = ("|   seq | cp | comm      | ms/step | cpu ms | x cp1 time | measured MB | planned MB | planned/measured "
-          "| x cp1 memory |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "|   seq | cp | comm      | ms/step | cpu ms | x cp1 time | measured MB | planned MB | planned/measured "
+    "| x cp1 memory |\n|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def format_row(r: dict, base: dict | None) -> str:
     time_ratio = f"{r['ms'] / base['ms']:.2f}" if base else "-"
     memory_ratio = f"{r['measured'] / base['measured']:.2f}" if base and base["measured"] > 0 else "-"
     ratio = r["planned"] / r["measured"] if r["measured"] > 0 else math.inf
-    return (f"| {r['seq']:>5} | {r['cp']:>2} | {r['comm']:<9} | {r['ms']:7.1f} | {r['cpu_ms']:6.1f} | "
-            f"{time_ratio:>10} | {r['measured'] / 1e6:11.1f} | {r['planned'] / 1e6:10.1f} | {ratio:16.2f} | "
-            f"{memory_ratio:>12} |")
+    return (
+        f"| {r['seq']:>5} | {r['cp']:>2} | {r['comm']:<9} | {r['ms']:7.1f} | {r['cpu_ms']:6.1f} | "
+        f"{time_ratio:>10} | {r['measured'] / 1e6:11.1f} | {r['planned'] / 1e6:10.1f} | {ratio:16.2f} | "
+        f"{memory_ratio:>12} |"
+    )
 
 
 def check(rows: list[dict]) -> list[str]:
@@ -183,17 +228,23 @@ def check(rows: list[dict]) -> list[str]:
             failed.append(f"{what}: losses {r['losses']} differ from cp 1's {base['losses']}")
         ratio = r["planned"] / r["measured"] if r["measured"] > 0 else math.inf
         if r["measured"] >= MIN_CHECKED_BYTES and not PLAN_BOUNDS[0] <= ratio <= PLAN_BOUNDS[1]:
-            failed.append(f"{what}: planned {r['planned'] / 1e6:.1f} MB vs measured {r['measured'] / 1e6:.1f} MB "
-                          f"(ratio {ratio:.2f} outside {PLAN_BOUNDS})")
+            failed.append(
+                f"{what}: planned {r['planned'] / 1e6:.1f} MB vs measured {r['measured'] / 1e6:.1f} MB "
+                f"(ratio {ratio:.2f} outside {PLAN_BOUNDS})"
+            )
     return failed
 
 
 def main(argv=None) -> int:
     from megazero.testing import DistributedPool
+
     args = parse_args(argv)
-    print(f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} vocab={args.vocab} "
-          f"{'bf16' if args.bf16 else 'fp32'}, ZeRO-1, micro batch 1; {args.steps} timed steps per point; "
-          f"seqs {args.seqs}, cp {args.cps}, {args.comm_types}", flush=True)
+    print(
+        f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} vocab={args.vocab} "
+        f"{'bf16' if args.bf16 else 'fp32'}, ZeRO-1, micro batch 1; {args.steps} timed steps per point; "
+        f"seqs {args.seqs}, cp {args.cps}, {args.comm_types}",
+        flush=True,
+    )
     print(HEADER, flush=True)
     pool = DistributedPool(max(args.cps))
     try:

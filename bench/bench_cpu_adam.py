@@ -32,6 +32,7 @@ the numbers are only as quiet as the machine.
     python bench/bench_cpu_adam.py                          # 10M and 100M, 1 thread and torch's
     python bench/bench_cpu_adam.py --numel 10000000 --threads 1 --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,19 @@ def ours(init: dict, grad_key: str, with_copy: bool) -> Callable[[int], None]:
     copy = torch.empty_like(param, dtype=torch.bfloat16) if with_copy else None
 
     def step_fn(step: int) -> None:
-        adam_update(param, grad, exp_avg, exp_avg_sq, step=step, lr=CONFIG.lr, config=CONFIG,
-                    weight_decay=CONFIG.weight_decay, grad_scale=GRAD_SCALE, param_copy=copy)
+        adam_update(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step,
+            lr=CONFIG.lr,
+            config=CONFIG,
+            weight_decay=CONFIG.weight_decay,
+            grad_scale=GRAD_SCALE,
+            param_copy=copy,
+        )
+
     return step_fn
 
 
@@ -83,8 +95,14 @@ def torch_adamw(init: dict, impl: str, bf16_grad: bool = False, with_copy: bool 
     element, free next to the memory traffic.)"""
     master = torch.nn.Parameter(init["param"].clone())
     master.grad = init["grad32"].clone()
-    optim = torch.optim.AdamW([master], lr=CONFIG.lr, betas=(CONFIG.beta1, CONFIG.beta2),
-                              eps=CONFIG.eps, weight_decay=CONFIG.weight_decay, **{impl: True})
+    optim = torch.optim.AdamW(
+        [master],
+        lr=CONFIG.lr,
+        betas=(CONFIG.beta1, CONFIG.beta2),
+        eps=CONFIG.eps,
+        weight_decay=CONFIG.weight_decay,
+        **{impl: True},
+    )
     param16 = torch.empty_like(master, dtype=torch.bfloat16) if with_copy else None
     grad16 = init["grad16"]
 
@@ -94,6 +112,7 @@ def torch_adamw(init: dict, impl: str, bf16_grad: bool = False, with_copy: bool 
         optim.step()
         if with_copy:
             param16.copy_(master.detach())
+
     return step_fn
 
 
@@ -104,15 +123,17 @@ def plain_copy(init: dict) -> Callable[[int], None]:
 
 def sides() -> dict:
     """(step kind, side name) -> factory(init)."""
-    return {("fp32 step", "ours"): lambda i: ours(i, "grad32", False),
-         ("fp32 step", "fused"): lambda i: torch_adamw(i, "fused"),
-         ("fp32 step", "foreach"): lambda i: torch_adamw(i, "foreach"),
-         ("mixed step, bf16 grad", "ours"): lambda i: ours(i, "grad16", True),
-         ("mixed step, bf16 grad", "fused"): lambda i: torch_adamw(i, "fused", True, True),
-         ("mixed step, bf16 grad", "foreach"): lambda i: torch_adamw(i, "foreach", True, True),
-         ("mixed step, fp32 grad", "ours"): lambda i: ours(i, "grad32", True),
-         ("mixed step, fp32 grad", "fused"): lambda i: torch_adamw(i, "fused", False, True),
-         ("copy", "plain fp32 copy_"): plain_copy}
+    return {
+        ("fp32 step", "ours"): lambda i: ours(i, "grad32", False),
+        ("fp32 step", "fused"): lambda i: torch_adamw(i, "fused"),
+        ("fp32 step", "foreach"): lambda i: torch_adamw(i, "foreach"),
+        ("mixed step, bf16 grad", "ours"): lambda i: ours(i, "grad16", True),
+        ("mixed step, bf16 grad", "fused"): lambda i: torch_adamw(i, "fused", True, True),
+        ("mixed step, bf16 grad", "foreach"): lambda i: torch_adamw(i, "foreach", True, True),
+        ("mixed step, fp32 grad", "ours"): lambda i: ours(i, "grad32", True),
+        ("mixed step, fp32 grad", "fused"): lambda i: torch_adamw(i, "fused", False, True),
+        ("copy", "plain fp32 copy_"): plain_copy,
+    }
 
 
 def measure(numel: int, threads: int, args) -> dict:
@@ -132,10 +153,11 @@ def report(numel: int, threads: int, rounds: dict) -> None:
     best = {key: 1e3 * min(wall for wall, _ in r) for key, r in rounds.items()}
     cpu = {key: 1e3 * statistics.median(c for _, c in r) for key, r in rounds.items()}
     copy_ms = ms[("copy", "plain fp32 copy_")]
-    print(f"\n## {numel:,} elements, {threads} thread(s); plain fp32 copy_: {copy_ms:.2f} ms = "
-          f"{8 * numel / copy_ms / 1e6:.1f} GB/s")
-    print("| step | side | ms/step | fastest round | cpu ms | Gparams/s | GB/s | x ours "
-          "| x ours (cpu) |")
+    print(
+        f"\n## {numel:,} elements, {threads} thread(s); plain fp32 copy_: {copy_ms:.2f} ms = "
+        f"{8 * numel / copy_ms / 1e6:.1f} GB/s"
+    )
+    print("| step | side | ms/step | fastest round | cpu ms | Gparams/s | GB/s | x ours | x ours (cpu) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for kind, nbytes in BYTES.items():
         mine = (ms[(kind, "ours")], cpu[(kind, "ours")])
@@ -147,17 +169,20 @@ def report(numel: int, threads: int, rounds: dict) -> None:
             ratios = ("", "")
             if side != "ours":
                 ratios = (f"{value / mine[0]:.2f}", f"{cpu[key] / mine[1]:.2f}")
-            print(f"| {kind} | {side} | {value:.2f} | {best[key]:.2f} | {cpu[key]:.2f} | "
-                  f"{numel / value / 1e6:.2f} | {gbs} | {ratios[0]} | {ratios[1]} |")
+            print(
+                f"| {kind} | {side} | {value:.2f} | {best[key]:.2f} | {cpu[key]:.2f} | "
+                f"{numel / value / 1e6:.2f} | {gbs} | {ratios[0]} | {ratios[1]} |"
+            )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--numel", type=int, nargs="+", default=[10_000_000, 100_000_000],
-                   help="partition sizes (elements)")
-    p.add_argument("--threads", type=int, nargs="+", default=None,
-                   help="intra-op thread counts (default: 1 and torch's default)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--numel", type=int, nargs="+", default=[10_000_000, 100_000_000], help="partition sizes (elements)")
+    p.add_argument(
+        "--threads", type=int, nargs="+", default=None, help="intra-op thread counts (default: 1 and torch's default)"
+    )
     p.add_argument("--rounds", type=int, default=3, help="passes over all sides")
     p.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per side and round")
@@ -169,8 +194,10 @@ def main(argv=None) -> None:
     default_threads = torch.get_num_threads()
     threads = args.threads or sorted({1, default_threads})
     info = kernel_info()
-    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), kernel {info}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), kernel {info}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
     if not info["enabled"]:
         raise SystemExit("the C++ kernel is not available (not built, or MEGAZERO_DISABLE_CPP_ADAM=1)")
     for numel in args.numel:

@@ -28,6 +28,7 @@ per-document path (and, with --flex, torch's flex_attention with a document bloc
 Checks (exit 1 if one fails): losses finite; masked / unmasked within MEMORY_RATIO for the measured
 peak and both dry runs, and within TIME_RATIO for the step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,12 +70,41 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def flags(args, seq: int, masked: bool) -> list[str]:
     """pretrain_gpt.py's flags of one side (the dry run and the planner read the same)."""
-    argv = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--num-attention-heads",
-            str(args.heads), "--ffn-hidden-size", str(4 * args.hidden), "--seq-length", str(seq),
-            "--max-position-embeddings", str(seq), "--position-embedding-type", "rope",
-            "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "1",
-            "--global-batch-size", "1", "--zero-stage", "1", "--lr", "1e-4", "--train-iters", "2",
-            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab)]
+    argv = [
+        "--num-layers",
+        str(args.layers),
+        "--hidden-size",
+        str(args.hidden),
+        "--num-attention-heads",
+        str(args.heads),
+        "--ffn-hidden-size",
+        str(4 * args.hidden),
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--position-embedding-type",
+        "rope",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--zero-stage",
+        "1",
+        "--lr",
+        "1e-4",
+        "--train-iters",
+        "2",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(args.vocab),
+    ]
     return argv + (DOCUMENT_FLAGS if masked else [])
 
 
@@ -87,6 +117,7 @@ def step_worker(ctx, args, seq: int, masked: bool):
     from megazero.data.sampler import MicrobatchSource
     from megazero.data.synthetic import DocumentTokens
     from megazero.training import setup, train_step
+
     groups = ctx.groups(Topology(world_size=1))
     cfg = config(args, seq, masked)
     eod = cfg.model.vocab_size - 1
@@ -94,19 +125,18 @@ def step_worker(ctx, args, seq: int, masked: bool):
     data = DocumentTokens(cfg.model.vocab_size, seq, eod, seed=3, max_document=args.max_document)
     source = MicrobatchSource(data, 1, 1, 0, 1)
     losses, wall = [train_step(state, source.batch(0), 1e-4).loss], []
-    base = fresh_high_water_mark()       # after the warm-up step: its one-time costs (the first side's) left out
+    base = fresh_high_water_mark()  # after the warm-up step: its one-time costs (the first side's) left out
     for it in range(1, args.steps + 1):
         start = time.perf_counter()
         losses.append(train_step(state, source.batch(it), 1e-4).loss)
         wall.append(time.perf_counter() - start)
-    return {"losses": losses, "ms": 1000 * statistics.median(wall or [0.0]),
-            "measured": status_bytes("VmHWM") - base}
+    return {"losses": losses, "ms": 1000 * statistics.median(wall or [0.0]), "measured": status_bytes("VmHWM") - base}
 
 
 def dry_run_peak(args, seq: int, masked: bool, device_kind: str) -> float:
     from megazero.dry_run.job import simulate
-    run = simulate(flags(args, seq, masked), 1, processes=1, stream_check=False, device_kind=device_kind,
-                   save=False)[0]
+
+    run = simulate(flags(args, seq, masked), 1, processes=1, stream_check=False, device_kind=device_kind, save=False)[0]
     if run.error:
         raise RuntimeError(f"dry run ({device_kind}, seq {seq}): {run.error}")
     return float(run.memory["peak"])
@@ -118,9 +148,11 @@ def attention_alone(args, seq: int, flex: bool) -> dict:
     from megazero.data.synthetic import DocumentTokens
     from megazero.models.attention import varlen_attention
     from megazero.models.documents import DocumentMasking, pack_documents
+
     heads, d = args.heads, args.hidden // args.heads
-    tokens = torch.as_tensor(DocumentTokens(args.vocab, seq, args.vocab - 1, seed=3,
-                                            max_document=args.max_document)[0]["tokens"])
+    tokens = torch.as_tensor(
+        DocumentTokens(args.vocab, seq, args.vocab - 1, seed=3, max_document=args.max_document)[0]["tokens"]
+    )
     documents, _ = pack_documents(tokens[None, :-1], DocumentMasking(args.vocab - 1, True, True, True))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, seq, heads, d, generator=gen) for _ in range(3))
@@ -135,28 +167,43 @@ def attention_alone(args, seq: int, flex: bool) -> dict:
             result.sum().backward()
         out[name] = (1000 * (time.perf_counter() - start), (status_bytes("VmHWM") - base) / 1e6)
 
-    timed("torch SDPA causal", lambda q, k, v: F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True))
+    timed(
+        "torch SDPA causal",
+        lambda q, k, v: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        ),
+    )
     timed("per document", lambda q, k, v: varlen_attention(q, k, v, documents))
     if flex:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
         ids = documents.doc_ids
 
         def same_document(b, h, i, j):
             return (ids[b, i] == ids[b, j]) & (j <= i)
+
         mask = create_block_mask(same_document, 1, None, seq, seq, device="cpu")
-        timed("torch flex_attention (eager, forward)", lambda q, k, v: flex_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask), backward=False)
+        timed(
+            "torch flex_attention (eager, forward)",
+            lambda q, k, v: flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask),
+            backward=False,
+        )
     return out
 
 
 def main(argv=None) -> int:
     from megazero.testing import DistributedPool
+
     args = parse_args(argv)
-    print(f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} vocab={args.vocab} fp32, RoPE, "
-          f"ZeRO-1, micro batch 1; documents of 1 to {args.max_document} tokens; {args.steps} timed step(s)")
-    print("| seq | side | ms/step | measured MB | dry run cpu MB | dry run cuda MB | planned MB |\n"
-          "|---|---|---|---|---|---|---|", flush=True)
+    print(
+        f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} vocab={args.vocab} fp32, RoPE, "
+        f"ZeRO-1, micro batch 1; documents of 1 to {args.max_document} tokens; {args.steps} timed step(s)"
+    )
+    print(
+        "| seq | side | ms/step | measured MB | dry run cpu MB | dry run cuda MB | planned MB |\n"
+        "|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     pool, failed, rows = DistributedPool(1), [], {}
     try:
         for seq in args.seqs:
@@ -166,16 +213,21 @@ def main(argv=None) -> int:
                 plan = plan_bytes(config(args, seq, masked), 1)
                 row["planned"] = plan["activations"] + plan["comm_buffers"]
                 rows[seq, masked] = row
-                print(f"| {seq} | {'masked' if masked else 'unmasked'} | {row['ms']:.0f} | "
-                      f"{row['measured'] / 1e6:.1f} | {row['cpu'] / 1e6:.1f} | {row['cuda'] / 1e6:.1f} | "
-                      f"{row['planned'] / 1e6:.1f} |", flush=True)
+                print(
+                    f"| {seq} | {'masked' if masked else 'unmasked'} | {row['ms']:.0f} | "
+                    f"{row['measured'] / 1e6:.1f} | {row['cpu'] / 1e6:.1f} | {row['cuda'] / 1e6:.1f} | "
+                    f"{row['planned'] / 1e6:.1f} |",
+                    flush=True,
+                )
     finally:
         pool.close()
     for seq in args.seqs:
         plain, masked = rows[seq, False], rows[seq, True]
         ratios = {key: masked[key] / plain[key] for key in ("ms", "measured", "cpu", "cuda", "planned")}
-        print(f"seq {seq}: masked / unmasked: time {ratios['ms']:.2f}, measured memory {ratios['measured']:.3f}, "
-              f"dry run cpu {ratios['cpu']:.3f}, dry run cuda {ratios['cuda']:.3f}, planned {ratios['planned']:.3f}")
+        print(
+            f"seq {seq}: masked / unmasked: time {ratios['ms']:.2f}, measured memory {ratios['measured']:.3f}, "
+            f"dry run cpu {ratios['cpu']:.3f}, dry run cuda {ratios['cuda']:.3f}, planned {ratios['planned']:.3f}"
+        )
         for key in ("measured", "cpu", "cuda"):
             if ratios[key] > MEMORY_RATIO:
                 failed.append(f"seq {seq}: {key} memory ratio {ratios[key]:.3f} > {MEMORY_RATIO}")
@@ -187,8 +239,10 @@ def main(argv=None) -> int:
         kernels = {name: value for name, value in alone.items() if name != "documents"}
         line = ", ".join(f"{name} {ms:.0f} ms {mb:.1f} MB" for name, (ms, mb) in kernels.items())
         sdpa, ours = alone["torch SDPA causal"], alone["per document"]
-        print(f"seq {seq}: attention alone ({alone['documents']} documents): {line}; per document / torch SDPA: "
-              f"time {ours[0] / sdpa[0]:.2f}, memory {ours[1] / max(sdpa[1], 1e-9):.2f}")
+        print(
+            f"seq {seq}: attention alone ({alone['documents']} documents): {line}; per document / torch SDPA: "
+            f"time {ours[0] / sdpa[0]:.2f}, memory {ours[1] / max(sdpa[1], 1e-9):.2f}"
+        )
     print(f"process max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     for line in failed:
         print(f"FAIL {line}")

@@ -38,6 +38,7 @@ bench/gpu_check.py's step format.
     python bench/bench_gpu_step.py                         # on a GPU: ~1.3B, both sides, ~2 min
     python bench/bench_gpu_step.py --tiny --device cpu     # the same code path on CPU, seconds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,13 +65,13 @@ from megazero.training import setup, train_step
 from megazero.ops.adam_config import AdamConfig
 from megazero.zero.config import ZeroConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))    # the sibling modules, also when imported by path
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when imported by path
 from peer_models import initial_hf_state  # noqa: E402
 from plain_gpt import PlainGPT, supports  # noqa: E402
 
-LOSS_RTOL = 0.03          # ours vs peer, every step
-MEMORY_RTOL = 0.10        # ours' measured peak vs the plan
-MFU_GOAL = 0.50           # the goals, noted beside the figures (not checked)
+LOSS_RTOL = 0.03  # ours vs peer, every step
+MEMORY_RTOL = 0.10  # ours' measured peak vs the plan
+MFU_GOAL = 0.50  # the goals, noted beside the figures (not checked)
 TIME_GOAL = 1 / 0.95
 
 
@@ -89,18 +90,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1])
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                   help="Megatron's --recompute-granularity on both sides (full: uniform, one layer a group)")
+    p.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="Megatron's --recompute-granularity on both sides (full: uniform, one layer a group)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="dense bf16 peak of the device (default: megazero.training.flops' table, else 989)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense bf16 peak of the device (default: megazero.training.flops' table, else 989)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,peer")
     p.add_argument("--json", default=None, help="write the figures here (bench/gpu_check.py's step format)")
     p.add_argument("--lr", type=float, default=None, help="constant learning rate (default 1e-4; --tiny 1e-2)")
-    p.add_argument("--fp32", action="store_true",
-                   help="both sides in fp32 (no bf16 weights, no autocast): their losses then agree to 1e-5")
+    p.add_argument(
+        "--fp32",
+        action="store_true",
+        help="both sides in fp32 (no bf16 weights, no autocast): their losses then agree to 1e-5",
+    )
     p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, seq 64, vocab 512: a path check")
     args = p.parse_args(argv)
     if args.tiny:
@@ -114,19 +126,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_config(args) -> GPTConfig:
     full = args.recompute == "full"
-    return GPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                     num_attention_heads=args.heads, seq_length=args.seq, hidden_dropout=0.0,
-                     attention_dropout=0.0, recompute_granularity=args.recompute,
-                     recompute_method="uniform" if full else None, recompute_num_layers=1 if full else 0)
+    return GPTConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute_granularity=args.recompute,
+        recompute_method="uniform" if full else None,
+        recompute_num_layers=1 if full else 0,
+    )
 
 
 def train_config(args, cfg: GPTConfig) -> TrainConfig:
     """Ours' run, as pretrain_gpt.py would configure it (and tools/plan_memory.py plans it)."""
-    return TrainConfig(model=cfg, zero=ZeroConfig(stage=args.zero_stage),
-                       optimizer=OptimizerConfig(lr=args.lr, adam=adam_config(args.lr), clip_grad=1.0),
-                       precision=PrecisionConfig(bf16=not args.fp32), micro_batch_size=args.micro_batch,
-                       global_batch_size=args.micro_batch * args.microbatches, seed=1234,
-                       parallel=ParallelConfig(distributed_backend="nccl" if args.device != "cpu" else "gloo"))
+    return TrainConfig(
+        model=cfg,
+        zero=ZeroConfig(stage=args.zero_stage),
+        optimizer=OptimizerConfig(lr=args.lr, adam=adam_config(args.lr), clip_grad=1.0),
+        precision=PrecisionConfig(bf16=not args.fp32),
+        micro_batch_size=args.micro_batch,
+        global_batch_size=args.micro_batch * args.microbatches,
+        seed=1234,
+        parallel=ParallelConfig(distributed_backend="nccl" if args.device != "cpu" else "gloo"),
+    )
 
 
 def step_batches(args, cfg: GPTConfig) -> list[list[torch.Tensor]]:
@@ -140,6 +165,7 @@ def flash_attention(device: torch.device):
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
@@ -175,12 +201,16 @@ def peer_step(args, cfg: GPTConfig, device: torch.device):
     """(step(i) -> loss, parameter count) of the peer's training loop."""
     model = peer_model(cfg, device)
     params = list(model.parameters())
-    decay = [p for p in params if p.ndim >= 2]           # as ours: no decay on biases and norms
+    decay = [p for p in params if p.ndim >= 2]  # as ours: no decay on biases and norms
     rest = [p for p in params if p.ndim < 2]
     adam = adam_config(args.lr)
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": adam.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, fused=True)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": adam.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+        fused=True,
+    )
     batches = step_batches(args, cfg)
     normalizer = args.micro_batch * args.microbatches * cfg.seq_length
 
@@ -227,8 +257,13 @@ def figure(value, ok: bool, bound: str, note: str = "") -> dict:
     return {"value": value, "ok": bool(ok), "bound": bound, "note": note}
 
 
-def compare(results: dict, tflops_per_step: float, peak: float, planned_gib: float | None,
-            hardware_flops_per_step: float | None = None) -> dict:
+def compare(
+    results: dict,
+    tflops_per_step: float,
+    peak: float,
+    planned_gib: float | None,
+    hardware_flops_per_step: float | None = None,
+) -> dict:
     """The bench's figures (name -> value, ok, bound) from each side's losses, step time and peak
     memory; a side missing (it failed) fails its figures. MFU counts the model's FLOPs
     (`tflops_per_step`), HFU also what recomputation adds (`hardware_flops_per_step`, the same
@@ -244,15 +279,15 @@ def compare(results: dict, tflops_per_step: float, peak: float, planned_gib: flo
         finite = all(math.isfinite(x) for x in losses)
         timed = math.isfinite(ms) and ms > 0
         out[f"{side}_losses_finite"] = figure(finite, finite, "every loss finite")
-        out[f"{side}_loss_falls"] = figure([losses[0], losses[-1]], finite and losses[-1] < losses[0],
-                                           "last loss < first (learnable data)")
+        out[f"{side}_loss_falls"] = figure(
+            [losses[0], losses[-1]], finite and losses[-1] < losses[0], "last loss < first (learnable data)"
+        )
         tflops = tflops_per_step / (ms / 1000) / 1e12
         out[f"{side}_tokens_per_s"] = figure(r["tokens"] / (ms / 1000), timed, "> 0, reported")
         mfu = tflops / peak
         goal = f"goal >= {MFU_GOAL}: {'met' if mfu >= MFU_GOAL else 'not met'}" if side == "ours" else ""
         out[f"{side}_mfu"] = figure(mfu, timed, f"> 0, reported (peak {peak:g} TFLOP/s, model FLOPs)", goal)
-        out[f"{side}_hfu"] = figure(mfu * hardware / tflops_per_step, timed,
-                                    "> 0, reported (model + recomputed FLOPs)")
+        out[f"{side}_hfu"] = figure(mfu * hardware / tflops_per_step, timed, "> 0, reported (model + recomputed FLOPs)")
     ours, peer = results.get("ours"), results.get("peer")
     if ours is not None and peer is not None:
         gaps = [abs(a - b) / abs(b) for a, b in zip(ours["losses"], peer["losses"])]
@@ -260,13 +295,19 @@ def compare(results: dict, tflops_per_step: float, peak: float, planned_gib: flo
         out["loss_gap_ours_vs_peer"] = figure(worst, worst <= LOSS_RTOL, f"<= {LOSS_RTOL} relative, every step")
         ratio = ours["ms"] / peer["ms"]
         out["time_ratio_ours_over_peer"] = figure(
-            ratio, math.isfinite(ratio), "reported",
-            f"goal <= {TIME_GOAL:.3f} (0.95x the peer's throughput): {'met' if ratio <= TIME_GOAL else 'not met'}")
+            ratio,
+            math.isfinite(ratio),
+            "reported",
+            f"goal <= {TIME_GOAL:.3f} (0.95x the peer's throughput): {'met' if ratio <= TIME_GOAL else 'not met'}",
+        )
     if ours is not None and ours.get("peak_gib") is not None and planned_gib:
         ratio = ours["peak_gib"] / planned_gib
         out["memory_measured_over_plan"] = figure(
-            ratio, abs(ratio - 1) <= MEMORY_RTOL, f"within {MEMORY_RTOL:.0%} of tools/plan_memory.py",
-            f"measured {ours['peak_gib']:.2f} GiB, planned {planned_gib:.2f} GiB")
+            ratio,
+            abs(ratio - 1) <= MEMORY_RTOL,
+            f"within {MEMORY_RTOL:.0%} of tools/plan_memory.py",
+            f"measured {ours['peak_gib']:.2f} GiB, planned {planned_gib:.2f} GiB",
+        )
     return out
 
 
@@ -281,9 +322,11 @@ def report(args, results: dict, tflops_per_step: float, peak: float, hardware_fl
         tflops = tflops_per_step / (r["ms"] / 1000) / 1e12
         ratio = f"{r['ms'] / peer['ms']:.3f}" if peer and side != "peer" else ""
         memory = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        print(f"| {side} | {r['ms']:.1f} | {r['tokens'] / (r['ms'] / 1000):,.0f} | {tflops:.1f} | "
-              f"{tflops / peak:.3f} | {tflops / peak * hardware_flops_per_step / tflops_per_step:.3f} | "
-              f"{memory} | {ratio} |")
+        print(
+            f"| {side} | {r['ms']:.1f} | {r['tokens'] / (r['ms'] / 1000):,.0f} | {tflops:.1f} | "
+            f"{tflops / peak:.3f} | {tflops / peak * hardware_flops_per_step / tflops_per_step:.3f} | "
+            f"{memory} | {ratio} |"
+        )
     for side, r in results.items():
         if r is not None:
             print(f"{side} losses: " + " ".join(f"{x:.6f}" for x in r["losses"]))
@@ -301,12 +344,14 @@ def main(argv=None) -> int:
     hardware_per_step = tflops_per_step + recompute_flops(cfg, tokens, [cfg.num_layers])
     plan = train_config(args, cfg)
     planned_gib = device_bytes(plan_bytes(plan, 1)) / 2**30
-    print(f"GPT layers={cfg.num_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads} "
-          f"seq={cfg.seq_length} vocab={cfg.vocab_size}; {tokens} tokens/step; device={device} "
-          f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}); "
-          f"ours ZeRO stage {args.zero_stage}; peak {peak:g} TFLOP/s; "
-          f"{tflops_per_step / 1e12:.1f} TFLOP/step; planned device memory (ours) {planned_gib:.2f} GiB",
-          flush=True)
+    print(
+        f"GPT layers={cfg.num_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads} "
+        f"seq={cfg.seq_length} vocab={cfg.vocab_size}; {tokens} tokens/step; device={device} "
+        f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}); "
+        f"ours ZeRO stage {args.zero_stage}; peak {peak:g} TFLOP/s; "
+        f"{tflops_per_step / 1e12:.1f} TFLOP/step; planned device memory (ours) {planned_gib:.2f} GiB",
+        flush=True,
+    )
     results = {side: measure(side, args, cfg, device) for side in args.sides.split(",")}
     for r in results.values():
         if r is not None:
@@ -315,8 +360,7 @@ def main(argv=None) -> int:
     if first is not None:
         print(f"parameters: {first['params'] / 1e6:,.1f}M")
     report(args, results, tflops_per_step, peak, hardware_per_step)
-    figures = compare(results, tflops_per_step, peak, planned_gib if device.type == "cuda" else None,
-                      hardware_per_step)
+    figures = compare(results, tflops_per_step, peak, planned_gib if device.type == "cuda" else None, hardware_per_step)
     for name, f in figures.items():
         print(f"{'ok  ' if f['ok'] else 'FAIL'} {name} = {f['value']} ({f['bound']}) {f['note']}".rstrip())
     if args.json:

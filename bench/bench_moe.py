@@ -12,6 +12,7 @@ them), each routing its own tokens through ParallelMoELayer (parallel/moe.py); t
 all-gather dispatchers give the same outputs (checked) and the comm log's bytes on the ep group per
 step are printed beside the time. ms are medians of the timed repetitions after a warm-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,10 +47,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(args, **extra) -> GPTConfig:
-    return GPTConfig(vocab_size=64, hidden_size=args.hidden, num_layers=1, num_attention_heads=4,
-                     seq_length=args.tokens, num_experts=args.experts, moe_router_topk=args.topk,
-                     moe_ffn_hidden_size=args.ffn, ffn_hidden_size=args.topk * args.ffn, activation="swiglu",
-                     add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, **extra)
+    return GPTConfig(
+        vocab_size=64,
+        hidden_size=args.hidden,
+        num_layers=1,
+        num_attention_heads=4,
+        seq_length=args.tokens,
+        num_experts=args.experts,
+        moe_router_topk=args.topk,
+        moe_ffn_hidden_size=args.ffn,
+        ffn_hidden_size=args.topk * args.ffn,
+        activation="swiglu",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **extra,
+    )
 
 
 def init(module, cfg: GPTConfig, prefix: str) -> None:
@@ -58,7 +71,7 @@ def init(module, cfg: GPTConfig, prefix: str) -> None:
 
 
 def timed(fn, repeats: int) -> float:
-    fn()                                    # warm-up
+    fn()  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -71,6 +84,7 @@ def step(module, x):
     def run():
         module.zero_grad(set_to_none=True)
         module(x).square().mean().backward()
+
     return run
 
 
@@ -98,8 +112,9 @@ def _ep_worker(ctx, args, ep: int):
         cfg = config(args)
         with torch.device("meta"):
             moe = MoELayer(cfg)
-        layer = parallelize_moe(moe, tp=groups.tp, ep=groups.ep, cp=groups.cp, sequence_parallel=False,
-                                dispatcher=dispatcher)
+        layer = parallelize_moe(
+            moe, tp=groups.tp, ep=groups.ep, cp=groups.cp, sequence_parallel=False, dispatcher=dispatcher
+        )
         layer.to_empty(device="cpu")
         for name, p in layer.named_parameters():
             full = initial_value(cfg, "layers.0.mlp." + name, _full_shape(p), 0)
@@ -126,39 +141,45 @@ def _full_shape(p):
 def expert_parallel(args, pool_for) -> dict:
     out = {}
     for ep in [int(e) for e in args.eps.split(",") if e]:
-        import bench_moe        # by module name: the pool's workers import it (bench/ is on sys.path)
+        import bench_moe  # by module name: the pool's workers import it (bench/ is on sys.path)
+
         results = pool_for(ep).run(bench_moe._ep_worker, args, ep)
         for r in results:
             torch.testing.assert_close(r["alltoall"][2], r["allgather"][2], rtol=1e-5, atol=1e-6)
-        out[ep] = {d: (max(r[d][0] for r in results), max(r[d][1] for r in results))
-                   for d in ("alltoall", "allgather")}
+        out[ep] = {d: (max(r[d][0] for r in results), max(r[d][1] for r in results)) for d in ("alltoall", "allgather")}
     return out
 
 
 def report(args, single: dict, ep: dict) -> list[str]:
-    lines = [f"tokens {args.tokens}, hidden {args.hidden}, {args.experts} experts of {args.ffn}, "
-             f"top-{args.topk} (dense MLP of {args.topk * args.ffn}: the same active parameters)",
-             f"  dense MLP          {single['dense']:8.1f} ms",
-             f"  MoE, loop          {single['loop']:8.1f} ms   x dense {single['loop'] / single['dense']:.2f}",
-             f"  MoE, grouped GEMM  {single['grouped']:8.1f} ms   x dense {single['grouped'] / single['dense']:.2f}"
-             f"   x loop {single['grouped'] / single['loop']:.2f}"]
+    lines = [
+        f"tokens {args.tokens}, hidden {args.hidden}, {args.experts} experts of {args.ffn}, "
+        f"top-{args.topk} (dense MLP of {args.topk * args.ffn}: the same active parameters)",
+        f"  dense MLP          {single['dense']:8.1f} ms",
+        f"  MoE, loop          {single['loop']:8.1f} ms   x dense {single['loop'] / single['dense']:.2f}",
+        f"  MoE, grouped GEMM  {single['grouped']:8.1f} ms   x dense {single['grouped'] / single['dense']:.2f}"
+        f"   x loop {single['grouped'] / single['loop']:.2f}",
+    ]
     for size, by in ep.items():
         a2a, ag = by["alltoall"], by["allgather"]
-        lines.append(f"  ep {size}: alltoall {a2a[0]:8.1f} ms, {a2a[1] / 1e6:.2f} MB on ep | allgather "
-                     f"{ag[0]:8.1f} ms, {ag[1] / 1e6:.2f} MB | allgather / alltoall: time {ag[0] / a2a[0]:.2f}, "
-                     f"bytes {ag[1] / max(a2a[1], 1):.2f}")
+        lines.append(
+            f"  ep {size}: alltoall {a2a[0]:8.1f} ms, {a2a[1] / 1e6:.2f} MB on ep | allgather "
+            f"{ag[0]:8.1f} ms, {ag[1] / 1e6:.2f} MB | allgather / alltoall: time {ag[0] / a2a[0]:.2f}, "
+            f"bytes {ag[1] / max(a2a[1], 1):.2f}"
+        )
     return lines
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     from megazero.testing import DistributedPool
+
     pools = {}
 
     def pool_for(n):
         if n not in pools:
             pools[n] = DistributedPool(n)
         return pools[n]
+
     try:
         print("\n".join(report(args, one_process(args), expert_parallel(args, pool_for))))
     finally:

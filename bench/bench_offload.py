@@ -33,6 +33,7 @@ offload / ZenFlow (above 1: the CPU Adam is off the critical path).
 
     python bench/bench_offload.py --zenflow --steps 200 --hidden 64 --layers 2 --threads 1   # ~20 min, 2 loaded cores
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,16 +61,32 @@ def bench_worker(ctx, args, block):
     from megazero.training import setup, train_step
     from megazero.ops.adam_config import AdamConfig
     from megazero.zero.config import ZeroConfig
+
     torch.set_num_threads(args.threads)
     zero = {"stage": 1, "sub_group_size": args.sub_group_size}
     if block is not None:
         zero["offload_optimizer"] = {**block, "nvme_path": args.nvme_path, "buffer_count": 4}
-    model = GPTConfig(vocab_size=1024, padded_vocab_size=1024, hidden_size=args.hidden,
-                      num_layers=args.layers, num_attention_heads=8, ffn_hidden_size=4 * args.hidden,
-                      seq_length=64, hidden_dropout=0.0, attention_dropout=0.0)
-    cfg = TrainConfig(model=model, zero=ZeroConfig(**zero), micro_batch_size=2, global_batch_size=2,
-                      optimizer=OptimizerConfig(lr=1e-4, adam=AdamConfig(lr=1e-4, weight_decay=0.1)),
-                      train_iters=args.steps, seed=1, parallel=ParallelConfig())
+    model = GPTConfig(
+        vocab_size=1024,
+        padded_vocab_size=1024,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=8,
+        ffn_hidden_size=4 * args.hidden,
+        seq_length=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    cfg = TrainConfig(
+        model=model,
+        zero=ZeroConfig(**zero),
+        micro_batch_size=2,
+        global_batch_size=2,
+        optimizer=OptimizerConfig(lr=1e-4, adam=AdamConfig(lr=1e-4, weight_decay=0.1)),
+        train_iters=args.steps,
+        seed=1,
+        parallel=ParallelConfig(),
+    )
     groups = ctx.groups(Topology(world_size=1, tp=1, pp=1))
     state = setup(cfg, groups)
     source = MicrobatchSource(ArithmeticTokens(1024, 64, seed=3), 2, 2, 0, 1)
@@ -80,17 +97,20 @@ def bench_worker(ctx, args, block):
         out = step(lr)
         times.append(1000 * (time.perf_counter() - start))
         return out
+
     state.engine.step = timed_step
     for it in range(args.steps):
         losses.append(train_step(state, source.batch(it), 1e-4).loss)
-    return times[args.warmup:], losses
+    return times[args.warmup :], losses
 
 
 ZENFLOW_SIDES = {
     "device Adam": {},
     "cpu offload": {"offload_optimizer": {"device": "cpu"}},
-    "zenflow": {"offload_optimizer": {"device": "cpu"},
-                "zenflow": {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True}},
+    "zenflow": {
+        "offload_optimizer": {"device": "cpu"},
+        "zenflow": {"topk_ratio": 0.05, "update_interval": 4, "overlap_step": True},
+    },
 }
 
 
@@ -106,18 +126,35 @@ def zenflow_worker(ctx, args, extra, data_prefix):
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step
     from megazero.zero.config import ZeroConfig
+
     torch.set_num_threads(args.threads)
     seq, batch = 64, 8
-    model = GPTConfig(vocab_size=8192, padded_vocab_size=8192, hidden_size=args.hidden,
-                      num_layers=args.layers, num_attention_heads=4, ffn_hidden_size=4 * args.hidden,
-                      seq_length=seq, hidden_dropout=0.0, attention_dropout=0.0)
-    cfg = TrainConfig(model=model, zero=ZeroConfig(stage=2, **extra), micro_batch_size=batch,
-                      global_batch_size=batch, train_iters=args.steps, seed=1, parallel=ParallelConfig(),
-                      optimizer=OptimizerConfig(lr=args.lr, adam=AdamConfig(lr=args.lr, weight_decay=0.01)))
+    model = GPTConfig(
+        vocab_size=8192,
+        padded_vocab_size=8192,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=4,
+        ffn_hidden_size=4 * args.hidden,
+        seq_length=seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    cfg = TrainConfig(
+        model=model,
+        zero=ZeroConfig(stage=2, **extra),
+        micro_batch_size=batch,
+        global_batch_size=batch,
+        train_iters=args.steps,
+        seed=1,
+        parallel=ParallelConfig(),
+        optimizer=OptimizerConfig(lr=args.lr, adam=AdamConfig(lr=args.lr, weight_decay=0.01)),
+    )
     cfg.wall_clock_breakdown = True
     state = setup(cfg, ctx.groups(Topology(world_size=1, tp=1, pp=1)))
-    train, _, _ = build_train_valid_test_datasets(data_prefix, "100,0,0", seq, 1, (args.steps * batch, 0, 0),
-                                                  progress=False)
+    train, _, _ = build_train_valid_test_datasets(
+        data_prefix, "100,0,0", seq, 1, (args.steps * batch, 0, 0), progress=False
+    )
     source = MicrobatchSource(train, batch, batch, 0, 1)
     losses = [train_step(state, source.batch(it), args.lr).loss for it in range(args.steps)]
     breakdown = {k: v / args.steps for k, v in state.timers.elapsed_ms().items()}
@@ -129,32 +166,42 @@ def zenflow_worker(ctx, args, extra, data_prefix):
 def zenflow_main(args) -> None:
     from megazero.data.default_data import prepare_default_data
     from megazero.testing import DistributedPool
+
     prefix, _ = prepare_default_data(progress=False)
     pool = DistributedPool(1)
     try:
-        out = {name: pool.run(zenflow_worker, args, extra, prefix, timeout=7200)[0]
-               for name, extra in ZENFLOW_SIDES.items()}
+        out = {
+            name: pool.run(zenflow_worker, args, extra, prefix, timeout=7200)[0]
+            for name, extra in ZENFLOW_SIDES.items()
+        }
     finally:
         pool.close()
     final = {name: sum(losses[-10:]) / 10 for name, (losses, _, _) in out.items()}
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab 8192, seq 64, batch 8; stage 2 fp32; "
-          f"{args.steps} steps, lr {args.lr}; {args.threads} threads")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, vocab 8192, seq 64, batch 8; stage 2 fp32; "
+        f"{args.steps} steps, lr {args.lr}; {args.threads} threads"
+    )
     print("| side | final loss | forward ms | backward ms | reduce ms | step ms |")
     print("|---|---|---|---|---|---|")
     for name, (_, phases, _) in out.items():
-        print(f"| {name} | {final[name]:.4f} | " + " | ".join(f"{phases.get(k, 0.0):.1f}" for k in
-                                                               ("forward", "backward", "reduce", "step")) + " |")
+        print(
+            f"| {name} | {final[name]:.4f} | "
+            + " | ".join(f"{phases.get(k, 0.0):.1f}" for k in ("forward", "backward", "reduce", "step"))
+            + " |"
+        )
     zen = out["zenflow"][2]
     gap = (final["zenflow"] - final["device Adam"]) / final["device Adam"]
     print(f"zenflow final loss vs device Adam: {100 * gap:+.2f}%")
     k = ZENFLOW_SIDES["zenflow"]["zenflow"]["update_interval"]
     adam = out["device Adam"][0]
     windows = max(1, args.steps // k)
-    tail = adam[max(0, windows - 10):windows]
+    tail = adam[max(0, windows - 10) : windows]
     early = sum(tail) / len(tail)
     print(f"device Adam after {windows} steps (the unselected columns' {windows} CPU updates): {early:.4f}")
-    print(f"zenflow CPU Adam {zen['cpu_adam_ms']:.1f} ms/step on its thread, training thread waited "
-          f"{zen['wait_ms']:.1f} ms/step for it")
+    print(
+        f"zenflow CPU Adam {zen['cpu_adam_ms']:.1f} ms/step on its thread, training thread waited "
+        f"{zen['wait_ms']:.1f} ms/step for it"
+    )
     print(f"step phase, cpu offload / zenflow: {out['cpu offload'][1]['step'] / out['zenflow'][1]['step']:.2f}")
 
 
@@ -175,6 +222,7 @@ def main(argv=None) -> None:
         zenflow_main(args)
         return
     from megazero.testing import DistributedPool
+
     tmp = None
     if args.nvme_path is None:
         tmp = tempfile.TemporaryDirectory(prefix="bench-offload-")
@@ -191,8 +239,10 @@ def main(argv=None) -> None:
         pool.close()
         if tmp is not None:
             tmp.cleanup()
-    print(f"model: hidden {args.hidden}, {args.layers} layers; sub_group_size {args.sub_group_size}; "
-          f"{args.threads} threads; fastest of {args.rounds} rounds, median of {args.steps - args.warmup} steps")
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers; sub_group_size {args.sub_group_size}; "
+        f"{args.threads} threads; fastest of {args.rounds} rounds, median of {args.steps - args.warmup} steps"
+    )
     print("| states | step ms | losses (first 3) |")
     print("|---|---|---|")
     for name in CONFIGS:

@@ -21,6 +21,7 @@ printed with their largest relative gap: same weights, data, config and optimize
     python bench/bench_own_model_vs_deepspeed.py              # ~3 min on 2 quiet cores
     python bench/bench_own_model_vs_deepspeed.py --rounds 1 --steps 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,18 +64,29 @@ def rss_mib() -> float:
 
 def build(shape: Shape):
     import transformers as tf
+
     torch.manual_seed(1234)
-    config = tf.LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
-                            num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                            num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.seq,
-                            attention_dropout=0.0)
+    config = tf.LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.seq,
+        attention_dropout=0.0,
+    )
     model = tf.LlamaForCausalLM(config)
     return model, torch.optim.AdamW(model.parameters(), lr=shape.lr, weight_decay=0.01)
 
 
 def config(shape: Shape, stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": shape.micro, "gradient_accumulation_steps": shape.accumulation,
-            "gradient_clipping": shape.clip, "zero_optimization": {"stage": stage}}
+    return {
+        "train_micro_batch_size_per_gpu": shape.micro,
+        "gradient_accumulation_steps": shape.accumulation,
+        "gradient_clipping": shape.clip,
+        "zero_optimization": {"stage": stage},
+    }
 
 
 def worker(ctx, shape: Shape, side: str, stage: int) -> dict:
@@ -82,30 +94,38 @@ def worker(ctx, shape: Shape, side: str, stage: int) -> dict:
     if side == "ours":
         import megazero
         from megazero.parallel.topology import Topology
+
         groups = ctx.groups(Topology(world_size=WORLD))
         baseline = rss_mib()
         model, optimizer = build(shape)
-        engine, *_ = megazero.initialize(model=model, optimizer=optimizer, config=config(shape, stage),
-                                         process_groups=groups)
+        engine, *_ = megazero.initialize(
+            model=model, optimizer=optimizer, config=config(shape, stage), process_groups=groups
+        )
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ["LOCAL_RANK"] = str(ctx.rank)
         import deepspeed
+
         baseline = rss_mib()
         model, optimizer = build(shape)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, dist_init_required=False,
-                                          config={**config(shape, stage), "zero_allow_untested_optimizer": True,
-                                                  "steps_per_print": 2 ** 31})
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            dist_init_required=False,
+            config={**config(shape, stage), "zero_allow_untested_optimizer": True, "steps_per_print": 2**31},
+        )
     g = torch.Generator().manual_seed(7)
-    data = [torch.randint(0, shape.vocab, (shape.micro * shape.accumulation * WORLD, shape.seq), generator=g)
-            for _ in range(shape.warmup + shape.steps)]
+    data = [
+        torch.randint(0, shape.vocab, (shape.micro * shape.accumulation * WORLD, shape.seq), generator=g)
+        for _ in range(shape.warmup + shape.steps)
+    ]
     losses, wall, cpu = [], [], []
     for i, batch in enumerate(data):
         started, cpu_started = time.perf_counter(), time.process_time()
         total = torch.zeros(1, dtype=torch.float64)
         for m in range(shape.accumulation):
             row = (m * WORLD + ctx.rank) * shape.micro
-            tokens = batch[row:row + shape.micro]
+            tokens = batch[row : row + shape.micro]
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()
@@ -115,15 +135,24 @@ def worker(ctx, shape: Shape, side: str, stage: int) -> dict:
         if i >= shape.warmup:
             wall.append(1000 * (time.perf_counter() - started))
             cpu.append(1000 * (time.process_time() - cpu_started))
-    return {"losses": losses, "ms": statistics.median(wall), "cpu_ms": statistics.median(cpu),
-            "peak": rss_mib(), "baseline": baseline}
+    return {
+        "losses": losses,
+        "ms": statistics.median(wall),
+        "cpu_ms": statistics.median(cpu),
+        "peak": rss_mib(),
+        "baseline": baseline,
+    }
 
 
 def summarize(rounds: list[list[dict]]) -> dict:
     best = min(rounds, key=lambda ranks: max(r["ms"] for r in ranks))
-    return {"ms": max(r["ms"] for r in best), "cpu_ms": max(r["cpu_ms"] for r in best),
-            "peak": max(r["peak"] for r in best), "model": max(r["peak"] - r["baseline"] for r in best),
-            "losses": best[0]["losses"]}
+    return {
+        "ms": max(r["ms"] for r in best),
+        "cpu_ms": max(r["cpu_ms"] for r in best),
+        "peak": max(r["peak"] for r in best),
+        "model": max(r["peak"] - r["baseline"] for r in best),
+        "losses": best[0]["losses"],
+    }
 
 
 def main(argv=None) -> None:
@@ -135,14 +164,17 @@ def main(argv=None) -> None:
         print("deepspeed is not installed (pip install deepspeed): nothing to compare with")
         return
     shape = Shape(steps=args.steps)
-    print(f"LlamaForCausalLM h={shape.hidden} layers={shape.layers} heads={shape.heads}/{shape.kv_heads} "
-          f"ffn={shape.ffn} vocab={shape.vocab} seq={shape.seq}; micro {shape.micro} x {shape.accumulation} "
-          f"accumulation x {WORLD} ranks; fp32 torch AdamW (client optimizer), clip {shape.clip}; "
-          f"{shape.warmup} warm-up + {shape.steps} timed steps; torch {torch.__version__}", flush=True)
+    print(
+        f"LlamaForCausalLM h={shape.hidden} layers={shape.layers} heads={shape.heads}/{shape.kv_heads} "
+        f"ffn={shape.ffn} vocab={shape.vocab} seq={shape.seq}; micro {shape.micro} x {shape.accumulation} "
+        f"accumulation x {WORLD} ranks; fp32 torch AdamW (client optimizer), clip {shape.clip}; "
+        f"{shape.warmup} warm-up + {shape.steps} timed steps; torch {torch.__version__}",
+        flush=True,
+    )
     runs: dict[str, list] = {}
     for round_index in range(args.rounds):
         for name, side, stage in CONFIGS:
-            pool = DistributedPool(WORLD)       # fresh processes: ru_maxrss is this config's own peak
+            pool = DistributedPool(WORLD)  # fresh processes: ru_maxrss is this config's own peak
             try:
                 ranks = pool.run(worker, shape, side, stage, timeout=1800)
             finally:
@@ -154,11 +186,15 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for stage in (2, 3):
         ds, ours = rows[f"ds{stage}"], rows[f"zero{stage}"]
-        print(f"| {stage} | DeepSpeed | {ds['ms']:.1f} | {ds['cpu_ms']:.1f} | {ds['peak']:.1f} | {ds['model']:.1f} |"
-              " | | | |")
-        print(f"| {stage} | megazero | {ours['ms']:.1f} | {ours['cpu_ms']:.1f} | {ours['peak']:.1f} | "
-              f"{ours['model']:.1f} | {ours['ms'] / ds['ms']:.3f} | {ours['cpu_ms'] / ds['cpu_ms']:.3f} | "
-              f"{ours['peak'] / ds['peak']:.3f} | {ours['model'] / ds['model']:.3f} |")
+        print(
+            f"| {stage} | DeepSpeed | {ds['ms']:.1f} | {ds['cpu_ms']:.1f} | {ds['peak']:.1f} | {ds['model']:.1f} |"
+            " | | | |"
+        )
+        print(
+            f"| {stage} | megazero | {ours['ms']:.1f} | {ours['cpu_ms']:.1f} | {ours['peak']:.1f} | "
+            f"{ours['model']:.1f} | {ours['ms'] / ds['ms']:.3f} | {ours['cpu_ms'] / ds['cpu_ms']:.3f} | "
+            f"{ours['peak'] / ds['peak']:.3f} | {ours['model'] / ds['model']:.3f} |"
+        )
     for stage in (2, 3):
         a, b = torch.tensor(rows[f"zero{stage}"]["losses"]), torch.tensor(rows[f"ds{stage}"]["losses"])
         gap = ((a - b).abs() / b.abs()).max().item()

@@ -18,6 +18,7 @@ timing, so both sides do the same work.
     python bench/bench_quantize.py                       # 4M elements, block 2048, k = 8
     python bench/bench_quantize.py --numel 16000000 --threads 1 --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,11 @@ def cases(x: torch.Tensor, block_size: int, chunks: int, isas: list):
 def check_equal(sides: dict) -> None:
     results = [fn() for fn in sides.values()]
     for result in results[1:]:
-        same = (torch.equal(result.codes, results[0].codes) if isinstance(result, Q.QuantizedTensor)
-                else torch.equal(result, results[0]))
+        same = (
+            torch.equal(result.codes, results[0].codes)
+            if isinstance(result, Q.QuantizedTensor)
+            else torch.equal(result, results[0])
+        )
         assert same, "a kernel disagrees with the torch reference; run tests/ops/test_quantize.py"
 
 
@@ -87,11 +91,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isas = Q.kernel_info()["isas"]
-    print(f"numel {args.numel:,}, block {args.block_size}, k {args.chunks}, {args.threads} threads, "
-          f"paths {isas}, openmp {Q.kernel_info()['openmp']}")
+    print(
+        f"numel {args.numel:,}, block {args.block_size}, k {args.chunks}, {args.threads} threads, "
+        f"paths {isas}, openmp {Q.kernel_info()['openmp']}"
+    )
     x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
-    print(f"{'kernel':32s}" + "".join(f"{side + ' GB/s':>14s}" for side in isas + ["torch"])
-          + f"{'x torch':>9s}")
+    print(f"{'kernel':32s}" + "".join(f"{side + ' GB/s':>14s}" for side in isas + ["torch"]) + f"{'x torch':>9s}")
     for name, nbytes, sides in cases(x, args.block_size, args.chunks, isas):
         check_equal(sides)
         rounds = {side: [] for side in sides}

@@ -28,6 +28,7 @@ step, median process CPU ms (all threads), ratio ours / peer (< 1: ours faster).
     python bench/bench_step_vs_torch.py                  # ~4 min on 2 cores
     python bench/bench_step_vs_torch.py --tables model --variants gpt2,llama --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,15 +52,24 @@ from peer_models import hf_loss, hf_model, initialised_gpt, layers_of
 
 LR, SEED = 1e-3, 1234
 ADAM = AdamConfig(lr=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-LLAMA = dict(position_embedding="rope", activation="swiglu", normalization="rmsnorm", tie_embeddings=False,
-             add_bias_linear=False, heads_per_group=2)
+LLAMA = dict(
+    position_embedding="rope",
+    activation="swiglu",
+    normalization="rmsnorm",
+    tie_embeddings=False,
+    add_bias_linear=False,
+    heads_per_group=2,
+)
 # name -> (megazero options, compile backend, peer's recomputation)
 VARIANTS = {
     "gpt2": ({}, None, False),
     "llama": (LLAMA, None, False),
     "llama-selective": ({**LLAMA, "recompute_granularity": "selective"}, None, False),
-    "llama-full": ({**LLAMA, "recompute_granularity": "full", "recompute_method": "uniform",
-                    "recompute_num_layers": 1}, None, True),
+    "llama-full": (
+        {**LLAMA, "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        None,
+        True,
+    ),
     "llama-compiled": (LLAMA, "inductor", False),
 }
 
@@ -67,14 +77,23 @@ VARIANTS = {
 def model_config(args, options: dict) -> GPTConfig:
     options = dict(options)
     groups = args.heads // options.pop("heads_per_group", 1)
-    return GPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                     num_attention_heads=args.heads, num_query_groups=groups, seq_length=args.seq,
-                     hidden_dropout=0.0, attention_dropout=0.0, **options)
+    return GPTConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_query_groups=groups,
+        seq_length=args.seq,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **options,
+    )
 
 
 def step_batches(args, cfg: GPTConfig, microbatches: int) -> list[list[torch.Tensor]]:
-    source = MicrobatchSource(SyntheticTokens(cfg.vocab_size, cfg.seq_length, seed=1),
-                              args.micro_batch * microbatches, args.micro_batch, 0, 1)
+    source = MicrobatchSource(
+        SyntheticTokens(cfg.vocab_size, cfg.seq_length, seed=1), args.micro_batch * microbatches, args.micro_batch, 0, 1
+    )
     return [source.batch(i) for i in range(args.warmup + args.steps)]
 
 
@@ -92,7 +111,7 @@ def timed(args, step) -> dict:
 def peer(cfg: GPTConfig, backend, recompute: bool):
     """transformers' model of `cfg` with our initial weights, recomputing / compiled as asked."""
     model = hf_model(cfg, SEED)
-    if recompute:           # transformers 5's name; 4.x calls it gradient checkpointing
+    if recompute:  # transformers 5's name; 4.x calls it gradient checkpointing
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -129,20 +148,31 @@ def run_model(args, side: str, cfg: GPTConfig, backend, recompute: bool) -> dict
 
 def run_step(args, side: str, cfg: GPTConfig, backend, recompute: bool) -> dict:
     if side == "ours":
-        train = TrainConfig(model=cfg, zero=ZeroConfig(stage=args.zero_stage),
-                            optimizer=OptimizerConfig(lr=LR, adam=ADAM, clip_grad=1.0), seed=SEED,
-                            micro_batch_size=args.micro_batch,
-                            global_batch_size=args.micro_batch * args.microbatches, compile_backend=backend)
+        train = TrainConfig(
+            model=cfg,
+            zero=ZeroConfig(stage=args.zero_stage),
+            optimizer=OptimizerConfig(lr=LR, adam=ADAM, clip_grad=1.0),
+            seed=SEED,
+            micro_batch_size=args.micro_batch,
+            global_batch_size=args.micro_batch * args.microbatches,
+            compile_backend=backend,
+        )
         state = setup(train, ProcessGroups.single())
         batches = step_batches(args, cfg, args.microbatches)
         return timed(args, lambda i: train_step(state, batches[i], LR).loss)
     model = peer(cfg, backend, recompute)
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if uses_weight_decay(p.shape)]},
-                                   {"params": [p for p in params if not uses_weight_decay(p.shape)],
-                                    "weight_decay": 0.0}],
-                                  lr=LR, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
-                                  weight_decay=ADAM.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if uses_weight_decay(p.shape)]},
+            {"params": [p for p in params if not uses_weight_decay(p.shape)], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(ADAM.beta1, ADAM.beta2),
+        eps=ADAM.eps,
+        weight_decay=ADAM.weight_decay,
+        fused=True,
+    )
     batches = step_batches(args, cfg, args.microbatches)
     normalizer = args.micro_batch * args.microbatches * cfg.seq_length
 
@@ -164,8 +194,9 @@ TABLES = {"model": run_model, "step": run_step}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
@@ -190,24 +221,36 @@ def print_table(table: str, wanted: list[str], best: dict) -> None:
     for name in wanted:
         ours, theirs = best[(table, name, "ours")], best[(table, name, "peer")]
         gap = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))
-        print(f"| {name} | {ours['ms']:.1f} | {theirs['ms']:.1f} | {ours['cpu_ms']:.1f} | {theirs['cpu_ms']:.1f} | "
-              f"{ours['ms'] / theirs['ms']:.3f} | {ours['cpu_ms'] / theirs['cpu_ms']:.3f} | {gap:.1e} |")
+        print(
+            f"| {name} | {ours['ms']:.1f} | {theirs['ms']:.1f} | {ours['cpu_ms']:.1f} | {theirs['cpu_ms']:.1f} | "
+            f"{ours['ms'] / theirs['ms']:.3f} | {ours['cpu_ms'] / theirs['cpu_ms']:.3f} | {gap:.1e} |"
+        )
     name = wanted[0]
-    print(f"first losses, {name}: ours " + " ".join(f"{x:.6f}" for x in best[(table, name, 'ours')]["losses"][:3])
-          + " | peer " + " ".join(f"{x:.6f}" for x in best[(table, name, 'peer')]["losses"][:3]))
+    print(
+        f"first losses, {name}: ours "
+        + " ".join(f"{x:.6f}" for x in best[(table, name, "ours")]["losses"][:3])
+        + " | peer "
+        + " ".join(f"{x:.6f}" for x in best[(table, name, "peer")]["losses"][:3])
+    )
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    wanted = args.variants.split(",") if args.variants else [v for v in VARIANTS
-                                                            if args.compile or not v.endswith("compiled")]
+    wanted = (
+        args.variants.split(",")
+        if args.variants
+        else [v for v in VARIANTS if args.compile or not v.endswith("compiled")]
+    )
     tables = args.tables.split(",")
-    print(f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} seq={args.seq} vocab={args.vocab}; "
-          f"micro {args.micro_batch} (step: x {args.microbatches}); fp32; ours ZeRO stage {args.zero_stage}; "
-          f"peer transformers; {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds; "
-          f"{torch.get_num_threads()} thread(s); torch {torch.__version__}", flush=True)
+    print(
+        f"GPT layers={args.layers} hidden={args.hidden} heads={args.heads} seq={args.seq} vocab={args.vocab}; "
+        f"micro {args.micro_batch} (step: x {args.microbatches}); fp32; ours ZeRO stage {args.zero_stage}; "
+        f"peer transformers; {args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds; "
+        f"{torch.get_num_threads()} thread(s); torch {torch.__version__}",
+        flush=True,
+    )
     best: dict = {}
     for _ in range(args.rounds):
         for table in tables:
@@ -218,12 +261,17 @@ def main(argv=None) -> None:
                     kept = best.get((table, name, side))
                     if kept is None or result["ms"] < kept["ms"]:
                         best[(table, name, side)] = result
-                print(f"  {table:<5} {name:<16} ours {best[(table, name, 'ours')]['ms']:8.1f} ms  "
-                      f"peer {best[(table, name, 'peer')]['ms']:8.1f} ms", flush=True)
+                print(
+                    f"  {table:<5} {name:<16} ours {best[(table, name, 'ours')]['ms']:8.1f} ms  "
+                    f"peer {best[(table, name, 'peer')]['ms']:8.1f} ms",
+                    flush=True,
+                )
     for table in tables:
         print_table(table, wanted, best)
-    print("time x, cpu x: ours / peer (< 1: ours faster); loss gap: largest relative difference of the "
-          "step losses (the same function on both sides)")
+    print(
+        "time x, cpu x: ours / peer (< 1: ours faster); loss gap: largest relative difference of the "
+        "step losses (the same function on both sides)"
+    )
 
 
 if __name__ == "__main__":

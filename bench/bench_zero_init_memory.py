@@ -22,6 +22,7 @@ distance, no prefetch): DeepSpeed's defaults keep the whole gathered model on a 
 
     python bench/bench_zero_init_memory.py          # ~6 min on 2 quiet cores
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,26 +32,47 @@ import torch.distributed as dist
 from megazero.testing import DistributedPool
 
 WORLD = 4
-SHAPE = dict(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-             num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=64, attention_dropout=0.0)
-CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
-                                "stage3_prefetch_bucket_size": 0}}
+SHAPE = dict(
+    vocab_size=16000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_max_live_parameters": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    },
+}
 
 
 def rss_mib() -> float:
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2 ** 20
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 
 
 def peak_mib() -> float:
     import re
+
     return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
 
 
 def warm_up(tf) -> None:
     """transformers' lazy imports and the kernels' first-call state, before the baseline."""
-    tiny = tf.LlamaForCausalLM(tf.LlamaConfig(**{**SHAPE, "vocab_size": 64, "hidden_size": 32,
-                                                 "intermediate_size": 32, "num_hidden_layers": 1}))
+    tiny = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            **{**SHAPE, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1}
+        )
+    )
     tokens = torch.randint(0, 64, (1, 64))
     tiny(input_ids=tokens, labels=tokens).loss.backward()
 
@@ -60,13 +82,14 @@ def worker(ctx, under_init: bool, mmap: bool) -> dict:
     import transformers as tf
     import megazero
     from megazero.parallel.topology import Topology
+
     torch.set_num_threads(1)
     if mmap:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 256 * 1024)        # M_MMAP_THRESHOLD
+        ctypes.CDLL("libc.so.6").mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD
     groups = ctx.groups(Topology(world_size=WORLD))
     warm_up(tf)
     baseline = rss_mib()
-    open("/proc/self/clear_refs", "w").write("5")                # the high-water mark restarts
+    open("/proc/self/clear_refs", "w").write("5")  # the high-water mark restarts
     torch.manual_seed(0)
     if under_init:
         with megazero.zero.Init(config_dict_or_path=CONFIG):
@@ -87,14 +110,21 @@ def worker(ctx, under_init: bool, mmap: bool) -> dict:
         engine.step()
         losses.append(loss.item())
     dist.barrier()
-    return {"built": built - baseline, "engine": after_engine - baseline, "trained": peak_mib() - baseline,
-            "numel": numel, "largest": largest, "losses": losses}
+    return {
+        "built": built - baseline,
+        "engine": after_engine - baseline,
+        "trained": peak_mib() - baseline,
+        "numel": numel,
+        "largest": largest,
+        "losses": losses,
+    }
 
 
 def planned_mib(numel: int, largest: int) -> float:
     from megazero.config.memory_estimate import model_state_bytes_per_param
+
     states = numel * model_state_bytes_per_param(3, WORLD, 4, 4, False)
-    return (states + 3 * largest * 4) / 2 ** 20
+    return (states + 3 * largest * 4) / 2**20
 
 
 def main(argv=None) -> None:
@@ -108,17 +138,23 @@ def main(argv=None) -> None:
             pool.close()
         print(f"  {name}, {'mmap' if mmap else 'default'}: done", flush=True)
     first = rows[("zero.Init", True)][0]
-    full = first["numel"] * 4 / 2 ** 20
-    print(f"LlamaForCausalLM {first['numel'] / 1e6:.1f}M parameters: full fp32 weights {full:.0f} MiB, "
-          f"full fp32 model states (weights, grads, Adam) {4 * full:.0f} MiB; {WORLD} ranks, ZeRO-3")
+    full = first["numel"] * 4 / 2**20
+    print(
+        f"LlamaForCausalLM {first['numel'] / 1e6:.1f}M parameters: full fp32 weights {full:.0f} MiB, "
+        f"full fp32 model states (weights, grads, Adam) {4 * full:.0f} MiB; {WORLD} ranks, ZeRO-3"
+    )
     print("\n| build | malloc | built MiB | engine MiB | trained MiB | planned MiB | trained / planned |")
     print("|---|---|---|---|---|---|---|")
     planned = planned_mib(first["numel"], first["largest"])
     for (name, mmap), ranks in rows.items():
         worst = {k: max(r[k] for r in ranks) for k in ("built", "engine", "trained")}
-        print(f"| {name} | {'mmap' if mmap else 'default'} | {worst['built']:.0f} | {worst['engine']:.0f} | "
-              f"{worst['trained']:.0f} | {planned:.0f} | {worst['trained'] / planned:.2f} |")
-    print(f"losses equal on both builds: {rows[('zero.Init', True)][0]['losses'] == rows[('eager', True)][0]['losses']}")
+        print(
+            f"| {name} | {'mmap' if mmap else 'default'} | {worst['built']:.0f} | {worst['engine']:.0f} | "
+            f"{worst['trained']:.0f} | {planned:.0f} | {worst['trained'] / planned:.2f} |"
+        )
+    print(
+        f"losses equal on both builds: {rows[('zero.Init', True)][0]['losses'] == rows[('eager', True)][0]['losses']}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ Add a row with one line in ROWS: (name, zero_optimization keys).
     python bench/bench_zero_nodes.py                   # a few minutes on 2 cores (8 processes)
     python bench/bench_zero_nodes.py --rounds 1 --rows plain,hpz
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,18 +79,32 @@ class Bench:
 
 def row_config(bench: Bench, keys: dict) -> TrainConfig:
     zero = ZeroConfig(**{**BASE, **keys})
-    opt = OptimizerConfig(lr=1e-3, min_lr=1e-3, warmup_iters=0, decay_style="constant",
-                          adam=AdamConfig(lr=1e-3, weight_decay=0.1), clip_grad=1.0)
-    return TrainConfig(model=bench.model, zero=zero, optimizer=opt, micro_batch_size=bench.micro_batch,
-                       global_batch_size=bench.global_batch, train_iters=bench.warmup + bench.steps,
-                       seed=1, parallel=ParallelConfig(ranks_per_node=RANKS_PER_NODE))
+    opt = OptimizerConfig(
+        lr=1e-3,
+        min_lr=1e-3,
+        warmup_iters=0,
+        decay_style="constant",
+        adam=AdamConfig(lr=1e-3, weight_decay=0.1),
+        clip_grad=1.0,
+    )
+    return TrainConfig(
+        model=bench.model,
+        zero=zero,
+        optimizer=opt,
+        micro_batch_size=bench.micro_batch,
+        global_batch_size=bench.global_batch,
+        train_iters=bench.warmup + bench.steps,
+        seed=1,
+        parallel=ParallelConfig(ranks_per_node=RANKS_PER_NODE),
+    )
 
 
 def run_row(ctx, bench: Bench, keys: dict) -> dict:
     """Pool entry: one row on this rank; times, bytes per step by locality, partition bytes, losses."""
     cfg = row_config(bench, keys)
-    topology = Topology(world_size=WORLD, ranks_per_node=RANKS_PER_NODE,
-                        hpz_partition_size=cfg.zero.zero_hpz_partition_size)
+    topology = Topology(
+        world_size=WORLD, ranks_per_node=RANKS_PER_NODE, hpz_partition_size=cfg.zero.zero_hpz_partition_size
+    )
     groups = ctx.groups(topology)
     state = setup(cfg, groups)
     data = SyntheticTokens(bench.model.vocab_size, bench.model.seq_length, seed=1)
@@ -105,9 +120,13 @@ def run_row(ctx, bench: Bench, keys: dict) -> dict:
     by_locality = {"intra": 0.0, "inter": 0.0}
     for (_, _, loc), nbytes in groups.log.last_step.items():
         by_locality[loc] += nbytes
-    return {"ms": statistics.median(wall), "cpu": statistics.median(cpu), "losses": losses,
-            "partition": state.engine.unit_storage.partition_size * state.engine.unit_storage.partition.element_size(),
-            **by_locality}
+    return {
+        "ms": statistics.median(wall),
+        "cpu": statistics.median(cpu),
+        "losses": losses,
+        "partition": state.engine.unit_storage.partition_size * state.engine.unit_storage.partition.element_size(),
+        **by_locality,
+    }
 
 
 def main() -> None:
@@ -120,9 +139,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     rows = [row for row in ROWS if row[0] in args.rows.split(",")]
-    model = GPTConfig(vocab_size=4096, hidden_size=args.hidden, num_layers=args.layers,
-                      num_attention_heads=4, ffn_hidden_size=4 * args.hidden, seq_length=64,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTConfig(
+        vocab_size=4096,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_attention_heads=4,
+        ffn_hidden_size=4 * args.hidden,
+        seq_length=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     bench = Bench(model, micro_batch=2, global_batch=2 * WORLD, steps=args.steps, warmup=args.warmup)
     pool = DistributedPool(WORLD)
     best: dict[str, dict] = {}
@@ -140,19 +166,29 @@ def main() -> None:
 
 
 def print_table(rows, best: dict, bench: Bench) -> None:
-    mib = 2 ** 20
+    mib = 2**20
     plain = best.get("plain")
-    print(f"ZeRO-3, dp {WORLD} as {NODES} nodes of {RANKS_PER_NODE}, fp32, GPT hidden {bench.model.hidden_size} "
-          f"x {bench.model.num_layers} layers, {bench.warmup} warm-up + {bench.steps} timed steps")
+    print(
+        f"ZeRO-3, dp {WORLD} as {NODES} nodes of {RANKS_PER_NODE}, fp32, GPT hidden {bench.model.hidden_size} "
+        f"x {bench.model.num_layers} layers, {bench.warmup} warm-up + {bench.steps} timed steps"
+    )
     print("| row | ms/step | cpu ms | inter MiB | intra MiB | formula MiB | inter/formula | time x | inter x |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, keys in rows:
         r = best[name]
         # fp32 weights and gradients: partition bytes / 4 elements, 4 bytes each
         expected = stage3_inter_node_bytes(ZeroConfig(**BASE, **keys), r["partition"] // 4, WORLD, NODES, 4, 4)
-        cells = [name, f"{r['ms']:.1f}", f"{r['cpu']:.1f}", f"{r['inter'] / mib:.3f}", f"{r['intra'] / mib:.3f}",
-                 f"{expected / mib:.3f}", f"{r['inter'] / expected:.4f}",
-                 f"{r['ms'] / plain['ms']:.3f}" if plain else "", f"{r['inter'] / plain['inter']:.3f}" if plain else ""]
+        cells = [
+            name,
+            f"{r['ms']:.1f}",
+            f"{r['cpu']:.1f}",
+            f"{r['inter'] / mib:.3f}",
+            f"{r['intra'] / mib:.3f}",
+            f"{expected / mib:.3f}",
+            f"{r['inter'] / expected:.4f}",
+            f"{r['ms'] / plain['ms']:.3f}" if plain else "",
+            f"{r['inter'] / plain['inter']:.3f}" if plain else "",
+        ]
         print("| " + " | ".join(cells) + " |")
     print("first losses per row (same work):")
     for name, _ in rows:

@@ -42,6 +42,7 @@ and optimizer, so they agree to float reduction-order noise (~1e-7 relative).
     python bench/bench_zero_vs_fsdp.py --configs zero3 --profile zero3    # torch.profiler, rank 0
     python bench/bench_zero_vs_fsdp.py --configs zero3 --zero-extra overlap_comm=0,max_reuse_distance=0
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,6 +99,7 @@ def deepspeed_available() -> bool:
 @dataclasses.dataclass
 class Bench:
     """What every configuration shares (pickled to the workers)."""
+
     model: GPTConfig
     micro_batch: int
     global_batch: int
@@ -147,12 +149,18 @@ def timed_steps(bench: Bench, step_fn, rank: int, name: str) -> dict:
 
 
 def run_ours(ctx, bench: Bench, stage: int, name: str) -> dict:
-    groups = ctx.groups(Topology(world_size=WORLD))     # communicators: before the baseline, as the peers'
+    groups = ctx.groups(Topology(world_size=WORLD))  # communicators: before the baseline, as the peers'
     baseline = rss_mib()
     zero = ZeroConfig(stage=stage, **bench.zero_extra)
     optimizer = OptimizerConfig(lr=bench.lr, adam=bench.adam, clip_grad=bench.clip)
-    cfg = TrainConfig(model=bench.model, zero=zero, optimizer=optimizer, seed=bench.seed,
-                      micro_batch_size=bench.micro_batch, global_batch_size=bench.global_batch)
+    cfg = TrainConfig(
+        model=bench.model,
+        zero=zero,
+        optimizer=optimizer,
+        seed=bench.seed,
+        micro_batch_size=bench.micro_batch,
+        global_batch_size=bench.global_batch,
+    )
     state = setup(cfg, groups)
     data = batches(bench, ctx.rank)
     comm_bytes = []
@@ -163,8 +171,13 @@ def run_ours(ctx, bench: Bench, stage: int, name: str) -> dict:
         return loss
 
     result = timed_steps(bench, step, ctx.rank, name)
-    return {**result, "peak": rss_mib(), "baseline": baseline,
-            "model_states": state.engine.memory.report()["model_states"], "comm": comm_bytes[-1]}
+    return {
+        **result,
+        "peak": rss_mib(),
+        "baseline": baseline,
+        "model_states": state.engine.memory.report()["model_states"],
+        "comm": comm_bytes[-1],
+    }
 
 
 def peer_model(bench: Bench):
@@ -177,9 +190,13 @@ def peer_optimizer(model: nn.Module, bench: Bench) -> torch.optim.AdamW:
     no_decay = [p for p in model.parameters() if not uses_weight_decay(p.shape)]
     a = bench.adam
     kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=bench.lr, betas=(a.beta1, a.beta2), eps=a.eps, **kind[bench.peer_adam])
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=bench.lr,
+        betas=(a.beta1, a.beta2),
+        eps=a.eps,
+        **kind[bench.peer_adam],
+    )
 
 
 def wrap_fsdp2(model):
@@ -192,7 +209,7 @@ def wrap_fsdp2(model):
 
     @contextlib.contextmanager
     def sync(last: bool):
-        model.set_requires_gradient_sync(last)       # reduce-scatter on the last microbatch only
+        model.set_requires_gradient_sync(last)  # reduce-scatter on the last microbatch only
         yield
 
     return model, sync
@@ -208,15 +225,22 @@ def wrap_deepspeed(model, bench: Bench, stage: int, rank: int):
     """DeepSpeed's ZeRO `stage` around the model on its CPU accelerator, in this process group,
     with the peers' AdamW as a client optimizer. Returns (engine, backward(loss))."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ["LOCAL_RANK"] = str(rank)            # one machine: the launcher would set it
+    os.environ["LOCAL_RANK"] = str(rank)  # one machine: the launcher would set it
     import deepspeed
+
     accumulation = bench.global_batch // (bench.micro_batch * WORLD)
-    config = {"train_micro_batch_size_per_gpu": bench.micro_batch,
-              "gradient_accumulation_steps": accumulation, "gradient_clipping": bench.clip,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 2 ** 31, "wall_clock_breakdown": False}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=peer_optimizer(model, bench), config=config,
-                                      dist_init_required=False)
+    config = {
+        "train_micro_batch_size_per_gpu": bench.micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": bench.clip,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31,
+        "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=peer_optimizer(model, bench), config=config, dist_init_required=False
+    )
     # DeepSpeed averages gradients over ranks and (scale_wrt_gas) divides by the accumulation steps
     return engine, lambda loss: engine.backward(loss * WORLD * accumulation)
 
@@ -232,7 +256,7 @@ def run_deepspeed(ctx, bench: Bench, stage: int, name: str) -> dict:
         for tokens in data[i]:
             loss = hf_loss(engine, tokens, normalizer)
             backward(loss)
-            engine.step()                            # the optimizer steps at the accumulation boundary
+            engine.step()  # the optimizer steps at the accumulation boundary
             total += loss.item()
         dist.all_reduce(total)
         return total.item()
@@ -252,7 +276,7 @@ def run_peer(ctx, bench: Bench, side: str, name: str) -> dict:
         for j, tokens in enumerate(data[i]):
             with sync(j == len(data[i]) - 1):
                 loss = hf_loss(model, tokens, normalizer)
-                (loss * WORLD).backward()            # the peers average gradients over ranks
+                (loss * WORLD).backward()  # the peers average gradients over ranks
             total += loss.item()
         nn.utils.clip_grad_norm_(model.parameters(), bench.clip)
         optimizer.step()
@@ -277,14 +301,17 @@ def worker(ctx, bench: Bench, name: str, side: str, stage: int | None) -> dict:
 
 # --- driver -------------------------------------------------------------------------------------
 
+
 def summarize(rounds: list[list[dict]]) -> dict:
     """Worst rank of each measure; over rounds, the fastest (other load on the machine only ever adds
     time) and the largest memory."""
-    out = {"ms": min(max(statistics.median(r["ms"]) for r in ranks) for ranks in rounds),
-           "cpu_ms": min(max(statistics.median(r["cpu_ms"]) for r in ranks) for ranks in rounds),
-           "peak": max(r["peak"] for ranks in rounds for r in ranks),
-           "added": max(r["peak"] - r["baseline"] for ranks in rounds for r in ranks),
-           "losses": rounds[0][0]["losses"]}
+    out = {
+        "ms": min(max(statistics.median(r["ms"]) for r in ranks) for ranks in rounds),
+        "cpu_ms": min(max(statistics.median(r["cpu_ms"]) for r in ranks) for ranks in rounds),
+        "peak": max(r["peak"] for ranks in rounds for r in ranks),
+        "added": max(r["peak"] - r["baseline"] for ranks in rounds for r in ranks),
+        "losses": rounds[0][0]["losses"],
+    }
     ranks = rounds[0]
     if "model_states" in ranks[0]:
         out["model_states"] = max(r["model_states"] for r in ranks) / 2**20
@@ -294,8 +321,10 @@ def summarize(rounds: list[list[dict]]) -> dict:
 
 def print_results(results: dict[str, dict], show_losses: int) -> None:
     print("\nstep time and memory, worst of 2 ranks (ratios: ours / peer; < 1 is better for ours)")
-    head = (f"{'config':<7} {'peer':<6} {'ms/step':>8} {'cpu ms':>7} {'peak MiB':>9} {'+model MiB':>11} "
-            f"{'states MiB':>11} {'comm MiB':>9} {'time x':>7} {'cpu x':>6} {'peak x':>7} {'+model x':>9}")
+    head = (
+        f"{'config':<7} {'peer':<6} {'ms/step':>8} {'cpu ms':>7} {'peak MiB':>9} {'+model MiB':>11} "
+        f"{'states MiB':>11} {'comm MiB':>9} {'time x':>7} {'cpu x':>6} {'peak x':>7} {'+model x':>9}"
+    )
     print(head)
     print("-" * len(head))
     for name, _, _, peers in CONFIGS:
@@ -303,16 +332,22 @@ def print_results(results: dict[str, dict], show_losses: int) -> None:
             continue
         r = results[name]
         for peer in [p for p in peers if p in results] or [None]:
-            line = (f"{name:<7} {peer or '':<6} {r['ms']:>8.1f} {r['cpu_ms']:>7.1f} {r['peak']:>9.1f} "
-                    f"{r['added']:>11.1f} {_fmt(r.get('model_states')):>11} {_fmt(r.get('comm')):>9}")
+            line = (
+                f"{name:<7} {peer or '':<6} {r['ms']:>8.1f} {r['cpu_ms']:>7.1f} {r['peak']:>9.1f} "
+                f"{r['added']:>11.1f} {_fmt(r.get('model_states')):>11} {_fmt(r.get('comm')):>9}"
+            )
             if peer is not None:
                 p = results[peer]
-                line += (f" {r['ms'] / p['ms']:>7.3f} {r['cpu_ms'] / p['cpu_ms']:>6.3f} "
-                         f"{r['peak'] / p['peak']:>7.3f} {r['added'] / p['added']:>9.3f}")
+                line += (
+                    f" {r['ms'] / p['ms']:>7.3f} {r['cpu_ms'] / p['cpu_ms']:>6.3f} "
+                    f"{r['peak'] / p['peak']:>7.3f} {r['added'] / p['added']:>9.3f}"
+                )
             print(line)
-    print("ms/step: median wall time; cpu ms: median process CPU time per step (all threads; "
-          "insensitive to other load on the machine)\nstates: our engine's model-state bytes per rank "
-          "(engine.memory.report()); comm: bytes per rank per step by the comm layer's ring convention")
+    print(
+        "ms/step: median wall time; cpu ms: median process CPU time per step (all threads; "
+        "insensitive to other load on the machine)\nstates: our engine's model-state bytes per rank "
+        "(engine.memory.report()); comm: bytes per rank per step by the comm layer's ring convention"
+    )
     _print_losses(results, show_losses)
 
 
@@ -335,46 +370,78 @@ def _print_losses(results: dict[str, dict], show: int) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--hidden-size", type=int, default=384)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-attention-heads", type=int, default=6)
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--global-batch-size", type=int, default=8,
-                   help="micro x 2 ranks x accumulation steps")
+    p.add_argument("--global-batch-size", type=int, default=8, help="micro x 2 ranks x accumulation steps")
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (stage 3 records its trace)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (2 ranks share the cores)")
-    p.add_argument("--peer-adam", choices=["fused", "foreach", "for-loop"], default="fused",
-                   help="torch.optim.AdamW implementation of the peers (ours: the fused C++ kernel if built)")
-    p.add_argument("--configs", default=",".join(n for n, *_ in CONFIGS),
-                   help="comma-separated subset of " + ",".join(n for n, *_ in CONFIGS))
-    p.add_argument("--zero-extra", default="",
-                   help="extra ZeroConfig keys for ours, e.g. max_reuse_distance=0,prefetch_bucket_size=0")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="run every configuration this many times (alternating) and keep its fastest "
-                        "round: use 2-3 on a machine others are using")
+    p.add_argument(
+        "--peer-adam",
+        choices=["fused", "foreach", "for-loop"],
+        default="fused",
+        help="torch.optim.AdamW implementation of the peers (ours: the fused C++ kernel if built)",
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(n for n, *_ in CONFIGS),
+        help="comma-separated subset of " + ",".join(n for n, *_ in CONFIGS),
+    )
+    p.add_argument(
+        "--zero-extra",
+        default="",
+        help="extra ZeroConfig keys for ours, e.g. max_reuse_distance=0,prefetch_bucket_size=0",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="run every configuration this many times (alternating) and keep its fastest "
+        "round: use 2-3 on a machine others are using",
+    )
     p.add_argument("--profile", default=None, help="a config name: print torch.profiler's top ops of rank 0")
     p.add_argument("--show-losses", type=int, default=5)
     return p.parse_args(argv)
 
 
 def make_bench(args) -> Bench:
-    model = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                      hidden_dropout=0.0, attention_dropout=0.0, tie_embeddings=True)
+    model = GPTConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_embeddings=True,
+    )
     extra = dict(kv.split("=") for kv in args.zero_extra.split(",") if kv)
     adam = AdamConfig(lr=args.lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=args.weight_decay)
-    return Bench(model=model, micro_batch=args.micro_batch_size, global_batch=args.global_batch_size,
-                 steps=args.steps, warmup=args.warmup, lr=args.lr, adam=adam, clip=args.clip_grad,
-                 seed=1234, zero_extra={k: int(float(v)) for k, v in extra.items()},
-                 profile=args.profile, threads=args.threads, peer_adam=args.peer_adam)
+    return Bench(
+        model=model,
+        micro_batch=args.micro_batch_size,
+        global_batch=args.global_batch_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        lr=args.lr,
+        adam=adam,
+        clip=args.clip_grad,
+        seed=1234,
+        zero_extra={k: int(float(v)) for k, v in extra.items()},
+        profile=args.profile,
+        threads=args.threads,
+        peer_adam=args.peer_adam,
+    )
 
 
 def main(argv=None) -> None:
@@ -385,25 +452,29 @@ def main(argv=None) -> None:
         print("deepspeed is not installed: its rows are left out (pip install deepspeed)")
         wanted -= {"ds1", "ds2", "ds3"}
     m = bench.model
-    print(f"GPT h={m.hidden_size} layers={m.num_layers} heads={m.num_attention_heads} seq={m.seq_length} "
-          f"vocab={m.vocab_size}; micro {bench.micro_batch} x {WORLD} ranks, global {bench.global_batch}; "
-          f"fp32 AdamW; {bench.warmup} warm-up + {bench.steps} timed steps; "
-          f"{bench.threads} thread(s)/rank; gloo on CPU; torch {torch.__version__}")
+    print(
+        f"GPT h={m.hidden_size} layers={m.num_layers} heads={m.num_attention_heads} seq={m.seq_length} "
+        f"vocab={m.vocab_size}; micro {bench.micro_batch} x {WORLD} ranks, global {bench.global_batch}; "
+        f"fp32 AdamW; {bench.warmup} warm-up + {bench.steps} timed steps; "
+        f"{bench.threads} thread(s)/rank; gloo on CPU; torch {torch.__version__}"
+    )
     runs: dict[str, list] = {}
     for round_index in range(args.rounds):
         for name, side, stage, _ in CONFIGS:
             if name not in wanted:
                 continue
             started = time.perf_counter()
-            pool = DistributedPool(WORLD)       # fresh processes: ru_maxrss is this config's own peak
+            pool = DistributedPool(WORLD)  # fresh processes: ru_maxrss is this config's own peak
             try:
                 ranks = pool.run(worker, bench, name, side, stage)
             finally:
                 pool.close()
             runs.setdefault(name, []).append(ranks)
             ms = max(statistics.median(r["ms"]) for r in ranks)
-            print(f"  round {round_index + 1} {name:<6} {ms:8.1f} ms/step  "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+            print(
+                f"  round {round_index + 1} {name:<6} {ms:8.1f} ms/step  ({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
     print_results({name: summarize(rounds) for name, rounds in runs.items()}, args.show_losses)
 
 

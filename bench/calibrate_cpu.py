@@ -29,6 +29,7 @@ What it measures, every figure at one torch thread per process (as torchrun's ra
 Ranks beyond the cores share them: 4 and 8 gloo ranks on 2 cores are measured as they run (the
 figures include the sharing) and `cores` records how many there were.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "megazero" / "dry_run" / "cpu_measured.toml"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 WORLDS = (2, 4, 8)
-SIZES = tuple(1024 * 4 ** i for i in range(8))          # 1 KiB .. 16 MiB
+SIZES = tuple(1024 * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 MEMORY_SIZES = (64 << 20, 128 << 20, 256 << 20)
 # A collective in a step follows compute (tp2's all-reduces: ~0.2-0.5 ms of a layer apart): timed so,
 # gloo's per-call cost at 2 ranks was 1.2-1.8 ms against 0.4-1.0 ms back to back at the same moment.
@@ -60,8 +61,12 @@ def wire_bytes(op: str, ranks: int, buffer_bytes: float) -> float:
     """Bytes each rank puts on the wire by the ring algorithm: all_reduce 2(n-1)/n B, all_gather and
     reduce_scatter (n-1)/n B (B the full buffer: the gather's output, the scatter's input), send_recv B."""
     n = ranks
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "send_recv": 1.0}[op]
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "send_recv": 1.0,
+    }[op]
     return factor * buffer_bytes
 
 
@@ -87,7 +92,7 @@ def fit_alpha_beta(wire: list[float], seconds: list[float]) -> tuple[float, floa
 
 def _seconds_per_call(fn, min_seconds: float = 0.02, batches: int = 5) -> float:
     """Median over batches of (batch time / calls), each batch at least min_seconds long."""
-    fn()                                  # warm: first-call allocations and dispatch caches
+    fn()  # warm: first-call allocations and dispatch caches
     t0 = time.perf_counter()
     fn()
     once = max(time.perf_counter() - t0, 1e-7)
@@ -111,9 +116,18 @@ def step_op_us() -> tuple[float, int]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from megazero.models.config import GPTConfig
     from megazero.models.gpt import GPT
+
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, hidden_size=8, num_layers=2, num_attention_heads=2, ffn_hidden_size=16,
-                    seq_length=8, hidden_dropout=0.0, attention_dropout=0.0)
+    cfg = GPTConfig(
+        vocab_size=64,
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        ffn_hidden_size=16,
+        seq_length=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     model = GPT(cfg)
     tokens = torch.randint(0, 64, (1, 8))
 
@@ -126,6 +140,7 @@ def step_op_us() -> tuple[float, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.ops += 1
             return func(*args, **(kwargs or {}))
+
     with Count():
         step()
     return _seconds_per_call(step, min_seconds=0.1) / Count.ops * 1e6, Count.ops
@@ -140,8 +155,13 @@ def gemm_shapes() -> list[tuple[int, int, int]]:
     shapes = set()
     for tp in (1, 2):
         for tokens in (64, 32):
-            for out, inp in ((3 * hidden // tp, hidden), (hidden, hidden // tp), (ffn // tp, hidden),
-                             (hidden, ffn // tp), (vocab // tp, hidden)):
+            for out, inp in (
+                (3 * hidden // tp, hidden),
+                (hidden, hidden // tp),
+                (ffn // tp, hidden),
+                (hidden, ffn // tp),
+                (vocab // tp, hidden),
+            ):
                 shapes |= {(tokens, out, inp), (tokens, inp, out), (out, inp, tokens)}
     shapes |= {(64, 64, head), (64, head, 64), (head, 64, 64), (32, 64, head), (32, head, 64)}
     shapes |= {(s, s, s) for s in (128, 256, 512, 1024, 2048)}
@@ -159,7 +179,7 @@ def matmul_gflops(shapes) -> tuple[list[list[float]], list[list[float]]]:
         out = torch.empty(m, n)
         t0 = _seconds_per_call(lambda: torch.mm(one_a, one_b, out=one_out))
         t = _seconds_per_call(lambda: torch.mm(a, b, out=out))
-        device_s = max(t - t0, t * 0.1)      # noise guard: a GEMM's own work is never under 10% of its call
+        device_s = max(t - t0, t * 0.1)  # noise guard: a GEMM's own work is never under 10% of its call
         rows.append([m, n, k, round(2 * m * n * k / device_s / 1e9, 3)])
         calls.append([m, n, k, round(t * 1e6, 2)])
     return rows, calls
@@ -167,8 +187,10 @@ def matmul_gflops(shapes) -> tuple[list[list[float]], list[list[float]]]:
 
 def _bandwidths(size: int) -> dict:
     a, b, c = torch.ones(size // 4), torch.ones(size // 4), torch.empty(size // 4)
-    return {f"copy {size >> 20} MiB": 2 * size / _seconds_per_call(lambda: c.copy_(a), 0.1, 3) / 1e9,
-            f"add {size >> 20} MiB": 3 * size / _seconds_per_call(lambda: torch.add(a, b, out=c), 0.1, 3) / 1e9}
+    return {
+        f"copy {size >> 20} MiB": 2 * size / _seconds_per_call(lambda: c.copy_(a), 0.1, 3) / 1e9,
+        f"add {size >> 20} MiB": 3 * size / _seconds_per_call(lambda: torch.add(a, b, out=c), 0.1, 3) / 1e9,
+    }
 
 
 def memory_gbps(sizes=MEMORY_SIZES) -> tuple[float, dict]:
@@ -186,6 +208,7 @@ def exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
     a step pays; a stream of one-way sends (the earlier figure) overlaps them and shows only the
     throughput, ~10x less at small sizes."""
     import torch.distributed as dist
+
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)])
     for work in works:
         work.wait()
@@ -200,6 +223,7 @@ def _compute_between(gap_us: float):
     def compute():
         for _ in range(count):
             torch.mm(a, b)
+
     return compute
 
 
@@ -209,17 +233,20 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
     `gap_us` > 0: each call follows that much compute, as in a step, and a batch's time is its
     calls' with the compute less the same compute timed alone just before."""
     import torch.distributed as dist
-    from megazero.core.comm import all_gather_single, reduce_scatter_single     # the calls megazero makes
+    from megazero.core.comm import all_gather_single, reduce_scatter_single  # the calls megazero makes
+
     n, rank = ctx.world_size, ctx.rank
-    peer = rank ^ 1                      # send_recv: ranks in pairs (0, 1), (2, 3), ...
+    peer = rank ^ 1  # send_recv: ranks in pairs (0, 1), (2, 3), ...
     received = {size: torch.zeros(size // 4) for size in sizes}
 
     def calls_for(size):
         full, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
-        return {"all_reduce": lambda: dist.all_reduce(full),
-                "all_gather": lambda: all_gather_single(full, shard),
-                "reduce_scatter": lambda: reduce_scatter_single(shard, full),
-                "send_recv": lambda: exchange(full, received[size], peer)}
+        return {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: all_gather_single(full, shard),
+            "reduce_scatter": lambda: reduce_scatter_single(shard, full),
+            "send_recv": lambda: exchange(full, received[size], peer),
+        }
 
     def slowest(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
@@ -257,7 +284,8 @@ def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: fl
     per world size: its ranks' GEMM rate all at once against one process's alone just before
     (`slowdown`: how much slower a rank computes with that many ranks running), then the sweep."""
     from megazero.testing import DistributedPool
-    module = importlib.import_module("calibrate_cpu")     # by module name: the workers import them
+
+    module = importlib.import_module("calibrate_cpu")  # by module name: the workers import them
     step_module = importlib.import_module("calibrate_cpu_step")
     out = {op: {"ranks": [], "alpha_us": [], "beta_gbps": [], "measured_us": []} for op in OPS}
     shared = {"ranks": [1], "slowdown": [1.0]}
@@ -276,9 +304,13 @@ def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: fl
             entry["alpha_us"].append(round(alpha, 2))
             entry["beta_gbps"].append(round(beta, 4))
             entry["measured_us"].append([round(t * 1e6, 1) for t in found[op]])
-        print(f"  {n} ranks: GEMMs {shared['slowdown'][-1]:.2f}x slower than alone; " + ", ".join(
-            f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta {out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS),
-            flush=True)
+        print(
+            f"  {n} ranks: GEMMs {shared['slowdown'][-1]:.2f}x slower than alone; "
+            + ", ".join(
+                f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta {out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS
+            ),
+            flush=True,
+        )
     return out, shared
 
 
@@ -304,8 +336,15 @@ def memory_gb() -> float:
     return 0.0
 
 
-REQUIRED = {"name": str, "memory_gb": (int, float), "source": str, "cores": int, "launch_us": (int, float),
-            "memory_gbps": (int, float), "matmul": list}
+REQUIRED = {
+    "name": str,
+    "memory_gb": (int, float),
+    "source": str,
+    "cores": int,
+    "launch_us": (int, float),
+    "memory_gbps": (int, float),
+    "matmul": list,
+}
 
 
 def check_schema(doc: dict) -> None:
@@ -325,7 +364,9 @@ def check_schema(doc: dict) -> None:
             raise ValueError(f"no [cpu.collectives.{op}] table")
         ranks = table.get("ranks")
         if not ranks or any(len(table.get(k, [])) != len(ranks) for k in ("alpha_us", "beta_gbps")):
-            raise ValueError(f"[cpu.collectives.{op}]: ranks, alpha_us and beta_gbps must have one entry per size of world")
+            raise ValueError(
+                f"[cpu.collectives.{op}]: ranks, alpha_us and beta_gbps must have one entry per size of world"
+            )
         if any(a < 0 for a in table["alpha_us"]) or any(b <= 0 for b in table["beta_gbps"]):
             raise ValueError(f"[cpu.collectives.{op}]: alpha_us >= 0 and beta_gbps > 0")
 
@@ -335,14 +376,19 @@ def _array(rows) -> str:
 
 
 def _launch_lines(m: dict) -> list[str]:
-    tiny = (f"# tiny_step_op_us: a tiny GPT's forward + backward over its {m['step_ops']} aten ops (views "
-            "included), {:.2f} us.".format(m.get("tiny_launch_us", m["launch_us"])))
+    tiny = (
+        f"# tiny_step_op_us: a tiny GPT's forward + backward over its {m['step_ops']} aten ops (views "
+        "included), {:.2f} us.".format(m.get("tiny_launch_us", m["launch_us"]))
+    )
     if "one_rank_ms" not in m:
         return ["# launch_us: the tiny GPT's figure below (no one-rank step measured: --no-step).", tiny]
-    return ["# launch_us: the host's cost per op the timeline issues, from a real one-rank step of the grid's model",
-            f"# (bench/cpu_layouts.py's): measured {m['one_rank_ms']:.1f} ms, the device model's work "
-            f"{m['one_rank_work_ms']:.1f} ms, {m['one_rank_ops']} ops:",
-            "# (measured - work) / ops (megazero.dry_run.speed.fitted_launch_us).", tiny]
+    return [
+        "# launch_us: the host's cost per op the timeline issues, from a real one-rank step of the grid's model",
+        f"# (bench/cpu_layouts.py's): measured {m['one_rank_ms']:.1f} ms, the device model's work "
+        f"{m['one_rank_work_ms']:.1f} ms, {m['one_rank_ops']} ops:",
+        "# (measured - work) / ops (megazero.dry_run.speed.fitted_launch_us).",
+        tiny,
+    ]
 
 
 def render(m: dict) -> str:
@@ -375,18 +421,28 @@ def render(m: dict) -> str:
         f"launch_us = {m['launch_us']:.2f}",
         f"bare_op_us = {m['bare_op_us']:.2f}",
         f"tiny_step_op_us = {m.get('tiny_launch_us', m['launch_us']):.2f}",
-        *([f"shared_ranks = {m['shared']['ranks']}",
-           f"shared_slowdown = {m['shared']['slowdown']}   # a rank's GEMMs with that many ranks at once, over one alone"]
-          if m.get("shared") else []),
+        *(
+            [
+                f"shared_ranks = {m['shared']['ranks']}",
+                f"shared_slowdown = {m['shared']['slowdown']}   # a rank's GEMMs with that many ranks at once, over one alone",
+            ]
+            if m.get("shared")
+            else []
+        ),
         f"memory_gbps = {m['memory_gbps']:.2f}",
         f"matmul = {_array(m['matmul'])}",
         f"matmul_call_us = {_array(m['matmul_calls'])}   # [m, n, k, microseconds per torch.mm call, its host cost included]",
     ]
     for op, table in m["collectives"].items():
-        lines += ["", f"[cpu.collectives.{op}]",
-                  f"ranks = {table['ranks']}", f"alpha_us = {table['alpha_us']}", f"beta_gbps = {table['beta_gbps']}",
-                  f"sizes_bytes = {m['sizes']}",
-                  f"measured_us = {_array(table['measured_us'])}   # one row per entry of ranks, by sizes_bytes"]
+        lines += [
+            "",
+            f"[cpu.collectives.{op}]",
+            f"ranks = {table['ranks']}",
+            f"alpha_us = {table['alpha_us']}",
+            f"beta_gbps = {table['beta_gbps']}",
+            f"sizes_bytes = {m['sizes']}",
+            f"measured_us = {_array(table['measured_us'])}   # one row per entry of ranks, by sizes_bytes",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -395,10 +451,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="the TOML to write")
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and batches (a smoke run)")
     p.add_argument("--ranks", default="2,4,8", help="sizes of world for gloo, comma-separated")
-    p.add_argument("--gap-us", type=float, default=GAP_US,
-                   help=f"compute before each timed collective, as in a step (default {GAP_US:g}; 0: back to back)")
-    p.add_argument("--no-step", action="store_true",
-                   help="skip the one-rank training step (launch_us stays the tiny GPT's per-op figure)")
+    p.add_argument(
+        "--gap-us",
+        type=float,
+        default=GAP_US,
+        help=f"compute before each timed collective, as in a step (default {GAP_US:g}; 0: back to back)",
+    )
+    p.add_argument(
+        "--no-step",
+        action="store_true",
+        help="skip the one-rank training step (launch_us stays the tiny GPT's per-op figure)",
+    )
     return p.parse_args(argv)
 
 
@@ -418,12 +481,25 @@ def measure(args) -> dict:
     step = {} if args.no_step else one_rank_step(compute_device(matmul, gbps))
     worlds = [int(n) for n in args.ranks.split(",")]
     collectives, shared = measure_collectives(worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us)
-    found = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                 name=machine_name(), memory_gb=memory_gb(), cores=os.cpu_count(), load=(load_before, os.getloadavg()[0]),
-                 launch_us=launch, tiny_launch_us=launch, bare_op_us=bare, step_ops=ops, memory_gbps=gbps,
-                 memory_detail=detail, matmul=matmul, matmul_calls=matmul_calls, sizes=list(sizes),
-                 collectives=collectives, shared=shared)
-    return {**found, **step}            # the fitted launch_us, when the step was measured
+    found = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        name=machine_name(),
+        memory_gb=memory_gb(),
+        cores=os.cpu_count(),
+        load=(load_before, os.getloadavg()[0]),
+        launch_us=launch,
+        tiny_launch_us=launch,
+        bare_op_us=bare,
+        step_ops=ops,
+        memory_gbps=gbps,
+        memory_detail=detail,
+        matmul=matmul,
+        matmul_calls=matmul_calls,
+        sizes=list(sizes),
+        collectives=collectives,
+        shared=shared,
+    )
+    return {**found, **step}  # the fitted launch_us, when the step was measured
 
 
 def main(argv=None) -> Path:

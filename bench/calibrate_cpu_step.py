@@ -3,6 +3,7 @@
 (one_rank_step), and how much slower a rank computes with n ranks running at once than one alone
 (sharing_slowdown). Every figure at one torch thread per process, as calibrate_cpu sets it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,6 +20,7 @@ def gemm_rate(ctx=None, seconds: float = 1.0) -> float:
     ranks (`ctx`), every rank at once."""
     if ctx is not None:
         import torch.distributed as dist
+
         dist.barrier()
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     calls, t0 = 0, time.perf_counter()
@@ -42,8 +44,18 @@ def compute_device(matmul: list, gbps: float):
     """The device model of what is measured so far (GEMMs, memory), at no launch cost: what the
     one-rank step, which makes no collective, is timed by."""
     from megazero.dry_run.devices import Device
-    return Device(key="cpu", name="calibrating", kind="cpu", memory_gb=0.0, peak_tflops={"fp32": 1.0},
-                  memory_gbps=gbps, launch_us=0.0, matmul=[list(r) for r in matmul], cores=os.cpu_count() or 1)
+
+    return Device(
+        key="cpu",
+        name="calibrating",
+        kind="cpu",
+        memory_gb=0.0,
+        peak_tflops={"fp32": 1.0},
+        memory_gbps=gbps,
+        launch_us=0.0,
+        matmul=[list(r) for r in matmul],
+        cores=os.cpu_count() or 1,
+    )
 
 
 def one_rank_step(device, steps: int = 8) -> dict:
@@ -56,6 +68,7 @@ def one_rank_step(device, steps: int = 8) -> dict:
     import tempfile
     from megazero.dry_run import speed
     from megazero.dry_run.job import simulate
+
     cpu_grid = importlib.import_module("cpu_grid")
     argv = cpu_grid.layout_argv([], steps)
     with tempfile.TemporaryDirectory(prefix="calibrate_one_rank_") as folder:
@@ -64,9 +77,15 @@ def one_rank_step(device, steps: int = 8) -> dict:
     if runs[0].error is not None:
         raise RuntimeError(f"the dry run of the one-rank step failed: {runs[0].error}")
     launch, work, ops = speed.fitted_launch_us(speed.step_traces(runs), device, measured_ms / 1e3)
-    print(f"one-rank step: measured {measured_ms:.1f} ms, device work {work * 1e3:.1f} ms, {ops} ops issued: "
-          f"launch_us {launch:.2f}", flush=True)
+    print(
+        f"one-rank step: measured {measured_ms:.1f} ms, device work {work * 1e3:.1f} ms, {ops} ops issued: "
+        f"launch_us {launch:.2f}",
+        flush=True,
+    )
     if launch == 0.0:
-        print("  the device's work alone exceeds the measured step: the load moved between the GEMM sweep "
-              "and the step; rerun on a quieter machine", flush=True)
+        print(
+            "  the device's work alone exceeds the measured step: the load moved between the GEMM sweep "
+            "and the step; rerun on a quieter machine",
+            flush=True,
+        )
     return dict(launch_us=launch, one_rank_ms=measured_ms, one_rank_work_ms=work * 1e3, one_rank_ops=ops)

@@ -2,6 +2,7 @@
 layout is launched and timed (torchrun, the median step). bench/calibrate_cpu_step.py times the same
 model on one rank to fit the host's cost per op; both import it from here, so neither imports the
 other's script."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,28 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "1", "--global-batch-size", "8", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1"]
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+]
 ZERO3_OFFLOAD = ["--zero-stage", "3", "--zero-offload-optimizer", "cpu", "--zero-offload-param", "cpu"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
@@ -35,10 +55,16 @@ LAYOUTS = [
     ("pp2-dp2-zero2", 4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"]),
     ("tp2-pp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     ("cp2-dp2-zero3", 4, ["--context-parallel-size", "2", "--zero-stage", "3"]),
-    ("moe-ep2-tp2-sp", 4, MOE + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                                 "--sequence-parallel"]),
-    ("tp2-pp2-dp2-zero1", 8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                              "--zero-stage", "1"]),
+    (
+        "moe-ep2-tp2-sp",
+        4,
+        MOE + ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ),
+    (
+        "tp2-pp2-dp2-zero1",
+        8,
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
+    ),
 ]
 
 
@@ -62,10 +88,23 @@ def steady_step_ms(metrics_path: Path, skip: int = 2) -> float:
 def measure_layout(ranks: int, argv: list[str], folder: Path) -> float:
     """Launches the layout with torchrun in `folder`; its steady-state ms per step."""
     from megazero.testing import free_port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-port", str(free_port()), str(REPO / "pretrain_gpt.py"), *argv, "--run-dir", "run"]
-    proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-port",
+        str(free_port()),
+        str(REPO / "pretrain_gpt.py"),
+        *argv,
+        "--run-dir",
+        "run",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=folder, capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}\n{proc.stderr[-3000:]}")
     return steady_step_ms(folder / "run" / "metrics.jsonl")

@@ -18,6 +18,7 @@ layout: the load average as it ended, and the host's cost per op measured just b
 (calibrate_cpu.step_op_us, the calibration's launch_us): how far the machine's load had moved since
 the calibration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,19 +80,30 @@ def calibration_header(text: str) -> str:
         return "a calibration without calibrate_cpu.py's header"
     step = re.search(r"measured ([\d.]+) ms, the device model's work ([\d.]+) ms, (\d+) ops", text)
     launch = re.search(r"^launch_us = ([\d.]+)", text, re.M)
-    fitted = (f"; launch_us {launch[1]} fitted on the one-rank step ({step[1]} ms measured, {step[2]} ms "
-              f"the device's work, {step[3]} ops)") if step and launch else ""
+    fitted = (
+        (
+            f"; launch_us {launch[1]} fitted on the one-rank step ({step[1]} ms measured, {step[2]} ms "
+            f"the device's work, {step[3]} ops)"
+        )
+        if step and launch
+        else ""
+    )
     return f"{found[1]}, {found[2]}, load average {load[1]} before / {load[2]} after it{fitted}"
 
 
 def table(rows: list[dict], calibration: str) -> str:
-    lines = [f"Measured with {calibration}.", "",
-             "| layout | ranks | flags | measured ms/step | predicted ms/step | predicted / measured | load | host us/op |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Measured with {calibration}.",
+        "",
+        "| layout | ranks | flags | measured ms/step | predicted ms/step | predicted / measured | load | host us/op |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         pred = f"{r['predicted']:.1f}" if r.get("predicted") is not None else "-"
         ratio = f"{r['predicted'] / r['measured']:.2f}" if r.get("predicted") is not None else "-"
-        lines.append(f"| {r['name']} | {r['ranks']} | `{' '.join(r['flags'])}` | {r['measured']:.1f} | {pred} | {ratio} | {r['load']:.1f} | {r['host_us']:.1f} |")
+        lines.append(
+            f"| {r['name']} | {r['ranks']} | `{' '.join(r['flags'])}` | {r['measured']:.1f} | {pred} | {ratio} | {r['load']:.1f} | {r['host_us']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -99,8 +111,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     p.add_argument("--steps", type=int, default=8, help="training steps per layout (the first two are not timed)")
-    p.add_argument("--calibration", type=Path, default=None,
-                   help="where the calibration writes (default megazero/dry_run/cpu_measured.toml)")
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="where the calibration writes (default megazero/dry_run/cpu_measured.toml)",
+    )
     p.add_argument("--skip-calibration", action="store_true", help="use the calibration file as it is")
     p.add_argument("--table", type=Path, default=None, help="write the markdown table here too")
     args = p.parse_args(argv)
@@ -118,8 +134,9 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "bench"))
     calibrate_cpu = importlib.import_module("calibrate_cpu")
     from megazero.dry_run import devices
+
     calibration = args.calibration or calibrate_cpu.DEFAULT_OUTPUT
-    torch.set_num_threads(1)                          # as the ranks run (and the calibration measures)
+    torch.set_num_threads(1)  # as the ranks run (and the calibration measures)
     if not args.skip_calibration:
         calibrate_cpu.main(["--output", str(calibration)])
     header = calibration_header(calibration.read_text())
@@ -132,17 +149,28 @@ def main(argv=None) -> int:
         if chosen and name not in chosen:
             continue
         argv = layout_argv(extra, args.steps)
-        host_us = calibrate_cpu.step_op_us()[0]       # the load now, as the calibration's launch_us saw it
+        host_us = calibrate_cpu.step_op_us()[0]  # the load now, as the calibration's launch_us saw it
         with tempfile.TemporaryDirectory(prefix=f"cpu_layout_{name}_") as folder:
-            row = dict(name=name, ranks=ranks, flags=extra, measured=measure_layout(ranks, argv, Path(folder)),
-                       load=os.getloadavg()[0], host_us=host_us)
+            row = dict(
+                name=name,
+                ranks=ranks,
+                flags=extra,
+                measured=measure_layout(ranks, argv, Path(folder)),
+                load=os.getloadavg()[0],
+                host_us=host_us,
+            )
         if predict is not None:
             row["predicted"] = predicted_ms(predict, ranks, argv, devices.cpu(calibration))
         rows.append(row)
-        ratio = f" | predicted {row['predicted']:.1f} ms | ratio {row['predicted'] / row['measured']:.2f}" \
-            if predict is not None else ""
-        print(f"{name:<20} {ranks} ranks | measured {row['measured']:.1f} ms/step{ratio} | "
-              f"load {row['load']:.1f}", flush=True)
+        ratio = (
+            f" | predicted {row['predicted']:.1f} ms | ratio {row['predicted'] / row['measured']:.2f}"
+            if predict is not None
+            else ""
+        )
+        print(
+            f"{name:<20} {ranks} ranks | measured {row['measured']:.1f} ms/step{ratio} | load {row['load']:.1f}",
+            flush=True,
+        )
     text = table(rows, f"{calibration.name} calibrated in the same run ({header})")
     print(text)
     if args.table:

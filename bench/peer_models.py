@@ -16,6 +16,7 @@ Used by bench_step_vs_torch.py and bench_zero_vs_fsdp.py; bench_gpu_step.py's pe
 PyTorch GPT (bench/plain_gpt.py) loading `initial_hf_state`, since the GPU image need not have
 transformers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,7 +32,7 @@ def initialised_gpt(cfg: GPTConfig, seed: int) -> GPT:
     model = GPT(cfg)
     init = make_init_fn(cfg, seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():     # a tied head appears once, as the embedding
+        for name, p in model.named_parameters():  # a tied head appears once, as the embedding
             p.copy_(init(name, p))
     return model
 
@@ -49,13 +50,14 @@ def hf_model(cfg: GPTConfig, seed: int, attention: str = "sdpa"):
     """transformers' model of megazero's `cfg` (GPT-2 or Llama, whichever expresses it exactly)
     holding megazero's initial weights, in train mode."""
     import transformers
+
     fmt = hf_adapter.choose_format(cfg, "auto")
     config_json = hf_adapter.hf_config(cfg, fmt)
     architecture = config_json.pop("architectures")[0]
     config = transformers.AutoConfig.for_model(**config_json)
     config._attn_implementation = attention
     model = getattr(transformers, architecture)(config)
-    model.loss_type = "ForCausalLM"         # transformers' causal-LM loss (its default, named)
+    model.loss_type = "ForCausalLM"  # transformers' causal-LM loss (its default, named)
     result = model.load_state_dict(initial_hf_state(cfg, seed, fmt), strict=False)
     tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
     if result.unexpected_keys or set(result.missing_keys) - tied:
@@ -70,8 +72,9 @@ def hf_loss(model, tokens: torch.Tensor, normalizer) -> torch.Tensor:
     """transformers' loss of `tokens` (b, s + 1): inputs tokens[:, :-1], next-token labels
     tokens[:, 1:] (given as its shift_labels, so nothing is cut), summed over tokens / normalizer."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:].contiguous()
-    return model(input_ids=inputs, labels=labels, shift_labels=labels, num_items_in_batch=normalizer,
-                 use_cache=False).loss
+    return model(
+        input_ids=inputs, labels=labels, shift_labels=labels, num_items_in_batch=normalizer, use_cache=False
+    ).loss
 
 
 def layers_of(model) -> list[torch.nn.Module]:

@@ -8,6 +8,7 @@ It loads a GPT-2 Hugging Face state dict (bench/peer_models.initial_hf_state: me
 weights through its export), so it computes megazero's GPT's function: GELU (tanh or erf), pre-LN,
 learned positions, tied embeddings, biases, heads of hidden / heads.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,11 @@ class Block(nn.Module):
         h = cfg.hidden_size
         self.heads, self.approximate = cfg.num_attention_heads, cfg.gelu_approximate
         # "selective": the attention core recomputed in backward (Megatron's selective recomputation)
-        self.attend = (functools.partial(_checkpointed, F.scaled_dot_product_attention)
-                       if cfg.recompute_granularity == "selective" else F.scaled_dot_product_attention)
+        self.attend = (
+            functools.partial(_checkpointed, F.scaled_dot_product_attention)
+            if cfg.recompute_granularity == "selective"
+            else F.scaled_dot_product_attention
+        )
         self.ln_1, self.ln_2 = nn.LayerNorm(h, eps=cfg.norm_epsilon), nn.LayerNorm(h, eps=cfg.norm_epsilon)
         self.c_attn, self.c_proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
         self.c_fc, self.mlp_proj = nn.Linear(h, cfg.ffn_hidden_size), nn.Linear(cfg.ffn_hidden_size, h)
@@ -60,15 +64,22 @@ class PlainGPT(nn.Module):
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = _checkpointed(block, x) if self.full_recompute and self.training else block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)            # tied output layer
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output layer
         losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
         return losses.view_as(labels)
 
     def load_gpt2_state(self, state: dict[str, torch.Tensor]) -> None:
         """Loads transformers' GPT-2 names and layout (Conv1D weights are stored (in, out))."""
-        rename = {"transformer.wte.": "wte.", "transformer.wpe.": "wpe.", "transformer.ln_f.": "ln_f.",
-                  "transformer.h.": "blocks.", ".attn.c_attn.": ".c_attn.", ".attn.c_proj.": ".c_proj.",
-                  ".mlp.c_fc.": ".c_fc.", ".mlp.c_proj.": ".mlp_proj."}
+        rename = {
+            "transformer.wte.": "wte.",
+            "transformer.wpe.": "wpe.",
+            "transformer.ln_f.": "ln_f.",
+            "transformer.h.": "blocks.",
+            ".attn.c_attn.": ".c_attn.",
+            ".attn.c_proj.": ".c_proj.",
+            ".mlp.c_fc.": ".c_fc.",
+            ".mlp.c_proj.": ".mlp_proj.",
+        }
         ours = {}
         for name, value in state.items():
             for old, new in rename.items():
@@ -80,7 +91,13 @@ class PlainGPT(nn.Module):
 
 def supports(cfg: GPTConfig) -> bool:
     """Whether PlainGPT computes `cfg`'s function (GPT-2's architecture, tied, heads of h / heads)."""
-    return (cfg.position_embedding == "learned" and cfg.activation == "gelu" and cfg.normalization == "layernorm"
-            and cfg.tie_embeddings and cfg.add_bias_linear and not cfg.apply_layernorm_1p
-            and cfg.num_query_groups == cfg.num_attention_heads
-            and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size)
+    return (
+        cfg.position_embedding == "learned"
+        and cfg.activation == "gelu"
+        and cfg.normalization == "layernorm"
+        and cfg.tie_embeddings
+        and cfg.add_bias_linear
+        and not cfg.apply_layernorm_1p
+        and cfg.num_query_groups == cfg.num_attention_heads
+        and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size
+    )

@@ -55,6 +55,7 @@ at pp 2 and with persistence 2000 (0.89: a rank stays ~10 MB more resident after
 live tensors, memory outside torch's tensors that the planner cannot see). Reruns move single
 layouts by up to ~5%.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -71,34 +72,101 @@ from megazero.config.memory_estimate import MODEL_STATE_KINDS, OFFLOAD_CATEGORIE
 from megazero.parallel.topology import Topology
 
 WORLD = 4
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
-         "--seq-length", "32", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2"]
-PEAK_MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--ffn-hidden-size",
-              "2048", "--seq-length", "32", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2"]
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "256",
+    "--seq-length",
+    "32",
+    "--untie-embeddings-and-output-weights",
+    "--micro-batch-size",
+    "2",
+]
+PEAK_MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "512",
+    "--num-attention-heads",
+    "8",
+    "--ffn-hidden-size",
+    "2048",
+    "--seq-length",
+    "32",
+    "--untie-embeddings-and-output-weights",
+    "--micro-batch-size",
+    "2",
+]
 # A small vocabulary (synthetic tokens) keeps every parameter small beside the model states: a
 # tensor held a little longer on one rank (freed at the next garbage collection) moves its peak by
 # at most that much.
 PEAK_VOCAB = 1024
 # (tp, pp, dp, ZeRO stage, bf16, MiCS shard size, stage-3 param_persistence_threshold, offload)
 # offload: "" or "+"-joined "optimizer:<device>" / "param:<device>"
-GRID = [(1, 1, 4, 0, False, -1, 0, ""), (1, 1, 4, 1, True, -1, 0, ""), (1, 1, 4, 2, True, -1, 0, ""),
-        (1, 1, 4, 3, False, -1, 0, ""), (1, 1, 4, 3, True, 2, 0, ""), (2, 1, 2, 1, False, -1, 0, ""),
-        (2, 1, 2, 3, True, -1, 0, ""), (1, 2, 2, 2, False, -1, 0, ""), (1, 2, 2, 3, True, -1, 0, ""),
-        (2, 2, 1, 0, True, -1, 0, ""), (1, 1, 4, 3, True, -1, 2000, ""), (1, 2, 2, 3, False, -1, 16384, ""),
-        (1, 1, 4, 2, True, -1, 0, "optimizer:cpu"), (1, 1, 4, 3, False, -1, 0, "param:cpu"),
-        (1, 1, 4, 3, True, -1, 0, "optimizer:nvme+param:nvme"), (1, 1, 4, 3, False, -1, 0, "optimizer:cpu:0.5")]
+GRID = [
+    (1, 1, 4, 0, False, -1, 0, ""),
+    (1, 1, 4, 1, True, -1, 0, ""),
+    (1, 1, 4, 2, True, -1, 0, ""),
+    (1, 1, 4, 3, False, -1, 0, ""),
+    (1, 1, 4, 3, True, 2, 0, ""),
+    (2, 1, 2, 1, False, -1, 0, ""),
+    (2, 1, 2, 3, True, -1, 0, ""),
+    (1, 2, 2, 2, False, -1, 0, ""),
+    (1, 2, 2, 3, True, -1, 0, ""),
+    (2, 2, 1, 0, True, -1, 0, ""),
+    (1, 1, 4, 3, True, -1, 2000, ""),
+    (1, 2, 2, 3, False, -1, 16384, ""),
+    (1, 1, 4, 2, True, -1, 0, "optimizer:cpu"),
+    (1, 1, 4, 3, False, -1, 0, "param:cpu"),
+    (1, 1, 4, 3, True, -1, 0, "optimizer:nvme+param:nvme"),
+    (1, 1, 4, 3, False, -1, 0, "optimizer:cpu:0.5"),
+]
 SWAP_DIR = os.path.join(tempfile.gettempdir(), "megazero-plan-memory")
 # Mixtures of experts: a layout with a 9th entry (expert-parallel size, dispatcher) makes every layer
 # of the model a mixture of MOE_FLAGS' experts. Their peak model: the experts' dispatch buffers and
 # activations (tokens x top-k rows) must be a good part of the peak, so more tokens per microbatch
 # and a narrower model than PEAK_MODEL's.
-MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512",
-             "--moe-shared-expert-intermediate-size", "256", "--moe-shared-expert-gate"]
-MOE_PEAK_MODEL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size",
-                  "1024", "--seq-length", "512", "--untie-embeddings-and-output-weights", "--micro-batch-size", "2",
-                  "--attention-dropout", "0", "--hidden-dropout", "0"]
-MOE_PEAK_GRID = [(1, 1, 4, 1, False, -1, 0, "", (1, "alltoall")), (1, 1, 4, 2, False, -1, 0, "", (2, "alltoall")),
-                 (1, 1, 4, 3, False, -1, 0, "", (4, "allgather")), (1, 1, 4, 2, False, -1, 0, "", (2, "allgather"))]
+MOE_FLAGS = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "512",
+    "--moe-shared-expert-intermediate-size",
+    "256",
+    "--moe-shared-expert-gate",
+]
+MOE_PEAK_MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "1024",
+    "--seq-length",
+    "512",
+    "--untie-embeddings-and-output-weights",
+    "--micro-batch-size",
+    "2",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
+MOE_PEAK_GRID = [
+    (1, 1, 4, 1, False, -1, 0, "", (1, "alltoall")),
+    (1, 1, 4, 2, False, -1, 0, "", (2, "alltoall")),
+    (1, 1, 4, 3, False, -1, 0, "", (4, "allgather")),
+    (1, 1, 4, 2, False, -1, 0, "", (2, "allgather")),
+]
 
 
 def layout_argv(layout, model=MODEL) -> tuple[list[str], float | None]:
@@ -106,11 +174,19 @@ def layout_argv(layout, model=MODEL) -> tuple[list[str], float | None]:
     tp, pp, dp, stage, bf16, mics, persistence, offload, *moe = layout
     for ep, dispatcher in moe:
         model = model + MOE_FLAGS + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
-    argv = model + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                    "--zero-stage", str(stage), "--global-batch-size", str(2 * dp * pp)]
+    argv = model + [
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--zero-stage",
+        str(stage),
+        "--global-batch-size",
+        str(2 * dp * pp),
+    ]
     ratio = None
     for part in filter(None, offload.split("+")):
-        what, device, *rest = part.split(":")         # "optimizer:cpu:0.5": partial offload, ratio 0.5
+        what, device, *rest = part.split(":")  # "optimizer:cpu:0.5": partial offload, ratio 0.5
         ratio = float(rest[0]) if rest else ratio
         argv += [f"--zero-offload-{what}", device] + (["--zero-nvme-path", SWAP_DIR] if device == "nvme" else [])
     return argv + (["--bf16"] if bf16 else []), ratio
@@ -121,7 +197,7 @@ def layout_config(layout, model=MODEL, vocab: int | None = None):
     argv, ratio = layout_argv(layout, model)
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args, tp * pp * dp)
-    if ratio is not None:              # sub-groups small enough for the ratio to split the partition
+    if ratio is not None:  # sub-groups small enough for the ratio to split the partition
         cfg.zero.offload_optimizer.ratio, cfg.zero.sub_group_size = ratio, 4096
     cfg.zero.param_persistence_threshold = persistence
     cfg.zero.mics_shard_size = mics
@@ -140,6 +216,7 @@ def _groups(ctx, layout):
 def engine_report_worker(ctx, layout):
     """Pool entry: the engine's memory.report() on this rank for `layout` (None outside it)."""
     from megazero.training import setup
+
     groups = _groups(ctx, layout)
     if groups is None:
         return None
@@ -162,8 +239,9 @@ def compare(pool, layouts=GRID) -> list[tuple]:
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'tp pp dp stage bf16 mics persist offload':<60}{'category':<22}{'predicted':>12}{'reported':>12}"
-             f"{'ratio':>8}"]
+    lines = [
+        f"{'tp pp dp stage bf16 mics persist offload':<60}{'category':<22}{'predicted':>12}{'reported':>12}{'ratio':>8}"
+    ]
     for layout, kind, predicted, reported in rows:
         ratio = f"{predicted / reported:8.3f}" if reported else ("       -" if not predicted else "     inf")
         lines.append(f"{_describe(layout):<60}{kind:<22}{predicted:12.0f}{reported:12d}{ratio}")
@@ -189,12 +267,12 @@ def fresh_high_water_mark() -> int:
     """Makes freed memory leave the process and restarts the kernel's peak count; returns the
     resident bytes now (the baseline)."""
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 * 1024)        # M_MMAP_THRESHOLD: blocks >= 64 KiB are mapped, unmapped on free
-    libc.mallopt(-1, 0)                # M_TRIM_THRESHOLD: give back the heap's free top at once
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mapped, unmapped on free
+    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: give back the heap's free top at once
     gc.collect()
     libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                   # resets VmHWM to the current resident size
+        f.write("5")  # resets VmHWM to the current resident size
     return status_bytes("VmRSS")
 
 
@@ -202,9 +280,15 @@ def _train(cfg, groups, steps: int) -> None:
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.data.sampler import MicrobatchSource
     from megazero.training import setup, train_step
+
     state = setup(cfg, groups)
-    source = MicrobatchSource(ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
-                              cfg.global_batch_size, cfg.micro_batch_size, groups.coords.dp, groups.topology.dp)
+    source = MicrobatchSource(
+        ArithmeticTokens(cfg.model.vocab_size, cfg.model.seq_length, seed=3),
+        cfg.global_batch_size,
+        cfg.micro_batch_size,
+        groups.coords.dp,
+        groups.topology.dp,
+    )
     for it in range(steps):
         train_step(state, source.batch(it), 1e-4)
 
@@ -250,10 +334,26 @@ def dry_run_argv(layout, model, vocab: int, steps: int, workdir: str) -> list[st
         raise ValueError("a partial offload's ratio has no pretrain_gpt.py flag; the dry run cannot take it")
     path = os.path.join(workdir, f"ds-{stage}-{mics}-{persistence}.json")
     with open(path, "w") as f:
-        json.dump({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": persistence,
-                                         "mics_shard_size": mics}}, f)
-    return argv + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--train-iters", str(steps),
-                   "--deepspeed_config", path]
+        json.dump(
+            {
+                "zero_optimization": {
+                    "stage": stage,
+                    "stage3_param_persistence_threshold": persistence,
+                    "mics_shard_size": mics,
+                }
+            },
+            f,
+        )
+    return argv + [
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(vocab),
+        "--train-iters",
+        str(steps),
+        "--deepspeed_config",
+        path,
+    ]
 
 
 def dry_run_peaks(layouts, model=PEAK_MODEL, vocab: int = PEAK_VOCAB, steps: int = 2, processes=None) -> list[tuple]:
@@ -261,12 +361,18 @@ def dry_run_peaks(layouts, model=PEAK_MODEL, vocab: int = PEAK_VOCAB, steps: int
     of a CPU (megazero.dry_run.simulate, device_kind "cpu": the CPU's kernels, device and host bytes
     as one memory, plain bytes; no checkpoint save, which the measured run does not do)."""
     from megazero.dry_run.job import simulate
+
     rows = []
     with tempfile.TemporaryDirectory(prefix="megazero-plan-dry-") as workdir:
         for layout in layouts:
             world = layout[0] * layout[1] * layout[2]
-            runs = simulate(dry_run_argv(layout, model, vocab, steps, workdir), world, processes=processes,
-                            device_kind="cpu", save=False)
+            runs = simulate(
+                dry_run_argv(layout, model, vocab, steps, workdir),
+                world,
+                processes=processes,
+                device_kind="cpu",
+                save=False,
+            )
             errors = [f"rank {r.rank}: {r.error}" for r in runs if r.error]
             if errors:
                 raise RuntimeError(f"dry run of {_describe(layout)} stopped: " + "; ".join(errors))
@@ -292,6 +398,7 @@ def main(argv=None) -> int:
     import shutil
 
     from megazero.testing import DistributedPool
+
     argv = sys.argv[1:] if argv is None else argv
     pool = DistributedPool(WORLD)
     try:
@@ -304,8 +411,12 @@ def main(argv=None) -> int:
             # the dry run simulating the CPU against the same measured peaks (a partial offload's
             # ratio has no flag: that layout is left out)
             dense = [row for row in dense if ":0." not in row[0][7]]
-            print(format_dry_peaks(dense + moe, dry_run_peaks([row[0] for row in dense])
-                                   + dry_run_peaks([row[0] for row in moe], MOE_PEAK_MODEL)))
+            print(
+                format_dry_peaks(
+                    dense + moe,
+                    dry_run_peaks([row[0] for row in dense]) + dry_run_peaks([row[0] for row in moe], MOE_PEAK_MODEL),
+                )
+            )
     finally:
         pool.close()
         shutil.rmtree(SWAP_DIR, ignore_errors=True)

@@ -42,6 +42,7 @@ the stages and their p2p is in the timeline. Each row takes minutes on 2 shared 
 MAX_WORKS are not run by default (with recomputation, on 2 shared cores: the 310.1B row, 3,456,
 508 s; the 529.6B row, 7,350, 530 s; the 1T row, 16,384 on 64 ranks, 698 s): the script says so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ import time
 
 NARAYANAN = "Narayanan et al. 2021 (SC21, arXiv:2104.04473), Table 1"
 TORCHTITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 9dec370, 2024-12-26)"
-SEQ, VOCAB = 2048, 51200         # Table 1's models: "vocabulary 51,200, sequence 2048" (section 5.1)
+SEQ, VOCAB = 2048, 51200  # Table 1's models: "vocabulary 51,200, sequence 2048" (section 5.1)
 
 # Table 1 of Narayanan et al. 2021, one row per model: params (billions), heads, hidden, layers, tp,
 # pp, GPUs, global batch, achieved TFLOP/s per GPU, % of theoretical peak, aggregate PFLOP/s.
@@ -68,17 +69,17 @@ TABLE1 = """
 529.6  128  20480  105  8  35  2520  2520  163  52  410.2
 1008.0 160  25600  128  8  64  3072  3072  163  52  502.0
 """
-A100_PEAK_TFLOPS = 312.0         # the paper's peak: A100 fp16/bf16 tensor core, dense
-MICRO = 4                        # our choice of micro batch (Table 1 does not state one)
-MAX_WORKS = 6_000                # microbatches x layers one pipeline simulates: above, not run here
+A100_PEAK_TFLOPS = 312.0  # the paper's peak: A100 fp16/bf16 tensor core, dense
+MICRO = 4  # our choice of micro batch (Table 1 does not state one)
+MAX_WORKS = 6_000  # microbatches x layers one pipeline simulates: above, not run here
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    name: str            # "1.7B": the --rows key
+    name: str  # "1.7B": the --rows key
     source: str
-    gpu: str             # the device model (megazero/dry_run/gpus.toml)
-    argv: tuple          # pretrain_gpt.py's flags of the layout
+    gpu: str  # the device model (megazero/dry_run/gpus.toml)
+    argv: tuple  # pretrain_gpt.py's flags of the layout
     world: int
     tp: int
     pp: int
@@ -87,8 +88,8 @@ class Row:
     hidden: int
     batch: int
     seq: int
-    published: float     # TFLOP/s per GPU (Narayanan) or tokens/s per GPU (torchtitan)
-    unit: str            # "TFLOP/s" or "tokens/s"
+    published: float  # TFLOP/s per GPU (Narayanan) or tokens/s per GPU (torchtitan)
+    unit: str  # "TFLOP/s" or "tokens/s"
 
 
 def parse_table1(text: str = TABLE1) -> list[dict]:
@@ -107,18 +108,18 @@ def parse_table1(text: str = TABLE1) -> list[dict]:
 
 def paper_params(layers: int, hidden: int, vocab: int = VOCAB, seq: int = SEQ) -> float:
     """The paper's parameter count: 12 l h^2 (1 + 13/12h + (V + s)/12lh)."""
-    return 12 * layers * hidden ** 2 * (1 + 13 / (12 * hidden) + (vocab + seq) / (12 * layers * hidden))
+    return 12 * layers * hidden**2 * (1 + 13 / (12 * hidden) + (vocab + seq) / (12 * layers * hidden))
 
 
 def paper_flops(batch: int, layers: int, hidden: int, seq: int = SEQ, vocab: int = VOCAB) -> float:
     """The paper's FLOPs of one step with full recomputation: 96 B s l h^2 (1 + s/6h + V/16lh)."""
-    return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
 def executed_flops(batch: int, layers: int, hidden: int, seq: int = SEQ, vocab: int = VOCAB) -> float:
     """The same count without the recomputed forward (what a step without recomputation executes):
     72 B s l h^2 (1 + s/6h + V/12lh), the paper's terms less one forward of the layers."""
-    return 72 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
 FULL_RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
@@ -131,7 +132,8 @@ def _gpt_argv(r: dict, micro: int) -> tuple:
         f"--seq-length {SEQ} --max-position-embeddings {SEQ} --vocab-size {VOCAB} --tokenizer-type NullTokenizer "
         f"--micro-batch-size {micro} --global-batch-size {r['batch']} --train-iters 1 --fp16 "
         f"--tensor-model-parallel-size {r['tp']} --pipeline-model-parallel-size {r['pp']} --zero-stage 0 "
-        f"--attention-dropout 0 --hidden-dropout 0".split())
+        f"--attention-dropout 0 --hidden-dropout 0".split()
+    )
 
 
 def _llama8b_argv(dp: int, micro: int) -> tuple:
@@ -141,18 +143,51 @@ def _llama8b_argv(dp: int, micro: int) -> tuple:
         "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear "
         "--seq-length 8192 --max-position-embeddings 8192 --vocab-size 128256 --tokenizer-type NullTokenizer "
         f"--micro-batch-size {micro} --global-batch-size {micro * dp} --train-iters 1 --bf16 --zero-stage 3 "
-        "--attention-dropout 0 --hidden-dropout 0".split())
+        "--attention-dropout 0 --hidden-dropout 0".split()
+    )
 
 
 def rows(micro: int = MICRO) -> list[Row]:
     out = []
     for r in parse_table1():
         name = f"{r['params_b']:g}B"
-        out.append(Row(name, f"{NARAYANAN}, the {name} row", "a100", _gpt_argv(r, micro), r["gpus"], r["tp"],
-                       r["pp"], r["dp"], r["layers"], r["hidden"], r["batch"], SEQ, r["tflops"], "TFLOP/s"))
+        out.append(
+            Row(
+                name,
+                f"{NARAYANAN}, the {name} row",
+                "a100",
+                _gpt_argv(r, micro),
+                r["gpus"],
+                r["tp"],
+                r["pp"],
+                r["dp"],
+                r["layers"],
+                r["hidden"],
+                r["batch"],
+                SEQ,
+                r["tflops"],
+                "TFLOP/s",
+            )
+        )
     for gpus, tps, table in ((8, 5762.0, 1), (128, 5605.0, 3)):
-        out.append(Row(f"8B@{gpus}", f"{TORCHTITAN}, Table {table}, FSDP row", "h100", _llama8b_argv(gpus, 2),
-                       gpus, 1, 1, gpus, 32, 4096, 2 * gpus, 8192, tps, "tokens/s"))
+        out.append(
+            Row(
+                f"8B@{gpus}",
+                f"{TORCHTITAN}, Table {table}, FSDP row",
+                "h100",
+                _llama8b_argv(gpus, 2),
+                gpus,
+                1,
+                1,
+                gpus,
+                32,
+                4096,
+                2 * gpus,
+                8192,
+                tps,
+                "tokens/s",
+            )
+        )
     return out
 
 
@@ -173,8 +208,10 @@ def flags_for(op: str) -> str:
     if op.startswith(("send", "recv")) or " pp[" in op:
         return "--overlap-p2p-communication; --num-layers-per-virtual-pipeline-stage (smaller bubble)"
     if " tp[" in op:
-        return ("none in megazero yet: tensor-parallel collectives run on the compute stream (nothing like "
-                "Megatron's --tp-comm-overlap); a smaller --tensor-model-parallel-size with more pipeline stages")
+        return (
+            "none in megazero yet: tensor-parallel collectives run on the compute stream (nothing like "
+            "Megatron's --tp-comm-overlap); a smaller --tensor-model-parallel-size with more pipeline stages"
+        )
     if op.startswith("all_gather"):
         return "--overlap-param-gather (prefetch), larger stage3_prefetch_bucket_size"
     if op.startswith(("all_reduce", "reduce_scatter")):
@@ -185,10 +222,10 @@ def flags_for(op: str) -> str:
 def measure(row: Row) -> dict:
     """The row's prediction: step time, per-GPU rate, ratio, MFU and the most exposed ops."""
     from megazero.dry_run.speed import predict
+
     start = time.perf_counter()
     result = predict(list(row.argv), row.gpu, row.world, ranks=pipeline_ranks(row))
-    out = {"row": row.name, "wall_s": time.perf_counter() - start, "step_s": result["step_s"],
-           "note": result["note"]}
+    out = {"row": row.name, "wall_s": time.perf_counter() - start, "step_s": result["step_s"], "note": result["note"]}
     if result["step_s"] is None:
         return out
     step, ranks = result["step_s"], result["ranks"]
@@ -200,7 +237,7 @@ def measure(row: Row) -> dict:
     out["ratio"] = out["predicted"] / row.published
     out["mfu"] = max(r["mfu"] for r in ranks if r["mfu"] is not None)
     out["parts_s"] = {k: max(r[k] for r in ranks) for k in ("compute_s", "exposed_comm_s", "bubble_s", "host_s")}
-    most = {}           # per (op, call site) its most exposed rank: the ranks of a pipeline repeat them
+    most = {}  # per (op, call site) its most exposed rank: the ranks of a pipeline repeat them
     for op in (op for r in ranks for op in r["top_exposed"]):
         key = (op["op"], op["site"])
         if key not in most or op["exposed_s"] > most[key]["exposed_s"]:
@@ -208,9 +245,16 @@ def measure(row: Row) -> dict:
     exposed = sorted(most.values(), key=lambda op: -op["exposed_s"])
     out["exposed"] = [dict(op, flags=flags_for(op["op"])) for op in exposed[:3]]
     if out["parts_s"]["bubble_s"] > 0.02 * step:
-        out["exposed"].append({"op": "pipeline bubble", "site": "-", "calls": 1, "exposed_s": out["parts_s"]["bubble_s"],
-                               "flags": "--num-layers-per-virtual-pipeline-stage (interleaved), more microbatches "
-                                        "(a smaller --micro-batch-size), or a zero-bubble --pipeline-schedule"})
+        out["exposed"].append(
+            {
+                "op": "pipeline bubble",
+                "site": "-",
+                "calls": 1,
+                "exposed_s": out["parts_s"]["bubble_s"],
+                "flags": "--num-layers-per-virtual-pipeline-stage (interleaved), more microbatches "
+                "(a smaller --micro-batch-size), or a zero-bubble --pipeline-schedule",
+            }
+        )
     return out
 
 
@@ -218,14 +262,18 @@ def line(row: Row, m: dict) -> str:
     if m.get("step_s") is None:
         return f"{row.name:>8}  {row.published:>9,.0f} {row.unit:<8}  not run: {m.get('note')}"
     parts = m["parts_s"]
-    text = (f"{row.name:>8}  {row.published:>9,.0f} {row.unit:<8} ours {m['predicted']:>9,.1f}  "
-            f"ratio {m['ratio']:.2f}  MFU {m['mfu']:.1%}  step {m['step_s']:.3f} s (compute {parts['compute_s']:.3f}, "
-            f"exposed comm {parts['exposed_comm_s']:.3f}, bubble {parts['bubble_s']:.3f}, host {parts['host_s']:.3f})"
-            f"  [{m['wall_s']:.0f} s here]")
+    text = (
+        f"{row.name:>8}  {row.published:>9,.0f} {row.unit:<8} ours {m['predicted']:>9,.1f}  "
+        f"ratio {m['ratio']:.2f}  MFU {m['mfu']:.1%}  step {m['step_s']:.3f} s (compute {parts['compute_s']:.3f}, "
+        f"exposed comm {parts['exposed_comm_s']:.3f}, bubble {parts['bubble_s']:.3f}, host {parts['host_s']:.3f})"
+        f"  [{m['wall_s']:.0f} s here]"
+    )
     # where megazero is predicted slower, the most exposed ops (and the bubble) with their flags; else the first
     for op in m["exposed"] if m["ratio"] < 1 else m["exposed"][:1]:
-        text += (f"\n{'':>10}exposed {1000 * op['exposed_s']:,.1f} ms: {op['op']} x{op['calls']} at {op['site']}"
-                 f" -> {op['flags']}")
+        text += (
+            f"\n{'':>10}exposed {1000 * op['exposed_s']:,.1f} ms: {op['op']} x{op['calls']} at {op['site']}"
+            f" -> {op['flags']}"
+        )
     return text
 
 
@@ -235,8 +283,12 @@ def main(argv=None) -> int:
     p.add_argument("--list", action="store_true", help="print the rows and their flags, simulate nothing")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.add_argument("--all", action="store_true", help=f"also the rows above {MAX_WORKS:,} microbatch-layers")
-    p.add_argument("--micro-batch-size", type=int, default=MICRO,
-                   help=f"Table 1's rows' micro batch (the paper does not state it; default {MICRO})")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=MICRO,
+        help=f"Table 1's rows' micro batch (the paper does not state it; default {MICRO})",
+    )
     opts = p.parse_args(argv)
     table = rows(opts.micro_batch_size)
     if opts.rows:
@@ -248,12 +300,16 @@ def main(argv=None) -> int:
     results = []
     for row in table:
         if opts.list:
-            print(f"{row.name}: {row.gpu} x{row.world}, {row.published:g} {row.unit} ({row.source}); "
-                  f"{' '.join(row.argv)}")
+            print(
+                f"{row.name}: {row.gpu} x{row.world}, {row.published:g} {row.unit} ({row.source}); {' '.join(row.argv)}"
+            )
             continue
         if works(row) > MAX_WORKS and not opts.all:
-            m = {"row": row.name, "step_s": None,
-                 "note": f"{works(row):,} microbatch-layers in a pipeline (above {MAX_WORKS:,}: past a few minutes on 2 shared cores; --all runs it)"}
+            m = {
+                "row": row.name,
+                "step_s": None,
+                "note": f"{works(row):,} microbatch-layers in a pipeline (above {MAX_WORKS:,}: past a few minutes on 2 shared cores; --all runs it)",
+            }
         else:
             m = measure(row)
         results.append(m)

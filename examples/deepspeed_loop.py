@@ -2,6 +2,7 @@
 tutorial is `import megazero as deepspeed` (docs/own_model.md). Run on 2 ranks:
     torchrun --nproc-per-node 2 examples/deepspeed_loop.py --deepspeed_config examples/ds_config.json
 """
+
 import argparse
 import torch
 import transformers
@@ -9,11 +10,15 @@ import megazero as deepspeed
 
 parser = deepspeed.add_config_arguments(argparse.ArgumentParser(description="a Llama, DeepSpeed's way"))
 cmd_args = parser.parse_args()
-net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
+net = transformers.LlamaForCausalLM(
+    transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+)
 trainset = (torch.randint(0, 256, (128, 1), generator=torch.Generator().manual_seed(0)) + torch.arange(32)) % 256
 model_engine, optimizer, trainloader, __ = deepspeed.initialize(
-    args=cmd_args, model=net, model_parameters=net.parameters(), training_data=trainset)
+    args=cmd_args, model=net, model_parameters=net.parameters(), training_data=trainset
+)
 for step, tokens in enumerate(trainloader):
     loss = model_engine(input_ids=tokens, labels=tokens).loss
     model_engine.backward(loss)

@@ -15,14 +15,18 @@ megazero/zero/__init__.py and megazero/utils.py (docs/own_model.md).
 def __getattr__(name):
     if name == "initialize":
         from megazero.api.initialize import initialize
+
         return initialize
     if name == "init_distributed":
         from megazero.api.groups import init_distributed
+
         return init_distributed
     if name == "add_config_arguments":
         from megazero.api.arguments import add_config_arguments
+
         return add_config_arguments
     if name == "utils":
         import megazero.utils as utils
+
         return utils
     raise AttributeError(f"module 'megazero' has no attribute {name!r}")

@@ -15,6 +15,7 @@ stack once (PRELOAD): a spawned rank spent 3-6 CPU seconds importing them, i.e. 
 for a pool of 8 on 2 cores, and a pool torn down by a failure paid it again. The forkserver is a
 clean process (no process group, no OpenMP threads), started on the first pool.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ class WorkerContext:
 
     def groups(self, topology):
         from megazero.parallel.process_groups import ProcessGroups
+
         return ProcessGroups.build(topology, self.rank, self.factory, device=torch.device("cpu"))
 
 
@@ -52,6 +54,7 @@ def free_port() -> int:
     by another process's outgoing connection before the rendezvous binds it, which happens when
     several test processes (pytest-xdist workers, their pools) connect at the same time."""
     import random
+
     pick = random.Random(os.getpid() ^ time.monotonic_ns())
     top = max(_ephemeral_start(), 12000)
     for _ in range(200):
@@ -69,11 +72,17 @@ def free_port() -> int:
 
 def _worker(rank, world_size, port, sys_path, requests, results):
     sys.path[:] = sys_path
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
     from megazero.parallel.process_groups import GroupFactory
+
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     ctx = WorkerContext(rank, world_size, GroupFactory(rank))
     while True:
@@ -96,7 +105,7 @@ def process_context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)        # takes effect when the forkserver starts
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the forkserver starts
     return ctx
 
 
@@ -111,10 +120,14 @@ class DistributedPool:
         self._results = ctx.Queue()
         self._requests = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
-        self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, self.world_size, port, list(sys.path), self._requests[r],
-                                         self._results))
-                       for r in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, self.world_size, port, list(sys.path), self._requests[r], self._results),
+            )
+            for r in range(self.world_size)
+        ]
         for p in self._procs:
             p.start()
 
@@ -137,7 +150,7 @@ class DistributedPool:
                 out[rank] = value
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
-                timeout = min(timeout, 30)   # the others are likely stuck; don't wait long
+                timeout = min(timeout, 30)  # the others are likely stuck; don't wait long
         if errors:
             self.close(force=True)
             raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
@@ -153,8 +166,9 @@ class DistributedPool:
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
                 if dead:
-                    raise ChildProcessError(", ".join(f"rank {r}'s process ended (exit code {code})"
-                                                      for r, code in dead)) from None
+                    raise ChildProcessError(
+                        ", ".join(f"rank {r}'s process ended (exit code {code})" for r, code in dead)
+                    ) from None
                 if time.monotonic() >= deadline:
                     raise
 

@@ -3,6 +3,7 @@
 The names below load on first use (PEP 562), so that `megazero.models.config` (a plain dataclass)
 and `megazero.models.param_info` import without torch: the flags are checked before torch loads.
 """
+
 import importlib
 
 _WHERE = {"GPTConfig": ".config", "padded_vocab_size": ".config", "GPT": ".gpt", "initial_value": ".gpt"}

@@ -21,6 +21,7 @@ Conventions (kept from the first implementation; tests/models/test_attention.py 
   tables hold cos 1 and sin 0 beyond them, so one expression covers every head dim.
 - Grouped-query attention pairs query head h with key/value head h // (heads / groups).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-except ImportError:        # torch < 2.3: no backend choice, SDPA picks
+except ImportError:  # torch < 2.3: no backend choice, SDPA picks
     SDPBackend = sdpa_kernel = None
 
 # SDPA's enable_gqa (key/value heads broadcast inside the kernel) arrived in torch 2.5.
@@ -77,8 +78,9 @@ class RotaryTables:
         return cos, torch.cat([signed, sin.new_zeros(length, pad)], dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           positions: torch.Tensor | None = None) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """RoPE on x (b, s, ..., head_dim) with RotaryTables' (>= s, head_dim) tables: one expression,
     x * cos + pair_swap(x) * sin, where pair_swap exchanges x[2i] and x[2i+1]. In eager mode the
     products and the sum round exactly as the pairwise formula does (a negated sin is exact).
@@ -105,8 +107,9 @@ def _kernels(backend: str, device_type: str):
     return [getattr(SDPBackend, n) for n in names]
 
 
-def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                   backend: str = "auto", documents=None) -> torch.Tensor:
+def core_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, backend: str = "auto", documents=None
+) -> torch.Tensor:
     """Causal attention of q (b, s, heads, d) over k, v (b, s, groups, d) -> (b, s, heads * d).
     `documents` (models.documents.Documents) that separate attention: each query sees only the keys
     of its own document (`varlen_attention`)."""
@@ -115,13 +118,14 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
     return causal_attention(q, k, v, dropout_p, backend)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                     backend: str = "auto") -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, backend: str = "auto"
+) -> torch.Tensor:
     """Causal attention over the whole sequence (no documents): SDPA with `backend`'s kernels, or the
     written-out math."""
     if backend in WRITTEN_OUT:
         return attention_reference(q, k, v, dropout_p)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))          # (b, heads, s, d)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
     # The cuDNN / memory-efficient kernels take no enable_gqa: they get the key/value heads expanded.
     gqa = k.shape[1] != q.shape[1]
     native_gqa = gqa and SDPA_HAS_GQA and backend != "fused"
@@ -138,8 +142,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return out.transpose(1, 2).flatten(2)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents, dropout_p: float = 0.0,
-                     backend: str = "auto") -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents, dropout_p: float = 0.0, backend: str = "auto"
+) -> torch.Tensor:
     """Block-diagonal causal attention from `documents`' boundaries: q (b, s, heads, d), k, v
     (b, s, groups, d) -> (b, s, heads * d). The written-out math takes the dense mask (the oracle);
     CUDA its fused varlen kernels where they apply; everything else one causal SDPA call per
@@ -235,22 +240,38 @@ def cuda_varlen_attention(q, k, v, documents, dropout_p: float = 0.0):
             flash_attn_varlen_func = None
         if flash_attn_varlen_func is not None:
             cu, longest = documents.cu_seqlens, documents.max_seqlen
-            out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, longest,
-                                         longest, dropout_p=dropout_p, causal=True)
+            out = flash_attn_varlen_func(
+                q.flatten(0, 1),
+                k.flatten(0, 1),
+                v.flatten(0, 1),
+                cu,
+                cu,
+                longest,
+                longest,
+                dropout_p=dropout_p,
+                causal=True,
+            )
             return out.view(b, s, -1)
     flex = _compiled_flex_attention()
     if flex is None or dropout_p:
         return None
     from torch.nn.attention.flex_attention import create_block_mask
+
     key = ("block_mask", q.device)
     if key not in documents.memo:
         ids = documents.doc_ids
 
         def same_document_causal(batch, head, query, key_index):
             return (ids[batch, query] == ids[batch, key_index]) & (key_index <= query)
+
         documents.memo[key] = create_block_mask(same_document_causal, b, None, s, s, device=q.device)
-    out = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=documents.memo[key],
-               enable_gqa=k.shape[2] != q.shape[2])
+    out = flex(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=documents.memo[key],
+        enable_gqa=k.shape[2] != q.shape[2],
+    )
     return out.transpose(1, 2).flatten(2)
 
 
@@ -264,8 +285,9 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                        visible: torch.Tensor | None = None):
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, visible: torch.Tensor | None = None
+):
     """The math written out (Megatron's local DotProductAttention): scores, causal mask, softmax in
     (at least) fp32, dropout on the probabilities, weighted sum. Holds the (b, heads, s, s) scores.
     `visible` (b, 1, s, s) bool: the keys each query sees (packed documents), instead of causal."""
@@ -276,7 +298,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
     s = q.shape[2]
     future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1) if visible is None else ~visible
-    softmax_dtype = torch.promote_types(q.dtype, torch.float32)        # at least fp32
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # at least fp32
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
     if dropout_p:
         probs = F.dropout(probs, dropout_p)
@@ -287,8 +309,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
 _CHOICE_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 
 
-def attention_kernel(device, dtype, heads: int, groups: int, head_dim: int, dropout_p: float,
-                     backend: str = "auto") -> str:
+def attention_kernel(
+    device, dtype, heads: int, groups: int, head_dim: int, dropout_p: float, backend: str = "auto"
+) -> str:
     """The kernel `core_attention` runs for a training forward of these shapes on `device`:
     "written_out" (attention_reference), or the one torch's SDPA picks ("math", "flash", "efficient",
     "cudnn"), asked of torch itself on a tiny tensor of the same dtype, heads and head size (its pick

@@ -3,6 +3,7 @@
 Invalid shapes raise ValueError with the offending flag named; the driver turns it into a one-line error.
 Field meanings follow Megatron-LM's flags of the same name (docs/flags.md).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,16 +17,16 @@ RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 
 @dataclasses.dataclass
 class GPTConfig:
-    vocab_size: int                        # the tokenizer's vocabulary
+    vocab_size: int  # the tokenizer's vocabulary
     hidden_size: int = 256
     num_layers: int = 4
     num_attention_heads: int = 4
-    num_query_groups: int = 0              # 0: one group per head (multi-head attention)
-    kv_channels: int = 0                   # each head's width; 0: hidden / heads (Megatron's default)
-    ffn_hidden_size: int = 0               # 0: 4 x hidden (GELU) or 8/3 x hidden rounded to 64 (SwiGLU)
+    num_query_groups: int = 0  # 0: one group per head (multi-head attention)
+    kv_channels: int = 0  # each head's width; 0: hidden / heads (Megatron's default)
+    ffn_hidden_size: int = 0  # 0: 4 x hidden (GELU) or 8/3 x hidden rounded to 64 (SwiGLU)
     seq_length: int = 256
-    max_position_embeddings: int = 0      # 0: seq_length (rows of the learned position table)
-    padded_vocab_size: int = 0             # 0: vocab_size; the embedding has this many rows
+    max_position_embeddings: int = 0  # 0: seq_length (rows of the learned position table)
+    padded_vocab_size: int = 0  # 0: vocab_size; the embedding has this many rows
     position_embedding: Literal["learned", "rope"] = "learned"
     rotary_base: float = 10000.0
     # Fraction of each head's dims RoPE rotates: the first int(head_dim x percent), as Megatron-LM.
@@ -61,23 +62,23 @@ class GPTConfig:
     # checked in models/moe_config.py). 0 experts: every layer dense.
     num_experts: int = 0
     moe_router_topk: int = 2
-    moe_ffn_hidden_size: int = 0                    # each expert's width; 0: ffn_hidden_size
-    moe_router_load_balancing_type: str = "aux_loss"   # aux_loss, seq_aux_loss, none
+    moe_ffn_hidden_size: int = 0  # each expert's width; 0: ffn_hidden_size
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss, seq_aux_loss, none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
-    moe_router_score_function: str = "softmax"      # softmax, sigmoid
-    moe_router_pre_softmax: bool = False            # softmax over all experts before the top-k
+    moe_router_score_function: str = "softmax"  # softmax, sigmoid
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k
     moe_router_topk_scaling_factor: Optional[float] = None
-    moe_router_enable_expert_bias: bool = False     # DeepSeek-V3's aux-loss-free balancing
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's aux-loss-free balancing
     moe_router_bias_update_rate: float = 1e-3
-    moe_router_dtype: Optional[str] = None          # the router GEMM's dtype: None (activations'), fp32, fp64
-    moe_expert_capacity_factor: Optional[float] = None   # None: dropless
+    moe_router_dtype: Optional[str] = None  # the router GEMM's dtype: None (activations'), fp32, fp64
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
     moe_pad_expert_input_to_capacity: bool = False
-    moe_token_drop_policy: str = "probs"            # probs, position
-    moe_shared_expert_intermediate_size: int = 0    # 0: no shared expert
-    moe_shared_expert_gate: bool = False            # the shared expert's output x sigmoid(x . gate) (Qwen2-MoE)
-    moe_layer_freq: Union[int, list] = 1            # every N-th layer MoE, or one 0/1 per layer
-    moe_grouped_gemm: bool = False                  # torch._grouped_mm where it runs, else a loop
+    moe_token_drop_policy: str = "probs"  # probs, position
+    moe_shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    moe_shared_expert_gate: bool = False  # the shared expert's output x sigmoid(x . gate) (Qwen2-MoE)
+    moe_layer_freq: Union[int, list] = 1  # every N-th layer MoE, or one 0/1 per layer
+    moe_grouped_gemm: bool = False  # torch._grouped_mm where it runs, else a loop
     # A checkpoint's model record written before recompute_granularity existed says this instead;
     # True meant every layer recomputed whole (full, uniform, one layer per group). Not stored.
     recompute_activations: dataclasses.InitVar[Optional[bool]] = None
@@ -100,7 +101,7 @@ class GPTConfig:
             self.max_position_embeddings = self.seq_length
         heads = self.num_attention_heads
         if self.kv_channels == 0 and heads > 0 and self.hidden_size % heads == 0:
-            self.kv_channels = self.hidden_size // heads      # Megatron's default head size
+            self.kv_channels = self.hidden_size // heads  # Megatron's default head size
         self.validate()
 
     def is_moe_layer(self, index: int) -> bool:
@@ -125,18 +126,23 @@ class GPTConfig:
         if self.kv_channels < 0:
             raise ValueError(f"--kv-channels must be >= 1, got {self.kv_channels}")
         if not self.kv_channels:
-            raise ValueError(f"--hidden-size {self.hidden_size} is not divisible by "
-                             f"--num-attention-heads {self.num_attention_heads}; set --kv-channels "
-                             f"(the head size) or change one of them")
+            raise ValueError(
+                f"--hidden-size {self.hidden_size} is not divisible by "
+                f"--num-attention-heads {self.num_attention_heads}; set --kv-channels "
+                f"(the head size) or change one of them"
+            )
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
-                             f"--num-query-groups {self.num_query_groups}")
+            raise ValueError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--num-query-groups {self.num_query_groups}"
+            )
         self._validate_rotary()
         self._validate_recompute()
         validate_moe(self)
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"--attention-backend {self.attention_backend!r}: choose one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
+            raise ValueError(
+                f"--attention-backend {self.attention_backend!r}: choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"gelu_approximate must be 'tanh' or 'none', got {self.gelu_approximate!r}")
         if self.padded_vocab_size < self.vocab_size:
@@ -145,16 +151,17 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
 
-
     def _validate_rotary(self) -> None:
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ValueError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}")
         if self.position_embedding != "rope":
             return
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise ValueError(f"rotary embeddings rotate pairs of dims: head size {self.head_dim} x "
-                             f"--rotary-percent {self.rotary_percent} = {self.rotary_dim} dims must be even "
-                             f"and >= 2")
+            raise ValueError(
+                f"rotary embeddings rotate pairs of dims: head size {self.head_dim} x "
+                f"--rotary-percent {self.rotary_percent} = {self.rotary_dim} dims must be even "
+                f"and >= 2"
+            )
 
     def _validate_recompute(self) -> None:
         """Megatron-LM's rules: full needs a method and a layer count >= 1; selective takes neither."""
@@ -168,9 +175,10 @@ class GPTConfig:
             raise ValueError(f"--recompute-granularity full needs {missing}")
         if granularity != "full" and (method is not None or layers):
             given = f"--recompute-method {method}" if method is not None else f"--recompute-num-layers {layers}"
-            raise ValueError(f"{given} needs --recompute-granularity full"
-                             + (" (selective recomputes the core attention of every layer)"
-                                if granularity == "selective" else ""))
+            raise ValueError(
+                f"{given} needs --recompute-granularity full"
+                + (" (selective recomputes the core attention of every layer)" if granularity == "selective" else "")
+            )
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:

@@ -16,6 +16,7 @@ end-of-document id eod:
   causal attention);
 - eod_mask_loss: no loss where the input token is eod (its label is the next document's first token).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class DocumentMasking:
     """Megatron's three switches and the end-of-document token they look for."""
+
     eod: int
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -51,6 +53,7 @@ class Documents:
     math). memo: tensors derived once per forward and shared by every layer (the rotary tables at
     the documents' positions, a context-parallel mask), so that autograd saves one copy, not one per
     layer; GPT.forward runs on a `fresh()` copy, so they live as long as that forward's graph."""
+
     positions: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     doc_ids: torch.Tensor | None = None
@@ -68,9 +71,8 @@ class Documents:
 
     def to(self, copy) -> "Documents":
         """The same record with its tensors passed through `copy(tensor) -> tensor` (onto a device)."""
-        move = (lambda t: None if t is None else copy(t))
-        return Documents(move(self.positions), move(self.cu_seqlens), move(self.doc_ids), self.bounds,
-                         self.max_seqlen)
+        move = lambda t: None if t is None else copy(t)
+        return Documents(move(self.positions), move(self.cu_seqlens), move(self.doc_ids), self.bounds, self.max_seqlen)
 
     def token_positions(self, index: torch.Tensor | None) -> torch.Tensor:
         """(b, L) positions of the tokens at true indices `index` (L,) of the sample (None: all)."""
@@ -116,7 +118,7 @@ def pack_documents(inputs: torch.Tensor, masking: DocumentMasking) -> tuple[Docu
     if not masking.changes_the_model:
         return None, loss_mask
     starts = document_starts(inputs, masking.eod)
-    doc_ids = starts.flatten().cumsum(0).sub_(1).view(b, s)       # document number, flattened order
+    doc_ids = starts.flatten().cumsum(0).sub_(1).view(b, s)  # document number, flattened order
     flat_starts = starts.flatten().nonzero().flatten()
     bounds = flat_starts.tolist() + [b * s]
     documents = Documents(bounds=tuple(bounds), max_seqlen=int(torch.tensor(bounds).diff().max()))

@@ -8,6 +8,7 @@ token's absolute position, and attention over the cached keys and values. Its or
 logits at every position equal the full forward's (tests/tools/test_generate.py). Inference only (no
 dropout, no gradients). Like the rest of `models`, imports neither `parallel` nor `megazero`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,24 +38,24 @@ class KVCache:
         return keys, values
 
 
-def _attention(attention: Attention, x: torch.Tensor, cache: KVCache, layer: int, start: int,
-               rotary) -> torch.Tensor:
+def _attention(attention: Attention, x: torch.Tensor, cache: KVCache, layer: int, start: int, rotary) -> torch.Tensor:
     """Attention.forward for tokens at positions start.. given the cache of the positions before;
     `rotary` is the model's (cos, sin) tables (None without RoPE)."""
-    qkv = rearrange(attention.qkv(x), "b s (g r d) -> b s g r d", r=attention.q_per_group + 2,
-                    d=attention.head_dim)
+    qkv = rearrange(attention.qkv(x), "b s (g r d) -> b s g r d", r=attention.q_per_group + 2, d=attention.head_dim)
     qk = qkv[:, :, :, :-1]
-    if rotary is not None:        # the rows of these positions: the angles the full forward uses
+    if rotary is not None:  # the rows of these positions: the angles the full forward uses
         qk = rotate(qk, rotary[0][start:], rotary[1][start:])
     q = rearrange(qk[:, :, :, :-1], "b s g r d -> b s (g r) d")
     k, v = cache.extend(layer, qk[:, :, :, -1], qkv[:, :, :, -1])
     new = x.shape[1]
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))           # (b, heads, s, d)
-    if k.shape[1] != q.shape[1]:                                # grouped-query attention
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     # query j (position start + j) sees keys 0 .. start + j
-    visible = torch.arange(start + new, device=x.device)[None, :] <= (start + torch.arange(new, device=x.device))[:, None]
+    visible = (
+        torch.arange(start + new, device=x.device)[None, :] <= (start + torch.arange(new, device=x.device))[:, None]
+    )
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
     return attention.proj(out.transpose(1, 2).flatten(2))
 
@@ -87,13 +88,18 @@ def sampling_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     if top_p < 1.0:
         ordered, order = torch.sort(logits, descending=True)
         probs = torch.softmax(ordered, dim=-1)
-        beyond = torch.cumsum(probs, dim=-1) - probs >= top_p      # the first token always stays
+        beyond = torch.cumsum(probs, dim=-1) - probs >= top_p  # the first token always stays
         logits = logits.masked_fill(torch.zeros_like(beyond).scatter(0, order, beyond), float("-inf"))
     return logits
 
 
-def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               generator: torch.Generator | None = None) -> int:
+def next_token(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> int:
     """The next token from one position's logits (vocab,): the most likely at temperature 0, else a
     draw from the softmax of sampling_logits."""
     if temperature == 0:
@@ -102,8 +108,16 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, t
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def generate(model: GPT, prompt: list[int], max_new_tokens: int, stop: int | None = None, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> list[int]:
+def generate(
+    model: GPT,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[int]:
     """Up to `max_new_tokens` ids after `prompt` (the `stop` id ends it and is included), one
     position at a time after the prompt's single pass."""
     device = model.embedding.word.weight.device
@@ -115,6 +129,6 @@ def generate(model: GPT, prompt: list[int], max_new_tokens: int, stop: int | Non
     while len(out) < max_new_tokens:
         out.append(next_token(logits, temperature, top_k, top_p, generator))
         if out[-1] == stop or len(out) == max_new_tokens or (limit is not None and len(prompt) + len(out) > limit):
-            break                  # feeding the token back would need position len(prompt) + len(out) - 1
+            break  # feeding the token back would need position len(prompt) + len(out) - 1
         logits = forward_cached(model, torch.tensor([[out[-1]]], device=device), cache)[0, -1]
     return out

@@ -11,6 +11,7 @@ Shapes are batch-first: tokens (b, s), hidden states (b, s, h). Packed samples
 (models/documents.py) come in as one more input, `documents`, handed to the embedding (positions)
 and to every layer's attention (positions, and attention kept inside each document).
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,11 +34,13 @@ from .weight_grad import Embedding as Table, LayerNorm, Linear, RMSNorm, linear
 class ZeroCenteredLayerNorm(LayerNorm):
     """LayerNorm scaling by weight + 1, weight initialised at 0 (Megatron's --apply-layernorm-1p):
     weight decay then pulls the scale towards 1 rather than 0."""
+
     zero_centered_gamma = True
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaling by weight + 1 (Transformer Engine's zero_centered_gamma, as Megatron uses it)."""
+
     zero_centered_gamma = True
 
 
@@ -77,8 +80,7 @@ class Attention(nn.Module):
         qkv_size = config.num_query_groups * (self.q_per_group + 2) * self.head_dim
         self.qkv = Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias)
         self.core = CoreAttention(config.attention_dropout, config.attention_backend)
-        self.proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                              bias=config.add_bias_linear)
+        self.proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
         # checkpoint(function, *args) for selective recomputation of the core; set by GPT.set_checkpoint_fn
         self.recompute_core = None
         # positions(length, device) -> the positions of this layer's tokens when the sequence is split
@@ -91,11 +93,11 @@ class Attention(nn.Module):
         qkv = rearrange(qkv, "b s (g r d) -> b s g r d", r=self.q_per_group + 2, d=self.head_dim)
         # Splits, not indexing: the backward of a split is one concatenation, where each slice or
         # select of qkv would cost a zero-filled qkv-sized gradient and an add.
-        qk, v = qkv.split([self.q_per_group + 1, 1], dim=3)   # each group's q heads and k head; v
-        if rotary is not None:                     # q and k rotate together, in one expression
+        qk, v = qkv.split([self.q_per_group + 1, 1], dim=3)  # each group's q heads and k head; v
+        if rotary is not None:  # q and k rotate together, in one expression
             # qkv's length: under sequence parallelism x holds a shard, qkv the whole local sequence
             positions = self.positions(qkv.shape[1], x.device) if self.positions is not None else None
-            if documents is not None and documents.positions is not None:    # positions restart per document
+            if documents is not None and documents.positions is not None:  # positions restart per document
                 qk = rotate(qk, *documents.rotary_tables(*rotary, positions))
             else:
                 qk = rotate(qk, *rotary, positions=positions)
@@ -177,10 +179,13 @@ class Embedding(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.word = Table(config.padded_vocab_size, config.hidden_size)
-        self.position = (Table(config.max_position_embeddings, config.hidden_size)
-                         if config.position_embedding == "learned" else None)
+        self.position = (
+            Table(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding == "learned"
+            else None
+        )
         self.dropout = nn.Dropout(config.hidden_dropout)
-        self.positions = None           # as Attention.positions
+        self.positions = None  # as Attention.positions
 
     def forward(self, tokens, documents=None):
         x = self.word(tokens)
@@ -211,12 +216,13 @@ class LMHead(nn.Module):
     def __init__(self, config: GPTConfig, weight: nn.Parameter | None = None):
         super().__init__()
         self.vocab_size = config.vocab_size
-        self.weight = weight if weight is not None else nn.Parameter(
-            torch.empty(config.padded_vocab_size, config.hidden_size))
+        self.weight = (
+            weight if weight is not None else nn.Parameter(torch.empty(config.padded_vocab_size, config.hidden_size))
+        )
 
     def forward(self, x, labels=None):
         if labels is None:
-            return F.linear(x, self.weight)[..., :self.vocab_size]
+            return F.linear(x, self.weight)[..., : self.vocab_size]
         return linear_cross_entropy(x, self.weight, labels, self.vocab_size)
 
 
@@ -238,8 +244,11 @@ class GPT(nn.Module):
         tied = self.embedding.word.weight if config.tie_embeddings else None
         self.output_head = LMHead(config, weight=tied)
         # Tables built once per (length, device, dtype) and handed to every layer.
-        self.rotary = (RotaryTables(config.head_dim, config.rotary_dim, config.rotary_base)
-                       if config.position_embedding == "rope" else None)
+        self.rotary = (
+            RotaryTables(config.head_dim, config.rotary_dim, config.rotary_base)
+            if config.position_embedding == "rope"
+            else None
+        )
         self.set_checkpoint_fn(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
 
     def set_checkpoint_fn(self, checkpoint_fn) -> None:
@@ -251,11 +260,11 @@ class GPT(nn.Module):
             layer.attention.recompute_core = checkpoint_fn if selective else None
 
     def forward(self, inputs, labels=None, documents=None):
-        if documents is not None:       # what its layers derive from it lives as long as this forward's graph
+        if documents is not None:  # what its layers derive from it lives as long as this forward's graph
             documents = documents.fresh()
         x = self.embedding(inputs, documents) if self.embedding is not None else inputs
         rotary = None
-        if self.rotary is not None:     # every position of a sequence, even if inputs hold a part of it
+        if self.rotary is not None:  # every position of a sequence, even if inputs hold a part of it
             length = max(self.config.max_position_embeddings, self.config.seq_length, inputs.shape[1])
             rotary = self.rotary.get(length, x.device, x.dtype)
         x = self._run_layers(x, rotary, documents)
@@ -278,12 +287,16 @@ class GPT(nn.Module):
         n = cfg.recompute_num_layers
         if cfg.recompute_method == "uniform":
             for lo in range(0, len(layers), n):
-                x = self.checkpoint_fn(_Recomputed(_Sequence(layers[lo:lo + n]), layers[lo:lo + n]), x, rotary,
-                                       documents)
+                x = self.checkpoint_fn(
+                    _Recomputed(_Sequence(layers[lo : lo + n]), layers[lo : lo + n]), x, rotary, documents
+                )
             return x
         for i, layer in enumerate(layers):
-            x = (self.checkpoint_fn(_Recomputed(layer, [layer]), x, rotary, documents) if i < n
-                 else layer(x, rotary, documents))
+            x = (
+                self.checkpoint_fn(_Recomputed(layer, [layer]), x, rotary, documents)
+                if i < n
+                else layer(x, rotary, documents)
+            )
         return x
 
 
@@ -324,6 +337,7 @@ class _Sequence:
 
 # --- layout-independent initialisation ----------------------------------------------------------
 
+
 def init_std(config: GPTConfig, name: str) -> float | None:
     """Std of a weight's normal init, None for ones (norm scales), 0 for zeros (biases, and the
     norm scales of a zero-centred norm, which multiplies by weight + 1).
@@ -334,8 +348,7 @@ def init_std(config: GPTConfig, name: str) -> float | None:
         return 0.0
     if "norm" in name.rsplit(".", 2)[-2]:
         return 0.0 if config.apply_layernorm_1p else None
-    if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "shared_experts.fc2.weight",
-                      "experts.weight2")):
+    if name.endswith(("attention.proj.weight", "mlp.fc2.weight", "shared_experts.fc2.weight", "experts.weight2")):
         return config.init_method_std / math.sqrt(2.0 * config.num_layers)
     return config.init_method_std
 

@@ -16,6 +16,7 @@ tensor). Facts the mapping honours:
 Exported exactly only when megazero's model has nothing Qwen2-MoE lacks: a gated shared expert,
 softmax routing without scaling factor or expert bias, dropless, no biases beyond q, k and v.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,18 +30,26 @@ def qwen2_moe_problems(config: GPTConfig) -> list[str]:
     target = "Qwen2MoeForCausalLM"
     checks = [
         (config.num_experts > 0, f"a dense model (no --num-experts): {target}'s sparse layers are mixtures of experts"),
-        (bool(config.moe_shared_expert_intermediate_size) and config.moe_shared_expert_gate,
-         f"{'--moe-shared-expert-gate missing' if config.moe_shared_expert_intermediate_size else 'no shared expert'}"
-         f": every {target} MoE layer has a shared expert scaled by its sigmoid gate (add "
-         f"--moe-shared-expert-intermediate-size N --moe-shared-expert-gate)"),
-        (config.moe_router_score_function == "softmax",
-         f"--moe-router-score-function {config.moe_router_score_function}: {target} routes by a softmax"),
-        (config.moe_router_topk_scaling_factor is None,
-         f"--moe-router-topk-scaling-factor: {target} does not scale its top-k probabilities"),
+        (
+            bool(config.moe_shared_expert_intermediate_size) and config.moe_shared_expert_gate,
+            f"{'--moe-shared-expert-gate missing' if config.moe_shared_expert_intermediate_size else 'no shared expert'}"
+            f": every {target} MoE layer has a shared expert scaled by its sigmoid gate (add "
+            f"--moe-shared-expert-intermediate-size N --moe-shared-expert-gate)",
+        ),
+        (
+            config.moe_router_score_function == "softmax",
+            f"--moe-router-score-function {config.moe_router_score_function}: {target} routes by a softmax",
+        ),
+        (
+            config.moe_router_topk_scaling_factor is None,
+            f"--moe-router-topk-scaling-factor: {target} does not scale its top-k probabilities",
+        ),
         (not config.moe_router_enable_expert_bias, f"--moe-router-enable-expert-bias: {target} has no expert bias"),
         (config.moe_expert_capacity_factor is None, f"--moe-expert-capacity-factor: {target} is dropless"),
-        (not config.add_bias_linear,
-         f"linear biases (no --disable-bias-linear): {target}'s only biases are q, k and v's (--add-qkv-bias)"),
+        (
+            not config.add_bias_linear,
+            f"linear biases (no --disable-bias-linear): {target}'s only biases are q, k and v's (--add-qkv-bias)",
+        ),
     ]
     return [message for ok, message in checks if not ok]
 
@@ -48,27 +57,38 @@ def qwen2_moe_problems(config: GPTConfig) -> list[str]:
 def qwen2_moe_config_fields(config: GPTConfig) -> dict:
     """config.json's Qwen2-MoE keys beyond Llama's."""
     dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
-    return {"num_experts": config.num_experts, "num_experts_per_tok": config.moe_router_topk,
-            "moe_intermediate_size": config.moe_ffn_hidden_size, "intermediate_size": config.ffn_hidden_size,
-            "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
-            "norm_topk_prob": not config.moe_router_pre_softmax, "decoder_sparse_step": 1,
-            "mlp_only_layers": dense, "qkv_bias": config.add_qkv_bias,
-            "router_aux_loss_coef": config.moe_aux_loss_coeff, "output_router_logits": False,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": config.num_layers}
+    return {
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.moe_router_topk,
+        "moe_intermediate_size": config.moe_ffn_hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "shared_expert_intermediate_size": config.moe_shared_expert_intermediate_size,
+        "norm_topk_prob": not config.moe_router_pre_softmax,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+        "qkv_bias": config.add_qkv_bias,
+        "router_aux_loss_coef": config.moe_aux_loss_coeff,
+        "output_router_logits": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": config.num_layers,
+    }
 
 
 def qwen2_moe_hf_problems(hf: dict) -> list[str]:
     """What of a Qwen2-MoE config.json megazero cannot match exactly."""
     problems = []
     if hf.get("use_sliding_window", False):
-        problems.append("config.json: use_sliding_window=true is not supported; megazero's attention is "
-                        "full causal")
+        problems.append("config.json: use_sliding_window=true is not supported; megazero's attention is full causal")
     if not hf.get("num_experts", 60):
-        problems.append("config.json: num_experts=0 (a dense Qwen2-MoE) is not supported; import-hf takes "
-                        "its mixtures of experts")
+        problems.append(
+            "config.json: num_experts=0 (a dense Qwen2-MoE) is not supported; import-hf takes its mixtures of experts"
+        )
     if not hf.get("shared_expert_intermediate_size", 5632):
-        problems.append("config.json: shared_expert_intermediate_size=0 is not supported; megazero's gated "
-                        "shared expert needs a width")
+        problems.append(
+            "config.json: shared_expert_intermediate_size=0 is not supported; megazero's gated "
+            "shared expert needs a width"
+        )
     if hf.get("decoder_sparse_step", 1) < 1:
         problems.append(f"config.json: decoder_sparse_step={hf['decoder_sparse_step']} must be >= 1")
     return problems
@@ -80,12 +100,17 @@ def qwen2_moe_fields_from_hf(hf: dict) -> dict:
     layers, step = hf.get("num_hidden_layers", 24), hf.get("decoder_sparse_step", 1)
     dense = set(hf.get("mlp_only_layers") or [])
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
-    return {"num_experts": hf.get("num_experts", 60), "moe_router_topk": hf.get("num_experts_per_tok", 4),
-            "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 1408),
-            "moe_shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 5632),
-            "moe_shared_expert_gate": True, "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
-            "moe_layer_freq": 1 if all(pattern) else pattern,
-            "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.001), "add_qkv_bias": hf.get("qkv_bias", True)}
+    return {
+        "num_experts": hf.get("num_experts", 60),
+        "moe_router_topk": hf.get("num_experts_per_tok", 4),
+        "moe_ffn_hidden_size": hf.get("moe_intermediate_size", 1408),
+        "moe_shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 5632),
+        "moe_shared_expert_gate": True,
+        "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+        "moe_layer_freq": 1 if all(pattern) else pattern,
+        "moe_aux_loss_coeff": hf.get("router_aux_loss_coef", 0.001),
+        "add_qkv_bias": hf.get("qkv_bias", True),
+    }
 
 
 def qwen2_moe_mlp_entries(i: int) -> list[tuple]:
@@ -94,11 +119,17 @@ def qwen2_moe_mlp_entries(i: int) -> list[tuple]:
     ours, theirs = f"layers.{i}.mlp.shared_experts.", f"model.layers.{i}.mlp."
     shared = f"{theirs}shared_expert."
     return mixtral_mlp_entries(i) + [
-        (f"{ours}fc1.weight", (f"{shared}gate_proj.weight", f"{shared}up_proj.weight"),
-         lambda t: tuple(c.contiguous() for c in t.chunk(2, dim=0)), lambda ts: torch.cat(ts)),
+        (
+            f"{ours}fc1.weight",
+            (f"{shared}gate_proj.weight", f"{shared}up_proj.weight"),
+            lambda t: tuple(c.contiguous() for c in t.chunk(2, dim=0)),
+            lambda ts: torch.cat(ts),
+        ),
         (f"{ours}fc2.weight", (f"{shared}down_proj.weight",), lambda t: (t,), lambda ts: ts[0]),
-        (f"{ours}gate_weight", (f"{theirs}shared_expert_gate.weight",), lambda t: (t,), lambda ts: ts[0])]
+        (f"{ours}gate_weight", (f"{theirs}shared_expert_gate.weight",), lambda t: (t,), lambda ts: ts[0]),
+    ]
 
 
-QWEN2_MOE = MoEFormat(qwen2_moe_problems, qwen2_moe_config_fields, qwen2_moe_fields_from_hf, qwen2_moe_hf_problems,
-                      qwen2_moe_mlp_entries)
+QWEN2_MOE = MoEFormat(
+    qwen2_moe_problems, qwen2_moe_config_fields, qwen2_moe_fields_from_hf, qwen2_moe_hf_problems, qwen2_moe_mlp_entries
+)

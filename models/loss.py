@@ -23,6 +23,7 @@ the ranks that hold the others. The single-device model uses `LOCAL` (no combini
 tensor-parallel head (parallel/cross_entropy.py) passes its own, whose reductions are all-reduces.
 Rows at or beyond the real vocabulary are padding and never enter the softmax.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,7 @@ from .weight_grad import deposit, marked, matmul_fp32, zero_grad_for
 
 # One chunk's fp32 logits may take this much memory (and its gradient, in the weights' dtype, beside
 # it in backward): the whole head in one chunk up to 512 MiB (1024 tokens at a 128k vocabulary).
-LOGITS_BUDGET_BYTES = 512 * 2 ** 20
+LOGITS_BUDGET_BYTES = 512 * 2**20
 # The fewest tokens a chunk holds, whatever the budget (it wins over the budget): the weight
 # gradient's GEMM reduces over a chunk's tokens and needs about a thousand of them to run at speed.
 MIN_CHUNK_TOKENS = 1024
@@ -50,6 +51,7 @@ def _no_reduce(tensor: torch.Tensor) -> None:
 class VocabShard:
     """This weight's rows are vocabulary ids [start, start + rows); `reduce_max` / `reduce_sum`
     combine a per-token tensor in place over the ranks holding the rest (no-ops on one device)."""
+
     start: int = 0
     reduce_max: Callable[[torch.Tensor], None] = _no_reduce
     reduce_sum: Callable[[torch.Tensor], None] = _no_reduce
@@ -76,7 +78,7 @@ def keeps_softmax(tokens: int, chunk_tokens: int) -> bool:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, labels, vocab_size: int, shard: VocabShard, chunk_tokens: int, work):
-        real = max(0, min(weight.shape[0], vocab_size - shard.start))   # rows of real words held here
+        real = max(0, min(weight.shape[0], vocab_size - shard.start))  # rows of real words held here
         w = weight[:real]
         x2, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
         n = x2.shape[0]
@@ -86,8 +88,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         kept = None
         for lo in range(0, n, chunk_tokens):
             hi = min(n, lo + chunk_tokens)
-            exp = _chunk_statistics(x2[lo:hi], w, local_labels[lo:hi], in_range[lo:hi], shard, real,
-                                    maxes[lo:hi], sums[lo:hi], losses[lo:hi])
+            exp = _chunk_statistics(
+                x2[lo:hi],
+                w,
+                local_labels[lo:hi],
+                in_range[lo:hi],
+                shard,
+                real,
+                maxes[lo:hi],
+                sums[lo:hi],
+                losses[lo:hi],
+            )
             if keep and real:
                 kept = exp
         ctx.save_for_backward(x, weight, local_labels, in_range, maxes, sums, kept)
@@ -103,8 +114,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = x2.shape[0]
         grad_flat = grad_losses.reshape(-1, 1).float()
         want_w = ctx.needs_input_grad[1] and ctx.work is None
-        grad_x = x2.new_zeros(x2.shape) if not real else x2.new_empty(x2.shape)     # contiguous
-        grad_w = None          # fp32 sum over the chunks; a 16-bit weight's is rounded once at the end
+        grad_x = x2.new_zeros(x2.shape) if not real else x2.new_empty(x2.shape)  # contiguous
+        grad_w = None  # fp32 sum over the chunks; a 16-bit weight's is rounded once at the end
         for lo in range(0, n if real else 0, chunk):
             hi = min(n, lo + chunk)
             # the kept exp is used once, scaled in place (a second backward through it raises)
@@ -116,8 +127,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del grad_logits
         if ctx.needs_input_grad[1] and ctx.work is not None:
             param = ctx.param
-            ctx.work.add(lambda _: [(param, _deferred_weight_grad(param, x2, real, chunk, maxes, sums, grad_flat,
-                                                                  local_labels, in_range))])
+            ctx.work.add(
+                lambda _: [
+                    (
+                        param,
+                        _deferred_weight_grad(param, x2, real, chunk, maxes, sums, grad_flat, local_labels, in_range),
+                    )
+                ]
+            )
         elif want_w:
             grad_w = _weight_grad_for_autograd(weight, _pad_rows(grad_w, weight))
         return grad_x.view(x.shape), grad_w, None, None, None, None, None
@@ -126,8 +143,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _chunk_logits_gradient(x2, w, kept, maxes, sums, grad_flat, local_labels, in_range, lo: int, hi: int):
     """Tokens [lo, hi)'s logits gradient in x's dtype: from the kept exp(logits - max), or the logits
     recomputed from x and w (the same ops as the forward's, so the same values)."""
-    exp = (kept if kept is not None
-           else F.linear(x2[lo:hi], w).float().sub_(maxes[lo:hi, None]).exp_())
+    exp = kept if kept is not None else F.linear(x2[lo:hi], w).float().sub_(maxes[lo:hi, None]).exp_()
     return _logits_gradient(exp, sums[lo:hi], grad_flat[lo:hi], local_labels[lo:hi], in_range[lo:hi]).to(x2.dtype)
 
 
@@ -157,12 +173,13 @@ def _chunk_statistics(x, w, local_labels, in_range, shard: VocabShard, real: int
     logits = F.linear(x, w).float()
     if real:
         logits_max = logits.amax(dim=-1)
-    else:              # this rank holds only padding rows: it adds nothing to the max or the sums
+    else:  # this rank holds only padding rows: it adds nothing to the max or the sums
         logits_max = logits.new_full((x.shape[0],), float("-inf"))
     shard.reduce_max(logits_max)
     shifted = logits.sub_(logits_max.unsqueeze(-1))
-    target = (shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1) * in_range if real
-              else torch.zeros_like(logits_max))
+    target = (
+        shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1) * in_range if real else torch.zeros_like(logits_max)
+    )
     exp = shifted.exp_()
     # One reduction carries both the target logit and the softmax denominator.
     combined = torch.stack([target, exp.sum(dim=-1)])
@@ -196,8 +213,14 @@ def _local_labels(labels: torch.Tensor, start: int, rows: int):
     return torch.where(in_range, labels - start, torch.zeros_like(labels)), in_range
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                         shard: VocabShard = LOCAL, chunk_tokens: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    shard: VocabShard = LOCAL,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
     """Per-token loss (labels' shape) of logits x W^T over the real vocabulary, never holding more
     than `chunk_tokens` tokens' logits (default: chunk_tokens_for's memory budget)."""
     tokens = labels.numel()

@@ -27,6 +27,7 @@ ceil(s x k x factor / E) of its choices, kept by probability or by position, the
 Dispatch is an object (`LocalDispatcher` here; expert parallelism swaps in one that sends rows over
 its group): it gets rows sorted by expert and returns the experts' outputs in the same rows.
 """
+
 from __future__ import annotations
 
 import functools
@@ -127,13 +128,13 @@ class Router(nn.Module):
         loss = logits.new_zeros(())
         e, k = self.num_experts, self.topk
         if self.balancing in ("aux_loss", "seq_aux_loss") and self.aux_coeff > 0:
-            groups = 1 if self.balancing == "aux_loss" else sequences      # token sets balanced
+            groups = 1 if self.balancing == "aux_loss" else sequences  # token sets balanced
             scores = self.full_scores(logits).view(groups, -1, e)
             chosen = F.one_hot(indices, e).sum(1).float().view(groups, -1, e)
             tokens = logits.new_full((groups, 1), scores.shape[1])
             # one reduction for all three sums: [prob sums | choice counts | token count]
             total = reduce_stats(torch.cat([scores.sum(1), chosen.sum(1), tokens], dim=1))
-            prob_sum, counts, count = total[:, :e], total[:, e:2 * e], total[:, 2 * e:]
+            prob_sum, counts, count = total[:, :e], total[:, e : 2 * e], total[:, 2 * e :]
             aux = (e / (k * count * count) * (counts * prob_sum)).sum(1).mean()
             loss = loss + self.aux_coeff * aux
             if stats is not None:
@@ -176,13 +177,13 @@ def capacity_keep(probs, indices, sequences: int, num_experts: int, factor: floa
     t, k = indices.shape
     s = t // sequences
     capacity = expert_capacity(s, k, factor, num_experts)
-    chosen = F.one_hot(indices.reshape(sequences, s * k), num_experts).bool()      # (b, s*k, E)
+    chosen = F.one_hot(indices.reshape(sequences, s * k), num_experts).bool()  # (b, s*k, E)
     if policy == "probs":
         key = probs.detach().reshape(sequences, s * k, 1).expand_as(chosen)
-    else:       # earlier tokens first: a larger key for a smaller position
+    else:  # earlier tokens first: a larger key for a smaller position
         key = -torch.arange(s * k, device=probs.device, dtype=probs.dtype).view(1, -1, 1).expand_as(chosen)
     key = torch.where(chosen, key, torch.full_like(key, -math.inf))
-    kept_rows = key.topk(capacity, dim=1).indices                                 # (b, capacity, E)
+    kept_rows = key.topk(capacity, dim=1).indices  # (b, capacity, E)
     keep = torch.zeros_like(chosen).scatter_(1, kept_rows, True) & chosen
     return keep.any(dim=2).view(t, k)
 
@@ -191,7 +192,8 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """How many of `experts` (expert indices) name each expert: bincount with minlength E, as a
     scatter-add, whose output shape does not depend on the values (meta tensors have none)."""
     return torch.zeros(num_experts, dtype=torch.long, device=experts.device).index_add_(
-        0, experts, torch.ones_like(experts))
+        0, experts, torch.ones_like(experts)
+    )
 
 
 def sort_by_expert(indices, keep, num_experts: int, pad_to: int | None = None, read_kept=int):
@@ -205,16 +207,16 @@ def sort_by_expert(indices, keep, num_experts: int, pad_to: int | None = None, r
     if keep is None:
         return torch.argsort(flat, stable=True), expert_counts(flat, num_experts)
     key = torch.where(keep.reshape(-1), flat, num_experts)
-    order = torch.argsort(key, stable=True)          # kept choices by (expert, position), then the dropped
+    order = torch.argsort(key, stable=True)  # kept choices by (expert, position), then the dropped
     counts = expert_counts(key, num_experts + 1)
     if pad_to is None:
-        return order[:read_kept(counts[:num_experts].sum())], counts[:num_experts]
+        return order[: read_kept(counts[:num_experts].sum())], counts[:num_experts]
     # expert e's i-th row at e x pad_to + i; the dropped ones past every expert's rows, cut off
     experts = key[order]
     starts = torch.cumsum(counts, 0) - counts
     place = experts * pad_to + torch.arange(order.numel(), device=order.device) - starts[experts]
     slots = torch.full((num_experts * pad_to + order.numel(),), -1, dtype=order.dtype, device=order.device)
-    slots = slots.index_copy(0, place, order)[:num_experts * pad_to]
+    slots = slots.index_copy(0, place, order)[: num_experts * pad_to]
     return slots, torch.full_like(counts[:num_experts], pad_to)
 
 
@@ -237,8 +239,9 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool,
-                   sizes: list[int] | None = None) -> torch.Tensor:
+def grouped_matmul(
+    x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool, sizes: list[int] | None = None
+) -> torch.Tensor:
     """Rows of x (n, a) times weight[e] (E, a, b) for the counts[e] rows of each expert e, in order:
     one torch._grouped_mm where it runs, else a loop of matmuls (the same products). `sizes`: the
     counts as the host already read them (the loop needs them there), if it has. In a split
@@ -257,8 +260,9 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
 
 def _looped_matmul(x, weight, sizes: list[int]) -> torch.Tensor:
     pieces = x.split(sizes)
-    return torch.cat([piece @ weight[e] for e, piece in enumerate(pieces)]) if pieces else x.new_zeros(
-        0, weight.shape[-1])
+    return (
+        torch.cat([piece @ weight[e] for e, piece in enumerate(pieces)]) if pieces else x.new_zeros(0, weight.shape[-1])
+    )
 
 
 class _DeferredGroupedMatmul(torch.autograd.Function):
@@ -283,10 +287,14 @@ class _DeferredGroupedMatmul(torch.autograd.Function):
             grad_x = torch._grouped_mm(grad, weight.transpose(-2, -1), offs=offsets)
             ctx.work.add(lambda _: [(param, torch._grouped_mm(x.t(), grad, offs=offsets))])
         else:
-            grad_x = torch.cat([g @ weight[e].t() for e, g in enumerate(grad.split(sizes))]) if sizes else \
-                torch.zeros_like(x)
-            ctx.work.add(lambda _: [(param, torch.stack([
-                p.t() @ g for p, g in zip(x.split(sizes), grad.split(sizes))]))])
+            grad_x = (
+                torch.cat([g @ weight[e].t() for e, g in enumerate(grad.split(sizes))])
+                if sizes
+                else torch.zeros_like(x)
+            )
+            ctx.work.add(
+                lambda _: [(param, torch.stack([p.t() @ g for p, g in zip(x.split(sizes), grad.split(sizes))]))]
+            )
         return grad_x, None, None, None, None, None
 
 
@@ -294,19 +302,35 @@ class GroupedExperts(nn.Module):
     """`num_experts` experts, each an MLP without biases (Mixtral's), as one weight per projection:
     weight1 (E, h, f) or, with SwiGLU, (E, h, 2f) holding [gate | up]; weight2 (E, f, h)."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, *, swiglu: bool, gelu_approximate="tanh",
-                 grouped: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn: int,
+        *,
+        swiglu: bool,
+        gelu_approximate="tanh",
+        grouped: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.swiglu, self.gelu_approximate, self.grouped = swiglu, gelu_approximate, grouped
-        self.weight1 = nn.Parameter(torch.empty(num_experts, hidden, ffn * (2 if swiglu else 1),
-                                                device=device, dtype=dtype))
+        self.weight1 = nn.Parameter(
+            torch.empty(num_experts, hidden, ffn * (2 if swiglu else 1), device=device, dtype=dtype)
+        )
         self.weight2 = nn.Parameter(torch.empty(num_experts, ffn, hidden, device=device, dtype=dtype))
 
     @classmethod
     def of(cls, config: GPTConfig) -> "GroupedExperts":
-        return cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
-                   swiglu=config.activation == "swiglu", gelu_approximate=config.gelu_approximate,
-                   grouped=config.moe_grouped_gemm)
+        return cls(
+            config.num_experts,
+            config.hidden_size,
+            config.moe_ffn_hidden_size,
+            swiglu=config.activation == "swiglu",
+            gelu_approximate=config.gelu_approximate,
+            grouped=config.moe_grouped_gemm,
+        )
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """x (n, h): rows sorted by expert, counts[e] of them for expert e (`sizes`: the same
@@ -350,8 +374,8 @@ class MoELayer(nn.Module):
         # The factor the balancing losses' gradient enters with: the training loop sets this
         # microbatch's share of the global batch (times the loss scale); 1 alone.
         self.aux_loss_weight = 1.0
-        self.reduce_stats = _identity_stats     # see the module docstring; parallel/ sets it
-        self.stats: dict[str, torch.Tensor] | None = None   # a dict to gather loads and losses into
+        self.reduce_stats = _identity_stats  # see the module docstring; parallel/ sets it
+        self.stats: dict[str, torch.Tensor] | None = None  # a dict to gather loads and losses into
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, h = x.shape[0], x.shape[-1]
@@ -372,13 +396,12 @@ class MoELayer(nn.Module):
         if self.capacity_factor is not None:
             s = t // sequences
             capacity = expert_capacity(s, k, self.capacity_factor, self.num_experts)
-            keep = capacity_keep(probs, indices, sequences, self.num_experts, self.capacity_factor,
-                                 self.drop_policy)
+            keep = capacity_keep(probs, indices, sequences, self.num_experts, self.capacity_factor, self.drop_policy)
             if self.stats is not None:
                 self.stats["dropped"] = self.stats.get("dropped", 0) + (~keep).sum().float()
-            if self.pad_to_capacity:        # fixed shapes: nothing read on the host here
+            if self.pad_to_capacity:  # fixed shapes: nothing read on the host here
                 pad_to = sequences * capacity
-            else:                           # the rows kept: one host read (the dispatcher's)
+            else:  # the rows kept: one host read (the dispatcher's)
                 healthy = balanced_kept(sequences, s, k, self.num_experts, capacity)
                 read_kept = functools.partial(self.dispatcher.rows_kept, healthy=healthy)
         slots, counts = sort_by_expert(indices, keep, self.num_experts, pad_to, read_kept)
@@ -386,4 +409,4 @@ class MoELayer(nn.Module):
         rows = padded[torch.where(slots >= 0, slots // k, t)]
         out = self.dispatcher(self.experts, rows, counts)
         placed = out.new_zeros(t * k + 1, out.shape[1]).index_copy(0, torch.where(slots >= 0, slots, t * k), out)
-        return (placed[:t * k].view(t, k, -1) * probs.unsqueeze(-1).to(out.dtype)).sum(1)
+        return (placed[: t * k].view(t, k, -1) * probs.unsqueeze(-1).to(out.dtype)).sum(1)

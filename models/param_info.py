@@ -38,6 +38,7 @@ Fields, by the room that sets them:
 - models.weight_grad (the backward), taken by the engine (zero/precision.take_grad):
   `pending_fp32_grad` the fp32 gradient the layers summed since the engine last took it
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,7 +64,7 @@ class ParamInfo:
     pending_fp32_grad: object = None
 
 
-_ATTRIBUTE = "megazero"            # the parameter's Python attribute holding its ParamInfo
+_ATTRIBUTE = "megazero"  # the parameter's Python attribute holding its ParamInfo
 _NONE = ParamInfo()
 
 

@@ -34,6 +34,7 @@ backward, and the forward a recomputation replays inside it, on its own thread, 
 thread-local nor a context variable set by the schedule would be seen; the schedule's thread waits
 for that backward. Nothing here knows of pipelines or processes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,18 +74,18 @@ class WeightGradWork:
             for k, (compute, _) in enumerate(items):
                 state, ahead = ahead, None
                 if k + 1 < len(items) and items[k + 1][1] is not None:
-                    ahead = items[k + 1][1]()          # the next item's communication, during this GEMM
+                    ahead = items[k + 1][1]()  # the next item's communication, during this GEMM
                 for tensor, grad in compute(state):
                     held = tensors.get(id(tensor))
                     if held is None:
                         tensors[id(tensor)] = [tensor, grad]
-                    else:                              # a weight used twice in the chunk: one handover
+                    else:  # a weight used twice in the chunk: one handover
                         held[1] = held[1] + grad
         if tensors:
             torch.autograd.backward([t for t, _ in tensors.values()], [g for _, g in tensors.values()])
 
 
-_ACTIVE: list[WeightGradWork | None] = [None]      # the module docstring says why a module slot
+_ACTIVE: list[WeightGradWork | None] = [None]  # the module docstring says why a module slot
 
 
 @contextlib.contextmanager
@@ -106,8 +107,10 @@ def deferred_to(*weights: torch.Tensor | None) -> WeightGradWork | None:
     if not any(w is not None and w.requires_grad for w in weights):
         return None
     if _compiling():
-        raise RuntimeError("a split backward (zero-bubble pipeline schedules) cannot run inside "
-                           "torch.compile; drop --compile or choose another --pipeline-schedule")
+        raise RuntimeError(
+            "a split backward (zero-bubble pipeline schedules) cannot run inside "
+            "torch.compile; drop --compile or choose another --pipeline-schedule"
+        )
     return work
 
 

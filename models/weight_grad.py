@@ -16,6 +16,7 @@ unmarked parameters and fp32 weights take the plain torch ops. Each function's r
 torch op it replaces: forward outputs and input gradients are the same ops, the weight gradient is the
 same sum without the 16-bit rounding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,8 +73,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def linear_param_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       fp32: bool, wants_weight: bool, wants_bias: bool):
+def linear_param_grads(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fp32: bool,
+    wants_weight: bool,
+    wants_bias: bool,
+):
     """(weight's, bias's) gradients of y = x W^T + b for autograd, given y's gradient and x (any
     leading dims): with `fp32` (a marked weight) the sums are taken in fp32 and deposited, and
     autograd gets zeros; else autograd gets them in the weight's dtype. None where not wanted."""
@@ -118,8 +126,9 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           sum_in_fp32: bool = True) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, sum_in_fp32: bool = True
+) -> torch.Tensor:
     """F.linear; a marked 16-bit weight (and its bias) get their gradients summed in fp32 (unless
     `sum_in_fp32` is off: autograd's dtype, as F.linear), and in a split backward both are deferred
     to W."""
@@ -237,8 +246,15 @@ def _plain_norm(x, weight, bias, kind: str, shape, eps: float, plus_one: bool):
     return F.layer_norm(x, shape, scale, bias, eps)
 
 
-def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, shape, eps: float,
-         plus_one: bool = False) -> torch.Tensor:
+def norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kind: str,
+    shape,
+    eps: float,
+    plus_one: bool = False,
+) -> torch.Tensor:
     """F.layer_norm / F.rms_norm (kind "layernorm" / "rmsnorm") scaled by weight (+ 1 with
     `plus_one`, a zero-centred norm); in a split backward its weight's and bias's gradients go to W."""
     work = deferred_to(weight, bias)
@@ -264,6 +280,7 @@ class Embedding(nn.Embedding):
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose weight and bias gradients a split backward defers to W (module `norm`);
     `zero_centered_gamma` scales by weight + 1 (Megatron's --apply-layernorm-1p)."""
+
     zero_centered_gamma = False
 
     def forward(self, x):
@@ -272,6 +289,7 @@ class LayerNorm(nn.LayerNorm):
 
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm whose weight gradient a split backward defers to W (module `norm`)."""
+
     zero_centered_gamma = False
 
     def forward(self, x):

@@ -27,6 +27,7 @@ Must not touch: parameters (ZeRO owns them: a saved parameter, or a view of one 
 weight of a linear layer, stays as it is), the model's arithmetic (a tensor comes back bit for bit, in
 its layout).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,12 +43,12 @@ class _Group:
     until its backward is near, then on the device again until autograd lets them go."""
 
     def __init__(self, previous: "_Group | None"):
-        self.previous = previous            # the unit before, in the same forward: fetched ahead
+        self.previous = previous  # the unit before, in the same forward: fetched ahead
         self.saved: list[torch.Tensor] = []
-        self.index: dict[int, int] = {}     # id of a saved tensor -> its slot (saved twice: one copy)
-        self.uses: list[int] = []           # unpacks left per slot: the slot is let go at the last
+        self.index: dict[int, int] = {}  # id of a saved tensor -> its slot (saved twice: one copy)
+        self.uses: list[int] = []  # unpacks left per slot: the slot is let go at the last
         self.host: list[torch.Tensor] | None = None
-        self.devices: list[torch.device] = []     # where each came from (and goes back to)
+        self.devices: list[torch.device] = []  # where each came from (and goes back to)
         self.back: list[torch.Tensor] | None = None
         self.stored: Event | None = None
         self.fetched: Event | None = None
@@ -67,7 +68,7 @@ class ActivationOffload:
         self.streams = streams
         self.num_layers = num_layers
         self.pin = self.device.type == "cuda"
-        self.host_bytes = 0                 # on the host now
+        self.host_bytes = 0  # on the host now
         self.peak_host_bytes = 0
 
     # --- putting the hooks on ---------------------------------------------------------------
@@ -76,13 +77,13 @@ class ActivationOffload:
         """Hooks the first `num_layers` layers of `chunk` (a GPT: models.gpt), and the one after them
         to fetch the last offloaded group ahead of its backward."""
         layers = list(chunk.layers.values())
-        chosen = layers[:self.num_layers]
+        chosen = layers[: self.num_layers]
         cfg = chunk.config
         recomputed = set()
         if cfg.recompute_granularity == "full":
             whole = cfg.recompute_method == "uniform"
             recomputed = {id(layer) for i, layer in enumerate(layers) if whole or i < cfg.recompute_num_layers}
-        state = {"last": None}             # this chunk's latest group in this forward
+        state = {"last": None}  # this chunk's latest group in this forward
         chunk.register_forward_pre_hook(lambda module, args: state.update(last=None))
         for layer in chosen:
             if id(layer) not in recomputed:
@@ -90,7 +91,7 @@ class ActivationOffload:
                 layer.register_forward_hook(lambda module, args, out: self._leave(state))
         if any(id(layer) in recomputed for layer in chosen):
             chunk.set_checkpoint_fn(self._checkpoint_fn(chunk.checkpoint_fn, {id(x) for x in chosen}, state))
-        for i, layer in enumerate(layers[:self.num_layers + 1]):
+        for i, layer in enumerate(layers[: self.num_layers + 1]):
             layer.register_forward_hook(self._fetch_hook(state, ahead_only=i == self.num_layers))
 
     def _checkpoint_fn(self, checkpoint_fn, chosen: set[int], state: dict):
@@ -104,6 +105,7 @@ class ActivationOffload:
             finally:
                 self._leave(state)
             return out
+
         checkpoint.layers_offloaded = chosen
         return checkpoint
 
@@ -115,8 +117,7 @@ class ActivationOffload:
         else:
             group = _Group(state["last"])
             state["last"] = group
-            state["hooks"] = torch.autograd.graph.saved_tensors_hooks(
-                lambda t: self._pack(group, t), self._unpack)
+            state["hooks"] = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack)
         state["hooks"].__enter__()
 
     def _leave(self, state: dict) -> None:
@@ -166,8 +167,10 @@ class ActivationOffload:
                 self._fetch(group)
                 if not ahead_only:
                     self._fetch(group.previous)
-                    group.previous = None      # a finished forward's chain is not kept
+                    group.previous = None  # a finished forward's chain is not kept
+
             out.register_hook(on_grad)
+
         return on_forward
 
     def _fetch(self, group: _Group | None) -> None:
@@ -175,8 +178,9 @@ class ActivationOffload:
             return
         copy = self.streams.copy
         with copy:
-            group.back = [host.to(device, non_blocking=self.pin, copy=True)
-                          for host, device in zip(group.host, group.devices)]
+            group.back = [
+                host.to(device, non_blocking=self.pin, copy=True) for host, device in zip(group.host, group.devices)
+            ]
             for t in group.back:
                 copy.keep_alive(t)
         group.fetched = Event(self.device).record(copy)
@@ -194,8 +198,10 @@ class ActivationOffload:
             group.waited = True
         t = group.back[slot]
         if t is None:
-            raise RuntimeError("an offloaded activation was read twice: --cpu-offloading lets each saved "
-                               "tensor go after its backward (no backward with retain_graph=True)")
+            raise RuntimeError(
+                "an offloaded activation was read twice: --cpu-offloading lets each saved "
+                "tensor go after its backward (no backward with retain_graph=True)"
+            )
         # The last read lets it go: autograd holds it while its node runs, then frees it.
         group.uses[slot] -= 1
         if group.uses[slot] == 0:

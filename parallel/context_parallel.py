@@ -26,6 +26,7 @@ is sent. Each core reads them in its own order: the ring masks each block by the
 the two ranks' chunks (`ring_document_ids`), Ulysses runs the varlen kernel over the gathered,
 true-ordered sequence with the sample's own boundaries, allgather adds the documents to its mask.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,6 +44,7 @@ from .ring_attention import ring_attention
 
 
 # --- the layout (pure) ---------------------------------------------------------------------------
+
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
     """The two of 2*cp sequence chunks CP rank `cp_rank` holds, in its local order."""
@@ -62,8 +64,12 @@ def local_chunks(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.
 def _positions(local_length: int, cp_rank: int, cp: int, device: torch.device) -> torch.Tensor:
     chunk = local_length // 2
     first, second = chunk_ids(cp_rank, cp)
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
-                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+    return torch.cat(
+        [
+            torch.arange(first * chunk, (first + 1) * chunk, device=device),
+            torch.arange(second * chunk, (second + 1) * chunk, device=device),
+        ]
+    )
 
 
 def local_positions(local_length: int, cp_rank: int, cp: int, device=None) -> torch.Tensor:
@@ -78,9 +84,10 @@ def ring_positions(local_length: int, cp: int, device=None) -> torch.Tensor:
 
 # --- the communication, each op with its autograd inverse ----------------------------------------
 
+
 def _all_to_all(x: torch.Tensor, group: Group) -> torch.Tensor:
     """x (N, ...): slot j goes to rank j; slot j of the result came from rank j."""
-    x = x.contiguous()          # (empty_like keeps a permuted view's strides; the op needs rows)
+    x = x.contiguous()  # (empty_like keeps a permuted view's strides; the op needs rows)
     out = torch.empty_like(x)
     comm.all_to_all(out, x, group)
     return out
@@ -144,14 +151,15 @@ class _GatherSequence(torch.autograd.Function):
 
 # --- the attention cores --------------------------------------------------------------------------
 
+
 def ulysses_attention(q, k, v, group: Group, dropout_p: float = 0.0, backend: str = "auto", documents=None):
     """a2a: heads scattered, sequence gathered, causal attention in true order (inside each of
     `documents`' documents, whole-sample boundaries), and back."""
     local = q.shape[1]
-    order = ring_positions(local, group.size, q.device)     # gathered index -> true position
+    order = ring_positions(local, group.size, q.device)  # gathered index -> true position
     to_true = torch.argsort(order)
     q, k, v = (_SeqToHeads.apply(t, group).index_select(1, to_true) for t in (q, k, v))
-    out = core_attention(q, k, v, dropout_p, backend, documents)     # (b, S, heads/N * d), true order
+    out = core_attention(q, k, v, dropout_p, backend, documents)  # (b, S, heads/N * d), true order
     out = out.index_select(1, order).unflatten(2, (q.shape[2], q.shape[3]))
     return _HeadsToSeq.apply(out, group).flatten(2)
 
@@ -182,8 +190,9 @@ def _document_bias(documents, local_length: int, cp_rank: int, cp: int, dtype) -
         key_pos = ring_positions(local_length, cp, ids.device)
         other = ids.index_select(1, query_pos).unsqueeze(-1) != ids.index_select(1, key_pos).unsqueeze(-2)
         hidden = (key_pos.unsqueeze(0) > query_pos.unsqueeze(1)) | other
-        documents.memo[key] = torch.zeros(hidden.shape, dtype=dtype, device=ids.device).masked_fill_(
-            hidden, float("-inf")).unsqueeze(1)
+        documents.memo[key] = (
+            torch.zeros(hidden.shape, dtype=dtype, device=ids.device).masked_fill_(hidden, float("-inf")).unsqueeze(1)
+        )
     return documents.memo[key]
 
 
@@ -192,8 +201,12 @@ def ring_document_ids(documents, local_length: int, cp: int) -> torch.Tensor:
     blocks; once per microbatch."""
     key = ("ring_ids", local_length, cp)
     if key not in documents.memo:
-        documents.memo[key] = torch.stack([documents.doc_ids.index_select(1, local_positions(
-            local_length, r, cp, documents.doc_ids.device)) for r in range(cp)])
+        documents.memo[key] = torch.stack(
+            [
+                documents.doc_ids.index_select(1, local_positions(local_length, r, cp, documents.doc_ids.device))
+                for r in range(cp)
+            ]
+        )
     return documents.memo[key]
 
 
@@ -237,7 +250,7 @@ def apply_context_parallel(model: GPT, group: Group, comm_type: str) -> GPT:
     embedding's and attention's position hooks at this rank's true positions (in place)."""
     if group.size == 1:
         return model
-    if comm_type == "p2p":      # NCCL: a collective before the first batched send/recv of a communicator
+    if comm_type == "p2p":  # NCCL: a collective before the first batched send/recv of a communicator
         comm.all_reduce(torch.zeros(1, device=group.device), group)
     positions = functools.partial(_rank_positions, cp_rank=group.rank, cp=group.size)
     if model.embedding is not None:

@@ -13,6 +13,7 @@ parallelism add to a gradient lives here, once per step rather than once per mic
 Parameters carry the facts as attributes set where they are made: `tensor_parallel` (split over
 TP), `sequence_parallel` (gradient partial per sequence shard), `shared_embedding` (tied copy).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -44,8 +45,9 @@ def summed_across_stages(param: nn.Parameter) -> bool:
     return param_info(param).shared_embedding
 
 
-def finalize_model_grads(params: list[nn.Parameter], grad_pieces: Callable[[list], list[torch.Tensor]],
-                         groups: ProcessGroups) -> None:
+def finalize_model_grads(
+    params: list[nn.Parameter], grad_pieces: Callable[[list], list[torch.Tensor]], groups: ProcessGroups
+) -> None:
     """Sums tied-embedding gradients over the embedding group and sequence-parallel gradients over
     the TP group. `grad_pieces(params)` returns the tensors holding this rank's (reduced) gradient
     of each parameter: ZeroEngine.grad_pieces, or `.grad` of plain modules."""
@@ -55,7 +57,7 @@ def finalize_model_grads(params: list[nn.Parameter], grad_pieces: Callable[[list
 
 def sum_tied_embedding_grads(params, grad_pieces, embedding_group: comm.Group) -> None:
     tied = [p for p in params if param_info(p).shared_embedding]
-    if len(tied) == 2:                 # a V schedule: both copies here, laid out alike (ZeRO's isolated)
+    if len(tied) == 2:  # a V schedule: both copies here, laid out alike (ZeRO's isolated)
         pieces = grad_pieces(tied)
         pieces[0].add_(pieces[1])
         pieces[1].copy_(pieces[0])
@@ -83,5 +85,5 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group: comm.Group) -> Non
     comm.all_reduce(flat, group)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()

@@ -5,6 +5,7 @@ from the full one, so initialisation and checkpoint tools can build or reassembl
 knowing the layer. Parameters without it are replicated across the TP group; `tensor_parallel` marks
 the split ones (gradient-norm code counts replicated ones once).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,19 @@ from megazero.models.gpt import token_positions
 from megazero.models.split_backward import deferred_to, wanted
 from megazero.models.weight_grad import add_bias, embedding, linear, linear_param_grads, norm, wants_fp32_grad
 from .cross_entropy import vocab_parallel_linear_cross_entropy
-from .mappings import (SEQ_DIM, _gather, _reduce_scatter, copy_to_tp_region, gather_from_sequence_region,
-                       gather_from_tp_region, reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region,
-                       start_gather, start_reduce_scatter)
+from .mappings import (
+    SEQ_DIM,
+    _gather,
+    _reduce_scatter,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    start_gather,
+    start_reduce_scatter,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +40,7 @@ class TPShard:
     """The local tensor is piece `rank` of `size` along `dim`; with chunks > 1 the full tensor is
     `chunks` equal blocks along dim (SwiGLU's [gate; up]) and each block is split, so every rank holds
     its share of every block, concatenated."""
+
     dim: int
     rank: int
     size: int
@@ -62,8 +74,18 @@ def _param(shape, device, dtype) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by output rows; the output stays split unless gather_output."""
 
-    def __init__(self, in_features, out_features, bias, group: Group, sequence_parallel=False,
-                 chunks=1, gather_output=False, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias,
+        group: Group,
+        sequence_parallel=False,
+        chunks=1,
+        gather_output=False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if out_features % (group.size * chunks):
             raise ValueError(f"output size {out_features} does not split into {chunks} x {group.size}")
@@ -75,8 +97,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.sequence_parallel and self.group.size > 1:
-            y = _SequenceGatheredLinear.apply(x, self.weight, self.bias, self.group,
-                                              wants_fp32_grad(self.weight), deferred_to(self.weight, self.bias))
+            y = _SequenceGatheredLinear.apply(
+                x, self.weight, self.bias, self.group, wants_fp32_grad(self.weight), deferred_to(self.weight, self.bias)
+            )
         else:
             y = linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
@@ -110,9 +133,17 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         if ctx.work is not None:
             grad_x = _reduce_scatter(grad @ weight, SEQ_DIM, ctx.group) if ctx.needs_input_grad[0] else None
             group, fp32 = ctx.group, ctx.fp32
-            ctx.work.add(lambda gathered: wanted(zip((param, bias), linear_param_grads(
-                grad, gathered() if wants_weight else None, param, bias, fp32, wants_weight, wants_bias))),
-                prepare=lambda: start_gather(x, SEQ_DIM, group) if wants_weight else None)
+            ctx.work.add(
+                lambda gathered: wanted(
+                    zip(
+                        (param, bias),
+                        linear_param_grads(
+                            grad, gathered() if wants_weight else None, param, bias, fp32, wants_weight, wants_bias
+                        ),
+                    )
+                ),
+                prepare=lambda: start_gather(x, SEQ_DIM, group) if wants_weight else None,
+            )
             return grad_x, None, None, None, None, None
         gathered = start_gather(x, SEQ_DIM, ctx.group) if wants_weight else None
         reducing = grad_x = None
@@ -129,14 +160,14 @@ class _SequenceGatheredLinear(torch.autograd.Function):
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split by input columns; x arrives split, partial outputs are summed."""
 
-    def __init__(self, in_features, out_features, bias, group: Group, sequence_parallel=False,
-                 device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias, group: Group, sequence_parallel=False, device=None, dtype=None):
         super().__init__()
         if in_features % group.size:
             raise ValueError(f"input size {in_features} does not split over {group.size} ranks")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = mark_split(_param((out_features, in_features // group.size), device, dtype),
-                                 TPShard(1, group.rank, group.size))
+        self.weight = mark_split(
+            _param((out_features, in_features // group.size), device, dtype), TPShard(1, group.rank, group.size)
+        )
         self.bias = _param((out_features,), device, dtype) if bias else None
         if self.bias is not None and sequence_parallel:
             # Each rank adds the bias to its own tokens only, so its gradient is partial; it is
@@ -162,8 +193,9 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.local_rows = num_embeddings // group.size
         self.vocab_start = group.rank * self.local_rows
-        self.weight = mark_split(_param((self.local_rows, embedding_dim), device, dtype),
-                                 TPShard(0, group.rank, group.size))
+        self.weight = mark_split(
+            _param((self.local_rows, embedding_dim), device, dtype), TPShard(0, group.rank, group.size)
+        )
 
     def forward(self, tokens):
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.local_rows)
@@ -175,12 +207,18 @@ class ParallelEmbedding(nn.Module):
     """Word (vocab-parallel) + position embeddings and dropout; under sequence parallelism the
     output is this rank's sequence shard, and its dropout draws a per-rank mask."""
 
-    def __init__(self, word: VocabParallelEmbedding, position: nn.Embedding | None, dropout: nn.Module,
-                 group: Group, sequence_parallel: bool):
+    def __init__(
+        self,
+        word: VocabParallelEmbedding,
+        position: nn.Embedding | None,
+        dropout: nn.Module,
+        group: Group,
+        sequence_parallel: bool,
+    ):
         super().__init__()
         self.word, self.position, self.dropout = word, position, dropout
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.positions = None           # as models.gpt.Embedding.positions (context parallelism)
+        self.positions = None  # as models.gpt.Embedding.positions (context parallelism)
 
     def forward(self, tokens, documents=None):
         x = self.word(tokens)
@@ -190,7 +228,7 @@ class ParallelEmbedding(nn.Module):
             x = reduce_from_tp_region(x, self.group)
         if self.position is not None:
             pos = self.position(token_positions(self.positions, tokens, documents))
-            if self.sequence_parallel:      # (s, h), or (b, s, h) with packed documents' positions
+            if self.sequence_parallel:  # (s, h), or (b, s, h) with packed documents' positions
                 pos = scatter_to_sequence_region(pos, self.group, dim=pos.dim() - 2)
             x = x + pos
         return self.dropout(x)
@@ -212,9 +250,10 @@ class ParallelLMHead(nn.Module):
         else:
             x = copy_to_tp_region(x, self.group)
         if labels is None:
-            return gather_from_tp_region(F.linear(x, self.weight), self.group)[..., :self.vocab_size]
-        return vocab_parallel_linear_cross_entropy(x, self.weight, labels, self.group, self.vocab_start,
-                                                   self.vocab_size)
+            return gather_from_tp_region(F.linear(x, self.weight), self.group)[..., : self.vocab_size]
+        return vocab_parallel_linear_cross_entropy(
+            x, self.weight, labels, self.group, self.vocab_start, self.vocab_size
+        )
 
 
 class SequenceParallelNorm(nn.Module):

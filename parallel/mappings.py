@@ -14,6 +14,7 @@ Each name says which way data moves in the forward pass; the backward pass does 
 
 Tensors are batch-first, so the sequence dimension is 1. All communication goes through megazero.core.comm.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,6 +63,7 @@ def start_gather(x: torch.Tensor, dim: int, group: Group, async_op: bool = True)
         if handle is not None:
             handle.wait()
         return out.movedim(0, dim).flatten(dim, dim + 1) if dim != 0 else out.flatten(0, 1)
+
     return finish
 
 

@@ -28,6 +28,7 @@ after the (replicated) routing (scatter: the backward gathers the full gradient 
 the probabilities, so the router's gradient stays whole on every rank) and the outputs are
 all-gathered back to the replicated layout (whose backward keeps the rank's slice).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,14 +41,21 @@ from megazero.core.comm import Group
 from megazero.models.moe import AuxLossScaler, GroupedExperts, MoELayer
 from megazero.models.param_info import set_param_info
 from .layers import TPShard
-from .mappings import (copy_to_tp_region, gather_from_sequence_region, gather_from_tp_region,
-                       reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_sequence_region)
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertShard:
     """This rank's experts [ep_rank x E/ep, ...) along dim 0, cut by `tp` along another dim (a
     TPShard of the whole (E, ., .) weight, or None)."""
+
     ep_rank: int
     ep: int
     tp: TPShard | None = None
@@ -120,9 +128,12 @@ class AllToAllDispatcher(_ReadsKept):
         # evenly over all experts, so source s sends my local expert e what I send expert e's peer.
         mine = host_read.read(counts, "expert rows sent", healthy=lambda: even_split(rows.shape[0], len(counts)))
         lo = self.group.rank * local
-        table = host_read.read(recv_counts, "expert rows received", healthy=lambda: [
-            even_split(rows.shape[0], self.num_experts)[lo:lo + local]] * ep)
-        send_host = [sum(mine[j * local:(j + 1) * local]) for j in range(ep)]
+        table = host_read.read(
+            recv_counts,
+            "expert rows received",
+            healthy=lambda: [even_split(rows.shape[0], self.num_experts)[lo : lo + local]] * ep,
+        )
+        send_host = [sum(mine[j * local : (j + 1) * local]) for j in range(ep)]
         recv_host = [sum(row) for row in table]
         received = _AllToAll.apply(rows, self.group, send_host, recv_host)
         # received: by source, then by local expert; the experts want them by local expert
@@ -137,8 +148,11 @@ def _by_expert(table: list[list[int]], device) -> torch.Tensor:
     flat = [n for row in table for n in row]
     starts = [sum(flat[:i]) for i in range(len(flat))]
     experts = len(table[0]) if table else 0
-    pieces = [torch.arange(table[s][e], device=device) + starts[s * experts + e]
-              for e in range(experts) for s in range(len(table))]
+    pieces = [
+        torch.arange(table[s][e], device=device) + starts[s * experts + e]
+        for e in range(experts)
+        for s in range(len(table))
+    ]
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
 
 
@@ -154,19 +168,26 @@ class AllGatherDispatcher(_ReadsKept):
         every = counts.new_empty((ep, counts.numel()))
         comm.all_gather(every, counts.contiguous(), self.group)
         # on the host (one read); balanced (meta): every rank's rows spread evenly over the experts
-        table = host_read.read(every, "expert rows of every rank",
-                               healthy=lambda: [even_split(rows.shape[0], self.num_experts)] * ep)
+        table = host_read.read(
+            every, "expert rows of every rank", healthy=lambda: [even_split(rows.shape[0], self.num_experts)] * ep
+        )
         longest = max(sum(row) for row in table)
         padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], rows.shape[1])])
         gathered = gather_from_sequence_region(padded.unsqueeze(0), self.group).squeeze(0)
         # rows of my experts: from each source, its block for experts [ep_rank x local, ...)
         lo = self.group.rank * local
-        pick = torch.cat([torch.arange(table[s][lo + e], device=rows.device) + s * longest + sum(table[s][:lo + e])
-                          for e in range(local) for s in range(ep)] or [counts.new_zeros(0)])
-        mine = every[:, lo:lo + local]
+        pick = torch.cat(
+            [
+                torch.arange(table[s][lo + e], device=rows.device) + s * longest + sum(table[s][: lo + e])
+                for e in range(local)
+                for s in range(ep)
+            ]
+            or [counts.new_zeros(0)]
+        )
+        mine = every[:, lo : lo + local]
         out = experts(gathered[pick], mine.sum(0), [sum(table[s][lo + e] for s in range(ep)) for e in range(local)])
         full = out.new_zeros(gathered.shape[0], out.shape[1]).index_copy(0, pick, out)
-        return reduce_scatter_to_sequence_region(full.unsqueeze(0), self.group).squeeze(0)[:rows.shape[0]]
+        return reduce_scatter_to_sequence_region(full.unsqueeze(0), self.group).squeeze(0)[: rows.shape[0]]
 
 
 class _SumStats(torch.autograd.Function):
@@ -189,11 +210,25 @@ class _SumStats(torch.autograd.Function):
 class ParallelMoELayer(MoELayer):
     """The MoE layer over tensor- and expert-parallel ranks; parameters keep their names."""
 
-    def __init__(self, moe: MoELayer, tp: Group, sequence_parallel: bool, stats_groups: tuple[Group, ...],
-                 whole_experts: bool = False):
+    def __init__(
+        self,
+        moe: MoELayer,
+        tp: Group,
+        sequence_parallel: bool,
+        stats_groups: tuple[Group, ...],
+        whole_experts: bool = False,
+    ):
         nn.Module.__init__(self)
-        for name in ("num_experts", "topk", "capacity_factor", "drop_policy", "pad_to_capacity",
-                     "aux_loss_weight", "stats", "dispatcher"):
+        for name in (
+            "num_experts",
+            "topk",
+            "capacity_factor",
+            "drop_policy",
+            "pad_to_capacity",
+            "aux_loss_weight",
+            "stats",
+            "dispatcher",
+        ):
             setattr(self, name, getattr(moe, name))
         self.router, self.experts, self.shared_experts = moe.router, moe.experts, moe.shared_experts
         self.tp, self.sp = tp, sequence_parallel and tp.size > 1
@@ -245,8 +280,16 @@ class ParallelMoELayer(MoELayer):
         return y
 
 
-def parallelize_moe(moe: MoELayer, *, tp: Group, ep: Group, cp: Group, sequence_parallel: bool,
-                    dispatcher: str = "alltoall", whole_experts: bool = False) -> ParallelMoELayer:
+def parallelize_moe(
+    moe: MoELayer,
+    *,
+    tp: Group,
+    ep: Group,
+    cp: Group,
+    sequence_parallel: bool,
+    dispatcher: str = "alltoall",
+    whole_experts: bool = False,
+) -> ParallelMoELayer:
     """`moe` (on the meta device) over `tp` and `ep`: local experts allocated (still meta), the
     dispatcher chosen, the routing statistics summed over the ranks holding other tokens of the
     same sequences (cp, and tp under sequence parallelism). `whole_experts`: the expert
@@ -258,13 +301,24 @@ def parallelize_moe(moe: MoELayer, *, tp: Group, ep: Group, cp: Group, sequence_
     if e % ep.size or f % etp:
         raise ValueError(f"{e} experts of width {f} do not split over ep {ep.size} x etp {etp}")
     w = old.weight1
-    experts = GroupedExperts(e // ep.size, h, f // etp, swiglu=old.swiglu, gelu_approximate=old.gelu_approximate,
-                             grouped=old.grouped, device=w.device, dtype=w.dtype)
-    for weight, tp_shard in ((experts.weight1, TPShard(2, tp.rank, tp.size, 2 if old.swiglu else 1)),
-                             (experts.weight2, TPShard(1, tp.rank, tp.size))):
+    experts = GroupedExperts(
+        e // ep.size,
+        h,
+        f // etp,
+        swiglu=old.swiglu,
+        gelu_approximate=old.gelu_approximate,
+        grouped=old.grouped,
+        device=w.device,
+        dtype=w.dtype,
+    )
+    for weight, tp_shard in (
+        (experts.weight1, TPShard(2, tp.rank, tp.size, 2 if old.swiglu else 1)),
+        (experts.weight2, TPShard(1, tp.rank, tp.size)),
+    ):
         # one expert-parallel rank: the plain TPShard, which the checkpoint tools read
-        shard = ExpertShard(ep.rank, ep.size, tp_shard if split else None) if ep.size > 1 else \
-            (tp_shard if split else None)
+        shard = (
+            ExpertShard(ep.rank, ep.size, tp_shard if split else None) if ep.size > 1 else (tp_shard if split else None)
+        )
         set_param_info(weight, tp_shard=shard, tensor_parallel=split, expert_parallel=True)
     moe.experts = experts
     if ep.size > 1:
@@ -278,11 +332,26 @@ def parallelize_moe(moe: MoELayer, *, tp: Group, ep: Group, cp: Group, sequence_
     return layer
 
 
-def apply_expert_parallel(model, *, tp: Group, ep: Group, cp: Group, sequence_parallel: bool,
-                          dispatcher: str = "alltoall", whole_experts: bool = False):
+def apply_expert_parallel(
+    model,
+    *,
+    tp: Group,
+    ep: Group,
+    cp: Group,
+    sequence_parallel: bool,
+    dispatcher: str = "alltoall",
+    whole_experts: bool = False,
+):
     """Every MoE layer of `model` (a GPT, after the tensor-parallel swap) made a ParallelMoELayer."""
     for layer in model.layers.values():
         if isinstance(layer.mlp, MoELayer) and not isinstance(layer.mlp, ParallelMoELayer):
-            layer.mlp = parallelize_moe(layer.mlp, tp=tp, ep=ep, cp=cp, sequence_parallel=sequence_parallel,
-                                        dispatcher=dispatcher, whole_experts=whole_experts)
+            layer.mlp = parallelize_moe(
+                layer.mlp,
+                tp=tp,
+                ep=ep,
+                cp=cp,
+                sequence_parallel=sequence_parallel,
+                dispatcher=dispatcher,
+                whole_experts=whole_experts,
+            )
     return model

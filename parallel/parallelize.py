@@ -6,6 +6,7 @@ new layers allocate only their local shards (still on meta) and nothing is initi
 
 Order matters and is fixed: TP swaps first, then the RNG-tracked dropout, then the recompute hook.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -14,21 +15,38 @@ from megazero.core.comm import Group
 from megazero.models.gpt import GPT, Attention, Embedding, LMHead, MLP, TransformerLayer
 from megazero.models.moe import MoELayer
 from megazero.models.param_info import set_param_info
-from .layers import (ColumnParallelLinear, ParallelEmbedding, ParallelLMHead, RowParallelLinear,
-                     SequenceParallelNorm, TPShard, VocabParallelEmbedding, mark_split)
+from .layers import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    ParallelLMHead,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    TPShard,
+    VocabParallelEmbedding,
+    mark_split,
+)
 from .random import RNGTracker, TrackedDropout, TrackedModule, make_checkpoint_fn
 
 
 def _column(linear: nn.Linear, group, sp, chunks=1) -> ColumnParallelLinear:
     w = linear.weight
-    return ColumnParallelLinear(linear.in_features, linear.out_features, linear.bias is not None,
-                                group, sp, chunks=chunks, device=w.device, dtype=w.dtype)
+    return ColumnParallelLinear(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        group,
+        sp,
+        chunks=chunks,
+        device=w.device,
+        dtype=w.dtype,
+    )
 
 
 def _row(linear: nn.Linear, group, sp) -> RowParallelLinear:
     w = linear.weight
-    return RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None,
-                             group, sp, device=w.device, dtype=w.dtype)
+    return RowParallelLinear(
+        linear.in_features, linear.out_features, linear.bias is not None, group, sp, device=w.device, dtype=w.dtype
+    )
 
 
 def _parallelize_layer(layer: TransformerLayer, group: Group, sp: bool, tracker: RNGTracker) -> None:
@@ -42,8 +60,8 @@ def _parallelize_layer(layer: TransformerLayer, group: Group, sp: bool, tracker:
     if mlp is not None:
         mlp.fc1 = _column(mlp.fc1, group, sp, chunks=2 if mlp.swiglu else 1)
         mlp.fc2 = _row(mlp.fc2, group, sp)
-    gate = getattr(mlp, "gate_weight", None)        # the shared expert's gate: whole on every TP rank
-    if gate is not None and sp:                     # sees this rank's sequence shard: a partial gradient
+    gate = getattr(mlp, "gate_weight", None)  # the shared expert's gate: whole on every TP rank
+    if gate is not None and sp:  # sees this rank's sequence shard: a partial gradient
         set_param_info(gate, sequence_parallel=True)
     _parallelize_norms(layer, group, sp, tracker)
 
@@ -59,8 +77,9 @@ def _parallelize_norms(layer: TransformerLayer, group: Group, sp: bool, tracker:
 
 def _parallel_embedding(embedding: Embedding, group: Group, sp: bool, tracker) -> ParallelEmbedding:
     word = embedding.word
-    parallel_word = VocabParallelEmbedding(word.num_embeddings, word.embedding_dim, group,
-                                           device=word.weight.device, dtype=word.weight.dtype)
+    parallel_word = VocabParallelEmbedding(
+        word.num_embeddings, word.embedding_dim, group, device=word.weight.device, dtype=word.weight.dtype
+    )
     dropout = TrackedDropout(embedding.dropout.p, tracker) if sp else embedding.dropout
     return ParallelEmbedding(parallel_word, embedding.position, dropout, group, sp)
 
@@ -70,7 +89,7 @@ def _parallel_head(head: LMHead, tied_weight, group: Group, sp: bool) -> Paralle
         rows, cols = head.weight.shape
         weight = nn.Parameter(head.weight.new_empty(rows // group.size, cols))
         mark_split(weight, TPShard(0, group.rank, group.size))
-        for attr in ("init_name", "shared_embedding"):     # set by the pipeline split, if any
+        for attr in ("init_name", "shared_embedding"):  # set by the pipeline split, if any
             if hasattr(head.weight, attr):
                 setattr(weight, attr, getattr(head.weight, attr))
     else:
@@ -82,10 +101,13 @@ def parallelize(model: GPT, tp_group: Group, tracker: RNGTracker, sequence_paral
     """Swaps `model`'s layers for tensor-parallel ones over `tp_group` (in place; returns it)."""
     model.set_checkpoint_fn(make_checkpoint_fn(tracker))
     if tp_group.size == 1:
-        return model          # a TP group of one is the pure model; sequence parallel is a no-op
+        return model  # a TP group of one is the pure model; sequence parallel is a no-op
     sp = sequence_parallel
-    tied = (model.embedding is not None and model.output_head is not None
-            and model.output_head.weight is model.embedding.word.weight)
+    tied = (
+        model.embedding is not None
+        and model.output_head is not None
+        and model.output_head.weight is model.embedding.word.weight
+    )
     if model.embedding is not None:
         model.embedding = _parallel_embedding(model.embedding, tp_group, sp, tracker)
     for layer in model.layers.values():

@@ -12,6 +12,7 @@ so prefetch all-gathers sharing one with gradient reduce-scatters would wait beh
 gather uses across nodes (the shard group's node-local and cross-node parts, hpZ's blocks) are on that
 purpose's communicators too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,7 @@ class GroupFactory:
     def torch_group(self, ranks: tuple[int, ...], purpose: str = "shared"):
         """The communicator for `ranks`; a different `purpose` gets a separate one over the same ranks."""
         if len(ranks) == 1:
-            return None          # groups of one never communicate
+            return None  # groups of one never communicate
         if not self.initialized:
             raise RuntimeError(f"group {ranks} needs torch.distributed, which is not initialized")
         key = (tuple(ranks), purpose)
@@ -66,34 +67,37 @@ def collective_device(device=None) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
     device = torch.device(device)
     if backend == "nccl" and device.type != "cuda":
-        raise ValueError(f"process groups on {device} cannot use the nccl backend, which moves CUDA "
-                         f"tensors only; pass a cuda device or initialise torch.distributed with gloo")
+        raise ValueError(
+            f"process groups on {device} cannot use the nccl backend, which moves CUDA "
+            f"tensors only; pass a cuda device or initialise torch.distributed with gloo"
+        )
     return device
 
 
 @dataclasses.dataclass
 class ProcessGroups:
     """This rank's view of the grid: its coordinates and one `Group` per kind."""
+
     topology: Topology
     rank: int
     coords: Coords
     tp: Group
-    dp: Group                 # gradient reduction: data parallel x context parallel ranks
+    dp: Group  # gradient reduction: data parallel x context parallel ranks
     pp: Group
-    cp: Group                 # the context-parallel ring (this rank alone without context parallelism)
-    mp: Group                 # tp x pp: one model replica
-    embedding: Group          # first+last pipeline stage (this rank alone on middle stages)
+    cp: Group  # the context-parallel ring (this rank alone without context parallelism)
+    mp: Group  # tp x pp: one model replica
+    embedding: Group  # first+last pipeline stage (this rank alone on middle stages)
     mics_shard: Group
     mics_replica: Group
     mics_shard_gather: Group  # mics_shard's ranks on a separate communicator, for stage-3 gathers
-    shard_node_local: Group   # the ranks of mics_shard on this rank's node (gather communicator)
-    shard_cross_node: Group   # the ranks of mics_shard at this rank's node position on each node
-    hpz: Group                # hpZ: this rank's block of shard_node_local (topology.hpz_partition_size)
-    ep: Group                 # expert parallel: the ranks holding the other experts (topology.ep_groups)
-    edp: Group                # expert data parallel: the ranks holding the same experts
-    expert_shard: Group       # the edp ranks expert states shard over (edp itself without MiCS)
-    expert_replica: Group     # the edp ranks holding the same expert shard (this rank alone without MiCS)
-    edp_gather: Group         # expert_shard's ranks on a separate communicator, for stage-3 expert gathers
+    shard_node_local: Group  # the ranks of mics_shard on this rank's node (gather communicator)
+    shard_cross_node: Group  # the ranks of mics_shard at this rank's node position on each node
+    hpz: Group  # hpZ: this rank's block of shard_node_local (topology.hpz_partition_size)
+    ep: Group  # expert parallel: the ranks holding the other experts (topology.ep_groups)
+    edp: Group  # expert data parallel: the ranks holding the same experts
+    expert_shard: Group  # the edp ranks expert states shard over (edp itself without MiCS)
+    expert_replica: Group  # the edp ranks holding the same expert shard (this rank alone without MiCS)
+    edp_gather: Group  # expert_shard's ranks on a separate communicator, for stage-3 expert gathers
     log: CommLog
 
     @property
@@ -105,8 +109,9 @@ class ProcessGroups:
         return self.coords.pp == self.topology.pp - 1
 
     @classmethod
-    def build(cls, topology: Topology, rank: int, factory: GroupFactory | None = None,
-              log: CommLog | None = None, device=None) -> "ProcessGroups | None":
+    def build(
+        cls, topology: Topology, rank: int, factory: GroupFactory | None = None, log: CommLog | None = None, device=None
+    ) -> "ProcessGroups | None":
         """Creates every group of the topology (collectively) and keeps the ones holding `rank`.
 
         `device` is where the groups' tensors live (see `collective_device` for the default). A
@@ -118,17 +123,26 @@ class ProcessGroups:
         device = collective_device(device)
         # (name, rank lists, communicator purpose), walked in the same order by every process.
         kinds = [(kind, rank_lists, "shared") for kind, rank_lists in topology.all_group_kinds().items()]
-        kinds += [(kind, rank_lists, "stage3_gather")
-                  for kind, rank_lists in topology.stage3_gather_group_kinds().items()]
+        kinds += [
+            (kind, rank_lists, "stage3_gather") for kind, rank_lists in topology.stage3_gather_group_kinds().items()
+        ]
         mine: dict[str, Group] = {}
         for kind, rank_lists, purpose in kinds:
             for ranks in rank_lists:
                 ranks = tuple(ranks)
                 pg = factory.torch_group(ranks, purpose)
                 if rank in ranks:
-                    mine[kind] = Group(kind, ranks, ranks.index(rank), pg,
-                                       topology.is_intra_node(ranks), log, device, factory.stands_for)
-            if kind not in mine:   # middle pipeline stages belong to no embedding group
+                    mine[kind] = Group(
+                        kind,
+                        ranks,
+                        ranks.index(rank),
+                        pg,
+                        topology.is_intra_node(ranks),
+                        log,
+                        device,
+                        factory.stands_for,
+                    )
+            if kind not in mine:  # middle pipeline stages belong to no embedding group
                 mine[kind] = Group(kind, (rank,), 0, None, True, log, device)
         if rank >= topology.world_size:
             return None

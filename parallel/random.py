@@ -9,6 +9,7 @@ and out around the region that needs the other stream.
 Activation recomputation must replay the same masks, so `checkpoint` snapshots the tracker's streams
 with the forward and restores them around the recomputation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,7 @@ class RNGTracker:
             with torch.cuda.device(self.device):
                 torch.cuda.manual_seed(seed)
         else:
-            torch.default_generator.manual_seed(seed)   # the CPU stream only, not every GPU's
+            torch.default_generator.manual_seed(seed)  # the CPU stream only, not every GPU's
         self.states[name] = self._get()
         self._set(saved)
 

@@ -30,6 +30,7 @@ which holds a (local queries x block keys) score matrix per head: the oracle-gra
 A fused kernel returning the LSE (FlashAttention's) would replace `_block_forward` /
 `_block_backward` on GPUs; the ring, the merge and the communication stay as they are.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,11 +55,11 @@ def _fold(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _scores(q, k, causal: bool, scale: float, same=None) -> torch.Tensor:
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:      # the local diagonal block: local chunks are in position order on both sides
+    if causal:  # the local diagonal block: local chunks are in position order on both sides
         sq, sk = scores.shape[-2:]
         future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    if same is not None:        # packed documents: (b, 1, sq, sk), True where both are in one document
+    if same is not None:  # packed documents: (b, 1, sq, sk), True where both are in one document
         scores = scores.masked_fill(same.logical_not(), float("-inf"))
     return scores
 
@@ -69,7 +70,7 @@ def _block_forward(q, k, v, causal: bool, scale: float, same=None):
     heads = q.shape[1]
     scores = _scores(q, _expand(k, heads), causal, scale, same)
     lse = torch.logsumexp(scores, dim=-1)
-    shift = lse if same is None else lse.masked_fill(lse.isneginf(), 0.0)   # exp(-inf - 0) = 0, not nan
+    shift = lse if same is None else lse.masked_fill(lse.isneginf(), 0.0)  # exp(-inf - 0) = 0, not nan
     probs = torch.exp(scores - shift.unsqueeze(-1))
     return torch.matmul(probs, _expand(v, heads)), lse
 
@@ -117,8 +118,9 @@ def _same_document(doc_ids, rank: int, step: int, size: int, rows: slice, cols: 
 def _pass_on(tensor: torch.Tensor, group: Group):
     """Sends `tensor` to the next rank of the ring and receives the previous rank's: (buffer, handle)."""
     received = torch.empty_like(tensor)
-    handle = comm.send_recv([(tensor, (group.rank + 1) % group.size)],
-                            [(received, (group.rank - 1) % group.size)], group)
+    handle = comm.send_recv(
+        [(tensor, (group.rank + 1) % group.size)], [(received, (group.rank - 1) % group.size)], group
+    )
     return received, handle
 
 
@@ -137,8 +139,9 @@ class RingAttention(torch.autograd.Function):
             pending = _pass_on(kv, group) if step < group.size - 1 else None
             rows, cols, causal = _step_plan(step, group.rank, group.size, chunk)
             same = _same_document(doc_ids, group.rank, step, group.size, rows, cols)
-            block_out, block_lse = _block_forward(qf[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                  causal, scale, same)
+            block_out, block_lse = _block_forward(
+                qf[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, same
+            )
             if out is None:
                 out, lse = block_out, block_lse
             else:
@@ -166,15 +169,23 @@ class RingAttention(torch.autograd.Function):
             rows, cols, causal = _step_plan(step, group.rank, group.size, s // 2)
             same = _same_document(ctx.doc_ids, group.rank, step, group.size, rows, cols)
             block_dq, block_dk, block_dv = _block_backward(
-                qf[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], dout[:, :, rows], lse[:, :, rows],
-                delta[:, :, rows], causal, scale, same)
+                qf[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                dout[:, :, rows],
+                lse[:, :, rows],
+                delta[:, :, rows],
+                causal,
+                scale,
+                same,
+            )
             dq[:, :, rows] += block_dq
-            if dkv_pending is not None:         # the accumulator of the block held now
+            if dkv_pending is not None:  # the accumulator of the block held now
                 dkv, handle = dkv_pending
                 handle.wait()
             dkv[0][:, :, cols] += block_dk
             dkv[1][:, :, cols] += block_dv
-            dkv_pending = _pass_on(dkv, group)   # on to the block's next holder (finally, its owner)
+            dkv_pending = _pass_on(dkv, group)  # on to the block's next holder (finally, its owner)
             if kv_pending is not None:
                 kv, handle = kv_pending
                 handle.wait()
@@ -184,8 +195,9 @@ class RingAttention(torch.autograd.Function):
         return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
-                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's two load-balanced chunks over the whole sequence; with
     `doc_ids` (size, b, s: every rank's tokens' document numbers) inside each document only."""
     return RingAttention.apply(q, k, v, group, doc_ids)

@@ -16,6 +16,7 @@ layout-independent init (seed, name) builds the untiled weight and slices it: a 
 from the same weights as an untiled one. This module owns the tiles; it does not touch ZeRO, TP
 layers (tensor-parallel layers are refused) or the pure model's code.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
 class TileShard:
     """The tile is rows [row0, row0 + rows) and columns [col0, col0 + cols) of the untiled parameter
     `source` (of shape `full`); a bias tile has no columns."""
+
     source: str
     full: tuple[int, ...]
     row0: int
@@ -68,17 +70,22 @@ class LinearTile(nn.Module):
 class TiledLinear(nn.Module):
     """A drop-in nn.Linear cut into out_splits x in_splits tiles (`tiles[o * in_splits + i]`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, in_splits: int, out_splits: int,
-                 device=None, dtype=None):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, in_splits: int, out_splits: int, device=None, dtype=None
+    ):
         super().__init__()
         if not (1 <= in_splits <= in_features and 1 <= out_splits <= out_features):
-            raise UsageError(f"cannot tile a {out_features}x{in_features} linear into {out_splits}x{in_splits} "
-                             f"tiles; use 1..{out_features} output and 1..{in_features} input splits")
+            raise UsageError(
+                f"cannot tile a {out_features}x{in_features} linear into {out_splits}x{in_splits} "
+                f"tiles; use 1..{out_features} output and 1..{in_features} input splits"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.in_sizes, self.out_sizes = split_sizes(in_features, in_splits), split_sizes(out_features, out_splits)
         self.tiles = nn.ModuleList(
             LinearTile(cols, rows, bias and i == 0, device, dtype)
-            for rows in self.out_sizes for i, cols in enumerate(self.in_sizes))
+            for rows in self.out_sizes
+            for i, cols in enumerate(self.in_sizes)
+        )
 
     def tile(self, o: int, i: int) -> LinearTile:
         return self.tiles[o * len(self.in_sizes) + i]
@@ -109,14 +116,21 @@ class TiledLinear(nn.Module):
         """The untiled weight, from the tiles' weights (or the given values, in `tiles` order)."""
         values = tile_weights if tile_weights is not None else [t.weight for t in self.tiles]
         n = len(self.in_sizes)
-        return torch.cat([torch.cat(values[o * n:(o + 1) * n], dim=1) for o in range(len(self.out_sizes))])
+        return torch.cat([torch.cat(values[o * n : (o + 1) * n], dim=1) for o in range(len(self.out_sizes))])
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, in_splits: int, out_splits: int) -> "TiledLinear":
         """Same shape, device and dtype as `linear`; values are not copied (see copy_from)."""
         w = linear.weight
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, in_splits, out_splits,
-                   device=w.device, dtype=w.dtype)
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            in_splits,
+            out_splits,
+            device=w.device,
+            dtype=w.dtype,
+        )
 
     @torch.no_grad()
     def copy_from(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "TiledLinear":
@@ -135,11 +149,12 @@ class TiledLMHead(nn.Module):
         super().__init__()
         self.vocab_size = head.vocab_size
         rows, cols = head.weight.shape
-        self.linear = TiledLinear(cols, rows, False, in_splits, out_splits,
-                                  device=head.weight.device, dtype=head.weight.dtype)
+        self.linear = TiledLinear(
+            cols, rows, False, in_splits, out_splits, device=head.weight.device, dtype=head.weight.dtype
+        )
 
     def forward(self, x, labels=None):
-        logits = self.linear(x)[..., :self.vocab_size]
+        logits = self.linear(x)[..., : self.vocab_size]
         if labels is None:
             return logits
         losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
@@ -154,19 +169,22 @@ def _tiled(name: str, module: nn.Module, in_splits: int, out_splits: int) -> nn.
         return tiled
     if type(module) is LMHead:
         if param_info(module.weight).shared_embedding:
-            raise UsageError(f"cannot tile '{name}': its weight is the tied word embedding; add "
-                             f"--untie-embeddings-and-output-weights or leave it untiled")
+            raise UsageError(
+                f"cannot tile '{name}': its weight is the tied word embedding; add "
+                f"--untie-embeddings-and-output-weights or leave it untiled"
+            )
         tiled = TiledLMHead(module, in_splits, out_splits)
         tiled.linear.mark_sources(param_info(module.weight).init_name or f"{name}.weight", None)
         return tiled
-    raise UsageError(f"cannot tile '{name}' ({type(module).__name__}): only plain nn.Linear layers and the "
-                     f"untied output head tile (tensor-parallel layers do not yet); name another module")
+    raise UsageError(
+        f"cannot tile '{name}' ({type(module).__name__}): only plain nn.Linear layers and the "
+        f"untied output head tile (tensor-parallel layers do not yet); name another module"
+    )
 
 
 def _is_tied_head(model: nn.Module, module: nn.Module) -> bool:
     embedding = getattr(model, "embedding", None)
-    return (type(module) is LMHead and embedding is not None
-            and module.weight is embedding.word.weight)
+    return type(module) is LMHead and embedding is not None and module.weight is embedding.word.weight
 
 
 def tile_linears(model: nn.Module, names: list[str], in_splits: int, out_splits: int) -> list[str]:
@@ -178,12 +196,17 @@ def tile_linears(model: nn.Module, names: list[str], in_splits: int, out_splits:
     pattern matching nothing on this model (a pipeline stage without the head, say) is not an error;
     one matching nothing at all is for the caller to report (see `check_patterns_matched`).
     """
-    matched = [(name, module) for name, module in model.named_modules()
-               if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in names)]
+    matched = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in names)
+    ]
     for name, module in matched:
         if _is_tied_head(model, module):
-            raise UsageError(f"cannot tile '{name}': its weight is the tied word embedding; add "
-                             f"--untie-embeddings-and-output-weights or leave it untiled")
+            raise UsageError(
+                f"cannot tile '{name}': its weight is the tied word embedding; add "
+                f"--untie-embeddings-and-output-weights or leave it untiled"
+            )
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, _tiled(name, module, in_splits, out_splits))
@@ -196,5 +219,7 @@ def check_patterns_matched(names: list[str], swapped_per_chunk: list[list[str]])
     swapped = [name for chunk in swapped_per_chunk for name in chunk]
     for pattern in names:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in swapped):
-            raise UsageError(f"tiling pattern '{pattern}' matches no module; use a module name such as "
-                             f"'output_head' or 'layers.*.mlp.fc1'")
+            raise UsageError(
+                f"tiling pattern '{pattern}' matches no module; use a module name such as "
+                f"'output_head' or 'layers.*.mlp.fc1'"
+            )

@@ -1,4 +1,5 @@
 """Shared fixtures: gloo worker pools that live for the whole session, one per world size."""
+
 import os
 from pathlib import Path
 
@@ -21,8 +22,12 @@ torch.set_num_threads(1)
 # the two workers' ends close together (longest-processing-time-first). The other files follow in
 # collection order. A file moved or renamed without this list following fails the session's start.
 SLOWEST_FIRST = [
-    "run/test_cli.py", "run/test_hosts.py", "zero/test_engine_exactness.py", "run/test_operations.py",
-    "checkpoint/test_save_and_load.py", "parallel/pipeline/test_schedules.py",
+    "run/test_cli.py",
+    "run/test_hosts.py",
+    "zero/test_engine_exactness.py",
+    "run/test_operations.py",
+    "checkpoint/test_save_and_load.py",
+    "parallel/pipeline/test_schedules.py",
 ]
 TESTS = Path(__file__).resolve().parent
 _stale = [name for name in SLOWEST_FIRST if not (TESTS / name).is_file()]
@@ -43,7 +48,7 @@ def _under_tests(item) -> str:
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_under_tests(item), len(rank)))     # stable: files stay whole
+    items.sort(key=lambda item: rank.get(_under_tests(item), len(rank)))  # stable: files stay whole
 
 
 class _Pools:

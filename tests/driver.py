@@ -1,5 +1,6 @@
 """Running pretrain_gpt.py in-process, as the tests of its flags do: cheaper than a subprocess (no
 interpreter and torch start-up), the same code path as `python pretrain_gpt.py`."""
+
 from pathlib import Path
 
 from megazero.run import launch
@@ -7,8 +8,7 @@ from megazero.run import launch
 REPO = Path(__file__).resolve().parent.parent
 
 # A model small enough for a few iterations in about a second on one CPU.
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--eval-iters", "0",
-        "--log-interval", "1"]
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "64", "--eval-iters", "0", "--log-interval", "1"]
 
 
 def run_main(argv, capsys):

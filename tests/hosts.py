@@ -11,6 +11,7 @@ it, as a host that loses power would; a peer's /proc cannot see them (as on anot
 sets the host's port on the bridge down: no process ends and no socket closes, packets are lost.
 The filesystem is shared: a path under tmp_path is "a path both hosts see" (a cluster's shared disk).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,7 @@ class Hosts:
         self.bridge = f"{self.tag}b"
         self.spaces = [f"{self.tag}h{k}" for k in range(count)]
         self.names = [f"mzh{k}" for k in range(count)]
-        self.loopback_names = loopback_names         # each host's name resolves to 127.0.1.1 (Debian's habit)
+        self.loopback_names = loopback_names  # each host's name resolves to 127.0.1.1 (Debian's habit)
         self.jobs: list[subprocess.Popen] = []
 
     def address(self, k: int) -> str:
@@ -94,7 +95,7 @@ class Hosts:
         """Each host's /etc/hosts: every host's name at its address, or (loopback) its own at 127.0.1.1."""
         self.loopback_names = loopback
         for k, space in enumerate(self.spaces):
-            etc = Path("/etc/netns") / space         # `ip netns exec` mounts these over /etc
+            etc = Path("/etc/netns") / space  # `ip netns exec` mounts these over /etc
             etc.mkdir(parents=True, exist_ok=True)
             lines = ["127.0.0.1 localhost"]
             for j, name in enumerate(self.names):
@@ -117,7 +118,7 @@ class Hosts:
         """Between tests: every job ended, every link up, every name at its address."""
         self._end_jobs()
         for space in self.spaces:
-            _ip("-n", space, "link", "del", "side0", check=False)     # and its peer
+            _ip("-n", space, "link", "del", "side0", check=False)  # and its peer
             _ip("-n", space, "route", "del", "10.66.0.0/24", check=False)
         for k in range(self.count):
             _ip("-n", self.bridge, "link", "set", f"{self.tag}p{k}", "up")
@@ -139,31 +140,72 @@ class Hosts:
         for space in self.spaces:
             _ip("netns", "del", space, check=False)
             shutil.rmtree(Path("/etc/netns") / space, ignore_errors=True)
-        _ip("netns", "del", self.bridge, check=False)      # takes the bridge's ends of the veths
+        _ip("netns", "del", self.bridge, check=False)  # takes the bridge's ends of the veths
 
     # --- running -------------------------------------------------------------------------------
     def run_on(self, k: int, argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
         """Starts `argv` on host k (its own network, host name and PID namespace), output to `log`."""
         environment = {**os.environ, **(env or {})}
-        command = ["ip", "netns", "exec", self.spaces[k], "unshare", "--uts", "--pid", "--mount-proc",
-                   "--kill-child", "sh", "-c", 'hostname "$0" && exec "$@"', self.names[k], *argv]
+        command = [
+            "ip",
+            "netns",
+            "exec",
+            self.spaces[k],
+            "unshare",
+            "--uts",
+            "--pid",
+            "--mount-proc",
+            "--kill-child",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.names[k],
+            *argv,
+        ]
         with open(log, "wb") as out:
             job = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment, cwd=REPO)
         self.jobs.append(job)
         return job
 
-    def torchrun(self, k: int, nnodes, nproc: int, flags: list[str], log: Path, rdzv: str = "static",
-                 port: int = 29511, env: dict | None = None, extra: list[str] = ()) -> subprocess.Popen:
+    def torchrun(
+        self,
+        k: int,
+        nnodes,
+        nproc: int,
+        flags: list[str],
+        log: Path,
+        rdzv: str = "static",
+        port: int = 29511,
+        env: dict | None = None,
+        extra: list[str] = (),
+    ) -> subprocess.Popen:
         """torchrun of pretrain_gpt.py on host k with host 0 as the master (static: --master-addr;
         c10d: --rdzv-endpoint)."""
         if rdzv == "static":
-            launch = ["--nnodes", str(nnodes), "--node-rank", str(k), "--master-addr", self.address(0),
-                      "--master-port", str(port)]
+            launch = [
+                "--nnodes",
+                str(nnodes),
+                "--node-rank",
+                str(k),
+                "--master-addr",
+                self.address(0),
+                "--master-port",
+                str(port),
+            ]
         else:
-            launch = ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                      f"{self.address(0)}:{port}", "--rdzv-id", self.tag]
-        return self.run_on(k, torchrun_command(nproc, ["pretrain_gpt.py", *flags], launch=launch, extra=extra),
-                           log, env)
+            launch = [
+                "--nnodes",
+                str(nnodes),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{self.address(0)}:{port}",
+                "--rdzv-id",
+                self.tag,
+            ]
+        return self.run_on(
+            k, torchrun_command(nproc, ["pretrain_gpt.py", *flags], launch=launch, extra=extra), log, env
+        )
 
     def kill(self, k: int) -> None:
         """SIGKILL of host k's whole process tree (its PID namespace's first process)."""
@@ -197,7 +239,7 @@ def wait_said(jobs, logs, timeout: float) -> list[tuple[int | None, float, float
         for i, (job, log) in enumerate(zip(jobs, logs)):
             if i not in said:
                 with open(log, "rb") as handle:
-                    handle.seek(max(0, read[i] - 200))        # a line may straddle two reads
+                    handle.seek(max(0, read[i] - 200))  # a line may straddle two reads
                     text = handle.read().decode(errors="replace")
                     read[i] = handle.tell()
                 if any(line.startswith("error: ") for line in text.splitlines()):
@@ -220,5 +262,5 @@ def children(pid: int) -> list[int]:
 
 def workers(job: subprocess.Popen) -> list[int]:
     """The pids (as this machine's root namespace sees them) of the workers under a host's torchrun."""
-    torchrun = children(job.pid)              # unshare -> its child, torchrun (pid 1 on the host)
+    torchrun = children(job.pid)  # unshare -> its child, torchrun (pid 1 on the host)
     return sorted(p for t in torchrun for p in children(t))

@@ -5,6 +5,7 @@ kill and read rank by rank (tests/run/test_operations.py's lost, stopped and int
 Owns how the tests spell torchrun's flags; it does not pick what the launched script is asked to do
 (each test's argv) nor check anything about the run (the tests assert).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,14 @@ REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain_gpt.py"
 
 
-def torchrun_command(nproc: int, script: list[str], *, launch: list[str] | None = None,
-                     log_dir: Path | None = None, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+def torchrun_command(
+    nproc: int,
+    script: list[str],
+    *,
+    launch: list[str] | None = None,
+    log_dir: Path | None = None,
+    extra: tuple[str, ...] | list[str] = (),
+) -> list[str]:
     """`python -m torch.distributed.run --nproc-per-node N <launch> [--log-dir D --redirects 3] <extra>
     <script...>`. `launch`: the rendezvous flags (default: one node, a free --master-port); `log_dir`:
     each rank's output in its own file under it, per attempt; `extra`: more of torchrun's flags;
@@ -29,8 +36,17 @@ def torchrun_command(nproc: int, script: list[str], *, launch: list[str] | None 
     if launch is None:
         launch = ["--master-port", str(free_port())]
     logs = ["--log-dir", str(log_dir), "--redirects", "3"] if log_dir is not None else []
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *launch, *logs,
-            *extra, *script]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        *launch,
+        *logs,
+        *extra,
+        *script,
+    ]
 
 
 def worker_env(**extra: str) -> dict:
@@ -38,12 +54,19 @@ def worker_env(**extra: str) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
 
-def run_torchrun(nproc: int, script: list[str], cwd: Path, *, timeout: float = 900, env: dict | None = None,
-                 **command) -> subprocess.CompletedProcess:
+def run_torchrun(
+    nproc: int, script: list[str], cwd: Path, *, timeout: float = 900, env: dict | None = None, **command
+) -> subprocess.CompletedProcess:
     """torchrun_command(nproc, script, **command) run to its end in `cwd`, output captured as text;
     `env`: extra variables over worker_env()."""
-    return subprocess.run(torchrun_command(nproc, script, **command), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=worker_env(**(env or {})))
+    return subprocess.run(
+        torchrun_command(nproc, script, **command),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=worker_env(**(env or {})),
+    )
 
 
 class Torchrun:
@@ -52,11 +75,19 @@ class Torchrun:
 
     def __init__(self, cwd: Path, argv: list[str], *launcher: str):
         port = free_port()
-        self.cwd, self.logs = cwd, cwd / f"logs-{port}"          # one folder per launch
-        cmd = torchrun_command(2, [str(PRETRAIN), *argv], launch=["--master-port", str(port)],
-                               log_dir=self.logs, extra=launcher)
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=worker_env(), start_new_session=True)
+        self.cwd, self.logs = cwd, cwd / f"logs-{port}"  # one folder per launch
+        cmd = torchrun_command(
+            2, [str(PRETRAIN), *argv], launch=["--master-port", str(port)], log_dir=self.logs, extra=launcher
+        )
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=worker_env(),
+            start_new_session=True,
+        )
 
     def rank_pid(self, rank: int) -> int:
         """The worker process of `rank` (a child of torchrun whose environment says RANK=rank)."""
@@ -64,7 +95,7 @@ class Torchrun:
             for child in Path(f"/proc/{self.proc.pid}/task/{task}/children").read_text().split():
                 try:
                     environ = Path(f"/proc/{child}/environ").read_bytes()
-                except OSError:             # a worker that has just ended
+                except OSError:  # a worker that has just ended
                     continue
                 if f"RANK={rank}".encode() in environ.split(b"\0"):
                     return int(child)
@@ -88,9 +119,11 @@ class Torchrun:
     def wait_until_blocked(self, rank: int, quiet: float = 1.0) -> None:
         """Until `rank` has used no CPU for `quiet` seconds: blocked in a collective (a stopped peer
         leaves it nothing else to wait for), not writing a shard or computing."""
+
         def cpu_time():
             fields = Path(f"/proc/{self.rank_pid(rank)}/stat").read_text().rsplit(")", 1)[1].split()
-            return int(fields[11]) + int(fields[12])          # utime + stime
+            return int(fields[11]) + int(fields[12])  # utime + stime
+
         last, since = cpu_time(), time.monotonic()
         while time.monotonic() - since < quiet:
             assert self.proc.poll() is None, "the launch ended"

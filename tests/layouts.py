@@ -1,6 +1,7 @@
 """Shared helpers for the exactness tests: train a small GPT under a given layout on synthetic
 tokens and return its loss curve and its full final parameters, for comparison with the
 single-process run of the same code."""
+
 from __future__ import annotations
 
 import types
@@ -24,44 +25,108 @@ from megazero.zero.state_access import safe_get_full_fp32_param
 from megazero.models.param_info import param_info
 
 RTOL = 1e-5
-VOCAB = 61          # small_config's vocabulary
-SMALL_HIDDEN, SMALL_HEADS = 32, 4     # small_config's width and attention heads
+VOCAB = 61  # small_config's vocabulary
+SMALL_HIDDEN, SMALL_HEADS = 32, 4  # small_config's width and attention heads
 
 
-def small_config(tp=1, pp=1, stage=0, *, steps=10, micro=2, global_batch=16, layers=4, tied=True,
-                 sequence_parallel=False, virtual=1, schedule="auto", mics=-1, zero_extra=None,
-                 model_extra=None, bf16=False, clip=0.05, lr=1e-3, layer_split=None, cp=1,
-                 cp_comm_type="p2p", ep=1, moe_dispatcher="alltoall", etp=0) -> TrainConfig:
-    shape = dict(vocab_size=VOCAB, padded_vocab_size=0, hidden_size=SMALL_HIDDEN, num_layers=layers,
-                 num_attention_heads=SMALL_HEADS, ffn_hidden_size=64, seq_length=16, hidden_dropout=0.0,
-                 attention_dropout=0.0, tie_embeddings=tied)
+def small_config(
+    tp=1,
+    pp=1,
+    stage=0,
+    *,
+    steps=10,
+    micro=2,
+    global_batch=16,
+    layers=4,
+    tied=True,
+    sequence_parallel=False,
+    virtual=1,
+    schedule="auto",
+    mics=-1,
+    zero_extra=None,
+    model_extra=None,
+    bf16=False,
+    clip=0.05,
+    lr=1e-3,
+    layer_split=None,
+    cp=1,
+    cp_comm_type="p2p",
+    ep=1,
+    moe_dispatcher="alltoall",
+    etp=0,
+) -> TrainConfig:
+    shape = dict(
+        vocab_size=VOCAB,
+        padded_vocab_size=0,
+        hidden_size=SMALL_HIDDEN,
+        num_layers=layers,
+        num_attention_heads=SMALL_HEADS,
+        ffn_hidden_size=64,
+        seq_length=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_embeddings=tied,
+    )
     model = GPTConfig(**{**shape, **(model_extra or {})})
-    zero_settings = dict(stage=stage, reduce_bucket_size=1500, allgather_bucket_size=3000,
-                         param_persistence_threshold=40, prefetch_bucket_size=5000, mics_shard_size=mics)
+    zero_settings = dict(
+        stage=stage,
+        reduce_bucket_size=1500,
+        allgather_bucket_size=3000,
+        param_persistence_threshold=40,
+        prefetch_bucket_size=5000,
+        mics_shard_size=mics,
+    )
     zero = ZeroConfig(**{**zero_settings, **(zero_extra or {})})
-    opt = OptimizerConfig(lr=lr, min_lr=lr / 10, warmup_iters=2, decay_style="cosine",
-                          adam=AdamConfig(lr=lr, weight_decay=0.1), clip_grad=clip)
-    cfg = TrainConfig(model=model, zero=zero, optimizer=opt, micro_batch_size=micro,
-                      global_batch_size=global_batch, train_iters=steps, seed=7,
-                      parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp,
-                                              sequence_parallel=sequence_parallel,
-                                              context_parallel=cp, cp_comm_type=cp_comm_type,
-                                              expert_parallel=ep, moe_dispatcher=moe_dispatcher,
-                                              expert_tensor_parallel=etp,
-                                              virtual_stages=virtual, schedule=schedule,
-                                              layer_split=layer_split))
+    opt = OptimizerConfig(
+        lr=lr,
+        min_lr=lr / 10,
+        warmup_iters=2,
+        decay_style="cosine",
+        adam=AdamConfig(lr=lr, weight_decay=0.1),
+        clip_grad=clip,
+    )
+    cfg = TrainConfig(
+        model=model,
+        zero=zero,
+        optimizer=opt,
+        micro_batch_size=micro,
+        global_batch_size=global_batch,
+        train_iters=steps,
+        seed=7,
+        parallel=ParallelConfig(
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            sequence_parallel=sequence_parallel,
+            context_parallel=cp,
+            cp_comm_type=cp_comm_type,
+            expert_parallel=ep,
+            moe_dispatcher=moe_dispatcher,
+            expert_tensor_parallel=etp,
+            virtual_stages=virtual,
+            schedule=schedule,
+            layer_split=layer_split,
+        ),
+    )
     cfg.precision.bf16 = bf16
     return cfg
 
 
 def with_padded_vocab(cfg: TrainConfig) -> TrainConfig:
     from megazero.models.config import padded_vocab_size
+
     cfg.model.padded_vocab_size = padded_vocab_size(cfg.model.vocab_size, 8, cfg.parallel.tensor_parallel)
     return cfg
 
 
-def microbatches(cfg: TrainConfig, groups: ProcessGroups | None = None, *, dp_rank: int | None = None,
-                 dp: int | None = None, seed: int = 3, dataset=None) -> MicrobatchSource:
+def microbatches(
+    cfg: TrainConfig,
+    groups: ProcessGroups | None = None,
+    *,
+    dp_rank: int | None = None,
+    dp: int | None = None,
+    seed: int = 3,
+    dataset=None,
+) -> MicrobatchSource:
     """This rank's microbatches of cfg's global batches (and its batch ramp, if any) from `dataset`
     (default: ArithmeticTokens of cfg's vocabulary and sequence length, seeded by `seed`). The DP
     position is the groups' (groups None: the one process's); `dp_rank` and `dp` override it (a
@@ -89,7 +154,7 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None, dataset
     `on_setup(state)` may look at the built model (register hooks) before the first step; `dataset`:
     the samples (default ArithmeticTokens); `eod`: the end-of-document id cfg.data's document flags
     look for."""
-    state, source = setup_training(cfg, groups, dataset=dataset, eod=eod)     # pads cfg's vocabulary
+    state, source = setup_training(cfg, groups, dataset=dataset, eod=eod)  # pads cfg's vocabulary
     if on_setup is not None:
         on_setup(state)
     losses, norms, in_flight, moe, deferred = [], [], [], [], []
@@ -105,12 +170,20 @@ def run_training(cfg: TrainConfig, groups: ProcessGroups, on_setup=None, dataset
     for chunk in state.chunks:
         for name, p in chunk.named_parameters():
             params[name] = (safe_get_full_fp32_param(p), param_info(p).tp_shard)
-    return {"coords": tuple(groups.coords), "losses": losses, "norms": norms, "params": params, "moe": moe,
-            "ep_rank": groups.topology.ep_of(groups.rank), "edp_rank": groups.edp.rank,
-            "cp_rank": groups.topology.cp_of(groups.rank),
-            "in_flight": max(in_flight, default=0), "deferred_w": max(deferred, default=0),
-            "memory": state.engine.memory.report(),
-            "comm": dict(groups.log.last_step)}
+    return {
+        "coords": tuple(groups.coords),
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "moe": moe,
+        "ep_rank": groups.topology.ep_of(groups.rank),
+        "edp_rank": groups.edp.rank,
+        "cp_rank": groups.topology.cp_of(groups.rank),
+        "in_flight": max(in_flight, default=0),
+        "deferred_w": max(deferred, default=0),
+        "memory": state.engine.memory.report(),
+        "comm": dict(groups.log.last_step),
+    }
 
 
 def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None, **data):
@@ -118,10 +191,17 @@ def layout_worker(ctx, cfg: TrainConfig, dp: int, on_setup=None, **data):
     dataset and eod)."""
     par = cfg.parallel
     world = par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp
-    groups = ctx.groups(Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                                 cp=par.context_parallel, ep=par.expert_parallel,
-                                 etp=par.expert_tensor_parallel,
-                                 mics_shard_size=cfg.zero.mics_shard_size))
+    groups = ctx.groups(
+        Topology(
+            world_size=world,
+            tp=par.tensor_parallel,
+            pp=par.pipeline_parallel,
+            cp=par.context_parallel,
+            ep=par.expert_parallel,
+            etp=par.expert_tensor_parallel,
+            mics_shard_size=cfg.zero.mics_shard_size,
+        )
+    )
     if groups is None:
         return None
     return run_training(cfg, groups, on_setup, **data)
@@ -171,9 +251,11 @@ def single_process_reference(**config) -> tuple[dict, dict]:
 def reference_fixture(**config):
     """A module-scoped `reference` fixture holding single_process_reference(**config); a test file
     takes it with `reference = reference_fixture(steps=STEPS)`."""
+
     @pytest.fixture(scope="module")
     def reference():
         return single_process_reference(**config)
+
     return reference
 
 
@@ -210,8 +292,7 @@ def assemble_params(results: list[dict]) -> dict[str, torch.Tensor]:
 
 def strip_padding(params: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:
     """Drops vocabulary padding rows."""
-    return {n: (v[:vocab] if n in ("embedding.word.weight", "output_head.weight") else v)
-            for n, v in params.items()}
+    return {n: (v[:vocab] if n in ("embedding.word.weight", "output_head.weight") else v) for n, v in params.items()}
 
 
 def drop_tied_copy(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict:
@@ -237,8 +318,7 @@ def _small_attention(params: dict):
             rows, groups = tensor.numel() // head_dim, (tensor.numel() // head_dim - heads) // 2
             if tensor.numel() % head_dim or groups < 1 or heads % groups or groups * (heads // groups + 2) != rows:
                 return None
-            return types.SimpleNamespace(hidden_size=SMALL_HIDDEN, num_attention_heads=heads,
-                                         num_query_groups=groups)
+            return types.SimpleNamespace(hidden_size=SMALL_HIDDEN, num_attention_heads=heads, num_query_groups=groups)
     return None
 
 

@@ -31,6 +31,7 @@ flat path before the tests mirrored the tree) and `engine_old.py`; in docs/zero.
 run: README.md's `tests/test_x.py` and `megazero/models/loss.py` (the repository path is
 models/loss.py), both fixed.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -60,22 +61,29 @@ def _ignored(rel: str) -> bool:
         anchored, pattern = pattern.startswith("/"), pattern.strip("/")
         width = pattern.count("/") + 1
         starts = [0] if anchored or width > 1 else range(len(parts))
-        if any(fnmatch.fnmatch("/".join(parts[i:i + width]), pattern) for i in starts):
+        if any(fnmatch.fnmatch("/".join(parts[i : i + width]), pattern) for i in starts):
             return True
     return False
 
 
 def _kept(path: Path) -> bool:
-    return (path.name not in SKIP_DIRS and not path.name.endswith(".egg-info")
-            and not _ignored(path.relative_to(REPO).as_posix()))
+    return (
+        path.name not in SKIP_DIRS
+        and not path.name.endswith(".egg-info")
+        and not _ignored(path.relative_to(REPO).as_posix())
+    )
 
 
 # The top level as it is, and the rooms docs/design.md draws (so a page naming a folder that is gone
 # is still checked).
-TOP_FOLDERS = sorted({p.name for p in REPO.iterdir() if p.is_dir() and _kept(p)}
-                     | {"megazero", "models", "parallel", "tests", "docs", "bench", "tools", "csrc", ".ci"})
-TOP_FILES = sorted({p.name for p in REPO.iterdir() if p.is_file() and _kept(p) and not p.name.startswith(".")}
-                   | {"pretrain_gpt.py", "setup.py", "pyproject.toml", "Dockerfile", "README.md"})
+TOP_FOLDERS = sorted(
+    {p.name for p in REPO.iterdir() if p.is_dir() and _kept(p)}
+    | {"megazero", "models", "parallel", "tests", "docs", "bench", "tools", "csrc", ".ci"}
+)
+TOP_FILES = sorted(
+    {p.name for p in REPO.iterdir() if p.is_file() and _kept(p) and not p.name.startswith(".")}
+    | {"pretrain_gpt.py", "setup.py", "pyproject.toml", "Dockerfile", "README.md"}
+)
 
 
 def _alternatives(words) -> str:
@@ -83,8 +91,10 @@ def _alternatives(words) -> str:
 
 
 _PATH_CHARS = r"[\w./*-]"
-REPO_PATH = re.compile(rf"(?<!{_PATH_CHARS})((?:{_alternatives(TOP_FOLDERS)})/{_PATH_CHARS}*"
-                       rf"|(?:{_alternatives(TOP_FILES)})(?![\w.-]))")
+REPO_PATH = re.compile(
+    rf"(?<!{_PATH_CHARS})((?:{_alternatives(TOP_FOLDERS)})/{_PATH_CHARS}*"
+    rf"|(?:{_alternatives(TOP_FILES)})(?![\w.-]))"
+)
 BARE_NAME = re.compile(rf"(?<!{_PATH_CHARS})([\w-]+(?:{_alternatives(CHECKED_SUFFIXES)}))(?![\w.-])")
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
 DOTTED = re.compile(r"`(megazero(?:\.\w+)+)")
@@ -157,7 +167,7 @@ def broken_links(page: Path) -> list[str]:
         for match in LINK.finditer(line):
             target = match.group(1)
             if re.match(r"[a-zA-Z][\w+.-]*:", target):
-                continue                                      # a URL
+                continue  # a URL
             path, _, fragment = target.partition("#")
             linked = (page.parent / path) if path else page
             where = f"{page.relative_to(REPO)}:{number}"
@@ -198,8 +208,10 @@ def unresolved_names(page: Path) -> list[str]:
                     for attr in parts[cut:]:
                         obj = getattr(obj, attr)
                 except AttributeError:
-                    out.append(f"{page.relative_to(REPO)}:{number}: `{name}`: "
-                               f"{'.'.join(parts[:cut])} has no {'.'.join(parts[cut:])}")
+                    out.append(
+                        f"{page.relative_to(REPO)}:{number}: `{name}`: "
+                        f"{'.'.join(parts[:cut])} has no {'.'.join(parts[cut:])}"
+                    )
                 break
     return out
 
@@ -222,8 +234,12 @@ def test_the_checks_see_the_pages_and_what_they_name():
     names = {p.relative_to(REPO).as_posix() for p in PAGES}
     assert {"README.md", "docs/design.md", "docs/zero.md", "bench/README.md", "tests/README.md"} <= names
     text = "\n".join(p.read_text() for p in PAGES)
-    counts = [len(LINK.findall(text)), len(REPO_PATH.findall(text)), len(BARE_NAME.findall(text)),
-              len(DOTTED.findall(text))]
+    counts = [
+        len(LINK.findall(text)),
+        len(REPO_PATH.findall(text)),
+        len(BARE_NAME.findall(text)),
+        len(DOTTED.findall(text)),
+    ]
     assert counts[0] >= 3 and counts[1] >= 100 and counts[2] >= 50 and counts[3] >= 5, counts
 
 
@@ -242,7 +258,7 @@ def _design_tree() -> set[str]:
                 break
             names.append(token)
         if not names or indent % 2 or indent > 4:
-            continue                                # a description's continuation
+            continue  # a description's continuation
         parent = "" if indent == 0 else folders[indent - 2]
         for name in names:
             named.add(parent + name)
@@ -259,10 +275,18 @@ def test_the_design_tree_names_every_room_and_only_what_exists():
     missing_files = sorted(p for p in named if not (REPO / p.rstrip("/")).exists())
     assert not missing_files, f"docs/design.md's tree names what does not exist: {missing_files}"
     package = REPO / "megazero"
-    rooms = {f"megazero/{p.relative_to(package).as_posix()}/" for p in package.rglob("__init__.py")
-             for p in [p.parent] if p != package}
+    rooms = {
+        f"megazero/{p.relative_to(package).as_posix()}/"
+        for p in package.rglob("__init__.py")
+        for p in [p.parent]
+        if p != package
+    }
     top = {f"megazero/{p.name}" for p in package.glob("*.py")}
-    listed = {f"megazero/{room}/{p.name}" for room in ("run", "training", "dry_run")
-              for p in (package / room).glob("*.py") if p.name != "__init__.py"}
+    listed = {
+        f"megazero/{room}/{p.name}"
+        for room in ("run", "training", "dry_run")
+        for p in (package / room).glob("*.py")
+        if p.name != "__init__.py"
+    }
     unnamed = sorted((rooms | top | listed) - named)
     assert not unnamed, f"rooms and modules docs/design.md's tree leaves out: {unnamed}"

@@ -5,6 +5,7 @@ anything runs (megazero.config.train_flags.config_from_args at the command's wor
 node, on a CPU machine). That is where docs/parallelism.md's context-parallel example failed: ring
 attention refuses the default attention dropout. Training each layout is what tests/parallel/ and
 tests/dry_run/ do; here the flags are checked in-process, milliseconds a command."""
+
 import re
 import shlex
 from pathlib import Path
@@ -23,7 +24,7 @@ def runnable_commands() -> list[tuple[str, str]]:
     for page in sorted((REPO / "docs").glob("*.md")):
         text = page.read_text()
         for block in FENCE.finditer(text):
-            first = text[:block.start(1)].count("\n") + 1
+            first = text[: block.start(1)].count("\n") + 1
             joined = block.group(1).replace("\\\n", " \\\n")
             for offset, line in _logical_lines(joined):
                 found.append((f"{page.relative_to(REPO)}:{first + offset}", line))
@@ -59,7 +60,7 @@ def world_and_flags(command: str) -> tuple[int, int, list[str]]:
                 nodes = int(value.split(":")[-1])
     else:
         assert words[:1] == ["python"], command
-    return per_node * nodes, per_node, words[script + 1:]
+    return per_node * nodes, per_node, words[script + 1 :]
 
 
 COMMANDS = runnable_commands()

@@ -21,6 +21,7 @@ Planted to see them fail: `from megazero.training import train` inside a functio
 Unit` in a function (an old path), and in the table `parallel -> zero` (points up) and `data -> ops`
 (an import no module makes).
 """
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = {"megazero": REPO / "megazero", "megazero.models": REPO / "models",
-                "megazero.parallel": REPO / "parallel"}
+SOURCE_ROOTS = {
+    "megazero": REPO / "megazero",
+    "megazero.models": REPO / "models",
+    "megazero.parallel": REPO / "parallel",
+}
 DIRECTION_MARK = "<!-- import-direction: checked by tests/test_import_graph.py -->"
 
 
@@ -78,22 +82,29 @@ def _imports(module: str, path: Path):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             # `from pkg import sub` loads the submodule when there is one, else an attribute of pkg
             names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in KNOWN else base for alias in node.names]
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str) and (
-                  (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                  or (isinstance(node.func, ast.Name) and node.func.id == "__import__"))):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (isinstance(node.func, ast.Name) and node.func.id == "__import__")
+            )
+        ):
             names = [node.args[0].value]
         for name in names:
             if name == "megazero" or name.startswith("megazero."):
                 yield node.lineno, name, name if name in KNOWN else None
 
 
-EDGES = [(module, line, name, target) for module, path in MODULES.items()
-         for line, name, target in _imports(module, path)]
+EDGES = [
+    (module, line, name, target) for module, path in MODULES.items() for line, name, target in _imports(module, path)
+]
 
 
 def _where(module: str, line: int) -> str:
@@ -126,7 +137,7 @@ def room_graph() -> dict[str, dict[str, list[str]]]:
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of `graph` as a path [a, b, ..., a], or None."""
-    state: dict[str, int] = {}             # 1 on the current path, 2 done
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
     path: list[str] = []
 
     def visit(node: str) -> list[str] | None:
@@ -134,7 +145,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -155,8 +166,12 @@ def test_the_documented_table_runs_one_way_over_every_room():
     named = set(table) | set().union(*table.values())
     assert named - rooms == set(), f"docs/design.md's direction table names rooms that do not exist: {named - rooms}"
     order = list(table)
-    upward = [f"{source} -> {target}" for source, targets in table.items() for target in targets
-              if order.index(target) <= order.index(source)]
+    upward = [
+        f"{source} -> {target}"
+        for source, targets in table.items()
+        for target in targets
+        if order.index(target) <= order.index(source)
+    ]
     assert not upward, f"docs/design.md's direction table points up (or at itself): {upward}"
 
 
@@ -167,16 +182,27 @@ def test_every_import_of_ours_names_an_existing_module():
 
 def test_every_import_between_rooms_goes_the_documented_way():
     table = direction_table()
-    against = [where for source, targets in room_graph().items() for target, places in targets.items()
-               if target not in table.get(source, set()) for where in places]
-    assert not against, ("imports against docs/design.md's direction table (if the direction is right, "
-                         "add the edge to the table):\n" + "\n".join(against))
+    against = [
+        where
+        for source, targets in room_graph().items()
+        for target, places in targets.items()
+        if target not in table.get(source, set())
+        for where in places
+    ]
+    assert not against, (
+        "imports against docs/design.md's direction table (if the direction is right, "
+        "add the edge to the table):\n" + "\n".join(against)
+    )
 
 
 def test_the_documented_table_claims_no_import_the_code_lacks():
     graph = room_graph()
-    claimed = [f"{source} -> {target}" for source, targets in direction_table().items() for target in targets
-               if target not in graph.get(source, {})]
+    claimed = [
+        f"{source} -> {target}"
+        for source, targets in direction_table().items()
+        for target in targets
+        if target not in graph.get(source, {})
+    ]
     assert not claimed, f"docs/design.md's direction table lists imports no module makes: {claimed}"
 
 
@@ -194,10 +220,18 @@ def test_no_cycle_between_modules():
     assert cycle is None, "modules import each other: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("module,expected", [("megazero.run.launch", "run"), ("megazero.testing", "megazero"),
-                                             ("megazero.dry_run.job", "dry_run"), ("megazero.core.comm", "core"),
-                                             ("megazero.zero.stage3.units", "zero"), ("megazero._C", "ops"),
-                                             ("megazero.parallel.pipeline.p2p", "parallel")])
+@pytest.mark.parametrize(
+    "module,expected",
+    [
+        ("megazero.run.launch", "run"),
+        ("megazero.testing", "megazero"),
+        ("megazero.dry_run.job", "dry_run"),
+        ("megazero.core.comm", "core"),
+        ("megazero.zero.stage3.units", "zero"),
+        ("megazero._C", "ops"),
+        ("megazero.parallel.pipeline.p2p", "parallel"),
+    ],
+)
 def test_rooms_are_what_the_page_says(module, expected):
     assert module in KNOWN and room(module) == expected
 

@@ -1,5 +1,6 @@
 """The gloo worker pool the multi-rank tests share (megazero/testing.py): a rank whose process ends
 fails the call at once, naming it, instead of after the call's timeout; the next call starts afresh."""
+
 import os
 
 import pytest

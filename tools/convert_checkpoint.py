@@ -36,6 +36,7 @@ at any layout, with the Adam states (as `fully_reshardable`), step and schedule 
 has taken a step (megazero/checkpoint/megatron_files.py and megatron_optim.py read and write,
 models/megatron_adapter.py maps). Every file gets the umask's mode (0644 by default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,9 +69,11 @@ def checkpoint_tokenizer(reader: CheckpointReader, without: bool = False) -> HFT
     if without:
         return None
     if record is None:
-        raise UsageError(f"export-hf {reader.path}: the checkpoint keeps no tokenizer (it was saved before "
-                         f"megazero kept one, or imported without one); pass --without-tokenizer to export "
-                         f"the weights alone")
+        raise UsageError(
+            f"export-hf {reader.path}: the checkpoint keeps no tokenizer (it was saved before "
+            f"megazero kept one, or imported without one); pass --without-tokenizer to export "
+            f"the weights alone"
+        )
     try:
         return HFTokenizer(tokenizer_from_saved(reader.path / TOKENIZER_DIR, record))
     except UsageError as err:
@@ -84,15 +87,17 @@ def export_hf(load, output, fmt: str = "auto", without_tokenizer: bool = False, 
     out = Path(output)
     if not overwrite and out.is_dir() and any(out.iterdir()):
         names = sorted(p.name for p in out.iterdir())
-        raise UsageError(f"export-hf --output {out}: the folder is not empty ({', '.join(names[:3])}"
-                         f"{', ...' if len(names) > 3 else ''}); choose a new or empty folder, or pass "
-                         f"--overwrite to replace the files export-hf writes there")
+        raise UsageError(
+            f"export-hf --output {out}: the folder is not empty ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}); choose a new or empty folder, or pass "
+            f"--overwrite to replace the files export-hf writes there"
+        )
     reader = CheckpointReader(load)
     config = GPTConfig(**reader.metadata["model"])
 
     def read(name):
         tensor = reader.full_tensor(name, "fp32")
-        reader.close()                 # files are memory-mapped: keep only what was read
+        reader.close()  # files are memory-mapped: keep only what was read
         return tensor
 
     try:
@@ -101,7 +106,7 @@ def export_hf(load, output, fmt: str = "auto", without_tokenizer: bool = False, 
         state = hf_adapter.to_hf(config, fmt, read)
     except hf_adapter.ConversionError as err:
         raise UsageError(f"export-hf {reader.path}: {err}") from None
-    tokenizer = checkpoint_tokenizer(reader, without_tokenizer)      # checked before a file is written
+    tokenizer = checkpoint_tokenizer(reader, without_tokenizer)  # checked before a file is written
     out.mkdir(parents=True, exist_ok=True)
     special = tokenizer.special_ids() if tokenizer else {}
     if tokenizer:
@@ -120,8 +125,10 @@ def read_hf_directory(path) -> tuple[dict, dict]:
     """config.json and every tensor of a local Hugging Face model directory (safetensors only)."""
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise UsageError(f"--input {path}: no config.json; give a local directory written by "
-                         f"save_pretrained (import-hf does not download)")
+        raise UsageError(
+            f"--input {path}: no config.json; give a local directory written by "
+            f"save_pretrained (import-hf does not download)"
+        )
     try:
         config = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -132,8 +139,10 @@ def read_hf_directory(path) -> tuple[dict, dict]:
     elif index.is_file():
         files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     else:
-        raise UsageError(f"--input {path}: no model.safetensors (nor its index); import-hf reads "
-                         f"safetensors only: re-save the model with save_pretrained(safe_serialization=True)")
+        raise UsageError(
+            f"--input {path}: no model.safetensors (nor its index); import-hf reads "
+            f"safetensors only: re-save the model with save_pretrained(safe_serialization=True)"
+        )
     state = {}
     for file in files:
         if not file.is_file():
@@ -141,10 +150,12 @@ def read_hf_directory(path) -> tuple[dict, dict]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 state.update({key: f.get_tensor(key) for key in f.keys()})
-        except (SafetensorError, OSError) as err:      # a cut download, another format renamed, a bad disk
+        except (SafetensorError, OSError) as err:  # a cut download, another format renamed, a bad disk
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise UsageError(f"{file}: not a readable safetensors file ({reason}); it is damaged or incomplete: "
-                             f"download it again, or re-save the model with save_pretrained") from None
+            raise UsageError(
+                f"{file}: not a readable safetensors file ({reason}); it is damaged or incomplete: "
+                f"download it again, or re-save the model with save_pretrained"
+            ) from None
     return config, state
 
 
@@ -171,15 +182,18 @@ def import_hf(input_dir, save, run_id: str | None = None) -> tuple[Path, str | N
     try:
         config = hf_adapter.gpt_config(hf_config)
         params = hf_adapter.from_hf(config, hf_adapter.hf_format(hf_config), state)
-    except ValueError as err:          # ConversionError, or GPTConfig refusing the shape
+    except ValueError as err:  # ConversionError, or GPTConfig refusing the shape
         raise UsageError(f"import-hf {input_dir}: {err}") from None
     tokenizer = folder_tokenizer(Path(input_dir))
     if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-        raise UsageError(f"import-hf {input_dir}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
-                         f"model's vocab_size {config.vocab_size}; the files do not belong together")
+        raise UsageError(
+            f"import-hf {input_dir}: its tokenizer has {tokenizer.vocab_size} tokens, more than the "
+            f"model's vocab_size {config.vocab_size}; the files do not belong together"
+        )
     record = saved_form(tokenizer) if tokenizer is not None else None
-    directory = write_full_checkpoint(save, config, params, run_id or f"import-hf-{uuid.uuid4().hex[:12]}",
-                                      tokenizer=record)
+    directory = write_full_checkpoint(
+        save, config, params, run_id or f"import-hf-{uuid.uuid4().hex[:12]}", tokenizer=record
+    )
     return directory, tokenizer and tokenizer.tokenizer_type
 
 
@@ -201,16 +215,21 @@ def import_megatron(input_dir, save, run_id: str | None = None, weights_only: bo
         resume = None
         if states and progress["adam_step"] is not None:
             states = megatron_adapter.optimizer_from_megatron(config, states, interleaved)
-            params = states.pop("fp32")        # Adam's fp32 master weights are the run's weights
-            resume = {"step_count": progress["adam_step"], "consumed_samples": progress["consumed_samples"],
-                      "optimizer": megatron_adapter.schedule(args, progress), "train_iters": args.get("train_iters"),
-                      "global_batch_size": args.get("global_batch_size")}
-    except ValueError as err:          # unreadable files, a model megazero cannot match, GPTConfig refusing
+            params = states.pop("fp32")  # Adam's fp32 master weights are the run's weights
+            resume = {
+                "step_count": progress["adam_step"],
+                "consumed_samples": progress["consumed_samples"],
+                "optimizer": megatron_adapter.schedule(args, progress),
+                "train_iters": args.get("train_iters"),
+                "global_batch_size": args.get("global_batch_size"),
+            }
+    except ValueError as err:  # unreadable files, a model megazero cannot match, GPTConfig refusing
         raise UsageError(f"import-megatron {input_dir}: {err}") from None
     run_id = run_id or f"import-megatron-{uuid.uuid4().hex[:12]}"
     iteration = record["iteration"] if resume else 0
-    directory = write_full_checkpoint(save, config, params, run_id, iteration, states=states if resume else None,
-                                      resume=resume)
+    directory = write_full_checkpoint(
+        save, config, params, run_id, iteration, states=states if resume else None, resume=resume
+    )
     return directory, record["iteration"], resume is not None
 
 
@@ -228,14 +247,16 @@ def export_megatron(load, output, weights_only: bool = False) -> tuple[Path, boo
     if (out / megatron_files.TRACKER).exists():
         raise UsageError(f"--output {out} already holds a Megatron-LM checkpoint; export into a new directory")
     optimizer = meta.get("optimizer")
-    with_states = (not weights_only and meta["engine"]["step_count"] > 0 and optimizer is not None
-                   and not optimizer.get("muon"))
+    with_states = (
+        not weights_only and meta["engine"]["step_count"] > 0 and optimizer is not None and not optimizer.get("muon")
+    )
 
     def read(kind):
         def one(name):
             tensor = reader.full_tensor(name, kind)
             reader.close()
             return tensor
+
         return one
 
     try:
@@ -243,12 +264,18 @@ def export_megatron(load, output, weights_only: bool = False) -> tuple[Path, boo
         state = megatron_adapter.to_megatron(config, read("fp32"))
         states = None
         if with_states:
-            progress = {"step_count": meta["engine"]["step_count"], "consumed_samples": meta["consumed_samples"],
-                        "train_iters": meta["train_iters"], "global_batch_size": meta["global_batch_size"]}
+            progress = {
+                "step_count": meta["engine"]["step_count"],
+                "consumed_samples": meta["consumed_samples"],
+                "train_iters": meta["train_iters"],
+                "global_batch_size": meta["global_batch_size"],
+            }
             extra = megatron_adapter.megatron_progress(optimizer, progress)
             record = {**extra, "args": {**record["args"], **extra["args"]}}
-            states = {theirs: megatron_adapter.to_megatron(config, read(ours))
-                      for theirs, ours in megatron_adapter.MEGATRON_STATES.items()}
+            states = {
+                theirs: megatron_adapter.to_megatron(config, read(ours))
+                for theirs, ours in megatron_adapter.MEGATRON_STATES.items()
+            }
     except megatron_adapter.ConversionError as err:
         raise UsageError(f"export-megatron {reader.path}: {err}") from None
     return megatron_files.write_torch_dist(out, record, state, meta["iteration"], states), with_states
@@ -261,28 +288,46 @@ def parse_args(argv=None):
     c.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     c.add_argument("--output", required=True, help="directory for model.safetensors and config.json")
     c.add_argument("--with-optimizer", action="store_true", help="also write the full Adam states")
-    e = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model directory")
+    e = sub.add_parser(
+        "export-hf", help="a checkpoint as a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model directory"
+    )
     e.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     e.add_argument("--output", required=True, help="directory for config.json and model.safetensors")
-    e.add_argument("--format", default="auto", choices=["auto", *hf_adapter.FORMATS],
-                   help="target format; auto: gpt2 for learned positions, qwen2_moe for rope with experts and a shared expert, mixtral for rope with experts, llama for rope")
-    e.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --output folder, replacing the files of the same names")
-    e.add_argument("--without-tokenizer", action="store_true",
-                   help="export the weights alone, without the checkpoint's tokenizer")
-    i = sub.add_parser("import-hf", help="a local Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model as a megazero checkpoint")
+    e.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", *hf_adapter.FORMATS],
+        help="target format; auto: gpt2 for learned positions, qwen2_moe for rope with experts and a shared expert, mixtral for rope with experts, llama for rope",
+    )
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty --output folder, replacing the files of the same names",
+    )
+    e.add_argument(
+        "--without-tokenizer", action="store_true", help="export the weights alone, without the checkpoint's tokenizer"
+    )
+    i = sub.add_parser(
+        "import-hf", help="a local Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE model as a megazero checkpoint"
+    )
     i.add_argument("--input", required=True, help="directory with config.json and model.safetensors")
     i.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
-    m = sub.add_parser("import-megatron", help="a Megatron-LM checkpoint (torch_dist or legacy) as a megazero checkpoint")
+    m = sub.add_parser(
+        "import-megatron", help="a Megatron-LM checkpoint (torch_dist or legacy) as a megazero checkpoint"
+    )
     m.add_argument("--input", required=True, help="a Megatron-LM --save directory or one of its iter_* directories")
     m.add_argument("--save", required=True, help="new directory for the checkpoint (for --load/--finetune)")
-    m.add_argument("--weights-only", action="store_true",
-                   help="import the weights alone at iteration 0 (no Adam states, schedule or progress)")
+    m.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="import the weights alone at iteration 0 (no Adam states, schedule or progress)",
+    )
     x = sub.add_parser("export-megatron", help="a checkpoint as a Megatron-LM --ckpt-format torch_dist checkpoint")
     x.add_argument("--load", required=True, help="a --save directory (its `latest`) or an iter_* directory")
     x.add_argument("--output", required=True, help="new directory: Megatron-LM's --load for it")
-    x.add_argument("--weights-only", action="store_true",
-                   help="export the weights alone (no Adam states, schedule or progress)")
+    x.add_argument(
+        "--weights-only", action="store_true", help="export the weights alone (no Adam states, schedule or progress)"
+    )
     return parser.parse_args(argv)
 
 
@@ -291,24 +336,35 @@ def run(args) -> str:
     if args.command == "export-hf":
         written = export_hf(args.load, args.output, args.format, args.without_tokenizer, args.overwrite)
         tokenizer = f" and its {written['tokenizer']}" if written["tokenizer"] else " (no tokenizer)"
-        return (f"wrote {written['format']} config.json and model.safetensors "
-                f"({written['tensors']} tensors){tokenizer} to {args.output}")
+        return (
+            f"wrote {written['format']} config.json and model.safetensors "
+            f"({written['tensors']} tensors){tokenizer} to {args.output}"
+        )
     if args.command == "import-hf":
         directory, tokenizer = import_hf(args.input, args.save)
         if tokenizer is None:
             return f"wrote checkpoint {directory} (the folder has no tokenizer)"
         flag = "--tokenizer-model" if tokenizer != "GPT2BPETokenizer" else "--vocab-file/--merge-file"
-        return (f"wrote checkpoint {directory} with its {tokenizer} in {directory / TOKENIZER_DIR} (for "
-                f"preprocess_data.py and pretrain_gpt.py: --tokenizer-type {tokenizer} {flag} from there)")
+        return (
+            f"wrote checkpoint {directory} with its {tokenizer} in {directory / TOKENIZER_DIR} (for "
+            f"preprocess_data.py and pretrain_gpt.py: --tokenizer-type {tokenizer} {flag} from there)"
+        )
     if args.command == "import-megatron":
         directory, iteration, resumable = import_megatron(args.input, args.save, weights_only=args.weights_only)
-        what = (f"Megatron-LM iteration {iteration} with its Adam states, step, lr schedule and consumed samples: "
-                f"--load resumes it" if resumable else f"the weights of Megatron-LM iteration {iteration}, at iteration 0")
+        what = (
+            f"Megatron-LM iteration {iteration} with its Adam states, step, lr schedule and consumed samples: "
+            f"--load resumes it"
+            if resumable
+            else f"the weights of Megatron-LM iteration {iteration}, at iteration 0"
+        )
         return f"wrote checkpoint {directory} ({what}; pickles read weights-only, no code from them ran)"
     if args.command == "export-megatron":
         directory, resumable = export_megatron(args.load, args.output, args.weights_only)
-        what = ("with the distributed optimizer's Adam states (fully_reshardable), step, lr schedule and consumed "
-                "samples" if resumable else "the weights alone")
+        what = (
+            "with the distributed optimizer's Adam states (fully_reshardable), step, lr schedule and consumed samples"
+            if resumable
+            else "the weights alone"
+        )
         return f"wrote Megatron-LM torch_dist checkpoint {directory} ({what})"
     written = consolidate(args.load, args.output, args.with_optimizer)
     files = ", ".join(f"{name} ({count} tensors)" for name, count in written.items())
@@ -325,8 +381,10 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(f"{done} in {time.perf_counter() - started:.1f}s; "
-          f"peak RSS {peak / 1024:.0f} MiB ({(peak - before) / 1024:.0f} MiB above start-up)")
+    print(
+        f"{done} in {time.perf_counter() - started:.1f}s; "
+        f"peak RSS {peak / 1024:.0f} MiB ({(peak - before) / 1024:.0f} MiB above start-up)"
+    )
     return 0
 
 

@@ -28,6 +28,7 @@ stage, its ideal idle fraction and each stage's peak of held microbatches.
 Exit 0: every check passed; 2: a flag mistake, a disagreement, a misplaced tensor or a stream race,
 each one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,26 +45,38 @@ GPUS = Path(__file__).resolve().parents[1] / "megazero" / "dry_run" / "gpus.toml
 
 def parser() -> argparse.ArgumentParser:
     # add_help=False: every flag it does not know is pretrain_gpt.py's; --help is answered in main
-    ours = argparse.ArgumentParser(prog="tools/dry_run.py", add_help=False, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog="Every other flag is pretrain_gpt.py's (python pretrain_gpt.py --help).")
+    ours = argparse.ArgumentParser(
+        prog="tools/dry_run.py",
+        add_help=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is pretrain_gpt.py's (python pretrain_gpt.py --help).",
+    )
     ours.add_argument("--world-size", type=int, required=True)
     ours.add_argument("--ranks", default=None, help="comma-separated ranks to simulate (default: all)")
     ours.add_argument("--ranks-per-node-sim", type=int, default=8)
     ours.add_argument("--processes", type=int, default=None)
     ours.add_argument("--json", default=None)
     ours.add_argument("--no-stream-check", action="store_true")
-    ours.add_argument("--force-overflow", default=None,
-                      help="comma-separated training steps (from 1) whose gradient norm reads inf")
+    ours.add_argument(
+        "--force-overflow", default=None, help="comma-separated training steps (from 1) whose gradient norm reads inf"
+    )
     ours.add_argument("--simulate-device", choices=["cuda", "cpu"], default=None)
-    ours.add_argument("--every-microbatch", action="store_true",
-                      help="simulate every microbatch of the step (default: the steady state's once, counted "
-                           "as often as the schedule runs it: megazero.dry_run.steady_state)")
+    ours.add_argument(
+        "--every-microbatch",
+        action="store_true",
+        help="simulate every microbatch of the step (default: the steady state's once, counted "
+        "as often as the schedule runs it: megazero.dry_run.steady_state)",
+    )
     with GPUS.open("rb") as f:
         names = sorted(tomllib.load(f)) + ["cpu"]
-    ours.add_argument("--gpu", choices=names, default=None,
-                      help="after the table: does each rank's reserved peak fit this GPU's memory, and the "
-                           "step's timeline on it (cpu: this CPU's measured model)")
+    ours.add_argument(
+        "--gpu",
+        choices=names,
+        default=None,
+        help="after the table: does each rank's reserved peak fit this GPU's memory, and the "
+        "step's timeline on it (cpu: this CPU's measured model)",
+    )
     return ours
 
 
@@ -77,6 +90,7 @@ def main(argv=None) -> int:
     from megazero.dry_run.roles import representatives
     from megazero.dry_run.cross_rank_checks import check_all
     from megazero.dry_run.report import report, schedule_text, table
+
     world, local = opts.world_size, min(opts.world_size, opts.ranks_per_node_sim)
     mistake = check_flags(train_argv, world, local)
     if mistake is None and opts.ranks is not None:
@@ -96,12 +110,15 @@ def main(argv=None) -> int:
             mistake = f"--force-overflow {opts.force_overflow}: give comma-separated training steps, from 1"
     simulated = opts.simulate_device or ("cpu" if opts.gpu == "cpu" else "cuda")
     if mistake is None and opts.gpu is not None and simulated != ("cpu" if opts.gpu == "cpu" else "cuda"):
-        mistake = (f"--gpu {opts.gpu} with --simulate-device {opts.simulate_device}: the timeline needs the "
-                   f"device it times simulated (drop --simulate-device)")
+        mistake = (
+            f"--gpu {opts.gpu} with --simulate-device {opts.simulate_device}: the timeline needs the "
+            f"device it times simulated (drop --simulate-device)"
+        )
     device = None
     if mistake is None and opts.gpu is not None:
         from megazero.core.errors import UsageError
         from megazero.dry_run.devices import device as device_model
+
         try:
             device = device_model(opts.gpu)
         except UsageError as err:
@@ -110,28 +127,42 @@ def main(argv=None) -> int:
         print(f"error: {mistake}", file=sys.stderr)
         return 2
     stands_for = None
-    if opts.ranks is None and world > ALL_RANKS_UP_TO:      # one rank per role (megazero.dry_run.roles)
+    if opts.ranks is None and world > ALL_RANKS_UP_TO:  # one rank per role (megazero.dry_run.roles)
         stands_for = representatives(job_config(train_argv, world, local), world)
         ranks = sorted(stands_for)
     elif opts.ranks is None:
         ranks = None
     from megazero.dry_run.steady_state import Plan, plan
+
     cfg = job_config(train_argv, world, local)
     steps = plan(cfg, world, train_argv)
     if opts.every_microbatch:
-        steps = Plan(steps.microbatches, steps.schedule, note=f"every one of its {steps.microbatches} "
-                                                              f"microbatches a step simulated (--every-microbatch)")
+        steps = Plan(
+            steps.microbatches,
+            steps.schedule,
+            note=f"every one of its {steps.microbatches} microbatches a step simulated (--every-microbatch)",
+        )
     started = time.perf_counter()
-    runs = simulate(train_argv, world, ranks, local_world=local, processes=opts.processes,
-                    overflow_steps=overflow, stream_check=not opts.no_stream_check,
-                    device_kind=simulated, plan=steps)
+    runs = simulate(
+        train_argv,
+        world,
+        ranks,
+        local_world=local,
+        processes=opts.processes,
+        overflow_steps=overflow,
+        stream_check=not opts.no_stream_check,
+        device_kind=simulated,
+        plan=steps,
+    )
     problems = check_all(runs)
     result = report(runs, problems, world, time.perf_counter() - started, stands_for, steps.record())
     if opts.gpu is not None and opts.gpu != "cpu":
         from megazero.dry_run.fits import verdict
+
         result["gpu"] = verdict(result, opts.gpu, job_config(train_argv, world, local))
     if device is not None:
         from megazero.dry_run.speed import timeline_of
+
         result["timeline"] = timeline_of(runs, job_config(train_argv, world, local), world, device)
     if opts.json == "-":
         json.dump(result, sys.stdout, indent=1)
@@ -140,9 +171,11 @@ def main(argv=None) -> int:
         print(table(result))
         if result["gpu"] is not None:
             from megazero.dry_run.fits import verdict_text
+
             print("\n" + verdict_text(result["gpu"]))
         if result.get("timeline") is not None:
             from megazero.dry_run.speed import timeline_text
+
             print("\n" + timeline_text(result["timeline"]))
         lists = schedule_text(job_config(train_argv, world, local), world)
         if lists is not None:

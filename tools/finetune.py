@@ -23,6 +23,7 @@ checkpoint of the job afterwards, in one process, one parameter at a time. Bad i
 numbers, --seq-length against the model's positions, the config) is one line, before any process
 group.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf-model", required=True, help="a transformers causal-LM folder (config, weights, tokenizer)")
     p.add_argument("--data", help="JSON-lines SFT records: {prompt, response} or {messages}")
-    p.add_argument("--seq-length", type=int, default=None,
-                   help="tokens a row holds at most; records are truncated to it (default: the model's positions)")
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="tokens a row holds at most; records are truncated to it (default: the model's positions)",
+    )
     p.add_argument("--pack", action="store_true", help="several records a row, each attending to itself only")
     p.add_argument("--epochs", type=int, default=1, help="passes over the records (default: 1)")
     p.add_argument("--train-iters", type=int, default=None, help="optimizer steps (default: --epochs' worth)")
@@ -58,8 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--save-interval", type=int, default=0, help="save every N iterations too (default: at the end)")
     p.add_argument("--ckpt-keep-last", type=int, default=0, help="keep only the newest K checkpoints (default: all)")
     p.add_argument("--export-hf", default=None, help="at the end, the model as a transformers folder here")
-    p.add_argument("--load", default=None, help="with --export-hf and no --data: export this checkpoint "
-                   "(a --save folder or its iter_<N>) of --hf-model's architecture, and train nothing")
+    p.add_argument(
+        "--load",
+        default=None,
+        help="with --export-hf and no --data: export this checkpoint "
+        "(a --save folder or its iter_<N>) of --hf-model's architecture, and train nothing",
+    )
     add_config_arguments(p)
     args = p.parse_args(argv)
     for name in ("epochs", "log_interval"):
@@ -73,14 +82,18 @@ def parse_args(argv=None):
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     if args.load is not None:
         if args.export_hf is None or args.data is not None:
-            raise UsageError("--load exports a checkpoint: give --hf-model, --load and --export-hf, without --data "
-                             "(this tool resumes no training)")
+            raise UsageError(
+                "--load exports a checkpoint: give --hf-model, --load and --export-hf, without --data "
+                "(this tool resumes no training)"
+            )
         return args
     if args.data is None:
         raise UsageError("--data sft.jsonl is needed: the records to fine-tune on")
     if args.deepspeed_config is None:
-        raise UsageError("--deepspeed_config ds.json is needed: it says the batch, optimizer and ZeRO stage "
-                         "(examples/ds_config.json is one)")
+        raise UsageError(
+            "--deepspeed_config ds.json is needed: it says the batch, optimizer and ZeRO stage "
+            "(examples/ds_config.json is one)"
+        )
     return args
 
 
@@ -88,6 +101,7 @@ def parse_args(argv=None):
 class Plan:
     """What the checks before any process group found: the model's config and class, the tokenizer,
     the rows to train on and the run's length."""
+
     config: object
     model_class: type
     tokenizer: object
@@ -103,15 +117,19 @@ def model_class(folder: Path):
     """The folder's transformers config and causal-LM class; a UsageError for anything else."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if not (folder / "config.json").is_file():
-        raise UsageError(f"--hf-model {folder}: no config.json there; give a transformers model folder "
-                         f"(what save_pretrained writes)")
+        raise UsageError(
+            f"--hf-model {folder}: no config.json there; give a transformers model folder (what save_pretrained writes)"
+        )
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     names = list(config.architectures or [])
     if (names and not set(names) <= causal) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UsageError(f"--hf-model {folder}: a {names[0] if names else config.model_type} model, not a causal "
-                         f"language model (AutoModelForCausalLM has no class for it); give a *ForCausalLM folder")
+        raise UsageError(
+            f"--hf-model {folder}: a {names[0] if names else config.model_type} model, not a causal "
+            f"language model (AutoModelForCausalLM has no class for it); give a *ForCausalLM folder"
+        )
     return config, AutoModelForCausalLM._model_mapping[type(config)]
 
 
@@ -127,11 +145,14 @@ def check_packing(cls) -> None:
     """Packing keeps records apart only in a model whose masks come from transformers' masking_utils:
     it reads position ids that restart as separate documents (attention_mask None, no cache)."""
     from transformers import masking_utils
+
     module = importlib.import_module(cls.__module__)
     if getattr(module, "create_causal_mask", None) is not masking_utils.create_causal_mask:
-        raise UsageError(f"--pack: {cls.__name__} does not build its masks with transformers' masking_utils "
-                         f"(which reads position ids restarting at each record as separate records), so packed "
-                         f"records would see each other; run without --pack (one record a row)")
+        raise UsageError(
+            f"--pack: {cls.__name__} does not build its masks with transformers' masking_utils "
+            f"(which reads position ids restarting at each record as separate records), so packed "
+            f"records would see each other; run without --pack (one record a row)"
+        )
 
 
 def prepare(args, dp: int) -> Plan:
@@ -139,6 +160,7 @@ def prepare(args, dp: int) -> Plan:
     from transformers import AutoTokenizer
     from megazero.api.settings import api_settings
     from megazero.data.sft import load_samples, make_rows
+
     folder = Path(args.hf_model)
     if not folder.is_dir():
         raise UsageError(f"--hf-model {folder}: no such folder; give a transformers model folder (save_pretrained's)")
@@ -148,8 +170,10 @@ def prepare(args, dp: int) -> Plan:
     if seq_length is None:
         raise UsageError(f"--hf-model {folder}: the config names no maximum position; give --seq-length")
     if positions is not None and seq_length > positions:
-        raise UsageError(f"--seq-length {seq_length} is above the model's {positions} positions "
-                         f"({type(config).__name__}); give --seq-length {positions} or less")
+        raise UsageError(
+            f"--seq-length {seq_length} is above the model's {positions} positions "
+            f"({type(config).__name__}); give --seq-length {positions} or less"
+        )
     if args.pack:
         check_packing(cls)
     settings = api_settings(args.deepspeed_config, dp)
@@ -160,13 +184,17 @@ def prepare(args, dp: int) -> Plan:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise UsageError(f"--hf-model {folder}: no tokenizer could be loaded there ({err}); save the model's "
-                         f"tokenizer into it (tokenizer.save_pretrained)") from None
+        raise UsageError(
+            f"--hf-model {folder}: no tokenizer could be loaded there ({err}); save the model's "
+            f"tokenizer into it (tokenizer.save_pretrained)"
+        ) from None
     samples = load_samples(args.data, tokenizer, seq_length)
     rows = make_rows(samples, seq_length, args.pack)
     if len(rows) < settings.global_batch:
-        raise UsageError(f"--data {args.data}: {len(rows)} rows, fewer than one global batch of "
-                         f"{settings.global_batch} ({settings.where}); give more records or a smaller batch")
+        raise UsageError(
+            f"--data {args.data}: {len(rows)} rows, fewer than one global batch of "
+            f"{settings.global_batch} ({settings.where}); give more records or a smaller batch"
+        )
     iters = args.train_iters or args.epochs * (len(rows) // settings.global_batch)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.run_dir or f"runs/finetune-{stamp}")
@@ -175,6 +203,7 @@ def prepare(args, dp: int) -> Plan:
 
 def world_size() -> int:
     import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -189,26 +218,39 @@ def run(args, process_groups=None) -> Finetuned:
     import megazero
     from megazero.data.sft import SFTBatches
     from megazero.training.metrics import MetricsLogger
+
     plan = prepare(args, process_groups.dp.size if process_groups is not None else world_size())
     torch.manual_seed(args.seed)
     model = plan.model_class.from_pretrained(args.hf_model, dtype=torch.float32, local_files_only=True)
     n_params = sum(p.numel() for p in model.parameters())
     engine, _, _, _ = megazero.initialize(model=model, config=args.deepspeed_config, process_groups=process_groups)
-    engine.train()          # from_pretrained leaves the model in eval mode
+    engine.train()  # from_pretrained leaves the model in eval mode
     groups = engine.groups
     tokenizer = plan.tokenizer
     pad = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
-    batches = SFTBatches(plan.rows, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-                         groups.dp.size, args.seed, pad, args.pack)
+    batches = SFTBatches(
+        plan.rows,
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+        groups.dp.size,
+        args.seed,
+        pad,
+        args.pack,
+    )
     # only rank 0 writes metrics.jsonl, so its own id is the run's: records of several runs stay apart
-    metrics = MetricsLogger(str(plan.run_dir / "metrics.jsonl"), enabled=groups.rank == 0, total_iters=plan.iters,
-                            run_id=uuid.uuid4().hex)
-    metrics.say(f" megazero finetune: {plan.model_class.__name__} ({n_params:,} parameters) from {args.hf_model}; "
-                f"{groups.dp.size} data-parallel ranks, zero_stage={engine.zero_optimization_stage()}")
-    metrics.say(f" data: {plan.records} records of {args.data} -> {len(plan.rows)} rows of at most "
-                f"{plan.seq_length} tokens ({'packed' if args.pack else 'one record a row'}); global batch "
-                f"{batches.global_batch} rows = micro {batches.micro} x {groups.dp.size} ranks x "
-                f"{batches.accumulation} accumulation; {batches.steps_per_epoch} iterations an epoch, {plan.iters} in all")
+    metrics = MetricsLogger(
+        str(plan.run_dir / "metrics.jsonl"), enabled=groups.rank == 0, total_iters=plan.iters, run_id=uuid.uuid4().hex
+    )
+    metrics.say(
+        f" megazero finetune: {plan.model_class.__name__} ({n_params:,} parameters) from {args.hf_model}; "
+        f"{groups.dp.size} data-parallel ranks, zero_stage={engine.zero_optimization_stage()}"
+    )
+    metrics.say(
+        f" data: {plan.records} records of {args.data} -> {len(plan.rows)} rows of at most "
+        f"{plan.seq_length} tokens ({'packed' if args.pack else 'one record a row'}); global batch "
+        f"{batches.global_batch} rows = micro {batches.micro} x {groups.dp.size} ranks x "
+        f"{batches.accumulation} accumulation; {batches.steps_per_epoch} iterations an epoch, {plan.iters} in all"
+    )
     saves = f"into {args.save}" if args.save else "none (no --save)"
     metrics.say(f" run folder: {plan.run_dir} (metrics.jsonl); checkpoints: {saves}")
     history = train(engine, batches, plan.iters, metrics, args, n_params)
@@ -223,12 +265,13 @@ def train(engine, batches, iters: int, metrics, args, n_params: int) -> list[dic
     from megazero.checkpoint.files import iteration_dir_name
     from megazero.core import comm, host_read
     from megazero.training.loop import peak_memory_mib
+
     dp = engine.groups.dp
     history, window = [], []
     for it in range(iters):
         started = time.perf_counter()
         lr, skipped_before = engine.get_lr()[0], engine.skipped_steps
-        losses, tokens = [], 0          # this rank's micro-batch losses, and the tokens it computed
+        losses, tokens = [], 0  # this rank's micro-batch losses, and the tokens it computed
         for micro in range(batches.accumulation):
             batch = {k: v.to(engine.device) for k, v in batches.micro_batch(it, micro, dp.rank).items()}
             # use_cache=False: with a cache, transformers' masking would not read packed records
@@ -241,13 +284,20 @@ def train(engine, batches, iters: int, metrics, args, n_params: int) -> list[dic
         comm.all_reduce(sums, dp)
         loss_sum, tokens = host_read.read(sums, "the step's loss")
         elapsed = time.perf_counter() - started
-        record = {"iteration": it + 1, "loss": loss_sum / (batches.accumulation * dp.size), "lr": lr,
-                  "grad_norm": float(engine.get_global_grad_norm()), "skipped": engine.skipped_steps > skipped_before,
-                  "loss_scale": engine.get_loss_scale(), "skipped_total": engine.skipped_steps,
-                  "tokens_per_s": tokens / elapsed, "ms_per_iter": 1000 * elapsed,
-                  # model FLOPs: 6 per parameter per token (attention's own not counted)
-                  "tflops_per_device": 6 * n_params * tokens / elapsed / dp.size / 1e12,
-                  "memory_mib": peak_memory_mib(engine.device)}
+        record = {
+            "iteration": it + 1,
+            "loss": loss_sum / (batches.accumulation * dp.size),
+            "lr": lr,
+            "grad_norm": float(engine.get_global_grad_norm()),
+            "skipped": engine.skipped_steps > skipped_before,
+            "loss_scale": engine.get_loss_scale(),
+            "skipped_total": engine.skipped_steps,
+            "tokens_per_s": tokens / elapsed,
+            "ms_per_iter": 1000 * elapsed,
+            # model FLOPs: 6 per parameter per token (attention's own not counted)
+            "tflops_per_device": 6 * n_params * tokens / elapsed / dp.size / 1e12,
+            "memory_mib": peak_memory_mib(engine.device),
+        }
         history.append(record)
         window.append(record)
         if (it + 1) % args.log_interval == 0 or it == 0 or it + 1 == iters:
@@ -265,6 +315,7 @@ def keep_last(save: str, k: int) -> None:
     """--ckpt-keep-last as pretrain_gpt.py's (megazero.checkpoint.retention), on rank 0."""
     from megazero.checkpoint.files import METADATA, latest_iteration_dir
     from megazero.checkpoint.retention import apply_keep_last
+
     run_id = json.loads((latest_iteration_dir(Path(save)) / METADATA).read_text())["run_id"]
     problem = apply_keep_last(Path(save), k, run_id, f"--ckpt-keep-last {k}")
     if problem:
@@ -281,6 +332,7 @@ def export_hf(engine, plan: Plan, out) -> None:
     (collective: every rank takes part); rank 0 keeps each in host memory, the others drop it, so no
     device ever holds the whole model."""
     from megazero.utils import safe_get_full_fp32_param
+
     rank0 = engine.global_rank == 0
     state = {}
     for name, param in engine.module.named_parameters():
@@ -298,6 +350,7 @@ def export_checkpoint(args) -> None:
     stage) read one whole parameter at a time into a transformers folder."""
     from transformers import AutoTokenizer
     from megazero.checkpoint.reader import CheckpointReader, resolve
+
     folder = Path(args.hf_model)
     config, cls = model_class(folder)
     check_export_folder(args.export_hf)
@@ -309,12 +362,14 @@ def export_checkpoint(args) -> None:
         names = [name for name, _ in cls(config).named_parameters()]
     missing = [name for name in names if name not in reader.where]
     if missing:
-        raise UsageError(f"--load {reader.path}: no parameter {missing[0]!r} ({len(missing)} of {cls.__name__}'s "
-                         f"are missing): export a checkpoint of the --hf-model's architecture")
+        raise UsageError(
+            f"--load {reader.path}: no parameter {missing[0]!r} ({len(missing)} of {cls.__name__}'s "
+            f"are missing): export a checkpoint of the --hf-model's architecture"
+        )
     state = {}
     for name in names:
         state[name] = reader.full_tensor(name, "fp32")
-        reader.close()              # files are memory-mapped: keep only what was read
+        reader.close()  # files are memory-mapped: keep only what was read
     write_hf(cls, config, tokenizer, state, args.export_hf)
 
 
@@ -326,7 +381,7 @@ def write_hf(cls, config, tokenizer, state: dict, out) -> None:
     buffers = {name for name, _ in model.named_buffers()}
     model.load_state_dict({k: v for k, v in state.items() if k not in buffers}, strict=False, assign=True)
     model.tie_weights()
-    for name in buffers & set(state):       # rotary inv_freq & co. (non-persistent: not in a state dict)
+    for name in buffers & set(state):  # rotary inv_freq & co. (non-persistent: not in a state dict)
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = state[name]
     saved = model.state_dict()

@@ -14,6 +14,7 @@ tokenizer's end-of-document id (included in `ids`) or after --max-new-tokens, or
 positions, where the position table ends (a line on stderr and `note` in the JSON say so); `ids` and
 `text` are the continuation only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,18 +35,19 @@ from megazero.models.gpt import GPT
 
 def load_model(reader: CheckpointReader, device: torch.device) -> GPT:
     """The checkpoint's model, read one full parameter at a time (a tied head is the embedding's)."""
-    config = dataclasses.replace(GPTConfig(**reader.metadata["model"]), hidden_dropout=0.0,
-                                 attention_dropout=0.0, recompute_granularity="none")
+    config = dataclasses.replace(
+        GPTConfig(**reader.metadata["model"]), hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity="none"
+    )
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)
-    if config.tie_embeddings:         # to_empty gives each module its own tensor: tie them again
+    if config.tie_embeddings:  # to_empty gives each module its own tensor: tie them again
         model.output_head.weight = model.embedding.word.weight
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(reader.full_tensor(name, "fp32"))
-            reader.close()             # files are memory-mapped: keep only what was read
-        for name, buffer in model.named_buffers():     # the routers' expert biases (to_empty left them unset)
+            reader.close()  # files are memory-mapped: keep only what was read
+        for name, buffer in model.named_buffers():  # the routers' expert biases (to_empty left them unset)
             buffer.copy_(reader.buffer(name) if name in reader.buffers else torch.zeros_like(buffer))
     return model.eval()
 
@@ -58,8 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sample")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample among the most likely tokens up to this probability (default: 1.0, all)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the most likely tokens up to this probability (default: 1.0, all)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the sampler (default: 1234)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help='print {"prompt_ids": [...], "ids": [...], "text": "..."}')
@@ -69,13 +75,17 @@ def parse_args(argv=None):
 def _check(args) -> None:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UsageError("give the prompt once: --prompt TEXT or --prompt-ids ID [ID ...]")
-    for flag, value, ok in (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
-                            ("--temperature", args.temperature, 0 <= args.temperature < float("inf")),
-                            ("--top-k", args.top_k, args.top_k >= 0),
-                            ("--top-p", args.top_p, 0 < args.top_p <= 1)):
+    for flag, value, ok in (
+        ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
+        ("--temperature", args.temperature, 0 <= args.temperature < float("inf")),
+        ("--top-k", args.top_k, args.top_k >= 0),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1),
+    ):
         if not ok:
-            raise UsageError(f"{flag} {value} is out of range (--max-new-tokens >= 1, --temperature >= 0 and "
-                             f"finite, --top-k >= 0, 0 < --top-p <= 1)")
+            raise UsageError(
+                f"{flag} {value} is out of range (--max-new-tokens >= 1, --temperature >= 0 and "
+                f"finite, --top-k >= 0, 0 < --top-p <= 1)"
+            )
 
 
 def run(args) -> dict:
@@ -84,8 +94,9 @@ def run(args) -> dict:
     record = reader.metadata.get("tokenizer")
     tokenizer = tokenizer_from_saved(reader.path / TOKENIZER_DIR, record) if record else None
     if args.prompt is not None and tokenizer is None:
-        raise UsageError(f"--load {args.load}: the checkpoint keeps no tokenizer to encode --prompt with; "
-                         f"give --prompt-ids instead")
+        raise UsageError(
+            f"--load {args.load}: the checkpoint keeps no tokenizer to encode --prompt with; give --prompt-ids instead"
+        )
     prompt = tokenizer.encode(args.prompt) if args.prompt is not None else args.prompt_ids
     vocab = reader.metadata["model"]["vocab_size"]
     if not prompt or not all(0 <= i < vocab for i in prompt):
@@ -96,16 +107,26 @@ def run(args) -> dict:
     if model.embedding.position is not None and len(prompt) > positions:
         raise UsageError(f"the prompt has {len(prompt)} tokens; the model has {positions} positions")
     generator = torch.Generator().manual_seed(args.seed)
-    ids = generate(model, prompt, args.max_new_tokens, stop=tokenizer.eod if tokenizer else None,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=generator)
+    ids = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        stop=tokenizer.eod if tokenizer else None,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+    )
     ended = tokenizer is not None and ids and ids[-1] == tokenizer.eod
     shown = ids[:-1] if ended else ids
     text = tokenizer.decode(shown) if tokenizer is not None else None
     note = None
-    if not ended and len(ids) < args.max_new_tokens:        # generate() stops only at the table's end
-        note = (f"stopped at the model's position limit: {len(ids)} of --max-new-tokens {args.max_new_tokens} "
-                f"new tokens (the prompt's {len(prompt)} tokens and the continuation use all {positions} "
-                f"learned positions)")
+    if not ended and len(ids) < args.max_new_tokens:  # generate() stops only at the table's end
+        note = (
+            f"stopped at the model's position limit: {len(ids)} of --max-new-tokens {args.max_new_tokens} "
+            f"new tokens (the prompt's {len(prompt)} tokens and the continuation use all {positions} "
+            f"learned positions)"
+        )
     return {"prompt_ids": list(prompt), "ids": ids, "text": text, "note": note}
 
 

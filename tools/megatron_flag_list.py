@@ -14,6 +14,7 @@ Megatron-DeepSpeed, which the trees above no longer declare) is carried over unc
 megazero reads the file in megazero/config/flags.py: a flag it lacks that is named there gets the
 "Megatron-LM flag megazero does not have" line instead of a "did you mean".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,11 @@ def groups_of(tree: Path) -> dict[str, list[str]]:
     sys.path.insert(0, str(tree))
     for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
         del sys.modules[name]
-    if not hasattr(typing, "override"):        # newer trees use Python 3.12's decorator
+    if not hasattr(typing, "override"):  # newer trees use Python 3.12's decorator
         typing.override = lambda f: f
     try:
         import megatron.training.arguments as arguments
+
         source = Path(arguments.__file__).read_text()
         order = list(dict.fromkeys(re.findall(r"parser = (_add_\w+_args)\(parser", source)))
         parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
@@ -61,7 +63,9 @@ def groups_of(tree: Path) -> dict[str, list[str]]:
 def version_of(tree: Path) -> str:
     """'Megatron-LM (megatron-core 0.16.0rc0)': the version its package_info.py declares."""
     text = (tree / "megatron" / "core" / "package_info.py").read_text()
-    part = {k: re.search(rf"^{k} = '?([^'\n]*)'?", text, re.M).group(1) for k in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")}
+    part = {
+        k: re.search(rf"^{k} = '?([^'\n]*)'?", text, re.M).group(1) for k in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")
+    }
     return f"Megatron-LM (megatron-core {part['MAJOR']}.{part['MINOR']}.{part['PATCH']}{part['PRE_RELEASE']})"
 
 

@@ -22,6 +22,7 @@ recomputation (a third more compute), then model-parallel degree tp x pp (per-la
 the pipeline bubble), then pipeline over tensor size, then ZeRO stage (stage 3 moves 1.5x the bytes of
 0-2; 1 and 2 cost no more than 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,31 @@ import sys
 from megazero.config.train_flags import config_from_args
 from megazero.core.errors import UsageError
 from megazero.config.flags import build_parser
-from megazero.config.memory_estimate import (DEVICE_CATEGORIES, GIB, OFFLOAD_CATEGORIES, device_bytes,
-                                             plan_bytes, rank_layout)
+from megazero.config.memory_estimate import (
+    DEVICE_CATEGORIES,
+    GIB,
+    OFFLOAD_CATEGORIES,
+    device_bytes,
+    plan_bytes,
+    rank_layout,
+)
 
-LABELS = {"params": "parameters", "grads": "gradients", "master": "fp32 master",
-          "optimizer_states": "optimizer states", "activations": "activations",
-          "comm_buffers": "buffers (comm, transient)", "host_params": "parameters", "nvme_params": "parameters",
-          "host_master": "fp32 master", "host_optimizer_states": "optimizer states", "nvme_master": "fp32 master",
-          "nvme_optimizer_states": "optimizer states", "host_offload_buffers": "offload staging",
-          "host_activations": "activations (offload)"}
+LABELS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "master": "fp32 master",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+    "comm_buffers": "buffers (comm, transient)",
+    "host_params": "parameters",
+    "nvme_params": "parameters",
+    "host_master": "fp32 master",
+    "host_optimizer_states": "optimizer states",
+    "nvme_master": "fp32 master",
+    "nvme_optimizer_states": "optimizer states",
+    "host_offload_buffers": "offload staging",
+    "host_activations": "activations (offload)",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,8 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     p.description = "Per-rank memory of a megazero run by category; --fit-gib finds a layout that fits."
     g = p.add_argument_group("planner")
     g.add_argument("--world-size", type=int, default=1, help="ranks in the run (default: 1)")
-    g.add_argument("--fit-gib", type=float, default=None,
-                   help="find the cheapest layout of --world-size ranks within this many GiB per rank")
+    g.add_argument(
+        "--fit-gib",
+        type=float,
+        default=None,
+        help="find the cheapest layout of --world-size ranks within this many GiB per rank",
+    )
     return p
 
 
@@ -68,8 +89,10 @@ def parse(argv) -> argparse.Namespace:
 def describe_layout(cfg, world_size: int) -> str:
     par = cfg.parallel
     dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
-    return (f"tp {par.tensor_parallel} x pp {par.pipeline_parallel} x dp {dp}, ZeRO stage {cfg.zero.stage}, "
-            f"micro batch {cfg.micro_batch_size}, recompute {_recompute_text(cfg.model)}")
+    return (
+        f"tp {par.tensor_parallel} x pp {par.pipeline_parallel} x dp {dp}, ZeRO stage {cfg.zero.stage}, "
+        f"micro batch {cfg.micro_batch_size}, recompute {_recompute_text(cfg.model)}"
+    )
 
 
 def _recompute_text(model) -> str:
@@ -81,9 +104,11 @@ def _recompute_text(model) -> str:
 def format_plan(cfg, world_size: int) -> str:
     found = plan_bytes(cfg, world_size)
     r = rank_layout(cfg, world_size)
-    lines = [f"layout: {describe_layout(cfg, world_size)}",
-             f"model: {r.parameters / 1e6:.2f}M parameters, {r.rank_parameters / 1e6:.2f}M on the largest "
-             f"rank before ZeRO, {r.shards} ZeRO shard(s)"]
+    lines = [
+        f"layout: {describe_layout(cfg, world_size)}",
+        f"model: {r.parameters / 1e6:.2f}M parameters, {r.rank_parameters / 1e6:.2f}M on the largest "
+        f"rank before ZeRO, {r.shards} ZeRO shard(s)",
+    ]
     for key in DEVICE_CATEGORIES:
         lines.append(f"  {LABELS[key]:<22} {found[key] / GIB:10.3f} GiB")
     lines.append(f"  {'total':<22} {device_bytes(found) / GIB:10.3f} GiB per rank on the device")
@@ -112,11 +137,12 @@ def candidate_configs(args: argparse.Namespace) -> list:
                     trial.zero_stage, trial.recompute_activations = stage, False
                     # on: every layer recomputed whole, the most memory recomputation saves
                     trial.recompute_granularity, trial.recompute_method, trial.recompute_num_layers = (
-                        ("full", "uniform", 1) if recompute else (None, None, None))
+                        ("full", "uniform", 1) if recompute else (None, None, None)
+                    )
                     try:
                         cfg = config_from_args(trial, args.world_size)
                     except UsageError:
-                        continue          # the model or batch does not divide this way
+                        continue  # the model or batch does not divide this way
                     found.append(((recompute, tp * pp, pp, stage), cfg))
     return [cfg for _, cfg in sorted(found, key=lambda item: item[0])]
 
@@ -126,8 +152,10 @@ def fit(args: argparse.Namespace) -> tuple[object | None, list]:
     limit = args.fit_gib * GIB
     totals = [(cfg, device_bytes(plan_bytes(cfg, args.world_size))) for cfg in candidate_configs(args)]
     if not totals:
-        raise UsageError(f"no layout of --world-size {args.world_size} divides this model and batch; "
-                         f"change --world-size or --global-batch-size")
+        raise UsageError(
+            f"no layout of --world-size {args.world_size} divides this model and batch; "
+            f"change --world-size or --global-batch-size"
+        )
     return next((cfg for cfg, total in totals if total <= limit), None), totals
 
 
@@ -143,8 +171,10 @@ def main(argv=None) -> int:
         return 2
     if best is None:
         cfg, total = min(totals, key=lambda item: item[1])
-        print(f"no layout of {args.world_size} rank(s) fits in {args.fit_gib:g} GiB; the smallest needs "
-              f"{total / GIB:.3f} GiB per rank ({describe_layout(cfg, args.world_size)})")
+        print(
+            f"no layout of {args.world_size} rank(s) fits in {args.fit_gib:g} GiB; the smallest needs "
+            f"{total / GIB:.3f} GiB per rank ({describe_layout(cfg, args.world_size)})"
+        )
         return 1
     print(f"cheapest layout within {args.fit_gib:g} GiB per rank ({len(totals)} considered):")
     print(format_plan(best, args.world_size))

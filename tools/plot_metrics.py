@@ -7,6 +7,7 @@ Panels: loss (train solid, valid dashed), learning rate, gradient norm, throughp
 may also be the metrics file itself (for runs with --metrics-file). Needs matplotlib:
 pip install -e '.[plots]'.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,13 @@ import sys
 from pathlib import Path
 
 # (record field, panel title); loss is drawn for both splits
-PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
-          ("tokens_per_s", "throughput (tokens/s)"), ("memory_mib", "memory (MiB)"))
+PANELS = (
+    ("loss", "loss"),
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm"),
+    ("tokens_per_s", "throughput (tokens/s)"),
+    ("memory_mib", "memory (MiB)"),
+)
 FIGSIZE, DPI = (10.0, 12.0), 100
 
 
@@ -43,14 +49,18 @@ def read_run(path: Path) -> tuple[str, list[dict]]:
 
 
 def series(records: list[dict], split: str, field: str) -> tuple[list[int], list[float]]:
-    points = [(r["iteration"], r[field]) for r in records
-              if r.get("split", "train") == split and isinstance(r.get(field), (int, float))]
+    points = [
+        (r["iteration"], r[field])
+        for r in records
+        if r.get("split", "train") == split and isinstance(r.get(field), (int, float))
+    ]
     return [p[0] for p in points], [p[1] for p in points]
 
 
 def plot_runs(runs: list[tuple[str, list[dict]]], output: Path) -> None:
     import matplotlib
-    matplotlib.use("Agg")          # files only; no display needed
+
+    matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -84,8 +94,10 @@ def main(argv=None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("error: plot_metrics.py needs matplotlib; pip install -e '.[plots]' (or pip install matplotlib)",
-              file=sys.stderr)
+        print(
+            "error: plot_metrics.py needs matplotlib; pip install -e '.[plots]' (or pip install matplotlib)",
+            file=sys.stderr,
+        )
         return 2
     output = Path(args.output)
     try:

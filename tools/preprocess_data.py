@@ -72,20 +72,33 @@ def _encode_in_worker(document):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help="JSONL files (.jsonl/.json, one object per line), Parquet / Arrow files or a datasets "
-                             "save_to_disk folder (a text column), or text files (one document each)")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="JSONL files (.jsonl/.json, one object per line), Parquet / Arrow files or a datasets "
+        "save_to_disk folder (a text column), or text files (one document each)",
+    )
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to tokenize (default: text)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
-    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="SentencePieceTokenizer",
-                        help="tokenizer kind, Megatron's names (default: SentencePieceTokenizer)")
-    parser.add_argument("--tokenizer-model", default=None,
-                        help="sentencepiece .model, or a Hugging Face tokenizer directory / tokenizer.json")
+    parser.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default="SentencePieceTokenizer",
+        help="tokenizer kind, Megatron's names (default: SentencePieceTokenizer)",
+    )
+    parser.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="sentencepiece .model, or a Hugging Face tokenizer directory / tokenizer.json",
+    )
     parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     parser.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids below it, eod = it - 1")
-    parser.add_argument("--tiktoken-pattern", choices=["v1", "v2"], default=None,
-                        help="TikTokenizer's split pattern (default v2)")
+    parser.add_argument(
+        "--tiktoken-pattern", choices=["v1", "v2"], default=None, help="TikTokenizer's split pattern (default v2)"
+    )
     parser.add_argument("--append-eod", action="store_true", help="append the end-of-document id to each document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (default: 1, in-process)")
     parser.add_argument("--chunksize", type=int, default=32, help="documents per task sent to a worker")
@@ -95,9 +108,14 @@ def parse_args(argv=None):
 
 def tokenizer_spec(args):
     """build_tokenizer's keyword arguments: plain values a worker process receives once."""
-    return dict(tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
-                tiktoken_pattern=args.tiktoken_pattern)
+    return dict(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+        tiktoken_pattern=args.tiktoken_pattern,
+    )
 
 
 def _encoded_documents(args, documents):
@@ -106,8 +124,9 @@ def _encoded_documents(args, documents):
         encoder = DocumentEncoder(tokenizer_spec(args), args.append_eod)
         yield from map(encoder.encode, documents)
         return
-    with multiprocessing.Pool(args.workers, initializer=_init_worker,
-                              initargs=(tokenizer_spec(args), args.append_eod)) as pool:
+    with multiprocessing.Pool(
+        args.workers, initializer=_init_worker, initargs=(tokenizer_spec(args), args.append_eod)
+    ) as pool:
         yield from pool.imap(_encode_in_worker, documents, chunksize=args.chunksize)
 
 
@@ -119,8 +138,11 @@ def preprocess(args):
         if not Path(path).is_file() and not is_saved_dataset(path):
             raise UsageError(f"input file {path} not found; check the --input paths")
     folder = Path(args.output_prefix).parent
-    check_writable_dir(folder, f"--output-prefix {args.output_prefix}: its folder {folder}",
-                       "give an --output-prefix in a writable place")
+    check_writable_dir(
+        folder,
+        f"--output-prefix {args.output_prefix}: its folder {folder}",
+        "give an --output-prefix in a writable place",
+    )
     dtype = best_dtype(tokenizer.vocab_size)
     meter = Progress("preprocessing", enabled=True, every_s=args.log_interval)
     start = time.monotonic()
@@ -132,8 +154,10 @@ def preprocess(args):
 
     # The builders' context exits delete their temporary files if anything below raises.
     with contextlib.ExitStack() as stack:
-        builders = {key: stack.enter_context(IndexedDatasetBuilder(f"{args.output_prefix}_{key}_document", dtype))
-                    for key in args.json_keys}
+        builders = {
+            key: stack.enter_context(IndexedDatasetBuilder(f"{args.output_prefix}_{key}_document", dtype))
+            for key in args.json_keys
+        }
         for encoded, num_bytes in _encoded_documents(args, iter_documents(args.input, args.json_keys)):
             for key, ids in encoded.items():
                 builders[key].add_document(ids)

@@ -14,21 +14,31 @@ stdout). Every layout megazero's flag checks accept is kept if the memory planne
 device; those are ranked by a closed-form estimate and the best K timed by the dry run's timeline
 (megazero.dry_run.layout_search). Exit 0: at least one layout timed; 1: none fits; 2: a flag mistake.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-SPACE = {"zero_stages": ("--zero-stages", "0,1,2,3", int), "recompute": ("--recompute", "none,selective,full", str),
-         "micro_batches": ("--micro-batches", "1,2,4,8", int), "virtual": ("--virtual", "1,2,4", int)}
+SPACE = {
+    "zero_stages": ("--zero-stages", "0,1,2,3", int),
+    "recompute": ("--recompute", "none,selective,full", str),
+    "micro_batches": ("--micro-batches", "1,2,4,8", int),
+    "virtual": ("--virtual", "1,2,4", int),
+}
 
 
 def parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: pretrain_gpt.py's --zero-stage must not read as our --zero-stages
-    ours = argparse.ArgumentParser(prog="tools/search_layouts.py", add_help=False, allow_abbrev=False, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog="Every other flag is pretrain_gpt.py's (python pretrain_gpt.py --help).")
+    ours = argparse.ArgumentParser(
+        prog="tools/search_layouts.py",
+        add_help=False,
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every other flag is pretrain_gpt.py's (python pretrain_gpt.py --help).",
+    )
     ours.add_argument("--world-size", type=int, required=True)
     ours.add_argument("--gpu", required=True, help="a100, h100, h200 or cpu")
     ours.add_argument("--top-k", type=int, default=3)
@@ -43,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
 def _space(opts) -> dict:
     from megazero.core.errors import UsageError
     from megazero.dry_run.layout_search import RECOMPUTE
+
     out = {}
     for key, (flag, _, kind) in SPACE.items():
         text = getattr(opts, flag[2:].replace("-", "_"))
@@ -63,10 +74,18 @@ def main(argv=None) -> int:
         return 0
     from megazero.core.errors import UsageError
     from megazero.dry_run.layout_search import search, search_text
+
     try:
         opts, train_argv = parser().parse_known_args(argv)
-        result = search(train_argv, opts.world_size, opts.gpu, opts.top_k, local_world=opts.ranks_per_node_sim,
-                        processes=opts.processes, **_space(opts))
+        result = search(
+            train_argv,
+            opts.world_size,
+            opts.gpu,
+            opts.top_k,
+            local_world=opts.ranks_per_node_sim,
+            processes=opts.processes,
+            **_space(opts),
+        )
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

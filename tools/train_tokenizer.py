@@ -26,18 +26,33 @@ from megazero.core.errors import UsageError, check_writable_dir
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                        help="text files (one training line per line) or JSONL files (.jsonl/.json)")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="FILE",
+        help="text files (one training line per line) or JSONL files (.jsonl/.json)",
+    )
     parser.add_argument("--json-key", default="text", help="JSONL field holding the text (default: text)")
-    parser.add_argument("--model-prefix", required=True,
-                        help="writes PREFIX.model and PREFIX.vocab (sentencepiece), or PREFIX-vocab.json, "
-                             "PREFIX-merges.txt and PREFIX/tokenizer.json (byte-level BPE)")
-    parser.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                        choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
-                        help="SentencePieceTokenizer (default), or a GPT-2 byte-level BPE (both other names)")
+    parser.add_argument(
+        "--model-prefix",
+        required=True,
+        help="writes PREFIX.model and PREFIX.vocab (sentencepiece), or PREFIX-vocab.json, "
+        "PREFIX-merges.txt and PREFIX/tokenizer.json (byte-level BPE)",
+    )
+    parser.add_argument(
+        "--tokenizer-type",
+        default="SentencePieceTokenizer",
+        choices=["SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"],
+        help="SentencePieceTokenizer (default), or a GPT-2 byte-level BPE (both other names)",
+    )
     parser.add_argument("--vocab-size", type=int, default=8192, help="number of pieces (default: 8192)")
-    parser.add_argument("--input-sentence-size", type=int, default=1_000_000,
-                        help="lines sampled from the input for training; 0 = all (default: 1000000)")
+    parser.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=1_000_000,
+        help="lines sampled from the input for training; 0 = all (default: 1000000)",
+    )
     parser.add_argument("--num-threads", type=int, default=2, help="sentencepiece trainer threads")
     parser.add_argument("--seed", type=int, default=1234, help="sampling seed, for reproducible models")
     return parser.parse_args(argv)
@@ -47,12 +62,23 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         folder = Path(args.model_prefix).parent
-        check_writable_dir(folder, f"--model-prefix {args.model_prefix}: its folder {folder}",
-                           "give a --model-prefix in a writable place")
+        check_writable_dir(
+            folder,
+            f"--model-prefix {args.model_prefix}: its folder {folder}",
+            "give a --model-prefix in a writable place",
+        )
         if args.tokenizer_type == "SentencePieceTokenizer":
-            written = [train_tokenizer(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key,
-                                       input_sentence_size=args.input_sentence_size,
-                                       num_threads=args.num_threads, seed=args.seed)]
+            written = [
+                train_tokenizer(
+                    args.input,
+                    args.model_prefix,
+                    args.vocab_size,
+                    json_key=args.json_key,
+                    input_sentence_size=args.input_sentence_size,
+                    num_threads=args.num_threads,
+                    seed=args.seed,
+                )
+            ]
         else:
             written = train_byte_level_bpe(args.input, args.model_prefix, args.vocab_size, json_key=args.json_key)
     except UsageError as exc:

@@ -4,4 +4,5 @@ parameter tools live in megazero.zero, re-exported under DeepSpeed's names by me
 megazero/zero/__init__.py and megazero/utils.py. docs/own_model.md says which DeepSpeed names are
 answered and which are refused.
 """
+
 from .initialize import initialize  # noqa: F401

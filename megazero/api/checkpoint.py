@@ -20,6 +20,7 @@ save_total_limit prunes outside the engine), so every tag saved stays.
 Owns the engine's metadata and its locks; the files, the agreement between ranks and the reading
 are megazero.checkpoint's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,14 +57,16 @@ class _NoTracker:
 @dataclasses.dataclass
 class EngineState:
     """What megazero.checkpoint reads of a run, for megazero.initialize's engine."""
-    engine: object          # the ZeroEngine
-    groups: object          # ProcessGroups
+
+    engine: object  # the ZeroEngine
+    groups: object  # ProcessGroups
     chunks: list
     device: torch.device
     iteration: int
     tracker: _NoTracker = dataclasses.field(default_factory=_NoTracker)
-    cfg: object = dataclasses.field(default_factory=lambda: types.SimpleNamespace(
-        parallel=types.SimpleNamespace(virtual_stages=1)))
+    cfg: object = dataclasses.field(
+        default_factory=lambda: types.SimpleNamespace(parallel=types.SimpleNamespace(virtual_stages=1))
+    )
 
 
 def _state(engine) -> EngineState:
@@ -74,21 +77,37 @@ def _metadata(engine, client_state: dict):
     def metadata(state, run_id: str, consumed_samples: int) -> dict:
         topo, zero = state.groups.topology, state.engine
         return {
-            "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
-            "run_id": run_id, "iteration": state.iteration, "consumed_samples": engine.global_samples,
+            "format_version": FORMAT_VERSION,
+            "megazero_version": importlib.metadata.version("megazero"),
+            "run_id": run_id,
+            "iteration": state.iteration,
+            "consumed_samples": engine.global_samples,
             "model": {"class": type(engine.module).__name__},
-            "layout": {"world_size": topo.world_size, "tp": 1, "pp": 1, "dp": topo.dp, "cp": 1,
-                       "zero_stage": zero.zero.stage, "mics_shard_size": zero.zero.mics_shard_size},
+            "layout": {
+                "world_size": topo.world_size,
+                "tp": 1,
+                "pp": 1,
+                "dp": topo.dp,
+                "cp": 1,
+                "zero_stage": zero.zero.stage,
+                "mics_shard_size": zero.zero.mics_shard_size,
+            },
             "precision": {"bf16": engine.bfloat16_enabled(), "fp16": engine.fp16_enabled()},
-            "engine": {"step_count": zero.step_count, "skipped_steps": zero.skipped_steps,
-                       "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                       "global_samples": engine.global_samples, "api_skipped_steps": engine.skipped_steps},
+            "engine": {
+                "step_count": zero.step_count,
+                "skipped_steps": zero.skipped_steps,
+                "global_steps": engine.global_steps,
+                "micro_steps": engine.micro_steps,
+                "global_samples": engine.global_samples,
+                "api_skipped_steps": engine.skipped_steps,
+            },
             "loss_scaler": zero.loss_scaler.state_dict(),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "param_group_lrs": engine.get_lr(),
             "client_state": client_state,
             "rank_files": [rank_file_names(r)[0] for r in range(topo.world_size)],
         }
+
     return metadata
 
 
@@ -97,11 +116,15 @@ def save_checkpoint(engine, save_dir, tag, client_state: dict, save_latest: bool
     try:
         json.dumps(client_state)
     except (TypeError, ValueError) as err:
-        raise UsageError(f"save_checkpoint: client_state must be JSON (numbers, strings, lists, dicts): {err}; "
-                         f"megazero's checkpoints hold no pickle") from None
+        raise UsageError(
+            f"save_checkpoint: client_state must be JSON (numbers, strings, lists, dicts): {err}; "
+            f"megazero's checkpoints hold no pickle"
+        ) from None
     if engine._backwards:
-        raise UsageError("save_checkpoint in the middle of a gradient-accumulation window: save after "
-                         "engine.step() has applied the optimizer")
+        raise UsageError(
+            "save_checkpoint in the middle of a gradient-accumulation window: save after "
+            "engine.step() has applied the optimizer"
+        )
     name = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if "/" in name or name.startswith("."):
         raise UsageError(f"save_checkpoint: tag {name!r} must be a plain directory name")
@@ -132,13 +155,16 @@ def _lock_folder(engine, save_dir: Path, run_id: str) -> None:
             for line in filter(None, [lock.note, remove_leftovers(save_dir, what)]):
                 print(f"megazero: note: {line}", flush=True)
     if _any_rank(engine, refused is not None):
-        raise refused or UsageError(f"{what}: another job writes there ({describe_holder(save_dir / LOCK)}); "
-                                    f"let it finish, or choose another folder")
+        raise refused or UsageError(
+            f"{what}: another job writes there ({describe_holder(save_dir / LOCK)}); "
+            f"let it finish, or choose another folder"
+        )
 
 
 def _any_rank(engine, flag: bool) -> bool:
     """Whether `flag` holds on some rank (collective over the data-parallel group)."""
     from megazero.core import comm
+
     if engine.groups.dp.size == 1:
         return flag
     value = torch.tensor([float(flag)], device=engine.groups.dp.device)
@@ -149,6 +175,7 @@ def _any_rank(engine, flag: bool) -> bool:
 def _agreed_run_id(engine) -> str:
     """One id for the run, rank 0's, shared by broadcast (the saver checks files against it)."""
     from megazero.core import comm
+
     value = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=engine.groups.dp.device)
     comm.broadcast(value, 0, engine.groups.dp)
     return bytes(value.tolist()).hex()[:16]
@@ -163,8 +190,10 @@ def load_checkpoint(engine, load_dir, tag, load_optimizer_states: bool, load_lr_
     reader = CheckpointReader(resolve(path))
     missing = [n for n, _ in engine.module.named_parameters() if n not in reader.where]
     if missing:
-        raise UsageError(f"{reader.path}: no parameter {missing[0]!r} ({len(missing)} of the model's are "
-                         f"missing): load a checkpoint of the same model")
+        raise UsageError(
+            f"{reader.path}: no parameter {missing[0]!r} ({len(missing)} of the model's are "
+            f"missing): load a checkpoint of the same model"
+        )
     load_engine_states(engine.zero, reader, load_optimizer_states)
     meta = reader.metadata
     counters = meta["engine"]

@@ -15,6 +15,7 @@ ZeroEngine pretrain_gpt.py trains with, over the user's module.
 Owns the step's bookkeeping (micro steps, the boundary, the checks that a step follows a backward
 and that the model keeps the parameters it was built with) and delegates everything else.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ from megazero.zero.state_access import safe_get_full_fp32_param
 
 
 class Engine(nn.Module):
-    def __init__(self, module: nn.Module, zero: ZeroEngine, optimizer, lr_scheduler, settings, groups,
-                 device: torch.device):
+    def __init__(
+        self, module: nn.Module, zero: ZeroEngine, optimizer, lr_scheduler, settings, groups, device: torch.device
+    ):
         super().__init__()
         self.module = module
         self.zero, self.optimizer, self.lr_scheduler = zero, optimizer, lr_scheduler
@@ -36,8 +38,8 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self.micro_steps = 0
-        self._in_step = False            # a training pass (begin_step) is open
-        self._backwards = 0              # backward calls in the current accumulation window
+        self._in_step = False  # a training pass (begin_step) is open
+        self._backwards = 0  # backward calls in the current accumulation window
         self._last_norm = None
         self._param_ids = {id(p) for p in zero.parameters()}
         self._param_count = len(self._param_ids)
@@ -112,11 +114,15 @@ class Engine(nn.Module):
         scale_wrt_gas) and data-parallel ranks; the gradients are reduced at the boundary (stages 0/1)
         or per micro batch (2/3)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise UsageError("engine.backward(loss) needs the scalar loss tensor of the forward, with its graph "
-                             "(not a float, and not computed under torch.no_grad)")
+            raise UsageError(
+                "engine.backward(loss) needs the scalar loss tensor of the forward, with its graph "
+                "(not a float, and not computed under torch.no_grad)"
+            )
         if not self._in_step:
-            raise UsageError("engine.backward(loss) with no training forward before it: run loss = engine(batch) "
-                             "with the engine in train() mode and gradients enabled")
+            raise UsageError(
+                "engine.backward(loss) with no training forward before it: run loss = engine(batch) "
+                "with the engine in train() mode and gradients enabled"
+            )
         divide = self.groups.dp.size * (self.settings.accumulation if scale_wrt_gas else 1)
         last = self.is_gradient_accumulation_boundary()
         self.zero.backward(loss / divide if divide != 1 else loss, last_microbatch=last)
@@ -127,17 +133,21 @@ class Engine(nn.Module):
         """Counts a micro step; at the accumulation boundary, clips, applies the optimizer, steps the lr
         scheduler and counts the global step (DeepSpeed's engine.step)."""
         if self._backwards == 0:
-            raise UsageError("engine.step() before engine.backward(loss): each micro step is forward, "
-                             "engine.backward(loss), engine.step()")
+            raise UsageError(
+                "engine.step() before engine.backward(loss): each micro step is forward, "
+                "engine.backward(loss), engine.step()"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.settings.micro_batch * self.groups.dp.size
         if not boundary:
             return
         if self._backwards != self.settings.accumulation:
-            raise UsageError(f"engine.step() at the accumulation boundary after {self._backwards} backward "
-                             f"calls; each of the {self.settings.accumulation} micro steps calls "
-                             f"engine.backward(loss) once, then engine.step()")
+            raise UsageError(
+                f"engine.step() at the accumulation boundary after {self._backwards} backward "
+                f"calls; each of the {self.settings.accumulation} micro steps calls "
+                f"engine.backward(loss) once, then engine.step()"
+            )
         self._check_parameters()
         stats = self.zero.step(self.optimizer.lrs())
         self._in_step, self._backwards = False, 0
@@ -158,10 +168,13 @@ class Engine(nn.Module):
         if ids != self._param_ids:
             new = [n for n, p in self.module.named_parameters() if id(p) not in self._param_ids]
             gone = self._param_count - len(ids & self._param_ids)
-            raise UsageError(f"the model's parameters changed after megazero.initialize ({len(new)} new"
-                             + (f", e.g. {new[0]!r}" if new else "") + f", {gone} gone): the engine owns the "
-                             f"parameters it was built with; finish building (and resizing) the model before "
-                             f"megazero.initialize, or initialize again")
+            raise UsageError(
+                f"the model's parameters changed after megazero.initialize ({len(new)} new"
+                + (f", e.g. {new[0]!r}" if new else "")
+                + f", {gone} gone): the engine owns the "
+                f"parameters it was built with; finish building (and resizing) the model before "
+                f"megazero.initialize, or initialize again"
+            )
 
     # --- states -------------------------------------------------------------------------------
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
@@ -181,11 +194,25 @@ class Engine(nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True, **_):
         from .checkpoint import save_checkpoint
+
         return save_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, **_):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        **_,
+    ):
         from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states and not load_module_only,
-                               load_lr_scheduler_states and not load_module_only)
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states and not load_module_only,
+        )

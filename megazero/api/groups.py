@@ -5,6 +5,7 @@ tensor or pipeline split here), cut into MiCS shard groups and hpZ blocks as the
 
 Owns nothing global: the groups built are returned to the engine that uses them.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -52,20 +53,27 @@ def check_data_parallel(group, what: str) -> None:
     if group is None or not dist.is_initialized():
         return
     if dist.get_world_size(group) != dist.get_world_size():
-        raise UsageError(f"{what} spans {dist.get_world_size(group)} of {dist.get_world_size()} ranks: "
-                         f"megazero.initialize trains a model whole on every rank (tensor and pipeline "
-                         f"splits are pretrain_gpt.py's); leave it out so every rank is data parallel")
+        raise UsageError(
+            f"{what} spans {dist.get_world_size(group)} of {dist.get_world_size()} ranks: "
+            f"megazero.initialize trains a model whole on every rank (tensor and pipeline "
+            f"splits are pretrain_gpt.py's); leave it out so every rank is data parallel"
+        )
 
 
 def check_mpu(mpu) -> None:
     if mpu is None:
         return
-    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
-                 "get_pipeline_model_parallel_world_size"):
+    for name in (
+        "get_model_parallel_world_size",
+        "get_tensor_model_parallel_world_size",
+        "get_pipeline_model_parallel_world_size",
+    ):
         size = getattr(mpu, name, lambda: 1)()
         if size != 1:
-            raise UsageError(f"mpu.{name}() is {size}: megazero.initialize takes no model-parallel unit "
-                             f"(tensor and pipeline parallelism are pretrain_gpt.py's flags); pass mpu=None")
+            raise UsageError(
+                f"mpu.{name}() is {size}: megazero.initialize takes no model-parallel unit "
+                f"(tensor and pipeline parallelism are pretrain_gpt.py's flags); pass mpu=None"
+            )
     check_data_parallel(getattr(mpu, "get_data_parallel_group", lambda: None)(), "mpu's data-parallel group")
 
 
@@ -76,8 +84,12 @@ def build_groups(zero: ZeroConfig, device: torch.device, factory: GroupFactory |
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
     if size % per_node:
         per_node = size
-    topology = Topology(world_size=size, mics_shard_size=zero.mics_shard_size, ranks_per_node=per_node,
-                        hpz_partition_size=zero.zero_hpz_partition_size if zero.stage == 3 else 1)
+    topology = Topology(
+        world_size=size,
+        mics_shard_size=zero.mics_shard_size,
+        ranks_per_node=per_node,
+        hpz_partition_size=zero.zero_hpz_partition_size if zero.stage == 3 else 1,
+    )
     if size == 1:
         return ProcessGroups.single(device)
     return ProcessGroups.build(topology, rank, factory or GroupFactory(rank), device=device)

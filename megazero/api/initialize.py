@@ -13,6 +13,7 @@ adopted shard by shard (zero/init.py), never whole.
 Owns the wiring only: the settings (settings.py), the optimizer and its groups (optimizer.py), the
 schedulers (schedulers.py), the model's checks (modules.py) and the engine API (engine.py) are apart.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,23 @@ from .schedulers import scheduler_from_config
 from .settings import ApiSettings, api_settings
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None,
-               config=None, mesh_param=None, config_params=None, *, process_groups=None):
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=None,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+    *,
+    process_groups=None,
+):
     """DeepSpeed's arguments and return value: (engine, optimizer, dataloader or None, lr_scheduler
     or None). `config`: a DeepSpeed JSON path or dict (or `args.deepspeed_config`, `config_params`).
     `process_groups` (megazero's own): groups already built for these ranks (their communicators are
@@ -72,35 +87,45 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 def _config_of(args, config, config_params):
     given = [c for c in (config, config_params, getattr(args, "deepspeed_config", None)) if c is not None]
     if not given:
-        raise UsageError("megazero.initialize needs a DeepSpeed config: config=\"ds.json\" (or a dict), or "
-                         "args with --deepspeed_config (megazero.add_config_arguments)")
+        raise UsageError(
+            'megazero.initialize needs a DeepSpeed config: config="ds.json" (or a dict), or '
+            "args with --deepspeed_config (megazero.add_config_arguments)"
+        )
     if len(given) > 1 and any(g is not given[0] and g != given[0] for g in given[1:]):
-        raise UsageError("the DeepSpeed config is given twice (config, config_params or args.deepspeed_config); "
-                         "give it once")
+        raise UsageError(
+            "the DeepSpeed config is given twice (config, config_params or args.deepspeed_config); give it once"
+        )
     return given[0]
 
 
 def _world_size_before_init() -> int:
     import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _optimizer_groups(optimizer, model_parameters, model, settings: ApiSettings):
     """(AdamConfig, param groups): from the config's optimizer block or the user's optimizer."""
     if optimizer is not None and settings.adam is not None:
-        raise UsageError(f"{settings.where} has an optimizer block and optimizer= is given too; give one "
-                         f"(DeepSpeed refuses both as well)")
+        raise UsageError(
+            f"{settings.where} has an optimizer block and optimizer= is given too; give one "
+            f"(DeepSpeed refuses both as well)"
+        )
     if callable(optimizer) and not hasattr(optimizer, "param_groups"):
-        raise UsageError("optimizer= as a callable is not supported; pass torch.optim.AdamW(...) or an "
-                         "\"optimizer\" block in the config")
+        raise UsageError(
+            "optimizer= as a callable is not supported; pass torch.optim.AdamW(...) or an "
+            '"optimizer" block in the config'
+        )
     if optimizer is not None:
         adam, groups = from_client_optimizer(optimizer)
     elif settings.adam is not None:
         adam = settings.adam
         groups = groups_from_parameters(model_parameters, model, adam)
     else:
-        raise UsageError(f"{settings.where} has no optimizer block and no optimizer= was given; add "
-                         f"\"optimizer\": {{\"type\": \"AdamW\", \"params\": {{\"lr\": 1e-4}}}}")
+        raise UsageError(
+            f"{settings.where} has no optimizer block and no optimizer= was given; add "
+            f'"optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4}}}}'
+        )
     _check_groups_cover(groups, model)
     return adam, groups
 
@@ -112,16 +137,20 @@ def _check_groups_cover(groups: list[GroupSpec], model) -> None:
     for g, group in enumerate(groups):
         for p in group.params:
             if id(p) not in names:
-                raise UsageError("the optimizer's (or model_parameters') parameters include one that is not "
-                                 "the model's; build the optimizer on model.parameters()")
+                raise UsageError(
+                    "the optimizer's (or model_parameters') parameters include one that is not "
+                    "the model's; build the optimizer on model.parameters()"
+                )
             if id(p) in seen:
                 raise UsageError(f"parameter {names[id(p)]!r} is in two param groups; give it one")
             seen[id(p)] = g
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if missing:
-        raise UsageError(f"{len(missing)} trainable parameters of the model are in no param group (e.g. "
-                         f"{missing[0]!r}): ZeRO steps every parameter it holds; add them, or set "
-                         f"requires_grad=False on those to freeze")
+        raise UsageError(
+            f"{len(missing)} trainable parameters of the model are in no param group (e.g. "
+            f"{missing[0]!r}): ZeRO steps every parameter it holds; add them, or set "
+            f"requires_grad=False on those to freeze"
+        )
 
 
 def _build_engine(model, settings: ApiSettings, adam, groups: list[GroupSpec], pgroups, device) -> ZeroEngine:
@@ -134,19 +163,28 @@ def _build_engine(model, settings: ApiSettings, adam, groups: list[GroupSpec], p
     move_buffers(model, device)
 
     def init_fn(name, param):
-        if by_init:   # values follow (adopt_initial_values); a zero of no size stands for the whole
+        if by_init:  # values follow (adopt_initial_values); a zero of no size stands for the whole
             return torch.zeros(1, dtype=torch.float32).expand(param.numel())
         return param.detach().to("cpu", torch.float32)
 
-    engine = ZeroEngine([model], init_fn, groups=ZeroGroups.from_grid(pgroups), zero=zero_cfg, adam=adam,
-                        precision=settings.precision, clip_grad=settings.clip_grad, device=device,
-                        lr_group=(lambda name: group_of.get(name, 0)) if len(groups) > 1 else None,
-                        weight_decay_of=lambda name, shape: decay.get(name, 0.0),
-                        muon=settings.muon, muon_matrix=muon_matrix if settings.muon is not None else None,
-                        uneven_gradients=True)
+    engine = ZeroEngine(
+        [model],
+        init_fn,
+        groups=ZeroGroups.from_grid(pgroups),
+        zero=zero_cfg,
+        adam=adam,
+        precision=settings.precision,
+        clip_grad=settings.clip_grad,
+        device=device,
+        lr_group=(lambda name: group_of.get(name, 0)) if len(groups) > 1 else None,
+        weight_decay_of=lambda name, shape: decay.get(name, 0.0),
+        muon=settings.muon,
+        muon_matrix=muon_matrix if settings.muon is not None else None,
+        uneven_gradients=True,
+    )
     if by_init:
         adopt_initial_values(model, engine)
-    for param in engine.parameters():          # declared before the engine existed
+    for param in engine.parameters():  # declared before the engine existed
         for module in param_info(param).external_users:
             register_external_parameter(module, param)
     return engine
@@ -156,8 +194,10 @@ def _engine_groups(groups: list[GroupSpec], group_names: list[list[str]], zero: 
     """The param groups over the engine's parameters (each user parameter replaced by the engine's,
     found by its name)."""
     by_name = {zero.names[id(p)]: p for p in zero.parameters()}
-    return [GroupSpec([by_name[n] for n in names if n in by_name], g.lr, g.weight_decay)
-            for g, names in zip(groups, group_names)]
+    return [
+        GroupSpec([by_name[n] for n in names if n in by_name], g.lr, g.weight_decay)
+        for g, names in zip(groups, group_names)
+    ]
 
 
 def _scheduler(lr_scheduler, settings: ApiSettings, optimizer: ZeroOptimizer, client_optimizer):
@@ -170,16 +210,20 @@ def _scheduler(lr_scheduler, settings: ApiSettings, optimizer: ZeroOptimizer, cl
         return scheduler_from_config(settings.scheduler, optimizer)
     if hasattr(lr_scheduler, "step"):
         if client_optimizer is None or getattr(lr_scheduler, "optimizer", None) is not client_optimizer:
-            raise UsageError("lr_scheduler= was built on another optimizer than optimizer=: the engine reads "
-                             "its rates from the optimizer you pass (or give a callable taking the optimizer "
-                             "megazero.initialize returns)")
+            raise UsageError(
+                "lr_scheduler= was built on another optimizer than optimizer=: the engine reads "
+                "its rates from the optimizer you pass (or give a callable taking the optimizer "
+                "megazero.initialize returns)"
+            )
         return lr_scheduler
-    return lr_scheduler(optimizer)            # DeepSpeed's callable: optimizer -> scheduler
+    return lr_scheduler(optimizer)  # DeepSpeed's callable: optimizer -> scheduler
 
 
 def _dataloader(dataset, settings: ApiSettings, pgroups, collate_fn):
     """DeepSpeed's training dataloader: micro batches of this rank's share (DistributedSampler)."""
     from torch.utils.data import DataLoader, DistributedSampler
-    sampler = DistributedSampler(dataset, num_replicas=pgroups.dp.size, rank=pgroups.dp.rank) \
-        if pgroups.dp.size > 1 else None
+
+    sampler = (
+        DistributedSampler(dataset, num_replicas=pgroups.dp.size, rank=pgroups.dp.rank) if pgroups.dp.size > 1 else None
+    )
     return DataLoader(dataset, batch_size=settings.micro_batch, sampler=sampler, collate_fn=collate_fn)

@@ -10,6 +10,7 @@ DeepSpeed lets a user say about their modules.
 
 Owns no parameters: the engine replaces them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,7 @@ from megazero.models.param_info import param_info
 from megazero.zero.config import ZeroConfig
 from megazero.zero.init import built_by_init
 
-_LEAF = "_z3_leaf"            # DeepSpeed's module attribute for a leaf module
+_LEAF = "_z3_leaf"  # DeepSpeed's module attribute for a leaf module
 
 
 def check_model(model) -> None:
@@ -29,19 +30,24 @@ def check_model(model) -> None:
         raise UsageError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     wrapper = type(model).__name__
     if wrapper in ("DistributedDataParallel", "FullyShardedDataParallel") or hasattr(model, "_get_fsdp_state"):
-        raise UsageError(f"model is wrapped in {wrapper}: pass the model itself; megazero's ZeRO replaces "
-                         f"DDP and FSDP")
+        raise UsageError(f"model is wrapped in {wrapper}: pass the model itself; megazero's ZeRO replaces DDP and FSDP")
     by_init = built_by_init(model)
     for name, p in model.named_parameters():
         if param_info(p).zero_engine is not None:
-            raise UsageError(f"model parameter {name!r} already belongs to a megazero engine: pass the "
-                             f"original model to megazero.initialize once (engine.module is that model)")
+            raise UsageError(
+                f"model parameter {name!r} already belongs to a megazero engine: pass the "
+                f"original model to megazero.initialize once (engine.module is that model)"
+            )
         if p.is_meta and not by_init:
-            raise UsageError(f"model parameter {name!r} is on the meta device (no values): build the model "
-                             f"inside `with megazero.zero.Init():` or load its weights before initialize")
+            raise UsageError(
+                f"model parameter {name!r} is on the meta device (no values): build the model "
+                f"inside `with megazero.zero.Init():` or load its weights before initialize"
+            )
         if not p.is_meta and p.device.type not in ("cpu", _device_type()):
-            raise UsageError(f"model parameter {name!r} is on {p.device}: keep the model on the CPU (or "
-                             f"this rank's device); megazero places the shards itself")
+            raise UsageError(
+                f"model parameter {name!r} is on {p.device}: keep the model on the CPU (or "
+                f"this rank's device); megazero places the shards itself"
+            )
 
 
 def _device_type() -> str:
@@ -60,12 +66,16 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes) -> list[nn.Module
     """Marks every module of `model` whose class is in `leaf_module_classes` (classes or class
     names) as a stage-3 leaf; returns them. Call before megazero.initialize."""
     wanted = list(leaf_module_classes)
-    marked = [m for m in model.modules()
-              if any(type(m) is c or (isinstance(c, str) and type(m).__name__ == c) for c in wanted)]
+    marked = [
+        m
+        for m in model.modules()
+        if any(type(m) is c or (isinstance(c, str) and type(m).__name__ == c) for c in wanted)
+    ]
     if not marked:
         names = [c if isinstance(c, str) else c.__name__ for c in wanted]
-        raise UsageError(f"set_z3_leaf_modules: no module of the model is a {' or '.join(names)}; name a "
-                         f"class the model uses")
+        raise UsageError(
+            f"set_z3_leaf_modules: no module of the model is a {' or '.join(names)}; name a class the model uses"
+        )
     for module in marked:
         setattr(module, _LEAF, True)
     return marked
@@ -73,8 +83,11 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes) -> list[nn.Module
 
 def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes) -> list[nn.Module]:
     wanted = list(leaf_module_classes)
-    found = [m for m in model.modules()
-             if any(type(m) is c or (isinstance(c, str) and type(m).__name__ == c) for c in wanted)]
+    found = [
+        m
+        for m in model.modules()
+        if any(type(m) is c or (isinstance(c, str) and type(m).__name__ == c) for c in wanted)
+    ]
     for module in found:
         if hasattr(module, _LEAF):
             delattr(module, _LEAF)

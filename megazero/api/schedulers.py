@@ -15,6 +15,7 @@ The rate of iteration t (t = -1 before the first step, so the first step runs at
 
 Owns only the arithmetic and the scheduler state (state_dict: the iteration).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ from megazero.core.errors import UsageError
 class _Schedule:
     """A DeepSpeed-style scheduler: `step()` moves to the next iteration and writes each group's lr."""
 
-    def __init__(self, optimizer, warmup_num_steps: int = 1000, warmup_type: str = "log",
-                 last_batch_iteration: int = -1):
+    def __init__(
+        self, optimizer, warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1
+    ):
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise UsageError(f"scheduler warmup_num_steps must be a positive integer, got {warmup_num_steps}")
         self.optimizer = optimizer
@@ -49,8 +51,9 @@ class _Schedule:
         return self._last_lr
 
     def step(self, last_batch_iteration: int | None = None) -> None:
-        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None \
-            else last_batch_iteration
+        self.last_batch_iteration = (
+            self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        )
         self._last_lr = self._write(self.get_lr())
 
     def _write(self, lrs: list[float]) -> list[float]:
@@ -67,8 +70,15 @@ class _Schedule:
 
 
 class WarmupLR(_Schedule):
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log", last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr=0.0,
+        warmup_max_lr=None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ):
         groups = optimizer.param_groups
         self.min_lrs = _per_group(warmup_min_lr, groups)
         self.max_lrs = [g["lr"] for g in groups] if warmup_max_lr is None else _per_group(warmup_max_lr, groups)
@@ -85,25 +95,44 @@ class WarmupLR(_Schedule):
 
 
 class WarmupDecayLR(WarmupLR):
-    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr=0.0, warmup_max_lr=0.001,
-                 warmup_num_steps: int = 1000, warmup_type: str = "log", last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ):
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
             return self.warmup_gamma()
-        return max(0.0, (self.total_num_steps - self.last_batch_iteration)
-                   / max(1.0, self.total_num_steps - self.warmup_num_steps))
+        return max(
+            0.0,
+            (self.total_num_steps - self.last_batch_iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps),
+        )
 
 
 class WarmupCosineLR(_Schedule):
-    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
-                 last_batch_iteration: int = -1):
-        self.total_num_steps, self.warmup_min_ratio, self.cos_min_ratio = \
-            total_num_steps, warmup_min_ratio, cos_min_ratio
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ):
+        self.total_num_steps, self.warmup_min_ratio, self.cos_min_ratio = (
+            total_num_steps,
+            warmup_min_ratio,
+            cos_min_ratio,
+        )
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def ratio(self) -> float:
@@ -128,8 +157,7 @@ def scheduler_from_config(block: dict | None, optimizer):
     """The config's scheduler block (already checked) on `optimizer`; None without a block."""
     if block is None:
         return None
-    return SCHEDULERS[block["type"]](optimizer, **{k: v for k, v in block.get("params", {}).items()
-                                                   if v != "auto"})
+    return SCHEDULERS[block["type"]](optimizer, **{k: v for k, v in block.get("params", {}).items() if v != "auto"})
 
 
 def _per_group(value, groups) -> list[float]:

@@ -12,6 +12,7 @@ Room: the shards of all ranks land on one filesystem (the checkpoint directory i
 commits it), so the whole checkpoint plus a margin (MARGIN_FRACTION of it and MARGIN_BYTES, for the
 metadata rank 0 merges and the filesystem's own blocks) must fit in the free space every rank sees.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,7 @@ class SaveError(AgreedStop):
 @dataclasses.dataclass
 class RankReport:
     """One rank's row of the table."""
+
     bytes_needed: int = 0
     bytes_free: int = 0
     errno: int = 0
@@ -50,12 +52,15 @@ def agree(report: RankReport, groups) -> list[RankReport]:
     """Every rank's report, on every rank (collective over the whole layout)."""
     world = groups.topology.world_size
     table = torch.zeros(world, 3, dtype=torch.float64, device=groups.dp.device)
-    table[groups.rank] = torch.tensor([report.bytes_needed, report.bytes_free, report.errno],
-                                      dtype=torch.float64)
+    table[groups.rank] = torch.tensor([report.bytes_needed, report.bytes_free, report.errno], dtype=torch.float64)
     comm.all_reduce(table, groups.dp)
     comm.all_reduce(table, groups.mp)
-    return [RankReport(int(need), int(free), int(code)) for need, free, code in host_read.read(
-        table, "save room table", healthy=lambda: [[report.bytes_needed, report.bytes_free, report.errno]] * world)]
+    return [
+        RankReport(int(need), int(free), int(code))
+        for need, free, code in host_read.read(
+            table, "save room table", healthy=lambda: [[report.bytes_needed, report.bytes_free, report.errno]] * world
+        )
+    ]
 
 
 def free_bytes(folder: Path) -> int:
@@ -74,8 +79,11 @@ def mib(nbytes: int) -> str:
 def what_is_kept(save_dir: Path) -> str:
     """The end of a failed save's line: which checkpoint `latest` still names."""
     name = latest_iteration_name(save_dir)
-    return "no checkpoint was saved before" if name is None else (
-        f"latest still names {name if name.isprintable() else repr(name)}")
+    return (
+        "no checkpoint was saved before"
+        if name is None
+        else (f"latest still names {name if name.isprintable() else repr(name)}")
+    )
 
 
 def check_room(reports: list[RankReport], save_dir: Path, iteration: int) -> None:
@@ -84,10 +92,12 @@ def check_room(reports: list[RankReport], save_dir: Path, iteration: int) -> Non
     needed = total + int(MARGIN_FRACTION * total) + MARGIN_BYTES
     free = min(r.bytes_free for r in reports)
     if free < needed:
-        raise SaveError(f"--save {save_dir}: no room for the checkpoint of iteration {iteration}: it needs "
-                        f"{mib(needed)} (the shards of {len(reports)} rank(s) and their metadata, plus a "
-                        f"margin of {MARGIN_FRACTION:.0%} and {mib(MARGIN_BYTES)}) and {mib(free)} are free "
-                        f"there; nothing was written and {what_is_kept(save_dir)}")
+        raise SaveError(
+            f"--save {save_dir}: no room for the checkpoint of iteration {iteration}: it needs "
+            f"{mib(needed)} (the shards of {len(reports)} rank(s) and their metadata, plus a "
+            f"margin of {MARGIN_FRACTION:.0%} and {mib(MARGIN_BYTES)}) and {mib(free)} are free "
+            f"there; nothing was written and {what_is_kept(save_dir)}"
+        )
 
 
 def check_written(reports: list[RankReport], save_dir: Path, iteration: int, what: str) -> None:
@@ -97,8 +107,10 @@ def check_written(reports: list[RankReport], save_dir: Path, iteration: int, wha
         rank, code = failed[0]
         reason = os.strerror(code) if code > 0 else "an error without an errno"
         others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
-        raise SaveError(f"--save {save_dir}: rank {rank}{others} could not {what} of iteration {iteration} "
-                        f"({reason}); the partial checkpoint was removed and {what_is_kept(save_dir)}")
+        raise SaveError(
+            f"--save {save_dir}: rank {rank}{others} could not {what} of iteration {iteration} "
+            f"({reason}); the partial checkpoint was removed and {what_is_kept(save_dir)}"
+        )
 
 
 def errno_of(err: OSError) -> int:

@@ -13,6 +13,7 @@ the checkpoint's index before any tensor is read, so peak memory is about one pa
 model. `with_optimizer` also writes `optimizer.safetensors` (`<name>.exp_avg`, `<name>.exp_avg_sq`)
 and `optimizer.json` (Adam's step count).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,7 @@ def write_safetensors_streaming(path: Path, entries: list[tuple[str, tuple[int, 
         header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)            # data starts 8-byte aligned
+    blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
@@ -66,10 +67,10 @@ def consolidate(load: str | Path, output: str | Path, with_optimizer: bool = Fal
     out.mkdir(parents=True, exist_ok=True)
 
     def produce(name: str, kind: str) -> torch.Tensor:
-        if name in reader.buffers:         # an expert bias: one saved tensor, no optimizer state
+        if name in reader.buffers:  # an expert bias: one saved tensor, no optimizer state
             return reader.buffer(name)
         tensor = reader.full_tensor(source(name), kind)
-        reader.close()                 # files are memory-mapped: keep one parameter resident
+        reader.close()  # files are memory-mapped: keep one parameter resident
         return tensor
 
     def source(name: str) -> str:
@@ -81,16 +82,18 @@ def consolidate(load: str | Path, output: str | Path, with_optimizer: bool = Fal
     if missing:
         raise ValueError(f"{reader.path}: no saved values for {missing[:3]}; not a checkpoint of this model")
     entries = list(keys.items())
-    write_safetensors_streaming(out / "model.safetensors", entries,
-                                lambda name: produce(name, "fp32"))
+    write_safetensors_streaming(out / "model.safetensors", entries, lambda name: produce(name, "fp32"))
     write_json_atomic(out / "config.json", reader.metadata["model"])
     written = {"model.safetensors": len(entries), "config.json": 1}
     if with_optimizer:
         names = sorted({source(k) for k in keys if k not in reader.buffers})
         opt_entries = [(f"{n}.{kind}", reader.full_shape(n)) for n in names for kind in ("exp_avg", "exp_avg_sq")]
-        write_safetensors_streaming(out / "optimizer.safetensors", opt_entries,
-                                    lambda key: produce(*key.rsplit(".", 1)))
-        write_json_atomic(out / "optimizer.json", {"step": reader.metadata["engine"]["step_count"],
-                                                   "iteration": reader.metadata["iteration"]})
+        write_safetensors_streaming(
+            out / "optimizer.safetensors", opt_entries, lambda key: produce(*key.rsplit(".", 1))
+        )
+        write_json_atomic(
+            out / "optimizer.json",
+            {"step": reader.metadata["engine"]["step_count"], "iteration": reader.metadata["iteration"]},
+        )
         written["optimizer.safetensors"] = len(opt_entries)
     return written

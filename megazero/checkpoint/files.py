@@ -16,6 +16,7 @@ and at most `.tmp-*` leftovers, which the next job that holds the folder's lock 
 (retention.py). Every file gets the mode
 the user's umask gives a new file (0644 by default), whatever the library that wrote it chose.
 """
+
 from __future__ import annotations
 
 import json
@@ -117,8 +118,10 @@ def latest_iteration_dir(save_dir: Path) -> Path | None:
         what = f"names {name!r}" if name and name.isprintable() else "holds no directory name (damaged)"
         newest = sorted(p.name for p in save_dir.glob("iter_*") if p.is_dir())
         fix = f"echo {newest[-1]} > {latest}" if newest else "point it at an existing iter_* directory"
-        raise CheckpointError(f"{latest} {what}, which is not a checkpoint directory in {save_dir}; "
-                              f"write the one to resume from into it ({fix})")
+        raise CheckpointError(
+            f"{latest} {what}, which is not a checkpoint directory in {save_dir}; "
+            f"write the one to resume from into it ({fix})"
+        )
     return target
 
 
@@ -127,7 +130,7 @@ def latest_iteration_name(save_dir: Path) -> str | None:
     not UTF-8, as a damaged file holds, read as U+FFFD, so that the name is never a directory)."""
     try:
         with open(Path(save_dir) / LATEST, "rb") as handle:
-            return handle.read(256).decode("utf-8", "replace").strip()      # a name is ~15 bytes
+            return handle.read(256).decode("utf-8", "replace").strip()  # a name is ~15 bytes
     except OSError:
         return None
 
@@ -168,6 +171,7 @@ def remove_tree(path: Path) -> str | None:
 
     def failed(function, name, info):
         failures.append(f"{info[1].strerror or info[1]}: {name}")
+
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, onerror=failed)
     else:

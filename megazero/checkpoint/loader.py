@@ -14,6 +14,7 @@ moments alike). The model's buffers (the routers' expert biases) are set from th
 name, whatever layout saved them. The loss scaler, Adam's step count and, for the same rank of the
 same layout on the same device type, the RNG states follow.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,16 +52,26 @@ def _fit(full: torch.Tensor, shape: tuple[int, ...], name: str, where, extend_po
         out = torch.zeros(shape, dtype=full.dtype)
         rows = min(shape[0], full.shape[0])
         if full[rows:].abs().sum() != 0:
-            raise CheckpointError(f"{where}: {name} has {full.shape[0]} rows with values beyond the "
-                                  f"{shape[0]} this model has")
+            raise CheckpointError(
+                f"{where}: {name} has {full.shape[0]} rows with values beyond the {shape[0]} this model has"
+            )
         out[:rows] = full[:rows]
         return out
-    raise CheckpointError(f"{where}: {name} has shape {tuple(full.shape)}, this model's is "
-                          f"{tuple(shape)}; load a checkpoint of the same model")
+    raise CheckpointError(
+        f"{where}: {name} has shape {tuple(full.shape)}, this model's is "
+        f"{tuple(shape)}; load a checkpoint of the same model"
+    )
 
 
-def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = True,
-                    finetune: bool = False, extend_positions: bool = False) -> LoadResult:
+def load_checkpoint(
+    state,
+    path,
+    *,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+    extend_positions: bool = False,
+) -> LoadResult:
     """Fills `state` (from megazero.training.setup) from the checkpoint at `path` (an iter_*
     directory, or a save directory whose `latest` names one). `finetune`: weights only, iteration 0;
     `extend_positions`: a smaller learned position table grows (--extend-position-embeddings)."""
@@ -76,15 +87,16 @@ def load_checkpoint(state, path, *, load_optim: bool = True, load_rng: bool = Tr
         engine.step_count = meta["engine"]["step_count"]
         engine.skipped_steps = meta["engine"]["skipped_steps"]
         engine.placement.restore(reader.indexes, engine.storages(), lambda p: canonical_name(p, engine))
-        if meta["loss_scaler"] is not None:          # None: written from full tensors, no run
+        if meta["loss_scaler"] is not None:  # None: written from full tensors, no run
             engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     state.iteration = meta["iteration"]
     rng = load_rng and _restore_rng(state, reader)
     return LoadResult(meta["iteration"], meta["consumed_samples"], reader.run_id, rng)
 
 
-def load_engine_states(engine, reader: CheckpointReader, load_optim: bool = True,
-                       extend_positions: bool = False) -> None:
+def load_engine_states(
+    engine, reader: CheckpointReader, load_optim: bool = True, extend_positions: bool = False
+) -> None:
     """Every parameter piece the engine's storages hold on this rank, from the checkpoint: the fp32
     master, and with `load_optim` the optimizer states (the storage's checkpoint kinds);
     `extend_positions`: a smaller learned position table grows (see _fit)."""
@@ -92,7 +104,7 @@ def load_engine_states(engine, reader: CheckpointReader, load_optim: bool = True
         kinds = storage.checkpoint_kinds() if load_optim else ("fp32",)
         for i, param in enumerate(storage.params):
             if not storage.weights_always_full and storage.layout.local_piece(i) is None:
-                continue              # stage 3: this rank holds none of it
+                continue  # stage 3: this rank holds none of it
             name = canonical_name(param, engine)
             shard = param_info(param).tp_shard
             local_shape = tuple(storage.full_shape(i))
@@ -124,7 +136,8 @@ def _restore_rng(state, reader: CheckpointReader) -> bool:
     if state.device.type == "cuda" and "cuda" in reader.indexes[rank]["rng"]:
         torch.cuda.set_rng_state(reader.rng_state(rank, "cuda"), state.device)
     prefix = "tracker/"
-    states = {key[len(prefix):]: reader.rng_state(rank, key)
-              for key in reader.indexes[rank]["rng"] if key.startswith(prefix)}
+    states = {
+        key[len(prefix) :]: reader.rng_state(rank, key) for key in reader.indexes[rank]["rng"] if key.startswith(prefix)
+    }
     state.tracker.set_states({k: v.to(state.tracker.states[k].device) for k, v in states.items()})
     return True

@@ -26,6 +26,7 @@ Progress: the iteration, Adam's step (the optimizer's param_groups), the lr sche
 (`opt_param_scheduler`: num_steps, warmup and decay in samples, peak and final lr, weight decay) and
 the consumed samples (`args.consumed_train_samples`).
 """
+
 from __future__ import annotations
 
 import math
@@ -77,8 +78,10 @@ def adam_hyper(optimizer: dict | list | None) -> dict:
     return {"beta1": float(beta1), "beta2": float(beta2), "eps": float(groups[0].get("eps", 1e-8))}
 
 
-_BUCKET = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
-                     r"(param|exp_avg|exp_avg_sq)$")
+_BUCKET = re.compile(
+    r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
+    r"(param|exp_avg|exp_avg_sq)$"
+)
 
 
 def is_optimizer(name: str) -> bool:
@@ -104,11 +107,21 @@ def split_torch_dist(stacked: dict, where: Path) -> tuple[dict, dict, dict]:
         elif not is_optimizer(name):
             model[name] = tensor
     if len(dtypes) > 1:
-        raise MegatronOptimizerError(f"{where}: the optimizer's grad buffers have {len(dtypes)} dtypes; megazero reads "
-                                     f"one parameter dtype; pass --weights-only to import the weights alone")
-    return (model, states if states["param"] else {},
-            {chain: {domain: {buffer: [per[i] for i in sorted(per)] for buffer, per in sorted(buffers.items())}
-                     for domain, buffers in domains.items()} for chain, domains in buckets.items()})
+        raise MegatronOptimizerError(
+            f"{where}: the optimizer's grad buffers have {len(dtypes)} dtypes; megazero reads "
+            f"one parameter dtype; pass --weights-only to import the weights alone"
+        )
+    return (
+        model,
+        states if states["param"] else {},
+        {
+            chain: {
+                domain: {buffer: [per[i] for i in sorted(per)] for buffer, per in sorted(buffers.items())}
+                for domain, buffers in domains.items()
+            }
+            for chain, domains in buckets.items()
+        },
+    )
 
 
 # The order megatron-core's TransformerLayer registers its parameters in (its grad buffer's order,
@@ -119,9 +132,17 @@ _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _NORM1 = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
 _NORM2 = ("mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias")
 # a mixture of experts' layer registers its router there; its experts sit in the experts' optimizer
-_MLP = ("mlp.router.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
-LAYER_ORDERS = {"local": _NORM1 + _LINEARS + _QKV + _NORM2 + _MLP,
-                "transformer_engine": _LINEARS + _NORM1 + _QKV + _NORM2 + _MLP}
+_MLP = (
+    "mlp.router.weight",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias",
+)
+LAYER_ORDERS = {
+    "local": _NORM1 + _LINEARS + _QKV + _NORM2 + _MLP,
+    "transformer_engine": _LINEARS + _NORM1 + _QKV + _NORM2 + _MLP,
+}
 
 
 def registration_order(names, spec: str) -> list[str] | None:
@@ -132,8 +153,11 @@ def registration_order(names, spec: str) -> list[str] | None:
     layers = sorted({int(m.group(1)) for m in map(re.compile(r"^decoder\.layers\.(\d+)\.").match, names) if m})
     for i in layers:
         order += [f"decoder.layers.{i}.{rest}" for rest in LAYER_ORDERS[spec] if f"decoder.layers.{i}.{rest}" in names]
-    order += [n for n in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
-              if n in names]
+    order += [
+        n
+        for n in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+        if n in names
+    ]
     return order if set(order) == names else None
 
 
@@ -148,7 +172,7 @@ def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, shared
     where, base, at, end, filled = {}, 0, 0, 0, False
     for name, numel in reversed(params):
         at = _pad(at, 64)
-        if name in shared and filled:           # the open bucket closes here, its padding included
+        if name in shared and filled:  # the open bucket closes here, its padding included
             base, at, filled = base + at, 0, False
         where[name] = (base + at, base + at + numel)
         end, filled = at + numel, True
@@ -161,8 +185,10 @@ def buffer_layout(params: list[tuple[str, int]], bucket_size: int | None, shared
 
 def _bucket_size(args: dict, pp_rank: int, chunk: int) -> int | None:
     if args.get("ddp_num_buckets"):
-        raise MegatronOptimizerError("the run set --ddp-num-buckets, whose bucket boundaries the checkpoint does "
-                                     "not record; pass --weights-only to import the weights alone")
+        raise MegatronOptimizerError(
+            "the run set --ddp-num-buckets, whose bucket boundaries the checkpoint does "
+            "not record; pass --weights-only to import the weights alone"
+        )
     # megatron-core buckets the first chunk of the first stage alone (the others reduce in one go)
     if not args.get("overlap_grad_reduce") or pp_rank > 0 or chunk > 0:
         return None
@@ -176,6 +202,7 @@ def _bucket_size(args: dict, pp_rank: int, chunk: int) -> int | None:
 class Chunk(NamedTuple):
     """One grad buffer's place: the model chunk's pipeline stage and virtual chunk, and the tied
     embedding's copy it keeps in a bucket of its own (megatron_stages.shared_embedding)."""
+
     pp_rank: int = 0
     vp_stage: int = 0
     shared: frozenset = frozenset()
@@ -201,8 +228,10 @@ def legacy_buffers(file: Path, loaded: dict | list) -> list[list[dict] | None]:
         buffers = []
         for key in sorted(k for k in part if isinstance(k, int)):
             if len(part[key]) != 1:
-                raise MegatronOptimizerError(f"{file}: grad buffer {key} holds {len(part[key])} dtypes; megazero "
-                                             f"reads one parameter dtype; pass --weights-only to import the weights alone")
+                raise MegatronOptimizerError(
+                    f"{file}: grad buffer {key} holds {len(part[key])} dtypes; megazero "
+                    f"reads one parameter dtype; pass --weights-only to import the weights alone"
+                )
             buffers.append(next(iter(part[key].values())))
         out.append(buffers)
     return out
@@ -220,19 +249,27 @@ def _place(world: dict, model: dict, args: dict, chunk: Chunk, where: Path, leng
     params = [(name, t.numel()) for name, t in model.items() if not name.endswith("_extra_state")]
     layout, length = buffer_layout(params, _bucket_size(args, chunk.pp_rank, chunk.vp_stage), set(chunk.shared))
     if length != length_saved:
-        raise MegatronOptimizerError(f"{where}: its buffer holds {length_saved} elements, megatron-core's "
-                                     f"layout of the model file gives {length}; pass --weights-only to import the "
-                                     f"weights alone")
-    return {state: {name: world[state][start:end].view_as(model[name]).clone()
-                    for name, (start, end) in layout.items()} for state in STATES}
+        raise MegatronOptimizerError(
+            f"{where}: its buffer holds {length_saved} elements, megatron-core's "
+            f"layout of the model file gives {length}; pass --weights-only to import the "
+            f"weights alone"
+        )
+    return {
+        state: {name: world[state][start:end].view_as(model[name]).clone() for name, (start, end) in layout.items()}
+        for state in STATES
+    }
 
 
 def progress(common: dict, args: dict) -> dict:
     """The run's progress as a Megatron-LM checkpoint records it: iteration, Adam step (None without
     optimizer state), the lr scheduler's state, consumed samples, Adam's betas and eps."""
-    return {"iteration": int(common.get("iteration", 0) or 0), "adam_step": adam_step(common.get("optimizer")),
-            "scheduler": common.get("opt_param_scheduler"), "adam": adam_hyper(common.get("optimizer")),
-            "consumed_samples": int(args.get("consumed_train_samples") or 0)}
+    return {
+        "iteration": int(common.get("iteration", 0) or 0),
+        "adam_step": adam_step(common.get("optimizer")),
+        "scheduler": common.get("opt_param_scheduler"),
+        "adam": adam_hyper(common.get("optimizer")),
+        "consumed_samples": int(args.get("consumed_train_samples") or 0),
+    }
 
 
 def check_masters(model: dict, states: dict, where: Path) -> None:
@@ -241,10 +278,12 @@ def check_masters(model: dict, states: dict, where: Path) -> None:
     for name, weight in model.items():
         master = states["param"].get(name)
         if master is None or any(name not in states[kind] for kind in STATES):
-            raise MegatronOptimizerError(f"{where}: the optimizer holds no state for {name}; pass --weights-only to "
-                                         f"import the weights alone")
+            raise MegatronOptimizerError(
+                f"{where}: the optimizer holds no state for {name}; pass --weights-only to import the weights alone"
+            )
         if tuple(master.shape) != tuple(weight.shape) or not torch.equal(master.to(weight.dtype), weight):
             raise MegatronOptimizerError(
                 f"{where}: the optimizer's fp32 master of {name} is not the model's weight (misplaced states: "
                 f"megatron-core 0.16's fully_reshardable save with several buckets per buffer writes them so); "
-                f"re-save with one bucket or in the legacy format, or pass --weights-only to import the weights alone")
+                f"re-save with one bucket or in the legacy format, or pass --weights-only to import the weights alone"
+            )

@@ -11,6 +11,7 @@ the last stage. A legacy file numbers each chunk's layers from 0. The uneven spl
 are read where the files themselves say where each layer is (legacy files of a plain pipeline) and
 refused elsewhere.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,13 +19,20 @@ import re
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
-           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+UNEVEN = (
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
 _FIRST = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 _LAST = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 
 
-_COLUMN = re.compile(r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias))$")
+_COLUMN = re.compile(
+    r"(word_embeddings\.weight|output_layer\.weight|linear_qkv\.(weight|bias)|linear_fc1\.(weight|bias))$"
+)
 _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)\.")
 
@@ -49,9 +57,11 @@ def chunk_layers(args: dict, pp_rank: int, vp_stage: int) -> range:
     uneven = [key for key in UNEVEN if args.get(key)]
     if uneven or args["num_layers"] % (pp * vp):
         flag = f"--{uneven[0].replace('_', '-')}" if uneven else f"{args['num_layers']} layers over {pp * vp} chunks"
-        raise StagesError(f"{flag}: megazero places the optimizer's buffers of uniformly split pipelines only; "
-                          f"re-save with --dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the "
-                          f"weights alone")
+        raise StagesError(
+            f"{flag}: megazero places the optimizer's buffers of uniformly split pipelines only; "
+            f"re-save with --dist-ckpt-optim-fully-reshardable, or pass --weights-only to import the "
+            f"weights alone"
+        )
     per = args["num_layers"] // (pp * vp)
     start = (vp_stage * pp + pp_rank) * per
     return range(start, start + per)
@@ -100,8 +110,8 @@ def merge_tp(name: str, shards: list[torch.Tensor], swiglu: bool) -> torch.Tenso
     if _ROW.search(name):
         return torch.cat(shards, dim=1)
     if not _COLUMN.search(name):
-        return shards[0]                   # replicated: norms, row-parallel biases, positions
-    if swiglu and "linear_fc1." in name:   # each rank holds [its gate rows; its up rows]
+        return shards[0]  # replicated: norms, row-parallel biases, positions
+    if swiglu and "linear_fc1." in name:  # each rank holds [its gate rows; its up rows]
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(shards, dim=0)
@@ -128,14 +138,20 @@ def global_experts(state: dict, ep_rank: int, local_experts: int) -> dict:
     for name, tensor in state.items():
         match = _EXPERT.match(name)
         if match:
-            name = f"{match.group(1)}{ep_rank * local_experts + int(match.group(2))}.{name[match.end():]}"
+            name = f"{match.group(1)}{ep_rank * local_experts + int(match.group(2))}.{name[match.end() :]}"
         out[name] = tensor
     return out
 
 
 def expert_count(state: dict) -> int:
     """How many experts layer 0 of full megatron-core tensors `state` has (0 for a dense model)."""
-    return len({m.group(2) for m in map(_EXPERT.match, state) if m and m.group(1) == "decoder.layers.0.mlp.experts.local_experts."})
+    return len(
+        {
+            m.group(2)
+            for m in map(_EXPERT.match, state)
+            if m and m.group(1) == "decoder.layers.0.mlp.experts.local_experts."
+        }
+    )
 
 
 def expert_index(name: str) -> int:
@@ -146,6 +162,6 @@ def expert_index(name: str) -> int:
 def expert_key(name: str) -> tuple:
     """An expert parameter's place in megatron-core's registration order: layer, expert, then
     linear_fc1's weight and bias before linear_fc2's."""
-    rest = name[_EXPERT.match(name).end():]
+    rest = name[_EXPERT.match(name).end() :]
     order = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
     return int(_LAYER.match(name).group(1)), expert_index(name), order.index(rest) if rest in order else len(order)

@@ -20,6 +20,7 @@ finite loss followed the newest one (or the run ended as planned), and a run sto
 finite loss followed: the checkpoint saved in the step that blew the weights up never costs the
 healthy one before it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,15 +47,15 @@ class SavePolicy:
 
     def __post_init__(self):
         self.started = time.monotonic()
-        self.signalled: str | None = None          # the name of the signal received
+        self.signalled: str | None = None  # the name of the signal received
         self.last_saved: int | None = None
-        self.last_loss: float | None = None        # the loss of the last step (None: no step yet)
+        self.last_loss: float | None = None  # the loss of the last step (None: no step yet)
         if self.exit_signal_handler:
             for name in {self.exit_signal, "SIGINT"}:
                 signal.signal(getattr(signal, name), self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        self.signalled = signal.Signals(signum).name    # finish the current step, save, exit 0
+        self.signalled = signal.Signals(signum).name  # finish the current step, save, exit 0
 
     def stop_flags(self) -> tuple[bool, ...]:
         """This rank's (wall clock past --exit-duration-in-mins, signal received), to be agreed
@@ -64,8 +65,9 @@ class SavePolicy:
         late = self.exit_duration_mins and time.monotonic() - self.started >= 60 * self.exit_duration_mins
         return bool(late), self.signalled is not None
 
-    def after_step(self, state, consumed_samples: int, agreed: tuple[bool, ...] | None = None,
-                   loss: float | None = None) -> str | None:
+    def after_step(
+        self, state, consumed_samples: int, agreed: tuple[bool, ...] | None = None, loss: float | None = None
+    ) -> str | None:
         """Saves when due; returns why the run stops now (or None to go on). `agreed`: the values of
         `stop_flags()` already agreed over the layout (the training loop's step does that); `loss`:
         the step's loss (the same on every rank), kept in the checkpoint's metadata."""
@@ -94,8 +96,10 @@ class SavePolicy:
         if self.saver is None or self.last_saved == state.iteration:
             return
         if self.last_loss is not None and not math.isfinite(self.last_loss):
-            self.say(f" iteration {state.iteration}: not saved: its loss is {self.last_loss} (the model "
-                     f"diverged); {self.kept()}")
+            self.say(
+                f" iteration {state.iteration}: not saved: its loss is {self.last_loss} (the model "
+                f"diverged); {self.kept()}"
+            )
             return
         try:
             self.saver.save(state, consumed_samples, why, loss=self.last_loss)
@@ -112,8 +116,11 @@ class SavePolicy:
             return "no checkpoint: no --save"
         latest = latest_iteration_name(self.saver.save_dir)
         save = self.saver.save_dir
-        return f"last checkpoint: {save / latest} (resume with --load {save})" if latest else \
-            f"no checkpoint saved yet in {save}"
+        return (
+            f"last checkpoint: {save / latest} (resume with --load {save})"
+            if latest
+            else f"no checkpoint saved yet in {save}"
+        )
 
     def stop_without_saving(self) -> str:
         """A diverged run's end: commits a save still in flight (collective), saves nothing more,
@@ -128,4 +135,4 @@ class SavePolicy:
         if self.saver is not None:
             self.save(state, consumed_samples, last=True, why="final")
             self.saver.finalize()
-            self.saver.confirm()          # a run that ended as planned: its last checkpoint stands
+            self.saver.confirm()  # a run that ended as planned: its last checkpoint stands

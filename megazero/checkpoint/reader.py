@@ -9,6 +9,7 @@ full tensor from the TP ranks (`TPShard.full_from_locals`). Only the files holdi
 parameter are opened, and only those tensors read; each piece's CRC is checked as it is read. No
 rank ever holds more than one parameter of the checkpoint. Nothing here runs pickle.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from megazero.parallel.layers import TPShard
 from .files import FORMAT_VERSION, METADATA, TOKENIZER_DIR, CheckpointError, latest_iteration_dir, read_json
 from .saver import crc32
+
 
 # GPTConfig fields that decide parameter names and shapes or the function the weights compute
 # (dropout, recompute, seq_length for rope models and the like may change between save and load).
@@ -36,11 +38,26 @@ def tokenizer_flags(record: dict, folder: Path) -> str:
     return f"--tokenizer-type {kind} --vocab-size {record['vocab_size']}"
 
 
-ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                       "num_query_groups", "kv_channels", "ffn_hidden_size", "position_embedding",
-                       "activation", "gelu_approximate", "normalization", "norm_epsilon",
-                       "apply_layernorm_1p", "rotary_base", "rotary_percent", "tie_embeddings",
-                       "add_bias_linear", "add_qkv_bias")
+ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "position_embedding",
+    "activation",
+    "gelu_approximate",
+    "normalization",
+    "norm_epsilon",
+    "apply_layernorm_1p",
+    "rotary_base",
+    "rotary_percent",
+    "tie_embeddings",
+    "add_bias_linear",
+    "add_qkv_bias",
+)
 # The learned position table's rows (max_position_embeddings, by default --seq-length): compared when
 # both models learn positions (rotary ones have no table), and only ever grown on purpose.
 POSITION_TABLE = "embedding.position.weight"
@@ -66,16 +83,17 @@ class CheckpointReader:
         self.metadata = read_json(self.path / METADATA)
         version = self.metadata.get("format_version")
         if version != FORMAT_VERSION:
-            raise CheckpointError(f"{self.path / METADATA}: format version {version!r}, this megazero "
-                                  f"reads {FORMAT_VERSION}")
+            raise CheckpointError(
+                f"{self.path / METADATA}: format version {version!r}, this megazero reads {FORMAT_VERSION}"
+            )
         self.run_id = self.metadata["run_id"]
         self._check_iteration()
         self.indexes = self.metadata["ranks"]
-        self._open: dict[int, object] = {}          # rank -> open safetensors file
+        self._open: dict[int, object] = {}  # rank -> open safetensors file
         for rank, data_name in enumerate(self.metadata["rank_files"]):
             self._check_rank_file(rank, data_name)
         self.where: dict[str, list[tuple[int, dict]]] = {}
-        self.buffers: dict[str, tuple[int, dict]] = {}     # name -> (a rank that saved it, its entry)
+        self.buffers: dict[str, tuple[int, dict]] = {}  # name -> (a rank that saved it, its entry)
         for index in self.indexes:
             for name, entry in index["pieces"].items():
                 self.where.setdefault(name, []).append((index["rank"], entry))
@@ -89,16 +107,21 @@ class CheckpointReader:
         where, iteration = self.path / METADATA, self.metadata.get("iteration")
         named = re.fullmatch(r"iter_(\d+)", self.path.name)
         if named and int(named.group(1)) != iteration:
-            raise CheckpointError(f"{where}: iteration {iteration}, but its directory is {self.path.name}; "
-                                  f"the metadata was edited or the directory renamed: restore it")
+            raise CheckpointError(
+                f"{where}: iteration {iteration}, but its directory is {self.path.name}; "
+                f"the metadata was edited or the directory renamed: restore it"
+            )
         engine = self.metadata.get("engine") or {}
         steps, skipped = engine.get("step_count", 0), engine.get("skipped_steps", 0)
         first = engine.get("first_iteration")
-        if not isinstance(iteration, int) or (first + steps + skipped != iteration if first is not None
-                                              else steps + skipped > iteration):
+        if not isinstance(iteration, int) or (
+            first + steps + skipped != iteration if first is not None else steps + skipped > iteration
+        ):
             since = f" since iteration {first}" if first is not None else ""
-            raise CheckpointError(f"{where}: iteration {iteration} does not match the optimizer's {steps} "
-                                  f"steps and {skipped} skipped{since}; the metadata was edited: restore it")
+            raise CheckpointError(
+                f"{where}: iteration {iteration} does not match the optimizer's {steps} "
+                f"steps and {skipped} skipped{since}; the metadata was edited: restore it"
+            )
 
     def _check_rank_file(self, rank: int, data_name: str) -> None:
         """Present, of the recorded size, and (its own header says) of this run and rank."""
@@ -108,21 +131,24 @@ class CheckpointReader:
         header = self._file(rank).metadata() or {}
         run, owner = header.get("megazero_run_id"), header.get("rank")
         if run != self.run_id or owner != str(rank):
-            raise CheckpointError(f"{data}: a shard of run {run} rank {owner}, not of this checkpoint "
-                                  f"(run {self.run_id} rank {rank}); the directory mixes runs")
+            raise CheckpointError(
+                f"{data}: a shard of run {run} rank {owner}, not of this checkpoint "
+                f"(run {self.run_id} rank {rank}); the directory mixes runs"
+            )
         expected = self.indexes[rank]["file"]["bytes"]
         if data.stat().st_size != expected:
-            raise CheckpointError(f"{data}: {data.stat().st_size} bytes, {METADATA} records {expected}; "
-                                  f"the file is truncated or was replaced")
+            raise CheckpointError(
+                f"{data}: {data.stat().st_size} bytes, {METADATA} records {expected}; "
+                f"the file is truncated or was replaced"
+            )
 
     def _file(self, rank: int):
         if rank not in self._open:
             path = self.path / self.metadata["rank_files"][rank]
             try:
                 self._open[rank] = safe_open(str(path), framework="pt")
-            except Exception as err:       # safetensors raises its own error types for bad files
-                raise CheckpointError(f"{path}: cannot be read ({err}); the file is corrupted or "
-                                      f"truncated") from None
+            except Exception as err:  # safetensors raises its own error types for bad files
+                raise CheckpointError(f"{path}: cannot be read ({err}); the file is corrupted or truncated") from None
         return self._open[rank]
 
     @property
@@ -135,7 +161,7 @@ class CheckpointReader:
         shape = list(entry["shape"])
         if tp is not None:
             shape[tp[0]] *= tp[2]
-        if ep is not None:               # experts: each expert-parallel rank saved its own, along dim 0
+        if ep is not None:  # experts: each expert-parallel rank saved its own, along dim 0
             shape[0] *= ep[1]
         return tuple(shape)
 
@@ -153,13 +179,15 @@ class CheckpointReader:
         for rank, entry in entries:
             t = (0 if entry["tp"] is None else entry["tp"][1]) + tp_size * (0 if ep is None else entry["ep"][0])
             piece = self._read(rank, f"{name}/{kind}", entry["crc"][kind])
-            locals_[t][entry["offset"]:entry["offset"] + entry["length"]] = piece
+            locals_[t][entry["offset"] : entry["offset"] + entry["length"]] = piece
             filled[t] += entry["length"]
         if filled != [numel] * (tp_size * ep_size):
-            raise CheckpointError(f"{self.path}: parameter {name!r} is incomplete ({filled} of {numel} "
-                                  f"elements per TP (and expert-parallel) rank); a rank file is missing pieces")
+            raise CheckpointError(
+                f"{self.path}: parameter {name!r} is incomplete ({filled} of {numel} "
+                f"elements per TP (and expert-parallel) rank); a rank file is missing pieces"
+            )
         locals_ = [t.view(local_shape) for t in locals_]
-        per_ep = [locals_[e * tp_size:(e + 1) * tp_size] for e in range(ep_size)]
+        per_ep = [locals_[e * tp_size : (e + 1) * tp_size] for e in range(ep_size)]
         if tp is not None:
             per_ep = [[TPShard(tp[0], 0, tp_size, tp[3]).full_from_locals(pieces)] for pieces in per_ep]
         return torch.cat([pieces[0] for pieces in per_ep]) if ep is not None else per_ep[0][0]
@@ -175,7 +203,7 @@ class CheckpointReader:
         path = self.path / self.metadata["rank_files"][rank]
         try:
             tensor = self._file(rank).get_tensor(key)
-        except Exception as err:      # safetensors raises its own error types for bad files
+        except Exception as err:  # safetensors raises its own error types for bad files
             raise CheckpointError(f"{path}: cannot read {key!r} ({err}); the file is corrupted") from None
         if crc32(tensor) != crc:
             raise CheckpointError(f"{path}: tensor {key!r} fails its checksum; the file is corrupted")
@@ -197,18 +225,25 @@ class CheckpointReader:
         saved = self.metadata["model"]
         ours = {f: getattr(model_config, f, None) for f in saved}
         # a width both models derive from the others (no flag gave it) follows once those are passed
-        differing = [f for f in ARCHITECTURE_FIELDS if f in saved and saved[f] != ours[f]
-                     and not (saved[f] == _derived(f, saved) and ours[f] == _derived(f, ours))]
+        differing = [
+            f
+            for f in ARCHITECTURE_FIELDS
+            if f in saved
+            and saved[f] != ours[f]
+            and not (saved[f] == _derived(f, saved) and ours[f] == _derived(f, ours))
+        ]
         if not differing:
-            self._check_positions(model_config, where, extend_positions)    # the table's rows, last
+            self._check_positions(model_config, where, extend_positions)  # the table's rows, last
             return
         record = self.metadata.get("tokenizer")
         shown, wanted = [], []
         for field in differing:
             theirs, mine = model_flag(field, saved[field], saved), model_flag(field, ours[field], ours)
-            if field == "vocab_size" and record:      # most often: the tokenizer flags left out
-                theirs = (f"the checkpoint keeps the tokenizer it was trained with ({record['type']}, "
-                          f"vocab {record['vocab_size']})")
+            if field == "vocab_size" and record:  # most often: the tokenizer flags left out
+                theirs = (
+                    f"the checkpoint keeps the tokenizer it was trained with ({record['type']}, "
+                    f"vocab {record['vocab_size']})"
+                )
                 mine = f"vocab {ours[field]}"
                 wanted.append(tokenizer_flags(record, self.path / TOKENIZER_DIR))
             else:
@@ -218,8 +253,10 @@ class CheckpointReader:
         add = " ".join(w for w in wanted if not w.startswith("no "))
         drop = " ".join(w[3:] for w in wanted if w.startswith("no "))
         fix = " and ".join(([f"pass {add}"] if add else []) + ([f"leave out {drop}"] if drop else []))
-        raise CheckpointError(f"{where} {self.path}: the saved model differs from this run's in {count}: "
-                              f"{'; '.join(shown)}; {fix} (or load a checkpoint of this model)")
+        raise CheckpointError(
+            f"{where} {self.path}: the saved model differs from this run's in {count}: "
+            f"{'; '.join(shown)}; {fix} (or load a checkpoint of this model)"
+        )
 
     def _check_positions(self, model_config, where: str, extend: bool) -> None:
         saved = self.metadata["model"]
@@ -227,13 +264,18 @@ class CheckpointReader:
         learned = saved.get("position_embedding") == model_config.position_embedding == "learned"
         if not learned or rows in (None, mine) or (extend and mine > rows):
             return
-        head = (f"{where} {self.path}: the checkpoint's learned position table has {rows} rows, this run's "
-                f"{mine} (--max-position-embeddings, else --seq-length)")
+        head = (
+            f"{where} {self.path}: the checkpoint's learned position table has {rows} rows, this run's "
+            f"{mine} (--max-position-embeddings, else --seq-length)"
+        )
         if mine < rows:
-            raise CheckpointError(f"{head}; pass --max-position-embeddings {rows} (a --seq-length up to {rows} "
-                                  f"uses its first rows)")
-        raise CheckpointError(f"{head}; pass --max-position-embeddings {rows} with a --seq-length up to {rows}, "
-                              f"or --extend-position-embeddings to grow the table ({EXTEND_RULE.format(rows=rows)})")
+            raise CheckpointError(
+                f"{head}; pass --max-position-embeddings {rows} (a --seq-length up to {rows} uses its first rows)"
+            )
+        raise CheckpointError(
+            f"{head}; pass --max-position-embeddings {rows} with a --seq-length up to {rows}, "
+            f"or --extend-position-embeddings to grow the table ({EXTEND_RULE.format(rows=rows)})"
+        )
 
 
 def _derived(field: str, model: dict):
@@ -251,14 +293,25 @@ def model_flag(field: str, value, model: dict) -> str:
     """The pretrain_gpt.py flags that give architecture field `field` the value `value` (`model`:
     the other fields of the same model, where a flag depends on them), "no --FLAG" where leaving a
     flag out does."""
-    simple = {"hidden_size": "--hidden-size", "num_layers": "--num-layers", "ffn_hidden_size": "--ffn-hidden-size",
-              "num_attention_heads": "--num-attention-heads", "norm_epsilon": "--norm-epsilon",
-              "rotary_base": "--rotary-base", "rotary_percent": "--rotary-percent", "vocab_size": "--vocab-size",
-              "max_position_embeddings": "--max-position-embeddings"}
-    switches = {"apply_layernorm_1p": ("--apply-layernorm-1p", True), "add_qkv_bias": ("--add-qkv-bias", True),
-                "tie_embeddings": ("--untie-embeddings-and-output-weights", False),
-                "add_bias_linear": ("--disable-bias-linear", False), "activation": ("--swiglu", "swiglu"),
-                "gelu_approximate": ("--no-bias-gelu-fusion", "none")}
+    simple = {
+        "hidden_size": "--hidden-size",
+        "num_layers": "--num-layers",
+        "ffn_hidden_size": "--ffn-hidden-size",
+        "num_attention_heads": "--num-attention-heads",
+        "norm_epsilon": "--norm-epsilon",
+        "rotary_base": "--rotary-base",
+        "rotary_percent": "--rotary-percent",
+        "vocab_size": "--vocab-size",
+        "max_position_embeddings": "--max-position-embeddings",
+    }
+    switches = {
+        "apply_layernorm_1p": ("--apply-layernorm-1p", True),
+        "add_qkv_bias": ("--add-qkv-bias", True),
+        "tie_embeddings": ("--untie-embeddings-and-output-weights", False),
+        "add_bias_linear": ("--disable-bias-linear", False),
+        "activation": ("--swiglu", "swiglu"),
+        "gelu_approximate": ("--no-bias-gelu-fusion", "none"),
+    }
     if field in simple:
         return f"{simple[field]} {value:g}" if isinstance(value, float) else f"{simple[field]} {value}"
     if field in switches:
@@ -266,8 +319,11 @@ def model_flag(field: str, value, model: dict) -> str:
         return flag if value == on else f"no {flag}"
     if field == "num_query_groups":
         heads = model.get("num_attention_heads")
-        return ("no --group-query-attention" if value == heads or value is None
-                else f"--group-query-attention --num-query-groups {value}")
+        return (
+            "no --group-query-attention"
+            if value == heads or value is None
+            else f"--group-query-attention --num-query-groups {value}"
+        )
     if field == "kv_channels":
         return f"--kv-channels {value}" if value else "no --kv-channels"
     if field == "position_embedding":

@@ -12,6 +12,7 @@ Healthy: a checkpoint whose metadata records a finite training loss (`loss_finit
 before that field existed, or from full tensors, counts as healthy). Retention keeps the newest
 healthy checkpoint even beyond K, so that a run that diverged after it can still go back to it.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,11 @@ def remove_leftovers(save_dir: Path, flag: str) -> str | None:
     removed = [path for path in found if path not in failed]
     line = ""
     if removed:
-        line = (f"{flag}: removed what interrupted saves left there: "
-                + ", ".join(p.name for p in removed) + f" ({sum(sizes[p] for p in removed) / 2**20:.1f} MiB)")
+        line = (
+            f"{flag}: removed what interrupted saves left there: "
+            + ", ".join(p.name for p in removed)
+            + f" ({sum(sizes[p] for p in removed) / 2**20:.1f} MiB)"
+        )
     if failed:
         line += ("; " if line else f"{flag}: ") + _could_not(failed) + "; retried at the next save"
     return line

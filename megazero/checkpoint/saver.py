@@ -20,6 +20,7 @@ SaveError, rank 0 removes the temporary directory, and `latest` keeps naming the
 With `async_save` the tensors are copied to host memory and written by a background thread while
 training goes on; the commit (rename into place, `latest`) happens at the next save or at `finalize`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,9 +41,21 @@ from megazero.models.param_info import param_info
 from megazero.parallel.moe import ExpertShard
 from megazero.core import comm, host_read
 from .agreement import RankReport, agree, check_room, check_written, errno_of, free_bytes
-from .files import (FORMAT_VERSION, LATEST, METADATA, TOKENIZER_DIR, apply_umask, commit_directory, copy_tokenizer,
-                    iteration_dir_name, latest_iteration_name, rank_file_names, temporary_name, write_file_atomic,
-                    write_json_atomic)
+from .files import (
+    FORMAT_VERSION,
+    LATEST,
+    METADATA,
+    TOKENIZER_DIR,
+    apply_umask,
+    commit_directory,
+    copy_tokenizer,
+    iteration_dir_name,
+    latest_iteration_name,
+    rank_file_names,
+    temporary_name,
+    write_file_atomic,
+    write_json_atomic,
+)
 from .retention import apply_keep_last
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -80,13 +93,18 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
             shard = info.tp_shard
             ep = [shard.ep_rank, shard.ep] if isinstance(shard, ExpertShard) else None
             shard = shard.tp if isinstance(shard, ExpertShard) else shard
-            entry = {"shape": list(info.zero_full_shape or param.shape), "offset": offset,
-                     "length": length, "crc": {}, "ep": ep,
-                     "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks]}
+            entry = {
+                "shape": list(info.zero_full_shape or param.shape),
+                "offset": offset,
+                "length": length,
+                "crc": {},
+                "ep": ep,
+                "tp": None if shard is None else [shard.dim, shard.rank, shard.size, shard.chunks],
+            }
             for kind in storage.checkpoint_kinds():
                 view = storage.local_view(param, kind).detach()
                 dtype = view.dtype if kind in LOW_PRECISION_KINDS else torch.float32
-                if view.is_meta:      # the dry run's device: no values to copy, sizes still count
+                if view.is_meta:  # the dry run's device: no values to copy, sizes still count
                     tensors[f"{name}/{kind}"] = view.to(dtype)
                     entry["crc"][kind] = 0
                     continue
@@ -101,8 +119,14 @@ def collect_rank_state(state) -> tuple[dict[str, torch.Tensor], dict]:
     rng.update({f"tracker/{k}": v.cpu() for k, v in state.tracker.get_states().items()})
     for key, value in rng.items():
         tensors[f"rng/{key}"] = value.clone()
-    index = {"rank": groups.rank, "coords": list(groups.coords), "pieces": pieces, "buffers": buffers,
-             "rng": {key: crc32(value) for key, value in rng.items()}, "layout_key": layout_key(state)}
+    index = {
+        "rank": groups.rank,
+        "coords": list(groups.coords),
+        "pieces": pieces,
+        "buffers": buffers,
+        "rng": {key: crc32(value) for key, value in rng.items()},
+        "layout_key": layout_key(state),
+    }
     # What the optimizer's placement keeps beside the states (ZenFlow's open "auto" window).
     index.update(engine.placement.checkpoint_index(engine.storages(), lambda p: canonical_name(p, engine)))
     return tensors, index
@@ -127,35 +151,54 @@ def layout_key(state) -> list:
     device type (a CPU generator's state and a CUDA one's differ in size and meaning, and the
     tensor-parallel tracker holds the device's)."""
     cfg, topo = state.cfg, state.groups.topology
-    return [topo.world_size, topo.tp, topo.pp, cfg.parallel.virtual_stages, state.groups.rank,
-            state.device.type] + ([topo.cp] if topo.cp > 1 else [])
+    return [topo.world_size, topo.tp, topo.pp, cfg.parallel.virtual_stages, state.groups.rank, state.device.type] + (
+        [topo.cp] if topo.cp > 1 else []
+    )
 
 
 def loss_fields(loss: float | None) -> dict:
     """The metadata's record of the iteration's training loss (None: no step ran in this job):
     retention keeps the newest checkpoint whose loss was finite."""
-    return {"loss": loss if loss is not None and math.isfinite(loss) else None,
-            "loss_finite": None if loss is None else math.isfinite(loss)}
+    return {
+        "loss": loss if loss is not None and math.isfinite(loss) else None,
+        "loss_finite": None if loss is None else math.isfinite(loss),
+    }
 
 
 def run_metadata(state, run_id: str, consumed_samples: int) -> dict:
     cfg, topo, engine = state.cfg, state.groups.topology, state.engine
     return {
-        "format_version": FORMAT_VERSION, "megazero_version": importlib.metadata.version("megazero"),
-        "run_id": run_id, "iteration": state.iteration, "consumed_samples": consumed_samples,
-        **loss_fields(None), "seed": cfg.seed,
+        "format_version": FORMAT_VERSION,
+        "megazero_version": importlib.metadata.version("megazero"),
+        "run_id": run_id,
+        "iteration": state.iteration,
+        "consumed_samples": consumed_samples,
+        **loss_fields(None),
+        "seed": cfg.seed,
         "model": dataclasses.asdict(cfg.model),
-        "layout": {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "cp": topo.cp,
-                   "virtual_stages": cfg.parallel.virtual_stages, "layer_split": cfg.parallel.layer_split,
-                   "zero_stage": cfg.zero.stage, "mics_shard_size": cfg.zero.mics_shard_size},
+        "layout": {
+            "world_size": topo.world_size,
+            "tp": topo.tp,
+            "pp": topo.pp,
+            "dp": topo.dp,
+            "cp": topo.cp,
+            "virtual_stages": cfg.parallel.virtual_stages,
+            "layer_split": cfg.parallel.layer_split,
+            "zero_stage": cfg.zero.stage,
+            "mics_shard_size": cfg.zero.mics_shard_size,
+        },
         "precision": {"bf16": cfg.precision.bf16, "fp16": cfg.precision.fp16},
-        "global_batch_size": cfg.global_batch_size, "train_iters": cfg.train_iters,
+        "global_batch_size": cfg.global_batch_size,
+        "train_iters": cfg.train_iters,
         # the iteration this optimizer state began at (0, or a resume's without its optimizer): with
         # the step counts it must give the iteration back (checked by the reader)
-        "engine": {"step_count": engine.step_count, "skipped_steps": engine.skipped_steps,
-                   "first_iteration": state.iteration - engine.step_count - engine.skipped_steps},
+        "engine": {
+            "step_count": engine.step_count,
+            "skipped_steps": engine.skipped_steps,
+            "first_iteration": state.iteration - engine.step_count - engine.skipped_steps,
+        },
         "loss_scaler": engine.loss_scaler.state_dict(),
-        "optimizer": cfg.optimizer.model_dump(),   # with the iteration: the lr schedule
+        "optimizer": cfg.optimizer.model_dump(),  # with the iteration: the lr schedule
         "rank_files": [rank_file_names(r)[0] for r in range(topo.world_size)],
     }
 
@@ -191,8 +234,17 @@ class CheckpointSaver:
     rank 0 copies the files into each checkpoint's tokenizer/ folder (None on the other ranks, or for
     a run without one)."""
 
-    def __init__(self, save_dir: str | Path, run_id: str, keep_last: int = 0, async_save: bool = False,
-                 tokenizer: dict | None = None, say=None, warn=None, metadata=None):
+    def __init__(
+        self,
+        save_dir: str | Path,
+        run_id: str,
+        keep_last: int = 0,
+        async_save: bool = False,
+        tokenizer: dict | None = None,
+        say=None,
+        warn=None,
+        metadata=None,
+    ):
         """`metadata(state, run_id, consumed_samples) -> dict`: rank 0's metadata.json (default
         run_metadata, a pretraining run's; megazero.initialize's engine gives its own), to which
         `save` adds the iteration's loss; `warn`: rank 0's own warning lines."""
@@ -200,18 +252,19 @@ class CheckpointSaver:
         self.metadata = metadata or run_metadata
         self.keep_last, self.async_save = keep_last, async_save
         self.tokenizer = tokenizer
-        self.say = say or (lambda line: None)      # the run's log: a line per committed checkpoint
+        self.say = say or (lambda line: None)  # the run's log: a line per committed checkpoint
         # rank 0's own line (it alone knows what retention could not remove; it may not be the logging rank)
         self.warn = warn or (lambda line: print(f" warning: {line}", flush=True))
         self._pending: dict | None = None
         # --ckpt-keep-last deletes only once a step with a finite loss followed the newest commit
         # (`confirm`): a checkpoint saved as the run diverged never costs the healthy one before it
-        self.committed: str | None = None        # the newest checkpoint this job committed
-        self.confirmed = latest_iteration_name(self.save_dir)    # the newest a finite loss followed
+        self.committed: str | None = None  # the newest checkpoint this job committed
+        self.confirmed = latest_iteration_name(self.save_dir)  # the newest a finite loss followed
         self._retention_due = self._writer = False
 
-    def save(self, state, consumed_samples: int, why: str = "", dir_name: str | None = None,
-             loss: float | None = None) -> None:
+    def save(
+        self, state, consumed_samples: int, why: str = "", dir_name: str | None = None, loss: float | None = None
+    ) -> None:
         """Saves the state after `state.iteration` steps (collective over the layout), into the
         directory `dir_name` (default iter_<iteration>; `latest` names it). Raises SaveError
         on every rank alike when the filesystem has no room for it (before anything is written) or a
@@ -243,19 +296,29 @@ class CheckpointSaver:
             except OSError as err:
                 code = errno_of(err)
         # also the barrier after which the directory exists for everyone
-        check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
-                      "create the temporary directory")
-        pending = {"tmp": tmp, "iteration": iteration, "name": name, "groups": groups, "metadata": metadata, "errno": 0,
-                   "started": started, "bytes": sum(r.bytes_needed for r in room), "why": why,
-                   "written": state.device.type != "meta"}
+        check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration, "create the temporary directory")
+        pending = {
+            "tmp": tmp,
+            "iteration": iteration,
+            "name": name,
+            "groups": groups,
+            "metadata": metadata,
+            "errno": 0,
+            "started": started,
+            "bytes": sum(r.bytes_needed for r in room),
+            "why": why,
+            "written": state.device.type != "meta",
+        }
         if not pending["written"]:
-            pass       # the dry run's state has no values to write; the agreements around it still run
+            pass  # the dry run's state has no values to write; the agreements around it still run
         elif self.async_save:
             thread = threading.Thread(target=self._write, args=(pending, tensors, index), daemon=True)
             pending["thread"] = thread
             thread.start()
-            self.say(f" saving checkpoint of iteration {iteration} into {self.save_dir} in the background "
-                     f"(--async-save): committed at the next save or the end")
+            self.say(
+                f" saving checkpoint of iteration {iteration} into {self.save_dir} in the background "
+                f"(--async-save): committed at the next save or the end"
+            )
         else:
             self._write(pending, tensors, index)
         self._pending = pending
@@ -277,8 +340,7 @@ class CheckpointSaver:
         data_name, index_name = rank_file_names(index["rank"])
         path = pending["tmp"] / data_name
         try:
-            save_file(tensors, str(path), metadata={"megazero_run_id": index["run_id"],
-                                                    "rank": str(index["rank"])})
+            save_file(tensors, str(path), metadata={"megazero_run_id": index["run_id"], "rank": str(index["rank"])})
             apply_umask(path)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
@@ -308,15 +370,18 @@ class CheckpointSaver:
         code = 0
         if groups.rank == 0 and pending["written"]:
             code = self._commit(tmp, name, pending["metadata"])
-        check_written(agree(RankReport(errno=code), groups), self.save_dir, iteration,
-                      "commit the checkpoint")      # also: committed before anyone goes on
+        check_written(
+            agree(RankReport(errno=code), groups), self.save_dir, iteration, "commit the checkpoint"
+        )  # also: committed before anyone goes on
         if not pending["written"]:
             return
         why = f" ({pending['why']})" if pending["why"] else ""
         took = time.monotonic() - pending["started"]
         took = f"committed {took:.1f} s after its step" if "thread" in pending else f"{took:.1f} s"
-        self.say(f" saved checkpoint{why} of iteration {iteration}: "
-                 f"{self.save_dir / name} ({pending['bytes'] / 2**20:.1f} MiB, {took})")
+        self.say(
+            f" saved checkpoint{why} of iteration {iteration}: "
+            f"{self.save_dir / name} ({pending['bytes'] / 2**20:.1f} MiB, {took})"
+        )
         self.committed, self._retention_due, self._writer = name, True, groups.rank == 0
 
     def confirm(self) -> None:
@@ -339,13 +404,18 @@ class CheckpointSaver:
         committed since (rank 0 writes it); returns the words naming what is kept."""
         save = self.save_dir
         if self.confirmed is None:
-            return f"no checkpoint saved yet in {save}" if self.committed is None else \
-                f"last checkpoint: {save / self.committed}, saved as the run diverged (there is no earlier one)"
+            return (
+                f"no checkpoint saved yet in {save}"
+                if self.committed is None
+                else f"last checkpoint: {save / self.committed}, saved as the run diverged (there is no earlier one)"
+            )
         if self.committed not in (None, self.confirmed) and (save / self.confirmed / METADATA).is_file():
             if self._writer:
                 write_file_atomic(save / LATEST, (self.confirmed + "\n").encode())
-            return (f"latest names {save / self.confirmed} again, the last checkpoint a finite loss followed "
-                    f"({self.committed} was saved as the run diverged; resume with --load {save})")
+            return (
+                f"latest names {save / self.confirmed} again, the last checkpoint a finite loss followed "
+                f"({self.committed} was saved as the run diverged; resume with --load {save})"
+            )
         return f"last checkpoint: {save / self.confirmed} (resume with --load {save})"
 
     def _commit(self, tmp: Path, name: str, metadata: dict) -> int:
@@ -355,7 +425,7 @@ class CheckpointSaver:
         existed = final.exists()
         try:
             write_json_atomic(tmp / METADATA, merge_rank_indexes(tmp, metadata))
-            commit_directory(tmp, final, self.run_id)    # a replaced directory left over: retention's
+            commit_directory(tmp, final, self.run_id)  # a replaced directory left over: retention's
             return 0
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -31,6 +31,7 @@ backward, keep, plus the step's document tensors and,
 per forward in flight, the rotary tables read at the documents' positions and the masks of the
 written-out math and of allgather.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,11 +87,26 @@ def output_layer_bytes(tokens: int, model_cfg, tp: int, weight_bytes: int, in_fl
     return held
 
 
-def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_flight: int,
-                     weight_bytes: int, chunk_layers: list[int], cp: int = 1, cp_comm_type: str = "p2p",
-                     sequence_parallel: bool = False, with_head: bool = True, ep: int = 1,
-                     kernel: str = "unknown", documents=None, microbatches: int = 1, offloaded: int = 0,
-                     host: bool = False) -> float:
+def activation_bytes(
+    seq: int,
+    micro: int,
+    model_cfg,
+    layers: int,
+    tp: int,
+    in_flight: int,
+    weight_bytes: int,
+    chunk_layers: list[int],
+    cp: int = 1,
+    cp_comm_type: str = "p2p",
+    sequence_parallel: bool = False,
+    with_head: bool = True,
+    ep: int = 1,
+    kernel: str = "unknown",
+    documents=None,
+    microbatches: int = 1,
+    offloaded: int = 0,
+    host: bool = False,
+) -> float:
     """Activations one rank holds at its peak: `layers` of its stage x `in_flight` microbatches.
     `kernel`: the attention kernel the device runs (config/attention_memory.py); SDPA's math kernel
     adds its (b, heads, s, s) tensors, kept per layer and at one layer's peak.
@@ -123,12 +139,12 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
         kept, peak = math_kernel_bytes(micro, m.num_attention_heads / tp, seq, weight_bytes)
         selective = m.recompute_granularity == "selective"
         full_layer += 0 if selective else kept
-        workspace = peak - (0 if selective else kept)      # beyond what the layer keeps
+        workspace = peak - (0 if selective else kept)  # beyond what the layer keeps
     kept_input = tokens * hidden * weight_bytes
     if m.recompute_granularity == "full" and m.recompute_method == "uniform":
         group = min(m.recompute_num_layers, layers)
         per_micro = math.ceil(layers / group) * kept_input + group * full_layer
-    elif m.recompute_granularity == "full":        # block: the first N layers of each chunk
+    elif m.recompute_granularity == "full":  # block: the first N layers of each chunk
         recomputed = min(layers, sum(min(m.recompute_num_layers, n) for n in chunk_layers))
         per_micro = recomputed * kept_input + (layers - recomputed) * full_layer + full_layer
     else:
@@ -145,13 +161,23 @@ def activation_bytes(seq: int, micro: int, model_cfg, layers: int, tp: int, in_f
     separate = documents is not None and documents.reset_attention_mask
     mask = 0.0 if separate else cp_mask_bytes(seq, cp, cp_comm_type, weight_bytes)
     if documents is not None:
-        mask += document_bytes(seq, micro, m, cp, cp_comm_type, weight_bytes, documents,
-                               in_flight * len(chunk_layers), microbatches)
+        mask += document_bytes(
+            seq, micro, m, cp, cp_comm_type, weight_bytes, documents, in_flight * len(chunk_layers), microbatches
+        )
     return per_micro * in_flight + workspace + head + mask
 
 
-def document_bytes(seq: int, micro: int, model_cfg, cp: int, cp_comm_type: str, weight_bytes: int,
-                   documents, forwards: float, microbatches: int) -> float:
+def document_bytes(
+    seq: int,
+    micro: int,
+    model_cfg,
+    cp: int,
+    cp_comm_type: str,
+    weight_bytes: int,
+    documents,
+    forwards: float,
+    microbatches: int,
+) -> float:
     """What document masking adds (models/documents.py, `documents` a DataConfig's flags): every
     microbatch of the step's positions (int64), document numbers (int32) and this rank's loss mask
     (fp32), copied to the device up front as its tokens are; and per chunk forward in flight
@@ -160,8 +186,12 @@ def document_bytes(seq: int, micro: int, model_cfg, cp: int, cp_comm_type: str, 
     of its one (s/cp, s) mask: `cp_mask_bytes`). The attention kernels keep what the unmasked ones
     keep (one causal call per document)."""
     m, local = model_cfg, seq * micro / cp
-    step = microbatches * seq * micro * ((8 if documents.reset_position_ids else 0)
-                                         + (4 if documents.reset_attention_mask else 0))
+    step = (
+        microbatches
+        * seq
+        * micro
+        * ((8 if documents.reset_position_ids else 0) + (4 if documents.reset_attention_mask else 0))
+    )
     step += microbatches * local * (4 if documents.eod_mask_loss else 0)
     shared = 0.0
     if documents.reset_position_ids and m.position_embedding == "rope":
@@ -173,8 +203,9 @@ def document_bytes(seq: int, micro: int, model_cfg, cp: int, cp_comm_type: str, 
     return step + forwards * shared
 
 
-def offloaded_per_micro(model_cfg, chunk_layers: list[int], offloaded: int, full_layer: float,
-                        kept_input: float) -> tuple[float, float]:
+def offloaded_per_micro(
+    model_cfg, chunk_layers: list[int], offloaded: int, full_layer: float, kept_input: float
+) -> tuple[float, float]:
     """(bytes, largest unit): what the first `offloaded` layers of each chunk save for one microbatch,
     and the most one unit (a layer, or a checkpointed group) saves: a recomputed layer its group's
     input (parallel/activation_offload.py: the checkpoint call is the unit), any other its full set."""
@@ -194,8 +225,7 @@ def offloaded_per_micro(model_cfg, chunk_layers: list[int], offloaded: int, full
     return total, unit
 
 
-def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str,
-                       weight_bytes: int) -> float:
+def cp_saved_per_layer(seq: int, micro: int, model_cfg, tp: int, cp: int, comm_type: str, weight_bytes: int) -> float:
     """What a context-parallel attention saves for its backward beyond the layer's usual
     activations: the ring keeps its merged output in fp32 and one fp32 log-sum-exp per query and head;
     allgather keeps the gathered keys and values (the whole sequence's); Ulysses nothing extra
@@ -230,16 +260,21 @@ def cp_transient_bytes(cfg: TrainConfig) -> float:
     local = m.seq_length * micro / cp
     heads, groups = m.num_attention_heads / tp, m.num_query_groups / tp
     weight_bytes = 2 if cfg.precision.bf16 or cfg.precision.fp16 else 4
-    if par.cp_comm_type == "p2p":     # (and a block's document mask, bool, under document masking)
-        return (4 * 2 * local * groups * m.head_dim * 4 + 3 * local * heads * m.head_dim * 4
-                + 3 * heads * local * local / micro * 4 + cfg.data.reset_attention_mask * local * local / micro)
+    if par.cp_comm_type == "p2p":  # (and a block's document mask, bool, under document masking)
+        return (
+            4 * 2 * local * groups * m.head_dim * 4
+            + 3 * local * heads * m.head_dim * 4
+            + 3 * heads * local * local / micro * 4
+            + cfg.data.reset_attention_mask * local * local / micro
+        )
     if par.cp_comm_type == "allgather":
         return 2 * 2 * m.seq_length * micro * groups * m.head_dim * weight_bytes
     return 8 * local * heads * m.head_dim * weight_bytes
 
 
-def weight_grad_bytes(tokens: int, model_cfg, layers: int, tp: int, weight_bytes: int,
-                      sequence_parallel: bool = False, ep: int = 1) -> tuple[float, float]:
+def weight_grad_bytes(
+    tokens: int, model_cfg, layers: int, tp: int, weight_bytes: int, sequence_parallel: bool = False, ep: int = 1
+) -> tuple[float, float]:
     """(inputs, output gradients): what one waiting W of `layers` layers holds for one microbatch of
     `tokens` tokens (seq x micro / cp) on a rank: each deferred GEMM keeps its input and its output's
     gradient until W (models/weight_grad.py `_Linear`, parallel/layers.py), in the activations'
@@ -259,6 +294,7 @@ def weight_grad_bytes(tokens: int, model_cfg, layers: int, tp: int, weight_bytes
 
     def mlp(ffn):
         return col_in + ffn / tp, mult * ffn / tp + h
+
     dense_in, dense_grad = mlp(m.ffn_hidden_size)
     moe_layers = stage_moe_layers(m, range(layers)) if m.num_experts else 0
     inputs = (layers * attn_in + (layers - moe_layers) * dense_in) * tokens * weight_bytes
@@ -274,9 +310,18 @@ def weight_grad_bytes(tokens: int, model_cfg, layers: int, tp: int, weight_bytes
     return inputs, grads
 
 
-def zero_bubble_peaks(schedule: str, pp: int, virtual: int, microbatches: int, activations: float,
-                      waiting_inputs: float, waiting_grads: float, w_transient: float = 0.0,
-                      loss_transient: float = 0.0, loss_stage: int | None = None) -> list[float]:
+def zero_bubble_peaks(
+    schedule: str,
+    pp: int,
+    virtual: int,
+    microbatches: int,
+    activations: float,
+    waiting_inputs: float,
+    waiting_grads: float,
+    w_transient: float = 0.0,
+    loss_transient: float = 0.0,
+    loss_stage: int | None = None,
+) -> list[float]:
     """Per stage, the most bytes a zero-bubble schedule has it hold on the ideal timeline of its list
     (parallel/pipeline/actions.py `holdings`): `activations` (one microbatch of the stage's layers)
     per forward whose B has not run, `waiting_inputs + waiting_grads` (weight_grad_bytes) per B whose

@@ -14,23 +14,32 @@ keeps none of them between layers; the one layer being recomputed still holds th
 Asking torch's pick takes three tensors of 1 x heads x 8 x head size on the device (freed at once):
 the one thing the config edge makes on a device, since the pick is torch's and lives nowhere else.
 """
+
 from __future__ import annotations
 
 import torch
 
-KEPT_BYTES, PEAK_BYTES = 12, 16     # per (b, heads, s, s) element, math kernel
+KEPT_BYTES, PEAK_BYTES = 12, 16  # per (b, heads, s, s) element, math kernel
 
 
 def kernel_for(cfg, device_type: str | None) -> str:
     """The attention kernel a training forward of `cfg`'s model runs on `device_type`."""
     from megazero.models.attention import attention_kernel
+
     if device_type is None or (device_type == "cuda" and not torch.cuda.is_available()):
         return "unknown"
     m, prec = cfg.model, cfg.precision
     dtype = torch.bfloat16 if prec.bf16 else torch.float16 if prec.fp16 else torch.float32
     tp = cfg.parallel.tensor_parallel
-    return attention_kernel(device_type, dtype, max(1, m.num_attention_heads // tp),
-                            max(1, m.num_query_groups // tp), m.head_dim, m.attention_dropout, m.attention_backend)
+    return attention_kernel(
+        device_type,
+        dtype,
+        max(1, m.num_attention_heads // tp),
+        max(1, m.num_query_groups // tp),
+        m.head_dim,
+        m.attention_dropout,
+        m.attention_backend,
+    )
 
 
 def math_kernel_bytes(micro: int, heads: float, seq: int, weight_bytes: int) -> tuple[float, float]:

@@ -8,6 +8,7 @@ SAMPLES, else START + int(consumed / (SAMPLES / increments)) x INCREMENT, increm
 START) / INCREMENT. Step i draws the samples [consumed(i), consumed(i) + batch(i)) in order, so a
 run resumed at any iteration draws exactly the samples it would have drawn.
 """
+
 from __future__ import annotations
 
 from pydantic import ConfigDict

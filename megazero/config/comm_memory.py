@@ -16,6 +16,7 @@ of the other microbatches a pipeline holds; stage 0/1 reduce the full gradient b
 Weight gather after a stage 1/2 step: gloo's copy of an allgather_bucket_size bucket. Set-up: one parameter's full fp32 initial value and its slice.
 (bench/plan_memory_table.py compares the planned total with the processes' measured peak.)
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ def comm_buffer_bytes(cfg: TrainConfig, r, activations: float) -> float:
     z, par = cfg.zero, cfg.parallel
     reduce_bytes = 2 if cfg.precision.reduce_dtype != "fp32" else 4
     bucket = min(z.reduce_bucket_size, r.rank_parameters)
-    if z.stage == 3:        # a unit's gradients are one bucket
+    if z.stage == 3:  # a unit's gradients are one bucket
         bucket = min(bucket, math.ceil(largest_module_params(cfg.model) / par.tensor_parallel))
     # Stage 0/1 reduce the full gradient buffer where it lies (a temporary only to change dtype);
     # stage 3 stages a unit's bucket while the previous one is reduced.
@@ -58,13 +59,18 @@ def comm_buffer_bytes(cfg: TrainConfig, r, activations: float) -> float:
         reduction += bucket * reduce_bytes * (1 + (1 / r.shards if z.stage == 1 else 0))
         if z.stage in (1, 2):
             gather = min(z.allgather_bucket_size, r.rank_parameters) * r.weight_bytes
-    if z.stage == 3:        # reduced after every microbatch, while a pipeline holds the others'
+    if z.stage == 3:  # reduced after every microbatch, while a pipeline holds the others'
         reduction += activations * (r.in_flight - 1) / r.in_flight
-    elif z.stage == 2:      # the reductions the queue holds, whole-stage buckets of earlier microbatches
+    elif z.stage == 2:  # the reductions the queue holds, whole-stage buckets of earlier microbatches
         staging, reduction = stage2_staging_bytes(cfg, r, reduce_bytes, activations)  # included
     initial = largest_param(cfg.model, 1) * 4 * (1 + 1 / par.tensor_parallel)
-    head = output_layer_bytes(cfg.model.seq_length * cfg.micro_batch_size // par.context_parallel, cfg.model,
-                              par.tensor_parallel, r.weight_bytes, r.in_flight)
+    head = output_layer_bytes(
+        cfg.model.seq_length * cfg.micro_batch_size // par.context_parallel,
+        cfg.model,
+        par.tensor_parallel,
+        r.weight_bytes,
+        r.in_flight,
+    )
     # a MoE layer's dispatch buffers run in the backward while the staged buckets fill: the larger counts
     moe = moe_transient_bytes(cfg, r.weight_bytes, head)
     peak = max(activations + max(staging, moe) + fresh_grad + cp_transient_bytes(cfg), reduction, gather, initial)

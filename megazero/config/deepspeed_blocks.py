@@ -4,6 +4,7 @@ schedule), `activation_checkpointing` (recomputation) and the `wandb` / `tensorb
 monitors. `flags_from_config` hands those blocks' values to the flags after checking them against
 what the command line gave. deepspeed_json.py reads the rest of the config and calls the block readers.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +25,7 @@ SCHEDULER_PARAMS = {
     "WarmupCosineLR": _WARMUP | {"warmup_min_ratio", "cos_min_ratio", "total_num_steps"},
 }
 NOT_SUPPORTED_SCHEDULERS = ("OneCycle", "LRRangeTest")
-DS_DEFAULT = " (DeepSpeed's default)"    # marks a setting a flag may override without contradiction
+DS_DEFAULT = " (DeepSpeed's default)"  # marks a setting a flag may override without contradiction
 
 # activation_checkpointing keys -> (the value that asks for nothing, why another value has no effect).
 # The block asks for DeepSpeed's (and Megatron-DeepSpeed's) recomputation: each transformer layer keeps
@@ -32,30 +33,42 @@ DS_DEFAULT = " (DeepSpeed's default)"    # marks a setting a flag may override w
 # uniform --recompute-num-layers 1. cpu_checkpointing moves each checkpoint's input (the only tensor a
 # recomputed layer keeps) to host memory: --cpu-offloading over every layer.
 ACTIVATION_KEYS = {
-    "partition_activations": (False, "each layer's saved input is not split across tensor-parallel "
-                                     "ranks (--sequence-parallel splits it along the sequence)"),
+    "partition_activations": (
+        False,
+        "each layer's saved input is not split across tensor-parallel "
+        "ranks (--sequence-parallel splits it along the sequence)",
+    ),
     "contiguous_memory_optimization": (False, "saved layer inputs live in torch's caching allocator"),
     "number_checkpoints": (None, "every transformer layer is a checkpoint"),
     "synchronize_checkpoint_boundary": (False, "recomputation never synchronises the device"),
     "profile": (False, "wall_clock_breakdown times forward and backward"),
-    "cpu_checkpointing": (False, None),       # None: read below (activation offload)
+    "cpu_checkpointing": (False, None),  # None: read below (activation offload)
 }
-MONITOR_KEYS = {"wandb": {"enabled", "project", "team", "group"},
-                "tensorboard": {"enabled", "output_path", "job_name"},
-                "csv_monitor": {"enabled", "output_path", "job_name"}}
+MONITOR_KEYS = {
+    "wandb": {"enabled", "project", "team", "group"},
+    "tensorboard": {"enabled", "output_path", "job_name"},
+    "csv_monitor": {"enabled", "output_path", "job_name"},
+}
 
 # Settings a config may give for flags outside megazero.config.flags.MERGED: args attribute -> flag.
-FLAG_SETTINGS = {"recompute_granularity": "--recompute-granularity", "recompute_method": "--recompute-method",
-                 "recompute_num_layers": "--recompute-num-layers", "lr_warmup_iters": "--lr-warmup-iters",
-                 "lr_decay_iters": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
-                 "min_lr": "--min-lr", "wandb_project": "--wandb-project", "wandb_entity": "--wandb-entity",
-                 "tensorboard_dir": "--tensorboard-dir", "cpu_offloading": "--cpu-offloading"}
+FLAG_SETTINGS = {
+    "recompute_granularity": "--recompute-granularity",
+    "recompute_method": "--recompute-method",
+    "recompute_num_layers": "--recompute-num-layers",
+    "lr_warmup_iters": "--lr-warmup-iters",
+    "lr_decay_iters": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "min_lr": "--min-lr",
+    "wandb_project": "--wandb-project",
+    "wandb_entity": "--wandb-entity",
+    "tensorboard_dir": "--tensorboard-dir",
+    "cpu_offloading": "--cpu-offloading",
+}
 # Where the monitors write: about the console and the dashboards, not the training, so a flag that
 # says otherwise wins (with a note) instead of contradicting the config.
 COSMETIC_SETTINGS = {"wandb_project", "wandb_entity", "tensorboard_dir"}
 # Flags that give the same setting another way: args attribute -> their args attributes.
-SAME_SETTING = {"lr_warmup_iters": ("lr_warmup_fraction", "lr_warmup_samples"),
-                "lr_decay_iters": ("lr_decay_samples",)}
+SAME_SETTING = {"lr_warmup_iters": ("lr_warmup_fraction", "lr_warmup_samples"), "lr_decay_iters": ("lr_decay_samples",)}
 # Parser defaults that are not None: a flag at this value counts as not given.
 FLAG_DEFAULTS = {"lr_decay_style": "cosine", "cpu_offloading": False}
 
@@ -63,6 +76,7 @@ FLAG_DEFAULTS = {"lr_decay_style": "cosine", "cpu_offloading": False}
 class DeepSpeedSettings(Record):
     """What a DeepSpeed config set: name -> (value, the JSON key it came from), and the notes on
     keys accepted without effect."""
+
     zero: ZeroConfig
     values: dict[str, tuple[Any, str]] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
@@ -76,8 +90,9 @@ class DeepSpeedSettings(Record):
         return self.values[name][1]
 
 
-def setting_origin(args, ds: DeepSpeedSettings | None, name: str, flag: str | None, attr: str = "",
-                   with_file: bool = True) -> str | None:
+def setting_origin(
+    args, ds: DeepSpeedSettings | None, name: str, flag: str | None, attr: str = "", with_file: bool = True
+) -> str | None:
     """Where a setting came from, as the user wrote it: its flag (args attribute `attr`, else
     `name`), else its DeepSpeed key (and file); None when neither set it."""
     if flag and getattr(args, attr or name, None) is not None:
@@ -142,8 +157,10 @@ def flags_from_config(settings: DeepSpeedSettings, flags: dict[str, Any], lr: fl
             raise UsageError(f"--{others[0].replace('_', '-')} contradicts {source} in {path}; remove one")
         out[name] = value
     if "min_lr" in out and out["min_lr"] > lr:
-        raise UsageError(f"{values['min_lr'][1]} in {path} gives a final learning rate {out['min_lr']:g} above "
-                         f"the peak {lr:g}; lower it or raise the peak")
+        raise UsageError(
+            f"{values['min_lr'][1]} in {path} gives a final learning rate {out['min_lr']:g} above "
+            f"the peak {lr:g}; lower it or raise the peak"
+        )
     return out
 
 
@@ -155,12 +172,16 @@ def read_scheduler(block, where: str, settings: DeepSpeedSettings) -> None:
     block = as_block(block, "scheduler", where, {"type", "params"})
     kind = block.get("type")
     if kind in NOT_SUPPORTED_SCHEDULERS:
-        raise UsageError(f"{where}: scheduler type {kind} is not supported yet; use WarmupLR, WarmupDecayLR "
-                         f"or WarmupCosineLR (or the --lr-* flags)")
+        raise UsageError(
+            f"{where}: scheduler type {kind} is not supported yet; use WarmupLR, WarmupDecayLR "
+            f"or WarmupCosineLR (or the --lr-* flags)"
+        )
     if kind not in SCHEDULERS:
         what = "needs a type" if kind is None else f"type {as_json(kind)} is not a DeepSpeed scheduler"
-        raise UsageError(f"{where}: scheduler {what}; use WarmupLR, WarmupDecayLR or WarmupCosineLR (or "
-                         f"remove the block: the --lr-* flags give the schedule)")
+        raise UsageError(
+            f"{where}: scheduler {what}; use WarmupLR, WarmupDecayLR or WarmupCosineLR (or "
+            f"remove the block: the --lr-* flags give the schedule)"
+        )
     params = as_block(block.get("params", {}), "scheduler.params", where, SCHEDULER_PARAMS[kind])
     put, auto = settings.values, settings.auto
 
@@ -184,8 +205,10 @@ def read_scheduler(block, where: str, settings: DeepSpeedSettings) -> None:
             raise UsageError(f"{where}: scheduler.params.total_num_steps must be >= 1, got {total}")
         put["lr_decay_iters"] = (int(total), source)
     if as_number(params.get("last_batch_iteration", -1), "scheduler.params.last_batch_iteration", where) != -1:
-        raise UsageError(f"{where}: scheduler.params.last_batch_iteration is not supported yet; remove it "
-                         f"(--load resumes the schedule with the checkpoint)")
+        raise UsageError(
+            f"{where}: scheduler.params.last_batch_iteration is not supported yet; remove it "
+            f"(--load resumes the schedule with the checkpoint)"
+        )
     _read_warmup_type(params, where, settings)
     if kind == "WarmupCosineLR":
         _read_cosine_floor(params, where, settings, number)
@@ -196,11 +219,13 @@ def read_scheduler(block, where: str, settings: DeepSpeedSettings) -> None:
 def _read_warmup_type(params: dict, where: str, settings: DeepSpeedSettings) -> None:
     kind = params.get("warmup_type", "log")
     if kind not in ("log", "linear"):
-        raise UsageError(f"{where}: scheduler.params.warmup_type must be \"log\" or \"linear\", got {as_json(kind)}")
+        raise UsageError(f'{where}: scheduler.params.warmup_type must be "log" or "linear", got {as_json(kind)}')
     if kind == "log" and "scheduler.params.warmup_type" not in settings.auto:
         default = "" if "warmup_type" in params else DS_DEFAULT
-        settings.notes.append(f"{where}: scheduler.params.warmup_type = \"log\"{default} is not implemented: "
-                              f"the warmup here rises linearly from 0")
+        settings.notes.append(
+            f'{where}: scheduler.params.warmup_type = "log"{default} is not implemented: '
+            f"the warmup here rises linearly from 0"
+        )
 
 
 def _read_warmup_rates(kind: str, params: dict, where: str, settings: DeepSpeedSettings, number) -> None:
@@ -210,14 +235,17 @@ def _read_warmup_rates(kind: str, params: dict, where: str, settings: DeepSpeedS
         # warmup_max_lr leaves the peak to optimizer.params.lr or --lr.
         peak, source = number("warmup_max_lr")
         if "lr" in put and put["lr"][0] != peak:
-            raise UsageError(f"{where}: {source} = {as_json(peak)} contradicts {put['lr'][1]} = "
-                             f"{as_json(put['lr'][0])}; remove one")
+            raise UsageError(
+                f"{where}: {source} = {as_json(peak)} contradicts {put['lr'][1]} = {as_json(put['lr'][0])}; remove one"
+            )
         put["lr"] = (float(peak), source)
     floor, source = number("warmup_min_lr", 0.0)
     if floor is not None and floor > 0 and "warmup_min_lr" in params:
-        settings.notes.append(f"{where}: scheduler.params.warmup_min_lr = {as_json(floor)} is where the "
-                              f"warmup starts in DeepSpeed; here it starts at 0"
-                              + (" and the rate decays to it" if kind == "WarmupDecayLR" else ""))
+        settings.notes.append(
+            f"{where}: scheduler.params.warmup_min_lr = {as_json(floor)} is where the "
+            f"warmup starts in DeepSpeed; here it starts at 0"
+            + (" and the rate decays to it" if kind == "WarmupDecayLR" else "")
+        )
     if floor is not None and kind == "WarmupDecayLR":
         put["min_lr"] = (float(floor), source)
 
@@ -228,8 +256,10 @@ def _read_cosine_floor(params: dict, where: str, settings: DeepSpeedSettings, nu
         settings.values["min_lr_ratio"] = (float(ratio), source)
     start = params.get("warmup_min_ratio", 0)
     if as_number(start, "scheduler.params.warmup_min_ratio", where) != 0:
-        settings.notes.append(f"{where}: scheduler.params.warmup_min_ratio = {as_json(start)} is where the "
-                              f"warmup starts in DeepSpeed; here it starts at 0")
+        settings.notes.append(
+            f"{where}: scheduler.params.warmup_min_ratio = {as_json(start)} is where the "
+            f"warmup starts in DeepSpeed; here it starts at 0"
+        )
 
 
 def read_activation_checkpointing(block, where: str, settings: DeepSpeedSettings) -> None:
@@ -239,8 +269,11 @@ def read_activation_checkpointing(block, where: str, settings: DeepSpeedSettings
     if block is None:
         return
     block = as_block(block, "activation_checkpointing", where, set(ACTIVATION_KEYS))
-    for name, value in (("recompute_granularity", "full"), ("recompute_method", "uniform"),
-                        ("recompute_num_layers", 1)):
+    for name, value in (
+        ("recompute_granularity", "full"),
+        ("recompute_method", "uniform"),
+        ("recompute_num_layers", 1),
+    ):
         settings.values[name] = (value, "activation_checkpointing")
     for key, value in block.items():
         nothing, why = ACTIVATION_KEYS[key]
@@ -265,12 +298,15 @@ def read_monitors(data: dict, where: str, settings: DeepSpeedSettings) -> None:
             if "team" in block:
                 put["wandb_entity"] = (str(block["team"]), "wandb.team")
             if "group" in block:
-                settings.notes.append(f"{where}: wandb.group has no effect: runs are not grouped "
-                                      f"(--wandb-exp-name names the run)")
+                settings.notes.append(
+                    f"{where}: wandb.group has no effect: runs are not grouped (--wandb-exp-name names the run)"
+                )
         elif name == "tensorboard":
             # DeepSpeed writes under output_path/job_name, with these defaults.
             folder = Path(str(block.get("output_path", ""))) / str(block.get("job_name", "DeepSpeedJobName"))
             put["tensorboard_dir"] = (str(folder), "tensorboard.output_path")
         else:
-            settings.notes.append(f"{where}: csv_monitor has no effect: every logged record goes to "
-                                  f"metrics.jsonl in the run directory (--metrics-file)")
+            settings.notes.append(
+                f"{where}: csv_monitor has no effect: every logged record goes to "
+                f"metrics.jsonl in the run directory (--metrics-file)"
+            )

@@ -14,23 +14,53 @@ command-line flags and reject contradictions; it never reads argv itself (`flags
 handed the flag values). The blocks that stand for flags, the settings record and the value readers
 live in deepspeed_blocks.py; this module reads the top level, precision, data types and the optimizer.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from megazero.config.deepspeed_blocks import (DeepSpeedSettings, as_bool, as_number, read_activation_checkpointing,
-                                         read_monitors, read_scheduler)
+from megazero.config.deepspeed_blocks import (
+    DeepSpeedSettings,
+    as_bool,
+    as_number,
+    read_activation_checkpointing,
+    read_monitors,
+    read_scheduler,
+)
 from megazero.config.muon_flags import DEEPSPEED_PARAMS, read_deepspeed_muon
 from megazero.core.errors import UsageError
 from megazero.zero.config import as_json, design_notes, parse_zero_config, unknown_key_error
 
-TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-             "gradient_clipping", "optimizer", "fp16", "bf16", "zero_optimization", "steps_per_print",
-             "wall_clock_breakdown", "zero_allow_untested_optimizer", "prescale_gradients",
-             "gradient_predivide_factor", "communication_data_type", "data_types", "seed", "dump_state"}
-FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-             "min_loss_scale", "auto_cast", "consecutive_hysteresis"}
+TOP_LEVEL = {
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer",
+    "fp16",
+    "bf16",
+    "zero_optimization",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "data_types",
+    "seed",
+    "dump_state",
+}
+FP16_KEYS = {
+    "enabled",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+    "auto_cast",
+    "consecutive_hysteresis",
+}
 BF16_KEYS = {"enabled", "bf16_optimizer_states", "bf16_master_weights_and_grads"}
 DATA_TYPES_KEYS = {"grad_accum_dtype"}
 OPTIMIZER_KEYS = {"type", "params"}
@@ -42,30 +72,52 @@ MAPPED_TOP_LEVEL = {"scheduler", "activation_checkpointing", "wandb", "tensorboa
 # DeepSpeed's other top-level keys: features with no megazero equivalent yet -> a hint for the message.
 # A value that asks for nothing (false, null, {}, a block with "enabled": false) is accepted.
 NOT_SUPPORTED_YET_TOP = {
-    "amp": "use --bf16 or --fp16", "torch_autocast": "use --bf16 or --fp16",
+    "amp": "use --bf16 or --fp16",
+    "torch_autocast": "use --bf16 or --fp16",
     "pipeline": "use --pipeline-model-parallel-size and --pipeline-schedule",
-    "tensor_parallel": "use --tensor-model-parallel-size", "sequence_parallel_size": "",
+    "tensor_parallel": "use --tensor-model-parallel-size",
+    "sequence_parallel_size": "",
     "checkpoint": "checkpoints are written with --save and read with --load",
     "flops_profiler": "TFLOP/s per device are logged with every iteration",
-    "comms_logger": "", "comet": "use --wandb-project or --tensorboard-dir",
+    "comms_logger": "",
+    "comet": "use --wandb-project or --tensorboard-dir",
     "timers": "wall_clock_breakdown times the phases of each step",
     "memory_breakdown": "every log line carries the memory in use",
-    "aio": "it serves NVMe offload, which has not landed", "zero_force_ds_cpu_optimizer": "",
-    "sparse_attention": "", "sparse_gradients": "", "autotuning": "", "elasticity": "",
-    "compression_training": "", "data_efficiency": "", "curriculum_learning": "",
-    "progressive_layer_drop": "", "eigenvalue": "", "quantize_training": "", "weight_quantization": "",
-    "graph_harvesting": "", "nebula": "", "hybrid_engine": "", "compile": "",
-    "disable_allgather": "", "dataloader_drop_last": "", "managed_gradient_accumulation": "",
+    "aio": "it serves NVMe offload, which has not landed",
+    "zero_force_ds_cpu_optimizer": "",
+    "sparse_attention": "",
+    "sparse_gradients": "",
+    "autotuning": "",
+    "elasticity": "",
+    "compression_training": "",
+    "data_efficiency": "",
+    "curriculum_learning": "",
+    "progressive_layer_drop": "",
+    "eigenvalue": "",
+    "quantize_training": "",
+    "weight_quantization": "",
+    "graph_harvesting": "",
+    "nebula": "",
+    "hybrid_engine": "",
+    "compile": "",
+    "disable_allgather": "",
+    "dataloader_drop_last": "",
+    "managed_gradient_accumulation": "",
 }
 # Values beyond false/null/{} that ask for what megazero does anyway.
-ASKS_FOR_NOTHING = {"managed_gradient_accumulation": True, "zero_force_ds_cpu_optimizer": True,
-                    "sequence_parallel_size": 1}
+ASKS_FOR_NOTHING = {
+    "managed_gradient_accumulation": True,
+    "zero_force_ds_cpu_optimizer": True,
+    "sequence_parallel_size": 1,
+}
 KNOWN_TOP_LEVEL = TOP_LEVEL | MAPPED_TOP_LEVEL | set(NOT_SUPPORTED_YET_TOP)
 
 # The loss is divided by the global batch's token count before backward, so gradients are always
 # reduced already divided: DeepSpeed's choice of where to divide has no effect here.
-_DIVIDED_BEFORE = "the loss is divided by the global batch's token count before backward, so " \
-                  "gradients are always reduced already divided"
+_DIVIDED_BEFORE = (
+    "the loss is divided by the global batch's token count before backward, so "
+    "gradients are always reduced already divided"
+)
 # Top-level keys megazero's design fixes: key -> (the value megazero behaves as, or None when every
 # value gets the note; why).
 TOP_LEVEL_BY_DESIGN = {
@@ -85,8 +137,9 @@ def load_deepspeed_config(path: str, flag: str = "--zero-config") -> DeepSpeedSe
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise UsageError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno}, column "
-                         f"{err.colno})") from None
+        raise UsageError(
+            f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from None
     if not isinstance(data, dict):
         raise UsageError(f"{flag} {path}: expected a JSON object")
     return parse_deepspeed_config(data, str(path))
@@ -98,26 +151,34 @@ def parse_deepspeed_config(data: dict, where: str = "config") -> DeepSpeedSettin
     zero_where = f"{where}: zero_optimization"
     # A bare zero_optimization block is recognised by its "stage" key.
     if "zero_optimization" not in data and "stage" in data:
-        return DeepSpeedSettings(zero=parse_zero_config(data, zero_where), notes=design_notes(data, zero_where),
-                                 auto=auto)
+        return DeepSpeedSettings(
+            zero=parse_zero_config(data, zero_where), notes=design_notes(data, zero_where), auto=auto
+        )
     for key in data:
         if key in NOT_SUPPORTED_YET_TOP:
             _check_asks_for_nothing(key, data[key], where)
         elif key not in TOP_LEVEL | MAPPED_TOP_LEVEL:
             raise unknown_key_error(key, KNOWN_TOP_LEVEL, where)
     block = data.get("zero_optimization", {})
-    settings = DeepSpeedSettings(zero=parse_zero_config(block, zero_where), notes=design_notes(block, zero_where),
-                                 auto=auto)
+    settings = DeepSpeedSettings(
+        zero=parse_zero_config(block, zero_where), notes=design_notes(block, zero_where), auto=auto
+    )
     put = settings.values
-    for key, name in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
-                      ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                      ("train_batch_size", "global_batch_size"), ("gradient_clipping", "clip_grad"),
-                      ("steps_per_print", "log_interval"), ("seed", "seed")):
+    for key, name in (
+        ("train_micro_batch_size_per_gpu", "micro_batch_size"),
+        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ("train_batch_size", "global_batch_size"),
+        ("gradient_clipping", "clip_grad"),
+        ("steps_per_print", "log_interval"),
+        ("seed", "seed"),
+    ):
         if key in data:
             put[name] = (as_number(data[key], key, where), key)
     if "wall_clock_breakdown" in data:
-        put["wall_clock_breakdown"] = (as_bool(data["wall_clock_breakdown"], "wall_clock_breakdown", where),
-                                       "wall_clock_breakdown")
+        put["wall_clock_breakdown"] = (
+            as_bool(data["wall_clock_breakdown"], "wall_clock_breakdown", where),
+            "wall_clock_breakdown",
+        )
     for key, (fixed, why) in TOP_LEVEL_BY_DESIGN.items():
         if key in data:
             check = as_bool if isinstance(fixed, bool) else as_number
@@ -147,30 +208,39 @@ def drop_auto(data, prefix: str, dropped: set[str]):
 
 
 def _check_asks_for_nothing(key: str, value, where: str) -> None:
-    nothing = value in (None, False, {}) or value == ASKS_FOR_NOTHING.get(key, None) or \
-        (isinstance(value, dict) and value.get("enabled") is False)
+    nothing = (
+        value in (None, False, {})
+        or value == ASKS_FOR_NOTHING.get(key, None)
+        or (isinstance(value, dict) and value.get("enabled") is False)
+    )
     if not nothing:
         hint = NOT_SUPPORTED_YET_TOP[key]
-        raise UsageError(f"{where}: {key} is not supported yet (megazero has no equivalent of DeepSpeed's "
-                         f"{key}); remove it or set \"enabled\": false" + (f"; {hint}" if hint else ""))
+        raise UsageError(
+            f"{where}: {key} is not supported yet (megazero has no equivalent of DeepSpeed's "
+            f'{key}); remove it or set "enabled": false' + (f"; {hint}" if hint else "")
+        )
 
 
 def _dtype(value, key: str, where: str) -> str:
     name = value.lower() if isinstance(value, str) else value
     if name not in DTYPES:
-        raise UsageError(f"{where}: {key} = {as_json(value)} is not a data type here; use "
-                         f"{', '.join(map(repr, DTYPES))} (or null for the default, fp32)")
+        raise UsageError(
+            f"{where}: {key} = {as_json(value)} is not a data type here; use "
+            f"{', '.join(map(repr, DTYPES))} (or null for the default, fp32)"
+        )
     return name
 
 
 def _read_dtypes(data: dict, where: str, put: dict) -> None:
     """DeepSpeed's `communication_data_type` and `data_types.grad_accum_dtype`; null is the default."""
     if data.get("communication_data_type") is not None:
-        put["reduce_dtype"] = (_dtype(data["communication_data_type"], "communication_data_type", where),
-                               "communication_data_type")
+        put["reduce_dtype"] = (
+            _dtype(data["communication_data_type"], "communication_data_type", where),
+            "communication_data_type",
+        )
     types = data.get("data_types", {})
     if not isinstance(types, dict):
-        raise UsageError(f"{where}: data_types must be an object like {{\"grad_accum_dtype\": \"fp32\"}}")
+        raise UsageError(f'{where}: data_types must be an object like {{"grad_accum_dtype": "fp32"}}')
     for key in types:
         if key not in DATA_TYPES_KEYS:
             raise unknown_key_error(key, DATA_TYPES_KEYS, f"{where}: data_types")
@@ -183,7 +253,7 @@ def _read_precision(data: dict, where: str, settings: DeepSpeedSettings) -> None
     fp16, bf16, put = data.get("fp16", {}), data.get("bf16", {}), settings.values
     for block, name in ((fp16, "fp16"), (bf16, "bf16")):
         if not isinstance(block, dict):
-            raise UsageError(f"{where}: {name} must be an object like {{\"enabled\": true}}")
+            raise UsageError(f'{where}: {name} must be an object like {{"enabled": true}}')
     for key in fp16:
         if key not in FP16_KEYS:
             raise unknown_key_error(key, FP16_KEYS, f"{where}: fp16")
@@ -204,8 +274,10 @@ def _read_precision(data: dict, where: str, settings: DeepSpeedSettings) -> None
         key = "fp16.consecutive_hysteresis"
         put["consecutive_hysteresis"] = (as_bool(fp16["consecutive_hysteresis"], key, where), key)
     if as_bool(fp16.get("auto_cast", False), "fp16.auto_cast", where):
-        settings.notes.append(f"{where}: fp16.auto_cast = true has no effect: the model's inputs are "
-                              f"token ids and it computes in its parameter dtype")
+        settings.notes.append(
+            f"{where}: fp16.auto_cast = true has no effect: the model's inputs are "
+            f"token ids and it computes in its parameter dtype"
+        )
 
 
 def _read_bf16_states(bf16: dict, where: str, put: dict) -> None:
@@ -214,8 +286,10 @@ def _read_bf16_states(bf16: dict, where: str, put: dict) -> None:
     supported yet: megazero keeps fp32 master weights, and takes bf16_optimizer_states alone."""
     key = "bf16.bf16_master_weights_and_grads"
     if as_bool(bf16.get("bf16_master_weights_and_grads", False), key, where):
-        raise UsageError(f"{where}: {key} is not supported yet (megazero keeps fp32 master weights); remove "
-                         f"it (bf16.bf16_optimizer_states works without it here)")
+        raise UsageError(
+            f"{where}: {key} is not supported yet (megazero keeps fp32 master weights); remove "
+            f"it (bf16.bf16_optimizer_states works without it here)"
+        )
     key = "bf16.bf16_optimizer_states"
     if as_bool(bf16.get("bf16_optimizer_states", False), key, where):
         put["exp_avg_dtype"] = put["exp_avg_sq_dtype"] = ("bf16", key)
@@ -225,7 +299,7 @@ def _read_optimizer(block, where: str, settings: DeepSpeedSettings) -> None:
     if block is None:
         return
     if not isinstance(block, dict):
-        raise UsageError(f"{where}: optimizer must be an object like {{\"type\": \"AdamW\", \"params\": {{}}}}")
+        raise UsageError(f'{where}: optimizer must be an object like {{"type": "AdamW", "params": {{}}}}')
     for key in block:
         if key not in OPTIMIZER_KEYS:
             raise unknown_key_error(key, OPTIMIZER_KEYS, f"{where}: optimizer")
@@ -234,25 +308,31 @@ def _read_optimizer(block, where: str, settings: DeepSpeedSettings) -> None:
         raise UsageError(f"{where}: optimizer type {block.get('type')!r} is not supported; use Adam, AdamW or Muon")
     params, put = block.get("params", {}), settings.values
     if not isinstance(params, dict):
-        raise UsageError(f"{where}: optimizer.params must be an object like {{\"lr\": 0.001}}")
+        raise UsageError(f'{where}: optimizer.params must be an object like {{"lr": 0.001}}')
     known = OPTIMIZER_PARAMS | (DEEPSPEED_PARAMS if kind == "muon" else set())
     for key in params:
         if key not in known:
             raise unknown_key_error(key, known, f"{where}: optimizer.params")
-    if kind == "muon":      # the Adam keys below serve the parameters Muon leaves to AdamW
+    if kind == "muon":  # the Adam keys below serve the parameters Muon leaves to AdamW
         read_deepspeed_muon(params, where, put, settings.notes)
     w_mode = as_bool(params.get("adam_w_mode", True), "optimizer.params.adam_w_mode", where)
     if kind == "adamw" and not w_mode:
-        raise UsageError(f"{where}: optimizer type AdamW always decouples weight decay, but "
-                         f"optimizer.params.adam_w_mode = false; use type Adam for L2 weight decay")
+        raise UsageError(
+            f"{where}: optimizer type AdamW always decouples weight decay, but "
+            f"optimizer.params.adam_w_mode = false; use type Adam for L2 weight decay"
+        )
     # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false.
     put["decoupled_weight_decay"] = (w_mode, "optimizer.type")
     if not as_bool(params.get("bias_correction", True), "optimizer.params.bias_correction", where):
-        raise UsageError(f"{where}: optimizer.params.bias_correction = false is not supported (Adam "
-                         f"without bias correction is a different algorithm); remove it or set it to true")
+        raise UsageError(
+            f"{where}: optimizer.params.bias_correction = false is not supported (Adam "
+            f"without bias correction is a different algorithm); remove it or set it to true"
+        )
     if as_bool(params.get("torch_adam", False), "optimizer.params.torch_adam", where):
-        settings.notes.append(f"{where}: optimizer.params.torch_adam = true has no effect: megazero "
-                              f"steps with its own Adam kernel (the math of torch.optim.Adam/AdamW)")
+        settings.notes.append(
+            f"{where}: optimizer.params.torch_adam = true has no effect: megazero "
+            f"steps with its own Adam kernel (the math of torch.optim.Adam/AdamW)"
+        )
     for key, name in (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_decay")):
         if key in params:
             put[name] = (float(as_number(params[key], f"optimizer.params.{key}", where)), f"optimizer.params.{key}")

@@ -8,6 +8,7 @@ The parse turns every argparse complaint into one UsageError line: a misspelled 
 nearest real one, a Megatron-LM flag megazero lacks is named as such. What the flags mean together
 is megazero.config.train_flags', which also checks the values against the ranges listed here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,15 +33,25 @@ from megazero.config.run_flags import add_run_flags
 # Settings that a flag or a DeepSpeed key may give: name -> (flag, default when neither does). The
 # parser's own default is None, so that a flag and a JSON key that disagree can be told apart.
 MERGED = {
-    "micro_batch_size": ("--micro-batch-size", 8), "global_batch_size": ("--global-batch-size", None),
-    "clip_grad": ("--clip-grad", 1.0), "lr": ("--lr", 1e-3), "weight_decay": ("--weight-decay", 0.01),
-    "adam_beta1": ("--adam-beta1", 0.9), "adam_beta2": ("--adam-beta2", 0.95),
-    "adam_eps": ("--adam-eps", 1e-8), "bf16": ("--bf16", False), "fp16": ("--fp16", False),
-    "loss_scale": ("--loss-scale", 0.0), "min_loss_scale": ("--min-loss-scale", 1.0),
-    "loss_scale_window": ("--loss-scale-window", 1000), "hysteresis": ("--hysteresis", 2),
-    "log_interval": ("--log-interval", 10), "seed": ("--seed", 1234),
+    "micro_batch_size": ("--micro-batch-size", 8),
+    "global_batch_size": ("--global-batch-size", None),
+    "clip_grad": ("--clip-grad", 1.0),
+    "lr": ("--lr", 1e-3),
+    "weight_decay": ("--weight-decay", 0.01),
+    "adam_beta1": ("--adam-beta1", 0.9),
+    "adam_beta2": ("--adam-beta2", 0.95),
+    "adam_eps": ("--adam-eps", 1e-8),
+    "bf16": ("--bf16", False),
+    "fp16": ("--fp16", False),
+    "loss_scale": ("--loss-scale", 0.0),
+    "min_loss_scale": ("--min-loss-scale", 1.0),
+    "loss_scale_window": ("--loss-scale-window", 1000),
+    "hysteresis": ("--hysteresis", 2),
+    "log_interval": ("--log-interval", 10),
+    "seed": ("--seed", 1234),
     "reduce_dtype": ("--grad-reduce-in-bf16", "fp32"),
-    "optimizer": ("--optimizer", "adam"), "muon_momentum": ("--muon-momentum", None),
+    "optimizer": ("--optimizer", "adam"),
+    "muon_momentum": ("--muon-momentum", None),
 }
 # Megatron-LM's flags, by argument group (megatron_flags.txt, written from Megatron-LM's own parser by
 # tools/megatron_flag_list.py): one megazero lacks is named as such instead of "did you mean".
@@ -69,31 +80,52 @@ def megatron_flags_megazero_lacks() -> set[str]:
 
 # Ranges of settings that a flag or a DeepSpeed key may give: name -> (lowest, lowest allowed,
 # highest or None, highest allowed).
-MERGED_RANGES = {"lr": (0, True, None, False), "weight_decay": (0, True, None, False),
-                 "adam_beta1": (0, True, 1, False), "adam_beta2": (0, True, 1, False),
-                 "adam_eps": (0, False, None, False), "clip_grad": (0, True, None, False),
-                 "loss_scale": (0, True, None, False), "min_loss_scale": (0, False, None, False)}
+MERGED_RANGES = {
+    "lr": (0, True, None, False),
+    "weight_decay": (0, True, None, False),
+    "adam_beta1": (0, True, 1, False),
+    "adam_beta2": (0, True, 1, False),
+    "adam_eps": (0, False, None, False),
+    "clip_grad": (0, True, None, False),
+    "loss_scale": (0, True, None, False),
+    "min_loss_scale": (0, False, None, False),
+}
 # Ranges of flags only the command line gives: args attribute -> (lowest, lowest allowed, highest, ...).
-FLAG_RANGES = {"min_lr": (0, True, None, False), "decoupled_lr": (0, True, None, False),
-               "decoupled_min_lr": (0, True, None, False), "rotary_base": (0, False, None, False),
-               "norm_epsilon": (0, False, None, False), "init_method_std": (0, False, None, False),
-               "lr_warmup_fraction": (0, True, 1, True), "lr_warmup_iters": (0, True, None, False),
-               "lr_decay_iters": (1, True, None, False), "train_samples": (1, True, None, False),
-               "lr_warmup_samples": (0, True, None, False), "lr_decay_samples": (1, True, None, False),
-               "eval_iters": (0, True, None, False), "make_vocab_size_divisible_by": (1, True, None, False),
-               "tensor_model_parallel_size": (1, True, None, False),
-               "pipeline_model_parallel_size": (1, True, None, False),
-               "context_parallel_size": (1, True, None, False), "ds_sequence_parallel_size": (1, True, None, False),
-               "num_query_groups": (1, True, None, False), "ffn_hidden_size": (0, True, None, False),
-               "kv_channels": (1, True, None, False), "rotary_percent": (0, False, 1, True),
-               "recompute_num_layers": (1, True, None, False), "cpu_offloading_num_layers": (0, True, None, False),
-               "max_position_embeddings": (0, True, None, False), "ranks_per_node": (0, True, None, False),
-               "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
-               "zero_hpz_partition_size": (1, True, None, False), "zero_sub_group_size": (1, True, None, False),
-               "cpu_optimizer_threads": (1, True, None, False),
-               "distributed_timeout_minutes": (0, False, None, False),
-               "heartbeat_timeout_minutes": (0, True, None, False),
-               "num_dataset_builder_threads": (1, True, None, False)}
+FLAG_RANGES = {
+    "min_lr": (0, True, None, False),
+    "decoupled_lr": (0, True, None, False),
+    "decoupled_min_lr": (0, True, None, False),
+    "rotary_base": (0, False, None, False),
+    "norm_epsilon": (0, False, None, False),
+    "init_method_std": (0, False, None, False),
+    "lr_warmup_fraction": (0, True, 1, True),
+    "lr_warmup_iters": (0, True, None, False),
+    "lr_decay_iters": (1, True, None, False),
+    "train_samples": (1, True, None, False),
+    "lr_warmup_samples": (0, True, None, False),
+    "lr_decay_samples": (1, True, None, False),
+    "eval_iters": (0, True, None, False),
+    "make_vocab_size_divisible_by": (1, True, None, False),
+    "tensor_model_parallel_size": (1, True, None, False),
+    "pipeline_model_parallel_size": (1, True, None, False),
+    "context_parallel_size": (1, True, None, False),
+    "ds_sequence_parallel_size": (1, True, None, False),
+    "num_query_groups": (1, True, None, False),
+    "ffn_hidden_size": (0, True, None, False),
+    "kv_channels": (1, True, None, False),
+    "rotary_percent": (0, False, 1, True),
+    "recompute_num_layers": (1, True, None, False),
+    "cpu_offloading_num_layers": (0, True, None, False),
+    "max_position_embeddings": (0, True, None, False),
+    "ranks_per_node": (0, True, None, False),
+    "num_layers_per_virtual_pipeline_stage": (0, True, None, False),
+    "zero_hpz_partition_size": (1, True, None, False),
+    "zero_sub_group_size": (1, True, None, False),
+    "cpu_optimizer_threads": (1, True, None, False),
+    "distributed_timeout_minutes": (0, False, None, False),
+    "heartbeat_timeout_minutes": (0, True, None, False),
+    "num_dataset_builder_threads": (1, True, None, False),
+}
 
 
 def range_text(bounds) -> str:
@@ -132,15 +164,17 @@ USAGE = "python pretrain_gpt.py [FLAGS]   (torchrun --nproc-per-node N pretrain_
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):          # one line, no usage block
+    def error(self, message):  # one line, no usage block
         raise UsageError(message)
 
 
 def _description() -> str:
     width = max(len(name) for name in GROUPS) + 2
     lines = [f"  {name:<{width}}{what}" for name, what in GROUPS.items()]
-    return ("Train a GPT with TP x PP x ZeRO data parallelism. Flags follow Megatron-LM's names.\n\n"
-            "flag groups:\n" + "\n".join(lines))
+    return (
+        "Train a GPT with TP x PP x ZeRO data parallelism. Flags follow Megatron-LM's names.\n\n"
+        "flag groups:\n" + "\n".join(lines)
+    )
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -174,8 +208,14 @@ def _training_flags(p) -> None:
     _merged(g, "micro_batch_size", "samples per microbatch per data-parallel rank", type=int)
     _merged(g, "global_batch_size", "samples per optimizer step", type=int)
     _add(g, "--train-iters", type=int, default=None, help="optimizer steps", shown=200)
-    _add(g, "--train-samples", type=int, default=None, help="samples to train on (instead of --train-iters)",
-         shown="none")
+    _add(
+        g,
+        "--train-samples",
+        type=int,
+        default=None,
+        help="samples to train on (instead of --train-iters)",
+        shown="none",
+    )
     add_optimizer_flags(g, _add, _merged)
     add_optimizer_state_flags(g, _add)
     add_muon_flags(g, _add)
@@ -185,8 +225,9 @@ def _training_flags(p) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     # A short usage line instead of argparse's synopsis of every flag (85 lines before any description).
-    p = _Parser(prog="pretrain_gpt.py", usage=USAGE, description=_description(), allow_abbrev=False,
-                formatter_class=_Help)
+    p = _Parser(
+        prog="pretrain_gpt.py", usage=USAGE, description=_description(), allow_abbrev=False, formatter_class=_Help
+    )
     add_model_flags(p.add_argument_group("model"), _add)
     add_parallel_flags(p.add_argument_group("parallelism"), _add)
     _training_flags(p)
@@ -204,8 +245,10 @@ def _unknown_flag_error(parser: argparse.ArgumentParser, extras: list[str]) -> U
         return UsageError(f"unexpected argument {extras[0]!r}; every value follows its --flag")
     flag = flags[0]
     if any(flag in flags for flags in megatron_flag_groups().values()):
-        return UsageError(f"{flag} is a Megatron-LM flag megazero does not have; remove it "
-                          f"(python pretrain_gpt.py --help lists what megazero takes)")
+        return UsageError(
+            f"{flag} is a Megatron-LM flag megazero does not have; remove it "
+            f"(python pretrain_gpt.py --help lists what megazero takes)"
+        )
     near = difflib.get_close_matches(flag, parser._option_string_actions, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}?" if near else "python pretrain_gpt.py --help lists every flag"
     return UsageError(f"unrecognized flag {flag}; {hint}")

@@ -6,6 +6,7 @@ dry run, which reads them as on a GPU machine) says what it is.
 Owns these facts only; the checks of a config against the machine's memory and files are
 megazero.config.machine_checks'. Loads no torch unless asked whether CUDA is there.
 """
+
 from __future__ import annotations
 
 from megazero.core.records import Record
@@ -13,6 +14,7 @@ from megazero.core.records import Record
 
 class Machine(Record):
     """What the flags are read against (besides themselves)."""
+
     world_size: int = 1
     """Ranks in the job."""
     local_world_size: int = 0
@@ -36,5 +38,6 @@ class Machine(Record):
 
 
 def torch_cuda_available() -> bool:
-    import torch            # here, not at the top: the flags are checked before torch loads
+    import torch  # here, not at the top: the flags are checked before torch loads
+
     return torch.cuda.is_available()

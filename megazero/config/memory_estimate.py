@@ -23,6 +23,7 @@ Communication and transient buffers ("comm_buffers"): megazero/config/comm_memor
 moves off the device: megazero/config/offload_memory.py. Activations: megazero/config/activation_memory.py
 (re-exported here).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,56 +37,78 @@ from megazero.config.attention_memory import kernel_for
 from megazero.config.comm_memory import comm_buffer_bytes
 from megazero.config.moe_memory import moe_layer_extra, moe_layer_persistent_extra, stage_moe_layers
 from megazero.config.offload_memory import (  # noqa: F401 - OFFLOAD_CATEGORIES re-exported: the planner's names
-    OFFLOAD_CATEGORIES, offloaded_bytes, resident_fraction)
+    OFFLOAD_CATEGORIES,
+    offloaded_bytes,
+    resident_fraction,
+)
 from megazero.config.activation_memory import (  # noqa: F401 - re-exported: the planner's names
-    activation_bytes, cp_mask_bytes, cp_saved_per_layer, cp_transient_bytes, interleaved_in_flight,
-    weight_grad_bytes, zero_bubble_in_flight, zero_bubble_peaks,
-    layer_activation_split, layer_activation_units, output_layer_bytes)
+    activation_bytes,
+    cp_mask_bytes,
+    cp_saved_per_layer,
+    cp_transient_bytes,
+    interleaved_in_flight,
+    weight_grad_bytes,
+    zero_bubble_in_flight,
+    zero_bubble_peaks,
+    layer_activation_split,
+    layer_activation_units,
+    output_layer_bytes,
+)
 from megazero.config.parameter_counts import (  # noqa: F401 - re-exported: the planner's names
-    largest_module_params, largest_param, parameter_counts, persistent_counts)
+    largest_module_params,
+    largest_param,
+    parameter_counts,
+    persistent_counts,
+)
 from megazero.parallel.pipeline.zero_bubble import V_SHAPED, ZERO_BUBBLE_SCHEDULES
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
-MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")   # the engine's memory.report() keys
+MODEL_STATE_KINDS = ("params", "grads", "master", "optimizer_states")  # the engine's memory.report() keys
 DEVICE_CATEGORIES = MODEL_STATE_KINDS + ("activations", "comm_buffers")
 CATEGORIES = DEVICE_CATEGORIES + OFFLOAD_CATEGORIES
 
 
-def model_state_bytes_by_kind(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
-                              separate_master: bool, state_bytes: int = 8) -> dict[str, float]:
+def model_state_bytes_by_kind(
+    stage: int, shards: int, weight_bytes: int, grad_bytes: int, separate_master: bool, state_bytes: int = 8
+) -> dict[str, float]:
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks, by
     kind: stage 1 partitions the master and moments, stage 2 also gradients, stage 3 also weights.
     `state_bytes`: both Adam moments' (8 in fp32, 4 in bf16)."""
     master = 4 if separate_master else 0
-    return {"params": weight_bytes / shards if stage >= 3 else weight_bytes,
-            "grads": grad_bytes / shards if stage >= 2 else grad_bytes,
-            "master": master / shards if stage >= 1 else master,
-            "optimizer_states": state_bytes / shards if stage >= 1 else state_bytes}
+    return {
+        "params": weight_bytes / shards if stage >= 3 else weight_bytes,
+        "grads": grad_bytes / shards if stage >= 2 else grad_bytes,
+        "master": master / shards if stage >= 1 else master,
+        "optimizer_states": state_bytes / shards if stage >= 1 else state_bytes,
+    }
 
 
-def model_state_bytes_per_param(stage: int, shards: int, weight_bytes: int, grad_bytes: int,
-                                separate_master: bool, state_bytes: int = 8) -> float:
+def model_state_bytes_per_param(
+    stage: int, shards: int, weight_bytes: int, grad_bytes: int, separate_master: bool, state_bytes: int = 8
+) -> float:
     """Bytes per parameter of the model shard that ZeRO `stage` keeps on each of `shards` ranks."""
-    return sum(model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master,
-                                         state_bytes).values())
+    return sum(
+        model_state_bytes_by_kind(stage, shards, weight_bytes, grad_bytes, separate_master, state_bytes).values()
+    )
 
 
 class RankLayout(Record):
     """What one rank of the largest pipeline stage holds, as counts and byte widths."""
-    parameters: int            # the whole model
-    rank_parameters: int       # this rank's shard of the largest pipeline stage (before ZeRO)
+
+    parameters: int  # the whole model
+    rank_parameters: int  # this rank's shard of the largest pipeline stage (before ZeRO)
     persistent_parameters: int  # of which stage 3 keeps whole (under param_persistence_threshold)
     expert_parameters: int = 0  # this rank's MoE experts (1/ep of them, split over TP), not in the above
-    expert_shards: int = 1     # ZeRO partitions of the experts (the expert-data-parallel size)
+    expert_shards: int = 1  # ZeRO partitions of the experts (the expert-data-parallel size)
     weight_bytes: int
     grad_bytes: int
-    state_bytes: int = 8       # both Adam moments per parameter (4 with both in bf16)
-    shards: int                # ZeRO partitions (data-parallel size, or the MiCS shard size)
+    state_bytes: int = 8  # both Adam moments per parameter (4 with both in bf16)
+    shards: int  # ZeRO partitions (data-parallel size, or the MiCS shard size)
     layers_per_stage: int
-    in_flight: int             # microbatches a stage holds activations for at once
-    microbatches: int = 1      # per step and data-parallel rank
+    in_flight: int  # microbatches a stage holds activations for at once
+    microbatches: int = 1  # per step and data-parallel rank
 
 
 def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
@@ -109,18 +132,23 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
     expert_tp = 1 if par.expert_tensor_parallel == 1 else tp
     mics = cfg.zero.mics_shard_size
     expert_shards = (tp // expert_tp) * dp * cp // ep
-    if 0 < mics < dp * cp:           # MiCS: the edp ranks inside a shard group
+    if 0 < mics < dp * cp:  # MiCS: the edp ranks inside a shard group
         expert_shards = mics // ep if mics % ep == 0 else 1
     persistent = 0
     if cfg.zero.stage == 3:
         p_embedding, p_layer, p_head = persistent_counts(model, tp, cfg.zero.param_persistence_threshold)
         p_tied = tied_copy if tied_copy // tp <= cfg.zero.param_persistence_threshold else 0
         p_moe = moe_layer_persistent_extra(model, tp, cfg.zero.param_persistence_threshold)
-        persistent = (p_embedding + layers_per_stage * p_layer + moe_first * p_moe + (p_head if pp == 1 or v_shaped else 0)
-                      if first >= last else layers_per_stage * p_layer + moe_last * p_moe + p_head + p_tied)
+        persistent = (
+            p_embedding + layers_per_stage * p_layer + moe_first * p_moe + (p_head if pp == 1 or v_shaped else 0)
+            if first >= last
+            else layers_per_stage * p_layer + moe_last * p_moe + p_head + p_tied
+        )
     microbatches = cfg.num_microbatches(dp)
     return RankLayout(
-        parameters=embedding + model.num_layers * layer + head
+        parameters=embedding
+        + model.num_layers * layer
+        + head
         + stage_moe_layers(model, range(model.num_layers)) * (extra + experts),
         expert_parameters=math.ceil(max(moe_first if first >= last else moe_last, 0) * experts / ep / expert_tp),
         expert_shards=max(expert_shards, 1),
@@ -129,9 +157,11 @@ def rank_layout(cfg: TrainConfig, world_size: int) -> RankLayout:
         weight_bytes=2 if prec.bf16 or prec.fp16 else 4,
         grad_bytes=2 if prec.grad_accum_dtype != "fp32" else 4,
         state_bytes=sum(2 if dtype == "bf16" else 4 for dtype in (prec.exp_avg_dtype, prec.exp_avg_sq_dtype)),
-        shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp * cp,   # ZeRO: dp x cp
+        shards=cfg.zero.mics_shard_size if cfg.zero.mics_shard_size > 0 else dp * cp,  # ZeRO: dp x cp
         layers_per_stage=layers_per_stage,
-        in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches), microbatches=microbatches)
+        in_flight=microbatches if par.schedule == "gpipe" else min(pp, microbatches),
+        microbatches=microbatches,
+    )
 
 
 def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None, host: bool = False) -> float:
@@ -155,15 +185,46 @@ def _activations(cfg: TrainConfig, r: RankLayout, device_type: str | None = None
         pp = par.pipeline_parallel
         split = par.layer_split or [r.layers_per_stage] * pp
         stages = [(n, min(pp - s, r.microbatches), s == pp - 1) for s, n in enumerate(split)]
-        return max(activation_bytes(m.seq_length, cfg.micro_batch_size, m, n, par.tensor_parallel, held,
-                                    r.weight_bytes, [n], par.context_parallel, par.cp_comm_type,
-                                    par.sequence_parallel, with_head=last, ep=par.expert_parallel, kernel=kernel,
-                                    documents=documents, microbatches=r.microbatches, **away)
-                   for n, held, last in stages)
-    return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers,
-                            par.tensor_parallel, in_flight, r.weight_bytes, chunks,
-                            par.context_parallel, par.cp_comm_type, par.sequence_parallel, ep=par.expert_parallel,
-                            kernel=kernel, documents=documents, microbatches=r.microbatches, **away)
+        return max(
+            activation_bytes(
+                m.seq_length,
+                cfg.micro_batch_size,
+                m,
+                n,
+                par.tensor_parallel,
+                held,
+                r.weight_bytes,
+                [n],
+                par.context_parallel,
+                par.cp_comm_type,
+                par.sequence_parallel,
+                with_head=last,
+                ep=par.expert_parallel,
+                kernel=kernel,
+                documents=documents,
+                microbatches=r.microbatches,
+                **away,
+            )
+            for n, held, last in stages
+        )
+    return activation_bytes(
+        m.seq_length,
+        cfg.micro_batch_size,
+        m,
+        layers,
+        par.tensor_parallel,
+        in_flight,
+        r.weight_bytes,
+        chunks,
+        par.context_parallel,
+        par.cp_comm_type,
+        par.sequence_parallel,
+        ep=par.expert_parallel,
+        kernel=kernel,
+        documents=documents,
+        microbatches=r.microbatches,
+        **away,
+    )
 
 
 def _zero_bubble_activations(cfg: TrainConfig, r: RankLayout, kernel: str, chunks: list[int]) -> float:
@@ -180,12 +241,25 @@ def _zero_bubble_activations(cfg: TrainConfig, r: RankLayout, kernel: str, chunk
     tokens = m.seq_length * cfg.micro_batch_size // par.context_parallel
 
     def acts(held):
-        return activation_bytes(m.seq_length, cfg.micro_batch_size, m, layers, tp, held, r.weight_bytes, chunks,
-                                par.context_parallel, par.cp_comm_type, par.sequence_parallel, with_head=False,
-                                ep=par.expert_parallel, kernel=kernel)
+        return activation_bytes(
+            m.seq_length,
+            cfg.micro_batch_size,
+            m,
+            layers,
+            tp,
+            held,
+            r.weight_bytes,
+            chunks,
+            par.context_parallel,
+            par.cp_comm_type,
+            par.sequence_parallel,
+            with_head=False,
+            ep=par.expert_parallel,
+            kernel=kernel,
+        )
+
     fixed = acts(0)
-    inputs, grads = weight_grad_bytes(tokens, m, layers, tp, r.weight_bytes, par.sequence_parallel,
-                                      par.expert_parallel)
+    inputs, grads = weight_grad_bytes(tokens, m, layers, tp, r.weight_bytes, par.sequence_parallel, par.expert_parallel)
     head_inputs = tokens * (m.hidden_size * r.weight_bytes + 12)
     w_transient = parameter_counts(m)[1] / tp * layers / v * (4 + r.weight_bytes if r.weight_bytes < 4 else 4)
     if par.sequence_parallel and tp > 1:
@@ -193,8 +267,10 @@ def _zero_bubble_activations(cfg: TrainConfig, r: RankLayout, kernel: str, chunk
     loss = output_layer_bytes(tokens, m, tp, r.weight_bytes)
 
     def peaks(w_inputs):
-        return zero_bubble_peaks(par.schedule, pp, v, r.microbatches, acts(1) - fixed, w_inputs, grads,
-                                 w_transient, loss, loss_stage)
+        return zero_bubble_peaks(
+            par.schedule, pp, v, r.microbatches, acts(1) - fixed, w_inputs, grads, w_transient, loss, loss_stage
+        )
+
     plain, at_loss = peaks(inputs), peaks(inputs + head_inputs)
     return fixed + max(at_loss[s] if s == loss_stage else plain[s] for s in range(pp))
 
@@ -204,25 +280,34 @@ def plan_bytes(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     and disk), for the largest pipeline stage."""
     r = rank_layout(cfg, world_size)
     by_kind = lambda stage: model_state_bytes_by_kind(  # noqa: E731
-        stage, r.shards, r.weight_bytes, r.grad_bytes, separate_master=r.weight_bytes == 2,
-        state_bytes=r.state_bytes)
+        stage, r.shards, r.weight_bytes, r.grad_bytes, separate_master=r.weight_bytes == 2, state_bytes=r.state_bytes
+    )
     # Stage 3 keeps its persistent parameters in a stage-2 group: weights whole, the rest partitioned.
     partitioned, persistent = by_kind(cfg.zero.stage), by_kind(2)
-    experts = model_state_bytes_by_kind(cfg.zero.stage, r.expert_shards, r.weight_bytes, r.grad_bytes,
-                                        separate_master=r.weight_bytes == 2, state_bytes=r.state_bytes)
-    out = {kind: (r.rank_parameters - r.persistent_parameters) * partitioned[kind]
-           + r.persistent_parameters * persistent[kind] + r.expert_parameters * experts[kind]
-           for kind in MODEL_STATE_KINDS}
+    experts = model_state_bytes_by_kind(
+        cfg.zero.stage,
+        r.expert_shards,
+        r.weight_bytes,
+        r.grad_bytes,
+        separate_master=r.weight_bytes == 2,
+        state_bytes=r.state_bytes,
+    )
+    out = {
+        kind: (r.rank_parameters - r.persistent_parameters) * partitioned[kind]
+        + r.persistent_parameters * persistent[kind]
+        + r.expert_parameters * experts[kind]
+        for kind in MODEL_STATE_KINDS
+    }
     out["activations"] = _activations(cfg, r)
     out["comm_buffers"] = comm_buffer_bytes(cfg, r, out["activations"])
     offloaded = offloaded_bytes(cfg, r)
-    if cfg.zero.offloads_optimizer:       # a separate fp32 master for the part kept on the device
+    if cfg.zero.offloads_optimizer:  # a separate fp32 master for the part kept on the device
         partition = r.rank_parameters / r.shards
         resident = partition * resident_fraction(cfg.zero, partition)
         out["master"], out["optimizer_states"] = 4 * resident, r.state_bytes * resident
         if cfg.zero.zenflow is not None:  # the selected columns' states and indices (two int64 each)
             selected = partition * cfg.zero.zenflow.topk_ratio
-            moments = 0 if cfg.zero.zenflow.offload else 8 * selected      # offload: in host memory
+            moments = 0 if cfg.zero.zenflow.offload else 8 * selected  # offload: in host memory
             out["master"], out["optimizer_states"] = 4 * selected, 16 * selected + moments
             offloaded["host_optimizer_states"] += 8 * selected - moments
     out["params"] -= offloaded["host_params"] + offloaded["nvme_params"]
@@ -236,13 +321,13 @@ def device_bytes(plan: dict[str, float]) -> float:
 
 
 class MemoryEstimate(Record):
-    parameters: int            # the whole model
-    rank_parameters: int       # this rank's shard of the largest pipeline stage
+    parameters: int  # the whole model
+    rank_parameters: int  # this rank's shard of the largest pipeline stage
     bytes_per_param: float
-    model_states: float        # bytes
-    activations: float         # bytes
-    attention: float = 0.0     # of the activations: what the device's attention kernel adds (math: s^2)
-    kernel: str = "unknown"    # that kernel (config/attention_memory.py)
+    model_states: float  # bytes
+    activations: float  # bytes
+    attention: float = 0.0  # of the activations: what the device's attention kernel adds (math: s^2)
+    kernel: str = "unknown"  # that kernel (config/attention_memory.py)
 
     @property
     def total(self) -> float:
@@ -253,25 +338,38 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cpu") -> Mem
     """Model states and activations one rank needs in the memory of `device_type`: offloaded states
     leave a GPU's count; on the CPU only what is swapped to files leaves it (host memory is the
     same memory there)."""
-    r = rank_layout(cfg, world_size)     # the first check: persistent stage-3 parameters ignored
+    r = rank_layout(cfg, world_size)  # the first check: persistent stage-3 parameters ignored
     away = ("nvme",) if device_type == "cpu" else ("cpu", "nvme")
 
     def per_param(shards: int) -> float:
-        kinds = model_state_bytes_by_kind(cfg.zero.stage, shards, r.weight_bytes, r.grad_bytes,
-                                          separate_master=r.weight_bytes == 2, state_bytes=r.state_bytes)
+        kinds = model_state_bytes_by_kind(
+            cfg.zero.stage,
+            shards,
+            r.weight_bytes,
+            r.grad_bytes,
+            separate_master=r.weight_bytes == 2,
+            state_bytes=r.state_bytes,
+        )
         if cfg.zero.offloads_optimizer and cfg.zero.offload_optimizer.device in away:
             kept = resident_fraction(cfg.zero, r.rank_parameters / r.shards) / shards
             kinds["master"], kinds["optimizer_states"] = 4 * kept, r.state_bytes * kept
         if cfg.zero.offloads_params and cfg.zero.offload_param.device in away:
             kinds["params"] = 0.0
         return sum(kinds.values())
+
     dense = per_param(r.shards)
     # The experts' states are partitioned over their own (expert data parallel) ranks.
     model_states = r.rank_parameters * dense + r.expert_parameters * per_param(r.expert_shards)
     activations, kernel = _activations(cfg, r, device_type), kernel_for(cfg, device_type)
-    return MemoryEstimate(parameters=r.parameters, rank_parameters=r.rank_parameters, bytes_per_param=dense,
-                          model_states=model_states, activations=activations,
-                          attention=activations - _activations(cfg, r), kernel=kernel)
+    return MemoryEstimate(
+        parameters=r.parameters,
+        rank_parameters=r.rank_parameters,
+        bytes_per_param=dense,
+        model_states=model_states,
+        activations=activations,
+        attention=activations - _activations(cfg, r),
+        kernel=kernel,
+    )
 
 
 def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, str] | None:
@@ -294,14 +392,21 @@ def available_bytes(device: torch.device, ranks_on_node: int) -> tuple[float, st
 def describe_refusal(cfg: TrainConfig, found: MemoryEstimate, available: float, how: str) -> str:
     attention = ""
     if found.attention > 0:
-        why = " (torch's flash kernel takes no dropout there: --attention-dropout 0 runs it)" if (
-            cfg.model.attention_dropout > 0) else ""
-        attention = (f", of which {found.attention / GIB:.1f} GiB are the {found.kernel} attention kernel's "
-                     f"(b, heads, s, s) probabilities{why}")
-    return (f"this run needs about {found.total / GIB:.1f} GiB per rank but {available / GIB:.1f} GiB is "
-            f"available ({how}): model states {found.model_states / GIB:.1f} GiB ({found.parameters / 1e6:.1f}M "
-            f"parameters, {found.rank_parameters / 1e6:.1f}M on the largest rank at {found.bytes_per_param:g} "
-            f"bytes each, ZeRO stage {cfg.zero.stage}), activations {found.activations / GIB:.1f} GiB "
-            f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}{attention}); lower "
-            f"--seq-length, --micro-batch-size or the model size, or spread it (--zero-stage, "
-            f"--tensor-model-parallel-size, --pipeline-model-parallel-size, --recompute-activations)")
+        why = (
+            " (torch's flash kernel takes no dropout there: --attention-dropout 0 runs it)"
+            if (cfg.model.attention_dropout > 0)
+            else ""
+        )
+        attention = (
+            f", of which {found.attention / GIB:.1f} GiB are the {found.kernel} attention kernel's "
+            f"(b, heads, s, s) probabilities{why}"
+        )
+    return (
+        f"this run needs about {found.total / GIB:.1f} GiB per rank but {available / GIB:.1f} GiB is "
+        f"available ({how}): model states {found.model_states / GIB:.1f} GiB ({found.parameters / 1e6:.1f}M "
+        f"parameters, {found.rank_parameters / 1e6:.1f}M on the largest rank at {found.bytes_per_param:g} "
+        f"bytes each, ZeRO stage {cfg.zero.stage}), activations {found.activations / GIB:.1f} GiB "
+        f"(--seq-length {cfg.model.seq_length} x --micro-batch-size {cfg.micro_batch_size}{attention}); lower "
+        f"--seq-length, --micro-batch-size or the model size, or spread it (--zero-stage, "
+        f"--tensor-model-parallel-size, --pipeline-model-parallel-size, --recompute-activations)"
+    )

@@ -7,6 +7,7 @@ intermediates, the placed outputs, the shared expert's; capacity padding through
 the dispatch buffers it holds while it runs (all-to-all send and receive rows, all-gather's
 gathered rows and scatter buffer). Assumes balanced routing: a rank whose experts get more rows
 holds more. bench/plan_memory_table.py measures three MoE layouts' peaks against the plan."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,13 @@ import torch
 
 def _layer(model_cfg, moe: bool):
     from megazero.models.gpt import TransformerLayer
-    cfg = dataclasses.replace(model_cfg, num_layers=1, moe_layer_freq=1) if moe else \
-        dataclasses.replace(model_cfg, num_layers=1, num_experts=0, moe_layer_freq=1)
-    with torch.device("meta"):      # shapes only
+
+    cfg = (
+        dataclasses.replace(model_cfg, num_layers=1, moe_layer_freq=1)
+        if moe
+        else dataclasses.replace(model_cfg, num_layers=1, num_experts=0, moe_layer_freq=1)
+    )
+    with torch.device("meta"):  # shapes only
         return TransformerLayer(cfg, 0)
 
 
@@ -55,8 +60,10 @@ def moe_layer_persistent_extra(model_cfg, tp: int, threshold: int) -> int:
             local = p.numel() // tp if p.dim() == 2 and not name.startswith(whole) else p.numel()
             total += p.numel() if local <= threshold else 0
         return total
+
     return count(_layer(model_cfg, True).mlp, ("router.", "shared_experts.gate_weight")) - count(
-        _layer(model_cfg, False).mlp)
+        _layer(model_cfg, False).mlp
+    )
 
 
 def stage_moe_layers(model_cfg, layers: range) -> int:
@@ -91,15 +98,19 @@ def moe_layer_activation_extra(model_cfg, tokens: int, micro: int, tp: int, weig
     per_width = 4 if m.activation == "swiglu" else 2
     row_tensors = 3 + (1 if ep > 1 else 0)
     experts = rows * (row_tensors * h + per_width * m.moe_ffn_hidden_size / tp) * weight_bytes
-    router = tokens * m.num_experts * 4 * 2 + rows * (4 + 3 * 8)     # fp32 scores; probs, int64 slots, indices
-    shared = tokens * (per_width * m.moe_shared_expert_intermediate_size / tp
-                       + (h if m.moe_shared_expert_gate else 0)) * weight_bytes
+    router = tokens * m.num_experts * 4 * 2 + rows * (4 + 3 * 8)  # fp32 scores; probs, int64 slots, indices
+    shared = (
+        tokens
+        * (per_width * m.moe_shared_expert_intermediate_size / tp + (h if m.moe_shared_expert_gate else 0))
+        * weight_bytes
+    )
     dense_mlp = 2 * 4 * h * tokens * weight_bytes / tp
     return experts + router + shared - dense_mlp
 
 
-def moe_dispatch_bytes(model_cfg, tokens: int, micro: int, tp: int, weight_bytes: int, ep: int,
-                       dispatcher: str, gloo: bool = False) -> float:
+def moe_dispatch_bytes(
+    model_cfg, tokens: int, micro: int, tp: int, weight_bytes: int, ep: int, dispatcher: str, gloo: bool = False
+) -> float:
     """The dispatch buffers a MoE layer holds while it runs, beyond what it saves (routed_rows'
     balance), less what the layer saves after its experts (the placed outputs the probabilities
     multiply, the shared expert's tensors: not yet held when the dispatch runs in the forward, freed
@@ -117,8 +128,9 @@ def moe_dispatch_bytes(model_cfg, tokens: int, micro: int, tp: int, weight_bytes
     else:
         held = tokens + 2 * rows
     per_width = 4 if m.activation == "swiglu" else 2
-    after = rows * h + tokens * (per_width * m.moe_shared_expert_intermediate_size / tp
-                                 + (h if m.moe_shared_expert_gate else 0))
+    after = rows * h + tokens * (
+        per_width * m.moe_shared_expert_intermediate_size / tp + (h if m.moe_shared_expert_gate else 0)
+    )
     return (held * h - after) * weight_bytes
 
 
@@ -130,6 +142,14 @@ def moe_transient_bytes(cfg, weight_bytes: int, head_bytes: float) -> float:
     if not m.num_experts:
         return 0.0
     tokens = m.seq_length * cfg.micro_batch_size // par.context_parallel
-    dispatch = moe_dispatch_bytes(m, tokens, cfg.micro_batch_size, par.tensor_parallel, weight_bytes,
-                                  par.expert_parallel, par.moe_dispatcher, par.distributed_backend == "gloo")
+    dispatch = moe_dispatch_bytes(
+        m,
+        tokens,
+        cfg.micro_batch_size,
+        par.tensor_parallel,
+        weight_bytes,
+        par.expert_parallel,
+        par.moe_dispatcher,
+        par.distributed_backend == "gloo",
+    )
     return max(0.0, dispatch - head_bytes)

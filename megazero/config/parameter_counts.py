@@ -5,6 +5,7 @@ ZeRO-3 keeps whole under its persistence threshold, the largest module and param
 Owns the counting; the bytes per count are config/memory_estimate.py's, MoE layers'
 config/moe_memory.py's. Must not allocate real memory (everything is built on meta).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +19,10 @@ def _one_layer_model(model_cfg):
     """A one-layer model of `model_cfg`'s dense layer (config/moe_memory.py adds what MoE layers hold);
     the last few kept, read only: a layout search plans thousands of layouts of one model."""
     from megazero.models.gpt import GPT
+
     layer = dataclasses.replace(dense_layer_config(model_cfg), num_layers=1)
     if repr(layer) not in _ONE_LAYER:
-        with torch.device("meta"):      # shapes only: nothing is allocated
+        with torch.device("meta"):  # shapes only: nothing is allocated
             _ONE_LAYER[repr(layer)] = GPT(layer)
         while len(_ONE_LAYER) > 16:
             _ONE_LAYER.pop(next(iter(_ONE_LAYER)))
@@ -66,6 +68,7 @@ def largest_param(model_cfg, tp: int) -> int:
     persistent_counts): autograd hands each gradient over as a tensor of its own before it is
     added to (or staged in) ZeRO's buffers."""
     model = _one_layer_model(model_cfg)
-    return max(p.numel() // tp if p.dim() == 2 and "position" not in name else p.numel()
-               for name, p in model.named_parameters())
-
+    return max(
+        p.numel() // tp if p.dim() == 2 and "position" not in name else p.numel()
+        for name, p in model.named_parameters()
+    )

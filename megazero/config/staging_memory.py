@@ -13,6 +13,7 @@ reduce-scatters (the work keeps it until the handle drops it, after the wait; NC
 itself); and this rank's reduced chunk (bucket / shards), except for the step's first reduction of a
 bucket when the reduce and accumulation dtypes agree, which lands in the gradient partition itself.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,8 @@ def queue_held(sizes: list[int], max_staged: int, overlap: bool) -> list[list[in
         if not overlap:
             held = []
         while len(held) > ReductionQueue.MAX_STAGED_IN_FLIGHT or (
-                len(held) > 1 and sum(sizes[j] for j in held) > max_staged):
+            len(held) > 1 and sum(sizes[j] for j in held) > max_staged
+        ):
             held.pop(0)
     return out
 
@@ -51,19 +53,24 @@ def stage2_staging_bytes(cfg, r, reduce_bytes: int, activations: float) -> tuple
     reduction's issue (those held, the new one with its copy and chunk, and the activations of the
     microbatches still in flight: `activations` holds r.in_flight of them)."""
     z = cfg.zero
-    scatter = r.shards > 1 and z.reduce_scatter      # else an all-reduce in place (or nothing)
+    scatter = r.shards > 1 and z.reduce_scatter  # else an all-reduce in place (or nothing)
     gloo_copy = scatter and cfg.parallel.distributed_backend == "gloo"
     # a fresh chunk reduces straight into the gradient partition when the dtypes agree
     direct = cfg.precision.reduce_dtype == cfg.precision.grad_accum_dtype
     per_step = bucket_sizes(r.rank_parameters, z.reduce_bucket_size)
     sizes = per_step * r.microbatches
-    issued = [(size * (2 if gloo_copy else 1) + (
-        math.ceil(size / r.shards) if scatter and not (i < len(per_step) and direct) else 0)) * reduce_bytes
-        for i, size in enumerate(sizes)]
+    issued = [
+        (
+            size * (2 if gloo_copy else 1)
+            + (math.ceil(size / r.shards) if scatter and not (i < len(per_step) and direct) else 0)
+        )
+        * reduce_bytes
+        for i, size in enumerate(sizes)
+    ]
     per_microbatch = activations / max(r.in_flight, 1)
     backward = reduction = 0.0
     for i, held in enumerate(queue_held(sizes, z.reduce_bucket_size, z.overlap)):
-        k = i // len(per_step)                        # the microbatch
+        k = i // len(per_step)  # the microbatch
         others = per_microbatch * min(r.in_flight - 1, r.microbatches - 1 - k)
         kept = sum(issued[j] for j in held)
         backward = max(backward, kept + sizes[i] * reduce_bytes)

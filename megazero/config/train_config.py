@@ -1,5 +1,6 @@
 """The typed configuration tree of a training run. Flags map onto it once, at the edge
 (megazero.config.train_flags); the runtime reads these records, never argv or globals."""
+
 from __future__ import annotations
 
 from typing import Literal, Optional
@@ -19,21 +20,21 @@ class ParallelConfig(Record):
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     sequence_parallel: bool = False
-    context_parallel: int = 1                    # ranks splitting each sequence (--context-parallel-size)
-    expert_parallel: int = 1                     # ranks the experts split over, out of dp x cp
-    expert_tensor_parallel: int = 0              # 0: tp (experts split as the dense MLP); 1: whole experts
+    context_parallel: int = 1  # ranks splitting each sequence (--context-parallel-size)
+    expert_parallel: int = 1  # ranks the experts split over, out of dp x cp
+    expert_tensor_parallel: int = 0  # 0: tp (experts split as the dense MLP); 1: whole experts
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     cp_comm_type: Literal["p2p", "a2a", "allgather"] = "p2p"
     """How attention sees the whole sequence under context parallelism: ring attention (p2p),
     Ulysses all-to-all over heads (a2a) or all-gathered keys and values (allgather)."""
-    virtual_stages: int = 1                      # interleaved pipeline: model chunks per stage
+    virtual_stages: int = 1  # interleaved pipeline: model chunks per stage
     cpu_offloading_num_layers: int = 0
     """Activation offload (--cpu-offloading): the first N transformer layers of each model chunk keep
     their saved activations in host memory between forward and backward (parallel/activation_offload.py)."""
-    layer_split: Optional[list[int]] = None      # uneven pipeline split: layers per chunk
+    layer_split: Optional[list[int]] = None  # uneven pipeline split: layers per chunk
     schedule: Literal["auto", "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "interleaved-zb", "dualpipev"] = "auto"
-    overlap_p2p_comm: bool = False               # 1F1B/interleaved: p2p transfers move during compute
-    ranks_per_node: int = 0                      # 0: LOCAL_WORLD_SIZE
+    overlap_p2p_comm: bool = False  # 1F1B/interleaved: p2p transfers move during compute
+    ranks_per_node: int = 0  # 0: LOCAL_WORLD_SIZE
     distributed_backend: Literal["gloo", "nccl"] = "gloo"
     timeout_minutes: float = 10.0
     """How long any collective waits for a silent rank (Megatron's --distributed-timeout-minutes):
@@ -48,7 +49,7 @@ class OptimizerConfig(Record):
     lr: float = 6e-4
     min_lr: float = 0.0
     warmup_iters: int = 0
-    decay_iters: Optional[int] = None            # None: train_iters
+    decay_iters: Optional[int] = None  # None: train_iters
     decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
     adam: AdamConfig = Field(default_factory=AdamConfig)
     muon: Optional[MuonConfig] = None
@@ -58,7 +59,7 @@ class OptimizerConfig(Record):
     decoupled_lr: Optional[float] = None
     """Megatron's --decoupled-lr: the input embedding and the output layer follow the same schedule
     from this peak instead of `lr` (None: every parameter takes `lr`)."""
-    decoupled_min_lr: Optional[float] = None     # their min_lr (None: min_lr)
+    decoupled_min_lr: Optional[float] = None  # their min_lr (None: min_lr)
     from_train_iters: tuple[str, ...] = ()
     """The schedule fields (warmup_iters, decay_iters) no flag set: derived from --train-iters, so a
     resume with another --train-iters is refused naming that flag, not these."""
@@ -68,17 +69,17 @@ class OptimizerConfig(Record):
 
 
 class DataConfig(Record):
-    data_path: Optional[list[str]] = None        # None: the embedded default corpus
+    data_path: Optional[list[str]] = None  # None: the embedded default corpus
     split: str = "949,50,1"
     tokenizer_model: Optional[str] = None
     tokenizer_type: str = "SentencePieceTokenizer"  # or GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer
-    vocab_file: Optional[str] = None             # GPT2BPETokenizer: vocab.json
-    merge_file: Optional[str] = None             # GPT2BPETokenizer: merges.txt
-    vocab_size: Optional[int] = None             # NullTokenizer
+    vocab_file: Optional[str] = None  # GPT2BPETokenizer: vocab.json
+    merge_file: Optional[str] = None  # GPT2BPETokenizer: merges.txt
+    vocab_size: Optional[int] = None  # NullTokenizer
     cache_dir: Optional[str] = None
-    mock_data: bool = False                      # random tokens of the vocabulary, no files
-    mmap_bin_files: bool = True                  # False: .bin files read with plain reads
-    tiktoken_pattern: Optional[str] = None       # TikTokenizer: "v1" or "v2"
+    mock_data: bool = False  # random tokens of the vocabulary, no files
+    mmap_bin_files: bool = True  # False: .bin files read with plain reads
+    tiktoken_pattern: Optional[str] = None  # TikTokenizer: "v1" or "v2"
     # Megatron-LM's document masking of packed samples, at the tokenizer's end-of-document id
     # (models/documents.py): positions restart after it, attention stays inside each document, no
     # loss where the input token is it.
@@ -88,7 +89,7 @@ class DataConfig(Record):
     split_paths: Optional[list[Optional[list[str]]]] = None
     """[train, valid, test] of --train-data-path / --valid-data-path / --test-data-path, each split's
     own blend taken whole (data_path and split unused); None: data_path cut by split."""
-    builder_threads: int = 1                     # --num-dataset-builder-threads
+    builder_threads: int = 1  # --num-dataset-builder-threads
 
     def reads_files(self) -> bool:
         """Whether the run reads the user's .bin/.idx files (else mock data or the embedded corpus)."""
@@ -97,20 +98,21 @@ class DataConfig(Record):
 
 class CheckpointConfig(Record):
     """Megatron's checkpoint flags (see megazero.checkpoint.resume)."""
-    save: Optional[str] = None                   # folder to save into
-    load: Optional[str] = None                   # folder (its `latest`) or iter_* directory to load
-    save_interval: int = 0                       # save every N iterations (0: only at the end)
+
+    save: Optional[str] = None  # folder to save into
+    load: Optional[str] = None  # folder (its `latest`) or iter_* directory to load
+    save_interval: int = 0  # save every N iterations (0: only at the end)
     load_optim: bool = True
     load_rng: bool = True
-    finetune: bool = False                       # weights only; iteration 0, fresh optimizer
-    exit_interval: int = 0                       # stop after an iteration that is a multiple of N
+    finetune: bool = False  # weights only; iteration 0, fresh optimizer
+    exit_interval: int = 0  # stop after an iteration that is a multiple of N
     exit_duration_mins: float = 0.0
-    exit_signal_handler: bool = False            # exit_signal or SIGINT: finish the step, save, exit 0
-    exit_signal: str = "SIGTERM"                 # SIGTERM, SIGINT, SIGUSR1 or SIGUSR2
-    keep_last: int = 0                           # keep the newest K checkpoints (0: all), and the newest healthy one
+    exit_signal_handler: bool = False  # exit_signal or SIGINT: finish the step, save, exit 0
+    exit_signal: str = "SIGTERM"  # SIGTERM, SIGINT, SIGUSR1 or SIGUSR2
+    keep_last: int = 0  # keep the newest K checkpoints (0: all), and the newest healthy one
     async_save: bool = False
-    exit_on_save_failure: bool = False           # a failed save stops the run (else it trains on)
-    extend_positions: bool = False               # a smaller learned position table grows on load
+    exit_on_save_failure: bool = False  # a failed save stops the run (else it trains on)
+    extend_positions: bool = False  # a smaller learned position table grows on load
     scheduler_on_load: Literal["check", "flags", "checkpoint"] = "check"
     """What --load does with the checkpoint's lr schedule (Megatron): "check" refuses a schedule that
     differs from the flags', "flags" (--override-opt_param-scheduler) and "checkpoint"
@@ -119,30 +121,32 @@ class CheckpointConfig(Record):
 
 class MonitorConfig(Record):
     """Where the logging rank also sends its metrics records (see megazero.training.monitor)."""
-    wandb_project: Optional[str] = None          # None: no wandb run
-    wandb_exp_name: Optional[str] = None         # None: wandb picks a name
-    wandb_save_dir: Optional[str] = None         # wandb writes <this>/wandb/<run>; the edge sets run_dir
-    wandb_entity: Optional[str] = None           # None: the account's default entity
-    tensorboard_dir: Optional[str] = None        # None: no event files
+
+    wandb_project: Optional[str] = None  # None: no wandb run
+    wandb_exp_name: Optional[str] = None  # None: wandb picks a name
+    wandb_save_dir: Optional[str] = None  # wandb writes <this>/wandb/<run>; the edge sets run_dir
+    wandb_entity: Optional[str] = None  # None: the account's default entity
+    tensorboard_dir: Optional[str] = None  # None: no event files
 
 
 class RunOptions(Record):
     """Megatron's housekeeping, logging and profiling flags (none changes the math), and when a run
     that diverged stops (megazero.training.divergence)."""
-    manual_gc: bool = False                      # Python's automatic GC off, collected every interval
-    manual_gc_interval: int = 0                  # 0: only Megatron's collections around evaluation
-    empty_unused_memory_level: int = 0           # 1: release the allocator cache after backward; 2: also after the step
+
+    manual_gc: bool = False  # Python's automatic GC off, collected every interval
+    manual_gc_interval: int = 0  # 0: only Megatron's collections around evaluation
+    empty_unused_memory_level: int = 0  # 1: release the allocator cache after backward; 2: also after the step
     log_params_norm: bool = False
     log_num_zeros_in_grad: bool = False
     log_timers_to_tensorboard: bool = False
-    profile: bool = False                        # a torch.profiler trace of steps [profile_step_start, profile_step_end)
+    profile: bool = False  # a torch.profiler trace of steps [profile_step_start, profile_step_end)
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_ranks: list[int] = Field(default_factory=lambda: [0])
-    num_workers: int = 0                         # >0: batches prepared by a background thread
-    straggler_threshold: float = 0.2             # name a rank this fraction slower than the median; 0: off
-    check_for_nan: bool = True                   # a non-finite loss or unexplained gradient ends the run
-    max_consecutive_skipped_steps: int = 50      # so many skipped steps in a row end the run; 0: never
+    num_workers: int = 0  # >0: batches prepared by a background thread
+    straggler_threshold: float = 0.2  # name a rank this fraction slower than the median; 0: off
+    check_for_nan: bool = True  # a non-finite loss or unexplained gradient ends the run
+    max_consecutive_skipped_steps: int = 50  # so many skipped steps in a row end the run; 0: never
 
 
 class TrainConfig(Record):
@@ -165,7 +169,7 @@ class TrainConfig(Record):
     default_run_dir: bool = False
     """run_dir is this rank's draw of the default name (no --run-dir): rank 0's replaces it once the
     process groups exist (megazero.run.run_folder)."""
-    metrics_file: Optional[str] = None           # None: <run_dir>/metrics.jsonl
+    metrics_file: Optional[str] = None  # None: <run_dir>/metrics.jsonl
     wall_clock_breakdown: bool = False
     """Time the phases of each step (forward, backward, reduction, optimizer) and log them with the
     iteration (DeepSpeed's wall_clock_breakdown)."""
@@ -201,9 +205,17 @@ class TrainConfig(Record):
 
 def topology_of(cfg: TrainConfig, world: int):
     """The rank grid `cfg` lays `world` ranks out on (megazero.parallel.topology.Topology)."""
-    from megazero.parallel.topology import Topology      # here: the flags are checked before torch loads
+    from megazero.parallel.topology import Topology  # here: the flags are checked before torch loads
+
     par = cfg.parallel
-    return Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                    cp=par.context_parallel, ep=par.expert_parallel, etp=par.expert_tensor_parallel,
-                    mics_shard_size=cfg.zero.mics_shard_size, ranks_per_node=par.ranks_per_node,
-                    hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1)
+    return Topology(
+        world_size=world,
+        tp=par.tensor_parallel,
+        pp=par.pipeline_parallel,
+        cp=par.context_parallel,
+        ep=par.expert_parallel,
+        etp=par.expert_tensor_parallel,
+        mics_shard_size=cfg.zero.mics_shard_size,
+        ranks_per_node=par.ranks_per_node,
+        hpz_partition_size=cfg.zero.zero_hpz_partition_size if cfg.zero.stage == 3 else 1,
+    )

@@ -10,6 +10,7 @@ against a `Machine` (megazero.config.machine: the ranks, whether there is CUDA);
 meaning is its own *_flags module's. Checks against the machine and the files (paths, data, memory)
 are megazero.config.machine_checks's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,13 @@ import time
 from pathlib import Path
 
 from megazero.config.deepspeed_json import load_deepspeed_config
-from megazero.config.data_flags import (DEFAULT_SPLIT, data_notes, infer_tokenizer_type, per_split_paths,
-                                        tokenizer_vocab_size)
+from megazero.config.data_flags import (
+    DEFAULT_SPLIT,
+    data_notes,
+    infer_tokenizer_type,
+    per_split_paths,
+    tokenizer_vocab_size,
+)
 from megazero.config.deepspeed_blocks import DeepSpeedSettings, flags_from_config, setting_origin
 from megazero.config.flags import FLAG_RANGES, MERGED, MERGED_RANGES, range_problem
 from megazero.config.flags import parse_args  # noqa: F401  (the launch and the tests take the pair from here)
@@ -36,21 +42,30 @@ from megazero.config.train_config import DataConfig, ParallelConfig, TrainConfig
 from megazero.config.zero_flags import check_zero_layout, zero_config
 from megazero.core.errors import UsageError
 from megazero.models.config import GPTConfig
-from megazero.parallel.topology import (Topology, validate_context_parallel, validate_expert_parallel,
-                                        validate_model_fits)
+from megazero.parallel.topology import (
+    Topology,
+    validate_context_parallel,
+    validate_expert_parallel,
+    validate_model_fits,
+)
 from megazero.zero.config import as_json, stage_notes
 
-SWITCHES = {"bf16", "fp16", "reduce_dtype"}       # flags that take no value
+SWITCHES = {"bf16", "fp16", "reduce_dtype"}  # flags that take no value
 # Settings whose DeepSpeed key is about DeepSpeed's console, not the training: a flag that says
 # otherwise wins, with a note (a key that changes the math or the layout refuses the contradiction).
 COSMETIC = {"log_interval": "DeepSpeed's console cadence"}
 # Settings only a DeepSpeed config gives: name -> default.
-JSON_ONLY = {"grad_accum_dtype": "fp32", "consecutive_hysteresis": False, "wall_clock_breakdown": False,
-             "decoupled_weight_decay": True}
+JSON_ONLY = {
+    "grad_accum_dtype": "fp32",
+    "consecutive_hysteresis": False,
+    "wall_clock_breakdown": False,
+    "decoupled_weight_decay": True,
+}
 
 
-def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_size: int = 0, *,
-                     cuda_available: bool | None = None) -> TrainConfig:
+def config_from_args(
+    args: argparse.Namespace, world_size: int = 1, local_world_size: int = 0, *, cuda_available: bool | None = None
+) -> TrainConfig:
     """Validates the flags against each other and the world; raises UsageError on the first problem.
     `cuda_available`: whether this machine has CUDA (None: torch.cuda says, importing torch); it
     picks the default backend, and a few checks depend on it (fused attention, --compile). `args`
@@ -62,9 +77,15 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
     model = _model_config(args, topology, notes, machine)
     check_attention_precision(model, precision.bf16 or precision.fp16, machine.uses_cuda(args.distributed_backend))
     virtual = batch_flags.virtual_stages(args, topology)
-    validate_model_fits(topology, num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-                        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size,
-                        virtual_stages=virtual, layer_split=args.pipeline_layer_split)
+    validate_model_fits(
+        topology,
+        num_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size,
+        virtual_stages=virtual,
+        layer_split=args.pipeline_layer_split,
+    )
     micro, glob = merged["micro_batch_size"], merged["global_batch_size"]
     glob = batch_flags.global_batch(args, micro, glob, topology.dp, ds)
     batch_flags.check_pipeline(args, topology, virtual, glob // (micro * topology.dp))
@@ -76,32 +97,50 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, local_world_
         batch_flags.check_pipeline(args, topology, virtual, ramp.start // (micro * topology.dp))
     train_iters = batch_flags.train_iters(args, glob, ramp)
     if ramp is not None and args.train_samples is None:
-        notes.append("--rampup-batch-size with --train-iters: Megatron-LM asks for --train-samples; megazero "
-                     "runs the iterations with the ramp's batches and counts the lr schedule in samples "
-                     "(iteration flags x --global-batch-size)")
+        notes.append(
+            "--rampup-batch-size with --train-iters: Megatron-LM asks for --train-samples; megazero "
+            "runs the iterations with the ramp's batches and counts the lr schedule in samples "
+            "(iteration flags x --global-batch-size)"
+        )
     optimizer = optimizer_config(args, ds, merged, train_iters, glob, ramp is not None)
-    notes += optimizer_notes(args, optimizer, precision, zero, topology.tp, train_iters, glob,
-                             glob // (micro * topology.dp))
+    notes += optimizer_notes(
+        args, optimizer, precision, zero, topology.tp, train_iters, glob, glob // (micro * topology.dp)
+    )
     run_opts = run_options(args, world_size, notes)
     # this rank's draw; rank 0's becomes the run's (megazero.run.run_folder): unique per run, not per second
     run_dir = args.run_dir or time.strftime("runs/gpt-%Y%m%d-%H%M%S-") + os.urandom(3).hex()
     compile_layers = compile_backend(args, machine.uses_cuda(args.distributed_backend))
     if args.deepspeed:
-        notes.append("--deepspeed has no effect: megazero's own ZeRO engine always runs (its settings "
-                     "come from --deepspeed_config / --zero-config)")
+        notes.append(
+            "--deepspeed has no effect: megazero's own ZeRO engine always runs (its settings "
+            "come from --deepspeed_config / --zero-config)"
+        )
     return TrainConfig(
-        model=model, zero=zero, optimizer=optimizer, data=data,
+        model=model,
+        zero=zero,
+        optimizer=optimizer,
+        data=data,
         parallel=_parallel_config(args, machine, topology, cp_comm_type, virtual, model),
         precision=precision,
-        micro_batch_size=micro, global_batch_size=glob, train_iters=train_iters,
+        micro_batch_size=micro,
+        global_batch_size=glob,
+        train_iters=train_iters,
         batch_from=batch_flags.batch_from(args, ds),
-        eval_interval=batch_flags.positive(args.eval_interval, "--eval-interval"), eval_iters=args.eval_iters,
-        log_interval=batch_flags.positive(merged["log_interval"], "--log-interval"), seed=merged["seed"],
-        run_dir=run_dir, default_run_dir=args.run_dir is None,
+        eval_interval=batch_flags.positive(args.eval_interval, "--eval-interval"),
+        eval_iters=args.eval_iters,
+        log_interval=batch_flags.positive(merged["log_interval"], "--log-interval"),
+        seed=merged["seed"],
+        run_dir=run_dir,
+        default_run_dir=args.run_dir is None,
         metrics_file=args.metrics_file or str(Path(run_dir) / "metrics.jsonl"),
         wall_clock_breakdown=merged["wall_clock_breakdown"] or args.log_timers_to_tensorboard,
-        compile_backend=compile_layers, notes=notes, checkpoint=checkpoint_config(args),
-        monitor=monitor_config(args, run_dir), rampup=ramp, run=run_opts)
+        compile_backend=compile_layers,
+        notes=notes,
+        checkpoint=checkpoint_config(args),
+        monitor=monitor_config(args, run_dir),
+        rampup=ramp,
+        run=run_opts,
+    )
 
 
 def _zero_and_precision(args, ds: DeepSpeedSettings | None, merged: dict) -> tuple:
@@ -123,7 +162,7 @@ def _settings(parsed: argparse.Namespace) -> tuple[argparse.Namespace, DeepSpeed
     infer_tokenizer_type(args)
     ds = load_deepspeed_config(config_path, args.zero_config_flag) if config_path else None
     merged = _merge(args, ds, config_path)
-    if ds:      # keys standing for flags outside MERGED (schedule, recomputation, monitors) act as those flags
+    if ds:  # keys standing for flags outside MERGED (schedule, recomputation, monitors) act as those flags
         for attr, value in flags_from_config(ds, vars(args), merged["lr"], config_path).items():
             setattr(args, attr, value)
     _check_ranges(args, ds, merged)
@@ -138,12 +177,14 @@ def _merge(args, ds: DeepSpeedSettings | None, config_path: str | None) -> dict:
         if from_flag is not None and from_json is not None and from_flag != from_json:
             shown = flag if name in SWITCHES else f"{flag} {from_flag}"
             if name in COSMETIC:
-                ds.notes.append(f"{shown} wins over {ds.source(name)} = {as_json(from_json)} in {config_path} "
-                                f"({COSMETIC[name]})")
+                ds.notes.append(
+                    f"{shown} wins over {ds.source(name)} = {as_json(from_json)} in {config_path} ({COSMETIC[name]})"
+                )
                 from_json = None
             else:
-                raise UsageError(f"{shown} contradicts {ds.source(name)} = {as_json(from_json)} in "
-                                 f"{config_path}; remove one")
+                raise UsageError(
+                    f"{shown} contradicts {ds.source(name)} = {as_json(from_json)} in {config_path}; remove one"
+                )
         merged[name] = from_flag if from_flag is not None else from_json if from_json is not None else default
     for name, default in JSON_ONLY.items():
         merged[name] = ds.get(name, default) if ds else default
@@ -154,10 +195,12 @@ def _merge(args, ds: DeepSpeedSettings | None, config_path: str | None) -> dict:
 def _config_path(args) -> str | None:
     """--zero-config, or the same file under Megatron-DeepSpeed's --deepspeed_config."""
     if args.zero_config and args.deepspeed_config and args.zero_config != args.deepspeed_config:
-        raise UsageError(f"--zero-config {args.zero_config} contradicts --deepspeed_config "
-                         f"{args.deepspeed_config}; give the DeepSpeed config once")
+        raise UsageError(
+            f"--zero-config {args.zero_config} contradicts --deepspeed_config "
+            f"{args.deepspeed_config}; give the DeepSpeed config once"
+        )
     flag = "--zero-config" if args.zero_config else "--deepspeed_config"
-    args.zero_config_flag = flag       # how the user named the file, for its errors
+    args.zero_config_flag = flag  # how the user named the file, for its errors
     args.zero_config = args.zero_config or args.deepspeed_config
     if args.zero_config and not Path(args.zero_config).is_file():
         what = "is a directory" if Path(args.zero_config).is_dir() else "no such file"
@@ -170,10 +213,16 @@ def _config_path(args) -> str | None:
 def _topology(args, machine: Machine, zero) -> tuple[Topology, str]:
     """The rank grid the flags ask for on the machine's ranks, and the context-parallel comm type."""
     cp, cp_comm_type = _context_parallel(args)
-    topology = Topology(world_size=machine.world_size, tp=args.tensor_model_parallel_size,
-                        pp=args.pipeline_model_parallel_size, mics_shard_size=zero.mics_shard_size,
-                        ranks_per_node=args.ranks_per_node or machine.local_world_size or machine.world_size,
-                        cp=cp, ep=expert_parallel_size(args), etp=args.expert_tensor_parallel_size or 0)
+    topology = Topology(
+        world_size=machine.world_size,
+        tp=args.tensor_model_parallel_size,
+        pp=args.pipeline_model_parallel_size,
+        mics_shard_size=zero.mics_shard_size,
+        ranks_per_node=args.ranks_per_node or machine.local_world_size or machine.world_size,
+        cp=cp,
+        ep=expert_parallel_size(args),
+        etp=args.expert_tensor_parallel_size or 0,
+    )
     check_zero_layout(zero, topology)
     return topology, cp_comm_type
 
@@ -185,58 +234,92 @@ def _context_parallel(args) -> tuple[int, str]:
     if ulysses is None:
         return cp, comm_type
     if cp not in (1, ulysses) or (cp > 1 and comm_type != "a2a"):
-        raise UsageError(f"--ds-sequence-parallel-size {ulysses} (Ulysses: context parallel with a2a) "
-                         f"contradicts --context-parallel-size {cp} --cp-comm-type {comm_type}; give one")
+        raise UsageError(
+            f"--ds-sequence-parallel-size {ulysses} (Ulysses: context parallel with a2a) "
+            f"contradicts --context-parallel-size {cp} --cp-comm-type {comm_type}; give one"
+        )
     return ulysses, "a2a"
 
 
 def _check_sequence_splits(args, topology: Topology, model: GPTConfig, cp_comm_type: str, notes: list[str]) -> None:
     """Sequence parallelism, context parallelism and expert parallelism against the model's shape."""
     if args.sequence_parallel and topology.tp == 1:
-        notes.append("--sequence-parallel has no effect at --tensor-model-parallel-size 1: it splits the "
-                     "sequence over the tensor-parallel ranks (Megatron-LM turns it off there too)")
+        notes.append(
+            "--sequence-parallel has no effect at --tensor-model-parallel-size 1: it splits the "
+            "sequence over the tensor-parallel ranks (Megatron-LM turns it off there too)"
+        )
     if args.sequence_parallel and args.seq_length % topology.tp:
-        raise UsageError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
-                         f"--tensor-model-parallel-size {topology.tp}")
-    validate_context_parallel(topology, seq_length=model.seq_length, num_attention_heads=model.num_attention_heads,
-                              num_query_groups=model.num_query_groups, comm_type=cp_comm_type,
-                              sequence_parallel=args.sequence_parallel and topology.tp > 1,
-                              attention_dropout=model.attention_dropout)
-    validate_expert_parallel(topology, num_experts=model.num_experts,
-                             mics=topology.mics_shard_size != topology.dp_cp,
-                             capacity=model.moe_expert_capacity_factor is not None,
-                             dispatcher=args.moe_token_dispatcher_type, seq_length=model.seq_length)
+        raise UsageError(
+            f"--sequence-parallel needs --seq-length {args.seq_length} divisible by "
+            f"--tensor-model-parallel-size {topology.tp}"
+        )
+    validate_context_parallel(
+        topology,
+        seq_length=model.seq_length,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        comm_type=cp_comm_type,
+        sequence_parallel=args.sequence_parallel and topology.tp > 1,
+        attention_dropout=model.attention_dropout,
+    )
+    validate_expert_parallel(
+        topology,
+        num_experts=model.num_experts,
+        mics=topology.mics_shard_size != topology.dp_cp,
+        capacity=model.moe_expert_capacity_factor is not None,
+        dispatcher=args.moe_token_dispatcher_type,
+        seq_length=model.seq_length,
+    )
 
 
 def _data_config(args) -> DataConfig:
     from megazero.data.gpt_dataset import parse_split
+
     split = args.split or DEFAULT_SPLIT
     parse_split(split)
-    return DataConfig(data_path=args.data_path, split=split, tokenizer_model=args.tokenizer_model,
-                      tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                      merge_file=args.merge_file, vocab_size=args.vocab_size,
-                      cache_dir=args.data_cache_path, mock_data=args.mock_data,
-                      mmap_bin_files=not args.no_mmap_bin_files, tiktoken_pattern=args.tiktoken_pattern,
-                      reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
-                      eod_mask_loss=args.eod_mask_loss,
-                      split_paths=per_split_paths(args), builder_threads=args.num_dataset_builder_threads)
+    return DataConfig(
+        data_path=args.data_path,
+        split=split,
+        tokenizer_model=args.tokenizer_model,
+        tokenizer_type=args.tokenizer_type,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_size=args.vocab_size,
+        cache_dir=args.data_cache_path,
+        mock_data=args.mock_data,
+        mmap_bin_files=not args.no_mmap_bin_files,
+        tiktoken_pattern=args.tiktoken_pattern,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        split_paths=per_split_paths(args),
+        builder_threads=args.num_dataset_builder_threads,
+    )
 
 
-def _parallel_config(args, machine: Machine, topology: Topology, cp_comm_type: str, virtual: int,
-                     model: GPTConfig) -> ParallelConfig:
+def _parallel_config(
+    args, machine: Machine, topology: Topology, cp_comm_type: str, virtual: int, model: GPTConfig
+) -> ParallelConfig:
     chunk_layers = min(args.pipeline_layer_split or [model.num_layers // (topology.pp * virtual)])
-    return ParallelConfig(tensor_parallel=topology.tp, pipeline_parallel=topology.pp,
-                          sequence_parallel=args.sequence_parallel and topology.tp > 1,
-                          context_parallel=topology.cp, cp_comm_type=cp_comm_type, expert_parallel=topology.ep,
-                          expert_tensor_parallel=topology.etp,
-                          moe_dispatcher=args.moe_token_dispatcher_type, virtual_stages=virtual,
-                          layer_split=args.pipeline_layer_split,
-                          cpu_offloading_num_layers=offloaded_layers(args, chunk_layers),
-                          schedule=args.pipeline_schedule, ranks_per_node=topology.ranks_per_node,
-                          distributed_backend=machine.backend(args.distributed_backend),
-                          overlap_p2p_comm=args.overlap_p2p_communication,
-                          timeout_minutes=args.distributed_timeout_minutes,
-                          heartbeat_minutes=_heartbeat_minutes(args))
+    return ParallelConfig(
+        tensor_parallel=topology.tp,
+        pipeline_parallel=topology.pp,
+        sequence_parallel=args.sequence_parallel and topology.tp > 1,
+        context_parallel=topology.cp,
+        cp_comm_type=cp_comm_type,
+        expert_parallel=topology.ep,
+        expert_tensor_parallel=topology.etp,
+        moe_dispatcher=args.moe_token_dispatcher_type,
+        virtual_stages=virtual,
+        layer_split=args.pipeline_layer_split,
+        cpu_offloading_num_layers=offloaded_layers(args, chunk_layers),
+        schedule=args.pipeline_schedule,
+        ranks_per_node=topology.ranks_per_node,
+        distributed_backend=machine.backend(args.distributed_backend),
+        overlap_p2p_comm=args.overlap_p2p_communication,
+        timeout_minutes=args.distributed_timeout_minutes,
+        heartbeat_minutes=_heartbeat_minutes(args),
+    )
 
 
 def flag_error(argv: list[str], world_size: int = 1, local_world_size: int = 0) -> str | None:
@@ -260,9 +343,11 @@ def _heartbeat_minutes(args) -> float:
     if args.heartbeat_timeout_minutes is None:
         return backend / 2
     if args.heartbeat_timeout_minutes >= backend:
-        raise UsageError(f"--heartbeat-timeout-minutes {args.heartbeat_timeout_minutes:g} must be below "
-                         f"--distributed-timeout-minutes {backend:g}: at the backend's timeout NCCL aborts the "
-                         f"job naming no rank; lower it, or raise --distributed-timeout-minutes (0 turns it off)")
+        raise UsageError(
+            f"--heartbeat-timeout-minutes {args.heartbeat_timeout_minutes:g} must be below "
+            f"--distributed-timeout-minutes {backend:g}: at the backend's timeout NCCL aborts the "
+            f"job naming no rank; lower it, or raise --distributed-timeout-minutes (0 turns it off)"
+        )
     return args.heartbeat_timeout_minutes
 
 
@@ -287,8 +372,11 @@ def _check_ranges(args, ds: DeepSpeedSettings | None, merged: dict) -> None:
 def _model_config(args, topology: Topology, notes: list[str], machine: Machine) -> GPTConfig:
     vocab = tokenizer_vocab_size(args)
     if args.max_position_embeddings and args.max_position_embeddings < args.seq_length:
-        raise UsageError(f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
-                         f"--seq-length {args.seq_length}")
-    config, model_notes = model_config(args, vocab, topology.tp, topology.pp, machine.uses_cuda(args.distributed_backend))
+        raise UsageError(
+            f"--max-position-embeddings {args.max_position_embeddings} is smaller than --seq-length {args.seq_length}"
+        )
+    config, model_notes = model_config(
+        args, vocab, topology.tp, topology.pp, machine.uses_cuda(args.distributed_backend)
+    )
     notes += model_notes
     return config

@@ -28,6 +28,7 @@ one included, so a tensor on the wrong device fails with a message naming the op
 devices instead of an opaque backend error (or, on one GPU, not at all until the cluster run).
 Tensors this module creates itself are created on the group's device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,21 +46,24 @@ ReduceOp = dist.ReduceOp
 # torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
 # Declared seams: the dry run simulating gloo gives them gloo's flat copies.
 all_gather_single = kernels.declare(
-    "all-gather into one tensor", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+    "all-gather into one tensor", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
 reduce_scatter_single = kernels.declare(
-    "reduce-scatter of one tensor", getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+    "reduce-scatter of one tensor", getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 @dataclasses.dataclass(eq=False)
 class Group:
     """A process group as the rest of the code sees it: global ranks, my index, where it lives."""
+
     name: str
     ranks: tuple[int, ...]
-    rank: int                 # this process's index inside `ranks`
-    pg: object | None         # torch ProcessGroup; None for a group of one
+    rank: int  # this process's index inside `ranks`
+    pg: object | None  # torch ProcessGroup; None for a group of one
     intra_node: bool
     log: CommLog
-    device: torch.device = torch.device("cpu")   # where every tensor of its collectives lives
+    device: torch.device = torch.device("cpu")  # where every tensor of its collectives lives
     # The backend whose semantics the collectives follow, when `pg` stands in for it (the dry run's
     # fake backend for the flags' nccl); None: pg's own.
     stands_for: str | None = None
@@ -88,8 +92,14 @@ class Handle:
     recorded on the waiting stream and let go (see the module docstring). `then` runs once, after
     that, on the first wait, on the waiting stream (e.g. copying a result out of a temporary buffer)."""
 
-    def __init__(self, works: Sequence[object] = (), then=None, done: streams.Event | None = None,
-                 tensors: Sequence[torch.Tensor] = (), log: CommLog | None = None):
+    def __init__(
+        self,
+        works: Sequence[object] = (),
+        then=None,
+        done: streams.Event | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+        log: CommLog | None = None,
+    ):
         self._works = list(works)
         self._log = log
         self._then = then
@@ -131,10 +141,11 @@ def _check_device(op: str, group: Group, what: str, tensor: torch.Tensor) -> Non
     if tensor.device != group.device:
         raise ValueError(
             f"{op}: {what} is on {tensor.device} but group {group.name} (ranks {list(group.ranks)}) "
-            f"communicates on {group.device}; create the tensor on {group.device}")
+            f"communicates on {group.device}; create the tensor on {group.device}"
+        )
 
 
-check_device = _check_device   # for collectives built on these ones (megazero.zero.quantized_comm)
+check_device = _check_device  # for collectives built on these ones (megazero.zero.quantized_comm)
 
 
 def _ring_fraction(group: Group) -> float:
@@ -147,7 +158,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     sa, sb = a.untyped_storage(), b.untyped_storage()
-    if a.device.type == "meta":             # meta storages have no data: every pointer is 0
+    if a.device.type == "meta":  # meta storages have no data: every pointer is 0
         return sa._cdata == sb._cdata
     return sa.data_ptr() == sb.data_ptr()
 
@@ -157,8 +168,7 @@ def backend_of(group: Group) -> str:
     return group.stands_for or str(dist.get_backend(group.pg))
 
 
-def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], call,
-           async_op: bool):
+def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], call, async_op: bool):
     """Runs `call()` (the torch.distributed op); returns (its work, the event that ends it or None).
     Under the CPU stream checker the op reads `reads` and writes `writes` as NCCL would run it
     (megazero.core.nccl_semantics); elsewhere the backend's work orders the streams
@@ -170,12 +180,13 @@ def _issue(group: Group, reads: Sequence[torch.Tensor], writes: Sequence[torch.T
             return call(), None
         return checker.collective(group.pg, group.name, reads, writes, call, async_op=async_op)
     finally:
-        if not async_op:      # a synchronous op blocks the host in the call (gloo) until its peers come
+        if not async_op:  # a synchronous op blocks the host in the call (gloo) until its peers come
             group.log.wait_s += time.perf_counter() - started
 
 
-def _finish(work, done, async_op: bool, tensors: Sequence[torch.Tensor], then=None,
-            log: CommLog | None = None) -> Handle | None:
+def _finish(
+    work, done, async_op: bool, tensors: Sequence[torch.Tensor], then=None, log: CommLog | None = None
+) -> Handle | None:
     """An async op's Handle, holding `tensors` until its wait; a synchronous op is waited here (on
     the current stream)."""
     works = work if isinstance(work, list) else [work] if work is not None else []
@@ -199,19 +210,20 @@ def all_reduce(tensor: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bo
     if group.size == 1:
         return local_handle(group, async_op)
     group.log.record("all_reduce", group, 2 * _ring_fraction(group) * _nbytes(tensor), tensor, op)
-    work, done = _issue(group, [tensor], [tensor],
-                        lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), async_op)
+    work, done = _issue(
+        group, [tensor], [tensor], lambda: dist.all_reduce(tensor, op=op, group=group.pg, async_op=async_op), async_op
+    )
     return _finish(work, done, async_op, [tensor], log=group.log)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
-                   op=ReduceOp.SUM, async_op: bool = False):
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group, op=ReduceOp.SUM, async_op: bool = False):
     """`input` holds `group.size` equal chunks; chunk i, summed over ranks, lands in rank i's `output`."""
     _check_device("reduce_scatter", group, "output", output)
     _check_device("reduce_scatter", group, "input", input)
     if input.numel() != output.numel() * group.size:
-        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected "
-                         f"{output.numel()} x {group.size}")
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected {output.numel()} x {group.size}"
+        )
     if group.size == 1:
         output.copy_(input.view_as(output))
         return local_handle(group, async_op)
@@ -225,9 +237,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
 
         def then():
             target.copy_(output)
+
     # Flat views: backends disagree on how they match multi-dimensional shapes.
-    work, done = _issue(group, [input], [output], lambda: reduce_scatter_single(
-        output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op), async_op)
+    work, done = _issue(
+        group,
+        [input],
+        [output],
+        lambda: reduce_scatter_single(output.view(-1), input.view(-1), op=op, group=group.pg, async_op=async_op),
+        async_op,
+    )
     return _finish(work, done, async_op, [input, output], then, group.log)
 
 
@@ -236,14 +254,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
     _check_device("all_gather", group, "output", output)
     _check_device("all_gather", group, "input", input)
     if output.numel() != input.numel() * group.size:
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
-                         f"{input.numel()} x {group.size}")
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected {input.numel()} x {group.size}")
     if group.size == 1:
         output.view_as(input).copy_(input)
         return local_handle(group, async_op)
     group.log.record("all_gather", group, _ring_fraction(group) * _nbytes(output), output)
-    work, done = _issue(group, [input], [output], lambda: all_gather_single(
-        output.view(-1), input.view(-1), group=group.pg, async_op=async_op), async_op)
+    work, done = _issue(
+        group,
+        [input],
+        [output],
+        lambda: all_gather_single(output.view(-1), input.view(-1), group=group.pg, async_op=async_op),
+        async_op,
+    )
     return _finish(work, done, async_op, [input, output], log=group.log)
 
 
@@ -254,8 +276,13 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Group, async_op
         output.copy_(input)
         return local_handle(group, async_op)
     group.log.record("all_to_all", group, _ring_fraction(group) * _nbytes(input), input)
-    work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
-        output, input, group=group.pg, async_op=async_op), async_op)
+    work, done = _issue(
+        group,
+        [input],
+        [output],
+        lambda: dist.all_to_all_single(output, input, group=group.pg, async_op=async_op),
+        async_op,
+    )
     return _finish(work, done, async_op, [input, output], log=group.log)
 
 
@@ -264,10 +291,10 @@ def broadcast(tensor: torch.Tensor, src_index: int, group: Group) -> None:
     _check_device("broadcast", group, "tensor", tensor)
     if group.size == 1:
         return
-    group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor), tensor,
-                     root=group.ranks[src_index])
-    work, done = _issue(group, [tensor], [tensor],
-                        lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg), False)
+    group.log.record("broadcast", group, _ring_fraction(group) * _nbytes(tensor), tensor, root=group.ranks[src_index])
+    work, done = _issue(
+        group, [tensor], [tensor], lambda: dist.broadcast(tensor, src=group.ranks[src_index], group=group.pg), False
+    )
     _finish(work, done, False, (), log=group.log)
 
 
@@ -293,25 +320,26 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group) -> H
             ops.append((kind, dist.P2POp(fn, tensor, group.ranks[peer], group.pg)))
     if not ops:
         return local_handle(group)
-    for kind, op in ops:      # counted only once every tensor has passed the check
+    for kind, op in ops:  # counted only once every tensor has passed the check
         group.log.record(kind, group, _nbytes(op.tensor), op.tensor, peer=op.peer)
     sent = [op.tensor for kind, op in ops if kind == "send"]
     received = [op.tensor for kind, op in ops if kind == "recv"]
-    works, done = _issue(group, sent, received, lambda: dist.batch_isend_irecv([op for _, op in ops]),
-                         True)
+    works, done = _issue(group, sent, received, lambda: dist.batch_isend_irecv([op for _, op in ops]), True)
     return Handle(works, done=done, tensors=sent + received, log=group.log)
 
 
 def barrier(group: Group) -> None:
     if group.size > 1:
         if group.log.entries is not None:
-            group.log.entries.append(CommEntry("barrier", group.name, tuple(group.ranks), "-", 0, (),
-                                               site=_call_site()))
+            group.log.entries.append(
+                CommEntry("barrier", group.name, tuple(group.ranks), "-", 0, (), site=_call_site())
+            )
         dist.barrier(group=group.pg)
 
 
-def all_to_all_uneven(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
-                      input_splits: Sequence[int], group: Group) -> None:
+def all_to_all_uneven(
+    output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: Group
+) -> None:
     """Rows `input_splits[j]` of `input` (in order) go to rank j; rank j's rows for this rank land
     in `output`, `output_splits[j]` of them, in rank order (dim 0; expert-parallel dispatch).
     Counted as the bytes this rank sends to the others; traced as "all_to_allv" (its input), whose
@@ -323,6 +351,11 @@ def all_to_all_uneven(output: torch.Tensor, input: torch.Tensor, output_splits: 
         return
     row = _nbytes(input) // max(input.shape[0], 1)
     group.log.record("all_to_allv", group, row * (sum(input_splits) - input_splits[group.rank]), input)
-    work, done = _issue(group, [input], [output], lambda: dist.all_to_all_single(
-        output, input, list(output_splits), list(input_splits), group=group.pg), False)
+    work, done = _issue(
+        group,
+        [input],
+        [output],
+        lambda: dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=group.pg),
+        False,
+    )
     _finish(work, done, False, [input, output])

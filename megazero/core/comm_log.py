@@ -7,6 +7,7 @@ Byte convention (per rank, as DeepSpeed's comms logger and the ring algorithms):
 all-gather and all-to-all move (n-1)/n of the full buffer; all-reduce moves 2(n-1)/n; point-to-point
 moves the tensor's bytes; broadcast counts (n-1)/n of the tensor.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,7 @@ class CommLog:
 
     def __init__(self, trace: bool = False):
         self.entries: list[CommEntry] | None = [] if trace else None
-        self.step_ends: list[int] = []        # len(entries) at each end_step
+        self.step_ends: list[int] = []  # len(entries) at each end_step
         self.step_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
         self.step_calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self.total_bytes: dict[tuple[str, str, str], float] = defaultdict(float)
@@ -36,19 +37,38 @@ class CommLog:
         # where a rank waits for slower peers (megazero.training.stragglers)
         self.wait_s = 0.0
         self.last_step: dict[tuple[str, str, str], float] = {}
-        self.issued = 0                       # collectives issued so far (groups of one excluded)
+        self.issued = 0  # collectives issued so far (groups of one excluded)
         # (op, group name, its ranks, count) of the last one: what a heartbeat reports (another
         # thread reads it, so it is replaced whole, never changed in place)
         self.last_issued: tuple[str, str, tuple[int, ...], int] | None = None
 
-    def record(self, op: str, group, nbytes: float, tensor: torch.Tensor | None = None,
-               reduce_op=None, root: int | None = None, peer: int | None = None) -> None:
+    def record(
+        self,
+        op: str,
+        group,
+        nbytes: float,
+        tensor: torch.Tensor | None = None,
+        reduce_op=None,
+        root: int | None = None,
+        peer: int | None = None,
+    ) -> None:
         """One op on `group` (a megazero.core.comm.Group) that moved `nbytes` per rank."""
         key = (op, group.name, "intra" if group.intra_node else "inter")
         if self.entries is not None:
-            self.entries.append(CommEntry(
-                op, group.name, tuple(group.ranks), str(tensor.dtype).removeprefix("torch."),
-                tensor.numel(), tuple(tensor.shape), _reduce_name(reduce_op), root, peer, _call_site()))
+            self.entries.append(
+                CommEntry(
+                    op,
+                    group.name,
+                    tuple(group.ranks),
+                    str(tensor.dtype).removeprefix("torch."),
+                    tensor.numel(),
+                    tuple(tensor.shape),
+                    _reduce_name(reduce_op),
+                    root,
+                    peer,
+                    _call_site(),
+                )
+            )
         self.issued += 1
         self.last_issued = (op, group.name, tuple(group.ranks), self.issued)
         self.step_bytes[key] += nbytes
@@ -74,6 +94,7 @@ class CommLog:
 class CommEntry:
     """One traced op as this rank issued it. `root`: a broadcast's source, `peer`: a send's or
     receive's other end (global ranks); `site`: file:line of the first caller outside this module."""
+
     op: str
     group: str
     ranks: tuple[int, ...]
@@ -89,7 +110,7 @@ class CommEntry:
         """What every member of the group must issue alike (p2p: what the peer's side must mirror)."""
         if self.op in ("send", "recv"):
             return (self.op, self.dtype, self.shape)
-        if self.op == "all_to_allv":      # each rank's row counts are its own: the row's width is shared
+        if self.op == "all_to_allv":  # each rank's row counts are its own: the row's width is shared
             return (self.op, self.dtype, self.shape[1:])
         return (self.op, self.dtype, self.numel, self.reduce_op, self.root)
 

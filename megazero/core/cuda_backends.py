@@ -7,6 +7,7 @@ Owns nothing but those calls: which work goes on which stream, events' order and
 megazero.core.streams'. Tests inject a fake cuda-python runtime to check priorities and errors
 without a GPU; the CPU stream sanitizer (megazero.core.stream_check) has the same interface.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +26,7 @@ class CudaError(RuntimeError):
 class TorchCudaBackend:
     """Streams and events from torch.cuda: the fallback, and where torch's own notion of the current
     stream is read or changed (that is torch state, whichever backend created the stream)."""
+
     name = "torch.cuda"
 
     def current_device(self) -> int:
@@ -60,7 +62,7 @@ class TorchCudaBackend:
         return start.elapsed_time(end)
 
     def destroy_event(self, event) -> None:
-        pass                                   # torch.cuda.Event frees itself
+        pass  # torch.cuda.Event frees itself
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         tensor.record_stream(stream)
@@ -70,6 +72,7 @@ class CudartBackend(TorchCudaBackend):
     """Streams and events through cuda-python's runtime bindings (`runtime` is the module, injected
     so tests can pass a fake). Every call's status is checked: a failure raises CudaError naming the
     function. Stream and event handles are plain ints (cudaStream_t / cudaEvent_t values)."""
+
     name = "cuda-python"
 
     def __init__(self, runtime):
@@ -140,11 +143,13 @@ def import_cudart():
     `cuda.cudart`; None when cuda-python is not installed."""
     try:
         from cuda.bindings import runtime
+
         return runtime
     except ImportError:
         pass
     try:
         from cuda import cudart
+
         return cudart
     except ImportError:
         return None
@@ -155,15 +160,19 @@ def default_cuda_backend():
     """The backend for CUDA devices in this process (chosen once, so the fallback is logged once)."""
     runtime = import_cudart()
     if runtime is None:
-        log.warning("megazero.core.streams: cuda-python is not installed, streams and events use torch.cuda "
-                    "(pip install 'megazero[cuda]' for cuda-python)")
+        log.warning(
+            "megazero.core.streams: cuda-python is not installed, streams and events use torch.cuda "
+            "(pip install 'megazero[cuda]' for cuda-python)"
+        )
         return TorchCudaBackend()
     backend = CudartBackend(runtime)
     try:
         backend._call("cudaGetDeviceCount")
     except CudaError as err:
         # e.g. cuda-python 13 under a CUDA 12 driver (cudaErrorInsufficientDriver)
-        log.warning(f"megazero.core.streams: cuda-python cannot use this driver ({err}), streams and events use "
-                    f"torch.cuda (install the cuda-python major matching nvidia-smi's CUDA Version)")
+        log.warning(
+            f"megazero.core.streams: cuda-python cannot use this driver ({err}), streams and events use "
+            f"torch.cuda (install the cuda-python major matching nvidia-smi's CUDA Version)"
+        )
         return TorchCudaBackend()
     return backend

@@ -4,6 +4,7 @@ every entry point shares: can a path the run will write be written.
 Raised before any process group or file is touched; the driver prints its message as a single line
 and exits non-zero, so the message itself must name the problem and the fix.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,7 +71,7 @@ def check_writable_file(path, what: str, fix: str) -> None:
         check_writable_dir(path.parent, f"{what}: its folder {path.parent}", fix)
         return
     try:
-        with open(path, "a"):   # append mode without a write leaves content and mtime alone
+        with open(path, "a"):  # append mode without a write leaves content and mtime alone
             pass
     except OSError as err:
         raise UsageError(f"{what} cannot be written ({err.strerror}); {fix}") from None

@@ -10,6 +10,7 @@ for that `what` (an overflowing gradient norm walks the skip path).
 `recording()` collects every read with its call site while it is open: the dry run counts a step's
 host syncs with it, and a test holds the steady-state step to the list in docs/dry_run.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,12 +25,13 @@ from megazero.core import source_paths, streams
 @dataclasses.dataclass(frozen=True)
 class HostRead:
     what: str
-    site: str            # file:line of the caller
+    site: str  # file:line of the caller
     numel: int
 
 
 class _Reads:
     """The open recording (None: nothing records) and the values forced on meta tensors."""
+
     recording: list[HostRead] | None = None
     forced: dict[str, object] = {}
 

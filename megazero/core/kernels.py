@@ -13,6 +13,7 @@ takes over through torch's own TorchFunctionMode instead.
 
 Must not: import anything of megazero's (every room imports this one).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -10,11 +10,12 @@ trace check collectives against. Owns only the choice and its words; checks noth
 - before 2.8: every collective ran on the communicator's stream with its tensors record_stream'ed
   there, a synchronous one waited for by the current stream.
 """
+
 from __future__ import annotations
 
 import torch
 
-STASH, RECORD_STREAM = "stash", "record_stream"       # how NCCL keeps collective tensors alive (nccl_semantics)
+STASH, RECORD_STREAM = "stash", "record_stream"  # how NCCL keeps collective tensors alive (nccl_semantics)
 
 
 def nccl_semantics(version: str | None = None) -> str:
@@ -29,5 +30,8 @@ def nccl_semantics(version: str | None = None) -> str:
 
 
 def describe_semantics(semantics: str) -> str:
-    return ("NCCL as torch >= 2.8: async ops' tensors stashed until wait" if semantics == STASH
-            else "NCCL as torch < 2.8: tensors recorded on its stream")
+    return (
+        "NCCL as torch >= 2.8: async ops' tensors stashed until wait"
+        if semantics == STASH
+        else "NCCL as torch < 2.8: tensors recorded on its stream"
+    )

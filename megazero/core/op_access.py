@@ -7,28 +7,35 @@ declares them to the checker itself.
 Owns the schema reading only; the model of streams, the accesses' order and the violations are
 stream_check's. Must not touch the tensors it sees (only their metadata is read).
 """
+
 from __future__ import annotations
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_SCALAR = torch.ops.aten._local_scalar_dense.default          # .item(): the host waits for the stream
-_NO_DATA = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
-            torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Tensor,
-            torch.ops.aten.set_.default}
+_SCALAR = torch.ops.aten._local_scalar_dense.default  # .item(): the host waits for the stream
+_NO_DATA = {
+    torch.ops.aten.resize_.default,
+    torch.ops.aten.set_.source_Storage,
+    torch.ops.aten.set_.source_Storage_storage_offset,
+    torch.ops.aten.set_.source_Tensor,
+    torch.ops.aten.set_.default,
+}
 
 
 class _Plan:
     """What an op's schema says of its arguments, worked out once per op: which positions and
     keywords it reads, which it writes, which returns are fresh memory (not views, not in place)."""
+
     __slots__ = ("passthrough", "reads", "writes", "read_names", "write_names", "fresh")
 
     def __init__(self, func):
         schema = func._schema
         self.passthrough = func.namespace == "c10d" or torch.Tag.inplace_view in func.tags or func in _NO_DATA
-        kinds = ["read" if a.alias_info is None else "write" if a.alias_info.is_write else None
-                 for a in schema.arguments]
+        kinds = [
+            "read" if a.alias_info is None else "write" if a.alias_info.is_write else None for a in schema.arguments
+        ]
         self.reads = tuple(i for i, k in enumerate(kinds) if k == "read")
         self.writes = tuple(i for i, k in enumerate(kinds) if k == "write")
         self.read_names = {a.name: i for i, a in enumerate(schema.arguments) if kinds[i] == "read"}
@@ -76,7 +83,7 @@ class AccessMode(TorchDispatchMode):
         if plan is None:
             plan = _PLANS[func] = _Plan(func)
         if plan.passthrough:
-            return func(*args, **kwargs)     # collectives are declared by megazero.core.comm
+            return func(*args, **kwargs)  # collectives are declared by megazero.core.comm
         reads, writes = plan.split(args, kwargs)
         out = func(*args, **kwargs)
         results = out if isinstance(out, tuple) else (out,)

@@ -8,6 +8,7 @@ a file: an unknown field or a value of the wrong kind fails at construction or a
 the field. Field docstrings are the fields' descriptions. Fields may hold plain dataclasses of the
 rooms below (the model's GPTConfig, ops' AdamConfig): those are kept as given.
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
@@ -15,8 +16,10 @@ from pydantic import BaseModel, ConfigDict
 
 class Record(BaseModel):
     """Base of every configuration record: unknown fields refused, assignments checked."""
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
-                              arbitrary_types_allowed=True)
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, arbitrary_types_allowed=True
+    )
 
     def replace(self, **changes):
         """A copy with `changes` applied and checked (dataclasses.replace's meaning): the one way a

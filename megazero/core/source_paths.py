@@ -9,6 +9,7 @@ frame's module name (`frame.f_globals["__name__"]`), not its path.
 
 Owns the naming only; reads no file, imports nothing of megazero's.
 """
+
 from __future__ import annotations
 
 import functools

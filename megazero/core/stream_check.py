@@ -34,6 +34,7 @@ are known without its values) and violations are collected (`collect`) instead o
 megazero.core.stream_check_report's. Must not touch: the engine's tensors (only their metadata is read), CUDA
 devices (they keep their CUDA backends; torch's own sanitizer, TORCH_CUDA_SANITIZER=1, checks those).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,13 +49,25 @@ import torch
 
 from megazero.core import kernels, op_access, source_paths, streams as _streams
 from megazero.core.nccl_semantics import (  # noqa: F401 - re-exported: the tests and the dry run take them from here
-    RECORD_STREAM, STASH, describe_semantics, nccl_semantics)
+    RECORD_STREAM,
+    STASH,
+    describe_semantics,
+    nccl_semantics,
+)
 
 MAIN = 0
-_SKIPPED_FILES = tuple(str(Path(p).resolve()) for p in (
-    Path(torch.__file__).parent, Path(__file__), Path(_streams.__file__),
-    Path(_streams.__file__).with_name("comm.py"), Path(kernels.__file__), Path(op_access.__file__),
-    Path(contextlib.__file__)))
+_SKIPPED_FILES = tuple(
+    str(Path(p).resolve())
+    for p in (
+        Path(torch.__file__).parent,
+        Path(__file__),
+        Path(_streams.__file__),
+        Path(_streams.__file__).with_name("comm.py"),
+        Path(kernels.__file__),
+        Path(op_access.__file__),
+        Path(contextlib.__file__),
+    )
+)
 
 
 class StreamOrderError(RuntimeError):
@@ -76,13 +89,14 @@ class _Event:
     __slots__ = ("clock", "stamp")
 
     def __init__(self):
-        self.clock: dict[int, int] | None = None      # None: never recorded (waiting on it is a no-op)
+        self.clock: dict[int, int] | None = None  # None: never recorded (waiting on it is a no-op)
         self.stamp: float | None = None
 
 
 class _Storage:
     """A tracked storage and its current allocation: the stream its memory returns to when freed,
     the streams recorded on it, and its accesses as (write, stream, position, lo, hi, site)."""
+
     __slots__ = ("ref", "ptr", "label", "stream", "recorded", "accesses", "first")
 
     def __init__(self, ref, ptr: int, stream: int, first: str):
@@ -118,7 +132,7 @@ def _call_site() -> str:
     frame = sys._getframe(1)
     while frame is not None and (_skipped(frame.f_code.co_filename) or frame.f_code.co_name == "__torch_function__"):
         frame = frame.f_back
-    if frame is None:             # e.g. a backend's thread dropped a tensor's last reference
+    if frame is None:  # e.g. a backend's thread dropped a tensor's last reference
         return f"(thread {threading.current_thread().name})"
     return f"{source_paths.shown(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
 
@@ -126,22 +140,23 @@ def _call_site() -> str:
 class StreamChecker:
     """The backend of megazero.core.streams for CPU devices while checking (same interface as
     cuda_backends.TorchCudaBackend), and the record of every storage's accesses."""
+
     name = "stream-check"
 
     def __init__(self, semantics: str | None = None, devices: tuple[str, ...] = ("cpu",), collect: bool = False):
         self.semantics = semantics if semantics is not None else nccl_semantics()
         if self.semantics not in (STASH, RECORD_STREAM):
             raise ValueError(f"semantics must be {STASH!r} or {RECORD_STREAM!r}, not {self.semantics!r}")
-        self.devices = tuple(devices)     # device types modelled: the CPU; the dry run adds meta, its GPU
-        self.collect = collect            # violations kept in `found` and the run goes on (the dry run)
-        self.found: list[str] = []        # with `collect`: each distinct violation's message, in order
+        self.devices = tuple(devices)  # device types modelled: the CPU; the dry run adds meta, its GPU
+        self.collect = collect  # violations kept in `found` and the run goes on (the dry run)
+        self.found: list[str] = []  # with `collect`: each distinct violation's message, in order
         self.streams = [_Stream(MAIN, "main")]
         self.current = self.streams[MAIN]
-        self.done: dict[int, int] = {}                 # positions the host has synchronized on
-        self.storages: dict[int, _Storage] = {}        # by StorageImpl address
-        self.side_ops = 0                              # ops (aten and collectives) not on the main stream
+        self.done: dict[int, int] = {}  # positions the host has synchronized on
+        self.storages: dict[int, _Storage] = {}  # by StorageImpl address
+        self.side_ops = 0  # ops (aten and collectives) not on the main stream
         self.violations = 0
-        self.pending: list[str] = []                   # found where raising is not possible (a free)
+        self.pending: list[str] = []  # found where raising is not possible (a free)
         self._communicators: dict[object, _Stream] = {}
         self._names: dict[str, int] = {}
         self._mode = op_access.AccessMode(self)
@@ -162,7 +177,9 @@ class StreamChecker:
                 result = real(storage, nbytes)
                 checker.after_resize(storage)
                 return result
+
             return resize
+
         self._resize = kernels.swapped((kernels.resize_storage, watched))
         self._resize.__enter__()
         self.active = True
@@ -178,8 +195,10 @@ class StreamChecker:
             self.raise_pending()
 
     def summary(self) -> str:
-        return f"stream check ({self.describe_semantics()}): {self.side_ops} side-stream ops checked, " \
-               f"{self.violations} violations"
+        return (
+            f"stream check ({self.describe_semantics()}): {self.side_ops} side-stream ops checked, "
+            f"{self.violations} violations"
+        )
 
     def describe_semantics(self) -> str:
         return describe_semantics(self.semantics)
@@ -195,7 +214,7 @@ class StreamChecker:
         self.current = stream
 
     def priority_range(self, index: int) -> tuple[int, int]:
-        return 0, -1                  # as a GPU: a high priority exists (it changes nothing here)
+        return 0, -1  # as a GPU: a high priority exists (it changes nothing here)
 
     def _new_stream(self, name: str) -> _Stream:
         count = self._names[name] = self._names.get(name, 0) + 1
@@ -257,16 +276,16 @@ class StreamChecker:
         if self.semantics == STASH and not async_op:
             self.op(list(reads), list(writes), [], host_sync=False)
             return issue(), None
-        return self._run_on(key, f"{name} communicator", self.current.known, reads, writes, issue,
-                            keep=self.semantics == RECORD_STREAM)
+        return self._run_on(
+            key, f"{name} communicator", self.current.known, reads, writes, issue, keep=self.semantics == RECORD_STREAM
+        )
 
     def host_thread(self, name: str, reads, writes, issue):
         """Runs `issue()` (which starts a host thread on host tensors) as work on a modelled stream
         for that thread: ordered after only what the host has synchronized on (a host thread never
         waits for queued device work), declared as reading `reads` and writing `writes`. Returns the
         event after it; the host synchronizes on it when it joins the thread."""
-        return self._run_on(("host thread", name), f"{name} thread", self.done, reads, writes, issue,
-                            keep=False)[1]
+        return self._run_on(("host thread", name), f"{name} thread", self.done, reads, writes, issue, keep=False)[1]
 
     def _run_on(self, key, stream_name: str, after, reads, writes, issue, keep: bool):
         """`issue()` as work on the side stream `key` (made on first use), ordered after `after`;
@@ -302,16 +321,16 @@ class StreamChecker:
         for tensors, write, new in ((fresh, True, True), (writes, True, False), (reads, False, False)):
             for t in tensors:
                 self._access(t, write, stream, site, new)
-        if host_sync:                   # .item(): the host waited for this stream's work
+        if host_sync:  # .item(): the host waited for this stream's work
             _merge(self.done, stream.known)
 
     def _tracked(self, t: torch.Tensor, new: bool = False) -> _Storage | None:
-        if t.device.type not in self.devices:       # CUDA has its own backends
+        if t.device.type not in self.devices:  # CUDA has its own backends
             return None
         storage = t.untyped_storage()
         key, ptr = storage._cdata, storage.data_ptr()
         tracked = self.storages.get(key)
-        if tracked is not None and tracked.ptr != ptr:      # reallocated in C++ (aten.resize_)
+        if tracked is not None and tracked.ptr != ptr:  # reallocated in C++ (aten.resize_)
             self._free(tracked, _call_site(), now=True)
             self._allocate(tracked, ptr, self.current.id, _describe(t))
         elif tracked is None:
@@ -340,10 +359,12 @@ class StreamChecker:
                     f"stream check: {kind} race on a {_describe(t)} ({tracked.label or 'unlabelled'}): "
                     f"{'written' if was_write else 'read'} on {self.streams[sid]} at {rsite}, then "
                     f"{'written' if write else 'read'} on {stream} at {site} before {stream} waited "
-                    f"on an event recorded after that", now=True)
+                    f"on an event recorded after that",
+                    now=True,
+                )
             covered = lo <= rlo and rhi <= hi
             if covered and (write or (sid == stream.id and not was_write)):
-                continue                 # ordered before this access, and hidden by it
+                continue  # ordered before this access, and hidden by it
             kept.append(record)
         kept.append((write, stream.id, stream.pos, lo, hi, site))
         tracked.accesses = kept
@@ -362,15 +383,20 @@ class StreamChecker:
         owner = self.streams[tracked.stream]
         holding = [self.streams[r] for r in tracked.recorded]
         for write, sid, pos, _, _, rsite in tracked.accesses:
-            if sid == owner.id or self._ordered(sid, pos, owner) or \
-                    any(held.known.get(sid, 0) >= pos for held in holding):
+            if (
+                sid == owner.id
+                or self._ordered(sid, pos, owner)
+                or any(held.known.get(sid, 0) >= pos for held in holding)
+            ):
                 continue
             self._violation(
                 f"stream check: use-after-free of a {tracked.first} ({tracked.label or 'unlabelled'}): "
                 f"freed at {site}, its memory back with {owner} for reuse, while the "
                 f"{'write' if write else 'read'} on {self.streams[sid]} at {rsite} may still run; "
                 f"record_stream it on a stream ordered after that access (SideStream.keep_alive) or "
-                f"keep it alive until {owner} waited on an event recorded after it", now=now)
+                f"keep it alive until {owner} waited on an event recorded after it",
+                now=now,
+            )
             break
         tracked.accesses = []
 

@@ -4,6 +4,7 @@ launch's ranks through its rendezvous store; a violation fails the run with its 
 
 Owns that line and the switch around the run; what is checked, and how, is stream_check's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,10 @@ def summed(checker: StreamChecker, store=None, rank: int = 0, world: int = 1) ->
     if rank != 0:
         return None
     counts = [[int(x) for x in store.get(f"stream_check/{r}").decode().split()] for r in range(world)]
-    return (f"stream check ({checker.describe_semantics()}): {sum(c[0] for c in counts)} side-stream ops "
-            f"checked on {world} ranks, {sum(c[1] for c in counts)} violations")
+    return (
+        f"stream check ({checker.describe_semantics()}): {sum(c[0] for c in counts)} side-stream ops "
+        f"checked on {world} ranks, {sum(c[1] for c in counts)} violations"
+    )
 
 
 @contextlib.contextmanager
@@ -36,8 +39,11 @@ def for_launch(enabled: bool, device, store=None, rank: int = 0, world: int = 1,
         return
     if torch.device(device).type != "cpu":
         from megazero.core.errors import UsageError
-        raise UsageError(f"MEGAZERO_STREAM_CHECK=1 models the streams of CPU runs, not {device}; on GPUs "
-                         f"run torch's own sanitizer (TORCH_CUDA_SANITIZER=1 with --distributed-backend nccl)")
+
+        raise UsageError(
+            f"MEGAZERO_STREAM_CHECK=1 models the streams of CPU runs, not {device}; on GPUs "
+            f"run torch's own sanitizer (TORCH_CUDA_SANITIZER=1 with --distributed-backend nccl)"
+        )
     with checking() as checker:
         try:
             yield

@@ -17,6 +17,7 @@ All driver calls sit behind a small backend object (megazero.core.cuda_backends:
 `TorchCudaBackend`); tests inject a fake one to check priorities and the order of event records and
 waits without a GPU.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,7 +27,7 @@ import torch
 from megazero.core.cuda_backends import default_cuda_backend
 
 
-_cpu_backend = None          # the stream checker while one is on (megazero.core.stream_check), else None
+_cpu_backend = None  # the stream checker while one is on (megazero.core.stream_check), else None
 
 
 def use_cpu_backend(backend):
@@ -84,7 +85,7 @@ class Event:
         self.device = torch.device(device)
         self.timing = timing
         self._backend = backend if backend is not None else backend_for(self.device)
-        self._stamp = None                          # CPU: perf_counter at record()
+        self._stamp = None  # CPU: perf_counter at record()
         if self._backend is not None:
             self._index = _device_index(self.device, self._backend)
             self._handle = self._backend.create_event(self._index, timing)
@@ -127,7 +128,7 @@ class Event:
         if self._handle is not None:
             try:
                 self._backend.destroy_event(self._handle)
-            except Exception:                   # interpreter shutdown: the bindings may be gone
+            except Exception:  # interpreter shutdown: the bindings may be gone
                 pass
 
 
@@ -140,12 +141,12 @@ class SideStream:
     def __init__(self, name: str, device, backend, priority: int = 0):
         self.name, self.device, self.priority = name, torch.device(device), priority
         self._backend = backend
-        self._outer: list = []                       # the main stream at each (nested) entry
-        self.stream = None                           # the torch stream (ExternalStream on cuda-python)
+        self._outer: list = []  # the main stream at each (nested) entry
+        self.stream = None  # the torch stream (ExternalStream on cuda-python)
         if backend is not None:
             self._index = _device_index(self.device, backend)
             self.stream = backend.create_stream(self._index, priority)
-            if hasattr(backend, "name_stream"):         # the stream checker's messages name it
+            if hasattr(backend, "name_stream"):  # the stream checker's messages name it
                 backend.name_stream(self.stream, name)
             # Reused for every wait: a stream wait captures the event's state when it is issued.
             self._main_done = Event(self.device, backend=backend)
@@ -222,9 +223,11 @@ class Streams:
     def describe(self) -> str:
         if not self.enabled:
             return f"streams: none on {self.device} (no-op)"
-        return (f"streams on {self.device} via {self.backend.name}: copy={self.copy.priority} "
-                f"prefetch={self.prefetch.priority} reduce={self.reduce.priority} "
-                f"(priority range least={self.priority_range[0]} greatest={self.priority_range[1]})")
+        return (
+            f"streams on {self.device} via {self.backend.name}: copy={self.copy.priority} "
+            f"prefetch={self.prefetch.priority} reduce={self.reduce.priority} "
+            f"(priority range least={self.priority_range[0]} greatest={self.priority_range[1]})"
+        )
 
 
 class Timers:
@@ -257,8 +260,7 @@ class Timers:
     def elapsed_ms(self, reset: bool = True) -> dict[str, float]:
         """Total milliseconds per timer over its finished start/stop intervals since the last reset
         (running timers are left running and not counted)."""
-        totals = {name: sum(start.elapsed_ms(end) for start, end in pairs)
-                  for name, pairs in self._done.items()}
+        totals = {name: sum(start.elapsed_ms(end) for start, end in pairs) for name, pairs in self._done.items()}
         if reset:
             self._done.clear()
         return totals
@@ -292,7 +294,7 @@ def copy_to_device(tensor: torch.Tensor, device, streams: Streams | None = None)
     modelled = device.type in ("cpu", "meta") and streams is not None and streams.enabled
     if tensor.device == device and device.type != "cpu" or not modelled and device.type == "cpu":
         return tensor
-    if not modelled and device.type != "cuda":    # meta without the checker: no streams, no pinning
+    if not modelled and device.type != "cuda":  # meta without the checker: no streams, no pinning
         return tensor.to(device)
     if device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = tensor.pin_memory()

@@ -13,6 +13,7 @@ A lock released at a clean end removes its file. A job that locked a file in the
 removed it sees that the path no longer names its file and takes the new one: two holders are
 impossible. Owns only the lock; which folders are locked, and by which rank, is the caller's.
 """
+
 from __future__ import annotations
 
 import errno
@@ -41,28 +42,46 @@ class FolderLock:
         (`what` first, e.g. "--save ck") when another job holds it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(10):             # only a lock file removed between open and flock repeats this
+        for _ in range(10):  # only a lock file removed between open and flock repeats this
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise UsageError(f"{what}: another job writes there ({describe_holder(path)}); let it "
-                                 f"finish, or choose another folder") from None
+                raise UsageError(
+                    f"{what}: another job writes there ({describe_holder(path)}); let it "
+                    f"finish, or choose another folder"
+                ) from None
             except OSError as err:
                 os.close(fd)
                 if err.errno not in _NO_LOCKS:
                     raise
-                return cls(path, None, f"{what}: this filesystem refuses file locks ({err.strerror}); "
-                                       f"nothing keeps a second job from writing there too")
+                return cls(
+                    path,
+                    None,
+                    f"{what}: this filesystem refuses file locks ({err.strerror}); "
+                    f"nothing keeps a second job from writing there too",
+                )
             if _names(path, fd):
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
-                                           "since": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n").encode(), 0)
+                os.pwrite(
+                    fd,
+                    (
+                        json.dumps(
+                            {
+                                "host": socket.gethostname(),
+                                "pid": os.getpid(),
+                                "run_id": run_id,
+                                "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                            }
+                        )
+                        + "\n"
+                    ).encode(),
+                    0,
+                )
                 return cls(path, fd)
-            os.close(fd)                # the holder before us removed this file as we opened it
-        raise UsageError(f"{what}: its lock file {path} keeps being replaced; is another program "
-                         f"removing it?")
+            os.close(fd)  # the holder before us removed this file as we opened it
+        raise UsageError(f"{what}: its lock file {path} keeps being replaced; is another program removing it?")
 
     def release(self) -> None:
         """Removes the lock file and lets the lock go (idempotent)."""
@@ -95,7 +114,9 @@ def describe_holder(path: Path) -> str:
         except (OSError, ValueError):
             holder = None
         if isinstance(holder, dict):
-            return (f"run {holder.get('run_id')}, pid {holder.get('pid')} on host {holder.get('host')}, "
-                    f"since {holder.get('since')}")
+            return (
+                f"run {holder.get('run_id')}, pid {holder.get('pid')} on host {holder.get('host')}, "
+                f"since {holder.get('since')}"
+            )
         time.sleep(0.05)
     return f"its lock file {path} names no one yet"

@@ -8,13 +8,23 @@ from megazero.data.builders import build_train_valid_test_datasets, parse_data_p
 from megazero.data.default_data import DEFAULT_VOCAB_SIZE, prepare_default_data
 from megazero.data.gpt_dataset import GPTDataset, parse_split, split_document_ranges
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
-from megazero.data.tokenizer import (TOKENIZER_TYPES, Tokenizer, build_tokenizer, load_tokenizer,
-                                     train_tokenizer)
+from megazero.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer, load_tokenizer, train_tokenizer
 
 __all__ = [
-    "BlendedDataset", "build_train_valid_test_datasets", "parse_data_path",
-    "DEFAULT_VOCAB_SIZE", "prepare_default_data",
-    "GPTDataset", "parse_split", "split_document_ranges",
-    "IndexedDataset", "IndexedDatasetBuilder", "best_dtype",
-    "TOKENIZER_TYPES", "Tokenizer", "build_tokenizer", "load_tokenizer", "train_tokenizer",
+    "BlendedDataset",
+    "build_train_valid_test_datasets",
+    "parse_data_path",
+    "DEFAULT_VOCAB_SIZE",
+    "prepare_default_data",
+    "GPTDataset",
+    "parse_split",
+    "split_document_ranges",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "best_dtype",
+    "TOKENIZER_TYPES",
+    "Tokenizer",
+    "build_tokenizer",
+    "load_tokenizer",
+    "train_tokenizer",
 ]

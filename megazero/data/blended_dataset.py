@@ -56,8 +56,10 @@ class BlendedDataset:
         needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
         for k, dataset in enumerate(self.datasets):
             if needed[k] > len(dataset):
-                raise UsageError(f"blend needs {needed[k]} samples from dataset {k} but it has "
-                                 f"{len(dataset)}; build it with more samples")
+                raise UsageError(
+                    f"blend needs {needed[k]} samples from dataset {k} but it has "
+                    f"{len(dataset)}; build it with more samples"
+                )
 
     def __len__(self):
         return self.size

@@ -159,9 +159,11 @@ def not_utf8(path) -> UsageError:
             try:
                 line.decode("utf-8")
             except UnicodeDecodeError as err:
-                return UsageError(f"{path}:{line_number}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
-                                  f"{err.start + 1}); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) "
-                                  f"or leave it out of --input")
+                return UsageError(
+                    f"{path}:{line_number}: not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+                    f"{err.start + 1}); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) "
+                    f"or leave it out of --input"
+                )
     return UsageError(f"{path}: not UTF-8 text; convert the file to UTF-8 or leave it out of --input")
 
 
@@ -182,12 +184,14 @@ def iter_jsonl_records(path, keys=("text",)):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}:{line_number}: not valid JSON ({exc.msg}); "
-                             "expected one JSON object per line") from None
+            raise UsageError(
+                f"{path}:{line_number}: not valid JSON ({exc.msg}); expected one JSON object per line"
+            ) from None
         for key in keys:
             if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-                raise UsageError(f"{path}:{line_number}: no string field '{key}'; "
-                                 "pick the field with --json-key/--json-keys")
+                raise UsageError(
+                    f"{path}:{line_number}: no string field '{key}'; pick the field with --json-key/--json-keys"
+                )
         yield {key: obj[key] for key in keys}
 
 
@@ -210,6 +214,7 @@ def iter_documents(paths, keys=("text",)):
     one file with JSONL instead. Plain text has a single field, so it takes a single key.
     """
     from megazero.data.hf_files import is_saved_dataset, is_table, iter_table_records
+
     for path in paths:
         if not Path(path).is_file() and not is_saved_dataset(path):
             raise UsageError(f"input file {path} not found; check the --input path")
@@ -221,5 +226,6 @@ def iter_documents(paths, keys=("text",)):
             # newline="": keep "\r\n" as written; the tokens must reproduce the file exactly.
             yield {keys[0]: "".join(line for _, line in utf8_lines(path, newline=""))}
         else:
-            raise UsageError(f"{path} is plain text but {len(keys)} --json-keys were given; "
-                             "use JSONL input for several fields")
+            raise UsageError(
+                f"{path} is plain text but {len(keys)} --json-keys were given; use JSONL input for several fields"
+            )

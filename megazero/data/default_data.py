@@ -25,8 +25,7 @@ import platform
 import sys
 from pathlib import Path
 
-from megazero.data.corpus import (Progress, collect_stdlib_corpus, default_cache_dir, iter_jsonl_texts,
-                                  write_atomically)
+from megazero.data.corpus import Progress, collect_stdlib_corpus, default_cache_dir, iter_jsonl_texts, write_atomically
 from megazero.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype, data_file_paths
 from megazero.data.tokenizer import load_tokenizer, train_tokenizer
 from megazero.core.errors import UsageError
@@ -59,7 +58,7 @@ def tokenize_corpus(corpus_path, tokenizer, output_prefix, progress=True):
     meter = Progress("tokenizing corpus", total=len(texts), enabled=progress)
     with IndexedDatasetBuilder(output_prefix, best_dtype(tokenizer.vocab_size)) as builder:
         for first in range(0, len(texts), ENCODE_BATCH):
-            for ids in tokenizer.encode_batch(texts[first:first + ENCODE_BATCH]):
+            for ids in tokenizer.encode_batch(texts[first : first + ENCODE_BATCH]):
                 builder.add_document(ids + [tokenizer.eod])
             meter.update(min(first + ENCODE_BATCH, len(texts)), "documents")
         builder.finalize()
@@ -156,19 +155,34 @@ def prepare_default_data(cache_dir=None, vocab_size=DEFAULT_VOCAB_SIZE, progress
     model_path = Path(f"{model_prefix}.model")
     manifest = _read_manifest(folder)
     steps = [
-        ("corpus", [corpus_path], lambda: sum(1 for _ in iter_jsonl_texts(corpus_path)),
-         lambda: collect_stdlib_corpus(corpus_path, progress=progress)),
-        ("tokenizer", [model_path], lambda: load_tokenizer(model_path),
-         lambda: train_tokenizer([corpus_path], model_prefix, vocab_size,
-                                 input_sentence_size=TOKENIZER_TRAINING_LINES, progress=progress)),
-        ("tokenized corpus", data_file_paths(data_prefix), lambda: IndexedDataset(data_prefix),
-         lambda: tokenize_corpus(corpus_path, load_tokenizer(model_path), data_prefix, progress=progress)),
+        (
+            "corpus",
+            [corpus_path],
+            lambda: sum(1 for _ in iter_jsonl_texts(corpus_path)),
+            lambda: collect_stdlib_corpus(corpus_path, progress=progress),
+        ),
+        (
+            "tokenizer",
+            [model_path],
+            lambda: load_tokenizer(model_path),
+            lambda: train_tokenizer(
+                [corpus_path], model_prefix, vocab_size, input_sentence_size=TOKENIZER_TRAINING_LINES, progress=progress
+            ),
+        ),
+        (
+            "tokenized corpus",
+            data_file_paths(data_prefix),
+            lambda: IndexedDataset(data_prefix),
+            lambda: tokenize_corpus(corpus_path, load_tokenizer(model_path), data_prefix, progress=progress),
+        ),
     ]
     try:
         _run_steps(folder, manifest, steps)
-    except OSError as err:       # a full disk, or a cache that changed under us
-        raise UsageError(f"cannot write the embedded corpus cache in {folder} ({err.strerror or err}); "
-                         "free space there or point MEGAZERO_CACHE elsewhere") from None
+    except OSError as err:  # a full disk, or a cache that changed under us
+        raise UsageError(
+            f"cannot write the embedded corpus cache in {folder} ({err.strerror or err}); "
+            "free space there or point MEGAZERO_CACHE elsewhere"
+        ) from None
     return str(data_prefix), str(model_path)
 
 
@@ -180,8 +194,11 @@ def _run_steps(folder, manifest, steps):
         damage = None if stale else _damage(folder, manifest, paths, reads_back)
         if stale or damage:
             if damage and damage != "missing":
-                print(f"megazero: the embedded corpus cache in {folder} is damaged ({damage}); "
-                      f"rebuilding the {name}", file=sys.stderr, flush=True)
+                print(
+                    f"megazero: the embedded corpus cache in {folder} is damaged ({damage}); rebuilding the {name}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             for path in paths:
                 Path(path).unlink(missing_ok=True)
             build()

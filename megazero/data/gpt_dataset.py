@@ -50,13 +50,13 @@ def parse_split(split):
     try:
         values = [float(p) for p in parts]
     except ValueError:
-        raise UsageError(f"--split '{split}' is not numbers; write it like '949,50,1' "
-                         "(train,valid,test weights)") from None
+        raise UsageError(
+            f"--split '{split}' is not numbers; write it like '949,50,1' (train,valid,test weights)"
+        ) from None
     if len(values) > 3:
         raise UsageError(f"--split '{split}' has {len(values)} parts; give at most 3 (train,valid,test)")
     if any(v < 0 or not np.isfinite(v) for v in values) or sum(values) <= 0:
-        raise UsageError(f"--split '{split}' needs non-negative weights with a positive sum, "
-                         "e.g. '949,50,1'")
+        raise UsageError(f"--split '{split}' needs non-negative weights with a positive sum, e.g. '949,50,1'")
     weights = np.array(values + [0.0] * (3 - len(values)), dtype=np.float64)
     return (weights / np.sum(weights)).tolist()
 
@@ -72,12 +72,14 @@ def split_document_ranges(fractions, num_sequences):
     ends = [0]
     for fraction in fractions:
         ends.append(ends[-1] + fraction)
-    return [(int(round(lo * float(num_sequences))), int(round(hi * float(num_sequences))))
-            for lo, hi in zip(ends[:-1], ends[1:])]
+    return [
+        (int(round(lo * float(num_sequences))), int(round(hi * float(num_sequences))))
+        for lo, hi in zip(ends[:-1], ends[1:])
+    ]
 
 
 INDEX_RULE = "megatron-core-0.16"
-SEPARATE_LAST_EPOCH_BELOW = 0.80    # megatron-core's threshold, a fraction of one epoch's samples
+SEPARATE_LAST_EPOCH_BELOW = 0.80  # megatron-core's threshold, a fraction of one epoch's samples
 
 
 def epoch_plan(num_samples, seq_length, tokens_per_epoch):
@@ -97,8 +99,9 @@ def build_document_index(sequence_ids, num_epochs, rng, separate_last=False):
     """The split's sequences for `num_epochs` epochs as one shuffled int32 array (the last epoch
     shuffled on its own after the others when `separate_last`)."""
     if separate_last and num_epochs > 1:
-        return np.concatenate([build_document_index(sequence_ids, num_epochs - 1, rng),
-                               build_document_index(sequence_ids, 1, rng)])
+        return np.concatenate(
+            [build_document_index(sequence_ids, num_epochs - 1, rng), build_document_index(sequence_ids, 1, rng)]
+        )
     index = np.tile(np.asarray(sequence_ids, dtype=np.int32), num_epochs)
     rng.shuffle(index)
     return index
@@ -141,26 +144,42 @@ class GPTDataset:
     """At least `num_samples` samples of `seq_length + 1` tokens from sequences [start, end) of
     `indexed` (its documents, where each is one sequence)."""
 
-    def __init__(self, indexed, split_name, document_range, num_samples, seq_length, seed,
-                 cache_dir=None, progress=True, build=True):
+    def __init__(
+        self,
+        indexed,
+        split_name,
+        document_range,
+        num_samples,
+        seq_length,
+        seed,
+        cache_dir=None,
+        progress=True,
+        build=True,
+    ):
         start, end = document_range
         if not 0 <= start < end <= len(indexed):
-            raise UsageError(f"{split_name} split: sequence range [{start}, {end}) is empty or outside "
-                             f"the {len(indexed)} sequences of {indexed.prefix}; adjust --split")
+            raise UsageError(
+                f"{split_name} split: sequence range [{start}, {end}) is empty or outside "
+                f"the {len(indexed)} sequences of {indexed.prefix}; adjust --split"
+            )
         if seq_length < 1 or num_samples < 1:
-            raise UsageError(f"{split_name} split: seq_length ({seq_length}) and num_samples "
-                             f"({num_samples}) must be positive")
+            raise UsageError(
+                f"{split_name} split: seq_length ({seq_length}) and num_samples ({num_samples}) must be positive"
+            )
         self.indexed = indexed
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.sequence_ids = np.arange(start, end, dtype=np.int64)
         self.tokens_per_epoch = int(indexed.sizes[start:end].sum(dtype=np.int64))
         if self.tokens_per_epoch == 0:
-            raise UsageError(f"{split_name} split of {indexed.prefix} has no tokens; use more data or "
-                             "a different --split")
+            raise UsageError(
+                f"{split_name} split of {indexed.prefix} has no tokens; use more data or a different --split"
+            )
         # INDEX_RULE: indices cached by an earlier rule are never read back as this one's.
-        key = (f"{INDEX_RULE}|{Path(indexed.prefix).name}|{split_name}|{start}:{end}|{num_samples}|{seq_length}"
-               f"|{seed}|{self.tokens_per_epoch}")
+        key = (
+            f"{INDEX_RULE}|{Path(indexed.prefix).name}|{split_name}|{start}:{end}|{num_samples}|{seq_length}"
+            f"|{seed}|{self.tokens_per_epoch}"
+        )
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         folder = Path(cache_dir) if cache_dir else Path(indexed.prefix).parent
         stem = folder / f"{Path(indexed.prefix).name}_{split_name}_{digest}"
@@ -170,20 +189,27 @@ class GPTDataset:
         if not build:
             return
         damage = None if self.built_indices else self._load_cached()
-        if damage is not None:      # a killed copy, a full disk, another tool's file: built again
-            print(f"megazero: the {split_name} sample index {damage}; rebuilding the split's indices", file=sys.stderr,
-                  flush=True)
+        if damage is not None:  # a killed copy, a full disk, another tool's file: built again
+            print(
+                f"megazero: the {split_name} sample index {damage}; rebuilding the split's indices",
+                file=sys.stderr,
+                flush=True,
+            )
             self.built_indices = True
         if self.built_indices:
             try:
                 self._build_and_save(seed, split_name, folder, progress)
             except OSError as err:
-                raise UsageError(f"cannot write the {split_name} sample indices to {folder} ({err.strerror}); "
-                                 "pass --data-cache-path DIR in a writable place") from None
+                raise UsageError(
+                    f"cannot write the {split_name} sample indices to {folder} ({err.strerror}); "
+                    "pass --data-cache-path DIR in a writable place"
+                ) from None
             damage = self._load_cached()
-            if damage is not None:        # what was just written does not read back: the disk's fault
-                raise UsageError(f"the {split_name} sample index {damage} right after being written; check "
-                                 f"the disk of {folder}, or pass --data-cache-path DIR elsewhere")
+            if damage is not None:  # what was just written does not read back: the disk's fault
+                raise UsageError(
+                    f"the {split_name} sample index {damage} right after being written; check "
+                    f"the disk of {folder}, or pass --data-cache-path DIR elsewhere"
+                )
 
     def _load_cached(self) -> str | None:
         """Memory-maps the three cached arrays after checking them as the sampler reads them (dtype,
@@ -194,26 +220,42 @@ class GPTDataset:
             try:
                 arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
             except (OSError, ValueError, EOFError) as err:
-                return f"{path} is damaged (no .npy array: {str(err).splitlines()[0] if str(err) else type(err).__name__})"
+                return (
+                    f"{path} is damaged (no .npy array: {str(err).splitlines()[0] if str(err) else type(err).__name__})"
+                )
         doc, sample, shuffle = arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"]
         sizes, first, last = self.indexed.sizes, self.sequence_ids[0], self.sequence_ids[-1]
         num_epochs, total, _ = epoch_plan(self.num_samples, self.seq_length, self.tokens_per_epoch)
         problems = {
-            "doc_idx": (not np.issubdtype(doc.dtype, np.integer) or doc.ndim != 1 or len(doc) != num_epochs * len(self.sequence_ids)
-                        or (len(doc) and (doc.min() < first or doc.max() > last))),
+            "doc_idx": (
+                not np.issubdtype(doc.dtype, np.integer)
+                or doc.ndim != 1
+                or len(doc) != num_epochs * len(self.sequence_ids)
+                or (len(doc) and (doc.min() < first or doc.max() > last))
+            ),
             "sample_idx": (not np.issubdtype(sample.dtype, np.integer) or sample.shape != (total + 1, 2)),
-            "shuffle_idx": (not np.issubdtype(shuffle.dtype, np.integer) or shuffle.shape != (total,)
-                            or shuffle.min() < 0 or shuffle.max() >= total),
+            "shuffle_idx": (
+                not np.issubdtype(shuffle.dtype, np.integer)
+                or shuffle.shape != (total,)
+                or shuffle.min() < 0
+                or shuffle.max() >= total
+            ),
         }
         if not problems["doc_idx"] and not problems["sample_idx"]:
             positions, offsets = sample[:, 0], sample[:, 1]
             problems["sample_idx"] = bool(
-                positions.min() < 0 or positions.max() >= len(doc) or np.any(np.diff(positions) < 0)
-                or offsets.min() < 0 or np.any(offsets >= sizes[doc[positions]]))
+                positions.min() < 0
+                or positions.max() >= len(doc)
+                or np.any(np.diff(positions) < 0)
+                or offsets.min() < 0
+                or np.any(offsets >= sizes[doc[positions]])
+            )
         for name, bad in problems.items():
             if bad:
-                return (f"{self.cache_paths[name]} is damaged (not the {self.num_samples}-sample index of this "
-                        f"split: dtype, shape or an index out of range)")
+                return (
+                    f"{self.cache_paths[name]} is damaged (not the {self.num_samples}-sample index of this "
+                    f"split: dtype, shape or an index out of range)"
+                )
         self.doc_idx, self.sample_idx, self.shuffle_idx = doc, sample, shuffle
         return None
 
@@ -244,8 +286,9 @@ class GPTDataset:
         """Tokens of sample `sample` in stream order (before the shuffle index), as int64."""
         (doc_start, offset_start), (doc_end, offset_end) = self.sample_idx[sample], self.sample_idx[sample + 1]
         if doc_start == doc_end:
-            return self.indexed.get(int(self.doc_idx[doc_start]), int(offset_start),
-                                    int(offset_end - offset_start + 1)).astype(np.int64)
+            return self.indexed.get(
+                int(self.doc_idx[doc_start]), int(offset_start), int(offset_end - offset_start + 1)
+            ).astype(np.int64)
         pieces = [self.indexed.get(int(self.doc_idx[doc_start]), int(offset_start))]
         pieces += [self.indexed.get(int(self.doc_idx[d])) for d in range(doc_start + 1, doc_end)]
         pieces.append(self.indexed.get(int(self.doc_idx[doc_end]), 0, int(offset_end) + 1))

@@ -9,6 +9,7 @@ Parquet and Arrow are read through pyarrow (`pip install -e '.[hf-data]'`), one 
 time, the text column only; JSON lines need nothing. Owns reading these files; tokenising them is
 tools/preprocess_data.py's (through megazero.data.corpus.iter_documents).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,11 @@ def tokenise_first(path, flag: str = "--data-path") -> UsageError:
     """The line for raw text given where a .bin/.idx prefix belongs."""
     stem = Path(path).with_suffix("") if Path(path).is_file() else Path(path)
     keys = "" if str(path).endswith(".txt") else " --json-keys text"
-    return UsageError(f"{flag} {path} is raw text, not a .bin/.idx prefix; tokenise it first: python "
-                      f"tools/preprocess_data.py --input {path}{keys} --output-prefix {stem} --append-eod "
-                      f"with this run's tokenizer flags, then {flag} {stem}_text_document")
+    return UsageError(
+        f"{flag} {path} is raw text, not a .bin/.idx prefix; tokenise it first: python "
+        f"tools/preprocess_data.py --input {path}{keys} --output-prefix {stem} --append-eod "
+        f"with this run's tokenizer flags, then {flag} {stem}_text_document"
+    )
 
 
 def _pyarrow(path):
@@ -49,8 +52,9 @@ def _pyarrow(path):
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
-        raise UsageError(f"{path}: reading Parquet and Arrow files needs pyarrow; pip install -e '.[hf-data]' "
-                         "(or give JSON lines)") from None
+        raise UsageError(
+            f"{path}: reading Parquet and Arrow files needs pyarrow; pip install -e '.[hf-data]' (or give JSON lines)"
+        ) from None
     return pyarrow
 
 
@@ -75,7 +79,7 @@ def _batches(path: Path, column: str):
         try:
             reader = pa.ipc.open_file(source)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid:      # `datasets` writes the streaming format
+        except pa.ArrowInvalid:  # `datasets` writes the streaming format
             source.seek(0)
             reader = pa.ipc.open_stream(source)
             batches = iter(reader)
@@ -86,8 +90,9 @@ def _batches(path: Path, column: str):
 
 def _check_column(path, column, names):
     if column not in names:
-        raise UsageError(f"{path} has no column '{column}' (it has {', '.join(names)}); "
-                         f"name the text column with --json-keys")
+        raise UsageError(
+            f"{path} has no column '{column}' (it has {', '.join(names)}); name the text column with --json-keys"
+        )
 
 
 def iter_table_records(path, keys=("text",)):
@@ -102,6 +107,8 @@ def iter_table_records(path, keys=("text",)):
         for batch in _batches(file, key):
             for text in batch.column(0).to_pylist():
                 if not isinstance(text, str):
-                    raise UsageError(f"{file}: row of column '{key}' is {type(text).__name__}, not text; "
-                                     f"name the text column with --json-keys")
+                    raise UsageError(
+                        f"{file}: row of column '{key}' is {type(text).__name__}, not text; "
+                        f"name the text column with --json-keys"
+                    )
                 yield {key: text}

@@ -36,8 +36,14 @@ VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # = 34
 
 DTYPE_CODES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
-    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 
 
@@ -46,8 +52,9 @@ def dtype_code(dtype):
     for code, candidate in DTYPE_CODES.items():
         if np.dtype(candidate) == dtype:
             return code
-    raise UsageError(f"token dtype {dtype} has no .idx code; use one of "
-                     f"{sorted(np.dtype(d).name for d in DTYPE_CODES.values())}")
+    raise UsageError(
+        f"token dtype {dtype} has no .idx code; use one of {sorted(np.dtype(d).name for d in DTYPE_CODES.values())}"
+    )
 
 
 def best_dtype(vocab_size):
@@ -127,8 +134,10 @@ class IndexedDatasetBuilder:
         if array.size and np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
             if array.min() < info.min or array.max() > info.max:
-                raise UsageError(f"token ids {array.min()}..{array.max()} do not fit {self.dtype.name}; "
-                                 "build with best_dtype(vocab_size)")
+                raise UsageError(
+                    f"token ids {array.min()}..{array.max()} do not fit {self.dtype.name}; "
+                    "build with best_dtype(vocab_size)"
+                )
         self._bin.write(array.astype(self.dtype, copy=False).tobytes())
         if array.size:
             self.max_token_id = max(self.max_token_id, int(array.max()))
@@ -182,28 +191,36 @@ def read_index_header(idx_path):
     with open(idx_path, "rb") as handle:
         header = handle.read(HEADER_BYTES)
     # Compare only the bytes present, so a file cut inside the magic reads as truncated, not foreign.
-    if header[:len(MAGIC)] != MAGIC[:len(header)]:
-        raise UsageError(f"{idx_path} is not a megazero/Megatron .idx file (bad magic); "
-                         "regenerate it with tools/preprocess_data.py")
+    if header[: len(MAGIC)] != MAGIC[: len(header)]:
+        raise UsageError(
+            f"{idx_path} is not a megazero/Megatron .idx file (bad magic); regenerate it with tools/preprocess_data.py"
+        )
     if len(header) < HEADER_BYTES:
-        raise UsageError(f"{idx_path} is truncated ({size} bytes, header needs {HEADER_BYTES}); "
-                         "regenerate it with tools/preprocess_data.py")
+        raise UsageError(
+            f"{idx_path} is truncated ({size} bytes, header needs {HEADER_BYTES}); "
+            "regenerate it with tools/preprocess_data.py"
+        )
     version = int(np.frombuffer(header, np.uint64, 1, 9)[0])
     code = header[17]
     sequences = int(np.frombuffer(header, np.uint64, 1, 18)[0])
     doc_entries = int(np.frombuffer(header, np.uint64, 1, 26)[0])
     if version != VERSION:
-        raise UsageError(f"{idx_path} has .idx version {version}, only {VERSION} is supported; "
-                         "regenerate it with tools/preprocess_data.py")
+        raise UsageError(
+            f"{idx_path} has .idx version {version}, only {VERSION} is supported; "
+            "regenerate it with tools/preprocess_data.py"
+        )
     if code not in DTYPE_CODES:
         raise UsageError(f"{idx_path} has unknown dtype code {code}; the file is corrupt, regenerate it")
     expected = HEADER_BYTES + sequences * (4 + 8) + doc_entries * 8
     if size < expected:
-        raise UsageError(f"{idx_path} is truncated ({size} bytes, its header needs {expected}); "
-                         "regenerate it with tools/preprocess_data.py")
+        raise UsageError(
+            f"{idx_path} is truncated ({size} bytes, its header needs {expected}); "
+            "regenerate it with tools/preprocess_data.py"
+        )
     if size > expected:
-        raise UsageError(f"{idx_path} has {size - expected} bytes more than its header describes; "
-                         "the file is corrupt, regenerate it")
+        raise UsageError(
+            f"{idx_path} has {size - expected} bytes more than its header describes; the file is corrupt, regenerate it"
+        )
     return np.dtype(DTYPE_CODES[code]), sequences, doc_entries
 
 
@@ -213,8 +230,8 @@ class _FileTokens:
 
     def __init__(self, path, dtype, count: int):
         self.path, self.dtype, self.count = path, dtype, count
-        self._file = open(path, "rb", buffering=0)      # noqa: SIM115  (lives as long as the dataset)
-        self._lock = threading.Lock()                   # the read-ahead thread and the loop share it
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115  (lives as long as the dataset)
+        self._lock = threading.Lock()  # the read-ahead thread and the loop share it
 
     def __len__(self):
         return self.count
@@ -228,7 +245,7 @@ class _FileTokens:
 
     def max(self):
         step = 1 << 24
-        return max(int(self[s:s + step].max()) for s in range(0, self.count, step))
+        return max(int(self[s : s + step].max()) for s in range(0, self.count, step))
 
 
 class IndexedDataset:
@@ -244,11 +261,15 @@ class IndexedDataset:
         bin_path, idx_path = data_file_paths(self.prefix)
         for path in (idx_path, bin_path):
             if not path.is_file():
-                raise UsageError(f"data file {path} not found; expected {bin_path} and {idx_path} "
-                                 "(pass the path prefix without extension)")
+                raise UsageError(
+                    f"data file {path} not found; expected {bin_path} and {idx_path} "
+                    "(pass the path prefix without extension)"
+                )
             if not os.access(path, os.R_OK):
-                raise UsageError(f"data file {path} cannot be read (permission denied); "
-                                 "fix its permissions or copy it somewhere readable")
+                raise UsageError(
+                    f"data file {path} cannot be read (permission denied); "
+                    "fix its permissions or copy it somewhere readable"
+                )
         self.dtype, count, doc_entries = read_index_header(idx_path)
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sizes = np.frombuffer(index, np.int32, count, HEADER_BYTES)
@@ -261,18 +282,24 @@ class IndexedDataset:
         docs = self.document_indices
         if len(docs) == 0 or docs[0] != 0 or docs[-1] != count or np.any(np.diff(docs) < 0):
             raise UsageError(f"{idx_path} has inconsistent document indices; the file is corrupt, regenerate it")
-        if count and (np.any(self.sizes < 0) or self.pointers[0] != 0 or np.any(
-                np.diff(self.pointers) != self.sizes[:-1].astype(np.int64) * self.dtype.itemsize)):
-            raise UsageError(f"{idx_path} has byte pointers that disagree with its sizes; "
-                             "the file is corrupt, regenerate it")
+        if count and (
+            np.any(self.sizes < 0)
+            or self.pointers[0] != 0
+            or np.any(np.diff(self.pointers) != self.sizes[:-1].astype(np.int64) * self.dtype.itemsize)
+        ):
+            raise UsageError(
+                f"{idx_path} has byte pointers that disagree with its sizes; the file is corrupt, regenerate it"
+            )
 
     def _map_bin(self, bin_path):
         count = len(self.sizes)
         expected = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if count else 0
         actual = bin_path.stat().st_size
         if actual != expected:
-            raise UsageError(f"{bin_path} has {actual} bytes but its .idx describes {expected}; "
-                             "the pair is out of sync, regenerate both with tools/preprocess_data.py")
+            raise UsageError(
+                f"{bin_path} has {actual} bytes but its .idx describes {expected}; "
+                "the pair is out of sync, regenerate both with tools/preprocess_data.py"
+            )
         if expected == 0:
             return np.empty(0, dtype=self.dtype)  # numpy cannot memory-map an empty file
         if not self.mmap:
@@ -283,8 +310,10 @@ class IndexedDataset:
     def max_token_id(self):
         """The largest token id in the `.bin` (-1 when empty), from the stats cache or one pass."""
         if not np.issubdtype(self.dtype, np.integer):
-            raise UsageError(f"{self.prefix}.idx says its tokens are {self.dtype.name}, not integer ids; "
-                             "regenerate the pair with tools/preprocess_data.py")
+            raise UsageError(
+                f"{self.prefix}.idx says its tokens are {self.dtype.name}, not integer ids; "
+                "regenerate the pair with tools/preprocess_data.py"
+            )
         stats = read_stats(self.prefix)
         if stats is None:
             largest = int(self._tokens.max()) if len(self._tokens) else -1
@@ -320,7 +349,7 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"tokens [{offset}, {offset + length}) outside sequence {idx} of length {size}")
         start = int(self.pointers[idx]) // self.dtype.itemsize + offset
-        return self._tokens[start:start + length]
+        return self._tokens[start : start + length]
 
     def __getitem__(self, idx):
         return self.get(idx)

@@ -5,6 +5,7 @@ ahead never changes which samples a step gets. Threads, not processes: the work 
 memory-mapped files, which releases the GIL, and the batches are the step's own tensors (no copies
 between processes). It owns the thread pool; it must not touch the samples.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,16 +19,16 @@ class ReadAhead:
         self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="megazero-data")
         self.pending: dict[int, Future] = {}
 
-    def __getattr__(self, name):              # num_microbatches, ramp, ... as the source has them
+    def __getattr__(self, name):  # num_microbatches, ramp, ... as the source has them
         return getattr(self.source, name)
 
     def batch(self, i: int):
-        for j in range(i, i + 1 + self.depth):         # this batch and the next `depth` ones in flight
+        for j in range(i, i + 1 + self.depth):  # this batch and the next `depth` ones in flight
             if j != i and self.end is not None and j >= self.end:
                 break
             if j not in self.pending:
                 self.pending[j] = self.pool.submit(self.source.batch, j)
-        for j in [j for j in self.pending if j < i]:     # a jump back or forward drops stale reads
+        for j in [j for j in self.pending if j < i]:  # a jump back or forward drops stale reads
             self.pending.pop(j).cancel()
         return self.pending.pop(i).result()
 

@@ -11,6 +11,7 @@ and hands the others its verdict). With document masking on (--reset-position-id
 tokenizer's (mock data without one: vocabulary size - 1, the NullTokenizer's rule), and mock data is
 then made of documents ending with it. Reads a TrainConfig's fields; imports nothing above data/.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +22,10 @@ from megazero.data.sampler import MicrobatchSource
 
 @dataclasses.dataclass
 class RunData:
-    train: object                   # batch(i) -> this rank's microbatches of step i
-    valid: list                     # the evaluation batches (the same every evaluation)
-    tokenizer: dict | None          # the tokenizer as checkpoints keep it; None: none to keep
-    eod: int | None = None          # the end-of-document id, when document masking is on
+    train: object  # batch(i) -> this rank's microbatches of step i
+    valid: list  # the evaluation batches (the same every evaluation)
+    tokenizer: dict | None  # the tokenizer as checkpoints keep it; None: none to keep
+    eod: int | None = None  # the end-of-document id, when document masking is on
 
     def close(self) -> None:
         if isinstance(self.train, ReadAhead):
@@ -40,9 +41,8 @@ def run_data(cfg, dp_rank: int, dp_size: int, say, *, first=None, keep_tokenizer
     eod = end_of_document(cfg) if masking and cfg.data.mock_data else None
     train_set, valid_set = datasets(cfg, say, first, eod)
     if masking and eod is None:
-        eod = end_of_document(cfg)          # after datasets(): the embedded corpus is prepared by then
-    train = MicrobatchSource(train_set, cfg.global_batch_size, cfg.micro_batch_size, dp_rank, dp_size,
-                             ramp=cfg.rampup)
+        eod = end_of_document(cfg)  # after datasets(): the embedded corpus is prepared by then
+    train = MicrobatchSource(train_set, cfg.global_batch_size, cfg.micro_batch_size, dp_rank, dp_size, ramp=cfg.rampup)
     if cfg.run.num_workers > 0:
         train = ReadAhead(train, cfg.run.num_workers, end=cfg.train_iters)
     valid = []
@@ -61,14 +61,22 @@ def end_of_document(cfg) -> int:
     named one's, or for mock data without one vocabulary size - 1."""
     from megazero.data.default_data import default_data_files
     from megazero.data.tokenizer import build_tokenizer, load_tokenizer
+
     data = cfg.data
     if data.mock_data and not _names_a_tokenizer(data):
         return cfg.model.vocab_size - 1
     if data.data_path is None and not data.mock_data:
         return int(load_tokenizer(default_data_files(data.cache_dir)[1]).eod)
-    return int(build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model, vocab_file=data.vocab_file,
-                               merge_file=data.merge_file, vocab_size=data.vocab_size,
-                               tiktoken_pattern=data.tiktoken_pattern).eod)
+    return int(
+        build_tokenizer(
+            data.tokenizer_type,
+            tokenizer_model=data.tokenizer_model,
+            vocab_file=data.vocab_file,
+            merge_file=data.merge_file,
+            vocab_size=data.vocab_size,
+            tiktoken_pattern=data.tiktoken_pattern,
+        ).eod
+    )
 
 
 def datasets(cfg, say, first, eod: int | None = None):
@@ -76,11 +84,14 @@ def datasets(cfg, say, first, eod: int | None = None):
     from megazero.data.builders import build_train_valid_test_datasets
     from megazero.data.default_data import prepare_default_data
     from megazero.data.synthetic import DocumentTokens, SyntheticTokens
+
     if cfg.data.mock_data:
         vocab, seq = cfg.model.vocab_size, cfg.model.seq_length
         if eod is not None:
-            say(f" data: mock (documents of 1 to {seq} tokens of a {vocab}-token vocabulary, each ending "
-                f"with the end-of-document id {eod})")
+            say(
+                f" data: mock (documents of 1 to {seq} tokens of a {vocab}-token vocabulary, each ending "
+                f"with the end-of-document id {eod})"
+            )
             return DocumentTokens(vocab, seq, eod, seed=cfg.seed), DocumentTokens(vocab, seq, eod, seed=cfg.seed + 1)
         say(f" data: mock (random tokens of a {vocab}-token vocabulary)")
         return SyntheticTokens(vocab, seq, seed=cfg.seed), SyntheticTokens(vocab, seq, seed=cfg.seed + 1)
@@ -92,10 +103,19 @@ def datasets(cfg, say, first, eod: int | None = None):
             say(f" data: embedded corpus (Python standard library sources) at {prefix}")
             data_path = [prefix]
         train, valid, _ = build_train_valid_test_datasets(
-            data_path, cfg.data.split, cfg.model.seq_length, cfg.seed, cfg.sample_counts(), cfg.data.cache_dir,
-            progress, mmap=cfg.data.mmap_bin_files, per_split=cfg.data.split_paths,
-            threads=cfg.data.builder_threads)
+            data_path,
+            cfg.data.split,
+            cfg.model.seq_length,
+            cfg.seed,
+            cfg.sample_counts(),
+            cfg.data.cache_dir,
+            progress,
+            mmap=cfg.data.mmap_bin_files,
+            per_split=cfg.data.split_paths,
+            threads=cfg.data.builder_threads,
+        )
         return train, valid
+
     return first(build)
 
 
@@ -105,13 +125,19 @@ def tokenizer_record(data) -> dict | None:
     checkpoints export with --without-tokenizer only)."""
     from megazero.data.default_data import default_data_files
     from megazero.data.tokenizer import build_tokenizer, load_tokenizer, saved_form
+
     if data.mock_data and not _names_a_tokenizer(data):
-        return None                        # random tokens of the default vocabulary: no tokenizer to keep
+        return None  # random tokens of the default vocabulary: no tokenizer to keep
     if not data.reads_files() and not data.mock_data:
         return saved_form(load_tokenizer(default_data_files(data.cache_dir)[1]))
-    tokenizer = build_tokenizer(data.tokenizer_type, tokenizer_model=data.tokenizer_model,
-                                vocab_file=data.vocab_file, merge_file=data.merge_file,
-                                vocab_size=data.vocab_size, tiktoken_pattern=data.tiktoken_pattern)
+    tokenizer = build_tokenizer(
+        data.tokenizer_type,
+        tokenizer_model=data.tokenizer_model,
+        vocab_file=data.vocab_file,
+        merge_file=data.merge_file,
+        vocab_size=data.vocab_size,
+        tiktoken_pattern=data.tiktoken_pattern,
+    )
     return saved_form(tokenizer) if hasattr(tokenizer, "files") else None
 
 

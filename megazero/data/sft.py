@@ -23,6 +23,7 @@ keeps each attending to itself only. The row order is reshuffled every epoch fro
 Owns reading, the one-line checks of the records (with their line numbers), tokenizing and
 batching; no model and no process group.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,7 @@ import torch
 
 from megazero.core.errors import UsageError
 
-IGNORE = -100           # the label transformers' loss skips
+IGNORE = -100  # the label transformers' loss skips
 
 
 @dataclasses.dataclass
@@ -46,8 +47,9 @@ def read_records(path) -> list[tuple[int, dict]]:
     """(line number, record) for every non-blank line of the JSON-lines file `path`."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"--data {path}: no such file; give a JSON-lines file of {{\"prompt\", \"response\"}} "
-                         f"or {{\"messages\"}} records")
+        raise UsageError(
+            f'--data {path}: no such file; give a JSON-lines file of {{"prompt", "response"}} or {{"messages"}} records'
+        )
     records = []
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -68,8 +70,10 @@ def read_records(path) -> list[tuple[int, dict]]:
 def _text(record: dict, key: str, where: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
-        raise UsageError(f"{where}: the record has no \"{key}\" string (a record is {{\"prompt\", \"response\"}} "
-                         f"or {{\"messages\": [{{\"role\", \"content\"}}, ...]}})")
+        raise UsageError(
+            f'{where}: the record has no "{key}" string (a record is {{"prompt", "response"}} '
+            f'or {{"messages": [{{"role", "content"}}, ...]}})'
+        )
     return value
 
 
@@ -88,28 +92,35 @@ def message_pieces(tokenizer, record: dict, where: str) -> list[tuple[list[int],
     A turn's text is what rendering up to it adds to rendering up to the prompt of it."""
     messages = record["messages"]
     if not getattr(tokenizer, "chat_template", None):
-        raise UsageError(f"{where}: a \"messages\" record, but the tokenizer has no chat template; add "
-                         f"\"chat_template\" to the model folder's tokenizer_config.json, or give "
-                         f"{{\"prompt\", \"response\"}} records")
+        raise UsageError(
+            f'{where}: a "messages" record, but the tokenizer has no chat template; add '
+            f'"chat_template" to the model folder\'s tokenizer_config.json, or give '
+            f'{{"prompt", "response"}} records'
+        )
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise UsageError(f"{where}: \"messages\" must be a list of {{\"role\", \"content\"}} objects with strings")
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise UsageError(f'{where}: "messages" must be a list of {{"role", "content"}} objects with strings')
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
-        raise UsageError(f"{where}: no \"assistant\" message: nothing to learn from this record")
+        raise UsageError(f'{where}: no "assistant" message: nothing to learn from this record')
 
     def render(upto: int, prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
+
     pieces, done = [], ""
     for i in turns:
         before, after = render(i, True), render(i + 1, False)
         if not before.startswith(done) or not after.startswith(before):
-            raise UsageError(f"{where}: the chat template does not render the conversation turn by turn "
-                             f"(a later rendering does not start with an earlier one), so its response "
-                             f"tokens cannot be told apart; give {{\"prompt\", \"response\"}} records")
-        pieces += [(_ids(tokenizer, before[len(done):], False), False),
-                   (_ids(tokenizer, after[len(before):], False), True)]
+            raise UsageError(
+                f"{where}: the chat template does not render the conversation turn by turn "
+                f"(a later rendering does not start with an earlier one), so its response "
+                f'tokens cannot be told apart; give {{"prompt", "response"}} records'
+            )
+        pieces += [
+            (_ids(tokenizer, before[len(done) :], False), False),
+            (_ids(tokenizer, after[len(before) :], False), True),
+        ]
         done = after
     return pieces
 
@@ -129,19 +140,21 @@ def tokenize(tokenizer, record: dict, where: str, seq_length: int) -> Sample:
     if labels:
         labels[0] = IGNORE
     if all(label == IGNORE for label in labels):
-        raise UsageError(f"{where}: the response is empty after truncation to --seq-length {seq_length} "
-                         f"(the prompt takes {prompt} tokens); raise --seq-length or shorten the prompt")
+        raise UsageError(
+            f"{where}: the response is empty after truncation to --seq-length {seq_length} "
+            f"(the prompt takes {prompt} tokens); raise --seq-length or shorten the prompt"
+        )
     return Sample(ids, labels)
 
 
 def load_samples(path, tokenizer, seq_length: int) -> list[Sample]:
-    return [tokenize(tokenizer, record, f"--data {path}:{number}", seq_length)
-            for number, record in read_records(path)]
+    return [tokenize(tokenizer, record, f"--data {path}:{number}", seq_length) for number, record in read_records(path)]
 
 
 @dataclasses.dataclass
 class Row:
     """A training row: one sample, or several packed (`starts`: where each begins)."""
+
     input_ids: list[int]
     labels: list[int]
     starts: list[int]
@@ -186,8 +199,7 @@ def collate(rows: list[Row], pad_id: int, pack: bool) -> dict[str, torch.Tensor]
 class SFTBatches:
     """The micro batches of every step, for every data-parallel rank (see the module docstring)."""
 
-    def __init__(self, rows: list[Row], micro: int, accumulation: int, dp: int, seed: int, pad_id: int,
-                 pack: bool):
+    def __init__(self, rows: list[Row], micro: int, accumulation: int, dp: int, seed: int, pad_id: int, pack: bool):
         self.rows, self.micro, self.accumulation, self.dp = rows, micro, accumulation, dp
         self.seed, self.pad_id, self.pack = seed, pad_id, pack
         self.global_batch = micro * accumulation * dp
@@ -204,4 +216,4 @@ class SFTBatches:
         epoch, within = divmod(step, self.steps_per_epoch)
         order = self._epoch_order(epoch)
         first = within * self.global_batch + (micro * self.dp + dp_rank) * self.micro
-        return collate([self.rows[i] for i in order[first:first + self.micro].tolist()], self.pad_id, self.pack)
+        return collate([self.rows[i] for i in order[first : first + self.micro].tolist()], self.pad_id, self.pack)

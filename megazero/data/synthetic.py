@@ -1,4 +1,5 @@
 """Random token samples, reproducible by index, for tests and benchmarks that need no corpus."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,8 +37,15 @@ class DocumentTokens(SyntheticTokens):
     and a step in 1..3) of 1 to `max_document` tokens that ends with `eod`, the last one cut by the
     sample's end; seeded by (seed, i). No token but the ends is `eod`."""
 
-    def __init__(self, vocab_size: int, seq_length: int, eod: int, seed: int = 0, size: int = 1 << 30,
-                 max_document: int | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_length: int,
+        eod: int,
+        seed: int = 0,
+        size: int = 1 << 30,
+        max_document: int | None = None,
+    ):
         super().__init__(vocab_size, seq_length, seed, size)
         self.eod, self.max_document = eod, max_document or seq_length
 
@@ -48,7 +56,7 @@ class DocumentTokens(SyntheticTokens):
             length = int(rng.integers(1, self.max_document + 1))
             start, step = rng.integers(0, self.vocab_size - 1), rng.integers(1, 4)
             body = (start + step * np.arange(length - 1, dtype=np.int64)) % (self.vocab_size - 1)
-            body += body >= self.eod                     # every id but eod
+            body += body >= self.eod  # every id but eod
             pieces.append(np.append(body, self.eod))
             total += length
-        return {"tokens": np.concatenate(pieces)[:self.seq_length + 1]}
+        return {"tokens": np.concatenate(pieces)[: self.seq_length + 1]}

@@ -50,8 +50,10 @@ class Tokenizer:
         if self.eod < 0:
             self.eod = processor.piece_to_id(EOD_PIECE)
             if processor.id_to_piece(self.eod) != EOD_PIECE:  # piece_to_id answers unk when absent
-                raise UsageError(f"tokenizer {model_path} has neither an EOS id nor a '{EOD_PIECE}' piece; "
-                                 "train one with tools/train_tokenizer.py")
+                raise UsageError(
+                    f"tokenizer {model_path} has neither an EOS id nor a '{EOD_PIECE}' piece; "
+                    "train one with tools/train_tokenizer.py"
+                )
 
     def encode(self, text):
         return self._sp.encode(text)
@@ -75,8 +77,10 @@ def load_tokenizer(path):
     """Loads a sentencepiece `.model`; a missing or foreign file raises UsageError."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"tokenizer model {path} not found; pass a sentencepiece .model file "
-                         "(train one with tools/train_tokenizer.py)")
+        raise UsageError(
+            f"tokenizer model {path} not found; pass a sentencepiece .model file "
+            "(train one with tools/train_tokenizer.py)"
+        )
     if not os.access(path, os.R_OK):
         raise UsageError(f"tokenizer model {path} cannot be read (permission denied); fix its permissions")
     processor = spm.SentencePieceProcessor()
@@ -84,19 +88,33 @@ def load_tokenizer(path):
         processor.load(str(path))
     except (RuntimeError, OSError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{path} is not a sentencepiece model ({first_line}); "
-                         "pass the .model file written by tools/train_tokenizer.py") from None
+        raise UsageError(
+            f"{path} is not a sentencepiece model ({first_line}); "
+            "pass the .model file written by tools/train_tokenizer.py"
+        ) from None
     return Tokenizer(processor, path)
 
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer",
-                   "TikTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+    "TikTokenizer",
+)
 
 
-def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=None, vocab_file=None,
-                    merge_file=None, vocab_size=None, tiktoken_pattern=None):
+def build_tokenizer(
+    tokenizer_type="SentencePieceTokenizer",
+    tokenizer_model=None,
+    vocab_file=None,
+    merge_file=None,
+    vocab_size=None,
+    tiktoken_pattern=None,
+):
     """The tokenizer Megatron's flags of the same names describe; a missing input raises UsageError."""
     from megazero.data import tokenizer_bpe
+
     if tokenizer_type == "SentencePieceTokenizer":
         if not tokenizer_model:
             raise UsageError("SentencePieceTokenizer needs --tokenizer-model (a sentencepiece .model file)")
@@ -107,8 +125,9 @@ def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=Non
         return tokenizer_bpe.GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
-            raise UsageError("HuggingFaceTokenizer needs --tokenizer-model (a tokenizer directory or its "
-                             "tokenizer.json)")
+            raise UsageError(
+                "HuggingFaceTokenizer needs --tokenizer-model (a tokenizer directory or its tokenizer.json)"
+            )
         return tokenizer_bpe.HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
@@ -118,24 +137,34 @@ def build_tokenizer(tokenizer_type="SentencePieceTokenizer", tokenizer_model=Non
         if not tokenizer_model:
             raise UsageError("TikTokenizer needs --tokenizer-model (a tiktoken vocabulary .json file)")
         from megazero.data.tokenizer_tiktoken import TikTokenizer
+
         return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size)
     raise UsageError(f"unknown tokenizer type {tokenizer_type!r}; pick one of {', '.join(TOKENIZER_TYPES)}")
 
 
-SAVED_FILES = {"SentencePieceTokenizer": ("tokenizer.model",), "GPT2BPETokenizer": ("vocab.json", "merges.txt"),
-               "HuggingFaceTokenizer": ("tokenizer.json",), "NullTokenizer": ()}
+SAVED_FILES = {
+    "SentencePieceTokenizer": ("tokenizer.model",),
+    "GPT2BPETokenizer": ("vocab.json", "merges.txt"),
+    "HuggingFaceTokenizer": ("tokenizer.json",),
+    "NullTokenizer": (),
+}
 
 
 def saved_form(tokenizer):
     """What a checkpoint keeps of a tokenizer: its type, end-of-document id, vocabulary size and the
     files that rebuild it ({name in the checkpoint's tokenizer/ folder: source path})."""
-    return {"type": tokenizer.tokenizer_type, "eod": int(tokenizer.eod), "vocab_size": int(tokenizer.vocab_size),
-            "files": {name: str(path) for name, path in tokenizer.files().items()}}
+    return {
+        "type": tokenizer.tokenizer_type,
+        "eod": int(tokenizer.eod),
+        "vocab_size": int(tokenizer.vocab_size),
+        "files": {name: str(path) for name, path in tokenizer.files().items()},
+    }
 
 
 def tokenizer_from_saved(folder, record):
     """The tokenizer a checkpoint's tokenizer/ `folder` holds, as `record` (saved_form's) describes it."""
     from megazero.data import tokenizer_bpe
+
     folder, kind = Path(folder), record.get("type")
     missing = [name for name in SAVED_FILES.get(kind, ()) if not (folder / name).is_file()]
     if kind not in SAVED_FILES or missing:
@@ -198,8 +227,16 @@ def sample_lines(lines, limit, seed):
     return kept
 
 
-def train_tokenizer(input_files, model_prefix, vocab_size, json_key="text",
-                    input_sentence_size=1_000_000, num_threads=2, seed=1234, progress=True):
+def train_tokenizer(
+    input_files,
+    model_prefix,
+    vocab_size,
+    json_key="text",
+    input_sentence_size=1_000_000,
+    num_threads=2,
+    seed=1234,
+    progress=True,
+):
     """Trains a BPE sentencepiece model on text/JSONL files; returns the `.model` path.
 
     Trains on `input_sentence_size` lines sampled from the input (0 = all): more lines barely
@@ -217,13 +254,23 @@ def train_tokenizer(input_files, model_prefix, vocab_size, json_key="text",
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(lines), model_writer=model,
-            vocab_size=vocab_size, model_type="bpe",
-            byte_fallback=True, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, add_dummy_prefix=False,
-            split_by_whitespace=True, allow_whitespace_only_pieces=True,
-            user_defined_symbols=["\n"], eos_piece=EOD_PIECE, bos_id=-1, pad_id=-1,
-            num_threads=num_threads, minloglevel=2)
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type="bpe",
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            split_by_whitespace=True,
+            allow_whitespace_only_pieces=True,
+            user_defined_symbols=["\n"],
+            eos_piece=EOD_PIECE,
+            bos_id=-1,
+            pad_id=-1,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
     except RuntimeError as exc:
         raise UsageError(_explain_training_failure(str(exc), vocab_size)) from None
     processor = spm.SentencePieceProcessor(model_proto=model.getvalue())

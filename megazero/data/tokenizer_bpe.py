@@ -44,8 +44,10 @@ class GPT2BPETokenizer:
         try:
             model = models.BPE.from_file(str(vocab_file), str(merge_file))
         except Exception as exc:  # the Rust side raises plain Exception for any unreadable file
-            raise UsageError(f"--vocab-file {vocab_file} / --merge-file {merge_file} are not a GPT-2 BPE pair "
-                             f"({str(exc).strip() or type(exc).__name__}); pass vocab.json and merges.txt") from None
+            raise UsageError(
+                f"--vocab-file {vocab_file} / --merge-file {merge_file} are not a GPT-2 BPE pair "
+                f"({str(exc).strip() or type(exc).__name__}); pass vocab.json and merges.txt"
+            ) from None
         self._tok = _RustTokenizer(model)
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self._tok.decoder = decoders.ByteLevel()
@@ -111,8 +113,10 @@ class HuggingFaceTokenizer:
             self._tok = _RustTokenizer.from_file(str(file))
         except Exception as exc:  # the Rust side raises plain Exception for a malformed file
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UsageError(f"--tokenizer-model {file} is not a Hugging Face tokenizer.json ({first}); "
-                             "pass the tokenizer.json a fast tokenizer saves") from None
+            raise UsageError(
+                f"--tokenizer-model {file} is not a Hugging Face tokenizer.json ({first}); "
+                "pass the tokenizer.json a fast tokenizer saves"
+            ) from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         eos, source = _configured_eos(file.parent)
         if eos is None:
@@ -121,8 +125,10 @@ class HuggingFaceTokenizer:
         else:
             reason = f"{source} names eos_token {eos!r}, which is not in the vocabulary"
         if eos not in vocab:
-            raise UsageError(f"--tokenizer-model {file}: no end-of-document token ({reason}); "
-                             "set eos_token in tokenizer_config.json beside it")
+            raise UsageError(
+                f"--tokenizer-model {file}: no end-of-document token ({reason}); "
+                "set eos_token in tokenizer_config.json beside it"
+            )
         self.eod = vocab[eos]
         self.vocab_size = max(vocab.values()) + 1
         self.model_path = str(file)
@@ -153,8 +159,10 @@ class NullTokenizer:
 
     def __init__(self, vocab_size):
         if vocab_size is None or int(vocab_size) < 2:
-            raise UsageError(f"NullTokenizer needs --vocab-size >= 2 (got {vocab_size}): the largest token id "
-                             "plus one, plus one for the end-of-document id")
+            raise UsageError(
+                f"NullTokenizer needs --vocab-size >= 2 (got {vocab_size}): the largest token id "
+                "plus one, plus one for the end-of-document id"
+            )
         self.vocab_size = int(vocab_size)
         self.eod = self.vocab_size - 1
         self.model_path = None
@@ -165,11 +173,14 @@ class NullTokenizer:
             try:
                 value = int(word)
             except ValueError:
-                raise UsageError(f"NullTokenizer reads integer token ids, got {word[:40]!r}; pre-tokenize "
-                                 "the text or pick another --tokenizer-type") from None
+                raise UsageError(
+                    f"NullTokenizer reads integer token ids, got {word[:40]!r}; pre-tokenize "
+                    "the text or pick another --tokenizer-type"
+                ) from None
             if not 0 <= value < self.vocab_size:
-                raise UsageError(f"NullTokenizer: token id {value} is outside [0, {self.vocab_size}); "
-                                 "raise --vocab-size")
+                raise UsageError(
+                    f"NullTokenizer: token id {value} is outside [0, {self.vocab_size}); raise --vocab-size"
+                )
             ids.append(value)
         return ids
 
@@ -192,13 +203,18 @@ def train_byte_level_bpe(input_files, model_prefix, vocab_size, json_key="text")
     newlines and indentation runs take part in the merges as they do in the text.
     """
     if vocab_size < 257:
-        raise UsageError(f"--vocab-size {vocab_size} is below 257 (256 byte tokens and <|endoftext|>); "
-                         "use a larger --vocab-size")
+        raise UsageError(
+            f"--vocab-size {vocab_size} is below 257 (256 byte tokens and <|endoftext|>); use a larger --vocab-size"
+        )
     tok = _RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT2_EOD], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[GPT2_EOD],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     texts = (doc[json_key] for doc in iter_documents([str(p) for p in input_files], (json_key,)))
     tok.train_from_iterator(texts, trainer)
     folder = Path(f"{model_prefix}")
@@ -207,10 +223,15 @@ def train_byte_level_bpe(input_files, model_prefix, vocab_size, json_key="text")
     # merges.txt as GPT-2 ships it: a version line, then one "left right" pair per line.
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     merges_txt = "#version: 0.2\n" + "".join(f"{m}\n" for m in merges)
-    config = json.dumps({"eos_token": GPT2_EOD, "bos_token": GPT2_EOD, "unk_token": GPT2_EOD,
-                         "tokenizer_class": "GPT2TokenizerFast"})
-    paths = [Path(f"{model_prefix}-vocab.json"), Path(f"{model_prefix}-merges.txt"), folder / "tokenizer.json",
-             folder / "tokenizer_config.json"]
+    config = json.dumps(
+        {"eos_token": GPT2_EOD, "bos_token": GPT2_EOD, "unk_token": GPT2_EOD, "tokenizer_class": "GPT2TokenizerFast"}
+    )
+    paths = [
+        Path(f"{model_prefix}-vocab.json"),
+        Path(f"{model_prefix}-merges.txt"),
+        folder / "tokenizer.json",
+        folder / "tokenizer_config.json",
+    ]
     for path, text in zip(paths, (vocab_json, merges_txt, tok.to_str(), config)):
         write_atomically(path, lambda handle, text=text: handle.write(text))
     return paths

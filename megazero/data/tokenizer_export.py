@@ -22,6 +22,7 @@ ids, a sentencepiece model with normalization rules or a unigram model) is refus
 transformers treats the literal text of a special token ("<|endoftext|>") as that token, where
 megazero's tokenizers encode it as text; the sample leaves such strings out.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,13 @@ class HFTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer, kind = tokenizer, tokenizer.tokenizer_type
         if kind == "NullTokenizer":
-            raise TokenizerExportError("the run's tokenizer is NullTokenizer (pre-tokenized integer ids): it "
-                                       "has no text form transformers can load; pass --without-tokenizer to "
-                                       "export the weights alone")
-        self.files = dict(tokenizer.files())          # name in the folder -> source
-        self.config = {}                               # the tokenizer's own tokenizer_config.json
+            raise TokenizerExportError(
+                "the run's tokenizer is NullTokenizer (pre-tokenized integer ids): it "
+                "has no text form transformers can load; pass --without-tokenizer to "
+                "export the weights alone"
+            )
+        self.files = dict(tokenizer.files())  # name in the folder -> source
+        self.config = {}  # the tokenizer's own tokenizer_config.json
         if kind == "SentencePieceTokenizer":
             self.rust, self.special = _from_sentencepiece(tokenizer)
         elif kind == "GPT2BPETokenizer":
@@ -68,7 +71,7 @@ class HFTokenizer:
             self.special = {"eos_token": eos, "bos_token": eos, "unk_token": eos}
         else:
             self.rust, self.special, self.config = _from_hugging_face(tokenizer)
-            self.files.pop("tokenizer.json")           # written below, as checked
+            self.files.pop("tokenizer.json")  # written below, as checked
         self.special.setdefault("pad_token", self.special["eos_token"])
         _check_same_ids(tokenizer, self.rust)
 
@@ -85,8 +88,13 @@ class HFTokenizer:
                 shutil.copyfile(source, folder / name)
         self.rust.save(str(folder / "tokenizer.json"))
         # the generic class reads tokenizer.json as it is, which is what megazero encodes with
-        config = {**self.config, "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                  "model_max_length": model_max_length, **self.special}
+        config = {
+            **self.config,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length,
+            **self.special,
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -102,8 +110,11 @@ def _from_hugging_face(tokenizer):
     """The tokenizer.json as it is, its special tokens (eos is megazero's eod) and its own config."""
     files = tokenizer.files()
     rust = RustTokenizer.from_file(files["tokenizer.json"])
-    read = {name: _read_json(Path(files[name])) for name in ("special_tokens_map.json", "tokenizer_config.json")
-            if name in files}
+    read = {
+        name: _read_json(Path(files[name]))
+        for name in ("special_tokens_map.json", "tokenizer_config.json")
+        if name in files
+    }
     config = read.get("tokenizer_config.json", {})
     named = {**read.get("special_tokens_map.json", {}), **config}
     pieces = {i: t for t, i in rust.get_vocab(with_added_tokens=True).items()}
@@ -117,6 +128,7 @@ def _from_hugging_face(tokenizer):
 
 def _sentencepiece_proto(path: str):
     from sentencepiece import sentencepiece_model_pb2
+
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(Path(path).read_bytes())
     return proto
@@ -124,15 +136,19 @@ def _sentencepiece_proto(path: str):
 
 def _refuse_unexpressible(proto, path: str) -> None:
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
-    problems = [(trainer.model_type != trainer.BPE, "it is not a BPE model (unigram models are not exported)"),
-                (norm.name not in ("identity", ""), f"it normalizes text ({norm.name!r} rules)"),
-                (norm.remove_extra_whitespaces, "it removes extra whitespace"),
-                (trainer.treat_whitespace_as_suffix, "it treats whitespace as a suffix")]
+    problems = [
+        (trainer.model_type != trainer.BPE, "it is not a BPE model (unigram models are not exported)"),
+        (norm.name not in ("identity", ""), f"it normalizes text ({norm.name!r} rules)"),
+        (norm.remove_extra_whitespaces, "it removes extra whitespace"),
+        (trainer.treat_whitespace_as_suffix, "it treats whitespace as a suffix"),
+    ]
     for bad, why in problems:
         if bad:
-            raise TokenizerExportError(f"the run's sentencepiece tokenizer {path} cannot be written as a "
-                                       f"tokenizer.json transformers loads exactly: {why}; pass "
-                                       f"--without-tokenizer to export the weights alone")
+            raise TokenizerExportError(
+                f"the run's sentencepiece tokenizer {path} cannot be written as a "
+                f"tokenizer.json transformers loads exactly: {why}; pass "
+                f"--without-tokenizer to export the weights alone"
+            )
 
 
 def _from_sentencepiece(tokenizer):
@@ -151,8 +167,15 @@ def _from_sentencepiece(tokenizer):
                 merges.append((-p.score, vocab[left], vocab[right], left, right))
     merges.sort()
     unknown = next(p.piece for p in proto.pieces if p.type == kinds.UNKNOWN)
-    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unknown,
-                                    byte_fallback=proto.trainer_spec.byte_fallback, fuse_unk=True))
+    rust = RustTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(m[3], m[4]) for m in merges],
+            unk_token=unknown,
+            byte_fallback=proto.trainer_spec.byte_fallback,
+            fuse_unk=True,
+        )
+    )
     steps = [normalizers.Replace(" ", SPACE)]
     if proto.normalizer_spec.add_dummy_prefix:
         steps.insert(0, normalizers.Prepend(SPACE))
@@ -160,10 +183,16 @@ def _from_sentencepiece(tokenizer):
     if proto.trainer_spec.split_by_whitespace:
         rust.pre_tokenizer = pre_tokenizers.Split(Regex(f"{SPACE}+[^{SPACE}]*|[^{SPACE}]+"), behavior="isolated")
     rust.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-    rust.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
-                             for p in proto.pieces if p.type in (kinds.CONTROL, kinds.UNKNOWN)])
-    rust.add_tokens([AddedToken(p.piece, special=False, normalized=False)
-                     for p in proto.pieces if p.type == kinds.USER_DEFINED])
+    rust.add_special_tokens(
+        [
+            AddedToken(p.piece, special=True, normalized=False)
+            for p in proto.pieces
+            if p.type in (kinds.CONTROL, kinds.UNKNOWN)
+        ]
+    )
+    rust.add_tokens(
+        [AddedToken(p.piece, special=False, normalized=False) for p in proto.pieces if p.type == kinds.USER_DEFINED]
+    )
     special = {"eos_token": proto.pieces[tokenizer.eod].piece, "unk_token": unknown}
     for role, index in (("bos_token", proto.trainer_spec.bos_id), ("pad_token", proto.trainer_spec.pad_id)):
         if index >= 0:
@@ -177,13 +206,15 @@ def _check_same_ids(tokenizer, rust: RustTokenizer) -> None:
     specials = [added.content for added in rust.get_added_tokens_decoder().values() if added.special]
     texts = list(SAMPLE)
     pieces = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size) if i != tokenizer.eod]
-    texts += [" ".join(pieces[k:k + 64]) for k in range(0, len(pieces), 64)]
+    texts += [" ".join(pieces[k : k + 64]) for k in range(0, len(pieces), 64)]
     for text in texts:
         if any(s in text for s in specials):
             continue
         ours = tokenizer.encode(text)
         theirs = rust.encode(text).ids
         if ours != theirs:
-            raise TokenizerExportError(f"the run's {tokenizer.tokenizer_type} ({tokenizer.model_path}) cannot be "
-                                       f"written as a tokenizer.json that encodes exactly as it does (they differ "
-                                       f"on {text[:40]!r}); pass --without-tokenizer to export the weights alone")
+            raise TokenizerExportError(
+                f"the run's {tokenizer.tokenizer_type} ({tokenizer.model_path}) cannot be "
+                f"written as a tokenizer.json that encodes exactly as it does (they differ "
+                f"on {text[:40]!r}); pass --without-tokenizer to export the weights alone"
+            )

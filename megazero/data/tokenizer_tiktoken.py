@@ -7,6 +7,7 @@ downloaded). Ids as Megatron gives them: the first `num_special_tokens` (1000) i
 (<unk>, <s>, </s>, <mask>, <pad>, <cls>, <sep>, then <SPECIAL_7> ...), the vocabulary's ranks follow,
 cut so that the whole is `vocab_size` (--vocab-size, default 2^17); end of document is </s> (id 2).
 """
+
 from __future__ import annotations
 
 import base64
@@ -19,20 +20,22 @@ from megazero.core.errors import UsageError
 PATTERNS = {
     "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
     "v2": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
-          r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
-          r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
 NUM_SPECIAL_TOKENS = 1000
-DEFAULT_VOCAB_SIZE = 2 ** 17
+DEFAULT_VOCAB_SIZE = 2**17
 
 
 def _tiktoken():
     try:
         import tiktoken
     except ImportError:
-        raise UsageError("--tokenizer-type TikTokenizer needs the tiktoken package; install it with "
-                         "pip install -e '.[tiktoken]' (or pip install tiktoken)") from None
+        raise UsageError(
+            "--tokenizer-type TikTokenizer needs the tiktoken package; install it with "
+            "pip install -e '.[tiktoken]' (or pip install tiktoken)"
+        ) from None
     return tiktoken
 
 
@@ -40,16 +43,21 @@ def _mergeable_ranks(path: Path, inner_vocab: int) -> dict[bytes, int]:
     try:
         entries = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UsageError(f"--tokenizer-model {path} is not a readable TikTokenizer vocabulary JSON ({err}); "
-                         f"give Megatron's tiktoken vocabulary file") from None
+        raise UsageError(
+            f"--tokenizer-model {path} is not a readable TikTokenizer vocabulary JSON ({err}); "
+            f"give Megatron's tiktoken vocabulary file"
+        ) from None
     if not isinstance(entries, list):
-        raise UsageError(f"--tokenizer-model {path}: a TikTokenizer vocabulary is a JSON list of "
-                         f"{{rank, token_bytes, token_str}}")
+        raise UsageError(
+            f"--tokenizer-model {path}: a TikTokenizer vocabulary is a JSON list of {{rank, token_bytes, token_str}}"
+        )
     ranks = {}
     for i, entry in enumerate(entries[:inner_vocab]):
         if not isinstance(entry, dict) or entry.get("rank") != i or "token_bytes" not in entry:
-            raise UsageError(f"--tokenizer-model {path}: entry {i} is not {{\"rank\": {i}, \"token_bytes\": "
-                             f"...}}; the file is not a TikTokenizer vocabulary")
+            raise UsageError(
+                f'--tokenizer-model {path}: entry {i} is not {{"rank": {i}, "token_bytes": '
+                f"...}}; the file is not a TikTokenizer vocabulary"
+            )
         token = base64.b64decode(entry["token_bytes"])
         if i < 256 and token != bytes([i]):
             raise UsageError(f"--tokenizer-model {path}: rank {i} must be the single byte {i}")
@@ -64,18 +72,25 @@ class TikTokenizer:
         tiktoken = _tiktoken()
         path = Path(model_path)
         if not path.is_file():
-            raise UsageError(f"--tokenizer-model {model_path}: no such file; TikTokenizer reads a local "
-                             f"vocabulary JSON (nothing is downloaded)")
+            raise UsageError(
+                f"--tokenizer-model {model_path}: no such file; TikTokenizer reads a local "
+                f"vocabulary JSON (nothing is downloaded)"
+            )
         self.vocab_size = int(vocab_size or DEFAULT_VOCAB_SIZE)
         if self.vocab_size <= NUM_SPECIAL_TOKENS + 256:
-            raise UsageError(f"--vocab-size {self.vocab_size} leaves no room for TikTokenizer's "
-                             f"{NUM_SPECIAL_TOKENS} special tokens and 256 bytes")
+            raise UsageError(
+                f"--vocab-size {self.vocab_size} leaves no room for TikTokenizer's "
+                f"{NUM_SPECIAL_TOKENS} special tokens and 256 bytes"
+            )
         ranks = _mergeable_ranks(path, self.vocab_size - NUM_SPECIAL_TOKENS)
         self.vocab_size = NUM_SPECIAL_TOKENS + len(ranks)
         specials = SPECIAL_TOKENS + [f"<SPECIAL_{i}>" for i in range(len(SPECIAL_TOKENS), NUM_SPECIAL_TOKENS)]
-        self.encoding = tiktoken.Encoding(name=path.stem, pat_str=PATTERNS[pattern or "v2"],
-                                          mergeable_ranks=ranks,
-                                          special_tokens={t: i for i, t in enumerate(specials)})
+        self.encoding = tiktoken.Encoding(
+            name=path.stem,
+            pat_str=PATTERNS[pattern or "v2"],
+            mergeable_ranks=ranks,
+            special_tokens={t: i for i, t in enumerate(specials)},
+        )
         self.eod = SPECIAL_TOKENS.index("</s>")
         self.model_path = str(path)
 

@@ -13,14 +13,15 @@ The facts it follows (torch's defaults: no max_split_size, no expandable segment
 Streams are one (a block freed on one stream is reused by another at once): the dry run runs every
 stream's work in program order.
 """
+
 from __future__ import annotations
 
 import bisect
 
 BLOCK = 512
-SMALL_SIZE = 1 << 20            # the largest "small" request
+SMALL_SIZE = 1 << 20  # the largest "small" request
 SMALL_SEGMENT = 2 << 20
-LARGE_SEGMENT = 20 << 20        # for large requests under MIN_LARGE_ALLOC
+LARGE_SEGMENT = 20 << 20  # for large requests under MIN_LARGE_ALLOC
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 
@@ -50,8 +51,8 @@ class CachingAllocator:
     """malloc(nbytes) -> a block, free(block); `reserved` (the segments' bytes) and its peak."""
 
     def __init__(self):
-        self.pools: dict[bool, list] = {True: [], False: []}    # small? -> sorted (size, segment, offset)
-        self._cached: dict[tuple, _Block] = {}                  # (segment, offset) -> a free block
+        self.pools: dict[bool, list] = {True: [], False: []}  # small? -> sorted (size, segment, offset)
+        self._cached: dict[tuple, _Block] = {}  # (segment, offset) -> a free block
         self._small_segments: set[int] = set()
         self.segments = 0
         self.reserved = 0

@@ -14,6 +14,7 @@ trace (megazero.dry_run.RankRun), each finding one line naming where.
 
 Groups whose members were not all simulated (`--ranks`) are checked among the simulated ones.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,9 @@ def describe(entry) -> str:
         return "nothing (its sequence ends there)"
     if entry.op in ("send", "recv"):
         return f"{entry.op} {entry.dtype} {list(entry.shape)} at {entry.site}"
-    extra = "".join(f" ({v})" for v in (entry.reduce_op,) if v) + (f" root {entry.root}" if entry.root is not None else "")
+    extra = "".join(f" ({v})" for v in (entry.reduce_op,) if v) + (
+        f" root {entry.root}" if entry.root is not None else ""
+    )
     return f"{entry.op} {entry.dtype} x{entry.numel}{extra} at {entry.site}"
 
 
@@ -39,7 +42,7 @@ def collective_sequences(runs) -> dict[tuple[str, tuple[int, ...]], dict[int, li
         for entry in run.entries:
             if entry.op not in ("send", "recv"):
                 seqs[(entry.group, entry.ranks)].setdefault(run.rank, []).append(entry)
-    for run in runs:          # a member that issued nothing on a group its peers used
+    for run in runs:  # a member that issued nothing on a group its peers used
         for (name, ranks), by_rank in seqs.items():
             if run.rank in ranks and run.rank not in by_rank and run.error is None:
                 by_rank[run.rank] = []
@@ -57,8 +60,10 @@ def check_collectives(runs) -> list[str]:
             for i in range(max(len(a), len(b))):
                 x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
                 if x is None or y is None or x.signature() != y.signature():
-                    problems.append(f"group {name} {list(ranks)}: collective #{i + 1} differs: rank {first} "
-                                    f"issued {describe(x)}; rank {other} issued {describe(y)}")
+                    problems.append(
+                        f"group {name} {list(ranks)}: collective #{i + 1} differs: rank {first} "
+                        f"issued {describe(x)}; rank {other} issued {describe(y)}"
+                    )
                     break
     return problems
 
@@ -74,28 +79,39 @@ def check_p2p(runs) -> list[str]:
             elif entry.op == "recv":
                 recvs[(entry.peer, run.rank)].append(entry)
     problems = []
-    for (src, dst) in sorted(set(sends) | set(recvs)):
+    for src, dst in sorted(set(sends) | set(recvs)):
         if src not in simulated or dst not in simulated:
             continue
         a, b = sends.get((src, dst), []), recvs.get((src, dst), [])
         for i in range(max(len(a), len(b))):
             x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
             if x is None or y is None or (x.dtype, x.shape) != (y.dtype, y.shape):
-                problems.append(f"p2p rank {src} -> rank {dst}: message #{i + 1} does not meet: rank {src} "
-                                f"issued {describe(x)}; rank {dst} issued {describe(y)}")
+                problems.append(
+                    f"p2p rank {src} -> rank {dst}: message #{i + 1} does not meet: rank {src} "
+                    f"issued {describe(x)}; rank {dst} issued {describe(y)}"
+                )
                 break
     return problems
 
 
-_DEVICE_MIX = re.compile(r"(Expected all tensors to be on the same device|is not on the expected device"
-                         r"|is on cpu but group|Tensor on device cpu)")
+_DEVICE_MIX = re.compile(
+    r"(Expected all tensors to be on the same device|is not on the expected device"
+    r"|is on cpu but group|Tensor on device cpu)"
+)
 # A device value read by the host without megazero.core.host_read (meta has no values to give).
-_HOST_READ = re.compile(r"(cannot be called on meta tensors|Cannot copy out of meta tensor|torch.nonzero\(\)"
-                        r"|data-dependent)")
+_HOST_READ = re.compile(
+    r"(cannot be called on meta tensors|Cannot copy out of meta tensor|torch.nonzero\(\)"
+    r"|data-dependent)"
+)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 # The layers a traceback passes through on its way from the code that asked (the site) to torch.
-_WRAPPERS = ("megazero/core/comm.py", "megazero/zero/quantized_comm.py", "megazero/core/stream_check.py",
-             "megazero/core/op_access.py", "megazero/core/host_read.py")
+_WRAPPERS = (
+    "megazero/core/comm.py",
+    "megazero/zero/quantized_comm.py",
+    "megazero/core/stream_check.py",
+    "megazero/core/op_access.py",
+    "megazero/core/host_read.py",
+)
 
 
 def _site_of(detail: str) -> str:
@@ -105,7 +121,7 @@ def _site_of(detail: str) -> str:
     for path, line in _FRAME.findall(detail or ""):
         inside = source_paths.repository_path(path)
         if inside is not None and inside not in _WRAPPERS and not inside.startswith("megazero/dry_run/"):
-            site = f"{inside}:{line}"       # the simulator itself (megazero/dry_run/) is no site
+            site = f"{inside}:{line}"  # the simulator itself (megazero/dry_run/) is no site
     return site
 
 
@@ -116,11 +132,15 @@ def check_ranks_ran(runs) -> list[str]:
         if run.error is None:
             continue
         if _DEVICE_MIX.search(run.error) or _DEVICE_MIX.search(run.detail or ""):
-            problems.append(f"rank {run.rank}: a tensor made on the host meets a device tensor at "
-                            f"{_site_of(run.detail)} ({run.error})")
+            problems.append(
+                f"rank {run.rank}: a tensor made on the host meets a device tensor at "
+                f"{_site_of(run.detail)} ({run.error})"
+            )
         elif _HOST_READ.search(run.error):
-            problems.append(f"rank {run.rank}: the host reads a device value at {_site_of(run.detail)} without "
-                            f"megazero.core.host_read (a host sync the step does not list; {run.error[:80]})")
+            problems.append(
+                f"rank {run.rank}: the host reads a device value at {_site_of(run.detail)} without "
+                f"megazero.core.host_read (a host sync the step does not list; {run.error[:80]})"
+            )
         else:
             problems.append(f"rank {run.rank}: stopped at {_site_of(run.detail)}: {run.error}")
     return problems
@@ -139,8 +159,10 @@ def check_streams(runs) -> list[str]:
         ranks = ", ".join(str(run.rank) for run in hit)
         total = sum(run.stream_check["violations"] for run in hit)
         distinct = len({m for run in hit for m in run.stream_check["found"]})
-        problems.append(f"rank{'s' if len(hit) > 1 else ''} {ranks}: {message} (the first of {total} "
-                        f"violations, {distinct} distinct, on {'these ranks' if len(hit) > 1 else 'it'})")
+        problems.append(
+            f"rank{'s' if len(hit) > 1 else ''} {ranks}: {message} (the first of {total} "
+            f"violations, {distinct} distinct, on {'these ranks' if len(hit) > 1 else 'it'})"
+        )
     return problems
 
 

@@ -21,6 +21,7 @@ bytes too (no caching allocator: glibc's malloc, no 512-byte blocks, no segments
 and host memory are then one, `process_peak` counts both at once. `snapshot(phase)` notes the live bytes by owner and the peak so
 far; the peak's own breakdown is kept as well.
 """
+
 from __future__ import annotations
 
 import sys
@@ -55,7 +56,7 @@ def _owner() -> str:
     for _ in range(40):
         if frame is None:
             break
-        module = frame.f_globals.get("__name__", "")       # the module, not its path (source_paths)
+        module = frame.f_globals.get("__name__", "")  # the module, not its path (source_paths)
         if module in _COMM_MODULES:
             return "communication"
         if module.startswith("megazero.zero."):
@@ -72,25 +73,25 @@ class DeviceStandIn(TorchDispatchMode):
         if device not in ("cuda", "cpu"):
             raise ValueError(f"the dry run simulates a cuda or a cpu device, not {device!r}")
         self.device = device
-        self.process_live, self.process_peak = 0, 0    # device and host bytes together
-        self.memo = MetaMemo() if memo else None     # meta kernels' results remembered (dry_run_memo)
+        self.process_live, self.process_peak = 0, 0  # device and host bytes together
+        self.memo = MetaMemo() if memo else None  # meta kernels' results remembered (dry_run_memo)
         self.d2h_copies = 0
         self.d2h_bytes = 0
         self.allocations = 0
         self.live = dict.fromkeys(OWNERS, 0)
         self.peak, self.peak_by_owner = 0, dict(self.live)
-        self.allocator = CachingAllocator()      # the segments behind the device's allocations
+        self.allocator = CachingAllocator()  # the segments behind the device's allocations
         self.host_live = dict.fromkeys(OWNERS, 0)
         self.host_peak, self.host_peak_by_owner = 0, dict(self.host_live)
         self.phases: dict[str, dict] = {}
-        self._held: dict[int, list] = {}      # storage id -> [owner, bytes, block], while it holds memory
-        self._watched: set[int] = set()       # storages with a finalizer
-        self._host_values: set[int] = set()   # storages of initial values: host data on a GPU
+        self._held: dict[int, list] = {}  # storage id -> [owner, bytes, block], while it holds memory
+        self._watched: set[int] = set()  # storages with a finalizer
+        self._host_values: set[int] = set()  # storages of initial values: host data on a GPU
         self.read_marks: list[tuple[int, int]] = []
-        self.counting = True           # off while the model chunks are built on meta (as on a GPU)
-        self.initializing = False      # an initial value is being made: host data on a GPU
+        self.counting = True  # off while the model chunks are built on meta (as on a GPU)
+        self.initializing = False  # an initial value is being made: host data on a GPU
         self._reads, self._step_reads_start = None, 0
-        self.in_setup = True           # until the first step: the model and ZeRO's storages
+        self.in_setup = True  # until the first step: the model and ZeRO's storages
         self.backward_started = False  # in this step: the first backward allocation notes "forward"
 
     def phase_hooks(self, reads: list | None = None):
@@ -110,11 +111,16 @@ class DeviceStandIn(TorchDispatchMode):
                 out = real(storage, size)
                 self.resized(storage)
                 return out
+
             return resize
+
         self._reads = reads
         stack = contextlib.ExitStack()
-        stack.enter_context(kernels.swapped((kernels.resize_storage, resize_storage),
-                                            (model_builder.initial_value, lambda real: meta_value)))
+        stack.enter_context(
+            kernels.swapped(
+                (kernels.resize_storage, resize_storage), (model_builder.initial_value, lambda real: meta_value)
+            )
+        )
         stack.enter_context(phases.listening(self))
         return stack
 
@@ -147,16 +153,28 @@ class DeviceStandIn(TorchDispatchMode):
             self.counting, self.initializing = True, False
 
     def snapshot(self, phase: str) -> None:
-        self.phases[phase] = {"allocated": sum(self.live.values()), "peak": self.peak,
-                              "reserved": self.allocator.reserved, "by_owner": dict(self.live),
-                              "host": sum(self.host_live.values())}
+        self.phases[phase] = {
+            "allocated": sum(self.live.values()),
+            "peak": self.peak,
+            "reserved": self.allocator.reserved,
+            "by_owner": dict(self.live),
+            "host": sum(self.host_live.values()),
+        }
 
     def record(self) -> dict:
-        return {"allocations": self.allocations, "peak": self.peak, "peak_by_owner": dict(self.peak_by_owner),
-                "reserved_peak": self.allocator.peak_reserved, "segments": self.allocator.segments,
-                "phases": dict(self.phases), "d2h_copies": self.d2h_copies, "d2h_bytes": self.d2h_bytes,
-                "host": {"peak": self.host_peak, "peak_by_owner": dict(self.host_peak_by_owner)},
-                "simulated_device": self.device, "process_peak": self.process_peak}
+        return {
+            "allocations": self.allocations,
+            "peak": self.peak,
+            "peak_by_owner": dict(self.peak_by_owner),
+            "reserved_peak": self.allocator.peak_reserved,
+            "segments": self.allocator.segments,
+            "phases": dict(self.phases),
+            "d2h_copies": self.d2h_copies,
+            "d2h_bytes": self.d2h_bytes,
+            "host": {"peak": self.host_peak, "peak_by_owner": dict(self.host_peak_by_owner)},
+            "simulated_device": self.device,
+            "process_peak": self.process_peak,
+        }
 
     def _track(self, out) -> None:
         if not self.counting:
@@ -201,7 +219,7 @@ class DeviceStandIn(TorchDispatchMode):
         if key not in self._watched:
             self._watched.add(key)
             weakref.finalize(storage, self._gone, key)
-        if host:                   # host memory: plain bytes, no caching allocator in between
+        if host:  # host memory: plain bytes, no caching allocator in between
             self._held[key] = [owner, nbytes, None]
             self._process(nbytes)
             self.host_live[owner] += nbytes
@@ -237,7 +255,7 @@ class DeviceStandIn(TorchDispatchMode):
             self.host_live[owner] -= size
         else:
             self.live[owner] -= size
-            if block is not False:         # False: a simulated CPU's storage, no allocator block
+            if block is not False:  # False: a simulated CPU's storage, no allocator block
                 self.allocator.free(block)
 
     def saved(self, t):

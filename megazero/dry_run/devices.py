@@ -20,6 +20,7 @@ A CPU "rank" has one stream and runs every op on its host thread; ranks sharing 
 (`shared_slowdown`), else ranks / cores past the cores, longer (`cpu_share`).
 Owns no simulation: pure functions of the op's numbers and the device's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,9 +57,9 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 class Device:
     key: str
     name: str
-    kind: str                         # "gpu" or "cpu"
+    kind: str  # "gpu" or "cpu"
     memory_gb: float
-    peak_tflops: dict                 # dtype -> dense TFLOP/s (the CPU: its best measured fp32 matmul)
+    peak_tflops: dict  # dtype -> dense TFLOP/s (the CPU: its best measured fp32 matmul)
     memory_gbps: float
     launch_us: float
     gpus_per_node: int = 8
@@ -69,11 +70,11 @@ class Device:
     host_link_gbps: float = 0.0
     host_memory_gbps: float = 0.0
     efficiency: dict = dataclasses.field(default_factory=dict)
-    matmul: list = dataclasses.field(default_factory=list)          # the CPU: [[m, n, k, gflops], ...]
-    collectives: dict = dataclasses.field(default_factory=dict)     # the CPU: op -> {ranks, alpha_us, beta_gbps}
+    matmul: list = dataclasses.field(default_factory=list)  # the CPU: [[m, n, k, gflops], ...]
+    collectives: dict = dataclasses.field(default_factory=dict)  # the CPU: op -> {ranks, alpha_us, beta_gbps}
     cores: int = 1
-    shared: dict = dataclasses.field(default_factory=dict)          # the CPU: {ranks, slowdown} measured
-    ranks_on_host: int = 1            # set by the timeline: the job's ranks on one host (the CPU)
+    shared: dict = dataclasses.field(default_factory=dict)  # the CPU: {ranks, slowdown} measured
+    ranks_on_host: int = 1  # set by the timeline: the job's ranks on one host (the CPU)
     sources: dict = dataclasses.field(default_factory=dict)
 
     # --- compute ------------------------------------------------------------------------------------
@@ -93,14 +94,16 @@ class Device:
     def cpu_gflops(self, dims) -> float:
         """The measured rate of the measured shape nearest `dims` (m, n, k) in log distance."""
         m, n, k = (tuple(dims) + (1, 1, 1))[:3]
+
         def distance(row):
             return sum((math.log(max(a, 1)) - math.log(max(b, 1))) ** 2 for a, b in zip(row[:3], (m, n, k)))
+
         return min(self.matmul, key=distance)[3]
 
     def matmul_seconds(self, flops: float, nbytes: float, dtype: str, dims) -> float:
         if flops <= 0:
             return self.memory_seconds(nbytes)
-        if self.kind == "cpu":     # the measured rate of that shape already includes its memory traffic
+        if self.kind == "cpu":  # the measured rate of that shape already includes its memory traffic
             return flops / (1e9 * self.cpu_gflops(dims)) * self.cpu_share()
         rate = self.peak(dtype) * self.gemm_efficiency(dims)
         return max(flops / rate, self.memory_seconds(nbytes))
@@ -139,7 +142,10 @@ class Device:
         on_wire = nbytes * wire(n)
         if self.kind == "cpu":
             row = self.collectives[table]
-            alpha, beta = _interpolate(row["ranks"], row["alpha_us"], n), _interpolate(row["ranks"], row["beta_gbps"], n)
+            alpha, beta = (
+                _interpolate(row["ranks"], row["alpha_us"], n),
+                _interpolate(row["ranks"], row["beta_gbps"], n),
+            )
             return 1e-6 * alpha + on_wire / (1e9 * beta)
         if self.same_node(ranks):
             latency, bandwidth = self.link_latency_us, self.link_gbps * self.efficiency.get("link", 1.0)
@@ -159,15 +165,27 @@ def _interpolate(xs, ys, x: float) -> float:
     return pairs[-1][1]
 
 
-_GPU_FIELDS = ("name", "memory_gb", "peak_tflops", "memory_gbps", "launch_us", "gpus_per_node", "link_gbps",
-               "link_latency_us", "net_gbps", "net_latency_us")
+_GPU_FIELDS = (
+    "name",
+    "memory_gb",
+    "peak_tflops",
+    "memory_gbps",
+    "launch_us",
+    "gpus_per_node",
+    "link_gbps",
+    "link_latency_us",
+    "net_gbps",
+    "net_latency_us",
+)
 
 
 def gpu(key: str, path: Path = GPUS_FILE) -> Device:
     with open(path, "rb") as f:
         table = tomllib.load(f)
     if key not in table:
-        raise UsageError(f"--gpu {key}: no such device in {path.name}; choose one of {', '.join(sorted(table))}, or cpu")
+        raise UsageError(
+            f"--gpu {key}: no such device in {path.name}; choose one of {', '.join(sorted(table))}, or cpu"
+        )
     row = table[key]
     missing = [f for f in _GPU_FIELDS if f not in row]
     if missing:
@@ -180,8 +198,10 @@ def cpu(path: Path = CPU_FILE, cores: int | None = None) -> Device:
     """This CPU as bench/calibrate_cpu.py measured it (`path`); `cores`: the host's cores its ranks
     share (default the file's `cores`, else os.cpu_count())."""
     if not Path(path).exists():
-        raise UsageError(f"--gpu cpu needs the CPU's measured model {Path(path).name}: run "
-                         f"python bench/calibrate_cpu.py first (it writes {path})")
+        raise UsageError(
+            f"--gpu cpu needs the CPU's measured model {Path(path).name}: run "
+            f"python bench/calibrate_cpu.py first (it writes {path})"
+        )
     with open(path, "rb") as f:
         row = tomllib.load(f)["cpu"]
     missing = [f for f in ("name", "launch_us", "memory_gbps", "matmul", "collectives") if f not in row]
@@ -189,13 +209,22 @@ def cpu(path: Path = CPU_FILE, cores: int | None = None) -> Device:
     if missing:
         raise UsageError(f"{Path(path).name} lacks {', '.join(missing)}: rerun bench/calibrate_cpu.py")
     best = max(r[3] for r in row["matmul"]) / 1000.0
-    return Device(key="cpu", name=row["name"], kind="cpu", memory_gb=row.get("memory_gb", 0),
-                  peak_tflops={"fp32": best}, memory_gbps=row["memory_gbps"], launch_us=row["launch_us"],
-                  matmul=[list(r) for r in row["matmul"]], collectives=dict(row["collectives"]),
-                  cores=int(cores or row.get("cores") or os.cpu_count() or 1),
-                  shared={"ranks": row["shared_ranks"], "slowdown": row["shared_slowdown"]}
-                  if "shared_ranks" in row and "shared_slowdown" in row else {},
-                  sources={"cpu": row.get("source", "")})
+    return Device(
+        key="cpu",
+        name=row["name"],
+        kind="cpu",
+        memory_gb=row.get("memory_gb", 0),
+        peak_tflops={"fp32": best},
+        memory_gbps=row["memory_gbps"],
+        launch_us=row["launch_us"],
+        matmul=[list(r) for r in row["matmul"]],
+        collectives=dict(row["collectives"]),
+        cores=int(cores or row.get("cores") or os.cpu_count() or 1),
+        shared={"ranks": row["shared_ranks"], "slowdown": row["shared_slowdown"]}
+        if "shared_ranks" in row and "shared_slowdown" in row
+        else {},
+        sources={"cpu": row.get("source", "")},
+    )
 
 
 def device(key: str) -> Device:

@@ -59,6 +59,7 @@ Adam kernel (ops/adam.py), in place, no temporaries; meta segments would take to
 ops, whose denominator (and scaled gradient) are temporaries the size of the partition: under
 `cpu_kernels()` meta segments take the CPU's route, where the kernel's step allocates nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,40 +75,51 @@ FLASH_MAX_HEAD_DIM = 256
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, attn_mask, enable_gqa: bool) -> str:
-    """"flash", "efficient" or "math": what CUDA's SDPA picks for these inputs (the rules that
+    """ "flash", "efficient" or "math": what CUDA's SDPA picks for these inputs (the rules that
     decide the memory it keeps; architecture checks aside: a recent GPU is assumed)."""
     half = q.dtype in (torch.float16, torch.bfloat16)
     d = q.shape[-1]
-    if (torch.backends.cuda.flash_sdp_enabled() and half and d <= FLASH_MAX_HEAD_DIM and attn_mask is None
-            and d % 8 == 0):
+    if (
+        torch.backends.cuda.flash_sdp_enabled()
+        and half
+        and d <= FLASH_MAX_HEAD_DIM
+        and attn_mask is None
+        and d % 8 == 0
+    ):
         return "flash"
-    if torch.backends.cuda.mem_efficient_sdp_enabled() and not (enable_gqa and k.shape[1] != q.shape[1]) \
-            and d % (8 if half else 4) == 0:
+    if (
+        torch.backends.cuda.mem_efficient_sdp_enabled()
+        and not (enable_gqa and k.shape[1] != q.shape[1])
+        and d % (8 if half else 4) == 0
+    ):
         return "efficient"
     return "math"
 
 
 def _on_meta(real):
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-             enable_gqa=False):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         extra = {"enable_gqa": True} if enable_gqa else {}
         if query.device.type != "meta":
-            return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, **extra)
+            return real(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+            )
         kernel = kernel_for(query, key, attn_mask, enable_gqa)
         if kernel == "flash":
-            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
-                                                           scale=scale)[0]
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
         if kernel == "efficient":
             bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:      # the kernel takes an additive bias
+            if bias is not None and bias.dtype == torch.bool:  # the kernel takes an additive bias
                 bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill(
-                    bias.logical_not(), float("-inf"))
+                    bias.logical_not(), float("-inf")
+                )
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            return aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p,
-                                                               is_causal, scale=scale)[0]
-        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=scale, **extra)
+            return aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return real(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+        )
+
     return sdpa
 
 
@@ -117,7 +129,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, eps):
-        rows = x.shape[:x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
+        rows = x.shape[: x.dim() - len(normalized_shape)] + (1,) * len(normalized_shape)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         ctx.save_for_backward(x, weight, rstd)
         ctx.has_weight = weight is not None
@@ -134,6 +146,7 @@ def _rms_norm_on_meta(real):
         if input.device.type != "meta":
             return real(input, normalized_shape, weight, eps)
         return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
     return rms_norm
 
 
@@ -141,13 +154,15 @@ def _dropout_on_meta(real):
     def dropout(input, p=0.5, training=True, inplace=False):
         if input.device.type != "meta" or not training or inplace or not 0 < p < 1 or input.numel() == 0:
             return real(input, p, training, inplace)
-        return aten.native_dropout(input, p, True)[0]      # what at::dropout runs on CUDA
+        return aten.native_dropout(input, p, True)[0]  # what at::dropout runs on CUDA
+
     return dropout
 
 
 def _fused_route(real):
     def route(device):
         return "fused" if torch.device(device).type == "meta" else real(device)
+
     return route
 
 
@@ -168,39 +183,50 @@ def gpu_attention():
     CUDA's kernels do (Adam: torch's fused multi-tensor kernel, as `adam_step` picks on a GPU)."""
     stack = contextlib.ExitStack()
     stack.enter_context(kernels.swapped((adam.route, _fused_route)))
-    stack.enter_context(_TorchFunctions({
-        F.rms_norm: _rms_norm_on_meta(F.rms_norm), F.dropout: _dropout_on_meta(F.dropout),
-        F.scaled_dot_product_attention: _on_meta(F.scaled_dot_product_attention)}))
+    stack.enter_context(
+        _TorchFunctions(
+            {
+                F.rms_norm: _rms_norm_on_meta(F.rms_norm),
+                F.dropout: _dropout_on_meta(F.dropout),
+                F.scaled_dot_product_attention: _on_meta(F.scaled_dot_product_attention),
+            }
+        )
+    )
     return stack
 
 
 def cpu_kernel_for(attn_mask, dropout_p: float) -> str:
-    """"flash" or "math": what the CPU's SDPA picks (torch's sdp_utils_cpp: its flash kernel takes
+    """ "flash" or "math": what the CPU's SDPA picks (torch's sdp_utils_cpp: its flash kernel takes
     no dropout and, here, no mask)."""
     return "flash" if attn_mask is None and not dropout_p else "math"
 
 
 def _on_meta_as_cpu(real):
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-             enable_gqa=False):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         extra = {"enable_gqa": True} if enable_gqa else {}
-        if query.device.type == "meta" and cpu_kernel_for(attn_mask, dropout_p) == "flash" \
-                and key.shape[1] == query.shape[1]:
-            return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
-                                                                   scale=scale)[0]
-        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                    scale=scale, **extra)
+        if (
+            query.device.type == "meta"
+            and cpu_kernel_for(attn_mask, dropout_p) == "flash"
+            and key.shape[1] == query.shape[1]
+        ):
+            return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)[0]
+        return real(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+        )
+
     return sdpa
 
 
 def _widened_fp32_mm(real):
     """models/weight_grad.matmul_fp32 on meta: the CPU's path (both inputs widened to fp32 copies)
     instead of the `mm(..., out_dtype=float32)` it takes on CUDA and meta."""
+
     def mm(a, b, *args, out_dtype=None, **kwargs):
         if out_dtype == torch.float32 and a.device.type == "meta":
             return a.float() @ b.float()
         extra = {} if out_dtype is None else {"out_dtype": out_dtype}
         return real(a, b, *args, **extra, **kwargs)
+
     return mm
 
 
@@ -221,21 +247,24 @@ def _with_gloo_copy(real, of_output: bool):
             return real(output, input, *args, **kwargs)
         copy = torch.empty((output if of_output else input).numel(), dtype=input.dtype, device="meta")
         work = real(output, input, *args, **kwargs)
-        return None if work is None else _WorkHoldingCopy(work, copy)   # a sync op's copy dies here
+        return None if work is None else _WorkHoldingCopy(work, copy)  # a sync op's copy dies here
+
     return collective
 
 
 def _kernel_adam_on_meta(real):
     def adam_update(param, grad, exp_avg, exp_avg_sq, **kwargs):
         if param.device.type == "meta" and adam.kernel_available():
-            return None        # the C++ kernel: in place through raw pointers, nothing allocated
+            return None  # the C++ kernel: in place through raw pointers, nothing allocated
         return real(param, grad, exp_avg, exp_avg_sq, **kwargs)
+
     return adam_update
 
 
 def _cpu_route(real):
     def route(device):
         return "cpu" if torch.device(device).type == "meta" else real(device)
+
     return route
 
 
@@ -244,13 +273,23 @@ def cpu_kernels():
     kernels (the C++ path's row copies and staging, not Triton's) on meta allocate what the CPU's
     (and gloo's) do."""
     stack = contextlib.ExitStack()
-    stack.enter_context(kernels.swapped(
-        (adam.route, _cpu_route), (quantize.route, _cpu_route), (adam.adam_update, _kernel_adam_on_meta),
-        (comm.reduce_scatter_single, lambda real: _with_gloo_copy(real, of_output=False)),
-        (comm.all_gather_single, lambda real: _with_gloo_copy(real, of_output=True))))
-    stack.enter_context(_TorchFunctions({
-        F.scaled_dot_product_attention: _on_meta_as_cpu(F.scaled_dot_product_attention),
-        torch.mm: _widened_fp32_mm(torch.mm)}))
+    stack.enter_context(
+        kernels.swapped(
+            (adam.route, _cpu_route),
+            (quantize.route, _cpu_route),
+            (adam.adam_update, _kernel_adam_on_meta),
+            (comm.reduce_scatter_single, lambda real: _with_gloo_copy(real, of_output=False)),
+            (comm.all_gather_single, lambda real: _with_gloo_copy(real, of_output=True)),
+        )
+    )
+    stack.enter_context(
+        _TorchFunctions(
+            {
+                F.scaled_dot_product_attention: _on_meta_as_cpu(F.scaled_dot_product_attention),
+                torch.mm: _widened_fp32_mm(torch.mm),
+            }
+        )
+    )
     return stack
 
 

@@ -15,6 +15,7 @@ would agree on.
 `run_rank` is the path itself, on any device and process group: the tests run it on gloo ranks of
 the CPU to prove the dry run's traces equal a real run's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,25 +33,26 @@ from megazero.core.comm import CommLog
 from megazero.dry_run.gpu_kernels import device_kernels
 from megazero.dry_run.device_stand_in import DeviceStandIn
 
-DEFAULT_RANKS_PER_NODE = 8     # a GPU node's ranks, for the intra/inter-node split of the groups
+DEFAULT_RANKS_PER_NODE = 8  # a GPU node's ranks, for the intra/inter-node split of the groups
 
 
 @dataclasses.dataclass
 class RankRun:
     """What one simulated rank did: its traced ops, host reads and (meta) memory; or its error."""
+
     rank: int
     coords: tuple | None = None
     entries: list = dataclasses.field(default_factory=list)
-    step_ends: list = dataclasses.field(default_factory=list)   # len(entries) after each training step
+    step_ends: list = dataclasses.field(default_factory=list)  # len(entries) after each training step
     host_reads: list = dataclasses.field(default_factory=list)
     memory: dict | None = None
-    model_states: dict | None = None   # the engine's own report (engine.memory.report()), bytes
-    stream_check: dict | None = None   # the stream checker's counts and distinct violations
-    skipped_steps: int | None = None   # optimizer steps skipped for a non-finite gradient norm
-    trace: dict | None = None          # the op trace for the timeline (megazero.dry_run.trace)
-    steady_state: dict | None = None   # how its step's microbatches were counted (steady_state.extend)
-    error: str | None = None       # one line: where a rank stopped (a misplaced tensor, a bug)
-    detail: str | None = None      # its traceback
+    model_states: dict | None = None  # the engine's own report (engine.memory.report()), bytes
+    stream_check: dict | None = None  # the stream checker's counts and distinct violations
+    skipped_steps: int | None = None  # optimizer steps skipped for a non-finite gradient norm
+    trace: dict | None = None  # the op trace for the timeline (megazero.dry_run.trace)
+    steady_state: dict | None = None  # how its step's microbatches were counted (steady_state.extend)
+    error: str | None = None  # one line: where a rank stopped (a misplaced tensor, a bug)
+    detail: str | None = None  # its traceback
 
 
 class SimulatedLaunch:
@@ -65,19 +67,21 @@ class SimulatedLaunch:
         self.store = None
 
     def device(self, cfg):
-        return self._device, ""      # the thread count is not this machine's to say
+        return self._device, ""  # the thread count is not this machine's to say
 
     def cpu_optimizer_threads(self) -> int:
         return 1
 
     def check_machine(self, cfg, device) -> None:
         from megazero.config.machine_checks import check_data, check_output_paths
+
         check_output_paths(cfg)
         check_data(cfg)
 
     def process_groups(self, cfg, device, log):
         from megazero.config.train_config import topology_of
         from megazero.parallel.process_groups import ProcessGroups
+
         return ProcessGroups.build(topology_of(cfg, self.world), self.rank, self.factory, log=log, device=device)
 
     def first(self, step: str):
@@ -100,13 +104,15 @@ def dry_argv(argv: list[str], workdir: str, save: bool = True) -> list[str]:
     return argv
 
 
-def run_rank(argv: list[str], world: int, rank: int, device, factory, local_world: int | None = None,
-             cuda: bool = False) -> RankRun | None:
+def run_rank(
+    argv: list[str], world: int, rank: int, device, factory, local_world: int | None = None, cuda: bool = False
+) -> RankRun | None:
     """Runs the recipe (megazero.run.pretrain: configure, then the run) for `rank` of `world` with
     `argv` (pretrain_gpt.py's flags) on `device` (meta, standing in for a GPU), its groups made by `factory` (a GroupFactory
     over an initialised default group); returns the rank's trace, or None for a process outside
     `world`. `cuda`: the flags are read as on a GPU machine (the default backend is nccl)."""
     from megazero.run import pretrain
+
     env = SimulatedLaunch(rank, world, local_world or min(world, DEFAULT_RANKS_PER_NODE), factory, cuda, device)
     recipe = pretrain.Pretraining(pretrain.configure(argv, env), env)
     log = CommLog(trace=True)
@@ -116,7 +122,7 @@ def run_rank(argv: list[str], world: int, rank: int, device, factory, local_worl
     run = RankRun(rank, coords=tuple(groups.coords))
     try:
         recipe.run(groups)
-    except Exception as err:        # noqa: BLE001 - a rank's failure is a finding, reported per rank
+    except Exception as err:  # noqa: BLE001 - a rank's failure is a finding, reported per rank
         run.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         run.detail = traceback.format_exc()
     run.entries, run.step_ends = log.entries, log.step_ends
@@ -129,13 +135,19 @@ def run_rank(argv: list[str], world: int, rank: int, device, factory, local_worl
 def job_config(argv: list[str], world: int, local_world: int | None = None):
     """The TrainConfig of a `world`-rank GPU job of these flags (as each simulated rank reads them)."""
     from megazero.config.train_flags import config_from_args, parse_args
-    return config_from_args(parse_args(dry_argv(argv, "/nonexistent")), world,
-                            local_world or min(world, DEFAULT_RANKS_PER_NODE), cuda_available=True)
+
+    return config_from_args(
+        parse_args(dry_argv(argv, "/nonexistent")),
+        world,
+        local_world or min(world, DEFAULT_RANKS_PER_NODE),
+        cuda_available=True,
+    )
 
 
 def check_flags(argv: list[str], world: int, local_world: int | None = None) -> str | None:
     """The flags' first mistake for a `world`-rank GPU job, as pretrain_gpt.py would say it."""
     from megazero.core.errors import UsageError
+
     try:
         job_config(argv, world, local_world)
     except UsageError as err:
@@ -147,13 +159,28 @@ def planner_figures(argv: list[str], world: int, local_world: int | None) -> dic
     """The memory planner's figures (megazero.config.memory_estimate.plan_bytes) for a GPU rank of
     this job (its largest stage): model states, activations, comm buffers on the device, their sum."""
     from megazero.config.memory_estimate import MODEL_STATE_KINDS, device_bytes, plan_bytes
+
     plan = plan_bytes(job_config(argv, world, local_world), world)
-    return {"model_states": sum(plan[k] for k in MODEL_STATE_KINDS), "activations": plan["activations"],
-            "comm_buffers": plan["comm_buffers"], "total": device_bytes(plan)}
+    return {
+        "model_states": sum(plan[k] for k in MODEL_STATE_KINDS),
+        "activations": plan["activations"],
+        "comm_buffers": plan["comm_buffers"],
+        "total": device_bytes(plan),
+    }
 
 
-def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overflow_steps=(), streams=True,
-                    device_kind="cuda", save=True):
+def _simulated_rank(
+    argv,
+    world,
+    rank,
+    local_world,
+    workdir,
+    prepare=None,
+    overflow_steps=(),
+    streams=True,
+    device_kind="cuda",
+    save=True,
+):
     """One simulated rank's process: the fake backend for NCCL, meta for the GPU (`device_kind`
     "cpu": for a CPU's kernels and memory, gloo's paths), the stream layer in its checking mode
     (megazero.core.stream_check, modelling meta as a device and the CPU as the host; violations
@@ -166,6 +193,7 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megazero.dry_run import trace
     from megazero.parallel.process_groups import GroupFactory
+
     torch.set_num_threads(1)
     # Batched p2p looks its backend up by the tensors' device type: register the fake one for meta.
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=world)
@@ -178,26 +206,38 @@ def _simulated_rank(argv, world, rank, local_world, workdir, prepare=None, overf
     factory = GroupFactory(rank, stands_for=backend)
     device = DeviceStandIn(device=device_kind)
 
-    def gradient_norm():         # device.read_marks grows by one at the end of every training step
+    def gradient_norm():  # device.read_marks grows by one at the end of every training step
         return float("inf") if len(device.read_marks) + 1 in overflow_steps else 1.0
+
     try:
-        with (prepare(rank) if prepare else contextlib.nullcontext()), host_read.recording() as reads, \
-                host_read.forcing({"gradient norm": gradient_norm} if overflow_steps else {}), device, \
-                device.phase_hooks(reads), device.keeping_activations(), device_kernels(device_kind), \
-                (trace.tracing(reads, devices=("cpu", "meta"), collect=True) if streams
-                 else contextlib.nullcontext()) as checker, \
-                contextlib.redirect_stdout(io.StringIO()):
+        with (
+            prepare(rank) if prepare else contextlib.nullcontext(),
+            host_read.recording() as reads,
+            host_read.forcing({"gradient norm": gradient_norm} if overflow_steps else {}),
+            device,
+            device.phase_hooks(reads),
+            device.keeping_activations(),
+            device_kernels(device_kind),
+            (
+                trace.tracing(reads, devices=("cpu", "meta"), collect=True) if streams else contextlib.nullcontext()
+            ) as checker,
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
             # (each rank's log lines are not the report's)
-            run = run_rank(argv, world, rank, torch.device("meta"), factory, local_world,
-                           cuda=device_kind == "cuda")
+            run = run_rank(argv, world, rank, torch.device("meta"), factory, local_world, cuda=device_kind == "cuda")
         if checker is not None:
-            run.stream_check = {"semantics": checker.semantics, "side_ops": checker.side_ops,
-                                "violations": checker.violations, "found": list(checker.found)}
+            run.stream_check = {
+                "semantics": checker.semantics,
+                "side_ops": checker.side_ops,
+                "violations": checker.violations,
+                "found": list(checker.found),
+            }
             run.trace = checker.result(run.entries)
         run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
         step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
-        run.host_reads = [{"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)}
-                          for i, r in enumerate(reads)]
+        run.host_reads = [
+            {"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)} for i, r in enumerate(reads)
+        ]
         return run
     finally:
         with stderr_without(FAKE_GROUP_NOTICE):
@@ -233,9 +273,19 @@ def stderr_without(notice: bytes):
 PRELOAD = ["torch.distributed", "torch.testing._internal.distributed.fake_pg", "megazero.run.pretrain"]
 
 
-def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_world: int | None = None,
-             processes: int | None = None, prepare=None, overflow_steps=(), stream_check: bool = True,
-             device_kind: str = "cuda", save: bool = True, plan=None) -> list[RankRun]:
+def simulate(
+    argv: list[str],
+    world: int,
+    ranks: list[int] | None = None,
+    local_world: int | None = None,
+    processes: int | None = None,
+    prepare=None,
+    overflow_steps=(),
+    stream_check: bool = True,
+    device_kind: str = "cuda",
+    save: bool = True,
+    plan=None,
+) -> list[RankRun]:
     """Runs `ranks` (all of them by default) of a `world`-rank job of pretrain_gpt.py's `argv`.
     `processes` ranks run at once, each in a fresh process forked from a server that imported torch
     and megazero once, in a default group of its own.
@@ -252,6 +302,7 @@ def simulate(argv: list[str], world: int, ranks: list[int] | None = None, local_
         return _in_processes([(argv, r) for r in ranks], world, options, processes)
     from megazero.config.train_config import topology_of
     from megazero.dry_run import steady_state
+
     cfg = job_config(argv, world, local_world)
     stage = {r: topology_of(cfg, world).coords(r).pp for r in ranks}
     tasks = [(steady_state.reduced_argv(argv, cfg, world, m), r) for r in ranks for m in plan.counts(stage[r])]
@@ -283,6 +334,7 @@ def _in_processes(tasks: list[tuple], world: int, options: tuple, processes: int
     """Each (argv, rank) of `tasks` simulated in a fresh process, `processes` at once."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
+
     processes = processes or max(1, min(len(tasks), os.cpu_count() or 1))
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
@@ -294,7 +346,20 @@ def _in_processes(tasks: list[tuple], world: int, options: tuple, processes: int
         # One process per rank (max_tasks_per_child=1): nothing a rank caches (a module-level table,
         # a compiled kernel) carries over to the next rank a worker would run.
         with ProcessPoolExecutor(processes, mp_context=context, max_tasks_per_child=1) as pool:
-            futures = [pool.submit(_simulated_rank, argv, world, r, local_world, os.path.join(workdir, f"{i:06d}"),
-                                   prepare, overflow_steps, stream_check, device_kind, save)
-                       for i, (argv, r) in enumerate(tasks)]
+            futures = [
+                pool.submit(
+                    _simulated_rank,
+                    argv,
+                    world,
+                    r,
+                    local_world,
+                    os.path.join(workdir, f"{i:06d}"),
+                    prepare,
+                    overflow_steps,
+                    stream_check,
+                    device_kind,
+                    save,
+                )
+                for i, (argv, r) in enumerate(tasks)
+            ]
             return [f.result() for f in futures]

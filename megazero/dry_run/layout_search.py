@@ -10,6 +10,7 @@ those ranked by a closed-form estimate of the step (`first_estimate`), and the b
 through the dry run and its timeline (megazero.dry_run.speed) and ordered by the predicted step.
 Owns the enumeration and the first estimate; touches no simulation, no timeline, no flag rule.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,10 +20,20 @@ import itertools
 from megazero.core.errors import UsageError
 
 # The flags a layout sets: the search chooses them, so the user's argv must leave them out.
-LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
-                "--num-layers-per-virtual-pipeline-stage", "--zero-stage", "--micro-batch-size",
-                "--recompute-activations", "--recompute-granularity", "--recompute-method",
-                "--recompute-num-layers", "--sequence-parallel", "--data-parallel-size")
+LAYOUT_FLAGS = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--context-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--zero-stage",
+    "--micro-batch-size",
+    "--recompute-activations",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--sequence-parallel",
+    "--data-parallel-size",
+)
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -30,19 +41,28 @@ RECOMPUTE = ("none", "selective", "full")
 class Layout:
     tp: int
     pp: int
-    vpp: int          # model chunks per pipeline stage (1: no interleaving)
+    vpp: int  # model chunks per pipeline stage (1: no interleaving)
     cp: int
     dp: int
     zero: int
-    recompute: str    # none, selective (core attention) or full (every layer, uniform groups of 1)
+    recompute: str  # none, selective (core attention) or full (every layer, uniform groups of 1)
     mbs: int
 
     def flags(self, num_layers: int) -> list[str]:
         """pretrain_gpt.py's flags for this layout; sequence parallelism rides with tp > 1 (it only
         saves memory and turns each all-reduce into a reduce-scatter plus an all-gather)."""
-        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
-               "--context-parallel-size", str(self.cp), "--zero-stage", str(self.zero),
-               "--micro-batch-size", str(self.mbs)]
+        out = [
+            "--tensor-model-parallel-size",
+            str(self.tp),
+            "--pipeline-model-parallel-size",
+            str(self.pp),
+            "--context-parallel-size",
+            str(self.cp),
+            "--zero-stage",
+            str(self.zero),
+            "--micro-batch-size",
+            str(self.mbs),
+        ]
         if self.vpp > 1:
             out += ["--num-layers-per-virtual-pipeline-stage", str(num_layers // (self.pp * self.vpp))]
         if self.tp > 1:
@@ -55,8 +75,10 @@ class Layout:
 
     def text(self) -> str:
         v = f" (vpp {self.vpp})" if self.vpp > 1 else ""
-        return (f"tp {self.tp} pp {self.pp}{v} cp {self.cp} dp {self.dp}, ZeRO-{self.zero}, "
-                f"recompute {self.recompute}, micro batch {self.mbs}")
+        return (
+            f"tp {self.tp} pp {self.pp}{v} cp {self.cp} dp {self.dp}, ZeRO-{self.zero}, "
+            f"recompute {self.recompute}, micro batch {self.mbs}"
+        )
 
 
 def _divisors(n: int) -> list[int]:
@@ -67,6 +89,7 @@ def base_args(argv: list[str], world: int):
     """The user's flags parsed once (as a dry run reads them); a layout flag among them is refused."""
     from megazero.dry_run.job import dry_argv
     from megazero.config.train_flags import parse_args
+
     given = [f for f in argv if f.split("=")[0] in LAYOUT_FLAGS]
     if given:
         raise UsageError(f"{given[0]}: the search chooses the layout; drop {', '.join(given)} from the flags")
@@ -75,12 +98,20 @@ def base_args(argv: list[str], world: int):
     return parse_args(dry_argv(argv, "/nonexistent", save=False))
 
 
-def enumerate_layouts(args, world: int, local_world: int, zero_stages=(0, 1, 2, 3), recompute=RECOMPUTE,
-                      micro_batches=(1, 2, 4, 8), virtual=(1, 2, 4)) -> list[tuple[Layout, object]]:
+def enumerate_layouts(
+    args,
+    world: int,
+    local_world: int,
+    zero_stages=(0, 1, 2, 3),
+    recompute=RECOMPUTE,
+    micro_batches=(1, 2, 4, 8),
+    virtual=(1, 2, 4),
+) -> list[tuple[Layout, object]]:
     """Every (Layout, TrainConfig) of `world` ranks that config_from_args accepts, from the parsed
     base `args`. `virtual`: model chunks per stage tried (interleaving needs pp > 1 and the stage's
     layers to divide)."""
     from megazero.config.train_flags import config_from_args
+
     layers = args.num_layers
     found = []
     for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
@@ -89,7 +120,7 @@ def enumerate_layouts(args, world: int, local_world: int, zero_stages=(0, 1, 2, 
         dp = world // (tp * pp * cp)
         for vpp, zero, how, mbs in itertools.product(virtual, zero_stages, recompute, micro_batches):
             if vpp > 1 and (pp == 1 or layers % (pp * vpp)):
-                continue          # no interleaving to ask for: the flag could not name it
+                continue  # no interleaving to ask for: the flag could not name it
             layout = Layout(tp, pp, vpp, cp, dp, zero, how, mbs)
             trial = copy.copy(args)
             trial.tensor_model_parallel_size, trial.pipeline_model_parallel_size = tp, pp
@@ -98,11 +129,12 @@ def enumerate_layouts(args, world: int, local_world: int, zero_stages=(0, 1, 2, 
             trial.sequence_parallel = tp > 1
             trial.recompute_activations = how == "selective"
             trial.recompute_granularity, trial.recompute_method, trial.recompute_num_layers = (
-                ("full", "uniform", 1) if how == "full" else (None, None, None))
+                ("full", "uniform", 1) if how == "full" else (None, None, None)
+            )
             try:
                 cfg = config_from_args(trial, world, local_world, cuda_available=True)
             except UsageError:
-                continue          # megazero refuses it: the model, batch or world does not divide so
+                continue  # megazero refuses it: the model, batch or world does not divide so
             found.append((layout, cfg))
     return found
 
@@ -115,6 +147,7 @@ def capacity_bytes(device, world: int) -> float:
 
 def planner_total(cfg, world: int) -> float:
     from megazero.config.memory_estimate import device_bytes, plan_bytes
+
     return device_bytes(plan_bytes(cfg, world))
 
 
@@ -138,6 +171,7 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
     microbatch). Only an order: the dry run's timeline is the prediction."""
     from megazero.training.flops import attention_flops_per_token, recompute_flops, step_flops
     from megazero.dry_run.speed import _dtype
+
     m = cfg.model
     dtype = _dtype(cfg)
     width = 2 if dtype in ("bf16", "fp16") else 4
@@ -146,11 +180,11 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
     flops = (step_flops(m, tokens) + recompute_flops(m, tokens, chunks)) / world
     rows = layout.mbs * m.seq_length // layout.cp
     micro = cfg.global_batch_size // (layout.mbs * layout.dp)
-    forwards = 1 if layout.recompute == "none" else 2       # both recomputations run the core again
+    forwards = 1 if layout.recompute == "none" else 2  # both recomputations run the core again
     core_flops = (2 + forwards) * m.num_layers * attention_flops_per_token(m) * tokens / world
     if layout.cp > 1 and cfg.parallel.cp_comm_type == "p2p":
         core = micro * (m.num_layers // layout.pp) * ring_attention_seconds(cfg, layout, device, forwards)
-    else:           # a fused (flash) kernel, which the timeline rates by its smallest dim: the head's
+    else:  # a fused (flash) kernel, which the timeline rates by its smallest dim: the head's
         core = device.matmul_seconds(core_flops, 0.0, dtype, (rows, m.seq_length, m.head_dim))
     compute = device.matmul_seconds(flops - core_flops, 0.0, dtype, (rows, m.hidden_size // layout.tp, m.hidden_size))
     compute += core
@@ -167,6 +201,7 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
         comm += micro * layers * 3 * device.collective_seconds("all_gather", kv * layout.cp, range(layout.cp))
     if layout.dp > 1:
         from megazero.config.memory_estimate import rank_layout
+
         grads = rank_layout(cfg, world).rank_parameters * width
         group = range(layout.dp)
         comm += device.collective_seconds("all_reduce" if layout.zero == 0 else "reduce_scatter", grads, group)
@@ -184,7 +219,7 @@ def first_estimate(layout: Layout, cfg, world: int, device) -> float:
 # minus the LSE 2, exp 2, minus delta 2, times the probabilities 3). Counted from the code: what it
 # leaves out (the diagonal block's mask, GQA's K/V copies) is under 20% of the passes and under 5%
 # of the core's time (tests/dry_run/test_layout_search.py times the code's own kernels against it).
-RING_FORWARD = (4, 7)        # (FLOPs / (d E), fp32 passes over E)
+RING_FORWARD = (4, 7)  # (FLOPs / (d E), fp32 passes over E)
 RING_BACKWARD = (10, 11)
 
 
@@ -198,8 +233,10 @@ def ring_attention_seconds(cfg, layout: Layout, device, forwards: int = 1) -> fl
     scores = layout.mbs * (m.num_attention_heads // layout.tp) * 2 * chunk * chunk * (n + 1)
 
     def part(flops_per, passes):
-        return (device.matmul_seconds(flops_per * d * scores, 0.0, "fp32", (2 * chunk, chunk, d))
-                + device.memory_seconds(passes * 4 * scores))
+        return device.matmul_seconds(
+            flops_per * d * scores, 0.0, "fp32", (2 * chunk, chunk, d)
+        ) + device.memory_seconds(passes * 4 * scores)
+
     return forwards * part(*RING_FORWARD) + part(*RING_BACKWARD)
 
 
@@ -207,8 +244,9 @@ def ranked(fitting, world: int, device) -> list:
     """`fitting` by the first estimate, the least memory first among equal estimates, and of those
     only that one: layouts the estimate cannot tell apart (a ZeRO stage at dp 1, selective
     recomputation where attention is cheap) would spend the dry runs on one answer."""
-    keyed = sorted(((first_estimate(layout, cfg, world, device), total, i) for i, (layout, cfg, total)
-                    in enumerate(fitting)))
+    keyed = sorted(
+        ((first_estimate(layout, cfg, world, device), total, i) for i, (layout, cfg, total) in enumerate(fitting))
+    )
     out, seen = [], set()
     for estimate, _, i in keyed:
         if round(estimate, 12) not in seen:
@@ -222,8 +260,16 @@ def predicted(argv: list[str], world: int, device, local_world: int, processes: 
     the fullest simulated rank's reserved peak (the caching allocator's; the CPU: its peak)."""
     from megazero.dry_run.job import job_config, simulate
     from megazero.dry_run.speed import timeline_of
-    runs = simulate(argv, world, None, local_world=local_world, processes=processes,
-                    device_kind="cpu" if device.kind == "cpu" else "cuda", save=False)
+
+    runs = simulate(
+        argv,
+        world,
+        None,
+        local_world=local_world,
+        processes=processes,
+        device_kind="cpu" if device.kind == "cpu" else "cuda",
+        save=False,
+    )
     failed = [f"rank {r.rank}: {r.error}" for r in runs if r.error is not None]
     if failed:
         return {"error": "the dry run failed: " + "; ".join(failed)}
@@ -232,13 +278,21 @@ def predicted(argv: list[str], world: int, device, local_world: int, processes: 
     return {"error": timeline["note"], "timeline": timeline, "peak": peak}
 
 
-def search(argv: list[str], world: int, device, top_k: int = 3, local_world: int | None = None,
-           processes: int | None = None, **space) -> dict:
+def search(
+    argv: list[str],
+    world: int,
+    device,
+    top_k: int = 3,
+    local_world: int | None = None,
+    processes: int | None = None,
+    **space,
+) -> dict:
     """The fastest layouts of pretrain_gpt.py's model flags `argv` on `world` ranks of `device` (a
     --gpu name or a devices.Device); `space`: enumerate_layouts's choices. Rows: the `top_k` best by
     the first estimate, ordered by their predicted step time, each {"layout", "flags", "estimate_s",
     "planner_bytes", "capacity", "step_s", "tokens_per_s_per_device", "mfu", "peak", "error"}."""
     from megazero.dry_run import devices
+
     if isinstance(device, str):
         device = devices.device(device)
     if top_k < 1:
@@ -247,8 +301,10 @@ def search(argv: list[str], world: int, device, top_k: int = 3, local_world: int
     args = base_args(argv, world)
     valid = enumerate_layouts(args, world, local, **space)
     if not valid:
-        raise UsageError(f"no layout of {world} ranks divides this model and batch (--num-layers, "
-                         f"--num-attention-heads, --seq-length, --global-batch-size); change one or --world-size")
+        raise UsageError(
+            f"no layout of {world} ranks divides this model and batch (--num-layers, "
+            f"--num-attention-heads, --seq-length, --global-batch-size); change one or --world-size"
+        )
     capacity = capacity_bytes(device, world)
     fitting, dropped = split_by_fit(valid, world, capacity)
     rows = []
@@ -257,16 +313,31 @@ def search(argv: list[str], world: int, device, top_k: int = 3, local_world: int
         found = predicted(flags, world, device, local, processes)
         tl = found.get("timeline") or {}
         ranks = tl.get("ranks") or []
-        rows.append({"layout": layout, "flags": layout.flags(args.num_layers),
-                     "estimate_s": first_estimate(layout, cfg, world, device), "planner_bytes": total,
-                     "capacity": capacity, "step_s": tl.get("step_s"),
-                     "tokens_per_s_per_device": tl.get("tokens_per_s_per_device"),
-                     "mfu": min((r["mfu"] for r in ranks if r["mfu"] is not None), default=None),
-                     "peak": found.get("peak"), "error": found.get("error")})
+        rows.append(
+            {
+                "layout": layout,
+                "flags": layout.flags(args.num_layers),
+                "estimate_s": first_estimate(layout, cfg, world, device),
+                "planner_bytes": total,
+                "capacity": capacity,
+                "step_s": tl.get("step_s"),
+                "tokens_per_s_per_device": tl.get("tokens_per_s_per_device"),
+                "mfu": min((r["mfu"] for r in ranks if r["mfu"] is not None), default=None),
+                "peak": found.get("peak"),
+                "error": found.get("error"),
+            }
+        )
     # a layout whose dry-run peak exceeds the device (the planner let it through) goes after those that fit
     rows.sort(key=lambda row: (row["step_s"] is None, _over(row), row["step_s"] or 0.0))
-    return {"device": device.key, "device_name": device.name, "world": world, "considered": len(valid),
-            "fitting": len(fitting), "dropped": [(layout, total) for layout, _, total in dropped], "rows": rows}
+    return {
+        "device": device.key,
+        "device_name": device.name,
+        "world": world,
+        "considered": len(valid),
+        "fitting": len(fitting),
+        "dropped": [(layout, total) for layout, _, total in dropped],
+        "rows": rows,
+    }
 
 
 def _over(row: dict) -> bool:
@@ -275,24 +346,30 @@ def _over(row: dict) -> bool:
 
 def search_text(result: dict) -> str:
     """The lines tools/search_layouts.py prints."""
-    GiB = 2 ** 30
+    GiB = 2**30
     if not result["rows"]:
         layout, total = min(result["dropped"], key=lambda item: item[1])
-        return (f"none of the {result['considered']} valid layouts of {result['world']} ranks fits the "
-                f"{result['device_name']} by the planner; the smallest needs {total / GiB:,.2f} GiB a rank "
-                f"({layout.text()}): more ranks, or a device with more memory")
-    lines = [f"{result['considered']} valid layouts of {result['world']} ranks, {result['fitting']} fit the "
-             f"{result['device_name']} by the planner; the best {len(result['rows'])} by the first estimate, "
-             f"timed by the dry run, fastest first:"]
+        return (
+            f"none of the {result['considered']} valid layouts of {result['world']} ranks fits the "
+            f"{result['device_name']} by the planner; the smallest needs {total / GiB:,.2f} GiB a rank "
+            f"({layout.text()}): more ranks, or a device with more memory"
+        )
+    lines = [
+        f"{result['considered']} valid layouts of {result['world']} ranks, {result['fitting']} fit the "
+        f"{result['device_name']} by the planner; the best {len(result['rows'])} by the first estimate, "
+        f"timed by the dry run, fastest first:"
+    ]
     for i, row in enumerate(result["rows"], 1):
         if row["step_s"] is None:
             lines.append(f"{i}. {row['layout'].text()}: no prediction ({row['error']})")
             continue
         peak = f"{row['peak'] / GiB:,.2f}" if row["peak"] is not None else "-"
-        lines.append(f"{i}. {row['layout'].text()}: step {1000 * row['step_s']:,.1f} ms, "
-                     f"{row['tokens_per_s_per_device']:,.0f} tokens/s/device, MFU {row['mfu']:.1%}, "
-                     f"peak {peak} of {row['capacity'] / GiB:,.2f} GiB (planner {row['planner_bytes'] / GiB:,.2f}); "
-                     f"first estimate {1000 * row['estimate_s']:,.1f} ms"
-                     + ("; does NOT fit: the dry run's peak exceeds the device" if _over(row) else ""))
+        lines.append(
+            f"{i}. {row['layout'].text()}: step {1000 * row['step_s']:,.1f} ms, "
+            f"{row['tokens_per_s_per_device']:,.0f} tokens/s/device, MFU {row['mfu']:.1%}, "
+            f"peak {peak} of {row['capacity'] / GiB:,.2f} GiB (planner {row['planner_bytes'] / GiB:,.2f}); "
+            f"first estimate {1000 * row['estimate_s']:,.1f} ms"
+            + ("; does NOT fit: the dry run's peak exceeds the device" if _over(row) else "")
+        )
         lines.append("   " + " ".join(row["flags"]))
     return "\n".join(lines)

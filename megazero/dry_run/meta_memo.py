@@ -10,6 +10,7 @@ Only calls whose every argument is a plain value (numbers, strings, dtypes, devi
 them) or a meta / CPU tensor are remembered, and only when the kernel's results were exactly
 what empty_strided would make (storage offset 0, the storage's size the strides' extent).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,12 @@ _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.me
 
 def _fresh_results(func) -> bool:
     schema = func._schema
-    return (func.namespace == "aten" and not schema.is_mutable and schema.returns
-            and all(r.alias_info is None for r in schema.returns))
+    return (
+        func.namespace == "aten"
+        and not schema.is_mutable
+        and schema.returns
+        and all(r.alias_info is None for r in schema.returns)
+    )
 
 
 def _part(x):

@@ -24,6 +24,7 @@ positions of roots and peers) and allocate the same memory, so one of them stand
 `tests/tools/test_dry_run.py` runs every rank of 16-rank layouts (one with 8 partitions, six of them
 middle) and checks each rank against its role's representative.
 """
+
 from __future__ import annotations
 
 
@@ -35,11 +36,13 @@ def roles(cfg, world: int) -> dict[tuple, list[int]]:
     """role -> its ranks (ascending), for `world` ranks of the job `cfg` lays out."""
     from megazero.config.train_config import topology_of
     from megazero.parallel.pipeline.split import stage_layer_ranges
+
     topology = topology_of(cfg, world)
     par = cfg.parallel
     chunks = stage_layer_ranges(cfg.model.num_layers, topology.pp, par.virtual_stages, par.layer_split)
-    stage_layers = [tuple(len(chunks[v * topology.pp + p]) for v in range(par.virtual_stages))
-                    for p in range(topology.pp)]
+    stage_layers = [
+        tuple(len(chunks[v * topology.pp + p]) for v in range(par.virtual_stages)) for p in range(topology.pp)
+    ]
     kinds = {**topology.all_group_kinds(), **topology.stage3_gather_group_kinds()}
     place: list[list] = [[] for _ in range(world)]
     for kind, groups in sorted(kinds.items()):
@@ -57,8 +60,7 @@ def roles(cfg, world: int) -> dict[tuple, list[int]]:
         if stage not in (0, topology.pp - 1):
             # No vocabulary here (the embedding is on the first stage, the output layer on the last):
             # every tensor-parallel rank holds equal shards and issues symmetric collectives.
-            where = [(kind, None, *rest) if kind == "tp" else (kind, pos, *rest)
-                     for kind, pos, *rest in where]
+            where = [(kind, None, *rest) if kind == "tp" else (kind, pos, *rest) for kind, pos, *rest in where]
         key = (stage, stage_layers[stage], topology.cp_of(r)) + tuple(where)
         found.setdefault(key, []).append(r)
     return found

@@ -9,6 +9,7 @@ already simulated (tools/dry_run.py --gpu). Ranks a role stands for (megazero.dr
 simulated: a collective waits only for its simulated members, a p2p with an unsimulated peer for
 nobody. Owns the joining of traces and the report's `timeline` field; touches no simulation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,28 +25,35 @@ def _dtype(cfg) -> str:
 
 def step_traces(runs) -> dict[int, dict]:
     """rank -> its last training step's records (collectives joined) and host-thread streams."""
-    return {run.rank: run.trace for run in runs
-            if run.trace is not None and run.error is None and run.trace["records"]}
+    return {run.rank: run.trace for run in runs if run.trace is not None and run.error is None and run.trace["records"]}
 
 
 def timeline_of(runs, cfg, world: int, device, ranks_on_host: int | None = None) -> dict:
     """The report's `timeline` field: per simulated rank its step time, MFU, the four parts of the
     step and its most exposed ops, on `device` (a devices.Device or its --gpu name)."""
     from megazero.training.flops import step_flops
+
     if isinstance(device, str):
         device = devices.device(device)
     device.ranks_on_host = ranks_on_host or world
     traces = step_traces(runs)
     dtype = _dtype(cfg)
-    out = {"device": device.key, "device_name": device.name, "dtype": dtype, "step_s": None,
-           "tokens_per_s_per_device": None, "note": None, "ranks": []}
+    out = {
+        "device": device.key,
+        "device_name": device.name,
+        "dtype": dtype,
+        "step_s": None,
+        "tokens_per_s_per_device": None,
+        "note": None,
+        "ranks": [],
+    }
     if not traces:
         out["note"] = "no rank has a traced training step (the timeline needs the stream check: drop --no-stream-check)"
         return out
     tokens = cfg.global_batch_size * cfg.model.seq_length
     try:
         result = timeline.schedule(traces, device, step_flops(cfg.model, tokens) / world, device.peak(dtype))
-    except timeline.TimelineStuck as err:      # the trace orders ops so that no rank can go on
+    except timeline.TimelineStuck as err:  # the trace orders ops so that no rank can go on
         out["note"] = f"the timeline cannot place the step: {err}"
         return out
     out["step_s"], out["ranks"] = result["step_s"], result["ranks"]
@@ -53,18 +61,32 @@ def timeline_of(runs, cfg, world: int, device, ranks_on_host: int | None = None)
     return out
 
 
-def predict(argv: list[str], device, world: int, ranks: list[int] | None = None,
-            ranks_per_node: int | None = None, processes: int | None = None) -> dict:
+def predict(
+    argv: list[str],
+    device,
+    world: int,
+    ranks: list[int] | None = None,
+    ranks_per_node: int | None = None,
+    processes: int | None = None,
+) -> dict:
     """The dry run of pretrain_gpt.py's `argv` on `world` ranks and its timeline on `device` ("a100",
     "h100", "h200", "cpu", or a devices.Device): {"device", "device_name", "dtype", "step_s",
     "tokens_per_s_per_device", "note", "ranks": [{"rank", "step_s", "mfu", "compute_s",
     "exposed_comm_s", "bubble_s", "host_s", "top_exposed", "trace_tflop"}]} (docs/dry_run.md)."""
     from megazero.dry_run.job import job_config, simulate
-    model = devices.device(device) if isinstance(device, str) else device   # fails before anything runs
+
+    model = devices.device(device) if isinstance(device, str) else device  # fails before anything runs
     local = ranks_per_node or (model.gpus_per_node if model.kind == "gpu" else world)
     cfg = job_config(argv, world, local)
-    runs = simulate(argv, world, ranks, local_world=local, processes=processes,
-                    device_kind="cpu" if model.kind == "cpu" else "cuda", save=False)
+    runs = simulate(
+        argv,
+        world,
+        ranks,
+        local_world=local,
+        processes=processes,
+        device_kind="cpu" if model.kind == "cpu" else "cuda",
+        save=False,
+    )
     failed = [f"rank {r.rank}: {r.error}" for r in runs if r.error is not None]
     if failed:
         raise RuntimeError("the dry run failed: " + "; ".join(failed))
@@ -98,16 +120,25 @@ def fitted_launch_us(traces: dict[int, dict], device, measured_s: float) -> tupl
 
 def timeline_text(result: dict) -> str:
     """The lines tools/dry_run.py prints after the table."""
-    lines = [f"timeline on {result['device_name']}: step {_ms(result['step_s'])} ms"
-             + (f", {result['tokens_per_s_per_device']:,.0f} tokens/s/device" if result.get("tokens_per_s_per_device") else "")]
+    lines = [
+        f"timeline on {result['device_name']}: step {_ms(result['step_s'])} ms"
+        + (
+            f", {result['tokens_per_s_per_device']:,.0f} tokens/s/device"
+            if result.get("tokens_per_s_per_device")
+            else ""
+        )
+    ]
     if result.get("note"):
         return "\n".join(lines + [result["note"]])
-    lines.append(f"{'rank':>6} {'step ms':>9} {'MFU':>6} {'compute':>9} {'exposed comm':>12} {'bubble':>9} "
-                 f"{'host':>9}  (ms)")
+    lines.append(
+        f"{'rank':>6} {'step ms':>9} {'MFU':>6} {'compute':>9} {'exposed comm':>12} {'bubble':>9} {'host':>9}  (ms)"
+    )
     for r in result["ranks"]:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        lines.append(f"{r['rank']:>6} {_ms(r['step_s']):>9} {mfu:>6} " + " ".join(
-            f"{_ms(r[k]):>{w}}" for k, w in zip(ITEMS, (9, 12, 9, 9))))
+        lines.append(
+            f"{r['rank']:>6} {_ms(r['step_s']):>9} {mfu:>6} "
+            + " ".join(f"{_ms(r[k]):>{w}}" for k, w in zip(ITEMS, (9, 12, 9, 9)))
+        )
     for r in result["ranks"]:
         for i, op in enumerate(r["top_exposed"]):
             head = f"rank {r['rank']} most exposed:" if i == 0 else ""

@@ -33,6 +33,7 @@ full simulation's.
 
 Owns the choice of the reduced counts (`plan`) and the merge (`extend`); runs nothing itself.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,6 +53,7 @@ class ThirdRunNeeded(Exception):
 class Plan:
     """How a job's step is simulated: `simulated` None (every microbatch) or the two reduced counts
     (stage 0's; `by_stage`: each pipeline stage's first count, where they differ)."""
+
     microbatches: int
     schedule: str
     simulated: tuple[int, int] | None = None
@@ -72,10 +74,15 @@ class Plan:
         return self.repeats_at(0) if self.simulated else 0
 
     def record(self) -> dict:
-        return {"per_step": self.microbatches, "schedule": self.schedule,
-                "simulated": list(self.simulated) if self.simulated else None,
-                "by_stage": list(self.by_stage) if self.by_stage else None,
-                "period": self.period, "repeats": self.repeats, "note": self.note}
+        return {
+            "per_step": self.microbatches,
+            "schedule": self.schedule,
+            "simulated": list(self.simulated) if self.simulated else None,
+            "by_stage": list(self.by_stage) if self.by_stage else None,
+            "period": self.period,
+            "repeats": self.repeats,
+            "note": self.note,
+        }
 
 
 def schedule_name(par) -> str:
@@ -102,7 +109,7 @@ def _starts(name: str, pp: int) -> tuple[list[int], int] | None:
         return [2 * pp] * pp, pp
     if name in ZERO_BUBBLE_SCHEDULES:
         return [2 * pp] * pp, 1
-    return None          # gpipe: every forward before any backward, its peak grows with m
+    return None  # gpipe: every forward before any backward, its peak grows with m
 
 
 def _kinds(actions) -> list[tuple]:
@@ -112,9 +119,11 @@ def _kinds(actions) -> list[tuple]:
 def _list_repeats(name: str, pp: int, chunks: int, starts: list[int], period: int, m: int) -> bool:
     """Does each stage's list of actions at m microbatches equal its list at its m0 with the block
     its list at m0 + period adds repeated (microbatch numbers aside)? 1F1B by its list form."""
+
     def lists(count):
         made = one_f_one_b(pp, count) if name == "1f1b" else zero_bubble_schedule(name, pp, chunks, count)
         return [_kinds(actions) for actions in made.ranks]
+
     full, made = lists(m), {}
     for stage, m0 in enumerate(starts):
         for count in (m0, m0 + period):
@@ -149,16 +158,27 @@ def plan(cfg, world: int, argv: list[str]) -> Plan:
     m0 = starts[0]
     if 2 * m0 + period >= m:
         return Plan(m, name, period=period, note=f"{full} (no fewer than the shortcut's {m0} + {m0 + period})")
-    if (name == "1f1b" or name in ZERO_BUBBLE_SCHEDULES) and \
-            not _list_repeats(name, par.pipeline_parallel, par.virtual_stages, starts, period, m):
-        return Plan(m, name, period=period, note=f"{full}: the {name} lists of actions at {m0} and "
-                                                 f"{m0 + period} microbatches do not extend to its list at {m}")
+    if (name == "1f1b" or name in ZERO_BUBBLE_SCHEDULES) and not _list_repeats(
+        name, par.pipeline_parallel, par.virtual_stages, starts, period, m
+    ):
+        return Plan(
+            m,
+            name,
+            period=period,
+            note=f"{full}: the {name} lists of actions at {m0} and "
+            f"{m0 + period} microbatches do not extend to its list at {m}",
+        )
     by_stage = tuple(starts) if len(set(starts)) > 1 else None
     stages = " (per stage: by_stage)" if by_stage else ""
-    return Plan(m, name, (m0, m0 + period), period,
-                f"{m} microbatches a step ({name}): {m0} and {m0 + period} simulated{stages}, the steady "
-                f"state's block of {period} repeated {(m - m0) // period} times (megazero/dry_run/steady_state.py)",
-                by_stage)
+    return Plan(
+        m,
+        name,
+        (m0, m0 + period),
+        period,
+        f"{m} microbatches a step ({name}): {m0} and {m0 + period} simulated{stages}, the steady "
+        f"state's block of {period} repeated {(m - m0) // period} times (megazero/dry_run/steady_state.py)",
+        by_stage,
+    )
 
 
 def reduced_argv(argv: list[str], cfg, world: int, microbatches: int) -> list[str]:
@@ -181,9 +201,9 @@ def repeated(a: list, b: list, k: int, what: str) -> list:
     i = 0
     while i < len(a) and a[i] == b[i]:
         i += 1
-    if a[i:] != b[i + extra:]:
+    if a[i:] != b[i + extra :]:
         raise NotPeriodic(f"{what}: the runs differ past one inserted block (at #{i + 1})")
-    return a[:i] + b[i:i + extra] * k + a[i:]
+    return a[:i] + b[i : i + extra] * k + a[i:]
 
 
 def blocks_repeated(a: list, b: list, k: int, what: str) -> list:
@@ -202,13 +222,13 @@ def blocks_repeated(a: list, b: list, k: int, what: str) -> list:
     hi = 0
     while hi < len(a) - lo and (a[-1 - hi] == b[-1 - hi] or _numbers_apart(a[-1 - hi], b[-1 - hi])):
         hi += 1
-    middle, grown = a[lo:len(a) - hi], b[lo:len(b) - hi]
-    first = next((n for n in range(extra + 1) if grown[n:n + len(middle)] == middle), None)
+    middle, grown = a[lo : len(a) - hi], b[lo : len(b) - hi]
+    first = next((n for n in range(extra + 1) if grown[n : n + len(middle)] == middle), None)
     if first is None:
         raise NotPeriodic(f"{what}: the runs differ past two inserted blocks (at #{lo + 1})")
     start = [_linear_record(u, v, k) for u, v in zip(a[:lo], b[:lo])]
-    end = [_linear_record(u, v, k) for u, v in zip(a[len(a) - hi:], b[len(b) - hi:])]
-    return start + grown[:first] * k + middle + grown[first + len(middle):] * k + end
+    end = [_linear_record(u, v, k) for u, v in zip(a[len(a) - hi :], b[len(b) - hi :])]
+    return start + grown[:first] * k + middle + grown[first + len(middle) :] * k + end
 
 
 def _linear_record(u, v, k: int):
@@ -217,8 +237,12 @@ def _linear_record(u, v, k: int):
 
 def _numbers_apart(x, y) -> bool:
     """Two records alike but for some of their numbers."""
-    return type(x) is tuple and type(y) is tuple and len(x) == len(y) and all(
-        u == v or (type(u) in (int, float) and type(v) in (int, float)) for u, v in zip(x, y))
+    return (
+        type(x) is tuple
+        and type(y) is tuple
+        and len(x) == len(y)
+        and all(u == v or (type(u) in (int, float) and type(v) in (int, float)) for u, v in zip(x, y))
+    )
 
 
 def linear(a, b, k: int):
@@ -234,7 +258,7 @@ def _same(a, b, what: str):
 def _steps(entries: list, ends: list[int]) -> tuple[list[list], list]:
     """Each step's entries (the first step's with the setup before it) and those after the last."""
     cuts = [0] + list(ends)
-    return [entries[lo:hi] for lo, hi in zip(cuts, cuts[1:])], entries[cuts[-1]:]
+    return [entries[lo:hi] for lo, hi in zip(cuts, cuts[1:])], entries[cuts[-1] :]
 
 
 def _extend_entries(a, b, k: int) -> tuple[list, list[int], list[int]]:
@@ -266,11 +290,15 @@ def _extend_reads(a: list[dict], b: list[dict], k: int) -> list[dict]:
     _same([s for s, _ in runs_a], [s for s, _ in runs_b], "the steps of the host reads")
     out = []
     for (step, x), (_, y) in zip(runs_a, runs_b):
-        out += repeated(x, y, k, f"step {step}'s host reads") if step is not None else _same(x, y, "a host read outside the steps")
+        out += (
+            repeated(x, y, k, f"step {step}'s host reads")
+            if step is not None
+            else _same(x, y, "a host read outside the steps")
+        )
     return out
 
 
-_COUNTS = ("allocations", "d2h_copies", "d2h_bytes")       # grow with every block
+_COUNTS = ("allocations", "d2h_copies", "d2h_bytes")  # grow with every block
 
 
 def _affine(a, b, k: int, what: str, linear_ok: bool):
@@ -288,17 +316,23 @@ def _affine(a, b, k: int, what: str, linear_ok: bool):
 
 def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool) -> dict:
     # (the planner's figures are the job's own: the caller puts job.planner_figures there)
-    return {key: a[key] if key == "planner" else
-            _affine(a[key], b[key], k, f"memory {key!r}", peaks_linear or key in _COUNTS) for key in a}
+    return {
+        key: a[key]
+        if key == "planner"
+        else _affine(a[key], b[key], k, f"memory {key!r}", peaks_linear or key in _COUNTS)
+        for key in a
+    }
 
 
 def _extend_streams(a: dict | None, b: dict | None, k: int) -> dict | None:
     if a is None or b is None:
         return _same(a, b, "the stream check")
-    return {"semantics": _same(a["semantics"], b["semantics"], "the stream check's semantics"),
-            "side_ops": linear(a["side_ops"], b["side_ops"], k),
-            "violations": linear(a["violations"], b["violations"], k),
-            "found": list(a["found"]) + [m for m in b["found"] if m not in a["found"]]}
+    return {
+        "semantics": _same(a["semantics"], b["semantics"], "the stream check's semantics"),
+        "side_ops": linear(a["side_ops"], b["side_ops"], k),
+        "violations": linear(a["violations"], b["violations"], k),
+        "found": list(a["found"]) + [m for m in b["found"] if m not in a["found"]],
+    }
 
 
 # --- the op trace of the last step (megazero.dry_run.trace), for the timeline ------------------------
@@ -349,27 +383,32 @@ def _extend_trace(a: dict | None, b: dict | None, k: int) -> dict | None:
         return _same(a, b, "the op trace")
     base = linear(_event_base(a["records"]), _event_base(b["records"]), k)
     records = blocks_repeated(_relative(a["records"]), _relative(b["records"]), k, "the traced step")
-    return {**a, "records": _absolute(records, base),
-            "threads": _same(a["threads"], b["threads"], "the trace's host threads"),
-            "streams": _same(a["streams"], b["streams"], "the trace's streams")}
+    return {
+        **a,
+        "records": _absolute(records, base),
+        "threads": _same(a["threads"], b["threads"], "the trace's host threads"),
+        "streams": _same(a["streams"], b["streams"], "the trace's streams"),
+    }
 
 
 def _merge(a, b, k: int, peaks_linear: bool):
     entries, ends, blocks = _extend_entries(a, b, k)
     return dataclasses.replace(
-        a, entries=entries, step_ends=ends,
+        a,
+        entries=entries,
+        step_ends=ends,
         host_reads=_extend_reads(a.host_reads, b.host_reads, k),
         memory=_extend_memory(a.memory, b.memory, k, peaks_linear),
         model_states=_same(a.model_states, b.model_states, "the engine's model states"),
         stream_check=_extend_streams(a.stream_check, b.stream_check, k),
         trace=_extend_trace(a.trace, b.trace, k),
         skipped_steps=_same(a.skipped_steps, b.skipped_steps, "the skipped steps"),
-        steady_state={"ops_per_block": blocks})
+        steady_state={"ops_per_block": blocks},
+    )
 
 
 def _what_differs(x, y) -> str | None:
-    for field in ("entries", "step_ends", "host_reads", "stream_check", "model_states", "skipped_steps",
-                  "trace"):
+    for field in ("entries", "step_ends", "host_reads", "stream_check", "model_states", "skipped_steps", "trace"):
         if getattr(x, field) != getattr(y, field):
             return field
     for key in x.memory:
@@ -393,6 +432,9 @@ def extend(a, b, plan: Plan, stage: int = 0, c=None):
             raise NotPeriodic(f"{differs}: the third run is not the first with two blocks")
     k = plan.repeats_at(stage)
     run = _merge(a, b, k, c is not None)
-    run.steady_state = {"simulated": list(plan.counts(stage)) + ([plan.counts(stage)[1] + plan.period] if c else []),
-                        "repeats": k, **run.steady_state}
+    run.steady_state = {
+        "simulated": list(plan.counts(stage)) + ([plan.counts(stage)[1] + plan.period] if c else []),
+        "repeats": k,
+        **run.steady_state,
+    }
     return run

@@ -18,6 +18,7 @@ compute is the union of compute kernels' intervals; exposed communication the ti
 runs with no compute; host the time the host works with the device idle; bubble the rest (waiting
 for a peer: a pipeline stage for its p2p, a collective for its slowest member). The four sum to T.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,8 +36,8 @@ class TimelineStuck(RuntimeError):
 class RankTimeline:
     rank: int
     end: float = 0.0
-    intervals: list = dataclasses.field(default_factory=list)     # (start, end, kind, label, site)
-    flops: float = 0.0                                           # the trace's kernels' FLOPs
+    intervals: list = dataclasses.field(default_factory=list)  # (start, end, kind, label, site)
+    flops: float = 0.0  # the trace's kernels' FLOPs
 
 
 class _Lane:
@@ -49,7 +50,7 @@ class _Lane:
         self.free: dict[int, float] = defaultdict(float)
         self.events: dict[int, float] = {}
         self.out = RankTimeline(rank)
-        self.seq: dict[tuple, int] = defaultdict(int)     # (group, ranks) or (src, dst) -> ops so far
+        self.seq: dict[tuple, int] = defaultdict(int)  # (group, ranks) or (src, dst) -> ops so far
 
     def add(self, start, end, kind, label, site="") -> None:
         if end > start:
@@ -87,10 +88,10 @@ class Simulation:
     def __init__(self, traces: dict[int, dict], device):
         self.device = device
         self.lanes = {r: _Lane(r, t["records"], t.get("threads", ()), device) for r, t in sorted(traces.items())}
-        self.posted: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> ready
-        self.pending: dict[int, tuple] = {}                               # rank -> (key, ready) of its blocked op
-        self.p2p: dict[tuple, float] = {}                                 # (src, dst, k, side) -> ready
-        self.seconds: dict[tuple, float] = {}                             # a kernel's numbers -> its duration
+        self.posted: dict[tuple, dict[int, float]] = defaultdict(dict)  # collective key -> rank -> ready
+        self.pending: dict[int, tuple] = {}  # rank -> (key, ready) of its blocked op
+        self.p2p: dict[tuple, float] = {}  # (src, dst, k, side) -> ready
+        self.seconds: dict[tuple, float] = {}  # a kernel's numbers -> its duration
 
     def run(self) -> dict[int, RankTimeline]:
         live = set(self.lanes)
@@ -106,8 +107,11 @@ class Simulation:
                     live.discard(rank)
                     lane.out.end = max([lane.host, *lane.free.values()])
             if live and not moved:
-                raise TimelineStuck("; ".join(f"rank {r} waits at {_describe(self.lanes[r].records[self.lanes[r].at])}"
-                                              for r in sorted(live)))
+                raise TimelineStuck(
+                    "; ".join(
+                        f"rank {r} waits at {_describe(self.lanes[r].records[self.lanes[r].at])}" for r in sorted(live)
+                    )
+                )
         return {r: lane.out for r, lane in self.lanes.items()}
 
     def _step(self, lane: _Lane, rec) -> bool:
@@ -118,9 +122,10 @@ class Simulation:
             lane.out.flops += flops
             key = (flops, nbytes, dtype, dims)
             seconds = self.seconds.get(key)
-            if seconds is None:          # a step repeats its kernels' shapes: each costed once
-                seconds = self.seconds[key] = (dev.matmul_seconds(flops, nbytes, dtype, dims) if flops
-                                               else dev.memory_seconds(nbytes))
+            if seconds is None:  # a step repeats its kernels' shapes: each costed once
+                seconds = self.seconds[key] = (
+                    dev.matmul_seconds(flops, nbytes, dtype, dims) if flops else dev.memory_seconds(nbytes)
+                )
             lane.run(stream, seconds, COMPUTE, op, site)
         elif kind == "h":
             seconds = dev.memory_seconds(rec[3]) if lane.cpu else dev.host_seconds(rec[3])
@@ -137,12 +142,13 @@ class Simulation:
             return self._p2p(lane, rec)
         elif kind == "r":
             stream = rec[1]
-            lane.events[rec[2]] = max(lane.host, lane.free[stream]) if lane.cpu and stream not in lane.threads \
-                else lane.free[stream]
+            lane.events[rec[2]] = (
+                max(lane.host, lane.free[stream]) if lane.cpu and stream not in lane.threads else lane.free[stream]
+            )
         elif kind == "w":
             done = lane.events.get(rec[2], 0.0)
             if lane.cpu:
-                lane.host = max(lane.host, done)     # gloo's wait blocks the host thread
+                lane.host = max(lane.host, done)  # gloo's wait blocks the host thread
             lane.free[rec[1]] = max(lane.free[rec[1]], done)
         elif kind == "e":
             lane.host = max(lane.host, lane.events.get(rec[1], 0.0))
@@ -169,7 +175,7 @@ class Simulation:
         del self.pending[lane.rank]
         lane.free[stream] = end
         if lane.cpu and stream == issuing:
-            lane.host = end                    # a synchronous gloo op: the host is in the call
+            lane.host = end  # a synchronous gloo op: the host is in the call
         else:
             _poll(lane, end - start)
         lane.add(start, end, COMM, f"{entry.op} {entry.group}[{len(entry.ranks)}]", entry.site)
@@ -228,6 +234,7 @@ def _describe(rec) -> str:
 
 def _itemsize(dtype: str) -> int:
     import torch
+
     return getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 0
 
 
@@ -284,14 +291,20 @@ def breakdown(line: RankTimeline, step: float, top: int = 5) -> dict:
             row[0] += hidden
             row[1] += 1
     ranked = sorted(worst.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"compute_s": _length(compute), "exposed_comm_s": _length(exposed), "host_s": _length(host),
-            "bubble_s": max(0.0, step - busy),
-            "top_exposed": [{"op": label, "site": site, "exposed_s": sec, "calls": n}
-                            for (label, site), (sec, n) in ranked if sec > 0]}
+    return {
+        "compute_s": _length(compute),
+        "exposed_comm_s": _length(exposed),
+        "host_s": _length(host),
+        "bubble_s": max(0.0, step - busy),
+        "top_exposed": [
+            {"op": label, "site": site, "exposed_s": sec, "calls": n} for (label, site), (sec, n) in ranked if sec > 0
+        ],
+    }
 
 
-def schedule(traces: dict[int, dict], device, model_flops_per_rank: float | None = None,
-             peak_flops: float | None = None) -> dict:
+def schedule(
+    traces: dict[int, dict], device, model_flops_per_rank: float | None = None, peak_flops: float | None = None
+) -> dict:
     """The per-rank result of one step: `traces` rank -> {"records" (the step's, joined),
     "threads"}; `model_flops_per_rank`: megazero's FLOPs of the step (megazero.training.flops) over
     the job's ranks, for MFU against `peak_flops` (FLOP/s)."""
@@ -301,7 +314,13 @@ def schedule(traces: dict[int, dict], device, model_flops_per_rank: float | None
     for rank, line in sorted(lines.items()):
         parts = breakdown(line, step)
         mfu = model_flops_per_rank / (step * peak_flops) if model_flops_per_rank and peak_flops and step > 0 else None
-        ranks.append({"rank": rank, "step_s": line.end, "mfu": mfu,
-                      **{k: parts[k] for k in ("compute_s", "exposed_comm_s", "bubble_s", "host_s", "top_exposed")},
-                      "trace_tflop": line.flops / 1e12})
+        ranks.append(
+            {
+                "rank": rank,
+                "step_s": line.end,
+                "mfu": mfu,
+                **{k: parts[k] for k in ("compute_s", "exposed_comm_s", "bubble_s", "host_s", "top_exposed")},
+                "trace_tflop": line.flops / 1e12,
+            }
+        )
     return {"device": device.key, "device_name": device.name, "step_s": step, "ranks": ranks}

@@ -21,6 +21,7 @@ Records are tuples (cheap to make and to send back from a rank's process):
     ("m", "start" | "end")                               a training step's bounds
 Must not touch what the run computes, nor the checker's findings.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,14 +35,17 @@ from megazero.core import source_paths, stream_check
 from megazero.core.stream_check import STASH
 from megazero.training import phases
 
-from megazero.core.op_access import AccessMode    # an op's reads and writes, by its schema
+from megazero.core.op_access import AccessMode  # an op's reads and writes, by its schema
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 # causal flag's position among a kernel's arguments (the kernel computes half of the scores)
-_CAUSAL_AT = {aten._scaled_dot_product_flash_attention: 4, aten._scaled_dot_product_flash_attention_backward: 11,
-              aten._scaled_dot_product_efficient_attention: 6,
-              aten._scaled_dot_product_efficient_attention_backward: 11}
+_CAUSAL_AT = {
+    aten._scaled_dot_product_flash_attention: 4,
+    aten._scaled_dot_product_flash_attention_backward: 11,
+    aten._scaled_dot_product_efficient_attention: 6,
+    aten._scaled_dot_product_efficient_attention_backward: 11,
+}
 
 
 stream_check.skip_frames_of(__file__)
@@ -55,9 +59,11 @@ def _site() -> str:
     """file:line (function) of the op's caller: the first frame outside torch, the stream layer and
     the dry run's own stand-ins."""
     frame = sys._getframe(3)
-    while frame is not None and (stream_check._skipped(frame.f_code.co_filename)
-                                 or frame.f_code.co_filename.startswith(_HERE)
-                                 or frame.f_code.co_name == "__torch_function__"):
+    while frame is not None and (
+        stream_check._skipped(frame.f_code.co_filename)
+        or frame.f_code.co_filename.startswith(_HERE)
+        or frame.f_code.co_name == "__torch_function__"
+    ):
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -74,7 +80,7 @@ def _dims(packet, args) -> tuple | None:
     if packet in _MATMULS:
         a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
         return (a.shape[-2], b.shape[-1], a.shape[-1])
-    if packet in _CAUSAL_AT:       # forward: query, key; backward: grad_out (the query's shape), query
+    if packet in _CAUSAL_AT:  # forward: query, key; backward: grad_out (the query's shape), query
         return (args[0].shape[-2], args[1].shape[-2], args[0].shape[-1])
     return None
 
@@ -85,7 +91,7 @@ def _flops(packet, args, kwargs, out) -> float:
         return 0.0
     try:
         flops = float(formula(*args, out_val=out, **kwargs))
-    except Exception:          # noqa: BLE001 - a formula that does not take this overload: no FLOPs
+    except Exception:  # noqa: BLE001 - a formula that does not take this overload: no FLOPs
         return 0.0
     at = _CAUSAL_AT.get(packet)
     causal = kwargs.get("is_causal", args[at] if at is not None and len(args) > at else False)
@@ -109,9 +115,9 @@ class TracingChecker(stream_check.StreamChecker):
         super().__init__(*args, **kwargs)
         self._mode = _TracingMode(self)
         self.records: list = []
-        self.threads: set[int] = set()             # streams of host threads (their ops are host work)
+        self.threads: set[int] = set()  # streams of host threads (their ops are host work)
         self._reads, self._reads_seen = reads, 0
-        self._events: dict[int, int] = {}          # id(event) -> the serial of its latest record
+        self._events: dict[int, int] = {}  # id(event) -> the serial of its latest record
         self._serial = 0
         self._listening = None
 
@@ -158,7 +164,7 @@ class TracingChecker(stream_check.StreamChecker):
 
     def collective(self, key, name, reads, writes, issue, async_op: bool = True):
         self._host_reads()
-        record = ["c", None, self.current.id, len(reads) + len(writes)]     # a p2p batch: its messages
+        record = ["c", None, self.current.id, len(reads) + len(writes)]  # a p2p batch: its messages
         self.records.append(record)
         result = super().collective(key, name, reads, writes, issue, async_op)
         sync_here = self.semantics == STASH and not async_op
@@ -193,7 +199,7 @@ class TracingChecker(stream_check.StreamChecker):
         trace is mostly them), host-thread streams and stream names."""
         try:
             records = last_step(joined([tuple(r) for r in self.records], entries))
-        except ValueError:          # a rank that stopped mid-op: no step to time (its error says why)
+        except ValueError:  # a rank that stopped mid-op: no step to time (its error says why)
             records = []
         return {"records": records, "threads": sorted(self.threads), "streams": {s.id: s.name for s in self.streams}}
 
@@ -223,7 +229,7 @@ def joined(records: list, entries: list) -> list:
             raise ValueError("the trace has more collectives than the CommLog: they cannot be joined")
         first = todo[at]
         if first.op in ("send", "recv"):
-            batch = tuple((e.op, e.peer, e.numel * _itemsize(e.dtype)) for e in todo[at:at + r[3]])
+            batch = tuple((e.op, e.peer, e.numel * _itemsize(e.dtype)) for e in todo[at : at + r[3]])
             at += r[3]
             out.append(("p", r[1], r[2], batch, first.site))
         else:
@@ -237,5 +243,5 @@ def last_step(records: list) -> list:
     ends = [i for i, r in enumerate(records) if r[0] == "m" and r[1] == "end"]
     if not ends:
         return []
-    starts = [i for i, r in enumerate(records[:ends[-1]]) if r[0] == "m" and r[1] == "start"]
-    return records[starts[-1] + 1:ends[-1]] if starts else []
+    starts = [i for i, r in enumerate(records[: ends[-1]]) if r[0] == "m" and r[1] == "start"]
+    return records[starts[-1] + 1 : ends[-1]] if starts else []

@@ -9,6 +9,7 @@
 
 The names load on first use (PEP 562), so that the records import without torch.
 """
+
 import importlib
 
 _WHERE = {"CPUAdam": "megazero.ops.cpu_adam", "quantize": "megazero.ops.quantize"}

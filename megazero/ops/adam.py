@@ -36,6 +36,7 @@ written rounded to a 16-bit dtype: by the C++ kernel in the same pass when it ca
 kernel has no such output, so there it is one multi-tensor copy after the update. This module does
 not decide which segments get weight decay or how the grad scale is formed; the callers do.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,6 +53,7 @@ try:
     # Import after torch: the extension's OpenMP runtime then resolves to the libgomp torch already
     # loaded, so the process keeps one thread pool instead of two competing ones.
     import megazero._C as _cpp
+
     CPP_IMPORT_ERROR = ""
 except ImportError as error:  # not built (no compiler at install time): the torch reference serves
     _cpp = None
@@ -60,7 +62,7 @@ except ImportError as error:  # not built (no compiler at install time): the tor
 # Must match the Dtype enum in csrc/cpu_adam.h; the fused parameter copy takes the 16-bit ones.
 _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _COPY_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
-STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # the Adam moments' dtypes, and their codes
+STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the Adam moments' dtypes, and their codes
 _NO_COPY = -1
 ISA_ENV = "MEGAZERO_CPU_ADAM_ISA"
 
@@ -75,8 +77,13 @@ def kernel_info() -> dict:
     call takes now (`isa`), those this CPU can run (`isas`) / OpenMP."""
     if _cpp is None:
         return {"built": False, "enabled": False, "error": CPP_IMPORT_ERROR}
-    return {"built": True, "enabled": kernel_available(), "isa": selected_isa() or _cpp.kernel_isa(),
-            "isas": list(_cpp.supported_isas()), "openmp": _cpp.built_with_openmp()}
+    return {
+        "built": True,
+        "enabled": kernel_available(),
+        "isa": selected_isa() or _cpp.kernel_isa(),
+        "isas": list(_cpp.supported_isas()),
+        "openmp": _cpp.built_with_openmp(),
+    }
 
 
 def selected_isa() -> str:
@@ -86,16 +93,27 @@ def selected_isa() -> str:
         return ""
     supported = list(_cpp.supported_isas())
     if name not in supported:
-        raise UsageError(f"{ISA_ENV}={name} is not available on this CPU/build; "
-                         f"use one of {', '.join(supported)} or unset it")
+        raise UsageError(
+            f"{ISA_ENV}={name} is not available on this CPU/build; use one of {', '.join(supported)} or unset it"
+        )
     return name
 
 
 @kernels.kernel("adam update")
-def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, *, step: int, lr: float, config: AdamConfig,
-                weight_decay: float, grad_scale: float = 1.0,
-                param_copy: torch.Tensor | None = None, num_threads: int | None = None) -> None:
+def adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    config: AdamConfig,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    param_copy: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> None:
     """One Adam(W) step on fp32 `param` in place; `grad` (fp32, bf16 or fp16) is multiplied by
     `grad_scale` first (loss-scale removal and clipping folded into one multiply). Uses the C++
     kernel when it can (see module docstring); results agree to a few ulps either way.
@@ -110,20 +128,43 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if param_copy is not None:
         _check_param_copy(param_copy, (param, grad, exp_avg, exp_avg_sq))
     if not (kernel_available() and _kernel_accepts(param, grad, exp_avg, exp_avg_sq)):
-        adam_update_reference(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, config=config,
-                              weight_decay=weight_decay, grad_scale=grad_scale)
+        adam_update_reference(
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step,
+            lr=lr,
+            config=config,
+            weight_decay=weight_decay,
+            grad_scale=grad_scale,
+        )
         if param_copy is not None:
             param_copy.copy_(param)
         return
     fused_copy = param_copy if param_copy is not None and _fusable_copy(param_copy) else None
-    _cpp.adam_update(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                     param.numel(), _GRAD_DTYPE_CODES[grad.dtype], int(step), float(lr),
-                     float(config.beta1), float(config.beta2), float(config.eps),
-                     float(weight_decay), bool(config.decoupled_weight_decay), float(grad_scale),
-                     int(num_threads or torch.get_num_threads()),
-                     0 if fused_copy is None else fused_copy.data_ptr(),
-                     _NO_COPY if fused_copy is None else _COPY_DTYPE_CODES[fused_copy.dtype],
-                     selected_isa(), STATE_DTYPES[exp_avg.dtype], STATE_DTYPES[exp_avg_sq.dtype])
+    _cpp.adam_update(
+        param.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        param.numel(),
+        _GRAD_DTYPE_CODES[grad.dtype],
+        int(step),
+        float(lr),
+        float(config.beta1),
+        float(config.beta2),
+        float(config.eps),
+        float(weight_decay),
+        bool(config.decoupled_weight_decay),
+        float(grad_scale),
+        int(num_threads or torch.get_num_threads()),
+        0 if fused_copy is None else fused_copy.data_ptr(),
+        _NO_COPY if fused_copy is None else _COPY_DTYPE_CODES[fused_copy.dtype],
+        selected_isa(),
+        STATE_DTYPES[exp_avg.dtype],
+        STATE_DTYPES[exp_avg_sq.dtype],
+    )
     # The kernel writes through raw pointers, which autograd cannot see; bump the version
     # counters as torch's in-place ops would, so a stale saved tensor is still caught.
     written = (param, exp_avg, exp_avg_sq)
@@ -136,11 +177,12 @@ def _check_param_copy(param_copy: torch.Tensor, others: tuple) -> None:
     """param_copy must match param's size and share memory with none of the step's buffers."""
     param = others[0]
     if param_copy.numel() != param.numel():
-        raise UsageError(f"adam_update: param_copy has {param_copy.numel()} elements and param "
-                         f"{param.numel()}; pass a copy of the same size")
+        raise UsageError(
+            f"adam_update: param_copy has {param_copy.numel()} elements and param "
+            f"{param.numel()}; pass a copy of the same size"
+        )
     if any(t.device == param_copy.device and _overlaps(t, param_copy) for t in others):
-        raise UsageError("adam_update: param_copy overlaps param, grad or an Adam state; "
-                         "give it its own buffer")
+        raise UsageError("adam_update: param_copy overlaps param, grad or an Adam state; give it its own buffer")
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -163,13 +205,15 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _fusable_copy(param_copy: torch.Tensor) -> bool:
     """The kernel writes bf16/fp16 contiguous CPU copies itself, unless autograd would record
     the write (then copy_ runs, and raises where torch's in-place ops raise)."""
-    return (param_copy.device.type == "cpu" and param_copy.dtype in _COPY_DTYPE_CODES
-            and param_copy.is_contiguous()
-            and not (torch.is_grad_enabled() and param_copy.requires_grad))
+    return (
+        param_copy.device.type == "cpu"
+        and param_copy.dtype in _COPY_DTYPE_CODES
+        and param_copy.is_contiguous()
+        and not (torch.is_grad_enabled() and param_copy.requires_grad)
+    )
 
 
-def _kernel_accepts(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor) -> bool:
+def _kernel_accepts(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:
     """The kernel sees four flat buffers of one length; anything else goes to the reference.
     So do updates autograd would record (grad mode on, a state requiring grad): its checks and
     graph then behave exactly as with torch's in-place ops."""
@@ -185,9 +229,19 @@ def _kernel_accepts(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     return grad.numel() == param.numel() == exp_avg.numel() == exp_avg_sq.numel()
 
 
-def adam_update_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                          exp_avg_sq: torch.Tensor, *, step: int, lr: float, config: AdamConfig,
-                          weight_decay: float, grad_scale: float = 1.0, sqrt=torch.sqrt) -> None:
+def adam_update_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    config: AdamConfig,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    sqrt=torch.sqrt,
+) -> None:
     """The torch reference for `adam_update`, op for op torch.optim.AdamW (or Adam with L2 when
     `config.decoupled_weight_decay` is False). It allocates temporaries the size of its input
     (the fp32 grad, the denominator, an fp32 copy of a bf16 moment); the kernel allocates none.
@@ -195,11 +249,12 @@ def adam_update_reference(param: torch.Tensor, grad: torch.Tensor, exp_avg: torc
     difference from the kernel. bf16 moments: widened, stepped in fp32, stored rounded (module
     docstring)."""
     wide = [t if t.dtype == torch.float32 else t.float() for t in (exp_avg, exp_avg_sq)]
-    _fp32_step(param, grad, *wide, step=step, lr=lr, config=config, weight_decay=weight_decay,
-               grad_scale=grad_scale, sqrt=sqrt)
+    _fp32_step(
+        param, grad, *wide, step=step, lr=lr, config=config, weight_decay=weight_decay, grad_scale=grad_scale, sqrt=sqrt
+    )
     for state, value in zip((exp_avg, exp_avg_sq), wide):
         if state is not value:
-            state.copy_(value)           # round to nearest even
+            state.copy_(value)  # round to nearest even
 
 
 def _fp32_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, config, weight_decay, grad_scale, sqrt):
@@ -213,9 +268,9 @@ def _fp32_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, config, weight_dec
     beta1, beta2 = config.beta1, config.beta2
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    step_size = lr / (1.0 - beta1 ** step)
+    step_size = lr / (1.0 - beta1**step)
     # `** 0.5` rather than math.sqrt: torch's AdamW calls pow, and the two may round differently.
-    denom = sqrt(exp_avg_sq).div_((1.0 - beta2 ** step) ** 0.5).add_(config.eps)
+    denom = sqrt(exp_avg_sq).div_((1.0 - beta2**step) ** 0.5).add_(config.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
@@ -224,6 +279,7 @@ class AdamSegment(NamedTuple):
     """One contiguous piece of a partition: fp32 `param` (the master), its gradient and moments, the
     weight decay it takes, optionally the 16-bit copy of `param` to refresh (see adam_update), and
     its own learning rate (None: the step's)."""
+
     param: torch.Tensor
     grad: torch.Tensor
     exp_avg: torch.Tensor
@@ -252,8 +308,9 @@ def fused_available(device) -> bool:
         return False
     try:
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
         return kind in _get_fused_kernels_supported_devices()
-    except ImportError:                  # torch < 2.2 names no list: its fused kernel is CUDA's
+    except ImportError:  # torch < 2.2 names no list: its fused kernel is CUDA's
         return kind == "cuda"
 
 
@@ -266,8 +323,9 @@ def route(device: torch.device) -> str:
     return "fused" if fused_available(device) else "reference"
 
 
-def adam_step(segments: list[AdamSegment], *, step: int, lr: float, config: AdamConfig,
-              grad_scale: float = 1.0) -> None:
+def adam_step(
+    segments: list[AdamSegment], *, step: int, lr: float, config: AdamConfig, grad_scale: float = 1.0
+) -> None:
     """One Adam(W) step on every segment (see the module docstring for who computes it)."""
     by_route: dict[str, list[AdamSegment]] = {}
     for seg in segments:
@@ -277,8 +335,13 @@ def adam_step(segments: list[AdamSegment], *, step: int, lr: float, config: Adam
             adam_update_fused(group, step=step, lr=lr, config=config, grad_scale=grad_scale)
             continue
         for seg in group:
-            kw = dict(step=step, lr=lr if seg.lr is None else seg.lr, config=config,
-                      weight_decay=seg.weight_decay, grad_scale=grad_scale)
+            kw = dict(
+                step=step,
+                lr=lr if seg.lr is None else seg.lr,
+                config=config,
+                weight_decay=seg.weight_decay,
+                grad_scale=grad_scale,
+            )
             if way == "cpu":
                 adam_update(*seg[:4], param_copy=seg.param_copy, **kw)
             else:
@@ -287,8 +350,9 @@ def adam_step(segments: list[AdamSegment], *, step: int, lr: float, config: Adam
                     seg.param_copy.copy_(seg.param)
 
 
-def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, config: AdamConfig,
-                      grad_scale: float = 1.0) -> None:
+def adam_update_fused(
+    segments: list[AdamSegment], *, step: int, lr: float, config: AdamConfig, grad_scale: float = 1.0
+) -> None:
     """`adam_update` on every segment with torch's fused kernel: one call per (device, weight decay, lr),
     the bias corrections from a step tensor, then the 16-bit copies in one multi-tensor copy. Runs
     on any device torch has the kernel for (CPU included, where it is tested).
@@ -312,10 +376,18 @@ def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, conf
         divide = grad_scale != 1.0 and math.frexp(grad_scale)[0] == 0.5
         divisor = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device) if divide else None
         multiply = grad_scale != 1.0 and not divide
-        kw = dict(lr=float(group_lr), beta1=float(config.beta1), beta2=float(config.beta2),
-                  weight_decay=float(weight_decay), eps=float(config.eps), amsgrad=False,
-                  maximize=False, grad_scale=divisor, found_inf=None)
-        lists = ([], [], [], [])                 # params, grads, exp_avgs, exp_avg_sqs
+        kw = dict(
+            lr=float(group_lr),
+            beta1=float(config.beta1),
+            beta2=float(config.beta2),
+            weight_decay=float(weight_decay),
+            eps=float(config.eps),
+            amsgrad=False,
+            maximize=False,
+            grad_scale=divisor,
+            found_inf=None,
+        )
+        lists = ([], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs
         for seg in group:
             for start, end in _slices(seg):
                 piece = [t[start:end] for t in seg[:4]]
@@ -328,8 +400,10 @@ def adam_update_fused(segments: list[AdamSegment], *, step: int, lr: float, conf
             if multiply:
                 torch._foreach_mul_(lists[1], grad_scale)
             fused(*lists, [], [steps] * len(lists[0]), **kw)
-        _copy_all([s.param_copy for s in group if s.param_copy is not None],
-                  [s.param for s in group if s.param_copy is not None])
+        _copy_all(
+            [s.param_copy for s in group if s.param_copy is not None],
+            [s.param for s in group if s.param_copy is not None],
+        )
 
 
 def _fused_widened(fused, piece: list[torch.Tensor], steps: torch.Tensor, multiply: float, kw: dict) -> None:
@@ -337,11 +411,11 @@ def _fused_widened(fused, piece: list[torch.Tensor], steps: torch.Tensor, multip
     to a WIDEN_SLICE temporary, stepped at once, and the moments stored back rounded."""
     wide = [piece[0]] + [t if t.dtype == torch.float32 else t.float() for t in piece[1:]]
     if multiply != 1.0:
-        wide[1].mul_(multiply)          # in place on an fp32 gradient, as the multi-tensor path does
+        wide[1].mul_(multiply)  # in place on an fp32 gradient, as the multi-tensor path does
     fused(*([t] for t in wide), [], [steps], **kw)
     for state, value in zip(piece[2:], wide[2:]):
         if state is not value:
-            state.copy_(value)          # round to nearest even
+            state.copy_(value)  # round to nearest even
 
 
 def _slices(seg: AdamSegment) -> list[tuple[int, int]]:
@@ -355,7 +429,7 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """targets[i].copy_(sources[i]) for all i, as one multi-tensor copy where torch has it."""
     if not targets:
         return
-    foreach_copy = getattr(torch, "_foreach_copy_", None)       # torch >= 2.1
+    foreach_copy = getattr(torch, "_foreach_copy_", None)  # torch >= 2.1
     if foreach_copy is not None:
         foreach_copy(targets, sources)
         return

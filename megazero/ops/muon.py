@@ -20,6 +20,7 @@ unit_rms_norm sqrt(rows / cols), shape_scaling sqrt(max(1, rows / cols)), rows b
 features. torch.optim.Muon's adjust_lr_fn "original" is shape_scaling, its "match_rms_adamw" is
 spectral with an extra factor of 0.2.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -32,8 +33,13 @@ from .muon_config import MuonConfig
 # (a, b, c) per Newton-Schulz round, cycled: the published coefficient sets.
 COEFFICIENTS = {
     "simple": ((3.4445, -4.775, 2.0315),),
-    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
-                (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
 }
 
 
@@ -45,7 +51,7 @@ def newton_schulz(matrix: torch.Tensor, config: MuonConfig) -> torch.Tensor:
     """The orthogonalised `matrix` (2-D), in fp32 (computed in ns_dtype(config))."""
     x = matrix.to(ns_dtype(config), copy=True)
     tall = matrix.size(0) > matrix.size(1)
-    if tall:            # the Gram matrix of the short side is the smaller one
+    if tall:  # the Gram matrix of the short side is the smaller one
         x = x.T
     x = x / x.norm().clamp(min=config.eps)
     for a, b, c in itertools.islice(itertools.cycle(COEFFICIENTS[config.coefficient_type]), config.ns_steps):
@@ -79,21 +85,30 @@ def orthogonalized(matrix: torch.Tensor, config: MuonConfig, transposed: bool = 
     return newton_schulz(matrix, config).mul_(scale_factor(rows, cols, config.scale_mode) * config.extra_scale_factor)
 
 
-def orthogonalized_tensor(full: torch.Tensor, config: MuonConfig, *, row_blocks: tuple[int, ...] = (),
-                          batched: bool = False, transposed: bool = False) -> torch.Tensor:
+def orthogonalized_tensor(
+    full: torch.Tensor,
+    config: MuonConfig,
+    *,
+    row_blocks: tuple[int, ...] = (),
+    batched: bool = False,
+    transposed: bool = False,
+) -> torch.Tensor:
     """The update of a whole (tensor-parallel-complete) weight: one matrix; with `batched` one per
     index of dim 0 (grouped experts); with `row_blocks` (split QKV, Megatron-LM's --muon-split-qkv)
     the rows of each group are cut into blocks of these sizes and each block, taken over all groups,
     is a matrix of its own (queries, keys, values)."""
     if batched:
-        return torch.stack([orthogonalized_tensor(m, config, row_blocks=row_blocks, transposed=transposed)
-                            for m in full])
+        return torch.stack(
+            [orthogonalized_tensor(m, config, row_blocks=row_blocks, transposed=transposed) for m in full]
+        )
     if not row_blocks:
         return orthogonalized(full, config, transposed)
     width = full.size(-1)
     grouped = full.view(-1, sum(row_blocks), width)
-    parts = [orthogonalized(block.reshape(-1, width), config, transposed).view(grouped.size(0), -1, width)
-             for block in grouped.split(list(row_blocks), dim=1)]
+    parts = [
+        orthogonalized(block.reshape(-1, width), config, transposed).view(grouped.size(0), -1, width)
+        for block in grouped.split(list(row_blocks), dim=1)
+    ]
     return torch.cat(parts, dim=1).view_as(full)
 
 

@@ -31,6 +31,7 @@ Implementations, by the tensors' device (`route`, a declared seam: the dry run s
   skipped and the memory is what the callers allocate (the dry run simulating a CPU routes meta to
   the CPU's path, whose C++ calls are skipped alike).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,14 @@ import torch
 from megazero.core import kernels
 from megazero.core.errors import UsageError
 from megazero.ops.quantize_format import (  # noqa: F401 - the format's names, re-exported: callers take them from here
-    QuantizedTensor, _check_format, _check_quantized, _empty_quantized, packed_row_bytes, packed_rows, stack)
+    QuantizedTensor,
+    _check_format,
+    _check_quantized,
+    _empty_quantized,
+    packed_row_bytes,
+    packed_rows,
+    stack,
+)
 
 ISA_ENV = "MEGAZERO_QUANT_ISA"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -50,8 +58,9 @@ BUILD_HINT = "build it with `pip install --no-deps -e .` in the megazero checkou
 TRITON_HINT = "install Triton with `pip install megazero[triton]` (torch's CUDA wheels bring it)"
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, symmetric: bool = True,
-             isa: str | None = None) -> QuantizedTensor:
+def quantize(
+    x: torch.Tensor, bits: int = 8, block_size: int = 2048, symmetric: bool = True, isa: str | None = None
+) -> QuantizedTensor:
     """Block-quantizes the flattened fp32 or bf16 tensor `x`; the result lives on x's device."""
     _check_format(bits, block_size)
     if x.dtype not in _DTYPE_CODES:
@@ -62,13 +71,27 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = 2048, symmetric: 
         _triton("quantize_rows", flat.view(1, 1, -1), _as_rows(out), out.num_blocks)
         return out
     flat = flat.contiguous()
-    _cpp("quantize", flat, flat.data_ptr(), _DTYPE_CODES[flat.dtype], flat.numel(), out.codes.data_ptr(),
-         out.scales.data_ptr(), _ptr(out.mins), bits, block_size, symmetric, torch.get_num_threads(), _isa(isa))
+    _cpp(
+        "quantize",
+        flat,
+        flat.data_ptr(),
+        _DTYPE_CODES[flat.dtype],
+        flat.numel(),
+        out.codes.data_ptr(),
+        out.scales.data_ptr(),
+        _ptr(out.mins),
+        bits,
+        block_size,
+        symmetric,
+        torch.get_num_threads(),
+        _isa(isa),
+    )
     return out
 
 
-def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-               isa: str | None = None) -> torch.Tensor:
+def dequantize(
+    q: QuantizedTensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None, isa: str | None = None
+) -> torch.Tensor:
     """The numel values of the 1-D quantized tensor `q` as a 1-D fp32 or bf16 tensor (into `out`
     when given: contiguous, numel long, of `dtype`, on q's device)."""
     _check_quantized(q, chunks=None)
@@ -78,19 +101,33 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, out: torc
     if route(out.device) == "triton":
         _triton("dequantize_rows", _as_rows(q), out.view(1, -1), q.num_blocks, False)
         return out
-    _cpp("dequantize", out, q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.mins), q.numel, q.bits,
-         q.block_size, q.symmetric, out.data_ptr(), _DTYPE_CODES[dtype], torch.get_num_threads(), _isa(isa))
+    _cpp(
+        "dequantize",
+        out,
+        q.codes.data_ptr(),
+        q.scales.data_ptr(),
+        _ptr(q.mins),
+        q.numel,
+        q.bits,
+        q.block_size,
+        q.symmetric,
+        out.data_ptr(),
+        _DTYPE_CODES[dtype],
+        torch.get_num_threads(),
+        _isa(isa),
+    )
     return out
 
 
-def dequantize_reduce(q: QuantizedTensor, out: torch.Tensor | None = None,
-                      isa: str | None = None) -> torch.Tensor:
+def dequantize_reduce(q: QuantizedTensor, out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
     """Sum over k of the dequantized chunks of the stacked `q` (codes [k, bytes]: rows contiguous, at
     any distance), in fp32, added in chunk order: ((0 + x'_0) + x'_1) + ...; the reduction step of a
     quantized reduce-scatter. `out` (default: new fp32) may be fp32 or bf16: the sum rounded once."""
     if q.codes.dim() != 2:
-        raise UsageError(f"dequantize_reduce: codes must be [k, bytes], got shape {tuple(q.codes.shape)}; "
-                         f"stack the chunks first (megazero.ops.quantize.stack)")
+        raise UsageError(
+            f"dequantize_reduce: codes must be [k, bytes], got shape {tuple(q.codes.shape)}; "
+            f"stack the chunks first (megazero.ops.quantize.stack)"
+        )
     chunks = q.codes.shape[0]
     _check_quantized(q, chunks=chunks, rows=True)
     dtype = torch.float32 if out is None else out.dtype
@@ -102,11 +139,25 @@ def dequantize_reduce(q: QuantizedTensor, out: torch.Tensor | None = None,
     if route(out.device) == "triton":
         _triton("dequantize_rows", q, out.view(1, -1), q.num_blocks, True)
         return out
-    q = dataclasses.replace(q, codes=q.codes.contiguous(), scales=q.scales.contiguous(),
-                            mins=None if q.symmetric else q.mins.contiguous())
+    q = dataclasses.replace(
+        q, codes=q.codes.contiguous(), scales=q.scales.contiguous(), mins=None if q.symmetric else q.mins.contiguous()
+    )
     total = out if dtype == torch.float32 else torch.empty(q.numel, dtype=torch.float32, device=out.device)
-    _cpp("dequantize_reduce", total, q.codes.data_ptr(), q.scales.data_ptr(), _ptr(q.mins), chunks, q.numel,
-         q.bits, q.block_size, q.symmetric, total.data_ptr(), torch.get_num_threads(), _isa(isa))
+    _cpp(
+        "dequantize_reduce",
+        total,
+        q.codes.data_ptr(),
+        q.scales.data_ptr(),
+        _ptr(q.mins),
+        chunks,
+        q.numel,
+        q.bits,
+        q.block_size,
+        q.symmetric,
+        total.data_ptr(),
+        torch.get_num_threads(),
+        _isa(isa),
+    )
     return out if total is out else out.copy_(total)
 
 
@@ -115,13 +166,15 @@ def quantize_rows(rows: torch.Tensor, out: QuantizedTensor) -> QuantizedTensor:
     order, out.numel = segments x elements values) into row r of `out` (codes [R, bytes], scales
     [R, blocks], rows contiguous: a `packed_rows` view, or `quantize`'s fields stacked)."""
     if rows.dim() != 3 or rows.shape[1] * rows.shape[2] != out.numel or rows.dtype not in _DTYPE_CODES:
-        raise UsageError(f"quantize_rows: rows is {rows.dtype} {tuple(rows.shape)}; give fp32 or bf16 "
-                         f"[rows, segments, elements] with segments x elements = {out.numel}")
+        raise UsageError(
+            f"quantize_rows: rows is {rows.dtype} {tuple(rows.shape)}; give fp32 or bf16 "
+            f"[rows, segments, elements] with segments x elements = {out.numel}"
+        )
     _check_quantized(out, chunks=rows.shape[0], rows=True)
     if route(rows.device) == "triton":
         _triton("quantize_rows", rows, out, out.num_blocks)
         return out
-    for r in range(rows.shape[0]):      # each row quantized as its own tensor, then placed
+    for r in range(rows.shape[0]):  # each row quantized as its own tensor, then placed
         q = quantize(rows[r].reshape(-1), out.bits, out.block_size, out.symmetric)
         out.codes[r].copy_(q.codes)
         out.scales[r].copy_(q.scales)
@@ -133,17 +186,22 @@ def quantize_rows(rows: torch.Tensor, out: QuantizedTensor) -> QuantizedTensor:
 def dequantize_rows(q: QuantizedTensor, out: torch.Tensor) -> torch.Tensor:
     """out[r] = the values of row r of `q` (codes [R, bytes], rows contiguous: a `packed_rows` view
     of a receive buffer); `out` fp32 or bf16 [R, q.numel], its rows contiguous."""
-    if (out.dim() != 2 or out.shape != (q.codes.shape[0], q.numel) or out.dtype not in _DTYPE_CODES
-            or out.stride(1) != 1):
-        raise UsageError(f"dequantize_rows: out is {out.dtype} {tuple(out.shape)}; give fp32 or bf16 "
-                         f"[{q.codes.shape[0]}, {q.numel}] with contiguous rows")
+    if (
+        out.dim() != 2
+        or out.shape != (q.codes.shape[0], q.numel)
+        or out.dtype not in _DTYPE_CODES
+        or out.stride(1) != 1
+    ):
+        raise UsageError(
+            f"dequantize_rows: out is {out.dtype} {tuple(out.shape)}; give fp32 or bf16 "
+            f"[{q.codes.shape[0]}, {q.numel}] with contiguous rows"
+        )
     _check_quantized(q, chunks=q.codes.shape[0], rows=True)
     if route(out.device) == "triton":
         _triton("dequantize_rows", q, out, q.num_blocks, False)
         return out
     for r in range(out.shape[0]):
-        row = dataclasses.replace(q, codes=q.codes[r], scales=q.scales[r],
-                                  mins=None if q.symmetric else q.mins[r])
+        row = dataclasses.replace(q, codes=q.codes[r], scales=q.scales[r], mins=None if q.symmetric else q.mins[r])
         out[r].copy_(dequantize(row, out.dtype))
     return out
 
@@ -165,6 +223,7 @@ def triton_info(device) -> dict:
 
 # ---- the torch references (test oracles) ----
 
+
 def _qmax(bits: int, symmetric: bool) -> int:
     return (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
 
@@ -181,10 +240,10 @@ def quantize_reference(x: torch.Tensor, bits: int, block_size: int, symmetric: b
     pad = flat[(blocks - 1) * block_size].expand(blocks * block_size - numel)
     padded = torch.cat([flat, pad]).view(blocks, block_size)
     finite = torch.isfinite(padded)
-    padded = torch.where(finite, padded, 0.0)          # a non-finite block's values do not matter
+    padded = torch.where(finite, padded, 0.0)  # a non-finite block's values do not matter
     lo, hi = padded.amin(dim=1), padded.amax(dim=1)
     qmax = _qmax(bits, symmetric)
-    mn = torch.zeros_like(lo) if symmetric else lo + 0.0     # -0 becomes +0, as in the kernel
+    mn = torch.zeros_like(lo) if symmetric else lo + 0.0  # -0 becomes +0, as in the kernel
     scale = (torch.maximum(-lo, hi) if symmetric else hi - mn) / qmax
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     bad = ~finite.all(dim=1) | ~torch.isfinite(scale)
@@ -219,7 +278,7 @@ def _reference_values(q: QuantizedTensor) -> torch.Tensor:
     values = ints.view(*lead, q.num_blocks, q.block_size).float() * q.scales[..., None]
     if not q.symmetric:
         values = values + q.mins[..., None]
-    return values.flatten(-2)[..., :q.numel]
+    return values.flatten(-2)[..., : q.numel]
 
 
 def dequantize_reference(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -237,6 +296,7 @@ def dequantize_reduce_reference(q: QuantizedTensor) -> torch.Tensor:
 
 
 # ---- routes, checks and plumbing ----
+
 
 @kernels.kernel("quantize route")
 def route(device: torch.device) -> str:
@@ -257,8 +317,9 @@ def _triton_module():
     try:
         return importlib.import_module("megazero.ops.quantize_triton")
     except ImportError as err:
-        raise UsageError(f"quantization of GPU tensors runs Triton kernels, and Triton is not importable "
-                         f"({err}); {TRITON_HINT}") from None
+        raise UsageError(
+            f"quantization of GPU tensors runs Triton kernels, and Triton is not importable ({err}); {TRITON_HINT}"
+        ) from None
 
 
 def _triton(kernel: str, *args) -> None:
@@ -270,16 +331,18 @@ def _triton(kernel: str, *args) -> None:
 
 def _as_rows(q: QuantizedTensor) -> QuantizedTensor:
     """1-D q as one row."""
-    return dataclasses.replace(q, codes=q.codes.view(1, -1), scales=q.scales.view(1, -1),
-                               mins=None if q.symmetric else q.mins.view(1, -1))
+    return dataclasses.replace(
+        q, codes=q.codes.view(1, -1), scales=q.scales.view(1, -1), mins=None if q.symmetric else q.mins.view(1, -1)
+    )
 
 
 def _extension():
     try:
         quant = importlib.import_module("megazero._quant")  # cached by Python after the first call
     except ImportError as err:
-        raise UsageError(f"quantization needs the C++ extension megazero._quant, which is not built "
-                         f"({err}); {BUILD_HINT}") from None
+        raise UsageError(
+            f"quantization needs the C++ extension megazero._quant, which is not built ({err}); {BUILD_HINT}"
+        ) from None
     return quant
 
 
@@ -291,11 +354,12 @@ def _ptr(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def _check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device,
-               op: str) -> torch.Tensor:
+def _check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device, op: str) -> torch.Tensor:
     if out is None:
         return torch.empty(numel, dtype=dtype, device=device)
     if out.numel() != numel or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise UsageError(f"{op}: out is {out.dtype} {tuple(out.shape)} on {out.device}; it must be a "
-                         f"contiguous {dtype} tensor of {numel} elements on {device}")
+        raise UsageError(
+            f"{op}: out is {out.dtype} {tuple(out.shape)} on {out.device}; it must be a "
+            f"contiguous {dtype} tensor of {numel} elements on {device}"
+        )
     return out.view(-1)

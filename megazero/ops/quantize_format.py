@@ -20,6 +20,7 @@ codes past numel are 0. Inputs are fp32 or bf16 and outputs fp32 or bf16, conver
 own tensor (its last block may be short), and a packed buffer holds per row its codes, then its fp32
 scales (`packed_rows`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ class QuantizedTensor:
     receive buffer laid out the same way: codes [k, bytes], scales and mins [k, num_blocks]. The row
     forms take [rows, ...] fields whose rows are contiguous, at any distance (`packed_rows`), with
     `numel` the length of one row."""
+
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
@@ -62,13 +64,21 @@ def stack(quantized: list[QuantizedTensor]) -> QuantizedTensor:
     if not quantized:
         raise UsageError("stack: got no quantized tensors; pass at least one")
     first = quantized[0]
-    if any((q.numel, q.bits, q.block_size, q.symmetric) != (first.numel, first.bits, first.block_size,
-                                                            first.symmetric) for q in quantized):
-        raise UsageError("stack: every quantized tensor needs the same numel, bits, block_size and "
-                         "symmetry; quantize the chunks with one setting")
+    if any(
+        (q.numel, q.bits, q.block_size, q.symmetric) != (first.numel, first.bits, first.block_size, first.symmetric)
+        for q in quantized
+    ):
+        raise UsageError(
+            "stack: every quantized tensor needs the same numel, bits, block_size and "
+            "symmetry; quantize the chunks with one setting"
+        )
     mins = None if first.symmetric else torch.stack([q.mins for q in quantized])
-    return dataclasses.replace(first, codes=torch.stack([q.codes for q in quantized]),
-                               scales=torch.stack([q.scales for q in quantized]), mins=mins)
+    return dataclasses.replace(
+        first,
+        codes=torch.stack([q.codes for q in quantized]),
+        scales=torch.stack([q.scales for q in quantized]),
+        mins=mins,
+    )
 
 
 def packed_row_bytes(numel: int, bits: int, block_size: int) -> int:
@@ -84,12 +94,19 @@ def packed_rows(buffer: torch.Tensor, numel: int, bits: int, block_size: int) ->
     _check_format(bits, block_size)
     blocks = -(-numel // block_size)
     nbytes = blocks * (block_size if bits == 8 else block_size // 2)
-    if (buffer.dtype != torch.uint8 or buffer.dim() != 2 or not buffer.is_contiguous()
-            or buffer.shape[1] != nbytes + 4 * blocks or nbytes % 4):
-        raise UsageError(f"packed_rows: buffer is {buffer.dtype} {tuple(buffer.shape)}; expected contiguous "
-                         f"uint8 [rows, {nbytes + 4 * blocks}] for numel={numel}, bits={bits}, "
-                         f"block_size={block_size} (codes a multiple of 4 bytes)")
-    scales = buffer.view(torch.float32)[:, nbytes // 4:]
+    if (
+        buffer.dtype != torch.uint8
+        or buffer.dim() != 2
+        or not buffer.is_contiguous()
+        or buffer.shape[1] != nbytes + 4 * blocks
+        or nbytes % 4
+    ):
+        raise UsageError(
+            f"packed_rows: buffer is {buffer.dtype} {tuple(buffer.shape)}; expected contiguous "
+            f"uint8 [rows, {nbytes + 4 * blocks}] for numel={numel}, bits={bits}, "
+            f"block_size={block_size} (codes a multiple of 4 bytes)"
+        )
+    scales = buffer.view(torch.float32)[:, nbytes // 4 :]
     return QuantizedTensor(buffer[:, :nbytes], scales, None, numel, bits, block_size)
 
 
@@ -97,12 +114,15 @@ def _check_format(bits: int, block_size: int) -> None:
     if bits not in (8, 4):
         raise UsageError(f"quantization bits={bits} is not supported; use 8 or 4")
     if not isinstance(block_size, int) or block_size < 1 or (bits == 4 and block_size % 2):
-        raise UsageError(f"quantization block_size={block_size} must be a positive integer "
-                         f"(even for int4, which packs two codes per byte)")
+        raise UsageError(
+            f"quantization block_size={block_size} must be a positive integer "
+            f"(even for int4, which packs two codes per byte)"
+        )
 
 
-def _empty_quantized(numel: int, bits: int, block_size: int, symmetric: bool, lead: tuple,
-                     device: torch.device) -> QuantizedTensor:
+def _empty_quantized(
+    numel: int, bits: int, block_size: int, symmetric: bool, lead: tuple, device: torch.device
+) -> QuantizedTensor:
     blocks = -(-numel // block_size)
     nbytes = blocks * (block_size if bits == 8 else block_size // 2)
     scales = torch.empty(*lead, blocks, dtype=torch.float32, device=device)
@@ -115,14 +135,18 @@ def _check_quantized(q: QuantizedTensor, chunks: int | None, rows: bool = False)
     """q's fields have the format's shapes; contiguous, or with `rows` each row contiguous."""
     _check_format(q.bits, q.block_size)
     lead = () if chunks is None else (chunks,)
-    want = {"codes": ((*lead, q.num_blocks * q.bytes_per_block), torch.uint8),
-            "scales": ((*lead, q.num_blocks), torch.float32)}
+    want = {
+        "codes": ((*lead, q.num_blocks * q.bytes_per_block), torch.uint8),
+        "scales": ((*lead, q.num_blocks), torch.float32),
+    }
     if not q.symmetric:
         want["mins"] = want["scales"]
     for name, (shape, dtype) in want.items():
         tensor = getattr(q, name)
         laid_out = tensor.is_contiguous() or (rows and tensor.dim() == 2 and tensor.stride(1) == 1)
         if tuple(tensor.shape) != shape or tensor.dtype != dtype or not laid_out or tensor.device != q.codes.device:
-            raise UsageError(f"quantized {name} is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}; "
-                             f"expected contiguous {dtype} {shape} on {q.codes.device} for numel={q.numel}, "
-                             f"bits={q.bits}, block_size={q.block_size} (pass what quantize() returned)")
+            raise UsageError(
+                f"quantized {name} is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}; "
+                f"expected contiguous {dtype} {shape} on {q.codes.device} for numel={q.numel}, "
+                f"bits={q.bits}, block_size={q.block_size} (pass what quantize() returned)"
+            )

@@ -23,12 +23,13 @@ place), and codes and scales may be row-strided views of one packed send buffer.
 collectives hold no fp32 or int32 copy of a bucket. On the meta device (the dry run's GPU) there is
 nothing to compute: the launch is skipped, and the memory is what the caller allocated.
 """
+
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-_MAGIC = 12582912.0          # 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer, ties to even
+_MAGIC = 12582912.0  # 1.5 * 2^23: adding it rounds |v| < 2^22 to an integer, ties to even
 
 
 @triton.jit
@@ -54,19 +55,35 @@ def _store_f32(ptr, offsets, value, mask, BF16: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(src, stride_r, stride_s, stride_e, seg, m, codes, codes_stride, scales,
-                     scales_stride, mins, block_size, blocks_per_row,
-                     BITS: tl.constexpr, SYM: tl.constexpr, SRC_BF16: tl.constexpr,
-                     QMAX: tl.constexpr, LANES: tl.constexpr):
+def _quantize_kernel(
+    src,
+    stride_r,
+    stride_s,
+    stride_e,
+    seg,
+    m,
+    codes,
+    codes_stride,
+    scales,
+    scales_stride,
+    mins,
+    block_size,
+    blocks_per_row,
+    BITS: tl.constexpr,
+    SYM: tl.constexpr,
+    SRC_BF16: tl.constexpr,
+    QMAX: tl.constexpr,
+    LANES: tl.constexpr,
+):
     """One program per block: row r's elements [b * block_size, ...) of the strided source."""
-    PER: tl.constexpr = 8 // BITS                       # values per code byte
+    PER: tl.constexpr = 8 // BITS  # values per code byte
     pid = tl.program_id(0).to(tl.int64)
     r = pid // blocks_per_row
     b = pid - r * blocks_per_row
     j = tl.arange(0, LANES)
     k = tl.arange(0, PER)
-    i = j[:, None] * PER + k[None, :]                   # element of the block, [LANES, PER]
-    e = b * block_size + i                              # element of the row
+    i = j[:, None] * PER + k[None, :]  # element of the block, [LANES, PER]
+    e = b * block_size + i  # element of the row
     valid = (i < block_size) & (e < m)
     x = _load_f32(src, r * stride_r + (e // seg) * stride_s + (e % seg) * stride_e, valid, SRC_BF16)
     finite = (x - x) == 0.0
@@ -78,10 +95,10 @@ def _quantize_kernel(src, stride_r, stride_s, stride_e, seg, m, codes, codes_str
         mn = 0.0
         scale = tl.math.div_rn(tl.where(-lo > hi, -lo, hi), QMAX * 1.0)
     else:
-        mn = lo + 0.0                                   # -0 becomes +0
+        mn = lo + 0.0  # -0 becomes +0
         scale = tl.math.div_rn(hi - mn, QMAX * 1.0)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    bad = bad | ((scale - scale) != 0.0)                # a non-finite range (asymmetric overflow)
+    bad = bad | ((scale - scale) != 0.0)  # a non-finite range (asymmetric overflow)
     safe = tl.where(bad, 1.0, scale)
     v = tl.math.div_rn(x, safe) if SYM else tl.math.div_rn(x - mn, safe)
     q = ((v + _MAGIC) - _MAGIC).to(tl.int32)
@@ -96,10 +113,24 @@ def _quantize_kernel(src, stride_r, stride_s, stride_e, seg, m, codes, codes_str
 
 
 @triton.jit
-def _dequantize_kernel(codes, codes_stride, scales, scales_stride, mins, rows, m, block_size,
-                       blocks_per_row, out, out_stride,
-                       BITS: tl.constexpr, SYM: tl.constexpr, OUT_BF16: tl.constexpr,
-                       REDUCE: tl.constexpr, LANES: tl.constexpr):
+def _dequantize_kernel(
+    codes,
+    codes_stride,
+    scales,
+    scales_stride,
+    mins,
+    rows,
+    m,
+    block_size,
+    blocks_per_row,
+    out,
+    out_stride,
+    BITS: tl.constexpr,
+    SYM: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    REDUCE: tl.constexpr,
+    LANES: tl.constexpr,
+):
     """REDUCE: one program per block, the sum over `rows` rows in row order ((0 + x'_0) + x'_1 ...);
     else one program per (row, block), the row's values."""
     PER: tl.constexpr = 8 // BITS
@@ -121,7 +152,7 @@ def _dequantize_kernel(codes, codes_stride, scales, scales_stride, mins, rows, m
         byte = tl.load(codes + r * codes_stride + b * per_block + j, mask=j < per_block, other=0).to(tl.int32)
         q = (byte[:, None] >> (k * BITS)[None, :]) & ((1 << BITS) - 1)
         if SYM:
-            q = (q ^ (1 << (BITS - 1))) - (1 << (BITS - 1))     # sign-extend the two's complement
+            q = (q ^ (1 << (BITS - 1))) - (1 << (BITS - 1))  # sign-extend the two's complement
         value = q.to(tl.float32) * tl.load(scales + r * scales_stride + b)
         if not SYM:
             value = value + tl.load(mins + r * scales_stride + b)
@@ -136,6 +167,7 @@ def _lanes(bits: int, block_size: int) -> int:
 def _bits_view(t):
     """What a kernel is handed for a fp32 / bf16 tensor: bf16 through an int16 view of its bits."""
     import torch
+
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
@@ -144,29 +176,61 @@ def quantize_rows(src, q, blocks_per_row: int) -> None:
     src[r].reshape(-1)) into `q` (codes [rows, bytes] and scales / mins [rows, blocks], each row
     contiguous, rows any stride), with q.numel the row length."""
     import torch
+
     if src.device.type == "meta" or q.codes.numel() == 0:
         return
     qmax = (1 << (q.bits - 1)) - 1 if q.symmetric else (1 << q.bits) - 1
     mins = q.scales if q.mins is None else q.mins
     grid = (src.shape[0] * blocks_per_row,)
     _quantize_kernel[grid](
-        _bits_view(src), src.stride(0), src.stride(1), src.stride(2), src.shape[2], q.numel,
-        q.codes, q.codes.stride(0), q.scales, q.scales.stride(0), mins, q.block_size, blocks_per_row,
-        BITS=q.bits, SYM=q.symmetric, SRC_BF16=src.dtype == torch.bfloat16, QMAX=qmax,
-        LANES=_lanes(q.bits, q.block_size), enable_fp_fusion=False)
+        _bits_view(src),
+        src.stride(0),
+        src.stride(1),
+        src.stride(2),
+        src.shape[2],
+        q.numel,
+        q.codes,
+        q.codes.stride(0),
+        q.scales,
+        q.scales.stride(0),
+        mins,
+        q.block_size,
+        blocks_per_row,
+        BITS=q.bits,
+        SYM=q.symmetric,
+        SRC_BF16=src.dtype == torch.bfloat16,
+        QMAX=qmax,
+        LANES=_lanes(q.bits, q.block_size),
+        enable_fp_fusion=False,
+    )
 
 
 def dequantize_rows(q, out, blocks_per_row: int, reduce: bool) -> None:
     """out[r] = the values of row r of `q` (reduce: out = their sum over the rows, fp32 adds in row
     order), out fp32 or bf16 with contiguous rows of q.numel elements."""
     import torch
+
     rows = q.codes.shape[0]
     if out.device.type == "meta" or out.numel() == 0:
         return
     mins = q.scales if q.mins is None else q.mins
     grid = (blocks_per_row if reduce else rows * blocks_per_row,)
     _dequantize_kernel[grid](
-        q.codes, q.codes.stride(0), q.scales, q.scales.stride(0), mins, rows, q.numel, q.block_size,
-        blocks_per_row, _bits_view(out), 0 if reduce else out.stride(0),
-        BITS=q.bits, SYM=q.symmetric, OUT_BF16=out.dtype == torch.bfloat16, REDUCE=reduce,
-        LANES=_lanes(q.bits, q.block_size), enable_fp_fusion=False)
+        q.codes,
+        q.codes.stride(0),
+        q.scales,
+        q.scales.stride(0),
+        mins,
+        rows,
+        q.numel,
+        q.block_size,
+        blocks_per_row,
+        _bits_view(out),
+        0 if reduce else out.stride(0),
+        BITS=q.bits,
+        SYM=q.symmetric,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        REDUCE=reduce,
+        LANES=_lanes(q.bits, q.block_size),
+        enable_fp_fusion=False,
+    )

@@ -18,6 +18,7 @@ gateway nobody holds, the wrong interface offered): gloo then retries until its 
 process group starts, each host connects to a listener on every other host's process-group address
 and names the first one that does not answer within REACH_SECONDS.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -98,27 +99,33 @@ def address_error(backend: str, env_ifname: dict[str, str | None], spanning: boo
         name = (ifname or "").lstrip("^=").split(",")[0]
         address = interface_address(name) if name else None
         if spanning and address is not None and is_loopback(address) and not (ifname or "").startswith("^"):
-            return (f"this job spans hosts but NCCL_SOCKET_IFNAME={ifname} on host {host} is a loopback interface "
-                    f"({address}), which the other hosts cannot reach; {_fix('NCCL_SOCKET_IFNAME')}"), address
+            return (
+                f"this job spans hosts but NCCL_SOCKET_IFNAME={ifname} on host {host} is a loopback interface "
+                f"({address}), which the other hosts cannot reach; {_fix('NCCL_SOCKET_IFNAME')}"
+            ), address
         return None, address or ""
     ifname = env_ifname.get("GLOO_SOCKET_IFNAME")
     address, why = gloo_address(ifname)
     if not address:
         return f"{why} on host {host}; {_fix('GLOO_SOCKET_IFNAME')}", ""
     if spanning and is_loopback(address):
-        return (f"this job spans hosts but host {host}'s process-group address is {address}, a loopback address "
-                f"({why}), which the other hosts cannot reach; {_fix('GLOO_SOCKET_IFNAME')}"), address
+        return (
+            f"this job spans hosts but host {host}'s process-group address is {address}, a loopback address "
+            f"({why}), which the other hosts cannot reach; {_fix('GLOO_SOCKET_IFNAME')}"
+        ), address
     return None, address
 
 
 def _fix(variable: str) -> str:
     found = interfaces()
     listed = ", ".join(f"{name} {address}" for name, address in found.items()) or "none found"
-    return (f"set {variable} to this host's network interface (here: {listed}), or make the host name "
-            f"resolve to that address")
+    return (
+        f"set {variable} to this host's network interface (here: {listed}), or make the host name "
+        f"resolve to that address"
+    )
 
 
-REACH_SECONDS = 5.0        # a peer host that has not answered a connection by then is unreachable
+REACH_SECONDS = 5.0  # a peer host that has not answered a connection by then is unreachable
 
 
 def listen(address: str) -> socket.socket | None:
@@ -144,8 +151,9 @@ def probe(address: str, port: int, seconds: float = REACH_SECONDS) -> str | None
         return (err.strerror or str(err)).lower()
 
 
-def check_reach(store, rank: int, world: int, local_rank: int, address: str | None,
-                ifname: str | None) -> tuple[socket.socket | None, str | None]:
+def check_reach(
+    store, rank: int, world: int, local_rank: int, address: str | None, ifname: str | None
+) -> tuple[socket.socket | None, str | None]:
     """(this rank's listener, to close once every rank has probed; the line naming a peer host its
     host cannot reach, or None). Every rank listens on its process-group address and posts it in the
     launch's store; each host's local rank 0 connects to the first rank of every other address, so
@@ -171,6 +179,8 @@ def check_reach(store, rank: int, world: int, local_rank: int, address: str | No
 def unreachable_line(peer: int, host: str, address: str, port: int, why: str, ifname: str | None) -> str:
     """The line naming a peer host this rank cannot connect to (its process-group address)."""
     offered = f"GLOO_SOCKET_IFNAME={ifname} there" if ifname else "its host name's address"
-    return (f"cannot reach rank {peer} (host {host}) at {address}:{port} ({why}); that is the "
-            f"address its process group offers ({offered}): make it one the other hosts can reach (a route, "
-            f"a firewall), or set GLOO_SOCKET_IFNAME on host {host} to the interface they share")
+    return (
+        f"cannot reach rank {peer} (host {host}) at {address}:{port} ({why}); that is the "
+        f"address its process group offers ({offered}): make it one the other hosts can reach (a route, "
+        f"a firewall), or set GLOO_SOCKET_IFNAME on host {host} to the interface they share"
+    )

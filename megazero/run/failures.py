@@ -19,6 +19,7 @@ Exit codes: 0 done (a signal handled by --exit-signal-handler included), 1 a fai
 130 interrupted by Ctrl-C. Under torchrun the launcher itself exits 1 whenever a worker failed; the
 workers' codes are in its summary.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,6 @@ import traceback
 from pathlib import Path
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-
 
 
 class Interrupts:
@@ -83,8 +83,9 @@ def peer_state(identity: str | None) -> str | None:
 @dataclasses.dataclass
 class Collective:
     """The collective a rank was waiting on when it failed."""
-    op: str                              # all_reduce, broadcast, ...; "an asynchronous collective"
-    group: str | None = None             # the comm layer's group name
+
+    op: str  # all_reduce, broadcast, ...; "an asynchronous collective"
+    group: str | None = None  # the comm layer's group name
     ranks: tuple[int, ...] | None = None
 
     def describe(self) -> str:
@@ -98,9 +99,9 @@ def collective_in(tb) -> Collective | None:
     comm_frame, torch_name = None, None
     while tb is not None:
         frame = tb.tb_frame
-        module = frame.f_globals.get("__name__", "")       # the module, not its path (source_paths)
+        module = frame.f_globals.get("__name__", "")  # the module, not its path (source_paths)
         if module == "megazero.core.comm" and frame.f_code.co_name not in ("<lambda>", "_issue"):
-            comm_frame = frame          # the comm layer's collective, not the helper issuing it
+            comm_frame = frame  # the comm layer's collective, not the helper issuing it
         elif f"{module}.".startswith("torch.distributed.") and torch_name is None and frame.f_code.co_name != "wrapper":
             torch_name = frame.f_code.co_name
         tb = tb.tb_next
@@ -114,7 +115,7 @@ def collective_in(tb) -> Collective | None:
 
 def _first_line(err: BaseException) -> str:
     text = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return re.sub(r"^\[[^\]]*\]\s*", "", text)        # gloo's "[.../pair.cc:537] " source prefix
+    return re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[.../pair.cc:537] " source prefix
 
 
 _REMOTE = re.compile(r"remote=\[([^\]]+)\]:(\d+)|peer \[([^\]]+)\]:(\d+)")
@@ -146,10 +147,13 @@ def _connect_line(err, rank: int, peers, collective: "Collective") -> str | None
         return None
     reason, address, port = found.groups()
     ranks = _at_address(peers, address)
-    who = (f"rank {ranks[0]}" if len(ranks) == 1 else f"a rank of {describe_host(peers, ranks[0])}" if ranks
-           else "a peer")
-    return (f"rank {rank}: cannot connect to {who} at {address}:{port} ({reason.strip().lower()}) during "
-            f"{collective.describe()}")
+    who = (
+        f"rank {ranks[0]}" if len(ranks) == 1 else f"a rank of {describe_host(peers, ranks[0])}" if ranks else "a peer"
+    )
+    return (
+        f"rank {rank}: cannot connect to {who} at {address}:{port} ({reason.strip().lower()}) during "
+        f"{collective.describe()}"
+    )
 
 
 def _lost_host(err, peers, elsewhere: list[int]) -> str | None:
@@ -161,19 +165,23 @@ def _lost_host(err, peers, elsewhere: list[int]) -> str | None:
         if ranks:
             return describe_host(peers, ranks[0])
     hosts = {json.loads(peers[r])["host"] for r in elsewhere if peers.get(r)}
-    return describe_host(peers, elsewhere[0]) if len(hosts) == 1 and len(elsewhere) == sum(
-        1 for r in elsewhere if peers.get(r)) else None
+    return (
+        describe_host(peers, elsewhere[0])
+        if len(hosts) == 1 and len(elsewhere) == sum(1 for r in elsewhere if peers.get(r))
+        else None
+    )
 
 
-def peer_failure_line(err: BaseException, rank: int, peers: dict[int, str | None],
-                      timeout_minutes: float) -> str | None:
+def peer_failure_line(
+    err: BaseException, rank: int, peers: dict[int, str | None], timeout_minutes: float
+) -> str | None:
     """The line for an error raised by a collective (None for any other error). `peers` maps every
     other rank to its registered identity (None when unknown)."""
     collective = collective_in(err.__traceback__)
     if collective is None or not isinstance(err, RuntimeError):
         return None
     connect = _connect_line(err, rank, peers, collective)
-    if connect is not None:          # gloo says "timed out connecting" for a refused connection too
+    if connect is not None:  # gloo says "timed out connecting" for a refused connection too
         return connect
     considered = [r for r in (collective.ranks or peers) if r != rank]
     states = {r: peer_state(peers.get(r)) for r in considered}
@@ -182,8 +190,10 @@ def peer_failure_line(err: BaseException, rank: int, peers: dict[int, str | None
     if timed_out:
         named = culprits or [r for r, s in states.items() if s is None] or considered
         what = "; ".join(f"rank {r}: {states[r] or 'on another host'}" for r in named)
-        return (f"rank {rank}: no answer within --distributed-timeout-minutes {timeout_minutes:g} during "
-                f"{collective.describe()} ({what})")
+        return (
+            f"rank {rank}: no answer within --distributed-timeout-minutes {timeout_minutes:g} during "
+            f"{collective.describe()} ({what})"
+        )
     if culprits:
         lost = ", ".join(f"rank {r} ({states[r]})" for r in culprits)
         return f"rank {rank}: lost {lost} during {collective.describe()}"
@@ -205,8 +215,15 @@ def write_traceback_error_file(path: str | None, err: BaseException) -> None:
     """torchrun's error file for an unexpected exception, as torch's own @record writes it."""
     if path:
         stack = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        _write(path, {"message": {"message": f"{type(err).__name__}: {err}",
-                                  "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))}}})
+        _write(
+            path,
+            {
+                "message": {
+                    "message": f"{type(err).__name__}: {err}",
+                    "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))},
+                }
+            },
+        )
 
 
 def _write(path: str, data: dict) -> None:
@@ -214,4 +231,4 @@ def _write(path: str, data: dict) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data))
     except OSError:
-        pass                  # the summary falls back to torchrun's own wording
+        pass  # the summary falls back to torchrun's own wording

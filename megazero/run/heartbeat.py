@@ -21,6 +21,7 @@ prints, the others copy its line into torchrun's error file); the thread ends th
 (os._exit), since the main thread cannot be interrupted inside a collective. Must not touch: the
 process group, tensors, files other than torchrun's error file.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ import time
 
 from megazero.run import failures
 
-_ENDING = "ending/line"            # megazero.run.launch.Launch.end_first's key
+_ENDING = "ending/line"  # megazero.run.launch.Launch.end_first's key
 
 
 class Heartbeat:
@@ -39,21 +40,32 @@ class Heartbeat:
     `activity()` says what this rank last issued ("all_gather over the dp group (ranks [0, 1])");
     `end(line, code)` is the launch's agreement: (first?, line to show, exit code)."""
 
-    def __init__(self, store, rank: int, world: int, timeout_s: float, activity, end, peers,
-                 error_file: str | None, interval_s: float | None = None, timeout_flag: str = "",
-                 host_speaker: bool = True):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        activity,
+        end,
+        peers,
+        error_file: str | None,
+        interval_s: float | None = None,
+        timeout_flag: str = "",
+        host_speaker: bool = True,
+    ):
         self.store, self.rank, self.world, self.timeout = store, rank, world, timeout_s
         self.activity, self.end, self.peers, self.error_file = activity, end, peers, error_file
         self.interval = interval_s if interval_s is not None else min(10.0, max(0.5, timeout_s / 5))
         self.timeout_flag = timeout_flag
-        self.host_speaker = host_speaker             # prints the line when this host lost the store (local rank 0)
+        self.host_speaker = host_speaker  # prints the line when this host lost the store (local rank 0)
         self.watched = (rank + 1) % world
         self.count = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megazero-heartbeat", daemon=True)
-        self._seen = (None, time.monotonic())       # the watched rank's last count, and when it changed
+        self._seen = (None, time.monotonic())  # the watched rank's last count, and when it changed
         self._store_down_since = None
-        self._answered = time.monotonic()           # when the store last answered this thread
+        self._answered = time.monotonic()  # when the store last answered this thread
         self._guard = threading.Thread(target=self._guard_run, name="megazero-heartbeat-guard", daemon=True)
         self._leaving = threading.Lock()
 
@@ -82,7 +94,7 @@ class Heartbeat:
                 line = self._check()
                 self._store_down_since = None
                 self._answered = time.monotonic()
-            except (RuntimeError, ValueError) as err:        # the store did not answer
+            except (RuntimeError, ValueError) as err:  # the store did not answer
                 line = self._store_silent(err)
             if line is not None and not self._stop.is_set():
                 self._leave(*line)
@@ -98,7 +110,7 @@ class Heartbeat:
             return shown, code, False
         key = f"heartbeat/{self.watched}"
         if not self.store.check([key]):
-            return None                      # not started yet: its launch is still coming up
+            return None  # not started yet: its launch is still coming up
         beat = json.loads(self.store.get(key))
         if beat.get("done"):
             return None
@@ -117,9 +129,11 @@ class Heartbeat:
         host = failures.describe_host(peers, self.watched) if state is None else None
         mine, theirs = self.activity(), beat.get("last")
         where = f"on {host}: that host is lost or cut off" if host is not None else state or "on another host"
-        line = (f"rank {self.rank}: rank {self.watched} went silent ({where}): no heartbeat for {age:.0f} s"
-                f"{self.timeout_flag}; rank {self.rank} waited for it in {mine or 'no collective yet'}; rank "
-                f"{self.watched}'s last collective: {theirs or 'none yet'}")
+        line = (
+            f"rank {self.rank}: rank {self.watched} went silent ({where}): no heartbeat for {age:.0f} s"
+            f"{self.timeout_flag}; rank {self.rank} waited for it in {mine or 'no collective yet'}; rank "
+            f"{self.watched}'s last collective: {theirs or 'none yet'}"
+        )
         first, shown, code = self.end(line, failures.EXIT_FAILURE)
         return shown, code, first
 
@@ -131,8 +145,10 @@ class Heartbeat:
         if now - self._store_down_since < self.timeout:
             return None
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        line = (f"rank {self.rank}: the launch's store stopped answering for {now - self._store_down_since:.0f} s "
-                f"(the host running torchrun's rendezvous is lost?): {first_line}")
+        line = (
+            f"rank {self.rank}: the launch's store stopped answering for {now - self._store_down_since:.0f} s "
+            f"(the host running torchrun's rendezvous is lost?): {first_line}"
+        )
         return line, failures.EXIT_FAILURE, True
 
     def _guard_run(self) -> None:
@@ -142,7 +158,7 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             line = self._stuck_line(time.monotonic())
             if line is not None and not self._stop.is_set():
-                if not self.host_speaker:       # this host's ranks are cut off together: one says it
+                if not self.host_speaker:  # this host's ranks are cut off together: one says it
                     self._stop.wait(2 * self.interval)
                 self._leave(line, failures.EXIT_FAILURE, self.host_speaker)
 
@@ -150,12 +166,14 @@ class Heartbeat:
         waited = now - self._answered
         if waited < self.timeout + self.interval:
             return None
-        return (f"rank {self.rank}: the launch's store has not answered for {waited:.0f} s{self.timeout_flag}: the host "
-                f"running torchrun's rendezvous is lost or this host is cut off from it")
+        return (
+            f"rank {self.rank}: the launch's store has not answered for {waited:.0f} s{self.timeout_flag}: the host "
+            f"running torchrun's rendezvous is lost or this host is cut off from it"
+        )
 
     def _leave(self, line: str, code: int, first: bool) -> None:
         if not self._leaving.acquire(blocking=False):
-            return                       # the other thread is already ending the process
+            return  # the other thread is already ending the process
         if first:
             print(f"error: {line}", file=sys.stderr, flush=True)
         failures.write_error_file(self.error_file, line)

@@ -21,6 +21,7 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE, TORCHE
 OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES; the rendezvous reads what it hands in); what the runtime needs
 of it travels on in `Launch` and `TrainConfig`.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -37,7 +38,7 @@ from megazero.core.errors import AgreedStop, UsageError
 from megazero.run.heartbeat import Heartbeat, describe_activity
 from megazero.run.threads import default_threads, usable_cores
 
-if TYPE_CHECKING:      # the runtime is imported only once the flags are checked
+if TYPE_CHECKING:  # the runtime is imported only once the flags are checked
     from megazero.run.pretrain import Pretraining
 
 
@@ -52,13 +53,13 @@ class Launch:
         # names it in one line.
         place = rendezvous.place_of(env, _local_rank_flag(argv or []))
         self.world, self.rank, self.local_rank, self.local_world = place.numbers
-        self.environment_problem = place.problem      # said first thing (_main), before any flag is read
+        self.environment_problem = place.problem  # said first thing (_main), before any flag is read
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE")
-        self.timeout_minutes = 10.0                   # the rendezvous's: --distributed-timeout-minutes, once read
-        self.rendezvous_store = self.store = None     # the launch's store; this attempt's keys under a prefix
-        self.address = None                           # the address this rank's process group offers its peers
-        self.spanning = False                         # whether ranks of this job run on other hosts
-        self.cuda_available = None                    # the flags are read as torch.cuda finds this machine
+        self.timeout_minutes = 10.0  # the rendezvous's: --distributed-timeout-minutes, once read
+        self.rendezvous_store = self.store = None  # the launch's store; this attempt's keys under a prefix
+        self.address = None  # the address this rank's process group offers its peers
+        self.spanning = False  # whether ranks of this job run on other hosts
+        self.cuda_available = None  # the flags are read as torch.cuda finds this machine
 
     def connect(self) -> None:
         """Joins the rendezvous (no process group yet) when there is a launch to coordinate: the store,
@@ -66,8 +67,13 @@ class Launch:
         a waiting rank says whom it waits for every 30 s; rendezvous.NeverJoined at the deadline)."""
         if self.world > 1 and self.store is None and "MASTER_ADDR" in os.environ:
             self.rendezvous_store, self.store = rendezvous.join(
-                os.environ, self.rank, self.world, self.timeout_minutes, failures.process_identity(self.address),
-                say=_say_waiting if self.local_rank == 0 else None)
+                os.environ,
+                self.rank,
+                self.world,
+                self.timeout_minutes,
+                failures.process_identity(self.address),
+                say=_say_waiting if self.local_rank == 0 else None,
+            )
 
     def address_problem(self, backend: str) -> str | None:
         """The line refusing this rank's process-group address where other hosts cannot reach it
@@ -75,10 +81,12 @@ class Launch:
         if self.world <= 1:
             return None
         from megazero.run import addresses
+
         env = os.environ
         spanning = self.spanning = addresses.spans_hosts(self.world, self.local_world, env.get("MASTER_ADDR"))
         problem, self.address = addresses.address_error(
-            backend, {name: env.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}, spanning)
+            backend, {name: env.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}, spanning
+        )
         return problem
 
     def reach_problem(self, backend: str) -> str | None:
@@ -87,8 +95,10 @@ class Launch:
         if self.store is None or not self.spanning or backend == "nccl":
             return None
         from megazero.run import addresses
-        listener, error = addresses.check_reach(self.store, self.rank, self.world, self.local_rank, self.address,
-                                                os.environ.get("GLOO_SOCKET_IFNAME"))
+
+        listener, error = addresses.check_reach(
+            self.store, self.rank, self.world, self.local_rank, self.address, os.environ.get("GLOO_SOCKET_IFNAME")
+        )
         try:
             return self.agree("reach", error)
         finally:
@@ -102,14 +112,17 @@ class Launch:
         given = os.environ.get("MEGAZERO_CPU_OPTIMIZER_THREADS")
         if given:
             if not given.strip().isdigit() or int(given) < 1:
-                raise UsageError(f"MEGAZERO_CPU_OPTIMIZER_THREADS={given} must be a whole number >= 1 (the "
-                                 f"offloaded optimizer's CPU Adam threads); unset it for the cores per local rank")
+                raise UsageError(
+                    f"MEGAZERO_CPU_OPTIMIZER_THREADS={given} must be a whole number >= 1 (the "
+                    f"offloaded optimizer's CPU Adam threads); unset it for the cores per local rank"
+                )
             return int(given)
         return max(1, usable_cores() // max(1, self.local_world))
 
     def process_group_store(self):
         """The store init_process_group builds the groups in: this attempt's, never the last one's."""
         import torch.distributed as dist
+
         return dist.PrefixStore("process_group", self.store)
 
     @property
@@ -130,7 +143,7 @@ class Launch:
 
     def _first_other_report(self, step: str) -> str:
         for other in range(1, self.world):
-            report = self.store.get(f"{step}/{other}").decode()    # waits for that rank's report
+            report = self.store.get(f"{step}/{other}").decode()  # waits for that rank's report
             if report:
                 return f"rank {other}: {report}"
         return ""
@@ -147,7 +160,7 @@ class Launch:
             self.store.wait(["ending/line"], datetime.timedelta(seconds=5))
             first, first_code = json.loads(self.store.get("ending/line"))
             return False, first, first_code
-        except (RuntimeError, ValueError):     # the store went down with its host rank
+        except (RuntimeError, ValueError):  # the store went down with its host rank
             return False, line, code
 
     def peers(self) -> dict[int, str | None]:
@@ -167,31 +180,36 @@ class Launch:
         """For files one rank writes and all read (the data's caches): `first(build)` runs
         build(True) on rank 0, agrees on how it went, then build(False) on the others; a UsageError
         of rank 0's stops every rank with its line."""
+
         def run(build):
             error = built = None
             if self.rank == 0:
                 try:
-                    built = build(True)           # builds and caches what is missing, once
+                    built = build(True)  # builds and caches what is missing, once
                 except UsageError as err:
                     error = str(err)
             verdict = self.agree(step, error)
             if verdict:
                 raise AgreedStop(verdict)
             return built if self.rank == 0 else build(False)
+
         return run
 
     def device(self, cfg):
         """This rank's device (its GPU under NCCL, set as torch's current one, else the CPU) and the
         start-up line's words on its thread count (`default_threads` unless OMP_NUM_THREADS says)."""
         import torch
-        if os.environ.get("OMP_NUM_THREADS"):      # torch already took the user's (or torchrun's) count
+
+        if os.environ.get("OMP_NUM_THREADS"):  # torch already took the user's (or torchrun's) count
             threads = f"threads={torch.get_num_threads()} (OMP_NUM_THREADS)"
         else:
             cores, load = usable_cores(), os.getloadavg()[0]
             torch.set_num_threads(default_threads(cores, self.local_world, load))
-            threads = (f"threads={torch.get_num_threads()} (of {cores} cores, load {load:.1f}, "
-                       f"{self.local_world} rank{'s' if self.local_world > 1 else ''} here; "
-                       f"OMP_NUM_THREADS sets it)")
+            threads = (
+                f"threads={torch.get_num_threads()} (of {cores} cores, load {load:.1f}, "
+                f"{self.local_world} rank{'s' if self.local_world > 1 else ''} here; "
+                f"OMP_NUM_THREADS sets it)"
+            )
         if cfg.parallel.distributed_backend != "nccl":
             return torch.device("cpu"), threads
         if not torch.cuda.is_available():
@@ -203,6 +221,7 @@ class Launch:
     def check_machine(self, cfg, device) -> None:
         """Paths, memory and data against this machine (megazero.config.machine_checks)."""
         from megazero.config.machine_checks import check_machine
+
         check_machine(cfg, self.world, self.local_world, device)
 
     def process_groups(self, cfg, device, log):
@@ -213,6 +232,7 @@ class Launch:
         import torch.distributed as dist
         from megazero.config.train_config import topology_of
         from megazero.parallel.process_groups import GroupFactory, ProcessGroups
+
         par = cfg.parallel
         timeout = datetime.timedelta(minutes=par.timeout_minutes)
         if self.world > 1:
@@ -220,13 +240,16 @@ class Launch:
             # collective) and lets barriers and new groups know the device without guessing.
             bind = dict(device_id=device) if par.distributed_backend == "nccl" else {}
             store = dict(store=self.process_group_store()) if self.store is not None else {}
-            dist.init_process_group(par.distributed_backend, rank=self.rank, world_size=self.world,
-                                    timeout=timeout, **store, **bind)
-        return ProcessGroups.build(topology_of(cfg, self.world), self.rank, GroupFactory(self.rank, timeout=timeout),
-                                   device=device, log=log)
+            dist.init_process_group(
+                par.distributed_backend, rank=self.rank, world_size=self.world, timeout=timeout, **store, **bind
+            )
+        return ProcessGroups.build(
+            topology_of(cfg, self.world), self.rank, GroupFactory(self.rank, timeout=timeout), device=device, log=log
+        )
 
     def close_process_group(self) -> None:
         import torch.distributed as dist
+
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -250,9 +273,11 @@ def cuda_index(local_rank: int, local_world: int, visible: int) -> int:
     if visible == 1:
         return 0
     if local_world > visible or local_rank >= visible:
-        raise UsageError(f"{local_world} ranks on this node but {visible} GPUs visible "
-                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch "
-                         f"--nproc-per-node {visible}, or make one GPU per rank visible")
+        raise UsageError(
+            f"{local_world} ranks on this node but {visible} GPUs visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch "
+            f"--nproc-per-node {visible}, or make one GPU per rank visible"
+        )
     return local_rank
 
 
@@ -262,9 +287,18 @@ def _heartbeat(run: "Pretraining", launch: Launch) -> Heartbeat | None:
     if launch.store is None or minutes <= 0:
         return None
     flag = f" (--heartbeat-timeout-minutes {minutes:g})"
-    return Heartbeat(launch.store, launch.rank, launch.world, 60 * minutes,
-                     lambda: describe_activity(run.comm_log), launch.end_first, launch.peers,
-                     launch.error_file, timeout_flag=flag, host_speaker=launch.local_rank == 0).start()
+    return Heartbeat(
+        launch.store,
+        launch.rank,
+        launch.world,
+        60 * minutes,
+        lambda: describe_activity(run.comm_log),
+        launch.end_first,
+        launch.peers,
+        launch.error_file,
+        timeout_flag=flag,
+        host_speaker=launch.local_rank == 0,
+    ).start()
 
 
 def _end_agreed(launch: Launch, line: str, code: int) -> int:
@@ -278,7 +312,7 @@ def _end_agreed(launch: Launch, line: str, code: int) -> int:
     elif launch.store is not None:
         try:
             launch.store.wait(["agreed/said"], datetime.timedelta(seconds=30))
-        except (RuntimeError, ValueError):      # rank 0 went away: nothing left to wait for
+        except (RuntimeError, ValueError):  # rank 0 went away: nothing left to wait for
             pass
     failures.write_error_file(launch.error_file, line)
     return code
@@ -292,11 +326,13 @@ def _end_on(err: BaseException, launch: Launch, run: "Pretraining | None", inter
         code = failures.EXIT_INTERRUPTED
     elif isinstance(err, UsageError):
         line, code = str(err) if launch.world == 1 else f"rank {launch.rank}: {err}", failures.EXIT_USAGE
-    elif _out_of_memory(err):      # said by every rank it happens on
+    elif _out_of_memory(err):  # said by every rank it happens on
         from megazero.training import out_of_memory
+
         device = run.device if run is not None else None
-        line = out_of_memory.out_of_memory_line(err, launch.rank if launch.world > 1 else None,
-                                                run.cfg if run is not None else None, device)
+        line = out_of_memory.out_of_memory_line(
+            err, launch.rank if launch.world > 1 else None, run.cfg if run is not None else None, device
+        )
         launch.end_first(line, failures.EXIT_FAILURE)
         print(f"error: {line}", file=sys.stderr, flush=True)
         failures.write_error_file(launch.error_file, line)
@@ -317,7 +353,8 @@ def _end_on(err: BaseException, launch: Launch, run: "Pretraining | None", inter
 
 
 def _out_of_memory(err: BaseException) -> bool:
-    from megazero.training.out_of_memory import is_out_of_memory      # torch: loaded by now
+    from megazero.training.out_of_memory import is_out_of_memory  # torch: loaded by now
+
     return is_out_of_memory(err)
 
 
@@ -344,22 +381,24 @@ def main(argv=None) -> int:
 def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
     run = None
     try:
-        if launch.environment_problem is not None:      # this process's own: every such rank says it
+        if launch.environment_problem is not None:  # this process's own: every such rank says it
             print(f"error: {launch.environment_problem}", file=sys.stderr, flush=True)
             failures.write_error_file(launch.error_file, launch.environment_problem)
             return failures.EXIT_USAGE
-        from megazero.config.train_flags import flag_error, parse_args     # imported once the environment passed
+        from megazero.config.train_flags import flag_error, parse_args  # imported once the environment passed
+
         mistake = flag_error(argv, launch.world, launch.local_world)
-        if mistake is not None:       # the same flags on every rank, so the same mistake: said once
+        if mistake is not None:  # the same flags on every rank, so the same mistake: said once
             if launch.rank == 0:
                 print(f"error: {mistake}", file=sys.stderr, flush=True)
-            else:       # no store yet: give rank 0 the moment to print before torchrun stops it
+            else:  # no store yet: give rank 0 the moment to print before torchrun stops it
                 time.sleep(1.0)
             failures.write_error_file(launch.error_file, mistake)
             return failures.EXIT_USAGE
-        launch.timeout_minutes = parse_args(argv).distributed_timeout_minutes    # checked: the rendezvous's
-        from megazero.run import pretrain                 # the runtime: torch and everything on it
+        launch.timeout_minutes = parse_args(argv).distributed_timeout_minutes  # checked: the rendezvous's
+        from megazero.run import pretrain  # the runtime: torch and everything on it
         from megazero.core import stream_check_report
+
         error = None
         try:
             run = pretrain.Pretraining(pretrain.configure(argv, launch), launch)
@@ -369,13 +408,16 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
             error = launch.address_problem(run.cfg.parallel.distributed_backend)
         try:
             verdict = launch.agree("preflight", error)
-        except rendezvous.NeverJoined as never:      # this rank's own line: no one to agree with
+        except rendezvous.NeverJoined as never:  # this rank's own line: no one to agree with
             print(f"error: {never}", file=sys.stderr, flush=True)
             failures.write_error_file(launch.error_file, str(never))
             return failures.EXIT_FAILURE
-        except (RuntimeError, ValueError) as err:      # no rendezvous: nothing to agree with
-            print(f"error: cannot join the launch's rendezvous ({str(err).splitlines()[0]}); start the "
-                  f"ranks with torchrun", file=sys.stderr)
+        except (RuntimeError, ValueError) as err:  # no rendezvous: nothing to agree with
+            print(
+                f"error: cannot join the launch's rendezvous ({str(err).splitlines()[0]}); start the "
+                f"ranks with torchrun",
+                file=sys.stderr,
+            )
             return failures.EXIT_USAGE
         if verdict:
             return _end_agreed(launch, verdict, failures.EXIT_USAGE)
@@ -392,7 +434,7 @@ def _main(argv, launch: Launch, interrupts: failures.Interrupts) -> int:
                 beat.stop()
         launch.close_process_group()
         return 0
-    except AgreedStop as stop:     # every rank is here: nothing is left in flight
+    except AgreedStop as stop:  # every rank is here: nothing is left in flight
         launch.close_process_group()
         return _end_agreed(launch, str(stop), stop.code)
     except SystemExit:

@@ -14,6 +14,7 @@ every rank agrees on, heartbeats and signals around it) or the dry run's simulat
 (megazero.dry_run.job). Neither reads anything back from the recipe but through `Pretraining`.
 The locks are let go when `Pretraining.run` ends (or with the process: `release` for the rest).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,10 +39,11 @@ from megazero.training import setup, train
 
 class RunEnvironment(Protocol):
     """What the recipe asks of the process it runs in."""
+
     rank: int
     world: int
     local_world: int
-    cuda_available: bool | None     # read the flags as on a machine with CUDA; None: torch.cuda says
+    cuda_available: bool | None  # read the flags as on a machine with CUDA; None: torch.cuda says
 
     def device(self, cfg) -> tuple[torch.device, str]:
         """This rank's device, and the start-up line's words on its thread count ("" for none)."""
@@ -62,10 +64,11 @@ class RunEnvironment(Protocol):
 @dataclasses.dataclass
 class Configured:
     """What configure() learned: the checked config, this rank's device and the checkpoint to resume."""
+
     cfg: TrainConfig
     device: torch.device
     resume: Resume | None
-    threads: str = ""               # the start-up line's thread count
+    threads: str = ""  # the start-up line's thread count
 
 
 def configure(argv, env: RunEnvironment) -> Configured:
@@ -75,9 +78,17 @@ def configure(argv, env: RunEnvironment) -> Configured:
         cfg = cfg.replace(zero=cfg.zero.replace(cpu_optimizer_threads=env.cpu_optimizer_threads()))
     device, threads = env.device(cfg)
     env.check_machine(cfg, device)
-    writer = env.rank == 0         # holds the job's locks (megazero.run.run_folder says why rank 0)
-    resume = check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters,
-                          (cfg.micro_batch_size, topology_of(cfg, env.world).dp), cfg.seed, writer=writer)
+    writer = env.rank == 0  # holds the job's locks (megazero.run.run_folder says why rank 0)
+    resume = check_resume(
+        cfg.checkpoint,
+        cfg.model,
+        cfg.global_batch_size,
+        cfg.optimizer,
+        cfg.train_iters,
+        (cfg.micro_batch_size, topology_of(cfg, env.world).dp),
+        cfg.seed,
+        writer=writer,
+    )
     if writer and metrics_named_by_flag(cfg):
         try:
             resume.locks.append(lock_metrics(cfg, resume.run_id))
@@ -118,27 +129,46 @@ class Pretraining:
             return
         cfg, run_id = self._agree_identity(groups)
         metrics = _open_metrics(cfg, groups, self.device, self.threads, run_id)
-        data = run_data(cfg, groups.coords.dp, groups.topology.dp, metrics.say, first=env.first("data"),
-                        keep_tokenizer=env.rank == 0 and cfg.checkpoint.save is not None)
+        data = run_data(
+            cfg,
+            groups.coords.dp,
+            groups.topology.dp,
+            metrics.say,
+            first=env.first("data"),
+            keep_tokenizer=env.rank == 0 and cfg.checkpoint.save is not None,
+        )
         state = self.state = setup(cfg, groups, self.device, eod=data.eod)
         _say_setup(state, self.resume, metrics.say)
-        start_iteration, policy = start_checkpoint(state, cfg.checkpoint, self.resume.reader if self.resume else None,
-                                                   metrics.say, run_id, data.tokenizer)
+        start_iteration, policy = start_checkpoint(
+            state, cfg.checkpoint, self.resume.reader if self.resume else None, metrics.say, run_id, data.tokenizer
+        )
         if start_iteration >= cfg.train_iters:
-            metrics.say(f" the checkpoint is at iteration {start_iteration}: --train-iters {cfg.train_iters} "
-                        f"is done; raise --train-iters to train on")
-        metrics.say(" model states per rank (MiB): " + ", ".join(
-            f"{k}={v / 2**20:.1f}" for k, v in state.engine.memory.report().items()))
+            metrics.say(
+                f" the checkpoint is at iteration {start_iteration}: --train-iters {cfg.train_iters} "
+                f"is done; raise --train-iters to train on"
+            )
+        metrics.say(
+            " model states per rank (MiB): "
+            + ", ".join(f"{k}={v / 2**20:.1f}" for k, v in state.engine.memory.report().items())
+        )
         try:
-            train(state, data.train, data.valid,
-                  lambda step, done: step_learning_rate(cfg.optimizer, step, cfg.train_iters, done),
-                  metrics, start_iteration=start_iteration, policy=policy)
+            train(
+                state,
+                data.train,
+                data.valid,
+                lambda step, done: step_learning_rate(cfg.optimizer, step, cfg.train_iters, done),
+                metrics,
+                start_iteration=start_iteration,
+                policy=policy,
+            )
         finally:
             data.close()
         metrics.close()
         saved = cfg.checkpoint.save
-        metrics.say(f" done: metrics appended to {cfg.metrics_file}"
-                    + (f"; checkpoints in {saved} (go on with --load {saved})" if saved else ""))
+        metrics.say(
+            f" done: metrics appended to {cfg.metrics_file}"
+            + (f"; checkpoints in {saved} (go on with --load {saved})" if saved else "")
+        )
 
     def _agree_identity(self, groups) -> tuple[TrainConfig, str]:
         """The run id and (default) run folder of rank 0 on every rank; rank 0 locks the default
@@ -157,11 +187,17 @@ class Pretraining:
 
     def interrupted_line(self) -> str:
         from megazero.checkpoint.files import latest_iteration_name
+
         iteration = self.state.iteration if self.state is not None else 0
         save = self.cfg.checkpoint.save
         latest = latest_iteration_name(save) if save is not None else None
-        kept = ("none (no --save)" if save is None else f"{save}/{latest} (resume with --load {save})"
-                if latest else f"none yet in {save}")
+        kept = (
+            "none (no --save)"
+            if save is None
+            else f"{save}/{latest} (resume with --load {save})"
+            if latest
+            else f"none yet in {save}"
+        )
         return f"interrupted at iteration {iteration}; last checkpoint: {kept}"
 
 
@@ -170,15 +206,17 @@ def _open_metrics(cfg, groups, device, threads: str = "", run_id: str | None = N
     topology = groups.topology
     logging_rank = groups.rank == topology.rank_of(0, 0, topology.pp - 1)
     metrics = MetricsLogger(cfg.metrics_file, enabled=logging_rank, total_iters=cfg.train_iters, run_id=run_id)
-    metrics.say(f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "
-                f"precision={'bf16' if cfg.precision.bf16 else 'fp16' if cfg.precision.fp16 else 'fp32'}"
-                + (f" {threads}" if threads else ""))
+    metrics.say(
+        f" megazero: {topology.describe()} zero_stage={cfg.zero.stage} device={device.type} "
+        f"precision={'bf16' if cfg.precision.bf16 else 'fp16' if cfg.precision.fp16 else 'fp32'}"
+        + (f" {threads}" if threads else "")
+    )
     metrics.say(f" {batch_line(cfg, topology.dp)}")
     saves = f"into {cfg.checkpoint.save}" if cfg.checkpoint.save else "none (no --save)"
     metrics.say(f" run folder: {cfg.run_dir} (metrics.jsonl); checkpoints: {saves}")
-    for note in cfg.notes:          # config keys accepted without an effect of their own
+    for note in cfg.notes:  # config keys accepted without an effect of their own
         metrics.say(f" note: {note}")
-    if logging_rank:     # wandb/TensorBoard; a run that raises is ended by their own exit hooks
+    if logging_rank:  # wandb/TensorBoard; a run that raises is ended by their own exit hooks
         metrics.add_monitors(open_monitors(cfg, metrics.say))
     return metrics
 
@@ -195,6 +233,8 @@ def batch_line(cfg, dp: int) -> str:
     micro, glob = cfg.micro_batch_size, cfg.global_batch_size
     ramp = f", growing from {cfg.rampup.start}" if cfg.rampup is not None else ""
     source = f" (set by {cfg.batch_from})" if cfg.batch_from else ""
-    return (f"batch: global {glob} samples{ramp} = micro batch {micro} x data-parallel {dp} x "
-            f"{glob // (micro * dp)} accumulation steps{source}; {cfg.train_iters} iteration"
-            f"{'s' if cfg.train_iters != 1 else ''}, {cfg.model.seq_length} tokens a sample")
+    return (
+        f"batch: global {glob} samples{ramp} = micro batch {micro} x data-parallel {dp} x "
+        f"{glob // (micro * dp)} accumulation steps{source}; {cfg.train_iters} iteration"
+        f"{'s' if cfg.train_iters != 1 else ''}, {cfg.model.seq_length} tokens a sample"
+    )

@@ -20,6 +20,7 @@ open with a plain socket, and arrivals are counted by polling one counter of the
 The driver (megazero.run.launch) reads the environment and hands it in; this module knows one flag's
 name, for its lines.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,8 @@ import socket
 import time
 from typing import Callable, Mapping
 
-WAITING_LINE_EVERY_S = 30.0     # how often a waiting rank says whom it waits for
-POLL_S = 0.5                    # how often it looks (one request to the store)
+WAITING_LINE_EVERY_S = 30.0  # how often a waiting rank says whom it waits for
+POLL_S = 0.5  # how often it looks (one request to the store)
 
 
 class NeverJoined(Exception):
@@ -44,37 +45,53 @@ def environment_problem(env: Mapping[str, str]) -> str | None:
         if text is None:
             continue
         if not text.strip().isdigit() or int(text) < least:
-            return (f"{name}={text!r} is not a whole number >= {least}; start the ranks with torchrun, which "
-                    f"sets it, or give each process its own")
+            return (
+                f"{name}={text!r} is not a whole number >= {least}; start the ranks with torchrun, which "
+                f"sets it, or give each process its own"
+            )
         numbers[name] = int(text)
     world, rank = numbers.get("WORLD_SIZE"), numbers.get("RANK")
     if world is None and rank:
-        return (f"RANK={rank} is set but WORLD_SIZE is not, so this process is a run of its own whose only "
-                f"rank is 0; start the ranks with torchrun, or give every one WORLD_SIZE, RANK, MASTER_ADDR "
-                f"and MASTER_PORT")
+        return (
+            f"RANK={rank} is set but WORLD_SIZE is not, so this process is a run of its own whose only "
+            f"rank is 0; start the ranks with torchrun, or give every one WORLD_SIZE, RANK, MASTER_ADDR "
+            f"and MASTER_PORT"
+        )
     world = world or 1
     if world > 1 and rank is None:
-        return (f"WORLD_SIZE={world} is set but RANK is not; start the ranks with torchrun (or give each of "
-                f"the {world} processes its own RANK from 0 to {world - 1})")
+        return (
+            f"WORLD_SIZE={world} is set but RANK is not; start the ranks with torchrun (or give each of "
+            f"the {world} processes its own RANK from 0 to {world - 1})"
+        )
     if rank is not None and rank >= world:
-        return (f"RANK={rank} is not below WORLD_SIZE={world} (ranks count from 0); give each of the {world} "
-                f"processes its own RANK from 0 to {world - 1}, or start them with torchrun")
+        return (
+            f"RANK={rank} is not below WORLD_SIZE={world} (ranks count from 0); give each of the {world} "
+            f"processes its own RANK from 0 to {world - 1}, or start them with torchrun"
+        )
     local_world = numbers.get("LOCAL_WORLD_SIZE")
     if local_world is not None and local_world > world:
-        return (f"LOCAL_WORLD_SIZE={local_world} (ranks on this host) exceeds WORLD_SIZE={world}; start the "
-                f"ranks with torchrun, or set LOCAL_WORLD_SIZE to this host's ranks")
+        return (
+            f"LOCAL_WORLD_SIZE={local_world} (ranks on this host) exceeds WORLD_SIZE={world}; start the "
+            f"ranks with torchrun, or set LOCAL_WORLD_SIZE to this host's ranks"
+        )
     local_rank, here = numbers.get("LOCAL_RANK"), local_world or world
     if local_rank is not None and local_rank >= here:
-        return (f"LOCAL_RANK={local_rank} is not below {'LOCAL_WORLD_SIZE' if local_world else 'WORLD_SIZE'}="
-                f"{here} (this host's ranks, counted from 0); give each rank on the host its own LOCAL_RANK")
+        return (
+            f"LOCAL_RANK={local_rank} is not below {'LOCAL_WORLD_SIZE' if local_world else 'WORLD_SIZE'}="
+            f"{here} (this host's ranks, counted from 0); give each rank on the host its own LOCAL_RANK"
+        )
     if world > 1:
         if not env.get("MASTER_ADDR"):
-            return (f"WORLD_SIZE={world} is set but MASTER_ADDR is not; start the ranks with torchrun (or set "
-                    f"MASTER_ADDR and MASTER_PORT)")
+            return (
+                f"WORLD_SIZE={world} is set but MASTER_ADDR is not; start the ranks with torchrun (or set "
+                f"MASTER_ADDR and MASTER_PORT)"
+            )
         port = env.get("MASTER_PORT", "")
         if not port.strip().isdigit() or not 0 < int(port) < 65536:
-            return (f"MASTER_PORT={port!r} is not a port number (1-65535); start the ranks with torchrun (or "
-                    f"give every rank the same MASTER_ADDR and MASTER_PORT)")
+            return (
+                f"MASTER_PORT={port!r} is not a port number (1-65535); start the ranks with torchrun (or "
+                f"give every rank the same MASTER_ADDR and MASTER_PORT)"
+            )
     return None
 
 
@@ -82,22 +99,27 @@ def environment_problem(env: Mapping[str, str]) -> str | None:
 class Place:
     """This process's place in the launch as its variables give it; `problem`: the line refusing them
     (the numbers then hold what could be read, a value that is no number reading as unset)."""
-    numbers: tuple[int, int, int, int]      # world, rank, local rank, local world
+
+    numbers: tuple[int, int, int, int]  # world, rank, local rank, local world
     problem: str | None
 
 
 def place_of(env: Mapping[str, str], local_rank_flag: str | None = None) -> Place:
     """WORLD_SIZE, RANK, LOCAL_RANK (else the older launchers' --local_rank) and LOCAL_WORLD_SIZE."""
+
     def number(text, default: int) -> int:
         return int(text) if text is not None and text.strip().isdigit() else default
+
     world = number(env.get("WORLD_SIZE"), 1)
     local = number(env.get("LOCAL_RANK", local_rank_flag), 0)
-    return Place((world, number(env.get("RANK"), 0), local, number(env.get("LOCAL_WORLD_SIZE"), world)),
-                 environment_problem(env))
+    return Place(
+        (world, number(env.get("RANK"), 0), local, number(env.get("LOCAL_WORLD_SIZE"), world)), environment_problem(env)
+    )
 
 
-def join(env: Mapping[str, str], rank: int, world: int, minutes: float, identity: str,
-         say: Callable[[str], None] | None):
+def join(
+    env: Mapping[str, str], rank: int, world: int, minutes: float, identity: str, say: Callable[[str], None] | None
+):
     """This rank's rendezvous: (the launch's store, this attempt's prefix of it), once every rank has
     registered its `identity` there (megazero.run.failures.process_identity). Restarts (torchrun
     --max-restarts) keep one store for every attempt; each attempt's keys, the process group's
@@ -105,11 +127,20 @@ def join(env: Mapping[str, str], rank: int, world: int, minutes: float, identity
     counter, so attempt = (joins - 1) // world), which agree across hosts where torchrun's restart
     counts do not (a host whose torchrun joined later counts its restarts from 0)."""
     import torch.distributed as dist
-    serves = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"      # else torchrun's agent's
+
+    serves = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else torchrun's agent's
     # Waits among ranks that have joined are longer: the heartbeat names one that dies or stops, and
     # rank 0's first build of the data may take long.
-    meeting = Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), rank, world, minutes, serves, say,
-                         store_wait=datetime.timedelta(minutes=max(30.0, minutes)))
+    meeting = Rendezvous(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        rank,
+        world,
+        minutes,
+        serves,
+        say,
+        store_wait=datetime.timedelta(minutes=max(30.0, minutes)),
+    )
     store = meeting.open_store()
     attempt = (store.add("megazero/joined", 1) - 1) // world
     mine = dist.PrefixStore(f"megazero/attempt{attempt}", store)
@@ -136,8 +167,17 @@ class Rendezvous:
     `serves`: this process hosts the store (rank 0 without torchrun's agent); `say`: where its waiting
     lines go (None: it waits quietly; one rank per host speaks)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, minutes: float, serves: bool,
-                 say: Callable[[str], None] | None, store_wait: datetime.timedelta):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world: int,
+        minutes: float,
+        serves: bool,
+        say: Callable[[str], None] | None,
+        store_wait: datetime.timedelta,
+    ):
         self.host, self.port, self.rank, self.world = host, port, rank, world
         self.minutes, self.serves, self.say, self.store_wait = minutes, serves, say, store_wait
         self.started = time.monotonic()
@@ -148,10 +188,18 @@ class Rendezvous:
     def open_store(self):
         """The launch's store, once its port answers (a client) or once it listens (rank 0)."""
         import torch.distributed as dist
+
         if not self.serves:
             self._wait_until_open()
-        return dist.TCPStore(self.host, self.port, self.world, self.serves, timeout=self.store_wait,
-                             wait_for_workers=False, multi_tenant=True)
+        return dist.TCPStore(
+            self.host,
+            self.port,
+            self.world,
+            self.serves,
+            timeout=self.store_wait,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
 
     def _wait_until_open(self) -> None:
         while True:
@@ -162,9 +210,11 @@ class Rendezvous:
                 reason = err.strerror or type(err).__name__
             where = f"the rendezvous store at {self.host}:{self.port}"
             if time.monotonic() >= self.deadline:
-                raise NeverJoined(f"rank {self.rank}: {where} did not open within {self.flag} ({reason}): rank 0 "
-                                  f"never started, or listens elsewhere; start rank 0 with the same MASTER_ADDR "
-                                  f"and MASTER_PORT (rank 0's address as this host sees it)")
+                raise NeverJoined(
+                    f"rank {self.rank}: {where} did not open within {self.flag} ({reason}): rank 0 "
+                    f"never started, or listens elsewhere; start rank 0 with the same MASTER_ADDR "
+                    f"and MASTER_PORT (rank 0's address as this host sees it)"
+                )
             self._waiting(f"{where} to open (rank 0's, or torchrun's; {reason})")
             time.sleep(POLL_S)
 
@@ -173,7 +223,7 @@ class Rendezvous:
         itself in its "arrived"; raises NeverJoined at the deadline, naming the ranks still missing."""
         # rank 0 started first: its deadline, and the end of its store, may come a little before ours
         near = self.deadline - max(5.0, 0.1 * 60 * self.minutes)
-        known, arrived = None, 0           # the missing ranks as last read near the deadline
+        known, arrived = None, 0  # the missing ranks as last read near the deadline
         while True:
             try:
                 arrived = store.add("arrived", 0)
@@ -183,24 +233,30 @@ class Rendezvous:
                 late = now >= self.deadline
                 missing = self._missing(store) if late or now >= near or self._line_due() else None
                 known = missing if now >= near and missing is not None else known
-            except RuntimeError as err:       # rank 0 ended (its store with it), or the network went
-                if known is not None:         # at its deadline: the same line as rank 0's
+            except RuntimeError as err:  # rank 0 ended (its store with it), or the network went
+                if known is not None:  # at its deadline: the same line as rank 0's
                     raise NeverJoined(self._never_joined(known)) from None
-                raise NeverJoined(f"rank {self.rank}: the rendezvous store at {self.host}:{self.port} stopped "
-                                  f"answering while {self.world - arrived} of {self.world} ranks had not joined "
-                                  f"({str(err).splitlines()[0]}); see rank 0's line") from None
+                raise NeverJoined(
+                    f"rank {self.rank}: the rendezvous store at {self.host}:{self.port} stopped "
+                    f"answering while {self.world - arrived} of {self.world} ranks had not joined "
+                    f"({str(err).splitlines()[0]}); see rank 0's line"
+                ) from None
             if late:
                 raise NeverJoined(self._never_joined(missing))
             if missing is not None:
-                self._waiting(f"{ranks_text(missing)} to join the rendezvous at {self.host}:{self.port} "
-                              f"({self.world - len(missing)} of {self.world} here)")
+                self._waiting(
+                    f"{ranks_text(missing)} to join the rendezvous at {self.host}:{self.port} "
+                    f"({self.world - len(missing)} of {self.world} here)"
+                )
             time.sleep(POLL_S)
 
     def _never_joined(self, missing: list[int]) -> str:
-        return (f"rank {self.rank}: {ranks_text(missing)} never joined the rendezvous at {self.host}:{self.port} "
-                f"within {self.flag} ({self.world - len(missing)} of {self.world} joined); start them with "
-                f"WORLD_SIZE={self.world} and the same MASTER_ADDR and MASTER_PORT, or give every rank a "
-                f"WORLD_SIZE of the ranks you start")
+        return (
+            f"rank {self.rank}: {ranks_text(missing)} never joined the rendezvous at {self.host}:{self.port} "
+            f"within {self.flag} ({self.world - len(missing)} of {self.world} joined); start them with "
+            f"WORLD_SIZE={self.world} and the same MASTER_ADDR and MASTER_PORT, or give every rank a "
+            f"WORLD_SIZE of the ranks you start"
+        )
 
     def _missing(self, store) -> list[int]:
         return [r for r in range(self.world) if not store.check([f"process/{r}"])]
@@ -213,5 +269,7 @@ class Rendezvous:
             return
         now = time.monotonic()
         self._next_line = now + WAITING_LINE_EVERY_S
-        self.say(f"rank {self.rank}: waiting {now - self.started:.0f} s for {what}; {self.flag} ends the wait "
-                 f"in {max(0.0, self.deadline - now):.0f} s")
+        self.say(
+            f"rank {self.rank}: waiting {now - self.started:.0f} s for {what}; {self.flag} ends the wait "
+            f"in {max(0.0, self.deadline - now):.0f} s"
+        )

@@ -13,6 +13,7 @@
 
 Owns the name and the lock; what is written into the folder is megazero.training.metrics's.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,7 +24,7 @@ from megazero.config.train_config import TrainConfig
 from megazero.core import comm, host_read
 from megazero.core.writer_lock import FolderLock
 
-_IDENTITY_BYTES = 128       # a run id (32 hex, or an imported checkpoint's) and the default folder's name
+_IDENTITY_BYTES = 128  # a run id (32 hex, or an imported checkpoint's) and the default folder's name
 
 
 def metrics_named_by_flag(cfg: TrainConfig) -> bool:
@@ -33,8 +34,11 @@ def metrics_named_by_flag(cfg: TrainConfig) -> bool:
 
 def lock_metrics(cfg: TrainConfig, run_id: str) -> FolderLock:
     """Rank 0's lock on the run's metrics file for the job; a UsageError naming the job holding it."""
-    what = f"--run-dir {cfg.run_dir}" if cfg.metrics_file == str(Path(cfg.run_dir) / "metrics.jsonl") \
+    what = (
+        f"--run-dir {cfg.run_dir}"
+        if cfg.metrics_file == str(Path(cfg.run_dir) / "metrics.jsonl")
         else f"--metrics-file {cfg.metrics_file}"
+    )
     return FolderLock.take(Path(f"{cfg.metrics_file}.lock"), run_id, what)
 
 

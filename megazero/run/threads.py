@@ -2,6 +2,7 @@
 intra-op threads per rank where OMP_NUM_THREADS does not say (megazero.run.launch asks, and its
 Launch.device and cpu_optimizer_threads apply the answer). Reads no environment variable.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ def usable_cores() -> int:
     """The cores this process may run on (its affinity, as Slurm and containers restrict it)."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:              # not on Linux
+    except AttributeError:  # not on Linux
         return os.cpu_count() or 1
 
 

@@ -15,6 +15,7 @@ a flag, the environment or argv.
 
 `setup`, `train_step`, `train` and `TrainState` are the room's face, imported from here.
 """
+
 from megazero.training.assembly import TrainState, setup
 from megazero.training.loop import train, train_step
 

@@ -3,6 +3,7 @@ engine over them with its groups (dense and, apart, the experts'), the pipeline'
 the RNG tracker and the timers, into one TrainState. Builds nothing from flags: it gets a
 TrainConfig and process groups. The loop that steps it is megazero.training.loop.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,12 +37,12 @@ class TrainState:
     streams: Streams
     tracker: RNGTracker
     p2p: PipelineP2P | None = None
-    timers: Timers | None = None       # wall_clock_breakdown: forward / backward / reduce / step
+    timers: Timers | None = None  # wall_clock_breakdown: forward / backward / reduce / step
     iteration: int = 0
-    stragglers: StragglerWatch | None = None   # --straggler-threshold > 0
-    documents: DocumentMasking | None = None   # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
-    phases: Phases = dataclasses.field(default_factory=Phases)   # who hears the run's phases
-    offload: ActivationOffload | None = None   # --cpu-offloading
+    stragglers: StragglerWatch | None = None  # --straggler-threshold > 0
+    documents: DocumentMasking | None = None  # --reset-position-ids / --reset-attention-mask / --eod-mask-loss
+    phases: Phases = dataclasses.field(default_factory=Phases)  # who hears the run's phases
+    offload: ActivationOffload | None = None  # --cpu-offloading
 
 
 # Megatron's is_embedding_or_output_parameter: the parameters --decoupled-lr gives their own rate.
@@ -70,16 +71,24 @@ def expert_zero_groups(groups: ProcessGroups) -> ZeroGroups:
     (etp 1) the expert groups span the tensor-parallel ranks, so the expert part of a norm is
     summed over the pipeline stages alone."""
     whole = groups.topology.experts_fold_tp
-    return ZeroGroups(dp=groups.edp, shard=groups.expert_shard, replica=groups.expert_replica,
-                      model_parallel=groups.pp if whole else groups.mp, gather=groups.edp_gather,
-                      tensor=groups.tp)
+    return ZeroGroups(
+        dp=groups.edp,
+        shard=groups.expert_shard,
+        replica=groups.expert_replica,
+        model_parallel=groups.pp if whole else groups.mp,
+        gather=groups.edp_gather,
+        tensor=groups.tp,
+    )
 
 
 def document_masking(data, eod: int | None) -> DocumentMasking | None:
     """Megatron's document flags of a DataConfig with the tokenizer's end-of-document id (the data
     knows it: megazero.data.run_data); None when no flag is on."""
-    flags = dict(reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
-                 eod_mask_loss=data.eod_mask_loss)
+    flags = dict(
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
+    )
     if not any(flags.values()):
         return None
     if eod is None:
@@ -99,39 +108,72 @@ def setup(cfg: TrainConfig, groups: ProcessGroups, device="cpu", eod: int | None
     phases = Phases(*(Timed(t) for t in (timers, watch) if t is not None))
     tracker = seed_everything(cfg.seed, groups.coords.tp, groups.coords.pp, device)
     with phases("build"):
-        chunks = build_model_chunks(cfg.model, groups, tracker, sequence_parallel=par.sequence_parallel,
-                                    virtual_stages=par.virtual_stages, layer_split=par.layer_split,
-                                    compile_backend=cfg.compile_backend, cp_comm_type=par.cp_comm_type,
-                                    moe_dispatcher=par.moe_dispatcher, v_shape=par.schedule in V_SHAPED)
+        chunks = build_model_chunks(
+            cfg.model,
+            groups,
+            tracker,
+            sequence_parallel=par.sequence_parallel,
+            virtual_stages=par.virtual_stages,
+            layer_split=par.layer_split,
+            compile_backend=cfg.compile_backend,
+            cp_comm_type=par.cp_comm_type,
+            moe_dispatcher=par.moe_dispatcher,
+            v_shape=par.schedule in V_SHAPED,
+        )
     streams = Streams(device)
     offload = None
-    if par.cpu_offloading_num_layers:     # hooks on the pure chunks, before ZeRO's (they skip parameters)
+    if par.cpu_offloading_num_layers:  # hooks on the pure chunks, before ZeRO's (they skip parameters)
         offload = ActivationOffload(device, streams, par.cpu_offloading_num_layers)
         for chunk in chunks:
             offload.apply(chunk)
-    engine = ZeroEngine(chunks, _in_phase(phases, "initial value", make_init_fn(cfg.model, cfg.seed)),
-                        groups=zero_groups(groups), zero=cfg.zero,
-                        adam=cfg.optimizer.adam, precision=cfg.precision, clip_grad=cfg.optimizer.clip_grad,
-                        device=device, counts_in_norm=lambda p: counts_in_norm(p, groups),
-                        isolated=summed_across_stages, streams=streams,
-                        lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
-                        expert_groups=expert_zero_groups(groups) if experts_apart(groups.topology) else None,
-                        expert_parallel=groups.ep, muon=cfg.optimizer.muon,
-                        muon_matrix=muon_matrix_of(cfg.model, cfg.optimizer.muon) if cfg.optimizer.muon else None)
+    engine = ZeroEngine(
+        chunks,
+        _in_phase(phases, "initial value", make_init_fn(cfg.model, cfg.seed)),
+        groups=zero_groups(groups),
+        zero=cfg.zero,
+        adam=cfg.optimizer.adam,
+        precision=cfg.precision,
+        clip_grad=cfg.optimizer.clip_grad,
+        device=device,
+        counts_in_norm=lambda p: counts_in_norm(p, groups),
+        isolated=summed_across_stages,
+        streams=streams,
+        lr_group=lr_group if cfg.optimizer.decoupled_lr is not None else None,
+        expert_groups=expert_zero_groups(groups) if experts_apart(groups.topology) else None,
+        expert_parallel=groups.ep,
+        muon=cfg.optimizer.muon,
+        muon_matrix=muon_matrix_of(cfg.model, cfg.optimizer.muon) if cfg.optimizer.muon else None,
+    )
     for chunk in chunks:
         chunk.train()
     p2p = None
-    if groups.topology.pp > 1:       # built once: its constructor joins a warm-up collective
+    if groups.topology.pp > 1:  # built once: its constructor joins a warm-up collective
         seq = cfg.model.seq_length // groups.topology.cp // (groups.topology.tp if par.sequence_parallel else 1)
-        p2p = PipelineP2P(groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size),
-                          engine.precision.param_dtype, device)
-    return TrainState(cfg, groups, chunks, engine, device, streams, tracker, p2p, timers, stragglers=watch,
-                      documents=documents, phases=phases, offload=offload)
+        p2p = PipelineP2P(
+            groups.pp, (cfg.micro_batch_size, seq, cfg.model.hidden_size), engine.precision.param_dtype, device
+        )
+    return TrainState(
+        cfg,
+        groups,
+        chunks,
+        engine,
+        device,
+        streams,
+        tracker,
+        p2p,
+        timers,
+        stragglers=watch,
+        documents=documents,
+        phases=phases,
+        offload=offload,
+    )
 
 
 def _in_phase(phases: Phases, name: str, fn):
     """`fn` whose every call is the phase `name`."""
+
     def called(*args, **kwargs):
         with phases(name):
             return fn(*args, **kwargs)
+
     return called

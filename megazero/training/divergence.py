@@ -17,6 +17,7 @@ the same iteration with no collective and no host read of its own. The stop is `
 AgreedStop with exit code 3; the loop logs the step and commits a pending save first, and saves
 nothing of the diverged state. Must not: save, or change the step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,20 +39,22 @@ class Diverged(AgreedStop):
 class DivergenceWatch:
     check_for_nan: bool = True
     max_consecutive_skipped: int = 50
-    dynamic_loss_scale: bool = False        # fp16's dynamic scale: gradient overflows are its business
+    dynamic_loss_scale: bool = False  # fp16's dynamic scale: gradient overflows are its business
     static_fp16_scale: float | None = None  # fp16's static scale (the zero-gradient line), else None
-    lr: float = 0.0                         # the peak rate, named in the fix
+    lr: float = 0.0  # the peak rate, named in the fix
     skipped_in_a_row: int = 0
     steps_seen: int = 0
 
     @classmethod
     def for_config(cls, cfg, dynamic_loss_scale: bool) -> "DivergenceWatch":
         static = cfg.precision.loss_scale if cfg.precision.fp16 and not dynamic_loss_scale else None
-        return cls(cfg.run.check_for_nan, cfg.run.max_consecutive_skipped_steps, dynamic_loss_scale, static,
-                   cfg.optimizer.lr)
+        return cls(
+            cfg.run.check_for_nan, cfg.run.max_consecutive_skipped_steps, dynamic_loss_scale, static, cfg.optimizer.lr
+        )
 
-    def after_step(self, iteration: int, loss: float, grad_norm: float,
-                   skipped: bool) -> tuple[tuple[str, str] | None, str | None]:
+    def after_step(
+        self, iteration: int, loss: float, grad_norm: float, skipped: bool
+    ) -> tuple[tuple[str, str] | None, str | None]:
         """After step `iteration`: ((what showed the divergence, the fix) when the run stops now, else
         None; a warning line, or None)."""
         self.steps_seen += 1
@@ -64,11 +67,15 @@ class DivergenceWatch:
         if self.check_for_nan and not math.isfinite(grad_norm) and not self.dynamic_loss_scale:
             return (f"iteration {iteration}: the gradient norm is {grad_norm} {check}", f"{lower}, {skip}"), None
         if self.max_consecutive_skipped and self.skipped_in_a_row >= self.max_consecutive_skipped:
-            return (f"iteration {iteration}: {self.skipped_in_a_row} steps in a row were skipped for a non-finite "
-                    f"gradient (--max-consecutive-skipped-steps {self.max_consecutive_skipped})",
-                    f"{lower}, or raise --max-consecutive-skipped-steps (0: never stop)"), None
+            return (
+                f"iteration {iteration}: {self.skipped_in_a_row} steps in a row were skipped for a non-finite "
+                f"gradient (--max-consecutive-skipped-steps {self.max_consecutive_skipped})",
+                f"{lower}, or raise --max-consecutive-skipped-steps (0: never stop)",
+            ), None
         if self.steps_seen == 1 and self.static_fp16_scale is not None and grad_norm == 0.0:
-            return None, (f"iteration {iteration}: every gradient is 0 under the static loss scale "
-                          f"{self.static_fp16_scale:g} (--loss-scale): the fp16 gradients underflow and nothing "
-                          f"trains; raise --loss-scale, or leave it out for the dynamic scale")
+            return None, (
+                f"iteration {iteration}: every gradient is 0 under the static loss scale "
+                f"{self.static_fp16_scale:g} (--loss-scale): the fp16 gradients underflow and nothing "
+                f"trains; raise --loss-scale, or leave it out for the dynamic scale"
+            )
         return None, None

@@ -19,13 +19,21 @@ FlopCounterMode over a real forward and backward; tests/training/test_flops.py t
 Megatron-LM's formula. A mixture of experts differs from Megatron's: it counts the router and the
 shared expert's gate, which Megatron leaves out.
 """
+
 from __future__ import annotations
 
 from megazero.models.config import GPTConfig
 
 # Dense bf16 peaks (TFLOP/s) by a substring of torch.cuda.get_device_name().
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0,
-                    "V100": 125.0, "MI300X": 1307.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "V100": 125.0,
+    "MI300X": 1307.0,
+}
 
 
 def attention_flops_per_token(cfg: GPTConfig, causal_at_half: bool = True) -> float:
@@ -43,19 +51,25 @@ def layer_flops_per_token(cfg: GPTConfig, index: int | None = None, causal_at_ha
         return sum(layer_flops_per_token(cfg, i, causal_at_half) for i in range(cfg.num_layers)) / cfg.num_layers
     h, width = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
     kv = cfg.head_dim * cfg.num_query_groups
-    projections = h * width + 2 * h * kv + width * h                 # q, k and v, output
+    projections = h * width + 2 * h * kv + width * h  # q, k and v, output
     per_width = (3 if cfg.activation == "swiglu" else 2) * h
     if cfg.is_moe_layer(index):
-        mlp = (h * cfg.num_experts + per_width * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
-               + per_width * cfg.moe_shared_expert_intermediate_size + h * cfg.moe_shared_expert_gate)
+        mlp = (
+            h * cfg.num_experts
+            + per_width * cfg.moe_router_topk * cfg.moe_ffn_hidden_size
+            + per_width * cfg.moe_shared_expert_intermediate_size
+            + h * cfg.moe_shared_expert_gate
+        )
     else:
         mlp = per_width * cfg.ffn_hidden_size
     return 2.0 * (projections + mlp) + attention_flops_per_token(cfg, causal_at_half)
 
 
 def forward_flops_per_token(cfg: GPTConfig, causal_at_half: bool = True) -> float:
-    return (sum(layer_flops_per_token(cfg, i, causal_at_half) for i in range(cfg.num_layers))
-            + 2.0 * cfg.padded_vocab_size * cfg.hidden_size)
+    return (
+        sum(layer_flops_per_token(cfg, i, causal_at_half) for i in range(cfg.num_layers))
+        + 2.0 * cfg.padded_vocab_size * cfg.hidden_size
+    )
 
 
 def step_flops(cfg: GPTConfig, tokens: int, causal_at_half: bool = True) -> float:
@@ -74,12 +88,13 @@ def recompute_flops(cfg: GPTConfig, tokens: int, chunk_layers: list[int], causal
         layers = sum(min(cfg.recompute_num_layers, n) for n in chunk_layers)
     else:
         layers = cfg.num_layers
-    return layers * layer_flops_per_token(cfg, None, causal_at_half) * tokens    # the mean layer: MoE and dense may mix
+    return layers * layer_flops_per_token(cfg, None, causal_at_half) * tokens  # the mean layer: MoE and dense may mix
 
 
 def peak_tflops(device) -> float | None:
     """The device's dense bf16 peak, when it is a GPU we know; None otherwise (no MFU then)."""
     import torch
+
     if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)

@@ -8,6 +8,7 @@ Steps are counted as Megatron counts them when it profiles: the step taken after
 iterations is step N, so a run resumed from a checkpoint profiles the same steps. It owns the
 collector's switch (restored on close) and the profiler; it must not touch the model or the groups.
 """
+
 from __future__ import annotations
 
 import gc
@@ -41,7 +42,7 @@ class Housekeeping:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self.profiler.start()
-        if self.profiler is not None:        # names the step in the trace
+        if self.profiler is not None:  # names the step in the trace
             self.span = torch.profiler.record_function(f"megazero iteration {iteration}")
             self.span.__enter__()
 

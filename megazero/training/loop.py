@@ -5,6 +5,7 @@ loss bookkeeping (each microbatch's loss is its summed token losses over the tok
 global batch, so DP ranks and microbatches add up to the global mean whatever the layout) and
 evaluation. Builds nothing from flags: it gets a TrainConfig, process groups and batch sources.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,11 +39,11 @@ def _unheard(name: str):
 
 def _job(state: TrainState, microbatches: list[torch.Tensor], phases: Phases | None = None) -> PipelineJob:
     cfg, groups = state.cfg, state.groups
-    phases = phases if phases is not None else _unheard     # evaluation: nothing listens
+    phases = phases if phases is not None else _unheard  # evaluation: nothing listens
     # Every microbatch's summed token losses over the tokens of the whole global batch (Megatron's
     # --calculate-per-token-loss; every token counts, so it is also the mean of the per-sample means).
     normalizer = len(microbatches) * cfg.micro_batch_size * groups.topology.dp * cfg.model.seq_length
-    cp = groups.cp     # CP ranks' token sums add up to the same count
+    cp = groups.cp  # CP ranks' token sums add up to the same count
     # Pinned, non-blocking copies on the copy stream, issued for the whole batch up front.
     tokens_on_device = [copy_to_device(mb, state.device, state.streams) for mb in microbatches]
     documents, loss_masks, normalizer = _packed_documents(state, microbatches, normalizer)
@@ -76,10 +77,18 @@ def _job(state: TrainState, microbatches: list[torch.Tensor], phases: Phases | N
         with phases("backward"):
             split_weight(run_w, ticket, last)
 
-    return PipelineJob(num_microbatches=len(microbatches), num_chunks=len(state.chunks),
-                       stage=groups.coords.pp, num_stages=groups.topology.pp, forward=forward,
-                       backward=backward, p2p=state.p2p, overlap_p2p=cfg.parallel.overlap_p2p_comm,
-                       backward_input=backward_input, backward_weight=backward_weight)
+    return PipelineJob(
+        num_microbatches=len(microbatches),
+        num_chunks=len(state.chunks),
+        stage=groups.coords.pp,
+        num_stages=groups.topology.pp,
+        forward=forward,
+        backward=backward,
+        p2p=state.p2p,
+        overlap_p2p=cfg.parallel.overlap_p2p_comm,
+        backward_input=backward_input,
+        backward_weight=backward_weight,
+    )
 
 
 def loss_stage(state: TrainState) -> int:
@@ -106,15 +115,17 @@ def _packed_documents(state: TrainState, microbatches: list[torch.Tensor], norma
     local = [local_chunks(mask, cp.rank, cp.size) for _, mask in packed]
     masks = [copy_to_device(mask, device, streams) for mask in local]
     if groups.is_last_stage:
-        count = torch.full((1,), float(sum(int(mask.sum()) for mask in local)), dtype=torch.float64,
-                           device=groups.dp.device)
+        count = torch.full(
+            (1,), float(sum(int(mask.sum()) for mask in local)), dtype=torch.float64, device=groups.dp.device
+        )
         comm.all_reduce(count, groups.dp)
         normalizer = count.clamp_min(1.0).float().squeeze(0)
     return documents, masks, normalizer
 
 
-def _global_loss(state: TrainState, losses: list[torch.Tensor],
-                 flags: tuple[bool, ...] = ()) -> tuple[float, tuple[bool, ...]]:
+def _global_loss(
+    state: TrainState, losses: list[torch.Tensor], flags: tuple[bool, ...] = ()
+) -> tuple[float, tuple[bool, ...]]:
     """Sum of the last stage's microbatch losses over DP, sent to every pipeline stage, and each of
     this rank's `flags` (stop conditions) made true on every rank when it is true on any rank of
     the layout: the flags ride in the loss's own reduction, so agreeing on them costs no extra
@@ -129,7 +140,7 @@ def _global_loss(state: TrainState, losses: list[torch.Tensor],
         total[:1] += torch.stack(losses).double().sum()
     if flags:
         for i, flag in enumerate(flags, start=1):
-            if flag:                              # a fill on the device: no host-to-device copy
+            if flag:  # a fill on the device: no host-to-device copy
                 total[i].fill_(1.0)
         comm.all_reduce(total, groups.dp)
         comm.all_reduce(total, groups.mp)
@@ -148,14 +159,13 @@ class StepResult:
     skipped: bool
     loss_scale: float
     max_in_flight: int
-    stop_flags: tuple[bool, ...] = ()     # stop_flags()'s values, each agreed over the layout
+    stop_flags: tuple[bool, ...] = ()  # stop_flags()'s values, each agreed over the layout
     num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad
-    moe: dict | None = None               # mixture of experts: moe_stats.end_moe_step's record
-    max_deferred_w: int = 0               # zero-bubble schedules: most Ws waiting at once
+    moe: dict | None = None  # mixture of experts: moe_stats.end_moe_step's record
+    max_deferred_w: int = 0  # zero-bubble schedules: most Ws waiting at once
 
 
-def train_step(state: TrainState, microbatches: list[torch.Tensor], lr,
-               stop_flags=None) -> StepResult:
+def train_step(state: TrainState, microbatches: list[torch.Tensor], lr, stop_flags=None) -> StepResult:
     """One training step at learning rate `lr` (a float, or (lr, decoupled lr)). `stop_flags()`
     (called after the optimizer step) gives this rank's stop conditions (e.g. the wall clock is past
     --exit-duration-in-mins, a signal came), agreed over the whole layout in the loss's reduction
@@ -182,14 +192,28 @@ def _train_step(state: TrainState, microbatches: list[torch.Tensor], lr, stop_fl
     with state.phases("step"):
         stats = state.engine.step(lr)
     state.iteration += 1
-    moe_record = end_moe_step(state.chunks, state.groups, state.cfg.model, len(microbatches),
-                              par.sequence_parallel, state.device) if moe else None
+    moe_record = (
+        end_moe_step(
+            state.chunks, state.groups, state.cfg.model, len(microbatches), par.sequence_parallel, state.device
+        )
+        if moe
+        else None
+    )
     loss, agreed = _global_loss(state, result.losses, stop_flags() if stop_flags is not None else ())
     state.groups.log.end_step()
     if run.empty_unused_memory_level >= 2:
         empty_cache(state.device)
-    return StepResult(loss, stats.grad_norm, stats.skipped, stats.loss_scale, result.max_in_flight, agreed,
-                      zeros, moe_record, result.max_deferred_w)
+    return StepResult(
+        loss,
+        stats.grad_norm,
+        stats.skipped,
+        stats.loss_scale,
+        result.max_in_flight,
+        agreed,
+        zeros,
+        moe_record,
+        result.max_deferred_w,
+    )
 
 
 def empty_cache(device: torch.device) -> None:
@@ -210,7 +234,7 @@ def evaluate(state: TrainState, batches: list[list[torch.Tensor]]) -> float:
         total += _global_loss(state, schedule(_job(state, microbatches), forward_only=True).losses)[0]
     for chunk in state.chunks:
         chunk.train()
-    state.groups.log.end_step()        # evaluation traffic is not the next training step's
+    state.groups.log.end_step()  # evaluation traffic is not the next training step's
     return total / max(1, len(batches))
 
 
@@ -218,11 +242,19 @@ def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_at, metrics=None,
-          start_iteration: int = 0, policy=None) -> list[dict]:
+def train(
+    state: TrainState,
+    train_source: MicrobatchSource,
+    valid_batches,
+    lr_at,
+    metrics=None,
+    start_iteration: int = 0,
+    policy=None,
+) -> list[dict]:
     """Runs steps start_iteration+1 .. cfg.train_iters; returns one record per step (and per
     evaluation). `lr_at(n, done_samples)` is the rate(s) of the n-th applied optimizer step, after
     applied steps that consumed `done_samples` samples (megazero.training.lr_schedule.step_learning_rate).
@@ -239,7 +271,7 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
     # step; a checkpoint loaded without its optimizer restarts it), and in samples their samples.
     applied = cfg.consumed_before(state.engine.step_count)
     watch = DivergenceWatch.for_config(cfg, state.engine.loss_scaler.dynamic)
-    moe_said = set()                        # MoE layers already named for sending every token to one expert
+    moe_said = set()  # MoE layers already named for sending every token to one expert
     try:
         for it in range(start_iteration, cfg.train_iters):
             housekeeping.before_step(it + 1)
@@ -254,11 +286,21 @@ def train(state: TrainState, train_source: MicrobatchSource, valid_batches, lr_a
             elapsed = time.perf_counter() - started
             consumed += batch
             applied += 0 if step.skipped else batch
-            record = train_record(it + 1, step, lr, elapsed, tokens=tokens_per_step, flops=flops_per_step,
-                                  hardware_flops=hardware_flops, world=world, peak=peak,
-                                  memory_mib=peak_memory_mib(state.device), skipped_total=state.engine.skipped_steps,
-                                  flagged=_optional_fields(state, rates, batch, consumed, step),
-                                  time_ms=state.timers.elapsed_ms() if state.timers is not None else None)
+            record = train_record(
+                it + 1,
+                step,
+                lr,
+                elapsed,
+                tokens=tokens_per_step,
+                flops=flops_per_step,
+                hardware_flops=hardware_flops,
+                world=world,
+                peak=peak,
+                memory_mib=peak_memory_mib(state.device),
+                skipped_total=state.engine.skipped_steps,
+                flagged=_optional_fields(state, rates, batch, consumed, step),
+                time_ms=state.timers.elapsed_ms() if state.timers is not None else None,
+            )
             _say_step_notes(state, step, it + 1, moe_said, metrics)
             history.append(record)
             window.append(record)
@@ -287,8 +329,10 @@ def _chunk_layers(cfg) -> list[int]:
     """Layers of every model chunk (pipeline stages x virtual stages, in pipeline order), which
     recompute_flops counts "block" recomputation in."""
     par = cfg.parallel
-    return [len(r) for r in stage_layer_ranges(cfg.model.num_layers, par.pipeline_parallel, par.virtual_stages,
-                                               par.layer_split)]
+    return [
+        len(r)
+        for r in stage_layer_ranges(cfg.model.num_layers, par.pipeline_parallel, par.virtual_stages, par.layer_split)
+    ]
 
 
 def _say_step_notes(state: TrainState, step: StepResult, iteration: int, moe_said: set, metrics) -> None:
@@ -298,8 +342,10 @@ def _say_step_notes(state: TrainState, step: StepResult, iteration: int, moe_sai
     if collapsed and metrics is not None:
         metrics.say(f" {collapsed}")
     if step.skipped and metrics is not None:
-        metrics.say(f" iteration {iteration}: non-finite gradient norm ({step.grad_norm}), step skipped "
-                    f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)")
+        metrics.say(
+            f" iteration {iteration}: non-finite gradient norm ({step.grad_norm}), step skipped "
+            f"(loss scale {step.loss_scale:g}; {state.engine.skipped_steps} skipped so far)"
+        )
 
 
 def _evaluation(state: TrainState, valid_batches, iteration: int, housekeeping: Housekeeping, metrics) -> dict:
@@ -312,8 +358,9 @@ def _evaluation(state: TrainState, valid_batches, iteration: int, housekeeping: 
     return record
 
 
-def _check_divergence(watch: DivergenceWatch, state: TrainState, iteration: int, step: StepResult, metrics,
-                      window: list[dict], policy) -> None:
+def _check_divergence(
+    watch: DivergenceWatch, state: TrainState, iteration: int, step: StepResult, metrics, window: list[dict], policy
+) -> None:
     """Says the divergence watch's warning; when it stops the run: the step's record logged, a
     pending save committed, then Diverged (the same on every rank: the watch reads agreed values)."""
     stop, warning = watch.after_step(iteration, step.loss, step.grad_norm, step.skipped)

@@ -11,6 +11,7 @@ Megatron's scheduler does (warmup_iters and decay_iters are then sample counts).
 `config.decoupled_lr` a step has two rates: every parameter's, and the embedding and output layer's,
 which follow the same schedule between decoupled_lr and decoupled_min_lr (Megatron's param groups).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,9 @@ def step_learning_rate(config: OptimizerConfig, step: int, train_iters: int, don
     return lr, learning_rate(config, at, total, config.decoupled_lr, low)
 
 
-def learning_rate(config: OptimizerConfig, step: int, train_iters: int, max_lr: float | None = None,
-                  min_lr: float | None = None) -> float:
+def learning_rate(
+    config: OptimizerConfig, step: int, train_iters: int, max_lr: float | None = None, min_lr: float | None = None
+) -> float:
     """The rate of `step` between max_lr and min_lr (default: config.lr and config.min_lr)."""
     max_lr = config.lr if max_lr is None else max_lr
     min_lr = config.min_lr if min_lr is None else min_lr

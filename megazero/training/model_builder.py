@@ -3,6 +3,7 @@ outside in a fixed order (tensor parallel swap, then the pipeline split, then to
 layer when asked), plus the init function the ZeRO engine materialises parameters with. No parameter
 memory is allocated here.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,11 +25,19 @@ from megazero.models.param_info import param_info
 initial_value = kernels.declare("initial value", gpt.initial_value)
 
 
-def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTracker, *,
-                       sequence_parallel: bool = False, virtual_stages: int = 1,
-                       layer_split: list[int] | None = None, compile_backend: str | None = None,
-                       cp_comm_type: str = "p2p", moe_dispatcher: str = "alltoall",
-                       v_shape: bool = False) -> list[GPT]:
+def build_model_chunks(
+    config: GPTConfig,
+    groups: ProcessGroups,
+    tracker: RNGTracker,
+    *,
+    sequence_parallel: bool = False,
+    virtual_stages: int = 1,
+    layer_split: list[int] | None = None,
+    compile_backend: str | None = None,
+    cp_comm_type: str = "p2p",
+    moe_dispatcher: str = "alltoall",
+    v_shape: bool = False,
+) -> list[GPT]:
     """One GPT chunk per virtual pipeline stage owned by this rank, on the meta device; with
     `compile_backend`, each transformer layer compiled (compile_layers). Context parallelism (over
     groups.cp, `cp_comm_type`) swaps the attention cores after the tensor-parallel swap. `v_shape`:
@@ -42,9 +51,15 @@ def build_model_chunks(config: GPTConfig, groups: ProcessGroups, tracker: RNGTra
             model = GPT(config)
         parallelize(model, groups.tp, tracker, sequence_parallel)
         if config.num_experts:
-            apply_expert_parallel(model, tp=groups.tp, ep=groups.ep, cp=groups.cp,
-                                  sequence_parallel=sequence_parallel, dispatcher=moe_dispatcher,
-                                  whole_experts=topo.experts_fold_tp)
+            apply_expert_parallel(
+                model,
+                tp=groups.tp,
+                ep=groups.ep,
+                cp=groups.cp,
+                sequence_parallel=sequence_parallel,
+                dispatcher=moe_dispatcher,
+                whole_experts=topo.experts_fold_tp,
+            )
         apply_context_parallel(model, groups.cp, cp_comm_type)
         layers = ranges[layout.virtual_stage(groups.coords.pp, v)]
         first, last = layout.is_first(groups.coords.pp, v), layout.is_last(groups.coords.pp, v)
@@ -70,7 +85,7 @@ def make_init_fn(config: GPTConfig, seed: int):
 
     def init(name: str, param) -> torch.Tensor:
         info = param_info(param)
-        tile = info.tile_shard       # a tile of parallel.tiling: cut from its source
+        tile = info.tile_shard  # a tile of parallel.tiling: cut from its source
         if tile is not None:
             return tile.local_from_full(initial_value(config, tile.source, tile.full, seed))
         init_name = info.init_name or name

@@ -10,6 +10,7 @@ over dp x cp (and tp under sequence parallelism). The loss values are the same o
 shares the microbatch's tokens (their statistics were summed across those ranks), so they are
 averaged over the microbatches of the global batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ from megazero.models.moe import MoELayer
 
 
 def moe_layers(chunks) -> list[tuple[str, MoELayer]]:
-    return [(name, layer.mlp) for chunk in chunks for name, layer in chunk.layers.items()
-            if isinstance(layer.mlp, MoELayer)]
+    return [
+        (name, layer.mlp) for chunk in chunks for name, layer in chunk.layers.items() if isinstance(layer.mlp, MoELayer)
+    ]
 
 
 def begin_moe_step(chunks, microbatches: int, dp: int, loss_scale: float) -> None:
@@ -46,7 +48,7 @@ def end_moe_step(chunks, groups, config, microbatches: int, sequence_parallel: b
         stats = layer.stats or {}
         at = moe_indices.index(int(name)) * e
         if isinstance(stats.get("load"), torch.Tensor):
-            flat[at:at + e] = stats["load"].double()
+            flat[at : at + e] = stats["load"].double()
         for i, key in enumerate(("aux", "z", "dropped"), start=len(flat) - 3):
             if isinstance(stats.get(key), torch.Tensor):
                 flat[i] += stats[key].double()
@@ -64,9 +66,14 @@ def end_moe_step(chunks, groups, config, microbatches: int, sequence_parallel: b
     for name, layer in mine:
         if layer.router.use_bias:
             layer.router.update_expert_bias(loads[moe_indices.index(int(name))].float())
-    return {"aux": aux / total_microbatches, "z": z / total_microbatches, "dropped": dropped,
-            "load": {i: (max(row), sum(row) / len(row))
-                     for i, row in zip(moe_indices, host_read.read(loads, "moe expert loads"))}}
+    return {
+        "aux": aux / total_microbatches,
+        "z": z / total_microbatches,
+        "dropped": dropped,
+        "load": {
+            i: (max(row), sum(row) / len(row)) for i, row in zip(moe_indices, host_read.read(loads, "moe expert loads"))
+        },
+    }
 
 
 def collapse_line(record: dict, config, iteration: int, said: set) -> str | None:
@@ -74,18 +81,22 @@ def collapse_line(record: dict, config, iteration: int, said: set) -> str | None
     expert while nothing balances them (no aux loss: Megatron's default coefficient 0, and no expert
     bias): the other experts then get no gradient and the router has no reason to change. From the
     step's loads (`end_moe_step`'s record): a layer's largest load equals its tokens (choices / top-k)."""
-    balanced = (config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type != "none"
-                or config.moe_router_enable_expert_bias)
+    balanced = (
+        config.moe_aux_loss_coeff > 0
+        and config.moe_router_load_balancing_type != "none"
+        or config.moe_router_enable_expert_bias
+    )
     e, k = config.num_experts, config.moe_router_topk
-    if balanced or e <= k:          # every expert takes every token: nothing to balance
+    if balanced or e <= k:  # every expert takes every token: nothing to balance
         return None
-    collapsed = [i for i, (most, mean) in record["load"].items()
-                 if i not in said and mean > 0 and most >= mean * e / k]
+    collapsed = [i for i, (most, mean) in record["load"].items() if i not in said and mean > 0 and most >= mean * e / k]
     if not collapsed:
         return None
     said.update(collapsed)
-    return (f"iteration {iteration}: MoE layer{'s' if len(collapsed) > 1 else ''} "
-            f"{', '.join(map(str, collapsed))} routed every token to one expert, and no balancing acts "
-            f"(--moe-aux-loss-coeff {config.moe_aux_loss_coeff:g}, no expert bias): the other experts get no "
-            f"gradient; set --moe-aux-loss-coeff (e.g. 1e-2) with --moe-router-load-balancing-type aux_loss, "
-            f"or --moe-router-enable-expert-bias with --moe-router-score-function sigmoid")
+    return (
+        f"iteration {iteration}: MoE layer{'s' if len(collapsed) > 1 else ''} "
+        f"{', '.join(map(str, collapsed))} routed every token to one expert, and no balancing acts "
+        f"(--moe-aux-loss-coeff {config.moe_aux_loss_coeff:g}, no expert bias): the other experts get no "
+        f"gradient; set --moe-aux-loss-coeff (e.g. 1e-2) with --moe-router-load-balancing-type aux_loss, "
+        f"or --moe-router-enable-expert-bias with --moe-router-score-function sigmoid"
+    )

@@ -8,6 +8,7 @@ to the edge (megazero.config.monitor_flags). It must not touch process groups.
 Keys are `<split>/<field>` (`train/loss`, `valid/loss`, `train/time_ms/forward`), stepped by the
 record's iteration, so a valid loss and the train loss of the same iteration share a step.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import os
 from pathlib import Path
 
 from megazero.config.train_config import MonitorConfig, TrainConfig
+
 
 def scalars(record: dict) -> dict[str, float]:
     """The numeric fields of a metrics record as `<split>/<field>` keys (nested dicts flattened)."""
@@ -37,8 +39,10 @@ def scalars(record: dict) -> dict[str, float]:
 def config_dict(cfg: TrainConfig) -> dict:
     """The run's config as plain JSON values: pydantic records (ZeroConfig) as their fields, other
     objects (dtypes) as their str."""
+
     def plain(value):
         return value.model_dump(mode="json") if hasattr(value, "model_dump") else str(value)
+
     return json.loads(json.dumps(cfg.model_dump(), default=plain))
 
 
@@ -48,20 +52,29 @@ class WandbMonitor:
 
     def __init__(self, cfg: MonitorConfig, run_config: dict, say):
         import wandb
+
         self._wandb, self._say = wandb, say
         save_dir = Path(cfg.wandb_save_dir or ".")
         save_dir.mkdir(parents=True, exist_ok=True)
         # console="off": the log lines already reach stdout; wandb need not capture them a second time
         settings = wandb.Settings(quiet=True, console="off", init_timeout=60)
-        kwargs = dict(project=cfg.wandb_project, name=cfg.wandb_exp_name, entity=cfg.wandb_entity,
-                      dir=str(save_dir), config=run_config, settings=settings)
+        kwargs = dict(
+            project=cfg.wandb_project,
+            name=cfg.wandb_exp_name,
+            entity=cfg.wandb_entity,
+            dir=str(save_dir),
+            config=run_config,
+            settings=settings,
+        )
         try:
             self.run = wandb.init(**kwargs)
-        except Exception as err:       # no network or no API key: keep the history locally
+        except Exception as err:  # no network or no API key: keep the history locally
             if os.environ.get("WANDB_MODE") == "offline":
                 raise
-            say(f" wandb: cannot go online ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
-                f"logging offline")
+            say(
+                f" wandb: cannot go online ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                f"logging offline"
+            )
             self.run = wandb.init(mode="offline", **kwargs)
         # run.dir is <run directory>/files; the run directory is what `wandb sync` takes
         self.run_dir = Path(self.run.dir).parent
@@ -83,10 +96,13 @@ class TensorBoardMonitor:
 
     def __init__(self, cfg: MonitorConfig, run_config: dict, say):
         from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir)
         self.writer.add_text("config", "```\n" + json.dumps(run_config, indent=2) + "\n```", 0)
-        say(f" tensorboard: event files in {cfg.tensorboard_dir} (view with: tensorboard --logdir "
-            f"{cfg.tensorboard_dir})")
+        say(
+            f" tensorboard: event files in {cfg.tensorboard_dir} (view with: tensorboard --logdir "
+            f"{cfg.tensorboard_dir})"
+        )
 
     def log(self, record: dict) -> None:
         for key, value in scalars(record).items():

@@ -14,6 +14,7 @@ ZeRO-3 parameter between gathers reports as empty), with tensor parallelism's sp
 `tp_shard`) turned into the join and split the engine calls. With split QKV (Megatron-LM's default)
 the QKV weight's rows of each query group are its queries, key and value: three matrices.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,17 +41,20 @@ def muon_matrix_of(model: GPTConfig, muon: MuonConfig):
         if len(shape) != 2 and not expert:
             return None
         if info.tile_shard is not None:
-            raise ValueError(f"Muon needs {name} whole, but it is a tile of a TiledLinear; untile it or "
-                             f"use Adam")
+            raise ValueError(f"Muon needs {name} whole, but it is a tile of a TiledLinear; untile it or use Adam")
         # A grouped-experts weight holds this expert-parallel rank's experts, split over TP as its
         # ExpertShard's TPShard says; each expert's matrix is orthogonalised apart.
         shard = getattr(info.tp_shard, "tp", info.tp_shard) if expert else info.tp_shard
         split = shard if info.tensor_parallel and isinstance(shard, TPShard) and shard.size > 1 else None
         blocks = qkv_rows if muon.split_qkv and name.endswith("attention.qkv.weight") else ()
-        return MuonMatrix(full_shape=split.full_shape(shape) if split is not None else tuple(shape),
-                          join=split.full_from_locals if split is not None else None,
-                          split=_splitter(split) if split is not None else None,
-                          row_blocks=blocks, batched=expert, transposed=expert)
+        return MuonMatrix(
+            full_shape=split.full_shape(shape) if split is not None else tuple(shape),
+            join=split.full_from_locals if split is not None else None,
+            split=_splitter(split) if split is not None else None,
+            row_blocks=blocks,
+            batched=expert,
+            transposed=expert,
+        )
 
     return matrix
 

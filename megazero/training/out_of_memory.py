@@ -10,6 +10,7 @@ tightest of /proc/meminfo's MemAvailable, the cgroup's memory.max less memory.cu
 address-space limit, RLIMIT_AS, less this process's size), and the flags that lower that phase's
 memory. The driver (megazero.run.launch) prints it; this module reads no environment variable.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,13 +21,16 @@ import torch
 
 _CPU = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
 _CUDA = re.compile(r"Tried to allocate ([\d.]+) (GiB|MiB|KiB|B)")
-_UNITS = {"GiB": 2 ** 30, "MiB": 2 ** 20, "KiB": 2 ** 10, "B": 1}
+_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
 _PHASES = {"forward": "forward", "backward": "backward", "reduce": "gradient reduction", "step": "optimizer step"}
 # (file's tail, function) -> phase, innermost first wins, for failures outside the timed phases
 # (module, or a package's name and a dot; function, None: any; phase), matched by the frame's module
 # name, not its file's path (megazero.core.source_paths)
-_FRAMES = (("megazero.checkpoint.", None, "checkpoint"), ("megazero.training.loop", "evaluate", "evaluation"),
-           ("megazero.training.assembly", "setup", "set-up (model and ZeRO engine)"))
+_FRAMES = (
+    ("megazero.checkpoint.", None, "checkpoint"),
+    ("megazero.training.loop", "evaluate", "evaluation"),
+    ("megazero.training.assembly", "setup", "set-up (model and ZeRO engine)"),
+)
 
 
 def mark_phase(err: BaseException | None, name: str) -> None:
@@ -39,7 +43,9 @@ def mark_phase(err: BaseException | None, name: str) -> None:
 
 
 def is_out_of_memory(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and _CPU.search(str(err)) is not None)
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and _CPU.search(str(err)) is not None
+    )
 
 
 def asked_bytes(err: BaseException) -> int | None:
@@ -53,7 +59,7 @@ def asked_bytes(err: BaseException) -> int | None:
 def phase_of(err: BaseException) -> str:
     marked = getattr(err, "megazero_phase", None)
     found, tb = None, err.__traceback__
-    while tb is not None:                       # outermost to innermost: the last match is the innermost
+    while tb is not None:  # outermost to innermost: the last match is the innermost
         module, name = tb.tb_frame.f_globals.get("__name__", ""), tb.tb_frame.f_code.co_name
         for where, function, phase in _FRAMES:
             if (module.startswith(where) if where.endswith(".") else module == where) and function in (None, name):
@@ -109,7 +115,7 @@ def device_free(device: torch.device) -> tuple[int | None, str]:
 
 
 def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
@@ -127,8 +133,11 @@ def lowering_flags(phase: str, cfg, on_host: bool, math_attention: bool) -> list
         if math_attention:
             flags += ["--attention-dropout 0 (the flash kernel, no (b, heads, s, s) probabilities)"]
         if m.recompute_granularity != "full":
-            flags += ["--recompute-granularity full" if m.recompute_granularity == "selective"
-                      else "--recompute-activations (or --recompute-granularity full)"]
+            flags += [
+                "--recompute-granularity full"
+                if m.recompute_granularity == "selective"
+                else "--recompute-activations (or --recompute-granularity full)"
+            ]
         if par.tensor_parallel > 1 and not par.sequence_parallel:
             flags += ["--sequence-parallel"]
     if on_host and (zero.offloads_optimizer or zero.offloads_params):
@@ -139,9 +148,12 @@ def lowering_flags(phase: str, cfg, on_host: bool, math_attention: bool) -> list
     elif "optimizer step" in phase or "set-up" in phase or "checkpoint" in phase:
         if zero.stage < 3:
             flags += [f"--zero-stage 3 (now {zero.stage})"]
-        if not zero.offloads_optimizer:        # on the CPU host memory is the same memory: to disk
-            flags += ["--zero-offload-optimizer nvme (optimizer states to disk)" if on_host
-                      else "--zero-offload-optimizer cpu"]
+        if not zero.offloads_optimizer:  # on the CPU host memory is the same memory: to disk
+            flags += [
+                "--zero-offload-optimizer nvme (optimizer states to disk)"
+                if on_host
+                else "--zero-offload-optimizer cpu"
+            ]
     flags += ["--tensor-model-parallel-size / --pipeline-model-parallel-size (more ranks for the model)"]
     return flags
 
@@ -156,6 +168,7 @@ def out_of_memory_line(err: BaseException, rank: int | None, cfg, device) -> str
     math_attention = False
     if cfg is not None and on_host == (device is None or device.type == "cpu"):
         from megazero.config.attention_memory import kernel_for
+
         math_attention = kernel_for(cfg, device.type if device is not None else "cpu") == "math"
     asked = asked_bytes(err)
     free, how = host_free() if on_host else device_free(device)
@@ -163,5 +176,7 @@ def out_of_memory_line(err: BaseException, rank: int | None, cfg, device) -> str
     asked_text = _size(asked) if asked is not None else "an unknown size"
     free_text = f"{_size(free)} free ({how})" if free is not None else "free memory unknown"
     who = f"rank {rank}: " if rank is not None else ""
-    return (f"{who}out of {where} memory in the {phase}: asked for {asked_text} with {free_text}; lower it "
-            f"with {', '.join(lowering_flags(phase, cfg, on_host, math_attention))}")
+    return (
+        f"{who}out of {where} memory in the {phase}: asked for {asked_text} with {free_text}; lower it "
+        f"with {', '.join(lowering_flags(phase, cfg, on_host, math_attention))}"
+    )

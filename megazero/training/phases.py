@@ -15,6 +15,7 @@ run's way in: it does not build the TrainState).
 
 Must not: change what a phase computes; a listener only observes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,7 @@ from typing import Protocol
 
 from megazero.training.out_of_memory import mark_phase
 
-STEP_PHASES = ("forward", "backward", "reduce", "step")   # what the timers time
+STEP_PHASES = ("forward", "backward", "reduce", "step")  # what the timers time
 
 
 class PhaseListener(Protocol):
@@ -59,7 +60,7 @@ class OutOfMemoryMark:
 
 
 class _Open:
-    listeners: list = []        # added by `listening`, heard by every Phases made meanwhile
+    listeners: list = []  # added by `listening`, heard by every Phases made meanwhile
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ DP, then over TP x PP: together the whole world, no group of its own) brings eve
 every rank; a rank whose compute exceeds the median compute by more than the threshold is named.
 No collective is added to any other step.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,7 +33,7 @@ class StragglerWatch:
         # host waits inside a phase (a TP all-reduce in the forward, a ZeRO bucket's wait in the
         # backward) are the peers' slowness, not this rank's work: taken out of the phase's time
         self._inside: dict[str, float] = {}
-        self.iterations = 0              # steps timed since the last gather (or reset)
+        self.iterations = 0  # steps timed since the last gather (or reset)
         self._wait_at_phase: dict[str, float] = {}
 
     def start(self, name: str) -> None:
@@ -58,16 +59,17 @@ class StragglerWatch:
         self._inside, self.iterations = {}, 0
         wait = self.log.wait_s - self._wait_at_start
         work = [max(0.0, ms.get(p, 0.0) / 1000 - inside.get(p, 0.0)) for p in PHASES]
-        mine = torch.tensor([float(groups.rank)] + work + [wait],
-                            dtype=torch.float64, device=self.device)
+        mine = torch.tensor([float(groups.rank)] + work + [wait], dtype=torch.float64, device=self.device)
         over_dp = torch.empty(groups.dp.size * mine.numel(), dtype=torch.float64, device=self.device)
         comm.all_gather(over_dp, mine, groups.dp)
         everyone = torch.empty(groups.mp.size * over_dp.numel(), dtype=torch.float64, device=self.device)
         comm.all_gather(everyone, over_dp, groups.mp)
-        self._wait_at_start = self.log.wait_s     # the gather's own wait is not the next interval's
+        self._wait_at_start = self.log.wait_s  # the gather's own wait is not the next interval's
         rows = everyone.view(-1, mine.numel()).tolist()
-        return sorted(({"rank": int(r[0]), **dict(zip(PHASES, r[1:4])), "comm_wait": r[4],
-                        "compute": sum(r[1:4])} for r in rows), key=lambda t: t["rank"])
+        return sorted(
+            ({"rank": int(r[0]), **dict(zip(PHASES, r[1:4])), "comm_wait": r[4], "compute": sum(r[1:4])} for r in rows),
+            key=lambda t: t["rank"],
+        )
 
 
 def find_stragglers(times: list[dict], threshold: float, iterations: int) -> dict | None:
@@ -78,16 +80,25 @@ def find_stragglers(times: list[dict], threshold: float, iterations: int) -> dic
     if not slow or median <= 0:
         return None
     worst = max(slow, key=lambda t: t["compute"])
-    return {"rank": worst["rank"], "iterations": iterations, "seconds": worst["compute"], "median_seconds": median,
-            "ratio": worst["compute"] / median, "ranks": [t["rank"] for t in slow],
-            **{p: worst[p] for p in PHASES}, "comm_wait": worst["comm_wait"]}
+    return {
+        "rank": worst["rank"],
+        "iterations": iterations,
+        "seconds": worst["compute"],
+        "median_seconds": median,
+        "ratio": worst["compute"] / median,
+        "ranks": [t["rank"] for t in slow],
+        **{p: worst[p] for p in PHASES},
+        "comm_wait": worst["comm_wait"],
+    }
 
 
 def describe(found: dict) -> str:
     """The log line naming the straggler."""
     others = [r for r in found["ranks"] if r != found["rank"]]
-    return (f" straggler: rank {found['rank']} took {found['seconds']:.2f} s in the last {found['iterations']} "
-            f"iterations, {found['ratio']:.1f}x the median {found['median_seconds']:.2f} s (forward "
-            f"{found['forward']:.2f} s, backward {found['backward']:.2f} s, step {found['step']:.2f} s, "
-            f"comm wait {found['comm_wait']:.2f} s)"
-            + (f"; also over the threshold: ranks {', '.join(map(str, others))}" if others else ""))
+    return (
+        f" straggler: rank {found['rank']} took {found['seconds']:.2f} s in the last {found['iterations']} "
+        f"iterations, {found['ratio']:.1f}x the median {found['median_seconds']:.2f} s (forward "
+        f"{found['forward']:.2f} s, backward {found['backward']:.2f} s, step {found['step']:.2f} s, "
+        f"comm wait {found['comm_wait']:.2f} s)"
+        + (f"; also over the threshold: ranks {', '.join(map(str, others))}" if others else "")
+    )

@@ -9,15 +9,20 @@ before torch loads): `Init` (init.py), `GatheredParameters` and `register_extern
 gathers one at a time; no module of zero uses it).
 """
 
-_NAMES = {"Init": "megazero.zero.init", "GatheredParameters": "megazero.zero.stage3.gathered",
-          "register_external_parameter": "megazero.zero.stage3.gathered"}
+_NAMES = {
+    "Init": "megazero.zero.init",
+    "GatheredParameters": "megazero.zero.stage3.gathered",
+    "register_external_parameter": "megazero.zero.stage3.gathered",
+}
 
 
 def __getattr__(name):
     if name in _NAMES:
         import importlib
+
         return getattr(importlib.import_module(_NAMES[name]), name)
     if name == "TiledLinear":
         from megazero.parallel.tiling import TiledLinear
+
         return TiledLinear
     raise AttributeError(f"module 'megazero.zero' has no attribute {name!r}")

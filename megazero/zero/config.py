@@ -7,6 +7,7 @@ nearest valid key; keys of features that have not landed as "not supported yet" 
 their do-nothing value; the tables of such keys are config_keys.py's). Notes are returned as data;
 the driver logs them once.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -20,9 +21,20 @@ from pydantic import ConfigDict, Field
 from megazero.core.errors import UsageError
 from megazero.core.records import Record
 from .config_blocks import (  # noqa: F401
-    LeafModuleConfig, OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig, ZenFlowConfig)
-from .config_keys import (FIXED_BY_DESIGN, LEGACY_OFFLOAD_KEYS, NOT_SUPPORTED_WHY, NOT_SUPPORTED_YET,
-                          SAVING_NOT_SUPPORTED_YET, STAGE_SCOPED)
+    LeafModuleConfig,
+    OffloadConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ZenFlowConfig,
+)
+from .config_keys import (
+    FIXED_BY_DESIGN,
+    LEGACY_OFFLOAD_KEYS,
+    NOT_SUPPORTED_WHY,
+    NOT_SUPPORTED_YET,
+    SAVING_NOT_SUPPORTED_YET,
+    STAGE_SCOPED,
+)
 
 DType = Literal["fp32", "bf16", "fp16"]
 StateDType = Literal["fp32", "bf16"]
@@ -32,9 +44,10 @@ class PrecisionConfig(Record):
     """The precision settings of a run: the flags --bf16/--fp16 and their fp16 loss scaling, DeepSpeed's
     fp16 / bf16 / data_types / communication_data_type keys. The engine makes its Precision (the
     dtypes) and its LossScaler from it."""
+
     bf16: bool = False
     fp16: bool = False
-    loss_scale: float = 0.0                      # fp16: 0 means dynamic
+    loss_scale: float = 0.0  # fp16: 0 means dynamic
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
@@ -63,6 +76,7 @@ class PrecisionConfig(Record):
 
 class ZeroConfig(Record):
     """The ZeRO optimizer's settings; names and defaults follow DeepSpeed's `zero_optimization`."""
+
     model_config = ConfigDict(populate_by_name=True)
 
     stage: int = Field(0, ge=0, le=3)
@@ -154,8 +168,9 @@ def _key_names() -> set[str]:
         names.add(name)
         if field.alias:
             names.add(field.alias)
-    return (names | set(NOT_SUPPORTED_YET) | set(SAVING_NOT_SUPPORTED_YET) | set(FIXED_BY_DESIGN)
-            | set(LEGACY_OFFLOAD_KEYS))
+    return (
+        names | set(NOT_SUPPORTED_YET) | set(SAVING_NOT_SUPPORTED_YET) | set(FIXED_BY_DESIGN) | set(LEGACY_OFFLOAD_KEYS)
+    )
 
 
 def unknown_key_error(key: str, valid: set[str], where: str) -> UsageError:
@@ -184,14 +199,18 @@ def parse_zero_config(block: dict[str, Any], where: str = "zero_optimization") -
             off = isinstance(value, dict) and value.get("device") == "none"
             if value != NOT_SUPPORTED_YET[key] and value not in ({}, None) and not off:
                 why = f" ({NOT_SUPPORTED_WHY[key]})" if key in NOT_SUPPORTED_WHY else ""
-                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet{why}; remove "
-                                 f"it or set it to {as_json(NOT_SUPPORTED_YET[key])}")
+                raise UsageError(
+                    f"{where}.{key} = {as_json(value)} is not supported yet{why}; remove "
+                    f"it or set it to {as_json(NOT_SUPPORTED_YET[key])}"
+                )
         elif key in SAVING_NOT_SUPPORTED_YET:
             if value != SAVING_NOT_SUPPORTED_YET[key]:
-                raise UsageError(f"{where}.{key} = {as_json(value)} is not supported yet: megazero's "
-                                 f"checkpoints are sharded (--save), and tools/convert_checkpoint.py "
-                                 f"consolidate writes the full model; remove it or set it to "
-                                 f"{as_json(SAVING_NOT_SUPPORTED_YET[key])}")
+                raise UsageError(
+                    f"{where}.{key} = {as_json(value)} is not supported yet: megazero's "
+                    f"checkpoints are sharded (--save), and tools/convert_checkpoint.py "
+                    f"consolidate writes the full model; remove it or set it to "
+                    f"{as_json(SAVING_NOT_SUPPORTED_YET[key])}"
+                )
         elif key in FIXED_BY_DESIGN:
             _check_type(value, FIXED_BY_DESIGN[key][0], f"{where}.{key}")
         else:
@@ -217,59 +236,80 @@ def check_stage_features(config: ZeroConfig, where: str = "zero_optimization", s
     spelled = spelled or {}
     name = lambda key: spelled.get(key, f"{where}.{key}")  # noqa: E731
     if config.offloads_optimizer and config.stage == 0:
-        raise UsageError(f"{name('offload_optimizer')} needs ZeRO stage 1-3 (there is no partitioned "
-                         f"optimizer state at stage 0); set the stage to 1-3 or remove it")
-    stage3_only = {"offload_param": config.offloads_params,
-                   "zero_hpz_partition_size": config.zero_hpz_partition_size > 1,
-                   "zero_quantized_weights": config.zero_quantized_weights,
-                   "zero_quantized_gradients": config.zero_quantized_gradients,
-                   "mics_hierarchical_params_gather": config.mics_hierarchical_params_gather,
-                   "stage3_granularity": config.stage3_granularity != "module"}
+        raise UsageError(
+            f"{name('offload_optimizer')} needs ZeRO stage 1-3 (there is no partitioned "
+            f"optimizer state at stage 0); set the stage to 1-3 or remove it"
+        )
+    stage3_only = {
+        "offload_param": config.offloads_params,
+        "zero_hpz_partition_size": config.zero_hpz_partition_size > 1,
+        "zero_quantized_weights": config.zero_quantized_weights,
+        "zero_quantized_gradients": config.zero_quantized_gradients,
+        "mics_hierarchical_params_gather": config.mics_hierarchical_params_gather,
+        "stage3_granularity": config.stage3_granularity != "module",
+    }
     for key, asked in stage3_only.items():
         if asked and config.stage != 3:
-            raise UsageError(f"{name(key)} acts on partitioned parameters, which only ZeRO stage 3 "
-                             f"has; set stage 3 or remove it (got stage {config.stage})")
+            raise UsageError(
+                f"{name(key)} acts on partitioned parameters, which only ZeRO stage 3 "
+                f"has; set stage 3 or remove it (got stage {config.stage})"
+            )
     if config.leaf_module.customised() and config.stage != 3:
-        raise UsageError(f"{name('leaf_module')} acts on stage 3's units; set stage 3 or remove it "
-                         f"(got stage {config.stage})")
+        raise UsageError(
+            f"{name('leaf_module')} acts on stage 3's units; set stage 3 or remove it (got stage {config.stage})"
+        )
     if not config.compute_grad_norm and config.stage not in (1, 2):
-        raise UsageError(f"{name('compute_grad_norm')} = false is supported only at ZeRO stage 1 or 2 "
-                         f"(as in DeepSpeed); remove it (got stage {config.stage})")
+        raise UsageError(
+            f"{name('compute_grad_norm')} = false is supported only at ZeRO stage 1 or 2 "
+            f"(as in DeepSpeed); remove it (got stage {config.stage})"
+        )
     if config.adaptive_prefetch_min_size > config.adaptive_prefetch_max_size:
-        raise UsageError(f"{where}.stage3_adaptive_prefetch_min_size ({config.adaptive_prefetch_min_size}) "
-                         f"exceeds stage3_adaptive_prefetch_max_size ({config.adaptive_prefetch_max_size}); "
-                         f"swap them")
+        raise UsageError(
+            f"{where}.stage3_adaptive_prefetch_min_size ({config.adaptive_prefetch_min_size}) "
+            f"exceeds stage3_adaptive_prefetch_max_size ({config.adaptive_prefetch_max_size}); "
+            f"swap them"
+        )
     _check_offload(config, where, name)
     for key in ("offload_optimizer", "offload_param"):
         block = getattr(config, key)
         if block is not None and block.device == "nvme" and not block.nvme_path and key in spelled:
             raise UsageError(f"{spelled[key]} needs --zero-nvme-path DIR, the directory for the swap files")
         if block is not None and block.device == "nvme" and not block.nvme_path:
-            raise UsageError(f"{name(key)}.device \"nvme\" needs nvme_path, the directory for the "
-                             f"swap files; add \"nvme_path\": \"/local/disk/dir\"")
+            raise UsageError(
+                f'{name(key)}.device "nvme" needs nvme_path, the directory for the '
+                f'swap files; add "nvme_path": "/local/disk/dir"'
+            )
 
 
 def _check_offload(config: ZeroConfig, where: str, name) -> None:
     """Partial offload is stage 3's; ZenFlow steps host-memory states, all of them."""
     ratio = config.offload_optimizer.ratio if config.offloads_optimizer else 1.0
     if ratio != 1.0 and config.stage != 3:
-        raise UsageError(f"{where}.offload_optimizer.ratio = {ratio}: partial offload splits stage 3's "
-                         f"sub-groups (as DeepSpeed's does) and needs ZeRO stage 3; set ratio 1.0 or "
-                         f"stage 3 (got stage {config.stage})")
+        raise UsageError(
+            f"{where}.offload_optimizer.ratio = {ratio}: partial offload splits stage 3's "
+            f"sub-groups (as DeepSpeed's does) and needs ZeRO stage 3; set ratio 1.0 or "
+            f"stage 3 (got stage {config.stage})"
+        )
     zenflow = config.zenflow
     if zenflow is None:
         return
     if not config.offloads_optimizer or config.offload_optimizer.device != "cpu":
-        raise UsageError(f"{where}.zenflow works on optimizer offload to host memory; add "
-                         f"\"offload_optimizer\": {{\"device\": \"cpu\"}} (or --zero-offload-optimizer cpu)")
+        raise UsageError(
+            f"{where}.zenflow works on optimizer offload to host memory; add "
+            f'"offload_optimizer": {{"device": "cpu"}} (or --zero-offload-optimizer cpu)'
+        )
     if ratio != 1.0:
-        raise UsageError(f"{where}.zenflow with offload_optimizer.ratio = {ratio}: ZenFlow takes every "
-                         f"optimizer state to host memory; set ratio 1.0 or remove zenflow")
+        raise UsageError(
+            f"{where}.zenflow with offload_optimizer.ratio = {ratio}: ZenFlow takes every "
+            f"optimizer state to host memory; set ratio 1.0 or remove zenflow"
+        )
     fixed = zenflow.update_interval
     every = zenflow.select_every()
     if fixed != "auto" and 0 < every < fixed:
-        raise UsageError(f"{where}.zenflow: columns are selected every {every} steps but updated every "
-                         f"{fixed}; select_interval must be at least update_interval")
+        raise UsageError(
+            f"{where}.zenflow: columns are selected every {every} steps but updated every "
+            f"{fixed}; select_interval must be at least update_interval"
+        )
 
 
 def _apply_legacy_offload_keys(values: dict, where: str) -> None:
@@ -296,12 +336,16 @@ def design_notes(block: dict[str, Any], where: str = "zero_optimization") -> lis
             if _integral(value) != fixed:
                 notes.append(f"{where}.{key} = {as_json(value)} has no effect: {why}")
     if block.get("compute_grad_norm") is False:
-        notes.append(f"{where}.compute_grad_norm = false has no effect: the norm's all-reduce is also "
-                     f"the step's non-finite check, so the norm is computed anyway")
+        notes.append(
+            f"{where}.compute_grad_norm = false has no effect: the norm's all-reduce is also "
+            f"the step's non-finite check, so the norm is computed anyway"
+        )
     offload = block.get("offload_optimizer")
     if isinstance(offload, dict) and offload.get("fast_init"):
-        notes.append(f"{where}.offload_optimizer.fast_init = true has no effect: the states are written "
-                     f"to their swap files once, when the engine starts")
+        notes.append(
+            f"{where}.offload_optimizer.fast_init = true has no effect: the states are written "
+            f"to their swap files once, when the engine starts"
+        )
     return notes
 
 
@@ -311,7 +355,7 @@ def stage_notes(config: ZeroConfig, where: str = "zero_optimization") -> list[st
     for name, stages in STAGE_SCOPED.items():
         if name in config.model_fields_set and config.stage not in stages:
             acts = "stage 3" if stages == (3,) else "stages 1-3"
-            key = ZeroConfig.model_fields[name].alias or name     # DeepSpeed's usual spelling
+            key = ZeroConfig.model_fields[name].alias or name  # DeepSpeed's usual spelling
             notes.append(f"{where}.{key} has no effect at ZeRO stage {config.stage}: it acts at {acts} only")
     return notes
 
@@ -319,8 +363,10 @@ def stage_notes(config: ZeroConfig, where: str = "zero_optimization") -> list[st
 def _check_alias_conflicts(values: dict, where: str) -> None:
     for name, field in ZeroConfig.model_fields.items():
         if field.alias and name in values and field.alias in values and values[name] != values[field.alias]:
-            raise UsageError(f"{where} sets both {name!r}={values[name]!r} and its alias "
-                             f"{field.alias!r}={values[field.alias]!r}; keep one")
+            raise UsageError(
+                f"{where} sets both {name!r}={values[name]!r} and its alias "
+                f"{field.alias!r}={values[field.alias]!r}; keep one"
+            )
         if field.alias and name in values and field.alias in values:
             values.pop(field.alias)
 

@@ -5,6 +5,7 @@ Owns the records and their own checks only (a value out of range, "auto" where a
 checks that look at the whole ZeRO block (the stage, other keys) live in config.py, which imports
 these records and is what the rest of megazero imports them from.
 """
+
 from __future__ import annotations
 
 from typing import Literal, Optional, Union
@@ -30,6 +31,7 @@ class _Block(Record):
 
 class OffloadConfig(_Block):
     """What both offload blocks say: where the states go, and how host buffers are made."""
+
     device: OffloadDevice = "none"
     """cpu: host memory; nvme: files under nvme_path."""
     nvme_path: Optional[str] = None
@@ -40,6 +42,7 @@ class OffloadConfig(_Block):
 class OffloadOptimizerConfig(OffloadConfig):
     """`offload_optimizer`: where the fp32 master weights and Adam moments live and the step runs
     (on the CPU, by the CPU Adam; with nvme, swapped per sub-group)."""
+
     buffer_count: int = Field(4, ge=1)
     """nvme: sub-group buffers in host memory for reads ahead and writes behind."""
     pipeline_read: bool = False
@@ -55,6 +58,7 @@ class OffloadOptimizerConfig(OffloadConfig):
 
 class OffloadParamConfig(OffloadConfig):
     """`offload_param` (stage 3): where each rank's low-precision parameter partition lives."""
+
     buffer_count: int = Field(5, ge=1)
     """nvme: unit chunks held in host memory at a time (at least two)."""
     buffer_size: int = Field(int(1e8), gt=0)
@@ -67,6 +71,7 @@ class ZenFlowConfig(_Block):
     """`zenflow`: ZeRO-Offload without the CPU stall (zero/zenflow/optimizer.py). Each step the most important
     gradient columns are updated on the device; the others' gradients accumulate and the CPU Adam
     applies them every `update_interval` steps, in the background with `overlap_step`."""
+
     topk_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """Fraction of each 2-D parameter's columns updated on the device every step (at least one
     when positive). DeepSpeed asks for 0 < ratio < 1; the two ends are accepted here as the exact
@@ -99,14 +104,16 @@ class ZenFlowConfig(_Block):
     @model_validator(mode="after")
     def _intervals(self):
         if isinstance(self.update_interval, int) and self.update_interval < 1:
-            raise ValueError("update_interval must be at least 1 (or \"auto\")")
+            raise ValueError('update_interval must be at least 1 (or "auto")')
         if isinstance(self.select_interval, int) and self.select_interval < 0:
-            raise ValueError("select_interval must be at least 0 (or \"auto\")")
+            raise ValueError('select_interval must be at least 0 (or "auto")')
         if self.select_strategy == "auto" and isinstance(self.select_interval, int):
-            raise ValueError("select_interval is set but select_strategy is \"auto\" (once per epoch); "
-                             "set select_strategy to \"step\" or \"epoch\", or remove select_interval")
+            raise ValueError(
+                'select_interval is set but select_strategy is "auto" (once per epoch); '
+                'set select_strategy to "step" or "epoch", or remove select_interval'
+            )
         if self.select_strategy != "auto" and self.select_interval == "auto":
-            raise ValueError(f"select_strategy \"{self.select_strategy}\" needs a number for select_interval")
+            raise ValueError(f'select_strategy "{self.select_strategy}" needs a number for select_interval')
         return self
 
     def select_every(self) -> int:
@@ -121,6 +128,7 @@ class LeafModuleConfig(_Block):
     """`leaf_module` (stage 3): modules gathered whole when entered, their inner modules never
     hooked one by one. Selected by class name (short or fully qualified), by module name (as in
     named_modules()) or by a suffix of the module name."""
+
     classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_CLASSES))
     names: list[str] = Field(default_factory=list)
     name_suffixes: list[str] = Field(default_factory=list)

@@ -23,6 +23,7 @@ A training step, as the loop drives it:
 A zero-bubble pipeline schedule runs each microbatch's backward in two passes instead,
 `backward_input` (B) and `backward_weight` (W): split_backward.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,12 +79,29 @@ def _no_group(param) -> int:
 
 
 class ZeroEngine(SplitBackward):
-    def __init__(self, modules: list[nn.Module], init_fn, *, groups: ZeroGroups, zero: ZeroConfig,
-                 adam: AdamConfig, precision: PrecisionConfig | None = None, clip_grad: float = 0.0,
-                 device="cpu", counts_in_norm=_always, isolated=_never, streams: Streams | None = None,
-                 lr_group=None, expert_groups: ZeroGroups | None = None, expert_parallel=None,
-                 domains: Sequence[ShardDomain] = (), muon: MuonConfig | None = None, muon_matrix=None,
-                 weight_decay_of=None, uneven_gradients: bool = False):
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        init_fn,
+        *,
+        groups: ZeroGroups,
+        zero: ZeroConfig,
+        adam: AdamConfig,
+        precision: PrecisionConfig | None = None,
+        clip_grad: float = 0.0,
+        device="cpu",
+        counts_in_norm=_always,
+        isolated=_never,
+        streams: Streams | None = None,
+        lr_group=None,
+        expert_groups: ZeroGroups | None = None,
+        expert_parallel=None,
+        domains: Sequence[ShardDomain] = (),
+        muon: MuonConfig | None = None,
+        muon_matrix=None,
+        weight_decay_of=None,
+        uneven_gradients: bool = False,
+    ):
         """`modules`: the model chunks whose (meta) parameters the engine replaces by its own;
         `init_fn(name, param)`: the full fp32 value of a parameter by its name. `precision`: the
         run's PrecisionConfig (default fp32). `counts_in_norm(param)`: whether this rank counts the parameter in the global gradient
@@ -122,8 +140,8 @@ class ZeroEngine(SplitBackward):
         if expert_groups is not None:
             self.domains.append(expert_domain(expert_groups, expert_parallel))
         self.domains += list(domains)
-        self._input_pass = False               # inside backward_input (B): no gradient may arrive
-        self._leaves_of_pass: dict = {}        # ticket -> (domain, leaf) whose backward B ran, in order
+        self._input_pass = False  # inside backward_input (B): no gradient may arrive
+        self._leaves_of_pass: dict = {}  # ticket -> (domain, leaf) whose backward B ran, in order
         self._replace_parameters(init_fn, isolated, uneven_gradients)
         self._plan_optimizer(lr_group, muon, muon_matrix)
         self.memory = EngineMemory(self)
@@ -140,8 +158,13 @@ class ZeroEngine(SplitBackward):
         user_init = init_fn
         replaced = self._build_storages(named, lambda p: user_init(self.names[id(p)], p), isolated)
         old_of = {id(replaced[id(p)]): p for _, p in named if id(p) in replaced}
-        self.in_order = InOrderReductions([(g, [old_of[id(q)] for q in g.params]) for g in self._flat_groups()],
-                                          [p for _, p in named]) if uneven_gradients and self.zero.stage <= 2 else None
+        self.in_order = (
+            InOrderReductions(
+                [(g, [old_of[id(q)] for q in g.params]) for g in self._flat_groups()], [p for _, p in named]
+            )
+            if uneven_gradients and self.zero.stage <= 2
+            else None
+        )
         for group in self._flat_groups():
             group.sequencer = self.in_order
         _swap_parameters(modules, replaced)
@@ -155,8 +178,9 @@ class ZeroEngine(SplitBackward):
         group_of = (lambda p: lr_group(self.names[id(p)])) if lr_group is not None else _no_group
         self.muon = None if muon is None else Muon.for_engine(self, muon, muon_matrix, group_of)
         for storage in self.storages():
-            storage.plan(self._weight_decay_of, counts_in_norm, group_of,
-                         self.muon.steps if self.muon is not None else _never)
+            storage.plan(
+                self._weight_decay_of, counts_in_norm, group_of, self.muon.steps if self.muon is not None else _never
+            )
         self.placement = optimizer_placement(self.zero, self.groups, counts_in_norm)
         for i, storage in enumerate(self.storages()):
             self.placement.place(storage, self.domain_of(storage).label(storage, i))
@@ -172,20 +196,37 @@ class ZeroEngine(SplitBackward):
         # A transformer layer ("layer" granularity) runs all of its modules on every rank: its
         # small parameters stay persistent. (find_leaf_modules is collective: called once.)
         leaves = find_leaf_modules(self.modules, self.zero, self.groups.model_parallel) if self.zero.stage == 3 else []
-        in_leaf = {id(p) for leaf in leaves if type(leaf).__name__ != LAYER_CLASS
-                   and not any(leaf is root for root in self.modules) for p in leaf.parameters()}
-        persistent = [p for _, p in named if self.zero.stage < 3
-                      or (p.numel() <= self.zero.param_persistence_threshold and id(p) not in in_leaf)]
+        in_leaf = {
+            id(p)
+            for leaf in leaves
+            if type(leaf).__name__ != LAYER_CLASS and not any(leaf is root for root in self.modules)
+            for p in leaf.parameters()
+        }
+        persistent = [
+            p
+            for _, p in named
+            if self.zero.stage < 3 or (p.numel() <= self.zero.param_persistence_threshold and id(p) not in in_leaf)
+        ]
         replaced = {}
         for domain in self.domains:
-            replaced.update(domain.build_flat_groups([p for p in persistent if of[id(p)] is domain],
-                                                     init_fn, isolated, shared))
+            replaced.update(
+                domain.build_flat_groups([p for p in persistent if of[id(p)] is domain], init_fn, isolated, shared)
+            )
         if self.zero.stage == 3:
             # The catch-all builds last (the domains claiming a family hook their gathers first).
             for domain in reversed(self.domains):
                 params = [p for _, p in named if of[id(p)] is domain and id(p) not in replaced]
-                replaced.update(domain.build_units(self.modules, params, init_fn, isolated, shared,
-                                                   functools.partial(self._leaf_backward_done, domain), leaves))
+                replaced.update(
+                    domain.build_units(
+                        self.modules,
+                        params,
+                        init_fn,
+                        isolated,
+                        shared,
+                        functools.partial(self._leaf_backward_done, domain),
+                        leaves,
+                    )
+                )
         return replaced
 
     def _hook_gradients(self) -> None:
@@ -200,8 +241,7 @@ class ZeroEngine(SplitBackward):
             for p in domain.units.params:
                 set_param_info(p, zero_storage=domain.units, zero_engine=me, fp32_grad=fuse)
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._outside_input_pass(domain.on_unit_grad,
-                                                                                  domain.units))
+                    p.register_post_accumulate_grad_hook(self._outside_input_pass(domain.on_unit_grad, domain.units))
 
     def _weight_decay_of(self, param, full_shape) -> float:
         if self.weight_decay_rule is not None:
@@ -317,8 +357,9 @@ class ZeroEngine(SplitBackward):
     def _summed(self, of_storage, size: int) -> torch.Tensor:
         """`of_storage(storage)` (float64 of `size`) summed over every storage and rank, each element
         once: over each domain's storages, then along its norm chain (shard_domain.py)."""
-        sums = {domain: torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0)
-                for domain in self.domains}
+        sums = {
+            domain: torch.zeros(size, dtype=torch.float64, device=self.device).squeeze(0) for domain in self.domains
+        }
         for storage in self.storages():
             sums[self.domain_of(storage)] += of_storage(storage)
         return summed_over_domains(self.domains, sums, self.zero.stage)
@@ -364,8 +405,7 @@ class ZeroEngine(SplitBackward):
         return [p for _, p in _unique_named_parameters(self.modules)]
 
     # DeepSpeed's engine API for moving states between steps (engine.memory has the rest).
-    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         self.memory.offload_states(include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:

@@ -6,6 +6,7 @@ An object the engine holds (`engine.memory`); it owns the states offload_states 
 reads the engine's storages and shard domains (their stage-3 units, gather coordinators and
 offloaded-parameter homes), and never decides when anything is gathered or stepped.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,26 +18,26 @@ from .offload import REPORT_CATEGORY, HostCopies, check_state_names
 class EngineMemory:
     def __init__(self, engine):
         self.engine = engine
-        self.host_copies = HostCopies()           # states moved by offload_states
+        self.host_copies = HostCopies()  # states moved by offload_states
 
     # --- states off the device (DeepSpeed's offload_states API) ------------------------------
-    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
-                       non_blocking: bool = False) -> None:
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Between steps, moves the named states (default all of "optim_states", "hp_params",
         "lp_params", "lp_grads", "contiguous_grad_buffer") to host memory, freeing their device
         memory; `reload_states()` brings them back bitwise before training goes on. States that
         offload_optimizer already keeps off the device stay where they are."""
         if str(device) != "cpu":
-            raise UsageError(f"offload_states(device={device!r}): states can be offloaded to host "
-                             f"memory only; pass device=\"cpu\"")
+            raise UsageError(
+                f'offload_states(device={device!r}): states can be offloaded to host memory only; pass device="cpu"'
+            )
         check_state_names(include)
         engine = self.engine
         if engine.grads_ready or engine.has_grads:
-            raise UsageError("offload_states() was called inside a training step (after backward); "
-                             "call it after engine.step()")
+            raise UsageError(
+                "offload_states() was called inside a training step (after backward); call it after engine.step()"
+            )
         self.empty_partition_cache()
-        self.host_copies.offload(engine.storages(), include, pin_memory=pin_memory,
-                                 non_blocking=non_blocking)
+        self.host_copies.offload(engine.storages(), include, pin_memory=pin_memory, non_blocking=non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every state moved by offload_states back to the device, bitwise."""
@@ -49,8 +50,9 @@ class EngineMemory:
         drops the host cache of swapped optimizer states, and frees the device's cached blocks."""
         engine = self.engine
         if any(domain.in_pass() for domain in engine.domains):
-            raise UsageError("empty_partition_cache() was called during a forward/backward pass; "
-                             "call it between training steps")
+            raise UsageError(
+                "empty_partition_cache() was called during a forward/backward pass; call it between training steps"
+            )
         for domain in engine.domains:
             domain.release_gathered()
         for storage in engine.storages():
@@ -63,8 +65,10 @@ class EngineMemory:
 
     def check_states_home(self) -> None:
         if self.host_copies:
-            raise UsageError(f"engine.offload_states() moved {', '.join(self.host_copies.moved)} off "
-                             f"the device; call engine.reload_states() before the next training step")
+            raise UsageError(
+                f"engine.offload_states() moved {', '.join(self.host_copies.moved)} off "
+                f"the device; call engine.reload_states() before the next training step"
+            )
 
     def locations(self) -> dict[str, str]:
         """Where each report() category lives now: the device (e.g. "cuda:0"), "cpu" (host memory)
@@ -72,12 +76,12 @@ class EngineMemory:
         zero = self.engine.zero
         where = {k: str(self.engine.device) for k in ("params", "grads", "master", "optimizer_states", "buffers")}
         offload = zero.offload_optimizer
-        if zero.offloads_optimizer and offload.ratio < 1.0:     # partial: both places
+        if zero.offloads_optimizer and offload.ratio < 1.0:  # partial: both places
             tier = "host" if offload.device == "cpu" else "nvme"
             where[f"{tier}_master"] = where[f"{tier}_optimizer_states"] = offload.device
         elif zero.offloads_optimizer:
             where["master"] = where["optimizer_states"] = offload.device
-        if zero.offloads_params:          # "params" keeps the persistent ones, on the device
+        if zero.offloads_params:  # "params" keeps the persistent ones, on the device
             device = zero.offload_param.device
             where["host_params" if device == "cpu" else "nvme_params"] = device
         for name in self.host_copies.moved:
@@ -94,7 +98,7 @@ class EngineMemory:
             for key, value in storage.memory_bytes().items():
                 report[key] = report.get(key, 0) + value
         units = [d.units for d in engine.domains if d.units is not None]
-        if units:        # each domain's own peak: their sum bounds the peak of what is live together
+        if units:  # each domain's own peak: their sum bounds the peak of what is live together
             report["peak_live_params"] = sum(u.peak_live_numel * u.partition.element_size() for u in units)
         # Module buffers, and gradient staging buckets alive right now (in flight or filling).
         report["buffers"] = sum(b.numel() * b.element_size() for m in engine.modules for b in m.buffers())

@@ -17,6 +17,7 @@ all units in unit order, with zeros for what did not come, so that every rank is
 reductions in the same order whatever the routing (the hang DeepSpeed users meet when ranks route
 differently).
 """
+
 from __future__ import annotations
 
 from megazero.core.comm import Group

@@ -12,6 +12,7 @@ laid out in reverse: the first bucket fills first.
 
 Nothing here touches tensors; `FlatLayout` is testable with plain numbers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,15 +25,17 @@ CHUNK_ALIGN = 8
 
 class Piece(NamedTuple):
     """The part of one parameter in this rank's partition."""
-    partition_offset: int      # where it starts in the partition
-    param_offset: int          # where it starts inside the parameter's flat value
+
+    partition_offset: int  # where it starts in the partition
+    param_offset: int  # where it starts inside the parameter's flat value
     length: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """Where one parameter lives: flat offset, size, bucket."""
-    index: int            # position in the list of parameters given to the layout
+
+    index: int  # position in the list of parameters given to the layout
     offset: int
     numel: int
     bucket: int
@@ -41,10 +44,10 @@ class Slot:
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     index: int
-    start: int            # flat offset of the bucket
-    size: int             # padded size, a multiple of the shard count
-    chunk: int            # size // shards
-    local_offset: int     # where this rank's chunk of the bucket sits in its partition
+    start: int  # flat offset of the bucket
+    size: int  # padded size, a multiple of the shard count
+    chunk: int  # size // shards
+    local_offset: int  # where this rank's chunk of the bucket sits in its partition
     slots: tuple[int, ...]  # indices of the parameters inside
 
     def chunk_range(self, rank: int) -> tuple[int, int]:
@@ -53,8 +56,15 @@ class Bucket:
 
 
 class FlatLayout:
-    def __init__(self, numels: list[int], bucket_size: int, shards: int, rank: int,
-                 groups: list[list[int]] | None = None, param_align: int = 1):
+    def __init__(
+        self,
+        numels: list[int],
+        bucket_size: int,
+        shards: int,
+        rank: int,
+        groups: list[list[int]] | None = None,
+        param_align: int = 1,
+    ):
         """Buckets of at most `bucket_size` elements in reverse parameter order, or exactly the
         given `groups` of parameter indices (in that order) when they are given. Each parameter
         starts at a multiple of `param_align` elements (zero padding between parameters)."""
@@ -88,9 +98,9 @@ class FlatLayout:
             local += size // shards
         self.slots = [slots[i] for i in range(len(numels))]
         self.buckets = buckets
-        self.total = offset                   # padded flat size
-        self.partition_size = local           # elements this rank owns (same on every rank)
-        self.numel = sum(numels)              # unpadded
+        self.total = offset  # padded flat size
+        self.partition_size = local  # elements this rank owns (same on every rank)
+        self.numel = sum(numels)  # unpadded
 
     @classmethod
     def of_groups(cls, group_numels: list[list[int]], shards: int, rank: int) -> "FlatLayout":

@@ -13,6 +13,7 @@ dtype (fp32 unless configured otherwise). When that is the weights' dtype, autog
 straight into the buffer (each parameter's .grad is a view of it); otherwise a hook adds each
 microbatch's 16-bit gradient into it. After the step, updated chunks are all-gathered.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,43 +30,66 @@ from megazero.models.param_info import carry_param_info
 
 class FlatParamGroup(PartitionedStorage):
     weights_always_full = True
-    def __init__(self, params: list[nn.Parameter], *, stage: int,
-                 dp: comm.Group, shard: comm.Group | None, replica: comm.Group | None,
-                 precision: Precision, bucket_size: int, device, queue: ReductionQueue,
-                 allgather_bucket_size: int = 2**62, reduce_scatter: bool = True, streams=None,
-                 state_device=None, param_align: int = 1):
-        layout = FlatLayout([p.numel() for p in params], bucket_size,
-                            shard.size if shard else 1, shard.rank if shard else 0, param_align=param_align)
-        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams,
-                         state_device=state_device)
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        stage: int,
+        dp: comm.Group,
+        shard: comm.Group | None,
+        replica: comm.Group | None,
+        precision: Precision,
+        bucket_size: int,
+        device,
+        queue: ReductionQueue,
+        allgather_bucket_size: int = 2**62,
+        reduce_scatter: bool = True,
+        streams=None,
+        state_device=None,
+        param_align: int = 1,
+    ):
+        layout = FlatLayout(
+            [p.numel() for p in params],
+            bucket_size,
+            shard.size if shard else 1,
+            shard.rank if shard else 0,
+            param_align=param_align,
+        )
+        super().__init__(
+            layout, shard, precision, device, queue, reduce_scatter, streams=streams, state_device=state_device
+        )
         self.stage, self.dp, self.replica = stage, dp, replica
         self.allgather_bucket_size = allgather_bucket_size
         self.params = params
         self.index_of = {id(p): i for i, p in enumerate(params)}
         L = layout
-        self.param_flat = label(torch.zeros(L.total, dtype=precision.param_dtype, device=self.device),
-                                f"stage-{stage} flat parameters")
+        self.param_flat = label(
+            torch.zeros(L.total, dtype=precision.param_dtype, device=self.device), f"stage-{stage} flat parameters"
+        )
         accum = precision.grad_accum_dtype
         if stage <= 1:
-            self.grad_flat = label(torch.zeros(L.total, dtype=accum, device=self.device),
-                                   f"stage-{stage} flat gradients")
+            self.grad_flat = label(
+                torch.zeros(L.total, dtype=accum, device=self.device), f"stage-{stage} flat gradients"
+            )
             self.grad_part = None
         else:
             self.grad_flat = None
-            self.grad_part = label(torch.zeros(L.partition_size, dtype=accum, device=self.device),
-                                   f"stage-{stage} gradient partition")
+            self.grad_part = label(
+                torch.zeros(L.partition_size, dtype=accum, device=self.device), f"stage-{stage} gradient partition"
+            )
         # Autograd can accumulate into the buffer directly only when the dtypes agree.
         self.grads_are_views = stage <= 1 and accum == precision.param_dtype
         self._staging: dict[int, torch.Tensor] = {}
         self._pending = [0] * len(L.buckets)
         self._reduced = [False] * len(L.buckets)
         self._reducing = False
-        self.sequencer = None      # an InOrderReductions (in_order.py): buckets reduced in its order
+        self.sequencer = None  # an InOrderReductions (in_order.py): buckets reduced in its order
 
     # --- where things live --------------------------------------------------------------------
     def _slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         slot = self.layout.slots[i]
-        return flat[slot.offset:slot.offset + slot.numel].view(self.params[i].shape)
+        return flat[slot.offset : slot.offset + slot.numel].view(self.params[i].shape)
 
     def param_view(self, i: int) -> torch.Tensor:
         return self._slot_view(self.param_flat, i)
@@ -87,7 +111,7 @@ class FlatParamGroup(PartitionedStorage):
 
     def _bucket_span(self, flat: torch.Tensor, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        return flat[bucket.start:bucket.start + bucket.size]
+        return flat[bucket.start : bucket.start + bucket.size]
 
     # --- construction -------------------------------------------------------------------------
     def materialize(self, init_fn) -> list[nn.Parameter]:
@@ -143,13 +167,13 @@ class FlatParamGroup(PartitionedStorage):
         if b not in self._staging:
             self._staging[b] = self.new_staging(b)
         start = self.layout.slots[i].offset - self.layout.buckets[b].start
-        self._staging[b][start:start + param.numel()].copy_(take_grad(param).reshape(-1))
+        self._staging[b][start : start + param.numel()].copy_(take_grad(param).reshape(-1))
 
     def end_backward(self) -> None:
         """Reduces buckets still waiting. Stage 0/1: every bucket (the buffer holds the whole step's
         gradients). Stage 2: buckets that got some gradients this backward (unused parameters, or a
         pipeline chunk that shares the buffer with chunks this backward did not run)."""
-        if not self._reducing or self.sequencer is not None:    # the sequencer's flush ends it
+        if not self._reducing or self.sequencer is not None:  # the sequencer's flush ends it
             return
         for b in range(len(self.layout.buckets)):
             if not self._reduced[b] and (self.stage <= 1 or b in self._staging):
@@ -179,17 +203,23 @@ class FlatParamGroup(PartitionedStorage):
         # the compute stream, which reads the result when the handle is waited).
         span = self._bucket_span(self.grad_flat, b)
         chunk = self.grad_chunk(b)
-        wire = span if span.dtype == self.precision.reduce_dtype else \
-            label(span.to(self.precision.reduce_dtype), f"bucket {b}: gradients in the reduce dtype")
+        wire = (
+            span
+            if span.dtype == self.precision.reduce_dtype
+            else label(span.to(self.precision.reduce_dtype), f"bucket {b}: gradients in the reduce dtype")
+        )
         lo = self.layout.rank * self.layout.buckets[b].chunk
         if self.stage == 0:
             result, target = wire, span
         elif self.reduce_scatter:
-            result = chunk if wire is span else label(torch.empty_like(chunk, dtype=wire.dtype),
-                                                      f"bucket {b}: reduce-scatter output")
+            result = (
+                chunk
+                if wire is span
+                else label(torch.empty_like(chunk, dtype=wire.dtype), f"bucket {b}: reduce-scatter output")
+            )
             target = chunk
-        else:              # the whole bucket is summed; this rank then reads its own chunk
-            result, target = wire[lo:lo + chunk.numel()], chunk
+        else:  # the whole bucket is summed; this rank then reads its own chunk
+            result, target = wire[lo : lo + chunk.numel()], chunk
         with self.reduce_stream():
             if self.stage == 0:
                 handle = comm.all_reduce(wire, self.dp, async_op=True)
@@ -243,7 +273,7 @@ class FlatParamGroup(PartitionedStorage):
             for i, p in enumerate(self.params):
                 p.grad = self.grad_view(i) if self.grads_are_views else None
         else:
-            drop_storage(self.grad_part)      # stage 2: no gradient memory between steps
+            drop_storage(self.grad_part)  # stage 2: no gradient memory between steps
             for p in self.params:
                 p.grad = None
 
@@ -252,6 +282,8 @@ class FlatParamGroup(PartitionedStorage):
         return sum(self.nbytes(t) for t in self._staging.values())
 
     def memory_bytes(self) -> dict[str, int]:
-        return {"params": self.nbytes(self.param_flat),
-                "grads": self.nbytes(self.grad_flat) + self.nbytes(self.grad_part),
-                **super().memory_bytes()}
+        return {
+            "params": self.nbytes(self.param_flat),
+            "grads": self.nbytes(self.grad_flat) + self.nbytes(self.grad_part),
+            **super().memory_bytes(),
+        }

@@ -14,6 +14,7 @@ buckets after it until the end.
 
 Owns the sequence; the buckets and their reductions are FlatParamGroup's.
 """
+
 from __future__ import annotations
 
 
@@ -40,15 +41,17 @@ class InOrderReductions:
         """Bucket b of `group` is full: reduce it and every full one after it, up to the first that
         is not."""
         self.full.add((id(group), b))
-        while self.next < len(self.sequence) and (id(self.sequence[self.next][0]), self.sequence[self.next][1]) \
-                in self.full:
+        while (
+            self.next < len(self.sequence)
+            and (id(self.sequence[self.next][0]), self.sequence[self.next][1]) in self.full
+        ):
             group, b = self.sequence[self.next]
             group.reduce_in_turn(b)
             self.next += 1
 
     def flush(self) -> None:
         """The backward's end: the buckets not reduced yet, in sequence (zeros where nothing came)."""
-        for group, b in self.sequence[self.next:]:
+        for group, b in self.sequence[self.next :]:
             group.reduce_in_turn(b)
         self.next = len(self.sequence)
         for group in self.groups:

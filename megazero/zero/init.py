@@ -18,6 +18,7 @@ A config given whose stage is below 3 is refused: DeepSpeed partitions the param
 stage 1/2 engine then fails at the first forward ("mat2 must be a matrix"). Owns the context, the
 slices and their adoption; the recording and replay are init_replay.py's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ from .init_replay import Recorder, replay
 class InitShard:
     """This rank's slice of a parameter built by zero.Init: elements [rank * chunk, ...) of its
     flattened value (the last rank's may be shorter, or empty)."""
+
     values: torch.Tensor
     shape: tuple
     dtype: torch.dtype
@@ -52,7 +54,7 @@ class InitShard:
         """The whole value, gathered from every rank's slice (collective over the group)."""
         numel = int(torch.Size(self.shape).numel())
         piece = torch.zeros(self.chunk, dtype=self.dtype, device=self.group.device)
-        piece[:self.values.numel()].copy_(self.values)
+        piece[: self.values.numel()].copy_(self.values)
         whole = torch.empty(self.chunk * self.group.size, dtype=self.dtype, device=self.group.device)
         comm.all_gather(whole, piece, self.group)
         return whole[:numel].view(self.shape)
@@ -70,9 +72,20 @@ class Init:
     engine places them as its config says); `dtype` casts the parameters; `module` partitions a model
     already built instead of the construction inside the context."""
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear=True,
-                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None, enabled=True,
-                 dtype=None, mpu=None, **unsupported):
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group=None,
+        mem_efficient_linear=True,
+        remote_device=None,
+        pin_memory=False,
+        config_dict_or_path=None,
+        config=None,
+        enabled=True,
+        dtype=None,
+        mpu=None,
+        **unsupported,
+    ):
         if unsupported:
             raise UsageError(f"zero.Init: {', '.join(sorted(unsupported))} is not supported; remove it")
         self.enabled = enabled
@@ -90,7 +103,7 @@ class Init:
     # --- the context --------------------------------------------------------------------------
     def __enter__(self):
         if not self.enabled or _active():
-            self.enabled = False                 # nested: the outer context records
+            self.enabled = False  # nested: the outer context records
             return self
         self.recorder = Recorder()
         self.recorder.__enter__()
@@ -115,8 +128,9 @@ class Init:
             if param is not None and all(p is not param for p in self.params):
                 self.params.append(param)
             return None
-        meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                            requires_grad=param.requires_grad)
+        meta = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
+        )
         self.recorder.initial_value(meta, param.detach())
         self.params.append(meta)
         return meta
@@ -133,14 +147,16 @@ class Init:
         """Partitions a model built already: each parameter's slice kept, the parameter made meta."""
         for p in {id(p): p for p in module.parameters()}.values():
             if p.is_meta:
-                raise UsageError("zero.Init(module=...): the model has parameters on the meta device; build "
-                                 "it with values, or inside `with zero.Init():`")
+                raise UsageError(
+                    "zero.Init(module=...): the model has parameters on the meta device; build "
+                    "it with values, or inside `with zero.Init():`"
+                )
             value = p.detach()
             p.data = torch.empty(p.shape, dtype=self.dtype or p.dtype, device="meta")
             self._keep(p, value)
 
 
-_ACTIVE: list[Init] = []        # the open contexts: a nested one leaves the recording to the outer
+_ACTIVE: list[Init] = []  # the open contexts: a nested one leaves the recording to the outer
 
 
 def _active() -> bool:
@@ -153,9 +169,11 @@ def _group(torch_group) -> comm.Group:
     if not dist.is_initialized():
         return comm.Group("zero.Init", (0,), 0, None, True, comm.CommLog())
     if torch_group is not None and dist.get_world_size(torch_group) != dist.get_world_size():
-        raise UsageError(f"zero.Init: data_parallel_group spans {dist.get_world_size(torch_group)} of "
-                         f"{dist.get_world_size()} ranks; megazero trains a user's model data parallel over "
-                         f"every rank: leave it out")
+        raise UsageError(
+            f"zero.Init: data_parallel_group spans {dist.get_world_size(torch_group)} of "
+            f"{dist.get_world_size()} ranks; megazero trains a user's model data parallel over "
+            f"every rank: leave it out"
+        )
     nccl = str(dist.get_backend()) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     ranks = tuple(range(dist.get_world_size()))
@@ -169,9 +187,11 @@ def _check_stage(config) -> None:
     block = data.get("zero_optimization", data if "stage" in data else {})
     stage = block.get("stage", 0) if isinstance(block, dict) else 0
     if stage != 3:
-        raise UsageError(f"zero.Init with zero_optimization.stage {stage}: only stage 3 keeps parameters "
-                         f"partitioned (DeepSpeed partitions them anyway and its stage-{stage} engine fails at "
-                         f"the first forward); set stage 3, or pass enabled=False to build the model whole")
+        raise UsageError(
+            f"zero.Init with zero_optimization.stage {stage}: only stage 3 keeps parameters "
+            f"partitioned (DeepSpeed partitions them anyway and its stage-{stage} engine fails at "
+            f"the first forward); set stage 3, or pass enabled=False to build the model whole"
+        )
 
 
 def built_by_init(model: nn.Module) -> bool:

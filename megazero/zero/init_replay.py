@@ -22,6 +22,7 @@ build's, seed for seed.
 
 Owns the log and the replay; where the values go (shards) is init.py's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,12 +42,26 @@ from megazero.core.errors import UsageError
 SKIPS_META = ("_no_grad_trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 
 # Ops that turn a tensor's value into a Python number (a meta tensor has none: refused).
-READS_VALUE = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-               torch.ops.aten.equal.default}
+READS_VALUE = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+}
 
 # In-place ops that write every element of their first argument without reading it.
-OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_",
-              "geometric_", "log_normal_", "cauchy_", "copy_"}
+OVERWRITES = {
+    "uniform_",
+    "normal_",
+    "fill_",
+    "zero_",
+    "random_",
+    "bernoulli_",
+    "exponential_",
+    "geometric_",
+    "log_normal_",
+    "cauchy_",
+    "copy_",
+}
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -59,9 +74,9 @@ class Op:
     args: tuple
     kwargs: dict
     out: object
-    rng: torch.Tensor | None = None          # the generator's state before a random op
+    rng: torch.Tensor | None = None  # the generator's state before a random op
     dead: bool = False
-    overwrites: bool = False                 # a whole-tensor initialiser call (SKIPS_META)
+    overwrites: bool = False  # a whole-tensor initialiser call (SKIPS_META)
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -87,8 +102,9 @@ def _random(func) -> bool:
 
 def _covers(t: torch.Tensor) -> bool:
     """Whether `t` views every byte of its storage."""
-    return t.storage_offset() == 0 and t.is_contiguous() and \
-        t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    return (
+        t.storage_offset() == 0 and t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    )
 
 
 class Recorder(TorchDispatchMode):
@@ -97,7 +113,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.log: list[Op] = []
-        self.pending_value: dict[int, int] = {}      # storage key -> log index of its initial value
+        self.pending_value: dict[int, int] = {}  # storage key -> log index of its initial value
         self._scratch = torch.UntypedStorage(0)
 
     def scratch_like(self, t: torch.Tensor) -> torch.Tensor:
@@ -105,7 +121,7 @@ class Recorder(TorchDispatchMode):
         (grown to the largest storage asked for)."""
         nbytes = t.untyped_storage().nbytes()
         if self._scratch.nbytes() < nbytes:
-            self._scratch = torch.UntypedStorage(0)        # the old one goes before the new one comes
+            self._scratch = torch.UntypedStorage(0)  # the old one goes before the new one comes
             self._scratch = torch.UntypedStorage(nbytes)
         return torch.empty(0, dtype=t.dtype).set_(self._scratch, t.storage_offset(), t.size(), t.stride())
 
@@ -138,6 +154,7 @@ class Recorder(TorchDispatchMode):
     def _recording_call(self, real):
         """`real` (an initialiser in SKIPS_META) logged as one op when its tensor is meta: run once on
         a scratch tensor now for its random draws, and for real on the value at the replay."""
+
         def call(tensor, *args, **kwargs):
             if not (isinstance(tensor, torch.Tensor) and tensor.is_meta):
                 return real(tensor, *args, **kwargs)
@@ -147,15 +164,18 @@ class Recorder(TorchDispatchMode):
             self._drop_overwritten(op)
             self.log.append(op)
             return tensor
+
         return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = _tensors((args, kwargs))
         if func in READS_VALUE and any(t.is_meta for t in inputs):
-            raise UsageError("zero.Init: the model's construction reads a value of a parameter (.item(), or a "
-                             "Python condition on it), which has no value yet under zero.Init; build the model "
-                             "outside zero.Init, or compute that value from the config")
+            raise UsageError(
+                "zero.Init: the model's construction reads a value of a parameter (.item(), or a "
+                "Python condition on it), which has no value yet under zero.Init; build the model "
+                "outside zero.Init, or compute that value from the config"
+            )
         out = func(*args, **kwargs)
         if not any(t.is_meta for t in inputs + _tensors(out)):
             return out
@@ -163,13 +183,17 @@ class Recorder(TorchDispatchMode):
         if _random(func):
             op.rng = torch.get_rng_state()
             metas = [t for t in inputs if t.is_meta]
-            scratch = {id(t): self.scratch_like(t) if i == 0 else
-                       torch.empty_strided(t.size(), t.stride(), dtype=t.dtype) for i, t in enumerate(metas)}
+            scratch = {
+                id(t): self.scratch_like(t) if i == 0 else torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+                for i, t in enumerate(metas)
+            }
             swap = lambda t: scratch.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-            func(*pytree.tree_map(swap, args), **{k: (torch.device("cpu") if k == "device" else swap(v))
-                                                   for k, v in kwargs.items()})
+            func(
+                *pytree.tree_map(swap, args),
+                **{k: (torch.device("cpu") if k == "device" else swap(v)) for k, v in kwargs.items()},
+            )
         for key in _escapes(op):
-            self.pending_value.pop(key, None)      # read into something else: its value must stay
+            self.pending_value.pop(key, None)  # read into something else: its value must stay
         self._drop_overwritten(op)
         self.log.append(op)
         return out
@@ -264,7 +288,7 @@ def replay(log: list[Op], params: list[torch.Tensor], keep) -> None:
                     if key in by_key:
                         keep(by_key[key], realize(by_key[key]))
                     del real[key]
-            for key, p in by_key.items():       # never touched after being created
+            for key, p in by_key.items():  # never touched after being created
                 if key in real or key not in last:
                     keep(p, realize(p))
                     real.pop(key, None)

@@ -1,6 +1,7 @@
 """Loss scaling for fp16 (DeepSpeed's `fp16` keys: loss_scale, initial_scale_power,
 loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale). bf16 and fp32 use a constant
 scale of 1."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ class LossScaler:
     does every further overflow until the hysteresis is refilled. `window` clean steps in a row double
     the scale and refill the hysteresis; with `consecutive_hysteresis` every clean step refills it, so
     only `hysteresis` overflows in a row lower the scale."""
+
     scale: float = 1.0
     dynamic: bool = False
     window: int = 1000
@@ -32,9 +34,14 @@ class LossScaler:
             return cls()
         if config.loss_scale > 0:
             return cls(scale=config.loss_scale)
-        return cls(scale=2.0 ** config.initial_scale_power, dynamic=True, window=config.loss_scale_window,
-                   hysteresis=config.hysteresis, min_scale=config.min_loss_scale,
-                   consecutive_hysteresis=config.consecutive_hysteresis)
+        return cls(
+            scale=2.0**config.initial_scale_power,
+            dynamic=True,
+            window=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+            min_scale=config.min_loss_scale,
+            consecutive_hysteresis=config.consecutive_hysteresis,
+        )
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:

@@ -26,6 +26,7 @@ which tests/zero/test_muon_distributed.py checks against the comm log.
 A matrix is described from outside (megazero.training.muon_matrices) as a `MuonMatrix`; this module knows no
 TP layer, only how to join the TP ranks' tensors and split the full one again.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,6 +46,7 @@ class MuonMatrix:
     TP ranks' tensors in rank order -> the full tensor) and `split(full)` (-> every TP rank's tensor),
     None when tensor parallelism does not split it; `row_blocks`: split QKV's rows per query group;
     `batched`: dim 0 indexes matrices (grouped experts); `transposed`: stored (in, out)."""
+
     full_shape: tuple[int, ...]
     join: Callable | None = None
     split: Callable | None = None
@@ -93,19 +95,20 @@ def piece_lengths(layout, i: int, shards: int) -> tuple[int, ...]:
 
 
 class _Entry(NamedTuple):
-    index: int                 # the parameter's index in its storage
+    index: int  # the parameter's index in its storage
     matrix: MuonMatrix
-    local_shape: tuple         # this TP rank's tensor
-    lengths: tuple             # elements in each shard rank's partition
-    owner: int                 # the shard rank that gathers it
-    owner_tp: int | None       # the TP rank that orthogonalises it; None: each TP rank its own copy
+    local_shape: tuple  # this TP rank's tensor
+    lengths: tuple  # elements in each shard rank's partition
+    owner: int  # the shard rank that gathers it
+    owner_tp: int | None  # the TP rank that orthogonalises it; None: each TP rank its own copy
 
     def piece_start(self, r: int) -> int:
         return sum(self.lengths[:r])
 
 
-def exchange(group: comm.Group | None, sends: list[list[torch.Tensor]], sizes: list[list[int]],
-             device) -> list[list[torch.Tensor]]:
+def exchange(
+    group: comm.Group | None, sends: list[list[torch.Tensor]], sizes: list[list[int]], device
+) -> list[list[torch.Tensor]]:
     """One all-to-all: `sends[j]`, flat fp32 tensors, go to group rank j; `sizes[j]`, the sizes of
     what rank j sends here, in its order. Returns what came, per rank, in order (views of one buffer)."""
     sent = [t for block in sends for t in block]
@@ -117,7 +120,7 @@ def exchange(group: comm.Group | None, sends: list[list[torch.Tensor]], sizes: l
         comm.all_to_all_uneven(recv, send, [sum(s) for s in sizes], [sum(t.numel() for t in b) for b in sends], group)
     out, at = [], 0
     for block in sizes:
-        out.append([recv[at + sum(block[:k]):at + sum(block[:k + 1])] for k in range(len(block))])
+        out.append([recv[at + sum(block[:k]) : at + sum(block[: k + 1])] for k in range(len(block))])
         at += sum(block)
     return out
 
@@ -125,8 +128,16 @@ def exchange(group: comm.Group | None, sends: list[list[torch.Tensor]], sizes: l
 class StorageMuon:
     """The Muon matrices of one storage and their step (see the module docstring)."""
 
-    def __init__(self, storage, entries: list[_Entry], tensor: comm.Group | None, config: MuonConfig,
-                 ns_device, weight_decay_of, lr_group_of):
+    def __init__(
+        self,
+        storage,
+        entries: list[_Entry],
+        tensor: comm.Group | None,
+        config: MuonConfig,
+        ns_device,
+        weight_decay_of,
+        lr_group_of,
+    ):
         self.storage, self.entries, self.tensor, self.config = storage, entries, tensor, config
         self.ns_device = torch.device(ns_device)
         self.me = storage.layout.rank
@@ -139,8 +150,9 @@ class StorageMuon:
         self.lr_group = [lr_group_of(params[e.index]) for e in entries]
 
     @classmethod
-    def plan(cls, storage, matrix_of, tensor: comm.Group | None, config: MuonConfig, ns_device,
-             weight_decay_of, lr_group_of) -> "StorageMuon | None":
+    def plan(
+        cls, storage, matrix_of, tensor: comm.Group | None, config: MuonConfig, ns_device, weight_decay_of, lr_group_of
+    ) -> "StorageMuon | None":
         shards = storage.shard.size if storage.shard is not None else 1
         tp = tensor.size if tensor is not None else 1
         found = []
@@ -154,9 +166,10 @@ class StorageMuon:
             return None
         split = [m.join is not None and tp > 1 for _, m in found]
         owners = assign_owners([ns_cost(m) for _, m in found], split, shards, tp)
-        entries = [_Entry(i, m, tuple(storage.full_shape(i)), piece_lengths(storage.layout, i, shards), d,
-                          t if s else None)
-                   for (i, m), (d, t), s in zip(found, owners, split)]
+        entries = [
+            _Entry(i, m, tuple(storage.full_shape(i)), piece_lengths(storage.layout, i, shards), d, t if s else None)
+            for (i, m), (d, t), s in zip(found, owners, split)
+        ]
         return cls(storage, entries, tensor if tp > 1 else None, config, ns_device, weight_decay_of, lr_group_of)
 
     def _param(self, e: _Entry):
@@ -167,19 +180,36 @@ class StorageMuon:
         shard = self.storage.shard if self.shards > 1 else None
         ups = self._momentum(coef)
         # 2. each rank's pieces to their shard owner: this rank's TP tensor of the matrices it owns
-        got = exchange(shard, [[ups[e] for e in owned] for owned in self.by_owner],
-                       [[e.lengths[r] for e in self.mine] for r in range(self.shards)], device)
+        got = exchange(
+            shard,
+            [[ups[e] for e in owned] for owned in self.by_owner],
+            [[e.lengths[r] for e in self.mine] for r in range(self.shards)],
+            device,
+        )
         whole = {e: torch.cat([got[r][k] for r in range(self.shards)]) for k, e in enumerate(self.mine)}
         full = self._join_over_tp(whole, device)
         # 3. orthogonalise what this rank owns
-        updates = {e: orthogonalized_tensor(u.to(self.ns_device), self.config, row_blocks=e.matrix.row_blocks,
-                                            batched=e.matrix.batched, transposed=e.matrix.transposed).to(device)
-                   for e, u in full.items()}
+        updates = {
+            e: orthogonalized_tensor(
+                u.to(self.ns_device),
+                self.config,
+                row_blocks=e.matrix.row_blocks,
+                batched=e.matrix.batched,
+                transposed=e.matrix.transposed,
+            ).to(device)
+            for e, u in full.items()
+        }
         local = self._split_over_tp(updates, device)
         # 4. back to the shard ranks holding the pieces
-        back = exchange(shard, [[local[e].reshape(-1)[e.piece_start(r):e.piece_start(r) + e.lengths[r]]
-                                 for e in self.mine] for r in range(self.shards)],
-                        [[e.lengths[self.me] for e in owned] for owned in self.by_owner], device)
+        back = exchange(
+            shard,
+            [
+                [local[e].reshape(-1)[e.piece_start(r) : e.piece_start(r) + e.lengths[r]] for e in self.mine]
+                for r in range(self.shards)
+            ],
+            [[e.lengths[self.me] for e in owned] for owned in self.by_owner],
+            device,
+        )
         pieces = {e: t for owned, block in zip(self.by_owner, back) for e, t in zip(owned, block)}
         self._apply(pieces, lr)
 
@@ -206,8 +236,12 @@ class StorageMuon:
         if not split:
             return full
         size = self.tensor.size
-        got = exchange(self.tensor, [[whole[e] for e in split if e.owner_tp == t] for t in range(size)],
-                       [[_numel(e.local_shape) for e in split if e.owner_tp == self.tp_rank]] * size, device)
+        got = exchange(
+            self.tensor,
+            [[whole[e] for e in split if e.owner_tp == t] for t in range(size)],
+            [[_numel(e.local_shape) for e in split if e.owner_tp == self.tp_rank]] * size,
+            device,
+        )
         for k, e in enumerate(e for e in split if e.owner_tp == self.tp_rank):
             full[e] = e.matrix.join([got[t][k].view(e.local_shape) for t in range(size)])
         return full
@@ -221,8 +255,12 @@ class StorageMuon:
         size = self.tensor.size
         owned = [e for e in split if e.owner_tp == self.tp_rank]
         parts = {e: e.matrix.split(updates[e]) for e in owned}
-        got = exchange(self.tensor, [[parts[e][t].reshape(-1) for e in owned] for t in range(size)],
-                       [[_numel(e.local_shape) for e in split if e.owner_tp == t] for t in range(size)], device)
+        got = exchange(
+            self.tensor,
+            [[parts[e][t].reshape(-1) for e in owned] for t in range(size)],
+            [[_numel(e.local_shape) for e in split if e.owner_tp == t] for t in range(size)],
+            device,
+        )
         for t in range(size):
             for k, e in enumerate(e for e in split if e.owner_tp == t):
                 local[e] = got[t][k]
@@ -250,14 +288,18 @@ class Muon:
     """Muon over an engine's storages: planned once, stepped once per optimizer step (after the
     gradients are reduced and clipped, before the storages' Adam step of the other parameters)."""
 
-    def __init__(self, storages, matrix_of, config: MuonConfig, *, tensor_of, ns_device, weight_decay_of,
-                 lr_group_of):
+    def __init__(self, storages, matrix_of, config: MuonConfig, *, tensor_of, ns_device, weight_decay_of, lr_group_of):
         """`matrix_of(param, shape) -> MuonMatrix | None` (shape: the storage's, TP-local);
         `tensor_of(storage)`: the TP group its matrices split over (None: not split)."""
         self.config = config
-        self.parts = [part for part in (StorageMuon.plan(s, matrix_of, tensor_of(s), config, ns_device,
-                                                         weight_decay_of, lr_group_of) for s in storages)
-                      if part is not None]
+        self.parts = [
+            part
+            for part in (
+                StorageMuon.plan(s, matrix_of, tensor_of(s), config, ns_device, weight_decay_of, lr_group_of)
+                for s in storages
+            )
+            if part is not None
+        ]
         self.params = {id(part.storage.params[e.index]) for part in self.parts for e in part.entries}
 
     @classmethod
@@ -265,10 +307,15 @@ class Muon:
         """The Muon of a ZeroEngine's storages; `muon_matrix(name, param, shape)` as the engine's."""
         if engine.zero.zenflow is not None:
             raise ValueError("Muon with ZenFlow is not supported: ZenFlow's selection is Adam's")
-        return cls(engine.storages(), lambda p, shape: muon_matrix(engine.names[id(p)], p, shape), config,
-                   tensor_of=lambda s: engine.domain_of(s).groups.tensor,
-                   ns_device="cpu" if engine.zero.offloads_optimizer else engine.device,
-                   weight_decay_of=engine._weight_decay_of, lr_group_of=lr_group_of)
+        return cls(
+            engine.storages(),
+            lambda p, shape: muon_matrix(engine.names[id(p)], p, shape),
+            config,
+            tensor_of=lambda s: engine.domain_of(s).groups.tensor,
+            ns_device="cpu" if engine.zero.offloads_optimizer else engine.device,
+            weight_decay_of=engine._weight_decay_of,
+            lr_group_of=lr_group_of,
+        )
 
     def steps(self, param) -> bool:
         """Whether Muon steps `param` (the storages' Adam then leaves it alone)."""

@@ -17,6 +17,7 @@ to host memory and back, bitwise. A moved tensor keeps its identity (its storage
 
 Owns no policy of when to step or gather; the storage calls `step`, the engine calls the rest.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,7 +50,7 @@ def partition_range(storage, kind: str, start: int, end: int) -> torch.Tensor:
         lo, hi = max(start, bucket.local_offset), min(end, bucket.local_offset + bucket.chunk)
         if lo < hi:
             chunk = storage.chunk(kind, b)
-            out[lo - start:hi - start].copy_(chunk[lo - bucket.local_offset:hi - bucket.local_offset])
+            out[lo - start : hi - start].copy_(chunk[lo - bucket.local_offset : hi - bucket.local_offset])
     return out
 
 
@@ -68,10 +69,11 @@ class OptimizerOffload:
     [split, partition) are offloaded. A view that crosses `split` (or any view, for nvme) is served
     from a host cache written back before the next step."""
 
-    def __init__(self, storage, config, sub_group_size: int, folder: Path | None, name: str,
-                 cpu_threads: int | None = None):
-        self.device_kind = config.device                 # "cpu" | "nvme"
-        self.cpu_threads = cpu_threads                   # the CPU Adam's threads (None: torch's count)
+    def __init__(
+        self, storage, config, sub_group_size: int, folder: Path | None, name: str, cpu_threads: int | None = None
+    ):
+        self.device_kind = config.device  # "cpu" | "nvme"
+        self.cpu_threads = cpu_threads  # the CPU Adam's threads (None: torch's count)
         size = storage.layout.partition_size
         self.bounds = sub_group_bounds(size, sub_group_size)
         self.resident = resident_sub_groups(len(self.bounds), config.ratio)
@@ -83,30 +85,43 @@ class OptimizerOffload:
         # Host staging of one sub-group: the reduced gradients in, the updated 16-bit weights out.
         host = dict(device="cpu", pin_memory=pin)
         self.grad_buffer = torch.empty(longest, dtype=storage.precision.grad_accum_dtype, **host)
-        self.lp_buffer = (torch.empty(longest, dtype=storage.precision.param_dtype, **host)
-                          if storage.precision.mixed else None)
+        self.lp_buffer = (
+            torch.empty(longest, dtype=storage.precision.param_dtype, **host) if storage.precision.mixed else None
+        )
         # Device<->host copies are issued without blocking and waited once per batch of them.
         self.copied = Event(storage.device)
-        self.on_device = {kind: partition_range(storage, kind, 0, self.split).to(storage.device)
-                          for kind in OFFLOADED_KINDS}
+        self.on_device = {
+            kind: partition_range(storage, kind, 0, self.split).to(storage.device) for kind in OFFLOADED_KINDS
+        }
         self.host: dict[str, torch.Tensor] | None = None
         self.swapper: SubGroupSwapper | None = None
         self._cache: tuple[int, int, dict[str, torch.Tensor]] | None = None
-        offloaded = [(s - self.split, e - self.split) for s, e in self.bounds[self.resident:]]
+        offloaded = [(s - self.split, e - self.split) for s, e in self.bounds[self.resident :]]
         if self.device_kind == "cpu":
-            self.host = {kind: torch.empty(size - self.split, dtype=self.dtypes[kind], pin_memory=pin, device="cpu")
-                         for kind in OFFLOADED_KINDS}
+            self.host = {
+                kind: torch.empty(size - self.split, dtype=self.dtypes[kind], pin_memory=pin, device="cpu")
+                for kind in OFFLOADED_KINDS
+            }
             for s, e in offloaded:
                 for kind in OFFLOADED_KINDS:
                     self.host[kind][s:e].copy_(partition_range(storage, kind, s + self.split, e + self.split))
         elif offloaded:
             self.swapper = SubGroupSwapper(
-                folder, name, OFFLOADED_KINDS, offloaded, buffer_count=config.buffer_count,
-                pipeline_read=config.pipeline_read, pipeline_write=config.pipeline_write, pin_memory=pin,
-                dtypes=self.dtypes)
+                folder,
+                name,
+                OFFLOADED_KINDS,
+                offloaded,
+                buffer_count=config.buffer_count,
+                pipeline_read=config.pipeline_read,
+                pipeline_write=config.pipeline_write,
+                pin_memory=pin,
+                dtypes=self.dtypes,
+            )
             for k, (s, e) in enumerate(offloaded):
-                self.swapper.write_initial(k, {kind: partition_range(storage, kind, s + self.split, e + self.split)
-                                               for kind in OFFLOADED_KINDS})
+                self.swapper.write_initial(
+                    k,
+                    {kind: partition_range(storage, kind, s + self.split, e + self.split) for kind in OFFLOADED_KINDS},
+                )
 
     # --- values of record, for checkpoints and inspection -----------------------------------------
     def view(self, kind: str, start: int, length: int) -> torch.Tensor:
@@ -121,16 +136,16 @@ class OptimizerOffload:
         if end <= self.split:
             direct = self.on_device[kind][start:end]
         elif start >= self.split and self.host is not None:
-            direct = self.host[kind][start - self.split:end - self.split]
+            direct = self.host[kind][start - self.split : end - self.split]
         if direct is not None:
             if self._cache is not None and start < self._cache[1] and self._cache[0] < end:
-                self.flush_cache()           # the cache's copy of these elements would overwrite them
+                self.flush_cache()  # the cache's copy of these elements would overwrite them
             return direct
         if self._cache is None or not (self._cache[0] <= start and end <= self._cache[1]):
             self.flush_cache()
             self._load_cache(start, end)
         lo = self._cache[0]
-        return self._cache[2][kind][start - lo:end - lo]
+        return self._cache[2][kind][start - lo : end - lo]
 
     def _covering(self, start: int, end: int) -> list[int]:
         return [k for k, (s, e) in enumerate(self.bounds) if s < end and start < e]
@@ -143,11 +158,11 @@ class OptimizerOffload:
             s, e = self.bounds[k]
             for kind in OFFLOADED_KINDS:
                 if k < self.resident:
-                    cache[kind][s - lo:e - lo].copy_(self.on_device[kind][s:e])
+                    cache[kind][s - lo : e - lo].copy_(self.on_device[kind][s:e])
                 elif self.host is not None:
-                    cache[kind][s - lo:e - lo].copy_(self.host[kind][s - self.split:e - self.split])
+                    cache[kind][s - lo : e - lo].copy_(self.host[kind][s - self.split : e - self.split])
                 else:
-                    self.swapper.files[kind].read(k - self.resident, cache[kind][s - lo:])
+                    self.swapper.files[kind].read(k - self.resident, cache[kind][s - lo :])
         self._cache = (lo, hi, cache)
 
     def flush_cache(self) -> None:
@@ -160,11 +175,11 @@ class OptimizerOffload:
         for k in self._covering(lo, hi):
             s, e = self.bounds[k]
             for kind in OFFLOADED_KINDS:
-                piece = cache[kind][s - lo:e - lo]
+                piece = cache[kind][s - lo : e - lo]
                 if k < self.resident:
                     self.on_device[kind][s:e].copy_(piece)
                 elif self.host is not None:
-                    self.host[kind][s - self.split:e - self.split].copy_(piece)
+                    self.host[kind][s - self.split : e - self.split].copy_(piece)
                 else:
                     self.swapper.files[kind].write_if_changed(k - self.resident, piece)
 
@@ -186,7 +201,7 @@ class OptimizerOffload:
         if k < self.resident:
             return {kind: self.on_device[kind][s:e] for kind in OFFLOADED_KINDS}
         if self.host is not None:
-            return {kind: self.host[kind][s - self.split:e - self.split] for kind in OFFLOADED_KINDS}
+            return {kind: self.host[kind][s - self.split : e - self.split] for kind in OFFLOADED_KINDS}
         return self.swapper.fetch(k - self.resident)
 
     def step(self, storage, step: int, lr, config, grad_scale: float) -> None:
@@ -199,9 +214,18 @@ class OptimizerOffload:
             states = self._fetch(k)
             for b, lo, hi, wd, at, group in pieces[k]:
                 r = slice(at, at + hi - lo)
-                adam_update(states["fp32"][r], storage.grad_chunk(b)[lo:hi], states["exp_avg"][r],
-                            states["exp_avg_sq"][r], step=step, lr=lr_of(lr, group), config=config, weight_decay=wd,
-                            grad_scale=grad_scale, param_copy=storage.param_chunk(b)[lo:hi])
+                adam_update(
+                    states["fp32"][r],
+                    storage.grad_chunk(b)[lo:hi],
+                    states["exp_avg"][r],
+                    states["exp_avg_sq"][r],
+                    step=step,
+                    lr=lr_of(lr, group),
+                    config=config,
+                    weight_decay=wd,
+                    grad_scale=grad_scale,
+                    param_copy=storage.param_chunk(b)[lo:hi],
+                )
         swapper = self.swapper
         try:
             if swapper is not None:
@@ -226,7 +250,7 @@ class OptimizerOffload:
     def _step_sub_group(self, storage, pieces, states, n, step, lr, config, grad_scale) -> None:
         grad = self.grad_buffer[:n]
         for b, lo, hi, _, at, _ in pieces:
-            grad[at:at + hi - lo].copy_(storage.grad_chunk(b)[lo:hi], non_blocking=True)
+            grad[at : at + hi - lo].copy_(storage.grad_chunk(b)[lo:hi], non_blocking=True)
         # The host buffers are written below: the gradients must have arrived, and the previous
         # sub-group's weights (queued before on the same stream) must have left.
         self.copied.record()
@@ -235,12 +259,22 @@ class OptimizerOffload:
         master, m, v = states["fp32"], states["exp_avg"], states["exp_avg_sq"]
         for b, lo, hi, wd, at, group in pieces:
             r = slice(at, at + hi - lo)
-            adam_update(master[r], grad[r], m[r], v[r], step=step, lr=lr_of(lr, group), config=config,
-                        weight_decay=wd, grad_scale=grad_scale,
-                        param_copy=None if lp is None else lp[r], num_threads=self.cpu_threads)
+            adam_update(
+                master[r],
+                grad[r],
+                m[r],
+                v[r],
+                step=step,
+                lr=lr_of(lr, group),
+                config=config,
+                weight_decay=wd,
+                grad_scale=grad_scale,
+                param_copy=None if lp is None else lp[r],
+                num_threads=self.cpu_threads,
+            )
         updated = master if lp is None else lp
         for b, lo, hi, _, at, _ in pieces:
-            storage.param_chunk(b)[lo:hi].copy_(updated[at:at + hi - lo], non_blocking=True)
+            storage.param_chunk(b)[lo:hi].copy_(updated[at : at + hi - lo], non_blocking=True)
 
     # --- accounting -------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
@@ -256,8 +290,13 @@ class OptimizerOffload:
         if self.swapper is not None:
             buffers += self.swapper.buffer_bytes()
         where = "host" if self.device_kind == "cpu" else "nvme"
-        return {"master": 4 * resident, "optimizer_states": moments * resident, f"{where}_master": 4 * offloaded,
-                f"{where}_optimizer_states": moments * offloaded, "host_offload_buffers": buffers}
+        return {
+            "master": 4 * resident,
+            "optimizer_states": moments * resident,
+            f"{where}_master": 4 * offloaded,
+            f"{where}_optimizer_states": moments * offloaded,
+            "host_offload_buffers": buffers,
+        }
 
     def close(self) -> None:
         if self.swapper is not None:
@@ -272,8 +311,13 @@ def _nbytes(t: torch.Tensor | None) -> int:
 # --- engine.offload_states / reload_states ------------------------------------------------------
 OFFLOAD_STATES = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 # The memory report's category of each state.
-REPORT_CATEGORY = {"optim_states": "optimizer_states", "hp_params": "master", "lp_params": "params",
-                   "lp_grads": "grads", "contiguous_grad_buffer": "buffers"}
+REPORT_CATEGORY = {
+    "optim_states": "optimizer_states",
+    "hp_params": "master",
+    "lp_params": "params",
+    "lp_grads": "grads",
+    "contiguous_grad_buffer": "buffers",
+}
 
 
 def state_tensors(storage, name: str) -> list[torch.Tensor]:
@@ -284,7 +328,7 @@ def state_tensors(storage, name: str) -> list[torch.Tensor]:
         found = [storage.exp_avg, storage.exp_avg_sq]
     elif name == "hp_params":
         found = [storage.master]
-    elif name == "lp_params":        # stages 0-2: the full flat weights; stage 3: the partition
+    elif name == "lp_params":  # stages 0-2: the full flat weights; stage 3: the partition
         found = [getattr(storage, "param_flat", None), getattr(storage, "partition", None)]
     elif name == "lp_grads":
         found = [getattr(storage, "grad_flat", None), getattr(storage, "grad_part", None)]
@@ -382,5 +426,4 @@ class Offloaded(OnDevice):
         return functools.partial(OptimizerOffload, cpu_threads=self.cpu_threads)
 
     def place(self, storage, name: str) -> None:
-        storage.offload_optimizer_states(self.config, self.sub_group_size, self.folder, name,
-                                         make=self.make_offload())
+        storage.offload_optimizer_states(self.config, self.sub_group_size, self.folder, name, make=self.make_offload())

@@ -13,6 +13,7 @@ step, coef)` once per step, before the storages step; `checkpoint_index(storages
 entries it adds to this rank's checkpoint index, and `restore(indexes, storages, name_of)` reads
 them back (megazero.checkpoint calls both and knows no strategy).
 """
+
 from __future__ import annotations
 
 from .config import ZeroConfig

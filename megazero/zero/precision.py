@@ -11,6 +11,7 @@ down a slice (~2e-5 relative off on 1M elements, ~4e-7 on 64K; a float64 accumul
 exact but is 4x slower there). `sum_of_squares` is its reference: 1M-element slices, one fp32 dot
 product each in float64 (three kernels per slice), which the engine used before.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,6 +29,7 @@ class Precision:
     """The dtypes of a run: model weights (bf16/fp16 with fp32 master weights, or fp32), gradient
     accumulation across microbatches, and gradient reduction. As DeepSpeed's bf16 optimizer and
     Megatron's main_grad do, 16-bit runs accumulate and reduce gradients in fp32 by default."""
+
     param_dtype: torch.dtype = torch.float32
     grad_accum_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
@@ -60,13 +62,20 @@ class Precision:
         if config.bf16 and config.fp16:
             raise ValueError("choose one of bf16 and fp16")
         param = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
-        for name, value in (("gradient accumulation", config.grad_accum_dtype),
-                            ("gradient reduction", config.reduce_dtype)):
+        for name, value in (
+            ("gradient accumulation", config.grad_accum_dtype),
+            ("gradient reduction", config.reduce_dtype),
+        ):
             if _DTYPES[value] not in (torch.float32, param):
                 raise ValueError(f"{name} in {value} needs {value} parameters (or fp32)")
-        return cls(param, _DTYPES[config.grad_accum_dtype], _DTYPES[config.reduce_dtype],
-                   config.gradient_accumulation_fusion, _DTYPES[config.exp_avg_dtype],
-                   _DTYPES[config.exp_avg_sq_dtype])
+        return cls(
+            param,
+            _DTYPES[config.grad_accum_dtype],
+            _DTYPES[config.reduce_dtype],
+            config.gradient_accumulation_fusion,
+            _DTYPES[config.exp_avg_dtype],
+            _DTYPES[config.exp_avg_sq_dtype],
+        )
 
 
 def take_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -83,8 +92,8 @@ def take_grad(param: torch.Tensor) -> torch.Tensor | None:
     return pending.add_(grad) if grad is not None else pending
 
 
-NORM_SLICE = 1 << 20          # elements per fp32 norm on a GPU (its kernel reduces a slice in a tree)
-CPU_NORM_SLICE = 1 << 16      # on the CPU (one accumulator runs down a slice: shorter is more exact)
+NORM_SLICE = 1 << 20  # elements per fp32 norm on a GPU (its kernel reduces a slice in a tree)
+CPU_NORM_SLICE = 1 << 16  # on the CPU (one accumulator runs down a slice: shorter is more exact)
 
 
 def sum_of_squares(t: torch.Tensor, slice_elems: int = NORM_SLICE) -> torch.Tensor:
@@ -93,13 +102,14 @@ def sum_of_squares(t: torch.Tensor, slice_elems: int = NORM_SLICE) -> torch.Tens
     `sum_of_squares_many` (three kernels per slice)."""
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for start in range(0, t.numel(), slice_elems):
-        piece = t[start:start + slice_elems].float()
+        piece = t[start : start + slice_elems].float()
         total += torch.dot(piece, piece).double()
     return total
 
 
-def sum_of_squares_many(counted: list[torch.Tensor], uncounted: list[torch.Tensor] = (), *, device,
-                        slice_elems: int | None = None) -> torch.Tensor:
+def sum_of_squares_many(
+    counted: list[torch.Tensor], uncounted: list[torch.Tensor] = (), *, device, slice_elems: int | None = None
+) -> torch.Tensor:
     """float64 sum of squares of the 1-D tensors `counted`, plus 0 times that of `uncounted`, so a
     non-finite value anywhere makes the result non-finite (inf * 0 is nan) while a finite uncounted
     gradient adds nothing. Each tensor is cut into slices of `slice_elems` (default: see the module
@@ -110,7 +120,7 @@ def sum_of_squares_many(counted: list[torch.Tensor], uncounted: list[torch.Tenso
     slices, split = [], 0
     for k, tensors in enumerate((counted, uncounted)):
         for t in tensors:
-            slices.extend(t[s:s + slice_elems] for s in range(0, t.numel(), slice_elems))
+            slices.extend(t[s : s + slice_elems] for s in range(0, t.numel(), slice_elems))
         if k == 0:
             split = len(slices)
     if not slices:
@@ -125,7 +135,7 @@ def _fp32_norms(slices: list[torch.Tensor]) -> list[torch.Tensor]:
     if all(t.dtype == torch.float32 for t in slices):
         return list(torch._foreach_norm(slices, 2))
     try:
-        return list(torch._foreach_norm(slices, 2, dtype=torch.float32))   # torch >= 2.4
+        return list(torch._foreach_norm(slices, 2, dtype=torch.float32))  # torch >= 2.4
     except TypeError:
         return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in slices]
 

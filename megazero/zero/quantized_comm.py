@@ -40,14 +40,22 @@ summed bucket. Hop 1 sends to local peer j the chunks (p, j) of every node p; af
 it received, local rank l holds its node's partial sums of chunks (p, l). Hop 2 sends to node p's
 rank the partial of chunk (p, l); summing gives chunk s = p * L + l over all N ranks.
 """
+
 from __future__ import annotations
 
 import torch
 
 from megazero.core import comm, streams
 from megazero.core.errors import UsageError
-from megazero.ops.quantize import (dequantize_reduce, dequantize_rows, kernel_info, packed_row_bytes, packed_rows,
-                                   quantize_rows, triton_info)
+from megazero.ops.quantize import (
+    dequantize_reduce,
+    dequantize_rows,
+    kernel_info,
+    packed_row_bytes,
+    packed_rows,
+    quantize_rows,
+    triton_info,
+)
 from .config import ZeroConfig
 from .zero_groups import ZeroGroups
 
@@ -56,32 +64,44 @@ QGZ_BITS, QGZ_BLOCK = 4, 128
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
-def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Group, *, bits: int = QWZ_BITS,
-                         block_size: int = QWZ_BLOCK, async_op: bool = False) -> comm.Handle | None:
+def quantized_all_gather(
+    out: torch.Tensor,
+    chunk: torch.Tensor,
+    group: comm.Group,
+    *,
+    bits: int = QWZ_BITS,
+    block_size: int = QWZ_BLOCK,
+    async_op: bool = False,
+) -> comm.Handle | None:
     """comm.all_gather's contract (rank i's `chunk` lands in chunk i of every rank's `out`), moving
     block-quantized codes and scales instead of the values: `out` receives the dequantized values
     of every rank's chunk, its own included, in its dtype (fp32 or bf16)."""
     comm.check_device("quantized_all_gather", group, "out", out)
     comm.check_device("quantized_all_gather", group, "chunk", chunk)
     if out.numel() != chunk.numel() * group.size:
-        raise ValueError(f"quantized_all_gather: out has {out.numel()} elements, expected "
-                         f"{chunk.numel()} x {group.size}")
+        raise ValueError(
+            f"quantized_all_gather: out has {out.numel()} elements, expected {chunk.numel()} x {group.size}"
+        )
     if out.dtype not in _FLOATS or chunk.dtype not in _FLOATS or not out.is_contiguous():
-        raise ValueError(f"quantized_all_gather: out ({out.dtype}) must be contiguous and out and chunk "
-                         f"({chunk.dtype}) fp32 or bf16")
+        raise ValueError(
+            f"quantized_all_gather: out ({out.dtype}) must be contiguous and out and chunk ({chunk.dtype}) fp32 or bf16"
+        )
     if group.size == 1 or chunk.numel() == 0:
-        out.view(-1).copy_(chunk.reshape(-1))      # nothing moves, so nothing is quantized
+        out.view(-1).copy_(chunk.reshape(-1))  # nothing moves, so nothing is quantized
         return comm.local_handle(group, async_op)
     n = chunk.numel()
     row_bytes = packed_row_bytes(n, bits, block_size)
     # Made on the issuing stream (stage 3's prefetch), freed after the wait on the compute stream:
     # comm's Handle records both buffers there (torch's NCCL records none). The kernels write the
     # codes and scales straight into the send buffer and read them from the receive buffer.
-    send = streams.label(torch.empty((1, row_bytes), dtype=torch.uint8, device=group.device),
-                         "qwZ send buffer (int8 codes and scales)")
+    send = streams.label(
+        torch.empty((1, row_bytes), dtype=torch.uint8, device=group.device), "qwZ send buffer (int8 codes and scales)"
+    )
     quantize_rows(chunk.reshape(1, 1, n), packed_rows(send, n, bits, block_size))
-    received = streams.label(torch.empty((group.size, row_bytes), dtype=torch.uint8, device=group.device),
-                             "qwZ receive buffer (int8 codes and scales)")
+    received = streams.label(
+        torch.empty((group.size, row_bytes), dtype=torch.uint8, device=group.device),
+        "qwZ receive buffer (int8 codes and scales)",
+    )
     work = comm.all_gather(received, send, group, async_op=True)
 
     def dequantize_received():
@@ -94,10 +114,17 @@ def quantized_all_gather(out: torch.Tensor, chunk: torch.Tensor, group: comm.Gro
     return None
 
 
-def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, shard: comm.Group,
-                             node_local: comm.Group | None = None, cross_node: comm.Group | None = None, *,
-                             bits: int = QGZ_BITS, block_size: int = QGZ_BLOCK,
-                             async_op: bool = False) -> comm.Handle | None:
+def quantized_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    shard: comm.Group,
+    node_local: comm.Group | None = None,
+    cross_node: comm.Group | None = None,
+    *,
+    bits: int = QGZ_BITS,
+    block_size: int = QGZ_BLOCK,
+    async_op: bool = False,
+) -> comm.Handle | None:
     """comm.reduce_scatter's contract (`input` holds shard.size equal chunks; chunk i, summed over
     the ranks, lands in rank i's `output`), reduced by two quantized all-to-all hops: inside the node,
     then across nodes (see the module docstring). Without node groups, or with one node, it is a
@@ -120,8 +147,9 @@ def _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_si
         if tensor.dtype not in _FLOATS:
             raise ValueError(f"quantized_reduce_scatter: {what} is {tensor.dtype}; use fp32 or bf16")
     if input.numel() != output.numel() * shard.size:
-        raise ValueError(f"quantized_reduce_scatter: input has {input.numel()} elements, expected "
-                         f"{output.numel()} x {shard.size}")
+        raise ValueError(
+            f"quantized_reduce_scatter: input has {input.numel()} elements, expected {output.numel()} x {shard.size}"
+        )
     if shard.size == 1:
         output.copy_(input.view_as(output))
         return comm.local_handle(shard, async_op)
@@ -129,10 +157,10 @@ def _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_si
     # Row j (for local peer j): chunks (p, j) of every node p, node after node, read where they lie.
     rows = input.reshape(nodes, locals_, chunk).transpose(0, 1)
     intra = _QuantizedAllToAll(rows, node_local, bits, block_size)
-    if nodes == 1:                     # one node: the first hop's sum is the result
+    if nodes == 1:  # one node: the first hop's sum is the result
         intra.reduce_into(output.view(-1))
         return comm.local_handle(shard, async_op)
-    node_sums = torch.empty(nodes * chunk, dtype=torch.float32, device=input.device)   # chunks (p, l)
+    node_sums = torch.empty(nodes * chunk, dtype=torch.float32, device=input.device)  # chunks (p, l)
     intra.reduce_into(node_sums)
     _QuantizedAllToAll(node_sums.view(nodes, 1, chunk), cross_node, bits, block_size).reduce_into(output.view(-1))
     return comm.local_handle(shard, async_op)
@@ -150,6 +178,7 @@ def quantized_gradient_reducer(groups: ZeroGroups, bits: int = QGZ_BITS, block_s
     def reduce(output: torch.Tensor, input: torch.Tensor) -> comm.Handle:
         # Once per bucket and microbatch, on the reduce stream: the groups were checked above.
         return _reduce_scatter(output, input, shard, node_local, cross_node, bits, block_size, True)
+
     return reduce
 
 
@@ -179,8 +208,9 @@ class _QuantizedAllToAll:
         dequantize_reduce(packed_rows(self.received, *self.format), out=out)
 
 
-def _check_node_groups(shard: comm.Group, node_local: comm.Group | None,
-                       cross_node: comm.Group | None) -> tuple[comm.Group, comm.Group]:
+def _check_node_groups(
+    shard: comm.Group, node_local: comm.Group | None, cross_node: comm.Group | None
+) -> tuple[comm.Group, comm.Group]:
     """(node_local, cross_node) for qgZ over `shard`, checked to be its node-major split; without
     node groups the whole shard group acts as one node."""
     if node_local is None and cross_node is None:
@@ -190,21 +220,30 @@ def _check_node_groups(shard: comm.Group, node_local: comm.Group | None,
         raise ValueError("qgZ needs both node groups (node_local and cross_node) or neither")
     locals_, s = node_local.size, shard.rank
     p, l = divmod(s, locals_)
-    want_local, want_cross = shard.ranks[p * locals_:(p + 1) * locals_], shard.ranks[l::locals_]
+    want_local, want_cross = shard.ranks[p * locals_ : (p + 1) * locals_], shard.ranks[l::locals_]
     if locals_ * cross_node.size != shard.size:
-        raise UsageError(f"zero_quantized_gradients needs the shard group {list(shard.ranks)} to have the "
-                         f"same number of ranks on every node it spans (this node has {locals_}); change "
-                         f"ranks_per_node or mics_shard_size")
-    if (tuple(node_local.ranks) != tuple(want_local) or tuple(cross_node.ranks) != tuple(want_cross)
-            or node_local.rank != l or cross_node.rank != p):
-        raise ValueError(f"qgZ: node groups {node_local} and {cross_node} are not the node-major split of "
-                         f"{shard} (expected node_local ranks {list(want_local)}, cross_node ranks "
-                         f"{list(want_cross)})")
+        raise UsageError(
+            f"zero_quantized_gradients needs the shard group {list(shard.ranks)} to have the "
+            f"same number of ranks on every node it spans (this node has {locals_}); change "
+            f"ranks_per_node or mics_shard_size"
+        )
+    if (
+        tuple(node_local.ranks) != tuple(want_local)
+        or tuple(cross_node.ranks) != tuple(want_cross)
+        or node_local.rank != l
+        or cross_node.rank != p
+    ):
+        raise ValueError(
+            f"qgZ: node groups {node_local} and {cross_node} are not the node-major split of "
+            f"{shard} (expected node_local ranks {list(want_local)}, cross_node ranks "
+            f"{list(want_cross)})"
+        )
     return node_local, cross_node
 
 
-def stage3_inter_node_bytes(zero: ZeroConfig, elements: int, shard: int, nodes: int,
-                            weight_bytes: float, reduce_bytes: float) -> float:
+def stage3_inter_node_bytes(
+    zero: ZeroConfig, elements: int, shard: int, nodes: int, weight_bytes: float, reduce_bytes: float
+) -> float:
     """Bytes one rank moves across nodes per step at stage 3, by the comm log's convention (a
     collective over a group spanning nodes counts (size-1) chunks of `elements`, this rank's
     partition), for one microbatch with every unit gathered before its forward and again before its
@@ -218,6 +257,5 @@ def stage3_inter_node_bytes(zero: ZeroConfig, elements: int, shard: int, nodes: 
     hops = nodes - 1 if zero.mics_hierarchical_params_gather else shard - 1
     gather = hops * elements * (q8 if zero.zero_quantized_weights else weight_bytes)
     gathers = gather if zero.zero_hpz_partition_size > 1 else 2 * gather
-    reduction = ((nodes - 1) * elements * q4 if zero.zero_quantized_gradients
-                 else (shard - 1) * elements * reduce_bytes)
+    reduction = (nodes - 1) * elements * q4 if zero.zero_quantized_gradients else (shard - 1) * elements * reduce_bytes
     return gathers + reduction

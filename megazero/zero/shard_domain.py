@@ -30,6 +30,7 @@ and then joining the dense one on the shared model-parallel group:
 (a frozen family is the same with a claims rule for it; its parameters get no gradients, so its
 units reduce nothing.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,6 +54,7 @@ from .zero_groups import ZeroGroups
 @dataclasses.dataclass
 class Shared:
     """What every domain's storages share: the engine's settings, device, queue and streams."""
+
     zero: ZeroConfig
     precision: Precision
     device: torch.device
@@ -90,12 +92,13 @@ class ReduceAtBackwardEnd:
         return True
 
     def due_at_end(self, unit: Unit) -> bool:
-        return unit.grad_pending != -1          # not reduced in this backward yet
+        return unit.grad_pending != -1  # not reduced in this backward yet
 
 
 class ShardDomain:
-    def __init__(self, name: str, groups: ZeroGroups, policy, *, claims=None, across=(),
-                 units_label: str | None = None):
+    def __init__(
+        self, name: str, groups: ZeroGroups, policy, *, claims=None, across=(), units_label: str | None = None
+    ):
         """`claims(param)`: whether a parameter is this family's (None: the catch-all, the engine's
         first domain). `across`: the groups, after the shard group, whose ranks hold the family's
         other parameters (experts: the expert-parallel group); the norm chain sums over them too.
@@ -116,8 +119,9 @@ class ShardDomain:
         return self.units_label if storage is self.units and self.units_label else f"group{index}"
 
     # --- construction -----------------------------------------------------------------------
-    def build_flat_groups(self, params: list[nn.Parameter], init_fn, isolated,
-                          shared: Shared) -> dict[int, nn.Parameter]:
+    def build_flat_groups(
+        self, params: list[nn.Parameter], init_fn, isolated, shared: Shared
+    ) -> dict[int, nn.Parameter]:
         """Flat groups of `params` (one per weight-decay and isolation kind, in that order), filled
         from init_fn; returns id(old parameter) -> its replacement."""
         zero, precision = shared.zero, shared.precision
@@ -126,23 +130,33 @@ class ShardDomain:
             buckets.setdefault((uses_weight_decay(p.shape), bool(isolated(p))), []).append(p)
         stage = 2 if zero.stage == 3 else zero.stage
         # parameter_alignment (stages 1-2): each parameter's view starts 16-byte aligned.
-        align = 16 // precision.param_dtype.itemsize if zero.parameter_alignment and \
-            zero.stage in (1, 2) else 1
+        align = 16 // precision.param_dtype.itemsize if zero.parameter_alignment and zero.stage in (1, 2) else 1
         g, replaced = self.groups, {}
         for _, olds in sorted(buckets.items()):
             group = FlatParamGroup(
-                olds, stage=stage, dp=g.dp, shard=g.shard if stage > 0 else None, replica=g.replica,
-                precision=precision, bucket_size=zero.reduce_bucket_size, device=shared.device,
-                queue=shared.queue, allgather_bucket_size=zero.allgather_bucket_size,
-                reduce_scatter=zero.reduce_scatter, streams=shared.streams,
-                state_device="cpu" if zero.offloads_optimizer else None, param_align=align)
+                olds,
+                stage=stage,
+                dp=g.dp,
+                shard=g.shard if stage > 0 else None,
+                replica=g.replica,
+                precision=precision,
+                bucket_size=zero.reduce_bucket_size,
+                device=shared.device,
+                queue=shared.queue,
+                allgather_bucket_size=zero.allgather_bucket_size,
+                reduce_scatter=zero.reduce_scatter,
+                streams=shared.streams,
+                state_device="cpu" if zero.offloads_optimizer else None,
+                param_align=align,
+            )
             group.materialize(init_fn)
             replaced.update({id(old): new for old, new in zip(olds, group.params)})
             self.flat_groups.append(group)
         return replaced
 
-    def build_units(self, modules, params: list[nn.Parameter], init_fn, isolated, shared: Shared,
-                    leaf_done, leaves: list[nn.Module]) -> dict[int, nn.Parameter]:
+    def build_units(
+        self, modules, params: list[nn.Parameter], init_fn, isolated, shared: Shared, leaf_done, leaves: list[nn.Module]
+    ) -> dict[int, nn.Parameter]:
         """Stage 3: a UnitStorage of `params` and its gather coordinator, hooked on `modules`. A
         claimed family builds them only when it has such parameters; the catch-all always does, so a
         run whose every parameter is persistent keeps the (empty) unit storage, its place among the
@@ -154,13 +168,23 @@ class ShardDomain:
             return {}
         leaves = self.policy.leaves(leaves)
         units_params, leaf_of_unit = _units_of(modules, params, leaves, isolated)
-        self.units = UnitStorage(units_params, self.groups, shared.precision, shared.device, shared.queue,
-                                 reduce_scatter=shared.zero.reduce_scatter, streams=shared.streams,
-                                 zero=shared.zero)
+        self.units = UnitStorage(
+            units_params,
+            self.groups,
+            shared.precision,
+            shared.device,
+            shared.queue,
+            reduce_scatter=shared.zero.reduce_scatter,
+            streams=shared.streams,
+            zero=shared.zero,
+        )
         replaced = self.units.materialize(init_fn)
         self.gather = GatherCoordinator(self.units, shared.zero)
-        self.gather.attach(modules, {old_id: param_info(new).zero_unit for old_id, new in replaced.items()},
-                           blocks=[m for m in leaves if not any(m is root for root in modules)])
+        self.gather.attach(
+            modules,
+            {old_id: param_info(new).zero_unit for old_id, new in replaced.items()},
+            blocks=[m for m in leaves if not any(m is root for root in modules)],
+        )
         for index, leaf in leaf_of_unit.items():
             self.leaf_units.setdefault(leaf, []).append(self.units.units[index])
         self.leaf_unit_indices = set(leaf_of_unit)
@@ -200,8 +224,11 @@ class ShardDomain:
         same sums), then `across`, then its own model-parallel group where that is not the shared
         one (whole experts: their groups spanned the tensor-parallel ranks already)."""
         own = self.groups.model_parallel
-        return ([self.groups.shard] if stage > 0 else []) + list(self.across) + \
-            ([own] if own is not shared_model_parallel else [])
+        return (
+            ([self.groups.shard] if stage > 0 else [])
+            + list(self.across)
+            + ([own] if own is not shared_model_parallel else [])
+        )
 
     # --- offload state between steps ------------------------------------------------------------
     def in_pass(self) -> bool:
@@ -219,7 +246,7 @@ class ShardDomain:
 
     def drop_param_cache(self) -> None:
         if self.units is not None and self.units.home is not None:
-            self.units.home.drop_cache()        # offload_param nvme: host buffers written back
+            self.units.home.drop_cache()  # offload_param nvme: host buffers written back
 
 
 def owner(domains: list[ShardDomain], param) -> ShardDomain:

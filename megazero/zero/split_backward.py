@@ -10,6 +10,7 @@ W hands the gradients to the full parameters, and the output layer's W reads its
 names the chunk and microbatch; Ws may run in any order after their Bs, one at a time. Owns nothing
 but these passes: the engine (engine.py) keeps the storages, hooks and reductions.
 """
+
 from __future__ import annotations
 
 from megazero.models.param_info import param_info
@@ -56,10 +57,12 @@ class SplitBackward:
         def hook(param) -> None:
             if not self._input_pass:
                 return on_grad(param)
-            views = getattr(storage, "grads_are_views", False)    # .grad is always the buffer's view
+            views = getattr(storage, "grads_are_views", False)  # .grad is always the buffer's view
             if not views and (param.grad is not None or param_info(param).pending_fp32_grad is not None):
                 raise RuntimeError(
                     f"ZeRO: parameter {names.get(id(param), '?')!r} got its gradient in an input-gradient "
                     f"pass (B of a split backward): its layer does not defer its weight gradient to W "
-                    f"(models/split_backward.py); it would be reduced before W")
+                    f"(models/split_backward.py); it would be reduced before W"
+                )
+
         return hook

@@ -12,6 +12,7 @@ Lifetimes: fp32 params and optimizer states are valid at any time outside a step
 between the backward of a step's last microbatch and the optimizer step (afterwards they are zeroed).
 Setters write the fp32 master (and the 16-bit copy the model computes with) or the named state.
 """
+
 from __future__ import annotations
 
 import torch

@@ -21,6 +21,7 @@ then a separate host copy in fp32 runs too.
 
 `ReductionQueue` is the single in-flight policy for gradient reductions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +45,7 @@ KINDS = ("param", "fp32", "grad", "exp_avg", "exp_avg_sq")
 class Run(NamedTuple):
     """Elements [lo, hi) of bucket `bucket`'s chunk, stepped with one weight decay and one learning
     rate: the step's lr number `lr_group` (Megatron's --decoupled-lr gives some parameters a second)."""
+
     bucket: int
     lo: int
     hi: int
@@ -53,6 +55,7 @@ class Run(NamedTuple):
 
 class NormRun(NamedTuple):
     """Elements [lo, hi) of bucket `bucket`'s gradient chunk, counted in the norm or not."""
+
     bucket: int
     lo: int
     hi: int
@@ -82,7 +85,8 @@ class ReductionQueue:
             self.wait_all()
             return
         while self._staged_count() > self.MAX_STAGED_IN_FLIGHT or (
-                self._staged_count() > 1 and self.staged_numel() > self.max_staged):
+            self._staged_count() > 1 and self.staged_numel() > self.max_staged
+        ):
             self._wait_oldest_staged()
 
     def _staged_count(self) -> int:
@@ -111,12 +115,21 @@ class ReductionQueue:
 
 class PartitionedStorage:
     """Per-rank state of a flat layout; see the module docstring for the split with subclasses."""
-    weights_always_full: bool       # every rank holds every weight whole (stages 0-2)
-    quantized_reduce = None         # qgZ: (output, input) -> Handle, in place of the reduce-scatter
 
-    def __init__(self, layout: FlatLayout, shard: comm.Group | None, precision: Precision, device,
-                 queue: ReductionQueue, reduce_scatter: bool = True, streams: Streams | None = None,
-                 state_device=None):
+    weights_always_full: bool  # every rank holds every weight whole (stages 0-2)
+    quantized_reduce = None  # qgZ: (output, input) -> Handle, in place of the reduce-scatter
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        shard: comm.Group | None,
+        precision: Precision,
+        device,
+        queue: ReductionQueue,
+        reduce_scatter: bool = True,
+        streams: Streams | None = None,
+        state_device=None,
+    ):
         self.layout, self.shard, self.precision = layout, shard, precision
         self.device, self.queue, self.reduce_scatter = torch.device(device), queue, reduce_scatter
         self.streams = streams if streams is not None else Streams(self.device)
@@ -130,10 +143,10 @@ class PartitionedStorage:
         # steps them in fp32 and stores them rounded.
         self.exp_avg = torch.zeros(n, dtype=precision.exp_avg_dtype, device=where)
         self.exp_avg_sq = torch.zeros(n, dtype=precision.exp_avg_sq_dtype, device=where)
-        self.offload: OptimizerOffload | None = None     # offload_optimizer: states off the device
+        self.offload: OptimizerOffload | None = None  # offload_optimizer: states off the device
         self.params: list[nn.Parameter] = []
         self.index_of: dict[int, int] = {}
-        self._fresh = [True] * len(layout.buckets)       # gradient chunk holds nothing this step
+        self._fresh = [True] * len(layout.buckets)  # gradient chunk holds nothing this step
         self.runs: list[Run] = []
         self.norm_runs: list[NormRun] = []
 
@@ -158,15 +171,14 @@ class PartitionedStorage:
 
     def _part(self, tensor: torch.Tensor, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        return tensor[bucket.local_offset:bucket.local_offset + bucket.chunk]
+        return tensor[bucket.local_offset : bucket.local_offset + bucket.chunk]
 
     @property
     def separate_master(self) -> bool:
         """Whether the fp32 master is a tensor of its own (16-bit runs, or offloaded states)."""
         return self.master is not None or self.offload is not None
 
-    def offload_optimizer_states(self, config, sub_group_size: int, folder, name: str,
-                                 make=OptimizerOffload) -> None:
+    def offload_optimizer_states(self, config, sub_group_size: int, folder, name: str, make=OptimizerOffload) -> None:
         """Moves the fp32 master and Adam moments off the device (`offload_optimizer`, after
         materialize): `folder` holds the swap files (named after `name`) for device "nvme".
         `make(storage, config, sub_group_size, folder, name)` builds the offload (ZenFlow's own)."""
@@ -203,7 +215,7 @@ class PartitionedStorage:
         if piece is None:
             return chunk[:0]
         rel = piece.partition_offset - self.layout.buckets[b].local_offset
-        return chunk[rel:rel + piece.length]
+        return chunk[rel : rel + piece.length]
 
     def local_pieces(self):
         """(parameter, offset inside its flat value, length) of every piece this rank holds: what a
@@ -227,7 +239,7 @@ class PartitionedStorage:
             whole = chunk.new_empty(bucket.size)
             comm.all_gather(whole, chunk, self.shard)
         start = slot.offset - bucket.start
-        return whole[start:start + slot.numel].view(self.full_shape(i)).to(torch.float32, copy=True)
+        return whole[start : start + slot.numel].view(self.full_shape(i)).to(torch.float32, copy=True)
 
     def full_shape(self, i: int) -> torch.Size:
         return self.params[i].shape
@@ -239,7 +251,7 @@ class PartitionedStorage:
         flat = value.detach().reshape(-1)
         piece = self.layout.local_piece(i)
         if piece is not None:
-            self.local_view(param, kind).copy_(flat[piece.param_offset:piece.param_offset + piece.length])
+            self.local_view(param, kind).copy_(flat[piece.param_offset : piece.param_offset + piece.length])
         if kind == "fp32":
             self.write_full_weights(i, flat)
         elif kind == "param":
@@ -265,7 +277,7 @@ class PartitionedStorage:
         piece = self.layout.local_piece(i)
         if piece is not None and self.master is not None:
             start, end = piece.partition_offset, piece.partition_offset + piece.length
-            self.master[start:end].copy_(value[piece.param_offset:piece.param_offset + piece.length])
+            self.master[start:end].copy_(value[piece.param_offset : piece.param_offset + piece.length])
 
     # --- gradients ----------------------------------------------------------------------------
     def reduce_bucket(self, b: int, staging: torch.Tensor) -> None:
@@ -285,16 +297,16 @@ class PartitionedStorage:
         if direct:
             out = target
         elif scatter:
-            out = label(torch.empty(chunk, dtype=staging.dtype, device=staging.device),
-                        f"bucket {b}: this rank's reduced chunk")
-        else:              # all-reduce the whole bucket, then read this rank's chunk of it
-            out = staging[rank * chunk:(rank + 1) * chunk]
+            out = label(
+                torch.empty(chunk, dtype=staging.dtype, device=staging.device), f"bucket {b}: this rank's reduced chunk"
+            )
+        else:  # all-reduce the whole bucket, then read this rank's chunk of it
+            out = staging[rank * chunk : (rank + 1) * chunk]
         handle = self._issue_reduction(out, staging, scatter, quantized)
         then = None if direct else (lambda: target.copy_(out)) if fresh else (lambda: target.add_(out))
         self.queue.push(comm.Handle([handle], then), staging)
 
-    def _issue_reduction(self, out: torch.Tensor, staging: torch.Tensor, scatter: bool,
-                         quantized: bool) -> comm.Handle:
+    def _issue_reduction(self, out: torch.Tensor, staging: torch.Tensor, scatter: bool, quantized: bool) -> comm.Handle:
         with self.reduce_stream():
             if quantized:
                 handle = self.quantized_reduce(out, staging)
@@ -317,8 +329,10 @@ class PartitionedStorage:
 
     def new_staging(self, b: int) -> torch.Tensor:
         bucket = self.layout.buckets[b]
-        return label(torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device),
-                     f"bucket {b}: gradient staging")
+        return label(
+            torch.zeros(bucket.size, dtype=self.precision.reduce_dtype, device=self.device),
+            f"bucket {b}: gradient staging",
+        )
 
     def ensure_grads(self) -> None:
         """Stage 2/3 gradient partitions hold memory only from the step's first reduction to the
@@ -357,7 +371,7 @@ class PartitionedStorage:
                     self.norm_runs[-1] = last._replace(hi=hi)
                 else:
                     self.norm_runs.append(NormRun(b, lo, hi, counted))
-            if cursor < bucket.chunk:          # padding: zero gradients, updates stay zero
+            if cursor < bucket.chunk:  # padding: zero gradients, updates stay zero
                 if runs and not after_muon:
                     runs[-1] = runs[-1]._replace(hi=bucket.chunk)
                 else:
@@ -369,8 +383,7 @@ class PartitionedStorage:
         rank's gradient chunks makes it non-finite (uncounted runs add 0 * their sum), so the
         norm's all-reduce doubles as the overflow check. One foreach norm over all the runs."""
         runs = [(self.grad_chunk(b)[lo:hi], counted) for b, lo, hi, counted in self.norm_runs]
-        return sum_of_squares_many([g for g, c in runs if c], [g for g, c in runs if not c],
-                                   device=self.device)
+        return sum_of_squares_many([g for g, c in runs if c], [g for g, c in runs if not c], device=self.device)
 
     def counted_stats(self, kind: str) -> torch.Tensor:
         """float64 [sum of squares, zeros] of this rank's `kind` ("fp32" or "grad") over the
@@ -395,11 +408,18 @@ class PartitionedStorage:
             self.after_step()
             return
         for runs in self.by_bucket(self.runs):
-            segments = [AdamSegment(self.chunk("fp32", b)[lo:hi], self.grad_chunk(b)[lo:hi],
-                                    self.chunk("exp_avg", b)[lo:hi], self.chunk("exp_avg_sq", b)[lo:hi], wd,
-                                    self.param_chunk(b)[lo:hi] if self.master is not None else None,
-                                    lr_of(lr, group))
-                        for b, lo, hi, wd, group in runs]
+            segments = [
+                AdamSegment(
+                    self.chunk("fp32", b)[lo:hi],
+                    self.grad_chunk(b)[lo:hi],
+                    self.chunk("exp_avg", b)[lo:hi],
+                    self.chunk("exp_avg_sq", b)[lo:hi],
+                    wd,
+                    self.param_chunk(b)[lo:hi] if self.master is not None else None,
+                    lr_of(lr, group),
+                )
+                for b, lo, hi, wd, group in runs
+            ]
             adam_step(segments, step=step, lr=lr_of(lr, 0), config=config, grad_scale=grad_scale)
         self.after_step()
 
@@ -413,8 +433,10 @@ class PartitionedStorage:
 
     def memory_bytes(self) -> dict[str, int]:
         """Device bytes by category; offloaded states add their host_* / nvme_* bytes."""
-        out = {"master": self.nbytes(self.master),
-               "optimizer_states": self.nbytes(self.exp_avg) + self.nbytes(self.exp_avg_sq)}
+        out = {
+            "master": self.nbytes(self.master),
+            "optimizer_states": self.nbytes(self.exp_avg) + self.nbytes(self.exp_avg_sq),
+        }
         if self.offload is not None:
             out.update(self.offload.memory_bytes())
         return out

@@ -11,6 +11,7 @@ host buffer sets: `fetch(k)` hands back sub-group k's states (read now, or earli
 `write(k, ...)` writes them back (behind, in a thread, when `pipeline_write`), `drain()` waits for
 every write. Which sub-groups to step and when is offload.py's business; this module owns bytes.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -48,7 +49,7 @@ class SwapFile:
         self.path, self.numel, self.bounds = Path(path), numel, bounds
         self.element = torch.empty(0, dtype=dtype, device="cpu").element_size()
         self.crc: list[int | None] = [None] * len(bounds)
-        self.adler: list[int | None] = [None] * len(bounds)     # with crc: did a write change it
+        self.adler: list[int | None] = [None] * len(bounds)  # with crc: did a write change it
         os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
 
     @property
@@ -59,14 +60,16 @@ class SwapFile:
         try:
             return os.open(self.path, os.O_RDWR)
         except FileNotFoundError:
-            raise SwapFileError(f"swap file {self.path} is missing; keep nvme_path intact while the run "
-                                f"lasts and restart from a checkpoint") from None
+            raise SwapFileError(
+                f"swap file {self.path} is missing; keep nvme_path intact while the run "
+                f"lasts and restart from a checkpoint"
+            ) from None
 
     def write(self, k: int, values: torch.Tensor, checksums: tuple[int, int] | None = None) -> None:
         """Writes sub-group k from a contiguous CPU tensor of its length (`checksums`: its CRC-32 and
         Adler-32 when the caller has them already)."""
         start, end = self.bounds[k]
-        data = _as_bytes(values[:end - start])
+        data = _as_bytes(values[: end - start])
         offset, done, fd = start * self.element, 0, self._open()
         try:
             while done < len(data):
@@ -81,7 +84,7 @@ class SwapFile:
         Unchanged means both checksums agree (64 bits: one CRC-32 alone would skip one changed
         write in 4 billion, a run's worth)."""
         start, end = self.bounds[k]
-        checksums = _checksums(_as_bytes(values[:end - start]))
+        checksums = _checksums(_as_bytes(values[: end - start]))
         if self.crc[k] is not None and checksums == (self.crc[k], self.adler[k]):
             return False
         self.write(k, values, checksums)
@@ -91,27 +94,33 @@ class SwapFile:
         """Reads sub-group k into the front of `out` (contiguous CPU) after checking the file's size,
         and its CRC after; returns the filled view."""
         start, end = self.bounds[k]
-        view = out[:end - start]
+        view = out[: end - start]
         data = _as_bytes(view)
         offset, done, fd = start * self.element, 0, self._open()
         try:
             size = os.fstat(fd).st_size
             if size != self.nbytes:
-                raise SwapFileError(f"swap file {self.path} holds {size} bytes, {self.nbytes} were "
-                                    f"written: it was truncated or replaced while training; keep "
-                                    f"nvme_path private to this run and restart from a checkpoint")
+                raise SwapFileError(
+                    f"swap file {self.path} holds {size} bytes, {self.nbytes} were "
+                    f"written: it was truncated or replaced while training; keep "
+                    f"nvme_path private to this run and restart from a checkpoint"
+                )
             while done < len(data):
                 got = os.preadv(fd, [data[done:]], offset + done)
                 if got == 0:
-                    raise SwapFileError(f"swap file {self.path} ended early while reading elements "
-                                        f"{start}-{end}; restart from a checkpoint")
+                    raise SwapFileError(
+                        f"swap file {self.path} ended early while reading elements "
+                        f"{start}-{end}; restart from a checkpoint"
+                    )
                 done += got
         finally:
             os.close(fd)
         if zlib.crc32(data) != self.crc[k]:
-            raise SwapFileError(f"swap file {self.path} was altered: elements {start}-{end} fail their "
-                                f"checksum; keep nvme_path private to this run and restart from a "
-                                f"checkpoint")
+            raise SwapFileError(
+                f"swap file {self.path} was altered: elements {start}-{end} fail their "
+                f"checksum; keep nvme_path private to this run and restart from a "
+                f"checkpoint"
+            )
         return view
 
 
@@ -123,31 +132,46 @@ class SubGroupSwapper:
     ahead takes a set only when one is free, so no order of calls can deadlock: at worst the
     overlap is lost (one set: fully synchronous)."""
 
-    def __init__(self, folder: Path, prefix: str, kinds: tuple[str, ...], bounds: list[tuple[int, int]],
-                 *, buffer_count: int, pipeline_read: bool, pipeline_write: bool, pin_memory: bool,
-                 dtypes: dict | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        prefix: str,
+        kinds: tuple[str, ...],
+        bounds: list[tuple[int, int]],
+        *,
+        buffer_count: int,
+        pipeline_read: bool,
+        pipeline_write: bool,
+        pin_memory: bool,
+        dtypes: dict | None = None,
+    ):
         folder = Path(folder)
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise UsageError(f"offload_optimizer.nvme_path: cannot create {folder} ({err.strerror or err}); "
-                             f"point nvme_path at a writable directory") from None
+            raise UsageError(
+                f"offload_optimizer.nvme_path: cannot create {folder} ({err.strerror or err}); "
+                f"point nvme_path at a writable directory"
+            ) from None
         numel = bounds[-1][1] if bounds else 0
         self.kinds, self.bounds = kinds, bounds
-        dtypes = {kind: (dtypes or {}).get(kind, torch.float32) for kind in kinds}    # fp32 unless named
+        dtypes = {kind: (dtypes or {}).get(kind, torch.float32) for kind in kinds}  # fp32 unless named
         self.files = {kind: SwapFile(folder / f"{prefix}.{kind}.swp", numel, bounds, dtypes[kind]) for kind in kinds}
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
         longest = max((e - s for s, e in bounds), default=0)
         sets = max(1, min(buffer_count, len(bounds)))
-        self.sets = [{kind: torch.empty(longest, dtype=dtypes[kind], pin_memory=pin_memory, device="cpu")
-                      for kind in kinds} for _ in range(sets)]
+        self.sets = [
+            {kind: torch.empty(longest, dtype=dtypes[kind], pin_memory=pin_memory, device="cpu") for kind in kinds}
+            for _ in range(sets)
+        ]
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for buffers in self.sets:
             self._free.put(buffers)
         self._reads: dict[int, concurrent.futures.Future] = {}
         self._writes: list[concurrent.futures.Future] = []
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(kinds),
-                                                          thread_name_prefix="optimizer-swap")
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2 * len(kinds), thread_name_prefix="optimizer-swap"
+        )
         # An engine dropped without close() still lets its idle I/O threads go.
         weakref.finalize(self, self.pool.shutdown, False)
 
@@ -227,7 +251,7 @@ class SubGroupSwapper:
         for future in reads:
             try:
                 self._free.put(future.result())
-            except Exception as err:      # the buffer set is lost with the failed read; it is the end
+            except Exception as err:  # the buffer set is lost with the failed read; it is the end
                 error = error or err
         for future in writes:
             try:

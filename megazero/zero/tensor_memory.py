@@ -3,6 +3,7 @@
 Stage 3 releases gathered parameters and offload empties device buffers this way, so views that
 autograd saved (or that a storage handed out) stay valid and see the memory again once it returns.
 """
+
 from __future__ import annotations
 
 import torch

@@ -14,6 +14,7 @@ A B runs under the microbatch's `WeightGradWork` (models/split_backward.py) thro
 `job.backward_input`; its W hands that work's gradients over through `job.backward_weight`, the
 rank's last W (or BW) of the step being the last microbatch for ZeRO (stages 0-1 reduce there).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,11 +28,11 @@ from .p2p import free_output
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    kind: str          # "act" (to the next virtual stage) or "grad" (to the previous)
-    virtual: int       # the virtual stage that sends it
+    kind: str  # "act" (to the next virtual stage) or "grad" (to the previous)
+    virtual: int  # the virtual stage that sends it
     microbatch: int
-    source: int        # stage
-    target: int        # stage
+    source: int  # stage
+    target: int  # stage
 
 
 def message_plan(schedule: ListSchedule) -> list[list]:
@@ -53,8 +54,15 @@ def message_plan(schedule: ListSchedule) -> list[list]:
     times = sorted(at)
     programs = []
     for stage, slots in enumerate(timeline.slots):
-        mine = [(t, sorted((m for m in at[t] if stage in (m.source, m.target)),
-                           key=lambda m: (m.kind, m.virtual, m.microbatch))) for t in times]
+        mine = [
+            (
+                t,
+                sorted(
+                    (m for m in at[t] if stage in (m.source, m.target)), key=lambda m: (m.kind, m.virtual, m.microbatch)
+                ),
+            )
+            for t in times
+        ]
         mine = [(t, batch) for t, batch in mine if batch]
         program, k = [], 0
         for group, start, _ in slots:
@@ -74,9 +82,9 @@ class _Stage:
     def __init__(self, job, schedule: ListSchedule, train: bool):
         self.job, self.schedule, self.train = job, schedule, train
         self.layout, self.stage = schedule.layout, job.stage
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}      # (virtual, mb) -> input
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}       # (virtual, mb) -> output grad
-        self.saved: dict[tuple[int, int], tuple] = {}              # (chunk, mb) -> (input, output)
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # (virtual, mb) -> input
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # (virtual, mb) -> output grad
+        self.saved: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> (input, output)
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.works: dict[tuple[int, int], WeightGradWork] = {}
         self.losses: dict[int, torch.Tensor] = {}
@@ -92,7 +100,7 @@ class _Stage:
             out = self.job.forward(chunk, x, mb)
         if v == self.layout.virtual_stages - 1:
             self.losses[mb] = out.detach()
-        elif self.layout.place(v + 1)[0] == self.stage:        # the V's turn: stays on this rank
+        elif self.layout.place(v + 1)[0] == self.stage:  # the V's turn: stays on this rank
             self.inputs[(v + 1, mb)] = out.detach().requires_grad_()
         else:
             self.outbox[("act", v, mb)] = out
@@ -132,8 +140,9 @@ class _Stage:
             self.weight_grad(action)
 
     def exchange(self, batch) -> None:
-        sends = [(self.outbox.pop((m.kind, m.virtual, m.microbatch)), m.target) for m in batch
-                 if m.source == self.stage]
+        sends = [
+            (self.outbox.pop((m.kind, m.virtual, m.microbatch)), m.target) for m in batch if m.source == self.stage
+        ]
         wanted = [m for m in batch if m.target == self.stage]
         got = self.job.p2p.exchange_with(sends, [(m.source, f"pipeline {m.kind} received") for m in wanted])
         for tensor, _ in sends:

@@ -17,6 +17,7 @@ activations and deferred W inputs a rank holds (the planner's and the dry run's 
 that cannot run (an action waits for one that never comes: W before its B, a missing backward)
 raises, naming the first stuck action of each rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,10 +27,10 @@ KINDS = ("F", "B", "W", "BW")
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    kind: str                  # F, B, W or BW
-    chunk: int                 # the rank's model chunk (0 .. chunks - 1)
+    kind: str  # F, B, W or BW
+    chunk: int  # the rank's model chunk (0 .. chunks - 1)
     microbatch: int
-    overlapped: bool = False   # an F run together with the backward after it (DualPipeV)
+    overlapped: bool = False  # an F run together with the backward after it (DualPipeV)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -42,6 +43,7 @@ class Action:
 @dataclasses.dataclass(frozen=True)
 class PipelineLayout:
     """Where the pp x chunks virtual stages run: looped (stage p: p, p + pp, ...) or a V."""
+
     pp: int
     chunks: int
     v_shape: bool = False
@@ -81,7 +83,7 @@ class ListSchedule:
     name: str
     layout: PipelineLayout
     microbatches: int
-    ranks: tuple[tuple[Action, ...], ...]       # per stage, in the order it runs them
+    ranks: tuple[tuple[Action, ...], ...]  # per stage, in the order it runs them
 
     def format(self) -> str:
         """Each rank's actions, one line per rank (chunk.microbatch; & joins an overlapped pair)."""
@@ -92,31 +94,42 @@ class ListSchedule:
         of activations and waiting W inputs (`holdings`): what tools/dry_run.py prints."""
         peaks = [max((h + d for h, d in rank), default=0.0) for rank in holdings(self)]
         waiting = [max((d for _, d in rank), default=0.0) for rank in holdings(self)]
-        return (f"pipeline schedule {self.name}: {self.layout.pp} stages x {self.layout.chunks} chunks "
-                f"({'V' if self.layout.v_shape else 'looped'}), {self.microbatches} microbatches; "
-                f"F<chunk>.<microbatch>, B input gradient, W weight gradient, BW both, & overlapped\n"
-                + self.format() + "\n"
-                f"ideal idle fraction {simulate(self).idle_fraction():.3f}; peak held per stage (microbatches "
-                f"of a stage's activations, waiting W inputs included): "
-                + " ".join(f"{p:g}" for p in peaks) + "; most W inputs waiting: " + " ".join(f"{w:g}" for w in waiting))
+        return (
+            f"pipeline schedule {self.name}: {self.layout.pp} stages x {self.layout.chunks} chunks "
+            f"({'V' if self.layout.v_shape else 'looped'}), {self.microbatches} microbatches; "
+            f"F<chunk>.<microbatch>, B input gradient, W weight gradient, BW both, & overlapped\n"
+            + self.format()
+            + "\n"
+            f"ideal idle fraction {simulate(self).idle_fraction():.3f}; peak held per stage (microbatches "
+            f"of a stage's activations, waiting W inputs included): "
+            + " ".join(f"{p:g}" for p in peaks)
+            + "; most W inputs waiting: "
+            + " ".join(f"{w:g}" for w in waiting)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Durations:
     """Times of the kinds of action on the ideal machine (the zero-bubble paper's T_F, T_B, T_W)."""
+
     forward: float = 1.0
     input_grad: float = 1.0
     weight_grad: float = 1.0
 
     def of(self, kind: str) -> float:
-        return {"F": self.forward, "B": self.input_grad, "W": self.weight_grad,
-                "BW": self.input_grad + self.weight_grad}[kind]
+        return {
+            "F": self.forward,
+            "B": self.input_grad,
+            "W": self.weight_grad,
+            "BW": self.input_grad + self.weight_grad,
+        }[kind]
 
 
 @dataclasses.dataclass
 class Timeline:
     """`slots[rank]`: (actions run together, start, end) in the rank's order; `end_of[(stage, kind,
     chunk, microbatch)]`: when each action ended (a BW also ends its B then)."""
+
     slots: list[list[tuple[tuple[Action, ...], float, float]]]
     makespan: float
 
@@ -130,7 +143,7 @@ def _groups(actions) -> list[tuple[Action, ...]]:
     out, k = [], 0
     while k < len(actions):
         take = 2 if actions[k].overlapped and k + 1 < len(actions) else 1
-        out.append(tuple(actions[k:k + take]))
+        out.append(tuple(actions[k : k + take]))
         k += take
     return out
 
@@ -190,28 +203,35 @@ def check(schedule: ListSchedule) -> Timeline:
     for stage, actions in enumerate(schedule.ranks):
         for a in actions:
             if not 0 <= a.chunk < layout.chunks or not 0 <= a.microbatch < schedule.microbatches:
-                raise ValueError(f"schedule {schedule.name!r}: rank {stage} has {a}, outside "
-                                 f"{layout.chunks} chunks x {schedule.microbatches} microbatches")
+                raise ValueError(
+                    f"schedule {schedule.name!r}: rank {stage} has {a}, outside "
+                    f"{layout.chunks} chunks x {schedule.microbatches} microbatches"
+                )
             kinds = ("B", "W") if a.kind == "BW" else (a.kind,)
             for kind in kinds:
                 key = (stage, a.chunk, kind, a.microbatch)
                 if key in want:
-                    raise ValueError(f"schedule {schedule.name!r}: rank {stage} runs {kind}{a.chunk}.{a.microbatch} twice")
+                    raise ValueError(
+                        f"schedule {schedule.name!r}: rank {stage} runs {kind}{a.chunk}.{a.microbatch} twice"
+                    )
                 want[key] = a
     for stage in range(layout.pp):
         for chunk in range(layout.chunks):
             for mb in range(schedule.microbatches):
                 missing = [k for k in ("F", "B", "W") if (stage, chunk, k, mb) not in want]
                 if missing:
-                    raise ValueError(f"schedule {schedule.name!r}: rank {stage} lacks "
-                                     f"{'/'.join(missing)} of chunk {chunk}, microbatch {mb}")
+                    raise ValueError(
+                        f"schedule {schedule.name!r}: rank {stage} lacks "
+                        f"{'/'.join(missing)} of chunk {chunk}, microbatch {mb}"
+                    )
     return simulate(schedule)
 
 
 def forward_only(schedule: ListSchedule) -> ListSchedule:
     """The schedule's forwards alone, in its order (evaluation)."""
-    ranks = tuple(tuple(dataclasses.replace(a, overlapped=False) for a in actions if a.kind == "F")
-                  for actions in schedule.ranks)
+    ranks = tuple(
+        tuple(dataclasses.replace(a, overlapped=False) for a in actions if a.kind == "F") for actions in schedule.ranks
+    )
     return dataclasses.replace(schedule, name=schedule.name + " (forward only)", ranks=ranks)
 
 

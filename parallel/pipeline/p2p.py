@@ -31,6 +31,7 @@ NCCL also requires every rank of a communicator to take part when its first oper
 isend/irecv, so the constructor runs one small all-reduce over the group: build `PipelineP2P` once
 per run, on every rank of the pipeline group.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,22 +60,35 @@ class PipelineP2P:
     def _empty(self, what: str) -> torch.Tensor:
         return label(torch.empty(self.shape, dtype=self.dtype, device=self.device), what)
 
-    def start_exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
-                       recv_forward: bool = False, recv_backward: bool = False) -> "PendingExchange":
+    def start_exchange(
+        self,
+        send_forward: torch.Tensor | None = None,
+        send_backward: torch.Tensor | None = None,
+        recv_forward: bool = False,
+        recv_backward: bool = False,
+    ) -> "PendingExchange":
         """Issues one batch: an output to the next stage and/or a gradient to the previous one, an
         input from the previous and/or an output gradient from the next. Returns at once; the
         tensors are the pending exchange's `wait()`."""
         got_input = self._empty("pipeline input received") if recv_forward else None
         got_grad = self._empty("pipeline output gradient received") if recv_backward else None
         # Activations first, then gradients, on both lists: the order is the matching (see above).
-        sends = [(t.detach().contiguous(), peer)
-                 for t, peer in ((send_forward, self.next), (send_backward, self.prev)) if t is not None]
+        sends = [
+            (t.detach().contiguous(), peer)
+            for t, peer in ((send_forward, self.next), (send_backward, self.prev))
+            if t is not None
+        ]
         recvs = [(t, peer) for t, peer in ((got_input, self.prev), (got_grad, self.next)) if t is not None]
         handle = self._start(sends, recvs) if sends or recvs else None
         return PendingExchange(handle, got_input, got_grad, sends)
 
-    def exchange(self, send_forward: torch.Tensor | None = None, send_backward: torch.Tensor | None = None,
-                 recv_forward: bool = False, recv_backward: bool = False):
+    def exchange(
+        self,
+        send_forward: torch.Tensor | None = None,
+        send_backward: torch.Tensor | None = None,
+        recv_forward: bool = False,
+        recv_backward: bool = False,
+    ):
         """`start_exchange`, waited in full. Returns (input or None, output gradient or None)."""
         return self.start_exchange(send_forward, send_backward, recv_forward, recv_backward).wait()
 
@@ -121,5 +135,4 @@ def free_output(tensor: torch.Tensor) -> None:
 def backward_from_freed(outputs, grads) -> None:
     """Runs backward from tensors whose data may have been freed: torch.autograd.backward would check
     their (now 1-element) shapes against the gradients, the engine itself only needs the graph."""
-    torch.autograd.Variable._execution_engine.run_backward(
-        tuple(outputs), tuple(grads), False, False, (), True, True)
+    torch.autograd.Variable._execution_engine.run_backward(tuple(outputs), tuple(grads), False, False, (), True, True)

@@ -24,6 +24,7 @@ with `p2p.start_exchange` and waited only when their tensors are needed, so tran
 stage computes; each stage issues the same ops as without, in the same order per peer and
 direction (which is all the matching sees), so the results are bitwise the same.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,7 @@ from .zero_bubble import ZERO_BUBBLE_SCHEDULES, zero_bubble_schedule
 @dataclasses.dataclass
 class PipelineJob:
     num_microbatches: int
-    num_chunks: int                      # model chunks on this stage (virtual stages)
+    num_chunks: int  # model chunks on this stage (virtual stages)
     stage: int
     num_stages: int
     # forward(chunk, input or None, microbatch) -> hidden states, or the loss on the last chunk
@@ -66,9 +67,9 @@ class PipelineJob:
 
 @dataclasses.dataclass
 class ScheduleResult:
-    losses: list[torch.Tensor]           # per microbatch, on the stage that computes the loss
-    max_in_flight: int                   # most microbatches whose activations were held at once
-    max_deferred_w: int = 0              # most Bs whose W waited at once (zero-bubble schedules)
+    losses: list[torch.Tensor]  # per microbatch, on the stage that computes the loss
+    max_in_flight: int  # most microbatches whose activations were held at once
+    max_deferred_w: int = 0  # most Bs whose W waited at once (zero-bubble schedules)
 
 
 class _Runner:
@@ -135,14 +136,14 @@ def run_1f1b(job: PipelineJob, forward_only: bool = False) -> ScheduleResult:
     warmup = m if forward_only else min(job.num_stages - job.stage - 1, m)
     steady = m - warmup
 
-    for mb in range(warmup):                                   # warmup: forwards only
+    for mb in range(warmup):  # warmup: forwards only
         x, _ = p2p.exchange(recv_forward=not first)
         out = run.forward(0, mb, x)
         p2p.exchange(send_forward=out)
         free_output(out)
 
     x = p2p.exchange(recv_forward=not first)[0] if steady else None
-    for i in range(steady):                                    # steady: one forward, one backward
+    for i in range(steady):  # steady: one forward, one backward
         out = run.forward(0, warmup + i, x)
         _, grad = p2p.exchange(send_forward=out, recv_backward=not last)
         free_output(out)
@@ -151,7 +152,7 @@ def run_1f1b(job: PipelineJob, forward_only: bool = False) -> ScheduleResult:
         x, _ = p2p.exchange(send_backward=input_grad, recv_forward=more and not first)
 
     if not forward_only:
-        for _ in range(warmup):                                # cooldown: backwards only
+        for _ in range(warmup):  # cooldown: backwards only
             _, grad = p2p.exchange(recv_backward=not last)
             p2p.exchange(send_backward=run.backward(0, grad))
     return ScheduleResult(run.losses, run.max_in_flight)
@@ -169,8 +170,8 @@ def _run_1f1b_overlapped(job: PipelineJob, forward_only: bool) -> ScheduleResult
     m = job.num_microbatches
     warmup = m if forward_only else min(job.num_stages - job.stage - 1, m)
     steady = m - warmup
-    inputs = p2p.start_exchange(recv_forward=not first)       # brings the next forward's input
-    grads = None                                              # brings the next backward's gradient
+    inputs = p2p.start_exchange(recv_forward=not first)  # brings the next forward's input
+    grads = None  # brings the next backward's gradient
     for mb in range(warmup):
         x, _ = inputs.wait()
         out = run.forward(0, mb, x)
@@ -178,7 +179,7 @@ def _run_1f1b_overlapped(job: PipelineJob, forward_only: bool) -> ScheduleResult
         free_output(out)
     if not forward_only and steady == 0:
         grads = p2p.start_exchange(recv_backward=not last)
-    sent = None                                               # the last input gradient, on its way
+    sent = None  # the last input gradient, on its way
     for i in range(steady):
         x, _ = inputs.wait()
         out = run.forward(0, warmup + i, x)
@@ -220,10 +221,10 @@ class _Interleaving:
     def microbatch_of(self, k: int) -> int:
         return (k // (self.pp * self.v)) * self.pp + k % self.pp
 
-    def wants_input(self, k: int) -> bool:        # does forward k receive from the previous stage?
+    def wants_input(self, k: int) -> bool:  # does forward k receive from the previous stage?
         return k < self.total and not self.job.is_input_chunk(self.chunk_of(k, True))
 
-    def wants_grad(self, k: int) -> bool:         # does backward k receive from the next stage?
+    def wants_grad(self, k: int) -> bool:  # does backward k receive from the next stage?
         return k < self.total and not self.job.is_loss_chunk(self.chunk_of(k, False))
 
 
@@ -273,8 +274,12 @@ def run_interleaved(job: PipelineJob, forward_only: bool = False) -> ScheduleRes
         fk, bk = warmup + i, i
         out = run.forward_k(fk)
         input_grad = run.backward_k(bk)
-        x, grad = p2p.exchange(send_forward=out, send_backward=input_grad,
-                               recv_forward=order.wants_input(fk + 1), recv_backward=order.wants_grad(bk + 1))
+        x, grad = p2p.exchange(
+            send_forward=out,
+            send_backward=input_grad,
+            recv_forward=order.wants_input(fk + 1),
+            recv_backward=order.wants_grad(bk + 1),
+        )
         free_output(out)
         run.received(x, grad, fk + 1, bk + 1)
 
@@ -332,10 +337,10 @@ def get_schedule(name: str, num_stages: int, num_chunks: int, microbatches: int 
     if name == "auto":
         name = "none" if num_stages == 1 else "interleaved" if num_chunks > 1 else "1f1b"
     if name in ZERO_BUBBLE_SCHEDULES:
-        return functools.partial(run_zero_bubble, schedule=zero_bubble_schedule(name, num_stages, num_chunks,
-                                                                                microbatches))
-    schedules = {"none": run_no_pipelining, "gpipe": run_gpipe, "1f1b": run_1f1b,
-                 "interleaved": run_interleaved}
+        return functools.partial(
+            run_zero_bubble, schedule=zero_bubble_schedule(name, num_stages, num_chunks, microbatches)
+        )
+    schedules = {"none": run_no_pipelining, "gpipe": run_gpipe, "1f1b": run_1f1b, "interleaved": run_interleaved}
     return schedules[name]
 
 

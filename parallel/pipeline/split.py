@@ -7,6 +7,7 @@ marked `shared_embedding` (their gradients are summed over the embedding group, 
 the first stage's only), and the head's copy is initialised under the embedding's name so the two
 start identical.
 """
+
 from __future__ import annotations
 
 from megazero.core.errors import UsageError
@@ -15,20 +16,25 @@ from megazero.models.param_info import set_param_info
 EMBEDDING_WEIGHT = "embedding.word.weight"
 
 
-def stage_layer_ranges(num_layers: int, pp: int, virtual_stages: int = 1,
-                       layer_split: list[int] | None = None) -> list[range]:
+def stage_layer_ranges(
+    num_layers: int, pp: int, virtual_stages: int = 1, layer_split: list[int] | None = None
+) -> list[range]:
     """Layer ranges of the pp x virtual_stages model chunks in pipeline order: chunk c = v * pp + p
     runs on stage p as its v-th virtual stage (Megatron's interleaved assignment)."""
     chunks = pp * virtual_stages
     if layer_split is None:
         if num_layers % chunks:
-            raise UsageError(f"--num-layers {num_layers} is not divisible by pipeline-parallel size {pp} "
-                             f"x virtual stages {virtual_stages}; change the layer count or pass "
-                             f"--pipeline-layer-split with {chunks} counts")
+            raise UsageError(
+                f"--num-layers {num_layers} is not divisible by pipeline-parallel size {pp} "
+                f"x virtual stages {virtual_stages}; change the layer count or pass "
+                f"--pipeline-layer-split with {chunks} counts"
+            )
         layer_split = [num_layers // chunks] * chunks
     if len(layer_split) != chunks or sum(layer_split) != num_layers or min(layer_split) < 1:
-        raise UsageError(f"--pipeline-layer-split {layer_split} must have {chunks} positive counts "
-                         f"summing to --num-layers {num_layers}")
+        raise UsageError(
+            f"--pipeline-layer-split {layer_split} must have {chunks} positive counts "
+            f"summing to --num-layers {num_layers}"
+        )
     ranges, start = [], 0
     for count in layer_split:
         ranges.append(range(start, start + count))

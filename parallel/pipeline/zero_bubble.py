@@ -29,6 +29,7 @@ Each generator returns every rank's list, phase by phase as the comments name th
 actions.py proves each list runs (every action's inputs come) and the tests compare them with the
 orders torch.distributed.pipelining generates for its schedules of the same name.
 """
+
 from __future__ import annotations
 
 import collections
@@ -99,17 +100,17 @@ def interleaved_zb(pp: int, chunks: int, microbatches: int) -> list[list[Action]
             nonlocal backwards
             rank.input_grad(chunks - 1 - (backwards // pp) % chunks)
             backwards += 1
-            if len(rank.waiting) > r:                   # r Ws wait; the oldest one runs now
+            if len(rank.waiting) > r:  # r Ws wait; the oldest one runs now
                 rank.weight_grad()
 
-        for _ in range(warmup):                         # warm-up: forwards only
+        for _ in range(warmup):  # warm-up: forwards only
             forward_next()
-        while forwards < total:                         # steady: one forward, one input gradient
+        while forwards < total:  # steady: one forward, one input gradient
             forward_next()
             backward_next()
-        while backwards < total:                        # cool-down: the input gradients left
+        while backwards < total:  # cool-down: the input gradients left
             backward_next()
-        while rank.waiting:                             # the Ws still waiting
+        while rank.waiting:  # the Ws still waiting
             rank.weight_grad()
         out.append(rank.actions)
     return out
@@ -122,16 +123,16 @@ def zbv(pp: int, microbatches: int) -> list[list[Action]]:
     out = []
     for r in range(pp):
         rank = _Rank()
-        for _ in range(2 * (pp - r) - 1):       # warm-up: chunk 0 forwards down the V
+        for _ in range(2 * (pp - r) - 1):  # warm-up: chunk 0 forwards down the V
             rank.forward(0)
-        for _ in range(r):                       # chunk 1's first forwards come back up
+        for _ in range(r):  # chunk 1's first forwards come back up
             rank.forward(1)
             rank.forward(0)
-        for _ in range(pp - r):                  # chunk 1's first backwards, each W at once
+        for _ in range(pp - r):  # chunk 1's first backwards, each W at once
             rank.forward(1)
             rank.input_grad(1)
             rank.weight_grad(1)
-        while rank.next["F", 1] < rank.next["F", 0] or rank.next["F", 0] < n:   # steady
+        while rank.next["F", 1] < rank.next["F", 0] or rank.next["F", 0] < n:  # steady
             if rank.next["F", 0] < n:
                 rank.forward(0)
             rank.input_grad(0)
@@ -139,13 +140,13 @@ def zbv(pp: int, microbatches: int) -> list[list[Action]]:
             rank.forward(1)
             rank.input_grad(1)
             rank.weight_grad(1)
-        for _ in range(r):                       # cool-down: input gradients first ...
+        for _ in range(r):  # cool-down: input gradients first ...
             rank.input_grad(0)
             rank.input_grad(1)
-        for _ in range(pp - r):                  # ... chunk 0's with its Ws ...
+        for _ in range(pp - r):  # ... chunk 0's with its Ws ...
             rank.input_grad(0)
             rank.weight_grad(0)
-        while rank.waiting:                      # ... then every W left, chunk 1's first
+        while rank.waiting:  # ... then every W left, chunk 1's first
             rank.weight_grad(1) if any(c == 1 for c, _ in rank.waiting) else rank.weight_grad(0)
         out.append([a for a in rank.actions if a.microbatch < microbatches])
     return out
@@ -158,35 +159,35 @@ def dualpipev(pp: int, microbatches: int) -> list[list[Action]]:
     out = []
     for r in range(pp):
         rank = _Rank()
-        for _ in range(2 * (pp - r - 1)):        # 1: chunk 0 forwards
+        for _ in range(2 * (pp - r - 1)):  # 1: chunk 0 forwards
             rank.forward(0)
-        for _ in range(r + 1):                   # 2: both chunks' forwards
+        for _ in range(r + 1):  # 2: both chunks' forwards
             rank.forward(0)
             rank.forward(1)
-        for _ in range(pp - r - 1):              # 3: chunk 1's input gradients, Ws in between
+        for _ in range(pp - r - 1):  # 3: chunk 1's input gradients, Ws in between
             rank.input_grad(1)
             rank.weight_grad()
             rank.forward(1)
-        for i in range(m - 2 * pp + r + 1):      # 4: main: a forward with the other chunk's backward
-            first_on_last = i == 0 and r == pp - 1   # the bubble is smaller run apart
+        for i in range(m - 2 * pp + r + 1):  # 4: main: a forward with the other chunk's backward
+            first_on_last = i == 0 and r == pp - 1  # the bubble is smaller run apart
             rank.forward(0, overlapped=not first_on_last)
             rank.whole_backward(1)
             rank.forward(1, overlapped=True)
             rank.whole_backward(0)
-        for _ in range(pp - r - 1):              # 5: chunk 1's backwards, chunk 1's forwards left
+        for _ in range(pp - r - 1):  # 5: chunk 1's backwards, chunk 1's forwards left
             rank.whole_backward(1)
             rank.forward(1, overlapped=True)
             rank.whole_backward(0)
-        split, half = False, (r + 1) // 2        # 6: the last backwards; split from half-way on
+        split, half = False, (r + 1) // 2  # 6: the last backwards; split from half-way on
         for i in range(r + 1):
             split = split or (i == half and r % 2 == 1)
             rank.backward(1, split)
             split = split or (i == half and r % 2 == 0)
             rank.backward(0, split)
-        for _ in range(pp - r - 1):              # 7: Ws fill in between chunk 0's last backwards
+        for _ in range(pp - r - 1):  # 7: Ws fill in between chunk 0's last backwards
             rank.weight_grad()
             rank.backward(0, split)
-        while rank.waiting:                      # 8: the Ws left
+        while rank.waiting:  # 8: the Ws left
             rank.weight_grad()
         out.append(rank.actions)
     return out
@@ -214,20 +215,28 @@ def check_shape(name: str, pp: int, chunks: int, microbatches: int) -> None:
     if pp < 2:
         raise UsageError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size > 1")
     if name in V_SHAPED and chunks != 2:
-        raise UsageError(f"--pipeline-schedule {name} runs two model chunks per stage in a V; set "
-                         f"--num-layers-per-virtual-pipeline-stage to half a stage's layers "
-                         f"(--num-layers / (2 x pipeline size))")
+        raise UsageError(
+            f"--pipeline-schedule {name} runs two model chunks per stage in a V; set "
+            f"--num-layers-per-virtual-pipeline-stage to half a stage's layers "
+            f"(--num-layers / (2 x pipeline size))"
+        )
     if name == "zb-h1" and chunks != 1:
-        raise UsageError("--pipeline-schedule zb-h1 runs one model chunk per stage; drop "
-                         "--num-layers-per-virtual-pipeline-stage or use interleaved-zb")
+        raise UsageError(
+            "--pipeline-schedule zb-h1 runs one model chunk per stage; drop "
+            "--num-layers-per-virtual-pipeline-stage or use interleaved-zb"
+        )
     if name == "interleaved-zb" and (chunks < 2 or microbatches % pp):
-        raise UsageError(f"--pipeline-schedule interleaved-zb needs --num-layers-per-virtual-pipeline-stage "
-                         f"(two or more chunks per stage; {chunks} now) and a number of microbatches "
-                         f"({microbatches}) that is a multiple of the pipeline size {pp}")
+        raise UsageError(
+            f"--pipeline-schedule interleaved-zb needs --num-layers-per-virtual-pipeline-stage "
+            f"(two or more chunks per stage; {chunks} now) and a number of microbatches "
+            f"({microbatches}) that is a multiple of the pipeline size {pp}"
+        )
     if name == "dualpipev" and microbatches < 2 * pp:
-        raise UsageError(f"--pipeline-schedule dualpipev needs at least 2 x pipeline size = {2 * pp} "
-                         f"microbatches per step, got {microbatches}; raise --global-batch-size or lower "
-                         f"--micro-batch-size")
+        raise UsageError(
+            f"--pipeline-schedule dualpipev needs at least 2 x pipeline size = {2 * pp} "
+            f"microbatches per step, got {microbatches}; raise --global-batch-size or lower "
+            f"--micro-batch-size"
+        )
 
 
 def one_f_one_b(pp: int, microbatches: int) -> ListSchedule:

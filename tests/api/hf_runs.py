@@ -11,6 +11,7 @@ the bar, but GPT-2's key bias by 4e-5: its exact gradient is 0 (softmax ignores 
 query's scores), so Adam moves it by normalised rounding noise whatever the implementation, and its
 key third is left out of the parameter comparison (docs/design.md, the correctness contract).
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,6 +50,7 @@ class TiledLM(torch.nn.Module):
     def __init__(self, width: int = 24):
         super().__init__()
         from megazero.zero import TiledLinear
+
         self.embed = torch.nn.Embedding(VOCAB, 16)
         self.tiled = TiledLinear(16, width, bias=True, in_splits=2, out_splits=3)
         for p in self.tiled.parameters():
@@ -58,22 +60,43 @@ class TiledLM(torch.nn.Module):
 
     def forward(self, input_ids, labels):
         import types
+
         logits = self.head(self.block(torch.tanh(self.tiled(self.embed(input_ids)))))
         return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
 
 
 def kind_class(kind: str):
     import transformers as tf
+
     return {"llama": tf.LlamaForCausalLM, "gpt2": tf.GPT2LMHeadModel, "mixtral": tf.MixtralForCausalLM}[kind]
 
 
 def tiny_config(kind: str, **extra):
     import transformers as tf
+
     if kind == "gpt2":
-        return tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0, **extra)
-    shape = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=SEQ, attention_dropout=0.0, **extra)
+        return tf.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **extra,
+        )
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=SEQ,
+        attention_dropout=0.0,
+        **extra,
+    )
     if kind == "llama":
         return tf.LlamaConfig(**shape)
     return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **shape)
@@ -110,6 +133,7 @@ class ExpertsLM(torch.nn.Module):
 
     def forward(self, input_ids, labels):
         import types
+
         x = self.embed(input_ids)
         logits = self.head(x + self.moe(x))
         return types.SimpleNamespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
@@ -128,15 +152,23 @@ def global_batches(dp: int, steps: int = STEPS, seed: int = 3, skew: bool = Fals
 
 def micro_batch(batch: torch.Tensor, dp_rank: int, dp: int, micro: int) -> torch.Tensor:
     row = (micro * dp + dp_rank) * MICRO
-    return batch[row:row + MICRO]
+    return batch[row : row + MICRO]
 
 
 def ds_config(stage: int, **zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
-            "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16,
-                                  "reduce_bucket_size": 2000, "stage3_prefetch_bucket_size": 4000, **zero}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 16,
+            "reduce_bucket_size": 2000,
+            "stage3_prefetch_bucket_size": 4000,
+            **zero,
+        },
+    }
 
 
 def torch_reference(kind: str, dp: int, steps: int = STEPS, skew: bool = False) -> dict:
@@ -172,8 +204,18 @@ def client_config(stage: int, **zero) -> dict:
     return config
 
 
-def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra=None, build=None,
-                        steps: int = STEPS, client: bool = False, skew: bool = False) -> dict | None:
+def train_with_megazero(
+    ctx,
+    kind: str,
+    dp: int,
+    config: dict,
+    *,
+    topology_extra=None,
+    build=None,
+    steps: int = STEPS,
+    client: bool = False,
+    skew: bool = False,
+) -> dict | None:
     """Pool entry: the first `dp` ranks train `kind` through megazero.initialize; rank 0 returns the
     global losses and the full final parameters. `build()` makes the model (default tiny_model);
     `client`: the model's torch AdamW given as optimizer= (the config without an optimizer block);
@@ -181,9 +223,16 @@ def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra
     import megazero
     from megazero.parallel.topology import Topology
     from megazero.utils import safe_get_full_fp32_param
+
     zero = config["zero_optimization"]
-    groups = ctx.groups(Topology(world_size=dp, mics_shard_size=zero.get("mics_shard_size", -1),
-                                 hpz_partition_size=zero.get("zero_hpz_partition_size", 1), **(topology_extra or {})))
+    groups = ctx.groups(
+        Topology(
+            world_size=dp,
+            mics_shard_size=zero.get("mics_shard_size", -1),
+            hpz_partition_size=zero.get("zero_hpz_partition_size", 1),
+            **(topology_extra or {}),
+        )
+    )
     if groups is None:
         return None
     model = build() if build is not None else tiny_model(kind)
@@ -191,8 +240,9 @@ def train_with_megazero(ctx, kind: str, dp: int, config: dict, *, topology_extra
     engine, *_ = megazero.initialize(model=model, config=config, optimizer=optimizer, process_groups=groups)
     losses, norms = train_loop(engine, dp, groups.dp.rank, groups.dp.pg, steps, skew)
     params = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params, "steps": engine.global_steps} \
-        if groups.rank == 0 else None
+    return (
+        {"losses": losses, "norms": norms, "params": params, "steps": engine.global_steps} if groups.rank == 0 else None
+    )
 
 
 def train_with_deepspeed(ctx, kind: str, config: dict, steps: int = STEPS) -> dict | None:
@@ -200,22 +250,23 @@ def train_with_deepspeed(ctx, kind: str, config: dict, steps: int = STEPS) -> di
     rank data parallel) trains `kind` with client_optimizer and `config` (no optimizer block: its
     Adam types are JIT-built extensions); rank 0 returns what train_with_megazero does."""
     import os
+
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ["LOCAL_RANK"] = str(ctx.rank)            # one machine: the launcher would set it
+    os.environ["LOCAL_RANK"] = str(ctx.rank)  # one machine: the launcher would set it
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
+
     model = tiny_model(kind)
-    config = {**config, "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 31}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=client_optimizer(model), config=config,
-                                      dist_init_required=False)
+    config = {**config, "zero_allow_untested_optimizer": True, "steps_per_print": 2**31}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=client_optimizer(model), config=config, dist_init_required=False
+    )
     losses, norms = train_loop(engine, ctx.world_size, ctx.rank, None, steps)
     params = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params, "steps": engine.global_steps} \
-        if ctx.rank == 0 else None
+    return {"losses": losses, "norms": norms, "params": params, "steps": engine.global_steps} if ctx.rank == 0 else None
 
 
-def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int,
-               skew: bool = False) -> tuple[list[float], list[float]]:
+def train_loop(engine, dp: int, dp_rank: int, dp_pg, steps: int, skew: bool = False) -> tuple[list[float], list[float]]:
     """DeepSpeed's loop: engine(batch), engine.backward(loss), engine.step() per micro batch; the
     global batch's mean loss and the gradient norm before clipping (get_global_grad_norm) of every step."""
     losses, norms = [], []
@@ -241,8 +292,8 @@ def assert_matches(result: dict, reference: dict, what: str, rtol: float = RTOL)
     torch.testing.assert_close(got, want, rtol=rtol, atol=0, msg=lambda m: f"{what}: gradient norms\n{m}")
     for name, value in reference["params"].items():
         mine = result["params"][name]
-        if name.endswith("attn.c_attn.bias"):          # GPT-2's key bias third: see the docstring
+        if name.endswith("attn.c_attn.bias"):  # GPT-2's key bias third: see the docstring
             third = value.numel() // 3
-            value, mine = torch.cat([value[:third], value[2 * third:]]), torch.cat([mine[:third], mine[2 * third:]])
+            value, mine = torch.cat([value[:third], value[2 * third :]]), torch.cat([mine[:third], mine[2 * third :]])
         gap = ((mine - value).norm() / value.norm()).item()
         assert gap <= rtol, f"{what}: parameter {name} off by {gap:.2e} (relative L2)"

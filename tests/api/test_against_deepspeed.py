@@ -15,6 +15,7 @@ Planted to see them fail: the user's AdamW read as L2-decay Adam (decoupled_weig
 torch.optim.AdamW): both stages fail; the backward without the 1 / data-parallel-ranks factor:
 the gradient norms differ.
 """
+
 import contextlib
 import importlib.util
 import io
@@ -54,15 +55,19 @@ def test_the_example_script_trains_on_2_ranks(pool):
     printed = pool.run(run_example)
     losses = [float(line.split()[3]) for line in printed[0].splitlines() if line.startswith("step ")]
     assert printed[1] == "" and len(losses) == 4, printed
-    assert losses[-1] < 0.9 * losses[0], losses     # 5.57 -> 4.67, measured
+    assert losses[-1] < 0.9 * losses[0], losses  # 5.57 -> 4.67, measured
 
 
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                    reason="deepspeed is not installed (pip install deepspeed; DS_ACCELERATOR=cpu)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (pip install deepspeed; DS_ACCELERATOR=cpu)",
+)
 def test_megazero_initialize_matches_deepspeeds_engine(pool):
     # ours first: DeepSpeed's import patches torch in the process it runs in
-    ours = {stage: pool.run(train_with_megazero, "llama", 2, client_config(stage), steps=STEPS, client=True)[0]
-            for stage in (2, 3)}
+    ours = {
+        stage: pool.run(train_with_megazero, "llama", 2, client_config(stage), steps=STEPS, client=True)[0]
+        for stage in (2, 3)
+    }
     for stage in (2, 3):
         theirs = pool.run(train_with_deepspeed, "llama", client_config(stage), steps=STEPS)[0]
         assert ours[stage]["steps"] == theirs["steps"] == STEPS

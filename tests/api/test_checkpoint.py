@@ -9,6 +9,7 @@
 
 Planted to see it fail: the lock taken and released within each save (the second job saves).
 """
+
 import gc
 import os
 
@@ -25,9 +26,12 @@ def model():
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
 
 
 def train(engine, steps: range) -> list[float]:
@@ -59,6 +63,7 @@ def test_a_loaded_checkpoint_trains_on_as_the_run_that_saved_it(tmp_path):
 def save_into(ctx, folder: str) -> str:
     """Pool entry: every rank trains a step and saves into `folder`; the refusal's line, or "saved"."""
     from megazero.parallel.topology import Topology
+
     groups = ctx.groups(Topology(world_size=ctx.world_size))
     engine, *_ = megazero.initialize(model=model(), config=CONFIG, process_groups=groups)
     train(engine, range(1))
@@ -78,8 +83,11 @@ def test_a_second_job_saving_into_the_folder_is_refused_naming_the_first(dist_po
     pool = dist_pool(2)
     lines = pool.run(save_into, str(folder))
     for line in lines:
-        assert line.startswith(f"engine.save_checkpoint({str(folder)!r}): another job writes there") and \
-            f"pid {os.getpid()} " in line and "\n" not in line, lines
+        assert (
+            line.startswith(f"engine.save_checkpoint({str(folder)!r}): another job writes there")
+            and f"pid {os.getpid()} " in line
+            and "\n" not in line
+        ), lines
     del first
     gc.collect()
     assert not (folder / ".lock").exists()

@@ -15,6 +15,7 @@ kind fails on its gradient norms, as does tests/api/test_against_deepspeed.py); 
 at Megatron's rule (>= 2-D only) instead of the param group's (Llama fails on its norm weights).
 The schedulers are checked in test_schedulers.py and test_precision.py (these configs have none).
 """
+
 import pytest
 
 from tests.api.hf_runs import assert_matches, ds_config, torch_reference, train_with_megazero
@@ -26,8 +27,10 @@ RUNS = [  # (model, data-parallel ranks, stage, extra zero_optimization keys)
     ("llama", 4, 3, {**OFFLOAD, "offload_param": {"device": "cpu"}}),
     ("llama", 4, 3, {"mics_shard_size": 2}),
     ("llama", 4, 3, {"zero_hpz_partition_size": 2}),
-    ("gpt2", 2, 1, {}), ("gpt2", 4, 3, {}),
-    ("mixtral", 2, 3, {}), ("mixtral", 4, 2, {}),
+    ("gpt2", 2, 1, {}),
+    ("gpt2", 4, 3, {}),
+    ("mixtral", 2, 3, {}),
+    ("mixtral", 4, 2, {}),
 ]
 
 
@@ -39,6 +42,7 @@ def references():
         if (kind, dp) not in cache:
             cache[(kind, dp)] = torch_reference(kind, dp)
         return cache[(kind, dp)]
+
     return reference
 
 
@@ -53,14 +57,14 @@ def test_transformers_models_match_a_plain_torch_loop(dist_pool, references, kin
         assert_matches(result, references(kind, dp), f"{kind} dp {dp} stage {stage} {extra}")
 
 
-
-LAYER_FORWARDS = [0]     # forward calls of the first decoder layer's MLP in this pool worker
+LAYER_FORWARDS = [0]  # forward calls of the first decoder layer's MLP in this pool worker
 
 
 def checkpointed_llama():
     """The tiny Llama with transformers' own activation checkpointing on (each decoder layer's
     forward rerun in its backward, under ZeRO-3 a second gather of its parameters)."""
     from tests.api.hf_runs import tiny_model
+
     model = tiny_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

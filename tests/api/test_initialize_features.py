@@ -30,6 +30,7 @@ each rank's gradients come: the stage-2 expert run aborts in gloo, a collective 
 The TiledLinear run checks that tiles train as the whole linear would; a leaf mark being ignored
 changes no value (leaves only group gathers): tests/zero/stage3/test_leaves.py sees that.
 """
+
 import pytest
 
 from tests.api.hf_runs import assert_matches, ds_config, tiny_model, torch_reference, train_with_megazero
@@ -45,11 +46,13 @@ def references():
         if (kind, skew) not in cache:
             cache[(kind, skew)] = torch_reference(kind, 2, skew=skew)
         return cache[(kind, skew)]
+
     return reference
 
 
 def tiled_with_leaves():
     import megazero.utils
+
     model = tiny_model("tiled")
     megazero.utils.set_z3_leaf_modules(model, ["Gate"])
     return model
@@ -65,8 +68,13 @@ def test_nvme_offload_and_zenflow_match_the_torch_loop(dist_pool, references, tm
         result = pool.run(train_with_megazero, "llama", 2, config, timeout=300)[0]
         assert_matches(result, references("llama"), what)
     # measured: 6.3e-4 at most
-    half = pool.run(train_with_megazero, "llama", 2, ds_config(2, **CPU, zenflow={"topk_ratio": 0.5, "update_interval": 2}),
-                    timeout=300)[0]
+    half = pool.run(
+        train_with_megazero,
+        "llama",
+        2,
+        ds_config(2, **CPU, zenflow={"topk_ratio": 0.5, "update_interval": 2}),
+        timeout=300,
+    )[0]
     want = references("llama")["losses"]
     assert half["losses"] != want
     assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(half["losses"], want)), (half["losses"], want)
@@ -77,24 +85,25 @@ def test_quantized_weights_and_gradients_stay_near_the_torch_loop(dist_pool, ref
     result = dist_pool(2).run(train_with_megazero, "llama", 2, config, timeout=300)[0]
     want = references("llama")["losses"]
     gap = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], want))
-    assert 1e-5 < gap <= 1e-3, (gap, result["losses"], want)      # measured 5.3e-4
+    assert 1e-5 < gap <= 1e-3, (gap, result["losses"], want)  # measured 5.3e-4
 
 
 def test_tiled_linear_and_leaf_modules_on_a_users_module(dist_pool, references):
-    result = dist_pool(2).run(train_with_megazero, "tiled", 2, ds_config(3), build=tiled_with_leaves,
-                              timeout=300)[0]
+    result = dist_pool(2).run(train_with_megazero, "tiled", 2, ds_config(3), build=tiled_with_leaves, timeout=300)[0]
     assert_matches(result, references("tiled"), "TiledLM stage 3")
 
 
 def experts_marked():
     import megazero.utils
+
     model = tiny_model("experts")
     megazero.utils.set_z3_leaf_modules(model, ["Experts"])
     return model
 
 
-@pytest.mark.parametrize("kind, stage", [("mixtral", 2), ("mixtral", 3), ("experts", 1), ("experts", 2),
-                                         ("experts", 3)])
+@pytest.mark.parametrize(
+    "kind, stage", [("mixtral", 2), ("mixtral", 3), ("experts", 1), ("experts", 2), ("experts", 3)]
+)
 def test_experts_without_tokens_on_a_rank_neither_hang_nor_differ(dist_pool, references, kind, stage):
     build = experts_marked if kind == "experts" and stage == 3 else None
     result = dist_pool(2).run(train_with_megazero, kind, 2, ds_config(stage), build=build, skew=True, timeout=300)[0]

@@ -15,6 +15,7 @@ and tests/zero/test_muon_distributed.py's.
 Planted to see it fail: the block's Muon dropped (every parameter AdamW, as before this test: the
 config was read, its note printed, and Adam ran); the embeddings given to Muon too.
 """
+
 import pytest
 import torch
 
@@ -38,8 +39,10 @@ def torch_run() -> tuple[list[float], dict]:
     model = tiny_model("llama")
     muon = [p for n, p in model.named_parameters() if uses_muon(n, p)]
     rest = [p for n, p in model.named_parameters() if not uses_muon(n, p)]
-    optimizers = [torch.optim.Muon(muon, lr=LR, weight_decay=DECAY, adjust_lr_fn="original"),
-                  torch.optim.AdamW(rest, lr=LR, weight_decay=DECAY)]
+    optimizers = [
+        torch.optim.Muon(muon, lr=LR, weight_decay=DECAY, adjust_lr_fn="original"),
+        torch.optim.AdamW(rest, lr=LR, weight_decay=DECAY),
+    ]
     losses = []
     for micro in batches():
         total = 0.0
@@ -56,9 +59,12 @@ def torch_run() -> tuple[list[float], dict]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeeds_muon_block_steps_as_torch_muon(stage):
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
-              "optimizer": {"type": "Muon", "params": {"lr": LR, "weight_decay": DECAY}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "optimizer": {"type": "Muon", "params": {"lr": LR, "weight_decay": DECAY}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 16},
+    }
     engine, *_ = megazero.initialize(model=tiny_model("llama"), config=config)
     losses = []
     for micro in batches():

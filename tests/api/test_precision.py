@@ -6,6 +6,7 @@ scale grows again after loss_scale_window clean steps; bf16 applies every step.
 
 Planted to see it fail: the lr scheduler stepped after a skipped step too.
 """
+
 import torch
 from torch import nn
 
@@ -16,10 +17,17 @@ from megazero.utils import safe_get_full_fp32_param
 def run(precision: dict, steps: int):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, **precision,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
-                                                           "warmup_num_steps": 5, "warmup_type": "linear"}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        **precision,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 2},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 5, "warmup_type": "linear"},
+        },
+    }
     engine, _, _, scheduler = megazero.initialize(model=model, config=config)
     dtype = next(engine.module.parameters()).dtype
     trace = []
@@ -39,7 +47,7 @@ def deepspeed_scales(overflows: list[bool], power: int, window: int) -> list[flo
     """The scale after each step by DeepSpeed's dynamic loss scaler with hysteresis 1 (its
     update_scale): halve on an overflow; double when the steps since the last overflow reach a
     multiple of the window (its iteration counter starts at 0, the last overflow at -1)."""
-    scale, last_overflow, out = 2.0 ** power, -1, []
+    scale, last_overflow, out = 2.0**power, -1, []
     for it, overflow in enumerate(overflows):
         if overflow:
             scale, last_overflow = max(scale / 2, 1.0), it
@@ -50,17 +58,18 @@ def deepspeed_scales(overflows: list[bool], power: int, window: int) -> list[flo
 
 
 def test_fp16_skips_overflowing_steps_as_deepspeed_does():
-    dtype, global_steps, trace = run({"fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 3,
-                                               "hysteresis": 1}}, 14)
+    dtype, global_steps, trace = run(
+        {"fp16": {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 3, "hysteresis": 1}}, 14
+    )
     assert dtype == torch.float16 and global_steps == 14
     skipped = [i == 0 and t[2] == 1 or i > 0 and t[2] == trace[i - 1][2] + 1 for i, t in enumerate(trace)]
-    assert skipped[0] and not all(skipped), trace             # 2^20 overflows first, then steps apply
+    assert skipped[0] and not all(skipped), trace  # 2^20 overflows first, then steps apply
     assert [t[0] for t in trace] == deepspeed_scales(skipped, 20, 3), trace
     applied = 0
     for (scale, moved, _, iteration), skip in zip(trace, skipped):
-        assert moved != skip, trace                           # a skipped step leaves the weights bitwise
+        assert moved != skip, trace  # a skipped step leaves the weights bitwise
         applied += not skip
-        assert iteration == applied - 1, trace                # the scheduler steps after applied steps only
+        assert iteration == applied - 1, trace  # the scheduler steps after applied steps only
 
 
 def test_bf16_applies_every_step():

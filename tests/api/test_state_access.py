@@ -10,13 +10,18 @@ one process at ZeRO-2 and ZeRO-3 and the same MLP trained by torch.optim.AdamW o
 
 Planted to see it fail: safe_get_full_optimizer_state answering "exp_avg_sq" with exp_avg.
 """
+
 import pytest
 import torch
 from torch import nn
 
 import megazero
-from megazero.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                            safe_set_full_fp32_param)
+from megazero.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+)
 
 LR, DECAY = 1e-2, 0.1
 
@@ -27,9 +32,12 @@ def model():
 
 
 def config(stage):
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def batch(i):
@@ -63,8 +71,13 @@ def test_state_api_reads_what_torch_holds(stage):
         mine = names[name]
         torch.testing.assert_close(safe_get_full_fp32_param(mine), p.detach(), rtol=1e-6, atol=0)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(safe_get_full_optimizer_state(mine, key), torch_adam.state[p][key],
-                                       rtol=1e-6, atol=0, msg=lambda m: f"{name} {key}: {m}")
+            torch.testing.assert_close(
+                safe_get_full_optimizer_state(mine, key),
+                torch_adam.state[p][key],
+                rtol=1e-6,
+                atol=0,
+                msg=lambda m: f"{name} {key}: {m}",
+            )
     weight = names["2.bias"]
     safe_set_full_fp32_param(weight, torch.tensor([1.0, -2.0, 3.0]))
     assert torch.equal(safe_get_full_fp32_param(weight), torch.tensor([1.0, -2.0, 3.0]))

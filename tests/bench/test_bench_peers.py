@@ -2,6 +2,7 @@
 PyTorch GPT (bench/peer_models.py, bench/plain_gpt.py) built from megazero's initial weights give
 megazero's GPT's losses, and the GPU bench's peer runs every GEMM of its forward and backward in
 the autocast dtype (checked on the CPU's bf16 autocast)."""
+
 import collections
 import sys
 from pathlib import Path
@@ -20,10 +21,23 @@ from megazero.models.config import GPTConfig  # noqa: E402
 from megazero.models.loss import linear_cross_entropy  # noqa: E402
 
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "matmul"}
-BASE = dict(vocab_size=96, hidden_size=48, num_layers=2, num_attention_heads=4, seq_length=16,
-            hidden_dropout=0.0, attention_dropout=0.0)
-LLAMA = dict(position_embedding="rope", activation="swiglu", normalization="rmsnorm", tie_embeddings=False,
-             num_query_groups=2, add_bias_linear=False)
+BASE = dict(
+    vocab_size=96,
+    hidden_size=48,
+    num_layers=2,
+    num_attention_heads=4,
+    seq_length=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+LLAMA = dict(
+    position_embedding="rope",
+    activation="swiglu",
+    normalization="rmsnorm",
+    tie_embeddings=False,
+    num_query_groups=2,
+    add_bias_linear=False,
+)
 
 
 class GemmDtypes(TorchDispatchMode):
@@ -48,7 +62,7 @@ def test_gpu_bench_peer_runs_every_gemm_under_autocast():
     step, _ = bench_gpu_step.peer_step(args, cfg, torch.device("cpu"))
     with GemmDtypes() as recorder:
         step(0)
-    linears = 4 * cfg.num_layers + 1                    # qkv, proj, fc1, fc2 per layer; the tied head
+    linears = 4 * cfg.num_layers + 1  # qkv, proj, fc1, fc2 per layer; the tied head
     assert sum(recorder.seen["forward"].values()) == linears, recorder.seen
     assert sum(recorder.seen["backward"].values()) == 2 * linears, recorder.seen
     for phase, dtypes in recorder.seen.items():
@@ -80,8 +94,9 @@ def test_transformers_peer_computes_our_loss_and_gradients(options):
     our_loss.backward()
     their_loss.backward()
     # the word embedding: the same tensor on both sides (rows of real words)
-    torch.testing.assert_close(theirs.get_input_embeddings().weight.grad, ours.embedding.word.weight.grad,
-                               rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(
+        theirs.get_input_embeddings().weight.grad, ours.embedding.word.weight.grad, rtol=1e-4, atol=1e-7
+    )
 
 
 def test_plain_gpt_computes_our_loss():
@@ -90,5 +105,6 @@ def test_plain_gpt_computes_our_loss():
     plain = PlainGPT(cfg)
     plain.load_gpt2_state(peer_models.initial_hf_state(cfg, 7, "gpt2"))
     tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(plain(tokens[:, :-1], tokens[:, 1:]), ours(tokens[:, :-1], tokens[:, 1:]),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        plain(tokens[:, :-1], tokens[:, 1:]), ours(tokens[:, :-1], tokens[:, 1:]), rtol=1e-5, atol=1e-6
+    )

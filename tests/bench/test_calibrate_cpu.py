@@ -2,6 +2,7 @@
 that an unweighted fit lets the large messages turn into a wrong latency), the ring formulas' bytes
 on the wire, the collective sweep on two pool ranks, and the committed measured file in the schema
 the timeline reads (megazero/dry_run/cpu_measured.toml)."""
+
 import sys
 import tomllib
 from pathlib import Path
@@ -12,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 import calibrate_cpu  # noqa: E402
 
-SIZES = [1024 * 4 ** i for i in range(8)]
+SIZES = [1024 * 4**i for i in range(8)]
 
 
 def _line(op, n, alpha_us, beta_gbps, noise=()):
@@ -54,18 +55,34 @@ def test_wire_bytes_follow_the_ring_algorithm():
 
 def test_sweep_times_every_op_on_two_pool_ranks(dist_pool):
     found = dist_pool(2).run(calibrate_cpu.sweep_collectives, [1024, 65536], 1, 0.001, 50.0)
-    assert found[0] == found[1]                       # the slowest rank's, agreed
+    assert found[0] == found[1]  # the slowest rank's, agreed
     assert set(found[0]) == set(calibrate_cpu.OPS)
     assert all(len(times) == 2 and min(times) > 0 for times in found[0].values()), found[0]
 
 
 def _measurement():
-    table = {"ranks": [2, 4, 8], "alpha_us": [10.0, 20.0, 40.0], "beta_gbps": [1.0, 0.5, 0.25],
-             "measured_us": [[1.0, 2.0]] * 3}
-    return dict(date="2026-12-07 15:00 UTC", name="a CPU (2 cores)", memory_gb=25.3, cores=2, load=(1.0, 2.0),
-                launch_us=16.0, bare_op_us=3.0, step_ops=287, memory_gbps=10.0, memory_detail={"copy 64 MiB": 9.0},
-                matmul=[[64, 64, 64, 30.0]], matmul_calls=[[64, 64, 64, 20.0]], sizes=[1024, 4096],
-                collectives={op: dict(table) for op in calibrate_cpu.OPS})
+    table = {
+        "ranks": [2, 4, 8],
+        "alpha_us": [10.0, 20.0, 40.0],
+        "beta_gbps": [1.0, 0.5, 0.25],
+        "measured_us": [[1.0, 2.0]] * 3,
+    }
+    return dict(
+        date="2026-12-07 15:00 UTC",
+        name="a CPU (2 cores)",
+        memory_gb=25.3,
+        cores=2,
+        load=(1.0, 2.0),
+        launch_us=16.0,
+        bare_op_us=3.0,
+        step_ops=287,
+        memory_gbps=10.0,
+        memory_detail={"copy 64 MiB": 9.0},
+        matmul=[[64, 64, 64, 30.0]],
+        matmul_calls=[[64, 64, 64, 20.0]],
+        sizes=[1024, 4096],
+        collectives={op: dict(table) for op in calibrate_cpu.OPS},
+    )
 
 
 def test_render_parses_in_the_schema_and_the_schema_refuses_a_gap():
@@ -96,19 +113,29 @@ def test_the_one_rank_fit_is_written_and_read_back_by_the_layouts_bench():
     tiny_step_op_us, and cpu_layouts' table header names the fit. Planted: render writing the tiny
     figure as launch_us fails the first assertion."""
     import cpu_layouts
-    m = dict(_measurement(), tiny_launch_us=16.0, launch_us=23.5, one_rank_ms=81.2, one_rank_work_ms=39.8,
-             one_rank_ops=1763, shared={"ranks": [1, 2], "slowdown": [1.0, 1.4]})
+
+    m = dict(
+        _measurement(),
+        tiny_launch_us=16.0,
+        launch_us=23.5,
+        one_rank_ms=81.2,
+        one_rank_work_ms=39.8,
+        one_rank_ops=1763,
+        shared={"ranks": [1, 2], "slowdown": [1.0, 1.4]},
+    )
     text = calibrate_cpu.render(m)
     doc = tomllib.loads(text)
     calibrate_cpu.check_schema(doc)
     assert doc["cpu"]["launch_us"] == 23.5 and doc["cpu"]["tiny_step_op_us"] == 16.0
     assert doc["cpu"]["shared_ranks"] == [1, 2] and doc["cpu"]["shared_slowdown"] == [1.0, 1.4]
     assert cpu_layouts.calibration_header(text).endswith(
-        "launch_us 23.50 fitted on the one-rank step (81.2 ms measured, 39.8 ms the device's work, 1763 ops)")
+        "launch_us 23.50 fitted on the one-rank step (81.2 ms measured, 39.8 ms the device's work, 1763 ops)"
+    )
 
 
 def test_the_sharing_slowdown_runs_on_pool_ranks(dist_pool):
     """calibrate_cpu_step.sharing_slowdown: one process's GEMM rate over two pool ranks' at once, a
     positive ratio (its size is the machine's: not asserted)."""
     import calibrate_cpu_step
+
     assert calibrate_cpu_step.sharing_slowdown(dist_pool(2), calibrate_cpu_step.gemm_rate, rounds=1, seconds=0.05) > 0

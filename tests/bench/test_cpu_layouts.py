@@ -1,6 +1,7 @@
 """bench/cpu_layouts.py: its layouts are the grid the issue names and each one's flags pass
 megazero's checks at its number of ranks (no process starts); the steady-state step time read
 from metrics.jsonl; the shapes of the timeline's answer it reads a step time from."""
+
 import json
 import sys
 import types
@@ -23,17 +24,26 @@ def test_the_layouts_cover_the_grid_and_their_flags_pass_the_checks():
     for name, ranks, extra in cpu_layouts.LAYOUTS:
         cfg = config_from_args(parse_args(cpu_layouts.layout_argv(extra, 8)), ranks, ranks, cuda_available=False)
         p = cfg.parallel
-        seen |= {f"tp{p.tensor_parallel}", f"pp{p.pipeline_parallel}", f"cp{p.context_parallel}",
-                 f"ep{p.expert_parallel}", f"zero{cfg.zero.stage}"}
+        seen |= {
+            f"tp{p.tensor_parallel}",
+            f"pp{p.pipeline_parallel}",
+            f"cp{p.context_parallel}",
+            f"ep{p.expert_parallel}",
+            f"zero{cfg.zero.stage}",
+        }
         seen |= {"sp"} if p.sequence_parallel else set()
         seen |= {"interleaved"} if p.virtual_stages > 1 else set()
         seen |= {"offload"} if cfg.zero.offload_optimizer is not None and cfg.zero.offload_param is not None else set()
-    assert seen >= {"tp2", "pp2", "cp2", "ep2", "sp", "interleaved", "offload", "zero0", "zero1", "zero2", "zero3"}, seen
+    assert seen >= {"tp2", "pp2", "cp2", "ep2", "sp", "interleaved", "offload", "zero0", "zero1", "zero2", "zero3"}, (
+        seen
+    )
 
 
 def test_steady_step_is_the_median_after_the_first_two(tmp_path):
-    records = [{"iteration": i, "split": "train", "ms_per_iter": ms} for i, ms in
-               enumerate([900.0, 400.0, 110.0, 130.0, 120.0, 500.0, 115.0], start=1)]
+    records = [
+        {"iteration": i, "split": "train", "ms_per_iter": ms}
+        for i, ms in enumerate([900.0, 400.0, 110.0, 130.0, 120.0, 500.0, 115.0], start=1)
+    ]
     records.insert(3, {"iteration": 3, "split": "valid", "loss": 1.0})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert cpu_layouts.steady_step_ms(tmp_path / "metrics.jsonl") == 120.0
@@ -60,6 +70,7 @@ def test_predict_is_told_the_world_as_it_takes_it():
     def flag_only(argv, device):
         seen.append((argv[:2], device))
         return 7.0
+
     assert cpu_layouts.predicted_ms(with_world, 4, ["--zero-stage"]) == 500.0
     assert cpu_layouts.predicted_ms(flag_only, 2, ["--zero-stage"]) == 7.0
     assert seen == [(["--zero-stage"], "cpu", 4), (["--world-size", "2"], "cpu")]
@@ -68,14 +79,24 @@ def test_predict_is_told_the_world_as_it_takes_it():
 def test_the_table_names_the_calibration_it_ran_with():
     import calibrate_cpu
     from tests.bench.test_calibrate_cpu import _measurement
+
     header = cpu_layouts.calibration_header(calibrate_cpu.render(_measurement()))
     assert header == "2026-12-07 15:00 UTC, a CPU (2 cores), load average 1.0 before / 2.0 after it"
 
 
 def test_the_table_has_a_row_per_layout_and_the_ratio_where_predicted():
-    rows = [dict(name="tp2", ranks=2, flags=["--tensor-model-parallel-size", "2"], measured=200.0, load=3.0,
-                 host_us=20.0, predicted=180.0),
-            dict(name="cp2", ranks=2, flags=["--context-parallel-size", "2"], measured=100.0, load=3.5, host_us=21.0)]
+    rows = [
+        dict(
+            name="tp2",
+            ranks=2,
+            flags=["--tensor-model-parallel-size", "2"],
+            measured=200.0,
+            load=3.0,
+            host_us=20.0,
+            predicted=180.0,
+        ),
+        dict(name="cp2", ranks=2, flags=["--context-parallel-size", "2"], measured=100.0, load=3.5, host_us=21.0),
+    ]
     lines = cpu_layouts.table(rows, "a calibration").splitlines()
     assert lines[-2] == "| tp2 | 2 | `--tensor-model-parallel-size 2` | 200.0 | 180.0 | 0.90 | 3.0 | 20.0 |"
     assert lines[-1] == "| cp2 | 2 | `--context-parallel-size 2` | 100.0 | - | - | 3.5 | 21.0 |"

@@ -4,6 +4,7 @@ and % of the A100's peak from its per-GPU TFLOP/s), the paper's FLOP formula equ
 count and megazero's own FLOP count (megazero.training.flops, full attention plus full
 recomputation) on the 1T row, the paper's 84-day estimate for the 1T model follows from it, and
 every row's flags parse to the layout it names. Simulates nothing."""
+
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def _hand_count(batch, layers, hidden, seq=pt.SEQ, vocab=pt.VOCAB, forwards=4):
     """Per layer forward: q, k, v and output projections 8 B s h^2, MLP (4h) 16 B s h^2, scores and
     attention x V 4 B s^2 h (in full); the logits 2 B s h V. A step: the layers' forward `forwards`
     times (forward, recomputation, backward as two), the logits three times (never recomputed)."""
-    layer = 24 * batch * seq * hidden ** 2 + 4 * batch * seq ** 2 * hidden
+    layer = 24 * batch * seq * hidden**2 + 4 * batch * seq**2 * hidden
     return forwards * layers * layer + 3 * 2 * batch * seq * hidden * vocab
 
 
@@ -42,12 +43,21 @@ def test_paper_formula_equals_the_gemm_count_and_megazeros_count():
     assert pt.executed_flops(b, l, h) == pytest.approx(_hand_count(b, l, h, forwards=3), rel=1e-12)
     from megazero.dry_run.job import job_config
     from megazero.training.flops import recompute_flops, step_flops
+
     row = next(x for x in pt.rows() if x.name == "1008B")
-    argv = list(row.argv) + ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                             "--recompute-num-layers", "1"]
+    argv = list(row.argv) + [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ]
     model = job_config(argv, row.world, 8).model
     tokens = b * pt.SEQ
-    ours = step_flops(model, tokens, causal_at_half=False) + recompute_flops(model, tokens, [2] * 64, causal_at_half=False)
+    ours = step_flops(model, tokens, causal_at_half=False) + recompute_flops(
+        model, tokens, [2] * 64, causal_at_half=False
+    )
     assert ours == pytest.approx(pt.paper_flops(b, l, h), rel=1e-9)
 
 
@@ -63,6 +73,7 @@ def test_the_papers_1t_training_time_follows_from_its_formula():
 def test_every_rows_flags_parse_to_its_layout():
     from megazero.config.train_config import topology_of
     from megazero.dry_run.job import job_config
+
     for row in pt.rows():
         cfg = job_config(list(row.argv), row.world, 8)
         topo = topology_of(cfg, row.world)

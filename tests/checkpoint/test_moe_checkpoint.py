@@ -6,6 +6,7 @@ carry over ep 2 -> 1 -> 4 (the curves and the final biases equal the unbroken ep
 consolidated model holds them (a strict state-dict load); export to Mixtral refuses them in one line.
 Planted: the reader joining the expert-parallel ranks' experts in reverse -> the ep 2 resume fails;
 the saver leaving the biases out -> the biased resume fails."""
+
 import pytest
 from safetensors.torch import load_file
 
@@ -18,8 +19,15 @@ from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT
 from tools.convert_checkpoint import export_hf
 
-MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01,
-           moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=16, moe_layer_freq=[1, 0, 1, 1])
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_aux_loss_coeff=0.01,
+    moe_z_loss_coeff=0.001,
+    moe_shared_expert_intermediate_size=16,
+    moe_layer_freq=[1, 0, 1, 1],
+)
 
 
 def _config(dropout=0.0, **layout):
@@ -55,16 +63,16 @@ def test_expert_parallel_checkpoints_resume_and_reshard_between_ep_sizes(dist_po
     pool.run(ckpt_worker, _config(stage=3, ep=2), 4, str(tmp_path / "plain"), SAVE_AT, stop_after=SAVE_AT)
     for what, layout in (("ep 1 zero 1", dict(stage=1)), ("ep 4 zero 2", dict(stage=2, ep=4))):
         own = _curve(pool.run(ckpt_worker, _config(**layout), 4, str(tmp_path / f"own {what}")))
-        moved = _curve(pool.run(ckpt_worker, _config(**layout), 4, str(tmp_path / what), None,
-                                str(tmp_path / "plain")))
+        moved = _curve(pool.run(ckpt_worker, _config(**layout), 4, str(tmp_path / what), None, str(tmp_path / "plain")))
         steps = sorted(moved)
         assert steps == list(range(SAVE_AT + 1, STEPS + 1)), what
         assert_close([moved[k][0] for k in steps], [own[k][0] for k in steps], f"ep 2 zero 3 -> {what}")
 
 
 # sigmoid routing with the expert bias, at a rate that changes the routing within a few steps
-BIASED = dict(MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-              moe_router_bias_update_rate=0.01)
+BIASED = dict(
+    MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01
+)
 
 
 def _biased(**layout):

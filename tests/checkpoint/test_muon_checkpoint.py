@@ -3,6 +3,7 @@
 continues at dp 4 ZeRO-1 on that layout's own curve (rtol 1e-5); an Adam checkpoint loaded by a Muon
 run (or the reverse) is refused in one line unless --no-load-optim.
 Planted: the loader leaving exp_avg (Muon's momentum) out -> the bitwise resume fails."""
+
 import pytest
 import torch
 

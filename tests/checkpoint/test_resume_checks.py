@@ -2,6 +2,7 @@
 loader): a learned position table of another size is refused unless --extend-position-embeddings
 grows it by its stated rule; an iteration edited in metadata.json is refused; a different --seed is
 accepted with a line. One tiny run saves the checkpoint they all read; the checks run in-process."""
+
 import json
 import shutil
 
@@ -29,8 +30,7 @@ def saved(tmp_path_factory):
 
 def _check(argv):
     cfg = config_from_args(parse_args(argv))
-    return check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters,
-                        seed=cfg.seed)
+    return check_resume(cfg.checkpoint, cfg.model, cfg.global_batch_size, cfg.optimizer, cfg.train_iters, seed=cfg.seed)
 
 
 def test_another_position_table_is_refused_unless_extended_by_its_rule(saved, tmp_path, capsys, monkeypatch):
@@ -42,20 +42,34 @@ def test_another_position_table_is_refused_unless_extended_by_its_rule(saved, tm
     monkeypatch.chdir(tmp_path)
     code, out = _main(RUN + ["--load", str(saved), "--seq-length", "128"], capsys)
     assert code == 2 and out.err.count("\n") == 1, out.err
-    assert ("the checkpoint's learned position table has 64 rows, this run's 128 (--max-position-embeddings, "
-            "else --seq-length); pass --max-position-embeddings 64 with a --seq-length up to 64, or "
-            "--extend-position-embeddings to grow the table (position p starts from the checkpoint's row p "
-            "mod 64)") in out.err, out.err
+    assert (
+        "the checkpoint's learned position table has 64 rows, this run's 128 (--max-position-embeddings, "
+        "else --seq-length); pass --max-position-embeddings 64 with a --seq-length up to 64, or "
+        "--extend-position-embeddings to grow the table (position p starts from the checkpoint's row p "
+        "mod 64)"
+    ) in out.err, out.err
     with pytest.raises(CheckpointError, match="this run's 32 .*; pass --max-position-embeddings 64 "):
         _check(RUN + ["--load", str(saved), "--seq-length", "32"])
     _check(RUN + ["--load", str(saved), "--seq-length", "32", "--max-position-embeddings", "64"])
     table = torch.arange(8.0).reshape(4, 2)
     with pytest.raises(CheckpointError, match="embedding.position.weight"):
         _fit(table, (6, 2), "embedding.position.weight", saved, extend_positions=False)
-    assert _fit(table, (6, 2), "embedding.position.weight", saved, True).tolist() == \
-        table[[0, 1, 2, 3, 0, 1]].tolist()
-    code, out = _main(RUN[:-1] + ["3", "--load", str(saved), "--seq-length", "128", "--extend-position-embeddings",
-                                  "--override-opt_param-scheduler", "--save", "grown"], capsys)
+    assert _fit(table, (6, 2), "embedding.position.weight", saved, True).tolist() == table[[0, 1, 2, 3, 0, 1]].tolist()
+    code, out = _main(
+        RUN[:-1]
+        + [
+            "3",
+            "--load",
+            str(saved),
+            "--seq-length",
+            "128",
+            "--extend-position-embeddings",
+            "--override-opt_param-scheduler",
+            "--save",
+            "grown",
+        ],
+        capsys,
+    )
     assert code == 0 and "loaded weights and optimizer" in out.out, out.err
     grown = CheckpointReader(tmp_path / "grown")
     assert grown.metadata["model"]["max_position_embeddings"] == 128 and grown.metadata["iteration"] == 3
@@ -72,8 +86,11 @@ def test_an_edited_iteration_is_refused(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"metadata.json: iteration 3, but its directory is iter_0000002; "):
         CheckpointReader(copy)
     renamed = copy.rename(copy.with_name("iter_0000003"))
-    with pytest.raises(CheckpointError, match=r"iteration 3 does not match the optimizer's 2 steps and 0 skipped "
-                                              r"since iteration 0; the metadata was edited"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"iteration 3 does not match the optimizer's 2 steps and 0 skipped "
+        r"since iteration 0; the metadata was edited",
+    ):
         CheckpointReader(renamed)
 
 
@@ -83,6 +100,8 @@ def test_a_different_seed_is_accepted_with_a_line(saved):
     assert CheckpointReader(saved).metadata["seed"] == 1234
     assert not [n for n in _check(RUN + ["--load", str(saved)]).notices if "--seed" in n]
     notices = [n for n in _check(RUN + ["--load", str(saved), "--seed", "7"]).notices if "--seed" in n]
-    assert notices == ["--seed 7 differs from the checkpoint's 1234 (accepted, as Megatron-LM does): the samples "
-                       "from here on come in the order --seed 7 gives, the RNG states (dropout) come from the "
-                       "checkpoint where the layout allows; pass --seed 1234 to keep its order"], notices
+    assert notices == [
+        "--seed 7 differs from the checkpoint's 1234 (accepted, as Megatron-LM does): the samples "
+        "from here on come in the order --seed 7 gives, the RNG states (dropout) come from the "
+        "checkpoint where the layout allows; pass --seed 1234 to keep its order"
+    ], notices

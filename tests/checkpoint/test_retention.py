@@ -1,6 +1,7 @@
 """What stays in a --save folder (megazero.checkpoint.retention): --ckpt-keep-last keeps the newest
 healthy checkpoint; leftovers of interrupted saves go with a line; nothing that cannot be removed is
 passed over in silence. Plain files standing in for checkpoints: no training."""
+
 import json
 import os
 
@@ -24,6 +25,7 @@ def _failing_unlink(monkeypatch, name):
         if os.fspath(path).endswith(name):
             raise PermissionError(13, "Permission denied")
         return real(path, *args, **kwargs)
+
     monkeypatch.setattr(os, "unlink", unlink)
 
 
@@ -41,8 +43,11 @@ def test_keep_last_keeps_the_newest_healthy_checkpoint_and_names_what_it_could_n
     line = apply_keep_last(tmp_path, 1, "run", "--ckpt-keep-last 1")
     assert line.startswith("--ckpt-keep-last 1: could not remove ") and "(and 1 more)" in line, line
     assert "Permission denied" in line and line.endswith("; retried at the next save") and "\n" not in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-run-old-iter_0000001", ".tmp-run-old-iter_0000003",
-                                                         "iter_0000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp-run-old-iter_0000001",
+        ".tmp-run-old-iter_0000003",
+        "iter_0000004",
+    ]
     monkeypatch.undo()
     assert apply_keep_last(tmp_path, 1, "run", "--ckpt-keep-last 1") is None
     assert [p.name for p in tmp_path.iterdir()] == ["iter_0000004"]
@@ -56,8 +61,9 @@ def test_leftovers_of_interrupted_saves_go_with_a_line(tmp_path, monkeypatch):
     _checkpoint(tmp_path / "x", 4).rename(tmp_path / ".tmp-abc-iter_0000004")
     (tmp_path / ".tmp-abc-latest").write_text("iter_0000004\n")
     line = remove_leftovers(tmp_path, "--save ck")
-    assert line == ("--save ck: removed what interrupted saves left there: .tmp-abc-iter_0000004, "
-                    ".tmp-abc-latest (0.0 MiB)"), line
+    assert line == (
+        "--save ck: removed what interrupted saves left there: .tmp-abc-iter_0000004, .tmp-abc-latest (0.0 MiB)"
+    ), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "x"]
     assert remove_leftovers(tmp_path, "--save ck") is None
     new = _checkpoint(tmp_path, 9).rename(tmp_path / ".tmp-run-iter_0000002")

@@ -2,6 +2,7 @@
 dropout on) for ZeRO stages 0-3 with TP, PP (every schedule) and MiCS; a checkpoint of one layout
 loads at another and continues on that layout's own curve (rtol 1e-5); bad checkpoints fail with one
 line naming the file."""
+
 import math
 
 import pytest
@@ -22,10 +23,18 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
     from megazero.training.lr_schedule import learning_rate
     from megazero.parallel.topology import Topology
     from megazero.training import train_step
+
     par = cfg.parallel
-    groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp,
-                                 tp=par.tensor_parallel, pp=par.pipeline_parallel, cp=par.context_parallel,
-                                 ep=par.expert_parallel, mics_shard_size=cfg.zero.mics_shard_size))
+    groups = ctx.groups(
+        Topology(
+            world_size=par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp,
+            tp=par.tensor_parallel,
+            pp=par.pipeline_parallel,
+            cp=par.context_parallel,
+            ep=par.expert_parallel,
+            mics_shard_size=cfg.zero.mics_shard_size,
+        )
+    )
     if groups is None:
         return None
     state, source = setup_training(cfg, groups)
@@ -41,12 +50,20 @@ def ckpt_worker(ctx, cfg, dp, directory, save_at=None, load=None, params=False, 
         curve[it + 1] = (step.loss, step.loss_scale)
         if save_at == it + 1:
             saver.save(state, (it + 1) * cfg.global_batch_size)
-    out = {"curve": curve, "rng": rng, "coords": tuple(groups.coords),
-           "biases": {n: b.tolist() for chunk in state.chunks for n, b in chunk.named_buffers()}}
-    if params:                    # the live model, gathered as the exactness tests do
+    out = {
+        "curve": curve,
+        "rng": rng,
+        "coords": tuple(groups.coords),
+        "biases": {n: b.tolist() for chunk in state.chunks for n, b in chunk.named_buffers()},
+    }
+    if params:  # the live model, gathered as the exactness tests do
         from megazero.zero.state_access import safe_get_full_fp32_param
-        out["params"] = {n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
-                         for chunk in state.chunks for n, p in chunk.named_parameters()}
+
+        out["params"] = {
+            n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
+            for chunk in state.chunks
+            for n, p in chunk.named_parameters()
+        }
     return out
 
 
@@ -97,11 +114,11 @@ RESHARD = [
 def test_checkpoint_loads_at_another_layout(dist_pool, tmp_path, what, source, target):
     (src_layout, src_dp), (dst_layout, dst_dp) = source, target
     pool = dist_pool(8)
-    pool.run(ckpt_worker, small_config(steps=STEPS, **src_layout), src_dp, str(tmp_path), SAVE_AT,
-             stop_after=SAVE_AT)
+    pool.run(ckpt_worker, small_config(steps=STEPS, **src_layout), src_dp, str(tmp_path), SAVE_AT, stop_after=SAVE_AT)
     own = _curve(pool.run(ckpt_worker, small_config(steps=STEPS, **dst_layout), dst_dp, str(tmp_path / "x")))
-    resumed = _curve(pool.run(ckpt_worker, small_config(steps=STEPS, **dst_layout), dst_dp,
-                              str(tmp_path / "y"), None, str(tmp_path)))
+    resumed = _curve(
+        pool.run(ckpt_worker, small_config(steps=STEPS, **dst_layout), dst_dp, str(tmp_path / "y"), None, str(tmp_path))
+    )
     steps = sorted(resumed)
     assert steps == list(range(SAVE_AT + 1, STEPS + 1))
     assert_close([resumed[k][0] for k in steps], [own[k][0] for k in steps], f"{what}: continued curve")
@@ -115,12 +132,17 @@ def test_consolidate_equals_the_gathered_live_model(dist_pool, tmp_path):
     from tests.layouts import assemble_params
     from megazero.models.config import GPTConfig
     from megazero.models.gpt import GPT
+
     convert = _tool("convert_checkpoint").main
     cfg = small_config(stage=3, tp=2, pp=2, steps=2)
     results = dist_pool(4).run(ckpt_worker, cfg, 1, str(tmp_path / "ckpt"), 2, None, True)
     live = assemble_params(results)
-    assert convert(["consolidate", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"),
-                    "--with-optimizer"]) == 0
+    assert (
+        convert(
+            ["consolidate", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), "--with-optimizer"]
+        )
+        == 0
+    )
     state = load_file(str(tmp_path / "out" / "model.safetensors"))
     model = GPT(GPTConfig(**json.loads((tmp_path / "out" / "config.json").read_text())))
     model.load_state_dict(state, strict=True)
@@ -129,13 +151,13 @@ def test_consolidate_equals_the_gathered_live_model(dist_pool, tmp_path):
         key = "embedding.word.weight" if name == "output_head.weight" else name
         assert torch.equal(state[key], value), name
     optimizer = load_file(str(tmp_path / "out" / "optimizer.safetensors"))
-    assert set(optimizer) == {f"{n}.{k}" for n in live if n != "output_head.weight"
-                              for k in ("exp_avg", "exp_avg_sq")}
+    assert set(optimizer) == {f"{n}.{k}" for n in live if n != "output_head.weight" for k in ("exp_avg", "exp_avg_sq")}
 
 
 def _tool(name):
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[2] / "tools" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -151,10 +173,12 @@ def _curve(results) -> dict:
 
 # --- bad checkpoints (one process) ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     from megazero.parallel.process_groups import ProcessGroups
     from megazero.testing import WorkerContext
+
     directory = tmp_path_factory.mktemp("ckpt")
     ctx = WorkerContext(0, 1, None)
     ctx.groups = lambda topology: ProcessGroups.single()
@@ -165,38 +189,43 @@ def saved(tmp_path_factory):
 def _single_state(**kw):
     from megazero.parallel.process_groups import ProcessGroups
     from megazero.training import setup
+
     return setup(with_padded_vocab(small_config(**kw)), ProcessGroups.single())
 
 
 def test_bad_checkpoints_name_the_file(saved, tmp_path):
     import shutil
+
     work = tmp_path / "c"
     shutil.copytree(saved, work)
     it = work / "iter_0000002"
-    CheckpointReader(work)                                       # intact: fine
+    CheckpointReader(work)  # intact: fine
     data = it / "rank_00000.safetensors"
     original = data.read_bytes()
     data.write_bytes(original[:-100])
     with pytest.raises(CheckpointError, match="rank_00000.safetensors.*truncated"):
         CheckpointReader(work)
     flipped = bytearray(original)
-    flipped[-5] ^= 0xFF                                          # a byte inside the last tensor
+    flipped[-5] ^= 0xFF  # a byte inside the last tensor
     data.write_bytes(bytes(flipped))
     with pytest.raises(CheckpointError, match="checksum|corrupted"):
         load_checkpoint(_single_state(stage=1), work)
     data.write_bytes(original)
-    with pytest.raises(CheckpointError, match=r"--hidden-size 32 \(this run: --hidden-size 64\); pass --hidden-size 32"):
+    with pytest.raises(
+        CheckpointError, match=r"--hidden-size 32 \(this run: --hidden-size 64\); pass --hidden-size 32"
+    ):
         load_checkpoint(_single_state(stage=1, model_extra={"hidden_size": 64}), work)
     (work / "latest").write_text("iter_0000009\n")
     with pytest.raises(CheckpointError, match="latest names 'iter_0000009'"):
         CheckpointReader(work)
-    (work / "latest").write_bytes(b"\x89\xffiter_\x00\n\x9c")        # garbage: not UTF-8, not a name
+    (work / "latest").write_bytes(b"\x89\xffiter_\x00\n\x9c")  # garbage: not UTF-8, not a name
     with pytest.raises(CheckpointError, match=r"latest holds no directory name \(damaged\).*echo iter_0000002 >"):
         CheckpointReader(work)
     (work / "latest").unlink()
     with pytest.raises(CheckpointError, match="no `latest`"):
         CheckpointReader(work)
     from safetensors.torch import load_file, save_file
+
     save_file(load_file(str(data)), str(data), metadata={"megazero_run_id": "other-run", "rank": "0"})
     with pytest.raises(CheckpointError, match="a shard of run other-run rank 0, not of this checkpoint"):
         CheckpointReader(it)
@@ -212,6 +241,7 @@ def _as_if_saved_on_a_gpu(it, cfg):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from megazero.checkpoint.saver import crc32, layout_key
+
     meta = json.loads((it / "metadata.json").read_text())
     par = cfg.parallel
     for index in meta["ranks"]:
@@ -221,13 +251,18 @@ def _as_if_saved_on_a_gpu(it, cfg):
         tensors = load_file(str(data))
         for key in [k for k in tensors if k.startswith("rng/tracker/")] + ["rng/cuda"]:
             tensors[key] = torch.arange(16, dtype=torch.uint8)
-            index["rng"][key[len("rng/"):]] = crc32(tensors[key])
+            index["rng"][key[len("rng/") :]] = crc32(tensors[key])
         save_file(tensors, str(data), metadata=header)
-        topology = types.SimpleNamespace(world_size=len(meta["ranks"]), tp=par.tensor_parallel,
-                                         pp=par.pipeline_parallel, cp=1)
-        index["layout_key"] = layout_key(types.SimpleNamespace(
-            cfg=cfg, groups=types.SimpleNamespace(topology=topology, rank=index["rank"]),
-            device=torch.device("cuda", 0)))
+        topology = types.SimpleNamespace(
+            world_size=len(meta["ranks"]), tp=par.tensor_parallel, pp=par.pipeline_parallel, cp=1
+        )
+        index["layout_key"] = layout_key(
+            types.SimpleNamespace(
+                cfg=cfg,
+                groups=types.SimpleNamespace(topology=topology, rank=index["rank"]),
+                device=torch.device("cuda", 0),
+            )
+        )
         index["file"]["bytes"] = data.stat().st_size
     (it / "metadata.json").write_text(json.dumps(meta))
 
@@ -267,8 +302,8 @@ def save_then_die(directory, point):
     state, source = setup_training(cfg, ProcessGroups.single())
     saver = CheckpointSaver(directory, "kill-run")
     train_step(state, source.batch(0), 1e-3)
-    saver.save(state, cfg.global_batch_size)                    # iteration 1: complete
-    if point == "rank-file":                                    # half a shard on disk
+    saver.save(state, cfg.global_batch_size)  # iteration 1: complete
+    if point == "rank-file":  # half a shard on disk
         real = saver_module.save_file
 
         def partial(tensors, path, metadata=None):
@@ -276,8 +311,9 @@ def save_then_die(directory, point):
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
             die()
+
         saver_module.save_file = partial
-    elif point == "metadata":                                   # shards done, metadata half written
+    elif point == "metadata":  # shards done, metadata half written
         real_json = saver_module.write_json_atomic
 
         def json_then_die(path, value):
@@ -285,8 +321,9 @@ def save_then_die(directory, point):
                 path.write_text("{")
                 die()
             real_json(path, value)
+
         saver_module.write_json_atomic = json_then_die
-    elif point == "latest":                                     # directory in place, latest not yet
+    elif point == "latest":  # directory in place, latest not yet
         real_write = files.write_file_atomic
 
         def write_then_die(path, data):
@@ -294,6 +331,7 @@ def save_then_die(directory, point):
                 path.with_name(files.TMP_PREFIX + path.name).write_bytes(data[:3])
                 die()
             real_write(path, data)
+
         files.write_file_atomic = write_then_die
     train_step(state, source.batch(1), 1e-3)
     saver.save(state, 2 * cfg.global_batch_size)
@@ -304,6 +342,7 @@ def test_save_killed_midway_keeps_the_previous_checkpoint(tmp_path, point):
     """The saving process is SIGKILLed mid-save (a process of its own, forked from the pools'
     forkserver, which has megazero imported already)."""
     from megazero.testing import process_context
+
     child = process_context().Process(target=save_then_die, args=(str(tmp_path / "ckpt"), point))
     child.start()
     child.join(timeout=600)
@@ -319,6 +358,7 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
 
     import megazero.checkpoint.saver as saver_module
     from megazero.training import train_step
+
     state = _single_state(stage=2, steps=3)
     cfg = state.cfg
     source = microbatches(cfg)
@@ -328,10 +368,14 @@ def test_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,
 
     def no_space(tensors, path, metadata=None):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(saver_module, "save_file", no_space)
     train_step(state, source.batch(1), 1e-3)
-    with pytest.raises(SaveError, match=r"rank 0 could not write its shard of the checkpoint of iteration 2 "
-                                         r"\(No space left on device\)"):
+    with pytest.raises(
+        SaveError,
+        match=r"rank 0 could not write its shard of the checkpoint of iteration 2 "
+        r"\(No space left on device\)",
+    ):
         saver.save(state, 2 * cfg.global_batch_size)
     assert CheckpointReader(tmp_path).metadata["iteration"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest"], "no leftovers"
@@ -344,6 +388,7 @@ def run_id_worker(ctx, directory):
     from megazero.parallel.topology import Topology
     from megazero.run.run_folder import agree_identity
     from megazero.training import setup
+
     groups = ctx.groups(Topology(world_size=4, tp=2))
     run_id, run_dir = agree_identity(groups, uuid.uuid4().hex, f"runs/gpt-rank{groups.rank}")
     state = setup(with_padded_vocab(small_config(stage=3, tp=2, steps=1)), groups)
@@ -363,9 +408,32 @@ def test_mock_data_saves_and_resumes_without_a_tokenizer(tmp_path, capsys):
     """--mock-data (no tokenizer named) with --save, then --load: the resumed run logs what the unbroken
     run logs, and the checkpoint keeps no tokenizer (there is none to keep)."""
     from megazero.run import launch
-    common = ["--mock-data", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-              "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4",
-              "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0"]
+
+    common = [
+        "--mock-data",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "4",
+        "--lr-warmup-iters",
+        "1",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--num-workers",
+        "0",
+    ]
 
     def losses(run_dir):
         return [(r["iteration"], r["loss"]) for r in split_records(run_dir)]

@@ -1,6 +1,7 @@
 """The planner's count of what a waiting weight-gradient pass (W) of a zero-bubble schedule holds
 (config/activation_memory.py `weight_grad_bytes`) against what the deferred GEMMs' W really keeps:
 the tensors its closures hold after a real split backward's B (models/split_backward.py)."""
+
 import pytest
 import torch
 
@@ -35,10 +36,22 @@ def test_waiting_weight_grad_holds_its_gemms_inputs_and_output_gradients(swiglu,
     count before: a whole microbatch of the stage's activations per waiting W): 1.19x what the
     SwiGLU layers' W holds (GELU's happens to equal Korthikanti's count at these widths)."""
     h, tokens = 256, 512
-    cfg = GPTConfig(vocab_size=1000, hidden_size=h, num_layers=2, num_attention_heads=8, num_query_groups=groups,
-                    ffn_hidden_size=704, seq_length=tokens, position_embedding="rope",
-                    activation="swiglu" if swiglu else "gelu", normalization="rmsnorm", add_bias_linear=False,
-                    hidden_dropout=0.0, attention_dropout=0.0, tie_embeddings=False)
+    cfg = GPTConfig(
+        vocab_size=1000,
+        hidden_size=h,
+        num_layers=2,
+        num_attention_heads=8,
+        num_query_groups=groups,
+        ffn_hidden_size=704,
+        seq_length=tokens,
+        position_embedding="rope",
+        activation="swiglu" if swiglu else "gelu",
+        normalization="rmsnorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_embeddings=False,
+    )
     torch.manual_seed(0)
     model = GPT(cfg).to(torch.bfloat16)
     model.embedding = model.output_head = model.final_norm = None
@@ -66,14 +79,52 @@ def test_a_zero_bubble_peak_weighs_waiting_ws_apart_from_activations():
 # A Llama-shaped stack small enough to simulate in seconds: 8 layers over pp 4 (2 a stage, or two
 # one-layer chunks under the V and interleaved lists), tp 2 with sequence parallelism, bf16, 8
 # microbatches; activations outweigh the model states.
-ZB_LAYOUT = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--group-query-attention",
-             "--num-query-groups", "2", "--ffn-hidden-size", "704", "--swiglu", "--normalization", "RMSNorm",
-             "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-             "--seq-length", "512", "--max-position-embeddings", "512", "--attention-dropout", "0",
-             "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1",
-             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
-             "--zero-stage", "1", "--bf16"]
+ZB_LAYOUT = [
+    "--num-layers",
+    "8",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "704",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--seq-length",
+    "512",
+    "--max-position-embeddings",
+    "512",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "1000",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "1",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--pipeline-model-parallel-size",
+    "4",
+    "--zero-stage",
+    "1",
+    "--bf16",
+]
 
 
 def test_planner_predicts_each_zero_bubble_schedules_dry_run_peak():
@@ -88,11 +139,12 @@ def test_planner_predicts_each_zero_bubble_schedules_dry_run_peak():
     peak was 1.14x (dualpipev) to 1.19x (interleaved-zb) higher: the output layer's recomputed logits
     were kept until the handover."""
     from megazero.dry_run.job import simulate
+
     for schedule, rank in (("zb-h1", 6), ("zbv", 0), ("interleaved-zb", 6), ("dualpipev", 0)):
         extra = ["--pipeline-schedule", schedule]
         if schedule != "zb-h1":
             extra += ["--num-layers-per-virtual-pipeline-stage", "1"]
-        run, = simulate(ZB_LAYOUT + extra, 8, ranks=[rank], processes=1, stream_check=False, save=False)
+        (run,) = simulate(ZB_LAYOUT + extra, 8, ranks=[rank], processes=1, stream_check=False, save=False)
         assert run.error is None, run.detail
         ratio = run.memory["planner"]["total"] / run.memory["peak"]
         assert 0.95 <= ratio <= 1.05, (schedule, ratio, run.memory["peak_by_owner"], run.memory["planner"])

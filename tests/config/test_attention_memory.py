@@ -12,6 +12,7 @@ one SDPA call with the documents' dense (s x s) mask -> the packed-documents che
 is kept); the per-document calls not recomputed in the backward (their outputs and log-sum-exps kept
 beside the concatenation) -> it fails (kept 139264 bytes, the whole-sequence call's 73728).
 """
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -29,13 +30,14 @@ def _allocated(b, s, heads, groups, d, dropout, dtype, documents=None):
     q = torch.randn(b, s, heads, d, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(b, s, groups, d, dtype=dtype, requires_grad=True) for _ in "kv")
     grad = torch.randn(b, s, heads * d, dtype=dtype)
-    marker = 12345                      # a first allocation of its own size marks the forward's end
+    marker = 12345  # a first allocation of its own size marks the forward's end
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = core_attention(q, k, v, dropout, documents=documents)
         torch.empty(marker, dtype=torch.uint8)
         out.backward(grad)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live = peak = 0
     kept = None
     for event in events:
@@ -46,9 +48,15 @@ def _allocated(b, s, heads, groups, d, dropout, dtype, documents=None):
     return kept, peak
 
 
-@pytest.mark.parametrize("b,s,heads,groups,d,dtype", [
-    (1, 1024, 2, 2, 8, torch.float32), (2, 768, 1, 1, 8, torch.float32), (1, 1024, 2, 1, 8, torch.float32),
-    (1, 1024, 2, 2, 8, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "b,s,heads,groups,d,dtype",
+    [
+        (1, 1024, 2, 2, 8, torch.float32),
+        (2, 768, 1, 1, 8, torch.float32),
+        (1, 1024, 2, 1, 8, torch.float32),
+        (1, 1024, 2, 2, 8, torch.bfloat16),
+    ],
+)
 def test_math_kernel_bytes_are_what_the_cpu_allocates(b, s, heads, groups, d, dtype):
     weight_bytes = torch.finfo(dtype).bits // 8
     assert attention_kernel("cpu", dtype, heads, groups, d, 0.1) == "math"
@@ -65,9 +73,22 @@ def test_without_dropout_the_cpu_runs_flash_which_keeps_no_square():
     assert peak < 0.1 * math_kernel_bytes(1, 2, 1024, 4)[1], peak
 
 
-LONG = ["--seq-length", "400000", "--max-position-embeddings", "400000", "--micro-batch-size", "1",
-        "--global-batch-size", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
-        "--recompute-num-layers", "1"]
+LONG = [
+    "--seq-length",
+    "400000",
+    "--max-position-embeddings",
+    "400000",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+]
 
 
 def test_the_check_counts_the_kernel_the_device_runs():
@@ -78,7 +99,7 @@ def test_the_check_counts_the_kernel_the_device_runs():
     heads = math_run.model.num_attention_heads
     assert found.attention == pytest.approx(math_kernel_bytes(1, heads, 400000, 4)[1])
     assert estimate(flash_run, 1, "cpu").attention == 0
-    assert estimate(flash_run, 1, "cpu").total < 16 * 2**30      # accepted on a machine of this size
+    assert estimate(flash_run, 1, "cpu").total < 16 * 2**30  # accepted on a machine of this size
     # a normal run with dropout still counts the kernel, and fits
     normal = estimate(config_from_args(parse_args([]), 1), 1, "cpu")
     assert 0 < normal.attention and normal.total < 8 * 2**30
@@ -90,15 +111,16 @@ def test_packed_documents_keep_what_one_call_over_the_sequence_keeps():
     the math kernel (dropout) per document keeps at most the whole sequence's square, which is what
     the planner counts (config/activation_memory.py's document_bytes adds only the step's tensors)."""
     from megazero.models.documents import DocumentMasking, pack_documents
+
     s, eod = 1024, 1
     tokens = torch.randint(2, 50, (1, s), generator=torch.Generator().manual_seed(0))
-    tokens[0, [99, 150, 530, 531, 900]] = eod          # documents of 100 to 380 tokens, one of 1
+    tokens[0, [99, 150, 530, 531, 900]] = eod  # documents of 100 to 380 tokens, one of 1
     documents, _ = pack_documents(tokens, DocumentMasking(eod, True, True, True))
     assert len(documents.bounds) == 7
     kept, peak = _allocated(1, s, 2, 2, 8, 0.0, torch.float32, documents)
     assert peak < 0.1 * math_kernel_bytes(1, 2, s, 4)[1], peak
     whole_kept, _ = _allocated(1, s, 2, 2, 8, 0.0, torch.float32)
-    assert kept <= whole_kept, (kept, whole_kept)      # no second copy of the output
+    assert kept <= whole_kept, (kept, whole_kept)  # no second copy of the output
     kept, peak = _allocated(1, s, 2, 2, 8, 0.1, torch.float32, documents)
     want_kept, want_peak = math_kernel_bytes(1, 2, s, 4)
     assert kept <= want_kept and peak <= want_peak, (kept, want_kept, peak, want_peak)

@@ -5,10 +5,16 @@ flags still gets its nearest flag.
 megatron_flags.txt is Megatron-LM's own parser read back (tools/megatron_flag_list.py); these checks
 hold it to that: Megatron-LM's argument groups are all there, and a name from each group is recognised.
 """
+
 import pytest
 
-from megazero.config.flags import (_unknown_flag_error, build_parser, megatron_flag_groups,
-                                   megatron_flags_megazero_lacks, parse_args)
+from megazero.config.flags import (
+    _unknown_flag_error,
+    build_parser,
+    megatron_flag_groups,
+    megatron_flags_megazero_lacks,
+    parse_args,
+)
 from megazero.core.errors import UsageError
 
 LACKS = "is a Megatron-LM flag megazero does not have"
@@ -16,12 +22,23 @@ LACKS = "is a Megatron-LM flag megazero does not have"
 # Argument groups of megatron/training/arguments.py (megatron-core 0.16's tree, then the newer one's),
 # with a flag each declares: the file must keep them where Megatron-LM's parser puts them.
 GROUP_SAMPLES = {
-    "network size": "--num-layers", "regularization": "--attention-dropout", "training": "--micro-batch-size",
-    "initialization": "--seed", "learning rate": "--lr-decay-style", "checkpointing": "--ckpt-fully-parallel-save",
-    "mixed precision": "--fp16", "distributed": "--tensor-model-parallel-size", "validation": "--eval-iters",
-    "data and dataloader": "--split", "tokenizer": "--tokenizer-type", "moe": "--num-experts",
-    "logging": "--log-throughput", "Transformer-Engine": "--fp8-format", "inference": "--inference-max-seq-length",
-    "transformer configuration": "--hybrid-context-parallel", "older Megatron-LM and Megatron-DeepSpeed": "--data-impl",
+    "network size": "--num-layers",
+    "regularization": "--attention-dropout",
+    "training": "--micro-batch-size",
+    "initialization": "--seed",
+    "learning rate": "--lr-decay-style",
+    "checkpointing": "--ckpt-fully-parallel-save",
+    "mixed precision": "--fp16",
+    "distributed": "--tensor-model-parallel-size",
+    "validation": "--eval-iters",
+    "data and dataloader": "--split",
+    "tokenizer": "--tokenizer-type",
+    "moe": "--num-experts",
+    "logging": "--log-throughput",
+    "Transformer-Engine": "--fp8-format",
+    "inference": "--inference-max-seq-length",
+    "transformer configuration": "--hybrid-context-parallel",
+    "older Megatron-LM and Megatron-DeepSpeed": "--data-impl",
 }
 
 
@@ -50,7 +67,7 @@ def test_a_flag_megazero_lacks_from_every_group_gets_the_megatron_line():
         missing = [f for f in flags if f in lacking]
         taken = [f for f in flags if f not in lacking]
         assert all(f in parser._option_string_actions for f in taken), group
-        if missing:        # end to end, with a value after it as a launch line writes it
+        if missing:  # end to end, with a value after it as a launch line writes it
             message = _error([missing[0], "1", "--num-layers", "2"])
             assert message.startswith(f"{missing[0]} {LACKS}") and "did you mean" not in message, message
     for flag in sorted(lacking):
@@ -59,8 +76,9 @@ def test_a_flag_megazero_lacks_from_every_group_gets_the_megatron_line():
         assert LACKS in str(_unknown_flag_error(parser, [flag])), flag
 
 
-@pytest.mark.parametrize("argv", [["--fp8-format", "e4m3"], ["--qk-layernorm"], ["--ckpt-fully-parallel-save"],
-                                  ["--fp8-format=hybrid"]])
+@pytest.mark.parametrize(
+    "argv", [["--fp8-format", "e4m3"], ["--qk-layernorm"], ["--ckpt-fully-parallel-save"], ["--fp8-format=hybrid"]]
+)
 def test_the_issues_examples(argv):
     message = _error(argv)
     assert LACKS in message and "did you mean" not in message, message

@@ -1,6 +1,7 @@
 """The machine the flags are read for (megazero.config.machine.Machine) and the flags' Namespace:
 config_from_args writes nothing on the caller's Namespace (the machine is a record, what a DeepSpeed
 config gives for flags goes into a copy), so one parse can be read for two machines."""
+
 import argparse
 import json
 
@@ -17,8 +18,15 @@ def test_the_machine_picks_the_backend_unless_the_flag_does():
 
 def test_the_flags_namespace_is_left_as_parsed(tmp_path):
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"bf16": {"enabled": True}, "activation_checkpointing": {},
-                              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "bf16": {"enabled": True},
+                "activation_checkpointing": {},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},
+            }
+        )
+    )
     args = parse_args(["--deepspeed_config", str(ds), "--mock-data", "--run-dir", "r"])
     parsed = argparse.Namespace(**vars(args))
     on_cpu = config_from_args(args, 2, cuda_available=False)

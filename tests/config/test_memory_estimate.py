@@ -3,6 +3,7 @@ engine's own memory.report() over a grid of layouts (tp, pp, dp, stage, bf16, Mi
 the planned total within 10% of the measured peak of the processes for a few of them and for four
 mixture-of-experts layouts (ep 1, ep 2 all-to-all, ep 4 and ep 2 all-gather), and tools/plan_memory.py's output
 and layout search."""
+
 import importlib.util
 import sys
 from pathlib import Path
@@ -16,8 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # the worker by module name, so bench/ joins sys.path here, at collection, before any pool starts.
 sys.path.insert(0, str(ROOT / "bench"))
 from plan_memory_table import (  # noqa: E402
-    GRID, MOE_PEAK_GRID, MOE_PEAK_MODEL, compare, compare_peaks, dry_run_peaks, format_dry_peaks, format_peaks,
-    format_rows)
+    GRID,
+    MOE_PEAK_GRID,
+    MOE_PEAK_MODEL,
+    compare,
+    compare_peaks,
+    dry_run_peaks,
+    format_dry_peaks,
+    format_peaks,
+    format_rows,
+)
 
 
 def _tool():
@@ -27,8 +36,18 @@ def _tool():
     return module
 
 
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+]
 
 
 # 10 of the bench table's 16 layouts (setting up each costs seconds): every stage, fp32 and bf16, TP,
@@ -92,8 +111,18 @@ def test_plan_prints_every_category(capsys):
 
 def test_plan_prints_offloaded_bytes_apart_from_the_device(capsys, tmp_path):
     tool = _tool()
-    argv = SMALL + ["--world-size", "4", "--zero-stage", "3", "--zero-offload-param", "cpu",
-                    "--zero-offload-optimizer", "nvme", "--zero-nvme-path", str(tmp_path)]
+    argv = SMALL + [
+        "--world-size",
+        "4",
+        "--zero-stage",
+        "3",
+        "--zero-offload-param",
+        "cpu",
+        "--zero-offload-optimizer",
+        "nvme",
+        "--zero-nvme-path",
+        str(tmp_path),
+    ]
     assert tool.main(argv) == 0
     out = capsys.readouterr().out
     predicted = plan_bytes(tool.config_from_args(tool.parse(argv), 4), 4)
@@ -122,12 +151,15 @@ def test_fit_picks_the_first_candidate_that_fits(capsys):
     assert "no layout of 4 rank(s) fits" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--world-size", "0"], "--world-size must be >= 1"),
-    (["--fit-gib", "-1"], "--fit-gib must be > 0"),
-    (["--tensor-model-parallel-size", "3", "--world-size", "3"], ""),
-    (["--no-such-flag"], "unrecognized argument --no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--world-size", "0"], "--world-size must be >= 1"),
+        (["--fit-gib", "-1"], "--fit-gib must be > 0"),
+        (["--tensor-model-parallel-size", "3", "--world-size", "3"], ""),
+        (["--no-such-flag"], "unrecognized argument --no-such-flag"),
+    ],
+)
 def test_bad_input_is_one_line(capsys, argv, message):
     assert _tool().main(SMALL + argv) == 2
     err = capsys.readouterr().err
@@ -172,8 +204,8 @@ def test_activations_follow_head_width_and_recomputation():
     wide = cfg("--kv-channels", "32", "--group-query-attention", "--num-query-groups", "2")
     # h 64: q and projection input 4 x 32 = 128 wide, k and v 2 x 32 = 64 wide: 26 + 4 x 2 + 4 x 1
     assert layer_activation_units(wide.model) == 26 + 8 + 4
-    extra_weights = 64 * (128 + 64 + 64) + 128 * 64 - 4 * 64 * 64    # qkv + proj against the plain layer
-    extra_biases = (128 + 64 + 64) - 3 * 64                            # the qkv bias
+    extra_weights = 64 * (128 + 64 + 64) + 128 * 64 - 4 * 64 * 64  # qkv + proj against the plain layer
+    extra_biases = (128 + 64 + 64) - 3 * 64  # the qkv bias
     assert rank_layout(wide, 1).parameters - rank_layout(plain, 1).parameters == 4 * (extra_weights + extra_biases)
 
     def acts(model, layers=4, chunks=(4,)):
@@ -187,19 +219,22 @@ def test_activations_follow_head_width_and_recomputation():
     full_layer = 34 * 32 * 2 * 64 * 4 / 2
     kept = 32 * 2 * 64 * 4
     assert acts(plain.model) == 4 * full_layer + logits
-    assert acts(cfg("--recompute-activations").model) == 4 * full_layer + logits     # SDPA keeps no scores
+    assert acts(cfg("--recompute-activations").model) == 4 * full_layer + logits  # SDPA keeps no scores
     uniform = cfg("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2")
     assert acts(uniform.model) == 2 * kept + 2 * full_layer + logits
     block = cfg("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")
     assert acts(block.model, chunks=(2, 2)) == 2 * kept + 2 * full_layer + full_layer + logits
 
 
-@pytest.mark.parametrize("sizes, max_staged, overlap", [
-    ([5, 5, 5, 5], 12, True),        # two in flight, the third waits the oldest
-    ([5, 5, 5], 8, True),            # two would pass max_staged: one in flight
-    ([7, 3, 7, 3, 7], 10, True),     # a stage's full bucket and its remainder
-    ([5, 5, 5], 12, False),          # without overlap_comm every push is waited
-])
+@pytest.mark.parametrize(
+    "sizes, max_staged, overlap",
+    [
+        ([5, 5, 5, 5], 12, True),  # two in flight, the third waits the oldest
+        ([5, 5, 5], 8, True),  # two would pass max_staged: one in flight
+        ([7, 3, 7, 3, 7], 10, True),  # a stage's full bucket and its remainder
+        ([5, 5, 5], 12, False),  # without overlap_comm every push is waited
+    ],
+)
 def test_stage2_staging_replays_the_reduction_queue(sizes, max_staged, overlap):
     """The planner's stage-2 term keeps the reductions zero/storage.py's ReductionQueue keeps: the
     same staging buffers held when each new one is issued."""
@@ -207,10 +242,10 @@ def test_stage2_staging_replays_the_reduction_queue(sizes, max_staged, overlap):
     from megazero.config.staging_memory import queue_held
     from megazero.core import comm
     from megazero.zero.storage import ReductionQueue
+
     queue, stagings, real = ReductionQueue(max_staged, overlap), [], []
     for size in sizes:
-        real.append(sorted(next(i for i, s in enumerate(stagings) if s is staging)
-                           for _, staging in queue._items))
+        real.append(sorted(next(i for i, s in enumerate(stagings) if s is staging) for _, staging in queue._items))
         stagings.append(torch.zeros(size))
         queue.push(comm.Handle(), stagings[-1])
     assert queue_held(sizes, max_staged, overlap) == real
@@ -224,8 +259,17 @@ def test_zero_bubble_schedules_plan_their_lists_peak():
     from megazero.config.train_flags import config_from_args, parse_args
 
     def activations(schedule, global_batch, *more):
-        flags = SMALL + ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", schedule,
-                         "--global-batch-size", str(global_batch), *more]
+        flags = SMALL + [
+            "--num-layers",
+            "8",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--pipeline-schedule",
+            schedule,
+            "--global-batch-size",
+            str(global_batch),
+            *more,
+        ]
         return plan_bytes(config_from_args(parse_args(flags), world_size=4), 4)["activations"]
 
     assert activations("zb-h1", 8) > activations("1f1b", 8)

@@ -2,6 +2,7 @@
 device (groups of one included) with a one-line message naming op, group and both devices; tensors
 the layer creates itself live on the group's device; ProcessGroups hands its device to every group.
 The `meta` device stands in for "a device other than the CPU", so all of this runs on a CPU build."""
+
 import dataclasses
 
 import pytest
@@ -29,10 +30,10 @@ def _group(size: int, device: str) -> Group:
 
 
 def _tensors(op: str, n: int, device: str, wrong: str | None = None, wrong_device: str = "") -> dict:
-    sizes = {"input": 4 * n if op == "reduce_scatter" else 4,
-             "output": 4 * n if op == "all_gather" else 4}
-    return {name: torch.zeros(sizes.get(name, 4), device=wrong_device if name == wrong else device)
-            for name in OPS[op][0]}
+    sizes = {"input": 4 * n if op == "reduce_scatter" else 4, "output": 4 * n if op == "all_gather" else 4}
+    return {
+        name: torch.zeros(sizes.get(name, 4), device=wrong_device if name == wrong else device) for name in OPS[op][0]
+    }
 
 
 @pytest.mark.parametrize("size", [1, 2])
@@ -71,19 +72,32 @@ def test_object_max_creates_its_scalar_on_the_group_device(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(comm.dist, "all_reduce", fake_all_reduce)
-    with pytest.raises(Stop):      # a CPU scalar would have failed the device check instead
+    with pytest.raises(Stop):  # a CPU scalar would have failed the device check instead
         comm.all_reduce_object_max(1.0, _group(2, "meta"))
     assert seen == [torch.device("meta")]
 
 
 def test_process_groups_give_their_device_to_every_group():
     def devices(groups):
-        return {f.name: getattr(groups, f.name).device for f in dataclasses.fields(groups)
-                if isinstance(getattr(groups, f.name), Group)}
+        return {
+            f.name: getattr(groups, f.name).device
+            for f in dataclasses.fields(groups)
+            if isinstance(getattr(groups, f.name), Group)
+        }
 
     cpu, meta = devices(ProcessGroups.single()), devices(ProcessGroups.single(device="meta"))
-    assert {"mics_shard_gather", "shard_node_local", "shard_cross_node", "hpz", "cp", "ep", "edp",
-            "edp_gather", "expert_shard", "expert_replica"} <= set(cpu) and len(cpu) == 17
+    assert {
+        "mics_shard_gather",
+        "shard_node_local",
+        "shard_cross_node",
+        "hpz",
+        "cp",
+        "ep",
+        "edp",
+        "edp_gather",
+        "expert_shard",
+        "expert_replica",
+    } <= set(cpu) and len(cpu) == 17
     assert set(cpu.values()) == {torch.device("cpu")}
     assert set(meta.values()) == {torch.device("meta")}
 

@@ -1,4 +1,5 @@
 """The declared seams (megazero.core.kernels) and the rule that replaced run-time patches."""
+
 import ast
 from pathlib import Path
 
@@ -13,7 +14,7 @@ LIBRARY = ("megazero", "models", "parallel", "tools")
 
 
 def test_swapped_puts_a_replacement_in_force_and_restores_it_after_an_error():
-    k = kernels.Kernel("test kernel", lambda x: x + 1)       # not declared: no global name taken
+    k = kernels.Kernel("test kernel", lambda x: x + 1)  # not declared: no global name taken
     with pytest.raises(RuntimeError):
         with kernels.swapped((k, lambda real: lambda x: real(x) * 10)):
             assert k(1) == 20
@@ -29,8 +30,14 @@ def test_swapped_puts_a_replacement_in_force_and_restores_it_after_an_error():
 
 def test_the_seams_the_dry_run_and_the_sanitizer_use_are_declared_once_by_name():
     declared = kernels.declared()
-    for seam in (adam.route, adam.adam_update, comm.all_gather_single, comm.reduce_scatter_single,
-                 kernels.resize_storage, model_builder.initial_value):
+    for seam in (
+        adam.route,
+        adam.adam_update,
+        comm.all_gather_single,
+        comm.reduce_scatter_single,
+        kernels.resize_storage,
+        model_builder.initial_value,
+    ):
         assert declared[seam.name] is seam
     with pytest.raises(ValueError, match="declared twice"):
         kernels.declare("adam route", lambda device: "cpu")
@@ -46,7 +53,9 @@ def _patches(path: Path) -> list[str]:
             names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
             if any(n and (n == "mock" or n.startswith("unittest.mock") or n == "unittest.mock") for n in names):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports unittest.mock")
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
         for target in targets:
             base = target
             while isinstance(base, ast.Attribute):

@@ -1,5 +1,6 @@
 """The configuration record (megazero.core.records.Record): `replace` is the one way a record is
 copied, and it checks what it copies."""
+
 import ast
 from pathlib import Path
 
@@ -13,13 +14,13 @@ LIBRARY = ("megazero", "models", "parallel", "tools")
 
 
 def test_replace_checks_the_changes_and_keeps_which_fields_were_given():
-    given = ZeroConfig.model_validate({"stage": 2})         # as read from a DeepSpeed file
+    given = ZeroConfig.model_validate({"stage": 2})  # as read from a DeepSpeed file
     copy = given.replace(overlap_comm=True)
     assert copy.stage == 2 and copy.overlap_comm is True and given.overlap_comm is None
     # the flag merges ask which keys the file set: the file's and the changed ones, as model_copy's
     assert copy.model_fields_set == {"stage", "overlap_comm"}
     with pytest.raises(pydantic.ValidationError, match="stage"):
-        given.replace(stage=7)                             # model_copy(update=...) would keep it
+        given.replace(stage=7)  # model_copy(update=...) would keep it
     with pytest.raises(pydantic.ValidationError, match="no_such_field"):
         given.replace(no_such_field=1)
 

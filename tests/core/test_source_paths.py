@@ -6,6 +6,7 @@ and every call site a report shows goes through it: the comm log's (core/comm.py
 
 Planted: the four sites' earlier rule (the path after the last "/megazero/", "/parallel/", "/models/"
 or "/tests/" in it) fails every site test below, in a checkout named megazero."""
+
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,11 @@ def test_the_root_is_this_checkout():
     whole): a clone needs its own `pip install -e .`, as .ci/run does."""
     assert source_paths.ROOT == HERE.parents[2], (
         f"megazero is imported from {source_paths.ROOT}, the tests run from {HERE.parents[2]}: install "
-        f"this checkout (pip install -e .)")
+        f"this checkout (pip install -e .)"
+    )
     assert source_paths.shown(str(HERE)) == "tests/core/test_source_paths.py"
     assert source_paths.shown(comm.__file__) == "megazero/core/comm.py"
-    assert source_paths.shown(torch.__file__) == torch.__file__       # another project's file: whole
+    assert source_paths.shown(torch.__file__) == torch.__file__  # another project's file: whole
     assert source_paths.shown("<string>") == "<string>"
 
 
@@ -72,10 +74,15 @@ def test_the_stream_sanitizers_site_is_named_from_the_root(clone):
 
 
 def test_the_dry_runs_site_is_named_from_the_root(clone):
-    frames = [(clone / "tests" / "dry_run" / "test_x.py", 12), (clone / "megazero" / "training" / "loop.py", 40),
-              (clone / "megazero" / "core" / "comm.py", 300), (clone / "megazero" / "dry_run" / "job.py", 7),
-              (Path(torch.__file__), 9)]
-    detail = "Traceback (most recent call last):\n" + "".join(f'  File "{path}", line {line}, in f\n'
-                                                               for path, line in frames)
+    frames = [
+        (clone / "tests" / "dry_run" / "test_x.py", 12),
+        (clone / "megazero" / "training" / "loop.py", 40),
+        (clone / "megazero" / "core" / "comm.py", 300),
+        (clone / "megazero" / "dry_run" / "job.py", 7),
+        (Path(torch.__file__), 9),
+    ]
+    detail = "Traceback (most recent call last):\n" + "".join(
+        f'  File "{path}", line {line}, in f\n' for path, line in frames
+    )
     # the last frame of the repository's, the comm wrapper and the simulator (dry_run/) skipped
     assert cross_rank_checks._site_of(detail) == "megazero/training/loop.py:40"

@@ -29,6 +29,7 @@ the layout grid running clean under it.
   bucket by bucket (overlap_comm false): every layout trains two steps under the checker with no
   violation.
 """
+
 import contextlib
 import os
 import re
@@ -58,17 +59,22 @@ def test_each_race_names_the_tensor_both_streams_and_both_sites():
         s = Streams("cpu")
         with s.prefetch:
             x = label(torch.ones(4), "demo buffer")
-        with pytest.raises(StreamOrderError, match=(
+        with pytest.raises(
+            StreamOrderError,
+            match=(
                 rf"read-after-write race on a float32 tensor of shape \(4,\) \(demo buffer\): written on "
-                rf"stream 'prefetch' at {HERE}:\d+ \(test_each.*\), then read on stream 'main' at {HERE}")):
+                rf"stream 'prefetch' at {HERE}:\d+ \(test_each.*\), then read on stream 'main' at {HERE}"
+            ),
+        ):
             x.sum()
         y = torch.ones(4)
         with s.reduce:
             s.reduce.wait_current()
-            y.sum()                                      # read on reduce ...
-        with pytest.raises(StreamOrderError, match="write-after-read race .* read on stream 'reduce'.* "
-                                                   "written on stream 'main'"):
-            y.fill_(2.0)                                 # ... overwritten on main before it waited
+            y.sum()  # read on reduce ...
+        with pytest.raises(
+            StreamOrderError, match="write-after-read race .* read on stream 'reduce'.* written on stream 'main'"
+        ):
+            y.fill_(2.0)  # ... overwritten on main before it waited
         z = torch.ones(4)
         with s.copy:
             s.copy.wait_current()
@@ -82,27 +88,29 @@ def test_events_host_syncs_and_disjoint_bytes_order_nothing_wrongly():
         s = Streams("cpu")
         with s.prefetch:
             x = torch.ones(8)
-        s.prefetch.current_waits()                       # main waits for prefetch: ordered
+        s.prefetch.current_waits()  # main waits for prefetch: ordered
         x.add_(1)
         with s.reduce:
             s.reduce.wait_current()
-            x[:4].mul_(2)                                # reduce writes one half ...
-        x[4:].mul_(3)                                    # ... main the other: no overlap
+            x[:4].mul_(2)  # reduce writes one half ...
+        x[4:].mul_(3)  # ... main the other: no overlap
         done = Event("cpu").record(s.reduce)
-        done.synchronize()                               # the host waited: everything after is ordered
+        done.synchronize()  # the host waited: everything after is ordered
         x[:4].sum()
         with s.copy:
             s.copy.wait_current()
             y = torch.zeros(2).add_(1)
         with pytest.raises(StreamOrderError, match="read-after-write"):
-            y.sum()                                      # main never waited for copy's write
+            y.sum()  # main never waited for copy's write
         v = torch.zeros(2).add_(1)
-        float(v.sum())                                   # .item(): the host waited for main's work
+        float(v.sum())  # .item(): the host waited for main's work
         with s.copy:
-            v.mul_(2)                                    # so copy may overwrite what main wrote
+            v.mul_(2)  # so copy may overwrite what main wrote
     assert checker.side_ops >= 5 and checker.violations == 1
-    assert checker.summary() == (f"stream check (NCCL as torch >= 2.8: async ops' tensors stashed until "
-                                 f"wait): {checker.side_ops} side-stream ops checked, 1 violations")
+    assert checker.summary() == (
+        f"stream check (NCCL as torch >= 2.8: async ops' tensors stashed until "
+        f"wait): {checker.side_ops} side-stream ops checked, 1 violations"
+    )
 
 
 def test_a_buffer_freed_under_another_stream_needs_keep_alive():
@@ -111,25 +119,28 @@ def test_a_buffer_freed_under_another_stream_needs_keep_alive():
         with s.prefetch:
             kept = label(torch.ones(4), "kept")
         s.prefetch.current_waits()
-        kept.sum()                                       # read on main, allocated on prefetch
+        kept.sum()  # read on main, allocated on prefetch
         s.prefetch.keep_alive(kept)
-        del kept                                         # recorded on main: fine
+        del kept  # recorded on main: fine
         torch.ones(1)
         with s.prefetch:
             lost = label(torch.ones(4), "lost")
         s.prefetch.current_waits()
         lost.sum()
-        del lost                                         # prefetch would reuse it under main's read
-        with pytest.raises(StreamOrderError, match=rf"use-after-free of a float32 tensor of shape \(4,\) "
-                                                   rf"\(lost\): freed at {HERE}:\d+ .* back with stream "
-                                                   rf"'prefetch' .* the read on stream 'main'"):
-            torch.ones(1)                                # raised at the next op after the free
+        del lost  # prefetch would reuse it under main's read
+        with pytest.raises(
+            StreamOrderError,
+            match=rf"use-after-free of a float32 tensor of shape \(4,\) "
+            rf"\(lost\): freed at {HERE}:\d+ .* back with stream "
+            rf"'prefetch' .* the read on stream 'main'",
+        ):
+            torch.ones(1)  # raised at the next op after the free
         with s.prefetch:
             resized = torch.ones(4)
         s.prefetch.current_waits()
         resized.sum()
         with pytest.raises(StreamOrderError, match="use-after-free"):
-            kernels.resize_storage(resized.untyped_storage(), 0)   # a release (the library's seam) frees at once
+            kernels.resize_storage(resized.untyped_storage(), 0)  # a release (the library's seam) frees at once
 
 
 def test_a_recorded_stream_holds_the_block_for_what_it_is_ordered_after():
@@ -143,25 +154,29 @@ def test_a_recorded_stream_holds_the_block_for_what_it_is_ordered_after():
         with s.prefetch:
             s.prefetch.wait_current()
             Event("cpu").record(s.copy).wait(s.prefetch)
-            held.sum(), lost.sum()                          # read on prefetch
-        s.prefetch.current_waits()                          # main is ordered after those reads
-        streams.record_on_current_stream(held)              # ... and recorded: covers prefetch's read
+            held.sum(), lost.sum()  # read on prefetch
+        s.prefetch.current_waits()  # main is ordered after those reads
+        streams.record_on_current_stream(held)  # ... and recorded: covers prefetch's read
         del held
         torch.ones(1)
-        s.copy.keep_alive(lost)                             # copy and main recorded, but before main waited
+        s.copy.keep_alive(lost)  # copy and main recorded, but before main waited
         with s.prefetch:
-            lost.sum()                                      # a second read, that main never waits for
+            lost.sum()  # a second read, that main never waits for
         del lost
-        with pytest.raises(StreamOrderError, match=r"use-after-free .* \(lost\): .* back with stream 'copy'.* "
-                                                   r"read on stream 'prefetch'"):
+        with pytest.raises(
+            StreamOrderError,
+            match=r"use-after-free .* \(lost\): .* back with stream 'copy'.* "
+            r"read on stream 'prefetch'",
+        ):
             torch.ones(1)
 
 
 def test_nccl_semantics_follow_the_torch_version():
     assert nccl_semantics("2.7.1+cu126") == RECORD_STREAM
     assert nccl_semantics("2.8.0") == STASH and nccl_semantics("2.11.0+cu130") == STASH
-    assert nccl_semantics() == (STASH if torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
-                                else RECORD_STREAM)
+    assert nccl_semantics() == (
+        STASH if torch.torch_version.TorchVersion(torch.__version__) >= (2, 8) else RECORD_STREAM
+    )
     with pytest.raises(ValueError, match="semantics must be"):
         with checking("record_streams"):
             pass
@@ -172,15 +187,15 @@ def test_a_handle_orders_its_waiter_after_the_op_groups_of_one_included():
         s = Streams("cpu")
         out, src = torch.zeros(4), torch.ones(4)
         with s.prefetch:
-            s.prefetch.wait_current()                    # out and src were written on main
+            s.prefetch.wait_current()  # out and src were written on main
             handle = comm.all_gather(out, src, _one(), async_op=True)
-        handle.wait()                                    # the waiting stream (main) waits for it
+        handle.wait()  # the waiting stream (main) waits for it
         out.sum()
         with s.prefetch:
             s.prefetch.wait_current()
             comm.all_gather(out, src, _one(), async_op=True)
         with pytest.raises(StreamOrderError, match="read-after-write .* stream 'prefetch'"):
-            out.sum()                                    # its handle was never waited
+            out.sum()  # its handle was never waited
 
 
 def collective_rules_worker(ctx):
@@ -248,21 +263,21 @@ def three_streams_worker(ctx, semantics: str, fixed: bool):
             out = torch.empty(8)
             handle = comm.all_gather(out, chunk, group, async_op=True)
         chunk_alive = weakref.ref(chunk.untyped_storage())
-        del chunk                                       # held by the handle until its wait
-        handle.wait()                                   # on main
+        del chunk  # held by the handle until its wait
+        handle.wait()  # on main
         s.prefetch.keep_alive(out)
         assert out.tolist() == [0.0] * 4 + [1.0] * 4
         caught = None
         try:
-            del handle                                  # our last reference to the chunk
-            _until_freed(chunk_alive)                   # gloo's thread may still hold one a moment
+            del handle  # our last reference to the chunk
+            _until_freed(chunk_alive)  # gloo's thread may still hold one a moment
             with s.copy:
-                torch.empty(4).fill_(7.0)               # A's next allocation, written
+                torch.empty(4).fill_(7.0)  # A's next allocation, written
         except StreamOrderError as err:
             caught = str(err)
         before = checker.side_ops
         x = torch.ones(2)
-        comm.all_reduce(x, group)                       # sync: on main itself, nothing to wait for
+        comm.all_reduce(x, group)  # sync: on main itself, nothing to wait for
         x.sum()
         return caught, checker.side_ops - before
 
@@ -276,7 +291,9 @@ def test_three_streams_freed_after_a_wait_elsewhere(dist_pool):
                 assert caught is not None and re.search(
                     r"use-after-free of a float32 tensor of shape \(4,\) \(three-stream chunk\): freed at "
                     rf"({HERE}:\d+ \(three_streams_worker\)|\(thread [^)]*\)), its memory back with stream 'copy' .* read on stream "
-                    rf"'.* communicator' at {HERE}:\d+ \(three_streams_worker\)", caught), caught
+                    rf"'.* communicator' at {HERE}:\d+ \(three_streams_worker\)",
+                    caught,
+                ), caught
             else:
                 assert caught is None, (semantics, fixed, caught)
             # Sync ops: on main under torch >= 2.8; on the communicator's stream before.
@@ -297,17 +314,23 @@ def _without_local_events(monkeypatch):
 
 def test_stage3_gather_on_a_group_of_one_needs_its_event(monkeypatch):
     _without_local_events(monkeypatch)
-    with pytest.raises(StreamOrderError, match=r"read-after-write race on a float32 tensor of shape \(\d+, "
-                                               r"\d+\) \(stage-3 unit '.*', gathered parameters\): written on "
-                                               r"stream 'prefetch' .* read on stream 'main'"):
+    with pytest.raises(
+        StreamOrderError,
+        match=r"read-after-write race on a float32 tensor of shape \(\d+, "
+        r"\d+\) \(stage-3 unit '.*', gathered parameters\): written on "
+        r"stream 'prefetch' .* read on stream 'main'",
+    ):
         _checked_steps(small_config(stage=3, layers=2, global_batch=2))
 
 
 def test_bf16_reduce_scatter_on_a_group_of_one_needs_its_event(monkeypatch):
     _without_local_events(monkeypatch)
-    with pytest.raises(StreamOrderError, match=r"read-after-write race on a bfloat16 tensor .* \(bucket \d+: "
-                                               r"reduce-scatter output\): written on stream 'reduce' .* read "
-                                               r"on stream 'main' at megazero/zero/flat_group.py"):
+    with pytest.raises(
+        StreamOrderError,
+        match=r"read-after-write race on a bfloat16 tensor .* \(bucket \d+: "
+        r"reduce-scatter output\): written on stream 'reduce' .* read "
+        r"on stream 'main' at megazero/zero/flat_group.py",
+    ):
         _checked_steps(_bf16(small_config(stage=1, layers=2, global_batch=2)))
 
 
@@ -317,10 +340,14 @@ def test_a_gathered_unit_freed_without_keep_alive_is_caught(monkeypatch):
     def keep_all_but_units(side, tensor):
         what = streams.checker_for("cpu").label_of(tensor) or ""
         return tensor if what.startswith("stage-3 unit") else keep_alive(side, tensor)
+
     monkeypatch.setattr(streams.SideStream, "keep_alive", keep_all_but_units)
-    with pytest.raises(StreamOrderError, match=r"use-after-free of a float32 tensor .* \(stage-3 unit .*\): "
-                                               r"freed at megazero/zero/stage3/units.py:\d+ \(release\).* back "
-                                               r"with stream 'prefetch'"):
+    with pytest.raises(
+        StreamOrderError,
+        match=r"use-after-free of a float32 tensor .* \(stage-3 unit .*\): "
+        r"freed at megazero/zero/stage3/units.py:\d+ \(release\).* back "
+        r"with stream 'prefetch'",
+    ):
         _checked_steps(small_config(stage=3, layers=2, global_batch=2))
 
 
@@ -331,12 +358,16 @@ def test_a_reduction_that_does_not_wait_for_the_backward_is_caught(monkeypatch):
     def reduce_stream_without_wait(storage):
         with storage.streams.reduce as side:
             yield side
+
     monkeypatch.setattr(PartitionedStorage, "reduce_stream", reduce_stream_without_wait)
     # The first casualty: the reduction's output, allocated on main (its memory may be a block main's
     # queued work still uses) and written on reduce.
-    with pytest.raises(StreamOrderError, match=r"write-after-write race .* \(bucket \d+: reduce-scatter "
-                                               r"output\): written on stream 'main' .* written on stream "
-                                               r"'reduce'"):
+    with pytest.raises(
+        StreamOrderError,
+        match=r"write-after-write race .* \(bucket \d+: reduce-scatter "
+        r"output\): written on stream 'main' .* written on stream "
+        r"'reduce'",
+    ):
         _checked_steps(_bf16(small_config(stage=1, layers=2, global_batch=2)))
 
 
@@ -370,16 +401,25 @@ def test_races_torch_2_8_nccl_leaves_are_fixed_by_the_handle(dist_pool):
     found = {name: "\n".join(m for rank in per_rank for m in rank[name]) or None for name in per_rank[0]}
     # Freed where the handle lets its tensors go, or where gloo's own thread drops its last reference.
     free_site = r"freed at (megazero/zero/stage3/units.py:\d+ \(wait_gather\)|\(thread [^)]*\))"
-    assert re.search(r"use-after-free of a float32 tensor of shape \(\d+,\) \(stage-3 unit '.*': this rank's "
-                     rf"chunk, copied from its offload home\): {free_site}, its memory back with stream 'copy' "
-                     r".* read on stream '.*shard_gather communicator' at megazero/zero/stage3/param_gather.py:"
-                     r"\d+ \(_all_gather\)", found["offload_param"] or ""), found["offload_param"]
-    assert re.search(r"use-after-free of a uint8 tensor of shape \(1, \d+\) \(qwZ send buffer \(int8 codes and "
-                     rf"scales\)\): {free_site}, its memory back with stream 'prefetch' .* read on stream "
-                     r"'.*shard_gather communicator' at megazero/zero/quantized_comm.py:\d+ "
-                     r"\(quantized_all_gather\)", found["qwZ"] or ""), found["qwZ"]
-    assert re.search(r"use-after-free of a float32 tensor .* freed at megazero/zero/storage.py:\d+ .* back with "
-                     r"stream 'reduce'", found["in-place reduce-scatter on gloo"] or ""), found
+    assert re.search(
+        r"use-after-free of a float32 tensor of shape \(\d+,\) \(stage-3 unit '.*': this rank's "
+        rf"chunk, copied from its offload home\): {free_site}, its memory back with stream 'copy' "
+        r".* read on stream '.*shard_gather communicator' at megazero/zero/stage3/param_gather.py:"
+        r"\d+ \(_all_gather\)",
+        found["offload_param"] or "",
+    ), found["offload_param"]
+    assert re.search(
+        r"use-after-free of a uint8 tensor of shape \(1, \d+\) \(qwZ send buffer \(int8 codes and "
+        rf"scales\)\): {free_site}, its memory back with stream 'prefetch' .* read on stream "
+        r"'.*shard_gather communicator' at megazero/zero/quantized_comm.py:\d+ "
+        r"\(quantized_all_gather\)",
+        found["qwZ"] or "",
+    ), found["qwZ"]
+    assert re.search(
+        r"use-after-free of a float32 tensor .* freed at megazero/zero/storage.py:\d+ .* back with "
+        r"stream 'reduce'",
+        found["in-place reduce-scatter on gloo"] or "",
+    ), found
 
 
 def test_a_prefetch_that_does_not_wait_for_the_optimizer_step_is_caught(monkeypatch):
@@ -388,11 +428,14 @@ def test_a_prefetch_that_does_not_wait_for_the_optimizer_step_is_caught(monkeypa
     def no_waits_on_prefetch(event, stream=None):
         if stream is not None or streams.checker_for("cpu").current.name != "prefetch":
             wait(event, stream)
-    monkeypatch.setattr(Event, "wait", no_waits_on_prefetch)
-    with pytest.raises(StreamOrderError, match=r"read-after-write race .* \(stage-3 parameter partition\): "
-                                               r"written on stream 'main' .* read on stream 'prefetch'"):
-        _checked_steps(small_config(stage=3, layers=2, global_batch=2), steps=2)
 
+    monkeypatch.setattr(Event, "wait", no_waits_on_prefetch)
+    with pytest.raises(
+        StreamOrderError,
+        match=r"read-after-write race .* \(stage-3 parameter partition\): "
+        r"written on stream 'main' .* read on stream 'prefetch'",
+    ):
+        _checked_steps(small_config(stage=3, layers=2, global_batch=2), steps=2)
 
 
 # --- the grid ----------------------------------------------------------------------------------------
@@ -420,47 +463,137 @@ def grid(tmp: str) -> list:
         ("stage 1 bf16 reduce in bf16 one rank", 1, {}, _bf16(_grid_config(1)), None),
         ("stage 2 bf16 reduce in bf16 one rank", 1, {}, _bf16(_grid_config(2)), None),
         ("stage 3 one rank", 1, {}, _grid_config(3), None),
-        ("stage 3 qwZ one rank, params and optimizer on cpu", 1, {}, _grid_config(3, zero_extra={
-            "zero_quantized_weights": True, "offload_param": {"device": "cpu"},
-            "offload_optimizer": {"device": "cpu"}}), None),
+        (
+            "stage 3 qwZ one rank, params and optimizer on cpu",
+            1,
+            {},
+            _grid_config(
+                3,
+                zero_extra={
+                    "zero_quantized_weights": True,
+                    "offload_param": {"device": "cpu"},
+                    "offload_optimizer": {"device": "cpu"},
+                },
+            ),
+            None,
+        ),
         ("stage 0 dp 4", 4, {}, _grid_config(0, dp=4), None),
         ("stage 1 dp 4 bf16 reduce in bf16", 4, {}, _bf16(_grid_config(1, dp=4)), None),
-        ("stage 2 dp 4, optimizer on nvme", 4, {}, _grid_config(2, dp=4, zero_extra={
-            "offload_optimizer": nvme}), None),
+        ("stage 2 dp 4, optimizer on nvme", 4, {}, _grid_config(2, dp=4, zero_extra={"offload_optimizer": nvme}), None),
         ("stage 1 dp 4 fp32, reductions overlapped in place", 4, {}, _grid_config(1, dp=4), None),
         ("stage 2 dp 4 bf16, reductions overlapped", 4, {}, _grid_config(2, dp=4, bf16=True), None),
-        ("stage 2 dp 2 MiCS 1 bf16 reduce in bf16, overlapped", 2, {}, _bf16(_grid_config(2, dp=2, mics=1)),
-         None),
-        ("stage 1 dp 4, reductions waited (overlap_comm false)", 4, {}, _grid_config(1, dp=4, zero_extra={
-            "overlap_comm": False}), None),
-        ("stage 3 dp 4 MiCS 2 bf16, async checkpoint save", 4, {}, _bf16(_grid_config(3, dp=4, mics=2)),
-         os.path.join(tmp, "ckpt")),
-        ("stage 3 dp 4 nodes of 2: two hops, hpZ 2, qwZ, qgZ", 4, dict(nodes, hpz_partition_size=2),
-         _grid_config(3, dp=4, zero_extra={"mics_hierarchical_params_gather": True, "zero_hpz_partition_size": 2,
-                                           "zero_quantized_weights": True, "zero_quantized_gradients": True}),
-         None),
-        ("stage 3 dp 4 MiCS shards of 1, layer units", 4, {}, _grid_config(3, dp=4, mics=1, zero_extra={
-            "stage3_granularity": "layer"}), None),
-        ("stage 3 tp 2 dp 2, params on nvme", 4, {}, _grid_config(3, tp=2, dp=2, zero_extra={
-            "offload_param": nvme}), None),
+        ("stage 2 dp 2 MiCS 1 bf16 reduce in bf16, overlapped", 2, {}, _bf16(_grid_config(2, dp=2, mics=1)), None),
+        (
+            "stage 1 dp 4, reductions waited (overlap_comm false)",
+            4,
+            {},
+            _grid_config(1, dp=4, zero_extra={"overlap_comm": False}),
+            None,
+        ),
+        (
+            "stage 3 dp 4 MiCS 2 bf16, async checkpoint save",
+            4,
+            {},
+            _bf16(_grid_config(3, dp=4, mics=2)),
+            os.path.join(tmp, "ckpt"),
+        ),
+        (
+            "stage 3 dp 4 nodes of 2: two hops, hpZ 2, qwZ, qgZ",
+            4,
+            dict(nodes, hpz_partition_size=2),
+            _grid_config(
+                3,
+                dp=4,
+                zero_extra={
+                    "mics_hierarchical_params_gather": True,
+                    "zero_hpz_partition_size": 2,
+                    "zero_quantized_weights": True,
+                    "zero_quantized_gradients": True,
+                },
+            ),
+            None,
+        ),
+        (
+            "stage 3 dp 4 MiCS shards of 1, layer units",
+            4,
+            {},
+            _grid_config(3, dp=4, mics=1, zero_extra={"stage3_granularity": "layer"}),
+            None,
+        ),
+        (
+            "stage 3 tp 2 dp 2, params on nvme",
+            4,
+            {},
+            _grid_config(3, tp=2, dp=2, zero_extra={"offload_param": nvme}),
+            None,
+        ),
         # update_interval "auto" with auto_ratio 0 ends every window (the CPU Adam thread runs each step)
         # through the window decision's reductions.
-        ("stage 3 dp 2 bf16 ZenFlow auto, CPU Adam thread overlapped", 2, {}, _bf16(_grid_config(3, dp=2, zero_extra={
-            "offload_optimizer": {"device": "cpu"},
-            "zenflow": {"topk_ratio": 0.5, "update_interval": "auto", "auto_ratio": 0.0, "overlap_step": True}})),
-         None),
-        ("stage 3 pp 2 dp 2 1f1b, overlapped p2p", 4, {}, _overlapped(_grid_config(3, pp=2, dp=2,
-                                                                                   schedule="1f1b")), None),
-        ("stage 1 pp 2 tp 2 interleaved, overlapped p2p", 4, {}, _overlapped(_grid_config(
-            1, pp=2, tp=2, layers=4, virtual=2, schedule="interleaved")), None),
-        ("stage 3 dp 2, params and optimizer on cpu", 2, {}, _grid_config(3, dp=2, zero_extra={
-            "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}), None),
-        ("stage 3 dp 2 bf16 qwZ", 2, {}, _bf16(_grid_config(3, dp=2, zero_extra={"zero_quantized_weights": True})),
-         None),
-        ("stage 3 dp 2 params on nvme, qwZ", 2, {}, _grid_config(3, dp=2, zero_extra={
-            "offload_param": nvme, "zero_quantized_weights": True}), None),
-        ("stage 3 cp 2 dp 2 ring attention, params on cpu", 4, {}, _grid_config(3, dp=2, cp=2, zero_extra={
-            "offload_param": {"device": "cpu"}}), None),
+        (
+            "stage 3 dp 2 bf16 ZenFlow auto, CPU Adam thread overlapped",
+            2,
+            {},
+            _bf16(
+                _grid_config(
+                    3,
+                    dp=2,
+                    zero_extra={
+                        "offload_optimizer": {"device": "cpu"},
+                        "zenflow": {
+                            "topk_ratio": 0.5,
+                            "update_interval": "auto",
+                            "auto_ratio": 0.0,
+                            "overlap_step": True,
+                        },
+                    },
+                )
+            ),
+            None,
+        ),
+        (
+            "stage 3 pp 2 dp 2 1f1b, overlapped p2p",
+            4,
+            {},
+            _overlapped(_grid_config(3, pp=2, dp=2, schedule="1f1b")),
+            None,
+        ),
+        (
+            "stage 1 pp 2 tp 2 interleaved, overlapped p2p",
+            4,
+            {},
+            _overlapped(_grid_config(1, pp=2, tp=2, layers=4, virtual=2, schedule="interleaved")),
+            None,
+        ),
+        (
+            "stage 3 dp 2, params and optimizer on cpu",
+            2,
+            {},
+            _grid_config(
+                3, dp=2, zero_extra={"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+            ),
+            None,
+        ),
+        (
+            "stage 3 dp 2 bf16 qwZ",
+            2,
+            {},
+            _bf16(_grid_config(3, dp=2, zero_extra={"zero_quantized_weights": True})),
+            None,
+        ),
+        (
+            "stage 3 dp 2 params on nvme, qwZ",
+            2,
+            {},
+            _grid_config(3, dp=2, zero_extra={"offload_param": nvme, "zero_quantized_weights": True}),
+            None,
+        ),
+        (
+            "stage 3 cp 2 dp 2 ring attention, params on cpu",
+            4,
+            {},
+            _grid_config(3, dp=2, cp=2, zero_extra={"offload_param": {"device": "cpu"}}),
+            None,
+        ),
         ("stage 2 cp 2 dp 2 all-to-all", 4, {}, _grid_config(2, dp=2, cp=2, cp_comm_type="a2a"), None),
     ]
 
@@ -472,13 +605,21 @@ def checked_layout(ctx, name, world, topology, cfg, save_dir, found: list | None
     rank ends the layout at the same collective), else the first one raises."""
     from megazero.checkpoint import CheckpointSaver
     from megazero.training import train_step
+
     par = cfg.parallel
     if ctx is None:
         groups = ProcessGroups.single()
     else:
-        groups = ctx.groups(Topology(world_size=world, tp=par.tensor_parallel, pp=par.pipeline_parallel,
-                                     cp=par.context_parallel, mics_shard_size=cfg.zero.mics_shard_size,
-                                     **topology))
+        groups = ctx.groups(
+            Topology(
+                world_size=world,
+                tp=par.tensor_parallel,
+                pp=par.pipeline_parallel,
+                cp=par.context_parallel,
+                mics_shard_size=cfg.zero.mics_shard_size,
+                **topology,
+            )
+        )
         if groups is None:
             return None
     cfg = with_padded_vocab(cfg)
@@ -515,15 +656,20 @@ def test_the_layout_grid_runs_clean_under_the_checker(dist_pool, tmp_path):
 
 def test_pretrain_gpt_under_megazero_stream_check_says_one_line(tmp_path, monkeypatch, capsys):
     from tests.driver import TINY, run_main
+
     monkeypatch.setenv("MEGAZERO_STREAM_CHECK", "1")
     monkeypatch.chdir(tmp_path)
-    code, out = run_main(TINY + ["--zero-stage", "3", "--micro-batch-size", "2", "--global-batch-size", "4",
-                                 "--train-iters", "2"], capsys)
+    code, out = run_main(
+        TINY + ["--zero-stage", "3", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2"],
+        capsys,
+    )
     assert code == 0, out.err[-2000:]
     checked = [line for line in out.out.splitlines() if line.startswith("stream check")]
-    assert len(checked) == 1 and re.fullmatch(r"stream check \(NCCL as torch >= 2.8: async ops' tensors stashed "
-                                              r"until wait\): [1-9]\d* side-stream ops checked, 0 violations",
-                                              checked[0]), out.out
+    assert len(checked) == 1 and re.fullmatch(
+        r"stream check \(NCCL as torch >= 2.8: async ops' tensors stashed "
+        r"until wait\): [1-9]\d* side-stream ops checked, 0 violations",
+        checked[0],
+    ), out.out
     assert streams.checker_for("cpu") is None
 
 

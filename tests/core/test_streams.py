@@ -1,6 +1,7 @@
 """megazero.core.streams without a GPU: a fake backend checks stream priorities and the order of event
 records and waits; a fake cuda-python runtime checks status handling (megazero.core.cuda_backends); the CPU path is a no-op with
 working timers. The same module on real CUDA is checked by tests/gpu/test_streams_cuda.py."""
+
 import time
 import types
 
@@ -23,6 +24,7 @@ class FakeStream:
 
 class FakeBackend:
     """Records every call as a tuple; streams are named objects, events are ids."""
+
     name = "fake"
 
     def __init__(self, least=0, greatest=-5):
@@ -144,18 +146,23 @@ def _fake_runtime(fail=None, **values):
         def call(*args):
             log.append((name, args))
             return (1,) + (None,) * len(result) if name == fail else (0,) + result
+
         return call
 
     rt = types.SimpleNamespace(
-        cudaStreamNonBlocking=1, cudaEventDefault=0, cudaEventDisableTiming=2,
+        cudaStreamNonBlocking=1,
+        cudaEventDefault=0,
+        cudaEventDisableTiming=2,
         cudaGetDevice=fn("cudaGetDevice", values.get("device", 0)),
         cudaGetDeviceCount=fn("cudaGetDeviceCount", 1),
         cudaSetDevice=fn("cudaSetDevice"),
         cudaDeviceGetStreamPriorityRange=fn("cudaDeviceGetStreamPriorityRange", 0, -5),
         cudaEventCreateWithFlags=fn("cudaEventCreateWithFlags", 77),
-        cudaEventRecord=fn("cudaEventRecord"), cudaStreamWaitEvent=fn("cudaStreamWaitEvent"),
+        cudaEventRecord=fn("cudaEventRecord"),
+        cudaStreamWaitEvent=fn("cudaStreamWaitEvent"),
         cudaEventElapsedTime=fn("cudaEventElapsedTime", 1.5),
-        cudaGetErrorName=lambda status: (0, b"cudaErrorInvalidValue"))
+        cudaGetErrorName=lambda status: (0, b"cudaErrorInvalidValue"),
+    )
     return rt, log
 
 
@@ -168,11 +175,15 @@ def test_cudart_backend_checks_every_status_and_names_the_function():
     stream = FakeStream("s")
     backend.record_event(77, stream)
     backend.wait_event(stream, 77)
-    assert log[-2:] == [("cudaEventRecord", (77, stream.cuda_stream)),
-                        ("cudaStreamWaitEvent", (stream.cuda_stream, 77, 0))]
-    for name, call in [("cudaDeviceGetStreamPriorityRange", lambda b: b.priority_range(0)),
-                       ("cudaEventCreateWithFlags", lambda b: b.create_event(0, True)),
-                       ("cudaStreamWaitEvent", lambda b: b.wait_event(stream, 77))]:
+    assert log[-2:] == [
+        ("cudaEventRecord", (77, stream.cuda_stream)),
+        ("cudaStreamWaitEvent", (stream.cuda_stream, 77, 0)),
+    ]
+    for name, call in [
+        ("cudaDeviceGetStreamPriorityRange", lambda b: b.priority_range(0)),
+        ("cudaEventCreateWithFlags", lambda b: b.create_event(0, True)),
+        ("cudaStreamWaitEvent", lambda b: b.wait_event(stream, 77)),
+    ]:
         with pytest.raises(cb.CudaError, match=f"{name} failed: cudaErrorInvalidValue \\(1\\)"):
             call(cb.CudartBackend(_fake_runtime(fail=name)[0]))
 
@@ -219,7 +230,7 @@ def test_cpu_timers_and_events_measure_wall_time():
     timers.stop("forward")
     timers.start("forward")
     timers.stop("forward")
-    timers.start("step")                       # still running at read time: not counted
+    timers.start("step")  # still running at read time: not counted
     totals = timers.elapsed_ms()
     assert set(totals) == {"forward"} and totals["forward"] >= 20.0
     timers.stop("step")
@@ -240,7 +251,7 @@ def test_timers_on_a_cuda_backend_read_events_only_when_asked():
     timers = st.Timers(CUDA0, backend=backend)
     timers.start("backward")
     timers.stop("backward")
-    assert [c[0] for c in backend.calls] == ["record", "record"]     # no host sync yet
+    assert [c[0] for c in backend.calls] == ["record", "record"]  # no host sync yet
     reduce = st.SideStream("reduce", CUDA0, backend)
     reduce.stream.name = "reduce"
     backend.calls.clear()
@@ -287,6 +298,7 @@ def test_gpu_step_bench_runs_on_cpu_with_a_tiny_model(capsys):
     them in fp32: within 1e-3 (measured 5.4e-4 at step 3)."""
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[2] / "bench" / "bench_gpu_step.py"
     spec = importlib.util.spec_from_file_location("bench_gpu_step", path)
     bench = importlib.util.module_from_spec(spec)
@@ -297,8 +309,12 @@ def test_gpu_step_bench_runs_on_cpu_with_a_tiny_model(capsys):
         code = bench.main(["--tiny", "--device", "cpu", *argv])
         assert code == 0 or not passes, code
         out = capsys.readouterr().out
-        return {side: [float(x) for x in line.split(":", 1)[1].split()]
-                for line in out.splitlines() for side in ("ours", "peer") if line.startswith(f"{side} losses:")}
+        return {
+            side: [float(x) for x in line.split(":", 1)[1].split()]
+            for line in out.splitlines()
+            for side in ("ours", "peer")
+            if line.startswith(f"{side} losses:")
+        }
 
     exact, still = losses("--fp32"), losses("--fp32", "--lr", "0", "--sides", "peer", passes=False)["peer"]
     half = losses()

@@ -1,6 +1,7 @@
 """The one-writer lock (megazero.core.writer_lock): a second holder is refused in one line naming the
 first (run id, pid, host); the lock belongs to the live process, so a killed holder's lock file blocks
 nobody. Runs in-process and in one forked child (no interpreter start-up)."""
+
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_killed_ones_lock_bloc
     path = tmp_path / "ck" / ".lock"
     ready_r, ready_w = os.pipe()
     child = os.fork()
-    if child == 0:                                  # the first job: lock, say so, wait to be killed
+    if child == 0:  # the first job: lock, say so, wait to be killed
         try:
             FolderLock.take(path, "run-a", "--save ck")
             os.write(ready_w, b"1")
@@ -31,17 +32,18 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_killed_ones_lock_bloc
         with pytest.raises(UsageError) as err:
             FolderLock.take(path, "run-b", "--save ck")
         line = str(err.value)
-        assert "\n" not in line and line.startswith("--save ck: another job writes there (run run-a, "
-                                                    f"pid {child} on host {socket.gethostname()}, since "), line
+        assert "\n" not in line and line.startswith(
+            f"--save ck: another job writes there (run run-a, pid {child} on host {socket.gethostname()}, since "
+        ), line
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
-    assert path.exists()                            # left by the killed job: it blocks nobody
+    assert path.exists()  # left by the killed job: it blocks nobody
     lock = FolderLock.take(path, "run-b", "--save ck")
     assert '"run_id": "run-b"' in path.read_text() and lock.fd is not None
-    with pytest.raises(UsageError, match="run run-b, pid"):      # another open file of this process too
+    with pytest.raises(UsageError, match="run run-b, pid"):  # another open file of this process too
         FolderLock.take(path, "run-c", "--save ck")
     lock.release()
-    lock.release()                                  # idempotent
+    lock.release()  # idempotent
     assert not path.exists()
     FolderLock.take(path, "run-c", "--save ck").release()

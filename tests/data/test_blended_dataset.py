@@ -1,5 +1,6 @@
 """megazero/data/blended_dataset.py: the blend's counts stay within one of the target at every
 prefix; items, and bad weights refused."""
+
 import numpy as np
 import pytest
 

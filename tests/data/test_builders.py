@@ -1,5 +1,6 @@
 """megazero/data/builders.py: --data-path parsed (weights and prefixes), train/valid/test datasets
 built from one prefix and from a blend."""
+
 import pytest
 
 from megazero.core.errors import UsageError
@@ -24,7 +25,11 @@ def test_parse_data_path(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(UsageError) as info:
         parse_data_path([missing])
-    assert f"'{missing}'" in str(info.value) and f"{missing}.bin" in str(info.value) and f"{missing}.idx" in str(info.value)
+    assert (
+        f"'{missing}'" in str(info.value)
+        and f"{missing}.bin" in str(info.value)
+        and f"{missing}.idx" in str(info.value)
+    )
     with pytest.raises(UsageError, match="without extension"):
         parse_data_path([a + ".bin"])
     # What the user probably meant: preprocess_data's suffix, or a pair inside a folder.
@@ -42,9 +47,10 @@ def test_build_train_valid_test_single_and_blended(tmp_path):
     # Every whole sample of the epochs the request needs, as megatron-core: 30 * 4 + 1 tokens of 112-token epochs
     assert test is None and len(train) == (2 * 112 - 1) // 4 and len(valid) >= 6
     assert {t for i in range(6) for t in valid[i]["tokens"].tolist()} <= set(range(17, 21))  # docs 16..19
-    train, valid, test = build_train_valid_test_datasets(["3", low, "1", high], "8,1,1", 4, 1234,
-                                                         (40, 8, 0), progress=False)
-    assert test is None and len(train) == 30 + 10 and len(valid) == 6 + 2   # sum of ceil(n * weight)
+    train, valid, test = build_train_valid_test_datasets(
+        ["3", low, "1", high], "8,1,1", 4, 1234, (40, 8, 0), progress=False
+    )
+    assert test is None and len(train) == 30 + 10 and len(valid) == 6 + 2  # sum of ceil(n * weight)
     from_high = [bool(train[i]["tokens"][0] >= 100) for i in range(40)]
     assert sum(from_high) == 10  # 1/4 of 40, exactly, by the greedy blend
     with pytest.raises(UsageError, match="0 of the 20 sequences"):

@@ -1,5 +1,6 @@
 """megazero/data/corpus.py and default_data.py: the embedded corpus's file selection, the default
 pipeline's steps cached, and a damaged cache rebuilt with one line saying so."""
+
 import json
 import os
 import sys
@@ -13,8 +14,17 @@ from tests.data.tiny_data import tiny_tokenizer  # noqa: F401 (a fixture)
 
 
 def test_stdlib_file_selection(tmp_path):
-    for relative in ["a.py", "pkg/b.py", "pkg/test_x.py", "test/c.py", "pkg/tests/d.py",
-                     "idlelib/idle_test/e.py", "site-packages/f.py", "notes.txt", "z/y.py"]:
+    for relative in [
+        "a.py",
+        "pkg/b.py",
+        "pkg/test_x.py",
+        "test/c.py",
+        "pkg/tests/d.py",
+        "idlelib/idle_test/e.py",
+        "site-packages/f.py",
+        "notes.txt",
+        "z/y.py",
+    ]:
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(f"# {relative}\n")
     (tmp_path / "latin.py").write_bytes(b"x = '\xe9'\n")
@@ -62,18 +72,18 @@ def test_default_data_cache_repairs_itself(tmp_path, tiny_tokenizer, capsys):
     good = [f.read_bytes() for f in files]
     assert default_data_ready(tmp_path, vocab_size=400)
     capsys.readouterr()
-    files[1].write_bytes(good[1][:-10])                        # truncated: found by its size
+    files[1].write_bytes(good[1][:-10])  # truncated: found by its size
     assert not default_data_ready(tmp_path, vocab_size=400)
     prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "damaged" in err and "stdlib_text_document.bin has" in err, err
     assert "rebuilding the tokenized corpus" in err and [f.read_bytes() for f in files] == good
-    middle = len(good[0]) // 2                                 # same size, other bytes: the checksum
-    files[0].write_bytes(good[0][:middle] + bytes([good[0][middle] ^ 1]) + good[0][middle + 1:])
+    middle = len(good[0]) // 2  # same size, other bytes: the checksum
+    files[0].write_bytes(good[0][:middle] + bytes([good[0][middle] ^ 1]) + good[0][middle + 1 :])
     prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
     err = capsys.readouterr().err.strip()
     assert "tokenizer.model differs" in err and "rebuilding the tokenizer" in err, err
-    assert [f.read_bytes() for f in files] == good              # tokenizer and tokens rebuilt alike
+    assert [f.read_bytes() for f in files] == good  # tokenizer and tokens rebuilt alike
     mtimes = [f.stat().st_mtime_ns for f in files]
     prepare_default_data(cache_dir=tmp_path, vocab_size=400, progress=False)
     assert not capsys.readouterr().err and [f.stat().st_mtime_ns for f in files] == mtimes

@@ -1,5 +1,6 @@
 """megazero/data/gpt_dataset.py: megatron-core's split rule, the golden sample index, samples across
 document boundaries, document ranges, and the index cache reused."""
+
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ def test_parse_split_and_megatron_split_rule():
             parse_split(bad)
     # Worked by hand, megatron-core's rule: running sums of the fractions, each bound round(sum * N).
     assert split_document_ranges(parse_split("949,50,1"), 1000) == [(0, 949), (949, 999), (999, 1000)]
-    assert split_document_ranges([1 / 3] * 3, 10) == [(0, 3), (3, 7), (7, 10)]   # 3.33, 6.67
+    assert split_document_ranges([1 / 3] * 3, 10) == [(0, 3), (3, 7), (7, 10)]  # 3.33, 6.67
     assert split_document_ranges(parse_split("949,50,1"), 3) == [(0, 3), (3, 3), (3, 3)]
     # round(2.5) == 2 (half to even)
     assert split_document_ranges(parse_split("1,1"), 5) == [(0, 2), (2, 5), (5, 5)]
@@ -51,11 +52,10 @@ def test_samples_cross_document_boundaries_and_skip_empty_documents(tmp_path):
     # The stream written out independently: documents in doc_idx order, back to back.
     stream = [t for d in ds.doc_idx for t in docs[d]]
     for j in range(8):
-        assert ds.sample_tokens(j).tolist() == stream[4 * j:4 * j + 5]
+        assert ds.sample_tokens(j).tolist() == stream[4 * j : 4 * j + 5]
     for position, offset in ds.sample_idx.tolist():  # never points into the empty document
         assert offset < len(docs[ds.doc_idx[position]])
-    owners = [{next(i for i, d in enumerate(docs) if t in d) for t in ds.sample_tokens(j).tolist()}
-              for j in range(8)]
+    owners = [{next(i for i, d in enumerate(docs) if t in d) for t in ds.sample_tokens(j).tolist()} for j in range(8)]
     assert max(len(o) for o in owners) >= 3  # some 5-token sample spans three documents
 
 
@@ -91,8 +91,12 @@ def test_a_damaged_index_cache_is_named_and_rebuilt(tmp_path, capsys, damage):
     indexed = IndexedDataset(write_dataset(tmp_path / "k", [[1, 2, 3], [4, 5, 6, 7], [8, 9]]))
     fresh = GPTDataset(indexed, "train", (0, 3), num_samples=9, seq_length=3, seed=1)
     expected = [fresh[i]["tokens"].tolist() for i in range(9)]
-    name = {"truncated": "doc_idx", "garbage": "shuffle_idx", "out-of-range": "sample_idx",
-            "wrong-shape": "sample_idx"}[damage]
+    name = {
+        "truncated": "doc_idx",
+        "garbage": "shuffle_idx",
+        "out-of-range": "sample_idx",
+        "wrong-shape": "sample_idx",
+    }[damage]
     path = fresh.cache_paths[name]
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[:-9])
@@ -104,7 +108,7 @@ def test_a_damaged_index_cache_is_named_and_rebuilt(tmp_path, capsys, damage):
         np.save(path, rows)
     capsys.readouterr()
     again = GPTDataset(indexed, "train", (0, 3), num_samples=9, seq_length=3, seed=1)
-    [line] = [x for x in capsys.readouterr().err.splitlines() if "damaged" in x]     # beside the progress line
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "damaged" in x]  # beside the progress line
     assert line.startswith(f"megazero: the train sample index {path} is damaged"), line
     assert again.built_indices and [again[i]["tokens"].tolist() for i in range(9)] == expected
     assert not GPTDataset(indexed, "train", (0, 3), num_samples=9, seq_length=3, seed=1).built_indices

@@ -1,5 +1,6 @@
 """megazero/data/indexed_dataset.py: the .bin/.idx bytes as docs/design's format says, the token
 dtype and its range check, the largest token id cached beside the index, and damaged files named."""
+
 import json
 import os
 import pickle
@@ -19,7 +20,7 @@ def test_bin_idx_bytes_match_design(tmp_path, dtype, code):
     with IndexedDatasetBuilder(tmp_path / "d", dtype) as builder:
         builder.add_document([1, 2, 3])
         builder.add_document([4, 5])
-        builder.add_item([6])            # a document of two sequences
+        builder.add_item([6])  # a document of two sequences
         builder.add_item([7, 8, 9, 10])
         builder.end_document()
         builder.finalize()
@@ -64,31 +65,41 @@ def _corrupt(tmp_path, edit):
 def test_largest_token_id_cached_beside_the_index(tmp_path):
     prefix = write_dataset(tmp_path / "s", [[1, 2, 3], [700, 5]])
     stats_file = Path(prefix + ".stats.json")
-    assert json.loads(stats_file.read_text())["max_token_id"] == 700      # written with the pair
+    assert json.loads(stats_file.read_text())["max_token_id"] == 700  # written with the pair
     assert IndexedDataset(prefix).max_token_id == 700
-    stats_file.unlink()                          # a pair made elsewhere: one pass, then cached
+    stats_file.unlink()  # a pair made elsewhere: one pass, then cached
     assert IndexedDataset(prefix).max_token_id == 700 and stats_file.is_file()
     bin_path = Path(prefix + ".bin")
     tokens = np.fromfile(bin_path, np.uint16)
     tokens[0] = 900
-    tokens.tofile(bin_path)                      # same size, new contents: the cache must not answer
+    tokens.tofile(bin_path)  # same size, new contents: the cache must not answer
     info = bin_path.stat()
     os.utime(bin_path, ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000))
     assert IndexedDataset(prefix).max_token_id == 900
 
 
-@pytest.mark.parametrize("edit, needle, which", [
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-8]), "truncated", ".idx"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:20]), "truncated", ".idx"),
-    (lambda idx, bin_: idx.write_bytes(b"NOTMEGA!!" + idx.read_bytes()[9:]), "magic", ".idx"),
-    (lambda idx, bin_: idx.write_bytes(b"PK\x03\x04"), "magic", ".idx"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
-     "version 2", ".idx"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:17] + b"\x09" + idx.read_bytes()[18:]), "dtype code 9", ".idx"),
-    (lambda idx, bin_: bin_.unlink(), "not found", ".bin"),
-    (lambda idx, bin_: idx.unlink(), "not found", ".idx"),
-    (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "bytes but", ".bin"),
-])
+@pytest.mark.parametrize(
+    "edit, needle, which",
+    [
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-8]), "truncated", ".idx"),
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:20]), "truncated", ".idx"),
+        (lambda idx, bin_: idx.write_bytes(b"NOTMEGA!!" + idx.read_bytes()[9:]), "magic", ".idx"),
+        (lambda idx, bin_: idx.write_bytes(b"PK\x03\x04"), "magic", ".idx"),
+        (
+            lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
+            "version 2",
+            ".idx",
+        ),
+        (
+            lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:17] + b"\x09" + idx.read_bytes()[18:]),
+            "dtype code 9",
+            ".idx",
+        ),
+        (lambda idx, bin_: bin_.unlink(), "not found", ".bin"),
+        (lambda idx, bin_: idx.unlink(), "not found", ".idx"),
+        (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "bytes but", ".bin"),
+    ],
+)
 def test_bad_files_raise_usage_error_naming_the_file(tmp_path, edit, needle, which):
     prefix = _corrupt(tmp_path, edit)
     with pytest.raises(UsageError, match=needle) as info:

@@ -1,5 +1,6 @@
 """megazero/data/tokenizer.py: the sentencepiece tokenizer round-trips text exactly (whitespace,
 unicode, the end-of-document text), and training's inputs and errors."""
+
 import pytest
 
 from megazero.core.errors import UsageError

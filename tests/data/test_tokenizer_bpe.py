@@ -2,6 +2,7 @@
 `tokenizers`/`transformers` references give, through preprocess_data into .bin/.idx; the null
 tokenizer reads ids; a Megatron-format GPT-2 pair trains as it is. Nothing is downloaded: the
 vocabularies are trained here on a few lines."""
+
 import json
 import sys
 from pathlib import Path
@@ -42,8 +43,9 @@ def gpt2_files(tmp_path_factory):
     """A GPT-2-style vocab.json/merges.txt: a byte-level BPE trained here, <|endoftext|> included."""
     folder = tmp_path_factory.mktemp("gpt2")
     bpe = tokenizers.ByteLevelBPETokenizer()
-    bpe.train_from_iterator(TRAIN_LINES, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"],
-                            show_progress=False)
+    bpe.train_from_iterator(
+        TRAIN_LINES, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False
+    )
     vocab, merges = bpe.save_model(str(folder))
     return Path(vocab), Path(merges)
 
@@ -55,12 +57,17 @@ def hf_folder(tmp_path_factory):
     tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(TRAIN_LINES, trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                                             special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(
+        TRAIN_LINES, trainers.BpeTrainer(vocab_size=300, show_progress=False, special_tokens=["<unk>", "<s>", "</s>"])
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(str(folder / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-              "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
@@ -68,9 +75,20 @@ def hf_folder(tmp_path_factory):
 def _preprocess(tmp_path, texts, *tokenizer_flags, workers=1):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    args = preprocess_data.parse_args(["--input", str(corpus), "--output-prefix", str(tmp_path / "out"),
-                                       "--append-eod", "--workers", str(workers), "--log-interval", "1000",
-                                       *tokenizer_flags])
+    args = preprocess_data.parse_args(
+        [
+            "--input",
+            str(corpus),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--append-eod",
+            "--workers",
+            str(workers),
+            "--log-interval",
+            "1000",
+            *tokenizer_flags,
+        ]
+    )
     (prefix,) = preprocess_data.preprocess(args)
     data = IndexedDataset(prefix)
     return data, [data[i].tolist() for i in range(len(data))]
@@ -78,10 +96,11 @@ def _preprocess(tmp_path, texts, *tokenizer_flags, workers=1):
 
 def test_gpt2_bpe_gives_the_references_ids(gpt2_files, tmp_path):
     from transformers import GPT2TokenizerFast
+
     vocab, merges = gpt2_files
     ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     library = tokenizers.ByteLevelBPETokenizer(str(vocab), str(merges))
-    hf = GPT2TokenizerFast.from_pretrained(str(vocab.parent))   # reads vocab.json + merges.txt, offline
+    hf = GPT2TokenizerFast.from_pretrained(str(vocab.parent))  # reads vocab.json + merges.txt, offline
     table = json.loads(vocab.read_text())
     assert ours.vocab_size == len(table) and ours.eod == table["<|endoftext|>"] == hf.eos_token_id
     for text in TEXTS:
@@ -90,14 +109,24 @@ def test_gpt2_bpe_gives_the_references_ids(gpt2_files, tmp_path):
         assert ours.decode(ours.encode(text)) == text
     assert ours.encode_batch(TEXTS) == [hf(t)["input_ids"] for t in TEXTS]
     # Two workers: the tokenizer is rebuilt in each from its flags; ids come back in input order.
-    data, docs = _preprocess(tmp_path, TEXTS, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
-                             "--merge-file", str(merges), workers=2)
-    assert data.dtype == np.uint16   # Megatron's choice for a vocabulary under 65,500
+    data, docs = _preprocess(
+        tmp_path,
+        TEXTS,
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(vocab),
+        "--merge-file",
+        str(merges),
+        workers=2,
+    )
+    assert data.dtype == np.uint16  # Megatron's choice for a vocabulary under 65,500
     assert docs == [hf(t)["input_ids"] + [hf.eos_token_id] for t in TEXTS]
 
 
 def test_hugging_face_tokenizer_gives_the_references_ids(hf_folder, tmp_path):
     from transformers import AutoTokenizer
+
     hf = AutoTokenizer.from_pretrained(str(hf_folder))
     for path in (hf_folder, hf_folder / "tokenizer.json"):
         ours = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=path)
@@ -105,9 +134,10 @@ def test_hugging_face_tokenizer_gives_the_references_ids(hf_folder, tmp_path):
         assert ours.vocab_size == len(hf)
         for text in TEXTS:
             assert ours.encode(text) == hf(text)["input_ids"], text
-            assert ours.encode(text)[0] == hf.bos_token_id   # the tokenizer's own BOS, as transformers adds it
-    data, docs = _preprocess(tmp_path, TEXTS, "--tokenizer-type", "HuggingFaceTokenizer",
-                             "--tokenizer-model", str(hf_folder))
+            assert ours.encode(text)[0] == hf.bos_token_id  # the tokenizer's own BOS, as transformers adds it
+    data, docs = _preprocess(
+        tmp_path, TEXTS, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_folder)
+    )
     assert docs == [hf(t)["input_ids"] + [hf.eos_token_id] for t in TEXTS]
 
 
@@ -122,16 +152,24 @@ def test_null_tokenizer_reads_ids(tmp_path):
     assert docs == [[1, 2, 3, 99], [42, 99]]
 
 
-@pytest.mark.parametrize("kwargs,words", [
-    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json"), "needs --vocab-file (vocab.json) and --merge-file"),
-    (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/none/v.json", merge_file="m.txt"),
-     "--vocab-file /none/v.json not found"),
-    (dict(tokenizer_type="HuggingFaceTokenizer"), "HuggingFaceTokenizer needs --tokenizer-model"),
-    (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/none"), "--tokenizer-model /none not found"),
-    (dict(tokenizer_type="NullTokenizer"), "NullTokenizer needs --vocab-size"),
-    (dict(tokenizer_type="NullTokenizer", vocab_size=1), "--vocab-size >= 2"),
-    (dict(tokenizer_type="SentencePieceTokenizer"), "needs --tokenizer-model"),
-])
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (
+            dict(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json"),
+            "needs --vocab-file (vocab.json) and --merge-file",
+        ),
+        (
+            dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/none/v.json", merge_file="m.txt"),
+            "--vocab-file /none/v.json not found",
+        ),
+        (dict(tokenizer_type="HuggingFaceTokenizer"), "HuggingFaceTokenizer needs --tokenizer-model"),
+        (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/none"), "--tokenizer-model /none not found"),
+        (dict(tokenizer_type="NullTokenizer"), "NullTokenizer needs --vocab-size"),
+        (dict(tokenizer_type="NullTokenizer", vocab_size=1), "--vocab-size >= 2"),
+        (dict(tokenizer_type="SentencePieceTokenizer"), "needs --tokenizer-model"),
+    ],
+)
 def test_missing_tokenizer_inputs_name_the_flag(kwargs, words):
     with pytest.raises(UsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
         build_tokenizer(**kwargs)
@@ -165,28 +203,58 @@ def _write_megatron_pair(prefix, documents):
 
 def test_megatron_gpt2_data_trains_as_it_is(gpt2_files, tmp_path, capsys):
     from megazero.run import launch
+
     vocab, merges = gpt2_files
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     documents = [np.array(tok.encode(t) + [tok.eod]) for t in (TRAIN_LINES + TEXTS[:4]) * 2]
     prefix = tmp_path / "megatron_text_document"
     _write_megatron_pair(prefix, documents)
     run_dir = tmp_path / "run"
-    argv = ["--data-path", str(prefix), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab),
-            "--merge-file", str(merges), "--split", "1,0,0", "--num-layers", "2", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
-            "--eval-iters", "0", "--log-interval", "1", "--run-dir", str(run_dir)]
+    argv = [
+        "--data-path",
+        str(prefix),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(vocab),
+        "--merge-file",
+        str(merges),
+        "--split",
+        "1,0,0",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "2",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert launch.main(argv) == 0, capsys.readouterr().err
     records = metrics_records(run_dir / "metrics.jsonl")
     assert len([r for r in records if "loss" in r]) == 2
     assert config_from_args(parse_args(argv)).model.vocab_size == tok.vocab_size
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --data-path"),
-    (["--vocab-size", "10"], "--vocab-size needs --data-path"),
-    (["--data-path", "PAIR", "--tokenizer-type", "NullTokenizer"], "NullTokenizer needs --vocab-size"),
-    (["--data-path", "PAIR", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v"], "and --merge-file"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --data-path"),
+        (["--vocab-size", "10"], "--vocab-size needs --data-path"),
+        (["--data-path", "PAIR", "--tokenizer-type", "NullTokenizer"], "NullTokenizer needs --vocab-size"),
+        (["--data-path", "PAIR", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v"], "and --merge-file"),
+    ],
+)
 def test_training_flags_name_what_is_missing(argv, words, tmp_path):
     _write_megatron_pair(tmp_path / "pair", [np.array([1, 2, 3])])
     with pytest.raises(UsageError, match=words):
@@ -201,6 +269,7 @@ def test_trained_byte_level_bpe_loads_everywhere(tmp_path):
     from transformers import AutoTokenizer, GPT2TokenizerFast
 
     from megazero.data.tokenizer_bpe import train_byte_level_bpe
+
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TRAIN_LINES), encoding="utf-8")
     vocab, merges, tokenizer_json, _ = train_byte_level_bpe([corpus], tmp_path / "bpe", 300)
@@ -209,10 +278,13 @@ def test_trained_byte_level_bpe_loads_everywhere(tmp_path):
     (tmp_path / "pair").mkdir()
     shutil.copy(vocab, tmp_path / "pair" / "vocab.json")
     shutil.copy(merges, tmp_path / "pair" / "merges.txt")
-    references = [GPT2TokenizerFast.from_pretrained(str(tmp_path / "pair")),
-                  AutoTokenizer.from_pretrained(str(tokenizer_json.parent))]
+    references = [
+        GPT2TokenizerFast.from_pretrained(str(tmp_path / "pair")),
+        AutoTokenizer.from_pretrained(str(tokenizer_json.parent)),
+    ]
     assert gpt2.vocab_size == hf.vocab_size == 300 and gpt2.eod == hf.eod == references[1].eos_token_id
     for text in TEXTS:
-        assert gpt2.encode(text) == hf.encode(text) == references[0](text)["input_ids"] \
-            == references[1](text)["input_ids"], text
+        assert (
+            gpt2.encode(text) == hf.encode(text) == references[0](text)["input_ids"] == references[1](text)["input_ids"]
+        ), text
         assert gpt2.decode(gpt2.encode(text)) == text

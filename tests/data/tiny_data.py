@@ -1,4 +1,5 @@
 """Tiny synthetic corpora and datasets the data and data-tool tests share (seconds to build)."""
+
 import json
 import random
 
@@ -48,4 +49,3 @@ ROUND_TRIP_TEXT = (
     "s = '<|endoftext|> is just text here'\n"
     "trailing    "
 )
-

@@ -12,6 +12,7 @@ bugs its cross-rank checks exist for.
 
 One gloo pool runs every layout of the grid (one call); the dry runs share one forkserver.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +29,34 @@ from megazero.dry_run.job import dry_argv, run_rank, simulate
 from megazero.dry_run.cross_rank_checks import check_all
 from tests.driver import REPO
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "2", "--log-interval", "1",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "101", "--lr", "1e-3",
-        "--attention-dropout", "0", "--hidden-dropout", "0"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "101",
+    "--lr",
+    "1e-3",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 
 
 def _zero_config(path, name, block) -> list[str]:
@@ -45,44 +70,144 @@ def grid(path) -> dict[str, tuple[int, list[str]]]:
     nvme = path / "nvme"
     nvme.mkdir(exist_ok=True)
     return {
-        "tp 2 x pp 2 interleaved x dp 2, ZeRO-1, bf16": (8, [
-            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "1", "--bf16"]),
+        "tp 2 x pp 2 interleaved x dp 2, ZeRO-1, bf16": (
+            8,
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--zero-stage",
+                "1",
+                "--bf16",
+            ],
+        ),
         "dp 2, ZeRO-0": (2, ["--zero-stage", "0"]),
         # the recomputed forward runs the simulated GPU's kernels as its forward did (they are torch
         # function modes, which autograd's backward does not carry: parallel/random.py re-enters them)
-        "tp 2, full recomputation, RMSNorm, bf16": (2, [
-            "--tensor-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method",
-            "uniform", "--recompute-num-layers", "1", "--normalization", "RMSNorm", "--bf16"]),
-        "dp 4, ZeRO-2, optimizer offloaded to nvme": (4, _zero_config(path, "nvme", {
-            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}})),
+        "tp 2, full recomputation, RMSNorm, bf16": (
+            2,
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+                "--normalization",
+                "RMSNorm",
+                "--bf16",
+            ],
+        ),
+        "dp 4, ZeRO-2, optimizer offloaded to nvme": (
+            4,
+            _zero_config(path, "nvme", {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}}),
+        ),
         # (persistence threshold 0: this small model's parameters would all stay whole otherwise)
-        "dp 4, ZeRO-3, parameters and optimizer offloaded to cpu": (4, _zero_config(path, "cpu", {
-            "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
-            "stage3_param_persistence_threshold": 0})),
+        "dp 4, ZeRO-3, parameters and optimizer offloaded to cpu": (
+            4,
+            _zero_config(
+                path,
+                "cpu",
+                {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"},
+                    "stage3_param_persistence_threshold": 0,
+                },
+            ),
+        ),
         "dp 4, ZeRO-3 MiCS 2": (4, _zero_config(path, "mics", {"stage": 3, "mics_shard_size": 2})),
-        "dp 4, ZeRO-3 hpZ 2, qwZ, qgZ": (4, _zero_config(path, "zeropp", {
-            "stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
-            "zero_quantized_gradients": True, "stage3_param_persistence_threshold": 0})),
+        "dp 4, ZeRO-3 hpZ 2, qwZ, qgZ": (
+            4,
+            _zero_config(
+                path,
+                "zeropp",
+                {
+                    "stage": 3,
+                    "zero_hpz_partition_size": 2,
+                    "zero_quantized_weights": True,
+                    "zero_quantized_gradients": True,
+                    "stage3_param_persistence_threshold": 0,
+                },
+            ),
+        ),
         # the experts' row counts follow the routing in the gloo run and are balanced placeholders in
         # the dry run: the expert all-to-all's rows (all_to_allv) are compared by width, not count
-        "dp 4 x ep 2 all-to-all, ZeRO-1": (4, ["--num-experts", "4", "--expert-model-parallel-size", "2",
-                                              "--moe-layer-freq", "2", "--zero-stage", "1"]),
+        "dp 4 x ep 2 all-to-all, ZeRO-1": (
+            4,
+            ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-layer-freq", "2", "--zero-stage", "1"],
+        ),
         # every rank's rows padded to the busiest rank's (gathered: the routing's in the gloo run), the
         # rows a capacity keeps read on the host (`expert rows kept`): compared by width (_key)
-        "dp 4 x ep 2 all-gather, capacity 1.0, ZeRO-2": (4, [
-            "--num-layers", "2", "--num-experts", "4", "--expert-model-parallel-size", "2",
-            "--moe-token-dispatcher-type", "allgather", "--moe-expert-capacity-factor", "1.0", "--zero-stage", "2"]),
-        "tp 2 x dp 2, ZeRO-2, ZenFlow": (4, ["--tensor-model-parallel-size", "2"] + _zero_config(path, "zenflow", {
-            "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {
-                "topk_ratio": 0.25, "update_interval": 2, "full_warm_up_rounds": 0, "select_strategy": "step",
-                "select_interval": 2}})),
-        "cp 2 p2p x tp 2, ZeRO-2, sequence parallel": (4, [
-            "--context-parallel-size", "2", "--cp-comm-type", "p2p", "--tensor-model-parallel-size", "2",
-            "--sequence-parallel", "--zero-stage", "2"]),
+        "dp 4 x ep 2 all-gather, capacity 1.0, ZeRO-2": (
+            4,
+            [
+                "--num-layers",
+                "2",
+                "--num-experts",
+                "4",
+                "--expert-model-parallel-size",
+                "2",
+                "--moe-token-dispatcher-type",
+                "allgather",
+                "--moe-expert-capacity-factor",
+                "1.0",
+                "--zero-stage",
+                "2",
+            ],
+        ),
+        "tp 2 x dp 2, ZeRO-2, ZenFlow": (
+            4,
+            ["--tensor-model-parallel-size", "2"]
+            + _zero_config(
+                path,
+                "zenflow",
+                {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "cpu"},
+                    "zenflow": {
+                        "topk_ratio": 0.25,
+                        "update_interval": 2,
+                        "full_warm_up_rounds": 0,
+                        "select_strategy": "step",
+                        "select_interval": 2,
+                    },
+                },
+            ),
+        ),
+        "cp 2 p2p x tp 2, ZeRO-2, sequence parallel": (
+            4,
+            [
+                "--context-parallel-size",
+                "2",
+                "--cp-comm-type",
+                "p2p",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--zero-stage",
+                "2",
+            ],
+        ),
         "cp 2 a2a x dp 2, ZeRO-3": (4, ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--zero-stage", "3"]),
-        "cp 2 allgather x pp 2, ZeRO-1": (4, ["--context-parallel-size", "2", "--cp-comm-type", "allgather",
-                                             "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
+        "cp 2 allgather x pp 2, ZeRO-1": (
+            4,
+            [
+                "--context-parallel-size",
+                "2",
+                "--cp-comm-type",
+                "allgather",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--zero-stage",
+                "1",
+            ],
+        ),
     }
 
 
@@ -111,15 +236,15 @@ def test_dry_run_issues_what_the_gloo_run_issues_on_every_rank(dist_pool, tmp_pa
     real = dist_pool(8).run(_gloo_traces, [(w, BASE + flags) for w, flags in layouts.values()], str(tmp_path))
     for i, (what, (world, flags)) in enumerate(layouts.items()):
         runs = simulate(BASE + flags, world, processes=2)
-        assert check_all(runs) == [], what     # the stream check's violations included: none
+        assert check_all(runs) == [], what  # the stream check's violations included: none
         # the stream layer ran checked in every rank: stage 3's gathers and offloaded copies run on
         # side streams, so ops were checked there
         if "ZeRO-3" in what:
             assert all(run.stream_check["side_ops"] > 0 for run in runs), what
-        if "ZenFlow" in what:      # its selection is read on the host, answered for meta tensors
+        if "ZenFlow" in what:  # its selection is read on the host, answered for meta tensors
             reads = {h["what"] for h in runs[0].host_reads}
             assert {"zenflow selection", "zenflow columns chosen"} <= reads, (what, reads)
-        if "capacity" in what:     # the rows kept, answered for meta tensors with balanced routing
+        if "capacity" in what:  # the rows kept, answered for meta tensors with balanced routing
             assert "expert rows kept" in {h["what"] for h in runs[0].host_reads}, what
         for run in runs:
             error, detail, entries = real[run.rank][i]
@@ -127,25 +252,30 @@ def test_dry_run_issues_what_the_gloo_run_issues_on_every_rank(dist_pool, tmp_pa
             got, want = [_key(e) for e in run.entries], [_key(e) for e in entries]
             if got != want:
                 at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                pytest.fail(f"{what}: rank {run.rank} op #{at + 1}: dry run "
-                            f"{run.entries[at] if at < len(got) else 'nothing'} vs gloo "
-                            f"{entries[at] if at < len(want) else 'nothing'} ({len(got)} vs {len(want)} ops)")
+                pytest.fail(
+                    f"{what}: rank {run.rank} op #{at + 1}: dry run "
+                    f"{run.entries[at] if at < len(got) else 'nothing'} vs gloo "
+                    f"{entries[at] if at < len(want) else 'nothing'} ({len(got)} vs {len(want)} ops)"
+                )
             assert len(got) > 0 and len(run.step_ends) == 2, what
 
 
 # Planted bugs, each held open around one simulated rank (module-level: pickled to the workers).
+
 
 @contextlib.contextmanager
 def skip_model_parallel_norm_sum_on_rank_1(rank):
     """Rank 1 skips the gradient norm's all-reduce over the model-parallel group."""
     from megazero.core import comm
     from megazero.zero import shard_domain
+
     real = comm.all_reduce
 
     def all_reduce(tensor, group, *args, **kwargs):
         if group.name == "mp" and tensor.dtype == torch.float64 and tensor.dim() == 0:
             return None
         return real(tensor, group, *args, **kwargs)
+
     fake_comm = mock.Mock(wraps=comm)
     fake_comm.all_reduce = all_reduce
     with mock.patch.object(shard_domain, "comm", fake_comm) if rank == 1 else contextlib.nullcontext():
@@ -156,12 +286,14 @@ def skip_model_parallel_norm_sum_on_rank_1(rank):
 def host_tensor_in_the_gradient_norm(rank):
     """The gradient norm's sum starts as a tensor on the host (torch.zeros without a device)."""
     from megazero.zero import engine
+
     real = engine.torch.zeros
 
     def zeros(*shape, **kwargs):
-        if kwargs.get("dtype") == torch.float64 and shape in (((),), (1,)):     # the engine's _summed
+        if kwargs.get("dtype") == torch.float64 and shape in (((),), (1,)):  # the engine's _summed
             kwargs.pop("device", None)
         return real(*shape, **kwargs)
+
     with mock.patch.object(engine.torch, "zeros", zeros):
         yield
 
@@ -170,12 +302,17 @@ def host_tensor_in_the_gradient_norm(rank):
 def pipeline_receive_one_row_off_on_rank_3(rank):
     """Rank 3 (second stage) receives its input into a buffer one row longer than the sender's."""
     from megazero.parallel.pipeline import p2p
+
     real = p2p.PipelineP2P._empty
 
     def _empty(self, what):
         t = real(self, what)
-        return torch.empty((t.shape[0] + 1,) + t.shape[1:], dtype=t.dtype, device=t.device) \
-            if what == "pipeline input received" else t
+        return (
+            torch.empty((t.shape[0] + 1,) + t.shape[1:], dtype=t.dtype, device=t.device)
+            if what == "pipeline input received"
+            else t
+        )
+
     with mock.patch.object(p2p.PipelineP2P, "_empty", _empty) if rank == 3 else contextlib.nullcontext():
         yield
 
@@ -185,13 +322,15 @@ def handles_record_nothing(rank):
     """The comm layer's fix taken out: a Handle lets its tensors go at the wait without recording
     them on the waiting stream (torch >= 2.8's NCCL records none itself)."""
     from megazero.core import comm
+
     with mock.patch.object(comm, "record_on_waiting_stream", lambda tensors: None):
         yield
 
 
 def test_the_stream_check_runs_in_every_rank_and_a_planted_race_fails_in_one_line(tmp_path):
-    flags = BASE + _zero_config(tmp_path, "offload", {
-        "stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0})
+    flags = BASE + _zero_config(
+        tmp_path, "offload", {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    )
     runs = simulate(flags, 2, processes=2, prepare=handles_record_nothing)
     problems = check_all(runs)
     assert len(problems) == 1 and re.match(
@@ -199,7 +338,9 @@ def test_the_stream_check_runs_in_every_rank_and_a_planted_race_fails_in_one_lin
         r"this rank's chunk, copied from its offload home\): freed at megazero/zero/stage3/units.py:\d+ "
         r"\(wait_gather\), its memory back with stream 'copy' .* read on stream '.*communicator' at "
         r"megazero/zero/stage3/param_gather.py:\d+ .* \(the first of \d+ violations, \d+ distinct, on these "
-        r"ranks\)$", problems[0]), problems
+        r"ranks\)$",
+        problems[0],
+    ), problems
     assert all(run.error is None and run.stream_check["side_ops"] > 0 for run in runs)
 
 
@@ -210,7 +351,8 @@ def test_planted_bugs_fail_with_their_line():
     skipped = check_all(simulate(tp2pp2, 4, processes=2, prepare=skip_model_parallel_norm_sum_on_rank_1))
     assert skipped == [skipped[0]] and skipped[0].startswith(
         "group mp [0, 1, 2, 3]: collective #2 differs: rank 0 issued all_reduce float64 x1 (sum) at "
-        "megazero/zero/shard_domain.py:"), skipped
+        "megazero/zero/shard_domain.py:"
+    ), skipped
     # rank 1's next op on the group: the log iteration's straggler gather (--straggler-threshold)
     assert "; rank 1 issued all_gather float64 x20 at megazero/training/stragglers.py:" in skipped[0], skipped
     host = check_all(simulate(BASE, 2, processes=2, prepare=host_tensor_in_the_gradient_norm))
@@ -220,7 +362,8 @@ def test_planted_bugs_fail_with_their_line():
     p2p = [line for line in off if line.startswith("p2p ")]
     assert p2p and p2p[0].startswith(
         "p2p rank 1 -> rank 3: message #1 does not meet: rank 1 issued send float32 [1, 32, 32] at "
-        "parallel/pipeline/p2p.py:"), "\n".join(off)
+        "parallel/pipeline/p2p.py:"
+    ), "\n".join(off)
     assert "; rank 3 issued recv float32 [2, 32, 32] at parallel/pipeline/p2p.py:" in p2p[0], off
 
 
@@ -230,6 +373,7 @@ def an_extra_host_read_in_the_step(rank):
     on rank 1 (each a host sync the steady-state step does not list)."""
     from megazero.core import host_read
     from megazero.zero.engine import ZeroEngine
+
     real = ZeroEngine.grad_norm
 
     def grad_norm(engine):
@@ -239,6 +383,7 @@ def an_extra_host_read_in_the_step(rank):
         else:
             flag.item()
         return real(engine)
+
     with mock.patch.object(ZeroEngine, "grad_norm", grad_norm):
         yield
 
@@ -252,13 +397,16 @@ def test_an_extra_host_read_in_the_step_fails_with_its_line_and_a_forced_overflo
     extra = [r for r in _steady_state_reads(planted[0]) if r not in _documented_host_reads()]
     assert extra == [("a planted flag", "tests/dry_run/test_dry_run.py")], _steady_state_reads(planted[0])
     problems = check_all(planted)
-    assert any(line.startswith("rank 1: the host reads a device value at tests/dry_run/test_dry_run.py:")
-               and "without megazero.core.host_read" in line for line in problems), problems
+    assert any(
+        line.startswith("rank 1: the host reads a device value at tests/dry_run/test_dry_run.py:")
+        and "without megazero.core.host_read" in line
+        for line in problems
+    ), problems
     # the gradient norm reads inf in step 1: every rank skips it, and they still agree on every op
     forced = simulate(BASE + ["--zero-stage", "2"], 2, processes=2, overflow_steps=(1,))
     assert check_all(forced) == [] and [r.skipped_steps for r in forced] == [1, 1]
     for run in forced:
-        step1, step2 = run.entries[:run.step_ends[0]], run.entries[run.step_ends[0]:run.step_ends[1]]
+        step1, step2 = run.entries[: run.step_ends[0]], run.entries[run.step_ends[0] : run.step_ends[1]]
         # the skipped step gathers no updated parameters; the applied one does
         assert not [e for e in step1 if e.op == "all_gather" and e.group == "dp"], step1
         assert [e for e in step2 if e.op == "all_gather" and e.group == "dp"], step2
@@ -273,7 +421,9 @@ def _documented_fields(table: str) -> list[str]:
 def _documented_host_reads() -> list[tuple[str, str]]:
     doc = (REPO / "docs" / "dry_run.md").read_text()
     block = doc.split("<!-- steady-state host reads -->", 1)[1].split("\n\n", 1)[0]
-    return [(line.split("`")[1], line.split("(")[1].split(")")[0]) for line in block.splitlines() if line.startswith("- ")]
+    return [
+        (line.split("`")[1], line.split("(")[1].split(")")[0]) for line in block.splitlines() if line.startswith("- ")
+    ]
 
 
 def _check_timeline(line):
@@ -282,6 +432,7 @@ def _check_timeline(line):
     megazero's count of the job (Megatron-LM's formula) over the 2 ranks."""
     from megazero.dry_run.job import job_config
     from megazero.training.flops import step_flops
+
     cfg = job_config(BASE, 2)
     assert list(line) == _documented_fields("timeline") and line["device"] == "h100" and line["note"] is None
     assert [r["rank"] for r in line["ranks"]] == [0, 1] and line["step_s"] > 0
@@ -296,13 +447,17 @@ def _check_timeline(line):
 
 def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
     tool = [sys.executable, str(REPO / "tools" / "dry_run.py")]
-    got = subprocess.run(tool + ["--world-size", "2", "--processes", "1", "--json", "-", "--gpu", "h100"] + BASE,
-                         capture_output=True, text=True, timeout=600)
+    got = subprocess.run(
+        tool + ["--world-size", "2", "--processes", "1", "--json", "-", "--gpu", "h100"] + BASE,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     assert "No backend of type" not in got.stderr and "Warning" not in got.stderr, got.stderr[-3000:]
     result = json.loads(got.stdout)
-    fit = result["gpu"]        # megazero.dry_run.fits' verdict: a small job fits an H100
-    assert list(fit) == _documented_fields("gpu") and fit["fits"] and fit["capacity"] == 80 * 10 ** 9
+    fit = result["gpu"]  # megazero.dry_run.fits' verdict: a small job fits an H100
+    assert list(fit) == _documented_fields("gpu") and fit["fits"] and fit["capacity"] == 80 * 10**9
     assert [row["rank"] for row in fit["ranks"]] == [0, 1] and "every rank fits" in fit["advice"]
     _check_timeline(result["timeline"])
     assert list(result) == _documented_fields("top") and result["schema"] == "megazero.dry_run/1"
@@ -318,7 +473,10 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
         assert sum(m["peak_by_owner"].values()) == m["peak"] and m["peak"] % 512 == 0
         assert m["reserved_peak"] >= m["peak"] and m["reserved_peak"] % (2 << 20) == 0 and m["segments"] > 0
         assert all(p["reserved"] >= p["allocated"] for p in m["phases"].values())
-        assert list(m["host"]) == ["peak", "peak_by_owner"] and sum(m["host"]["peak_by_owner"].values()) == m["host"]["peak"]
+        assert (
+            list(m["host"]) == ["peak", "peak_by_owner"]
+            and sum(m["host"]["peak_by_owner"].values()) == m["host"]["peak"]
+        )
         assert m["phases"]["forward"]["by_owner"]["activations"] > 0 and m["planner"]["total"] > 0
         last = [(h["what"], h["site"].split(":")[0]) for h in r["host_reads"] if h["step"] == r["steps"]]
         assert last == _documented_host_reads(), r["host_reads"]
@@ -326,31 +484,34 @@ def test_cli_json_follows_its_documented_schema_and_flag_mistakes_exit_2():
         # before the first step the device holds the engine's model states (and little else)
         states = r["engine_model_states"]["model_states"]
         assert states <= m["phases"]["setup"]["allocated"] < 1.6 * states
-    for extra, needle in ((["--ranks", "2"], "--ranks 2: give comma-separated ranks between 0 and 1"),
-                          (["--tensor-model-parallel-size", "3"], "tensor")):
-        bad = subprocess.run(tool + ["--world-size", "2"] + BASE + extra, capture_output=True, text=True,
-                             timeout=600)
+    for extra, needle in (
+        (["--ranks", "2"], "--ranks 2: give comma-separated ranks between 0 and 1"),
+        (["--tensor-model-parallel-size", "3"], "tensor"),
+    ):
+        bad = subprocess.run(tool + ["--world-size", "2"] + BASE + extra, capture_output=True, text=True, timeout=600)
         lines = bad.stderr.strip().splitlines()
-        assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], \
+        assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
             bad.stderr
+        )
 
 
 def test_meta_allocations_are_counted_as_the_caching_allocator_rounds_them():
     from megazero.dry_run.device_stand_in import DeviceStandIn
+
     with DeviceStandIn() as device:
-        a = torch.empty(1, device="meta")                  # 4 bytes -> one 512-byte block
-        b = torch.empty(129, device="meta")                # 516 bytes -> two blocks
-        view = b[1:]                                       # a view allocates nothing
+        a = torch.empty(1, device="meta")  # 4 bytes -> one 512-byte block
+        b = torch.empty(129, device="meta")  # 516 bytes -> two blocks
+        view = b[1:]  # a view allocates nothing
         device.snapshot("made")
         del a, b
         device.snapshot("views only")
         del view
-        device.in_setup = False                            # from now on: owners by what allocates
-        out = torch.empty(4, device="meta") * 2            # the factory's block is freed at once
-        host = torch.empty(3, device="meta").to("cpu")     # a device-to-host copy: host zeros
+        device.in_setup = False  # from now on: owners by what allocates
+        out = torch.empty(4, device="meta") * 2  # the factory's block is freed at once
+        host = torch.empty(3, device="meta").to("cpu")  # a device-to-host copy: host zeros
     assert device.phases["made"]["allocated"] == 512 + 1024
     assert device.phases["made"]["by_owner"]["model states"] == 512 + 1024
-    assert device.phases["views only"]["allocated"] == 1024     # b's storage lives while its view does
+    assert device.phases["views only"]["allocated"] == 1024  # b's storage lives while its view does
     assert device.peak == 512 + 1024 and device.live == {**device.live, "model states": 0, "workspace": 512}
     assert out.shape == (4,) and host.device.type == "cpu" and host.tolist() == [0.0] * 3
     assert device.d2h_copies == 1 and device.d2h_bytes == 12 and device.allocations == 5
@@ -373,21 +534,55 @@ def _peak(run) -> int:
     return run.memory["peak"]
 
 
-@pytest.mark.parametrize("flags, merged", [
-    # the middle stages' four tensor-parallel ranks are one role each (no vocabulary there)
-    (["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "4", "--zero-stage", "1", "--bf16"], 1),
-    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
-      "--zero-stage", "3"], 1),
-    # 8 ZeRO-3 partitions over two nodes: 1 and 2 (5 and 6) are middle along dp and along the shard
-    # group's node-local part, first (last) across nodes: one role per tp rank, the merge proven here
-    (["--tensor-model-parallel-size", "2", "--zero-stage", "3"], 2),
-    (["--num-layers", "2", "--tensor-model-parallel-size", "4", "--zero-stage", "3", "--num-experts", "4",
-      "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], 1),
-], ids=["tp4 pp4 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 dp8 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"])
+@pytest.mark.parametrize(
+    "flags, merged",
+    [
+        # the middle stages' four tensor-parallel ranks are one role each (no vocabulary there)
+        (
+            ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "4", "--zero-stage", "1", "--bf16"],
+            1,
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "4",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--zero-stage",
+                "3",
+            ],
+            1,
+        ),
+        # 8 ZeRO-3 partitions over two nodes: 1 and 2 (5 and 6) are middle along dp and along the shard
+        # group's node-local part, first (last) across nodes: one role per tp rank, the merge proven here
+        (["--tensor-model-parallel-size", "2", "--zero-stage", "3"], 2),
+        (
+            [
+                "--num-layers",
+                "2",
+                "--tensor-model-parallel-size",
+                "4",
+                "--zero-stage",
+                "3",
+                "--num-experts",
+                "4",
+                "--expert-model-parallel-size",
+                "2",
+                "--moe-token-dispatcher-type",
+                "allgather",
+            ],
+            1,
+        ),
+    ],
+    ids=["tp4 pp4 ZeRO-1", "cp2 tp4 pp2 ZeRO-3", "tp2 dp8 ZeRO-3", "tp4 dp4 ep2 edp2 allgather ZeRO-3"],
+)
 def test_one_rank_per_role_stands_for_all_ranks_at_16(flags, merged):
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.dry_run.roles import roles
     from megazero.config.train_config import topology_of
+
     argv = BASE + ["--num-layers", "8"] + flags
     runs = {r.rank: r for r in simulate(argv, 16, processes=2)}
     assert check_all(list(runs.values())) == []
@@ -403,13 +598,15 @@ def test_one_rank_per_role_stands_for_all_ranks_at_16(flags, merged):
             assert _relative(runs[other]) == _relative(first), f"rank {other} differs from rank {members[0]}"
             # Exactly: a rank run after another in the same worker once allocated three blocks less
             # (what the first one left cached); every rank now has a process of its own.
-            assert _peak(runs[other]) == _peak(first), \
+            assert _peak(runs[other]) == _peak(first), (
                 f"rank {other}'s peak {_peak(runs[other])} differs from rank {members[0]}'s {_peak(first)}"
+            )
 
 
 def test_help_prints_the_flags_and_exits_0(capsys):
     """Planted (no --help branch: argparse's "--world-size is required", exit 2) fails it."""
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("dry_run_tool", REPO / "tools" / "dry_run.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -423,6 +620,7 @@ def test_torchs_fake_group_notice_is_dropped_and_everything_else_shown(capfd):
     C++ side writes there, below Python's warnings). Planted (every line dropped, or none) fails it."""
     import os
     from megazero.dry_run.job import FAKE_GROUP_NOTICE, stderr_without
+
     with stderr_without(FAKE_GROUP_NOTICE):
         os.write(2, b"[rank0]:[W ProcessGroup.hpp:1006] Warning: " + FAKE_GROUP_NOTICE + b" with name undefined.\n")
         os.write(2, b"RuntimeError: a real error\n")

@@ -16,6 +16,7 @@ Planted (each failed a test here): context parallelism left out of the enumerati
 slowest first; the rows sorted by step alone (the over-capacity layout first); the ring's bmm costed
 at the bf16 rate.
 """
+
 import itertools
 from pathlib import Path
 
@@ -28,9 +29,26 @@ from megazero.dry_run import layout_search as ls
 from megazero.core.errors import UsageError
 
 FIXTURE = Path(__file__).with_name("cpu_measured_fixture.toml")
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--global-batch-size", "8", "--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-        "--attention-dropout", "0"]
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "2",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--attention-dropout",
+    "0",
+]
 SPACE = dict(zero_stages=(0, 3), recompute=("none", "full"), micro_batches=(1, 2), virtual=(1, 2))
 
 
@@ -42,8 +60,13 @@ def expected_layouts(world=8, layers=4, heads=4, seq=32, global_batch=8):
         dp = world // (tp * pp * cp)
         for vpp, zero, how, mbs in itertools.product((1, 2), (0, 3), ("none", "full"), (1, 2)):
             micro = global_batch // (mbs * dp) if global_batch % (mbs * dp) == 0 else 0
-            if (heads % tp or layers % (pp * vpp) or seq % (2 * cp) or not micro
-                    or (vpp > 1 and (pp == 1 or micro % pp))):
+            if (
+                heads % tp
+                or layers % (pp * vpp)
+                or seq % (2 * cp)
+                or not micro
+                or (vpp > 1 and (pp == 1 or micro % pp))
+            ):
                 continue
             out.add(ls.Layout(tp, pp, vpp, cp, dp, zero, how, mbs))
     return out
@@ -57,18 +80,19 @@ def test_enumeration_is_what_the_flag_checks_accept():
     assert ls.Layout(4, 2, 1, 1, 1, 3, "full", 1) in found
     # pp 2 with 2 chunks of 1 layer, dp 4, micro batch 2: 1 microbatch, not a multiple of pp
     assert ls.Layout(1, 2, 2, 1, 4, 0, "none", 2) not in found
-    assert ls.Layout(1, 2, 2, 1, 4, 0, "none", 1) in found           # 2 microbatches: it is
-    assert not any(layout.tp == 8 for layout in found)                 # 4 heads
+    assert ls.Layout(1, 2, 2, 1, 4, 0, "none", 1) in found  # 2 microbatches: it is
+    assert not any(layout.tp == 8 for layout in found)  # 4 heads
     with pytest.raises(UsageError, match="--zero-stage: the search chooses the layout"):
         ls.base_args(TINY + ["--zero-stage", "1"], 8)
 
 
 def test_memory_filter_keeps_exactly_what_the_planner_fits():
-    valid = ls.enumerate_layouts(ls.base_args(TINY, 8), 8, 8, zero_stages=(0, 3), recompute=("none",),
-                                 micro_batches=(1,), virtual=(1,))
+    valid = ls.enumerate_layouts(
+        ls.base_args(TINY, 8), 8, 8, zero_stages=(0, 3), recompute=("none",), micro_batches=(1,), virtual=(1,)
+    )
     totals = sorted({ls.planner_total(cfg, 8) for _, cfg in valid})
     assert len(totals) > 2
-    capacity = totals[len(totals) // 2]                 # one layout's total exactly: it fits
+    capacity = totals[len(totals) // 2]  # one layout's total exactly: it fits
     fitting, dropped = ls.split_by_fit(valid, 8, capacity)
     assert len(fitting) + len(dropped) == len(valid) and fitting and dropped
     assert all(total <= capacity for _, _, total in fitting)
@@ -76,15 +100,32 @@ def test_memory_filter_keeps_exactly_what_the_planner_fits():
     assert any(total == capacity for _, _, total in fitting)
     # the planner's own figure for a dropped layout (as tools/plan_memory.py prints it) is over
     from megazero.config.memory_estimate import device_bytes, plan_bytes
+
     _, cfg, total = dropped[0]
     assert device_bytes(plan_bytes(cfg, 8)) == total > capacity
 
 
 def test_search_times_the_best_by_estimate_and_orders_by_prediction():
     from megazero.dry_run.speed import predict
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--global-batch-size", "4", "--train-iters", "2", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "128"]
+
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "2",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+    ]
     cpu = devices.cpu(FIXTURE, cores=2)
     space = dict(zero_stages=(0, 1), recompute=("none",), micro_batches=(2,), virtual=(1,))
     result = ls.search(argv, 2, cpu, top_k=2, processes=1, **space)
@@ -110,14 +151,20 @@ def test_tool_refuses_a_layout_flag_in_one_line(capsys):
     """pretrain_gpt.py's --zero-stage is refused by name, not read as the tool's --zero-stages
     (argparse's prefix matching did so; planted back, the search ran)."""
     import runpy
+
     tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "search_layouts.py"))
     assert tool["main"](["--world-size", "8", "--gpu", "h100", "--zero-stage", "1"] + TINY) == 2
-    assert capsys.readouterr().err.strip() == ("error: --zero-stage: the search chooses the layout; "
-                                               "drop --zero-stage from the flags")
+    assert capsys.readouterr().err.strip() == (
+        "error: --zero-stage: the search chooses the layout; drop --zero-stage from the flags"
+    )
     assert tool["main"](["--world-size", "8", "--gpu", "h100", "--recompute", "some"] + TINY) == 2
 
 
-_NO_KERNEL = {torch.ops.aten._unsafe_view.default, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default}
+_NO_KERNEL = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+}
 
 
 class _Kernels(TorchDispatchMode):
@@ -153,10 +200,35 @@ def test_ring_attention_estimate_is_its_kernels_cost():
     # costed op by op on the H100 model (fp32 bmm at the fp32 rate, every other op by its bytes)
     from megazero.parallel import ring_attention as ra
     from megazero.dry_run.job import job_config
-    argv = ["--num-layers", "2", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
-            "--num-query-groups", "8", "--seq-length", "8192", "--max-position-embeddings", "8192",
-            "--global-batch-size", "8", "--micro-batch-size", "4", "--context-parallel-size", "8", "--bf16",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--attention-dropout", "0"]
+
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "4096",
+        "--num-attention-heads",
+        "32",
+        "--group-query-attention",
+        "--num-query-groups",
+        "8",
+        "--seq-length",
+        "8192",
+        "--max-position-embeddings",
+        "8192",
+        "--global-batch-size",
+        "8",
+        "--micro-batch-size",
+        "4",
+        "--context-parallel-size",
+        "8",
+        "--bf16",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+        "--attention-dropout",
+        "0",
+    ]
     cfg = job_config(argv, 8, 8)
     layout = ls.Layout(1, 1, 1, 8, 1, 0, "none", 4)
     h100 = devices.gpu("h100")
@@ -183,19 +255,38 @@ def test_ring_attention_estimate_is_its_kernels_cost():
 def test_a_layout_whose_dry_run_peak_exceeds_the_device_goes_last_and_says_so(monkeypatch):
     # the planner let it through, the dry run's reserved peak does not fit: faster, but listed after
     # the layout that fits (timelines stubbed: this checks the ordering and the line, not a dry run)
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--global-batch-size", "4", "--train-iters", "2", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "128"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "2",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+    ]
     cpu = devices.cpu(FIXTURE, cores=2)
     capacity = ls.capacity_bytes(cpu, 2)
     timed = []
 
     def stub(flags, world, device, local_world, processes=None):
         timed.append(flags)
-        over = len(timed) == 1                 # the first timed layout: the faster, over the device
+        over = len(timed) == 1  # the first timed layout: the faster, over the device
         ranks = [{"mfu": 0.5}]
-        return {"error": None, "peak": capacity * (1.5 if over else 0.5),
-                "timeline": {"step_s": 1.0 if over else 2.0, "tokens_per_s_per_device": 1.0, "ranks": ranks}}
+        return {
+            "error": None,
+            "peak": capacity * (1.5 if over else 0.5),
+            "timeline": {"step_s": 1.0 if over else 2.0, "tokens_per_s_per_device": 1.0, "ranks": ranks},
+        }
+
     monkeypatch.setattr(ls, "predicted", stub)
     space = dict(zero_stages=(0, 1), recompute=("none",), micro_batches=(2,), virtual=(1,))
     rows = ls.search(argv, 2, cpu, top_k=2, processes=1, **space)["rows"]

@@ -15,6 +15,7 @@ steady state counted as often as the schedule runs it, equals the simulation of 
   zero-bubble schedules' lists extend (their lists at the full count are the reduced ones' with the
   block repeated), Megatron's GPT-3 175B recipe at global batch 1536 runs 16 and 17 of its 192.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,9 +29,31 @@ from megazero.dry_run.job import job_config, simulate
 from megazero.dry_run.report import rank_record
 from megazero.dry_run.speed import timeline_of
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "1", "--train-iters", "2", "--log-interval", "1",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "101", "--lr", "1e-3", "--bf16", "--zero-stage", "1"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "101",
+    "--lr",
+    "1e-3",
+    "--bf16",
+    "--zero-stage",
+    "1",
+]
 
 
 def _record(run) -> dict:
@@ -58,12 +81,18 @@ def _one_per_stage(argv, world) -> list[int]:
 
 
 def test_1f1b_counted_from_4_and_5_microbatches_equals_every_microbatch_simulated():
-    argv = BASE + ["--global-batch-size", "32", "--tensor-model-parallel-size", "2",
-                   "--pipeline-model-parallel-size", "4"]
+    argv = BASE + [
+        "--global-batch-size",
+        "32",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "4",
+    ]
     plan = steady_state.plan(job_config(argv, 16), 16, argv)
     assert (plan.microbatches, plan.schedule, plan.simulated, plan.repeats) == (16, "1f1b", (4, 5), 12)
     assert plan.by_stage is None
-    ranks = _one_per_stage(argv, 16) + [13]          # and the last stage's other tensor-parallel rank
+    ranks = _one_per_stage(argv, 16) + [13]  # and the last stage's other tensor-parallel rank
     fast = simulate(argv, 16, ranks, processes=2, plan=plan)
     # (a step's losses stay until its end, 512 bytes a microbatch: where that moves a peak, a third
     # run at 6 shows it linear)
@@ -75,11 +104,27 @@ def test_1f1b_counted_from_4_and_5_microbatches_equals_every_microbatch_simulate
 
 
 def test_interleaved_counted_from_4_and_6_equals_every_microbatch_and_a_wrong_count_differs():
-    argv = BASE + ["--global-batch-size", "24", "--pipeline-model-parallel-size", "2",
-                   "--num-layers-per-virtual-pipeline-stage", "1", "--attention-dropout", "0", "--hidden-dropout", "0"]
+    argv = BASE + [
+        "--global-batch-size",
+        "24",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    ]
     cfg = job_config(argv, 4)
     plan = steady_state.plan(cfg, 4, argv)
-    assert (plan.microbatches, plan.schedule, plan.simulated, plan.period, plan.repeats) == (12, "interleaved", (4, 6), 2, 4)
+    assert (plan.microbatches, plan.schedule, plan.simulated, plan.period, plan.repeats) == (
+        12,
+        "interleaved",
+        (4, 6),
+        2,
+        4,
+    )
     ranks = _one_per_stage(argv, 4)
     # (a peak moves by 512 bytes a microbatch here: the third run, one block further, shows it linear)
     a, b, c = (simulate(steady_state.reduced_argv(argv, cfg, 4, m), 4, ranks, processes=2) for m in (4, 6, 8))
@@ -102,25 +147,55 @@ def test_plan_falls_back_where_the_steady_state_does_not_repeat_and_the_lists_ex
     def plan_of(flags, world=8):
         argv = BASE + ["--num-layers", "8"] + flags
         return steady_state.plan(job_config(argv, world), world, argv)
-    gpipe = plan_of(["--global-batch-size", "64", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "gpipe"])
+
+    gpipe = plan_of(
+        ["--global-batch-size", "64", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "gpipe"]
+    )
     assert gpipe.simulated is None and "holds every microbatch before its first backward" in gpipe.note
-    ramp = plan_of(["--global-batch-size", "64", "--rampup-batch-size", "16", "16", "64", "--pipeline-model-parallel-size", "4"])
+    ramp = plan_of(
+        ["--global-batch-size", "64", "--rampup-batch-size", "16", "16", "64", "--pipeline-model-parallel-size", "4"]
+    )
     assert ramp.simulated is None and "--rampup-batch-size" in ramp.note
-    few = plan_of(["--global-batch-size", "16", "--pipeline-model-parallel-size", "4"])     # 8: 4 + 5 is more
+    few = plan_of(["--global-batch-size", "16", "--pipeline-model-parallel-size", "4"])  # 8: 4 + 5 is more
     assert few.simulated is None and "every one of its 8 microbatches" in few.note
-    for name, chunks, expected in (("zb-h1", [], (8, 9)), ("zbv", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 9)),
-                                   ("dualpipev", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 9)),
-                                   ("interleaved-zb", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 12))):
-        got = plan_of(["--global-batch-size", "96", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", name] + chunks)
+    for name, chunks, expected in (
+        ("zb-h1", [], (8, 9)),
+        ("zbv", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 9)),
+        ("dualpipev", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 9)),
+        ("interleaved-zb", ["--num-layers-per-virtual-pipeline-stage", "1"], (8, 12)),
+    ):
+        got = plan_of(
+            ["--global-batch-size", "96", "--pipeline-model-parallel-size", "4", "--pipeline-schedule", name] + chunks
+        )
         assert (got.schedule, got.simulated) == (name, expected), got.note
     # the lists' check can fail: below stage 0's warm-up (3 forwards) 1F1B's list has no steady pair
     assert steady_state._list_repeats("1f1b", 4, 1, [4, 4, 4, 4], 1, 16)
     assert not steady_state._list_repeats("1f1b", 4, 1, [2, 2, 2, 2], 1, 16)
     # Megatron's GPT-3 175B recipe as written: global batch 1536 at dp 8, 192 microbatches a step
-    gpt3 = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
-            "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "1536",
-            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257"]
+    gpt3 = [
+        "--num-layers",
+        "96",
+        "--hidden-size",
+        "12288",
+        "--num-attention-heads",
+        "96",
+        "--seq-length",
+        "2048",
+        "--max-position-embeddings",
+        "2048",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1536",
+        "--tensor-model-parallel-size",
+        "8",
+        "--pipeline-model-parallel-size",
+        "16",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "50257",
+    ]
     big = steady_state.plan(job_config(gpt3, 1024), 1024, gpt3)
     assert (big.microbatches, big.simulated, big.repeats) == (192, (16, 17), 176)
     assert big.by_stage is None
@@ -130,21 +205,43 @@ def test_repeated_inserts_the_block_where_the_runs_part_and_refuses_two_blocks()
     assert steady_state.repeated(list("wFBc"), list("wFBFBc"), 3, "x") == list("wFBFBFBFBc")
     assert steady_state.repeated(list("abc"), list("abc"), 5, "x") == list("abc")
     with pytest.raises(steady_state.NotPeriodic, match="differ past one inserted block"):
-        steady_state.repeated(list("aXbY"), list("aXXbYY"), 2, "x")          # two places grow
+        steady_state.repeated(list("aXbY"), list("aXXbYY"), 2, "x")  # two places grow
 
 
 def test_a_traced_step_grows_in_several_places_and_its_events_are_renumbered():
     # a slot per microbatch where the step starts, the warm-up, the steady block; a kernel over
     # every microbatch's loss whose bytes grow (8 a microbatch)
-    a = [("s",), ("k", "slot", 8), ("k", "W", 0), ("k", "F", 1), ("k", "B", 2), ("k", "zeros", 8),
-         ("k", "stack", 32), ("e",)]
-    b = [("s",), ("k", "slot", 8), ("k", "slot", 8), ("k", "W", 0), ("k", "F", 1), ("k", "B", 2), ("k", "F", 1),
-         ("k", "B", 2), ("k", "zeros", 8), ("k", "stack", 40), ("e",)]
+    a = [
+        ("s",),
+        ("k", "slot", 8),
+        ("k", "W", 0),
+        ("k", "F", 1),
+        ("k", "B", 2),
+        ("k", "zeros", 8),
+        ("k", "stack", 32),
+        ("e",),
+    ]
+    b = [
+        ("s",),
+        ("k", "slot", 8),
+        ("k", "slot", 8),
+        ("k", "W", 0),
+        ("k", "F", 1),
+        ("k", "B", 2),
+        ("k", "F", 1),
+        ("k", "B", 2),
+        ("k", "zeros", 8),
+        ("k", "stack", 40),
+        ("e",),
+    ]
     assert steady_state.blocks_repeated(a, b, 2, "x") == [("s",)] + [("k", "slot", 8)] * 3 + [("k", "W", 0)] + [
-        ("k", "F", 1), ("k", "B", 2)] * 3 + [("k", "zeros", 8), ("k", "stack", 48), ("e",)]
+        ("k", "F", 1),
+        ("k", "B", 2),
+    ] * 3 + [("k", "zeros", 8), ("k", "stack", 48), ("e",)]
     assert steady_state.blocks_repeated(a, b, 1, "x") == b and steady_state.blocks_repeated(a, b, 0, "x") == a
     with pytest.raises(steady_state.NotPeriodic, match="past two inserted blocks"):
-        steady_state.blocks_repeated(list("aXbYc"), list("aXXbYYcZ"), 2, "x")       # three places grow
+        steady_state.blocks_repeated(list("aXbYc"), list("aXXbYYcZ"), 2, "x")  # three places grow
+
     # events: a block records one (#n) and waits on it; the wait after the block on the last one;
     # one recorded before the step (#3) and an unknown one (0) stay as they are
     def step(blocks: int, base: int):
@@ -152,6 +249,7 @@ def test_a_traced_step_grows_in_several_places_and_its_events_are_renumbered():
         for n in range(blocks):
             out += [("r", 0, base + n + 1), ("w", 1, base + n + 1)]
         return out + [("e", base + blocks), ("w", 1, 0)]
+
     trace = {"threads": [], "streams": {0: "default", 1: "side"}}
     got = steady_state._extend_trace({**trace, "records": step(2, 10)}, {**trace, "records": step(3, 12)}, 5)
     assert got == {**trace, "records": step(7, 10 + 5 * 2)}

@@ -16,6 +16,7 @@ communicator's; a collective starting at its own rank's readiness, not its last 
 receive not waiting for its send; all-reduce's wire bytes taken as (n-1)/n; a kernel costed at the
 bf16 peak whatever its dtype (ring attention's fp32 bmm 15x too fast).
 """
+
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,26 @@ from megazero.dry_run import devices
 from megazero.dry_run.devices import Device
 from megazero.dry_run.timeline import Simulation, TimelineStuck, schedule
 
-GEMM_FLOPS = 4e12          # 4 s at 1 TFLOP/s
+GEMM_FLOPS = 4e12  # 4 s at 1 TFLOP/s
 TFLOP = 1e12
 FIXTURE = Path(__file__).with_name("cpu_measured_fixture.toml")
 
 
 def unit_device(**over) -> Device:
-    fields = dict(key="unit", name="unit", kind="gpu", memory_gb=80, peak_tflops={"bf16": 1.0}, memory_gbps=1e9,
-                  launch_us=0.0, gpus_per_node=8, link_gbps=1.0, link_latency_us=0.0, net_gbps=0.5,
-                  net_latency_us=0.0)
+    fields = dict(
+        key="unit",
+        name="unit",
+        kind="gpu",
+        memory_gb=80,
+        peak_tflops={"bf16": 1.0},
+        memory_gbps=1e9,
+        launch_us=0.0,
+        gpus_per_node=8,
+        link_gbps=1.0,
+        link_latency_us=0.0,
+        net_gbps=0.5,
+        net_latency_us=0.0,
+    )
     return Device(**{**fields, **over})
 
 
@@ -42,8 +54,12 @@ def gemm(flops, stream=0, site="model.py:1"):
 
 
 def all_reduce(nbytes, ranks=(0, 1), stream=1, issuing=0, site="engine.py:9"):
-    return ("c", stream, issuing, CommEntry("all_reduce", "dp", tuple(ranks), "bfloat16", nbytes // 2, (nbytes // 2,),
-                                            "sum", None, None, site))
+    return (
+        "c",
+        stream,
+        issuing,
+        CommEntry("all_reduce", "dp", tuple(ranks), "bfloat16", nbytes // 2, (nbytes // 2,), "sum", None, None, site),
+    )
 
 
 def two_ranks(records):
@@ -51,7 +67,7 @@ def two_ranks(records):
 
 
 def test_all_reduce_overlapped_with_a_gemm_is_its_closed_form():
-    nbytes = int(3e9)                      # all-reduce of 2 ranks: 2 (n-1)/n x 3 GB at 1 GB/s = 3 s
+    nbytes = int(3e9)  # all-reduce of 2 ranks: 2 (n-1)/n x 3 GB at 1 GB/s = 3 s
     A, G, G2 = 3.0, GEMM_FLOPS / TFLOP, 1.0
     overlapped = [all_reduce(nbytes), ("r", 1, 7), gemm(GEMM_FLOPS), ("w", 0, 7), gemm(TFLOP)]
     result = schedule(two_ranks(overlapped), unit_device())
@@ -61,12 +77,13 @@ def test_all_reduce_overlapped_with_a_gemm_is_its_closed_form():
         assert row["compute_s"] == pytest.approx(G + G2)
         assert row["bubble_s"] == pytest.approx(0.0) and row["host_s"] == pytest.approx(0.0)
     # the same all-reduce longer than the GEMM: the part the GEMM does not hide is exposed
-    long = [all_reduce(2 * 6 * 10 ** 9 // 2), ("r", 1, 7), gemm(GEMM_FLOPS), ("w", 0, 7), gemm(TFLOP)]
+    long = [all_reduce(2 * 6 * 10**9 // 2), ("r", 1, 7), gemm(GEMM_FLOPS), ("w", 0, 7), gemm(TFLOP)]
     result = schedule(two_ranks(long), unit_device())
     assert result["step_s"] == pytest.approx(6.0 + G2)
     assert result["ranks"][0]["exposed_comm_s"] == pytest.approx(6.0 - G)
-    assert result["ranks"][0]["top_exposed"] == [{"op": "all_reduce dp[2]", "site": "engine.py:9",
-                                                  "exposed_s": pytest.approx(6.0 - G), "calls": 1}]
+    assert result["ranks"][0]["top_exposed"] == [
+        {"op": "all_reduce dp[2]", "site": "engine.py:9", "exposed_s": pytest.approx(6.0 - G), "calls": 1}
+    ]
     # moved onto the compute stream, after the GEMM: exposed communication grows by its duration
     serial = [gemm(GEMM_FLOPS), all_reduce(nbytes, stream=0, issuing=0), gemm(TFLOP)]
     moved = schedule(two_ranks(serial), unit_device())
@@ -76,7 +93,7 @@ def test_all_reduce_overlapped_with_a_gemm_is_its_closed_form():
 
 
 def test_a_collective_starts_when_its_last_member_reaches_it():
-    nbytes = int(2e9)                      # 2 s
+    nbytes = int(2e9)  # 2 s
     early = [all_reduce(nbytes, stream=0, issuing=0)]
     late = [gemm(3 * TFLOP), all_reduce(nbytes, stream=0, issuing=0)]
     result = schedule({0: {"records": early}, 1: {"records": late}}, unit_device())
@@ -105,6 +122,7 @@ def _one_f_one_b(stage: int, p: int, m: int) -> list:
 
     def backward():
         recs.append(gemm(TFLOP))
+
     warmup = min(p - stage - 1, m)
     for _ in range(warmup):
         p2p(("recv", prev))
@@ -137,8 +155,10 @@ def test_1f1b_bubble_is_its_closed_form(m):
 
 def test_ranks_waiting_on_each_other_are_named():
     # rank 0 waits for rank 1's receive that rank 1 posts only after its own receive from rank 0
-    traces = {0: {"records": [("p", 1, 0, (("recv", 1, 4),), "a.py:1"), ("p", 1, 0, (("send", 1, 4),), "a.py:2")]},
-              1: {"records": [("p", 1, 0, (("recv", 0, 4),), "b.py:1"), ("p", 1, 0, (("send", 0, 4),), "b.py:2")]}}
+    traces = {
+        0: {"records": [("p", 1, 0, (("recv", 1, 4),), "a.py:1"), ("p", 1, 0, (("send", 1, 4),), "a.py:2")]},
+        1: {"records": [("p", 1, 0, (("recv", 0, 4),), "b.py:1"), ("p", 1, 0, (("send", 0, 4),), "b.py:2")]},
+    }
     with pytest.raises(TimelineStuck, match=r"rank 0 waits at p2p \[\('recv', 1\)\] at a.py:1"):
         Simulation(traces, unit_device()).run()
 
@@ -162,15 +182,19 @@ def test_cpu_model_reads_the_calibration_schema():
     alpha, beta = (100 + 200) / 2 * 1e-6, (2.0 + 1.0) / 2 * 1e9
     assert cpu.collective_seconds("all_reduce", 3e9, range(3)) == pytest.approx(alpha + 2 * 2 / 3 * 3e9 / beta)
     # the nearest measured shape's rate; 4 ranks on 2 cores take twice as long
-    assert cpu.matmul_seconds(2 * 512 ** 3, 0, "float32", (512, 512, 500)) == pytest.approx(2 * 512 ** 3 / 60e9)
+    assert cpu.matmul_seconds(2 * 512**3, 0, "float32", (512, 512, 500)) == pytest.approx(2 * 512**3 / 60e9)
     cpu.ranks_on_host = 4
-    assert cpu.matmul_seconds(2 * 512 ** 3, 0, "float32", (512, 512, 500)) == pytest.approx(2 * 2 * 512 ** 3 / 60e9)
+    assert cpu.matmul_seconds(2 * 512**3, 0, "float32", (512, 512, 500)) == pytest.approx(2 * 2 * 512**3 / 60e9)
 
 
 def test_a_missing_cpu_model_says_how_to_make_it(tmp_path):
     from megazero.core.errors import UsageError
-    with pytest.raises(UsageError, match=r"--gpu cpu needs the CPU's measured model cpu_measured.toml: run "
-                                         r"python bench/calibrate_cpu.py first"):
+
+    with pytest.raises(
+        UsageError,
+        match=r"--gpu cpu needs the CPU's measured model cpu_measured.toml: run "
+        r"python bench/calibrate_cpu.py first",
+    ):
         devices.cpu(tmp_path / "cpu_measured.toml")
     broken = tmp_path / "broken.toml"
     broken.write_text(FIXTURE.read_text().split("[cpu.collectives.send_recv]")[0])
@@ -209,9 +233,29 @@ def test_predict_times_a_real_dry_run_on_the_cpu_model():
     host thread (compute and host time never overlap communication's wait), gloo's gradient
     all-reduce exposed, the four parts summing to the step, MFU against the best measured matmul."""
     from megazero.dry_run.speed import predict
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--zero-stage", "1"]
+
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "2",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "128",
+        "--zero-stage",
+        "1",
+    ]
     cpu = devices.cpu(FIXTURE, cores=2)
     result = predict(argv, cpu, world=2, processes=1)
     assert result["device"] == "cpu" and result["dtype"] == "fp32" and result["note"] is None
@@ -231,12 +275,17 @@ def test_fitted_launch_us_makes_the_one_rank_step_its_measured_time():
     import dataclasses
 
     from megazero.dry_run.speed import fitted_launch_us
+
     cpu = devices.cpu(FIXTURE, cores=2)
     cpu.ranks_on_host = 1
-    records = [("k", 0, "mm.default", 2 * 512 ** 3, 0, "float32", (512, 512, 512), "model.py:1"),
-               ("k", 0, "add.Tensor", 0.0, 3e6, "float32", None, ""), ("x", 0, 1e6, "loop.py:47"),
-               ("r", 0, 1), ("w", 0, 1)]
-    work = 2 * 512 ** 3 / 60e9 + 3e6 / 10e9 + 1e6 / 10e9
+    records = [
+        ("k", 0, "mm.default", 2 * 512**3, 0, "float32", (512, 512, 512), "model.py:1"),
+        ("k", 0, "add.Tensor", 0.0, 3e6, "float32", None, ""),
+        ("x", 0, 1e6, "loop.py:47"),
+        ("r", 0, 1),
+        ("w", 0, 1),
+    ]
+    work = 2 * 512**3 / 60e9 + 3e6 / 10e9 + 1e6 / 10e9
     measured = work + 3 * 40e-6
     launch, found_work, ops = fitted_launch_us({0: {"records": records, "threads": []}}, cpu, measured)
     assert (launch, found_work, ops) == (pytest.approx(40.0), pytest.approx(work), 3)
@@ -251,8 +300,8 @@ def test_cpu_ranks_beyond_the_cores_share_the_hosts_per_op_cost_too():
     """4 ranks on 2 cores, each one GEMM: each op (its launch_us and its kernel) takes twice as long
     as on a rank of its own. Planted: launch_us left unshared gives 5 us + 2 x kernel."""
     cpu = devices.cpu(FIXTURE, cores=2)
-    kernel = 2 * 512 ** 3 / 60e9
-    records = [("k", 0, "mm.default", 2 * 512 ** 3, 0, "float32", (512, 512, 512), "model.py:1")]
+    kernel = 2 * 512**3 / 60e9
+    records = [("k", 0, "mm.default", 2 * 512**3, 0, "float32", (512, 512, 512), "model.py:1")]
     cpu.ranks_on_host = 4
     four = schedule({r: {"records": list(records), "threads": []} for r in range(4)}, cpu)
     assert four["step_s"] == pytest.approx(2 * (5e-6 + kernel))
@@ -266,10 +315,14 @@ def test_cpu_async_collective_takes_its_time_from_the_host_when_no_core_is_spare
     the all-reduce hides behind the GEMM (launches + G). Planted: the async op free on every CPU
     (the timeline before this rule) gives launches + G on 2 cores."""
     cpu = devices.cpu(FIXTURE, cores=2)
-    a = 100e-6 + 2e6 / 2e9                                       # fixture's 2-rank alpha + B / beta
-    g = 2 * 512 ** 3 / 60e9
-    records = [all_reduce(2_000_000), ("k", 0, "mm.default", 2 * 512 ** 3, 0, "float32", (512, 512, 512), "m.py:1"),
-               ("r", 1, 1), ("w", 0, 1)]
+    a = 100e-6 + 2e6 / 2e9  # fixture's 2-rank alpha + B / beta
+    g = 2 * 512**3 / 60e9
+    records = [
+        all_reduce(2_000_000),
+        ("k", 0, "mm.default", 2 * 512**3, 0, "float32", (512, 512, 512), "m.py:1"),
+        ("r", 1, 1),
+        ("w", 0, 1),
+    ]
     cpu.ranks_on_host = 2
     assert schedule(two_ranks(records), cpu)["step_s"] == pytest.approx(2 * 5e-6 + a + g)
     roomy = devices.cpu(FIXTURE, cores=4)
@@ -282,12 +335,15 @@ def test_cpu_share_is_the_measured_slowdown_of_ranks_running_at_once(tmp_path):
     the CPU share follows it, interpolated between measured counts, where ranks / cores would say
     1 at 2 ranks. Planted: the table ignored (ranks / cores) fails at 2 ranks."""
     measured = tmp_path / "cpu.toml"
-    measured.write_text(FIXTURE.read_text().replace("[cpu.collectives.all_reduce]",
-                                                    "shared_ranks = [1, 2, 4]\nshared_slowdown = [1.0, 1.5, 3.0]\n\n"
-                                                    "[cpu.collectives.all_reduce]"))
+    measured.write_text(
+        FIXTURE.read_text().replace(
+            "[cpu.collectives.all_reduce]",
+            "shared_ranks = [1, 2, 4]\nshared_slowdown = [1.0, 1.5, 3.0]\n\n[cpu.collectives.all_reduce]",
+        )
+    )
     cpu = devices.cpu(measured, cores=2)
     for ranks, share in ((1, 1.0), (2, 1.5), (3, 2.25), (4, 3.0), (8, 3.0)):
         cpu.ranks_on_host = ranks
         assert cpu.cpu_share() == pytest.approx(share), ranks
     cpu.ranks_on_host = 2
-    assert cpu.matmul_seconds(2 * 512 ** 3, 0, "float32", (512, 512, 512)) == pytest.approx(1.5 * 2 * 512 ** 3 / 60e9)
+    assert cpu.matmul_seconds(2 * 512**3, 0, "float32", (512, 512, 512)) == pytest.approx(1.5 * 2 * 512**3 / 60e9)

@@ -4,6 +4,7 @@ Every test collected here gets the `gpu` marker; `@pytest.mark.gpu(n)` asks for 
 1). Where there are fewer, each test is skipped with the reason, which `-ra` prints: a CPU run
 reports these as skipped, never as passed. `trainer` runs pretrain_gpt.py as users launch it.
 """
+
 import math
 import subprocess
 import sys
@@ -33,8 +34,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         needed = marker.args[0] if marker is not None and marker.args else 1
         if found == 0:
-            item.add_marker(pytest.mark.skip(
-                reason="no CUDA device (torch.cuda.is_available() is False); run bench/gpu_check.sh on a GPU machine"))
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="no CUDA device (torch.cuda.is_available() is False); run bench/gpu_check.sh on a GPU machine"
+                )
+            )
         elif found < needed:
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA devices, found {found}"))
 
@@ -49,8 +53,7 @@ class Trainer:
     def run(self, argv: list[str], run_dir: str, nproc: int = 1, timeout: int = 300) -> list[float]:
         script = [str(REPO / "pretrain_gpt.py"), *argv, "--run-dir", run_dir]
         command = torchrun_command(nproc, script) if nproc > 1 else [sys.executable, *script]
-        proc = subprocess.run(command, cwd=self.cwd, capture_output=True, text=True, timeout=timeout,
-                              env=worker_env())
+        proc = subprocess.run(command, cwd=self.cwd, capture_output=True, text=True, timeout=timeout, env=worker_env())
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         records = metrics_records(self.cwd / run_dir / "metrics.jsonl")
         losses = [r["loss"] for r in records if r.get("split", "train") == "train"]

@@ -2,6 +2,7 @@
 --attention-backend's SDPA kernels (flash, cuDNN / memory-efficient) in bf16 with grouped-query
 attention against the written-out math, the fused output layer + loss against the full logits,
 and the layers compiled by inductor (triton) against eager."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,9 @@ DEVICE = "cuda"
 @pytest.mark.parametrize("heads,groups", [(8, 8), (8, 2)])
 def test_attention_backends_in_bf16(backend, heads, groups):
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v = (torch.randn(2, 256, n, 64, device=DEVICE, generator=g, dtype=torch.bfloat16)
-               for n in (heads, groups, groups))
+    q, k, v = (
+        torch.randn(2, 256, n, 64, device=DEVICE, generator=g, dtype=torch.bfloat16) for n in (heads, groups, groups)
+    )
     out = core_attention(q, k, v, 0.0, backend).float()
     ref = attention_reference(q.double(), k.double(), v.double()).float()
     assert float((out - ref).abs().max()) <= 3e-2 * float(ref.abs().max()), backend
@@ -43,9 +45,18 @@ def test_chunked_loss_matches_full_logits():
 
 
 def test_inductor_layers_match_eager_on_the_gpu():
-    cfg = GPTConfig(vocab_size=512, hidden_size=128, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                    seq_length=128, hidden_dropout=0.0, attention_dropout=0.0, position_embedding="rope",
-                    activation="swiglu")
+    cfg = GPTConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=128,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        position_embedding="rope",
+        activation="swiglu",
+    )
     eager = GPT(cfg)
     for name, p in eager.named_parameters():
         p.data = initial_value(cfg, name, p.shape, 3)

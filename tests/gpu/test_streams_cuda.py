@@ -1,6 +1,7 @@
 """megazero.core.streams on a real CUDA device, with cuda-python when installed and with the torch.cuda
 fallback: priorities as the device reports them, event ordering between streams, pinned copies
 on the copy stream, timers."""
+
 import pytest
 import torch
 

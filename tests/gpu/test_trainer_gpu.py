@@ -2,12 +2,35 @@
 runs (dp 2 ZeRO-3, pp 2 interleaved, tp 2) that must reproduce one process's fp32 loss curve.
 Offloaded runs against the device run, and ZeRO-3 against ZeRO-0 on one GPU, are bench/gpu_check.py's
 parity figures (in one process, to 1e-6)."""
+
 import pytest
 
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
-         "--distributed-backend", "nccl"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-3",
+    "--distributed-backend",
+    "nccl",
+]
 
 
 @pytest.mark.parametrize("stage", ["1", "3"])
@@ -26,11 +49,15 @@ def one_process(trainer):
 
 
 @pytest.mark.gpu(2)
-@pytest.mark.parametrize("layout", [
-    ["--zero-stage", "3"],
-    ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-    ["--tensor-model-parallel-size", "2"],
-], ids=["dp2-zero3", "pp2-interleaved", "tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--zero-stage", "3"],
+        ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+        ["--tensor-model-parallel-size", "2"],
+    ],
+    ids=["dp2-zero3", "pp2-interleaved", "tp2"],
+)
 def test_two_gpus_nccl_match_one_process_fp32(trainer, one_process, layout):
     name = "par-" + "-".join(layout).replace("--", "")
     par = trainer.run(SMALL + ["--train-iters", "10"] + layout, name, nproc=2)
@@ -43,7 +70,14 @@ def test_two_gpus_nccl_match_one_process_fp32(trainer, one_process, layout):
 def test_two_gpus_zeropp_as_two_nodes_stay_near_the_unquantized_curve(trainer, one_process):
     """NCCL, 2 GPUs as 2 nodes of 1: two-hop gathers, qwZ (int8 weights, torch path on the device)
     and qgZ (int4 all-to-all): within 2% of the unquantized loss after 10 steps."""
-    flags = ["--zero-stage", "3", "--ranks-per-node", "1", "--zero-hierarchical-gather",
-             "--zero-quantized-weights", "--zero-quantized-gradients"]
+    flags = [
+        "--zero-stage",
+        "3",
+        "--ranks-per-node",
+        "1",
+        "--zero-hierarchical-gather",
+        "--zero-quantized-weights",
+        "--zero-quantized-gradients",
+    ]
     got = trainer.run(SMALL + ["--train-iters", "10"] + flags, "zeropp", nproc=2)
     assert len(got) == 10 and abs(got[-1] - one_process[-1]) <= 0.02 * one_process[-1], (got, one_process)

@@ -10,6 +10,7 @@ meaning (fp32 unless said otherwise):
   rotation says (planted: rotating the trailing dims instead fails).
 tests/gpu/test_model_kernels_cuda.py runs the CUDA backends.
 """
+
 import math
 
 import pytest
@@ -29,6 +30,7 @@ def close(actual, expected, what, rel=REL):
 
 
 # --- the paths these kernels replaced, kept as oracles ---------------------------------------------
+
 
 def old_core_attention(q, k, v):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -51,6 +53,7 @@ def old_apply_rotary(x, cos, sin):
 
 
 # --- attention ------------------------------------------------------------------------------------
+
 
 def _qkv(heads, groups, d=8, b=2, s=12, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -84,6 +87,7 @@ def test_written_out_attention_is_softmax_of_scaled_scores():
 
 # --- rotary ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cached_rotation_is_bitwise_the_old_rotation(dtype):
     head_dim, s = 16, 11
@@ -93,7 +97,7 @@ def test_cached_rotation_is_bitwise_the_old_rotation(dtype):
     x = torch.randn(3, s, 5, head_dim).to(dtype)
     old_cos, old_sin = old_rotary_cos_sin(s, head_dim, 500.0, dtype)
     assert torch.equal(rotate(x, cos, sin), old_apply_rotary(x, old_cos, old_sin))
-    grouped = x.view(3, s, 5, 1, head_dim)        # the model rotates (b, s, groups, q+k, d) at once
+    grouped = x.view(3, s, 5, 1, head_dim)  # the model rotates (b, s, groups, q+k, d) at once
     assert torch.equal(rotate(grouped, cos, sin).view_as(x), old_apply_rotary(x, old_cos, old_sin))
 
 

@@ -26,6 +26,7 @@ Mutations planted and seen failing (each by hand, then reverted):
 - the recomputation not replaying the random state (checkpointed calls with preserve_rng_state=False;
   then _PerDocument not restoring it) -> the dropout replay check fails (dq differs).
 """
+
 import itertools
 import warnings
 
@@ -46,24 +47,35 @@ ALL = DocumentMasking(EOD, reset_position_ids=True, reset_attention_mask=True, e
 def _megatron_samples(tmp_path, flags: dict, count: int, seq: int):
     """megatron-core's GPTDataset samples on a .bin/.idx of documents ending with EOD."""
     warnings.filterwarnings("ignore", module="megatron")
-    gpt_dataset = pytest.importorskip("megatron.core.datasets.gpt_dataset",
-                                      reason="megatron-core is not installed (the oracle of Megatron's data semantics)")
+    gpt_dataset = pytest.importorskip(
+        "megatron.core.datasets.gpt_dataset",
+        reason="megatron-core is not installed (the oracle of Megatron's data semantics)",
+    )
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import Split
+
     prefix = tmp_path / "docs"
     if not prefix.with_suffix(".idx").exists():
         rng = np.random.default_rng(0)
         write_dataset(prefix, [list(rng.integers(2, 50, rng.integers(0, 40))) + [EOD] for _ in range(400)])
 
-    class Tokenizer:                       # what GPTDataset reads of one
+    class Tokenizer:  # what GPTDataset reads of one
         eod, vocab_size, unique_identifiers = EOD, 50, {"class": "Tokenizer"}
 
-    config = gpt_dataset.GPTDatasetConfig(random_seed=1, sequence_length=seq, blend=None, split="1,0,0",
-                                          tokenizer=Tokenizer(), path_to_cache=str(tmp_path / "cache"),
-                                          create_attention_mask=all(flags.values()), **flags)
+    config = gpt_dataset.GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=seq,
+        blend=None,
+        split="1,0,0",
+        tokenizer=Tokenizer(),
+        path_to_cache=str(tmp_path / "cache"),
+        create_attention_mask=all(flags.values()),
+        **flags,
+    )
     indexed = IndexedDataset(str(prefix))
-    dataset = gpt_dataset.GPTDataset(indexed, str(prefix), np.arange(len(indexed), dtype=np.int32), count,
-                                     Split.train, config)
+    dataset = gpt_dataset.GPTDataset(
+        indexed, str(prefix), np.arange(len(indexed), dtype=np.int32), count, Split.train, config
+    )
     return [dataset[i] for i in range(count)]
 
 
@@ -72,7 +84,7 @@ def _dense_mask_from_bounds(bounds, b: int, s: int) -> torch.Tensor:
     blocked = torch.ones(b * s, b * s, dtype=torch.bool)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         blocked[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).triu(1)
-    return torch.stack([blocked[i * s:(i + 1) * s, i * s:(i + 1) * s] for i in range(b)])
+    return torch.stack([blocked[i * s : (i + 1) * s, i * s : (i + 1) * s] for i in range(b)])
 
 
 def test_tensors_equal_megatron_core_gpt_dataset(tmp_path):
@@ -83,8 +95,11 @@ def test_tensors_equal_megatron_core_gpt_dataset(tmp_path):
         inputs = torch.stack([s["tokens"] for s in samples])
         documents, loss_mask = pack_documents(inputs, DocumentMasking(EOD, **flags))
         expected = torch.stack([s["position_ids"] for s in samples])
-        positions = documents.positions if documents is not None and documents.positions is not None \
+        positions = (
+            documents.positions
+            if documents is not None and documents.positions is not None
             else torch.arange(seq).expand(count, seq)
+        )
         assert torch.equal(positions, expected), f"{flags}: position ids"
         if all(values):
             blocked = torch.stack([s["attention_mask"][0] for s in samples])
@@ -92,16 +107,25 @@ def test_tensors_equal_megatron_core_gpt_dataset(tmp_path):
             assert torch.equal(_dense_mask_from_bounds(documents.bounds, count, seq), blocked), f"{flags}: mask"
             assert torch.equal(documents.cu_seqlens, torch.tensor(documents.bounds, dtype=torch.int32))
             assert torch.equal(~documents.visible()[:, 0], blocked), f"{flags}: document numbers"
-        elif not flags["reset_attention_mask"]:        # Megatron's mask is then the plain causal one
+        elif not flags["reset_attention_mask"]:  # Megatron's mask is then the plain causal one
             assert documents is None or not documents.separates_attention
         expected_loss = torch.stack([s["loss_mask"] for s in samples])
-        assert torch.equal(loss_mask if loss_mask is not None else torch.ones(count, seq), expected_loss), \
+        assert torch.equal(loss_mask if loss_mask is not None else torch.ones(count, seq), expected_loss), (
             f"{flags}: loss mask"
+        )
 
 
 def _model(**extra) -> GPT:
-    cfg = GPTConfig(vocab_size=50, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=24,
-                    hidden_dropout=0.0, attention_dropout=0.0, **extra)
+    cfg = GPTConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        seq_length=24,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **extra,
+    )
     model = GPT(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -116,19 +140,20 @@ def _documents_of(sample: torch.Tensor):
     ends = (inputs == EOD).nonzero().flatten().tolist()
     starts = [0] + [e + 1 for e in ends if e + 1 < len(inputs)]
     stops = starts[1:] + [len(inputs)]
-    return [(sample[a:b], sample[a + 1:b + 1]) for a, b in zip(starts, stops)]
+    return [(sample[a:b], sample[a + 1 : b + 1]) for a, b in zip(starts, stops)]
 
 
-@pytest.mark.parametrize("extra", [dict(position_embedding="rope", num_query_groups=2), {}],
-                         ids=["rope-gqa", "learned"])
+@pytest.mark.parametrize(
+    "extra", [dict(position_embedding="rope", num_query_groups=2), {}], ids=["rope-gqa", "learned"]
+)
 def test_packed_documents_equal_separate_samples(extra):
     gen = torch.Generator().manual_seed(0)
-    lengths = [[5, 9, 3, 8], [12, 4, 9]]            # tokens per document, eod included; cut at 25
+    lengths = [[5, 9, 3, 8], [12, 4, 9]]  # tokens per document, eod included; cut at 25
     rows = []
     for doc_lengths in lengths:
         row = [torch.cat([torch.randint(2, 50, (n - 1,), generator=gen), torch.tensor([EOD])]) for n in doc_lengths]
         rows.append(torch.cat(row)[:25])
-    tokens = torch.stack(rows)                       # (2, 25): inputs and labels of 24
+    tokens = torch.stack(rows)  # (2, 25): inputs and labels of 24
     packed = _model(**extra)
     documents, loss_mask = pack_documents(tokens[:, :-1], ALL)
     losses = packed(tokens[:, :-1], tokens[:, 1:], documents)
@@ -178,8 +203,7 @@ def test_per_document_kernel_equals_the_dense_mask():
         results.append([out.detach()] + [t.grad for t in qkv])
     for got, oracle in ((results[0], results[1]), (results[2], results[1])):
         for name, a, e in zip(("out", "dq", "dk", "dv"), got, oracle):
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * float(e.abs().max()),
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * float(e.abs().max()), msg=lambda m: f"{name}: {m}")
 
 
 def test_per_document_recomputation_replays_dropout():
@@ -198,9 +222,14 @@ def test_per_document_recomputation_replays_dropout():
             out = per_document_attention(*qkv, documents.bounds, dropout_p=0.3)
         else:
             flat = [t.flatten(0, 1).unsqueeze(0) for t in qkv]
-            out = torch.cat([causal_attention(*(t[:, lo:hi] for t in flat), 0.3)
-                             for lo, hi in zip(documents.bounds[:-1], documents.bounds[1:])], 1).view(b, s, -1)
-        torch.manual_seed(99)                   # the backward draws from another state
+            out = torch.cat(
+                [
+                    causal_attention(*(t[:, lo:hi] for t in flat), 0.3)
+                    for lo, hi in zip(documents.bounds[:-1], documents.bounds[1:])
+                ],
+                1,
+            ).view(b, s, -1)
+        torch.manual_seed(99)  # the backward draws from another state
         out.backward(dout)
         results.append([out.detach()] + [t.grad for t in qkv])
     for name, a, e in zip(("out", "dq", "dk", "dv"), *results):

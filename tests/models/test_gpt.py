@@ -2,12 +2,14 @@
 `+ 1` dropped fails), and a zero-centred scale starts at 0; selective recomputation gives the same
 loss and gradients as none, and recomputes the core attention only.
 """
+
 import pytest
 import torch
 from torch import nn
 
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, CoreAttention, ZeroCenteredLayerNorm, ZeroCenteredRMSNorm, initial_value
+
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_zero_centred_norm_is_the_norm_with_weight_plus_one(kind):
@@ -23,13 +25,23 @@ def test_zero_centred_norm_is_the_norm_with_weight_plus_one(kind):
             plain.bias.copy_(one_p.bias)
     assert torch.equal(one_p(x), plain(x))
     cfg = GPTConfig(vocab_size=11, hidden_size=16, num_attention_heads=2, apply_layernorm_1p=True)
-    assert torch.equal(initial_value(cfg, "layers.0.input_norm.weight", (16,), 0), torch.zeros(16)), \
+    assert torch.equal(initial_value(cfg, "layers.0.input_norm.weight", (16,), 0), torch.zeros(16)), (
         "a zero-centred scale starts at 0 (the norm multiplies by 1)"
+    )
 
 
 def test_selective_recomputation_equals_none_and_reruns_the_core_only():
-    base = dict(vocab_size=29, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                seq_length=10, hidden_dropout=0.0, attention_dropout=0.0, position_embedding="rope")
+    base = dict(
+        vocab_size=29,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=10,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        position_embedding="rope",
+    )
     models = [GPT(GPTConfig(**base, recompute_granularity=g)) for g in ("none", "selective")]
     for name, p in models[0].named_parameters():
         p.data = initial_value(models[0].config, name, p.shape, 3) + 0.01 * torch.randn(p.shape)
@@ -37,7 +49,8 @@ def test_selective_recomputation_equals_none_and_reruns_the_core_only():
     tokens = torch.randint(0, 29, (3, 11), generator=torch.Generator().manual_seed(2))
     calls = []
     hook = nn.modules.module.register_module_forward_pre_hook(
-        lambda m, a: calls.append(type(m).__name__) if isinstance(m, CoreAttention) else None)
+        lambda m, a: calls.append(type(m).__name__) if isinstance(m, CoreAttention) else None
+    )
     try:
         losses = []
         for model in models:

@@ -3,6 +3,7 @@ vocabulary-parallel form): loss and gradients of x and W against F.cross_entropy
 for chunks of 1 token to all of them, within 1e-6 relative, in bf16 within bf16's rounding, and at
 tp 2 with a rank that holds only padding rows (planted: dropping the `* in_range` mask fails tp 2).
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,9 +12,10 @@ from megazero.models.loss import linear_cross_entropy
 from megazero.parallel.topology import Topology
 from tests.models.test_attention import close
 
+
 def _head_inputs(tokens=23, hidden=16, rows=40, vocab=37, seed=1):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, tokens, hidden, generator=g)                # (b, s, h)
+    x = torch.randn(2, tokens, hidden, generator=g)  # (b, s, h)
     weight = torch.randn(rows, hidden, generator=g) * 0.5
     weight[vocab:] = 0.0
     labels = torch.randint(0, vocab, x.shape[:-1], generator=g)
@@ -45,14 +47,15 @@ def test_chunked_cross_entropy_matches_the_full_logits(chunk):
 
 def test_chunking_is_one_chunk_under_the_budget_and_thousands_of_tokens_above():
     from megazero.models.loss import LOGITS_BUDGET_BYTES, MIN_CHUNK_TOKENS, chunk_tokens_for
-    assert chunk_tokens_for(512, 8192) == 512                    # the benches' head: one chunk
+
+    assert chunk_tokens_for(512, 8192) == 512  # the benches' head: one chunk
     assert chunk_tokens_for(8 * 2048, 50304) * 50304 * 4 <= LOGITS_BUDGET_BYTES
     for tokens, vocab in ((8 * 2048, 50304), (16384, 128256), (4096, 1 << 20), (5000, 300_000)):
         chunk = chunk_tokens_for(tokens, vocab)
         chunks = -(-tokens // chunk)
         assert chunk >= MIN_CHUNK_TOKENS, (tokens, vocab)
         assert chunks * chunk - tokens < chunks, "chunks are equal but for rounding"
-    assert chunk_tokens_for(4096, 1 << 20) == MIN_CHUNK_TOKENS   # the floor beats the budget
+    assert chunk_tokens_for(4096, 1 << 20) == MIN_CHUNK_TOKENS  # the floor beats the budget
     assert chunk_tokens_for(100, 1 << 30, budget_bytes=1) == 100  # fewer tokens than the floor: one chunk
 
 
@@ -64,18 +67,19 @@ def test_chunked_cross_entropy_in_bf16_tracks_the_full_path():
     loss = linear_cross_entropy(x, weight, labels, 60, chunk_tokens=5)
     (loss * upstream).sum().backward()
     assert loss.dtype == torch.float32 and weight.grad.dtype == torch.bfloat16
-    close(loss, ref_loss, "bf16 loss", rel=1e-6)                  # same bf16 logits, fp32 softmax
+    close(loss, ref_loss, "bf16 loss", rel=1e-6)  # same bf16 logits, fp32 softmax
     close(x.grad, ref_dx, "bf16 dx", rel=1e-2)
     close(weight.grad, ref_dw, "bf16 dW", rel=1e-2)
 
 
 def vocab_parallel_ce(ctx, vocab, padded, chunk):
     from megazero.parallel.cross_entropy import vocab_parallel_linear_cross_entropy
+
     groups = ctx.groups(Topology(world_size=2, tp=2))
     x, full_weight, labels, upstream = _head_inputs(rows=padded, vocab=vocab)
     rows = padded // 2
     start = groups.coords.tp * rows
-    weight = full_weight[start:start + rows].clone().requires_grad_()
+    weight = full_weight[start : start + rows].clone().requires_grad_()
     x = x.clone().requires_grad_()
     loss = vocab_parallel_linear_cross_entropy(x, weight, labels, groups.tp, start, vocab, chunk)
     (loss * upstream).sum().backward()
@@ -90,5 +94,5 @@ def test_vocab_parallel_chunked_cross_entropy_at_tp2(dist_pool, vocab, padded, c
     results = dist_pool(2).run(vocab_parallel_ce, vocab, padded, chunk)
     for loss, dx_part, dw, start in results:
         close(loss, ref_loss, "tp 2 loss")
-        close(dw, ref_dw[start:start + padded // 2], f"tp 2 dW rows {start}..")   # all-padding rows: 0
+        close(dw, ref_dw[start : start + padded // 2], f"tp 2 dW rows {start}..")  # all-padding rows: 0
     close(sum(r[1] for r in results), ref_dx, "tp 2 dx summed over ranks")

@@ -2,6 +2,7 @@
 token, from the papers' formulas: Switch/GShard routing and auxiliary loss, Mixtral's top-k softmax,
 DeepSeek-V3's sigmoid scores and expert bias, DeepSeek-V2's sequence-wise loss, ST-MoE's z-loss,
 capacity with dropping. Outputs and every gradient (input, router, experts, shared expert) to 1e-5."""
+
 from __future__ import annotations
 
 import math
@@ -12,16 +13,32 @@ import torch.nn.functional as F
 
 from megazero.models.config import GPTConfig
 from megazero.models.gpt import GPT, initial_value, shared_expert
-from megazero.models.moe import (MoELayer, balanced_kept, expert_capacity, grouped_matmul, grouped_mm_usable,
-                                 sort_by_expert)
+from megazero.models.moe import (
+    MoELayer,
+    balanced_kept,
+    expert_capacity,
+    grouped_matmul,
+    grouped_mm_usable,
+    sort_by_expert,
+)
 
 H, F_MOE, E, B, S = 16, 8, 4, 3, 6
 
 
 def moe_config(**extra) -> GPTConfig:
-    base = dict(vocab_size=31, hidden_size=H, num_layers=2, num_attention_heads=2, seq_length=S,
-                num_experts=E, moe_router_topk=2, moe_ffn_hidden_size=F_MOE, hidden_dropout=0.0,
-                attention_dropout=0.0, activation="swiglu")
+    base = dict(
+        vocab_size=31,
+        hidden_size=H,
+        num_layers=2,
+        num_attention_heads=2,
+        seq_length=S,
+        num_experts=E,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=F_MOE,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation="swiglu",
+    )
     return GPTConfig(**{**base, **extra})
 
 
@@ -89,12 +106,17 @@ def plain_moe(x, cfg: GPTConfig, router_w, w1, w2, shared=None, bias=None):
         if shared is not None:
             y = y + shared(tokens[t])
         outs.append(y)
+
     # Switch eq. 4 over a token set: E * sum_i (fraction of choices to i) * (mean full score of i)
     def switch(token_ids):
-        full = torch.softmax(logits[token_ids], -1) if cfg.moe_router_score_function == "softmax" else \
-            torch.sigmoid(logits[token_ids]) / torch.sigmoid(logits[token_ids]).sum(-1, keepdim=True)
+        full = (
+            torch.softmax(logits[token_ids], -1)
+            if cfg.moe_router_score_function == "softmax"
+            else torch.sigmoid(logits[token_ids]) / torch.sigmoid(logits[token_ids]).sum(-1, keepdim=True)
+        )
         f = torch.tensor([sum(choices[t].count(i) for t in token_ids) / (k * len(token_ids)) for i in range(e)])
         return e * (f * full.mean(0)).sum()
+
     if cfg.moe_router_load_balancing_type == "seq_aux_loss":
         aux = sum(switch(list(range(q * s, q * s + s))) for q in range(b)) / b
     else:
@@ -124,8 +146,16 @@ def _compare(cfg: GPTConfig, shared=False):
             out = w2 @ (F.silu(gate) * up) + b2
             # Megatron's --moe-shared-expert-gate, Qwen2-MoE's shared_expert_gate: sigmoid(w . x) scales it
             return out if gate_w is None else out * torch.sigmoid(gate_w[0] @ t)
-    ref, aux, z, kept = plain_moe(x2, cfg, params["router.weight"], params["experts.weight1"],
-                                  params["experts.weight2"], shared_fn, layer.router.expert_bias)
+
+    ref, aux, z, kept = plain_moe(
+        x2,
+        cfg,
+        params["router.weight"],
+        params["experts.weight1"],
+        params["experts.weight2"],
+        shared_fn,
+        layer.router.expert_bias,
+    )
     coeff_loss = cfg.moe_aux_loss_coeff * aux + cfg.moe_z_loss_coeff * z
     ((ref * g).sum() + coeff_loss).backward()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
@@ -141,15 +171,18 @@ def _compare(cfg: GPTConfig, shared=False):
     return layer, dropped
 
 
-@pytest.mark.parametrize("extra", [
-    dict(),                                                                   # Mixtral: top-2 softmax
-    dict(moe_router_pre_softmax=True, moe_router_topk=1, activation="gelu"),  # Switch
-    dict(moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5, moe_router_topk=3),
-    dict(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.02),
-    dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.5),
-    dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.3, moe_router_dtype="fp64"),
-    dict(moe_grouped_gemm=True, moe_aux_loss_coeff=0.1),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(),  # Mixtral: top-2 softmax
+        dict(moe_router_pre_softmax=True, moe_router_topk=1, activation="gelu"),  # Switch
+        dict(moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5, moe_router_topk=3),
+        dict(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.02),
+        dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.5),
+        dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.3, moe_router_dtype="fp64"),
+        dict(moe_grouped_gemm=True, moe_aux_loss_coeff=0.1),
+    ],
+)
 def test_layer_matches_plain_moe(extra):
     _compare(moe_config(**extra))
 
@@ -163,21 +196,28 @@ def test_shared_expert_matches_plain_moe(gate):
 @pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("pad", [False, True])
 def test_capacity_drops_match_plain_moe(policy, pad):
-    _, dropped = _compare(moe_config(moe_expert_capacity_factor=0.75, moe_token_drop_policy=policy,
-                                     moe_pad_expert_input_to_capacity=pad, moe_aux_loss_coeff=0.1))
-    assert dropped > 0          # the capacity did cut something, so the drop path was exercised
+    _, dropped = _compare(
+        moe_config(
+            moe_expert_capacity_factor=0.75,
+            moe_token_drop_policy=policy,
+            moe_pad_expert_input_to_capacity=pad,
+            moe_aux_loss_coeff=0.1,
+        )
+    )
+    assert dropped > 0  # the capacity did cut something, so the drop path was exercised
 
 
 def test_expert_bias_chooses_and_moves_towards_balance():
-    cfg = moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                     moe_router_bias_update_rate=0.5)
+    cfg = moe_config(
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.5
+    )
     layer = make_layer(cfg)
     x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
     layer(x)
     load = torch.tensor([10.0, 2.0, 6.0, 6.0])
     layer.router.update_expert_bias(load)
     assert layer.router.expert_bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
-    layer.router.expert_bias = torch.tensor([0.0, 0.0, 0.0, 5.0])   # expert 3 chosen by every token
+    layer.router.expert_bias = torch.tensor([0.0, 0.0, 0.0, 5.0])  # expert 3 chosen by every token
     y = layer(x.requires_grad_())
     _, indices, _ = layer.router(x.reshape(-1, H), B)
     assert (indices == 3).any(dim=1).all()
@@ -190,8 +230,14 @@ def test_expert_bias_matches_plain_moe():
     layer.router.expert_bias = torch.tensor([0.3, -0.2, 0.0, 0.1])
     x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
     params = dict(layer.named_parameters())
-    ref, *_ = plain_moe(x, cfg, params["router.weight"], params["experts.weight1"], params["experts.weight2"],
-                        bias=layer.router.expert_bias)
+    ref, *_ = plain_moe(
+        x,
+        cfg,
+        params["router.weight"],
+        params["experts.weight1"],
+        params["experts.weight2"],
+        bias=layer.router.expert_bias,
+    )
     torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -208,7 +254,7 @@ def test_grouped_gemm_equals_the_loop():
     torch.testing.assert_close(grouped_matmul(x, w, counts, True), loop, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-6, atol=1e-6)
-    assert not grouped_mm_usable(torch.randn(4, 5), torch.randn(2, 5, 3))    # rows not 16-byte blocks
+    assert not grouped_mm_usable(torch.randn(4, 5), torch.randn(2, 5, 3))  # rows not 16-byte blocks
 
 
 def test_layer_freq_mixes_dense_and_moe_and_the_gpt_trains():
@@ -216,8 +262,12 @@ def test_layer_freq_mixes_dense_and_moe_and_the_gpt_trains():
     model = GPT(cfg)
     kinds = [type(layer.mlp).__name__ for layer in model.layers.values()]
     assert kinds == ["MoELayer", "MLP", "MLP", "MoELayer"]
-    assert [type(layer.mlp).__name__ for layer in GPT(moe_config(num_layers=4, moe_layer_freq=2)).layers.values()] \
-        == ["MoELayer", "MLP", "MoELayer", "MLP"]
+    assert [type(layer.mlp).__name__ for layer in GPT(moe_config(num_layers=4, moe_layer_freq=2)).layers.values()] == [
+        "MoELayer",
+        "MLP",
+        "MoELayer",
+        "MLP",
+    ]
     for name, p in model.named_parameters():
         p.data = initial_value(cfg, name, p.shape, 0)
     tokens = torch.randint(0, 31, (2, S + 1), generator=torch.Generator().manual_seed(0))
@@ -233,19 +283,22 @@ def test_layer_freq_mixes_dense_and_moe_and_the_gpt_trains():
     assert model.layers["0"].mlp.experts.weight1.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("extra, words", [
-    (dict(moe_router_topk=5), "--moe-router-topk 5 must be between 1 and --num-experts 4"),
-    (dict(moe_router_pre_softmax=True, moe_router_score_function="sigmoid"), "--moe-router-pre-softmax"),
-    (dict(moe_router_enable_expert_bias=True), "add --moe-router-score-function sigmoid"),
-    (dict(moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
-    (dict(moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor must be > 0"),
-    (dict(moe_token_drop_policy="random"), "--moe-token-drop-policy 'random'"),
-    (dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type 'sinkhorn'"),
-    (dict(moe_layer_freq=[1, 0, 1]), "one 0 (dense) or 1 (MoE) per layer: 2 entries"),
-    (dict(moe_layer_freq=0), "--moe-layer-freq 0 must be >= 1"),
-    (dict(moe_router_dtype="bf16"), "--moe-router-dtype 'bf16'"),
-    (dict(moe_aux_loss_coeff=-1.0), "--moe-aux-loss-coeff must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (dict(moe_router_topk=5), "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+        (dict(moe_router_pre_softmax=True, moe_router_score_function="sigmoid"), "--moe-router-pre-softmax"),
+        (dict(moe_router_enable_expert_bias=True), "add --moe-router-score-function sigmoid"),
+        (dict(moe_pad_expert_input_to_capacity=True), "needs --moe-expert-capacity-factor"),
+        (dict(moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor must be > 0"),
+        (dict(moe_token_drop_policy="random"), "--moe-token-drop-policy 'random'"),
+        (dict(moe_router_load_balancing_type="sinkhorn"), "--moe-router-load-balancing-type 'sinkhorn'"),
+        (dict(moe_layer_freq=[1, 0, 1]), "one 0 (dense) or 1 (MoE) per layer: 2 entries"),
+        (dict(moe_layer_freq=0), "--moe-layer-freq 0 must be >= 1"),
+        (dict(moe_router_dtype="bf16"), "--moe-router-dtype 'bf16'"),
+        (dict(moe_aux_loss_coeff=-1.0), "--moe-aux-loss-coeff must be >= 0"),
+    ],
+)
 def test_bad_moe_settings_are_one_line(extra, words):
     with pytest.raises(ValueError) as err:
         moe_config(**extra)

@@ -5,6 +5,7 @@ input sums its uses' gradients in another order), and B hands no parameter a gra
 Planted: a linear's W computed in B (its weight's gradient arrives in B), a norm's gradient never
 handed over, and W run with grad mode on (recording a graph that keeps its GEMMs' inputs) all fail.
 """
+
 import pytest
 import torch
 
@@ -15,21 +16,43 @@ from megazero.models.weight_grad import linear
 
 VARIANTS = {
     "gpt2": dict(tie_embeddings=True, add_bias_linear=True),
-    "llama-moe": dict(tie_embeddings=False, position_embedding="rope", activation="swiglu",
-                      normalization="rmsnorm", apply_layernorm_1p=True, num_query_groups=2,
-                      add_bias_linear=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
-                      moe_layer_freq=[0, 1], moe_aux_loss_coeff=0.01,
-                      moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True),
+    "llama-moe": dict(
+        tie_embeddings=False,
+        position_embedding="rope",
+        activation="swiglu",
+        normalization="rmsnorm",
+        apply_layernorm_1p=True,
+        num_query_groups=2,
+        add_bias_linear=False,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=24,
+        moe_layer_freq=[0, 1],
+        moe_aux_loss_coeff=0.01,
+        moe_shared_expert_intermediate_size=16,
+        moe_shared_expert_gate=True,
+    ),
     "recompute": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 
 
 def _model(extra: dict) -> GPT:
-    cfg = GPTConfig(vocab_size=29, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48,
-                    seq_length=10, hidden_dropout=0.0, attention_dropout=0.0, **extra)
+    cfg = GPTConfig(
+        vocab_size=29,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        seq_length=10,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **extra,
+    )
     model = GPT(cfg)
     for name, p in model.named_parameters():
-        p.data = initial_value(cfg, name, p.shape, 3) + 0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+        p.data = initial_value(cfg, name, p.shape, 3) + 0.01 * torch.randn(
+            p.shape, generator=torch.Generator().manual_seed(len(name))
+        )
     return model
 
 
@@ -45,8 +68,10 @@ def test_b_then_w_is_the_plain_backward(variant):
     plain = _grads(model)
     model.zero_grad(set_to_none=True)
     arrived = []
-    hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: arrived.append(n) if p.grad is not None else None)
-             for n, p in model.named_parameters()]
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: arrived.append(n) if p.grad is not None else None)
+        for n, p in model.named_parameters()
+    ]
     work = WeightGradWork()
     with deferring(work):
         loss = model(tokens[:, :-1], tokens[:, 1:]).sum()
@@ -59,7 +84,7 @@ def test_b_then_w_is_the_plain_backward(variant):
     split = _grads(model)
     assert sorted(split) == sorted(plain)
     for name in plain:
-        if variant == "llama-moe":    # the MoE input's three uses add their gradients in another order
+        if variant == "llama-moe":  # the MoE input's three uses add their gradients in another order
             torch.testing.assert_close(split[name], plain[name], rtol=1e-6, atol=1e-6, msg=name)
         else:
             assert torch.equal(split[name], plain[name]), name
@@ -68,6 +93,7 @@ def test_b_then_w_is_the_plain_backward(variant):
 
 def test_a_16_bit_weight_deposits_its_fp32_sum_at_w():
     from megazero.models.param_info import param_info, set_param_info
+
     weight = torch.nn.Parameter(torch.randn(6, 4).bfloat16())
     set_param_info(weight, fp32_grad=True)
     x = torch.randn(5, 4).bfloat16().requires_grad_()

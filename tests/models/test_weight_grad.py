@@ -15,6 +15,7 @@ Planted: `take_grad` dropping the 16-bit `.grad` (a tied weight's other use) fai
 the engine not marking its stage-3 parameters fails stage 3's gap; `_Linear.backward` depositing
 the bias gradient rounded to bf16 fails the bias comparison.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,20 +47,35 @@ def _cases():
     ids = torch.randint(0, 50, (4, 64), generator=gen)
     labels = torch.randint(0, 50, (4, 64), generator=gen)
     return {
-        "linear": (lambda t, w, b: linear(t, w, b), x, (_param(48, 32, seed=1), _param(48, seed=2)),
-                   lambda t, dout: [dout.double().flatten(0, 1).t() @ t.double().flatten(0, 1),
-                                    dout.double().sum(dim=(0, 1))]),
-        "bias": (lambda t, b: add_bias(t, b), x, (_param(32, seed=3),),
-                 lambda t, dout: [dout.double().sum(dim=(0, 1))]),
-        "embedding": (lambda t, w: embedding(t, w), ids, (_param(50, 32, seed=4),),
-                      lambda t, dout: [torch.zeros(50, 32, dtype=torch.float64).index_add_(
-                          0, t.flatten(), dout.double().flatten(0, 1))]),
+        "linear": (
+            lambda t, w, b: linear(t, w, b),
+            x,
+            (_param(48, 32, seed=1), _param(48, seed=2)),
+            lambda t, dout: [dout.double().flatten(0, 1).t() @ t.double().flatten(0, 1), dout.double().sum(dim=(0, 1))],
+        ),
+        "bias": (
+            lambda t, b: add_bias(t, b),
+            x,
+            (_param(32, seed=3),),
+            lambda t, dout: [dout.double().sum(dim=(0, 1))],
+        ),
+        "embedding": (
+            lambda t, w: embedding(t, w),
+            ids,
+            (_param(50, 32, seed=4),),
+            lambda t, dout: [
+                torch.zeros(50, 32, dtype=torch.float64).index_add_(0, t.flatten(), dout.double().flatten(0, 1))
+            ],
+        ),
     }, (x, labels)
 
 
 def _plain(name):
-    return {"linear": lambda t, w, b: F.linear(t, w, b), "bias": lambda t, b: t + b,
-            "embedding": lambda t, w: F.embedding(t, w)}[name]
+    return {
+        "linear": lambda t, w, b: F.linear(t, w, b),
+        "bias": lambda t, b: t + b,
+        "embedding": lambda t, w: F.embedding(t, w),
+    }[name]
 
 
 @pytest.mark.parametrize("name", ["linear", "bias", "embedding"])
@@ -95,11 +111,14 @@ def test_tied_table_gets_both_uses_and_unmarked_calls_take_torchs_path():
     """The table's lookup (fused) with the fused output layer and loss, then with a plain
     F.linear head (LMHead's logits path), whose bf16 gradient autograd puts in .grad."""
     _, (x, labels) = _cases()
-    table = _param(56, 32, seed=5)          # 50 real words, padded to 56
+    table = _param(56, 32, seed=5)  # 50 real words, padded to 56
     ids = labels.roll(1, dims=1)
-    heads = {"fused": lambda h: linear_cross_entropy(h, table, labels, 50).float().sum(),
-             "plain": lambda h: F.cross_entropy(F.linear(h, table)[..., :50].float().flatten(0, 1),
-                                                labels.flatten(), reduction="sum")}
+    heads = {
+        "fused": lambda h: linear_cross_entropy(h, table, labels, 50).float().sum(),
+        "plain": lambda h: F.cross_entropy(
+            F.linear(h, table)[..., :50].float().flatten(0, 1), labels.flatten(), reduction="sum"
+        ),
+    }
     for kind, head_loss in heads.items():
         hidden = embedding(ids, table) + x
         hidden.retain_grad()
@@ -126,12 +145,13 @@ def test_tied_table_gets_both_uses_and_unmarked_calls_take_torchs_path():
     assert fp32.grad is not None and param_info(fp32).pending_fp32_grad is None
 
 
-FUSED = ("qkv.", "proj.", "fc1.", "fc2.", "embedding.word.")    # linear layers and the (tied) table
+FUSED = ("qkv.", "proj.", "fc1.", "fc2.", "embedding.word.")  # linear layers and the (tied) table
 
 
 def _accumulated_grads(stage: int, micro: int, fusion: bool) -> dict[str, torch.Tensor]:
     """The engine's fp32 gradients of the fused parameters after one step's backward of 8 samples."""
     from megazero.zero.state_access import safe_get_full_grad
+
     cfg = with_padded_vocab(small_config(bf16=True, stage=stage, micro=micro, global_batch=8, layers=2))
     cfg.precision.gradient_accumulation_fusion = fusion
     state, source = setup_training(cfg, ProcessGroups.single())
@@ -142,8 +162,7 @@ def _accumulated_grads(stage: int, micro: int, fusion: bool) -> dict[str, torch.
         loss = model(tokens[:, :-1], tokens[:, 1:]).float().mean() / len(batches)
         engine.backward(loss, last_microbatch=k == len(batches) - 1)
     engine.finish_gradients()
-    return {n: safe_get_full_grad(p).double() for n, p in model.named_parameters()
-            if any(part in n for part in FUSED)}
+    return {n: safe_get_full_grad(p).double() for n, p in model.named_parameters() if any(part in n for part in FUSED)}
 
 
 def _worst_gap(a: dict, b: dict) -> float:
@@ -154,11 +173,14 @@ def test_engine_takes_fp32_weight_gradients_at_every_stage():
     """Eight microbatches of one sample against one of eight: the same fp32 sums, so the linear
     layers' and the table's accumulated gradients agree to fp32 noise at stages 0-3 (the norms'
     weights and the learned position table, summed over the batch by autograd, stay bf16)."""
-    gaps = {stage: _worst_gap(_accumulated_grads(stage, 1, True), _accumulated_grads(stage, 8, True))
-            for stage in (0, 1, 2, 3)}
+    gaps = {
+        stage: _worst_gap(_accumulated_grads(stage, 1, True), _accumulated_grads(stage, 8, True))
+        for stage in (0, 1, 2, 3)
+    }
     unfused = _worst_gap(_accumulated_grads(3, 1, False), _accumulated_grads(3, 8, False))
-    print("8 x 1 vs 1 x 8 samples, worst relative gap of a fused parameter's gradient:", gaps,
-          "unfused stage 3:", unfused)
+    print(
+        "8 x 1 vs 1 x 8 samples, worst relative gap of a fused parameter's gradient:", gaps, "unfused stage 3:", unfused
+    )
     assert all(gap <= 1e-6 for gap in gaps.values()), gaps
     assert unfused > 1e-4, unfused
 
@@ -166,10 +188,14 @@ def test_engine_takes_fp32_weight_gradients_at_every_stage():
 def test_the_flag_turns_it_off_and_fp32_runs_never_mark():
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.zero.precision import Precision
+
     on = config_from_args(parse_args(["--bf16"]))
     off = config_from_args(parse_args(["--bf16", "--no-gradient-accumulation-fusion"]))
-    assert Precision.from_config(on.precision).fp32_weight_grads and not Precision.from_config(off.precision).fp32_weight_grads
-    assert not Precision.from_config(config_from_args(parse_args([])).precision).fp32_weight_grads   # fp32 weights
+    assert (
+        Precision.from_config(on.precision).fp32_weight_grads
+        and not Precision.from_config(off.precision).fp32_weight_grads
+    )
+    assert not Precision.from_config(config_from_args(parse_args([])).precision).fp32_weight_grads  # fp32 weights
     bf16_accum = config_from_args(parse_args(["--bf16"]))
-    bf16_accum.precision.grad_accum_dtype = "bf16"       # autograd accumulates into the buffer itself
+    bf16_accum.precision.grad_accum_dtype = "bf16"  # autograd accumulates into the buffer itself
     assert not Precision.from_config(bf16_accum.precision).fp32_weight_grads

@@ -1,5 +1,6 @@
 """What an exported model must do in transformers: the same logits (fp32, 1e-5) and the same greedy
 continuation as megazero's own decoding (models/generation.py, with its KV cache)."""
+
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,7 @@ def assert_same_logits_and_greedy_tokens(model, theirs, tokens: torch.Tensor, ne
     prompt = tokens[:1, :5]
     mine = generate(model, prompt[0].tolist(), max_new_tokens=new_tokens)
     # the mask given: transformers would take the prompt's id 0 (its pad id here) for padding
-    expected = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                               do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    expected = theirs.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )[0, 5:].tolist()
     assert mine[-new_tokens:] == expected

@@ -21,6 +21,7 @@ cancels, and the comparison falls back to rtol 1e-5, atol UNFUSED_ATOL * max(|ol
 The kernel tests never skip silently: where megazero._C did not build they FAIL, unless
 MEGAZERO_ALLOW_NO_CPP=1 opts out, and then they skip saying why.
 """
+
 import math
 import os
 
@@ -37,8 +38,11 @@ PARAM_ULPS = 8
 UNFUSED_ATOL = 1e-6
 ALL_ISAS = ("avx512", "avx2", "scalar")
 # The CPU flags each copy of the loop needs (Linux /proc/cpuinfo spelling).
-ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
-                 "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
+ISA_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "scalar": set(),
+}
 
 
 def require_kernel() -> None:
@@ -48,8 +52,11 @@ def require_kernel() -> None:
     why = f"megazero._C is not built ({adam_module.CPP_IMPORT_ERROR})"
     if os.environ.get("MEGAZERO_ALLOW_NO_CPP") == "1":
         pytest.skip(f"{why}; kernel tests skipped because MEGAZERO_ALLOW_NO_CPP=1")
-    pytest.fail(f"{why}: rebuild with `pip install --no-deps -e .` (needs a C++ compiler), or set "
-                f"MEGAZERO_ALLOW_NO_CPP=1 to skip the kernel tests", pytrace=False)
+    pytest.fail(
+        f"{why}: rebuild with `pip install --no-deps -e .` (needs a C++ compiler), or set "
+        f"MEGAZERO_ALLOW_NO_CPP=1 to skip the kernel tests",
+        pytrace=False,
+    )
 
 
 @pytest.fixture
@@ -85,8 +92,9 @@ def run_kernel(monkeypatch, isa, param, grad, exp_avg, exp_avg_sq, **kwargs):
 
 def reference_with_exact_sqrt(param, grad, exp_avg, exp_avg_sq, **kwargs):
     """adam_update_reference with sqrt from numpy (correctly rounded) instead of torch's."""
-    adam_update_reference(param, grad, exp_avg, exp_avg_sq,
-                          sqrt=lambda t: torch.from_numpy(np.sqrt(t.numpy())), **kwargs)
+    adam_update_reference(
+        param, grad, exp_avg, exp_avg_sq, sqrt=lambda t: torch.from_numpy(np.sqrt(t.numpy())), **kwargs
+    )
 
 
 def assert_within_ulps(actual, expected, before, ulps=PARAM_ULPS):
@@ -146,8 +154,7 @@ def check_steps(monkeypatch, n, grad_dtype, config, weight_decay, grad_scale, st
     for step in range(1, steps + 1):
         grad = make_grad(n, grad_dtype, gen)
         copy_dtype = COPY_DTYPES[step % 3]
-        kw = dict(step=step, lr=config.lr, config=config, weight_decay=weight_decay,
-                  grad_scale=grad_scale)
+        kw = dict(step=step, lr=config.lr, config=config, weight_decay=weight_decay, grad_scale=grad_scale)
         before = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
         exact = [t.clone() for t in before]
         adam_update_reference(param, grad, exp_avg, exp_avg_sq, **kw)
@@ -170,12 +177,17 @@ def check_steps(monkeypatch, n, grad_dtype, config, weight_decay, grad_scale, st
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
 def test_reference_matches_torch_optim_bitwise(decoupled):
     torch.manual_seed(0)
-    config = AdamConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
-                        decoupled_weight_decay=decoupled)
+    config = AdamConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=decoupled)
     params = [torch.randn(1000, requires_grad=True), torch.randn(37, requires_grad=True)]
     optim_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    optim = optim_cls(params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                      weight_decay=config.weight_decay, foreach=False)
+    optim = optim_cls(
+        params,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        foreach=False,
+    )
     ours = [p.detach().clone() for p in params]
     states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in ours]
     for step in range(1, 6):
@@ -184,8 +196,7 @@ def test_reference_matches_torch_optim_bitwise(decoupled):
             p.grad = g.clone()
         optim.step()
         for p, g, (m, v) in zip(ours, grads, states):
-            adam_update_reference(p, g, m, v, step=step, lr=config.lr, config=config,
-                                  weight_decay=config.weight_decay)
+            adam_update_reference(p, g, m, v, step=step, lr=config.lr, config=config, weight_decay=config.weight_decay)
         for p_torch, p_ours in zip(params, ours):
             assert torch.equal(p_torch.detach(), p_ours)
         for p_torch, (m, v) in zip(params, states):
@@ -195,15 +206,14 @@ def test_reference_matches_torch_optim_bitwise(decoupled):
 
 # --- the kernel against the oracle ----------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 7, 15, 16, 17, 1023, 1_000_003])
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["wd0", "wd"])
 def test_kernel_matches_reference(kernel_on, monkeypatch, n, grad_dtype, decoupled, weight_decay):
     """Sizes cover every SIMD tail: below, at and just past 8 and 16 lanes, and long buffers."""
     config = AdamConfig(lr=1e-3, decoupled_weight_decay=decoupled)
     steps = 3 if n > 10_000 else 6
-    grad_scale = 1.0 if n == 17 else 0.37     # 17: the no-scaling path; elsewhere unscale/clip
+    grad_scale = 1.0 if n == 17 else 0.37  # 17: the no-scaling path; elsewhere unscale/clip
     check_steps(monkeypatch, n, grad_dtype, config, weight_decay, grad_scale, steps)
 
 
@@ -217,7 +227,7 @@ def test_kernel_takes_torchs_other_lerp_branch(kernel_on, monkeypatch, beta1):
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_every_16_bit_grad_pattern(kernel_on, monkeypatch, grad_dtype):
     """All 65,536 encodings (subnormals, inf, NaN included) widen exactly as torch widens them."""
-    grad = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(grad_dtype)
+    grad = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(grad_dtype)
     n = grad.numel()
     config = AdamConfig(lr=1e-3)
     param = torch.linspace(-1, 1, n)
@@ -234,11 +244,29 @@ def test_every_16_bit_grad_pattern(kernel_on, monkeypatch, grad_dtype):
 def special_floats(gen) -> torch.Tensor:
     """Random fp32 bit patterns (every exponent, NaNs and subnormals included) and the values
     where rounding to bf16/fp16 is decided: ties to even, fp16's overflow and subnormal edges."""
-    random_bits = torch.randint(-2 ** 31, 2 ** 31, (300_001,), generator=gen, dtype=torch.int64)
-    ties = torch.tensor([0x3f808000, 0x3f818000, 0x3f807fff, 0x3f808001], dtype=torch.int64)  # bf16
-    edges = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 2.0 ** -14, 2.0 ** -24, 2.0 ** -25,
-                          1.5 * 2.0 ** -25, 2.0 ** -26, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11,
-                          math.inf, -math.inf, 0.0, -0.0, 3.4e38, -3.4e38])
+    random_bits = torch.randint(-(2**31), 2**31, (300_001,), generator=gen, dtype=torch.int64)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001], dtype=torch.int64)  # bf16
+    edges = torch.tensor(
+        [
+            65504.0,
+            65519.99,
+            65520.0,
+            65536.0,
+            2.0**-14,
+            2.0**-24,
+            2.0**-25,
+            1.5 * 2.0**-25,
+            2.0**-26,
+            1.0 + 2.0**-11,
+            1.0 + 3 * 2.0**-11,
+            math.inf,
+            -math.inf,
+            0.0,
+            -0.0,
+            3.4e38,
+            -3.4e38,
+        ]
+    )
     bits = torch.cat([random_bits, ties]).to(torch.int32).view(torch.float32)
     return torch.cat([bits, edges, -edges])
 
@@ -253,8 +281,19 @@ def test_param_copy_rounds_like_torch(kernel_on, monkeypatch, copy_dtype):
     for isa in supported_isas():
         state = [param.clone(), torch.zeros(n), torch.zeros(n)]
         copy = torch.empty(n, dtype=copy_dtype)
-        run_kernel(monkeypatch, isa, state[0], torch.zeros(n), state[1], state[2], param_copy=copy,
-                   step=1, lr=0.0, config=AdamConfig(), weight_decay=0.0)
+        run_kernel(
+            monkeypatch,
+            isa,
+            state[0],
+            torch.zeros(n),
+            state[1],
+            state[2],
+            param_copy=copy,
+            step=1,
+            lr=0.0,
+            config=AdamConfig(),
+            weight_decay=0.0,
+        )
         assert_bitwise(state[0], param)
         assert_bitwise(copy, expected)
 
@@ -282,16 +321,29 @@ def test_threads_do_not_change_results(kernel_on):
     gen = torch.Generator().manual_seed(3)
     n = 1_000_003
     grad = make_grad(n, torch.bfloat16, gen)
-    start = [torch.randn(n, generator=gen), torch.randn(n, generator=gen).mul_(1e-2),
-             torch.rand(n, generator=gen).mul_(1e-4)]
+    start = [
+        torch.randn(n, generator=gen),
+        torch.randn(n, generator=gen).mul_(1e-2),
+        torch.rand(n, generator=gen).mul_(1e-4),
+    ]
     results, threads_before = [], torch.get_num_threads()
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             state = [t.clone() for t in start]
             copy = torch.empty(n, dtype=torch.bfloat16)
-            adam_update(state[0], grad, state[1], state[2], step=7, lr=1e-3, config=AdamConfig(),
-                        weight_decay=0.1, grad_scale=0.5, param_copy=copy)
+            adam_update(
+                state[0],
+                grad,
+                state[1],
+                state[2],
+                step=7,
+                lr=1e-3,
+                config=AdamConfig(),
+                weight_decay=0.1,
+                grad_scale=0.5,
+                param_copy=copy,
+            )
             results.append(state + [copy])
     finally:
         torch.set_num_threads(threads_before)
@@ -336,8 +388,7 @@ def test_forcing_a_loop_copy(kernel_on, monkeypatch):
     tensors = [torch.ones(n) for _ in range(4)]
     ptrs = [t.data_ptr() for t in tensors]
     for isa in supported_isas():
-        assert adam_module._cpp.adam_update(*ptrs, n, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0,
-                                            1, isa=isa) == isa
+        assert adam_module._cpp.adam_update(*ptrs, n, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0, 1, isa=isa) == isa
         monkeypatch.setenv(adam_module.ISA_ENV, isa)
         assert adam_module.kernel_info()["isa"] == isa
     monkeypatch.setenv(adam_module.ISA_ENV, "avx9000")
@@ -371,8 +422,9 @@ def _routed_to_kernel(monkeypatch, param, grad, exp_avg, exp_avg_sq, param_copy=
     """Whether adam_update called the kernel; if it did, the copy pointer it passed (0: none)."""
     fake = _RecordingKernel()
     monkeypatch.setattr(adam_module, "_cpp", fake)
-    adam_update(param, grad, exp_avg, exp_avg_sq, step=1, lr=1e-3, config=AdamConfig(),
-                weight_decay=0.0, param_copy=param_copy)
+    adam_update(
+        param, grad, exp_avg, exp_avg_sq, step=1, lr=1e-3, config=AdamConfig(), weight_decay=0.0, param_copy=param_copy
+    )
     return (len(fake.calls) == 1), (fake.calls[0][15] if fake.calls else None)
 
 
@@ -380,17 +432,17 @@ def test_adam_update_routing(monkeypatch):
     monkeypatch.delenv("MEGAZERO_DISABLE_CPP_ADAM", raising=False)
     monkeypatch.delenv(adam_module.ISA_ENV, raising=False)
     n = 64
-    fresh = lambda: (torch.zeros(n), torch.zeros(n), torch.zeros(n))   # noqa: E731
+    fresh = lambda: (torch.zeros(n), torch.zeros(n), torch.zeros(n))  # noqa: E731
     p, m, v = fresh()
     assert _routed_to_kernel(monkeypatch, p, torch.ones(n, dtype=torch.bfloat16), m, v)[0]
     p, m, v = fresh()
-    assert not _routed_to_kernel(monkeypatch, p, torch.ones(2 * n)[::2], m, v)[0]   # strided grad
+    assert not _routed_to_kernel(monkeypatch, p, torch.ones(2 * n)[::2], m, v)[0]  # strided grad
     p, m, v = fresh()
     assert not _routed_to_kernel(monkeypatch, p, torch.ones(n, dtype=torch.float64), m, v)[0]
     p, m, v = fresh()
-    with torch.no_grad():                                   # how optimizers step leaf params
+    with torch.no_grad():  # how optimizers step leaf params
         assert _routed_to_kernel(monkeypatch, p.requires_grad_(), torch.ones(n), m, v)[0]
-    with pytest.raises(RuntimeError, match="leaf Variable"):    # autograd still guards the rest
+    with pytest.raises(RuntimeError, match="leaf Variable"):  # autograd still guards the rest
         _routed_to_kernel(monkeypatch, p, torch.ones(n), m, v)
     # A 16-bit contiguous copy is written by the kernel; any other is copied afterwards.
     p, m, v = fresh()
@@ -399,7 +451,7 @@ def test_adam_update_routing(monkeypatch):
     for copy in (torch.full((n,), 5.0), torch.full((2 * n,), 5.0, dtype=torch.float16)[::2]):
         p, m, v = fresh()
         assert _routed_to_kernel(monkeypatch, p.fill_(0.25), torch.ones(n), m, v, copy) == (True, 0)
-        assert torch.equal(copy, p.to(copy.dtype))          # the fake kernel left p as it was
+        assert torch.equal(copy, p.to(copy.dtype))  # the fake kernel left p as it was
     monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
     p, m, v = fresh()
     assert not _routed_to_kernel(monkeypatch, p, torch.ones(n), m, v)[0]
@@ -419,4 +471,4 @@ def test_param_copy_on_the_reference_path_and_bad_copies(monkeypatch):
         adam_update(param, grad, torch.zeros(n), torch.zeros(n), param_copy=copy[:100], **kw)
     flat = torch.zeros(3 * n)
     with pytest.raises(UsageError, match="param_copy overlaps"):
-        adam_update(flat[:n], grad, flat[n:2 * n], flat[2 * n:], param_copy=flat[n // 2:][:n], **kw)
+        adam_update(flat[:n], grad, flat[n : 2 * n], flat[2 * n :], param_copy=flat[n // 2 :][:n], **kw)

@@ -16,6 +16,7 @@ step with) against the reference update, on CPU, where torch has the same kernel
 - `adam_step` sends CPU segments to adam_update (the C++ kernel) and the rest to the fused kernel;
   a ZeRO run whose every step goes through the fused kernel tracks the default run.
 """
+
 import itertools
 
 import pytest
@@ -24,15 +25,21 @@ import torch
 from tests.layouts import RTOL, assert_params_match, run_training, small_config
 from megazero.ops import adam as adam_module
 from megazero.ops.adam_config import AdamConfig
-from megazero.ops.adam import (AdamSegment, adam_step, adam_update, adam_update_fused,
-                               adam_update_reference, fused_available)
+from megazero.ops.adam import (
+    AdamSegment,
+    adam_step,
+    adam_update,
+    adam_update_fused,
+    adam_update_reference,
+    fused_available,
+)
 from megazero.parallel.process_groups import ProcessGroups
 
 SIZES = (1, 7, 1000, 4099)
-ONE_ROUNDING = 2.0 ** -23          # relative: one fp32 rounding of the value
-BODY = 992                         # leading elements the CPU kernel runs vectorised (16-lane loops)
+ONE_ROUNDING = 2.0**-23  # relative: one fp32 rounding of the value
+BODY = 992  # leading elements the CPU kernel runs vectorised (16-lane loops)
 LR = 1e-3
-CASES = list(itertools.product([True, False], [torch.float32, torch.bfloat16], [1.0, 2.0 ** -10, 0.37]))
+CASES = list(itertools.product([True, False], [torch.float32, torch.bfloat16], [1.0, 2.0**-10, 0.37]))
 
 
 def _ids(case):
@@ -42,8 +49,10 @@ def _ids(case):
 
 def _states(seed: int):
     gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2,
-             torch.rand(n, generator=gen) * 1e-4] for n in SIZES]
+    return [
+        [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 1e-4]
+        for n in SIZES
+    ]
 
 
 def _grads(seed: int, dtype):
@@ -57,13 +66,16 @@ def _decay(i: int) -> float:
 
 def _reference_step(states, grads, step, config, scale):
     for i, ((p, m, v), g) in enumerate(zip(states, grads)):
-        adam_update_reference(p, g.clone(), m, v, step=step, lr=LR, config=config,
-                              weight_decay=_decay(i), grad_scale=scale)
+        adam_update_reference(
+            p, g.clone(), m, v, step=step, lr=LR, config=config, weight_decay=_decay(i), grad_scale=scale
+        )
 
 
 def _fused_step(states, grads, step, config, scale, copies=None):
-    segments = [AdamSegment(p, g.clone(), m, v, _decay(i), None if copies is None else copies[i])
-                for i, ((p, m, v), g) in enumerate(zip(states, grads))]
+    segments = [
+        AdamSegment(p, g.clone(), m, v, _decay(i), None if copies is None else copies[i])
+        for i, ((p, m, v), g) in enumerate(zip(states, grads))
+    ]
     adam_update_fused(segments, step=step, lr=LR, config=config, grad_scale=scale)
 
 
@@ -97,7 +109,7 @@ def test_ten_fused_steps_stay_within_1e6_of_the_reference(adamw):
     reference, fused = _states(2), _states(2)
     for step in range(1, 11):
         grads = _grads(20 + step, torch.float32)
-        scale = 0.37 if step % 2 else 2.0 ** -12
+        scale = 0.37 if step % 2 else 2.0**-12
         _reference_step(reference, grads, step, config, scale)
         _fused_step(fused, grads, step, config, scale)
     for ref, got in zip(reference, fused):
@@ -121,9 +133,13 @@ def test_adam_step_routes_cpu_segments_to_adam_update_and_others_to_the_fused_ke
     grads = _grads(4, torch.float32)
     stepped, expected = _states(4), _states(4)
     copies = [torch.empty(n, dtype=torch.bfloat16) for n in SIZES]
-    adam_step([AdamSegment(p, g.clone(), m, v, _decay(i), copies[i])
-               for i, ((p, m, v), g) in enumerate(zip(stepped, grads))],
-              step=2, lr=LR, config=config, grad_scale=0.5)
+    adam_step(
+        [AdamSegment(p, g.clone(), m, v, _decay(i), copies[i]) for i, ((p, m, v), g) in enumerate(zip(stepped, grads))],
+        step=2,
+        lr=LR,
+        config=config,
+        grad_scale=0.5,
+    )
     for i, ((p, m, v), g) in enumerate(zip(expected, grads)):
         adam_update(p, g.clone(), m, v, step=2, lr=LR, config=config, weight_decay=_decay(i), grad_scale=0.5)
     for a, b, copy in zip(stepped, expected, copies):
@@ -132,8 +148,7 @@ def test_adam_step_routes_cpu_segments_to_adam_update_and_others_to_the_fused_ke
     calls = []
     monkeypatch.setattr(adam_module.route, "impl", lambda device: "fused")
     monkeypatch.setattr(adam_module, "adam_update_fused", lambda segs, **kw: calls.append(len(segs)))
-    adam_step([AdamSegment(p, g, m, v, 0.0) for (p, m, v), g in zip(_states(4), grads)],
-              step=1, lr=LR, config=config)
+    adam_step([AdamSegment(p, g, m, v, 0.0) for (p, m, v), g in zip(_states(4), grads)], step=1, lr=LR, config=config)
     assert calls == [len(SIZES)]
 
 
@@ -147,5 +162,8 @@ def test_a_zero_run_on_the_fused_kernel_tracks_the_default_run(monkeypatch, stag
     fused = run_training(small_config(stage=stage, steps=6, bf16=bf16), ProcessGroups.single())
     assert routed, "the engine's step did not go through adam_step"
     torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(default["losses"]), rtol=RTOL, atol=0)
-    assert_params_match({name: value for name, (value, _) in fused["params"].items()},
-                        {name: value for name, (value, _) in default["params"].items()}, "fused vs default")
+    assert_params_match(
+        {name: value for name, (value, _) in fused["params"].items()},
+        {name: value for name, (value, _) in default["params"].items()},
+        "fused vs default",
+    )

@@ -20,6 +20,7 @@ Planted: rounding the stored moment by truncation in the reference (the torch te
 the C++ kernel's store_state (the kernel tests fail); the parameter update reading the rounded bf16
 moment instead of this step's fp32 one (the torch test fails).
 """
+
 import numpy as np
 import pytest
 import torch
@@ -28,7 +29,14 @@ from megazero.ops import adam as adam_module
 from megazero.ops.adam import AdamSegment, adam_update, adam_update_fused, adam_update_reference
 from megazero.ops.adam_config import AdamConfig
 from tests.ops.test_adam import (  # noqa: F401
-    FUSED, assert_bitwise, kernel_on, make_grad, run_kernel, special_floats, supported_isas)
+    FUSED,
+    assert_bitwise,
+    kernel_on,
+    make_grad,
+    run_kernel,
+    special_floats,
+    supported_isas,
+)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MOMENTS = [(BF16, BF16), (BF16, FP32), (FP32, BF16)]
@@ -48,12 +56,17 @@ def exact_sqrt(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtypes", MOMENTS, ids=IDS)
 def test_reference_equals_torch_adamw_holding_bf16_moments(decoupled, dtypes):
     torch.manual_seed(0)
-    config = AdamConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
-                        decoupled_weight_decay=decoupled)
+    config = AdamConfig(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=decoupled)
     params = [torch.randn(1000, requires_grad=True), torch.randn(37, requires_grad=True)]
     optim_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    optim = optim_cls(params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                      weight_decay=config.weight_decay, foreach=False)
+    optim = optim_cls(
+        params,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        foreach=False,
+    )
     ours = [p.detach().clone() for p in params]
     states = [tuple(torch.zeros(p.shape, dtype=d) for d in dtypes) for p in ours]
     for step in range(1, 7):
@@ -66,8 +79,7 @@ def test_reference_equals_torch_adamw_holding_bf16_moments(decoupled, dtypes):
                 if dtype == BF16:
                     round_to_bf16(optim.state[p][key])
         for p, g, (m, v) in zip(ours, grads, states):
-            adam_update_reference(p, g, m, v, step=step, lr=config.lr, config=config,
-                                  weight_decay=config.weight_decay)
+            adam_update_reference(p, g, m, v, step=step, lr=config.lr, config=config, weight_decay=config.weight_decay)
         for p_torch, p_ours, (m, v) in zip(params, ours, states):
             assert torch.equal(p_torch.detach(), p_ours), f"step {step}: parameters differ"
             assert torch.equal(optim.state[p_torch]["exp_avg"], m.float()), f"step {step}: exp_avg"
@@ -127,22 +139,36 @@ def test_fused_device_path_widens_bf16_moments(monkeypatch):
     """What a GPU's step runs, on the CPU where torch has the same fused kernel."""
     gen = torch.Generator().manual_seed(2)
     config = AdamConfig(lr=1e-3, weight_decay=0.1)
-    n, body = 4099, 4096 - 64        # the elements torch's CPU kernel runs in its vectorised loops
-    start = [torch.randn(n, generator=gen), (torch.randn(n, generator=gen) * 1e-2).to(BF16),
-             (torch.rand(n, generator=gen) * 1e-4).to(BF16)]
+    n, body = 4099, 4096 - 64  # the elements torch's CPU kernel runs in its vectorised loops
+    start = [
+        torch.randn(n, generator=gen),
+        (torch.randn(n, generator=gen) * 1e-2).to(BF16),
+        (torch.rand(n, generator=gen) * 1e-4).to(BF16),
+    ]
     grad = (torch.randn(n, generator=gen) * 100).to(BF16)
     reference, fused, sliced = ([t.clone() for t in start] for _ in range(3))
-    adam_update_reference(reference[0], grad, reference[1], reference[2], step=3, lr=config.lr,
-                          config=config, weight_decay=0.1, grad_scale=0.37)
-    adam_update_fused([AdamSegment(*fused[:1], grad.clone(), *fused[1:], 0.1)], step=3, lr=config.lr,
-                      config=config, grad_scale=0.37)
+    adam_update_reference(
+        reference[0],
+        grad,
+        reference[1],
+        reference[2],
+        step=3,
+        lr=config.lr,
+        config=config,
+        weight_decay=0.1,
+        grad_scale=0.37,
+    )
+    adam_update_fused(
+        [AdamSegment(*fused[:1], grad.clone(), *fused[1:], 0.1)], step=3, lr=config.lr, config=config, grad_scale=0.37
+    )
     for got, want in zip(fused[1:], reference[1:]):
         assert_bitwise(got[:body], want[:body])
-        torch.testing.assert_close(got.float(), want.float(), rtol=2.0 ** -8, atol=0)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-8, atol=0)
     torch.testing.assert_close(fused[0], reference[0], rtol=1e-6, atol=1e-6 * config.lr)
     monkeypatch.setattr(adam_module, "WIDEN_SLICE", 64)
-    adam_update_fused([AdamSegment(*sliced[:1], grad.clone(), *sliced[1:], 0.1)], step=3, lr=config.lr,
-                      config=config, grad_scale=0.37)
+    adam_update_fused(
+        [AdamSegment(*sliced[:1], grad.clone(), *sliced[1:], 0.1)], step=3, lr=config.lr, config=config, grad_scale=0.37
+    )
     for a, b in zip(sliced, fused):
         assert_bitwise(a, b)
 

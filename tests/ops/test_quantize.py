@@ -14,6 +14,7 @@ largest magnitude), plus 2^-8 |x'| when x' is rounded to bf16.
 Like tests/ops/test_adam.py, these never skip silently: without megazero._quant they FAIL, unless
 MEGAZERO_ALLOW_NO_CPP=1 opts out, and then they skip saying why.
 """
+
 import itertools
 import os
 import sys
@@ -27,8 +28,11 @@ from megazero.ops import quantize as Q
 SLACK_ULPS = 8
 FORMATS = list(itertools.product((8, 4), (True, False)))  # (bits, symmetric)
 DTYPES = (torch.float32, torch.bfloat16)
-ISA_CPU_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
-                 "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
+ISA_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "scalar": set(),
+}
 
 
 def supported_isas() -> list:
@@ -57,8 +61,10 @@ def assert_same_quantized(got: Q.QuantizedTensor, want: Q.QuantizedTensor, where
 def check_all_kernels(x: torch.Tensor, bits: int, symmetric: bool, block_size: int, isas: list) -> None:
     """Every kernel on every forced path equals the reference bitwise, for this x."""
     want = Q.quantize_reference(x, bits, block_size, symmetric)
-    others = [Q.quantize_reference(x * 3, bits, block_size, symmetric),
-              Q.quantize_reference(-x, bits, block_size, symmetric)]
+    others = [
+        Q.quantize_reference(x * 3, bits, block_size, symmetric),
+        Q.quantize_reference(-x, bits, block_size, symmetric),
+    ]
     stacked = Q.stack([want] + others)
     want_values = {dtype: Q.dequantize_reference(want, dtype) for dtype in DTYPES}
     want_sum = Q.dequantize_reduce_reference(stacked)
@@ -67,10 +73,12 @@ def check_all_kernels(x: torch.Tensor, bits: int, symmetric: bool, block_size: i
         got = Q.quantize(x, bits, block_size, symmetric, isa=isa)
         assert_same_quantized(got, want, where)
         for dtype in DTYPES:
-            assert torch.equal(bits_of(Q.dequantize(want, dtype, isa=isa)), bits_of(want_values[dtype])), \
+            assert torch.equal(bits_of(Q.dequantize(want, dtype, isa=isa)), bits_of(want_values[dtype])), (
                 f"dequantize to {dtype} differs: {where}"
-        assert torch.equal(bits_of(Q.dequantize_reduce(stacked, isa=isa)), bits_of(want_sum)), \
+            )
+        assert torch.equal(bits_of(Q.dequantize_reduce(stacked, isa=isa)), bits_of(want_sum)), (
             f"dequantize_reduce differs: {where}"
+        )
 
 
 def test_every_path_this_cpu_has_is_compiled_and_offered():
@@ -115,9 +123,14 @@ def test_kernels_equal_reference_on_a_large_buffer():
 def test_awkward_blocks_equal_reference():
     """Constant blocks (scale 1), zeros and negative zeros, a far offset, tiny and huge values."""
     isas = supported_isas()
-    cases = [torch.zeros(70), torch.full((70,), -0.0), torch.full((70,), 5.0),
-             torch.randn(70, generator=torch.Generator().manual_seed(3)) + 1000.0,
-             torch.tensor([1e-40, -3e-41, 0.0] * 20), torch.tensor([3e38, -1e37, 1.0] * 20)]
+    cases = [
+        torch.zeros(70),
+        torch.full((70,), -0.0),
+        torch.full((70,), 5.0),
+        torch.randn(70, generator=torch.Generator().manual_seed(3)) + 1000.0,
+        torch.tensor([1e-40, -3e-41, 0.0] * 20),
+        torch.tensor([3e38, -1e37, 1.0] * 20),
+    ]
     for x, (bits, symmetric), dtype in itertools.product(cases, FORMATS, DTYPES):
         check_all_kernels(x.to(dtype), bits, symmetric, 16, isas)
 
@@ -133,13 +146,13 @@ def test_round_trip_within_half_a_step(bits, symmetric):
         q = Q.quantize(source, bits, block_size, symmetric)
         exact = source.float()
         blocks = torch.nn.functional.pad(exact.abs(), (0, q.num_blocks * block_size - exact.numel()))
-        per_element = lambda per_block: per_block.repeat_interleave(block_size)[:exact.numel()]  # noqa: E731
+        per_element = lambda per_block: per_block.repeat_interleave(block_size)[: exact.numel()]  # noqa: E731
         block_max = per_element(blocks.view(q.num_blocks, block_size).amax(dim=1))
         scale = per_element(q.scales)
-        bound = scale / 2 + SLACK_ULPS * 2.0 ** -24 * block_max
+        bound = scale / 2 + SLACK_ULPS * 2.0**-24 * block_max
         for out_dtype in DTYPES:
             values = Q.dequantize(q, out_dtype).float()
-            extra = values.abs() * 2.0 ** -8 if out_dtype == torch.bfloat16 else 0.0
+            extra = values.abs() * 2.0**-8 if out_dtype == torch.bfloat16 else 0.0
             excess = ((values - exact).abs() - bound - extra).max().item()
             assert excess <= 0, f"int{bits} sym={symmetric} {dtype}->{out_dtype}: bound exceeded by {excess}"
         # The bound is not slack: the worst element uses most of half a step.
@@ -213,6 +226,6 @@ def test_non_finite_blocks_read_nan_and_equal_reference():
         values = Q.dequantize(Q.quantize(x, bits, 16, symmetric)).view(-1)
         nan_blocks = [1, 2, 3] + ([] if symmetric else [4])
         for b in range(9):
-            block = values[16 * b:16 * b + 16]
+            block = values[16 * b : 16 * b + 16]
             assert bool(block.isnan().all()) == (b in nan_blocks), (bits, symmetric, dtype, b)
             assert b in nan_blocks or bool(block.isfinite().all()), (bits, symmetric, dtype, b)

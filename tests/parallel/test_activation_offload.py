@@ -17,6 +17,7 @@ layout's parameters); dropping the compute stream's wait for a fetch (Event.wait
 and dropping the copy stream's wait for the forward before the copies to the host (read-after-write on
 the (2, 16, 32) layer input, main -> copy) each fail under the sanitizer.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,14 @@ from megazero.core.stream_check import StreamOrderError, checking
 from megazero.parallel import activation_offload
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.config.memory_estimate import plan_bytes
-from tests.layouts import (assemble_params, last_stage_result, layout_worker, run_training, small_config,
-                           with_padded_vocab)
+from tests.layouts import (
+    assemble_params,
+    last_stage_result,
+    layout_worker,
+    run_training,
+    small_config,
+    with_padded_vocab,
+)
 
 STEPS = 3
 FULL_UNIFORM = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -43,12 +50,14 @@ def _layouts():
     pipeline = dict(tp=2, pp=2, sequence_parallel=True, steps=STEPS, global_batch=8)
     zero3 = dict(stage=3, steps=STEPS, global_batch=8, model_extra=FULL_UNIFORM)
     zero_bubble = dict(pipeline, schedule="zb-h1")
-    return [("tp2 pp2 sp", small_config(**pipeline), 1),
-            ("tp2 pp2 sp, offload 1", _offloaded(small_config(**pipeline), 1), 1),
-            ("tp2 pp2 sp zb-h1", small_config(**zero_bubble), 1),
-            ("tp2 pp2 sp zb-h1, offload 1", _offloaded(small_config(**zero_bubble), 1), 1),
-            ("zero-3 full recompute", small_config(**zero3), 2),
-            ("zero-3 full recompute, offload 4", _offloaded(small_config(**zero3), 4), 2)]
+    return [
+        ("tp2 pp2 sp", small_config(**pipeline), 1),
+        ("tp2 pp2 sp, offload 1", _offloaded(small_config(**pipeline), 1), 1),
+        ("tp2 pp2 sp zb-h1", small_config(**zero_bubble), 1),
+        ("tp2 pp2 sp zb-h1, offload 1", _offloaded(small_config(**zero_bubble), 1), 1),
+        ("zero-3 full recompute", small_config(**zero3), 2),
+        ("zero-3 full recompute, offload 4", _offloaded(small_config(**zero3), 4), 2),
+    ]
 
 
 def offload_worker(ctx, layouts):
@@ -101,8 +110,11 @@ def _checked_step(layers: int, stage: int = 0, **model):
     return result, checker
 
 
-@pytest.mark.parametrize("stage,model", [(0, {}), (0, FULL_UNIFORM), (3, {"recompute_granularity": "selective"})],
-                         ids=["layers", "checkpoints", "zero-3 selective"])
+@pytest.mark.parametrize(
+    "stage,model",
+    [(0, {}), (0, FULL_UNIFORM), (3, {"recompute_granularity": "selective"})],
+    ids=["layers", "checkpoints", "zero-3 selective"],
+)
 def test_a_step_runs_clean_under_the_stream_sanitizer(stage, model):
     result, checker = _checked_step(2, stage, **model)
     assert checker.side_ops > 0 and torch.isfinite(torch.tensor(result["losses"])).all()
@@ -112,7 +124,11 @@ def test_a_fetch_the_compute_stream_does_not_wait_for_is_caught(monkeypatch):
     class Unwaited(activation_offload.Event):
         def wait(self, stream=None):
             pass
+
     monkeypatch.setattr(activation_offload, "Event", Unwaited)
-    with pytest.raises(StreamOrderError, match=r"read-after-write race .* written on stream 'copy' .* read "
-                                               r"on stream 'main'"):
+    with pytest.raises(
+        StreamOrderError,
+        match=r"read-after-write race .* written on stream 'copy' .* read "
+        r"on stream 'main'",
+    ):
         _checked_step(2)

@@ -19,17 +19,27 @@ Mutations planted and seen failing (each by hand, then reverted):
   k/v gradient check fails.
 - RoPE at local positions (Attention.positions left unset) -> the cp 2 p2p layout's grad norms differ.
 """
+
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.layouts import (ProcessGroups, assert_close, assert_matches_reference, last_stage_result, layout_worker,
-                           per_layout, reference_fixture, run_training, single_process_reference, small_config)
+from tests.layouts import (
+    ProcessGroups,
+    assert_close,
+    assert_matches_reference,
+    last_stage_result,
+    layout_worker,
+    per_layout,
+    reference_fixture,
+    run_training,
+    single_process_reference,
+    small_config,
+)
 from megazero.models.attention import attention_reference
-from megazero.parallel.context_parallel import (ContextParallelAttention, local_chunks, local_positions,
-                                                ring_positions)
+from megazero.parallel.context_parallel import ContextParallelAttention, local_chunks, local_positions, ring_positions
 from megazero.parallel.topology import Topology
 
 # The bench's pool worker is imported by module name in the workers: bench/ joins sys.path here, at
@@ -39,8 +49,7 @@ import bench_context_parallel  # noqa: E402
 
 # Small (the suite's time budget): 2 layers, 10 steps of 8 samples as for the other axes, with
 # clipping, accumulation and Adam's moments at work; RoPE and GQA on.
-SMALL = dict(steps=10, layers=2, global_batch=8,
-             model_extra={"position_embedding": "rope", "num_query_groups": 2})
+SMALL = dict(steps=10, layers=2, global_batch=8, model_extra={"position_embedding": "rope", "num_query_groups": 2})
 
 
 def test_layout_is_load_balanced_and_a_permutation():
@@ -79,11 +88,12 @@ def test_attention_cores_match_full_attention(dist_pool, cp):
     """Forward and backward of each comm type on this rank's chunks equal full causal attention."""
     for comm_type in ("p2p", "a2a", "allgather"):
         if comm_type == "a2a" and cp == 4:
-            continue            # 2 query groups do not split over 4 ranks (checked at the edge)
+            continue  # 2 query groups do not split over 4 ranks (checked at the edge)
         for rank, result in enumerate(dist_pool(4).run(_core_worker, cp, comm_type)):
             for name, (got, expected) in result.items():
-                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"cp {cp} {comm_type} rank {rank} {name}: {m}")
+                torch.testing.assert_close(
+                    got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"cp {cp} {comm_type} rank {rank} {name}: {m}"
+                )
 
 
 reference = reference_fixture(**SMALL)
@@ -133,7 +143,7 @@ BF16_GAP, BF16_ALLGATHER_GAP, BF16_RING_VS_SDPA_GAP = 1e-5, 5e-5, 1e-3
 class Fp32Attention(torch.nn.Module):
     """Causal attention computed in fp32 on 16-bit q/k/v, rounded once: ring attention's numerics."""
 
-    def forward(self, q, k, v, documents=None):      # the core's signature (packed documents unused here)
+    def forward(self, q, k, v, documents=None):  # the core's signature (packed documents unused here)
         assert documents is None
         return attention_reference(q.float(), k.float(), v.float()).to(q.dtype)
 
@@ -143,7 +153,7 @@ def fp32_attention(state):
     for chunk in state.chunks:
         for layer in chunk.layers.values():
             core = layer.attention.core
-            if hasattr(core, "inner"):          # TP's RNG-tracked wrapper
+            if hasattr(core, "inner"):  # TP's RNG-tracked wrapper
                 core.inner = Fp32Attention()
             else:
                 layer.attention.core = Fp32Attention()
@@ -154,7 +164,7 @@ def bf16_worker(ctx, layouts):
     return [layout_worker(ctx, cfg, dp, fp32_attention if fp32 else None) for cfg, dp, fp32 in layouts]
 
 
-BF16_LAYOUTS = {           # name -> (layout, dp, fp32 attention, reference: one process or a layout)
+BF16_LAYOUTS = {  # name -> (layout, dp, fp32 attention, reference: one process or a layout)
     "cp 2 a2a": (dict(cp=2, cp_comm_type="a2a"), 1, False, "sdpa"),
     "cp 2 p2p": (dict(cp=2), 1, False, "fp32 attention"),
     "cp 4 p2p": (dict(cp=4), 1, False, "fp32 attention"),
@@ -183,8 +193,10 @@ def test_cp2_tp2_pp2_zero3_on_8_ranks_and_bf16_first_gradient_norm(dist_pool, re
     results = per_layout(dist_pool(8).run(bf16_worker, layouts))
     assert_matches_reference(results[0], reference, "cp 2 tp 2 pp 2 zero 3")
     got = {what: last_stage_result(r) for what, r in zip(BF16_LAYOUTS, results[1:])}
-    one = {"sdpa": single_process_reference(**BF16)[0],
-           "fp32 attention": run_training(small_config(**BF16), ProcessGroups.single(), fp32_attention)}
+    one = {
+        "sdpa": single_process_reference(**BF16)[0],
+        "fp32 attention": run_training(small_config(**BF16), ProcessGroups.single(), fp32_attention),
+    }
     for what, (_, _, _, against) in BF16_LAYOUTS.items():
         if against is None:
             continue
@@ -193,7 +205,9 @@ def test_cp2_tp2_pp2_zero3_on_8_ranks_and_bf16_first_gradient_norm(dist_pool, re
         for key in ("norms", "losses"):
             gap = _gap(got[what], ref, key)
             print(f"bf16 {what} against {against}: iteration-1 {key} {gap:.1e}")
-            assert gap <= bar, f"bf16 {what}: iteration-1 {key} {got[what][key][0]} vs {against} {ref[key][0]} ({gap:.1e})"
+            assert gap <= bar, (
+                f"bf16 {what}: iteration-1 {key} {got[what][key][0]} vs {against} {ref[key][0]} ({gap:.1e})"
+            )
     # The ring against one-process SDPA: SDPA's own rounding of the probabilities, not more.
     gap = _gap(got["cp 2 p2p"], one["sdpa"], "norms")
     assert gap <= BF16_RING_VS_SDPA_GAP, f"bf16 cp 2 p2p against one-process SDPA: norm {gap:.1e}"
@@ -203,14 +217,18 @@ def test_checkpoint_moves_between_cp2_and_cp1(dist_pool, reference, tmp_path):
     """Saved at cp 2 (ring attention, ZeRO-1 sharded over dp x cp) after 5 steps, loaded at cp 1: the
     remaining steps follow the single-process curve; and the reverse, cp 1 -> cp 2 ZeRO-3."""
     from tests.checkpoint.test_save_and_load import ckpt_worker
+
     ref, _ = reference
     pool = dist_pool(4)
-    for what, source, target in (("cp 2 -> cp 1", dict(cp=2, stage=1), dict(stage=1)),
-                                 ("cp 1 -> cp 2", dict(stage=3), dict(cp=2, stage=3))):
+    for what, source, target in (
+        ("cp 2 -> cp 1", dict(cp=2, stage=1), dict(stage=1)),
+        ("cp 1 -> cp 2", dict(stage=3), dict(cp=2, stage=3)),
+    ):
         directory = tmp_path / what.replace(" ", "")
         pool.run(ckpt_worker, small_config(**SMALL, **source), 1, str(directory), save_at=5, stop_after=5)
-        results = pool.run(ckpt_worker, small_config(**SMALL, **target), 1, str(tmp_path / "unused"),
-                           load=str(directory))
+        results = pool.run(
+            ckpt_worker, small_config(**SMALL, **target), 1, str(tmp_path / "unused"), load=str(directory)
+        )
         curve = results[0]["curve"]
         assert sorted(curve) == list(range(6, 11)), what
         assert_close([curve[i][0] for i in range(6, 11)], ref["losses"][5:], f"{what}: loss after loading")
@@ -218,6 +236,7 @@ def test_checkpoint_moves_between_cp2_and_cp1(dist_pool, reference, tmp_path):
 
 def _config(*argv, world=1):
     from megazero.config.train_flags import config_from_args, parse_args
+
     return config_from_args(parse_args(list(argv)), world_size=world)
 
 
@@ -225,8 +244,20 @@ def test_flags_reach_the_config_and_bad_input_is_one_line():
     """Megatron's and Megatron-DeepSpeed's spellings; each mistake a UsageError naming the flag and
     the fix, raised while the flags are read (before any process group)."""
     from megazero.core.errors import UsageError
-    base = ("--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-            "--attention-dropout", "0", "--micro-batch-size", "1")
+
+    base = (
+        "--num-attention-heads",
+        "4",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--seq-length",
+        "64",
+        "--attention-dropout",
+        "0",
+        "--micro-batch-size",
+        "1",
+    )
     cfg = _config(*base, "--context-parallel-size", "2", "--cp-comm-type", "allgather", world=4)
     assert (cfg.parallel.context_parallel, cfg.parallel.cp_comm_type, cfg.global_batch_size) == (2, "allgather", 2)
     cfg = _config(*base, "--ds-sequence-parallel-size", "2", world=2)
@@ -234,13 +265,40 @@ def test_flags_reach_the_config_and_bad_input_is_one_line():
     mistakes = [
         (("--seq-length", "60", "--context-parallel-size", "4"), 4, "not divisible by 2 x --context-parallel-size 4"),
         (("--context-parallel-size", "4", "--cp-comm-type", "a2a"), 4, "--num-query-groups 2 is not divisible"),
-        (("--context-parallel-size", "2", "--cp-comm-type", "a2a", "--tensor-model-parallel-size", "2",
-          "--num-attention-heads", "6", "--kv-channels", "16"), 4, "--num-attention-heads 6 is not divisible by cp 2 x tp 2"),
-        (("--context-parallel-size", "3",), 4, "world size 4 is not divisible by tensor-parallel size 1 x "
-                                               "context-parallel size 3"),
+        (
+            (
+                "--context-parallel-size",
+                "2",
+                "--cp-comm-type",
+                "a2a",
+                "--tensor-model-parallel-size",
+                "2",
+                "--num-attention-heads",
+                "6",
+                "--kv-channels",
+                "16",
+            ),
+            4,
+            "--num-attention-heads 6 is not divisible by cp 2 x tp 2",
+        ),
+        (
+            (
+                "--context-parallel-size",
+                "3",
+            ),
+            4,
+            "world size 4 is not divisible by tensor-parallel size 1 x context-parallel size 3",
+        ),
         (("--context-parallel-size", "2", "--attention-dropout", "0.1"), 2, "--attention-dropout 0"),
         (("--ds-sequence-parallel-size", "2", "--context-parallel-size", "2"), 2, "contradicts"),
-        (("--context-parallel-size", "0",), 2, "--context-parallel-size"),
+        (
+            (
+                "--context-parallel-size",
+                "0",
+            ),
+            2,
+            "--context-parallel-size",
+        ),
     ]
     for extra, world, message in mistakes:
         with pytest.raises(UsageError, match=message.replace("(", r"\(").replace("+", r"\+")) as err:
@@ -253,10 +311,16 @@ def test_planner_divides_activations_by_cp_and_adds_its_buffers():
     own saved tensors (the ring's fp32 output and LSE, allgather's whole-sequence K/V and its one
     mask) and buffers."""
     from megazero.config.memory_estimate import cp_mask_bytes, cp_saved_per_layer, output_layer_bytes, plan_bytes
-    base = dict(model_extra={"seq_length": 256, "hidden_size": 64, "num_attention_heads": 4,
-                             "num_query_groups": 2}, micro=1, global_batch=2)
-    plans = {(cp, kind): plan_bytes(small_config(cp=cp, cp_comm_type=kind, **base), 2 * cp)
-             for cp, kind in ((1, "p2p"), (2, "p2p"), (4, "p2p"), (2, "a2a"), (2, "allgather"))}
+
+    base = dict(
+        model_extra={"seq_length": 256, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2},
+        micro=1,
+        global_batch=2,
+    )
+    plans = {
+        (cp, kind): plan_bytes(small_config(cp=cp, cp_comm_type=kind, **base), 2 * cp)
+        for cp, kind in ((1, "p2p"), (2, "p2p"), (4, "p2p"), (2, "a2a"), (2, "allgather"))
+    }
     one = plans[(1, "p2p")]
     model = small_config(**base).model
     for (cp, kind), plan in plans.items():
@@ -286,9 +350,14 @@ def test_context_parallel_bench_runs_and_its_numbers_are_sane(dist_pool):
     pool = dist_pool(4)
     tiny = bench.run(pool, bench.parse_args(["--tiny", "--cps", "1,2"]), warm_up=False)
     assert [(r["seq"], r["cp"], r["comm"]) for r in tiny] == [
-        (64, 1, "-"), (64, 2, "p2p"), (64, 2, "a2a"), (64, 2, "allgather")]
-    long = bench.run(pool, bench.parse_args(["--tiny", "--seqs", "2048", "--cps", "1,2", "--comm-types", "p2p"]),
-                     warm_up=False)
+        (64, 1, "-"),
+        (64, 2, "p2p"),
+        (64, 2, "a2a"),
+        (64, 2, "allgather"),
+    ]
+    long = bench.run(
+        pool, bench.parse_args(["--tiny", "--seqs", "2048", "--cps", "1,2", "--comm-types", "p2p"]), warm_up=False
+    )
     ring = long[-1]
     assert ring["cp"] == 2 and ring["measured"] >= bench.MIN_CHECKED_BYTES, ring
     for r in tiny + long:

@@ -17,14 +17,25 @@ without sequence parallelism, tp 2 x ep 4 x dp 2 ZeRO-1 and ZeRO-3 (SP), tp 2 x 
 MiCS with experts at ZeRO-3: ep 2 and ep 4 with shard groups of 2, ep 2 x cp 2 x dp 4 with groups of
 4 (expert states over 2 edp ranks); the planner's expert counts for each.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.layouts import (assert_close, assert_params_match, last_stage_result, layout_worker, per_layout,
-                           run_layouts, single_process_reference, small_config, strip_padding, with_padded_vocab,
-                           VOCAB)
+from tests.layouts import (
+    assert_close,
+    assert_params_match,
+    last_stage_result,
+    layout_worker,
+    per_layout,
+    run_layouts,
+    single_process_reference,
+    small_config,
+    strip_padding,
+    with_padded_vocab,
+    VOCAB,
+)
 from megazero.config.memory_estimate import plan_bytes, rank_layout
 from megazero.parallel.topology import Topology
 from megazero.training.moe_stats import moe_layers
@@ -33,9 +44,16 @@ from megazero.parallel.moe import ExpertShard
 # Mixtral's linears have no biases: with them the attention key bias (a true gradient of zero, which
 # Adam turns into noise of the order of lr) differs from the one process's by ~1.7 relative in cp 2
 # and sequence-parallel layouts with or without experts, over the per-tensor bound for qkv.bias.
-MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01,
-           moe_z_loss_coeff=0.001, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
-           add_bias_linear=False)
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=32,
+    moe_aux_loss_coeff=0.01,
+    moe_z_loss_coeff=0.001,
+    moe_shared_expert_intermediate_size=16,
+    moe_shared_expert_gate=True,
+    add_bias_linear=False,
+)
 SMALL = dict(steps=10, layers=2, global_batch=8, model_extra=MOE)
 
 
@@ -94,28 +112,34 @@ LAYOUTS_4 = [
     ("ep 2 zero 1", 4, dict(ep=2, stage=1)),
     ("ep 2 zero 2", 4, dict(ep=2, stage=2)),
     ("ep 2 zero 3", 4, dict(ep=2, stage=3)),
-    ("ep 2 zero 3 offloaded optimizer", 4, dict(ep=2, stage=3, zero_extra={
-        "offload_optimizer": {"device": "cpu"}, "sub_group_size": 2000})),
+    (
+        "ep 2 zero 3 offloaded optimizer",
+        4,
+        dict(ep=2, stage=3, zero_extra={"offload_optimizer": {"device": "cpu"}, "sub_group_size": 2000}),
+    ),
     ("ep 2 tp 2 sequence parallel", 2, dict(ep=2, tp=2, sequence_parallel=True)),
     ("ep 2 pp 2", 2, dict(ep=2, pp=2, stage=1)),
     ("ep 2 cp 2", 2, dict(ep=2, cp=2)),
     ("ep 2 full recomputation", 2, dict(ep=2)),
 ]
 # the same run with every layer recomputed in the backward (the dispatch collectives run again there)
-RECOMPUTE = dict(SMALL, model_extra=dict(MOE, recompute_granularity="full", recompute_method="uniform",
-                                         recompute_num_layers=1))
+RECOMPUTE = dict(
+    SMALL, model_extra=dict(MOE, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+)
 # The interleaved schedule needs layers divisible by pp x virtual stages: a 4-layer model of its own.
 INTERLEAVED = dict(SMALL, layers=4)
 
 
 def test_expert_parallel_layouts_match_single_process(dist_pool, reference):
-    layouts = [(small_config(**(RECOMPUTE if "recomputation" in what else SMALL), **config), dp)
-               for what, dp, config in LAYOUTS_4]
+    layouts = [
+        (small_config(**(RECOMPUTE if "recomputation" in what else SMALL), **config), dp)
+        for what, dp, config in LAYOUTS_4
+    ]
     layouts.append((small_config(**INTERLEAVED, ep=2, pp=2, virtual=2, stage=2), 2))
     results = per_layout(dist_pool(4).run(run_layouts, layouts))
     for (what, dp, config), result in zip(LAYOUTS_4, results):
         check(result, reference, what)
-        if what in ("ep 2 zero 1", "ep 2 zero 2", "ep 2 zero 3"):        # the planner's model states, experts over edp
+        if what in ("ep 2 zero 1", "ep 2 zero 2", "ep 2 zero 3"):  # the planner's model states, experts over edp
             _check_plan(result, config, dp, what)
     check(results[-1], single_process_reference(**INTERLEAVED), "ep 2 pp 2 interleaved zero 2")
 
@@ -146,8 +170,13 @@ def _check_plan(result, config, dp, what):
     world = par.tensor_parallel * par.context_parallel * par.pipeline_parallel * dp
     if par.tensor_parallel > 1:
         layout = rank_layout(cfg, world)
-        topo = Topology(world_size=world, tp=par.tensor_parallel, ep=par.expert_parallel,
-                        etp=par.expert_tensor_parallel, mics_shard_size=cfg.zero.mics_shard_size)
+        topo = Topology(
+            world_size=world,
+            tp=par.tensor_parallel,
+            ep=par.expert_parallel,
+            etp=par.expert_tensor_parallel,
+            mics_shard_size=cfg.zero.mics_shard_size,
+        )
         for r in filter(None, result):
             experts = sum(v.numel() for name, (v, _) in r["params"].items() if ".mlp.experts." in name)
             assert layout.expert_parameters == experts, (what, layout.expert_parameters, experts)
@@ -175,8 +204,10 @@ def test_mics_with_expert_parallelism_matches_single_process(dist_pool, referenc
 def test_tp_pp_ep_zero3_on_8_ranks_matches_single_process(dist_pool, reference):
     """Also on 8 ranks: MiCS shard groups of 4 of the dp x cp ranks at ep 2, so the expert states
     shard over 2 expert-data-parallel ranks and replicate over the other 2."""
-    layouts = [(small_config(**SMALL, ep=2, tp=2, pp=2, stage=3, sequence_parallel=True), 2),
-               (small_config(**SMALL, ep=2, cp=2, stage=3, mics=4), 4)]
+    layouts = [
+        (small_config(**SMALL, ep=2, tp=2, pp=2, stage=3, sequence_parallel=True), 2),
+        (small_config(**SMALL, ep=2, cp=2, stage=3, mics=4), 4),
+    ]
     eight, mics = per_layout(dist_pool(8).run(run_layouts, layouts))
     check(eight, reference, "tp 2 x pp 2 x ep 2 zero 3")
     check(mics, reference, "ep 2 x cp 2 x dp 4 zero 3 mics 4")
@@ -192,15 +223,19 @@ def _skew_first_ep_group(state):
         return
 
     for _, layer in moe_layers(state.chunks):
+
         def skewed_top_k(logits, top_k=layer.router.top_k):
             probs, indices = top_k(logits)
             return probs, torch.full_like(indices, 3)
+
         layer.router.top_k = skewed_top_k
 
 
 def _skewed(ctx, stages):
-    return [layout_worker(ctx, small_config(**{**SMALL, "steps": 4}, ep=2, stage=stage), 4, on_setup=_skew_first_ep_group)
-            for stage in stages]
+    return [
+        layout_worker(ctx, small_config(**{**SMALL, "steps": 4}, ep=2, stage=stage), 4, on_setup=_skew_first_ep_group)
+        for stage in stages
+    ]
 
 
 def test_skewed_routing_zero3_finishes_and_matches_zero0(dist_pool):

@@ -4,15 +4,21 @@ Every rank builds the same full reference module from a fixed seed, cuts its sha
 own TPShard, runs forward and backward on the same data, and compares outputs, input gradients and
 its slice of the weight gradients with the reference (fp32, rtol 1e-5).
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megazero.parallel.finalize import plain_grads, sum_sequence_parallel_grads
-from megazero.parallel.layers import (ColumnParallelLinear, ParallelEmbedding, ParallelLMHead,
-                                      RowParallelLinear, SequenceParallelNorm,
-                                      VocabParallelEmbedding)
+from megazero.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    ParallelLMHead,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    VocabParallelEmbedding,
+)
 from megazero.parallel.mappings import scatter_to_sequence_region
 from megazero.parallel.topology import Topology
 from megazero.models.param_info import param_info, set_param_info
@@ -48,7 +54,7 @@ def check_column_row(group, sp):
         x_local = _shard_seq(x.detach(), group, sp).requires_grad_()
         y_ref = ref(x)
         y = col(x_local)
-        if chunks == 2:   # gathered output is [rank0 gate|up, rank1 gate|up...]; reorder to compare
+        if chunks == 2:  # gathered output is [rank0 gate|up, rank1 gate|up...]; reorder to compare
             y = _regroup(y, group.size, chunks)
         close(y, y_ref, f"column(sp={sp}, chunks={chunks}) output")
         grad_out = _inputs(4, *y_ref.shape)
@@ -108,7 +114,7 @@ def _regroup(y, size, chunks):
 
 
 def check_embedding_and_loss(group, sp):
-    vocab, padded = 50, 56        # 50 is not divisible by 4: rows 50..55 are padding
+    vocab, padded = 50, 56  # 50 is not divisible by 4: rows 50..55 are padding
     word_ref = nn.Embedding(padded, H)
     word_ref.weight.data = torch.cat([_inputs(9, vocab, H), torch.zeros(padded - vocab, H)])
     pos_ref = nn.Embedding(S, H)
@@ -130,7 +136,7 @@ def check_embedding_and_loss(group, sp):
     norm = nn.LayerNorm(H)
     norm.load_state_dict(norm_ref.state_dict())
     norm = SequenceParallelNorm(norm, group) if sp else norm
-    head = ParallelLMHead(word.weight, vocab, group, sp)      # tied to the embedding
+    head = ParallelLMHead(word.weight, vocab, group, sp)  # tied to the embedding
     loss = head(norm(x), labels)
     logits_ref = F.linear(norm_ref(x_ref), word_ref.weight)[..., :vocab]
     loss_ref = F.cross_entropy(logits_ref.flatten(0, 1), labels.flatten(), reduction="none").view(B, S)
@@ -140,8 +146,9 @@ def check_embedding_and_loss(group, sp):
     (loss * weights).sum().backward()
     (loss_ref * weights).sum().backward()
     sum_sequence_parallel_grads(list(norm.parameters()), plain_grads, group)
-    close(word.weight.grad, param_info(word.weight).tp_shard.local_from_full(word_ref.weight.grad),
-          "tied embedding grad")
+    close(
+        word.weight.grad, param_info(word.weight).tp_shard.local_from_full(word_ref.weight.grad), "tied embedding grad"
+    )
     assert torch.all(word_ref.weight.grad[vocab:] == 0), "padding rows must get no gradient"
     close(pos.weight.grad, pos_ref.weight.grad, "position embedding grad")
     close(norm.weight.grad, norm_ref.weight.grad, "norm weight grad")

@@ -3,23 +3,40 @@
 (rotary on half of each head, SwiGLU, zero-centred RMSNorm, grouped-query attention, heads wider than
 hidden / heads, no biases, untied embeddings, selective recomputation);
 dropout streams differ across TP ranks exactly where they must."""
+
 import pytest
 import torch
 from torch import nn
 
-from tests.layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
-                           layout_worker, run_training, small_config, strip_padding)
+from tests.layouts import (
+    assemble_params,
+    assert_close,
+    assert_params_match,
+    last_stage_result,
+    layout_worker,
+    run_training,
+    small_config,
+    strip_padding,
+)
 from megazero.parallel.process_groups import ProcessGroups
-from megazero.parallel.random import MODEL_PARALLEL, TrackedDropout, TrackedModule, make_checkpoint_fn, \
-    seed_everything
+from megazero.parallel.random import MODEL_PARALLEL, TrackedDropout, TrackedModule, make_checkpoint_fn, seed_everything
 from megazero.parallel.topology import Topology
 from megazero.training import setup
 
 VOCAB = 61
-VARIANT = {"position_embedding": "rope", "activation": "swiglu", "normalization": "rmsnorm",
-           "num_attention_heads": 8, "num_query_groups": 4, "kv_channels": 12, "rotary_percent": 0.5,
-           "apply_layernorm_1p": True, "recompute_granularity": "selective", "add_bias_linear": False}
-MODELS = {"default": ({}, True), "every option": (VARIANT, False)}     # name -> (model fields, tied)
+VARIANT = {
+    "position_embedding": "rope",
+    "activation": "swiglu",
+    "normalization": "rmsnorm",
+    "num_attention_heads": 8,
+    "num_query_groups": 4,
+    "kv_channels": 12,
+    "rotary_percent": 0.5,
+    "apply_layernorm_1p": True,
+    "recompute_granularity": "selective",
+    "add_bias_linear": False,
+}
+MODELS = {"default": ({}, True), "every option": (VARIANT, False)}  # name -> (model fields, tied)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -42,11 +59,13 @@ def dropout_streams(ctx, sequence_parallel):
     groups = ctx.groups(Topology(world_size=2, tp=2))
     cfg = small_config(tp=2, sequence_parallel=sequence_parallel, model_extra={"hidden_dropout": 0.5})
     from tests.layouts import with_padded_vocab
+
     state = setup(with_padded_vocab(cfg), groups)
     masks = {}
     layer = state.chunks[0].layers["0"]
     layer.attention_dropout.register_forward_hook(
-        lambda m, args, out: masks.__setitem__("hidden", (out == 0) & (args[0] != 0)))
+        lambda m, args, out: masks.__setitem__("hidden", (out == 0) & (args[0] != 0))
+    )
     tokens = torch.arange(17).unsqueeze(0) % VOCAB
     state.chunks[0](tokens[:, :-1], tokens[:, 1:])
 
@@ -73,7 +92,7 @@ def test_dropout_differs_across_tp_ranks_only_where_it_must(dist_pool, sequence_
     assert replay0 and replay1, "recomputation must replay the same dropout masks"
     assert not torch.equal(t0, t1), "model-parallel stream must differ across TP ranks"
     assert torch.equal(p0, p1), "default stream must agree across TP ranks"
-    if sequence_parallel:      # each rank holds different tokens: masks come from per-rank streams
+    if sequence_parallel:  # each rank holds different tokens: masks come from per-rank streams
         assert not torch.equal(h0, h1)
-    else:                      # replicated activations: every TP rank drops the same elements
+    else:  # replicated activations: every TP rank drops the same elements
         assert torch.equal(h0, h1) and h0.any()

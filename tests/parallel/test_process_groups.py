@@ -2,13 +2,16 @@
 torch process group of its own (so NCCL never queues a parameter gather behind a gradient
 reduce-scatter), both work with an op in flight on each, building a layout again reuses both, and the
 device check fires on a real multi-rank group before the backend is touched."""
+
 import torch
 
 from megazero.core import comm
 from megazero.parallel.topology import Topology
 
-LAYOUTS = [dict(world_size=4, tp=1, mics_shard_size=2),    # shard groups (0,1), (2,3); dp (0..3)
-           dict(world_size=4, tp=2)]                       # no MiCS: shard group == dp group
+LAYOUTS = [
+    dict(world_size=4, tp=1, mics_shard_size=2),  # shard groups (0,1), (2,3); dp (0..3)
+    dict(world_size=4, tp=2),
+]  # no MiCS: shard group == dp group
 
 
 def gather_communicator_checks(ctx, layout):
@@ -28,11 +31,15 @@ def gather_communicator_checks(ctx, layout):
     except ValueError as err:
         error = str(err)
     return {
-        "ranks": (shard.ranks, gather.ranks), "name": gather.name, "devices": (shard.device, gather.device),
+        "ranks": (shard.ranks, gather.ranks),
+        "name": gather.name,
+        "devices": (shard.device, gather.device),
         "own_pg": gather.pg is not shard.pg and gather.pg is not groups.dp.pg,
         "shard_shares_dp_pg": shard.pg is groups.dp.pg,
         "reused": again.mics_shard_gather.pg is gather.pg and again.mics_shard.pg is shard.pg,
-        "reduced": reduced.tolist(), "full": full.tolist(), "error": error,
+        "reduced": reduced.tolist(),
+        "full": full.tolist(),
+        "error": error,
         "counted": sorted((op, g) for op, g, _ in groups.log.end_step()),
     }
 

@@ -9,6 +9,7 @@ Planted bugs: restoring only torch's RNG state in the checkpoint (no tracker sna
 recomputing layout miss the curve; counting block's layers by global index (the model's first N)
 instead of per stage makes the forward counts fail.
 """
+
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ LAYOUTS = {
     "full uniform 2": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
     "full block 1": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
 }
-STEPS, MICROBATCHES = 10, 2          # global batch 4 = micro 2 x 2 microbatches (dp 1)
+STEPS, MICROBATCHES = 10, 2  # global batch 4 = micro 2 x 2 microbatches (dp 1)
 
 
 def counting_worker(ctx, configs):
@@ -37,7 +38,8 @@ def counting_worker(ctx, configs):
                 for index, layer in chunk.layers.items():
                     layer.register_forward_pre_hook(lambda m, a, i=int(index): calls.update({i: calls.get(i, 0) + 1}))
                     layer.attention.core.register_forward_pre_hook(
-                        lambda m, a: calls.update({"core": calls.get("core", 0) + 1}))
+                        lambda m, a: calls.update({"core": calls.get("core", 0) + 1})
+                    )
 
         result = layout_worker(ctx, cfg, 1, on_setup=hook_layers)
         if result is not None:
@@ -48,8 +50,10 @@ def counting_worker(ctx, configs):
 
 @pytest.fixture(scope="module")
 def runs(dist_pool):
-    configs = [small_config(tp=2, pp=2, stage=1, steps=STEPS, global_batch=4, model_extra={**DROPOUT, **extra})
-               for extra in LAYOUTS.values()]
+    configs = [
+        small_config(tp=2, pp=2, stage=1, steps=STEPS, global_batch=4, model_extra={**DROPOUT, **extra})
+        for extra in LAYOUTS.values()
+    ]
     per_rank = dist_pool(4).run(counting_worker, configs)
     return dict(zip(LAYOUTS, (list(r) for r in zip(*per_rank))))
 
@@ -64,10 +68,12 @@ def test_recomputation_keeps_the_loss_curve(runs, name):
 
 def test_what_runs_twice_is_what_megatron_says(runs):
     per_micro = STEPS * MICROBATCHES
-    stage_layers = {0: (0, 1), 1: (2, 3)}          # 4 layers over pp 2
+    stage_layers = {0: (0, 1), 1: (2, 3)}  # 4 layers over pp 2
     expected = {
-        "none": lambda layer: 1, "selective": lambda layer: 1,
-        "full uniform 1": lambda layer: 2, "full uniform 2": lambda layer: 2,
+        "none": lambda layer: 1,
+        "selective": lambda layer: 1,
+        "full uniform 1": lambda layer: 2,
+        "full uniform 2": lambda layer: 2,
         # block: the first layer of each stage (per stage, not the model's first layer only)
         "full block 1": lambda layer: 2 if layer in (0, 2) else 1,
     }
@@ -75,13 +81,15 @@ def test_what_runs_twice_is_what_megatron_says(runs):
         for r in filter(None, results):
             stage = r["coords"][2]
             for layer in stage_layers[stage]:
-                assert r["calls"][layer] == expected[name](layer) * per_micro, \
+                assert r["calls"][layer] == expected[name](layer) * per_micro, (
                     f"{name}: layer {layer} ran {r['calls'][layer] / per_micro:g}x per microbatch"
-            cores = 2 if name != "none" else 1            # selective reruns it; full reruns its layer
+                )
+            cores = 2 if name != "none" else 1  # selective reruns it; full reruns its layer
             if name == "full block 1":
-                cores = 1.5                                # one of the stage's two layers
-            assert r["calls"]["core"] == cores * len(stage_layers[stage]) * per_micro, \
+                cores = 1.5  # one of the stage's two layers
+            assert r["calls"]["core"] == cores * len(stage_layers[stage]) * per_micro, (
                 f"{name}: core attention ran {r['calls']['core'] / per_micro:g} times per microbatch"
+            )
 
 
 def test_the_recomputation_runs_under_the_forwards_torch_function_modes():

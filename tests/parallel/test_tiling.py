@@ -1,6 +1,7 @@
 """TiledLinear against the untiled layer: forward and gradients within the fp32 summation bound, the
 layout-independent init, and ZeRO stage 3 with tiled MLP layers and output head (same training run,
 smaller peak of gathered parameters)."""
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ from megazero.models.gpt import GPT
 from megazero.parallel.tiling import TiledLinear, check_patterns_matched, tile_linears
 from megazero.parallel.topology import Topology
 
-EPS32 = 2.0 ** -24
+EPS32 = 2.0**-24
 
 
 def _bound(x, w):
@@ -48,16 +49,25 @@ def test_forward_and_grads_match_untiled(in_splits, out_splits):
 
 
 def _tiny_model(tied: bool) -> GPT:
-    cfg = GPTConfig(vocab_size=50, padded_vocab_size=56, hidden_size=16, num_layers=2, num_attention_heads=2,
-                    ffn_hidden_size=40, seq_length=8, hidden_dropout=0.0, attention_dropout=0.0,
-                    tie_embeddings=tied)
+    cfg = GPTConfig(
+        vocab_size=50,
+        padded_vocab_size=56,
+        hidden_size=16,
+        num_layers=2,
+        num_attention_heads=2,
+        ffn_hidden_size=40,
+        seq_length=8,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_embeddings=tied,
+    )
     with torch.device("meta"):
         return GPT(cfg)
 
 
 def _materialise(model: GPT, seed=5) -> GPT:
     init = make_init_fn(model.config, seed)
-    values = {name: init(name, p) for name, p in model.named_parameters()}   # to_empty drops attributes
+    values = {name: init(name, p) for name, p in model.named_parameters()}  # to_empty drops attributes
     model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -72,8 +82,9 @@ def test_tiled_model_starts_from_untiled_weights_and_computes_the_same_loss():
     assert swapped == ["layers.0.mlp.fc1", "layers.1.mlp.fc1", "layers.1.mlp.fc2", "output_head"]
     _materialise(tiled)
     for name in ("layers.0.mlp.fc1", "layers.1.mlp.fc2"):
-        torch.testing.assert_close(tiled.get_submodule(name).full_weight(),
-                                   plain.get_submodule(name).weight, rtol=0, atol=0)
+        torch.testing.assert_close(
+            tiled.get_submodule(name).full_weight(), plain.get_submodule(name).weight, rtol=0, atol=0
+        )
     torch.testing.assert_close(tiled.output_head.linear.full_weight(), plain.output_head.weight, rtol=0, atol=0)
     tokens = torch.randint(0, 50, (2, 9))
     loss_plain = plain(tokens[:, :-1], tokens[:, 1:]).mean()
@@ -95,15 +106,22 @@ def test_bad_tiling_requests_are_one_line_errors():
 # --- ZeRO stage 3 on 2 ranks ---------------------------------------------------------------------
 
 TILED = ["layers.*.mlp.fc1", "layers.*.mlp.fc2", "output_head"]
-SPLITS = 2          # 2 x 2 tiles: each tile a quarter of its layer
+SPLITS = 2  # 2 x 2 tiles: each tile a quarter of its layer
 
 
 def _stage3_config(steps: int):
     # The MLP weights dominate (hidden 32 x ffn 512), so they set the peak of gathered parameters;
     # no prefetch and release right after use (FSDP's profile) make the peak one unit's worth.
-    return small_config(stage=3, steps=steps, micro=2, global_batch=8, layers=2, tied=False,
-                        model_extra={"ffn_hidden_size": 512},
-                        zero_extra={"max_reuse_distance": 0, "prefetch_bucket_size": 0})
+    return small_config(
+        stage=3,
+        steps=steps,
+        micro=2,
+        global_batch=8,
+        layers=2,
+        tied=False,
+        model_extra={"ffn_hidden_size": 512},
+        zero_extra={"max_reuse_distance": 0, "prefetch_bucket_size": 0},
+    )
 
 
 def tiled_training_worker(ctx, tiled: bool, steps: int):
@@ -131,7 +149,7 @@ def _untile(params: dict) -> dict:
     """Reassembles `<layer>.tiles.<k>.weight|bias` into the untiled `<layer>.weight|bias`."""
     out, tiles = {}, {}
     for name, (value, shard) in params.items():
-        name = name.replace("output_head.linear.", "output_head.")     # TiledLMHead's projection
+        name = name.replace("output_head.linear.", "output_head.")  # TiledLMHead's projection
         if ".tiles." not in name:
             out[name] = value
             continue
@@ -140,10 +158,10 @@ def _untile(params: dict) -> dict:
         tiles.setdefault((layer, kind), {})[int(index)] = value
     for (layer, kind), by_index in tiles.items():
         values = [by_index[k] for k in sorted(by_index)]
-        if kind == "bias":          # only the first input block carries one: ordered by output block
+        if kind == "bias":  # only the first input block carries one: ordered by output block
             out[f"{layer}.bias"] = torch.cat(values)
         else:
-            rows = [torch.cat(values[o * SPLITS:(o + 1) * SPLITS], dim=1) for o in range(SPLITS)]
+            rows = [torch.cat(values[o * SPLITS : (o + 1) * SPLITS], dim=1) for o in range(SPLITS)]
             out[f"{layer}.weight"] = torch.cat(rows)
     return out
 
@@ -153,13 +171,17 @@ def test_zero3_tiled_run_matches_untiled_and_gathers_less(dist_pool):
     tiled = dist_pool(2).run(tiled_training_worker, True, 4)
     assert_close(tiled[0]["losses"], plain[0]["losses"], "tiled vs untiled losses")
     # the one rule for parameters (tests/layouts.py): per tensor, the key bias's rounding noise left out
-    assert_params_match(tiled[0]["params"], {name: value for name, (value, _) in plain[0]["params"].items()},
-                        "tiled vs untiled parameters")
+    assert_params_match(
+        tiled[0]["params"],
+        {name: value for name, (value, _) in plain[0]["params"].items()},
+        "tiled vs untiled parameters",
+    )
     peak_plain = plain[0]["memory"]["peak_live_params"]
     peak_tiled = tiled[0]["memory"]["peak_live_params"]
     # The peak is the largest unit (fc1: 512 x 32 weight + 512 bias; tiled, its largest tile is
     # 256 x 16 + 256) plus whatever else is gathered at that moment, which tiling does not change.
     fc1, fc1_tile = 512 * 32 + 512, 256 * 16 + 256
-    assert peak_plain - 4 * fc1 == peak_tiled - 4 * fc1_tile, \
+    assert peak_plain - 4 * fc1 == peak_tiled - 4 * fc1_tile, (
         f"peak gathered bytes {peak_plain} untiled, {peak_tiled} tiled"
-    assert peak_tiled * 2.5 <= peak_plain     # ~3x overall; 3.9x for the layer itself
+    )
+    assert peak_tiled * 2.5 <= peak_plain  # ~3x overall; 3.9x for the layer itself

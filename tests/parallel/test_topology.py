@@ -1,5 +1,6 @@
 """The rank grid, checked as pure arithmetic (no processes): every rank in exactly one group of each
 kind, groups orthogonal, the documented layout for several grids, invalid grids rejected."""
+
 import itertools
 
 import pytest
@@ -8,18 +9,33 @@ from megazero.core.errors import UsageError
 from megazero.parallel.topology import Topology, validate_model_fits
 
 GRIDS = [  # world, tp, pp, mics
-    (1, 1, 1, -1), (8, 2, 2, -1), (8, 1, 1, 4), (8, 2, 1, 2), (16, 2, 2, 2), (12, 3, 2, -1),
-    (8, 1, 8, -1), (24, 2, 3, 2),
+    (1, 1, 1, -1),
+    (8, 2, 2, -1),
+    (8, 1, 1, 4),
+    (8, 2, 1, 2),
+    (16, 2, 2, 2),
+    (12, 3, 2, -1),
+    (8, 1, 8, -1),
+    (24, 2, 3, 2),
 ]
 
 
 @pytest.mark.parametrize("world,tp,pp,mics", GRIDS)
 def test_every_rank_in_exactly_one_group_of_each_kind(world, tp, pp, mics):
     topo = Topology(world_size=world, tp=tp, pp=pp, mics_shard_size=mics)
-    sizes = {"tp": tp, "dp": topo.dp, "pp": pp, "mp": tp * pp, "cp": 1,
-             "mics_shard": topo.mics_shard_size, "mics_replica": topo.dp // topo.mics_shard_size,
-             "ep": 1, "edp": topo.dp, "expert_shard": topo.mics_shard_size,
-             "expert_replica": topo.dp // topo.mics_shard_size}
+    sizes = {
+        "tp": tp,
+        "dp": topo.dp,
+        "pp": pp,
+        "mp": tp * pp,
+        "cp": 1,
+        "mics_shard": topo.mics_shard_size,
+        "mics_replica": topo.dp // topo.mics_shard_size,
+        "ep": 1,
+        "edp": topo.dp,
+        "expert_shard": topo.mics_shard_size,
+        "expert_replica": topo.dp // topo.mics_shard_size,
+    }
     for kind, groups in topo.all_group_kinds().items():
         if kind == "embedding":
             continue
@@ -53,7 +69,7 @@ def test_groups_are_orthogonal(world, tp, pp, mics):
 def test_context_parallel_layout_tp_cp_dp_pp():
     """Megatron's order with CP: tp fastest, then cp, then dp, then pp; gradients reduce (and ZeRO
     shards) over dp x cp; a model replica (mp) and the pipeline keep one (dp, cp) column."""
-    topo = Topology(world_size=16, tp=2, pp=2, cp=2)       # dp = 2
+    topo = Topology(world_size=16, tp=2, pp=2, cp=2)  # dp = 2
     assert topo.dp == 2 and topo.dp_cp == 4 and topo.mics_shard_size == 4
     assert topo.cp_groups()[:3] == [[0, 2], [1, 3], [4, 6]]
     assert topo.dp_groups()[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -72,7 +88,7 @@ def test_context_parallel_layout_tp_cp_dp_pp():
 
 
 def test_megatron_layout_tp_fastest_then_dp_then_pp():
-    topo = Topology(world_size=16, tp=2, pp=2)        # dp = 4
+    topo = Topology(world_size=16, tp=2, pp=2)  # dp = 4
     assert topo.tp_groups()[:3] == [[0, 1], [2, 3], [4, 5]]
     assert topo.dp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
     assert topo.pp_groups()[:2] == [[0, 8], [1, 9]]
@@ -82,17 +98,17 @@ def test_megatron_layout_tp_fastest_then_dp_then_pp():
 
 
 def test_embedding_group_is_first_and_last_stage():
-    topo = Topology(world_size=8, tp=1, pp=4)        # dp = 2
+    topo = Topology(world_size=8, tp=1, pp=4)  # dp = 2
     assert topo.pp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert topo.embedding_groups() == [[0, 6], [1, 7]]
-    assert topo.groups_of(2)["embedding"] == [2]      # middle stages hold no embedding
+    assert topo.groups_of(2)["embedding"] == [2]  # middle stages hold no embedding
 
 
 def test_mics_shard_and_replica_groups():
     topo = Topology(world_size=8, tp=1, pp=1, mics_shard_size=2)
     assert topo.mics_shard_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert topo.mics_replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    topo = Topology(world_size=8, tp=2, pp=1, mics_shard_size=2)     # dp = 4, DP groups stride 2
+    topo = Topology(world_size=8, tp=2, pp=1, mics_shard_size=2)  # dp = 4, DP groups stride 2
     assert topo.mics_shard_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert topo.mics_replica_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
 
@@ -101,27 +117,33 @@ def test_nodes_and_intra_node_groups():
     topo = Topology(world_size=8, tp=2, pp=1, ranks_per_node=4)
     assert [topo.node_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(topo.is_intra_node(g) for g in topo.tp_groups())
-    assert not topo.is_intra_node(topo.dp_groups()[0])         # [0, 2, 4, 6] spans both nodes
+    assert not topo.is_intra_node(topo.dp_groups()[0])  # [0, 2, 4, 6] spans both nodes
 
 
-@pytest.mark.parametrize("kwargs,numbers", [
-    (dict(world_size=6, tp=4), ["6", "4"]),
-    (dict(world_size=8, tp=2, pp=3), ["8", "2", "3"]),
-    (dict(world_size=8, tp=1, mics_shard_size=3), ["3", "8"]),
-    (dict(world_size=8, tp=2, dp=3), ["3", "8"]),
-])
+@pytest.mark.parametrize(
+    "kwargs,numbers",
+    [
+        (dict(world_size=6, tp=4), ["6", "4"]),
+        (dict(world_size=8, tp=2, pp=3), ["8", "2", "3"]),
+        (dict(world_size=8, tp=1, mics_shard_size=3), ["3", "8"]),
+        (dict(world_size=8, tp=2, dp=3), ["3", "8"]),
+    ],
+)
 def test_invalid_grids_name_the_numbers(kwargs, numbers):
     with pytest.raises(UsageError) as err:
         Topology(**kwargs)
     assert all(n in str(err.value) for n in numbers), str(err.value)
 
 
-@pytest.mark.parametrize("kwargs,flag", [
-    (dict(num_layers=4, num_attention_heads=6, num_query_groups=6, ffn_hidden_size=64), "--num-attention-heads"),
-    (dict(num_layers=4, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=64), "--num-query-groups"),
-    (dict(num_layers=4, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=66), "--ffn-hidden-size"),
-    (dict(num_layers=6, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=64), "--num-layers"),
-])
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        (dict(num_layers=4, num_attention_heads=6, num_query_groups=6, ffn_hidden_size=64), "--num-attention-heads"),
+        (dict(num_layers=4, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=64), "--num-query-groups"),
+        (dict(num_layers=4, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=66), "--ffn-hidden-size"),
+        (dict(num_layers=6, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=64), "--num-layers"),
+    ],
+)
 def test_model_that_does_not_divide_over_the_grid(kwargs, flag):
     topo = Topology(world_size=16, tp=4, pp=4)
     with pytest.raises(UsageError) as err:
@@ -165,7 +187,7 @@ def test_whole_experts_fold_the_tensor_parallel_ranks_too():
     wide = Topology(world_size=8, tp=2, ep=4, etp=1)
     assert wide.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]] and wide.edp_groups()[0] == [0, 4]
     assert Topology(world_size=4, tp=2, ep=1, etp=1).edp_groups() == [[0, 1, 2, 3]]
-    assert Topology(world_size=4, tp=2, ep=2).ep_groups() == [[0, 2], [1, 3]]      # etp = tp
+    assert Topology(world_size=4, tp=2, ep=2).ep_groups() == [[0, 2], [1, 3]]  # etp = tp
     with pytest.raises(UsageError, match="--expert-model-parallel-size 8 must divide tensor-parallel"):
         Topology(world_size=4, tp=2, ep=8, etp=1)
     with pytest.raises(UsageError, match="--expert-tensor-parallel-size 3 must be 1 or"):
@@ -184,4 +206,4 @@ def test_mics_shards_experts_inside_each_shard_group():
     assert small.expert_shard_groups() == [[r] for r in (0, 4, 1, 5, 2, 6, 3, 7)]
     assert small.expert_replica_groups()[0] == [0, 4]
     assert Topology(world_size=8, ep=2).expert_shard_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert Topology(world_size=12, ep=3, mics_shard_size=4).expert_shard_size == 0     # refused by config
+    assert Topology(world_size=12, ep=3, mics_shard_size=4).expert_shard_size == 0  # refused by config

@@ -4,6 +4,7 @@ torch's documented rules, not from megazero: Megatron's lr schedule and weight-d
 pure single-device GPT with its layout-independent initial weights, torch's AdamW grouped as
 Megatron groups it, and the relative-gap assertions they use.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,15 +49,18 @@ def muon_matrix_names(model: torch.nn.Module) -> set[str]:
     embeddings and the output layer (2-D too) take AdamW, as do biases and norm scales (1-D), a MoE
     router and the shared expert's gate (a 1 x hidden vector)."""
     excluded = ("embedding.word.weight", "embedding.position.weight", "output_head.weight")
-    return {name for name, p in model.named_parameters()
-            if p.ndim in (2, 3) and name not in excluded and not name.endswith(("router.weight", "gate_weight"))}
+    return {
+        name
+        for name, p in model.named_parameters()
+        if p.ndim in (2, 3) and name not in excluded and not name.endswith(("router.weight", "gate_weight"))
+    }
 
 
 def plain_gpt(cfg: GPTConfig, seed: int) -> GPT:
     """The pure single-device GPT of models/ with its layout-independent initial weights."""
     model = GPT(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():          # the tied embedding appears once
+        for name, p in model.named_parameters():  # the tied embedding appears once
             p.copy_(initial_value(cfg, name, tuple(p.shape), seed))
     return model.train()
 
@@ -65,8 +69,12 @@ def adamw(model: torch.nn.Module, weight_decay: float, betas=(0.9, 0.999), eps=1
     decay, rest = [], []
     for name, p in model.named_parameters():
         (decay if megatron_decays(name, p) else rest).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": rest, "weight_decay": 0.0}], lr=0.0, betas=betas, eps=eps)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=0.0,
+        betas=betas,
+        eps=eps,
+    )
 
 
 def relative_gap(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -80,12 +88,12 @@ def without_key_bias(params: dict, cfg: GPTConfig) -> dict:
     correct implementations move it differently after their first differing bit; every other
     element follows a real gradient."""
     head = cfg.hidden_size // cfg.num_attention_heads
-    per_group = cfg.num_attention_heads // cfg.num_query_groups      # query heads, then k, then v
+    per_group = cfg.num_attention_heads // cfg.num_query_groups  # query heads, then k, then v
     out = dict(params)
     for name, value in params.items():
         if name.endswith("attention.qkv.bias"):
             rows = value.reshape(cfg.num_query_groups, per_group + 2, head)
-            out[name] = torch.cat([rows[:, :per_group], rows[:, per_group + 1:]], dim=1).flatten()
+            out[name] = torch.cat([rows[:, :per_group], rows[:, per_group + 1 :]], dim=1).flatten()
     return out
 
 

@@ -5,6 +5,7 @@ Here the other side is written in the test from torch and from Megatron-LM's / D
 documented rules (reference_rules.py). Each test names, in its docstring, the bugs it was seen to
 catch (planted by hand, one at a time; tests/README.md lists them all).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,7 @@ SEED = 1234
 
 # --- accounting against independent measures ---------------------------------------------------
 
+
 class WireTap:
     """torch.distributed's collectives wrapped while it is open: every call's process group (its
     global ranks) and the bytes of the tensors it was handed, per rank by the convention CommLog
@@ -28,22 +30,27 @@ class WireTap:
     all-to-all and broadcast (n-1)/n of the full buffer, point-to-point the tensor). megazero.core.comm
     binds the two collectives torch 2.13 renamed when it is imported; they are wrapped where it
     holds them too."""
-    RING = {"all_reduce": ("all_reduce", "tensor", 2.0), "broadcast": ("broadcast", "tensor", 1.0),
-            "all_gather_single": ("all_gather", "output_tensor", 1.0),
-            "all_gather_into_tensor": ("all_gather", "output_tensor", 1.0),
-            "reduce_scatter_single": ("reduce_scatter", "input", 1.0),
-            "reduce_scatter_tensor": ("reduce_scatter", "input", 1.0),
-            "all_to_all_single": ("all_to_all", "input", 1.0)}
+
+    RING = {
+        "all_reduce": ("all_reduce", "tensor", 2.0),
+        "broadcast": ("broadcast", "tensor", 1.0),
+        "all_gather_single": ("all_gather", "output_tensor", 1.0),
+        "all_gather_into_tensor": ("all_gather", "output_tensor", 1.0),
+        "reduce_scatter_single": ("reduce_scatter", "input", 1.0),
+        "reduce_scatter_tensor": ("reduce_scatter", "input", 1.0),
+        "all_to_all_single": ("all_to_all", "input", 1.0),
+    }
 
     def __init__(self):
         import torch.distributed as dist
         import megazero.core.comm as comm
+
         self.bytes: dict[tuple[str, tuple], float] = {}
         self._undo = []
         for name in self.RING:
             if hasattr(dist, name):
                 self._wrap(dist, name, getattr(dist, name))
-        for seam in (comm.all_gather_single, comm.reduce_scatter_single):   # the comm layer's own names
+        for seam in (comm.all_gather_single, comm.reduce_scatter_single):  # the comm layer's own names
             self._wrap(seam, "impl", seam.impl, seam.impl.__name__)
         self._wrap(dist, "batch_isend_irecv", dist.batch_isend_irecv)
 
@@ -51,6 +58,7 @@ class WireTap:
         import functools
         import inspect
         import torch.distributed as dist
+
         name = name or attr
         signature = inspect.signature(original)
 
@@ -74,6 +82,7 @@ class WireTap:
 
     def _add(self, op: str, group, nbytes: float) -> None:
         import torch.distributed as dist
+
         ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         self.bytes[(op, ranks)] = self.bytes.get((op, ranks), 0.0) + nbytes
 
@@ -95,6 +104,7 @@ def tapped_worker(ctx, layouts) -> list:
     """Pool entry: trains each (config, topology) 2 steps with torch.distributed tapped; returns
     per layout the tap's and CommLog's bytes."""
     from tests.layouts import run_training
+
     out = []
     for cfg, topology in layouts:
         groups = ctx.groups(topology)
@@ -116,13 +126,18 @@ def test_comm_log_counts_what_torch_distributed_was_handed(dist_pool):
     Kills: an all-gather counted twice; a broadcast counted twice. (A collective that bypassed
     megazero.core.comm would show up as bytes CommLog lacks.)"""
     from megazero.parallel.topology import Topology
+
     zeropp = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
     layouts = {
-        "ZeRO-3 dp 2, qwZ + qgZ, 2 nodes": (small_config(stage=3, steps=2, layers=2, zero_extra=zeropp),
-                                            Topology(world_size=2, ranks_per_node=1)),
+        "ZeRO-3 dp 2, qwZ + qgZ, 2 nodes": (
+            small_config(stage=3, steps=2, layers=2, zero_extra=zeropp),
+            Topology(world_size=2, ranks_per_node=1),
+        ),
         "tp 2": (small_config(tp=2, steps=2, layers=2), Topology(world_size=2, tp=2)),
-        "pp 2 1F1B, ZeRO-1": (small_config(pp=2, stage=1, schedule="1f1b", steps=2, layers=2),
-                              Topology(world_size=2, pp=2)),
+        "pp 2 1F1B, ZeRO-1": (
+            small_config(pp=2, stage=1, schedule="1f1b", steps=2, layers=2),
+            Topology(world_size=2, pp=2),
+        ),
     }
     results = dist_pool(2).run(tapped_worker, list(layouts.values()))
     ops = set()
@@ -147,11 +162,22 @@ def test_step_flops_match_torch_flop_counter_on_the_math_attention_kernel(activa
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from megazero.training.flops import forward_flops_per_token, step_flops
+
     # No vocabulary padding: flops.py counts the padded vocabulary (Megatron's convention) while the
     # fused loss multiplies only the real rows on one device.
-    cfg = GPTConfig(vocab_size=128, padded_vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4,
-                    num_query_groups=query_groups, ffn_hidden_size=256, seq_length=32, hidden_dropout=0.0,
-                    attention_dropout=0.0, activation=activation)
+    cfg = GPTConfig(
+        vocab_size=128,
+        padded_vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=query_groups,
+        ffn_hidden_size=256,
+        seq_length=32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        activation=activation,
+    )
     model = plain_gpt(cfg, SEED)
     tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
     count = tokens.shape[0] * cfg.seq_length
@@ -166,6 +192,7 @@ def test_step_flops_match_torch_flop_counter_on_the_math_attention_kernel(activa
     # (A head cut into chunks recomputes each chunk's logits: one more output-layer matmul.)
     assert forward.get_total_flops() + backward.get_total_flops() == step_flops(cfg, count, causal_at_half=False)
     from megazero.models.loss import linear_cross_entropy
+
     x = torch.randn(count, cfg.hidden_size, requires_grad=True)
     weight = torch.randn(cfg.padded_vocab_size, cfg.hidden_size, requires_grad=True)
     labels = tokens[:, 1:].reshape(-1)
@@ -182,6 +209,7 @@ def live_tensor_bytes(root) -> int:
     import gc
     import types
     from megazero.parallel.random import RNGTracker
+
     skip = (str, bytes, int, float, bool, type(None), types.ModuleType, type, RNGTracker)
     seen, storages, stack = set(), {}, [root]
     while stack:
@@ -194,9 +222,9 @@ def live_tensor_bytes(root) -> int:
                 storage = obj.untyped_storage()
                 storages[(storage.data_ptr(), str(obj.device))] = storage.nbytes()
             continue
-        if isinstance(obj, types.FunctionType):    # its closure and defaults, not its module's globals
+        if isinstance(obj, types.FunctionType):  # its closure and defaults, not its module's globals
             for cell in obj.__closure__ or ():
-                with contextlib.suppress(ValueError):          # an empty cell
+                with contextlib.suppress(ValueError):  # an empty cell
                     stack.append(cell.cell_contents)
             stack.extend((obj.__defaults__, obj.__kwdefaults__))
             continue
@@ -209,6 +237,7 @@ def memory_worker(ctx, stage: int, bf16: bool) -> list:
     reduced, before the optimizer) the bytes alive under the engine and its memory report."""
     from megazero.parallel.topology import Topology
     from megazero.training import train_step
+
     groups = ctx.groups(Topology(world_size=2))
     cfg = with_padded_vocab(small_config(stage=stage, steps=2, layers=2, bf16=bf16))
     state, source = setup_training(cfg, groups)
@@ -240,5 +269,6 @@ def test_memory_report_matches_the_tensors_alive(dist_pool, bf16):
         for rank, measured in enumerate(dist_pool(2).run(memory_worker, stage, bf16)):
             for i, (alive, report) in enumerate(measured):
                 reported = report["model_states"] + report["buffers"] + report["live_params"]
-                assert alive == reported, f"stage {stage} rank {rank} step {i + 1}: {alive} bytes alive, " \
-                                          f"{reported} reported ({report})"
+                assert alive == reported, (
+                    f"stage {stage} rank {rank} step {i + 1}: {alive} bytes alive, {reported} reported ({report})"
+                )

@@ -4,6 +4,7 @@ Here the other side is written in the test from torch and from Megatron-LM's / D
 documented rules (reference_rules.py). Each test names, in its docstring, the bugs it was seen to
 catch (planted by hand, one at a time; tests/README.md lists them all).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,12 +20,14 @@ from tests.references.reference_rules import megatron_lr
 
 # --- fp16: the dynamic loss scale against torch.amp.GradScaler and DeepSpeed's hysteresis -----
 
+
 def grad_scaler_scales(overflows: list[bool], scale: float, window: int) -> list[float]:
     """torch.amp.GradScaler itself, fed an overflow pattern: the scale each step runs at."""
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_factor=2.0, backoff_factor=0.5,
-                                  growth_interval=window)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=window
+    )
     out = []
     for overflow in overflows:
         out.append(scaler.get_scale())
@@ -35,8 +38,9 @@ def grad_scaler_scales(overflows: list[bool], scale: float, window: int) -> list
     return out
 
 
-def loss_scale_rules(overflows: list[bool], *, scale: float, window: int, hysteresis: int,
-                     consecutive: bool, min_scale: float = 1.0) -> list[float]:
+def loss_scale_rules(
+    overflows: list[bool], *, scale: float, window: int, hysteresis: int, consecutive: bool, min_scale: float = 1.0
+) -> list[float]:
     """The scale each step runs at: GradScaler's rules (an inf/NaN step is skipped and backs the scale
     off by 2; `window` clean steps in a row grow it by 2, the count restarting at an overflow) with
     DeepSpeed's fp16.hysteresis: an overflow first uses up one of `hysteresis` tolerated overflows
@@ -70,14 +74,17 @@ class StepSnapshots:
     @staticmethod
     def take(state) -> dict:
         from megazero.zero.state_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
         params = dict(state.chunks[0].named_parameters())
-        return {"fp16": {n: p.detach().clone() for n, p in params.items()},
-                "fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
-                "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in params.items()},
-                "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in params.items()}}
+        return {
+            "fp16": {n: p.detach().clone() for n, p in params.items()},
+            "fp32": {n: safe_get_full_fp32_param(p) for n, p in params.items()},
+            "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in params.items()},
+            "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in params.items()},
+        }
 
     def stop_flags(self) -> tuple:
-        return ()                         # no stop condition to agree on
+        return ()  # no stop condition to agree on
 
     def after_step(self, state, consumed_samples, agreed=None, loss=None):
         self.snapshots.append(self.take(state))
@@ -90,7 +97,7 @@ def fp16_gradients_overflow(cfg, weights: dict, microbatches, scale: float) -> b
     """Whether the plain fp16 GPT with these weights gets a non-finite gradient from any microbatch
     of the loss scaled by `scale` (the summed token loss over the global batch's tokens, in fp32)."""
     model = GPT(cfg.model).to(torch.float16)
-    model.load_state_dict(weights, strict=False)      # the tied head shares the embedding
+    model.load_state_dict(weights, strict=False)  # the tied head shares the embedding
     tokens_per_step = cfg.global_batch_size * cfg.model.seq_length
     for tokens in microbatches:
         model.zero_grad(set_to_none=True)
@@ -116,6 +123,7 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     from megazero.parallel.process_groups import ProcessGroups
     from megazero.training.lr_schedule import learning_rate
     from megazero.training import train
+
     steps, power, window = 14, 21, 2
     cfg = with_padded_vocab(small_config(steps=steps, layers=2, global_batch=8, clip=1.0, lr=1e-3))
     prec = cfg.precision
@@ -130,27 +138,28 @@ def test_fp16_loss_scale_follows_grad_scaler_and_deepspeed_hysteresis(hysteresis
     skipped = [r["skipped"] for r in records]
     scales = [r["loss_scale"] for r in records]
 
-    overflows = [fp16_gradients_overflow(cfg, spy.snapshots[i]["fp16"], source.batch(i), scales[i])
-                 for i in range(steps)]
+    overflows = [
+        fp16_gradients_overflow(cfg, spy.snapshots[i]["fp16"], source.batch(i), scales[i]) for i in range(steps)
+    ]
     assert skipped == overflows, f"skipped steps {skipped} vs inf/NaN gradients {overflows}"
     grew = any(b > a for a, b in zip(scales, scales[1:]))
     assert sum(skipped) >= 3 and grew, f"the run must overflow and grow back: scales {scales}"
 
-    expected = loss_scale_rules(overflows, scale=2.0 ** power, window=window, hysteresis=hysteresis,
-                                consecutive=False)
+    expected = loss_scale_rules(overflows, scale=2.0**power, window=window, hysteresis=hysteresis, consecutive=False)
     assert scales == expected, f"loss scales {scales}, rules {expected}"
     if hysteresis == 1:
-        assert expected == grad_scaler_scales(overflows, 2.0 ** power, window)
+        assert expected == grad_scaler_scales(overflows, 2.0**power, window)
 
     applied = 0
     for i, record in enumerate(records):
         before, after = spy.snapshots[i], spy.snapshots[i + 1]
         for kind in ("fp32", "exp_avg", "exp_avg_sq"):
             same = all(torch.equal(before[kind][n], after[kind][n]) for n in before[kind])
-            kept = skipped[i] or (kind == "fp32" and record["lr"] == 0.0)   # warmup's first step
+            kept = skipped[i] or (kind == "fp32" and record["lr"] == 0.0)  # warmup's first step
             assert same == kept, f"step {i + 1}: {kind} {'changed' if not same else 'kept'}"
-        assert record["lr"] == pytest.approx(megatron_lr(applied, lr=1e-3, min_lr=1e-4, warmup=2, decay=steps,
-                                                         style="cosine"), rel=1e-12), f"step {i + 1}"
+        assert record["lr"] == pytest.approx(
+            megatron_lr(applied, lr=1e-3, min_lr=1e-4, warmup=2, decay=steps, style="cosine"), rel=1e-12
+        ), f"step {i + 1}"
         applied += not skipped[i]
 
 
@@ -165,21 +174,31 @@ def test_loss_scaler_on_overflow_patterns(hysteresis, consecutive):
     halving (hysteresis ignored); consecutive_hysteresis ignored."""
     from megazero.zero.loss_scaler import LossScaler
     from megazero.zero.config import PrecisionConfig
+
     rng = np.random.default_rng(hysteresis * 2 + consecutive)
     for _ in range(200):
         overflows = list(rng.random(int(rng.integers(1, 40))) < rng.uniform(0.1, 0.7))
         window = int(rng.integers(1, 5))
-        scaler = LossScaler.from_config(PrecisionConfig(fp16=True, initial_scale_power=5, loss_scale_window=window,
-                                                        hysteresis=hysteresis, min_loss_scale=4.0,
-                                                        consecutive_hysteresis=consecutive))
+        scaler = LossScaler.from_config(
+            PrecisionConfig(
+                fp16=True,
+                initial_scale_power=5,
+                loss_scale_window=window,
+                hysteresis=hysteresis,
+                min_loss_scale=4.0,
+                consecutive_hysteresis=consecutive,
+            )
+        )
         scales = []
         for overflow in overflows:
             scales.append(scaler.scale)
             scaler.update(bool(overflow))
-        expected = loss_scale_rules(overflows, scale=32.0, window=window, hysteresis=hysteresis,
-                                    consecutive=consecutive, min_scale=4.0)
+        expected = loss_scale_rules(
+            overflows, scale=32.0, window=window, hysteresis=hysteresis, consecutive=consecutive, min_scale=4.0
+        )
         assert scales == expected, (overflows, window, scales, expected)
         if hysteresis == 1:
-            unfloored = loss_scale_rules(overflows, scale=32.0, window=window, hysteresis=1,
-                                         consecutive=False, min_scale=0.0)
+            unfloored = loss_scale_rules(
+                overflows, scale=32.0, window=window, hysteresis=1, consecutive=False, min_scale=0.0
+            )
             assert unfloored == grad_scaler_scales(overflows, 32.0, window), (overflows, window)

@@ -24,6 +24,7 @@ Kills (planted, one at a time): Muon run once per microbatch (DeepSpeed's bug: t
 covering Muon's matrices too; an expert's scale read from its stored (in, out) shape (MoE case:
 weight1 differs by 1.5e-2 after step 2).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,13 +45,21 @@ STEPS = 6
 ORIGINAL = (dict(momentum=0.95, nesterov=True, scale_mode="shape_scaling"), dict(nesterov=True))
 CASES = {
     "original": ORIGINAL,
-    "match_rms_adamw": (dict(momentum=0.9, nesterov=False, scale_mode="spectral", extra_scale_factor=0.2),
-                        dict(nesterov=False, adjust_lr_fn="match_rms_adamw")),
+    "match_rms_adamw": (
+        dict(momentum=0.9, nesterov=False, scale_mode="spectral", extra_scale_factor=0.2),
+        dict(nesterov=False, adjust_lr_fn="match_rms_adamw"),
+    ),
     "experts": ORIGINAL,
 }
 # Rectangular experts (hidden 32 -> 48), so that a transposed scale would show.
-MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=16,
-           moe_shared_expert_gate=True, add_bias_linear=False)
+MOE = dict(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_shared_expert_intermediate_size=16,
+    moe_shared_expert_gate=True,
+    add_bias_linear=False,
+)
 
 
 class ExpertLeaves:
@@ -58,8 +67,9 @@ class ExpertLeaves:
 
     def __init__(self, named: dict, names: set[str]):
         self.weights = {n: named[n] for n in sorted(names) if named[n].ndim == 3}
-        self.leaves = {n: [w[e].detach().T.clone().requires_grad_() for e in range(w.size(0))]
-                       for n, w in self.weights.items()}
+        self.leaves = {
+            n: [w[e].detach().T.clone().requires_grad_() for e in range(w.size(0))] for n, w in self.weights.items()
+        }
 
     def all(self) -> list:
         return [leaf for leaves in self.leaves.values() for leaf in leaves]
@@ -84,20 +94,34 @@ def torch_optimizers(model, names: set[str], cfg, torch_kwargs, experts: ExpertL
     matrices = [p for n, p in model.named_parameters() if n in names and p.ndim == 2] + experts.all()
     decay = [p for n, p in model.named_parameters() if n not in names and not (n.endswith(".bias") or p.ndim == 1)]
     rest = [p for n, p in model.named_parameters() if n not in names and (n.endswith(".bias") or p.ndim == 1)]
-    muon = torch.optim.Muon(matrices, lr=0.0, weight_decay=adam.weight_decay, momentum=cfg.optimizer.muon.momentum,
-                            **torch_kwargs)
-    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": adam.weight_decay},
-                               {"params": rest, "weight_decay": 0.0}], lr=0.0, betas=(adam.beta1, adam.beta2),
-                              eps=adam.eps)
+    muon = torch.optim.Muon(
+        matrices, lr=0.0, weight_decay=adam.weight_decay, momentum=cfg.optimizer.muon.momentum, **torch_kwargs
+    )
+    adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": adam.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=0.0,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+    )
     return muon, adamw
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_muon_steps_as_torch_optim_muon(case):
     ours, theirs = CASES[case]
-    moe = case == "experts"          # its gradient norms run 0.83-0.94: a clip between them
-    cfg = with_padded_vocab(small_config(steps=STEPS, layers=2, micro=2, global_batch=8, tied=False,
-                                         clip=0.88 if moe else 1.2, lr=2e-2, model_extra=MOE if moe else None))
+    moe = case == "experts"  # its gradient norms run 0.83-0.94: a clip between them
+    cfg = with_padded_vocab(
+        small_config(
+            steps=STEPS,
+            layers=2,
+            micro=2,
+            global_batch=8,
+            tied=False,
+            clip=0.88 if moe else 1.2,
+            lr=2e-2,
+            model_extra=MOE if moe else None,
+        )
+    )
     cfg.optimizer.muon = MuonConfig(coefficient_type="simple", matmul_precision="medium", split_qkv=False, **ours)
     state = setup(cfg, ProcessGroups.single())
     model = plain_gpt(cfg.model, cfg.seed)
@@ -112,14 +136,14 @@ def test_muon_steps_as_torch_optim_muon(case):
     lrs = []
 
     def step_both(lr):
-        for n, p in engine_params.items():            # the engine's gradients, before it clips them
+        for n, p in engine_params.items():  # the engine's gradients, before it clips them
             named[n].grad = safe_get_full_grad(p).view_as(named[n]).clone()
         norm, clip = state.engine.grad_norm(), cfg.optimizer.clip_grad
         theirs = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
         assert abs(theirs - norm) <= 1e-6 * norm, f"{case}: gradient norm {norm} vs torch's {theirs}"
         if norm > clip:
             for p in model.parameters():
-                p.grad.mul_(clip / (norm + 1e-6))     # clip_grad_norm_'s coefficient, from one norm
+                p.grad.mul_(clip / (norm + 1e-6))  # clip_grad_norm_'s coefficient, from one norm
         experts.take_grads()
         for optimizer in (muon, adamw):
             for group in optimizer.param_groups:
@@ -143,8 +167,7 @@ def test_muon_steps_as_torch_optim_muon(case):
             assert gap <= 1e-6, f"{case}: step {it + 1}: {n} differs by {gap:.2e}"
             if n in names:
                 mine = safe_get_full_optimizer_state(p, "exp_avg").view_as(named[n])
-                theirs = (experts.momentum(muon, n) if n in experts.weights
-                          else muon.state[named[n]]["momentum_buffer"])
+                theirs = experts.momentum(muon, n) if n in experts.weights else muon.state[named[n]]["momentum_buffer"]
                 gap = relative_gap(mine, theirs)
                 assert gap <= 1e-6, f"{case}: step {it + 1}: {n}'s momentum differs by {gap:.2e}"
     assert len(lrs) == STEPS and lrs[-1] > 0 and 0 < clipped < STEPS, (lrs, clipped, norms)

@@ -7,6 +7,7 @@ Here the other side is written in the test from torch and from Megatron-LM's / D
 documented rules (reference_rules.py). Each test names, in its docstring, the bugs it was seen to
 catch (planted by hand, one at a time; tests/README.md lists them all).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,18 +21,25 @@ from tests.layouts import assemble_params, small_config, with_padded_vocab
 from megazero.checkpoint.reader import CheckpointReader
 from megazero.data.indexed_dataset import IndexedDatasetBuilder
 from megazero.models.config import GPTConfig
-from tests.references.reference_rules import (adamw, assert_same_losses, assert_same_params, megatron_lr, plain_gpt,
-                                              without_key_bias)
+from tests.references.reference_rules import (
+    adamw,
+    assert_same_losses,
+    assert_same_params,
+    megatron_lr,
+    plain_gpt,
+    without_key_bias,
+)
 from megazero.models.param_info import param_info
 from tests.metrics_reading import metrics_records
 
 
 # --- 1. pretrain_gpt.py, one process, fp32, against a plain torch loop --------------------------
 
-TOKENS = 63                  # NullTokenizer ids 0..62; 63 is its end-of-document id
+TOKENS = 63  # NullTokenizer ids 0..62; 63 is its end-of-document id
 SEQ, MICRO, GLOBAL, STEPS, SEED = 32, 2, 4, 20, 1234
-MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0,
-             attention_dropout=0.0)
+MODEL = dict(
+    num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0
+)
 # Chosen so that clipping bites on some steps and not on others, the warmup and the decay both
 # show, and the last steps run at min-lr (the decay ends at 16 of 20).
 OPT = dict(lr=1e-2, min_lr=1e-3, warmup=3, decay=16, clip=1.3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -50,19 +58,68 @@ def write_corpus(prefix) -> None:
 def pretrain_argv(tmp_path, style: str) -> list[str]:
     shape = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
     return shape + [
-        "--data-path", str(tmp_path / "corpus"), "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(TOKENS + 1), "--split", "100,0,0", "--seed", str(SEED),
-        "--micro-batch-size", str(MICRO), "--global-batch-size", str(GLOBAL), "--train-iters", str(STEPS),
-        "--lr", str(OPT["lr"]), "--min-lr", str(OPT["min_lr"]), "--lr-warmup-iters", str(OPT["warmup"]),
-        "--lr-decay-iters", str(OPT["decay"]), "--lr-decay-style", style, "--clip-grad", str(OPT["clip"]),
-        "--weight-decay", str(OPT["weight_decay"]), "--adam-beta1", str(OPT["betas"][0]),
-        "--adam-beta2", str(OPT["betas"][1]), "--adam-eps", str(OPT["eps"]), "--eval-iters", "0", "--log-interval", "1",
-        "--metrics-file", str(tmp_path / "metrics.jsonl"), "--save", str(tmp_path / "ck"),
-        "--data-cache-path", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run")]
+        "--data-path",
+        str(tmp_path / "corpus"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(TOKENS + 1),
+        "--split",
+        "100,0,0",
+        "--seed",
+        str(SEED),
+        "--micro-batch-size",
+        str(MICRO),
+        "--global-batch-size",
+        str(GLOBAL),
+        "--train-iters",
+        str(STEPS),
+        "--lr",
+        str(OPT["lr"]),
+        "--min-lr",
+        str(OPT["min_lr"]),
+        "--lr-warmup-iters",
+        str(OPT["warmup"]),
+        "--lr-decay-iters",
+        str(OPT["decay"]),
+        "--lr-decay-style",
+        style,
+        "--clip-grad",
+        str(OPT["clip"]),
+        "--weight-decay",
+        str(OPT["weight_decay"]),
+        "--adam-beta1",
+        str(OPT["betas"][0]),
+        "--adam-beta2",
+        str(OPT["betas"][1]),
+        "--adam-eps",
+        str(OPT["eps"]),
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+        "--metrics-file",
+        str(tmp_path / "metrics.jsonl"),
+        "--save",
+        str(tmp_path / "ck"),
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
 
 
-def torch_training(model, optimizer, batches, *, tokens_per_step: int, clip: float, lr_at, world: int = 1,
-                   sync=lambda last: contextlib.nullcontext()) -> tuple[list, list]:
+def torch_training(
+    model,
+    optimizer,
+    batches,
+    *,
+    tokens_per_step: int,
+    clip: float,
+    lr_at,
+    world: int = 1,
+    sync=lambda last: contextlib.nullcontext(),
+) -> tuple[list, list]:
     """The plain torch loop every reference here runs: each microbatch's summed token losses over the
     global batch's tokens, backward (times the world size: DDP and FSDP2 average over ranks, megazero
     sums), clip_grad_norm_, the optimizer step at lr_at(steps done). `sync(last)`: the peer's
@@ -86,8 +143,9 @@ def torch_training(model, optimizer, batches, *, tokens_per_step: int, clip: flo
     return losses, norms
 
 
-@pytest.mark.parametrize("style,adam", [("cosine", "kernel"), ("linear", "torch-adam"),
-                                        ("inverse-square-root", "kernel")])
+@pytest.mark.parametrize(
+    "style,adam", [("cosine", "kernel"), ("linear", "torch-adam"), ("inverse-square-root", "kernel")]
+)
 def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monkeypatch, style, adam):
     """`pretrain_gpt.py` (flags -> config -> engine -> training loop, in-process) trains 20 steps as
     torch.optim.AdamW + clip_grad_norm_ + Megatron's decay groups and lr schedule do: every loss and
@@ -99,15 +157,16 @@ def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monk
     inverse-square-root) or in megazero's torch reference Adam (linear, run with
     MEGAZERO_DISABLE_CPP_ADAM=1). The schedule counting skipped steps is test_fp16_*'s."""
     from megazero.data import sampler
-    if adam == "torch-adam":           # megazero's torch reference Adam instead of the C++ kernel
+
+    if adam == "torch-adam":  # megazero's torch reference Adam instead of the C++ kernel
         monkeypatch.setenv("MEGAZERO_DISABLE_CPP_ADAM", "1")
     write_corpus(tmp_path / "corpus")
     seen_at: dict[int, list[torch.Tensor]] = {}
     batch = sampler.MicrobatchSource.batch
 
-    def recording(source, i):          # the tokens pretrain_gpt trains on, step by step
+    def recording(source, i):  # the tokens pretrain_gpt trains on, step by step
         out = batch(source, i)
-        seen_at[i] = [t.clone() for t in out]    # by step: a read-ahead thread may fetch out of order
+        seen_at[i] = [t.clone() for t in out]  # by step: a read-ahead thread may fetch out of order
         return out
 
     monkeypatch.setattr(sampler.MicrobatchSource, "batch", recording)
@@ -121,9 +180,15 @@ def test_pretrain_gpt_matches_a_plain_torch_training_loop(tmp_path, capsys, monk
     model = plain_gpt(cfg, SEED)
     optimizer = adamw(model, OPT["weight_decay"], OPT["betas"], OPT["eps"])
     losses, norms = torch_training(
-        model, optimizer, seen, tokens_per_step=GLOBAL * SEQ, clip=OPT["clip"],
-        lr_at=lambda done: megatron_lr(done, lr=OPT["lr"], min_lr=OPT["min_lr"], warmup=OPT["warmup"],
-                                       decay=OPT["decay"], style=style))
+        model,
+        optimizer,
+        seen,
+        tokens_per_step=GLOBAL * SEQ,
+        clip=OPT["clip"],
+        lr_at=lambda done: megatron_lr(
+            done, lr=OPT["lr"], min_lr=OPT["min_lr"], warmup=OPT["warmup"], decay=OPT["decay"], style=style
+        ),
+    )
     params = {n: p.detach() for n, p in model.named_parameters()}
     clipped = sum(n > OPT["clip"] for n in norms)
     assert 3 <= clipped <= STEPS - 3, f"clipping must bite on some steps and not others: {norms}"
@@ -142,12 +207,17 @@ def test_lr_schedule_is_megatrons_at_every_step(style):
     included, which no training test here runs."""
     from megazero.config.train_config import OptimizerConfig
     from megazero.training.lr_schedule import learning_rate
+
     for warmup, decay, train in [(0, None, 10), (3, None, 12), (4, 8, 12), (1, 2, 5), (5, 20, 30)]:
         cfg = OptimizerConfig(lr=3e-3, min_lr=3e-4, warmup_iters=warmup, decay_iters=decay, decay_style=style)
         for step in range(1, train + 1):
             expected = megatron_lr(step - 1, lr=3e-3, min_lr=3e-4, warmup=warmup, decay=decay or train, style=style)
-            assert learning_rate(cfg, step, train) == pytest.approx(expected, rel=1e-12, abs=0.0), \
-                (warmup, decay, train, step)
+            assert learning_rate(cfg, step, train) == pytest.approx(expected, rel=1e-12, abs=0.0), (
+                warmup,
+                decay,
+                train,
+                step,
+            )
 
 
 # --- 2. several ranks: ZeRO against DDP and FSDP2, TP against the single-device model ------------
@@ -158,8 +228,18 @@ PEER_STEPS, PEER_CLIP = 5, 1.1
 def peer_config(stage: int = 0, tp: int = 1):
     """A 2-layer GPT, 2 microbatches per rank at dp 2, ZeRO buckets small enough to cut the model
     into several (stage 3: every unit partitioned)."""
-    cfg = with_padded_vocab(small_config(tp=tp, stage=stage, steps=PEER_STEPS, layers=2, global_batch=8,
-                                         clip=PEER_CLIP, lr=2e-3, zero_extra={"param_persistence_threshold": 0}))
+    cfg = with_padded_vocab(
+        small_config(
+            tp=tp,
+            stage=stage,
+            steps=PEER_STEPS,
+            layers=2,
+            global_batch=8,
+            clip=PEER_CLIP,
+            lr=2e-3,
+            zero_extra={"param_persistence_threshold": 0},
+        )
+    )
     return cfg
 
 
@@ -169,6 +249,7 @@ def peer_lr(done: int) -> float:
 
 def peer_batches(cfg, dp_rank: int, dp: int) -> list[list[torch.Tensor]]:
     from tests.layouts import microbatches
+
     source = microbatches(cfg, dp_rank=dp_rank, dp=dp)
     return [source.batch(i) for i in range(PEER_STEPS)]
 
@@ -177,19 +258,28 @@ def train_megazero(cfg, groups) -> dict:
     """megazero.training on these groups; losses, norms and this rank's full (TP-local) parameters."""
     from megazero.training import setup, train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
+
     state = setup(cfg, groups)
-    steps = [train_step(state, batch, peer_lr(done))
-             for done, batch in enumerate(peer_batches(cfg, groups.coords.dp, groups.topology.dp))]
-    params = {name: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
-              for name, p in state.chunks[0].named_parameters()}
-    return {"coords": tuple(groups.coords), "losses": [s.loss for s in steps],
-            "norms": [s.grad_norm for s in steps], "params": params}
+    steps = [
+        train_step(state, batch, peer_lr(done))
+        for done, batch in enumerate(peer_batches(cfg, groups.coords.dp, groups.topology.dp))
+    ]
+    params = {
+        name: (safe_get_full_fp32_param(p), param_info(p).tp_shard) for name, p in state.chunks[0].named_parameters()
+    }
+    return {
+        "coords": tuple(groups.coords),
+        "losses": [s.loss for s in steps],
+        "norms": [s.grad_norm for s in steps],
+        "params": params,
+    }
 
 
 def train_torch_peer(cfg, rank: int, kind: str) -> dict:
     """The same training under torch's DistributedDataParallel or FSDP2 (`fully_shard` on every
     layer, then the root, as its docs apply it), on the default 2-rank group."""
     import torch.distributed as dist
+
     adam = cfg.optimizer.adam
     model = plain_gpt(cfg.model, cfg.seed)
     if kind == "ddp":
@@ -198,6 +288,7 @@ def train_torch_peer(cfg, rank: int, kind: str) -> dict:
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (2,))
         for layer in model.layers.values():
             fully_shard(layer, mesh=mesh)
@@ -207,15 +298,24 @@ def train_torch_peer(cfg, rank: int, kind: str) -> dict:
         def sync(last):
             model.set_requires_gradient_sync(last)
             yield
+
     optimizer = adamw(model, adam.weight_decay, (adam.beta1, adam.beta2), adam.eps)
-    losses, norms = torch_training(model, optimizer, peer_batches(cfg, rank, 2), world=2, sync=sync,
-                                   tokens_per_step=cfg.global_batch_size * cfg.model.seq_length,
-                                   clip=cfg.optimizer.clip_grad, lr_at=peer_lr)
+    losses, norms = torch_training(
+        model,
+        optimizer,
+        peer_batches(cfg, rank, 2),
+        world=2,
+        sync=sync,
+        tokens_per_step=cfg.global_batch_size * cfg.model.seq_length,
+        clip=cfg.optimizer.clip_grad,
+        lr_at=peer_lr,
+    )
     total = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(total)
     module = model.module if kind == "ddp" else model
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-              for n, p in module.named_parameters()}
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in module.named_parameters()
+    }
     return {"losses": total.tolist(), "norms": norms, "params": params}
 
 
@@ -223,6 +323,7 @@ def zero_and_torch_peers(ctx, stages) -> dict:
     """Pool entry (2 ranks): megazero at each ZeRO stage at dp 2, then DDP, then FSDP2."""
     import warnings
     from megazero.parallel.topology import Topology
+
     # Our GPT returns its per-token losses as a view; FSDP2 warns about in-place ops on it (none).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     groups = ctx.groups(Topology(world_size=2))
@@ -234,6 +335,7 @@ def zero_and_torch_peers(ctx, stages) -> dict:
 
 def tp_worker(ctx) -> dict:
     from megazero.parallel.topology import Topology
+
     return train_megazero(peer_config(tp=2), ctx.groups(Topology(world_size=2, tp=2)))
 
 
@@ -259,10 +361,16 @@ def test_zero_stages_match_torch_ddp_and_fsdp2(dist_pool):
             peer, got, what = per_rank[kind], per_rank[ours], f"{ours} vs {kind} (rank {rank})"
             assert_same_losses(got["losses"], peer["losses"], f"{what}: loss")
             assert_same_losses(got["norms"], peer["norms"], f"{what}: grad norm")
-            assert_same_params(without_key_bias(full_params(got), cfg.model),
-                               without_key_bias(peer["params"], cfg.model), f"{what}: final parameters")
-    assert_same_params(without_key_bias(results[0]["fsdp2"]["params"], cfg.model),
-                       without_key_bias(ddp["params"], cfg.model), "FSDP2 vs DDP (torch against itself)")
+            assert_same_params(
+                without_key_bias(full_params(got), cfg.model),
+                without_key_bias(peer["params"], cfg.model),
+                f"{what}: final parameters",
+            )
+    assert_same_params(
+        without_key_bias(results[0]["fsdp2"]["params"], cfg.model),
+        without_key_bias(ddp["params"], cfg.model),
+        "FSDP2 vs DDP (torch against itself)",
+    )
 
 
 def test_tensor_parallel_matches_the_single_device_model(dist_pool):
@@ -278,9 +386,14 @@ def test_tensor_parallel_matches_the_single_device_model(dist_pool):
     adam = cfg.optimizer.adam
     model = plain_gpt(cfg.model, cfg.seed)
     optimizer = adamw(model, adam.weight_decay, (adam.beta1, adam.beta2), adam.eps)
-    losses, norms = torch_training(model, optimizer, peer_batches(cfg, 0, 1), lr_at=peer_lr,
-                                   tokens_per_step=cfg.global_batch_size * cfg.model.seq_length,
-                                   clip=cfg.optimizer.clip_grad)
+    losses, norms = torch_training(
+        model,
+        optimizer,
+        peer_batches(cfg, 0, 1),
+        lr_at=peer_lr,
+        tokens_per_step=cfg.global_batch_size * cfg.model.seq_length,
+        clip=cfg.optimizer.clip_grad,
+    )
     expected = {n: p.detach() for n, p in model.named_parameters()}
     assert_same_losses(results[0]["losses"], losses, "tp 2: loss")
     assert_same_losses(results[0]["norms"], norms, "tp 2: grad norm")
@@ -289,5 +402,9 @@ def test_tensor_parallel_matches_the_single_device_model(dist_pool):
     # machine (AMD EPYC) a single element of a norm bias, whose gradient is near zero so that Adam
     # normalises its noise, ended 2.1e-8 away (1.1e-6 of the tensor; every other element < 5e-9).
     # Losses and norms keep the 1e-6 bar (planted: weight decay on biases fails there, 4.75e-6 at step 3).
-    assert_same_params(without_key_bias(assemble_params(results), cfg.model),
-                       without_key_bias(expected, cfg.model), "tp 2: final parameters", rtol=1e-5)
+    assert_same_params(
+        without_key_bias(assemble_params(results), cfg.model),
+        without_key_bias(expected, cfg.model),
+        "tp 2: final parameters",
+        rtol=1e-5,
+    )

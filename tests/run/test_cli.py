@@ -1,6 +1,7 @@
 """pretrain_gpt.py as users run it: bad flags fail with one line, the default run learns, and
 torchrun launches (tp 4; TP x PP x ZeRO-3; ZeRO-3 with every offload and ZeRO++ flag) follow the
 single-process loss curve."""
+
 import json
 import re
 import subprocess
@@ -21,27 +22,46 @@ REPO = Path(__file__).resolve().parents[2]
 # (~1e-7 measured), so a loss off by more than EXACT on every step shows quantization at work.
 QUANTIZED = 1.9e-4
 EXACT = 1e-5
-SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
+SMALL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "1",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"], "world size 1"),
-    (["--num-attention-heads", "6", "--hidden-size", "64"], "--hidden-size 64"),
-    (["--data-path", "/nonexistent/prefix", "--tokenizer-model", "x.model"], "/nonexistent/prefix"),
-    (["--data-path", "0.5"], "--data-path"),
-    (["--tokenizer-model", "missing.model"], "--tokenizer-model needs --data-path"),
-    (["--bf16", "--fp16"], "choose one"),
-    (["--zero-stage", "4"], "invalid choice"),
-    (["--no-such-flag"], "unrecognized flag --no-such-flag"),
-    (["--global-batch-size", "10", "--micro-batch-size", "4"], "not divisible"),
-    (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
-    (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], "choose one"),
-    (["--num-layers", "4", "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"],
-     "needs --pipeline-model-parallel-size"),
-    (["--max-position-embeddings", "16", "--seq-length", "64"], "--max-position-embeddings 16"),
-    (["--train-iters", "0"], "--train-iters"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--tensor-model-parallel-size", "3", "--num-attention-heads", "4"], "world size 1"),
+        (["--num-attention-heads", "6", "--hidden-size", "64"], "--hidden-size 64"),
+        (["--data-path", "/nonexistent/prefix", "--tokenizer-model", "x.model"], "/nonexistent/prefix"),
+        (["--data-path", "0.5"], "--data-path"),
+        (["--tokenizer-model", "missing.model"], "--tokenizer-model needs --data-path"),
+        (["--bf16", "--fp16"], "choose one"),
+        (["--zero-stage", "4"], "invalid choice"),
+        (["--no-such-flag"], "unrecognized flag --no-such-flag"),
+        (["--global-batch-size", "10", "--micro-batch-size", "4"], "not divisible"),
+        (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
+        (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], "choose one"),
+        (
+            ["--num-layers", "4", "--pipeline-model-parallel-size", "1", "--pipeline-schedule", "1f1b"],
+            "needs --pipeline-model-parallel-size",
+        ),
+        (["--max-position-embeddings", "16", "--seq-length", "64"], "--max-position-embeddings 16"),
+        (["--train-iters", "0"], "--train-iters"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(capsys, argv, expected):
     assert launch.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -54,12 +74,30 @@ def test_bad_flags_in_a_world_of_8(capsys, monkeypatch):
     starts it: a WORLD_SIZE alone is refused first, megazero.run.rendezvous)."""
     for name, value in (("WORLD_SIZE", "8"), ("RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
-    argv = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
-            "--num-layers", "6", "--num-layers-per-virtual-pipeline-stage", "1"]
+    argv = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--num-layers",
+        "6",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ]
     assert launch.main(argv) == 2
     assert "--num-layers 6" in capsys.readouterr().err
-    argv = ["--pipeline-model-parallel-size", "4", "--num-layers", "8",
-            "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1", "--global-batch-size", "6"]
+    argv = [
+        "--pipeline-model-parallel-size",
+        "4",
+        "--num-layers",
+        "8",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "6",
+    ]
     assert launch.main(argv) == 2
     assert "multiple of the pipeline size 4" in capsys.readouterr().err
 
@@ -88,12 +126,25 @@ def test_bad_zero_config_names_the_key(tmp_path, capsys):
 
 def test_deepspeed_config_fills_in_settings(tmp_path):
     from megazero.config.train_flags import config_from_args, parse_args
+
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
-        "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.9]}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4, "overlap_comm": True,
-                              "reduce_bucket_size": 2e6}}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 4,
+                "gradient_clipping": 0.5,
+                "bf16": {"enabled": True},
+                "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.9]}},
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_param_persistence_threshold": 1e4,
+                    "overlap_comm": True,
+                    "reduce_bucket_size": 2e6,
+                },
+            }
+        )
+    )
     cfg = config_from_args(parse_args(["--zero-config", str(path)]), world_size=2)
     assert (cfg.micro_batch_size, cfg.global_batch_size) == (2, 16)
     assert cfg.zero.stage == 3 and cfg.zero.param_persistence_threshold == 10000
@@ -103,8 +154,12 @@ def test_deepspeed_config_fills_in_settings(tmp_path):
 
 
 def test_bad_flag_process_exits_2_without_traceback():
-    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--num-attention-heads", "5"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "pretrain_gpt.py"), "--num-attention-heads", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
@@ -117,7 +172,8 @@ def test_threads_are_the_idle_cores_per_local_rank_unless_omp_num_threads_says(m
     load fails the second.)"""
     import torch
     from megazero.run import pretrain
-    monkeypatch.setattr(launch.Launch, "check_machine", lambda *args: None)      # the world is not real here
+
+    monkeypatch.setattr(launch.Launch, "check_machine", lambda *args: None)  # the world is not real here
     monkeypatch.setattr(launch, "usable_cores", lambda: 8)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -137,8 +193,10 @@ def test_threads_are_the_idle_cores_per_local_rank_unless_omp_num_threads_says(m
         torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("cores,ranks,load,threads", [
-    (2, 1, 0.3, 2), (2, 1, 0.8, 1), (2, 1, 12.0, 1), (8, 4, 0.0, 2), (16, 2, 6.6, 4), (8, 16, 0.0, 1)])
+@pytest.mark.parametrize(
+    "cores,ranks,load,threads",
+    [(2, 1, 0.3, 2), (2, 1, 0.8, 1), (2, 1, 12.0, 1), (8, 4, 0.0, 2), (16, 2, 6.6, 4), (8, 16, 0.0, 1)],
+)
 def test_default_threads(cores, ranks, load, threads):
     assert launch.default_threads(cores, ranks, load) == threads
 
@@ -147,14 +205,17 @@ def test_start_up_lines_say_the_batch_a_deepspeed_config_resolved_to(tmp_path, c
     """The global batch, micro batch and accumulation steps as they resolved, naming the config
     that set them; the thread count; the run folder and where checkpoints go."""
     from tests.driver import TINY, run_main
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}))
     code, out = run_main(TINY + ["--train-iters", "1", "--deepspeed_config", "ds.json", "--run-dir", "r"], capsys)
     assert code == 0, out.err
     lines = out.out.splitlines()
     assert lines[0].startswith(" megazero: world=1") and lines[0].endswith("threads=1 (OMP_NUM_THREADS)")
-    assert lines[1] == (" batch: global 8 samples = micro batch 2 x data-parallel 1 x 4 accumulation steps "
-                        "(set by --deepspeed_config ds.json); 1 iteration, 64 tokens a sample")
+    assert lines[1] == (
+        " batch: global 8 samples = micro batch 2 x data-parallel 1 x 4 accumulation steps "
+        "(set by --deepspeed_config ds.json); 1 iteration, 64 tokens a sample"
+    )
     assert lines[2] == " run folder: r (metrics.jsonl); checkpoints: none (no --save)"
 
 
@@ -162,6 +223,7 @@ def test_overlap_help_says_the_default_the_engine_takes(capsys):
     """--help's default of --overlap-grad-reduce is what ZeroConfig does at every stage (it once
     said "on at stage 3, else off" while every stage overlapped)."""
     from megazero.config.train_flags import config_from_args, parse_args
+
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
@@ -175,9 +237,22 @@ def test_default_run_learns(tmp_path):
     steps: ~4 minutes alone on 2 quiet cores, its validation loss 52% below the first loss at step 100):
     24 steps on the embedded corpus bring the validation loss >= 20% below the first logged loss
     (measured: 27% at step 30 on a loaded machine)."""
-    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), "--train-iters", "24",
-                           "--eval-interval", "24", "--eval-iters", "2"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=3600)  # 1-6 min (busy): hangs only
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "pretrain_gpt.py"),
+            "--train-iters",
+            "24",
+            "--eval-interval",
+            "24",
+            "--eval-iters",
+            "2",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )  # 1-6 min (busy): hangs only
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "metrics appended to" in proc.stdout
     metrics = next(tmp_path.glob("runs/*/metrics.jsonl"))
@@ -193,8 +268,18 @@ def _torchrun(nproc: int, argv: list[str], cwd: Path, **env) -> subprocess.Compl
 
 # 4 steps of 4 samples: every launch below runs the same global batches as the one-process run
 # (1 rank: 4 microbatches; tp 4: 4; ZeRO-3 dp 4: 1 per rank; tp 2 x pp 2 x dp 2: 2 per rank).
-SHORT = SMALL + ["--global-batch-size", "4", "--train-iters", "4", "--eval-iters", "1", "--eval-interval", "4",
-                 "--log-interval", "1"]
+SHORT = SMALL + [
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--eval-iters",
+    "1",
+    "--eval-interval",
+    "4",
+    "--log-interval",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -202,13 +287,15 @@ def one_process(tmp_path_factory):
     """SHORT in this process, one rank: the losses the torchrun launches below must reproduce."""
     import contextlib
     import io
+
     root = tmp_path_factory.mktemp("one")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = launch.main(SHORT + ["--run-dir", str(root / "r")])
     assert code == 0, out.getvalue()
-    return {split: [r["loss"] for r in split_records(root / "r", split, with_loss=False)]
-            for split in ("train", "valid")}
+    return {
+        split: [r["loss"] for r in split_records(root / "r", split, with_loss=False)] for split in ("train", "valid")
+    }
 
 
 def _assert_matches_one_process(run_dir: Path, one_process: dict, what: str) -> None:
@@ -234,15 +321,33 @@ def test_torchrun_zero3_with_every_offload_and_zeropp_flag(tmp_path, one_process
     ever do (quantization is on; the exact pieces are the in-pool tests' to check at 1e-5).
     (Planted: without --zero-quantized-weights and --zero-quantized-gradients every gap is below
     EXACT.)"""
-    flags = ["--zero-stage", "3", "--ranks-per-node", "2", "--zero-offload-optimizer", "nvme",
-             "--zero-nvme-path", "swap", "--zero-offload-param", "cpu", "--zero-hierarchical-gather",
-             "--zero-hpz-partition-size", "2", "--zero-quantized-weights", "--zero-quantized-gradients",
-             "--zero-stage3-granularity", "layer"]
+    flags = [
+        "--zero-stage",
+        "3",
+        "--ranks-per-node",
+        "2",
+        "--zero-offload-optimizer",
+        "nvme",
+        "--zero-nvme-path",
+        "swap",
+        "--zero-offload-param",
+        "cpu",
+        "--zero-hierarchical-gather",
+        "--zero-hpz-partition-size",
+        "2",
+        "--zero-quantized-weights",
+        "--zero-quantized-gradients",
+        "--zero-stage3-granularity",
+        "layer",
+    ]
     proc = _torchrun(4, SHORT + flags + ["--run-dir", "r"], tmp_path, MEGAZERO_STREAM_CHECK="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     checked = [line for line in proc.stdout.splitlines() if line.startswith("stream check")]
-    assert len(checked) == 1 and re.fullmatch(r"stream check \(NCCL as torch >= 2.8: .*\): [1-9]\d* side-stream "
-                                              r"ops checked on 4 ranks, 0 violations", checked[0]), proc.stdout[-2000:]
+    assert len(checked) == 1 and re.fullmatch(
+        r"stream check \(NCCL as torch >= 2.8: .*\): [1-9]\d* side-stream "
+        r"ops checked on 4 ranks, 0 violations",
+        checked[0],
+    ), proc.stdout[-2000:]
     losses = [r["loss"] for r in split_records(tmp_path / "r" / "metrics.jsonl", with_loss=False)]
     assert len(losses) == len(one_process["train"]) == 4
     gaps = [abs(a - b) / abs(b) for a, b in zip(losses, one_process["train"])]
@@ -256,7 +361,20 @@ def test_torchrun_zero3_with_every_offload_and_zeropp_flag(tmp_path, one_process
 
 def test_torchrun_tp2_pp2_zero3_matches_single_process(tmp_path, one_process):
     """8 ranks: tp 2 x pp 2 x ZeRO-3 over dp 2, 2 microbatches per rank and step."""
-    proc = _torchrun(8, SHORT + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                 "--zero-stage", "3", "--run-dir", "r"], tmp_path)
+    proc = _torchrun(
+        8,
+        SHORT
+        + [
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--zero-stage",
+            "3",
+            "--run-dir",
+            "r",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_matches_one_process(tmp_path / "r", one_process, "tp 2 x pp 2 x ZeRO-3 dp 2")

@@ -4,6 +4,7 @@ data (GPT-3's --data-path replaced by --mock-data, its GPT-2 BPE files kept), ru
 process: every flag accepted, the mock samples are documents ending with the tokenizer's
 end-of-document id (the NullTokenizer's vocab-size - 1, the GPT-2 BPE's <|endoftext|>), and the
 losses are finite."""
+
 import math
 
 from megazero.run import launch

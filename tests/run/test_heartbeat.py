@@ -3,6 +3,7 @@ under a backend timeout longer than the heartbeat's, is in test_operations.py): 
 stops moving for the timeout is named with both ranks' last collectives; a rank not started yet, one
 that said it is done, and one that keeps beating are not; a line another rank posted is taken up;
 a store that stops answering is named after the timeout, not at its first error."""
+
 import json
 import re
 import time
@@ -19,8 +20,11 @@ def _pair(store, timeout=0.3):
     def end(line, code):
         ended.append(line)
         return True, line, code
-    beats = [Heartbeat(store, r, 2, timeout, lambda r=r: f"all_gather #{r}", end, lambda: {}, None,
-                       interval_s=0.05) for r in range(2)]
+
+    beats = [
+        Heartbeat(store, r, 2, timeout, lambda r=r: f"all_gather #{r}", end, lambda: {}, None, interval_s=0.05)
+        for r in range(2)
+    ]
     return beats, ended
 
 
@@ -28,18 +32,20 @@ def test_a_rank_whose_beats_stop_is_named_after_the_timeout():
     store = dist.HashStore()
     (watcher, watched), ended = _pair(store)
     assert watcher.watched == 1 and watched.watched == 0
-    assert watcher._check() is None                     # rank 1 has not started: not silent
+    assert watcher._check() is None  # rank 1 has not started: not silent
     watched._beat()
-    assert watcher._check() is None                     # first seen now
+    assert watcher._check() is None  # first seen now
     time.sleep(0.15)
     watched._beat()
-    assert watcher._check() is None                     # it moved
+    assert watcher._check() is None  # it moved
     time.sleep(0.4)
     line, code, first = watcher._check()
     assert first and code == 1 and ended == [line]
-    assert line.startswith("rank 0: rank 1 went silent (on another host): no heartbeat for 0 s; rank 0 waited "
-                           "for it in all_gather #0; rank 1's last collective: all_gather #1"), line
-    watched.stop()                                      # a clean end is never silence
+    assert line.startswith(
+        "rank 0: rank 1 went silent (on another host): no heartbeat for 0 s; rank 0 waited "
+        "for it in all_gather #0; rank 1's last collective: all_gather #1"
+    ), line
+    watched.stop()  # a clean end is never silence
     time.sleep(0.4)
     assert watcher._check() is None
 
@@ -58,8 +64,12 @@ def test_a_store_that_stops_answering_is_named_after_the_timeout():
     assert watcher._store_silent(err) is None
     time.sleep(0.35)
     line, code, first = watcher._store_silent(err)
-    assert first and code == 1 and line.startswith("rank 0: the launch's store stopped answering for 0 s") and \
-        line.endswith(": Connection reset by peer"), line
+    assert (
+        first
+        and code == 1
+        and line.startswith("rank 0: the launch's store stopped answering for 0 s")
+        and line.endswith(": Connection reset by peer")
+    ), line
 
 
 def test_the_comm_log_says_what_was_issued_last():
@@ -86,31 +96,38 @@ class _StuckStore:
                 raise RuntimeError("released")
             self.answers -= 1
             return getattr(self.inner, name)(*args)
+
         return call
 
 
 def test_a_beat_blocked_in_a_request_is_named_by_the_guard():
     store = _StuckStore(answers=3)
-    beat = Heartbeat(store, 0, 2, 0.3, lambda: None, lambda line, code: (True, line, code), lambda: {}, None,
-                     interval_s=0.05)
+    beat = Heartbeat(
+        store, 0, 2, 0.3, lambda: None, lambda line, code: (True, line, code), lambda: {}, None, interval_s=0.05
+    )
     beat._beat()
     beat._answered = time.monotonic()
-    beat._thread.start()                  # the beating thread only: its second beat blocks for good
+    beat._thread.start()  # the beating thread only: its second beat blocks for good
     time.sleep(0.2)
     assert beat._stuck_line(time.monotonic()) is None
     time.sleep(0.3)
     line = beat._stuck_line(time.monotonic())
-    assert re.fullmatch(r"rank 0: the launch's store has not answered for \d+ s: the host running torchrun's "
-                        r"rendezvous is lost or this host is cut off from it", line), line
+    assert re.fullmatch(
+        r"rank 0: the launch's store has not answered for \d+ s: the host running torchrun's "
+        r"rendezvous is lost or this host is cut off from it",
+        line,
+    ), line
     store.release.set()
     beat._stop.set()
 
 
 def test_a_silent_rank_on_another_host_is_named_with_its_host_and_ranks():
     store = dist.HashStore()
-    peers = {1: json.dumps({"host": "node7", "ns": "pid:[1]", "pid": 11, "address": "10.0.0.7"}),
-             2: json.dumps({"host": "node7", "ns": "pid:[1]", "pid": 12, "address": "10.0.0.7"}),
-             3: json.dumps({"host": "node8", "ns": "pid:[2]", "pid": 13, "address": "10.0.0.8"})}
+    peers = {
+        1: json.dumps({"host": "node7", "ns": "pid:[1]", "pid": 11, "address": "10.0.0.7"}),
+        2: json.dumps({"host": "node7", "ns": "pid:[1]", "pid": 12, "address": "10.0.0.7"}),
+        3: json.dumps({"host": "node8", "ns": "pid:[2]", "pid": 13, "address": "10.0.0.8"}),
+    }
     beat = Heartbeat(store, 0, 4, 0.1, lambda: None, lambda line, code: (True, line, code), lambda: peers, None)
     line, _, _ = beat._silent_line({"n": 3, "last": None}, 0.2)
     assert line.startswith("rank 0: rank 1 went silent (on host node7 (ranks 1, 2): that host is lost or cut off)")

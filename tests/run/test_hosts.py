@@ -7,6 +7,7 @@ ends, no socket closes) is named on the other host within --distributed-timeout-
 naming the lost host and its ranks, the job ends, and the checkpoint saved before still loads; with
 --max-restarts 1 and c10d a worker killed on one host restarts both hosts, which resume exactly, and
 with --nnodes 1:2 a host lost for good leaves the other to resume alone, resharded."""
+
 import os
 import signal
 import time
@@ -18,11 +19,36 @@ from megazero.checkpoint import CheckpointReader
 from tests.hosts import Hosts, wait_all, wait_said, workers
 from tests.metrics_reading import split_records
 
-TIMEOUT_MINUTES = 0.5                 # the heartbeat's is half: 15 s
-MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "2",
-         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
-         "--global-batch-size", "4", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
-         "--num-workers", "0", "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
+TIMEOUT_MINUTES = 0.5  # the heartbeat's is half: 15 s
+MODEL = [
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "64",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--lr-warmup-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--num-workers",
+    "0",
+    "--distributed-timeout-minutes",
+    str(TIMEOUT_MINUTES),
+]
 _ports = iter(range(29520, 29600))
 
 
@@ -48,49 +74,82 @@ def _errors(log) -> list[str]:
 
 def _no_worker_traceback(log) -> None:
     text = log.read_text(errors="replace")
-    assert 'pretrain_gpt.py", line' not in text, text[-3000:]       # every worker traceback passes there
+    assert 'pretrain_gpt.py", line' not in text, text[-3000:]  # every worker traceback passes there
 
 
-@pytest.mark.parametrize("layout,rdzv", [(["--tensor-model-parallel-size", "2", "--zero-stage", "3"], "static"),
-                                         (["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], "c10d")],
-                         ids=["tp2-zero3-static", "pp2-zero1-c10d"])
+@pytest.mark.parametrize(
+    "layout,rdzv",
+    [
+        (["--tensor-model-parallel-size", "2", "--zero-stage", "3"], "static"),
+        (["--pipeline-model-parallel-size", "2", "--zero-stage", "1"], "c10d"),
+    ],
+    ids=["tp2-zero3-static", "pp2-zero1-c10d"],
+)
 def test_two_hosts_train_as_one(hosts, tmp_path, layout, rdzv):
     flags = MODEL + layout + ["--train-iters", "4"]
     one, two = tmp_path / "one", tmp_path / "two"
-    job = hosts.torchrun(0, 1, 4, flags + ["--run-dir", str(one), "--save", str(one / "ckpt")], tmp_path / "one.log",
-                         rdzv=rdzv, port=next(_ports))
+    job = hosts.torchrun(
+        0,
+        1,
+        4,
+        flags + ["--run-dir", str(one), "--save", str(one / "ckpt")],
+        tmp_path / "one.log",
+        rdzv=rdzv,
+        port=next(_ports),
+    )
     assert wait_all([job], 300)[0][0] == 0, (tmp_path / "one.log").read_text()[-3000:]
     port = next(_ports)
-    jobs = [hosts.torchrun(k, 2, 2, flags + ["--run-dir", str(two), "--save", str(two / "ckpt")],
-                           tmp_path / f"two{k}.log", rdzv=rdzv, port=port) for k in range(2)]
+    jobs = [
+        hosts.torchrun(
+            k,
+            2,
+            2,
+            flags + ["--run-dir", str(two), "--save", str(two / "ckpt")],
+            tmp_path / f"two{k}.log",
+            rdzv=rdzv,
+            port=port,
+        )
+        for k in range(2)
+    ]
     ends = wait_all(jobs, 300)
     assert [code for code, _ in ends] == [0, 0], (tmp_path / "two1.log").read_text()[-3000:]
     expected, got = _losses(one), _losses(two)
     assert [r[0] for r in got] == [1, 2, 3, 4] == [r[0] for r in expected]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
     print(f"across hosts ({rdzv}): {'bitwise' if got == expected else 'within rtol 1e-5'} of one host")
-    reference, saved = CheckpointReader(one / "ckpt"), CheckpointReader(two / "ckpt")   # every rank's file, CRCs
+    reference, saved = CheckpointReader(one / "ckpt"), CheckpointReader(two / "ckpt")  # every rank's file, CRCs
     assert saved.names == reference.names
     for name in reference.names:
         torch.testing.assert_close(saved.full_tensor(name), reference.full_tensor(name), rtol=1e-5, atol=0)
 
 
 def test_a_loopback_host_name_is_refused_before_connecting(hosts, tmp_path):
-    hosts.set_names(loopback=True)             # mzh0 -> 127.0.1.1 on host 0, as Debian's /etc/hosts has it
+    hosts.set_names(loopback=True)  # mzh0 -> 127.0.1.1 on host 0, as Debian's /etc/hosts has it
     port = next(_ports)
-    jobs = [hosts.torchrun(k, 2, 2, MODEL + ["--train-iters", "2", "--run-dir", str(tmp_path / "run")],
-                           tmp_path / f"{k}.log", port=port) for k in range(2)]
+    jobs = [
+        hosts.torchrun(
+            k,
+            2,
+            2,
+            MODEL + ["--train-iters", "2", "--run-dir", str(tmp_path / "run")],
+            tmp_path / f"{k}.log",
+            port=port,
+        )
+        for k in range(2)
+    ]
     ends = wait_all(jobs, 120)
     assert [code for code, _ in ends] == [1, 1], ends
-    assert max(t for _, t in ends) < 60, ends       # ends at once: no connection attempt, no timeout
+    assert max(t for _, t in ends) < 60, ends  # ends at once: no connection attempt, no timeout
     [line] = _errors(tmp_path / "0.log")
-    assert line.startswith("error: this job spans hosts but host mzh0's process-group address is 127.0.1.1, a "
-                           "loopback address (the host name mzh0 resolves to it)"), line
+    assert line.startswith(
+        "error: this job spans hosts but host mzh0's process-group address is 127.0.1.1, a "
+        "loopback address (the host name mzh0 resolves to it)"
+    ), line
     assert "set GLOO_SOCKET_IFNAME to this host's network interface (here: eth0 10.77.0.1)" in line, line
     for k in range(2):
         log = (tmp_path / f"{k}.log").read_text()
         _no_worker_traceback(tmp_path / f"{k}.log")
-        assert "exitcode  : 2" in log and line[len("error: "):] in log        # torchrun's summary shows it
+        assert "exitcode  : 2" in log and line[len("error: ") :] in log  # torchrun's summary shows it
     print(f"loopback refusal: ends after {max(t for _, t in ends):.1f} s")
 
 
@@ -103,11 +162,15 @@ def test_an_unreachable_host_is_named_in_seconds(hosts, tmp_path):
     ifname = hosts.offer_unreachable(1, to=0)
     port = next(_ports)
     flags = MODEL + ["--train-iters", "2", "--run-dir", str(tmp_path / "run"), "--distributed-timeout-minutes", "5"]
-    jobs = [hosts.torchrun(k, 2, 2, flags, tmp_path / f"{k}.log", port=port,
-                           env={"GLOO_SOCKET_IFNAME": "eth0" if k == 0 else ifname}) for k in range(2)]
+    jobs = [
+        hosts.torchrun(
+            k, 2, 2, flags, tmp_path / f"{k}.log", port=port, env={"GLOO_SOCKET_IFNAME": "eth0" if k == 0 else ifname}
+        )
+        for k in range(2)
+    ]
     ends = wait_all(jobs, 150)
     assert [code for code, _ in ends] == [1, 1], (ends, (tmp_path / "0.log").read_text()[-3000:])
-    assert max(t for _, t in ends) < 120, ends      # start-up (25-65 s loaded) and the probe, not the 300 s timeout
+    assert max(t for _, t in ends) < 120, ends  # start-up (25-65 s loaded) and the probe, not the 300 s timeout
     [line] = _errors(tmp_path / "0.log")
     assert line.startswith("error: cannot reach rank 2 (host mzh1) at 10.66.0.2:"), line
     assert "GLOO_SOCKET_IFNAME=side0 there" in line, line
@@ -120,8 +183,18 @@ def test_an_unreachable_host_is_named_in_seconds(hosts, tmp_path):
 @pytest.mark.parametrize("how", ["kill", "cut"])
 def test_a_lost_host_is_named_within_the_timeout(hosts, tmp_path, how):
     save = tmp_path / "ckpt"
-    flags = MODEL + ["--zero-stage", "3", "--train-iters", "1000", "--save-interval", "2", "--save", str(save),
-                     "--run-dir", str(tmp_path / "run")]
+    flags = MODEL + [
+        "--zero-stage",
+        "3",
+        "--train-iters",
+        "1000",
+        "--save-interval",
+        "2",
+        "--save",
+        str(save),
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     port = next(_ports)
     jobs = [hosts.torchrun(k, 2, 2, flags, tmp_path / f"{k}.log", port=port) for k in range(2)]
     start = time.monotonic()
@@ -138,15 +211,17 @@ def test_a_lost_host_is_named_within_the_timeout(hosts, tmp_path, how):
     [line] = _errors(tmp_path / "0.log")
     assert "host mzh1 (ranks 2, 3)" in line, line
     _no_worker_traceback(tmp_path / "0.log")
-    if how == "cut":             # the cut-off host ends too, and says why
+    if how == "cut":  # the cut-off host ends too, and says why
         [own] = _errors(tmp_path / "1.log")
         assert "the launch's store has not answered" in own and "cut off" in own, own
         _no_worker_traceback(tmp_path / "1.log")
-    reader = CheckpointReader(save)                    # what was saved before is whole (every CRC read)
+    reader = CheckpointReader(save)  # what was saved before is whole (every CRC read)
     for name in reader.names:
         reader.full_tensor(name)
-    print(f"lost host ({how}): hosts say it {', '.join(f'{said:.1f}' for _, _, said in ends)} s after, and "
-          f"end {', '.join(f'{t:.1f}' for _, t, _ in ends)} s after")
+    print(
+        f"lost host ({how}): hosts say it {', '.join(f'{said:.1f}' for _, _, said in ends)} s after, and "
+        f"end {', '.join(f'{t:.1f}' for _, t, _ in ends)} s after"
+    )
 
 
 def _curve(run_dir) -> dict:
@@ -175,11 +250,30 @@ def _start_then_break(hosts, tmp_path, nnodes, extra):
     """Both hosts train RESTART_FLAGS with --save D --load D (c10d, one restart) until D holds
     iteration 4 or later; returns the jobs and D."""
     save = tmp_path / "ckpt"
-    flags = RESTART_FLAGS + ["--save-interval", "2", "--run-dir", str(tmp_path / "run"), "--save", str(save),
-                             "--load", str(save)]
+    flags = RESTART_FLAGS + [
+        "--save-interval",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+    ]
     port = next(_ports)
-    jobs = [hosts.torchrun(k, nnodes, 2, flags, tmp_path / f"{k}.log", rdzv="c10d", port=port,
-                           extra=["--max-restarts", "1", "--monitor-interval", "1", *extra]) for k in range(2)]
+    jobs = [
+        hosts.torchrun(
+            k,
+            nnodes,
+            2,
+            flags,
+            tmp_path / f"{k}.log",
+            rdzv="c10d",
+            port=port,
+            extra=["--max-restarts", "1", "--monitor-interval", "1", *extra],
+        )
+        for k in range(2)
+    ]
     start = time.monotonic()
     while not (save / "latest").exists() or (save / "latest").read_text().strip() < "iter_0000004":
         assert time.monotonic() - start < 300 and jobs[0].poll() is None, (tmp_path / "0.log").read_text()[-3000:]
@@ -192,7 +286,7 @@ def test_a_restart_across_hosts_resumes_to_the_straight_curve(hosts, tmp_path, s
     worker of host 1 restarts both hosts' workers, which resume from D and finish on the straight
     (one-host) fp32 curve bitwise."""
     jobs = _start_then_break(hosts, tmp_path, 2, [])
-    os.kill(workers(jobs[1])[1], signal.SIGKILL)                 # rank 3
+    os.kill(workers(jobs[1])[1], signal.SIGKILL)  # rank 3
     ends = wait_all(jobs, 300)
     assert [code for code, _ in ends] == [0, 0], (tmp_path / "1.log").read_text()[-3000:]
     # (rank 2's "lost rank 3" line is not asserted: torchrun, polling every second, may stop rank 2
@@ -214,8 +308,12 @@ def test_a_host_lost_for_good_resizes_the_job_and_resumes(hosts, tmp_path, strai
     assert "loaded weights and optimizer from" in log
     got = _curve(tmp_path / "run")
     assert sorted(got) == sorted(straight)
-    torch.testing.assert_close(torch.tensor([got[i] for i in sorted(got)]),
-                               torch.tensor([straight[i] for i in sorted(straight)]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([got[i] for i in sorted(got)]),
+        torch.tensor([straight[i] for i in sorted(straight)]),
+        rtol=1e-5,
+        atol=0,
+    )
 
 
 def _signal(job, sig) -> list[int]:
@@ -233,7 +331,7 @@ def _term_pending(pid: int) -> bool:
     try:
         status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
     except OSError:
-        return True                   # gone
+        return True  # gone
     return any(int(status[key], 16) & (1 << (signal.SIGTERM - 1)) for key in ("SigPnd", "ShdPnd"))
 
 
@@ -244,15 +342,32 @@ def test_a_host_that_comes_back_is_used_again(hosts, tmp_path, straight):
     Host 0's world-2 workers are held (SIGSTOP, let run in 0.3 s slices) so that they save and have
     not finished when host 1 is back."""
     save = tmp_path / "ckpt"
-    flags = RESTART_FLAGS + ["--save-interval", "2", "--run-dir", str(tmp_path / "run"), "--save", str(save),
-                             "--load", str(save)]
+    flags = RESTART_FLAGS + [
+        "--save-interval",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+    ]
     port = next(_ports)
     extra = ["--max-restarts", "2", "--monitor-interval", "1", "--rdzv-conf", "last_call_timeout=2"]
     # torch's shared rendezvous store publishes the workers' MASTER_ADDR in the first round only, so a
     # node joining a later round waits for it until it times out: the opt-out makes every round say it
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    start = lambda k, log: hosts.torchrun(k, "1:2", 2, flags, tmp_path / log, rdzv="c10d", port=port,  # noqa: E731
-                                          extra=extra, env=env)
+    start = lambda k, log: hosts.torchrun(
+        k,
+        "1:2",
+        2,
+        flags,
+        tmp_path / log,
+        rdzv="c10d",
+        port=port,  # noqa: E731
+        extra=extra,
+        env=env,
+    )
     first = start(0, "0.log")
     start(1, "1.log")
     began = time.monotonic()
@@ -267,7 +382,7 @@ def test_a_host_that_comes_back_is_used_again(hosts, tmp_path, straight):
         assert time.monotonic() - began < 400 and first.poll() is None, log0()[-3000:]
         time.sleep(0.1)
     _signal(first, signal.SIGSTOP)
-    while latest() <= at_loss:               # world 2 trains in slices until it has saved
+    while latest() <= at_loss:  # world 2 trains in slices until it has saved
         assert time.monotonic() - began < 500 and first.poll() is None, log0()[-3000:]
         _signal(first, signal.SIGCONT)
         time.sleep(0.3)
@@ -275,7 +390,7 @@ def test_a_host_that_comes_back_is_used_again(hosts, tmp_path, straight):
     saved_at_world_2 = latest()
     back = start(1, "1b.log")
     held = workers(first)
-    while not all(_term_pending(pid) for pid in held):     # torchrun restarts host 0 for the newcomer
+    while not all(_term_pending(pid) for pid in held):  # torchrun restarts host 0 for the newcomer
         assert time.monotonic() - began < 600 and first.poll() is None, log0()[-3000:]
         time.sleep(0.2)
     _signal(first, signal.SIGCONT)
@@ -286,19 +401,25 @@ def test_a_host_that_comes_back_is_used_again(hosts, tmp_path, straight):
     assert f"from {save / saved_at_world_2} at iteration" in log.split("world=4 tp=1 pp=1 dp=4")[-1], log[-3000:]
     got = _curve(tmp_path / "run")
     assert sorted(got) == sorted(straight)
-    torch.testing.assert_close(torch.tensor([got[i] for i in sorted(got)]),
-                               torch.tensor([straight[i] for i in sorted(straight)]), rtol=1e-5, atol=0)
-    print(f"host back: world 4 -> 2 ({at_loss}) -> 4 ({saved_at_world_2}), "
-          f"{time.monotonic() - began:.1f} s in all")
+    torch.testing.assert_close(
+        torch.tensor([got[i] for i in sorted(got)]),
+        torch.tensor([straight[i] for i in sorted(straight)]),
+        rtol=1e-5,
+        atol=0,
+    )
+    print(f"host back: world 4 -> 2 ({at_loss}) -> 4 ({saved_at_world_2}), {time.monotonic() - began:.1f} s in all")
 
 
 def test_the_clusters_page_slurm_script_runs_the_restart_tests_lines():
     """docs/clusters.md's two-node Slurm script carries the restart test's torchrun and pretrain_gpt.py flags."""
     from tests.hosts import REPO
+
     text = (REPO / "docs" / "clusters.md").read_text()
-    script = text[text.index("#SBATCH --job-name=megazero-2n"):]
-    script = " ".join(script[:script.index("```")].replace("\\\n", " ").split())
-    launch = ("--nnodes 2 --rdzv-backend c10d --rdzv-endpoint \"$head:29500\" --rdzv-id \"$SLURM_JOB_ID\" "
-              "--nproc-per-node 2 --max-restarts 1 --monitor-interval 1 pretrain_gpt.py ")
+    script = text[text.index("#SBATCH --job-name=megazero-2n") :]
+    script = " ".join(script[: script.index("```")].replace("\\\n", " ").split())
+    launch = (
+        '--nnodes 2 --rdzv-backend c10d --rdzv-endpoint "$head:29500" --rdzv-id "$SLURM_JOB_ID" '
+        "--nproc-per-node 2 --max-restarts 1 --monitor-interval 1 pretrain_gpt.py "
+    )
     flags = RESTART_FLAGS + ["--save-interval", "2"]
     assert launch + " ".join(flags) + " --run-dir " in script, script

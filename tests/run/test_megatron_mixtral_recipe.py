@@ -2,6 +2,7 @@
 down (2 layers, hidden 256, 2 experts, ep 2 on 2 ranks, 7 iterations), its flags unedited but for
 the tokenizer and data path (--mock-data and the default tokenizer in their place), under torchrun:
 it trains, logs the MoE lines, and its losses are finite."""
+
 import math
 
 from tests.run.test_cli import _torchrun

@@ -6,6 +6,7 @@ The torchrun cases run real torchrun with 2 ranks on a tiny model; each launch c
 (the line a rank prints, the summary torchrun prints, what is on disk). The others run in-process or
 in the session's gloo pool. Timeouts only catch hangs.
 """
+
 import errno
 import json
 import os
@@ -25,8 +26,22 @@ from tests.layouts import setup_training
 sys.path.insert(0, str(REPO))
 from tools import convert_checkpoint  # noqa: E402
 
-TORCHRUN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-                  "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1"]
+TORCHRUN_FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+]
 
 
 def _error_lines(text: str) -> list[str]:
@@ -34,6 +49,7 @@ def _error_lines(text: str) -> list[str]:
 
 
 # --- torchrun: lost, stopped and interrupted ranks, restarts, a full disk --------------------------
+
 
 def test_a_run_killed_once_restarts_to_the_straight_curve(tmp_path):
     """kill -9 of rank 1 mid-run under `torchrun --max-restarts 1 ... --save D --load D`: rank 0 prints
@@ -48,13 +64,19 @@ def test_a_run_killed_once_restarts_to_the_straight_curve(tmp_path):
     straight = Torchrun(tmp_path, common + ["--metrics-file", "straight.jsonl", "--run-dir", "a"])
     code, err = straight.finish()
     assert code == 0, err[-3000:]
-    killed = Torchrun(tmp_path, common + ["--save", "ck", "--load", "ck", "--save-interval", "2",
-                                          "--metrics-file", "killed.jsonl", "--run-dir", "b"],
-                      "--max-restarts", "1", "--monitor-interval", "5")
+    killed = Torchrun(
+        tmp_path,
+        common
+        + ["--save", "ck", "--load", "ck", "--save-interval", "2", "--metrics-file", "killed.jsonl", "--run-dir", "b"],
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "5",
+    )
     killed.wait_for(lambda: len(metrics_records(tmp_path / "killed.jsonl", missing_ok=True)) >= 5)
     victim = killed.rank_pid(1)
     os.kill(victim, signal.SIGSTOP)
-    killed.wait_until_blocked(0)           # rank 0 now waits for rank 1 in a collective
+    killed.wait_until_blocked(0)  # rank 0 now waits for rank 1 in a collective
     os.kill(victim, signal.SIGKILL)
     code, err = killed.finish()
     assert code == 0, err[-3000:]
@@ -75,16 +97,30 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(tmp_path):
     process itself, with SIGKILL after its 30 s grace; the test kills it at once to spare that wait.)
     (Planted: without the timeout on the groups made by new_group, gloo's default 30 minutes applies
     and the wait below fails as a hang.)"""
-    run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "3000", "--distributed-timeout-minutes", "0.2",
-                                               "--heartbeat-timeout-minutes", "0", "--metrics-file", "m.jsonl",
-                                               "--run-dir", "r"])
+    run = Torchrun(
+        tmp_path,
+        TORCHRUN_FLAGS
+        + [
+            "--train-iters",
+            "3000",
+            "--distributed-timeout-minutes",
+            "0.2",
+            "--heartbeat-timeout-minutes",
+            "0",
+            "--metrics-file",
+            "m.jsonl",
+            "--run-dir",
+            "r",
+        ],
+    )
     waited, code, err = run.stop_rank_until_said(
-        1, lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3, timeout=12 + 120)
+        1, lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3, timeout=12 + 120
+    )
     line = next(x for x in run.log(0, 0).splitlines() if x.startswith("error:"))
     assert line.startswith("error: rank 0: no answer within --distributed-timeout-minutes 0.2 during "), line
     assert "(rank 1: its process is stopped" in line and "Traceback" not in run.log(0, 0), line
     assert waited >= 6, f"the line came {waited:.1f} s after the stop, before any timeout could pass"
-    assert code != 0 and f"traceback : {line[len('error: '):]}" in err, err[-3000:]
+    assert code != 0 and f"traceback : {line[len('error: ') :]}" in err, err[-3000:]
 
 
 def test_a_stopped_rank_is_named_by_its_heartbeat_before_the_backend_times_out(tmp_path):
@@ -93,20 +129,38 @@ def test_a_stopped_rank_is_named_by_its_heartbeat_before_the_backend_times_out(t
     as it must under NCCL, whose watchdog aborts with no Python exception; the line is torchrun's
     root cause. (Planted: with the heartbeat off, --heartbeat-timeout-minutes 0, nothing is printed
     within the wait below and it fails as a hang.)"""
-    run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "3000", "--distributed-timeout-minutes", "10",
-                                               "--heartbeat-timeout-minutes", "0.25", "--metrics-file", "m.jsonl",
-                                               "--run-dir", "r"])
+    run = Torchrun(
+        tmp_path,
+        TORCHRUN_FLAGS
+        + [
+            "--train-iters",
+            "3000",
+            "--distributed-timeout-minutes",
+            "10",
+            "--heartbeat-timeout-minutes",
+            "0.25",
+            "--metrics-file",
+            "m.jsonl",
+            "--run-dir",
+            "r",
+        ],
+    )
     waited, code, err = run.stop_rank_until_said(
-        1, lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3, timeout=15 + 120)
+        1, lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3, timeout=15 + 120
+    )
     line = next(x for x in run.log(0, 0).splitlines() if x.startswith("error:"))
-    assert line.startswith("error: rank 0: rank 1 went silent (its process is stopped (SIGSTOP, or a debugger)): "
-                           "no heartbeat for "), line
-    assert "(--heartbeat-timeout-minutes 0.25); rank 0 waited for it in " in line and \
-        "over the dp group (ranks [0, 1])" in line and "rank 1's last collective: " in line, line
+    assert line.startswith(
+        "error: rank 0: rank 1 went silent (its process is stopped (SIGSTOP, or a debugger)): no heartbeat for "
+    ), line
+    assert (
+        "(--heartbeat-timeout-minutes 0.25); rank 0 waited for it in " in line
+        and "over the dp group (ranks [0, 1])" in line
+        and "rank 1's last collective: " in line
+    ), line
     # The silence is measured from the last beat rank 0 saw, up to a beat interval before the stop.
     silent_for = int(line.split("no heartbeat for ")[1].split(" s")[0])
     assert "Traceback" not in run.log(0, 0) and silent_for >= 15 and waited < 600, (waited, line)
-    assert code != 0 and f"traceback : {line[len('error: '):]}" in err, err[-3000:]
+    assert code != 0 and f"traceback : {line[len('error: ') :]}" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("handler", [True, False], ids=["exit-signal-handler", "plain"])
@@ -117,12 +171,22 @@ def test_ctrl_c_under_torchrun(tmp_path, handler):
     N; last checkpoint: ..." and no rank a KeyboardInterrupt. (Planted: without SIGINT among the
     handler's signals no checkpoint of the last iteration is written; without Interrupts the ranks
     print KeyboardInterrupt tracebacks.)"""
-    argv = TORCHRUN_FLAGS + ["--train-iters", "3000", "--save", "ck", "--save-interval", "2",
-                             "--metrics-file", "m.jsonl", "--run-dir", "r"]
+    argv = TORCHRUN_FLAGS + [
+        "--train-iters",
+        "3000",
+        "--save",
+        "ck",
+        "--save-interval",
+        "2",
+        "--metrics-file",
+        "m.jsonl",
+        "--run-dir",
+        "r",
+    ]
     run = Torchrun(tmp_path, argv + (["--exit-signal-handler"] if handler else []))
     run.wait_for(lambda: len(metrics_records(tmp_path / "m.jsonl", missing_ok=True)) >= 3)
     os.killpg(run.proc.pid, signal.SIGINT)
-    run.finish(timeout=600)            # torchrun itself ends with its own SignalException report
+    run.finish(timeout=600)  # torchrun itself ends with its own SignalException report
     ranks = [run.log(0, rank) for rank in (0, 1)]
     assert not any("KeyboardInterrupt" in text or "Traceback" in text for text in ranks), ranks
     last = max(loss_curve(tmp_path / "m.jsonl"))
@@ -149,9 +213,22 @@ def test_a_full_disk_keeps_training_and_the_last_checkpoint(tmp_path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(disk)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (not root?); the patched-write tests cover a full disk")
     try:
-        run = Torchrun(tmp_path, TORCHRUN_FLAGS + ["--train-iters", "6", "--save", str(disk / "ck"),
-                                                   "--save-interval", "2", "--metrics-file", "m.jsonl",
-                                                   "--run-dir", "r"])
+        run = Torchrun(
+            tmp_path,
+            TORCHRUN_FLAGS
+            + [
+                "--train-iters",
+                "6",
+                "--save",
+                str(disk / "ck"),
+                "--save-interval",
+                "2",
+                "--metrics-file",
+                "m.jsonl",
+                "--run-dir",
+                "r",
+            ],
+        )
         code, err = run.finish()
         assert code != 0, err[-3000:]
         assert sorted(loss_curve(tmp_path / "m.jsonl")) == [1, 2, 3, 4, 5, 6], "training went on"
@@ -171,6 +248,7 @@ def test_a_full_disk_keeps_training_and_the_last_checkpoint(tmp_path):
 
 # --- in-process and pool: failed writes, the save policy, the schedule, modes, edges -------------
 
+
 def failing_save_worker(ctx, directory, fail_rank, phase, code):
     """Two ranks save at iteration 1, then at iteration 2 rank `fail_rank` fails with errno `code`
     while writing its shard ("write") or rank 0 while committing ("commit"); returns the error."""
@@ -179,6 +257,7 @@ def failing_save_worker(ctx, directory, fail_rank, phase, code):
     import megazero.checkpoint.saver as saver_module
     from megazero.parallel.topology import Topology
     from megazero.training import train_step
+
     groups = ctx.groups(Topology(world_size=2, tp=1))
     cfg = small_config(stage=2, steps=2)
     state, source = setup_training(cfg, groups)
@@ -188,6 +267,7 @@ def failing_save_worker(ctx, directory, fail_rank, phase, code):
 
     def fail(*args, **kwargs):
         raise OSError(code, os.strerror(code))
+
     real = saver_module.save_file, saver_module.commit_directory
     if ctx.rank == fail_rank:
         if phase == "write":
@@ -204,19 +284,27 @@ def failing_save_worker(ctx, directory, fail_rank, phase, code):
     return None
 
 
-@pytest.mark.parametrize("fail_rank,phase,code", [(1, "write", errno.ENOSPC), (0, "write", errno.EIO),
-                                                  (0, "commit", errno.ENOSPC)])
-def test_a_failed_write_is_one_agreed_line_and_keeps_the_previous_checkpoint(dist_pool, tmp_path, fail_rank,
-                                                                            phase, code):
+@pytest.mark.parametrize(
+    "fail_rank,phase,code", [(1, "write", errno.ENOSPC), (0, "write", errno.EIO), (0, "commit", errno.ENOSPC)]
+)
+def test_a_failed_write_is_one_agreed_line_and_keeps_the_previous_checkpoint(
+    dist_pool, tmp_path, fail_rank, phase, code
+):
     """ENOSPC or EIO while one rank writes its shard (or rank 0 commits): every rank raises the same
     SaveError naming that rank and the reason, the temporary directory is gone and `latest` still
     names the previous checkpoint, which loads. (Planted: with agree() skipped in finalize the other
     rank commits a checkpoint with a missing shard, or waits forever.)"""
     errors = dist_pool(2).run(failing_save_worker, str(tmp_path), fail_rank, phase, code)
     what = "write its shard of the checkpoint" if phase == "write" else "commit the checkpoint"
-    assert errors[0] == errors[1] == (f"--save {tmp_path}: rank {fail_rank} could not {what} of iteration 2 "
-                                      f"({os.strerror(code)}); the partial checkpoint was removed and latest "
-                                      f"still names iter_0000001"), errors
+    assert (
+        errors[0]
+        == errors[1]
+        == (
+            f"--save {tmp_path}: rank {fail_rank} could not {what} of iteration 2 "
+            f"({os.strerror(code)}); the partial checkpoint was removed and latest "
+            f"still names iter_0000001"
+        )
+    ), errors
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest"]
     assert CheckpointReader(tmp_path).metadata["iteration"] == 1
 
@@ -226,12 +314,14 @@ def test_a_failed_save_keeps_training_unless_asked_to_stop(tmp_path, capsys, mon
     trains on; the last save's refusal ends it (exit 1, one line). With --exit-on-save-failure the
     first refusal stops the run. (Planted: a policy that re-raises every SaveError stops at 4.)"""
     import megazero.checkpoint.saver as saver_module
+
     monkeypatch.chdir(tmp_path)
     saves = []
 
     def room(folder):
         saves.append(folder)
         return 1 << 40 if len(saves) == 1 else 1000
+
     monkeypatch.setattr(saver_module, "free_bytes", room)
     argv = TINY + ["--train-iters", "6", "--save", "ck", "--save-interval", "2"]
     code, out = _main(argv + ["--metrics-file", "a.jsonl"], capsys)
@@ -240,12 +330,15 @@ def test_a_failed_save_keeps_training_unless_asked_to_stop(tmp_path, capsys, mon
     assert len(warnings) == 1 and "no room for the checkpoint of iteration 4" in warnings[0], out.out
     # (progress lines, "building train indices ...", may come first when the indices are not cached)
     errors = [line for line in out.err.splitlines() if not line.startswith("building ")]
-    assert len(errors) == 1 and errors[0].startswith("error: --save ck: no room for the checkpoint of "
-                                                     "iteration 6"), out.err
+    assert len(errors) == 1 and errors[0].startswith("error: --save ck: no room for the checkpoint of iteration 6"), (
+        out.err
+    )
     saves.clear()
     code, out = _main(argv + ["--save", "ck2", "--exit-on-save-failure", "--metrics-file", "b.jsonl"], capsys)
     assert code == 1 and sorted(loss_curve(tmp_path / "b.jsonl")) == [1, 2, 3, 4], out.err
-    assert out.err.startswith("error: --save ck2: no room for the checkpoint of iteration 4") and "warning" not in out.out
+    assert (
+        out.err.startswith("error: --save ck2: no room for the checkpoint of iteration 4") and "warning" not in out.out
+    )
     assert (tmp_path / "ck2" / "latest").read_text().strip() == "iter_0000002"
 
 
@@ -256,6 +349,7 @@ def test_the_lr_schedule_on_resume_follows_megatron(tmp_path, capsys, monkeypatc
     (Planted: schedule_on_resume returning the flags' settings unchecked lets the first resume run.)"""
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.training.lr_schedule import learning_rate
+
     monkeypatch.chdir(tmp_path)
     assert _main(TINY + ["--train-iters", "6", "--exit-interval", "3", "--save", "ck"], capsys)[0] == 0
     resume = TINY + ["--train-iters", "12", "--save", "ck", "--load", "ck", "--exit-interval", "4"]
@@ -265,7 +359,10 @@ def test_the_lr_schedule_on_resume_follows_megatron(tmp_path, capsys, monkeypatc
     assert "--train-iters 12 differs from the checkpoint's run (6)" in out.err, out.err
     assert "decay over 12 iterations (checkpoint: 6)" in out.err and "--lr-decay-iters" not in out.err
     assert "--override-opt_param-scheduler" in out.err
-    assert "--use-checkpoint-opt_param-scheduler" in out.err and (tmp_path / "ck" / "latest").read_text() == "iter_0000003\n"
+    assert (
+        "--use-checkpoint-opt_param-scheduler" in out.err
+        and (tmp_path / "ck" / "latest").read_text() == "iter_0000003\n"
+    )
     lrs = {}
     for flag, iters in (("--use-checkpoint-opt_param-scheduler", 6), ("--override-opt_param-scheduler", 12)):
         code, out = _main(resume + [flag, "--metrics-file", f"m{iters}.jsonl", "--save", f"ck{iters}"], capsys)
@@ -290,8 +387,9 @@ def test_files_follow_the_umask(tmp_path, capsys, monkeypatch):
             convert_checkpoint.export_hf(f"ck{umask}", f"hf{umask}")
         finally:
             os.umask(old)
-        files = [p for p in [*(tmp_path / f"ck{umask}").rglob("*"), *(tmp_path / f"hf{umask}").iterdir()]
-                 if p.is_file()]
+        files = [
+            p for p in [*(tmp_path / f"ck{umask}").rglob("*"), *(tmp_path / f"hf{umask}").iterdir()] if p.is_file()
+        ]
         assert any(p.name.endswith(".safetensors") for p in files) and len(files) >= 8
         assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(mode) for p in files}
 
@@ -302,9 +400,13 @@ def test_cosmetic_deepspeed_keys_yield_to_flags_and_math_keys_still_refuse(tmp_p
     contradicting flag. (Planted: removing log_interval from COSMETIC brings back the refusal.)"""
     from megazero.config.train_flags import config_from_args, parse_args
     from megazero.core.errors import UsageError
+
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"steps_per_print": 2000, "dump_state": True, "gradient_clipping": 0.5,
-                                "zero_optimization": {"stage": 1}}))
+    path.write_text(
+        json.dumps(
+            {"steps_per_print": 2000, "dump_state": True, "gradient_clipping": 0.5, "zero_optimization": {"stage": 1}}
+        )
+    )
     cfg = config_from_args(parse_args(["--zero-config", str(path), "--log-interval", "1"]))
     assert cfg.log_interval == 1 and cfg.optimizer.clip_grad == 0.5
     assert f"--log-interval 1 wins over steps_per_print = 2000 in {path} (DeepSpeed's console cadence)" in cfg.notes
@@ -314,16 +416,21 @@ def test_cosmetic_deepspeed_keys_yield_to_flags_and_math_keys_still_refuse(tmp_p
         config_from_args(parse_args(["--zero-config", str(path), "--clip-grad", "1.0"]))
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--clip-grad", "inf"], "error: --clip-grad must be finite (>= 0), got inf; 0 turns clipping off"),
-    (["--lr", "nan"], "error: --lr must be finite (>= 0), got nan"),
-    (["--distributed-timeout-minutes", "0"], "error: --distributed-timeout-minutes must be > 0, got 0.0"),
-    (["--distributed-timeout-minutes", "2", "--heartbeat-timeout-minutes", "3"],
-     "error: --heartbeat-timeout-minutes 3 must be below --distributed-timeout-minutes 2: at the backend's timeout "
-     "NCCL aborts the job naming no rank"),
-    (["--exit-signal", "SIGUSR1"], "error: --exit-signal SIGUSR1 needs --exit-signal-handler"),
-    (["--exit-on-save-failure"], "error: --exit-on-save-failure needs --save FOLDER"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--clip-grad", "inf"], "error: --clip-grad must be finite (>= 0), got inf; 0 turns clipping off"),
+        (["--lr", "nan"], "error: --lr must be finite (>= 0), got nan"),
+        (["--distributed-timeout-minutes", "0"], "error: --distributed-timeout-minutes must be > 0, got 0.0"),
+        (
+            ["--distributed-timeout-minutes", "2", "--heartbeat-timeout-minutes", "3"],
+            "error: --heartbeat-timeout-minutes 3 must be below --distributed-timeout-minutes 2: at the backend's timeout "
+            "NCCL aborts the job naming no rank",
+        ),
+        (["--exit-signal", "SIGUSR1"], "error: --exit-signal SIGUSR1 needs --exit-signal-handler"),
+        (["--exit-on-save-failure"], "error: --exit-on-save-failure needs --save FOLDER"),
+    ],
+)
 def test_edge_flags_fail_in_one_line(capsys, argv, expected):
     code, out = _main(argv, capsys)
     assert code == 2 and out.err.count("\n") == 1 and out.err.startswith(expected), out.err
@@ -334,12 +441,15 @@ def test_help_opens_with_one_line_per_flag_group(capsys):
     85-line synopsis is gone). (Planted: dropping usage= from the parser fails the first check.)"""
     from megazero.run import launch
     from megazero.config.flags import GROUPS
+
     with pytest.raises(SystemExit):
         launch.main(["--help"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("usage: python pretrain_gpt.py [FLAGS]") and len(lines[0]) < 100, lines[:3]
     first_flag = next(i for i, line in enumerate(lines) if line.lstrip().startswith("--"))
-    groups = [line.split()[0] for line in lines[:first_flag] if line.startswith("  ") and not line.lstrip().startswith("-")]
+    groups = [
+        line.split()[0] for line in lines[:first_flag] if line.startswith("  ") and not line.lstrip().startswith("-")
+    ]
     assert first_flag < 20 and len(groups) == len(GROUPS), lines[:first_flag]
     assert all(f"\n{group}:\n" in "\n".join(lines) for group in GROUPS)
 
@@ -349,6 +459,7 @@ def test_torchrun_shows_the_error_file_line_as_the_root_cause(tmp_path):
     shows the line where it would show a traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
     from megazero.run import failures
+
     path = tmp_path / "error.json"
     failures.write_error_file(str(path), "rank 0: lost rank 1 (its process ended) during all_reduce")
     summary = ChildFailedError("pretrain_gpt.py", {0: ProcessFailure(0, 123, 1, str(path))}).format_msg()
@@ -361,10 +472,14 @@ def test_one_visible_gpu_per_rank_is_cuda_0(monkeypatch):
     GPUs than the node's ranks is one line naming both counts."""
     from megazero.core.errors import UsageError
     from megazero.run.launch import cuda_index
+
     assert [cuda_index(r, 8, 1) for r in range(8)] == [0] * 8
     assert [cuda_index(r, 8, 8) for r in range(8)] == list(range(8))
     assert cuda_index(1, 2, 8) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    with pytest.raises(UsageError, match=r"^8 ranks on this node but 4 GPUs visible \(CUDA_VISIBLE_DEVICES=0,1,2,3\): "
-                                         r"launch --nproc-per-node 4, or make one GPU per rank visible$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^8 ranks on this node but 4 GPUs visible \(CUDA_VISIBLE_DEVICES=0,1,2,3\): "
+        r"launch --nproc-per-node 4, or make one GPU per rank visible$",
+    ):
         cuda_index(1, 8, 4)

@@ -5,6 +5,7 @@ jobs never draw the same default run folder.
 
 One 2-rank torchrun job runs throughout; the second jobs (in-process, and a 2-rank torchrun) and the
 resume after the first is killed check against it. Timeouts only catch hangs."""
+
 import fcntl
 import hashlib
 import json
@@ -22,8 +23,11 @@ from megazero.config.train_flags import config_from_args, parse_args
 
 
 def _sha256(folder):
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _kill(job):
@@ -32,7 +36,7 @@ def _kill(job):
     for rank in (0, 1):
         try:
             ranks.append(job.rank_pid(rank))
-        except AssertionError:          # already ended
+        except AssertionError:  # already ended
             pass
     for pid in ranks:
         os.kill(pid, signal.SIGKILL)
@@ -54,7 +58,7 @@ def _wait_until_unlocked(path):
                 assert time.monotonic() < deadline, "a killed rank holds its lock on"
                 time.sleep(0.1)
     finally:
-        os.close(fd)                # lets the probe's lock go, the file (A's) stays
+        os.close(fd)  # lets the probe's lock go, the file (A's) stays
 
 
 def test_a_second_job_on_a_folder_refuses_in_one_line_and_changes_nothing(tmp_path, capsys, monkeypatch):
@@ -71,8 +75,8 @@ def test_a_second_job_on_a_folder_refuses_in_one_line_and_changes_nothing(tmp_pa
     job_a = Torchrun(tmp_path, argv)
     try:
         lock = tmp_path / "ck" / ".lock"
-        written = lambda: lock.exists() and lock.stat().st_size > 0                  # noqa: E731
-        job_a.wait_for(lambda: written() or (tmp_path / "ra" / "metrics.jsonl").exists())   # A is starting
+        written = lambda: lock.exists() and lock.stat().st_size > 0  # noqa: E731
+        job_a.wait_for(lambda: written() or (tmp_path / "ra" / "metrics.jsonl").exists())  # A is starting
         run_a = json.loads(lock.read_text())["run_id"] if written() else "(no lock taken)"
         holder = f"another job writes there (run {run_a}, pid {job_a.rank_pid(0)} on host "
         started = time.monotonic()
@@ -96,14 +100,33 @@ def test_a_second_job_on_a_folder_refuses_in_one_line_and_changes_nothing(tmp_pa
         _kill(job_a)
     assert _sha256(tmp_path / "ck" / "iter_0000002") == before
     assert {CheckpointReader(tmp_path / "ck" / name).run_id for name in saved} == {run_a}
-    assert (tmp_path / "ck" / ".lock").exists()                 # A's, left by the kill
+    assert (tmp_path / "ck" / ".lock").exists()  # A's, left by the kill
     _wait_until_unlocked(tmp_path / "ck" / ".lock")
     leftover = tmp_path / "ck" / ".tmp-0123-iter_0999999"
     leftover.mkdir(exist_ok=True)
     (leftover / "rank_00000.safetensors").write_bytes(b"x" * 2**20)
-    code, out = _main(TINY + ["--train-iters", "100000", "--num-attention-heads", "4", "--micro-batch-size", "2",
-                              "--global-batch-size", "4", "--save", "ck", "--load", "ck", "--exit-interval", "1",
-                              "--run-dir", "rc"], capsys)
+    code, out = _main(
+        TINY
+        + [
+            "--train-iters",
+            "100000",
+            "--num-attention-heads",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--save",
+            "ck",
+            "--load",
+            "ck",
+            "--exit-interval",
+            "1",
+            "--run-dir",
+            "rc",
+        ],
+        capsys,
+    )
     assert code == 0, out.err
     assert " --save ck: removed what interrupted saves left there: " in out.out and ".tmp-0123-iter_0999999" in out.out
     assert not list((tmp_path / "ck").glob(".tmp-*")) and not (tmp_path / "ck" / ".lock").exists()

@@ -4,6 +4,7 @@ OUT, then the engine's logits on the test's probe tokens (OUT/probe.pt) into OUT
 
     torchrun --nproc-per-node 2 tests/tools/finetune_torchrun.py OUT <tools/finetune.py arguments>
 """
+
 import runpy
 import sys
 from pathlib import Path
@@ -13,7 +14,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 out, argv = Path(sys.argv[1]), sys.argv[2:]
-sys.argv = [str(REPO / "examples" / "deepspeed_loop.py"), "--deepspeed_config", str(REPO / "examples" / "ds_config.json")]
+sys.argv = [
+    str(REPO / "examples" / "deepspeed_loop.py"),
+    "--deepspeed_config",
+    str(REPO / "examples" / "ds_config.json"),
+]
 runpy.run_path(sys.argv[0], run_name="__main__")
 finetune = runpy.run_path(str(REPO / "tools" / "finetune.py"))
 engine = finetune["run"](finetune["parse_args"](argv)).engine

@@ -4,6 +4,7 @@ logits (fp32, atol 1e-5), zero-centred norms (--apply-layernorm-1p) exported as 
 by transformers (random weights, non-default sizes, GQA, heads wider than hidden / heads) give their
 logits once imported, also at tensor-parallel degree 2; export -> import -> export is bitwise
 stable; models a format cannot express are refused naming the option. Tiny models, no downloads."""
+
 import json
 
 import pytest
@@ -17,8 +18,16 @@ from megazero.models.gpt import GPT
 
 ATOL = 1e-5
 TOKENS = torch.tensor([[3, 17, 40, 2, 59, 11, 0, 33, 60, 7], [1, 5, 9, 58, 21, 44, 12, 6, 30, 49]])
-BASE = dict(vocab_size=61, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48,
-            seq_length=16, hidden_dropout=0.0, attention_dropout=0.0)
+BASE = dict(
+    vocab_size=61,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    ffn_hidden_size=48,
+    seq_length=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 GPT2_LIKE = dict(position_embedding="learned", activation="gelu", normalization="layernorm")
 LLAMA_LIKE = dict(position_embedding="rope", activation="swiglu", normalization="rmsnorm")
 
@@ -31,6 +40,7 @@ def offline(monkeypatch):
 def _tool():
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parents[2] / "tools" / "convert_checkpoint.py"
     spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
     module = importlib.util.module_from_spec(spec)
@@ -50,14 +60,14 @@ def _random_checkpoint(directory, config: GPTConfig, seed=0, padding_value=0.0):
     params = {n: torch.randn(shape, generator=generator) * 0.2 for n, shape in names.items()}
     for name in ("embedding.word.weight", "output_head.weight"):
         if name in params:
-            params[name][config.vocab_size:] = padding_value
+            params[name][config.vocab_size :] = padding_value
     write_full_checkpoint(directory, config, params, "test-hf")
     return params
 
 
 def _megazero_logits(config: GPTConfig, params: dict) -> torch.Tensor:
     model = GPT(config).eval()
-    model.load_state_dict(params, strict=False)   # a tied head is the embedding
+    model.load_state_dict(params, strict=False)  # a tied head is the embedding
     with torch.no_grad():
         return model(TOKENS)
 
@@ -76,17 +86,38 @@ def _checkpoint_params(save) -> tuple[GPTConfig, dict]:
 EXPORTS = {
     "gpt2 tanh-GELU tied, padded vocab": ("gpt2", dict(GPT2_LIKE, padded_vocab_size=64, norm_epsilon=1e-6)),
     "gpt2 erf-GELU untied": ("gpt2", dict(GPT2_LIKE, gelu_approximate="none", tie_embeddings=False)),
-    "llama GQA untied, no biases": ("llama", dict(LLAMA_LIKE, num_query_groups=2, tie_embeddings=False,
-                                                  add_bias_linear=False, rotary_base=500.0,
-                                                  padded_vocab_size=64)),
+    "llama GQA untied, no biases": (
+        "llama",
+        dict(
+            LLAMA_LIKE,
+            num_query_groups=2,
+            tie_embeddings=False,
+            add_bias_linear=False,
+            rotary_base=500.0,
+            padded_vocab_size=64,
+        ),
+    ),
     "llama tied with biases": ("llama", dict(LLAMA_LIKE, norm_epsilon=1e-6, rotary_base=50.0)),
-    "llama --kv-channels 12, --apply-layernorm-1p": ("llama", dict(LLAMA_LIKE, kv_channels=12, num_query_groups=2,
-                                                                   apply_layernorm_1p=True)),
+    "llama --kv-channels 12, --apply-layernorm-1p": (
+        "llama",
+        dict(LLAMA_LIKE, kv_channels=12, num_query_groups=2, apply_layernorm_1p=True),
+    ),
     "gpt2 --apply-layernorm-1p": ("gpt2", dict(GPT2_LIKE, apply_layernorm_1p=True)),
-    "qwen2_moe gated shared expert, qkv bias, a dense layer": ("qwen2_moe", dict(
-        LLAMA_LIKE, num_query_groups=2, tie_embeddings=False, add_bias_linear=False, add_qkv_bias=True,
-        num_experts=4, moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=40, moe_shared_expert_gate=True,
-        moe_layer_freq=[0, 1])),
+    "qwen2_moe gated shared expert, qkv bias, a dense layer": (
+        "qwen2_moe",
+        dict(
+            LLAMA_LIKE,
+            num_query_groups=2,
+            tie_embeddings=False,
+            add_bias_linear=False,
+            add_qkv_bias=True,
+            num_experts=4,
+            moe_ffn_hidden_size=24,
+            moe_shared_expert_intermediate_size=40,
+            moe_shared_expert_gate=True,
+            moe_layer_freq=[0, 1],
+        ),
+    ),
 }
 
 
@@ -95,15 +126,23 @@ def test_export_gives_megazero_logits_in_transformers_and_round_trips(tmp_path, 
     fmt, options = EXPORTS[what]
     config = GPTConfig(**BASE, **options)
     params = _random_checkpoint(tmp_path / "ckpt", config)
-    assert convert.main(["export-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"),
-                         "--without-tokenizer"]) == 0      # random weights: no tokenizer (tests/tools/test_generate.py)
+    assert (
+        convert.main(
+            ["export-hf", "--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--without-tokenizer"]
+        )
+        == 0
+    )  # random weights: no tokenizer (tests/tools/test_generate.py)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == fmt
     expected = _megazero_logits(config, params)
     torch.testing.assert_close(_transformers_logits(tmp_path / "hf"), expected, rtol=0, atol=ATOL)
 
     assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "back")]) == 0
-    assert convert.main(["export-hf", "--load", str(tmp_path / "back"), "--output", str(tmp_path / "hf2"),
-                         "--without-tokenizer"]) == 0
+    assert (
+        convert.main(
+            ["export-hf", "--load", str(tmp_path / "back"), "--output", str(tmp_path / "hf2"), "--without-tokenizer"]
+        )
+        == 0
+    )
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "hf2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
 
@@ -119,14 +158,32 @@ def _perturbed(model):
 
 def _transformers_model(kind: str):
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=61, n_positions=24, n_embd=48, n_layer=2, n_head=6,
-                                         n_inner=80, layer_norm_epsilon=1e-6, bos_token_id=None,
-                                         eos_token_id=None)
+        config = transformers.GPT2Config(
+            vocab_size=61,
+            n_positions=24,
+            n_embd=48,
+            n_layer=2,
+            n_head=6,
+            n_inner=80,
+            layer_norm_epsilon=1e-6,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         return _perturbed(transformers.GPT2LMHeadModel(config))
-    config = transformers.LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=2, head_dim=12, rms_norm_eps=1e-5,
-                                      max_position_embeddings=24, rope_theta=300.0, bos_token_id=None,
-                                      eos_token_id=None)
+    config = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=12,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=24,
+        rope_theta=300.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return _perturbed(transformers.LlamaForCausalLM(config))
 
 
@@ -138,7 +195,8 @@ def test_transformers_model_imported_gives_its_logits(tmp_path, kind):
     assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0
     config, params = _checkpoint_params(tmp_path / "ckpt")
     assert (config.num_query_groups, config.hidden_size, config.kv_channels) == (
-        (2, 48, 12) if kind == "llama" else (6, 48, 8))
+        (2, 48, 12) if kind == "llama" else (6, 48, 8)
+    )
     with torch.no_grad():
         expected = model(TOKENS).logits
     torch.testing.assert_close(_megazero_logits(config, params), expected, rtol=0, atol=ATOL)
@@ -150,6 +208,7 @@ def tp_loss_worker(ctx, save, config_fields):
     from megazero.checkpoint import load_checkpoint
     from megazero.parallel.topology import Topology
     from megazero.training import setup
+
     groups = ctx.groups(Topology(world_size=2, tp=2, pp=1))
     cfg = with_padded_vocab(small_config(tp=2, micro=2, global_batch=2, model_extra=config_fields))
     state = setup(cfg, groups)
@@ -164,10 +223,10 @@ def test_imported_llama_loads_at_tensor_parallel_2(dist_pool, tmp_path):
     model.save_pretrained(str(tmp_path / "hf"))
     convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
     saved = CheckpointReader(tmp_path / "ckpt").metadata["model"]
-    fields = {k: v for k, v in saved.items() if k != "padded_vocab_size"}   # tp 2 pads its own way
+    fields = {k: v for k, v in saved.items() if k != "padded_vocab_size"}  # tp 2 pads its own way
     losses = dist_pool(2).run(tp_loss_worker, str(tmp_path / "ckpt"), fields)
     with torch.no_grad():
-        expected = model(TOKENS, labels=TOKENS).loss.item()     # transformers shifts the labels
+        expected = model(TOKENS, labels=TOKENS).loss.item()  # transformers shifts the labels
     assert losses[0] == losses[1]
     assert abs(losses[0] - expected) <= ATOL, (losses, expected)
 
@@ -228,9 +287,14 @@ def test_a_damaged_safetensors_file_is_refused_on_import_in_one_line(tmp_path, c
     _transformers_model("gpt2").save_pretrained(str(tmp_path / "hf"))
     weights = tmp_path / "hf" / "model.safetensors"
     data = weights.read_bytes()
-    capsys.readouterr()                 # transformers' progress bar
-    weights.write_bytes({"truncated": data[:len(data) // 2], "garbage": b"\x00\xff" * 4096,
-                         "bad-header": data[:8] + b"{not json" + data[17:]}[damage])
+    capsys.readouterr()  # transformers' progress bar
+    weights.write_bytes(
+        {
+            "truncated": data[: len(data) // 2],
+            "garbage": b"\x00\xff" * 4096,
+            "bad-header": data[:8] + b"{not json" + data[17:],
+        }[damage]
+    )
     assert convert.main(["import-hf", "--input", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"error: {weights}: not a readable safetensors file (") and "download it again" in line
@@ -243,19 +307,53 @@ def test_finetuning_an_imported_llama_names_every_flag_it_needs_at_once(tmp_path
     rerun, not one per setting). (Planted: the former check, naming the first field by its internal
     name, fails: one setting per line, num_query_groups=2.)"""
     from tests.driver import run_main
+
     _transformers_model("llama").save_pretrained(str(tmp_path / "hf"))
     convert.import_hf(tmp_path / "hf", tmp_path / "ckpt")
     monkeypatch.chdir(tmp_path)
-    argv = ["--finetune", "--load", "ckpt", "--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "6",
-            "--seq-length", "16", "--max-position-embeddings", "24", "--mock-data", "--tokenizer-type",
-            "NullTokenizer", "--vocab-size", "61", "--train-iters", "1", "--micro-batch-size", "1",
-            "--global-batch-size", "1", "--eval-iters", "0", "--num-workers", "0"]
+    argv = [
+        "--finetune",
+        "--load",
+        "ckpt",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "48",
+        "--num-attention-heads",
+        "6",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "24",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "61",
+        "--train-iters",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--eval-iters",
+        "0",
+        "--num-workers",
+        "0",
+    ]
     capsys.readouterr()
     code, out = run_main(argv, capsys)
     [line] = out.err.strip().splitlines()
     assert code == 2 and "the saved model differs from this run's in" in line, out.err
-    for flags in ("--group-query-attention --num-query-groups 2", "--kv-channels 12", "--ffn-hidden-size 80",
-                  "--position-embedding-type rope", "--swiglu", "--normalization RMSNorm", "--disable-bias-linear"):
+    for flags in (
+        "--group-query-attention --num-query-groups 2",
+        "--kv-channels 12",
+        "--ffn-hidden-size 80",
+        "--position-embedding-type rope",
+        "--swiglu",
+        "--normalization RMSNorm",
+        "--disable-bias-linear",
+    ):
         assert f"{flags} (this run: " in line, (flags, line)
     assert "num_query_groups" not in line, line
     given = line.split("; pass ")[1].split(" (or load")[0].split()

@@ -5,6 +5,7 @@ in through wandb, and sentencepiece's export needs it). So the commands run with
 installed distribution outside megazero's declared dependencies (read from pyproject.toml, followed
 through the installed distributions' requirements) made unimportable.
 (Planted: protobuf dropped from pyproject.toml fails the export with "No module named 'google'".)"""
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
@@ -67,22 +68,60 @@ def _blocked_modules() -> list[str]:
 
 
 def _run(blocked: list[str], *args: str, cwd) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-c", BLOCKER, json.dumps(blocked), *map(str, args)],
-                          cwd=cwd, capture_output=True, text=True, timeout=900)    # ~10 s: hangs only
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKER, json.dumps(blocked), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # ~10 s: hangs only
     assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-3000:])
     return proc
 
 
 def test_the_readme_next_steps_run_on_the_readme_install_alone(tmp_path):
     blocked = _blocked_modules()
-    assert {"transformers", "wandb"} <= set(blocked)          # the dev extra is really out of reach
-    train = _run(blocked, REPO / "pretrain_gpt.py", "--train-iters", "1", "--num-layers", "1",
-                 "--hidden-size", "64", "--seq-length", "64", "--eval-iters", "0", "--save", "ckpt",
-                 cwd=tmp_path)
+    assert {"transformers", "wandb"} <= set(blocked)  # the dev extra is really out of reach
+    train = _run(
+        blocked,
+        REPO / "pretrain_gpt.py",
+        "--train-iters",
+        "1",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "64",
+        "--seq-length",
+        "64",
+        "--eval-iters",
+        "0",
+        "--save",
+        "ckpt",
+        cwd=tmp_path,
+    )
     assert "saved checkpoint (final) of iteration 1: ckpt/iter_0000001" in train.stdout
-    _run(blocked, REPO / "tools/convert_checkpoint.py", "export-hf", "--load", "ckpt", "--output", "hf",
-         "--format", "gpt2", cwd=tmp_path)
+    _run(
+        blocked,
+        REPO / "tools/convert_checkpoint.py",
+        "export-hf",
+        "--load",
+        "ckpt",
+        "--output",
+        "hf",
+        "--format",
+        "gpt2",
+        cwd=tmp_path,
+    )
     assert (tmp_path / "hf" / "tokenizer.model").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
-    text = _run(blocked, REPO / "tools/generate.py", "--load", "ckpt", "--prompt", "def main(",
-                "--max-new-tokens", "4", cwd=tmp_path)
+    text = _run(
+        blocked,
+        REPO / "tools/generate.py",
+        "--load",
+        "ckpt",
+        "--prompt",
+        "def main(",
+        "--max-new-tokens",
+        "4",
+        cwd=tmp_path,
+    )
     assert text.stdout.strip()

@@ -20,10 +20,20 @@ Mutations planted and seen failing (each by hand, then reverted):
 - positions left at the local chunk's under CP (Documents.token_positions ignoring the index) ->
   cp 2 ring and a2a fail.
 """
+
 from megazero.data.synthetic import DocumentTokens
 from megazero.parallel.process_groups import ProcessGroups
-from tests.layouts import (VOCAB, assemble_params, assert_close, assert_params_match, last_stage_result,
-                           layout_worker, run_training, small_config, strip_padding)
+from tests.layouts import (
+    VOCAB,
+    assemble_params,
+    assert_close,
+    assert_params_match,
+    last_stage_result,
+    layout_worker,
+    run_training,
+    small_config,
+    strip_padding,
+)
 from tests.parallel.test_expert_parallel import MOE, assemble as assemble_experts
 
 EOD = VOCAB - 1
@@ -57,13 +67,28 @@ def reference(name: str, **config):
 LAYOUTS = [  # (what, reference name, dp, config)
     ("tp 2 sequence parallel", "learned", 1, dict(tp=2, sequence_parallel=True, model_extra={})),
     ("cp 2 ring", "rope", 1, dict(cp=2, cp_comm_type="p2p")),
-    ("cp 2 a2a, selective recompute", "rope", 1,
-     dict(cp=2, cp_comm_type="a2a", model_extra={**ROPE, "recompute_granularity": "selective"})),
+    (
+        "cp 2 a2a, selective recompute",
+        "rope",
+        1,
+        dict(cp=2, cp_comm_type="a2a", model_extra={**ROPE, "recompute_granularity": "selective"}),
+    ),
     ("cp 2 allgather", "rope", 1, dict(cp=2, cp_comm_type="allgather")),
     ("pp 2 interleaved", "rope", 1, dict(pp=2, virtual=2, schedule="interleaved")),
-    ("ZeRO-3 dp 2, full recompute", "rope", 2,
-     dict(stage=3, model_extra={**ROPE, "recompute_granularity": "full", "recompute_method": "uniform",
-                                "recompute_num_layers": 2})),
+    (
+        "ZeRO-3 dp 2, full recompute",
+        "rope",
+        2,
+        dict(
+            stage=3,
+            model_extra={
+                **ROPE,
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 2,
+            },
+        ),
+    ),
     ("ep 2 (MoE)", "moe", 2, dict(ep=2, stage=1, model_extra={**ROPE, **MOE})),
 ]
 REFERENCE_CONFIGS = {"learned": dict(model_extra={}), "rope": {}, "moe": dict(model_extra={**ROPE, **MOE})}
@@ -71,8 +96,9 @@ REFERENCE_CONFIGS = {"learned": dict(model_extra={}), "rope": {}, "moe": dict(mo
 
 def _grid(ctx):
     """Pool entry: every layout in turn on the pool's 2 ranks."""
-    return [layout_worker(ctx, packed_config(**config), dp, dataset=packed_data(), eod=EOD)
-            for _, _, dp, config in LAYOUTS]
+    return [
+        layout_worker(ctx, packed_config(**config), dp, dataset=packed_data(), eod=EOD) for _, _, dp, config in LAYOUTS
+    ]
 
 
 def test_document_masking_grid_matches_one_process(dist_pool):

@@ -13,6 +13,7 @@ Planted bug: compiling by wrapping (`model.layers[i] = torch.compile(layer)`, to
 every parameter under `_orig_mod`, so the layout-independent init draws other weights: the ZeRO-3 run
 leaves the eager curve.
 """
+
 import torch
 
 from tests.layouts import assemble_params, assert_close, assert_params_match, layout_worker, small_config, strip_padding
@@ -32,11 +33,22 @@ def _model(cfg: GPTConfig) -> GPT:
 
 def test_inductor_layers_match_eager_and_share_one_graph():
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
-    cfg = GPTConfig(vocab_size=VOCAB, hidden_size=32, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                    ffn_hidden_size=64, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
-                    position_embedding="rope", activation="swiglu")
+    cfg = GPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=4,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        seq_length=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        position_embedding="rope",
+        activation="swiglu",
+    )
     eager = _model(cfg)
     compiled = compile_layers(GPT(cfg), "inductor")
     compiled.load_state_dict(eager.state_dict())
@@ -56,6 +68,7 @@ def test_inductor_layers_match_eager_and_share_one_graph():
 
 def compiled_layouts(ctx, layouts):
     from torch._dynamo.utils import counters
+
     out = []
     for cfg, dp in layouts:
         torch._dynamo.reset()
@@ -74,8 +87,11 @@ def test_compiled_layers_under_zero3_follow_the_eager_run(dist_pool):
         cfg.compile_backend = backend
         return cfg, 2
 
-    layouts = {"eager": config(None), "layer units": config("aot_eager", "layer"),
-               "module units, selective": config("aot_eager", recompute_granularity="selective")}
+    layouts = {
+        "eager": config(None),
+        "layer units": config("aot_eager", "layer"),
+        "module units, selective": config("aot_eager", recompute_granularity="selective"),
+    }
     per_rank = dist_pool(2).run(compiled_layouts, list(layouts.values()))
     eager, layer_units, module_units = (list(r) for r in zip(*per_rank))
     assert all(r["graphs"] == 0 for r in eager), "the eager run compiled something"
@@ -85,5 +101,8 @@ def test_compiled_layers_under_zero3_follow_the_eager_run(dist_pool):
         graphs = [r["graphs"] for r in got]
         assert all(1 <= g <= most for g in graphs), f"{what}: {graphs} graphs compiled (at most {most})"
         assert_close(got[0]["losses"], eager[0]["losses"], f"{what} under ZeRO-3: loss curve")
-        assert_params_match(strip_padding(assemble_params(got), VOCAB),
-                            strip_padding(assemble_params(eager), VOCAB), f"{what} under ZeRO-3")
+        assert_params_match(
+            strip_padding(assemble_params(got), VOCAB),
+            strip_padding(assemble_params(eager), VOCAB),
+            f"{what} under ZeRO-3",
+        )

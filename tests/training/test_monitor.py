@@ -1,6 +1,7 @@
 """wandb and TensorBoard monitors and tools/plot_metrics.py: one tiny in-process run with both monitors
 (wandb offline) whose wandb history and event file must hold the losses of its metrics.jsonl; two runs
 plotted into a PNG; a monitor asked for without its package is one line naming the extra."""
+
 import contextlib
 import io
 import json
@@ -39,12 +40,28 @@ def monitored_run(tmp_path_factory):
         mp.chdir(root)
         mp.setenv("WANDB_MODE", "offline")
         mp.setenv("WANDB_SILENT", "true")
-        for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):   # nothing under ~
+        for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing under ~
             mp.setenv(var, str(root / "wandb-home"))
         with contextlib.redirect_stdout(out):
             code = launch.main(
-                TINY + ["--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1", "--run-dir", "run",
-                        "--wandb-project", "mz-test", "--wandb-exp-name", "tiny", "--tensorboard-dir", "tb"])
+                TINY
+                + [
+                    "--train-iters",
+                    "3",
+                    "--eval-interval",
+                    "2",
+                    "--eval-iters",
+                    "1",
+                    "--run-dir",
+                    "run",
+                    "--wandb-project",
+                    "mz-test",
+                    "--wandb-exp-name",
+                    "tiny",
+                    "--tensorboard-dir",
+                    "tb",
+                ]
+            )
     assert code == 0, out.getvalue()
     records = metrics_records(root / "run" / "metrics.jsonl")
     return root, records, out.getvalue()
@@ -62,11 +79,11 @@ def _wandb_log_records(path: Path) -> list[bytes]:
     assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
     records, pending, pos, block = [], b"", 7, 32768
     while pos + 7 <= len(data):
-        if block - pos % block < 7:             # the rest of a block too small for a header is padding
+        if block - pos % block < 7:  # the rest of a block too small for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0 and length == 0:
             break
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -82,6 +99,7 @@ def _finished_wandb_records(run_dir: Path, timeout: float = 300.0) -> list:
     import time
     from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
+
     deadline = time.monotonic() + timeout
     while True:
         records = []
@@ -91,7 +109,7 @@ def _finished_wandb_records(run_dir: Path, timeout: float = 300.0) -> list:
                 record = wandb_internal_pb2.Record()
                 record.ParseFromString(raw)
                 records.append(record)
-        except (ValueError, struct.error, AssertionError, DecodeError):   # not there yet, or half written
+        except (ValueError, struct.error, AssertionError, DecodeError):  # not there yet, or half written
             records = []
         if any(r.WhichOneof("record_type") == "exit" for r in records):
             return records
@@ -107,7 +125,7 @@ def _wandb_history_and_config(run_dir: Path) -> tuple[dict, dict]:
             row = history.setdefault(record.history.step.num, {})
             for item in record.history.item:
                 row[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-        elif kind in ("run", "config"):       # the config comes with the run record, updates after
+        elif kind in ("run", "config"):  # the config comes with the run record, updates after
             update = record.run.config.update if kind == "run" else record.config.update
             config.update({item.key: json.loads(item.value_json) for item in update})
     return history, config
@@ -120,10 +138,12 @@ def test_wandb_offline_run_history_holds_the_logged_losses(monitored_run):
     run_dir = root / lines[0].split("offline run at ")[1].split(" (")[0]
     assert run_dir.is_dir() and run_dir.parent == root / "run" / "wandb", run_dir
     history, config = _wandb_history_and_config(run_dir)
-    assert {step: row["train/loss"] for step, row in history.items() if "train/loss" in row} == \
-        _losses(records, "train") and len(_losses(records, "train")) == 3
-    assert {step: row["valid/loss"] for step, row in history.items() if "valid/loss" in row} == \
-        _losses(records, "valid") and len(_losses(records, "valid")) == 2
+    assert {step: row["train/loss"] for step, row in history.items() if "train/loss" in row} == _losses(
+        records, "train"
+    ) and len(_losses(records, "train")) == 3
+    assert {step: row["valid/loss"] for step, row in history.items() if "valid/loss" in row} == _losses(
+        records, "valid"
+    ) and len(_losses(records, "valid")) == 2
     assert history[3]["train/lr"] == records[-2]["lr"] and "train/tokens_per_s" in history[3]
     assert config["model"]["hidden_size"] == 64 and config["train_iters"] == 3
     assert config["zero"]["stage"] == 0 and config["monitor"]["wandb_project"] == "mz-test"
@@ -131,6 +151,7 @@ def test_wandb_offline_run_history_holds_the_logged_losses(monitored_run):
 
 def test_tensorboard_event_file_holds_the_logged_losses(monitored_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     root, records, stdout = monitored_run
     assert "tensorboard: event files in tb" in stdout
     events = EventAccumulator(str(root / "tb"))
@@ -145,10 +166,11 @@ def test_tensorboard_event_file_holds_the_logged_losses(monitored_run):
 
 def test_plot_metrics_on_two_runs_writes_a_png(monitored_run, tmp_path, capsys):
     from PIL import Image
+
     root, records, _ = monitored_run
     other = tmp_path / "other"
     other.mkdir()
-    with (other / "metrics.jsonl").open("w") as f:     # a second run: halved losses, one more iteration
+    with (other / "metrics.jsonl").open("w") as f:  # a second run: halved losses, one more iteration
         for record in records + [dict(records[0], iteration=4)]:
             f.write(json.dumps(dict(record, loss=record["loss"] / 2)) + "\n")
     plot_metrics = _import_repo_module("plot_metrics")
@@ -165,25 +187,30 @@ def test_plot_metrics_on_two_runs_writes_a_png(monitored_run, tmp_path, capsys):
     assert len(err) == 1 and "no metrics.jsonl there" in err[0]
 
 
-@pytest.mark.parametrize("package,argv,extra", [
-    ("wandb", ["--wandb-project", "p"], ".[wandb]"),
-    ("tensorboard", ["--tensorboard-dir", "tb"], ".[tensorboard]"),
-])
-def test_monitor_without_its_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch,
-                                                                   package, argv, extra):
+@pytest.mark.parametrize(
+    "package,argv,extra",
+    [
+        ("wandb", ["--wandb-project", "p"], ".[wandb]"),
+        ("tensorboard", ["--tensorboard-dir", "tb"], ".[tensorboard]"),
+    ],
+)
+def test_monitor_without_its_package_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch, package, argv, extra):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(sys.modules, package, None)      # import fails as if not installed
+    monkeypatch.setitem(sys.modules, package, None)  # import fails as if not installed
     code, out = _main(TINY + ["--train-iters", "1"] + argv, capsys)
     lines = out.err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and extra in lines[0] and argv[0] in lines[0], out.err
     assert not (tmp_path / "tb").exists() and not out.out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
-    (["--tensorboard-dir", "afile"], "--tensorboard-dir afile is a file, not a directory"),
-    (["--wandb-project", "p", "--wandb-save-dir", "afile/sub"], "--wandb-save-dir afile/sub cannot be created"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--wandb-exp-name", "x"], "--wandb-exp-name needs --wandb-project"),
+        (["--tensorboard-dir", "afile"], "--tensorboard-dir afile is a file, not a directory"),
+        (["--wandb-project", "p", "--wandb-save-dir", "afile/sub"], "--wandb-save-dir afile/sub cannot be created"),
+    ],
+)
 def test_bad_monitor_flags_are_one_line(tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("x")
@@ -195,6 +222,7 @@ def test_wandb_without_network_falls_back_to_an_offline_run(tmp_path, monkeypatc
     import wandb
     from megazero.config.train_config import MonitorConfig
     from megazero.training.monitor import WandbMonitor
+
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-home"))
     real_init = wandb.init

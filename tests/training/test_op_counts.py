@@ -14,6 +14,7 @@ The budgets are today's counts of torch 2.13's CPU ops: a new op in the step mus
 same commit, with a reason. The last test plants the output layer's old chunking (vocab / hidden
 chunks, logits recomputed in backward) and checks that the budgets catch it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,16 +36,55 @@ from megazero.zero.config import ZeroConfig
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "matmul", "_scaled_mm"}
 ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention")
-REDUCTIONS = {"_foreach_norm", "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm",
-              "_fused_rms_norm_backward", "_log_softmax", "_log_softmax_backward_data", "_softmax",
-              "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward"}
-COPIES = {"clone", "copy_", "_to_copy", "cat", "stack", "slice_backward", "select_backward", "gather",
-          "scatter", "scatter_", "scatter_add", "scatter_add_", "index_select", "index_add_", "index_copy_",
-          "embedding", "embedding_dense_backward", "flip", "repeat", "repeat_interleave", "zeros",
-          "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros", "new_full", "fill_",
-          "zero_", "arange", "_foreach_copy_"}
+REDUCTIONS = {
+    "_foreach_norm",
+    "native_layer_norm",
+    "native_layer_norm_backward",
+    "_fused_rms_norm",
+    "_fused_rms_norm_backward",
+    "_log_softmax",
+    "_log_softmax_backward_data",
+    "_softmax",
+    "_softmax_backward_data",
+    "nll_loss_forward",
+    "nll_loss_backward",
+}
+COPIES = {
+    "clone",
+    "copy_",
+    "_to_copy",
+    "cat",
+    "stack",
+    "slice_backward",
+    "select_backward",
+    "gather",
+    "scatter",
+    "scatter_",
+    "scatter_add",
+    "scatter_add_",
+    "index_select",
+    "index_add_",
+    "index_copy_",
+    "embedding",
+    "embedding_dense_backward",
+    "flip",
+    "repeat",
+    "repeat_interleave",
+    "zeros",
+    "zeros_like",
+    "ones",
+    "ones_like",
+    "full",
+    "full_like",
+    "new_zeros",
+    "new_full",
+    "fill_",
+    "zero_",
+    "arange",
+    "_foreach_copy_",
+}
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "_unsafe_view", "lift_fresh"}
-HOST_SYNCS = {"is_nonzero", "equal", "item"}       # besides ops tagged data_dependent_output
+HOST_SYNCS = {"is_nonzero", "equal", "item"}  # besides ops tagged data_dependent_output
 KINDS = ("matmuls", "attention", "elementwise", "reductions", "copies", "other", "collectives", "host_syncs")
 
 
@@ -56,8 +96,7 @@ def kind_of(func) -> str | None:
     if torch.Tag.data_dependent_output in func.tags or name in HOST_SYNCS:
         return "host_syncs"
     returns = func._schema.returns
-    if name in NO_KERNEL or (returns and all(r.alias_info is not None and not r.alias_info.is_write
-                                             for r in returns)):
+    if name in NO_KERNEL or (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)):
         return None
     if name in MATMULS:
         return "matmuls"
@@ -87,11 +126,18 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-SHAPE = dict(vocab_size=2048, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
-             attention_dropout=0.0)
+SHAPE = dict(
+    vocab_size=2048, hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0, attention_dropout=0.0
+)
 # Micro batch 2 x seq 32 = 64 tokens: the old chunking cut vocab 2048 / hidden 64 = 32 chunks.
-LLAMA = dict(position_embedding="rope", activation="swiglu", normalization="rmsnorm", tie_embeddings=False,
-             num_query_groups=2, add_bias_linear=False)
+LLAMA = dict(
+    position_embedding="rope",
+    activation="swiglu",
+    normalization="rmsnorm",
+    tie_embeddings=False,
+    num_query_groups=2,
+    add_bias_linear=False,
+)
 MODELS = {"gpt2": {}, "llama": LLAMA}
 
 
@@ -99,8 +145,14 @@ def step_counts(layers: int, options: dict, zero: ZeroConfig = ZeroConfig(), gro
     """Counts of the third step (the first two record stage 3's trace and warm every cache)."""
     cfg = GPTConfig(num_layers=layers, **SHAPE, **options)
     adam = AdamConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    train = TrainConfig(model=cfg, zero=zero, optimizer=OptimizerConfig(
-        lr=1e-3, adam=adam, clip_grad=1.0), seed=1, micro_batch_size=2, global_batch_size=2 * dp)
+    train = TrainConfig(
+        model=cfg,
+        zero=zero,
+        optimizer=OptimizerConfig(lr=1e-3, adam=adam, clip_grad=1.0),
+        seed=1,
+        micro_batch_size=2,
+        global_batch_size=2 * dp,
+    )
     state = setup(train, groups if groups is not None else ProcessGroups.single())
     rank = groups.coords.dp if groups is not None else 0
     source = MicrobatchSource(SyntheticTokens(cfg.vocab_size, cfg.seq_length, seed=1), 2 * dp, 2, rank, dp)
@@ -128,8 +180,10 @@ def over_budget(counts: dict[int, dict], budgets: dict[str, Budget]) -> list[str
             allowed = budget.per_layer * layers + budget.fixed
             if kinds.get(kind, 0) > allowed:
                 ops = {n: c for n, c in counted["names"].items() if n.startswith(kind + ":")}
-                problems.append(f"{layers} layers: {kinds.get(kind, 0)} {kind} > budget {allowed} "
-                                f"({budget.per_layer} x {layers} + {budget.fixed}); {ops}")
+                problems.append(
+                    f"{layers} layers: {kinds.get(kind, 0)} {kind} > budget {allowed} "
+                    f"({budget.per_layer} x {layers} + {budget.fixed}); {ops}"
+                )
     return problems
 
 
@@ -152,17 +206,17 @@ BUDGETS = {
         # per layer: the two QKV splits' backward (a concatenation each); fixed: the embedding
         # lookups and their backward, the loss's statistics and labels, the batch and lr copies.
         "copies": Budget(2, 26),
-        "host_syncs": Budget(0, 1),          # the step's loss, read once
+        "host_syncs": Budget(0, 1),  # the step's loss, read once
     },
     "llama": {
-        "matmuls": Budget(12, 3),            # as GPT-2's (fc1 emits gate and up in one GEMM)
+        "matmuls": Budget(12, 3),  # as GPT-2's (fc1 emits gate and up in one GEMM)
         "attention": Budget(2, 0),
         # per layer: 2 RMSNorms (torch's CPU rms_norm is composite: pow, add, rsqrt, muls, and ~20
         # ops of backward), RoPE's products and sum forward and backward, SwiGLU and its backward,
         # 2 residual adds and their gradient sums, 6 gradients into the flat buffer; fixed: the
         # final RMSNorm, the loss, the global loss, clipping.
         "elementwise": Budget(55, 45),
-        "reductions": Budget(6, 13),         # per layer: the RMSNorms' means and weight gradients
+        "reductions": Budget(6, 13),  # per layer: the RMSNorms' means and weight gradients
         # per layer: the QKV splits' and the gate/up split's backward, RoPE's pair swap (a flip)
         # forward and backward, q's heads made contiguous; fixed: as GPT-2's, one table fewer.
         "copies": Budget(6, 23),
@@ -189,7 +243,7 @@ def _zero3_counts(ctx, layers):
 # stage 0's gradient adds, plus the units' gathers and reduce-scatters and their copies.
 ZERO3_BUDGETS = {
     **BUDGETS["gpt2"],
-    "elementwise": Budget(6, 23),            # GELU, residual adds and their sums; no flat-buffer adds
+    "elementwise": Budget(6, 23),  # GELU, residual adds and their sums; no flat-buffer adds
     "reductions": Budget(8, 10),
     # per layer: each of the 6 units' gathered weights copied out of the gather buffer and its
     # gradients copied into the reduce-scatter's, the QKV splits' backward; fixed: the same for the
@@ -220,6 +274,7 @@ def _old_chunk_tokens(tokens: int, vocab_rows: int, hidden: int) -> int:
 
 def test_the_budgets_catch_the_old_chunking(monkeypatch):
     from megazero.models import loss
+
     planted = lambda tokens, vocab_rows: _old_chunk_tokens(tokens, vocab_rows, SHAPE["hidden_size"])
     monkeypatch.setattr(loss, "chunk_tokens_for", planted)
     problems = over_budget({2: step_counts(2, {})}, BUDGETS["gpt2"])

@@ -1,5 +1,6 @@
 """The run's phases as a listener hears them (megazero.training.phases): the seam the timers, the
 straggler watch, the out-of-memory mark and the dry run's device stand-in share."""
+
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ class Heard:
 
 
 def test_a_listener_hears_every_phase_in_order_and_pipelined_microbatches_one_by_one():
-    cfg = small_config(steps=2, micro=2, global_batch=4, layers=2)      # 2 microbatches a step
+    cfg = small_config(steps=2, micro=2, global_batch=4, layers=2)  # 2 microbatches a step
     with phases.listening(Heard()) as heard:
         out = run_training(cfg, ProcessGroups.single())
     names = [e[1] for e in heard.events if e[0] == "start"]
@@ -29,7 +30,7 @@ def test_a_listener_hears_every_phase_in_order_and_pipelined_microbatches_one_by
     values = [n for n in names if n == "initial value"]
     assert len(values) == len(out["params"]), "one 'initial value' phase per parameter"
     step = ["train step", "forward", "backward", "forward", "backward", "reduce", "step"]
-    assert names[names.index("train step"):] == step * 2
+    assert names[names.index("train step") :] == step * 2
     # each phase ends before the next starts, the step's own phases inside "train step"
     depth = 0
     for event in heard.events:
@@ -47,7 +48,7 @@ def test_the_phase_an_error_leaves_is_told_and_an_out_of_memory_error_is_marked_
             raise err
     assert heard.events == [("start", "step"), ("end", "step", "OutOfMemoryError")]
     assert err.megazero_phase == "optimizer step"
-    mark_phase(err, "forward")                # the innermost phase's mark stays
+    mark_phase(err, "forward")  # the innermost phase's mark stays
     assert err.megazero_phase == "optimizer step"
 
 

@@ -7,6 +7,7 @@ is named, with its phases; an unslowed run names nobody. The pick itself is chec
 Planted: comparing each rank's compute with the median of the comm waits (the wrong field) fails
 the hand-written cases, the TP case and the unslowed run (a rank named); leaving the watch out of
 the forward's timers names nobody in the slowed runs."""
+
 import io
 import time
 
@@ -18,14 +19,16 @@ from megazero.core.errors import UsageError
 from megazero.training.stragglers import describe, find_stragglers
 from tests.metrics_reading import metrics_records
 
-SLEEP_S = 0.4           # per forward, on the slowed rank: 0.05 s was hidden once at load 22 (work ~80 ms)
+SLEEP_S = 0.4  # per forward, on the slowed rank: 0.05 s was hidden once at load 22 (work ~80 ms)
 STEPS, INTERVAL = 10, 5
 
 
 def _times(compute, waits=None):
     waits = waits or [0.0] * len(compute)
-    return [{"rank": r, "forward": c / 2, "backward": c / 4, "step": c / 4, "comm_wait": w, "compute": c}
-            for r, (c, w) in enumerate(zip(compute, waits))]
+    return [
+        {"rank": r, "forward": c / 2, "backward": c / 4, "step": c / 4, "comm_wait": w, "compute": c}
+        for r, (c, w) in enumerate(zip(compute, waits))
+    ]
 
 
 def test_the_slowest_rank_over_the_median_is_named():
@@ -34,12 +37,14 @@ def test_the_slowest_rank_over_the_median_is_named():
     assert found["rank"] == 2 and found["ranks"] == [2]
     assert found["ratio"] == pytest.approx(1.9 / 1.1) and found["median_seconds"] == pytest.approx(1.1)
     assert (found["forward"], found["backward"], found["comm_wait"]) == (0.95, 0.475, 0.0)
-    assert find_stragglers(_times([1.0, 1.1, 1.3], waits=[0.3, 0.2, 0.0]), 0.2, 10) is None    # 1.18x
+    assert find_stragglers(_times([1.0, 1.1, 1.3], waits=[0.3, 0.2, 0.0]), 0.2, 10) is None  # 1.18x
     two = find_stragglers(_times([1.0, 1.0, 1.0, 2.0, 3.0]), 0.5, 10)
     assert (two["rank"], two["ranks"]) == (4, [3, 4])
     line = describe(two)
-    assert line.startswith(" straggler: rank 4 took 3.00 s in the last 10 iterations, 3.0x the median 1.00 s "
-                           "(forward 1.50 s, backward 0.75 s, step 0.75 s, comm wait 0.00 s)"), line
+    assert line.startswith(
+        " straggler: rank 4 took 3.00 s in the last 10 iterations, 3.0x the median 1.00 s "
+        "(forward 1.50 s, backward 0.75 s, step 0.75 s, comm wait 0.00 s)"
+    ), line
     assert line.endswith("also over the threshold: ranks 3")
 
 
@@ -48,6 +53,7 @@ def _train(ctx, tp: int, pp: int, slow_rank: int | None):
     from megazero.training.metrics import MetricsLogger
     from megazero.parallel.topology import Topology
     from tests.layouts import setup_training, small_config, with_padded_vocab
+
     cfg = with_padded_vocab(small_config(tp=tp, pp=pp, steps=STEPS, global_batch=4, micro=2, layers=2))
     cfg.log_interval, cfg.run.straggler_threshold = INTERVAL, 0.5
     groups = ctx.groups(Topology(world_size=2, tp=tp, pp=pp))
@@ -59,6 +65,7 @@ def _train(ctx, tp: int, pp: int, slow_rank: int | None):
             def slowed(*args, _forward=forward, **kwargs):
                 time.sleep(SLEEP_S)
                 return _forward(*args, **kwargs)
+
             chunk.forward = slowed
     out = io.StringIO()
     path = ctx.tmp / f"metrics-{tp}-{pp}-{slow_rank}.jsonl"

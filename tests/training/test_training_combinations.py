@@ -8,10 +8,21 @@
 
 Each test sends its whole list of layouts to the pool in one call (one worker, many configs).
 """
+
 import torch
 
-from tests.layouts import (VOCAB, assemble_params, assert_matches_reference, last_stage_result, per_layout,
-                           reference_fixture, run_layouts, small_config, strip_padding, with_padded_vocab)
+from tests.layouts import (
+    VOCAB,
+    assemble_params,
+    assert_matches_reference,
+    last_stage_result,
+    per_layout,
+    reference_fixture,
+    run_layouts,
+    small_config,
+    strip_padding,
+    with_padded_vocab,
+)
 from megazero.models.gpt import GPT
 
 STEPS = 5
@@ -25,8 +36,9 @@ def assert_recompute(results, cfg, dp, what):
     runs = 2 if cfg.model.recompute_granularity == "full" else 1
     expected = runs * cfg.train_iters * microbatches * cfg.model.num_layers // par.pipeline_parallel
     for r in filter(None, results):
-        assert r["layer_forwards"] == expected, \
+        assert r["layer_forwards"] == expected, (
             f"{what}: {r['layer_forwards']} layer forwards on rank {r['coords']}, expected {expected}"
+        )
 
 
 reference = reference_fixture(steps=STEPS)
@@ -36,9 +48,13 @@ def test_recompute_and_sequence_parallel_compose_with_zero3_and_pipeline(dist_po
     layouts = {
         "recompute x ZeRO-3 dp 2": (small_config(stage=3, steps=STEPS, model_extra=RECOMPUTE), 2),
         "recompute x pp 2 1F1B x ZeRO-1 dp 2": (
-            small_config(pp=2, stage=1, schedule="1f1b", steps=STEPS, model_extra=RECOMPUTE), 2),
+            small_config(pp=2, stage=1, schedule="1f1b", steps=STEPS, model_extra=RECOMPUTE),
+            2,
+        ),
         "sequence parallel tp 2 x pp 2 x ZeRO-2": (
-            small_config(tp=2, pp=2, stage=2, sequence_parallel=True, steps=STEPS), 1),
+            small_config(tp=2, pp=2, stage=2, sequence_parallel=True, steps=STEPS),
+            1,
+        ),
     }
     results = per_layout(dist_pool(4).run(run_layouts, list(layouts.values())))
     for (what, (cfg, dp)), got in zip(layouts.items(), results):
@@ -50,8 +66,10 @@ def test_recompute_replays_dropout_on_a_pipeline_stage(dist_pool):
     """With dropout on, a layout matches itself without recompute only if the recomputed forward
     draws the same masks (the RNG states are restored around it)."""
     dropout = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
-    layouts = [(small_config(tp=2, pp=2, stage=1, steps=3, model_extra=extra), 1)
-               for extra in (dropout, {**dropout, **RECOMPUTE})]
+    layouts = [
+        (small_config(tp=2, pp=2, stage=1, steps=3, model_extra=extra), 1)
+        for extra in (dropout, {**dropout, **RECOMPUTE})
+    ]
     plain, recomputed = per_layout(dist_pool(4).run(run_layouts, layouts))
     for (cfg, dp), got in zip(layouts, (plain, recomputed)):
         assert_recompute(got, cfg, dp, "tp 2 x pp 2 with dropout")
@@ -71,21 +89,21 @@ def interleaved_in_flight(pp: int, v: int, m: int, stage: int) -> int:
 
 def test_interleaved_schedule_holds_the_theoretical_number_of_activations(dist_pool):
     pp, v = 2, 2
-    layouts = [(small_config(pp=pp, virtual=v, schedule="interleaved", global_batch=2 * m, steps=1), 1)
-               for m in (4, 8)]
+    layouts = [(small_config(pp=pp, virtual=v, schedule="interleaved", global_batch=2 * m, steps=1), 1) for m in (4, 8)]
     for m, results in zip((4, 8), per_layout(dist_pool(4).run(run_layouts, layouts))):
         for r in filter(None, results):
             stage = r["coords"][2]
             expected = interleaved_in_flight(pp, v, m, stage)
-            assert r["in_flight"] == expected, \
+            assert r["in_flight"] == expected, (
                 f"interleaved pp {pp} v {v} m {m}: stage {stage} held {r['in_flight']}, theory {expected}"
+            )
             assert expected < v * m, "the bound must be below GPipe's v m for this check to mean anything"
 
 
 # --- bytes of the DP axis per step -----------------------------------------------------------
 
 DP, FP32_BYTES = 2, 4
-SCALAR_SLACK = 64    # all-reduced float64 scalars (global loss, norm's sum of squares, flags)
+SCALAR_SLACK = 64  # all-reduced float64 scalars (global loss, norm's sum of squares, flags)
 
 
 def bytes_config(stage: int, microbatches: int, keep_gathered: bool = False):
@@ -98,8 +116,15 @@ def bytes_config(stage: int, microbatches: int, keep_gathered: bool = False):
     zero = {"param_persistence_threshold": 0, "keep_params_gathered_across_microbatches": keep_gathered}
     if not keep_gathered:
         zero.update(max_reuse_distance=0, max_live_parameters=0)
-    cfg = small_config(stage=stage, tied=False, micro=2, global_batch=2 * DP * microbatches, steps=2,
-                       model_extra={"hidden_size": 64, "ffn_hidden_size": 256}, zero_extra=zero)
+    cfg = small_config(
+        stage=stage,
+        tied=False,
+        micro=2,
+        global_batch=2 * DP * microbatches,
+        steps=2,
+        model_extra={"hidden_size": 64, "ffn_hidden_size": 256},
+        zero_extra=zero,
+    )
     return with_padded_vocab(cfg)
 
 
@@ -122,8 +147,11 @@ def expected_bytes(stage: int, m: int, keep_gathered: bool, psi: int) -> dict[st
     once = (DP - 1) / DP * FP32_BYTES * psi
     gathers = {0: 0, 1: 1, 2: 1, 3: 1 if keep_gathered else 2 * m}[stage]
     reduce_scatters = {0: 0, 1: 1, 2: m, 3: m}[stage]
-    return {"all_reduce": 2 * once if stage == 0 else 0.0, "all_gather": gathers * once,
-            "reduce_scatter": reduce_scatters * once}
+    return {
+        "all_reduce": 2 * once if stage == 0 else 0.0,
+        "all_gather": gathers * once,
+        "reduce_scatter": reduce_scatters * once,
+    }
 
 
 def test_dp_bytes_per_step_with_several_microbatches(dist_pool):
@@ -144,8 +172,9 @@ def test_dp_bytes_per_step_with_several_microbatches(dist_pool):
                 wrong.append(f"{what}: {op} moved {moved.get(op, 0.0):.0f} bytes, formula {expected[op]:.0f}")
         extra = moved.get("all_reduce", 0.0) - expected["all_reduce"]
         if not 0 <= extra <= SCALAR_SLACK:
-            wrong.append(f"{what}: all_reduce moved {extra:+.0f} bytes beyond the formula's "
-                         f"{expected['all_reduce']:.0f}")
+            wrong.append(
+                f"{what}: all_reduce moved {extra:+.0f} bytes beyond the formula's {expected['all_reduce']:.0f}"
+            )
         if not set(moved) <= set(expected):
             wrong.append(f"{what}: unexpected ops {sorted(set(moved) - set(expected))}")
     assert not wrong, f"psi {psi}:\n" + "\n".join(wrong)

@@ -11,6 +11,7 @@ step's loss reduction (megazero.training._global_loss) instead of two reductions
   stage other than the last now joins the DP reduction); the old check added four all-reduces and
   two .item() calls.
 """
+
 import torch
 
 from tests.layouts import setup_training, small_config, with_padded_vocab
@@ -26,6 +27,7 @@ STEPS = 3
 
 class Counts:
     """Calls to the comm layer's reductions and to the host-syncing tensor reads, while installed."""
+
     NAMES = ("all_reduce", "broadcast")
 
     def __init__(self):
@@ -45,6 +47,7 @@ class Counts:
         def wrapped(*args, **kwargs):
             setattr(self, field, getattr(self, field) + 1)
             return fn(*args, **kwargs)
+
         return wrapped
 
     def __exit__(self, *exc):
@@ -63,16 +66,23 @@ def stop_worker(ctx, topology):
         with Counts() as plain:
             plain_loss = train_step(plain_state, plain_source.batch(it), 1e-3).loss
         if it == 1 and ctx.rank == 3:
-            policy.signalled = True                    # as the SIGTERM handler does, on one rank
+            policy.signalled = True  # as the SIGTERM handler does, on one rank
         if it == 2 and ctx.rank == 1:
-            policy.started -= 3600                     # this rank's clock is past the limit
+            policy.started -= 3600  # this rank's clock is past the limit
         with Counts() as flagged:
             step = train_step(state, source.batch(it), 1e-3, policy.stop_flags)
         late, signalled = policy.stop_flags()
         old = (agree_on_failure(late, groups), agree_on_failure(signalled, groups))
-        steps.append(dict(agreed=step.stop_flags, old=old, loss=step.loss, plain_loss=plain_loss,
-                          extra_collectives=flagged.collectives - plain.collectives,
-                          extra_syncs=flagged.syncs - plain.syncs))
+        steps.append(
+            dict(
+                agreed=step.stop_flags,
+                old=old,
+                loss=step.loss,
+                plain_loss=plain_loss,
+                extra_collectives=flagged.collectives - plain.collectives,
+                extra_syncs=flagged.syncs - plain.syncs,
+            )
+        )
     # train() itself: one rank signalled before the first step; every rank stops after it.
     state, source = setup_training(cfg, groups)
     signalled = SavePolicy(exit_duration_mins=30.0)

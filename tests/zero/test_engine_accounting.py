@@ -1,5 +1,6 @@
 """ZeRO's books: model-state memory per rank against the ZeRO paper's formula, bytes moved per step
 against 2Psi / 3Psi, and the inspection APIs (set, then get) for every stage."""
+
 import pytest
 import torch
 
@@ -9,32 +10,43 @@ from megazero.training import train_step
 from megazero.zero import state_access as zi
 from megazero.models.param_info import param_info
 
+
 # ZeRO's table, bf16 weights, g-byte gradients, fp32 master + Adam moments (K = 12). With
 # grad_accum_dtype bf16 (g = 2) it is the ZeRO paper's; the default accumulates in fp32 (g = 4).
 def formula(g):
-    return {0: lambda psi, n: (2 + g + 12) * psi,
-            1: lambda psi, n: (2 + g) * psi + 12 * psi / n,
-            2: lambda psi, n: 2 * psi + (g + 12) * psi / n,
-            3: lambda psi, n: (2 + g + 12) * psi / n}
+    return {
+        0: lambda psi, n: (2 + g + 12) * psi,
+        1: lambda psi, n: (2 + g) * psi + 12 * psi / n,
+        2: lambda psi, n: 2 * psi + (g + 12) * psi / n,
+        3: lambda psi, n: (2 + g + 12) * psi / n,
+    }
 
 
 FORMULA = formula(4)
 FORMULA_BF16_GRADS = formula(2)
 # With fp32 weights the master copy is this rank's chunk of the weights themselves (no second
 # copy), so K drops to 8 for the separate states and the 2-byte terms become 4.
-FORMULA_FP32 = {0: lambda psi, n: (4 + 4 + 8) * psi,
-                1: lambda psi, n: (4 + 4) * psi + 8 * psi / n,
-                2: lambda psi, n: 4 * psi + (4 + 8) * psi / n,
-                3: lambda psi, n: (4 + 4 + 8) * psi / n}
+FORMULA_FP32 = {
+    0: lambda psi, n: (4 + 4 + 8) * psi,
+    1: lambda psi, n: (4 + 4) * psi + 8 * psi / n,
+    2: lambda psi, n: 4 * psi + (4 + 8) * psi / n,
+    3: lambda psi, n: (4 + 4 + 8) * psi / n,
+}
 # Elements moved per step, as (parameter gathers, gradient reductions) in units of Psi.
 COMM_PSI = {0: (0, 2), 1: (1, 1), 2: (1, 1), 3: (2, 1)}
 ZERO_GROUPS = ("dp", "mics_shard", "mics_shard_gather")
 
 
 def _config(stage, dp, bf16, grads="fp32"):
-    cfg = small_config(stage=stage, bf16=bf16, tied=False, micro=2, global_batch=2 * dp,
-                       model_extra={"hidden_size": 64, "ffn_hidden_size": 256},
-                       zero_extra={"param_persistence_threshold": 0, "max_reuse_distance": 0})
+    cfg = small_config(
+        stage=stage,
+        bf16=bf16,
+        tied=False,
+        micro=2,
+        global_batch=2 * dp,
+        model_extra={"hidden_size": 64, "ffn_hidden_size": 256},
+        zero_extra={"param_persistence_threshold": 0, "max_reuse_distance": 0},
+    )
     cfg.zero.reduce_bucket_size = 20000
     cfg.precision.grad_accum_dtype = cfg.precision.reduce_dtype = grads
     return with_padded_vocab(cfg)
@@ -45,8 +57,10 @@ def accounting_worker(ctx, stage, bf16, grads="fp32"):
     groups = ctx.groups(Topology(world_size=dp))
     cfg = _config(stage, dp, bf16, grads)
     state, source = setup_training(cfg, groups, seed=0)
-    psi = sum(param_info(p).zero_full_shape.numel() if param_info(p).zero_full_shape is not None else p.numel()
-              for p in state.engine.parameters())
+    psi = sum(
+        param_info(p).zero_full_shape.numel() if param_info(p).zero_full_shape is not None else p.numel()
+        for p in state.engine.parameters()
+    )
     report = state.engine.memory.report()
     train_step(state, source.batch(0), 1e-3)
     zero_bytes = sum(b for (op, group, _), b in groups.log.last_step.items() if group in ZERO_GROUPS)
@@ -60,8 +74,9 @@ def test_memory_report_matches_formula(dist_pool, bf16, grads):
         psi, report, _ = dist_pool(4).run(accounting_worker, stage, bf16, grads)[0]
         expected = table[stage](psi, 4)
         got = report["model_states"]
-        assert abs(got - expected) <= 0.05 * expected, \
+        assert abs(got - expected) <= 0.05 * expected, (
             f"stage {stage}: reported {got} bytes, formula {expected:.0f} (psi={psi})"
+        )
 
 
 @pytest.mark.parametrize("grads,grad_bytes", [("fp32", 4), ("bf16", 2)])
@@ -73,8 +88,9 @@ def test_comm_bytes_per_step(dist_pool, grads, grad_bytes):
         psi, _, moved = dist_pool(4).run(accounting_worker, stage, True, grads)[0]
         gathers, reductions = COMM_PSI[stage]
         expected = (n - 1) / n * psi * (2 * gathers + grad_bytes * reductions)
-        assert abs(moved - expected) <= 0.02 * expected, \
+        assert abs(moved - expected) <= 0.02 * expected, (
             f"stage {stage}: moved {moved} bytes per rank, expected {expected:.0f} ({COMM_PSI[stage]} Psi)"
+        )
 
 
 def inspection_worker(ctx, stage):

@@ -5,11 +5,23 @@ accumulation, clipping that triggers on every step) for 10 steps on the same glo
 must match the 1-process loss curve elementwise (rtol 1e-5) and its final parameters (see
 layouts.assert_params_match for why parameters are compared per tensor).
 """
+
 import pytest
 
-from tests.layouts import (VOCAB, assemble_params, assert_close, assert_matches_reference, assert_params_match,
-                           last_stage_result, layout_worker, reference_fixture, run_training, single_process_reference,
-                           small_config, strip_padding)
+from tests.layouts import (
+    VOCAB,
+    assemble_params,
+    assert_close,
+    assert_matches_reference,
+    assert_params_match,
+    last_stage_result,
+    layout_worker,
+    reference_fixture,
+    run_training,
+    single_process_reference,
+    small_config,
+    strip_padding,
+)
 from megazero.parallel.process_groups import ProcessGroups
 
 reference = reference_fixture()
@@ -49,22 +61,27 @@ def test_mics_shard_groups_match_single_process(dist_pool, reference, stage):
 
 def test_sequence_parallel_overlap_and_allreduce_match_single_process(dist_pool, reference):
     pool = dist_pool(8)
-    check_layout(pool, reference, "stage 3 tp 2 dp 2 sequence parallel", 2, tp=2, stage=3,
-                 sequence_parallel=True)
-    check_layout(pool, reference, "stage 2 tp 2 dp 2 overlap_comm", 2, tp=2, stage=2,
-                 zero_extra={"overlap_comm": True})
-    check_layout(pool, reference, "stage 1 dp 4 overlap_comm", 4, stage=1,
-                 zero_extra={"overlap_comm": True})
+    check_layout(pool, reference, "stage 3 tp 2 dp 2 sequence parallel", 2, tp=2, stage=3, sequence_parallel=True)
+    check_layout(pool, reference, "stage 2 tp 2 dp 2 overlap_comm", 2, tp=2, stage=2, zero_extra={"overlap_comm": True})
+    check_layout(pool, reference, "stage 1 dp 4 overlap_comm", 4, stage=1, zero_extra={"overlap_comm": True})
     for stage in (1, 2, 3):  # DeepSpeed's reduce_scatter=false: all-reduce buckets, keep own chunk
-        check_layout(pool, reference, f"stage {stage} dp 4 all-reduce", 4, stage=stage,
-                     zero_extra={"reduce_scatter": False, "overlap_comm": stage >= 2})
+        check_layout(
+            pool,
+            reference,
+            f"stage {stage} dp 4 all-reduce",
+            4,
+            stage=stage,
+            zero_extra={"reduce_scatter": False, "overlap_comm": stage >= 2},
+        )
 
 
 def test_untied_embeddings_match_single_process(dist_pool):
-    check_layout(dist_pool(8), single_process_reference(tied=False), "untied stage 3 tp 2 dp 2", 2, tp=2, stage=3, tied=False)
+    check_layout(
+        dist_pool(8), single_process_reference(tied=False), "untied stage 3 tp 2 dp 2", 2, tp=2, stage=3, tied=False
+    )
 
 
-BF16_GAP = 1.1e-4     # 3x the largest gap measured over the 10 steps (3.7e-5, every stage)
+BF16_GAP = 1.1e-4  # 3x the largest gap measured over the 10 steps (3.7e-5, every stage)
 
 
 def test_bf16_tracks_fp32(dist_pool, reference):

@@ -37,7 +37,7 @@ class Mixed(nn.Module):
         super().__init__()
         self.scale = nn.Parameter(torch.randn(5))
         self.lin = nn.Linear(6, 5)
-        self.register_buffer("noise", torch.rand(3))          # real draw between two parameters
+        self.register_buffer("noise", torch.rand(3))  # real draw between two parameters
         self.emb = nn.Embedding(7, 6, padding_idx=2)
         with torch.no_grad():
             self.emb.weight.normal_(0, 0.5)
@@ -45,16 +45,21 @@ class Mixed(nn.Module):
         self.deep = nn.Parameter(torch.empty(4, 6))
         nn.init.trunc_normal_(self.deep, std=0.02)
         self.head = nn.Linear(6, 7, bias=False)
-        self.head.weight = self.emb.weight                    # tied
+        self.head.weight = self.emb.weight  # tied
 
 
 def full_values(model) -> dict[str, torch.Tensor]:
-    return {n: param_info(p).init_shard.full() if param_info(p).init_shard is not None else p.detach()
-            for n, p in model.named_parameters()}
+    return {
+        n: param_info(p).init_shard.full() if param_info(p).init_shard is not None else p.detach()
+        for n, p in model.named_parameters()
+    }
 
 
-@pytest.mark.parametrize("build", [lambda: tiny_model("llama"), lambda: tiny_model("gpt2"),
-                                   lambda: tiny_model("mixtral"), Mixed], ids=["llama", "gpt2", "mixtral", "mixed"])
+@pytest.mark.parametrize(
+    "build",
+    [lambda: tiny_model("llama"), lambda: tiny_model("gpt2"), lambda: tiny_model("mixtral"), Mixed],
+    ids=["llama", "gpt2", "mixtral", "mixed"],
+)
 def test_init_builds_the_weights_the_eager_build_does(build):
     torch.manual_seed(5)
     eager = build()
@@ -121,6 +126,7 @@ def edit_before_initialize(ctx):
     from megazero.parallel.topology import Topology
     from megazero.zero import GatheredParameters
     from megazero.utils import safe_get_full_fp32_param
+
     groups = ctx.groups(Topology(world_size=2))
     if groups is None:
         return None
@@ -136,7 +142,7 @@ def edit_before_initialize(ctx):
 
 
 def test_init_built_model_trains_as_the_plain_loop_on_2_ranks(dist_pool):
-    pool = dist_pool(2)          # zero.Init slices over every rank: the pool is the model's ranks
+    pool = dist_pool(2)  # zero.Init slices over every rank: the pool is the model's ranks
     result = pool.run(train_with_megazero, "llama", 2, ds_config(3), build=build_under_init)[0]
     assert_matches(result, torch_reference("llama", 2), "zero.Init llama dp 2 stage 3")
     edited = pool.run(edit_before_initialize)

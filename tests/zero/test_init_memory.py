@@ -23,6 +23,7 @@ Planted to see them fail: zero.Init keeping each parameter's full value beside i
 build's peak reaches the whole model: fails both); adopt_initial_values keeping each gathered value
 (the run's peak: 1.8x the planned figure).
 """
+
 import ctypes
 import re
 
@@ -32,14 +33,30 @@ import torch
 from megazero.testing import DistributedPool
 
 WORLD = 4
-SHAPE = dict(vocab_size=8000, hidden_size=768, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=12,
-             num_key_value_heads=4, max_position_embeddings=64, attention_dropout=0.0)
-CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-          "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
-                                "stage3_prefetch_bucket_size": 0}}
+SHAPE = dict(
+    vocab_size=8000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_max_live_parameters": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    },
+}
 BOUND = 1.3
-MiB = 2 ** 20
+MiB = 2**20
 M_MMAP_THRESHOLD = -3
 
 
@@ -55,11 +72,12 @@ def build_and_train(ctx) -> dict:
     import transformers as tf
     import megazero
     from megazero.parallel.topology import Topology
+
     ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 1024)
     groups = ctx.groups(Topology(world_size=WORLD))
     warm_up(tf)
     base = rss()
-    open("/proc/self/clear_refs", "w").write("5")        # the high-water mark restarts here
+    open("/proc/self/clear_refs", "w").write("5")  # the high-water mark restarts here
     torch.manual_seed(0)
     with megazero.zero.Init(config_dict_or_path=CONFIG):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPE))
@@ -73,23 +91,40 @@ def build_and_train(ctx) -> dict:
         engine.backward(engine(input_ids=tokens, labels=tokens).loss)
         engine.step()
     import resource
+
     cpu = resource.getrusage(resource.RUSAGE_SELF)
-    return {"built": built, "adopted": adopted, "run": peak() - base, "numel": numel, "largest": largest,
-            "cpu": cpu.ru_utime + cpu.ru_stime}
+    return {
+        "built": built,
+        "adopted": adopted,
+        "run": peak() - base,
+        "numel": numel,
+        "largest": largest,
+        "cpu": cpu.ru_utime + cpu.ru_stime,
+    }
 
 
 def warm_up(tf) -> None:
     """transformers' lazy imports and the kernels' first-call state (what any model's first step
     costs once per process), before the baseline: a tiny Llama's forward and backward."""
-    tiny = tf.LlamaForCausalLM(tf.LlamaConfig(**{**SHAPE, "vocab_size": 64, "hidden_size": 24,
-                                                 "intermediate_size": 32, "num_attention_heads": 6,
-                                                 "num_key_value_heads": 2}))
+    tiny = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            **{
+                **SHAPE,
+                "vocab_size": 64,
+                "hidden_size": 24,
+                "intermediate_size": 32,
+                "num_attention_heads": 6,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
     tokens = torch.randint(0, 64, (1, 64))
     tiny(input_ids=tokens, labels=tokens).loss.backward()
 
 
 def planned_mib(numel: int, largest: int) -> float:
     from megazero.config.memory_estimate import model_state_bytes_per_param
+
     return (numel * model_state_bytes_per_param(3, WORLD, 4, 4, False) + 3 * largest * 4) / MiB
 
 
@@ -103,8 +138,10 @@ def can_reset_peak() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not can_reset_peak(), reason="needs Linux with glibc and a writable "
-                                                            "/proc/self/clear_refs (the peak RSS is reset there)")
+pytestmark = pytest.mark.skipif(
+    not can_reset_peak(),
+    reason="needs Linux with glibc and a writable /proc/self/clear_refs (the peak RSS is reset there)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +155,10 @@ def test_each_rank_peaks_near_its_shard(pool):
     ranks = pool.run(build_and_train)
     numel, largest = ranks[0]["numel"], ranks[0]["largest"]
     full, planned = numel * 4 / MiB, planned_mib(numel, largest)
-    report = ", ".join(f"rank {r}: built {m['built']:.0f}, adopted {m['adopted']:.0f}, run {m['run']:.0f}, "
-                       f"cpu {m['cpu']:.1f}s" for r, m in enumerate(ranks))
+    report = ", ".join(
+        f"rank {r}: built {m['built']:.0f}, adopted {m['adopted']:.0f}, run {m['run']:.0f}, cpu {m['cpu']:.1f}s"
+        for r, m in enumerate(ranks)
+    )
     what = f"MiB of peak RSS; full fp32 weights {full:.0f}, planned {planned:.0f}: {report}"
     slice_and_replay = full / WORLD + 2 * largest * 4 / MiB
     assert all(m["built"] <= slice_and_replay for m in ranks), what

@@ -14,17 +14,26 @@ zeroed) and each TP rank orthogonalising its own shard (both: zero 1 tp 2 dp 2's
 matrices chosen from `param.shape` instead of the storage's shape (DeepSpeed's zero.Init bug: zero 3
 tp 2 dp 2's loss curve, 4.2e-2 relative at step 9).
 """
+
 from __future__ import annotations
 
 import pytest
 
 from megazero.ops.muon_config import MuonConfig
 from megazero.parallel.process_groups import ProcessGroups
-from tests.layouts import (VOCAB, assemble_params, assert_matches_reference, layout_worker, per_layout,
-                           run_training, small_config, strip_padding)
+from tests.layouts import (
+    VOCAB,
+    assemble_params,
+    assert_matches_reference,
+    layout_worker,
+    per_layout,
+    run_training,
+    small_config,
+    strip_padding,
+)
 from tests.parallel.test_expert_parallel import MOE, check
 
-MUON = MuonConfig(momentum=0.9, nesterov=True, matmul_precision="high")   # fp32: layout-invariant
+MUON = MuonConfig(momentum=0.9, nesterov=True, matmul_precision="high")  # fp32: layout-invariant
 DENSE = dict(layers=2, lr=1e-2)
 SMALL_MOE = dict(layers=2, lr=1e-2, global_batch=8, model_extra=MOE)
 
@@ -55,13 +64,15 @@ def expected_all_to_all_bytes(engine) -> dict[str, int]:
                 for n in e.local_shape:
                     size *= n
                 out[part.tensor.name] = out.get(part.tensor.name, 0) + 4 * size * (
-                    (e.owner_tp != part.tp_rank) + (part.tensor.size - 1) * (e.owner_tp == part.tp_rank))
+                    (e.owner_tp != part.tp_rank) + (part.tensor.size - 1) * (e.owner_tp == part.tp_rank)
+                )
     return out
 
 
 def observer(seen: dict):
     """An on_setup that records into `seen` Muon's parameter names, its step count and the expected
     all-to-all bytes."""
+
     def on_setup(state):
         engine = state.engine
         seen["names"] = sorted(engine.names[i] for i in engine.muon.params)
@@ -71,7 +82,9 @@ def observer(seen: dict):
         def counted(lr, coef):
             seen["steps"] += 1
             return step(lr, coef)
+
         engine.muon.step = counted
+
     return on_setup
 
 
@@ -99,9 +112,12 @@ DENSE_LAYOUTS = [
     ("zero 3 dp 4", 4, dict(stage=3)),
     ("zero 1 pp 2 tp 2", 1, dict(stage=1, pp=2, tp=2)),
     # the optimizer half on the device, half in host memory (a piece may cross the split)
-    ("zero 3 dp 4 half offloaded", 4, dict(stage=3, zero_extra={"offload_optimizer": {"device": "cpu", "ratio": 0.5},
-                                                                 "sub_group_size": 300})),
-    ("zero 3 tp 2 nvme", 2, dict(stage=3, tp=2, zero_extra={"sub_group_size": 300})),   # + the swap folder
+    (
+        "zero 3 dp 4 half offloaded",
+        4,
+        dict(stage=3, zero_extra={"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "sub_group_size": 300}),
+    ),
+    ("zero 3 tp 2 nvme", 2, dict(stage=3, tp=2, zero_extra={"sub_group_size": 300})),  # + the swap folder
 ]
 MOE_LAYOUTS = [
     ("ep 2 zero 1 dp 4", 4, dict(ep=2, stage=1)),
@@ -116,7 +132,7 @@ def check_bookkeeping(results, reference, what, dense: bool):
             continue
         steps = len(ref["losses"])
         assert r["steps"] == steps, f"{what}: Muon stepped {r['steps']} times in {steps} steps"
-        if not dense:           # the expert dispatch's all-to-alls share the key
+        if not dense:  # the expert dispatch's all-to-alls share the key
             continue
         muon_traffic = {g: b for (op, g, _), b in r["comm"].items() if op == "all_to_allv"}
         assert muon_traffic == r["expected"], f"{what}: Muon's all-to-alls {muon_traffic} vs planned {r['expected']}"
@@ -138,13 +154,15 @@ def with_swap_folder(what: str, config: dict, folder) -> dict:
 
 
 def test_distributed_muon_matches_single_process(dist_pool, references, tmp_path):
-    layouts = [(with_muon(small_config(**DENSE, **with_swap_folder(what, config, tmp_path))), dp)
-               for what, dp, config in DENSE_LAYOUTS]
+    layouts = [
+        (with_muon(small_config(**DENSE, **with_swap_folder(what, config, tmp_path))), dp)
+        for what, dp, config in DENSE_LAYOUTS
+    ]
     layouts += [(with_muon(small_config(**SMALL_MOE, **config)), dp) for _, dp, config in MOE_LAYOUTS]
     results = per_layout(dist_pool(4).run(muon_worker, layouts))
     for (what, dp, config), result in zip(DENSE_LAYOUTS, results):
         assert_matches_reference(result, references["dense"], what)
         check_bookkeeping(result, references["dense"], what, dense=True)
-    for (what, dp, config), result in zip(MOE_LAYOUTS, results[len(DENSE_LAYOUTS):]):
+    for (what, dp, config), result in zip(MOE_LAYOUTS, results[len(DENSE_LAYOUTS) :]):
         check(result, references["moe"], what)
         check_bookkeeping(result, references["moe"], what, dense=False)

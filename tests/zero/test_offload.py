@@ -3,6 +3,7 @@ reproduce the non-offloaded curve and parameters (stages 1-3, with TP and PP, fp
 states moved off the device mid-run and back continue the same curve; an nvme run saved and loaded
 continues its curve; a truncated or altered swap file is an error naming it; the memory report shows
 where the states are."""
+
 import os
 from pathlib import Path
 
@@ -27,9 +28,15 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
     from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
     from megazero.zero.swap import SwapFileError
+
     par = cfg.parallel
-    groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.pipeline_parallel * dp,
-                                 tp=par.tensor_parallel, pp=par.pipeline_parallel))
+    groups = ctx.groups(
+        Topology(
+            world_size=par.tensor_parallel * par.pipeline_parallel * dp,
+            tp=par.tensor_parallel,
+            pp=par.pipeline_parallel,
+        )
+    )
     if groups is None:
         return None
     state, source = setup_training(cfg, groups)
@@ -53,8 +60,11 @@ def run(ctx, cfg, dp, *, offload_at=None, corrupt=None, save=None, load=None):
         out["curve"][it + 1] = step.loss
         if save is not None and save[1] == it + 1:
             CheckpointSaver(save[0], "offload-test").save(state, (it + 1) * cfg.global_batch_size)
-    out["params"] = {n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
-                     for chunk in state.chunks for n, p in chunk.named_parameters()}
+    out["params"] = {
+        n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
+        for chunk in state.chunks
+        for n, p in chunk.named_parameters()
+    }
     out["memory"], out["where"] = engine.memory.report(), engine.memory.locations()
     return out
 
@@ -92,8 +102,14 @@ def layouts(tmp_path):
     nvme = tmp_path / "swap"
     return [
         ("stage 1 tp 2 cpu", dict(stage=1, tp=2), 2, offload("cpu"), 10**9, None),
-        ("stage 2 pp 2 nvme overlapped", dict(stage=2, pp=2), 2,
-         offload("nvme", nvme / "a", pipeline_read=True, pipeline_write=True, buffer_count=3), 700, None),
+        (
+            "stage 2 pp 2 nvme overlapped",
+            dict(stage=2, pp=2),
+            2,
+            offload("nvme", nvme / "a", pipeline_read=True, pipeline_write=True, buffer_count=3),
+            700,
+            None,
+        ),
         ("stage 3 tp 2 nvme sync", dict(stage=3, tp=2), 2, offload("nvme", nvme / "b"), 300, 2),
         ("stage 3 bf16 cpu", dict(stage=3, bf16=True), 4, offload("cpu", pin_memory=True), 500, None),
         ("stage 2 plain, offload_states", dict(stage=2), 4, None, 10**9, 2),
@@ -110,7 +126,7 @@ def test_offloaded_runs_match_the_device_runs(dist_pool, tmp_path):
         offloaded = small_config(steps=STEPS, layers=2, zero_extra=extra, **layout)
         jobs += [(plain, dp, {}), (offloaded, dp, {"offload_at": offload_at})]
         names.append(name)
-    results = list(zip(*dist_pool(4).run(many, jobs)))      # per job: every rank's result
+    results = list(zip(*dist_pool(4).run(many, jobs)))  # per job: every rank's result
     for k, name in enumerate(names):
         reference, got = results[2 * k], results[2 * k + 1]
         last = max((r for r in got if r is not None), key=lambda r: r["coords"][2])
@@ -135,19 +151,22 @@ def test_offloaded_runs_match_the_device_runs(dist_pool, tmp_path):
                 if block is None:
                     assert during["optimizer_states"] == 0 and moved["optimizer_states"] == "cpu", name
                     assert during["host_optimizer_states"] == before["optimizer_states"], name
-                else:                                 # already off the device: left where it is
+                else:  # already off the device: left where it is
                     assert moved["optimizer_states"] == block["device"], name
                     assert during.get("host_optimizer_states", 0) == 0, name
 
 
 def test_nvme_checkpoint_continues_the_curve_and_damaged_swap_files_fail(dist_pool, tmp_path):
-    extra = {"offload_optimizer": offload("nvme", tmp_path / "swap", pipeline_read=True),
-             "sub_group_size": 400}
+    extra = {"offload_optimizer": offload("nvme", tmp_path / "swap", pipeline_read=True), "sub_group_size": 400}
     cfg = small_config(stage=3, steps=STEPS, layers=2, zero_extra=extra)
     ckpt = str(tmp_path / "ckpt")
     stage1 = small_config(stage=1, steps=STEPS, layers=2, zero_extra=extra)
-    jobs = [(cfg, 2, {"save": (ckpt, 2)}), (cfg, 2, {"load": ckpt}),
-            (stage1, 2, {"corrupt": (1, "truncate")}), (stage1, 2, {"corrupt": (1, "alter")})]
+    jobs = [
+        (cfg, 2, {"save": (ckpt, 2)}),
+        (cfg, 2, {"load": ckpt}),
+        (stage1, 2, {"corrupt": (1, "truncate")}),
+        (stage1, 2, {"corrupt": (1, "alter")}),
+    ]
     straight, resumed, truncated, altered = zip(*dist_pool(4).run(many, jobs))
     assert resumed[0]["curve"] == {k: v for k, v in straight[0]["curve"].items() if k > 2}
     for r in truncated[:2]:
@@ -160,6 +179,7 @@ def test_offload_errors_are_one_line(tmp_path):
     from megazero.core.errors import UsageError
     from megazero.zero.config import parse_zero_config
     from megazero.zero.offload import check_state_names
+
     with pytest.raises(UsageError, match="ratio = 0.5: partial offload .* needs ZeRO stage 3"):
         parse_zero_config({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
     for ratio in (0, 1.5):
@@ -172,9 +192,11 @@ def test_offload_errors_are_one_line(tmp_path):
 
 def test_swap_file_round_trip_and_checks(tmp_path):
     from megazero.zero.swap import SubGroupSwapper, SwapFileError
+
     bounds = [(0, 5), (5, 10), (10, 13)]
-    swapper = SubGroupSwapper(tmp_path, "t", ("a", "b"), bounds, buffer_count=2, pipeline_read=True,
-                              pipeline_write=True, pin_memory=False)
+    swapper = SubGroupSwapper(
+        tmp_path, "t", ("a", "b"), bounds, buffer_count=2, pipeline_read=True, pipeline_write=True, pin_memory=False
+    )
     values = torch.arange(26, dtype=torch.float32)
     for k, (s, e) in enumerate(bounds):
         swapper.write_initial(k, {"a": values[s:e], "b": -values[s:e]})
@@ -204,20 +226,52 @@ def test_the_cpu_adam_gets_the_cores_per_local_rank_unless_told(tmp_path, capsys
     import os
     from megazero.run import launch
     from megazero.zero import offload
+
     seen = []
 
     def recording(*args, num_threads=None, **kwargs):
         seen.append(num_threads)
         return real(*args, num_threads=num_threads, **kwargs)
+
     real = offload.adam_update
     monkeypatch.setattr(offload, "adam_update", recording)
-    argv = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64", "--num-layers", "1",
-            "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-            "--global-batch-size", "2", "--train-iters", "1", "--eval-iters", "0", "--num-workers", "0",
-            "--zero-stage", "2", "--zero-offload-optimizer", "cpu", "--run-dir", str(tmp_path)]
+    argv = [
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "64",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "1",
+        "--eval-iters",
+        "0",
+        "--num-workers",
+        "0",
+        "--zero-stage",
+        "2",
+        "--zero-offload-optimizer",
+        "cpu",
+        "--run-dir",
+        str(tmp_path),
+    ]
     assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1
-    for extra, env, expected in [([], None, launch.usable_cores()), (["--cpu-optimizer-threads", "3"], "5", 3),
-                                 ([], "5", 5)]:
+    for extra, env, expected in [
+        ([], None, launch.usable_cores()),
+        (["--cpu-optimizer-threads", "3"], "5", 3),
+        ([], "5", 5),
+    ]:
         seen.clear()
         if env is None:
             monkeypatch.delenv("MEGAZERO_CPU_OPTIMIZER_THREADS", raising=False)
@@ -229,4 +283,5 @@ def test_the_cpu_adam_gets_the_cores_per_local_rank_unless_told(tmp_path, capsys
     assert launch.main(argv) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: MEGAZERO_CPU_OPTIMIZER_THREADS=many must be a whole number >= 1 (the offloaded optimizer's CPU "
-        "Adam threads); unset it for the cores per local rank")
+        "Adam threads); unset it for the cores per local rank"
+    )

@@ -8,10 +8,17 @@ Planted: stepping the resident part without writing its weights back (`param_cop
 the curve; offloading the first `ratio` of the sub-groups instead of the last (DeepSpeed's order)
 fails the bytes.
 """
+
 import pytest
 
-from tests.layouts import (assemble_params, assert_close, assert_params_match, setup_training, small_config,
-                           with_padded_vocab)
+from tests.layouts import (
+    assemble_params,
+    assert_close,
+    assert_params_match,
+    setup_training,
+    small_config,
+    with_padded_vocab,
+)
 
 STEPS = 4
 
@@ -23,16 +30,23 @@ def train(ctx, cfg, dp):
     from megazero.parallel.topology import Topology
     from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
+
     groups = ctx.groups(Topology(world_size=dp))
     if groups is None:
         return None
     state, source = setup_training(cfg, groups)
-    curve = [train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, STEPS)).loss
-             for it in range(STEPS)]
+    curve = [
+        train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, STEPS)).loss for it in range(STEPS)
+    ]
     params = {n: (safe_get_full_fp32_param(p), None) for n, p in state.chunks[0].named_parameters()}
-    return {"coords": tuple(groups.coords), "curve": curve, "params": params,
-            "memory": state.engine.memory.report(), "partition": state.engine.unit_storage.partition_size,
-            "where": state.engine.memory.locations()}
+    return {
+        "coords": tuple(groups.coords),
+        "curve": curve,
+        "params": params,
+        "memory": state.engine.memory.report(),
+        "partition": state.engine.unit_storage.partition_size,
+        "where": state.engine.memory.locations(),
+    }
 
 
 def ratio_worker(ctx, dp, ratios, nvme_dir):
@@ -56,7 +70,7 @@ def test_partial_offload_follows_the_device_run_and_reports_the_split(dist_pool,
     ratios = [(0.5, "cpu"), (0.25, "cpu")] + ([(0.5, "nvme")] if dp == 2 else [])
     results = [r for r in dist_pool(4).run(ratio_worker, dp, ratios, str(tmp_path / "swap")) if r is not None]
     plain = results[0][0]
-    assert plain["partition"] % 4 == 0          # quarters: sub-groups of equal size
+    assert plain["partition"] % 4 == 0  # quarters: sub-groups of equal size
     for key in ratios:
         ratio, device = key
         name = f"dp {dp} ratio {ratio} {device}"
@@ -80,11 +94,29 @@ def test_partial_offload_follows_the_device_run_and_reports_the_split(dist_pool,
 
 def test_the_planner_splits_the_states_as_the_engine_does():
     from megazero.config.memory_estimate import plan_bytes
-    full = with_padded_vocab(small_config(stage=3, layers=2, zero_extra={
-        "offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000, "param_persistence_threshold": 0}))
-    half = with_padded_vocab(small_config(stage=3, layers=2, zero_extra={
-        "offload_optimizer": {"device": "cpu", "ratio": 0.5}, "sub_group_size": 1000,
-        "param_persistence_threshold": 0}))
+
+    full = with_padded_vocab(
+        small_config(
+            stage=3,
+            layers=2,
+            zero_extra={
+                "offload_optimizer": {"device": "cpu"},
+                "sub_group_size": 1000,
+                "param_persistence_threshold": 0,
+            },
+        )
+    )
+    half = with_padded_vocab(
+        small_config(
+            stage=3,
+            layers=2,
+            zero_extra={
+                "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                "sub_group_size": 1000,
+                "param_persistence_threshold": 0,
+            },
+        )
+    )
     a, b = plan_bytes(full, 2), plan_bytes(half, 2)
     assert a["master"] == a["optimizer_states"] == 0 and a["host_master"] > 0
     assert b["master"] + b["host_master"] == pytest.approx(a["host_master"])

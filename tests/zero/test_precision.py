@@ -7,17 +7,24 @@ smaller microbatch GEMMs, which round bf16 activations differently. That noise m
 curve by at most ~4e-5 relative here. Accumulating in bf16 instead (still selectable) rounds every
 partial sum to 8 bits of mantissa, which test_gradients_accumulate_in_fp32 measures directly.
 """
+
 import math
 
 import pytest
 import torch
 
-from tests.layouts import (last_stage_result, layout_worker, run_training, setup_training, small_config,
-                           with_padded_vocab)
+from tests.layouts import (
+    last_stage_result,
+    layout_worker,
+    run_training,
+    setup_training,
+    small_config,
+    with_padded_vocab,
+)
 from megazero.parallel.process_groups import ProcessGroups
 
 STEPS = 6
-BF16_RTOL = 2e-4        # measured worst case 4.2e-5 over the grid below (tp 2); the old bar was 1e-2
+BF16_RTOL = 2e-4  # measured worst case 4.2e-5 over the grid below (tp 2); the old bar was 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +52,7 @@ def test_bf16_layouts_track_the_single_process_bf16_run(dist_pool, bf16_referenc
 
 def _bf16_state(stage, accum, fusion=True):
     from megazero.training import setup
+
     cfg = with_padded_vocab(small_config(bf16=True, stage=stage, micro=1, global_batch=8))
     cfg.precision.grad_accum_dtype = accum
     cfg.precision.gradient_accumulation_fusion = fusion
@@ -54,6 +62,7 @@ def _bf16_state(stage, accum, fusion=True):
 def _microbatches():
     from megazero.data.synthetic import ArithmeticTokens
     from megazero.data.sampler import MicrobatchSource
+
     return MicrobatchSource(ArithmeticTokens(61, 16, seed=3), 8, 1, 0, 1).batch(0)
 
 
@@ -67,20 +76,19 @@ def test_gradients_accumulate_in_fp32(monkeypatch):
     chunk = ref_state.chunks[0]
     names = [n for n, _ in chunk.named_parameters()]
     exact = {n: 0.0 for n in names}
-    for tokens in batches:       # autograd.grad fires no accumulation hooks: plain bf16 gradients
-        grads = torch.autograd.grad(chunk(tokens[:, :-1], tokens[:, 1:]).float().sum(),
-                                    list(chunk.parameters()))
+    for tokens in batches:  # autograd.grad fires no accumulation hooks: plain bf16 gradients
+        grads = torch.autograd.grad(chunk(tokens[:, :-1], tokens[:, 1:]).float().sum(), list(chunk.parameters()))
         for n, g in zip(names, grads):
             exact[n] = exact[n] + g.double()
     from megazero.zero.state_access import safe_get_full_grad
+
     errors = {}
     for stage, accum in ((1, "fp32"), (3, "fp32"), (1, "bf16"), (3, "bf16")):
         state = _bf16_state(stage, accum, fusion=False)
         engine, model = state.engine, state.chunks[0]
         engine.begin_step()
         for k, tokens in enumerate(batches):
-            engine.backward(model(tokens[:, :-1], tokens[:, 1:]).float().sum(),
-                            last_microbatch=k == len(batches) - 1)
+            engine.backward(model(tokens[:, :-1], tokens[:, 1:]).float().sum(), last_microbatch=k == len(batches) - 1)
         engine.finish_gradients()
         worst = 0.0
         for n, p in model.named_parameters():
@@ -100,6 +108,7 @@ def nonfinite_worker(ctx, cfg, tp, pp, inject_rank, inject_step, value):
     from megazero.parallel.topology import Topology
     from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param
+
     groups = ctx.groups(Topology(world_size=ctx.world_size, tp=tp, pp=pp))
     state, source = setup_training(cfg, groups)
     # A TP-replicated norm weight: on TP rank 1 it does not count in the norm, the hard case.
@@ -114,18 +123,17 @@ def nonfinite_worker(ctx, cfg, tp, pp, inject_rank, inject_step, value):
         step = train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, cfg.train_iters))
         if hook is not None:
             hook.remove()
-        out.append((step.skipped, step.loss_scale, torch.equal(before, safe_get_full_fp32_param(probe)),
-                    step.loss))
+        out.append((step.skipped, step.loss_scale, torch.equal(before, safe_get_full_fp32_param(probe)), step.loss))
     return out, state.engine.skipped_steps
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_nan_on_one_rank_skips_the_step_everywhere(dist_pool, precision):
     cfg = small_config(stage=3, steps=4, bf16=precision == "bf16", global_batch=8)
-    cfg.optimizer.warmup_iters = 0      # step 1 would run at lr 0 (Megatron's warmup) and move nothing
+    cfg.optimizer.warmup_iters = 0  # step 1 would run at lr 0 (Megatron's warmup) and move nothing
     if precision == "fp16":
         cfg.precision.fp16 = True
-        cfg.precision.initial_scale_power = 8       # small enough not to overflow by itself
+        cfg.precision.initial_scale_power = 8  # small enough not to overflow by itself
         cfg.precision.hysteresis = 1
     for tp, pp, rank in ((2, 1, 3), (1, 2, 1)):
         results = dist_pool(4).run(nonfinite_worker, cfg, tp, pp, rank, 1, float("nan"))
@@ -134,7 +142,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(dist_pool, precision):
             assert [s[2] for s in steps] == [False, True, False, False], "weights move unless skipped"
             assert skipped_total == 1
             assert all(math.isfinite(s[3]) for s in steps)
-            if precision == "fp16":                     # the scale backs off once, identically
+            if precision == "fp16":  # the scale backs off once, identically
                 assert [s[1] for s in steps] == [256.0, 256.0, 128.0, 128.0], steps
 
 

@@ -14,6 +14,7 @@
 - A step takes one foreach norm call per storage, whatever the number of slices (the old path
   took three kernels per 1M elements).
 """
+
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ def test_fp32_norms_of_short_slices_are_closer_to_the_exact_sum_than_the_old_dot
     new = float(sum_of_squares_many(tensors, device="cpu"))
     old = float(sum(sum_of_squares(t) for t in tensors))
     assert abs(new - exact) <= 2e-6 * exact
-    assert abs(new - exact) < abs(old - exact) <= 1e-5 * exact     # the old path's own error on 1M slices
+    assert abs(new - exact) < abs(old - exact) <= 1e-5 * exact  # the old path's own error on 1M slices
     bf16 = [t.bfloat16() for t in tensors]
     assert abs(float(sum_of_squares_many(bf16, device="cpu")) - _exact(bf16)) <= 5e-6 * _exact(bf16)
 
@@ -50,7 +51,7 @@ def test_model_sized_tensors_agree_with_the_old_sum_within_1e6():
 def test_uncounted_tensors_add_nothing_unless_non_finite():
     counted, uncounted = [torch.full((5,), 2.0)], [torch.full((3,), 7.0)]
     total = sum_of_squares_many(counted, uncounted, device="cpu")
-    assert float(total) == pytest.approx(20.0, rel=1e-6)           # the fp32 norm, squared
+    assert float(total) == pytest.approx(20.0, rel=1e-6)  # the fp32 norm, squared
     for bad in (float("inf"), float("nan")):
         assert not torch.isfinite(sum_of_squares_many(counted, [torch.tensor([1.0, bad])], device="cpu"))
         assert not torch.isfinite(sum_of_squares_many([torch.tensor([bad])], uncounted, device="cpu"))
@@ -84,6 +85,7 @@ def norms_worker(ctx, layouts):
         new = current(storage)
         pairs.append((float(new), float(old_grad_sumsq(storage))))
         return new
+
     PartitionedStorage.grad_sumsq = both
     try:
         out = []
@@ -114,10 +116,12 @@ def test_one_foreach_norm_call_per_storage(monkeypatch, stage):
     def counting(tensors, *args, **kw):
         calls.append(len(tensors))
         return foreach_norm(tensors, *args, **kw)
+
     monkeypatch.setattr(torch, "_foreach_norm", counting)
     from megazero.training import setup
+
     cfg = small_config(stage=stage, steps=2)
     result = run_training(cfg, ProcessGroups.single())
     storages = len(setup(small_config(stage=stage), ProcessGroups.single()).engine.storages())
     assert len(calls) == 2 * storages and all(result["norms"])
-    assert sum(calls) > len(calls) or stage == 1     # stage 3: many units' runs, still one call
+    assert sum(calls) > len(calls) or stage == 1  # stage 3: many units' runs, still one call

@@ -9,6 +9,7 @@
 - In a stage-3 qgZ step under the stream checker every all-to-all of the reduction is issued from
   the reduce stream (before, the second hop was issued from the compute stream at the wait).
 """
+
 import dataclasses
 
 import pytest
@@ -17,8 +18,15 @@ import torch
 from tests.layouts import run_training, small_config
 from megazero.core import comm, streams
 from megazero.core.stream_check import checking
-from megazero.ops.quantize import (dequantize, dequantize_reference, dequantize_rows, packed_row_bytes,
-                                   packed_rows, quantize, quantize_rows)
+from megazero.ops.quantize import (
+    dequantize,
+    dequantize_reference,
+    dequantize_rows,
+    packed_row_bytes,
+    packed_rows,
+    quantize,
+    quantize_rows,
+)
 from megazero.parallel.topology import Topology
 from megazero.zero import quantized_comm
 from megazero.zero.quantized_comm import QGZ_BLOCK, _QuantizedAllToAll
@@ -31,15 +39,17 @@ from tests.zero.test_quantized_comm import node_groups, rank_input
 def test_rows_dequantized_at_once_equal_row_by_row(bits, block, numel, dtype):
     ranks = 4
     received = torch.empty(ranks, packed_row_bytes(numel, bits, block), dtype=torch.uint8)
-    for r in range(ranks):                                       # what the all-gather delivers
-        quantize_rows(rank_input(r, numel, torch.float32).view(1, 1, -1),
-                      packed_rows(received[r:r + 1], numel, bits, block))
+    for r in range(ranks):  # what the all-gather delivers
+        quantize_rows(
+            rank_input(r, numel, torch.float32).view(1, 1, -1), packed_rows(received[r : r + 1], numel, bits, block)
+        )
     gathered = packed_rows(received, numel, bits, block)
     rows = torch.empty(ranks, numel, dtype=dtype)
     dequantize_rows(gathered, rows)
     for r in range(ranks):
-        row = dataclasses.replace(gathered, codes=gathered.codes[r].contiguous(),
-                                  scales=gathered.scales[r].contiguous())
+        row = dataclasses.replace(
+            gathered, codes=gathered.codes[r].contiguous(), scales=gathered.scales[r].contiguous()
+        )
         assert torch.equal(row.codes, quantize(rank_input(r, numel, torch.float32), bits, block).codes)
         assert torch.equal(rows[r], dequantize(row, dtype)), f"row {r}: C++ kernel"
         assert torch.equal(rows[r], dequantize_reference(row, dtype)), f"row {r}: torch reference"
@@ -56,6 +66,7 @@ def lazy_reduce_scatter(output, input, shard, node_local, cross_node, bits=4, bl
         node_sums = torch.empty(nodes * chunk)
         intra.reduce_into(node_sums)
         _QuantizedAllToAll(node_sums.view(nodes, 1, chunk), cross_node, bits, block_size).reduce_into(output)
+
     comm.Handle([intra.handle], then=reduce_across_nodes).wait()
 
 
@@ -66,8 +77,9 @@ def schedules_worker(ctx):
         for chunk in (37, QGZ_BLOCK, 300):
             data = rank_input(ctx.rank, 4 * chunk, dtype)
             chained, lazy = torch.empty(chunk, dtype=dtype), torch.empty(chunk, dtype=dtype)
-            quantized_comm.quantized_reduce_scatter(chained, data, groups["shard"], groups["node_local"],
-                                                    groups["cross_node"], async_op=True).wait()
+            quantized_comm.quantized_reduce_scatter(
+                chained, data, groups["shard"], groups["node_local"], groups["cross_node"], async_op=True
+            ).wait()
             lazy_reduce_scatter(lazy, data, groups["shard"], groups["node_local"], groups["cross_node"])
             out.append(torch.equal(chained, lazy))
     return out
@@ -81,10 +93,10 @@ def issuing_streams_worker(ctx):
     def recording(output, input, group, async_op=False):
         issued.append(streams.checker_for("cpu").current.name)
         return all_to_all(output, input, group, async_op)
+
     comm.all_to_all = recording
     try:
-        cfg = small_config(stage=3, steps=1, layers=2, global_batch=8,
-                           zero_extra={"zero_quantized_gradients": True})
+        cfg = small_config(stage=3, steps=1, layers=2, global_batch=8, zero_extra={"zero_quantized_gradients": True})
         with checking():
             run_training(cfg, groups)
     finally:

@@ -7,6 +7,7 @@ other weights shard over both. On 2 gloo ranks, stages 1-3, against torch.optim.
 fed both ranks' batches (the engine sums gradients over data parallelism): losses, the gradient norm
 (a replicated bias counted once, not once per rank) and the parameters after 3 steps, rtol 1e-5.
 """
+
 import ast
 import zlib
 from pathlib import Path
@@ -50,15 +51,25 @@ def three_families(ctx):
     """Per stage: (losses, gradient norms, full parameters, each parameter's domain) on this rank."""
     groups = ctx.groups(Topology(world_size=2))
     dense = zero_groups(groups)
-    replicated = ZeroGroups(dp=dense.dp, shard=groups.tp, replica=dense.dp,     # tp: one rank here
-                            model_parallel=dense.model_parallel)
+    replicated = ZeroGroups(
+        dp=dense.dp,
+        shard=groups.tp,
+        replica=dense.dp,  # tp: one rank here
+        model_parallel=dense.model_parallel,
+    )
     out = {}
     for stage in (1, 2, 3):
         biases = ShardDomain("biases", replicated, ReduceWhenComplete(), claims=lambda p: p.dim() == 1)
         with torch.device("meta"):
             model = Mlp()
-        engine = ZeroEngine([model], _init, groups=dense, zero=ZeroConfig(stage=stage, param_persistence_threshold=0),
-                            adam=AdamConfig(lr=LR, weight_decay=0.0), domains=[biases])
+        engine = ZeroEngine(
+            [model],
+            _init,
+            groups=dense,
+            zero=ZeroConfig(stage=stage, param_persistence_threshold=0),
+            adam=AdamConfig(lr=LR, weight_decay=0.0),
+            domains=[biases],
+        )
         losses, norms = [], []
         for step in range(STEPS):
             engine.begin_step()
@@ -66,9 +77,12 @@ def three_families(ctx):
             engine.backward(loss)
             norms.append(engine.step(LR).grad_norm)
             losses.append(loss.item())
-        out[stage] = (losses, norms,
-                      {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()},
-                      {n: engine.domain_of(param_info(p).zero_storage).name for n, p in model.named_parameters()})
+        out[stage] = (
+            losses,
+            norms,
+            {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()},
+            {n: engine.domain_of(param_info(p).zero_storage).name for n, p in model.named_parameters()},
+        )
     return out
 
 
@@ -106,15 +120,28 @@ def test_the_engine_names_no_family():
     """Only ZeroEngine.__init__ (its expert_groups / expert_parallel arguments) names the expert
     family; every other method runs over the domains alike, and shard_domain.py names none."""
     root = Path(__file__).resolve().parents[2] / "megazero" / "zero"
-    engine = next(n for n in ast.parse((root / "engine.py").read_text()).body
-                  if isinstance(n, ast.ClassDef) and n.name == "ZeroEngine")
-    named = {f.name for f in engine.body if isinstance(f, ast.FunctionDef) and f.name != "__init__"
-             and any("expert" in _identifier(x) for x in ast.walk(f))}
+    engine = next(
+        n
+        for n in ast.parse((root / "engine.py").read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "ZeroEngine"
+    )
+    named = {
+        f.name
+        for f in engine.body
+        if isinstance(f, ast.FunctionDef)
+        and f.name != "__init__"
+        and any("expert" in _identifier(x) for x in ast.walk(f))
+    }
     assert named == set(), f"ZeroEngine methods naming the expert family: {sorted(named)}"
     domain = [_identifier(x) for x in ast.walk(ast.parse((root / "shard_domain.py").read_text()))]
     assert not [x for x in domain if "expert" in x]
 
 
 def _identifier(node) -> str:
-    return (getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)
-            or getattr(node, "arg", None) or "").lower()
+    return (
+        getattr(node, "id", None)
+        or getattr(node, "attr", None)
+        or getattr(node, "name", None)
+        or getattr(node, "arg", None)
+        or ""
+    ).lower()

@@ -10,6 +10,7 @@ issued as buckets fill and waited where the step reads them.
   whatever `overlap` says fails that check.
 - The stream sanitizer runs these layouts too (tests/core/test_stream_check.py's grid).
 """
+
 import torch
 
 from tests.layouts import layout_worker, small_config
@@ -32,8 +33,7 @@ def test_overlap_is_the_default_at_every_stage():
 
 
 def _config(overlap: bool, stage: int, bf16=False, reduce="fp32", mics=-1):
-    cfg = small_config(stage=stage, steps=3, global_batch=8, bf16=bf16, mics=mics,
-                       zero_extra={"overlap_comm": overlap})
+    cfg = small_config(stage=stage, steps=3, global_batch=8, bf16=bf16, mics=mics, zero_extra={"overlap_comm": overlap})
     cfg.precision.reduce_dtype = reduce
     return cfg
 
@@ -45,6 +45,7 @@ def overlap_worker(ctx, layouts):
     def recording_push(queue, handle, staging=None):
         push(queue, handle, staging)
         held.append((queue.overlap, len(queue._items)))
+
     ReductionQueue.push = recording_push
     try:
         out = []

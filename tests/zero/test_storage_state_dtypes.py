@@ -13,6 +13,7 @@ offload tiers and the checkpoints.
 Planted: a storage whose moments stay fp32 whatever the setting (the bytes check fails); the saver
 writing the moments as fp32 (the checkpoint test's dtype check fails).
 """
+
 import torch
 
 from tests.layouts import assemble_params, assert_close, assert_params_match, setup_training, small_config
@@ -37,28 +38,48 @@ def states_run(ctx, cfg, dp, save=None, load=None):
     from megazero.parallel.topology import Topology
     from megazero.training import train_step
     from megazero.zero.state_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     par = cfg.parallel
-    groups = ctx.groups(Topology(world_size=par.tensor_parallel * par.pipeline_parallel * dp,
-                                 tp=par.tensor_parallel, pp=par.pipeline_parallel))
+    groups = ctx.groups(
+        Topology(
+            world_size=par.tensor_parallel * par.pipeline_parallel * dp,
+            tp=par.tensor_parallel,
+            pp=par.pipeline_parallel,
+        )
+    )
     if groups is None:
         return None
     state, source = setup_training(cfg, groups)
     engine, start, loaded = state.engine, 0, None
     if load is not None:
         start, reader = load_checkpoint(state, load).iteration, CheckpointReader(load)
-        loaded = {(name := canonical_name(p, engine), key): (safe_get_full_optimizer_state(p, key),
-                                                             reader.full_tensor(name, key))
-                  for chunk in state.chunks for p in chunk.parameters() for key in ("exp_avg", "exp_avg_sq")}
+        loaded = {
+            (name := canonical_name(p, engine), key): (
+                safe_get_full_optimizer_state(p, key),
+                reader.full_tensor(name, key),
+            )
+            for chunk in state.chunks
+            for p in chunk.parameters()
+            for key in ("exp_avg", "exp_avg_sq")
+        }
     curve = {}
     for it in range(start, cfg.train_iters):
         curve[it + 1] = train_step(state, source.batch(it), learning_rate(cfg.optimizer, it + 1, cfg.train_iters)).loss
         if save is not None and save[1] == it + 1:
             CheckpointSaver(save[0], "state-dtypes").save(state, (it + 1) * cfg.global_batch_size)
-    return {"coords": tuple(groups.coords), "curve": curve, "loaded": loaded, "memory": engine.memory.report(),
-            "params": {n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
-                       for chunk in state.chunks for n, p in chunk.named_parameters()},
-            "dtypes": sorted({str(t.dtype) for s in engine.storages() for t in moment_tensors(s)}),
-            "partition": sum(s.layout.partition_size for s in engine.storages())}
+    return {
+        "coords": tuple(groups.coords),
+        "curve": curve,
+        "loaded": loaded,
+        "memory": engine.memory.report(),
+        "params": {
+            n: (safe_get_full_fp32_param(p), param_info(p).tp_shard)
+            for chunk in state.chunks
+            for n, p in chunk.named_parameters()
+        },
+        "dtypes": sorted({str(t.dtype) for s in engine.storages() for t in moment_tensors(s)}),
+        "partition": sum(s.layout.partition_size for s in engine.storages()),
+    }
 
 
 def moment_tensors(storage):
@@ -83,13 +104,25 @@ def _last(results):
 
 
 def test_bf16_moments_at_every_stage_and_tier_match_one_process(dist_pool, tmp_path):
-    layouts = {"stage 0": (dict(stage=0), {}), "stage 1": (dict(stage=1), {}), "stage 2": (dict(stage=2), {}), "stage 3": (dict(stage=3), {}),
-               "stage 3 host": (dict(stage=3), {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 500}),
-               "stage 2 nvme": (dict(stage=2), {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path),
-                                                                     "pipeline_read": True}, "sub_group_size": 700})}
+    layouts = {
+        "stage 0": (dict(stage=0), {}),
+        "stage 1": (dict(stage=1), {}),
+        "stage 2": (dict(stage=2), {}),
+        "stage 3": (dict(stage=3), {}),
+        "stage 3 host": (dict(stage=3), {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 500}),
+        "stage 2 nvme": (
+            dict(stage=2),
+            {
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pipeline_read": True},
+                "sub_group_size": 700,
+            },
+        ),
+    }
     jobs = [(bf16_moments(small_config(steps=STEPS, layers=LAYERS)), 1, {})]
-    jobs += [(bf16_moments(small_config(steps=STEPS, layers=LAYERS, zero_extra=extra, **layout)), 2, {})
-             for layout, extra in layouts.values()]
+    jobs += [
+        (bf16_moments(small_config(steps=STEPS, layers=LAYERS, zero_extra=extra, **layout)), 2, {})
+        for layout, extra in layouts.values()
+    ]
     results = list(zip(*dist_pool(2).run(many, jobs)))
     reference = _last(results[0])
     steps = sorted(reference["curve"])
@@ -113,19 +146,20 @@ def test_bf16_moment_checkpoints_resume_bitwise_and_cross_dtypes_by_the_stated_r
     rounded, resharded = zip(*pool.run(many, [(bf16, 2, {"load": b}), (one, 1, {"load": a})]))
     tail = {k: v for k, v in _last([s[0] for s in straight])["curve"].items() if k > 2}
     assert _last(resumed)["curve"] == tail, "a bf16-moment run resumed off its own curve"
-    for r in (x for x in widened if x is not None):            # bf16 checkpoint into fp32 moments: exact
+    for r in (x for x in widened if x is not None):  # bf16 checkpoint into fp32 moments: exact
         for what, (live, saved) in r["loaded"].items():
             assert torch.equal(live, saved) and torch.equal(saved, saved.bfloat16().float()), what
-    for r in (x for x in rounded if x is not None):            # fp32 checkpoint into bf16 moments: rounded
+    for r in (x for x in rounded if x is not None):  # fp32 checkpoint into bf16 moments: rounded
         for what, (live, saved) in r["loaded"].items():
             assert torch.equal(live, saved.bfloat16().float()), what
         changed = sum(int((live != saved).sum()) for live, saved in r["loaded"].values())
         assert changed > 0, "the fp32 checkpoint held only bf16 values: the rounding was not exercised"
-    for r in (x for x in resharded if x is not None):          # 2 ranks' stage 2 into 1 rank's stage 3
+    for r in (x for x in resharded if x is not None):  # 2 ranks' stage 2 into 1 rank's stage 3
         for what, (live, saved) in r["loaded"].items():
             assert torch.equal(live, saved), what
     from safetensors import safe_open
     from megazero.checkpoint import CheckpointReader
+
     first = CheckpointReader(a).path / "rank_00000.safetensors"
     with safe_open(str(first), framework="pt") as f:
         dtypes = {key.rsplit("/", 1)[1]: f.get_tensor(key).dtype for key in f.keys() if "/" in key}

@@ -24,10 +24,17 @@ a read-after-write race naming the accumulator. Not told apart here: on a CPU de
 copies of the moments to and from the device are no-ops (the same tensors), so only its memory
 report is checked.
 """
+
 import torch
 
-from tests.layouts import (assemble_params, assert_close, assert_params_match, microbatches, small_config,
-                           with_padded_vocab)
+from tests.layouts import (
+    assemble_params,
+    assert_close,
+    assert_params_match,
+    microbatches,
+    small_config,
+    with_padded_vocab,
+)
 from megazero.checkpoint.reader import CheckpointReader
 from tests.zero.test_offload import many
 
@@ -45,44 +52,69 @@ def cfg(stage, extra, steps=STEPS):
 def test_zenflow_limits_and_resume(dist_pool, tmp_path):
     top1 = {"topk_ratio": 1.0, "update_interval": 2, "overlap_step": True}
     top0 = {"topk_ratio": 0.0, "update_interval": 1}
-    real = {"topk_ratio": 0.25, "update_interval": 2, "overlap_step": True, "full_warm_up_rounds": 1,
-            "select_strategy": "step", "select_interval": 4}
+    real = {
+        "topk_ratio": 0.25,
+        "update_interval": 2,
+        "overlap_step": True,
+        "full_warm_up_rounds": 1,
+        "select_strategy": "step",
+        "select_interval": 4,
+    }
     ckpt = str(tmp_path / "ckpt")
     stages = (1, 2, 3)
     jobs = []
     for stage in stages:
         moments_home = {"offload": True} if stage == 1 else {}
-        jobs += [(cfg(stage, {}), 2, {}), (cfg(stage, zenflow(**top1, **moments_home)), 2, {}),
-                 (cfg(stage, {"offload_optimizer": {"device": "cpu"}}), 2, {}),
-                 (cfg(stage, zenflow(**top0)), 2, {})]
+        jobs += [
+            (cfg(stage, {}), 2, {}),
+            (cfg(stage, zenflow(**top1, **moments_home)), 2, {}),
+            (cfg(stage, {"offload_optimizer": {"device": "cpu"}}), 2, {}),
+            (cfg(stage, zenflow(**top0)), 2, {}),
+        ]
     resumed = cfg(3, zenflow(**real), steps=8)
     jobs += [(resumed, 2, {"save": (ckpt, 6)}), (resumed, 2, {"load": ckpt})]
     # update_interval "auto" in a model where its windows last 2 or 3 steps: saved one step into a
     # 3-step window (steps 8-10), with the last window's result pending.
-    auto = {"topk_ratio": 0.01, "update_interval": "auto", "auto_ratio": 0.9, "overlap_step": True,
-            "full_warm_up_rounds": 1}
-    resumed_auto = small_config(stage=3, steps=12, layers=2, zero_extra=zenflow(**auto),
-                                model_extra={"hidden_size": 96, "ffn_hidden_size": 192})
-    jobs += [(resumed_auto, 2, {"save": (ckpt + "-auto", 8)}),
-             (resumed_auto, 2, {"load": ckpt + "-auto", "save": (ckpt + "-auto-again", 9)}),
-             (resumed_auto, 2, {"save": (ckpt + "-auto-straight", 9)})]
+    auto = {
+        "topk_ratio": 0.01,
+        "update_interval": "auto",
+        "auto_ratio": 0.9,
+        "overlap_step": True,
+        "full_warm_up_rounds": 1,
+    }
+    resumed_auto = small_config(
+        stage=3, steps=12, layers=2, zero_extra=zenflow(**auto), model_extra={"hidden_size": 96, "ffn_hidden_size": 192}
+    )
+    jobs += [
+        (resumed_auto, 2, {"save": (ckpt + "-auto", 8)}),
+        (resumed_auto, 2, {"load": ckpt + "-auto", "save": (ckpt + "-auto-again", 9)}),
+        (resumed_auto, 2, {"save": (ckpt + "-auto-straight", 9)}),
+    ]
     # ... and resumed at tp 2 (the window's sums are whole matrices' in every layout).
-    resumed_auto_tp2 = small_config(stage=3, tp=2, steps=12, layers=2, zero_extra=zenflow(**auto),
-                                    model_extra={"hidden_size": 96, "ffn_hidden_size": 192})
+    resumed_auto_tp2 = small_config(
+        stage=3,
+        tp=2,
+        steps=12,
+        layers=2,
+        zero_extra=zenflow(**auto),
+        model_extra={"hidden_size": 96, "ffn_hidden_size": 192},
+    )
     jobs += [(resumed_auto_tp2, 1, {"load": ckpt + "-auto"})]
     ranks = [r for r in dist_pool(4).run(many, jobs) if r[0] is not None]
-    by_job = list(zip(*ranks))         # per job: the working ranks' results
+    by_job = list(zip(*ranks))  # per job: the working ranks' results
     for s, stage in enumerate(stages):
-        device, top1_run, offload, top0_run = by_job[4 * s:4 * s + 4]
-        for name, got, want in ((f"stage {stage} topk 1.0 vs device", top1_run, device),
-                                (f"stage {stage} topk 0 vs offload", top0_run, offload)):
+        device, top1_run, offload, top0_run = by_job[4 * s : 4 * s + 4]
+        for name, got, want in (
+            (f"stage {stage} topk 1.0 vs device", top1_run, device),
+            (f"stage {stage} topk 0 vs offload", top0_run, offload),
+        ):
             assert_close(list(got[0]["curve"].values()), list(want[0]["curve"].values()), name)
             assert_params_match(assemble_params(got), assemble_params(want), name)
         # The memory report: every element's master on the device at topk 1 (and its moments with
         # two int64 indices; with offload the moments in host memory instead), none at topk 0.
         for r in top1_run:
             memory = r["memory"]
-            assert 0.95 * memory["host_master"] <= memory["master"] <= memory["host_master"]   # padding
+            assert 0.95 * memory["host_master"] <= memory["master"] <= memory["host_master"]  # padding
             if stage == 1:
                 assert memory["optimizer_states"] == 4 * memory["master"]
                 assert memory["host_optimizer_states"] == 2 * memory["host_master"] + 2 * memory["master"]
@@ -99,8 +131,10 @@ def test_zenflow_limits_and_resume(dist_pool, tmp_path):
     assert_params_match(assemble_params(tp2), assemble_params(straight), "auto resumed at tp 2")
     # The window's running state round-trips: saved one step in, resumed, saved again one step
     # later, it is the straight run's at that step (two steps in, the same sums to the bit).
-    windows = [CheckpointReader(ckpt + suffix).indexes[0]["zenflow_window"]
-               for suffix in ("-auto", "-auto-again", "-auto-straight")]
+    windows = [
+        CheckpointReader(ckpt + suffix).indexes[0]["zenflow_window"]
+        for suffix in ("-auto", "-auto-again", "-auto-straight")
+    ]
     assert windows[0]["steps"] == 1 and windows[0]["sums"], windows[0]
     assert windows[1] == windows[2] and windows[1]["steps"] == 2, windows[1:]
 
@@ -112,6 +146,7 @@ def test_column_sums_of_a_piece_match_the_matrix_reference():
     import torch
 
     from megazero.zero.zenflow.columns import column_abs_sums, top_columns
+
     torch.manual_seed(0)
     rows, columns = 7, 5
     matrix = torch.randn(rows * columns)
@@ -130,6 +165,7 @@ def test_the_planner_counts_zenflow_as_the_engine_does():
     from tests.layouts import with_padded_vocab
 
     from megazero.config.memory_estimate import plan_bytes
+
     plain = plan_bytes(with_padded_vocab(cfg(2, {"offload_optimizer": {"device": "cpu"}})), 2)
     flow = plan_bytes(with_padded_vocab(cfg(2, zenflow(topk_ratio=0.5, update_interval=2, overlap_step=True))), 2)
     assert plain["master"] == 0 and flow["host_master"] == plain["host_master"]
@@ -143,6 +179,7 @@ def test_the_planner_counts_zenflow_as_the_engine_does():
 
 
 # --- a plain-torch transcription of DeepSpeed's ZenFlow, the oracle of its real shape ---------------
+
 
 class DeepSpeedZenFlow:
     """DeepSpeed's ZenFlow step on a plain module's full tensors, written from its code
@@ -158,6 +195,7 @@ class DeepSpeedZenFlow:
 
     def __init__(self, model, *, topk, interval, overlap, select_every, weight_decay, betas, eps, auto_ratio=0.99):
         from tests.references.reference_rules import megatron_decays
+
         self.params = [(n, p, weight_decay if megatron_decays(n, p) else 0.0) for n, p in model.named_parameters()]
         self.topk, self.k, self.overlap, self.every = topk, interval, overlap, select_every
         self.auto_ratio, self.window, self.l1, self.windows = auto_ratio, 0, {}, []
@@ -186,7 +224,7 @@ class DeepSpeedZenFlow:
 
     def _select(self):
         for name, p, _ in self.params:
-            if name in self.columns:                   # the device's values become the master's
+            if name in self.columns:  # the device's values become the master's
                 self._put_selected(name, self.master[name])
         for name, p, _ in self.params:
             if p.dim() == 2:
@@ -231,8 +269,14 @@ class DeepSpeedZenFlow:
         return caught >= int(self.auto_ratio * matrices) or bool(self.every and s % self.every == 0)
 
     def step(self, s: int, lr: float) -> None:
-        if self.window == 0 and (s == 1 or (self.every and (s - 1) % self.every == 0 and (
-                self.k == "auto" or (s - 1) // self.every != (s - 1 - self.k) // self.every))):
+        if self.window == 0 and (
+            s == 1
+            or (
+                self.every
+                and (s - 1) % self.every == 0
+                and (self.k == "auto" or (s - 1) // self.every != (s - 1 - self.k) // self.every)
+            )
+        ):
             self._select()
         for name, p, wd in self.params:
             value, moments = self.selected[name]
@@ -256,12 +300,20 @@ class DeepSpeedZenFlow:
 def deepspeed_zenflow_run(cfg, flow: dict) -> dict:
     """The GPT of `cfg` trained by DeepSpeedZenFlow on the batches the engine's runs see."""
     from tests.references.reference_rules import megatron_lr, plain_gpt
+
     cfg = with_padded_vocab(cfg)
     model, opt, adam = plain_gpt(cfg.model, cfg.seed), cfg.optimizer, cfg.optimizer.adam
-    zen = DeepSpeedZenFlow(model, topk=flow["topk_ratio"], interval=flow["update_interval"],
-                           overlap=flow["overlap_step"], select_every=flow["select_interval"],
-                           weight_decay=adam.weight_decay, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                           auto_ratio=flow.get("auto_ratio", 0.99))
+    zen = DeepSpeedZenFlow(
+        model,
+        topk=flow["topk_ratio"],
+        interval=flow["update_interval"],
+        overlap=flow["overlap_step"],
+        select_every=flow["select_interval"],
+        weight_decay=adam.weight_decay,
+        betas=(adam.beta1, adam.beta2),
+        eps=adam.eps,
+        auto_ratio=flow.get("auto_ratio", 0.99),
+    )
     source = microbatches(cfg)
     curve = {}
     for done in range(cfg.train_iters):
@@ -271,8 +323,17 @@ def deepspeed_zenflow_run(cfg, flow: dict) -> dict:
             loss.backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_grad)
-        zen.step(done + 1, megatron_lr(done, lr=opt.lr, min_lr=opt.min_lr, warmup=opt.warmup_iters,
-                                       decay=cfg.train_iters, style=opt.decay_style))
+        zen.step(
+            done + 1,
+            megatron_lr(
+                done,
+                lr=opt.lr,
+                min_lr=opt.min_lr,
+                warmup=opt.warmup_iters,
+                decay=cfg.train_iters,
+                style=opt.decay_style,
+            ),
+        )
         model.zero_grad(set_to_none=True)
         curve[done + 1] = loss_sum
     return {"curve": curve, "params": zen.of_record(), "windows": zen.windows}
@@ -296,22 +357,41 @@ def test_zenflow_real_shape_follows_deepspeeds_rules(dist_pool):
     averaged, or its sums left unreduced over the shard group (windows end elsewhere); at tp 2,
     a row- or a column-split matrix's columns chosen by its shard's norms, its "auto" sums left
     per shard, or a matrix counted on each rank that holds it."""
-    flow = {"topk_ratio": 0.25, "update_interval": 2, "overlap_step": True, "select_strategy": "step",
-            "select_interval": 4}
-    auto = {"topk_ratio": 0.15, "update_interval": "auto", "auto_ratio": 0.5, "overlap_step": True,
-            "select_strategy": "step", "select_interval": 6}
-    jobs = [(cfg(2, zenflow(**flow), steps=8), 1, {}), (cfg(3, zenflow(**flow), steps=8), 2, {}),
-            (cfg(2, zenflow(**auto), steps=10), 2, {}),
-            (small_config(stage=1, pp=2, steps=10, layers=2, zero_extra=zenflow(**auto)), 1, {}),
-            (small_config(stage=3, tp=2, steps=10, layers=2, zero_extra=zenflow(**auto)), 1, {}),
-            (small_config(stage=2, tp=2, steps=8, layers=2, zero_extra=zenflow(**flow)), 1, {})]
+    flow = {
+        "topk_ratio": 0.25,
+        "update_interval": 2,
+        "overlap_step": True,
+        "select_strategy": "step",
+        "select_interval": 4,
+    }
+    auto = {
+        "topk_ratio": 0.15,
+        "update_interval": "auto",
+        "auto_ratio": 0.5,
+        "overlap_step": True,
+        "select_strategy": "step",
+        "select_interval": 6,
+    }
+    jobs = [
+        (cfg(2, zenflow(**flow), steps=8), 1, {}),
+        (cfg(3, zenflow(**flow), steps=8), 2, {}),
+        (cfg(2, zenflow(**auto), steps=10), 2, {}),
+        (small_config(stage=1, pp=2, steps=10, layers=2, zero_extra=zenflow(**auto)), 1, {}),
+        (small_config(stage=3, tp=2, steps=10, layers=2, zero_extra=zenflow(**auto)), 1, {}),
+        (small_config(stage=2, tp=2, steps=8, layers=2, zero_extra=zenflow(**flow)), 1, {}),
+    ]
     results = dist_pool(2).run(many, jobs)
     want = deepspeed_zenflow_run(cfg(2, zenflow(**flow), steps=8), flow)
     want_auto = deepspeed_zenflow_run(cfg(2, zenflow(**auto), steps=10), auto)
     assert len(set(want_auto["windows"])) > 1, want_auto["windows"]
-    for name, index, reference in (("stage 2, one rank", 0, want), ("stage 3, two ranks", 1, want),
-                                   ("auto, stage 2, two ranks", 2, want_auto), ("auto, stage 1, pp 2", 3, want_auto),
-                                   ("auto, stage 3, tp 2", 4, want_auto), ("stage 2, tp 2", 5, want)):
+    for name, index, reference in (
+        ("stage 2, one rank", 0, want),
+        ("stage 3, two ranks", 1, want),
+        ("auto, stage 2, two ranks", 2, want_auto),
+        ("auto, stage 1, pp 2", 3, want_auto),
+        ("auto, stage 3, tp 2", 4, want_auto),
+        ("stage 2, tp 2", 5, want),
+    ):
         got = [r[index] for r in results if r[index] is not None]
         assert_close(list(got[0]["curve"].values()), list(reference["curve"].values()), name)
         assert_params_match(assemble_params(got), reference["params"], name)

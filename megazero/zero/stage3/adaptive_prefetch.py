@@ -15,6 +15,7 @@ measurement (no trace yet, or it was dropped) makes every rank skip that update.
 
 Owns the budget and its measurements only; the coordinator asks `budget` and reports the waits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,8 @@ class AdaptivePrefetch:
         self.low = min(config.adaptive_prefetch_min_size, config.max_live_parameters)
         self.high = min(config.adaptive_prefetch_max_size, config.max_live_parameters)
         self.budget = self._bounded(config.prefetch_bucket_size)
-        self.passes = 0                      # training passes so far (the agreement's cadence)
-        self.ratios: list[float] = []        # the agreed wait ratio of each update, for inspection
+        self.passes = 0  # training passes so far (the agreement's cadence)
+        self.ratios: list[float] = []  # the agreed wait ratio of each update, for inspection
         self._start: Event | None = None
         self._waits: list[tuple[Event, Event]] = []
 
@@ -65,7 +66,7 @@ class AdaptivePrefetch:
     def end_pass(self) -> None:
         """Ends a training pass; at the end of a cadence the shard group agrees and the budget moves."""
         self.passes += 1
-        ratio = -1.0                         # no measurement
+        ratio = -1.0  # no measurement
         if self._start is not None:
             end = Event(self.device, timing=True).record()
             total = self._start.elapsed_ms(end)
@@ -75,11 +76,13 @@ class AdaptivePrefetch:
         if self.passes % ADAPT_EVERY:
             return
         # [largest ratio, 1 if some rank has none]: MAX of both in one all-reduce.
-        agreed = torch.tensor([max(ratio, 0.0), 1.0 if ratio < 0 else 0.0], dtype=torch.float64,
-                              device=self.group.device)
+        agreed = torch.tensor(
+            [max(ratio, 0.0), 1.0 if ratio < 0 else 0.0], dtype=torch.float64, device=self.group.device
+        )
         comm.all_reduce(agreed, self.group, op=comm.ReduceOp.MAX)
-        worst, missing = host_read.read(agreed, "prefetch wait ratio",
-                                        healthy=[max(ratio, 0.0), 1.0 if ratio < 0 else 0.0])
+        worst, missing = host_read.read(
+            agreed, "prefetch wait ratio", healthy=[max(ratio, 0.0), 1.0 if ratio < 0 else 0.0]
+        )
         if missing:
             return
         self.ratios.append(worst)

@@ -32,6 +32,7 @@ A parameter used by a module that does not own it (a tied output head) is an ext
 that module: detected when the same Parameter is registered in two modules, or declared with
 `register_external_parameter`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -58,7 +59,7 @@ from .units import ParamStatus, Unit, UnitStorage
 # long prefetch queue stand in front of a gather that is needed now.
 MAX_GATHERS_IN_FLIGHT = 2
 
-_END_OF_PASS = -1             # a rank's "use" at the end of a recording pass, in the trace check
+_END_OF_PASS = -1  # a rank's "use" at the end of a recording pass, in the trace check
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
 
 
@@ -67,7 +68,7 @@ class Trace:
 
     def __init__(self, order: list[int], totals: list[int]):
         self.order = order
-        self.prefix = [0]                       # elements fetched before each position
+        self.prefix = [0]  # elements fetched before each position
         self.positions: dict[int, list[int]] = {}
         for position, index in enumerate(order):
             self.prefix.append(self.prefix[-1] + totals[index])
@@ -84,23 +85,26 @@ class GatherCoordinator:
     def __init__(self, storage: UnitStorage, config: ZeroConfig):
         self.unit_storage, self.config = storage, config
         self.module_units: dict[nn.Module, list[Unit]] = {}
-        self.traces: dict[object, Trace] = {}         # by pass kind: recorded unit order
+        self.traces: dict[object, Trace] = {}  # by pass kind: recorded unit order
         self.recording: list[int] | None = None
-        self.pass_key: object = None                 # "train", or ("eval", root) per evaluation forward
+        self.pass_key: object = None  # "train", or ("eval", root) per evaluation forward
         self.position = 0
-        self.refs: dict[int, int] = {}               # unit index -> running users (see docstring)
+        self.refs: dict[int, int] = {}  # unit index -> running users (see docstring)
         # ticket -> units that backward holds a reference on (ticket None: a plain backward)
         self.backward_holds: dict[object, set[int]] = {}
-        self.ticket: object = None                   # the split backward's pass running now
+        self.ticket: object = None  # the split backward's pass running now
         self.keep_all = config.keep_params_gathered_across_microbatches
         self.max_gathers_in_flight = MAX_GATHERS_IN_FLIGHT
         self.peak_gathers_in_flight = 0
-        self._gathers: collections.deque[Unit] = collections.deque()   # issued by us, oldest first
+        self._gathers: collections.deque[Unit] = collections.deque()  # issued by us, oldest first
         self._names: dict[nn.Module, str] = {}
-        self.adaptive = (AdaptivePrefetch(config, storage.groups.shard, storage.device)
-                         if config.adaptive_prefetch_bucket_size else None)
-        self._hooked: list[nn.Module] = []           # in hooking order (the same on every rank) ...
-        self._module_id: dict[nn.Module, int] = {}   # ... so a position names a module in the trace check
+        self.adaptive = (
+            AdaptivePrefetch(config, storage.groups.shard, storage.device)
+            if config.adaptive_prefetch_bucket_size
+            else None
+        )
+        self._hooked: list[nn.Module] = []  # in hooking order (the same on every rank) ...
+        self._module_id: dict[nn.Module, int] = {}  # ... so a position names a module in the trace check
 
     # --- registration -------------------------------------------------------------------------
     def attach(self, modules: list[nn.Module], owner_of: dict[int, Unit], blocks=()) -> None:
@@ -112,7 +116,7 @@ class GatherCoordinator:
         for root in modules:
             root.register_forward_pre_hook(self._root_pre_forward)
             root.register_forward_hook(self._root_post_forward)
-            held_by_block: dict[nn.Module, list[Unit]] = {}    # submodule -> its block's units
+            held_by_block: dict[nn.Module, list[Unit]] = {}  # submodule -> its block's units
             for name, module in root.named_modules():
                 self._names.setdefault(module, name or type(module).__name__)
                 in_block = module in blocks
@@ -151,7 +155,7 @@ class GatherCoordinator:
     # --- hooks (kept out of torch.compile graphs: they gather, communicate and keep Python state) --
     @torch.compiler.disable
     def _root_pre_forward(self, module, args):
-        if self.pass_key is None:     # outside a training step: an evaluation forward is one pass
+        if self.pass_key is None:  # outside a training step: an evaluation forward is one pass
             self.begin_pass(("eval", id(module)))
 
     @torch.compiler.disable
@@ -181,7 +185,8 @@ class GatherCoordinator:
                     f"ZeRO-3: module {self.module_name(module)!r} returned a {type(leaf).__name__} inside "
                     f"its output, which stage 3 cannot look into to re-gather the module's parameters "
                     f"for backward; return tensors in tuples/lists/dicts/namedtuples, or register "
-                    f"{type(leaf).__name__} with torch.utils._pytree.register_pytree_node")
+                    f"{type(leaf).__name__} with torch.utils._pytree.register_pytree_node"
+                )
         grad_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if not grad_at:
             return output
@@ -249,8 +254,11 @@ class GatherCoordinator:
             if self.position < len(trace.order) and trace.order[self.position] == unit.index:
                 self.position += 1
                 return
-            warnings.warn(f"ZeRO-3: module order changed at use {self.position} (unit {unit.name}); "
-                          f"re-recording the prefetch trace on the next step", stacklevel=3)
+            warnings.warn(
+                f"ZeRO-3: module order changed at use {self.position} (unit {unit.name}); "
+                f"re-recording the prefetch trace on the next step",
+                stacklevel=3,
+            )
             del self.traces[self.pass_key]
             if self.adaptive is not None and self.pass_key == "train":
                 self.adaptive.dropped_trace()
@@ -267,8 +275,11 @@ class GatherCoordinator:
         mine = torch.tensor([unit_index, module_id], dtype=torch.int64, device=self.unit_storage.device)
         everyone = torch.empty(2 * shard.size, dtype=torch.int64, device=self.unit_storage.device)
         comm.all_gather(everyone, mine, shard)
-        uses = host_read.read(everyone.view(shard.size, 2), "stage-3 use agreement",
-                              healthy=lambda: [[unit_index, module_id]] * shard.size)
+        uses = host_read.read(
+            everyone.view(shard.size, 2),
+            "stage-3 use agreement",
+            healthy=lambda: [[unit_index, module_id]] * shard.size,
+        )
         other = next((r for r, (u, _) in enumerate(uses) if u != unit_index), None)
         if other is not None:
             raise RuntimeError(
@@ -277,15 +288,18 @@ class GatherCoordinator:
                 f"{self._describe(unit_index, module_id)}, shard rank {other} {self._describe(*uses[other])}; "
                 f"every rank must run the same modules in the same order (rank-dependent control flow? a "
                 f"mixture-of-experts block whose experts may get no tokens on a rank must be a leaf module: "
-                f"zero_optimization.leaf_module, or set_z3_leaf_modules for your own model)")
+                f"zero_optimization.leaf_module, or set_z3_leaf_modules for your own model)"
+            )
 
     def _describe(self, unit_index: int, module_id: int) -> str:
         if unit_index == _END_OF_PASS:
             return "has ended the pass"
         if not (0 <= unit_index < len(self.unit_storage.units) and 0 <= module_id < len(self._hooked)):
             return f"uses unit #{unit_index} in module #{module_id} (its model differs from this rank's)"
-        return (f"uses unit {self.unit_storage.units[unit_index].name!r} in module "
-                f"{self.module_name(self._hooked[module_id])!r}")
+        return (
+            f"uses unit {self.unit_storage.units[unit_index].name!r} in module "
+            f"{self.module_name(self._hooked[module_id])!r}"
+        )
 
     def _start_gather(self, unit: Unit, needed_now: bool) -> bool:
         """Issues the unit's all-gather within MAX_GATHERS_IN_FLIGHT: a gather needed now first
@@ -325,8 +339,10 @@ class GatherCoordinator:
     def maybe_release(self, unit: Unit) -> None:
         if unit.index in self.refs or unit.status is ParamStatus.NOT_AVAILABLE:
             return
-        if self._next_use_distance(unit) <= self.config.max_reuse_distance and \
-                self.unit_storage.live_numel <= self.config.max_live_parameters:
+        if (
+            self._next_use_distance(unit) <= self.config.max_reuse_distance
+            and self.unit_storage.live_numel <= self.config.max_live_parameters
+        ):
             return
         self.unit_storage.release(unit)
 
@@ -359,7 +375,7 @@ class GatherCoordinator:
         """Ends the pass: keeps a freshly recorded trace once every shard rank is seen to end it here
         too (a rank with more uses fails the check, not a gather), and releases every unit."""
         if self.pass_key == "train" and self.adaptive is not None:
-            self.adaptive.end_pass()           # on every rank at every training pass (a collective)
+            self.adaptive.end_pass()  # on every rank at every training pass (a collective)
         try:
             if self.recording is not None:
                 self._agree_on_use(_END_OF_PASS, _END_OF_PASS)

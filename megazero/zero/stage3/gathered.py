@@ -17,6 +17,7 @@ module owns it, so stage 3 gathers it around `module` too (shared registration, 
 head, is detected without it). Declared before the engine exists (in a module's __init__, as
 DeepSpeed users do), it is kept on the parameter and applied when megazero.initialize builds it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,7 +56,7 @@ class GatheredParameters:
             return False
         for p in self.params:
             shard = param_info(p).init_shard
-            if shard is not None:          # built by zero.Init, no engine yet
+            if shard is not None:  # built by zero.Init, no engine yet
                 if self.modifier_rank is not None and exc[0] is None:
                     value = p.data.to(shard.group.device)
                     comm.broadcast(value, self.modifier_rank, shard.group)

@@ -9,6 +9,7 @@ model-parallel group (a pipeline stage holds only some of the names) is a UsageE
 same on every rank. Must not touch: units, hooks, gathers (engine.py and coordinator.py use the
 modules found here).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,7 @@ from megazero.core import comm, host_read
 from megazero.core.errors import UsageError
 from ..config import ZeroConfig
 
-LAYER_CLASS = "TransformerLayer"          # stage3_granularity "layer": one unit per transformer layer
+LAYER_CLASS = "TransformerLayer"  # stage3_granularity "layer": one unit per transformer layer
 
 
 def selectors(zero: ZeroConfig) -> list[tuple[str, str, bool]]:
@@ -52,7 +53,7 @@ def find_leaf_modules(modules: list[nn.Module], zero: ZeroConfig, group: comm.Gr
     found, seen = [], set()
     wanted = selectors(zero)
     counts = torch.zeros(len(wanted), dtype=torch.float64, device=group.device)
-    local = [0.0] * len(wanted)      # this rank's counts: what every rank finding the same reads
+    local = [0.0] * len(wanted)  # this rank's counts: what every rank finding the same reads
     for root in modules:
         for name, module in root.named_modules():
             for k, (kind, value, _) in enumerate(wanted):
@@ -68,12 +69,16 @@ def find_leaf_modules(modules: list[nn.Module], zero: ZeroConfig, group: comm.Gr
         agreed = host_read.read(counts, "leaf-module selector matches", healthy=local)
         missing = [f"{wanted[k][0]} {wanted[k][1]!r}" for k in checked if agreed[k] == 0]
         if missing == [f"classes {LAYER_CLASS!r}"] and zero.stage3_granularity == "layer":
-            raise UsageError(f"stage3_granularity \"layer\" found no {LAYER_CLASS} among the model's "
-                             f"modules; use \"module\" granularity for this model")
+            raise UsageError(
+                f'stage3_granularity "layer" found no {LAYER_CLASS} among the model\'s '
+                f'modules; use "module" granularity for this model'
+            )
         if missing:
-            raise UsageError(f"zero_optimization.leaf_module: {', '.join(missing)} matches no module of "
-                             f"the model; check the spelling against the model's module classes and "
-                             f"named_modules() names")
+            raise UsageError(
+                f"zero_optimization.leaf_module: {', '.join(missing)} matches no module of "
+                f"the model; check the spelling against the model's module classes and "
+                f"named_modules() names"
+            )
     return found
 
 

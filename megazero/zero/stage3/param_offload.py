@@ -11,6 +11,7 @@ fetched in during the last step, so the nvme home can start reading files ahead 
 Owns only the bytes and files; when a unit is gathered is coordinator.py's business, and the
 partition's layout is the FlatLayout's.
 """
+
 from __future__ import annotations
 
 import collections
@@ -23,24 +24,32 @@ import torch
 from megazero.core.errors import UsageError
 from megazero.core.streams import Streams, copy_to_device
 from ..config import OffloadParamConfig
-from ..swap import SwapFile, SwapFileError     # noqa: F401 (SwapFileError: the error callers catch)
+from ..swap import SwapFile, SwapFileError  # noqa: F401 (SwapFileError: the error callers catch)
 
 
 class HostParams:
     """The whole partition in host memory, pinned (`pin_memory`, on a GPU) so that the copies to the
     device run asynchronously on the copy stream."""
+
     location = "host_params"
 
-    def __init__(self, chunks: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                 streams: Streams, pin_memory: bool = True):
+    def __init__(
+        self,
+        chunks: list[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+        streams: Streams,
+        pin_memory: bool = True,
+    ):
         self.chunks, self.device, self.streams = chunks, torch.device(device), streams
         size = sum(n for _, n in chunks)
-        self.partition = torch.zeros(size, dtype=dtype, device="cpu",
-                                     pin_memory=pin_memory and self.device.type == "cuda")
+        self.partition = torch.zeros(
+            size, dtype=dtype, device="cpu", pin_memory=pin_memory and self.device.type == "cuda"
+        )
 
     def host_chunk(self, b: int) -> torch.Tensor:
         offset, n = self.chunks[b]
-        return self.partition[offset:offset + n]
+        return self.partition[offset : offset + n]
 
     def prefetch(self, b: int) -> None:
         """Nothing to read ahead: the copy is issued when the gather is."""
@@ -66,13 +75,23 @@ class NvmeParams:
     counts as written and goes back to its file when evicted (oldest first) or at `flush`. Reads
     and writes run on a thread pool; a read waits for a pending write of the same unit. Each file's
     size and CRC-32 are checked on every read against what was last written."""
+
     location = "nvme_params"
 
-    def __init__(self, chunks: list[tuple[int, int]], dtype: torch.dtype, device: torch.device,
-                 streams: Streams, config: OffloadParamConfig, rank: int):
+    def __init__(
+        self,
+        chunks: list[tuple[int, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+        streams: Streams,
+        config: OffloadParamConfig,
+        rank: int,
+    ):
         if not config.nvme_path:
-            raise UsageError("offload_param.device is nvme but offload_param.nvme_path is not set; "
-                             "set it to a directory on a fast local disk")
+            raise UsageError(
+                "offload_param.device is nvme but offload_param.nvme_path is not set; "
+                "set it to a directory on a fast local disk"
+            )
         self.chunks, self.dtype, self.device, self.streams = chunks, dtype, torch.device(device), streams
         self.pin = config.pin_memory and self.device.type == "cuda"
         largest = max((n for _, n in chunks), default=0)
@@ -80,14 +99,18 @@ class NvmeParams:
         # the cache, but the unit in use and one read ahead at least.
         self.capacity = max(2, min(config.buffer_count, config.max_in_cpu // max(largest, 1)))
         if largest > config.buffer_size:
-            raise UsageError(f"offload_param.buffer_size {config.buffer_size} is below this rank's largest "
-                             f"stage-3 unit chunk ({largest} elements); raise it to at least {largest}")
+            raise UsageError(
+                f"offload_param.buffer_size {config.buffer_size} is below this rank's largest "
+                f"stage-3 unit chunk ({largest} elements); raise it to at least {largest}"
+            )
         self.folder = Path(config.nvme_path) / "megazero_swap" / f"rank{rank}" / "params"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise UsageError(f"offload_param.nvme_path: cannot create {self.folder} ({err.strerror or err}); "
-                             f"point nvme_path at a writable directory") from None
+            raise UsageError(
+                f"offload_param.nvme_path: cannot create {self.folder} ({err.strerror or err}); "
+                f"point nvme_path at a writable directory"
+            ) from None
         # One verified file per unit chunk (size and CRC-32 checked on every read).
         self.files = [SwapFile(self.path(b), n, [(0, n)], dtype) for b, (_, n) in enumerate(chunks)]
         self.held: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
@@ -108,7 +131,7 @@ class NvmeParams:
         if pending_write is not None:
             pending_write.result()
         buffer = self._new_buffer(b)
-        if self.files[b].crc[0] is not None:          # never written: a fresh, zero chunk
+        if self.files[b].crc[0] is not None:  # never written: a fresh, zero chunk
             self.files[b].read(0, buffer)
         return buffer
 
@@ -170,12 +193,12 @@ class NvmeParams:
     def memory_bytes(self) -> dict[str, int]:
         element = torch.empty(0, dtype=self.dtype, device="cpu").element_size()
         buffers = sum(t.numel() for t in self.held.values()) + sum(self.chunks[b][1] for b in self.reads)
-        return {"nvme_params": sum(n for _, n in self.chunks) * element,
-                "param_swap_buffers": buffers * element}
+        return {"nvme_params": sum(n for _, n in self.chunks) * element, "param_swap_buffers": buffers * element}
 
 
-def make_param_home(config: OffloadParamConfig, chunks: list[tuple[int, int]], dtype: torch.dtype,
-                    device, streams: Streams, rank: int):
+def make_param_home(
+    config: OffloadParamConfig, chunks: list[tuple[int, int]], dtype: torch.dtype, device, streams: Streams, rank: int
+):
     """The home `config.device` names, for this rank's chunks ((offset, length) per unit)."""
     if config.device == "cpu":
         return HostParams(chunks, dtype, device, streams, config.pin_memory)
@@ -199,10 +222,10 @@ class GatherOrder:
         if self.cursor >= len(previous) or previous[self.cursor] != b:
             if b not in previous:
                 return []
-            later = b in previous[self.cursor:]
+            later = b in previous[self.cursor :]
             self.cursor = previous.index(b, self.cursor) if later else previous.index(b)
         self.cursor += 1
-        return previous[self.cursor:self.cursor + depth]
+        return previous[self.cursor : self.cursor + depth]
 
     def end_step(self) -> None:
         if self.current:

@@ -17,6 +17,7 @@ host memory or per-unit files): `param_chunk` is then the home's host chunk, whi
 step, checkpoints and inspection write in place, and `device_chunk` brings a unit's chunk to the
 device for its gather (issued at prefetch time, nvme files read ahead along the last step's order).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,24 +42,24 @@ from megazero.models.param_info import carry_param_info, param_info
 
 
 class ParamStatus(enum.Enum):
-    NOT_AVAILABLE = 1     # holds only this rank's partition
-    INFLIGHT = 2          # an async all-gather is on its way
-    AVAILABLE = 3         # full parameter present
+    NOT_AVAILABLE = 1  # holds only this rank's partition
+    INFLIGHT = 2  # an async all-gather is on its way
+    AVAILABLE = 3  # full parameter present
 
 
 class Unit:
-    def __init__(self, index: int, name: str, params: list[nn.Parameter], first: int, bucket: Bucket,
-                 dtype, device):
+    def __init__(self, index: int, name: str, params: list[nn.Parameter], first: int, bucket: Bucket, dtype, device):
         self.index, self.name, self.params, self.first = index, name, params, first
         self.numels = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
-        self.total = bucket.size                 # padded: a multiple of the shard count
+        self.total = bucket.size  # padded: a multiple of the shard count
         self.part_size = bucket.chunk
         self.part_offset = bucket.local_offset
-        self.full = label(torch.empty(self.total, dtype=dtype, device=device),
-                          f"stage-3 unit {name!r}, gathered parameters")
+        self.full = label(
+            torch.empty(self.total, dtype=dtype, device=device), f"stage-3 unit {name!r}, gathered parameters"
+        )
         resize_storage(self.full.untyped_storage(), 0)
         self.status = ParamStatus.NOT_AVAILABLE
         self.handle: comm.Handle | None = None
@@ -68,15 +69,33 @@ class Unit:
 
 class UnitStorage(PartitionedStorage):
     weights_always_full = False
-    def __init__(self, units_params: list[tuple[str, list[nn.Parameter]]], groups: ZeroGroups,
-                 precision: Precision, device, queue: ReductionQueue, reduce_scatter: bool = True,
-                 streams=None, zero: ZeroConfig | None = None):
+
+    def __init__(
+        self,
+        units_params: list[tuple[str, list[nn.Parameter]]],
+        groups: ZeroGroups,
+        precision: Precision,
+        device,
+        queue: ReductionQueue,
+        reduce_scatter: bool = True,
+        streams=None,
+        zero: ZeroConfig | None = None,
+    ):
         shard = groups.shard
-        layout = FlatLayout.of_groups([[p.numel() for p in params] for _, params in units_params],
-                                      shard.size, shard.rank)
+        layout = FlatLayout.of_groups(
+            [[p.numel() for p in params] for _, params in units_params], shard.size, shard.rank
+        )
         zero = zero if zero is not None else ZeroConfig(stage=3)
-        super().__init__(layout, shard, precision, device, queue, reduce_scatter, streams=streams,
-                         state_device="cpu" if zero.offloads_optimizer else None)
+        super().__init__(
+            layout,
+            shard,
+            precision,
+            device,
+            queue,
+            reduce_scatter,
+            streams=streams,
+            state_device="cpu" if zero.offloads_optimizer else None,
+        )
         self.groups = groups
         self.zero = zero
         self.quantized_reduce = quantized_gradient_reducer(groups) if self.zero.zero_quantized_gradients else None
@@ -86,8 +105,15 @@ class UnitStorage(PartitionedStorage):
         self.units: list[Unit] = []
         first = 0
         for name, params in units_params:
-            unit = Unit(len(self.units), name, params, first, layout.buckets[len(self.units)],
-                        precision.param_dtype, self.device)
+            unit = Unit(
+                len(self.units),
+                name,
+                params,
+                first,
+                layout.buckets[len(self.units)],
+                precision.param_dtype,
+                self.device,
+            )
             self.units.append(unit)
             first += len(params)
         self.shapes = [shape for unit in self.units for shape in unit.shapes]
@@ -96,19 +122,29 @@ class UnitStorage(PartitionedStorage):
         self.home, self.fetch_order, self._on_device = None, GatherOrder(), None
         if self.zero.offloads_params:
             chunks = [(b.local_offset, b.chunk) for b in layout.buckets]
-            self.home = make_param_home(self.zero.offload_param, chunks, precision.param_dtype, self.device,
-                                        self.streams, shard.ranks[shard.rank])
+            self.home = make_param_home(
+                self.zero.offload_param,
+                chunks,
+                precision.param_dtype,
+                self.device,
+                self.streams,
+                shard.ranks[shard.rank],
+            )
         size = 0 if self.home is not None else layout.partition_size
-        self.partition = label(torch.zeros(size, dtype=precision.param_dtype, device=self.device),
-                               "stage-3 parameter partition")
-        self.grad_part = label(torch.zeros(layout.partition_size, dtype=precision.grad_accum_dtype,
-                                           device=self.device), "stage-3 gradient partition")
+        self.partition = label(
+            torch.zeros(size, dtype=precision.param_dtype, device=self.device), "stage-3 parameter partition"
+        )
+        self.grad_part = label(
+            torch.zeros(layout.partition_size, dtype=precision.grad_accum_dtype, device=self.device),
+            "stage-3 gradient partition",
+        )
         drop_storage(self.grad_part)
         self.placeholder = torch.empty(0, dtype=precision.param_dtype, device=self.device)
-        self.live_numel = 0           # elements of full parameters held (AVAILABLE or INFLIGHT)
+        self.live_numel = 0  # elements of full parameters held (AVAILABLE or INFLIGHT)
         self.peak_live_numel = 0
-        self.param_gather = ParamGather(groups, self.zero, [u.total for u in self.units],
-                                        precision.param_dtype, self.device, self.streams)
+        self.param_gather = ParamGather(
+            groups, self.zero, [u.total for u in self.units], precision.param_dtype, self.device, self.streams
+        )
 
     @property
     def param_chunks_stay(self) -> bool:
@@ -129,8 +165,10 @@ class UnitStorage(PartitionedStorage):
             return self.param_chunk(unit.index)
         for b in self.fetch_order.next_after(unit.index, getattr(self.home, "capacity", 1) - 1):
             self.home.prefetch(b)
-        return label(self.home.to_device(unit.index),
-                     f"stage-3 unit '{unit.name}': this rank's chunk, copied from its offload home")
+        return label(
+            self.home.to_device(unit.index),
+            f"stage-3 unit '{unit.name}': this rank's chunk, copied from its offload home",
+        )
 
     @contextlib.contextmanager
     def _chunks_on_device(self, write_back: bool):
@@ -184,7 +222,7 @@ class UnitStorage(PartitionedStorage):
                     value = init_fn(p).reshape(-1)
                     part_off, param_off, length = piece
                     rel = part_off - unit.part_offset
-                    self.param_chunk(unit.index)[rel:rel + length].copy_(value[param_off:param_off + length])
+                    self.param_chunk(unit.index)[rel : rel + length].copy_(value[param_off : param_off + length])
                     self._write_initial_piece(i, value)
                 new = nn.Parameter(self.placeholder, requires_grad=p.requires_grad)
                 carry_param_info(p, new, zero_unit=unit, zero_index=j, zero_full_shape=p.shape)
@@ -219,7 +257,7 @@ class UnitStorage(PartitionedStorage):
         # Allocated on the prefetch stream, read by the compute stream until released.
         self.streams.prefetch.keep_alive(unit.full)
         for p, off, n, shape in zip(unit.params, unit.offsets, unit.numels, unit.shapes):
-            p.data = unit.full[off:off + n].view(shape)
+            p.data = unit.full[off : off + n].view(shape)
         unit.status = ParamStatus.AVAILABLE
 
     def wait_gather(self, unit: Unit) -> None:
@@ -248,7 +286,7 @@ class UnitStorage(PartitionedStorage):
         unit, j = info.zero_unit, info.zero_index
         if unit.grad_staging is None:
             unit.grad_staging = self.new_staging(unit.index)
-        unit.grad_staging[unit.offsets[j]:unit.offsets[j] + unit.numels[j]].copy_(take_grad(param).reshape(-1))
+        unit.grad_staging[unit.offsets[j] : unit.offsets[j] + unit.numels[j]].copy_(take_grad(param).reshape(-1))
         unit.grad_pending -= 1
         return unit.grad_pending == 0
 
@@ -258,7 +296,7 @@ class UnitStorage(PartitionedStorage):
         staging, unit.grad_staging = unit.grad_staging, None
         if staging is None:
             staging = self.new_staging(unit.index)
-        unit.grad_pending = -1             # reduced for this backward
+        unit.grad_pending = -1  # reduced for this backward
         self.reduce_bucket(unit.index, staging)
 
     def ensure_grads(self) -> None:
@@ -276,9 +314,9 @@ class UnitStorage(PartitionedStorage):
         # optimizer steps device copies of them, bucket by bucket.
         steps_copies = self.master is None and not self.zero.offloads_optimizer
         with self._chunks_on_device(write_back=True) if steps_copies else contextlib.nullcontext():
-            super().step(step, lr, config, grad_scale)      # ends with after_step()
+            super().step(step, lr, config, grad_scale)  # ends with after_step()
         if self.home is not None:
-            self.home.flush()                 # the updated chunks are in their home
+            self.home.flush()  # the updated chunks are in their home
             self.fetch_order.end_step()
 
     def gathered(self, param: nn.Parameter, kind: str) -> torch.Tensor:
@@ -320,7 +358,11 @@ class UnitStorage(PartitionedStorage):
 
     def memory_bytes(self) -> dict[str, int]:
         offloaded = self.home.memory_bytes() if self.home is not None else {}
-        return {"params": self.nbytes(self.partition), **offloaded,
-                "grads": self.nbytes(self.grad_part),   # its size in backward (freed between steps)
-                "live_params": self.live_numel * self.partition.element_size(),
-                **self.param_gather.memory_bytes(), **super().memory_bytes()}
+        return {
+            "params": self.nbytes(self.partition),
+            **offloaded,
+            "grads": self.nbytes(self.grad_part),  # its size in backward (freed between steps)
+            "live_params": self.live_numel * self.partition.element_size(),
+            **self.param_gather.memory_bytes(),
+            **super().memory_bytes(),
+        }

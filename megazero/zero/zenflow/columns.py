@@ -5,6 +5,7 @@ the partition's mask from them (and the dry run's stand-in for it).
 
 Owns the arithmetic of the choice; never communicates (optimizer.py gathers the sums).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,13 +21,22 @@ def matrix_splits(storage, tensor, counted) -> tuple[list, list[bool], torch.Ten
     cuts its matrix into (None: whole, or a vector), and whether along its columns; and which
     matrices "auto" counts (bool, on the storage's device): each once, one pipeline stage's copy of
     a tied one (`counted`), one tensor-parallel rank's of a split or replicated one."""
-    tp_split = [param_info(p).tp_shard if tensor is not None and len(storage.full_shape(i)) >= 2 else None
-                for i, p in enumerate(storage.params)]
-    columns_split = [s is not None and s.dim % len(storage.full_shape(i)) == len(storage.full_shape(i)) - 1
-                     for i, s in enumerate(tp_split)]
+    tp_split = [
+        param_info(p).tp_shard if tensor is not None and len(storage.full_shape(i)) >= 2 else None
+        for i, p in enumerate(storage.params)
+    ]
+    columns_split = [
+        s is not None and s.dim % len(storage.full_shape(i)) == len(storage.full_shape(i)) - 1
+        for i, s in enumerate(tp_split)
+    ]
     first = tensor is None or tensor.rank == 0
-    matrices = torch.tensor([len(storage.full_shape(i)) >= 2 and counted(p) and (first or not split)
-                             for i, (p, split) in enumerate(zip(storage.params, tp_split))], device=storage.device)
+    matrices = torch.tensor(
+        [
+            len(storage.full_shape(i)) >= 2 and counted(p) and (first or not split)
+            for i, (p, split) in enumerate(zip(storage.params, tp_split))
+        ],
+        device=storage.device,
+    )
     return tp_split, columns_split, matrices
 
 
@@ -38,12 +48,12 @@ def column_abs_sums(piece: torch.Tensor, offset: int, columns: int) -> torch.Ten
     col0 = offset % columns
     head = min(len(absolute), (columns - col0) % columns)
     if head:
-        out[col0:col0 + head] += absolute[:head]
+        out[col0 : col0 + head] += absolute[:head]
     rows = (len(absolute) - head) // columns
     if rows:
-        out += absolute[head:head + rows * columns].view(rows, columns).sum(0)
-    tail = absolute[head + rows * columns:]
-    out[:len(tail)] += tail
+        out += absolute[head : head + rows * columns].view(rows, columns).sum(0)
+    tail = absolute[head + rows * columns :]
+    out[: len(tail)] += tail
     return out
 
 
@@ -57,7 +67,7 @@ def chosen_in_split(split, per_rank: torch.Tensor, ratio: float) -> torch.Tensor
     """This rank's chosen columns of a matrix whose columns tensor parallelism splits, chosen by
     the whole matrix's column norms: `per_rank` [ranks, local columns] holds each rank's sums,
     pieces of the matrix's row of sums in the order the shard (the parameter's `tp_shard`) says."""
-    along = dataclasses.replace(split, dim=0)        # the same split, of a row of column sums
+    along = dataclasses.replace(split, dim=0)  # the same split, of a row of column sums
     whole = along.full_from_locals(list(per_rank))
     picked = torch.zeros(len(whole), dtype=torch.bool, device=whole.device)
     chosen = top_columns(whole, ratio)
@@ -70,8 +80,15 @@ def chosen_in_split(split, per_rank: torch.Tensor, ratio: float) -> torch.Tensor
     return torch.tensor([i for i, hit in enumerate(mine) if hit], dtype=torch.long, device=local.device)
 
 
-def selection_mask(pieces, flat: torch.Tensor, per_rank: torch.Tensor | None, tp_split, columns_split, ratio: float,
-                   partition_size: int) -> torch.Tensor:
+def selection_mask(
+    pieces,
+    flat: torch.Tensor,
+    per_rank: torch.Tensor | None,
+    tp_split,
+    columns_split,
+    ratio: float,
+    partition_size: int,
+) -> torch.Tensor:
     """The partition's selected elements (bool) from the column sums: `pieces` (this rank's piece of
     each parameter, or None, and its columns), `flat` the sums of every parameter's columns summed
     over the shard group, `per_rank` every tensor-parallel rank's `flat` where a split matrix needs
@@ -80,17 +97,17 @@ def selection_mask(pieces, flat: torch.Tensor, per_rank: torch.Tensor | None, tp
     at = 0
     for (piece, columns), split, by_columns in zip(pieces, tp_split, columns_split):
         if split is None:
-            chosen = top_columns(flat[at:at + columns], ratio)
-        elif not by_columns:              # rows split: each rank's sums are partial (L1 adds up)
-            chosen = top_columns(per_rank[:, at:at + columns].sum(0), ratio)
+            chosen = top_columns(flat[at : at + columns], ratio)
+        elif not by_columns:  # rows split: each rank's sums are partial (L1 adds up)
+            chosen = top_columns(per_rank[:, at : at + columns].sum(0), ratio)
         else:
-            chosen = chosen_in_split(split, per_rank[:, at:at + columns], ratio)
+            chosen = chosen_in_split(split, per_rank[:, at : at + columns], ratio)
         at += columns
         if piece is None or len(chosen) == 0:
             continue
         cols = torch.arange(piece.param_offset, piece.param_offset + piece.length, device=flat.device) % columns
         start = piece.partition_offset
-        mask[start:start + piece.length] = torch.isin(cols, chosen)
+        mask[start : start + piece.length] = torch.isin(cols, chosen)
     return mask
 
 
@@ -104,5 +121,5 @@ def first_columns(pieces, ratio: float, like: torch.Tensor) -> torch.Tensor:
             continue
         count = 0 if ratio <= 0 else max(1, int(ratio * columns))
         cols = torch.arange(piece.param_offset, piece.param_offset + piece.length) % columns
-        mask[piece.partition_offset:piece.partition_offset + piece.length] = (cols < count).float()
+        mask[piece.partition_offset : piece.partition_offset + piece.length] = (cols < count).float()
     return mask

@@ -50,6 +50,7 @@ open window), so a run resumes exactly mid-window.
 
 Owns the ZenFlow step of one storage; never decides when to step, gather or save.
 """
+
 from __future__ import annotations
 
 import threading
@@ -70,21 +71,35 @@ SELECTED_MOMENTS = {"zenflow_exp_avg": "exp_avg", "zenflow_exp_avg_sq": "exp_avg
 
 class ZenFlowOffload(OptimizerOffload):
     """The ZenFlow step of one storage (see the module docstring)."""
+
     kinds = OFFLOADED_KINDS + ZENFLOW_KINDS + tuple(SELECTED_MOMENTS)
     checkpoint_kinds = OFFLOADED_KINDS + ("param",) + ZENFLOW_KINDS + tuple(SELECTED_MOMENTS)
 
-    def __init__(self, storage, config, sub_group_size, folder, name, *, zenflow, cpu_threads: int,
-                 windows=None, tensor=None, counted=None):
+    def __init__(
+        self,
+        storage,
+        config,
+        sub_group_size,
+        folder,
+        name,
+        *,
+        zenflow,
+        cpu_threads: int,
+        windows=None,
+        tensor=None,
+        counted=None,
+    ):
         super().__init__(storage, config, sub_group_size, folder, name)
         self.flow, self.cpu_threads = zenflow, cpu_threads
-        self.windows = windows            # update_interval "auto": the engine's AutoWindows
+        self.windows = windows  # update_interval "auto": the engine's AutoWindows
         self.storage = storage
         # Tensor parallelism: the matrices it splits (their shard, else None), whose column norms
         # and "auto" sums are taken over the whole matrix, on every tensor-parallel rank alike.
         self.tensor = tensor if tensor is not None and tensor.size > 1 else None
         # and the matrices "auto" counts (columns.matrix_splits; `counted`: the gradient norm's rule)
-        self.tp_split, self.columns_split, self.matrices = matrix_splits(storage, self.tensor,
-                                                                         counted or (lambda p: True))
+        self.tp_split, self.columns_split, self.matrices = matrix_splits(
+            storage, self.tensor, counted or (lambda p: True)
+        )
         self.split_rows = torch.tensor([s is not None for s in self.tp_split], device=storage.device).unsqueeze(1)
         n = storage.layout.partition_size
         pin = config.pin_memory and storage.device.type == "cuda"
@@ -95,22 +110,26 @@ class ZenFlowOffload(OptimizerOffload):
         self.grad_in = torch.empty(n, dtype=storage.precision.grad_accum_dtype, **host)
         # The CPU Adam's output weights: the 16-bit copy, or (fp32 runs) the host master itself.
         self.lp = torch.empty(n, dtype=storage.precision.param_dtype, **host) if storage.precision.mixed else None
-        self.mask = torch.zeros(n, dtype=torch.float32, device="cpu")      # 1: selected element
-        self.groups: list[dict] = []      # per weight decay: device index and states of the selected
-        self.stale = True                 # device states to be taken from the host (after a load)
-        self.on_host = True               # the host master holds the selected elements' values too
+        self.mask = torch.zeros(n, dtype=torch.float32, device="cpu")  # 1: selected element
+        self.groups: list[dict] = []  # per weight decay: device index and states of the selected
+        self.stale = True  # device states to be taken from the host (after a load)
+        self.on_host = True  # the host master holds the selected elements' values too
         # The selected moments spread over the partition, while a checkpoint reads or writes them.
         self.moments: dict[str, torch.Tensor] | None = None
         self.moments_host = dict(device="cpu", pin_memory=pin) if zenflow.offload else None
         self.thread: threading.Thread | None = None
         self.thread_done = None
         self.stats = {"cpu_adam_ms": 0.0, "wait_ms": 0.0, "cpu_updates": 0}
-        self.partition_runs = [(storage.layout.buckets[b].local_offset + lo,
-                                storage.layout.buckets[b].local_offset + hi, wd)
-                               for b, lo, hi, wd, _ in storage.runs]
+        self.partition_runs = [
+            (storage.layout.buckets[b].local_offset + lo, storage.layout.buckets[b].local_offset + hi, wd)
+            for b, lo, hi, wd, _ in storage.runs
+        ]
         # Where each parameter's piece starts in the partition, in order: an element's parameter.
-        pieces = sorted((piece.partition_offset, i) for i in range(len(storage.params))
-                        if (piece := storage.layout.local_piece(i)) is not None)
+        pieces = sorted(
+            (piece.partition_offset, i)
+            for i in range(len(storage.params))
+            if (piece := storage.layout.local_piece(i)) is not None
+        )
         self.piece_starts = torch.tensor([start for start, _ in pieces], dtype=torch.long)
         self.piece_params = torch.tensor([i for _, i in pieces], dtype=torch.long)
 
@@ -130,10 +149,14 @@ class ZenFlowOffload(OptimizerOffload):
                 for name, state in SELECTED_MOMENTS.items():
                     self.moments[name].index_copy_(0, g["host_index"], g[state].to("cpu"))
         self.stale = True
-        extra = {"zenflow_acc": self.acc, "zenflow_selected": self.mask, "zenflow_pending": self._updated(),
-                 **self.moments}
+        extra = {
+            "zenflow_acc": self.acc,
+            "zenflow_selected": self.mask,
+            "zenflow_pending": self._updated(),
+            **self.moments,
+        }
         if kind in extra:
-            return extra[kind][start:start + length]
+            return extra[kind][start : start + length]
         return super().view(kind, start, length)
 
     def settle(self) -> None:
@@ -158,21 +181,32 @@ class ZenFlowOffload(OptimizerOffload):
             shape = storage.full_shape(i)
             columns = shape[-1] if len(shape) >= 2 else 1
             grad = storage.local_view(param, "grad") if piece is not None else None
-            sums.append(column_abs_sums(grad, piece.param_offset, columns) if piece is not None
-                        else torch.zeros(columns, device=storage.device))
+            sums.append(
+                column_abs_sums(grad, piece.param_offset, columns)
+                if piece is not None
+                else torch.zeros(columns, device=storage.device)
+            )
             pieces.append((piece, columns))
         flat = torch.cat(sums) if sums else torch.zeros(0, device=storage.device)
         if storage.shard is not None and storage.shard.size > 1:
             comm.all_reduce(flat, storage.shard)
         per_rank = None
-        if self.tensor is not None:           # every tensor-parallel rank's sums, to see whole matrices
+        if self.tensor is not None:  # every tensor-parallel rank's sums, to see whole matrices
             per_rank = torch.empty(self.tensor.size * len(flat), dtype=flat.dtype, device=flat.device)
             comm.all_gather(per_rank, flat, self.tensor)
             per_rank = per_rank.view(self.tensor.size, -1)
-        mask = selection_mask(pieces, flat, per_rank, self.tp_split, self.columns_split, self.flow.topk_ratio,
-                              storage.layout.partition_size)
-        host_read.copy_into(self.mask, mask, "zenflow selection",
-                            healthy=lambda: first_columns(pieces, self.flow.topk_ratio, self.mask))
+        mask = selection_mask(
+            pieces,
+            flat,
+            per_rank,
+            self.tp_split,
+            self.columns_split,
+            self.flow.topk_ratio,
+            storage.layout.partition_size,
+        )
+        host_read.copy_into(
+            self.mask, mask, "zenflow selection", healthy=lambda: first_columns(pieces, self.flow.topk_ratio, self.mask)
+        )
 
     def _take_selection(self, storage) -> None:
         """The device states of the selected elements (per weight decay): the master from the host
@@ -187,9 +221,13 @@ class ZenFlowOffload(OptimizerOffload):
         for wd, hits in by_wd.items():
             idx = torch.cat(hits)
             param_of = self.piece_params[torch.searchsorted(self.piece_starts, idx, right=True) - 1]
-            g = {"wd": wd, "host_index": idx, "index": idx.to(storage.device),
-                 "fp32": self.host["fp32"].index_select(0, idx).to(storage.device),
-                 "param_of": param_of.to(storage.device)}
+            g = {
+                "wd": wd,
+                "host_index": idx,
+                "index": idx.to(storage.device),
+                "fp32": self.host["fp32"].index_select(0, idx).to(storage.device),
+                "param_of": param_of.to(storage.device),
+            }
             where = self.moments_host or dict(device=storage.device)
             for kind, state in SELECTED_MOMENTS.items():
                 g[state] = torch.zeros(len(idx), dtype=torch.float32, **where)
@@ -197,8 +235,11 @@ class ZenFlowOffload(OptimizerOffload):
                     g[state].copy_(self.moments[kind].index_select(0, idx))
             # Per bucket: the run of `index` inside it, as indices into that bucket's chunk.
             cuts = torch.searchsorted(idx, torch.tensor(bucket_starts + [storage.layout.partition_size])).tolist()
-            g["buckets"] = [(b, cuts[b], cuts[b + 1], g["index"][cuts[b]:cuts[b + 1]] - bucket_starts[b])
-                            for b in range(len(bucket_starts)) if cuts[b + 1] > cuts[b]]
+            g["buckets"] = [
+                (b, cuts[b], cuts[b + 1], g["index"][cuts[b] : cuts[b + 1]] - bucket_starts[b])
+                for b in range(len(bucket_starts))
+                if cuts[b + 1] > cuts[b]
+            ]
             self.groups.append(g)
         self.stale, self.on_host, self.moments = False, not self.groups, None
 
@@ -210,7 +251,7 @@ class ZenFlowOffload(OptimizerOffload):
             self.settle()
             super().step(storage, step, lr, config, grad_scale)
             return
-        if self.windows is None:          # "auto": the engine's AutoWindows prepared the step
+        if self.windows is None:  # "auto": the engine's AutoWindows prepared the step
             self.prepare(storage, t)
         self._step_selected(storage, t, lr, config, grad_scale)
         self._accumulate(storage, grad_scale)
@@ -227,7 +268,7 @@ class ZenFlowOffload(OptimizerOffload):
         start; taken again from the host after a checkpoint wrote it."""
         if self._selection_due(t):
             self.settle()
-            self.moments = None          # a new selection's moments start from zero
+            self.moments = None  # a new selection's moments start from zero
             self._select(storage)
             self._take_selection(storage)
         elif self.stale:
@@ -238,7 +279,7 @@ class ZenFlowOffload(OptimizerOffload):
         every = self.flow.select_every()
         if t == 1 or every <= 0:
             return t == 1
-        if self.windows is not None:      # "auto" ends a window at every multiple of `every`
+        if self.windows is not None:  # "auto" ends a window at every multiple of `every`
             return (t - 1) % every == 0
         k = int(self.flow.update_interval)
         return (t - 1) % k == 0 and (t - 1) // every != (t - 1 - k) // every
@@ -256,7 +297,7 @@ class ZenFlowOffload(OptimizerOffload):
         out = torch.stack([selected, (total - selected).clamp_min_(0.0)], 1).mul_(grad_scale)
         if storage.shard is not None and storage.shard.size > 1:
             comm.all_reduce(out, storage.shard)
-        if self.tensor is not None:           # a split matrix's sums over its whole
+        if self.tensor is not None:  # a split matrix's sums over its whole
             whole = out * self.split_rows
             comm.all_reduce(whole, self.tensor)
             out = torch.where(self.split_rows, whole, out)
@@ -272,9 +313,10 @@ class ZenFlowOffload(OptimizerOffload):
         for g in self.groups:
             grad = self._selected_grad(storage, g)
             m, v = (g[state].to(storage.device, non_blocking=True) for state in ("exp_avg", "exp_avg_sq"))
-            adam_update(g["fp32"], grad, m, v, step=t, lr=lr, config=config, weight_decay=g["wd"],
-                        grad_scale=grad_scale)
-            if m is not g["exp_avg"]:      # offload: back to the host (waited on in _accumulate)
+            adam_update(
+                g["fp32"], grad, m, v, step=t, lr=lr, config=config, weight_decay=g["wd"], grad_scale=grad_scale
+            )
+            if m is not g["exp_avg"]:  # offload: back to the host (waited on in _accumulate)
                 g["exp_avg"].copy_(m, non_blocking=True)
                 g["exp_avg_sq"].copy_(v, non_blocking=True)
         self.on_host = self.on_host and not self.groups
@@ -289,9 +331,10 @@ class ZenFlowOffload(OptimizerOffload):
     def _accumulate(self, storage, grad_scale: float) -> None:
         """acc += every gradient of this step, unscaled (copied to the host first)."""
         for b, bucket in enumerate(storage.layout.buckets):
-            self.grad_in[bucket.local_offset:bucket.local_offset + bucket.chunk].copy_(
-                storage.grad_chunk(b), non_blocking=True)
-        self.copied.record()       # the gradients and (offload) the selected moments have arrived
+            self.grad_in[bucket.local_offset : bucket.local_offset + bucket.chunk].copy_(
+                storage.grad_chunk(b), non_blocking=True
+            )
+        self.copied.record()  # the gradients and (offload) the selected moments have arrived
         self.copied.synchronize()
         self.acc.add_(self.grad_in, alpha=grad_scale)
 
@@ -299,7 +342,7 @@ class ZenFlowOffload(OptimizerOffload):
         """The window's CPU Adam, with the step count of the step that ends it: at once, or
         (overlap) on a thread after applying the last window's."""
         if not self.flow.overlap_step:
-            self._cpu_adam(self.acc, cpu_step, lr, config, 1.0 / steps, None)   # every thread: nothing beside it
+            self._cpu_adam(self.acc, cpu_step, lr, config, 1.0 / steps, None)  # every thread: nothing beside it
             self._apply(storage)
             self.acc.zero_()
             return
@@ -312,22 +355,42 @@ class ZenFlowOffload(OptimizerOffload):
         done = Event(storage.device).record()
         done.synchronize()
         grad = self.window_grad
-        self.thread = threading.Thread(target=self._cpu_adam, name="zenflow-cpu-adam", daemon=True,
-                                       args=(grad, cpu_step, lr, config, 1.0 / steps, self.cpu_threads))
+        self.thread = threading.Thread(
+            target=self._cpu_adam,
+            name="zenflow-cpu-adam",
+            daemon=True,
+            args=(grad, cpu_step, lr, config, 1.0 / steps, self.cpu_threads),
+        )
         self.thread_done = host_thread_work(
-            storage.device, "zenflow cpu adam", reads=[grad],
-            writes=[t for t in (self.host["fp32"], self.host["exp_avg"], self.host["exp_avg_sq"], self.lp)
-                    if t is not None], start=self.thread.start)
+            storage.device,
+            "zenflow cpu adam",
+            reads=[grad],
+            writes=[
+                t for t in (self.host["fp32"], self.host["exp_avg"], self.host["exp_avg_sq"], self.lp) if t is not None
+            ],
+            start=self.thread.start,
+        )
 
-    def _cpu_adam(self, grad: torch.Tensor, cpu_step: int, lr: float, config, scale: float,
-                  threads: int | None) -> None:
+    def _cpu_adam(
+        self, grad: torch.Tensor, cpu_step: int, lr: float, config, scale: float, threads: int | None
+    ) -> None:
         began = time.perf_counter()
         master, m, v = self.host["fp32"], self.host["exp_avg"], self.host["exp_avg_sq"]
         for start, end, wd in self.partition_runs:
             r = slice(start, end)
-            adam_update(master[r], grad[r], m[r], v[r], step=cpu_step, lr=lr, config=config,
-                        weight_decay=wd, grad_scale=scale, param_copy=None if self.lp is None else self.lp[r],
-                        num_threads=threads)
+            adam_update(
+                master[r],
+                grad[r],
+                m[r],
+                v[r],
+                step=cpu_step,
+                lr=lr,
+                config=config,
+                weight_decay=wd,
+                grad_scale=scale,
+                param_copy=None if self.lp is None else self.lp[r],
+                num_threads=threads,
+            )
         self.stats["cpu_adam_ms"] += (time.perf_counter() - began) * 1e3
         self.stats["cpu_updates"] += 1
 
@@ -344,8 +407,9 @@ class ZenFlowOffload(OptimizerOffload):
         """The device weights take the CPU Adam's result, the selected ones the device's own."""
         updated = self._updated()
         for b, bucket in enumerate(storage.layout.buckets):
-            storage.param_chunk(b).copy_(updated[bucket.local_offset:bucket.local_offset + bucket.chunk],
-                                         non_blocking=True)
+            storage.param_chunk(b).copy_(
+                updated[bucket.local_offset : bucket.local_offset + bucket.chunk], non_blocking=True
+            )
         self._write_selected(storage)
         # The host result is overwritten by the next CPU Adam: the copies must have left.
         self.copied.record()
@@ -354,11 +418,14 @@ class ZenFlowOffload(OptimizerOffload):
     # --- accounting -------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:
         out = super().memory_bytes()
-        for g in self.groups:       # the selected elements' device states, and their indices
+        for g in self.groups:  # the selected elements' device states, and their indices
             moments = _nbytes(g["exp_avg"]) + _nbytes(g["exp_avg_sq"])
             out["master"] += _nbytes(g["fp32"])
-            out["optimizer_states"] += (0 if self.flow.offload else moments) + _nbytes(
-                g["index"]) + sum(_nbytes(rel) for *_, rel in g["buckets"])
+            out["optimizer_states"] += (
+                (0 if self.flow.offload else moments)
+                + _nbytes(g["index"])
+                + sum(_nbytes(rel) for *_, rel in g["buckets"])
+            )
             if self.flow.offload:
                 out["host_optimizer_states"] += moments
         extra = [self.acc, self.grad_in, self.lp] + ([self.window_grad] if self.flow.overlap_step else [])

@@ -3,6 +3,7 @@ ZenFlowOffload, the CPU Adam gets the threads the training leaves (pt_reserved_c
 with update_interval "auto" one AutoWindows decides for every storage, before they step, whether
 the window ends; its open window goes into this rank's checkpoint index and comes back from it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,11 +23,17 @@ class ZenFlow(Offloaded):
         self.tensor, self.counts_in_norm = groups.tensor, counts_in_norm
 
     def make_offload(self):
-        return functools.partial(ZenFlowOffload, zenflow=self.flow, cpu_threads=self.cpu_threads,
-                                 windows=self.windows, tensor=self.tensor, counted=self.counts_in_norm)
+        return functools.partial(
+            ZenFlowOffload,
+            zenflow=self.flow,
+            cpu_threads=self.cpu_threads,
+            windows=self.windows,
+            tensor=self.tensor,
+            counted=self.counts_in_norm,
+        )
 
     def before_step(self, storages, step: int, coef: float) -> None:
-        if self.windows is not None:      # one window decision for every storage, first
+        if self.windows is not None:  # one window decision for every storage, first
             self.windows.decide(storages, step, coef)
 
     def checkpoint_index(self, storages, name_of) -> dict:
@@ -42,6 +49,8 @@ class ZenFlow(Offloaded):
         if self.windows is None:
             return
         saved = [index["zenflow_window"] for index in indexes if "zenflow_window" in index]
-        window = {"steps": max((w["steps"] for w in saved), default=0),
-                  "sums": {name: pair for w in saved for name, pair in w["sums"].items()}}
+        window = {
+            "steps": max((w["steps"] for w in saved), default=0),
+            "sums": {name: pair for w in saved for name, pair in w["sums"].items()},
+        }
         self.windows.load_state_dict(window, storages, name_of)

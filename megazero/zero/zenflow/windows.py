@@ -38,6 +38,7 @@ a run resumed in any layout ends the same windows.
 
 Owns the window decision; never selects, steps or accumulates (zenflow.py does).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,10 +55,10 @@ class AutoWindows:
 
     def __init__(self, flow, model_parallel):
         self.flow, self.group = flow, model_parallel
-        self.steps = 0                   # steps in the open window (after decide: this one included)
-        self.ends = True                 # the last step closed its window: the next one opens one
-        self.sums: dict[int, torch.Tensor] = {}      # id(offload) -> [params, 2]: selected, deferred L1
-        self.loaded: dict[int, list[float]] = {}     # id(param) -> sums, from a checkpoint
+        self.steps = 0  # steps in the open window (after decide: this one included)
+        self.ends = True  # the last step closed its window: the next one opens one
+        self.sums: dict[int, torch.Tensor] = {}  # id(offload) -> [params, 2]: selected, deferred L1
+        self.loaded: dict[int, list[float]] = {}  # id(param) -> sums, from a checkpoint
 
     def decide(self, storages, step: int, grad_scale: float) -> None:
         t = step - self.flow.full_warm_up_rounds
@@ -82,8 +83,9 @@ class AutoWindows:
         # healthy (the dry run's meta tensors; alike on every rank): no matrix has caught up, among
         # enough of them that the rule needs one, so only select_interval ends a window
         ratio = self.flow.auto_ratio
-        caught, matrices = host_read.read(counts, "zenflow window counts",
-                                          healthy=[0.0, float(math.ceil(1 / ratio)) if ratio > 0 else 1.0])
+        caught, matrices = host_read.read(
+            counts, "zenflow window counts", healthy=[0.0, float(math.ceil(1 / ratio)) if ratio > 0 else 1.0]
+        )
         every = self.flow.select_every()
         self.ends = caught >= int(self.flow.auto_ratio * matrices) or (every > 0 and t % every == 0)
 
@@ -110,8 +112,7 @@ class AutoWindows:
         for storage in storages if not self.ends else ():
             values = self.sums.get(id(storage.offload))
             if values is not None:
-                sums.update(zip((name_of(p) for p in storage.params),
-                                host_read.read(values, "zenflow window sums")))
+                sums.update(zip((name_of(p) for p in storage.params), host_read.read(values, "zenflow window sums")))
         return {"steps": 0 if self.ends else self.steps, "sums": sums}
 
     def load_state_dict(self, state: dict, storages, name_of) -> None:
@@ -119,5 +120,4 @@ class AutoWindows:
         self.steps = int(state["steps"])
         self.ends, self.sums = self.steps == 0, {}
         saved = state["sums"]
-        self.loaded = {id(p): saved[name_of(p)] for storage in storages for p in storage.params
-                       if name_of(p) in saved}
+        self.loaded = {id(p): saved[name_of(p)] for storage in storages for p in storage.params if name_of(p) in saved}

@@ -11,6 +11,7 @@ message carries its kind (activation or gradient), microbatch and virtual stage;
 and backward check what they receive against what the pipeline must deliver there. No model, no
 processes: the whole grid runs in about a second.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,14 +25,14 @@ from megazero.parallel.pipeline.p2p import PipelineP2P
 from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule
 
 ACTIVATION, GRADIENT = 1.0, 2.0
-HANG_GUARD_S = 60        # only catches a hang the deadlock check missed; never reached when passing
+HANG_GUARD_S = 60  # only catches a hang the deadlock check missed; never reached when passing
 
 
 @dataclasses.dataclass(eq=False)
 class _Op:
     peer: int
-    message: torch.Tensor | None = None      # a send's copy of its tensor
-    target: torch.Tensor | None = None       # a receive's buffer
+    message: torch.Tensor | None = None  # a send's copy of its tensor
+    target: torch.Tensor | None = None  # a receive's buffer
     done: bool = False
 
 
@@ -39,7 +40,7 @@ class _Op:
 class _Batch:
     rank: int
     ops: list
-    active: bool = False                     # its ops are offered for matching
+    active: bool = False  # its ops are offered for matching
     waited: bool = False
 
     @property
@@ -58,11 +59,11 @@ class TaglessWire:
     def __init__(self, size: int):
         self.cond = threading.Condition()
         self.barrier = threading.Barrier(size)
-        self.unmatched_sends = collections.defaultdict(collections.deque)   # (src, dst) -> sends
-        self.unmatched_recvs = collections.defaultdict(collections.deque)   # (src, dst) -> receives
-        self.queued = collections.defaultdict(collections.deque)            # rank -> batches in order
-        self.unwaited = collections.defaultdict(set)                        # rank -> batches not waited
-        self.waiting: dict[int, _Batch] = {}                                # rank -> batch it waits on
+        self.unmatched_sends = collections.defaultdict(collections.deque)  # (src, dst) -> sends
+        self.unmatched_recvs = collections.defaultdict(collections.deque)  # (src, dst) -> receives
+        self.queued = collections.defaultdict(collections.deque)  # rank -> batches in order
+        self.unwaited = collections.defaultdict(set)  # rank -> batches not waited
+        self.waiting: dict[int, _Batch] = {}  # rank -> batch it waits on
         self.running = size
         self.failure: str | None = None
 
@@ -111,11 +112,9 @@ class TaglessWire:
         batch.active = True
         for op in batch.ops:
             if op.message is not None:
-                self._post(op, self.unmatched_recvs[(batch.rank, op.peer)],
-                           self.unmatched_sends[(batch.rank, op.peer)])
+                self._post(op, self.unmatched_recvs[(batch.rank, op.peer)], self.unmatched_sends[(batch.rank, op.peer)])
             else:
-                self._post(op, self.unmatched_sends[(op.peer, batch.rank)],
-                           self.unmatched_recvs[(op.peer, batch.rank)])
+                self._post(op, self.unmatched_sends[(op.peer, batch.rank)], self.unmatched_recvs[(op.peer, batch.rank)])
 
     @staticmethod
     def _post(op: _Op, partners: collections.deque, pending: collections.deque) -> None:
@@ -135,9 +134,11 @@ class TaglessWire:
     def _describe_waits(self) -> str:
         def blocked(rank, batch):
             head = self.queued[rank][0] if self.queued[rank] else batch
-            ops = ", ".join(f"{'send to' if op.message is not None else 'receive from'} {op.peer}"
-                            for op in head.ops if not op.done)
+            ops = ", ".join(
+                f"{'send to' if op.message is not None else 'receive from'} {op.peer}" for op in head.ops if not op.done
+            )
             return f"stage {rank} waits to {ops}" + ("" if head is batch else " (queued ahead of its wait)")
+
         return "; ".join(blocked(rank, batch) for rank, batch in sorted(self.waiting.items()))
 
     def finish(self, rank: int, error: str | None = None) -> None:
@@ -150,9 +151,12 @@ class TaglessWire:
             self.cond.notify_all()
 
     def leftovers(self) -> list[str]:
-        return [f"{len(q)} unmatched {kind} {src}->{dst}"
-                for kind, queues in (("sends", self.unmatched_sends), ("receives", self.unmatched_recvs))
-                for (src, dst), q in queues.items() if q]
+        return [
+            f"{len(q)} unmatched {kind} {src}->{dst}"
+            for kind, queues in (("sends", self.unmatched_sends), ("receives", self.unmatched_recvs))
+            for (src, dst), q in queues.items()
+            if q
+        ]
 
 
 class _WireHandle:
@@ -194,10 +198,10 @@ class FakeStage:
 
     def __init__(self, stage: int, pp: int, v: int, m: int, forward_only: bool, wire: TaglessWire):
         self.stage, self.pp, self.v, self.m, self.wire = stage, pp, v, m, wire
-        self.computed_in_flight = 0       # forwards/backwards run while a batch of ours was in flight
+        self.computed_in_flight = 0  # forwards/backwards run while a batch of ours was in flight
         self.last_virtual = pp * v - 1
         self.backwards_left = 0 if forward_only else m * v
-        self.saved = {}                   # id(output) -> (virtual stage, microbatch, input)
+        self.saved = {}  # id(output) -> (virtual stage, microbatch, input)
         self.forwarded = collections.defaultdict(list)
         self.backwarded = collections.defaultdict(list)
 
@@ -214,8 +218,9 @@ class FakeStage:
     def backward(self, output, output_grad, last: bool) -> None:
         s, mb, x = self.saved.pop(id(output))
         expected = None if s == self.last_virtual else (GRADIENT, mb, s + 1)
-        assert read(output_grad) == expected, \
+        assert read(output_grad) == expected, (
             f"backward of microbatch {mb} at virtual stage {s} got {read(output_grad)}"
+        )
         self.backwards_left -= 1
         assert last == (self.backwards_left == 0), "only the step's final backward is marked last"
         self.computed_in_flight += bool(self.wire.unwaited[self.stage])
@@ -224,20 +229,26 @@ class FakeStage:
             x.grad = label(GRADIENT, mb, s)
 
 
-def run_pipeline(schedule: str, pp: int, v: int, m: int, forward_only: bool,
-                 overlap: bool = False) -> list[FakeStage]:
+def run_pipeline(schedule: str, pp: int, v: int, m: int, forward_only: bool, overlap: bool = False) -> list[FakeStage]:
     wire = TaglessWire(pp)
     stages = [FakeStage(p, pp, v, m, forward_only, wire) for p in range(pp)]
-    errors = []                                    # in the order they happened: the first is the cause
+    errors = []  # in the order they happened: the first is the cause
 
     def run_stage(p: int) -> None:
         error = None
         try:
-            job = PipelineJob(num_microbatches=m, num_chunks=v, stage=p, num_stages=pp,
-                              forward=stages[p].forward, backward=stages[p].backward,
-                              p2p=TaglessP2P(wire, p, pp), overlap_p2p=overlap)
+            job = PipelineJob(
+                num_microbatches=m,
+                num_chunks=v,
+                stage=p,
+                num_stages=pp,
+                forward=stages[p].forward,
+                backward=stages[p].backward,
+                p2p=TaglessP2P(wire, p, pp),
+                overlap_p2p=overlap,
+            )
             get_schedule(schedule, pp, v)(job, forward_only=forward_only)
-        except BaseException as e:                 # reported below, with the stage that raised it
+        except BaseException as e:  # reported below, with the stage that raised it
             error = f"stage {p}: {type(e).__name__}: {e}"
             errors.append(error)
         wire.finish(p, error)
@@ -247,8 +258,7 @@ def run_pipeline(schedule: str, pp: int, v: int, m: int, forward_only: bool,
         t.start()
     for t in threads:
         t.join(timeout=2 * HANG_GUARD_S)
-    what = (f"{schedule} pp {pp} v {v} m {m}{' forward only' if forward_only else ''}"
-            f"{' overlapped' if overlap else ''}")
+    what = f"{schedule} pp {pp} v {v} m {m}{' forward only' if forward_only else ''}{' overlapped' if overlap else ''}"
     assert not any(t.is_alive() for t in threads), f"{what}: a stage never finished"
     assert not errors, f"{what}: {errors[0]}"
     assert not wire.leftovers(), f"{what}: " + ", ".join(wire.leftovers())
@@ -297,7 +307,7 @@ def test_wire_reports_crossed_messages_and_deadlocks():
 
     t = threading.Thread(target=sender, daemon=True)
     t.start()
-    wire.batch(1, [], [(b, 0), (a, 0)])         # grad buffer first: takes the activation
+    wire.batch(1, [], [(b, 0), (a, 0)])  # grad buffer first: takes the activation
     wire.finish(1)
     t.join()
     got = read(b)[0], read(a)[0]

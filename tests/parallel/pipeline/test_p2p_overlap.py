@@ -3,6 +3,7 @@ train bit for bit as without overlap (same ops in the same order, only waited la
 data-parallel axis included. The op order itself, against a transport that runs each stage's
 batches in turn, is tests/parallel/pipeline/test_p2p_order.py's.
 """
+
 import pytest
 import torch
 
@@ -17,10 +18,12 @@ def overlapped(cfg):
 
 
 def test_overlapped_p2p_trains_bitwise_like_plain_p2p(dist_pool):
-    pairs = {      # what -> (config maker, dp)
+    pairs = {  # what -> (config maker, dp)
         "1F1B pp 2 x ZeRO-2 dp 2": (lambda: small_config(pp=2, stage=2, schedule="1f1b", steps=STEPS), 2),
-        "interleaved pp 2 x v 2": (lambda: small_config(pp=2, virtual=2, schedule="interleaved",
-                                                        steps=STEPS, global_batch=8), 1),
+        "interleaved pp 2 x v 2": (
+            lambda: small_config(pp=2, virtual=2, schedule="interleaved", steps=STEPS, global_batch=8),
+            1,
+        ),
     }
     layouts = []
     for make, dp in pairs.values():
@@ -37,8 +40,9 @@ def test_overlapped_p2p_trains_bitwise_like_plain_p2p(dist_pool):
             for name, (value, _) in a["params"].items():
                 assert torch.equal(value, b["params"][name][0]), f"{what}: {name} differs with overlap"
             sent = {k: v for k, v in a["comm"].items() if k[0] in ("send", "recv")}
-            assert sent and sent == {k: v for k, v in b["comm"].items() if k[0] in ("send", "recv")}, \
+            assert sent and sent == {k: v for k, v in b["comm"].items() if k[0] in ("send", "recv")}, (
                 f"{what}: point-to-point bytes differ with overlap"
+            )
 
 
 def test_overlap_flag_reaches_the_schedule_and_refuses_what_it_cannot_overlap():

@@ -9,6 +9,7 @@ batch in microbatches of 2 (the first step at the warmup's lr 0, then 3 updates)
 gradient, a stale weight or a misrouted activation shows in the loss from the second step on, and
 in the final parameters at 1e-5.
 """
+
 import pytest
 
 from tests.layouts import assert_matches_reference, layout_worker, reference_fixture, small_config
@@ -16,7 +17,7 @@ from megazero.parallel.pipeline.split import stage_layer_ranges
 
 LAYERS = 8
 GRID = [(pp, tp, dp) for pp in (2, 4) for tp in (1, 2) for dp in (1, 2) if pp * tp * dp <= 8]
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}     # schedule -> virtual stages
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2}  # schedule -> virtual stages
 STEPS = 4
 
 reference = reference_fixture(layers=LAYERS, steps=STEPS)
@@ -49,8 +50,9 @@ def test_pipeline_grid_matches_single_process(dist_pool, reference, schedule, st
     pool = dist_pool(8)
     for pp, tp, dp in cell_layouts(stage, sorted(SCHEDULES).index(schedule)):
         what = f"{schedule} pp {pp} tp {tp} dp {dp} stage {stage}"
-        results = check(pool, reference, dp, what, pp=pp, tp=tp, stage=stage, schedule=schedule,
-                        virtual=SCHEDULES[schedule])
+        results = check(
+            pool, reference, dp, what, pp=pp, tp=tp, stage=stage, schedule=schedule, virtual=SCHEDULES[schedule]
+        )
         microbatches = 16 // (2 * dp)
         for r in results:
             if r is None:
@@ -59,15 +61,24 @@ def test_pipeline_grid_matches_single_process(dist_pool, reference, schedule, st
             if schedule == "gpipe":
                 assert r["in_flight"] == microbatches, f"{what}: GPipe holds every microbatch"
             elif schedule == "1f1b":
-                assert r["in_flight"] == min(pp - p, microbatches) <= pp, \
+                assert r["in_flight"] == min(pp - p, microbatches) <= pp, (
                     f"{what}: stage {p} held {r['in_flight']} microbatches, 1F1B allows {pp - p}"
+                )
 
 
 def test_uneven_split_and_stage3_gather_once_per_step(dist_pool, reference):
     pool = dist_pool(8)
     check(pool, reference, 2, "uneven split 3+5", pp=2, stage=2, layer_split=[3, 5])
-    check(pool, reference, 2, "stage 3 keeps params gathered across microbatches", pp=2, tp=2,
-          stage=3, zero_extra={"keep_params_gathered_across_microbatches": True})
+    check(
+        pool,
+        reference,
+        2,
+        "stage 3 keeps params gathered across microbatches",
+        pp=2,
+        tp=2,
+        stage=3,
+        zero_extra={"keep_params_gathered_across_microbatches": True},
+    )
 
 
 def test_stage_layer_ranges_interleave_chunks():
@@ -81,6 +92,7 @@ def freed_outputs(ctx, schedule):
     from megazero.parallel.pipeline.p2p import PipelineP2P, backward_from_freed
     from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule
     from megazero.parallel.topology import Topology
+
     groups = ctx.groups(Topology(world_size=2, pp=2))
     stage = groups.coords.pp
     w = torch.nn.Parameter(torch.full((3,), 1.0 + stage))
@@ -96,8 +108,15 @@ def freed_outputs(ctx, schedule):
     def backward(output, grad, last):
         output.backward() if grad is None else backward_from_freed([output], [grad])
 
-    job = PipelineJob(num_microbatches=4, num_chunks=1, stage=stage, num_stages=2, forward=forward,
-                      backward=backward, p2p=PipelineP2P(groups.pp, (2, 3), torch.float32, "cpu"))
+    job = PipelineJob(
+        num_microbatches=4,
+        num_chunks=1,
+        stage=stage,
+        num_stages=2,
+        forward=forward,
+        backward=backward,
+        p2p=PipelineP2P(groups.pp, (2, 3), torch.float32, "cpu"),
+    )
     get_schedule(schedule, 2, 1)(job)
     return [t.numel() for t in sent], w.grad.tolist()
 

@@ -16,13 +16,13 @@ ZeRO-3: a W after a later microbatch's B hands its gradient to a released, empty
 local sum of the tied embedding's two copies dropped (zbv pp 2 ZeRO-1: 8 of the 10 losses off, by up
 to 1.2e-3 relative).
 """
+
 import contextlib
 
 import pytest
 
 from megazero.core.stream_check import checking
-from tests.layouts import (assert_matches_reference, layout_worker, per_layout, single_process_reference,
-                           small_config)
+from tests.layouts import assert_matches_reference, layout_worker, per_layout, single_process_reference, small_config
 from tests.parallel.test_expert_parallel import MOE, check as check_moe
 
 STEPS, LAYERS = 10, 8
@@ -43,8 +43,12 @@ LAYOUTS = [
     ("dualpipev pp 2 x cp 2 x ZeRO-1", dict(pp=2, cp=2, schedule="dualpipev", stage=1), 1, False),
     ("zb-h1 pp 4 recompute ZeRO-1", dict(pp=4, schedule="zb-h1", stage=1, model_extra=RECOMPUTE), 1, False),
 ]
-MOE_LAYOUT = ("zbv pp 2 x ep 2 MoE ZeRO-2 dp 2", dict(pp=2, ep=2, schedule="zbv", stage=2, layers=4,
-                                                   model_extra=MOE), 2, False)
+MOE_LAYOUT = (
+    "zbv pp 2 x ep 2 MoE ZeRO-2 dp 2",
+    dict(pp=2, ep=2, schedule="zbv", stage=2, layers=4, model_extra=MOE),
+    2,
+    False,
+)
 
 
 def config(options: dict):
@@ -65,6 +69,7 @@ def watch_reductions(state) -> list:
                 return run(*args, **kwargs)
             finally:
                 inside[kind] = False
+
         setattr(engine, name, wrapped)
 
     wrap("backward_input", "B")
@@ -82,6 +87,7 @@ def run_all(ctx, layouts) -> list:
 
         def on_setup(state):
             seen["reductions"] = watch_reductions(state)
+
         with checking() if checked else contextlib.nullcontext():
             result = layout_worker(ctx, config(options), dp, on_setup)
         if result is not None:
@@ -101,8 +107,9 @@ def assert_deferred_and_reduced_at_w(results, what: str, stage: int) -> None:
     reductions = [seen for r in ranks for seen in r["reductions"]]
     assert not any(seen["B"] for seen in reductions), f"{what}: a gradient reduction was issued inside a B"
     if stage >= 2:
-        assert reductions and all(seen["W"] for seen in reductions), \
+        assert reductions and all(seen["W"] for seen in reductions), (
             f"{what}: ZeRO-{stage} reduces each microbatch's gradients at its W"
+        )
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[what for what, *_ in LAYOUTS])

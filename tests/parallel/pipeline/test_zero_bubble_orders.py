@@ -11,6 +11,7 @@ layout (looped, or the V). ZB-H1 is torch's ScheduleInterleavedZeroBubble with o
 Planted, failing here: zb-h1's (and interleaved-zb's) rank r keeping r + 1 Ws waiting instead of r
 (10 of 23 fail: the orders, the closed form, the memory bound).
 """
+
 import re
 
 import pytest
@@ -19,10 +20,13 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from megazero.parallel.pipeline.actions import Action, ListSchedule, check, holdings, simulate
 from megazero.parallel.pipeline.zero_bubble import one_f_one_b, zero_bubble_schedule
 
-TORCH = {"zb-h1": torch_schedules.ScheduleInterleavedZeroBubble, "zbv": torch_schedules.ScheduleZBVZeroBubble,
-         "interleaved-zb": torch_schedules.ScheduleInterleavedZeroBubble,
-         "dualpipev": torch_schedules.ScheduleDualPipeV}
-SHAPES = [(2, 4), (2, 8), (4, 8), (4, 16)]        # (stages, microbatches)
+TORCH = {
+    "zb-h1": torch_schedules.ScheduleInterleavedZeroBubble,
+    "zbv": torch_schedules.ScheduleZBVZeroBubble,
+    "interleaved-zb": torch_schedules.ScheduleInterleavedZeroBubble,
+    "dualpipev": torch_schedules.ScheduleDualPipeV,
+}
+SHAPES = [(2, 4), (2, 8), (4, 8), (4, 16)]  # (stages, microbatches)
 KIND = {"F": "F", "I": "B", "W": "W", "B": "BW"}
 CHUNKS = {"zb-h1": 1, "zbv": 2, "interleaved-zb": 2, "dualpipev": 2}
 
@@ -36,7 +40,8 @@ def torch_order(name: str, pp: int, microbatches: int) -> dict[int, list]:
     sched.number_of_rounds = max(1, microbatches // pp)
     sched.microbatches_per_round = microbatches // sched.number_of_rounds
     sched.stage_index_to_group_rank = torch_schedules.generate_stage_to_rank_mapping(
-        pp, pp * chunks, style="v" if name in ("zbv", "dualpipev") else "loop")
+        pp, pp * chunks, style="v" if name in ("zbv", "dualpipev") else "loop"
+    )
     sched.pipeline_order = {r: sched._calculate_single_rank_operations(r) for r in range(pp)}
     if cls is torch_schedules.ScheduleInterleavedZeroBubble:
         sched.pipeline_order = sched._add_bubbles_to_actions(pp * chunks)
@@ -46,7 +51,7 @@ def torch_order(name: str, pp: int, microbatches: int) -> dict[int, list]:
 def ours_from_torch(schedule: ListSchedule, actions) -> list[Action]:
     out = []
     for a in actions:
-        if a.sub_actions is not None:          # OVERLAP_F_B: a forward together with a backward
+        if a.sub_actions is not None:  # OVERLAP_F_B: a forward together with a backward
             (f, b) = a.sub_actions
             out += [to_action(schedule, f, overlapped=True), to_action(schedule, b)]
         else:
@@ -68,7 +73,8 @@ def test_order_is_torchs(name, pp, microbatches):
         want = ours_from_torch(ours, theirs[rank])
         assert list(ours.ranks[rank]) == want, (
             f"{name} pp {pp} m {microbatches} rank {rank}:\n ours  {' '.join(map(str, ours.ranks[rank]))}\n"
-            f" torch {' '.join(map(str, want))}")
+            f" torch {' '.join(map(str, want))}"
+        )
     check(ours)
 
 
@@ -111,21 +117,45 @@ def test_a_list_that_cannot_run_is_refused():
         check(missing)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--pipeline-model-parallel-size", "1", "--pipeline-schedule", "zb-h1"], "needs --pipeline-model-parallel-size > 1"),
-    (["--pipeline-schedule", "zbv"], "runs two model chunks per stage in a V"),
-    (["--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "2"], "use interleaved-zb"),
-    (["--pipeline-schedule", "dualpipev", "--num-layers-per-virtual-pipeline-stage", "2",
-      "--global-batch-size", "2"], "at least 2 x pipeline size = 4 microbatches per step, got 2"),
-    (["--pipeline-schedule", "zb-h1", "--overlap-p2p-communication"], "--overlap-p2p-communication works with"),
-    (["--pipeline-schedule", "zb-h1", "--compile"], "drop --compile"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--pipeline-model-parallel-size", "1", "--pipeline-schedule", "zb-h1"],
+            "needs --pipeline-model-parallel-size > 1",
+        ),
+        (["--pipeline-schedule", "zbv"], "runs two model chunks per stage in a V"),
+        (["--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "2"], "use interleaved-zb"),
+        (
+            [
+                "--pipeline-schedule",
+                "dualpipev",
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+                "--global-batch-size",
+                "2",
+            ],
+            "at least 2 x pipeline size = 4 microbatches per step, got 2",
+        ),
+        (["--pipeline-schedule", "zb-h1", "--overlap-p2p-communication"], "--overlap-p2p-communication works with"),
+        (["--pipeline-schedule", "zb-h1", "--compile"], "drop --compile"),
+    ],
+)
 def test_bad_zero_bubble_flags_are_one_line(flags, message):
     from megazero.config.flags import parse_args
     from megazero.config.train_flags import config_from_args
     from megazero.core.errors import UsageError
-    base = ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
-            "--global-batch-size", "8"]
+
+    base = [
+        "--num-layers",
+        "8",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "8",
+    ]
     world = 1 if "1" == flags[1] else 2
     with pytest.raises(UsageError, match=re.escape(message)):
         config_from_args(parse_args(base + flags), world_size=world)

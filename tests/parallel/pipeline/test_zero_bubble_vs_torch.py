@@ -10,6 +10,7 @@ whose W is deferred by the runner. Both scale each microbatch's gradient by 1/m.
 Planted, failing here: the deferred Linear's W computing its gradients from twice the output's
 gradient: 32 of the 40 losses part (all after the first step's update).
 """
+
 import torch
 from torch import nn
 
@@ -19,7 +20,7 @@ from megazero.parallel.pipeline.schedules import PipelineJob, get_schedule
 from megazero.parallel.topology import Topology
 
 STEPS, MICROBATCHES, ROWS, WIDTH, LR = 5, 8, 2, 16, 0.1
-MINE = {0: (0, 3), 1: (1, 2)}         # rank -> its virtual stages, in chunk order (the V)
+MINE = {0: (0, 3), 1: (1, 2)}  # rank -> its virtual stages, in chunk order (the V)
 
 
 def stage_module(virtual: int, linear=nn.Linear) -> nn.Module:
@@ -47,6 +48,7 @@ def sgd(modules) -> None:
 
 def torch_losses(pg, rank: int) -> list[float]:
     from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
     modules = [stage_module(v) for v in MINE[rank]]
     stages = [PipelineStage(m, v, 4, torch.device("cpu"), group=pg) for m, v in zip(modules, MINE[rank])]
     schedule = ScheduleZBVZeroBubble(stages, MICROBATCHES, loss_fn=mse)
@@ -54,7 +56,7 @@ def torch_losses(pg, rank: int) -> list[float]:
     out = []
     for step in range(STEPS):
         losses = []
-        if rank == 0:                           # first and last stage both here
+        if rank == 0:  # first and last stage both here
             schedule.step(x[step], target=y[step], losses=losses)
         else:
             schedule.step()
@@ -89,9 +91,17 @@ def our_losses(groups, rank: int) -> list[float]:
         def backward_weight(run_w, ticket, last):
             run_w()
 
-        job = PipelineJob(num_microbatches=MICROBATCHES, num_chunks=2, stage=rank, num_stages=2,
-                          forward=forward, backward=None, p2p=p2p, backward_input=backward_input,
-                          backward_weight=backward_weight)
+        job = PipelineJob(
+            num_microbatches=MICROBATCHES,
+            num_chunks=2,
+            stage=rank,
+            num_stages=2,
+            forward=forward,
+            backward=None,
+            p2p=p2p,
+            backward_input=backward_input,
+            backward_weight=backward_weight,
+        )
         run(job)
         sgd(modules)
         out += [losses[mb] for mb in sorted(losses)]

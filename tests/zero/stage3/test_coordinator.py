@@ -3,6 +3,7 @@
 Integer-valued weights and inputs make every activation and gradient exact in fp32, so the checks are
 equalities against a float64 formula, not a second run of the same code.
 """
+
 import warnings
 
 import numpy as np
@@ -18,9 +19,9 @@ from megazero.zero.stage3.gathered import GatheredParameters, register_external_
 from megazero.zero.stage3.units import ParamStatus
 from megazero.models.param_info import param_info
 
-W1 = np.array([[1, 2], [3, -4], [5, 6]], dtype=np.float64)     # fc1: 2 -> 3 (6 + 3 = 9 elements:
-B1 = np.array([1, 0, -2], dtype=np.float64)                    #  over 2 ranks, 5 each, 1 padding)
-W2 = np.array([[2, -1, 3]], dtype=np.float64)                  # fc2: 3 -> 1
+W1 = np.array([[1, 2], [3, -4], [5, 6]], dtype=np.float64)  # fc1: 2 -> 3 (6 + 3 = 9 elements:
+B1 = np.array([1, 0, -2], dtype=np.float64)  #  over 2 ranks, 5 each, 1 padding)
+W2 = np.array([[2, -1, 3]], dtype=np.float64)  # fc2: 3 -> 1
 B2 = np.array([4], dtype=np.float64)
 KNOWN = {"fc1.weight": W1, "fc1.bias": B1, "fc2.weight": W2, "fc2.bias": B2}
 
@@ -88,8 +89,8 @@ def analytic_stage3(ctx):
     for unit in store.units:
         flat = np.concatenate([grads[f"{unit.name}.{n}"].ravel() for n in ("weight", "bias")])
         padded = np.zeros(unit.total)
-        padded[:flat.size] = flat
-        expected = padded[ctx.rank * unit.part_size:(ctx.rank + 1) * unit.part_size]
+        padded[: flat.size] = flat
+        expected = padded[ctx.rank * unit.part_size : (ctx.rank + 1) * unit.part_size]
         got = store.unit_slice(store.grad_part, unit)
         assert torch.equal(got, torch.tensor(expected, dtype=torch.float32)), (unit.name, got, expected)
         partitions[unit.name] = (unit.part_size, unit.total - unit.numel)
@@ -122,8 +123,13 @@ def live_bound(ctx, max_live):
     with torch.device("meta"):
         model = Stack()
     init = lambda name, p: torch.full(p.shape, 0.1)  # noqa: E731
-    zero = ZeroConfig(stage=3, param_persistence_threshold=0, max_live_parameters=max_live,
-                      prefetch_bucket_size=10**6, max_reuse_distance=10**6)
+    zero = ZeroConfig(
+        stage=3,
+        param_persistence_threshold=0,
+        max_live_parameters=max_live,
+        prefetch_bucket_size=10**6,
+        max_reuse_distance=10**6,
+    )
     engine = _engine(ctx, model, zero, init)
     live_after_steps = []
     for _ in range(3):
@@ -135,7 +141,7 @@ def live_bound(ctx, max_live):
 
 
 def test_stage3_live_parameter_bound_and_trace(dist_pool):
-    unit = 8 * 8 + 8                          # one Linear's gathered elements (72 over 2 ranks: 36 each)
+    unit = 8 * 8 + 8  # one Linear's gathered elements (72 over 2 ranks: 36 each)
     bounded = dist_pool(2).run(live_bound, 2 * unit)
     unbounded = dist_pool(2).run(live_bound, 10**9)
     for peak, live_after, trace in bounded[:2]:
@@ -154,6 +160,7 @@ def tied_and_gathered(ctx):
 
     class UsesOther(nn.Module):
         """Multiplies by another module's weight, reached through an unregistered reference."""
+
         def __init__(self, owner):
             super().__init__()
             self.__dict__["owner"] = owner
@@ -166,7 +173,7 @@ def tied_and_gathered(ctx):
             super().__init__()
             self.emb = nn.Embedding(10, 4)
             self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.emb.weight            # tied by shared registration
+            self.head.weight = self.emb.weight  # tied by shared registration
             self.scale = nn.Linear(4, 4, bias=False)
             self.user = UsesOther(self.scale)
 
@@ -179,7 +186,7 @@ def tied_and_gathered(ctx):
     engine = _engine(ctx, model, ZeroConfig(stage=3, param_persistence_threshold=0), init)
     register_external_parameter(model.user, model.scale.weight)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                    # the trace must stay valid step to step
+        warnings.simplefilter("error")  # the trace must stay valid step to step
         for _ in range(2):
             engine.begin_step()
             engine.backward(model(torch.tensor([[1, 2, 3]])).sum())
@@ -210,8 +217,9 @@ def order_change(ctx):
         return None
     with torch.device("meta"):
         model = Stack(n=3)
-    engine = _engine(ctx, model, ZeroConfig(stage=3, param_persistence_threshold=0),
-                     lambda name, p: torch.full(p.shape, 0.1))
+    engine = _engine(
+        ctx, model, ZeroConfig(stage=3, param_persistence_threshold=0), lambda name, p: torch.full(p.shape, 0.1)
+    )
     order = [0, 1, 2]
     for step in range(3):
         if step == 1:

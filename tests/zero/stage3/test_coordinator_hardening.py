@@ -5,6 +5,7 @@ Training checks compare stage 3 on 2 ranks with stage 0 on one process fed both 
 engine sums gradients over data parallelism, so sum losses match). `max_reuse_distance=0` keeps
 reuse from hiding a unit released too early.
 """
+
 import zlib
 
 import pytest
@@ -27,7 +28,7 @@ from megazero.models.param_info import param_info
 
 LR = 1e-2
 STAGE3 = dict(stage=3, param_persistence_threshold=0, max_reuse_distance=0)
-HANG = 120          # seconds: only catches a hang
+HANG = 120  # seconds: only catches a hang
 
 
 def _init(name, p):
@@ -42,8 +43,9 @@ def _build(ctx, model_cls, world, **zero):
         return None, None
     with torch.device("meta"):
         model = model_cls()
-    engine = ZeroEngine([model], _init, groups=zero_groups(groups), zero=ZeroConfig(**zero),
-                        adam=AdamConfig(lr=LR, weight_decay=0.0))
+    engine = ZeroEngine(
+        [model], _init, groups=zero_groups(groups), zero=ZeroConfig(**zero), adam=AdamConfig(lr=LR, weight_decay=0.0)
+    )
     return model, engine
 
 
@@ -60,8 +62,7 @@ def _train(model, engine, batches) -> dict:
         engine.backward(loss)
         engine.step(LR)
         losses.append(loss.item())
-    return {"losses": losses,
-            "params": {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}}
+    return {"losses": losses, "params": {n: safe_get_full_fp32_param(p) for n, p in model.named_parameters()}}
 
 
 def stage3_against_one_process(ctx, model_cls, steps=3, before=None):
@@ -105,10 +106,10 @@ def divergence(ctx):
         if ctx.rank == 1:
             model.order = rank1_order
         try:
-            if training:                  # diverges at the second module, in the training step
+            if training:  # diverges at the second module, in the training step
                 engine.begin_step()
                 engine.backward(model(torch.ones(2, 4)).sum())
-            else:                         # rank 1 ends an evaluation forward one module early
+            else:  # rank 1 ends an evaluation forward one module early
                 with torch.no_grad():
                     model(torch.ones(2, 4))
             messages.append(None)
@@ -149,7 +150,7 @@ class Owner(nn.Module):
         self.inner = UsesOwnerWeight(self)
 
     def forward(self, x):
-        return self.inner(x) @ self.weight          # the weight again, after inner's forward ended
+        return self.inner(x) @ self.weight  # the weight again, after inner's forward ended
 
 
 class SharedUnitNet(nn.Module):
@@ -166,13 +167,13 @@ def _watch_owner_unit(model):
     register_external_parameter(model.owner.inner, model.owner.weight)
     seen = []
     model.owner.inner.register_forward_hook(
-        lambda m, args, out: seen.append(param_info(model.owner.weight).zero_unit.status))
+        lambda m, args, out: seen.append(param_info(model.owner.weight).zero_unit.status)
+    )
     return seen
 
 
 def test_unit_shared_by_nested_modules_stays_gathered(dist_pool):
-    results = dist_pool(2).run(stage3_against_one_process, SharedUnitNet, before=_watch_owner_unit,
-                               timeout=HANG)
+    results = dist_pool(2).run(stage3_against_one_process, SharedUnitNet, before=_watch_owner_unit, timeout=HANG)
     _assert_matches_one_process(results)
     for _, _, seen in results:
         assert seen == [ParamStatus.AVAILABLE] * 3, f"owner's unit after inner's forward: {seen}"
@@ -194,7 +195,7 @@ class MixedNet(nn.Module):
         self.fc_in, self.block, self.head = nn.Linear(4, 8), MixedOutputs(), nn.Linear(8, 2)
 
     def forward(self, x):
-        h, nothing, extra = self.block(self.fc_in(x))   # fc_in: the block's backward needs its weights
+        h, nothing, extra = self.block(self.fc_in(x))  # fc_in: the block's backward needs its weights
         assert nothing is None and extra["aux"][1] == 3 and extra["note"] == "mixed"
         return self.head(h * extra["aux"][0])
 
@@ -252,10 +253,11 @@ def in_flight(ctx, bound):
     engine = ZeroEngine([model], _init, groups=zero_groups(groups), zero=zero, adam=AdamConfig(lr=LR, weight_decay=0.0))
     engine.gather.max_gathers_in_flight = bound
     store = engine.unit_storage
-    seen = []                     # units in flight as each layer's forward starts (after our hooks)
+    seen = []  # units in flight as each layer's forward starts (after our hooks)
     for layer in model.layers:
         layer.register_forward_pre_hook(
-            lambda m, a: seen.append(sum(u.status is ParamStatus.INFLIGHT for u in store.units)))
+            lambda m, a: seen.append(sum(u.status is ParamStatus.INFLIGHT for u in store.units))
+        )
     starts = []
     start_gather = store.start_gather
     store.start_gather = lambda unit: (starts.append(unit.index), start_gather(unit))[1]
@@ -267,12 +269,11 @@ def in_flight(ctx, bound):
         engine.step(LR)
         losses.append(loss.item())
         calls = sum(n for (op, _, _), n in groups.log.step_calls.items() if op == "all_gather")
-        extra_gathers.append(calls - len(starts))          # all-gathers that moved no unit
+        extra_gathers.append(calls - len(starts))  # all-gathers that moved no unit
         groups.log.end_step()
         starts.clear()
         assert store.live_numel == 0
-    return losses, max(seen), engine.gather.peak_gathers_in_flight, extra_gathers, \
-        len(engine.gather.trace_names())
+    return losses, max(seen), engine.gather.peak_gathers_in_flight, extra_gathers, len(engine.gather.trace_names())
 
 
 def test_gathers_in_flight_are_bounded_and_checks_only_while_recording(dist_pool):
@@ -291,6 +292,7 @@ def test_gathers_in_flight_are_bounded_and_checks_only_while_recording(dist_pool
 # --- torch.compile ------------------------------------------------------------------------------
 def compiled_against_eager(ctx):
     from torch._dynamo.utils import counters
+
     counters.clear()
     results = []
     for compile_it in (False, True):

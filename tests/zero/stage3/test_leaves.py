@@ -13,12 +13,21 @@ Planted: without the reduction at the end of a leaf's backward (a leaf's units r
 unit's, when complete or at the end of the backward) the two ranks reduce in different orders and
 the routed run fails; hooking a leaf's inner modules as well makes it diverge like per-module units.
 """
+
 import pytest
 import torch
 from torch import nn
 
-from tests.layouts import (assemble_params, assert_close, assert_params_match, layout_worker, run_training,
-                           small_config, strip_padding, with_padded_vocab)
+from tests.layouts import (
+    assemble_params,
+    assert_close,
+    assert_params_match,
+    layout_worker,
+    run_training,
+    small_config,
+    strip_padding,
+    with_padded_vocab,
+)
 from megazero.core.errors import UsageError
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.training import setup
@@ -36,10 +45,11 @@ def leaf_layouts_worker(ctx, layouts):
 def test_transformer_layer_leaves_are_the_layer_granularity(dist_pool):
     reference = run_training(small_config(steps=STEPS), ProcessGroups.single())
     ref_params = strip_padding(assemble_params([reference]), VOCAB)
-    layouts = [(small_config(stage=3, steps=STEPS, zero_extra=BY_CLASS), 2),
-               (small_config(stage=3, steps=STEPS, zero_extra=BY_LAYER), 2),
-               (small_config(tp=2, stage=3, steps=STEPS, zero_extra=BY_CLASS,
-                             model_extra={"recompute_activations": True}), 2)]
+    layouts = [
+        (small_config(stage=3, steps=STEPS, zero_extra=BY_CLASS), 2),
+        (small_config(stage=3, steps=STEPS, zero_extra=BY_LAYER), 2),
+        (small_config(tp=2, stage=3, steps=STEPS, zero_extra=BY_CLASS, model_extra={"recompute_activations": True}), 2),
+    ]
     by_class, by_layer, tp = (list(r) for r in zip(*dist_pool(4).run(leaf_layouts_worker, layouts)))
     assert by_class[0]["losses"] == by_layer[0]["losses"] and by_class[0]["norms"] == by_layer[0]["norms"]
     for name, value in assemble_params(by_class).items():
@@ -60,17 +70,25 @@ def test_each_selector_makes_leaves_and_a_selector_matching_nothing_is_one_line(
     base = {"embedding.word", "embedding.position", "output_head"}
     per_module = _hooked({})
     assert {"layers.0.attention.qkv", "layers.1.mlp.fc2"} <= per_module
-    assert _hooked({"leaf_module": {"classes": "MLP"}}) == \
-        {m for m in per_module if ".mlp." not in m} | {"layers.0.mlp", "layers.1.mlp"}
+    assert _hooked({"leaf_module": {"classes": "MLP"}}) == {m for m in per_module if ".mlp." not in m} | {
+        "layers.0.mlp",
+        "layers.1.mlp",
+    }
     # the module-qualified class name and a module name select the same kind of thing
-    assert _hooked({"leaf_module": {"classes": ["megazero.models.gpt.TransformerLayer"]}}) == \
-        base | {"layers.0", "layers.1"}
-    assert _hooked({"leaf_module": {"names": ["layers.1.attention"]}}) == \
-        {m for m in per_module if not m.startswith("layers.1.attention.")} | {"layers.1.attention"}
-    assert _hooked({"leaf_module": {"name_suffixes": [".attention"]}}) == \
-        {m for m in per_module if ".attention." not in m} | {"layers.0.attention", "layers.1.attention"}
-    for selector, named in (({"names": ["layers.7.mlp"]}, "names 'layers.7.mlp'"),
-                            ({"classes": ["Expert"], "name_suffixes": [".mlp"]}, "classes 'Expert'")):
+    assert _hooked({"leaf_module": {"classes": ["megazero.models.gpt.TransformerLayer"]}}) == base | {
+        "layers.0",
+        "layers.1",
+    }
+    assert _hooked({"leaf_module": {"names": ["layers.1.attention"]}}) == {
+        m for m in per_module if not m.startswith("layers.1.attention.")
+    } | {"layers.1.attention"}
+    assert _hooked({"leaf_module": {"name_suffixes": [".attention"]}}) == {
+        m for m in per_module if ".attention." not in m
+    } | {"layers.0.attention", "layers.1.attention"}
+    for selector, named in (
+        ({"names": ["layers.7.mlp"]}, "names 'layers.7.mlp'"),
+        ({"classes": ["Expert"], "name_suffixes": [".mlp"]}, "classes 'Expert'"),
+    ):
         with pytest.raises(UsageError, match=f"leaf_module: {named} matches no module") as err:
             _hooked({"leaf_module": selector})
         assert "\n" not in str(err.value)

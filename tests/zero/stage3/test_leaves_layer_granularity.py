@@ -6,10 +6,17 @@ classes ["TransformerLayer"]; the embeddings, the final norm and the head stay u
 own), gathered once before the block runs and released after it: the same bytes as per-module
 units, in fewer, larger all-gathers.
 """
+
 import pytest
 
-from tests.layouts import (assert_matches_reference, layout_worker, reference_fixture, setup_training, small_config,
-                           with_padded_vocab)
+from tests.layouts import (
+    assert_matches_reference,
+    layout_worker,
+    reference_fixture,
+    setup_training,
+    small_config,
+    with_padded_vocab,
+)
 from megazero.parallel.process_groups import ProcessGroups
 from megazero.training import train_step
 from megazero.zero.stage3.units import ParamStatus
@@ -34,6 +41,7 @@ class CountingContext:
             def end_step_keeping_calls():
                 self.calls.append(dict(log.step_calls))
                 return end_step()
+
             log.end_step = end_step_keeping_calls
         return groups
 
@@ -64,8 +72,10 @@ def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist
         "layer units dp 2": (small_config(stage=3, steps=STEPS, zero_extra=LAYER), 2),
         "module units dp 2": (small_config(stage=3, steps=STEPS), 2),
         "layer units dp 4, MiCS 2": (small_config(stage=3, steps=STEPS, mics=2, zero_extra=LAYER), 4),
-        "layer units tp 2 x dp 2, recompute": (small_config(tp=2, stage=3, steps=STEPS, zero_extra=LAYER,
-                                                            model_extra=FULL_RECOMPUTE), 2),
+        "layer units tp 2 x dp 2, recompute": (
+            small_config(tp=2, stage=3, steps=STEPS, zero_extra=LAYER, model_extra=FULL_RECOMPUTE),
+            2,
+        ),
         "layer units pp 2 x dp 2": (small_config(pp=2, stage=3, steps=STEPS, zero_extra=LAYER), 2),
     }
     per_rank = dist_pool(4).run(counting_worker, list(layouts.values()))
@@ -89,8 +99,9 @@ def test_layer_units_match_the_single_process_run_with_fewer_larger_gathers(dist
 def test_a_layer_unit_is_gathered_before_the_layer_and_released_after_it():
     """One process: the hooks sit on the blocks, a layer's submodules all run on its one gathered
     unit, and with no reuse the unit is gone as soon as the layer's forward returns."""
-    cfg = with_padded_vocab(small_config(stage=3, steps=1, global_batch=4,
-                                         zero_extra={**LAYER, "max_reuse_distance": 0}))
+    cfg = with_padded_vocab(
+        small_config(stage=3, steps=1, global_batch=4, zero_extra={**LAYER, "max_reuse_distance": 0})
+    )
     state, source = setup_training(cfg, ProcessGroups.single())
     gather = state.engine.gather
     hooked = {gather.module_name(m) for m in gather.module_units}

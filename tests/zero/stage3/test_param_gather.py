@@ -8,13 +8,21 @@ with two or four of its ranks on each. Per rank and step, in elements of this ra
   bytes are (s - 1) P flat, or (n - 1) P with two hops; every later gather stays on the node.
 - two hops: each gather moves (n - 1) chunks across nodes and (p - 1) n chunks inside the node.
 """
+
 import types
 
 import pytest
 import torch
 
-from tests.layouts import (assemble_params, assert_close, assert_params_match, last_stage_result,
-                           run_training, small_config, strip_padding)
+from tests.layouts import (
+    assemble_params,
+    assert_close,
+    assert_params_match,
+    last_stage_result,
+    run_training,
+    small_config,
+    strip_padding,
+)
 from megazero.core import comm
 from megazero.core.errors import UsageError
 from megazero.parallel.process_groups import ProcessGroups
@@ -41,9 +49,12 @@ LAYOUTS = [
 
 
 def layout_config(tp=1, pp=1, mics=-1, hierarchical=False, hpz=1):
-    extra = {"mics_hierarchical_params_gather": hierarchical, "zero_hpz_partition_size": hpz,
-             "param_persistence_threshold": 0,       # every parameter in a unit: P is the whole partition
-             "max_reuse_distance": 0}                # released after use: the backward gathers again
+    extra = {
+        "mics_hierarchical_params_gather": hierarchical,
+        "zero_hpz_partition_size": hpz,
+        "param_persistence_threshold": 0,  # every parameter in a unit: P is the whole partition
+        "max_reuse_distance": 0,
+    }  # released after use: the backward gathers again
     return small_config(tp=tp, pp=pp, stage=3, mics=mics, steps=STEPS, zero_extra=extra)
 
 
@@ -52,10 +63,14 @@ def hierarchy_worker(ctx, layouts):
     results = []
     for _, dp, ranks_per_node, _, settings in layouts:
         cfg = layout_config(**settings)
-        topology = Topology(world_size=ctx.world_size, tp=cfg.parallel.tensor_parallel,
-                            pp=cfg.parallel.pipeline_parallel, mics_shard_size=cfg.zero.mics_shard_size,
-                            ranks_per_node=ranks_per_node,
-                            hpz_partition_size=cfg.zero.zero_hpz_partition_size)
+        topology = Topology(
+            world_size=ctx.world_size,
+            tp=cfg.parallel.tensor_parallel,
+            pp=cfg.parallel.pipeline_parallel,
+            mics_shard_size=cfg.zero.mics_shard_size,
+            ranks_per_node=ranks_per_node,
+            hpz_partition_size=cfg.zero.zero_hpz_partition_size,
+        )
         assert topology.dp == dp
         results.append(run_training(cfg, ctx.groups(topology)))
     return results
@@ -64,12 +79,11 @@ def hierarchy_worker(ctx, layouts):
 def gather_bytes(result, loc: str, group: str | None = None) -> float:
     """Bytes of the last step's unit all-gathers at `loc` (on `group`, or on any gather group)."""
     groups = UNIT_GATHER_GROUPS if group is None else (group,)
-    return sum(b for (op, g, where), b in result["comm"].items()
-               if op == "all_gather" and g in groups and where == loc)
+    return sum(b for (op, g, where), b in result["comm"].items() if op == "all_gather" and g in groups and where == loc)
 
 
 def check_traffic(result, nodes: int, per_node: int, settings: dict, what: str):
-    partition = result["memory"]["params"]        # fp32 bytes of this rank's chunks of every unit
+    partition = result["memory"]["params"]  # fp32 bytes of this rank's chunks of every unit
     hpz, two_hops = settings.get("hpz", 1), settings.get("hierarchical", False)
     inter = gather_bytes(result, "inter")
     if hpz > 1:
@@ -81,8 +95,9 @@ def check_traffic(result, nodes: int, per_node: int, settings: dict, what: str):
     if two_hops:
         intra = gather_bytes(result, "intra", "shard_node_local")
         assert inter > 0 and intra > 0, f"{what}: both hops ran"
-        assert inter == pytest.approx(intra * (nodes - 1) / ((per_node - 1) * nodes), rel=1e-12), \
+        assert inter == pytest.approx(intra * (nodes - 1) / ((per_node - 1) * nodes), rel=1e-12), (
             f"{what}: cross-node hop bytes against the node-local hop's"
+        )
         assert gather_bytes(result, "inter", "mics_shard_gather") == 0, f"{what}: no flat gather"
 
 
@@ -104,24 +119,28 @@ def gather_worker(ctx):
     bit for bit, for shard groups of 8 (2 nodes of 4) and 4 (tp 2: 2 nodes of 2)."""
     out = []
     for tp, hpz in ((1, 2), (2, 2)):
-        groups = zero_groups(ctx.groups(Topology(world_size=8, tp=tp, ranks_per_node=4,
-                                                 hpz_partition_size=hpz)))
+        groups = zero_groups(ctx.groups(Topology(world_size=8, tp=tp, ranks_per_node=4, hpz_partition_size=hpz)))
         shard = groups.shard_gather
         chunk = torch.randn(5, generator=torch.Generator().manual_seed(ctx.rank))
         unit = types.SimpleNamespace(index=0, total=5 * shard.size, full=torch.empty(5 * shard.size))
         flat = torch.empty(unit.total)
         comm.all_gather(flat, chunk, shard)
-        two_hop = ParamGather(groups, ZeroConfig(stage=3, mics_hierarchical_params_gather=True,
-                                                 zero_hpz_partition_size=hpz), [unit.total],
-                              torch.float32, "cpu", Streams("cpu"))
+        two_hop = ParamGather(
+            groups,
+            ZeroConfig(stage=3, mics_hierarchical_params_gather=True, zero_hpz_partition_size=hpz),
+            [unit.total],
+            torch.float32,
+            "cpu",
+            Streams("cpu"),
+        )
         results = []
-        for _ in range(2):                 # the primary (two hops), then from the secondaries
+        for _ in range(2):  # the primary (two hops), then from the secondaries
             unit.full.zero_()
             two_hop.start(unit, chunk).wait()
             results.append(torch.equal(unit.full, flat))
-        two_hop.partition_changed()        # a step: the next gather is primary again ...
+        two_hop.partition_changed()  # a step: the next gather is primary again ...
         handle = two_hop.start(unit, chunk)
-        two_hop.partition_changed()        # ... and one waited for only after a later step keeps nothing
+        two_hop.partition_changed()  # ... and one waited for only after a later step keeps nothing
         handle.wait()
         two_hop.start(unit, chunk).wait()
         out.append((results, dict(two_hop.gathered_numel)))
@@ -136,7 +155,7 @@ def test_two_hop_and_secondary_gathers_equal_the_flat_gather(dist_pool):
 
 
 def test_node_groups_of_the_shard_groups():
-    topo = Topology(world_size=8, tp=2, ranks_per_node=4, hpz_partition_size=2)   # shard (0, 2, 4, 6)
+    topo = Topology(world_size=8, tp=2, ranks_per_node=4, hpz_partition_size=2)  # shard (0, 2, 4, 6)
     assert topo.shard_node_local_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert topo.shard_cross_node_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
     assert topo.hpz_groups() == [[0, 2], [4, 6], [1, 3], [5, 7]]

@@ -2,14 +2,21 @@
 reproduces the non-offloaded single-process curve in fp32 (rtol 1e-5), with TP 2 and with PP 2; the
 memory report moves the partition's bytes off the device; a truncated swap file is an error naming
 it; the nvme read-ahead follows the last step's fetch order. Composes with offload_optimizer."""
+
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.layouts import (assert_matches_reference, last_stage_result, reference_fixture, run_layouts, setup_training,
-                           small_config)
+from tests.layouts import (
+    assert_matches_reference,
+    last_stage_result,
+    reference_fixture,
+    run_layouts,
+    setup_training,
+    small_config,
+)
 from megazero.training.lr_schedule import learning_rate
 from megazero.parallel.topology import Topology
 from megazero.core.streams import Streams
@@ -24,8 +31,7 @@ def offloaded(device: str, root: str, tp=1, pp=1, bf16=False, **extra):
     block = {"device": device}
     if device == "nvme":
         block.update(nvme_path=os.path.join(root, f"{device}-tp{tp}-pp{pp}"), buffer_count=2)
-    return small_config(tp=tp, pp=pp, stage=3, steps=STEPS, bf16=bf16,
-                        zero_extra={"offload_param": block, **extra})
+    return small_config(tp=tp, pp=pp, stage=3, steps=STEPS, bf16=bf16, zero_extra={"offload_param": block, **extra})
 
 
 reference = reference_fixture(steps=STEPS)
@@ -39,8 +45,15 @@ def test_offloaded_params_reproduce_the_single_process_curve(dist_pool, referenc
         "nvme tp 2 dp 2": (offloaded("nvme", str(tmp_path), tp=2), 2),
         "nvme pp 2 dp 2": (offloaded("nvme", str(tmp_path), pp=2), 2),
         # With the optimizer offloaded too, its host step writes the updated weights to their home.
-        "nvme + offload_optimizer nvme tp 2 dp 2": (offloaded("nvme", str(tmp_path / "both"), tp=2, offload_optimizer={
-            "device": "nvme", "nvme_path": str(tmp_path / "both"), "pipeline_read": True}), 2),
+        "nvme + offload_optimizer nvme tp 2 dp 2": (
+            offloaded(
+                "nvme",
+                str(tmp_path / "both"),
+                tp=2,
+                offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path / "both"), "pipeline_read": True},
+            ),
+            2,
+        ),
     }
     results = dist_pool(4).run(run_layouts, [layout for layout in layouts.values()])
     for k, (what, (cfg, dp)) in enumerate(layouts.items()):
@@ -63,8 +76,9 @@ def test_bf16_offloaded_params_train_bit_for_bit_like_device_ones(dist_pool, tmp
     """Offload changes where the bf16 partition lives, not one operation on it: the run equals the
     non-offloaded bf16 run exactly (the step writes the bf16 copy into the home)."""
     layouts = [(small_config(stage=3, steps=STEPS, bf16=True), 2), (offloaded("nvme", str(tmp_path), bf16=True), 2)]
-    device, offload = (last_stage_result([per_rank[k] for per_rank in dist_pool(4).run(run_layouts, layouts)])
-                       for k in range(2))
+    device, offload = (
+        last_stage_result([per_rank[k] for per_rank in dist_pool(4).run(run_layouts, layouts)]) for k in range(2)
+    )
     assert offload["losses"] == device["losses"] and offload["norms"] == device["norms"]
     for name, (value, _) in device["params"].items():
         assert torch.equal(offload["params"][name][0], value), name
@@ -81,7 +95,7 @@ def truncated_swap_file(ctx, cfg):
     store = state.engine.unit_storage
     victim = store.home.path(len(store.units) - 1)
     if ctx.rank == 1:
-        store.home.held.clear()             # nothing cached: the next use reads the file
+        store.home.held.clear()  # nothing cached: the next use reads the file
         with open(victim, "r+b") as f:
             f.truncate(os.path.getsize(victim) - 2)
         try:
@@ -100,14 +114,14 @@ def test_truncated_swap_file_is_an_error_naming_it(dist_pool, tmp_path):
 
 def test_read_ahead_follows_the_last_steps_order():
     order = GatherOrder()
-    assert order.next_after(0, 2) == []                  # nothing recorded yet
-    for b in (1, 2, 2, 1, 0):                            # this step: 0 1 2 2 1 0
+    assert order.next_after(0, 2) == []  # nothing recorded yet
+    for b in (1, 2, 2, 1, 0):  # this step: 0 1 2 2 1 0
         assert order.next_after(b, 2) == []
     order.end_step()
     assert order.next_after(0, 2) == [1, 2]
     assert order.next_after(1, 2) == [2, 2]
-    assert order.next_after(0, 3) == []                 # out of step: 0's next use, the last
-    assert order.next_after(2, 2) == [2, 1]             # none after that: 2's first use
+    assert order.next_after(0, 3) == []  # out of step: 0's next use, the last
+    assert order.next_after(2, 2) == [2, 1]  # none after that: 2's first use
 
 
 def test_nvme_home_writes_back_evicted_chunks_and_refuses_an_altered_file(tmp_path):
@@ -117,7 +131,7 @@ def test_nvme_home_writes_back_evicted_chunks_and_refuses_an_altered_file(tmp_pa
     home = NvmeParams([(0, 5), (5, 3), (8, 4)], torch.bfloat16, "cpu", Streams("cpu"), config, rank=0)
     for b in range(3):
         home.host_chunk(b).fill_(b + 1)
-    assert len(home.held) == 2                          # the first chunk went to its file
+    assert len(home.held) == 2  # the first chunk went to its file
     home.drop_cache()
     assert [home.to_device(b).tolist() for b in range(3)] == [[1.0] * 5, [2.0] * 3, [3.0] * 4]
     home.drop_cache()
@@ -131,6 +145,7 @@ def test_nvme_home_rewrites_only_changed_chunks(tmp_path, monkeypatch):
     """A chunk handed out by host_chunk and only read (--log-params-norm, a checkpoint save) is not
     written back to its file; one changed in place is. Planted: writing every handed-out chunk."""
     from megazero.zero.swap import SwapFile
+
     config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=4)
     home = NvmeParams([(0, 5), (5, 3), (8, 4)], torch.bfloat16, "cpu", Streams("cpu"), config, rank=0)
     for b in range(3):
@@ -153,8 +168,9 @@ def test_nvme_home_holds_at_most_max_in_cpu_elements_in_host_buffers(tmp_path):
     """max_in_cpu bounds the host cache below buffer_count, never below two chunks."""
     chunks = [(0, 4), (4, 4), (8, 4), (12, 4)]
     for max_in_cpu, held in ((1000, 4), (12, 3), (1, 2)):
-        config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path / str(max_in_cpu)),
-                                    buffer_count=4, max_in_cpu=max_in_cpu)
+        config = OffloadParamConfig(
+            device="nvme", nvme_path=str(tmp_path / str(max_in_cpu)), buffer_count=4, max_in_cpu=max_in_cpu
+        )
         home = NvmeParams(chunks, torch.float32, "cpu", Streams("cpu"), config, rank=0)
         for b in range(4):
             home.host_chunk(b).fill_(b)
