@@ -1,7 +1,7 @@
 """The CPU grid's layouts: each launched with torchrun, its steady-state step time measured, beside
 the dry run's predicted step time when the timeline is there (docs/dry_run.md, "Calibrating a machine").
 
-    python bench/cpu_layouts.py                        # calibration + 17 layouts: ~20-25 min on 2 quiet cores
+    python bench/cpu_layouts.py                        # calibration + 17 layouts: ~6 min on 2 quiet cores
     python bench/cpu_layouts.py --only dp2-zero1,tp2 --skip-calibration
 
 It runs bench/calibrate_cpu.py first, in the same run (a loaded machine then loads the device
