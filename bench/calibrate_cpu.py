@@ -24,7 +24,7 @@ What it measures, every figure at one torch thread per process (as torchrun's ra
   One process group per world size (megazero.testing's pool: spawned once, every size swept); an
   op's time is the slowest rank's, a batch of calls each after --gap-us of small GEMMs (as a step
   computes between its collectives) less the same GEMMs timed alone, over their count, the median of
-  batches. alpha and beta are fitted by least squares on relative error (fit_alpha_beta).
+  batches. alpha and beta are fitted by Theil-Sen's medians (fit_alpha_beta), robust to a size timed wrong.
 
 Ranks beyond the cores share them: 4 and 8 gloo ranks on 2 cores are measured as they run (the
 figures include the sharing) and `cores` records how many there were.
@@ -71,22 +71,25 @@ def wire_bytes(op: str, ranks: int, buffer_bytes: float) -> float:
 
 
 def fit_alpha_beta(wire: list[float], seconds: list[float]) -> tuple[float, float]:
-    """time = alpha + wire / beta, fitted by least squares on relative error (each residual over its
-    own time, so the small messages that fix alpha count as much as the large ones that fix beta).
-    Returns (alpha in microseconds, beta in GB/s). A negative intercept (latency below the noise) is
-    refitted as alpha = 0."""
+    """time = alpha + wire / beta, fitted by Theil-Sen: 1/beta the median of the slopes between every
+    two sizes, alpha the median of the times less their wire time at that slope. Returns (alpha in
+    microseconds, beta in GB/s); a negative intercept (latency below the noise) is alpha = 0.
+
+    Robust to a size or two timed wrong: on a shared machine one batch of one size can read 40% low
+    or 2x high (the quiet 2-rank all_reduce of 2026-12-07 18:54 read 465 us at 256 KiB between 867 us
+    at 16 KiB and 1,733 us at 1 MiB). A least-squares line bends to such a point, and its intercept
+    moved the all_reduce's latency from the ~1.2 ms its small sizes cost to 654 us: every small
+    synchronous all-reduce of a tensor-parallel step (tp2: 161 a step) was then 0.5 ms short. The
+    medians also keep alpha from being ruled by the large messages' few-percent noise (each of
+    those is many alphas)."""
     if len(wire) != len(seconds) or len(wire) < 2:
         raise ValueError(f"fit_alpha_beta needs at least 2 (bytes, time) points, got {len(wire)}")
-    w = torch.tensor([1.0 / t for t in seconds], dtype=torch.float64)
-    x = torch.tensor(wire, dtype=torch.float64)
-    y = torch.tensor(seconds, dtype=torch.float64)
-    design = torch.stack([torch.ones_like(x), x], dim=1) * w[:, None]
-    alpha, inv_beta = torch.linalg.lstsq(design, (y * w)[:, None]).solution[:, 0].tolist()
-    if alpha < 0:
-        alpha = 0.0
-        inv_beta = float(((x * w) @ (y * w)) / ((x * w) @ (x * w)))
+    pairs = [(i, j) for i in range(len(wire)) for j in range(i + 1, len(wire)) if wire[i] != wire[j]]
+    slopes = [(seconds[j] - seconds[i]) / (wire[j] - wire[i]) for i, j in pairs]
+    inv_beta = statistics.median(slopes) if slopes else 0.0
     if inv_beta <= 0:
         raise ValueError("the times do not grow with the message size: no bandwidth to fit")
+    alpha = max(0.0, statistics.median(t - w * inv_beta for w, t in zip(wire, seconds)))
     return alpha * 1e6, 1e-9 / inv_beta
 
 
@@ -402,7 +405,8 @@ def render(m: dict) -> str:
         "# Times: a GEMM costs launch_us (host, per op) + 2*m*n*k / (gflops * 1e3) us; an op moving B bytes",
         "# launch_us + B / (memory_gbps * 1e3) us. A collective of a B-byte buffer over n ranks costs",
         "# alpha_us + bytes_on_wire / (beta_gbps * 1e3) us, bytes_on_wire by the ring algorithm:",
-        "# all_reduce 2(n-1)/n*B, all_gather and reduce_scatter (n-1)/n*B of the full buffer, send_recv B.",
+        "# all_reduce 2(n-1)/n*B, all_gather and reduce_scatter (n-1)/n*B of the full buffer, send_recv B;",
+        "# alpha_us and beta_gbps fitted on measured_us by Theil-Sen's medians (calibrate_cpu.fit_alpha_beta).",
         f"# Ranks share `cores` cores: {m['cores']} here, so at 4 and 8 ranks the collectives' figures include",
         "# the sharing, and a GEMM's figure is one process alone on a core.",
         f"# memory: {', '.join(f'{k} {v:.2f} GB/s' for k, v in m['memory_detail'].items())}",

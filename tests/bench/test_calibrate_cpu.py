@@ -1,5 +1,7 @@
-"""bench/calibrate_cpu.py: the alpha-beta fit recovers a made-up line (exactly, and through noise
-that an unweighted fit lets the large messages turn into a wrong latency), the ring formulas' bytes
+"""bench/calibrate_cpu.py: the alpha-beta fit recovers a made-up line (exactly, through noise that
+an unweighted fit lets the large messages turn into a wrong latency, and through one size timed
+wrong, as the quiet 2-rank all_reduce's 256 KiB was; the committed file's alpha and beta are that
+fit of its own times), the ring formulas' bytes
 on the wire, the collective sweep on two pool ranks, and the committed measured file in the schema
 the timeline reads (megazero/dry_run/cpu_measured.toml)."""
 
@@ -30,12 +32,25 @@ def test_fit_recovers_a_made_up_line(op, n):
 
 
 def test_fit_keeps_the_latency_through_noise_on_large_messages():
-    """+-3% on every point: the relative fit keeps alpha within 10% where a plain least-squares fit is
+    """+-3% on every point: the fit keeps alpha within 10% where a plain least-squares fit is
     ruled by the 16 MiB point's 3% (~0.7 ms, 15x alpha). Planted: the weights dropped (plain least
     squares) returns alpha 78 us, and fails here."""
     wire, times = _line("all_reduce", 4, alpha_us=50.0, beta_gbps=1.0, noise=(0.03, -0.03, 0.02, -0.02))
     alpha, beta = calibrate_cpu.fit_alpha_beta(wire, times)
     assert alpha == pytest.approx(50.0, rel=0.1) and beta == pytest.approx(1.0, rel=0.05)
+
+
+def test_fit_keeps_the_latency_through_one_size_timed_wrong():
+    """The committed quiet calibration's 2-rank all_reduce read 465 us at 256 KiB between ~1.2 ms at
+    the small sizes and 1.7 ms at 1 MiB; a least-squares line bent to it and said alpha 654 us, and
+    every small all-reduce of a tp2 step came out 0.5 ms short. Here: a 1.2 ms / 2 GB/s line, the
+    256 KiB point at 0.4x and the 16 MiB point at 1.25x. Planted: the relative least-squares fit
+    (the one before) returns alpha 758 us and beta 1.71 GB/s, and fails here."""
+    wire, times = _line("all_reduce", 2, alpha_us=1200.0, beta_gbps=2.0)
+    times[4] *= 0.4
+    times[7] *= 1.25
+    alpha, beta = calibrate_cpu.fit_alpha_beta(wire, times)
+    assert alpha == pytest.approx(1200.0, rel=0.1) and beta == pytest.approx(2.0, rel=0.1)
 
 
 def test_fit_refuses_what_is_no_line():
@@ -106,6 +121,17 @@ def test_the_committed_measurement_is_in_the_schema_and_covers_the_layouts_gemms
     assert all(cpu["collectives"][op]["ranks"] == [2, 4, 8] for op in calibrate_cpu.OPS)
     assert {tuple(row[:3]) for row in cpu["matmul"]} >= set(calibrate_cpu.gemm_shapes())
     assert "load average" in text.split("[cpu]")[0] and cpu["cores"] >= 1
+
+
+def test_the_committed_latencies_are_the_fit_of_the_committed_times():
+    """alpha_us and beta_gbps are fit_alpha_beta's over the file's own measured_us (the timeline reads
+    only alpha and beta). Planted: the file's earlier least-squares 2-rank all_reduce alpha, 654 us
+    (1,176 by the medians), fails it."""
+    for op, table in tomllib.loads(calibrate_cpu.DEFAULT_OUTPUT.read_text())["cpu"]["collectives"].items():
+        for n, row, alpha, beta in zip(table["ranks"], table["measured_us"], table["alpha_us"], table["beta_gbps"]):
+            wire = [calibrate_cpu.wire_bytes(op, n, size) for size in table["sizes_bytes"]]
+            fitted = calibrate_cpu.fit_alpha_beta(wire, [t * 1e-6 for t in row])
+            assert (alpha, beta) == pytest.approx(fitted, rel=1e-3), (op, n)
 
 
 def test_the_one_rank_fit_is_written_and_read_back_by_the_layouts_bench():
