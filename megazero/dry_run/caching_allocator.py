@@ -113,3 +113,19 @@ class CachingAllocator:
         pool = self.pools[small]
         del pool[bisect.bisect_left(pool, (block.size, block.segment, block.offset))]
         del self._cached[(block.segment, block.offset)]
+
+
+def replay(requests: list) -> dict:
+    """The allocator's figures for a log of requests (device_stand_in's `requests`): an int n >= 0
+    asks n bytes; a negative int -j frees the j-th newest live block (-1: the newest); a str notes a
+    phase, whose reserved bytes at that point are kept (the last note of each phase). Returns
+    {"reserved_peak", "segments", "reserved_at": {phase: bytes}}."""
+    allocator, live, at = CachingAllocator(), [], {}
+    for r in requests:
+        if type(r) is str:
+            at[r] = allocator.reserved
+        elif r >= 0:
+            live.append(allocator.malloc(r))
+        else:
+            allocator.free(live.pop(len(live) + r))
+    return {"reserved_peak": allocator.peak_reserved, "segments": allocator.segments, "reserved_at": at}

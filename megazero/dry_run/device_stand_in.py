@@ -19,11 +19,14 @@ states) and the rest (`workspace`). Host storages (offloaded optimizer states, h
 kept the same way, in plain bytes. Simulating a CPU (`device="cpu"`) the device's storages are plain
 bytes too (no caching allocator: glibc's malloc, no 512-byte blocks, no segments), and since device
 and host memory are then one, `process_peak` counts both at once. `snapshot(phase)` notes the live bytes by owner and the peak so
-far; the peak's own breakdown is kept as well.
+far; the peak's own breakdown is kept as well. `requests` logs what the caching allocator was asked, in
+order (caching_allocator.replay's form), so that a step counted from fewer microbatches
+(steady_state.py) can replay its allocator at the full count.
 """
 
 from __future__ import annotations
 
+import bisect
 import sys
 import weakref
 
@@ -84,7 +87,10 @@ class DeviceStandIn(TorchDispatchMode):
         self.host_live = dict.fromkeys(OWNERS, 0)
         self.host_peak, self.host_peak_by_owner = 0, dict(self.host_live)
         self.phases: dict[str, dict] = {}
-        self._held: dict[int, list] = {}  # storage id -> [owner, bytes, block], while it holds memory
+        self._held: dict[int, list] = {}  # storage id -> [owner, bytes, block, serial], while it holds memory
+        self.requests: list = []  # the allocator's requests (caching_allocator.replay)
+        self._live_serials: list[int] = []  # the allocator's live blocks' serials, oldest first
+        self._serials = 0
         self._watched: set[int] = set()  # storages with a finalizer
         self._host_values: set[int] = set()  # storages of initial values: host data on a GPU
         self.read_marks: list[tuple[int, int]] = []
@@ -153,6 +159,8 @@ class DeviceStandIn(TorchDispatchMode):
             self.counting, self.initializing = True, False
 
     def snapshot(self, phase: str) -> None:
+        if self.device == "cuda":
+            self.requests.append(phase)
         self.phases[phase] = {
             "allocated": sum(self.live.values()),
             "peak": self.peak,
@@ -220,7 +228,7 @@ class DeviceStandIn(TorchDispatchMode):
             self._watched.add(key)
             weakref.finalize(storage, self._gone, key)
         if host:  # host memory: plain bytes, no caching allocator in between
-            self._held[key] = [owner, nbytes, None]
+            self._held[key] = [owner, nbytes, None, None]
             self._process(nbytes)
             self.host_live[owner] += nbytes
             total = sum(self.host_live.values())
@@ -232,7 +240,13 @@ class DeviceStandIn(TorchDispatchMode):
         if owner == "backward" and not self.backward_started:
             self.backward_started = True
             self.snapshot("forward")
-        self._held[key] = [owner, size, self.allocator.malloc(nbytes) if self.device == "cuda" else False]
+        block, serial = False, None
+        if self.device == "cuda":
+            block, serial = self.allocator.malloc(nbytes), self._serials
+            self._serials += 1
+            self._live_serials.append(serial)
+            self.requests.append(nbytes)
+        self._held[key] = [owner, size, block, serial]
         self.allocations += 1
         self.live[owner] += size
         total = sum(self.live.values())
@@ -249,7 +263,7 @@ class DeviceStandIn(TorchDispatchMode):
             self._free(key)
 
     def _free(self, key: int) -> None:
-        owner, size, block = self._held.pop(key)
+        owner, size, block, serial = self._held.pop(key)
         self.process_live -= size
         if block is None:
             self.host_live[owner] -= size
@@ -257,6 +271,12 @@ class DeviceStandIn(TorchDispatchMode):
             self.live[owner] -= size
             if block is not False:  # False: a simulated CPU's storage, no allocator block
                 self.allocator.free(block)
+                # (the block named by its place among the live ones counted from the newest: a
+                # steady block's frees then read alike in every repetition)
+                live = self._live_serials
+                at = bisect.bisect_left(live, serial)
+                self.requests.append(at - len(live))
+                del live[at]
 
     def saved(self, t):
         """autograd's pack hook: a tensor kept for the backward is an activation, whatever made it

@@ -51,6 +51,7 @@ class RankRun:
     skipped_steps: int | None = None  # optimizer steps skipped for a non-finite gradient norm
     trace: dict | None = None  # the op trace for the timeline (megazero.dry_run.trace)
     steady_state: dict | None = None  # how its step's microbatches were counted (steady_state.extend)
+    requests: list | None = None  # the caching allocator's requests, in order (caching_allocator.replay)
     error: str | None = None  # one line: where a rank stopped (a misplaced tensor, a bug)
     detail: str | None = None  # its traceback
 
@@ -234,6 +235,7 @@ def _simulated_rank(
             }
             run.trace = checker.result(run.entries)
         run.memory = {**device.record(), "planner": planner_figures(argv, world, local_world)}
+        run.requests = device.requests if device_kind == "cuda" else None
         step_of = {i: k + 1 for k, (lo, hi) in enumerate(device.read_marks) for i in range(lo, hi)}
         run.host_reads = [
             {"what": r.what, "site": r.site, "numel": r.numel, "step": step_of.get(i)} for i, r in enumerate(reads)

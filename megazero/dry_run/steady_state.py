@@ -19,6 +19,10 @@ block, and `extend` reads the block off their difference and counts it k = (m - 
   runs, else the steady state still grows (GPipe holds every microbatch) and the rank is simulated
   in full.
 
+- the caching allocator's requests (device_stand_in's `requests`: sizes, and for each free which
+  live block), each step's with the blocks the second run inserts (at up to four places) repeated k
+  times, replayed through caching_allocator at the full count: reserved memory, segments and each
+  phase's reserved bytes move in segment-sized steps, which no straight line through two runs gives;
 - the op trace of the last step (megazero.dry_run.trace, what --gpu's timeline times): its records
   grow in more than one place (a slot per microbatch made when the step starts, the steady block,
   and a kernel over every microbatch's loss whose bytes grow), so `blocks_repeated` takes b as a
@@ -37,7 +41,9 @@ Owns the choice of the reduced counts (`plan`) and the merge (`extend`); runs no
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
+from megazero.dry_run.caching_allocator import replay
 from megazero.parallel.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES, one_f_one_b, zero_bubble_schedule
 
 
@@ -231,6 +237,23 @@ def blocks_repeated(a: list, b: list, k: int, what: str) -> list:
     return start + grown[:first] * k + middle + grown[first + len(middle) :] * k + end
 
 
+def inserts_repeated(a: list, b: list, k: int, what: str, places: int = 4) -> list:
+    """`a` with what `b` inserts into it repeated k times at each place: b must be a with blocks
+    inserted at `places` places at most (difflib's alignment; a step's allocator requests grow where
+    it starts, a request per microbatch, by the steady block, and where it ends, a free per
+    microbatch). Where a third run is made, its requests must equal these at k = 2."""
+    out = []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if op == "equal":
+            out += a[i1:i2]
+        elif op != "insert" or places == 0:
+            raise NotPeriodic(f"{what}: the runs differ past inserted blocks (at #{i1 + 1})")
+        else:
+            out += b[j1:j2] * k
+            places -= 1
+    return out
+
+
 def _linear_record(u, v, k: int):
     return u if u == v else tuple(linear(x, y, k) if x != y else x for x, y in zip(u, v))
 
@@ -314,14 +337,47 @@ def _affine(a, b, k: int, what: str, linear_ok: bool):
     return _same(a, b, what)
 
 
-def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool) -> dict:
+def _extend_requests(a: list | None, b: list | None, k: int) -> list | None:
+    """The caching allocator's requests (device_stand_in's `requests`) at the full count: each step's
+    (cut after its "step" note; the setup with the first) with the blocks the second run inserts
+    repeated k times, the requests after the last step equal in both."""
+    if a is None or b is None:
+        return _same(a, b, "the allocator's requests")
+    ends_a = [i + 1 for i, r in enumerate(a) if r == "step"]
+    ends_b = [i + 1 for i, r in enumerate(b) if r == "step"]
+    steps_a, tail_a = _steps(a, ends_a)
+    steps_b, tail_b = _steps(b, ends_b)
+    _same(len(steps_a), len(steps_b), "the allocator's steps")
+    _same(tail_a, tail_b, "the allocator's requests after the last step")
+    out = []
+    for n, (x, y) in enumerate(zip(steps_a, steps_b)):
+        out += inserts_repeated(x, y, k, f"step {n + 1}'s allocator requests")
+    return out + tail_a
+
+
+_RESERVED = ("reserved_peak", "segments")  # and each phase's "reserved": the allocator's, replayed
+
+
+def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool, requests: list | None) -> dict:
+    """Counts a + k (b - a); peaks equal in both runs (or linear, `peaks_linear`); the caching
+    allocator's figures (reserved, segments: they move in 2 MiB and larger steps, no straight line)
+    from replaying its requests at the full count (caching_allocator.replay)."""
+    if requests is not None:
+        b = {**b, **{key: a[key] for key in _RESERVED}}
+        b["phases"] = {p: {**f, "reserved": a["phases"].get(p, f)["reserved"]} for p, f in b["phases"].items()}
     # (the planner's figures are the job's own: the caller puts job.planner_figures there)
-    return {
+    out = {
         key: a[key]
         if key == "planner"
         else _affine(a[key], b[key], k, f"memory {key!r}", peaks_linear or key in _COUNTS)
         for key in a
     }
+    if requests is not None:
+        replayed = replay(requests)
+        out.update({key: replayed[key] for key in _RESERVED})
+        for phase, figures in out["phases"].items():
+            figures["reserved"] = replayed["reserved_at"][phase]
+    return out
 
 
 def _extend_streams(a: dict | None, b: dict | None, k: int) -> dict | None:
@@ -393,12 +449,19 @@ def _extend_trace(a: dict | None, b: dict | None, k: int) -> dict | None:
 
 def _merge(a, b, k: int, peaks_linear: bool):
     entries, ends, blocks = _extend_entries(a, b, k)
+    try:
+        requests = _extend_requests(a.requests, b.requests, k)
+    except NotPeriodic:
+        # (not yet aligned: a last stage's steady block, which difflib splits, and sizes that grow
+        # with the microbatches; its reserved figures then follow the peaks' rule, as before)
+        requests = None
     return dataclasses.replace(
         a,
         entries=entries,
         step_ends=ends,
         host_reads=_extend_reads(a.host_reads, b.host_reads, k),
-        memory=_extend_memory(a.memory, b.memory, k, peaks_linear),
+        memory=_extend_memory(a.memory, b.memory, k, peaks_linear, requests),
+        requests=requests,
         model_states=_same(a.model_states, b.model_states, "the engine's model states"),
         stream_check=_extend_streams(a.stream_check, b.stream_check, k),
         trace=_extend_trace(a.trace, b.trace, k),
@@ -408,7 +471,17 @@ def _merge(a, b, k: int, peaks_linear: bool):
 
 
 def _what_differs(x, y) -> str | None:
-    for field in ("entries", "step_ends", "host_reads", "stream_check", "model_states", "skipped_steps", "trace"):
+    fields = (
+        "entries",
+        "step_ends",
+        "host_reads",
+        "stream_check",
+        "model_states",
+        "skipped_steps",
+        "trace",
+        "requests",
+    )
+    for field in fields if x.requests is not None else fields[:-1]:
         if getattr(x, field) != getattr(y, field):
             return field
     for key in x.memory:

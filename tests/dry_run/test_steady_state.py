@@ -11,6 +11,10 @@ steady state counted as often as the schedule runs it, equals the simulation of 
   compute / exposed communication / bubble / host time per rank);
 - planted: the steady block counted once too few makes them differ (the ops, the totals, the
   timeline's step);
+- the caching allocator's figures: a synthetic log whose blocks held to the step's end fill a second
+  2 MiB segment at 40 microbatches but not at 4 or 5, extended and replayed, equals the log at 40
+  and its replay; planted: the old rule (reserved and segments as the two runs show them) is a
+  segment short;
 - the plan: GPipe and a batch ramp fall back to every microbatch with the line saying why, the
   zero-bubble schedules' lists extend (their lists at the full count are the reduced ones' with the
   block repeated), Megatron's GPT-3 175B recipe at global batch 1536 runs 16 and 17 of its 192.
@@ -24,8 +28,9 @@ import pytest
 
 from megazero.config.train_config import topology_of
 from megazero.dry_run import steady_state
+from megazero.dry_run.caching_allocator import replay
 from megazero.dry_run.cross_rank_checks import check_all
-from megazero.dry_run.job import job_config, simulate
+from megazero.dry_run.job import RankRun, job_config, simulate
 from megazero.dry_run.report import rank_record
 from megazero.dry_run.speed import timeline_of
 
@@ -253,3 +258,60 @@ def test_a_traced_step_grows_in_several_places_and_its_events_are_renumbered():
     trace = {"threads": [], "streams": {0: "default", 1: "side"}}
     got = steady_state._extend_trace({**trace, "records": step(2, 10)}, {**trace, "records": step(3, 12)}, 5)
     assert got == {**trace, "records": step(7, 10 + 5 * 2)}
+
+
+def _requests(m: int, steps: int = 2) -> list:
+    """A 1F1B-like rank's allocator requests (caching_allocator.replay's form) at m microbatches:
+    model states, then per step each microbatch's activations (3 MiB, freed two microbatches later)
+    and its loss (64 KiB, a small block held to the step's end, freed newest first), phase notes."""
+    out, live = [100 << 20, "setup"], ["states"]
+
+    def free(name):
+        out.append(live.index(name) - len(live))
+        live.remove(name)
+
+    for _ in range(steps):
+        for i in range(m):
+            out.append(3 << 20)
+            live.append(("act", i))
+            out.append(64 << 10)
+            live.append(("loss", i))
+            if i == 1:
+                out.append("forward")
+            if i >= 2:
+                free(("act", i - 2))
+        for i in (m - 2, m - 1):
+            free(("act", i))
+        out.append("backward")
+        for i in reversed(range(m)):
+            free(("loss", i))
+        out.append("step")
+    return out
+
+
+def _synthetic_run(m: int) -> RankRun:
+    requests = _requests(m)
+    replayed = replay(requests)
+    phases = {p: {"reserved": r} for p, r in replayed["reserved_at"].items()}
+    memory = {
+        "allocations": sum(1 for r in requests if type(r) is int and r >= 0),
+        "reserved_peak": replayed["reserved_peak"],
+        "segments": replayed["segments"],
+        "phases": phases,
+    }
+    return RankRun(rank=0, coords=(0, 0, 0), step_ends=[0, 0], memory=memory, requests=requests)
+
+
+def test_reserved_memory_replayed_at_the_full_count_steps_where_a_straight_line_does_not():
+    # 40 microbatches hold 40 x 64 KiB of losses to the step's end: more than the 2 MiB small-block
+    # segment that 4 and 5 fill, so the full step opens a second one (and the large pool's 20 MiB
+    # segment, six 3 MiB blocks, is enough in every run)
+    plan = steady_state.Plan(40, "1f1b", (4, 5))
+    a, b, full = _synthetic_run(4), _synthetic_run(5), _synthetic_run(40)
+    assert (a.memory["segments"], b.memory["segments"], full.memory["segments"]) == (3, 3, 4)
+    fast = steady_state.extend(a, b, plan)
+    assert fast.requests == full.requests
+    assert fast.memory == full.memory
+    # planted: the old rule (reserved equal in both runs counted as the full step's): a segment short
+    old = steady_state.extend(dataclasses.replace(a, requests=None), dataclasses.replace(b, requests=None), plan)
+    assert old.memory["segments"] == 3 and old.memory["reserved_peak"] == full.memory["reserved_peak"] - (2 << 20)
