@@ -41,14 +41,10 @@ Owns the choice of the reduced counts (`plan`) and the merge (`extend`); runs no
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
 from megazero.dry_run.caching_allocator import replay
+from megazero.dry_run.repeats import NotPeriodic, extend_trace, inserts_repeated, linear, repeated, same
 from megazero.parallel.pipeline.zero_bubble import ZERO_BUBBLE_SCHEDULES, one_f_one_b, zero_bubble_schedule
-
-
-class NotPeriodic(Exception):
-    """The two reduced runs do not differ by one repeated block (the message says where)."""
 
 
 class ThirdRunNeeded(Exception):
@@ -198,86 +194,6 @@ def reduced_argv(argv: list[str], cfg, world: int, microbatches: int) -> list[st
 
 
 # --- the merge ----------------------------------------------------------------------------------------
-def repeated(a: list, b: list, k: int, what: str) -> list:
-    """`a` with the block `b` inserts into it repeated k times where b has it: b must be a with one
-    contiguous block inserted (found at their longest common prefix; empty when a == b)."""
-    extra = len(b) - len(a)
-    if extra < 0:
-        raise NotPeriodic(f"{what}: the run with more microbatches has fewer ({len(b)} < {len(a)})")
-    i = 0
-    while i < len(a) and a[i] == b[i]:
-        i += 1
-    if a[i:] != b[i + extra :]:
-        raise NotPeriodic(f"{what}: the runs differ past one inserted block (at #{i + 1})")
-    return a[:i] + b[i : i + extra] * k + a[i:]
-
-
-def blocks_repeated(a: list, b: list, k: int, what: str) -> list:
-    """`a` with the blocks `b` inserts into it repeated k times where b has them: b must be a with a
-    block inserted at each of two places at most (a traced step's records grow where the step starts,
-    a slot per microbatch, and by the steady block), found from the two ends: their common start and
-    common end (where a record may differ only in its numbers, counted a + k (b - a): a kernel over
-    every microbatch's loss, its bytes; a wait on an event recorded before the step), and between
-    them a's records in b after the shortest first block."""
-    extra = len(b) - len(a)
-    if extra < 0:
-        raise NotPeriodic(f"{what}: the run with more microbatches has fewer ({len(b)} < {len(a)})")
-    lo = 0
-    while lo < len(a) and (a[lo] == b[lo] or _numbers_apart(a[lo], b[lo])):
-        lo += 1
-    hi = 0
-    while hi < len(a) - lo and (a[-1 - hi] == b[-1 - hi] or _numbers_apart(a[-1 - hi], b[-1 - hi])):
-        hi += 1
-    middle, grown = a[lo : len(a) - hi], b[lo : len(b) - hi]
-    first = next((n for n in range(extra + 1) if grown[n : n + len(middle)] == middle), None)
-    if first is None:
-        raise NotPeriodic(f"{what}: the runs differ past two inserted blocks (at #{lo + 1})")
-    start = [_linear_record(u, v, k) for u, v in zip(a[:lo], b[:lo])]
-    end = [_linear_record(u, v, k) for u, v in zip(a[len(a) - hi :], b[len(b) - hi :])]
-    return start + grown[:first] * k + middle + grown[first + len(middle) :] * k + end
-
-
-def inserts_repeated(a: list, b: list, k: int, what: str, places: int = 4) -> list:
-    """`a` with what `b` inserts into it repeated k times at each place: b must be a with blocks
-    inserted at `places` places at most (difflib's alignment; a step's allocator requests grow where
-    it starts, a request per microbatch, by the steady block, and where it ends, a free per
-    microbatch). Where a third run is made, its requests must equal these at k = 2."""
-    out = []
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if op == "equal":
-            out += a[i1:i2]
-        elif op != "insert" or places == 0:
-            raise NotPeriodic(f"{what}: the runs differ past inserted blocks (at #{i1 + 1})")
-        else:
-            out += b[j1:j2] * k
-            places -= 1
-    return out
-
-
-def _linear_record(u, v, k: int):
-    return u if u == v else tuple(linear(x, y, k) if x != y else x for x, y in zip(u, v))
-
-
-def _numbers_apart(x, y) -> bool:
-    """Two records alike but for some of their numbers."""
-    return (
-        type(x) is tuple
-        and type(y) is tuple
-        and len(x) == len(y)
-        and all(u == v or (type(u) in (int, float) and type(v) in (int, float)) for u, v in zip(x, y))
-    )
-
-
-def linear(a, b, k: int):
-    return a + k * (b - a)
-
-
-def _same(a, b, what: str):
-    if a != b:
-        raise NotPeriodic(f"{what} differs between the reduced runs ({a} against {b})")
-    return a
-
-
 def _steps(entries: list, ends: list[int]) -> tuple[list[list], list]:
     """Each step's entries (the first step's with the setup before it) and those after the last."""
     cuts = [0] + list(ends)
@@ -287,8 +203,8 @@ def _steps(entries: list, ends: list[int]) -> tuple[list[list], list]:
 def _extend_entries(a, b, k: int) -> tuple[list, list[int], list[int]]:
     steps_a, tail_a = _steps(a.entries, a.step_ends)
     steps_b, tail_b = _steps(b.entries, b.step_ends)
-    _same(len(steps_a), len(steps_b), "the number of steps")
-    _same(tail_a, tail_b, "the ops after the last step")
+    same(len(steps_a), len(steps_b), "the number of steps")
+    same(tail_a, tail_b, "the ops after the last step")
     entries, ends, blocks = [], [], []
     for n, (x, y) in enumerate(zip(steps_a, steps_b)):
         entries += repeated(x, y, k, f"step {n + 1}'s ops")
@@ -310,13 +226,13 @@ def _runs_of_step(reads: list[dict]) -> list[tuple]:
 
 def _extend_reads(a: list[dict], b: list[dict], k: int) -> list[dict]:
     runs_a, runs_b = _runs_of_step(a), _runs_of_step(b)
-    _same([s for s, _ in runs_a], [s for s, _ in runs_b], "the steps of the host reads")
+    same([s for s, _ in runs_a], [s for s, _ in runs_b], "the steps of the host reads")
     out = []
     for (step, x), (_, y) in zip(runs_a, runs_b):
         out += (
             repeated(x, y, k, f"step {step}'s host reads")
             if step is not None
-            else _same(x, y, "a host read outside the steps")
+            else same(x, y, "a host read outside the steps")
         )
     return out
 
@@ -328,13 +244,13 @@ def _affine(a, b, k: int, what: str, linear_ok: bool):
     """Numbers a + k (b - a) (a peak only when `linear_ok`: else it must be equal in both runs, or a
     third run must show it linear), nested dicts key by key, anything else equal in both runs."""
     if isinstance(a, dict) and isinstance(b, dict):
-        _same(sorted(a), sorted(b), f"{what}'s keys")
+        same(sorted(a), sorted(b), f"{what}'s keys")
         return {key: _affine(a[key], b[key], k, f"{what} {key!r}", linear_ok) for key in a}
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         if a != b and not linear_ok:
             raise ThirdRunNeeded(f"{what} differs between the reduced runs ({a} against {b})")
         return linear(a, b, k)
-    return _same(a, b, what)
+    return same(a, b, what)
 
 
 def _extend_requests(a: list | None, b: list | None, k: int) -> list | None:
@@ -342,13 +258,13 @@ def _extend_requests(a: list | None, b: list | None, k: int) -> list | None:
     (cut after its "step" note; the setup with the first) with the blocks the second run inserts
     repeated k times, the requests after the last step equal in both."""
     if a is None or b is None:
-        return _same(a, b, "the allocator's requests")
+        return same(a, b, "the allocator's requests")
     ends_a = [i + 1 for i, r in enumerate(a) if r == "step"]
     ends_b = [i + 1 for i, r in enumerate(b) if r == "step"]
     steps_a, tail_a = _steps(a, ends_a)
     steps_b, tail_b = _steps(b, ends_b)
-    _same(len(steps_a), len(steps_b), "the allocator's steps")
-    _same(tail_a, tail_b, "the allocator's requests after the last step")
+    same(len(steps_a), len(steps_b), "the allocator's steps")
+    same(tail_a, tail_b, "the allocator's requests after the last step")
     out = []
     for n, (x, y) in enumerate(zip(steps_a, steps_b)):
         out += inserts_repeated(x, y, k, f"step {n + 1}'s allocator requests")
@@ -382,68 +298,12 @@ def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool, requests: list 
 
 def _extend_streams(a: dict | None, b: dict | None, k: int) -> dict | None:
     if a is None or b is None:
-        return _same(a, b, "the stream check")
+        return same(a, b, "the stream check")
     return {
-        "semantics": _same(a["semantics"], b["semantics"], "the stream check's semantics"),
+        "semantics": same(a["semantics"], b["semantics"], "the stream check's semantics"),
         "side_ops": linear(a["side_ops"], b["side_ops"], k),
         "violations": linear(a["violations"], b["violations"], k),
         "found": list(a["found"]) + [m for m in b["found"] if m not in a["found"]],
-    }
-
-
-# --- the op trace of the last step (megazero.dry_run.trace), for the timeline ------------------------
-def _event_base(records: list) -> int:
-    """The events recorded before the step (its first record's serial - 1; 0 without one)."""
-    return next((r[2] - 1 for r in records if r[0] == "r"), 0)
-
-
-def _relative(records: list) -> list:
-    """The records with each event a wait names counted back: from the step's latest record (0: the
-    latest) for one recorded in the step, from the step's start (-1: the last before it) for one
-    recorded before; None for an event never recorded. A steady block's waits then read alike in
-    every repetition, where their serials grow."""
-    out, last = [], _event_base(records)
-    base = last
-    for r in records:
-        if r[0] == "r":
-            last += 1
-            if r[2] != last:
-                raise NotPeriodic(f"the traced step's events are not numbered in order (#{r[2]} for #{last})")
-            out.append(("r", r[1]))
-        elif r[0] in ("w", "e"):
-            event = r[-1]
-            out.append((*r[:-1], None if event == 0 else last - event if event > base else event - base - 1))
-        else:
-            out.append(r)
-    return out
-
-
-def _absolute(records: list, base: int) -> list:
-    out, last = [], base
-    for r in records:
-        if r[0] == "r":
-            last += 1
-            out.append((*r, last))
-        elif r[0] in ("w", "e"):
-            back = r[-1]
-            out.append((*r[:-1], 0 if back is None else last - back if back >= 0 else base + back + 1))
-        else:
-            out.append(r)
-    return out
-
-
-def _extend_trace(a: dict | None, b: dict | None, k: int) -> dict | None:
-    """The last step's trace with the block the second run inserts repeated k times; its events
-    numbered on from the events before the step, a + k (b - a)."""
-    if a is None or b is None:
-        return _same(a, b, "the op trace")
-    base = linear(_event_base(a["records"]), _event_base(b["records"]), k)
-    records = blocks_repeated(_relative(a["records"]), _relative(b["records"]), k, "the traced step")
-    return {
-        **a,
-        "records": _absolute(records, base),
-        "threads": _same(a["threads"], b["threads"], "the trace's host threads"),
-        "streams": _same(a["streams"], b["streams"], "the trace's streams"),
     }
 
 
@@ -462,10 +322,10 @@ def _merge(a, b, k: int, peaks_linear: bool):
         host_reads=_extend_reads(a.host_reads, b.host_reads, k),
         memory=_extend_memory(a.memory, b.memory, k, peaks_linear, requests),
         requests=requests,
-        model_states=_same(a.model_states, b.model_states, "the engine's model states"),
+        model_states=same(a.model_states, b.model_states, "the engine's model states"),
         stream_check=_extend_streams(a.stream_check, b.stream_check, k),
-        trace=_extend_trace(a.trace, b.trace, k),
-        skipped_steps=_same(a.skipped_steps, b.skipped_steps, "the skipped steps"),
+        trace=extend_trace(a.trace, b.trace, k),
+        skipped_steps=same(a.skipped_steps, b.skipped_steps, "the skipped steps"),
         steady_state={"ops_per_block": blocks},
     )
 
@@ -498,7 +358,7 @@ def extend(a, b, plan: Plan, stage: int = 0, c=None):
     for run in (a, b, c):
         if run is not None and run.error:
             raise NotPeriodic(f"a reduced run stopped ({run.error})")
-    _same(a.coords, b.coords, "the rank's coordinates")
+    same(a.coords, b.coords, "the rank's coordinates")
     if c is not None:
         differs = _what_differs(_merge(a, b, 2, True), c)
         if differs:

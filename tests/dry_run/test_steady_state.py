@@ -27,7 +27,7 @@ import dataclasses
 import pytest
 
 from megazero.config.train_config import topology_of
-from megazero.dry_run import steady_state
+from megazero.dry_run import repeats, steady_state
 from megazero.dry_run.caching_allocator import replay
 from megazero.dry_run.cross_rank_checks import check_all
 from megazero.dry_run.job import RankRun, job_config, simulate
@@ -207,10 +207,10 @@ def test_plan_falls_back_where_the_steady_state_does_not_repeat_and_the_lists_ex
 
 
 def test_repeated_inserts_the_block_where_the_runs_part_and_refuses_two_blocks():
-    assert steady_state.repeated(list("wFBc"), list("wFBFBc"), 3, "x") == list("wFBFBFBFBc")
-    assert steady_state.repeated(list("abc"), list("abc"), 5, "x") == list("abc")
+    assert repeats.repeated(list("wFBc"), list("wFBFBc"), 3, "x") == list("wFBFBFBFBc")
+    assert repeats.repeated(list("abc"), list("abc"), 5, "x") == list("abc")
     with pytest.raises(steady_state.NotPeriodic, match="differ past one inserted block"):
-        steady_state.repeated(list("aXbY"), list("aXXbYY"), 2, "x")  # two places grow
+        repeats.repeated(list("aXbY"), list("aXXbYY"), 2, "x")  # two places grow
 
 
 def test_a_traced_step_grows_in_several_places_and_its_events_are_renumbered():
@@ -239,13 +239,13 @@ def test_a_traced_step_grows_in_several_places_and_its_events_are_renumbered():
         ("k", "stack", 40),
         ("e",),
     ]
-    assert steady_state.blocks_repeated(a, b, 2, "x") == [("s",)] + [("k", "slot", 8)] * 3 + [("k", "W", 0)] + [
+    assert repeats.blocks_repeated(a, b, 2, "x") == [("s",)] + [("k", "slot", 8)] * 3 + [("k", "W", 0)] + [
         ("k", "F", 1),
         ("k", "B", 2),
     ] * 3 + [("k", "zeros", 8), ("k", "stack", 48), ("e",)]
-    assert steady_state.blocks_repeated(a, b, 1, "x") == b and steady_state.blocks_repeated(a, b, 0, "x") == a
+    assert repeats.blocks_repeated(a, b, 1, "x") == b and repeats.blocks_repeated(a, b, 0, "x") == a
     with pytest.raises(steady_state.NotPeriodic, match="past two inserted blocks"):
-        steady_state.blocks_repeated(list("aXbYc"), list("aXXbYYcZ"), 2, "x")  # three places grow
+        repeats.blocks_repeated(list("aXbYc"), list("aXXbYYcZ"), 2, "x")  # three places grow
 
     # events: a block records one (#n) and waits on it; the wait after the block on the last one;
     # one recorded before the step (#3) and an unknown one (0) stay as they are
@@ -256,7 +256,7 @@ def test_a_traced_step_grows_in_several_places_and_its_events_are_renumbered():
         return out + [("e", base + blocks), ("w", 1, 0)]
 
     trace = {"threads": [], "streams": {0: "default", 1: "side"}}
-    got = steady_state._extend_trace({**trace, "records": step(2, 10)}, {**trace, "records": step(3, 12)}, 5)
+    got = repeats.extend_trace({**trace, "records": step(2, 10)}, {**trace, "records": step(3, 12)}, 5)
     assert got == {**trace, "records": step(7, 10 + 5 * 2)}
 
 
