@@ -194,11 +194,11 @@ class Simulation:
                 keys.append((src, dst, k, kind, peer, nbytes))
             self.pending[lane.rank] = (keys, ready)
         keys, ready = self.pending[lane.rank]
+        others = [self.p2p.get((src, dst, k, "recv" if kind == "send" else "send")) for src, dst, k, kind, *_ in keys]
+        if any(other is None and key[4] in self.lanes for other, key in zip(others, keys)):
+            return False  # retried once every peer has posted: nothing of the batch is placed before that
         starts, ends = [], []
-        for src, dst, k, kind, peer, nbytes in keys:
-            other = self.p2p.get((src, dst, k, "recv" if kind == "send" else "send"))
-            if other is None and peer in self.lanes:
-                return False
+        for (src, dst, k, kind, peer, nbytes), other in zip(keys, others):
             start = max(ready, other if other is not None else ready)
             seconds = self.device.collective_seconds(kind, nbytes, (src, dst))
             lane.add(start, start + seconds, COMM, f"{kind} {'to' if kind == 'send' else 'from'} {peer}", site)

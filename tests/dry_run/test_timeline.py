@@ -14,7 +14,8 @@ the CPU's measured table from a fixture in the calibration's schema).
 Planted (each fails a test here): the collective run on its issuing stream instead of the
 communicator's; a collective starting at its own rank's readiness, not its last member's; a p2p
 receive not waiting for its send; all-reduce's wire bytes taken as (n-1)/n; a kernel costed at the
-bf16 peak whatever its dtype (ring attention's fp32 bmm 15x too fast).
+bf16 peak whatever its dtype (ring attention's fp32 bmm 15x too fast); a p2p batch's matched messages placed
+again on each retry while one peer has not posted.
 """
 
 from pathlib import Path
@@ -347,3 +348,19 @@ def test_cpu_share_is_the_measured_slowdown_of_ranks_running_at_once(tmp_path):
         assert cpu.cpu_share() == pytest.approx(share), ranks
     cpu.ranks_on_host = 2
     assert cpu.matmul_seconds(2 * 512**3, 0, "float32", (512, 512, 512)) == pytest.approx(1.5 * 2 * 512**3 / 60e9)
+
+
+def test_a_p2p_batch_waiting_on_one_peer_is_placed_once():
+    # rank 1 posts [send to 0, recv from 2]: rank 0's receive is there (lanes run in rank order),
+    # rank 2 sends only after a 4 s GEMM: the batch is retried until rank 2 posts, and each of its
+    # messages is placed once (it was placed on every try: the top exposed ops counted twice)
+    traces = {
+        0: {"records": [("p", 1, 0, (("recv", 1, int(1e9)),), "a.py:1")]},
+        1: {"records": [("p", 1, 0, (("send", 0, int(1e9)), ("recv", 2, int(1e9))), "b.py:1")]},
+        2: {"records": [gemm(GEMM_FLOPS), ("p", 1, 0, (("send", 1, int(1e9)),), "c.py:1")]},
+    }
+    result = schedule(traces, unit_device())
+    second = result["ranks"][1]
+    calls = {row["op"]: row["calls"] for row in second["top_exposed"]}
+    assert calls == {"send to 0": 1, "recv from 2": 1}
+    assert sum(row["exposed_s"] for row in second["top_exposed"]) == pytest.approx(second["exposed_comm_s"])
