@@ -146,7 +146,8 @@ def read_checkpoint(path: str | Path, optimizer: bool = True) -> tuple[dict, dic
         else:
             record, state, states = megatron_legacy.read_legacy(directory, ranks, optimizer, safe_load, _record)
         if states:
-            megatron_optim.check_masters(state, states, directory)
+            layout = "fully_reshardable" if (directory / "metadata.json").is_file() else "legacy"
+            megatron_optim.check_masters(state, states, directory, layout)
     except MegatronOptimizerError as err:
         raise MegatronCheckpointError(str(err)) from None
     return record, state, states
@@ -220,7 +221,7 @@ def _read_torch_dist(directory: Path, optimizer: bool) -> tuple[dict, dict, dict
         states = _bucket_states(model, buckets[0], record["args"], directory)
         if record["args"].get("num_experts"):
             _expert_bucket_states(model, buckets.get(1, {}), record["args"], directory, states)
-            megatron_optim.check_masters(model, states, directory)
+            megatron_optim.check_masters(model, states, directory, "dp_reshardable")
     return record, model, states
 
 

@@ -272,14 +272,30 @@ def progress(common: dict, args: dict) -> dict:
     }
 
 
-def check_masters(model: dict, states: dict, where: Path) -> None:
+# Why a checkpoint's masters can sit under the wrong names, by its optimizer layout, and the re-save
+# that avoids it.
+MASTERS_MISPLACED = {
+    "fully_reshardable": "megatron-core 0.16's fully_reshardable save with several buckets per buffer writes them so; "
+    "re-save with one bucket or in the legacy format",
+    "dp_reshardable": "the buckets' order or padding is not megatron-core 0.16's; re-save in the legacy format",
+    "legacy": "distrib_optim.pt's buffers are not in megatron-core 0.16's order; re-save with --ckpt-format torch_dist",
+}
+
+
+def check_masters(model: dict, states: dict, where: Path, layout: str = "fully_reshardable") -> None:
     """Every weight has its states, and its fp32 master rounds to the weight itself (megatron-core
-    copies the masters into the model after each step): a misplaced state refuses the import."""
+    copies the masters into the model after each step): a misplaced state refuses the import, the
+    message naming what misplaces them in the checkpoint's `layout` (MASTERS_MISPLACED)."""
     for name, weight in model.items():
         master = states["param"].get(name)
         if master is None or any(name not in states[kind] for kind in STATES):
             raise MegatronOptimizerError(
                 f"{where}: the optimizer holds no state for {name}; pass --weights-only to import the weights alone"
+            )
+        if tuple(master.shape) != tuple(weight.shape) or not torch.equal(master.to(weight.dtype), weight):
+            raise MegatronOptimizerError(
+                f"{where}: the optimizer's fp32 master of {name} is not the model's weight (misplaced states: "
+                f"{MASTERS_MISPLACED[layout]}); pass --weights-only to import the weights alone"
             )
         if tuple(master.shape) != tuple(weight.shape) or not torch.equal(master.to(weight.dtype), weight):
             raise MegatronOptimizerError(

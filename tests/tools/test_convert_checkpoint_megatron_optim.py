@@ -457,6 +457,17 @@ def test_misplaced_master_weights_refused():
     states = {"param": {"w": weight.roll(1)}, "exp_avg": {"w": weight}, "exp_avg_sq": {"w": weight}}
     with pytest.raises(ValueError, match="master of w is not the model's weight.*--weights-only"):
         megatron_optim.check_masters({"w": weight}, states, "ckpt")
+    # each layout's message names what misplaces them there, not fully_reshardable's buckets
+    for layout, names in [
+        ("fully_reshardable", "several buckets"),
+        ("dp_reshardable", "order or padding"),
+        ("legacy", "distrib_optim.pt"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            megatron_optim.check_masters({"w": weight}, states, "ckpt", layout)
+        assert names in str(refused.value) and (layout == "fully_reshardable") == (
+            "fully_reshardable" in str(refused.value)
+        )
     megatron_optim.check_masters({"w": weight.to(torch.bfloat16)}, {**states, "param": {"w": weight}}, "ckpt")
 
 
