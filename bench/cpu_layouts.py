@@ -15,7 +15,8 @@ figure is the median of the `ms_per_iter` rank 0 logs to metrics.jsonl after the
 `--repeats` rounds each launch every layout once, the order changing from round to round
 (cpu_grid.round_orders), and a layout's measured step is the median over its rounds, the min-max
 beside it. Before each launch a load probe (calibrate_cpu.step_op_us, the host's cost per op, as
-the calibration measured it as it began, its tiny_step_op_us): a launch whose probe reads more than
+the calibration measured it as it began, its tiny_step_op_us; with --skip-calibration three
+probes as the bench begins): a launch whose probe reads more than
 `--retry-over` above the calibration's is launched again once, and the try with the smaller probe
 kept. Predicted: `predict(argv, "cpu", world=N)` of megazero.dry_run.timeline (or `.speed`), its
 ratio to the measured step, and a summary line: how many within 20%, the ratios' median.
@@ -52,8 +53,8 @@ from cpu_grid import (  # noqa: F401
 )
 
 BAR = 0.2  # the issue's: predicted within 20% of measured
-STEPS = 8  # per launch (chosen below in docs/dry_run.md, "How the bench measures")
-RETRY_OVER = 0.25  # a launch's probe this much above the calibration's: retried once
+STEPS = 16  # per launch: a launch's start (~5 s quiet, ~18 s at load 8) costs more than 16 steps of most layouts
+RETRY_OVER = 0.3  # a probe this much above the calibration's: retried once (docs/dry_run.md, "How the bench measures")
 
 
 def predictor():
@@ -233,13 +234,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def reference_probe_us(text: str, probe) -> tuple[float, str]:
-    """The calibration's probe figure (tiny_step_op_us, the same step_op_us measured as it began), or
-    a probe now when the file has none."""
-    value = tomllib.loads(text).get("cpu", {}).get("tiny_step_op_us")
+def reference_probe_us(text: str | None, probe) -> tuple[float, str]:
+    """The probe's figure at the calibration: the calibration file's tiny_step_op_us (the same
+    step_op_us, measured as the calibration began), or with `text` None (--skip-calibration: the
+    file is another run's, on a machine loaded otherwise) or a file without it, the median of three
+    probes as this bench begins."""
+    value = tomllib.loads(text).get("cpu", {}).get("tiny_step_op_us") if text is not None else None
     if value:
         return float(value), "the calibration's"
-    return probe(), "measured as the bench began (the calibration file has no tiny_step_op_us)"
+    return statistics.median(probe() for _ in range(3)), "three probes as the bench began"
 
 
 def main(argv=None) -> int:
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
     def probe() -> float:
         return calibrate_cpu.step_op_us()[0]  # the host's cost per op now
 
-    reference, reference_from = reference_probe_us(text, probe)
+    reference, reference_from = reference_probe_us(None if args.skip_calibration else text, probe)
     chosen = [layout for layout in LAYOUTS if not args.only or layout[0] in args.only.split(",")]
     layouts = [(name, ranks, layout_argv(extra, args.steps)) for name, ranks, extra in chosen]
     predict = predictor()

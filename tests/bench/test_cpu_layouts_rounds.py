@@ -127,7 +127,7 @@ def test_json_and_compare_end_to_end(tmp_path, monkeypatch):
     common = ["--skip-calibration", "--calibration", str(calibrate_cpu.DEFAULT_OUTPUT), "--only", "dp2-zero0,tp2"]
     assert cpu_layouts.main([*common, "--json", str(tmp_path / "a.json")]) == 0
     doc = json.loads((tmp_path / "a.json").read_text())
-    assert len(doc["launches"]) == 6 and doc["repeats"] == 3 and doc["reference_probe_us"] > 0
+    assert len(doc["launches"]) == 6 and doc["repeats"] == 3 and doc["reference_probe_us"] == 4.0
     assert [(r["name"], r["measured"]) for r in doc["layouts"]] == [("dp2-zero0", 55.0), ("tp2", 200.0)]
     assert doc["summary"]["within"] == 1
     b = dict(doc, layouts=[dict(doc["layouts"][0], measured=60.5), doc["layouts"][1]])
@@ -136,3 +136,12 @@ def test_json_and_compare_end_to_end(tmp_path, monkeypatch):
     assert "| dp2-zero0 | 55.0 | 60.5 | 1.10 | 1.00 | 0.91 |" in text and "largest gap B / A 1.10 (10%)" in text
     with pytest.raises(SystemExit):
         cpu_layouts.parse_args(["--compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json")])
+
+
+def test_the_probes_reference_is_the_calibrations_unless_skipped():
+    """The calibration file's tiny_step_op_us when this run calibrated; three probes' median when it
+    did not (--skip-calibration: another run's file) or the file lacks it."""
+    probes = iter([9.0, 5.0, 7.0])
+    assert cpu_layouts.reference_probe_us("[cpu]\ntiny_step_op_us = 4.16\n", lambda: 1.0)[0] == 4.16
+    assert cpu_layouts.reference_probe_us(None, lambda: next(probes))[0] == 7.0
+    assert cpu_layouts.reference_probe_us("[cpu]\nlaunch_us = 3.0\n", lambda: 2.0)[0] == 2.0
