@@ -15,8 +15,8 @@ figure is the median of the `ms_per_iter` rank 0 logs to metrics.jsonl after the
 `--repeats` rounds each launch every layout once, the order changing from round to round
 (cpu_grid.round_orders), and a layout's measured step is the median over its rounds, the min-max
 beside it. Before each launch a load probe (calibrate_cpu.step_op_us, the host's cost per op, as
-the calibration measured it as it began, its tiny_step_op_us; with --skip-calibration three
-probes as the bench begins): a launch whose probe reads more than
+the calibration measured it as it began, its tiny_step_op_us; with --skip-calibration the least
+of three probes as the bench begins): a launch whose probe reads more than
 `--retry-over` above the calibration's is launched again once, and the try with the smaller probe
 kept. Predicted: `predict(argv, "cpu", world=N)` of megazero.dry_run.timeline (or `.speed`), its
 ratio to the measured step, and a summary line: how many within 20%, the ratios' median.
@@ -237,12 +237,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def reference_probe_us(text: str | None, probe) -> tuple[float, str]:
     """The probe's figure at the calibration: the calibration file's tiny_step_op_us (the same
     step_op_us, measured as the calibration began), or with `text` None (--skip-calibration: the
-    file is another run's, on a machine loaded otherwise) or a file without it, the median of three
-    probes as this bench begins."""
+    file is another run's, on a machine loaded otherwise) or a file without it, the least of three
+    probes as this bench begins: load only slows a probe, and a burst of other jobs' work can cover
+    one or two (at load 8-11 three probes read 14.9-47.4 us/op within seconds)."""
     value = tomllib.loads(text).get("cpu", {}).get("tiny_step_op_us") if text is not None else None
     if value:
         return float(value), "the calibration's"
-    return statistics.median(probe() for _ in range(3)), "three probes as the bench began"
+    return min(probe() for _ in range(3)), "the least of three probes as the bench began"
 
 
 def main(argv=None) -> int:
