@@ -281,9 +281,8 @@ def main(argv=None) -> int:
 
     print(f"probe reference: {reference:.2f} us/op, {reference_from}", flush=True)
     records = run_rounds(layouts, args.repeats, launch, probe, reference, args.retry_over, log=_log)
-    rows = [
-        dict(name=n, ranks=k, flags=extra, predicted=predicted[n], **per_layout(records)[n]) for n, k, extra in chosen
-    ]
+    measured = per_layout(records)
+    rows = [dict(name=n, ranks=k, flags=extra, predicted=predicted[n], **measured[n]) for n, k, extra in chosen]
     text = table(rows, f"{calibration.name} calibrated in the same run ({header})", args.repeats, args.retry_over)
     found = summary(rows)
     wall = time.perf_counter() - t0
