@@ -165,15 +165,22 @@ def table(rows: list[dict], calibration: str, repeats: int = 1, retry_over: floa
     return "\n".join(lines) + "\n"
 
 
+def _fastest(doc: dict, name: str) -> float | None:
+    """The fastest kept launch of a layout in a --json output (load only slows a step), or None."""
+    medians = [rec["median_ms"] for rec in doc.get("launches", []) if rec["name"] == name and rec["kept"]]
+    return min(medians) if medians else None
+
+
 def compare(a: dict, b: dict) -> str:
-    """Two --json outputs side by side: per layout in both, measured A and B, B / A, and each run's
-    predicted / measured; then the largest |B / A - 1|."""
+    """Two --json outputs side by side: per layout in both, measured A and B, B / A, the fastest
+    launch's B / A, and each run's predicted / measured; then the largest |B / A - 1|."""
     lines = [
         f"A: {a.get('started', '?')} ({a.get('repeats', '?')} launches a layout); "
         f"B: {b.get('started', '?')} ({b.get('repeats', '?')})",
         "",
-        "| layout | measured A ms | measured B ms | B / A | predicted / measured A | predicted / measured B |",
-        "|---|---|---|---|---|---|",
+        "| layout | measured A ms | measured B ms | B / A | fastest launch B / A "
+        "| predicted / measured A | predicted / measured B |",
+        "|---|---|---|---|---|---|---|",
     ]
     rows_b = {r["name"]: r for r in b["layouts"]}
     gaps = []
@@ -182,9 +189,12 @@ def compare(a: dict, b: dict) -> str:
         if rb is None:
             continue
         gaps.append(rb["measured"] / ra["measured"])
+        fastest = [_fastest(doc, ra["name"]) for doc in (a, b)]
+        fast = f"{fastest[1] / fastest[0]:.2f}" if None not in fastest else "-"
         ratios = [f"{r['predicted'] / r['measured']:.2f}" if r.get("predicted") is not None else "-" for r in (ra, rb)]
         lines.append(
-            f"| {ra['name']} | {ra['measured']:.1f} | {rb['measured']:.1f} | {gaps[-1]:.2f} | {ratios[0]} | {ratios[1]} |"
+            f"| {ra['name']} | {ra['measured']:.1f} | {rb['measured']:.1f} | {gaps[-1]:.2f} | {fast} "
+            f"| {ratios[0]} | {ratios[1]} |"
         )
     if gaps:
         worst = max(gaps, key=lambda g: abs(g - 1))

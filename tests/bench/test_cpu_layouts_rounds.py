@@ -109,7 +109,8 @@ def test_a_launch_behind_a_slow_probe_is_retried_once_and_the_quieter_kept():
 
 def test_json_and_compare_end_to_end(tmp_path, monkeypatch):
     """main with the launcher, the probe and the timeline faked, on the committed calibration: the
-    JSON holds every launch and each layout's row; --compare reads two of them."""
+    JSON holds every launch and each layout's row; --compare reads two of them. Planted: the
+    fastest launch's column taking the slowest (2.00) fails."""
     import calibrate_cpu
     import cpu_grid
 
@@ -130,10 +131,17 @@ def test_json_and_compare_end_to_end(tmp_path, monkeypatch):
     assert len(doc["launches"]) == 6 and doc["repeats"] == 3 and doc["reference_probe_us"] == 4.0
     assert [(r["name"], r["measured"]) for r in doc["layouts"]] == [("dp2-zero0", 55.0), ("tp2", 200.0)]
     assert doc["summary"]["within"] == 1
-    b = dict(doc, layouts=[dict(doc["layouts"][0], measured=60.5), doc["layouts"][1]])
+    slowest = {n: max(r["median_ms"] for r in doc["launches"] if r["name"] == n) for n in ("dp2-zero0", "tp2")}
+    # B's launches 10% faster but each layout's slowest twice as slow: the fastest launch's B / A is 0.90
+    faster = [
+        dict(rec, median_ms=rec["median_ms"] * (2.0 if rec["median_ms"] == slowest[rec["name"]] else 0.9))
+        for rec in doc["launches"]
+    ]
+    b = dict(doc, layouts=[dict(doc["layouts"][0], measured=60.5), doc["layouts"][1]], launches=faster)
     (tmp_path / "b.json").write_text(json.dumps(b))
     text = cpu_layouts.compare(doc, b)
-    assert "| dp2-zero0 | 55.0 | 60.5 | 1.10 | 1.00 | 0.91 |" in text and "largest gap B / A 1.10 (10%)" in text
+    assert "| dp2-zero0 | 55.0 | 60.5 | 1.10 | 0.90 | 1.00 | 0.91 |" in text and "largest gap B / A 1.10 (10%)" in text
+    assert "| tp2 | 200.0 | 200.0 | 1.00 | 0.90 |" in text
     with pytest.raises(SystemExit):
         cpu_layouts.parse_args(["--compare", str(tmp_path / "a.json"), str(tmp_path / "missing.json")])
 
