@@ -6,10 +6,12 @@ other's script."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,8 +75,8 @@ def layout_argv(extra: list[str], steps: int) -> list[str]:
     return MODEL + ["--train-iters", str(steps)] + extra
 
 
-def steady_step_ms(metrics_path: Path, skip: int = 2) -> float:
-    """Median ms_per_iter of the training records after the first `skip` iterations."""
+def step_times(metrics_path: Path, skip: int = 2) -> list[float]:
+    """ms_per_iter of the training records after the first `skip` iterations, in order."""
     times = []
     for line in Path(metrics_path).read_text().splitlines():
         record = json.loads(line)
@@ -82,11 +84,16 @@ def steady_step_ms(metrics_path: Path, skip: int = 2) -> float:
             times.append(record["ms_per_iter"])
     if not times:
         raise ValueError(f"{metrics_path}: no training iteration after the first {skip}")
-    return statistics.median(times)
+    return times
 
 
-def measure_layout(ranks: int, argv: list[str], folder: Path) -> float:
-    """Launches the layout with torchrun in `folder`; its steady-state ms per step."""
+def steady_step_ms(metrics_path: Path, skip: int = 2) -> float:
+    """Median ms_per_iter of the training records after the first `skip` iterations."""
+    return statistics.median(step_times(metrics_path, skip))
+
+
+def launch_layout(ranks: int, argv: list[str], folder: Path) -> dict:
+    """Launches the layout with torchrun in `folder`: {"steps_ms": its steady steps, "wall_s"}."""
     from megazero.testing import free_port
 
     cmd = [
@@ -102,9 +109,87 @@ def measure_layout(ranks: int, argv: list[str], folder: Path) -> float:
         "--run-dir",
         "run",
     ]
+    t0 = time.perf_counter()
     proc = subprocess.run(
         cmd, cwd=folder, capture_output=True, text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
     if proc.returncode != 0:
         raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}\n{proc.stderr[-3000:]}")
-    return steady_step_ms(folder / "run" / "metrics.jsonl")
+    return {"steps_ms": step_times(folder / "run" / "metrics.jsonl"), "wall_s": time.perf_counter() - t0}
+
+
+def measure_layout(ranks: int, argv: list[str], folder: Path) -> float:
+    """Launches the layout with torchrun in `folder`; its steady-state ms per step."""
+    return statistics.median(launch_layout(ranks, argv, folder)["steps_ms"])
+
+
+def round_orders(names: list[str], repeats: int) -> list[list[str]]:
+    """The order of each round: every name once, round r walking the list with a stride coprime to
+    its length (1, -1, 2, -2, ...) from a start moved by r, so a layout follows a different
+    neighbour from round to round (a rotation alone keeps every neighbour: the machine's state one
+    launch leaves, its page cache, its load, would always fall on the same next layout)."""
+    n = len(names)
+    strides = [s for k in range(1, n + 1) for s in (k, -k) if math.gcd(k, n) == 1] or [1]
+    orders = []
+    for r in range(repeats):
+        stride = strides[r % len(strides)]
+        orders.append([names[(r + i * stride) % n] for i in range(n)] if n else [])
+    return orders
+
+
+def run_rounds(layouts, repeats: int, launch, probe, reference_us: float, retry_over: float, log=print) -> list[dict]:
+    """Every layout of `layouts` ((name, ranks, argv)) launched once a round, `repeats` rounds in
+    round_orders. Before each launch `probe()` (the host's cost per op, us) against `reference_us`
+    (the calibration's): a launch whose probe reads more than `retry_over` slower is launched again
+    once, and the one with the smaller probe is kept. `launch(name, ranks, argv)` -> launch_layout's
+    dict. Returns a record per launch: name, round, position, probe_us, load (1-minute load average
+    as it ended), steps_ms, median_ms, wall_s, retry (the second try of a slow probe) and kept."""
+    by_name = {name: (ranks, argv) for name, ranks, argv in layouts}
+    records = []
+    for r, order in enumerate(round_orders(list(by_name), repeats)):
+        for position, name in enumerate(order):
+            tries = []
+            for retry in (False, True):
+                probe_us = probe()
+                found = launch(name, *by_name[name])
+                tries.append(
+                    dict(
+                        found,
+                        name=name,
+                        round=r,
+                        position=position,
+                        probe_us=probe_us,
+                        load=os.getloadavg()[0],
+                        median_ms=statistics.median(found["steps_ms"]),
+                        retry=retry,
+                        kept=False,
+                    )
+                )
+                log(
+                    f"round {r + 1}/{repeats} {name:<20} {tries[-1]['median_ms']:8.1f} ms/step | probe "
+                    f"{probe_us:.2f} us/op ({probe_us / reference_us:.2f}x the calibration's) | load "
+                    f"{tries[-1]['load']:.1f} | {found['wall_s']:.1f} s{' (retry)' if retry else ''}"
+                )
+                if probe_us <= reference_us * (1 + retry_over):
+                    break
+            min(tries, key=lambda t: t["probe_us"])["kept"] = True
+            records += tries
+    return records
+
+
+def per_layout(records: list[dict]) -> dict:
+    """{name: {"measured": median over rounds of the kept launches' medians, "low", "high" (their
+    min and max), "medians", "probes_us", "loads", "retries"}}, in the order names first appear."""
+    out = {}
+    for rec in records:
+        entry = out.setdefault(rec["name"], dict(medians=[], probes_us=[], loads=[], retries=0))
+        entry["retries"] += rec["retry"]
+        if rec["kept"]:
+            entry["medians"].append(rec["median_ms"])
+            entry["probes_us"].append(rec["probe_us"])
+            entry["loads"].append(rec["load"])
+    for entry in out.values():
+        entry.update(
+            measured=statistics.median(entry["medians"]), low=min(entry["medians"]), high=max(entry["medians"])
+        )
+    return out

@@ -91,12 +91,28 @@ def test_the_table_has_a_row_per_layout_and_the_ratio_where_predicted():
             ranks=2,
             flags=["--tensor-model-parallel-size", "2"],
             measured=200.0,
-            load=3.0,
-            host_us=20.0,
+            low=190.0,
+            high=230.0,
+            loads=[3.0, 3.4],
+            probes_us=[20.0, 21.5],
+            retries=1,
             predicted=180.0,
         ),
-        dict(name="cp2", ranks=2, flags=["--context-parallel-size", "2"], measured=100.0, load=3.5, host_us=21.0),
+        dict(
+            name="cp2",
+            ranks=2,
+            flags=["--context-parallel-size", "2"],
+            measured=100.0,
+            low=100.0,
+            high=100.0,
+            loads=[3.5],
+            probes_us=[21.0],
+            retries=0,
+        ),
     ]
-    lines = cpu_layouts.table(rows, "a calibration").splitlines()
-    assert lines[-2] == "| tp2 | 2 | `--tensor-model-parallel-size 2` | 200.0 | 180.0 | 0.90 | 3.0 | 20.0 |"
-    assert lines[-1] == "| cp2 | 2 | `--context-parallel-size 2` | 100.0 | - | - | 3.5 | 21.0 |"
+    lines = cpu_layouts.table(rows, "a calibration", repeats=2, retry_over=0.25).splitlines()
+    assert "launched 2 times" in lines[0] and "over 25% above" in lines[0]
+    assert lines[-2] == (
+        "| tp2 | 2 | `--tensor-model-parallel-size 2` | 200.0 | 190.0-230.0 | 180.0 | 0.90 | 3.0-3.4 | 20.00-21.50 | 1 |"
+    )
+    assert lines[-1] == "| cp2 | 2 | `--context-parallel-size 2` | 100.0 | 100.0 | - | - | 3.5 | 21.00 | 0 |"
