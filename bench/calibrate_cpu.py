@@ -1,7 +1,7 @@
 """Measures this CPU as the dry run's timeline models a device, and writes the measured device
 model (default megazero/dry_run/cpu_measured.toml; docs/dry_run.md, "Calibrating a machine").
 
-    python bench/calibrate_cpu.py                      # ~4-7 min on 2 quiet cores
+    python bench/calibrate_cpu.py                      # ~5-8 min on 2 quiet cores
     python bench/calibrate_cpu.py --quick --output /tmp/cpu.toml
 
 What it measures, every figure at one torch thread per process (as torchrun's ranks run: OMP_NUM_THREADS=1):
@@ -19,8 +19,11 @@ What it measures, every figure at one torch thread per process (as torchrun's ra
   GPT's forward + backward over every aten op it dispatches (views included: ~2.4x the ops the
   trace counts), the load probe bench/cpu_layouts.py repeats before each layout;
 - gloo collectives at 2, 4 and 8 ranks: all_reduce, all_gather (into one tensor), reduce_scatter (of
-  one tensor), send_recv (ranks in pairs, every pair at once, each call an exchange: a send and a
-  receive in one batch_isend_irecv, waited, as a step's p2p runs), over message sizes 1 KiB - 16 MiB.
+  one tensor), all_to_all (MoE's expert dispatch), send_recv (ranks in pairs, every pair at once, each
+  call an exchange: a send and a receive in one batch_isend_irecv, waited, as a step's p2p runs), over
+  message sizes 1 KiB - 16 MiB; then, with all n ranks alive, the same ops over n / g disjoint groups
+  of each smaller g (2, 4: a 4-rank job's two tp groups, every group at once), at 1 KiB, 16 KiB,
+  256 KiB and 4 MiB (the timeline costs a g-rank group of a job by the figure at its ranks on the host).
   One process group per world size (megazero.testing's pool: spawned once, every size swept); an
   op's time is the slowest rank's, a batch of calls each after --gap-us of small GEMMs (as a step
   computes between its collectives) less the same GEMMs timed alone, over their count, the median of
@@ -48,7 +51,12 @@ from calibrate_cpu_step import compute_device, one_rank_step, sharing_slowdown
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "megazero" / "dry_run" / "cpu_measured.toml"
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")  # every calibration has them
+# MoE's expert dispatch (megazero.core.comm.all_to_all / all_to_all_uneven); files before it lack it
+ALL_OPS = OPS + ("all_to_all",)
+# timed over groups smaller than the world too (send_recv is pairs at every world already)
+GROUP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+GROUP_KEYS = ("group_ranks", "host_ranks", "group_alpha_us", "group_beta_gbps", "group_measured_us")
 WORLDS = (2, 4, 8)
 SIZES = tuple(1024 * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 MEMORY_SIZES = (64 << 20, 128 << 20, 256 << 20)
@@ -66,6 +74,7 @@ def wire_bytes(op: str, ranks: int, buffer_bytes: float) -> float:
         "all_gather": (n - 1) / n,
         "reduce_scatter": (n - 1) / n,
         "send_recv": 1.0,
+        "all_to_all": (n - 1) / n,
     }[op]
     return factor * buffer_bytes
 
@@ -230,26 +239,43 @@ def _compute_between(gap_us: float):
     return compute
 
 
-def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05, gap_us: float = 0.0) -> dict:
+def groups_of(n: int) -> list[int]:
+    """The group sizes timed at a world of n ranks: 2, 4, .. n (powers of 2), as a step's tp, dp, ep
+    groups divide its ranks."""
+    return [g for g in (2**i for i in range(1, n.bit_length())) if n % g == 0]
+
+
+def sweep_collectives(
+    ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05, gap_us: float = 0.0, group_size=None, ops=OPS
+) -> dict:
     """On every rank of the default gloo group (a megazero.testing pool's worker): seconds per call
     of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}.
-    `gap_us` > 0: each call follows that much compute, as in a step, and a batch's time is its
-    calls' with the compute less the same compute timed alone just before."""
+    `group_size` g < the world's n: the ranks split into n / g disjoint groups (consecutive ranks, one
+    new_group each) and every group runs the op at the same time, as a step's tp or dp groups do;
+    send_recv is always pairs. `gap_us` > 0: each call follows that much compute, as in a step, and a
+    batch's time is its calls' with the compute less the same compute timed alone just before."""
     import torch.distributed as dist
     from megazero.core.comm import all_gather_single, reduce_scatter_single  # the calls megazero makes
 
     n, rank = ctx.world_size, ctx.rank
+    g = group_size or n
+    # every rank makes every group (new_group is collective over the world), then uses its own
+    groups = [dist.new_group(list(range(first, first + g))) for first in range(0, n, g)] if g < n else [None]
+    mine = groups[rank // g] if g < n else None
     peer = rank ^ 1  # send_recv: ranks in pairs (0, 1), (2, 3), ...
     received = {size: torch.zeros(size // 4) for size in sizes}
 
     def calls_for(size):
-        full, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
-        return {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: all_gather_single(full, shard),
-            "reduce_scatter": lambda: reduce_scatter_single(shard, full),
+        full, shard = torch.zeros(size // 4), torch.zeros(size // 4 // g)
+        swapped = torch.zeros(size // 4)
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(full, group=mine),
+            "all_gather": lambda: all_gather_single(full, shard, group=mine),
+            "reduce_scatter": lambda: reduce_scatter_single(shard, full, group=mine),
             "send_recv": lambda: exchange(full, received[size], peer),
+            "all_to_all": lambda: dist.all_to_all_single(swapped, full, group=mine),
         }
+        return {op: calls[op] for op in ops}
 
     def slowest(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
@@ -257,7 +283,7 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
         return t.item()
 
     compute = _compute_between(gap_us)
-    found = {op: [] for op in OPS}
+    found = {op: [] for op in ops}
     for size in sizes:
         for op, call in calls_for(size).items():
             call()
@@ -279,38 +305,66 @@ def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0
                 mixed = time.perf_counter() - t0
                 per_batch.append(slowest(max(mixed - alone, 0.05 * mixed) / count))
             found[op].append(statistics.median(per_batch))
+    for group in groups:
+        if group is not None:
+            dist.destroy_process_group(group)
     return found
 
 
-def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0) -> tuple[dict, dict]:
-    """({op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}}, {"ranks", "slowdown"}) from one pool
-    per world size: its ranks' GEMM rate all at once against one process's alone just before
-    (`slowdown`: how much slower a rank computes with that many ranks running), then the sweep."""
+def _fitted(op: str, g: int, sizes, times) -> tuple[float, float, list]:
+    alpha, beta = fit_alpha_beta([wire_bytes(op, g, s) for s in sizes], times)
+    return round(alpha, 2), round(beta, 4), [round(t * 1e6, 1) for t in times]
+
+
+def measure_collectives(
+    worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0, group_sizes=None
+) -> tuple[dict, dict]:
+    """({op: {"ranks", "alpha_us", "beta_gbps", "measured_us", and the groups': "group_ranks",
+    "host_ranks", "group_alpha_us", "group_beta_gbps", "group_measured_us"}}, {"ranks", "slowdown"})
+    from one pool per world size: its ranks' GEMM rate all at once against one process's alone just
+    before (`slowdown`: how much slower a rank computes with that many ranks running), then the sweep
+    of every op over the whole world (`ranks`: send_recv's pairs at that world), then over groups of
+    each smaller size g at once (`group_sizes`, the sizes of buffer swept there: ~2x the calibration
+    with every size) with all n ranks alive (`group_ranks` g, `host_ranks` n)."""
     from megazero.testing import DistributedPool
 
     module = importlib.import_module("calibrate_cpu")  # by module name: the workers import them
     step_module = importlib.import_module("calibrate_cpu_step")
-    out = {op: {"ranks": [], "alpha_us": [], "beta_gbps": [], "measured_us": []} for op in OPS}
+    group_sizes = list(group_sizes or sizes)
+    keys = ("ranks", "alpha_us", "beta_gbps", "measured_us")
+    out = {op: {k: [] for k in keys} for op in ALL_OPS}
+    for op in GROUP_OPS:
+        out[op].update({k: [] for k in GROUP_KEYS})
     shared = {"ranks": [1], "slowdown": [1.0]}
     for n in worlds:
         pool = DistributedPool(n)
         try:
             shared["ranks"].append(n)
             shared["slowdown"].append(round(max(1.0, sharing_slowdown(pool, step_module.gemm_rate)), 3))
-            found = pool.run(module.sweep_collectives, list(sizes), batches, 0.05, gap_us, timeout=1800)[0]
+            found = pool.run(module.sweep_collectives, list(sizes), batches, 0.05, gap_us, None, ALL_OPS, timeout=1800)
+            inner = {
+                g: pool.run(module.sweep_collectives, group_sizes, batches, 0.05, gap_us, g, GROUP_OPS, timeout=1800)[0]
+                for g in groups_of(n)[:-1]
+            }
         finally:
             pool.close()
-        for op in OPS:
-            alpha, beta = fit_alpha_beta([wire_bytes(op, n, s) for s in sizes], found[op])
-            entry = out[op]
-            entry["ranks"].append(n)
-            entry["alpha_us"].append(round(alpha, 2))
-            entry["beta_gbps"].append(round(beta, 4))
-            entry["measured_us"].append([round(t * 1e6, 1) for t in found[op]])
+        for op in ALL_OPS:
+            for key, value in zip(keys, (n, *_fitted(op, n, sizes, found[0][op]))):
+                out[op][key].append(value)
+        for g, times in inner.items():
+            for op in GROUP_OPS:
+                for key, value in zip(GROUP_KEYS, (g, n, *_fitted(op, g, group_sizes, times[op]))):
+                    out[op][key].append(value)
         print(
             f"  {n} ranks: GEMMs {shared['slowdown'][-1]:.2f}x slower than alone; "
             + ", ".join(
-                f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta {out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS
+                f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta {out[op]['beta_gbps'][-1]:.3f} GB/s"
+                for op in ALL_OPS
+            )
+            + "".join(
+                f"; groups of {g}: "
+                + ", ".join(f"{op} alpha {_fitted(op, g, group_sizes, t[op])[0]:.0f} us" for op in GROUP_OPS)
+                for g, t in inner.items()
             ),
             flush=True,
         )
@@ -351,7 +405,8 @@ REQUIRED = {
 
 
 def check_schema(doc: dict) -> None:
-    """Raises ValueError naming the first key of the agreed schema that is missing or malformed."""
+    """Raises ValueError naming the first key of the agreed schema that is missing or malformed. The
+    all_to_all table and the groups' entries (group_ranks, ...) are optional: files before them load."""
     cpu = doc.get("cpu")
     if not isinstance(cpu, dict):
         raise ValueError("no [cpu] table")
@@ -361,8 +416,10 @@ def check_schema(doc: dict) -> None:
     for row in cpu["matmul"]:
         if len(row) != 4 or not all(isinstance(v, (int, float)) and v > 0 for v in row):
             raise ValueError(f"[cpu] matmul row {row}: want [m, n, k, gflops], all positive")
-    for op in OPS:
+    for op in ALL_OPS:
         table = cpu.get("collectives", {}).get(op)
+        if table is None and op not in OPS:
+            continue
         if not isinstance(table, dict):
             raise ValueError(f"no [cpu.collectives.{op}] table")
         ranks = table.get("ranks")
@@ -372,6 +429,22 @@ def check_schema(doc: dict) -> None:
             )
         if any(a < 0 for a in table["alpha_us"]) or any(b <= 0 for b in table["beta_gbps"]):
             raise ValueError(f"[cpu.collectives.{op}]: alpha_us >= 0 and beta_gbps > 0")
+        _check_groups(op, table)
+
+
+def _check_groups(op: str, table: dict) -> None:
+    groups = table.get("group_ranks")
+    if groups is None:
+        return
+    if any(len(table.get(k, [])) != len(groups) for k in GROUP_KEYS[1:4]):
+        raise ValueError(
+            f"[cpu.collectives.{op}]: group_ranks, host_ranks, group_alpha_us and group_beta_gbps must have "
+            "one entry per group measured"
+        )
+    if any(not 2 <= g < n for g, n in zip(groups, table["host_ranks"])):
+        raise ValueError(f"[cpu.collectives.{op}]: each group_ranks entry is 2 or more and below its host_ranks")
+    if any(a < 0 for a in table["group_alpha_us"]) or any(b <= 0 for b in table["group_beta_gbps"]):
+        raise ValueError(f"[cpu.collectives.{op}]: group_alpha_us >= 0 and group_beta_gbps > 0")
 
 
 def _array(rows) -> str:
@@ -406,7 +479,10 @@ def render(m: dict) -> str:
         "# launch_us + B / (memory_gbps * 1e3) us. A collective of a B-byte buffer over n ranks costs",
         "# alpha_us + bytes_on_wire / (beta_gbps * 1e3) us, bytes_on_wire by the ring algorithm:",
         "# all_reduce 2(n-1)/n*B, all_gather and reduce_scatter (n-1)/n*B of the full buffer, send_recv B;",
-        "# alpha_us and beta_gbps fitted on measured_us by Theil-Sen's medians (calibrate_cpu.fit_alpha_beta).",
+        "# all_to_all (n-1)/n*B; alpha_us and beta_gbps fitted on measured_us by Theil-Sen's medians",
+        "# (calibrate_cpu.fit_alpha_beta). ranks: the whole world in one group; group_ranks / host_ranks:",
+        "# groups of g ranks inside a world of n, every group at once (a 4-rank job's two tp groups), the",
+        "# figure the timeline takes for a g-rank group of a job with n ranks on the host.",
         f"# Ranks share `cores` cores: {m['cores']} here, so at 4 and 8 ranks the collectives' figures include",
         "# the sharing, and a GEMM's figure is one process alone on a core.",
         f"# memory: {', '.join(f'{k} {v:.2f} GB/s' for k, v in m['memory_detail'].items())}",
@@ -441,12 +517,21 @@ def render(m: dict) -> str:
         lines += [
             "",
             f"[cpu.collectives.{op}]",
-            f"ranks = {table['ranks']}",
+            f"ranks = {table['ranks']}" + ("   # the world's ranks, in pairs" if op == "send_recv" else ""),
             f"alpha_us = {table['alpha_us']}",
             f"beta_gbps = {table['beta_gbps']}",
             f"sizes_bytes = {m['sizes']}",
             f"measured_us = {_array(table['measured_us'])}   # one row per entry of ranks, by sizes_bytes",
         ]
+        if table.get("group_ranks"):
+            lines += [
+                f"group_ranks = {table['group_ranks']}   # groups of this many ranks, every group at once,",
+                f"host_ranks = {table['host_ranks']}   # with this many ranks alive on the host",
+                f"group_alpha_us = {table['group_alpha_us']}",
+                f"group_beta_gbps = {table['group_beta_gbps']}",
+                f"group_sizes_bytes = {m.get('group_sizes', m['sizes'])}",
+                f"group_measured_us = {_array(table['group_measured_us'])}   # one row per group entry, by group_sizes_bytes",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -484,7 +569,12 @@ def measure(args) -> dict:
     # the one-rank step right after the figures it is timed by (the load drifts; the gloo sweep is long)
     step = {} if args.no_step else one_rank_step(compute_device(matmul, gbps))
     worlds = [int(n) for n in args.ranks.split(",")]
-    collectives, shared = measure_collectives(worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us)
+    # groups inside a larger world: every other size (1 KiB, 16 KiB, 256 KiB, 4 MiB), to keep the
+    # calibration's wall time within ~1.5x of the world-only sweep's
+    group_sizes = sizes[::2]
+    collectives, shared = measure_collectives(
+        worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us, group_sizes=group_sizes
+    )
     found = dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         name=machine_name(),
@@ -500,6 +590,7 @@ def measure(args) -> dict:
         matmul=matmul,
         matmul_calls=matmul_calls,
         sizes=list(sizes),
+        group_sizes=list(group_sizes),
         collectives=collectives,
         shared=shared,
     )
@@ -508,10 +599,11 @@ def measure(args) -> dict:
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
+    started = time.perf_counter()
     text = render(measure(args))
     check_schema(tomllib.loads(text))
     args.output.write_text(text)
-    print(f"wrote {args.output}", flush=True)
+    print(f"wrote {args.output} ({time.perf_counter() - started:.0f} s)", flush=True)
     return args.output
 
 
