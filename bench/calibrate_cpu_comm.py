@@ -163,8 +163,20 @@ def sweep_collectives(
     return found
 
 
-def _fitted(op: str, g: int, sizes, times) -> tuple[float, float, list]:
-    alpha, beta = fit_alpha_beta([wire_bytes(op, g, s) for s in sizes], times)
+def _fitted(op: str, g: int, sizes, times, world_beta: float | None = None) -> tuple[float, float, list]:
+    """(alpha us, beta GB/s, the times in us) of one op's sweep. A group's four sizes at 8 ranks on a
+    loaded machine can show no slope (4 MiB's wire time below the latencies' noise): with
+    `world_beta` the bandwidth is the whole world's, and alpha the median of the times less their
+    wire time at it (fit_alpha_beta's rule)."""
+    wire = [wire_bytes(op, g, s) for s in sizes]
+    try:
+        alpha, beta = fit_alpha_beta(wire, times)
+    except ValueError:
+        if world_beta is None:
+            raise
+        beta = world_beta
+        alpha = max(0.0, statistics.median(t - w / (beta * 1e9) for w, t in zip(wire, times))) * 1e6
+        print(f"  {op} over groups of {g}: no slope to fit; the world's {beta:.3f} GB/s taken", flush=True)
     return round(alpha, 2), round(beta, 4), [round(t * 1e6, 1) for t in times]
 
 
@@ -205,7 +217,8 @@ def measure_collectives(
                 out[op][key].append(value)
         for g, times in inner.items():
             for op in GROUP_OPS:
-                for key, value in zip(GROUP_KEYS, (g, n, *_fitted(op, g, group_sizes, times[op]))):
+                fitted = _fitted(op, g, group_sizes, times[op], out[op]["beta_gbps"][-1])
+                for key, value in zip(GROUP_KEYS, (g, n, *fitted)):
                     out[op][key].append(value)
         print(
             f"  {n} ranks: GEMMs {shared['slowdown'][-1]:.2f}x slower than alone; "
@@ -215,8 +228,8 @@ def measure_collectives(
             )
             + "".join(
                 f"; groups of {g}: "
-                + ", ".join(f"{op} alpha {_fitted(op, g, group_sizes, t[op])[0]:.0f} us" for op in GROUP_OPS)
-                for g, t in inner.items()
+                + ", ".join(f"{op} alpha {out[op]['group_alpha_us'][i]:.0f} us" for op in GROUP_OPS)
+                for i, g in enumerate(inner, start=len(out["all_reduce"]["group_ranks"]) - len(inner))
             ),
             flush=True,
         )

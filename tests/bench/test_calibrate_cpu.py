@@ -229,3 +229,22 @@ def test_the_sharing_slowdown_runs_on_pool_ranks(dist_pool):
     import calibrate_cpu_step
 
     assert calibrate_cpu_step.sharing_slowdown(dist_pool(2), calibrate_cpu_step.gemm_rate, rounds=1, seconds=0.05) > 0
+
+
+def test_a_group_sweep_with_no_slope_takes_the_worlds_bandwidth():
+    """Four sizes at 8 loaded ranks can read flat (no bandwidth to fit); a group's entry then takes
+    the whole world's beta and fits alpha on it (the median of the times less their wire time),
+    where the world's own sweep still refuses. Planted: the fallback removed (the calibration of
+    21:36 died so at 8 ranks, load 7.8) fails the first call."""
+    import statistics
+
+    from calibrate_cpu_comm import _fitted
+
+    sizes = [1024, 16384, 262144, 4194304]
+    flat = [3e-3, 2e-3, 3e-3, 2e-3]
+    alpha, beta, _ = _fitted("all_reduce", 2, sizes, flat, world_beta=2.0)
+    wire = [calibrate_cpu.wire_bytes("all_reduce", 2, s) for s in sizes]
+    assert beta == 2.0
+    assert alpha == pytest.approx(statistics.median(t - w / 2e9 for w, t in zip(wire, flat)) * 1e6, abs=0.01)
+    with pytest.raises(ValueError, match="do not grow"):
+        _fitted("all_reduce", 2, sizes, flat)
