@@ -1,7 +1,7 @@
 """Measures this CPU as the dry run's timeline models a device, and writes the measured device
 model (default megazero/dry_run/cpu_measured.toml; docs/dry_run.md, "Calibrating a machine").
 
-    python bench/calibrate_cpu.py                      # ~4-7 min on 2 quiet cores
+    python bench/calibrate_cpu.py                      # ~5-8 min on 2 quiet cores
     python bench/calibrate_cpu.py --quick --output /tmp/cpu.toml
 
 What it measures, every figure at one torch thread per process (as torchrun's ranks run: OMP_NUM_THREADS=1):
@@ -19,22 +19,26 @@ What it measures, every figure at one torch thread per process (as torchrun's ra
   GPT's forward + backward over every aten op it dispatches (views included: ~2.4x the ops the
   trace counts), the load probe bench/cpu_layouts.py repeats before each layout;
 - gloo collectives at 2, 4 and 8 ranks: all_reduce, all_gather (into one tensor), reduce_scatter (of
-  one tensor), send_recv (ranks in pairs, every pair at once, each call an exchange: a send and a
-  receive in one batch_isend_irecv, waited, as a step's p2p runs), over message sizes 1 KiB - 16 MiB.
+  one tensor), all_to_all (MoE's expert dispatch), send_recv (ranks in pairs, every pair at once, each
+  call an exchange: a send and a receive in one batch_isend_irecv, waited, as a step's p2p runs), over
+  message sizes 1 KiB - 16 MiB; then, with all n ranks alive, the same ops over n / g disjoint groups
+  of each smaller g (2, 4: a 4-rank job's two tp groups, every group at once), at 1 KiB, 16 KiB,
+  256 KiB and 4 MiB (the timeline costs a g-rank group of a job by the figure at its ranks on the host).
   One process group per world size (megazero.testing's pool: spawned once, every size swept); an
   op's time is the slowest rank's, a batch of calls each after --gap-us of small GEMMs (as a step
   computes between its collectives) less the same GEMMs timed alone, over their count, the median of
   batches. alpha and beta are fitted by Theil-Sen's medians (fit_alpha_beta), robust to a size timed wrong.
 
 Ranks beyond the cores share them: 4 and 8 gloo ranks on 2 cores are measured as they run (the
-figures include the sharing) and `cores` records how many there were.
+figures include the sharing) and `cores` records how many there were. The collectives' sweep and
+fit are bench/calibrate_cpu_comm.py's, the one-rank step and the sharing slowdown
+bench/calibrate_cpu_step.py's; this script measures the rest and writes the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import os
 import platform
 import statistics
@@ -44,69 +48,26 @@ from pathlib import Path
 
 import torch
 
-from calibrate_cpu_step import compute_device, one_rank_step, sharing_slowdown
+from calibrate_cpu_comm import (  # noqa: F401  (the collectives' sweep and fit, re-exported for the tests)
+    ALL_OPS,
+    GAP_US,
+    GROUP_KEYS,
+    GROUP_OPS,
+    OPS,
+    SIZES,
+    WORLDS,
+    exchange,
+    fit_alpha_beta,
+    groups_of,
+    measure_collectives,
+    sweep_collectives,
+    wire_bytes,
+)
+from calibrate_cpu_step import compute_device, one_rank_step, seconds_per_call as _seconds_per_call
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "megazero" / "dry_run" / "cpu_measured.toml"
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-WORLDS = (2, 4, 8)
-SIZES = tuple(1024 * 4**i for i in range(8))  # 1 KiB .. 16 MiB
 MEMORY_SIZES = (64 << 20, 128 << 20, 256 << 20)
-# A collective in a step follows compute (tp2's all-reduces: ~0.2-0.5 ms of a layer apart): timed so,
-# gloo's per-call cost at 2 ranks was 1.2-1.8 ms against 0.4-1.0 ms back to back at the same moment.
-GAP_US = 200.0
-
-
-def wire_bytes(op: str, ranks: int, buffer_bytes: float) -> float:
-    """Bytes each rank puts on the wire by the ring algorithm: all_reduce 2(n-1)/n B, all_gather and
-    reduce_scatter (n-1)/n B (B the full buffer: the gather's output, the scatter's input), send_recv B."""
-    n = ranks
-    factor = {
-        "all_reduce": 2 * (n - 1) / n,
-        "all_gather": (n - 1) / n,
-        "reduce_scatter": (n - 1) / n,
-        "send_recv": 1.0,
-    }[op]
-    return factor * buffer_bytes
-
-
-def fit_alpha_beta(wire: list[float], seconds: list[float]) -> tuple[float, float]:
-    """time = alpha + wire / beta, fitted by Theil-Sen: 1/beta the median of the slopes between every
-    two sizes, alpha the median of the times less their wire time at that slope. Returns (alpha in
-    microseconds, beta in GB/s); a negative intercept (latency below the noise) is alpha = 0.
-
-    Robust to a size or two timed wrong: on a shared machine one batch of one size can read 40% low
-    or 2x high (the quiet 2-rank all_reduce of 2026-12-07 18:54 read 465 us at 256 KiB between 867 us
-    at 16 KiB and 1,733 us at 1 MiB). A least-squares line bends to such a point, and its intercept
-    moved the all_reduce's latency from the ~1.2 ms its small sizes cost to 654 us: every small
-    synchronous all-reduce of a tensor-parallel step (tp2: 161 a step) was then 0.5 ms short. The
-    medians also keep alpha from being ruled by the large messages' few-percent noise (each of
-    those is many alphas)."""
-    if len(wire) != len(seconds) or len(wire) < 2:
-        raise ValueError(f"fit_alpha_beta needs at least 2 (bytes, time) points, got {len(wire)}")
-    pairs = [(i, j) for i in range(len(wire)) for j in range(i + 1, len(wire)) if wire[i] != wire[j]]
-    slopes = [(seconds[j] - seconds[i]) / (wire[j] - wire[i]) for i, j in pairs]
-    inv_beta = statistics.median(slopes) if slopes else 0.0
-    if inv_beta <= 0:
-        raise ValueError("the times do not grow with the message size: no bandwidth to fit")
-    alpha = max(0.0, statistics.median(t - w * inv_beta for w, t in zip(wire, seconds)))
-    return alpha * 1e6, 1e-9 / inv_beta
-
-
-def _seconds_per_call(fn, min_seconds: float = 0.02, batches: int = 5) -> float:
-    """Median over batches of (batch time / calls), each batch at least min_seconds long."""
-    fn()  # warm: first-call allocations and dispatch caches
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-7)
-    calls = max(1, int(min_seconds / once))
-    times = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
 
 
 def bare_op_us() -> float:
@@ -204,119 +165,6 @@ def memory_gbps(sizes=MEMORY_SIZES) -> tuple[float, dict]:
     return statistics.median(found.values()), found
 
 
-def exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
-    """One p2p exchange as the step makes it (megazero.core.comm.send_recv: ring attention's K/V,
-    a pipeline stage's activation out and gradient in): both sides post a send and a receive in one
-    batch_isend_irecv and wait for both. Timed one after another, each is a round trip, the latency
-    a step pays; a stream of one-way sends (the earlier figure) overlaps them and shows only the
-    throughput, ~10x less at small sizes."""
-    import torch.distributed as dist
-
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, receive, peer)])
-    for work in works:
-        work.wait()
-
-
-def _compute_between(gap_us: float):
-    """What a step does between two collectives: `gap_us` of small GEMMs (the grid's 64-wide ones)."""
-    a, b = torch.randn(64, 64), torch.randn(64, 64)
-    mm_s = _seconds_per_call(lambda: torch.mm(a, b), 0.01, 3)
-    count = round(gap_us * 1e-6 / mm_s)
-
-    def compute():
-        for _ in range(count):
-            torch.mm(a, b)
-
-    return compute
-
-
-def sweep_collectives(ctx, sizes=SIZES, batches: int = 5, min_seconds: float = 0.05, gap_us: float = 0.0) -> dict:
-    """On every rank of the default gloo group (a megazero.testing pool's worker): seconds per call
-    of each op at each buffer size, the slowest rank's, median of batches. -> {op: [seconds per size]}.
-    `gap_us` > 0: each call follows that much compute, as in a step, and a batch's time is its
-    calls' with the compute less the same compute timed alone just before."""
-    import torch.distributed as dist
-    from megazero.core.comm import all_gather_single, reduce_scatter_single  # the calls megazero makes
-
-    n, rank = ctx.world_size, ctx.rank
-    peer = rank ^ 1  # send_recv: ranks in pairs (0, 1), (2, 3), ...
-    received = {size: torch.zeros(size // 4) for size in sizes}
-
-    def calls_for(size):
-        full, shard = torch.zeros(size // 4), torch.zeros(size // 4 // n)
-        return {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: all_gather_single(full, shard),
-            "reduce_scatter": lambda: reduce_scatter_single(shard, full),
-            "send_recv": lambda: exchange(full, received[size], peer),
-        }
-
-    def slowest(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-
-    compute = _compute_between(gap_us)
-    found = {op: [] for op in OPS}
-    for size in sizes:
-        for op, call in calls_for(size).items():
-            call()
-            dist.barrier()
-            t0 = time.perf_counter()
-            call()
-            count = int(min(200, max(1, min_seconds / slowest(time.perf_counter() - t0))))
-            per_batch = []
-            for _ in range(batches):
-                t0 = time.perf_counter()
-                for _ in range(count):
-                    compute()
-                alone = time.perf_counter() - t0
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(count):
-                    compute()
-                    call()
-                mixed = time.perf_counter() - t0
-                per_batch.append(slowest(max(mixed - alone, 0.05 * mixed) / count))
-            found[op].append(statistics.median(per_batch))
-    return found
-
-
-def measure_collectives(worlds=WORLDS, sizes=SIZES, batches: int = 5, gap_us: float = 0.0) -> tuple[dict, dict]:
-    """({op: {"ranks", "alpha_us", "beta_gbps", "measured_us"}}, {"ranks", "slowdown"}) from one pool
-    per world size: its ranks' GEMM rate all at once against one process's alone just before
-    (`slowdown`: how much slower a rank computes with that many ranks running), then the sweep."""
-    from megazero.testing import DistributedPool
-
-    module = importlib.import_module("calibrate_cpu")  # by module name: the workers import them
-    step_module = importlib.import_module("calibrate_cpu_step")
-    out = {op: {"ranks": [], "alpha_us": [], "beta_gbps": [], "measured_us": []} for op in OPS}
-    shared = {"ranks": [1], "slowdown": [1.0]}
-    for n in worlds:
-        pool = DistributedPool(n)
-        try:
-            shared["ranks"].append(n)
-            shared["slowdown"].append(round(max(1.0, sharing_slowdown(pool, step_module.gemm_rate)), 3))
-            found = pool.run(module.sweep_collectives, list(sizes), batches, 0.05, gap_us, timeout=1800)[0]
-        finally:
-            pool.close()
-        for op in OPS:
-            alpha, beta = fit_alpha_beta([wire_bytes(op, n, s) for s in sizes], found[op])
-            entry = out[op]
-            entry["ranks"].append(n)
-            entry["alpha_us"].append(round(alpha, 2))
-            entry["beta_gbps"].append(round(beta, 4))
-            entry["measured_us"].append([round(t * 1e6, 1) for t in found[op]])
-        print(
-            f"  {n} ranks: GEMMs {shared['slowdown'][-1]:.2f}x slower than alone; "
-            + ", ".join(
-                f"{op} alpha {out[op]['alpha_us'][-1]:.0f} us beta {out[op]['beta_gbps'][-1]:.3f} GB/s" for op in OPS
-            ),
-            flush=True,
-        )
-    return out, shared
-
-
 def machine_name() -> str:
     model = platform.processor() or "cpu"
     try:
@@ -351,7 +199,8 @@ REQUIRED = {
 
 
 def check_schema(doc: dict) -> None:
-    """Raises ValueError naming the first key of the agreed schema that is missing or malformed."""
+    """Raises ValueError naming the first key of the agreed schema that is missing or malformed. The
+    all_to_all table and the groups' entries (group_ranks, ...) are optional: files before them load."""
     cpu = doc.get("cpu")
     if not isinstance(cpu, dict):
         raise ValueError("no [cpu] table")
@@ -361,8 +210,10 @@ def check_schema(doc: dict) -> None:
     for row in cpu["matmul"]:
         if len(row) != 4 or not all(isinstance(v, (int, float)) and v > 0 for v in row):
             raise ValueError(f"[cpu] matmul row {row}: want [m, n, k, gflops], all positive")
-    for op in OPS:
+    for op in ALL_OPS:
         table = cpu.get("collectives", {}).get(op)
+        if table is None and op not in OPS:
+            continue
         if not isinstance(table, dict):
             raise ValueError(f"no [cpu.collectives.{op}] table")
         ranks = table.get("ranks")
@@ -372,6 +223,22 @@ def check_schema(doc: dict) -> None:
             )
         if any(a < 0 for a in table["alpha_us"]) or any(b <= 0 for b in table["beta_gbps"]):
             raise ValueError(f"[cpu.collectives.{op}]: alpha_us >= 0 and beta_gbps > 0")
+        _check_groups(op, table)
+
+
+def _check_groups(op: str, table: dict) -> None:
+    groups = table.get("group_ranks")
+    if groups is None:
+        return
+    if any(len(table.get(k, [])) != len(groups) for k in GROUP_KEYS[1:4]):
+        raise ValueError(
+            f"[cpu.collectives.{op}]: group_ranks, host_ranks, group_alpha_us and group_beta_gbps must have "
+            "one entry per group measured"
+        )
+    if any(not 2 <= g < n for g, n in zip(groups, table["host_ranks"])):
+        raise ValueError(f"[cpu.collectives.{op}]: each group_ranks entry is 2 or more and below its host_ranks")
+    if any(a < 0 for a in table["group_alpha_us"]) or any(b <= 0 for b in table["group_beta_gbps"]):
+        raise ValueError(f"[cpu.collectives.{op}]: group_alpha_us >= 0 and group_beta_gbps > 0")
 
 
 def _array(rows) -> str:
@@ -406,7 +273,10 @@ def render(m: dict) -> str:
         "# launch_us + B / (memory_gbps * 1e3) us. A collective of a B-byte buffer over n ranks costs",
         "# alpha_us + bytes_on_wire / (beta_gbps * 1e3) us, bytes_on_wire by the ring algorithm:",
         "# all_reduce 2(n-1)/n*B, all_gather and reduce_scatter (n-1)/n*B of the full buffer, send_recv B;",
-        "# alpha_us and beta_gbps fitted on measured_us by Theil-Sen's medians (calibrate_cpu.fit_alpha_beta).",
+        "# all_to_all (n-1)/n*B; alpha_us and beta_gbps fitted on measured_us by Theil-Sen's medians",
+        "# (calibrate_cpu.fit_alpha_beta). ranks: the whole world in one group; group_ranks / host_ranks:",
+        "# groups of g ranks inside a world of n, every group at once (a 4-rank job's two tp groups), the",
+        "# figure the timeline takes for a g-rank group of a job with n ranks on the host.",
         f"# Ranks share `cores` cores: {m['cores']} here, so at 4 and 8 ranks the collectives' figures include",
         "# the sharing, and a GEMM's figure is one process alone on a core.",
         f"# memory: {', '.join(f'{k} {v:.2f} GB/s' for k, v in m['memory_detail'].items())}",
@@ -441,12 +311,21 @@ def render(m: dict) -> str:
         lines += [
             "",
             f"[cpu.collectives.{op}]",
-            f"ranks = {table['ranks']}",
+            f"ranks = {table['ranks']}" + ("   # the world's ranks, in pairs" if op == "send_recv" else ""),
             f"alpha_us = {table['alpha_us']}",
             f"beta_gbps = {table['beta_gbps']}",
             f"sizes_bytes = {m['sizes']}",
             f"measured_us = {_array(table['measured_us'])}   # one row per entry of ranks, by sizes_bytes",
         ]
+        if table.get("group_ranks"):
+            lines += [
+                f"group_ranks = {table['group_ranks']}   # groups of this many ranks, every group at once,",
+                f"host_ranks = {table['host_ranks']}   # with this many ranks alive on the host",
+                f"group_alpha_us = {table['group_alpha_us']}",
+                f"group_beta_gbps = {table['group_beta_gbps']}",
+                f"group_sizes_bytes = {m.get('group_sizes', m['sizes'])}",
+                f"group_measured_us = {_array(table['group_measured_us'])}   # one row per group entry, by group_sizes_bytes",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -484,7 +363,12 @@ def measure(args) -> dict:
     # the one-rank step right after the figures it is timed by (the load drifts; the gloo sweep is long)
     step = {} if args.no_step else one_rank_step(compute_device(matmul, gbps))
     worlds = [int(n) for n in args.ranks.split(",")]
-    collectives, shared = measure_collectives(worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us)
+    # groups inside a larger world: every other size (1 KiB, 16 KiB, 256 KiB, 4 MiB; --quick too), to keep the
+    # calibration's wall time within ~1.5x of the world-only sweep's
+    group_sizes = SIZES[::2]
+    collectives, shared = measure_collectives(
+        worlds, sizes, batches=3 if args.quick else 5, gap_us=args.gap_us, group_sizes=group_sizes
+    )
     found = dict(
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         name=machine_name(),
@@ -500,6 +384,7 @@ def measure(args) -> dict:
         matmul=matmul,
         matmul_calls=matmul_calls,
         sizes=list(sizes),
+        group_sizes=list(group_sizes),
         collectives=collectives,
         shared=shared,
     )
@@ -508,10 +393,11 @@ def measure(args) -> dict:
 
 def main(argv=None) -> Path:
     args = parse_args(argv)
+    started = time.perf_counter()
     text = render(measure(args))
     check_schema(tomllib.loads(text))
     args.output.write_text(text)
-    print(f"wrote {args.output}", flush=True)
+    print(f"wrote {args.output} ({time.perf_counter() - started:.0f} s)", flush=True)
     return args.output
 
 

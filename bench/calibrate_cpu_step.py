@@ -1,7 +1,8 @@
 """bench/calibrate_cpu.py's measurements of a training step's own costs on this CPU (docs/dry_run.md,
 "Calibrating a machine"): the host's cost per op fitted on the CPU grid's one-rank step
 (one_rank_step), and how much slower a rank computes with n ranks running at once than one alone
-(sharing_slowdown). Every figure at one torch thread per process, as calibrate_cpu sets it.
+(sharing_slowdown), and the timing of a call both scripts use (seconds_per_call). Every figure at one
+torch thread per process, as calibrate_cpu sets it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,22 @@ import time
 from pathlib import Path
 
 import torch
+
+
+def seconds_per_call(fn, min_seconds: float = 0.02, batches: int = 5) -> float:
+    """Median over batches of (batch time / calls), each batch at least min_seconds long."""
+    fn()  # warm: first-call allocations and dispatch caches
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    calls = max(1, int(min_seconds / once))
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
 
 
 def gemm_rate(ctx=None, seconds: float = 1.0) -> float:

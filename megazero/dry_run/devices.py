@@ -13,7 +13,8 @@ shape, memory bandwidth, per-op host overhead, gloo's alpha-beta per collective 
 - a collective of n ranks: a ring's alpha-beta, the bytes on the wire by the ring's formula
   (all-reduce 2(n-1)/n of the buffer, all-gather / reduce-scatter / all-to-all / broadcast (n-1)/n,
   p2p the tensor); a GPU: NVLink within a node, the network across nodes, one latency per ring step;
-  the CPU: the measured alpha and beta for that op, interpolated in the rank count.
+  the CPU: the measured alpha and beta for that op and group size at the job's ranks on the host
+  (cpu_alpha_beta: a 2-rank group among 4 live ranks on 2 cores is timed as such), interpolated.
 
 A CPU "rank" has one stream and runs every op on its host thread; ranks sharing one host share its
 `cores`: each op takes the calibration's measured slowdown at that many ranks running at once
@@ -34,15 +35,15 @@ from megazero.core.errors import UsageError
 HERE = Path(__file__).parent
 GPUS_FILE = HERE / "gpus.toml"
 CPU_FILE = HERE / "cpu_measured.toml"
-COLLECTIVE_TABLES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+COLLECTIVE_TABLES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")  # all_to_all: optional
 # The measured table a collective of the trace is timed by (the CPU), and its ring's steps and
 # wire fraction (the GPU): op -> (table, latency steps(n), wire bytes / payload bytes(n)).
 _RING = {
     "all_reduce": ("all_reduce", lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
     "reduce_scatter": ("reduce_scatter", lambda n: n - 1, lambda n: (n - 1) / n),
     "all_gather": ("all_gather", lambda n: n - 1, lambda n: (n - 1) / n),
-    "all_to_all": ("all_gather", lambda n: n - 1, lambda n: (n - 1) / n),
-    "all_to_allv": ("all_gather", lambda n: n - 1, lambda n: (n - 1) / n),
+    "all_to_all": ("all_to_all", lambda n: n - 1, lambda n: (n - 1) / n),
+    "all_to_allv": ("all_to_all", lambda n: n - 1, lambda n: (n - 1) / n),
     "broadcast": ("all_gather", lambda n: n - 1, lambda n: (n - 1) / n),
     "barrier": ("all_reduce", lambda n: 2 * (n - 1), lambda n: 0.0),
     "send": ("send_recv", lambda n: 1, lambda n: 1.0),
@@ -141,10 +142,10 @@ class Device:
         table, steps, wire = _RING.get(op, _RING["all_reduce"])
         on_wire = nbytes * wire(n)
         if self.kind == "cpu":
-            row = self.collectives[table]
-            alpha, beta = (
-                _interpolate(row["ranks"], row["alpha_us"], n),
-                _interpolate(row["ranks"], row["beta_gbps"], n),
+            # a calibration before all_to_all was timed: the all-gather's figures, as (n-1)/n on the wire
+            row = self.collectives.get(table) or self.collectives["all_gather"]
+            alpha, beta = cpu_alpha_beta(
+                row, 2 if table == "send_recv" else n, self.ranks_on_host, table == "send_recv"
             )
             return 1e-6 * alpha + on_wire / (1e9 * beta)
         if self.same_node(ranks):
@@ -152,6 +153,41 @@ class Device:
         else:
             latency, bandwidth = self.net_latency_us, self.net_gbps * self.efficiency.get("net", 1.0)
         return 1e-6 * latency * steps(n) + on_wire / (1e9 * bandwidth)
+
+
+def cpu_alpha_beta(row: dict, group: int, host: int, pairs: bool = False) -> tuple[float, float]:
+    """(alpha us, beta GB/s) of a `group`-rank collective in a job with `host` ranks on the host, from
+    a calibration table (bench/calibrate_cpu.py's [cpu.collectives.<op>]): its `ranks` entries are
+    the whole world in one group (`pairs`: send_recv's, pairs in a world of that many), its
+    group_ranks / host_ranks entries groups inside a larger world, every group at once. On 2 cores
+    a 2-rank group among 4 live ranks waits for its partner to be scheduled, which 2 ranks alone
+    never do: the figure is the one measured at the job's ranks on the host (at least the group),
+    linear in the host's ranks between measured worlds, then in the group size between measured
+    groups; the nearest outside them. A table without group entries: the group's own world."""
+    points = {}  # group -> [(host ranks, alpha, beta)]
+    for n, a, b in zip(row["ranks"], row["alpha_us"], row["beta_gbps"]):
+        points.setdefault(2 if pairs else n, []).append((n, a, b))
+    for g, n, a, b in zip(
+        row.get("group_ranks", ()),
+        row.get("host_ranks", ()),
+        row.get("group_alpha_us", ()),
+        row.get("group_beta_gbps", ()),
+    ):
+        points.setdefault(g, []).append((n, a, b))
+
+    def at(g: int) -> tuple[float, float]:
+        worlds = [n for n, _, _ in points[g]]
+        world = max(host, g)
+        return (
+            _interpolate(worlds, [a for _, a, _ in points[g]], world),
+            _interpolate(worlds, [b for _, _, b in points[g]], world),
+        )
+
+    if group in points:
+        return at(group)
+    sizes = sorted(points)
+    found = [at(g) for g in sizes]
+    return _interpolate(sizes, [a for a, _ in found], group), _interpolate(sizes, [b for _, b in found], group)
 
 
 def _interpolate(xs, ys, x: float) -> float:

@@ -2,8 +2,9 @@
 an unweighted fit lets the large messages turn into a wrong latency, and through one size timed
 wrong, as the quiet 2-rank all_reduce's 256 KiB was; the committed file's alpha and beta are that
 fit of its own times), the ring formulas' bytes
-on the wire, the collective sweep on two pool ranks, and the committed measured file in the schema
-the timeline reads (megazero/dry_run/cpu_measured.toml)."""
+on the wire, the collective sweep on two pool ranks and over groups of 2 inside 4, the groups' entries and all_to_all in the schema
+the timeline reads (and files before them still read), and the committed measured file in it
+(megazero/dry_run/cpu_measured.toml)."""
 
 import sys
 import tomllib
@@ -75,6 +76,15 @@ def test_sweep_times_every_op_on_two_pool_ranks(dist_pool):
     assert all(len(times) == 2 and min(times) > 0 for times in found[0].values()), found[0]
 
 
+def test_sweep_times_groups_of_two_inside_four_ranks(dist_pool):
+    """Two groups of 2 among 4 pool ranks, both at once, every group op including all_to_all (the
+    ranks' own agreed figure; its size is the machine's: not asserted)."""
+    assert calibrate_cpu.groups_of(8) == [2, 4, 8] and calibrate_cpu.groups_of(2) == [2]
+    found = dist_pool(4).run(calibrate_cpu.sweep_collectives, [4096], 1, 0.001, 0.0, 2, calibrate_cpu.GROUP_OPS)
+    assert all(f == found[0] for f in found)
+    assert set(found[0]) == set(calibrate_cpu.GROUP_OPS) and all(t[0] > 0 for t in found[0].values()), found[0]
+
+
 def _measurement():
     table = {
         "ranks": [2, 4, 8],
@@ -111,6 +121,60 @@ def test_render_parses_in_the_schema_and_the_schema_refuses_a_gap():
     doc["cpu"]["matmul"].append([64, 64, 64])
     with pytest.raises(ValueError, match="matmul row"):
         calibrate_cpu.check_schema(doc)
+
+
+def _grouped(m: dict) -> dict:
+    """A measurement with all_to_all and groups of 2 in 4 and 8 ranks, 2 and 4 in 8."""
+    groups = dict(
+        group_ranks=[2, 2, 4],
+        host_ranks=[4, 8, 8],
+        group_alpha_us=[30.0, 60.0, 80.0],
+        group_beta_gbps=[0.8, 0.4, 0.3],
+        group_measured_us=[[1.0]] * 3,
+    )
+    table = m["collectives"]["all_reduce"]
+    collectives = {op: dict(table, **groups) for op in calibrate_cpu.GROUP_OPS}
+    collectives["send_recv"] = dict(table)
+    return dict(m, collectives=collectives, group_sizes=[1024])
+
+
+def test_groups_render_in_the_schema_the_device_model_reads(tmp_path):
+    """The groups' entries and all_to_all written, parsed, and read by devices.cpu: a 2-rank
+    all-reduce of a job with 4 ranks on the host costs the 4-rank host's figure. Planted: the
+    device's group-size-only lookup gives the 2-ranks-alone 10 us and fails."""
+    from megazero.dry_run import devices
+
+    text = calibrate_cpu.render(_grouped(_measurement()))
+    doc = tomllib.loads(text)
+    calibrate_cpu.check_schema(doc)
+    assert doc["cpu"]["collectives"]["all_to_all"]["host_ranks"] == [4, 8, 8]
+    path = tmp_path / "cpu.toml"
+    path.write_text(text)
+    cpu = devices.cpu(path)
+    cpu.ranks_on_host = 4
+    assert cpu.collective_seconds("all_reduce", 1e3, (0, 1)) == pytest.approx(30e-6 + 1e3 / 0.8e9)
+    cpu.ranks_on_host = 2
+    assert cpu.collective_seconds("all_reduce", 1e3, (0, 1)) == pytest.approx(10e-6 + 1e3 / 1e9)
+    doc["cpu"]["collectives"]["all_gather"]["host_ranks"] = [4, 8]
+    with pytest.raises(ValueError, match=r"all_gather.*one entry per group measured"):
+        calibrate_cpu.check_schema(doc)
+    doc = tomllib.loads(text)
+    doc["cpu"]["collectives"]["all_gather"]["group_ranks"] = [2, 8, 4]
+    with pytest.raises(ValueError, match="below its host_ranks"):
+        calibrate_cpu.check_schema(doc)
+
+
+def test_a_file_before_groups_and_all_to_all_still_loads():
+    """The schema before the groups (no all_to_all table, no group entries: _measurement's render, and
+    the committed file while it predates them) passes check_schema and loads in the device model."""
+    from megazero.dry_run import devices
+
+    old = tomllib.loads(calibrate_cpu.render(_measurement()))
+    assert "all_to_all" not in old["cpu"]["collectives"] and "group_ranks" not in str(old)
+    calibrate_cpu.check_schema(old)
+    committed = devices.cpu(calibrate_cpu.DEFAULT_OUTPUT)
+    committed.ranks_on_host = 4
+    assert committed.collective_seconds("all_to_all", 1e3, (0, 1)) > 0
 
 
 def test_the_committed_measurement_is_in_the_schema_and_covers_the_layouts_gemms():
@@ -165,3 +229,22 @@ def test_the_sharing_slowdown_runs_on_pool_ranks(dist_pool):
     import calibrate_cpu_step
 
     assert calibrate_cpu_step.sharing_slowdown(dist_pool(2), calibrate_cpu_step.gemm_rate, rounds=1, seconds=0.05) > 0
+
+
+def test_a_group_sweep_with_no_slope_takes_the_worlds_bandwidth():
+    """Four sizes at 8 loaded ranks can read flat (no bandwidth to fit); a group's entry then takes
+    the whole world's beta and fits alpha on it (the median of the times less their wire time),
+    where the world's own sweep still refuses. Planted: the fallback removed (the calibration of
+    21:36 died so at 8 ranks, load 7.8) fails the first call."""
+    import statistics
+
+    from calibrate_cpu_comm import _fitted
+
+    sizes = [1024, 16384, 262144, 4194304]
+    flat = [3e-3, 2e-3, 3e-3, 2e-3]
+    alpha, beta, _ = _fitted("all_reduce", 2, sizes, flat, world_beta=2.0)
+    wire = [calibrate_cpu.wire_bytes("all_reduce", 2, s) for s in sizes]
+    assert beta == 2.0
+    assert alpha == pytest.approx(statistics.median(t - w / 2e9 for w, t in zip(wire, flat)) * 1e6, abs=0.01)
+    with pytest.raises(ValueError, match="do not grow"):
+        _fitted("all_reduce", 2, sizes, flat)
