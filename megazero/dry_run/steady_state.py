@@ -383,10 +383,11 @@ def extend(a, b, plan: Plan, stage: int = 0, c=None):
     same(a.coords, b.coords, "the rank's coordinates")
     if c is not None:
         two, reserved = _requests_rule(a, b, 2, c)
-        # (the requests at two blocks are the third run's own: its allocator's figures are their replay)
-        figures = {key: c.memory[key] for key in _RESERVED}
-        figures["reserved_at"] = {p: f["reserved"] for p, f in c.memory["phases"].items()}
-        differs = _what_differs(_merge(a, b, 2, True, two, reserved, figures if two is not None else None), c)
+        figures = None  # (the requests at two blocks are the third run's own: its figures are their replay)
+        if two is not None:
+            figures = {key: c.memory[key] for key in _RESERVED}
+            figures["reserved_at"] = {p: f["reserved"] for p, f in c.memory["phases"].items()}
+        differs = _what_differs(_merge(a, b, 2, True, two, reserved, figures), c)
         if differs:
             raise NotPeriodic(f"{differs}: the third run is not the first with two blocks")
     k = plan.repeats_at(stage)
