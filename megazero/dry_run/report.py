@@ -102,6 +102,11 @@ def table(result: dict) -> str:
         for r in result["ranks"]
         if (r.get("steady_state") or {}).get("why")
     ]
+    lines += [  # (steady_state.REPLAYED: the reserved figures are the full count's; said only where not)
+        f"rank {r['rank']}: reserved memory counted {r['steady_state']['reserved']}"
+        for r in result["ranks"]
+        if not (r.get("steady_state") or {}).get("reserved", "replayed").startswith("replayed")
+    ]
     lines += [
         "",
         f"{'rank':>6} {'tp':>3} {'dp':>4} {'pp':>3} {'x':>4} {'peak MiB':>10} {'reserved':>10} "

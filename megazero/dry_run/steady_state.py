@@ -21,8 +21,12 @@ block, and `extend` reads the block off their difference and counts it k = (m - 
 
 - the caching allocator's requests (device_stand_in's `requests`: sizes, and for each free which
   live block), each step's with the blocks the second run inserts (at up to four places) repeated k
-  times, replayed through caching_allocator at the full count: reserved memory, segments and each
-  phase's reserved bytes move in segment-sized steps, which no straight line through two runs gives;
+  times and the runs of a number it moves (the last stage's stacked losses, the frees behind them)
+  counted a + k (b - a), which needs the third run to show them, replayed through caching_allocator
+  at the full count: reserved memory, segments and each phase's reserved bytes move in segment-sized
+  steps, which no straight line through two runs gives. Where a log does not extend so, the reserved
+  figures are counted a + k (b - a) like the peaks, and the rank's `steady_state["reserved"]` says so
+  and why (else REPLAYED);
 - the op trace of the last step (megazero.dry_run.trace, what --gpu's timeline times): its records
   grow in more than one place (a slot per microbatch made when the step starts, the steady block,
   and a kernel over every microbatch's loss whose bytes grow), so `blocks_repeated` takes b as a
@@ -253,31 +257,34 @@ def _affine(a, b, k: int, what: str, linear_ok: bool):
     return same(a, b, what)
 
 
-def _extend_requests(a: list | None, b: list | None, k: int) -> list | None:
+def _extend_requests(a: list | None, b: list | None, k: int) -> tuple[list | None, bool]:
     """The caching allocator's requests (device_stand_in's `requests`) at the full count: each step's
     (cut after its "step" note; the setup with the first) with the blocks the second run inserts
-    repeated k times, the requests after the last step equal in both."""
+    repeated k times and the runs of a number it moves counted a + k (b - a) (repeats.inserts_repeated),
+    the requests after the last step equal in both; and whether a number moved."""
     if a is None or b is None:
-        return same(a, b, "the allocator's requests")
+        return same(a, b, "the allocator's requests"), False
     ends_a = [i + 1 for i, r in enumerate(a) if r == "step"]
     ends_b = [i + 1 for i, r in enumerate(b) if r == "step"]
     steps_a, tail_a = _steps(a, ends_a)
     steps_b, tail_b = _steps(b, ends_b)
     same(len(steps_a), len(steps_b), "the allocator's steps")
     same(tail_a, tail_b, "the allocator's requests after the last step")
-    out = []
+    out, moved = [], False
     for n, (x, y) in enumerate(zip(steps_a, steps_b)):
-        out += inserts_repeated(x, y, k, f"step {n + 1}'s allocator requests")
-    return out + tail_a
+        step, grew = inserts_repeated(x, y, k, f"step {n + 1}'s allocator requests")
+        out, moved = out + step, moved or grew
+    return out + tail_a, moved
 
 
 _RESERVED = ("reserved_peak", "segments")  # and each phase's "reserved": the allocator's, replayed
 
 
-def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool, requests: list | None) -> dict:
+def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool, requests: list | None, replayed=None) -> dict:
     """Counts a + k (b - a); peaks equal in both runs (or linear, `peaks_linear`); the caching
     allocator's figures (reserved, segments: they move in 2 MiB and larger steps, no straight line)
-    from replaying its requests at the full count (caching_allocator.replay)."""
+    from replaying its requests at the full count (caching_allocator.replay; `replayed`: its result,
+    known already)."""
     if requests is not None:
         b = {**b, **{key: a[key] for key in _RESERVED}}
         b["phases"] = {p: {**f, "reserved": a["phases"].get(p, f)["reserved"]} for p, f in b["phases"].items()}
@@ -289,7 +296,7 @@ def _extend_memory(a: dict, b: dict, k: int, peaks_linear: bool, requests: list 
         for key in a
     }
     if requests is not None:
-        replayed = replay(requests)
+        replayed = replayed or replay(requests)
         out.update({key: replayed[key] for key in _RESERVED})
         for phase, figures in out["phases"].items():
             figures["reserved"] = replayed["reserved_at"][phase]
@@ -307,26 +314,41 @@ def _extend_streams(a: dict | None, b: dict | None, k: int) -> dict | None:
     }
 
 
-def _merge(a, b, k: int, peaks_linear: bool):
-    entries, ends, blocks = _extend_entries(a, b, k)
+REPLAYED = "replayed: the allocator's requests at the full count (caching_allocator.replay)"
+
+
+def _requests_rule(a, b, k: int, c=None) -> tuple[list | None, str | None]:
+    """The allocator's requests at k blocks and the rule the reserved figures follow: replayed, or,
+    where the requests do not extend (or, with a third run `c`, their extension at two blocks is not
+    its log), counted a + k (b - a) like the peaks, with the reason (None: no allocator, a CPU).
+    ThirdRunNeeded where a number in them moves between a and b and no `c` shows it linear."""
+    if a.requests is None and b.requests is None:
+        return None, None
     try:
-        requests = _extend_requests(a.requests, b.requests, k)
-    except NotPeriodic:
-        # (not yet aligned: a last stage's steady block, which difflib splits, and sizes that grow
-        # with the microbatches; its reserved figures then follow the peaks' rule, as before)
-        requests = None
+        requests, moved = _extend_requests(a.requests, b.requests, k)
+        if c is not None and _extend_requests(a.requests, b.requests, 2)[0] != c.requests:
+            raise NotPeriodic("its requests at two blocks are not the third run's")
+    except NotPeriodic as why:
+        return None, f"a + k (b - a), not replayed: {why}"
+    if moved and c is None:
+        raise ThirdRunNeeded("a number in the allocator's requests moves between the reduced runs (reserved memory)")
+    return requests, REPLAYED
+
+
+def _merge(a, b, k: int, peaks_linear: bool, requests: list | None, reserved: str | None, replayed=None):
+    entries, ends, blocks = _extend_entries(a, b, k)
     return dataclasses.replace(
         a,
         entries=entries,
         step_ends=ends,
         host_reads=_extend_reads(a.host_reads, b.host_reads, k),
-        memory=_extend_memory(a.memory, b.memory, k, peaks_linear, requests),
+        memory=_extend_memory(a.memory, b.memory, k, peaks_linear, requests, replayed),
         requests=requests,
         model_states=same(a.model_states, b.model_states, "the engine's model states"),
         stream_check=_extend_streams(a.stream_check, b.stream_check, k),
         trace=extend_trace(a.trace, b.trace, k),
         skipped_steps=same(a.skipped_steps, b.skipped_steps, "the skipped steps"),
-        steady_state={"ops_per_block": blocks},
+        steady_state={"ops_per_block": blocks, **({"reserved": reserved} if reserved else {})},
     )
 
 
@@ -360,11 +382,16 @@ def extend(a, b, plan: Plan, stage: int = 0, c=None):
             raise NotPeriodic(f"a reduced run stopped ({run.error})")
     same(a.coords, b.coords, "the rank's coordinates")
     if c is not None:
-        differs = _what_differs(_merge(a, b, 2, True), c)
+        two, reserved = _requests_rule(a, b, 2, c)
+        figures = None  # (the requests at two blocks are the third run's own: its figures are their replay)
+        if two is not None:
+            figures = {key: c.memory[key] for key in _RESERVED}
+            figures["reserved_at"] = {p: f["reserved"] for p, f in c.memory["phases"].items()}
+        differs = _what_differs(_merge(a, b, 2, True, two, reserved, figures), c)
         if differs:
             raise NotPeriodic(f"{differs}: the third run is not the first with two blocks")
     k = plan.repeats_at(stage)
-    run = _merge(a, b, k, c is not None)
+    run = _merge(a, b, k, c is not None, *_requests_rule(a, b, k, c))
     run.steady_state = {
         "simulated": list(plan.counts(stage)) + ([plan.counts(stage)[1] + plan.period] if c else []),
         "repeats": k,

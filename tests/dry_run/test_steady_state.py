@@ -31,7 +31,7 @@ from megazero.dry_run import repeats, steady_state
 from megazero.dry_run.caching_allocator import replay
 from megazero.dry_run.cross_rank_checks import check_all
 from megazero.dry_run.job import RankRun, job_config, simulate
-from megazero.dry_run.report import rank_record
+from megazero.dry_run.report import rank_record, table
 from megazero.dry_run.speed import timeline_of
 
 BASE = [
@@ -104,6 +104,12 @@ def test_1f1b_counted_from_4_and_5_microbatches_equals_every_microbatch_simulate
     assert all(r.steady_state["simulated"][:2] == [4, 5] for r in fast), [r.steady_state for r in fast]
     full = simulate(argv, 16, ranks, processes=2)
     _assert_equal(full, fast)
+    # every rank's reserved figures replayed from its allocator log at 16, the last stage's (12, 13)
+    # too: its log grows in a steady block, a request and a free per microbatch, the stacked losses'
+    # sizes and the place of the frees after them (repeats._pieces); the log equals the full one's
+    for f, s in zip(full, fast):
+        assert s.steady_state["reserved"] == steady_state.REPLAYED, (s.rank, s.steady_state)
+        assert s.requests == f.requests, f"rank {f.rank}: the allocator's requests differ"
     cfg = job_config(argv, 16)
     assert timeline_of(fast, cfg, 16, "h100") == timeline_of(full, cfg, 16, "h100")
 
@@ -315,3 +321,76 @@ def test_reserved_memory_replayed_at_the_full_count_steps_where_a_straight_line_
     # planted: the old rule (reserved equal in both runs counted as the full step's): a segment short
     old = steady_state.extend(dataclasses.replace(a, requests=None), dataclasses.replace(b, requests=None), plan)
     assert old.memory["segments"] == 3 and old.memory["reserved_peak"] == full.memory["reserved_peak"] - (2 << 20)
+
+
+def _last_stage_requests(m: int, steps: int = 2) -> list:
+    """A last stage's allocator requests at m microbatches (caching_allocator.replay's form): a slot
+    per microbatch made where the step starts (264 bytes), each microbatch's activations (3 MiB,
+    freed by its backward) and loss (64 KiB, held), at the step's end the losses stacked (4 m bytes)
+    and as doubles (8 m), then the slots freed newest first (each behind the m losses and the two
+    stacks: -(m + 3)), the stacks, the losses (-1 each)."""
+    out, live = [100 << 20, "setup"], ["states"]
+
+    def alloc(name, nbytes):
+        out.append(nbytes)
+        live.append(name)
+
+    def free(name):
+        out.append(live.index(name) - len(live))
+        live.remove(name)
+
+    for _ in range(steps):
+        for i in range(m):
+            alloc(("slot", i), 264)
+        for i in range(m):
+            alloc(("act", i), 3 << 20)
+            alloc(("loss", i), 64 << 10)
+            if i == 0:
+                out.append("forward")
+            free(("act", i))
+        out.append("backward")
+        alloc("stack", 4 * m)
+        alloc("double", 8 * m)
+        for i in reversed(range(m)):
+            free(("slot", i))
+        free("double")
+        free("stack")
+        for i in reversed(range(m)):
+            free(("loss", i))
+        out.append("step")
+    return out
+
+
+def test_a_last_stage_log_whose_numbers_move_extends_to_the_full_one_checked_by_a_third_run():
+    logs = {m: _last_stage_requests(m) for m in (4, 5, 6, 40)}
+    assert logs[4][2:6] == [264] * 4 and -7 in logs[4] and -8 in logs[5]  # the slots' frees move
+    runs = {m: dataclasses.replace(_synthetic_run(m), requests=log) for m, log in logs.items()}
+    for m, run in runs.items():  # (_synthetic_run's figures are of its own log: replay this one)
+        replayed = replay(run.requests)
+        run.memory.update(reserved_peak=replayed["reserved_peak"], segments=replayed["segments"])
+        run.memory["phases"] = {p: {"reserved": r} for p, r in replayed["reserved_at"].items()}
+        run.memory["allocations"] = sum(1 for r in run.requests if type(r) is int and r >= 0)
+    plan = steady_state.Plan(40, "1f1b", (4, 5))
+    # a number that moves is a line through two points: the third run must show it
+    with pytest.raises(steady_state.ThirdRunNeeded, match="allocator's requests"):
+        steady_state.extend(runs[4], runs[5], plan)
+    fast = steady_state.extend(runs[4], runs[5], plan, 0, runs[6])
+    assert fast.steady_state["reserved"] == steady_state.REPLAYED
+    assert fast.requests == logs[40] and fast.memory == runs[40].memory
+    # planted: difflib's inserts (no moved runs) do not align it
+    with pytest.raises(steady_state.NotPeriodic, match="differ past inserted blocks"):
+        repeats._difflib_inserts(logs[4], logs[5], "x", 4)
+
+
+def test_where_the_log_does_not_extend_the_record_and_the_report_say_the_reserved_rule_and_why():
+    a, b = _synthetic_run(4), _synthetic_run(5)
+    b.requests = b.requests[1:]  # without a's first request: b is no log of a's with blocks inserted
+    plan = steady_state.Plan(40, "1f1b", (4, 5))
+    run = steady_state.extend(a, b, plan)
+    why = run.steady_state["reserved"]
+    assert run.requests is None and why.startswith("a + k (b - a), not replayed: step 1's allocator requests")
+    assert run.memory["segments"] == 3  # the two runs' (the old rule)
+    result = {"ok": True, "problems": [], "world_size": 1, "seconds": 0.0, "microbatches": None}
+    result["ranks"] = [rank_record(run)]
+    assert f"rank 0: reserved memory counted {why}" in table(result)
+    assert "reserved memory counted" not in table({**result, "ranks": [rank_record(steady_state.extend(a, a, plan))]})
